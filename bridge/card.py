@@ -1,0 +1,44 @@
+"""The agent card: what an agent says about itself (Zeroconf TXT and status replies).
+
+A card is public: it carries a fleet *id* (a hash of the fleet key), never the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROTOCOL_VERSION = 1
+SERVICE_TYPE = "_macfleet._tcp.local."
+
+ROLE_PROPOSER = "proposer"
+ROLE_VERIFIER = "verifier"
+ROLE_SHARD = "shard"
+ROLES = (ROLE_PROPOSER, ROLE_VERIFIER, ROLE_SHARD)
+
+
+@dataclass(frozen=True)
+class AgentCard:
+    """Identity and capabilities of one agent (one per Mac, or several on one machine)."""
+
+    node_id: str
+    name: str
+    fleet_id: str
+    host: str  # IP address clients connect to
+    router_port: int  # ZeroMQ ROUTER: requests
+    pub_port: int  # ZeroMQ PUB: metrics and events
+    roles: tuple[str, ...] = ()
+    chip: str = ""
+    mem_total: int = 0  # bytes
+    mem_free: int = 0  # bytes
+    models: tuple[str, ...] = ()  # model specs loaded (or loadable on demand)
+    proposers: tuple[str, ...] = ()  # proposer kinds served, e.g. ("layerskip", "ngram", "draft")
+    protocol: int = PROTOCOL_VERSION
+    extra: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def router_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.router_port}"
+
+    @property
+    def pub_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.pub_port}"

@@ -1,0 +1,3 @@
+from macfleet.cli.main import main
+
+raise SystemExit(main())

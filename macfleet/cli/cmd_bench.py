@@ -1,0 +1,74 @@
+"""`macfleet bench ...`: measurements written to results/ (not timed tests)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks written to results/")
+    p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--model", default="smollm2")
+    bs = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    v = bs.add_parser("verify-sweep", help="verify(L) for L=1..32 at two context lengths")
+    v.add_argument("--repeats", type=int, default=5)
+    v.set_defaults(func=run_verify_sweep)
+    loc = bs.add_parser("local", help="mlx-lm vs macfleet proposers, one process")
+    loc.add_argument("--max-tokens", type=int, default=64)
+    loc.add_argument("--repeats", type=int, default=2)
+    loc.add_argument("--layerskip", type=int, default=20)
+    loc.set_defaults(func=run_local)
+    for mod in _extensions():
+        mod.add_bench_parsers(bs)
+
+
+def _extensions() -> list:
+    """Benchmarks that live with the features they measure (fleet, f3, topologies, soak)."""
+    import importlib
+
+    mods = []
+    for name in ("macfleet.cli.bench_fleet",):
+        try:
+            mods.append(importlib.import_module(name))
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+    return mods
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_verify_sweep(args) -> int:
+    from macfleet.bench.record import write_result
+    from macfleet.bench.verify_sweep import verify_sweep
+    from macfleet.engine.models import load_model
+
+    res = verify_sweep(load_model(args.model), repeats=args.repeats, progress=progress)
+    path = write_result("verify_l_sweep.json", res, args.out)
+    for c in res["curves"]:
+        pts = {p["L"]: p["ratio_to_L1"] for p in c["points"]}
+        print(f"context {c['context']}: verify(L)/verify(1): L=4 {pts[4]}, L=8 {pts[8]}, "
+              f"L=16 {pts[16]}, L=32 {pts[32]} (verify(1) = {c['points'][0]['ms']} ms)")
+    print(f"wrote {path}")
+    return 0
+
+
+def run_local(args) -> int:
+    from macfleet.bench.local import bench_local
+    from macfleet.bench.prompts import BENCH_PROMPTS
+    from macfleet.bench.record import write_result
+    from macfleet.engine.models import load_model
+
+    res = bench_local(load_model(args.model), BENCH_PROMPTS, max_tokens=args.max_tokens,
+                      repeats=args.repeats, layerskip=args.layerskip, progress=progress)
+    path = write_result("local_spec.json", res, args.out)
+    for pname, r in res["prompts"].items():
+        print(f"{pname}:")
+        for m, v in r["methods"].items():
+            print(f"  {m:40s} {v['tokens_per_s']:6.1f} tok/s  x{v['ratio_to_mlx_generate_step']:.2f}"
+                  f" vs plain  x{v['ratio_to_mlx_speculative']:.2f} vs mlx spec")
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,99 @@
+"""`macfleet generate`: one prompt, speculative decoding, text and statistics."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from macfleet.cli.main import UserError
+
+DEFAULT_PROPOSER = "ngram"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with speculative decoding")
+    p.add_argument("prompt")
+    p.add_argument("--model", default="smollm2", help="smollm2 | PATH.gguf | mlx-lm dir/id | "
+                   "tiny:SEED[:VOCAB]")
+    p.add_argument("--proposer", default=DEFAULT_PROPOSER,
+                   help="draft:SPEC | layerskip:K | ngram[:N] | none (default: %(default)s)")
+    p.add_argument("--draft-tokens", default="auto", help="K or auto (default: auto)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--local", action="store_true", help="in-process (no fleet)")
+    p.set_defaults(func=run)
+
+
+def parse_draft_tokens(v: str) -> int | str:
+    if v == "auto":
+        return v
+    try:
+        k = int(v)
+    except ValueError:
+        raise UserError(f"--draft-tokens must be a whole number or 'auto', got '{v}'") from None
+    if not 0 <= k <= 64:
+        raise UserError(f"--draft-tokens must be 0..64, got {k}")
+    return k
+
+
+def sampling_params(args):
+    from macfleet.engine.sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temp, args.top_p, args.seed)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def stats_json(stats, text: str, token_ids) -> dict:
+    d = stats.to_dict()
+    return {"text": text, "token_ids": list(token_ids), "stats": d}
+
+
+def print_stats(stats, file=sys.stderr) -> None:
+    print(f"\n-- {stats.tokens} tokens in {stats.elapsed_s:.2f}s: {stats.tokens_per_s:.1f} tok/s "
+          f"(decode {stats.decode_tokens_per_s:.1f}) | proposer {stats.proposer} | acceptance "
+          f"{stats.acceptance:.0%} | mean accepted {stats.mean_accepted:.2f} | blocks "
+          f"{stats.blocks} | draft {stats.draft_ms:.0f} ms, verify {stats.verify_ms:.0f} ms",
+          file=file)
+    for k, v in sorted(stats.extra.items()):
+        print(f"   {k}: {v:.3f}" if isinstance(v, float) else f"   {k}: {v}", file=file)
+
+
+def run_local(args) -> int:
+    from macfleet.engine.events import Finished
+    from macfleet.engine.models import ModelSpecError, load_model
+    from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
+    from macfleet.engine.text import PromptError, TextDelta, generate_local
+
+    params = sampling_params(args)
+    k = parse_draft_tokens(args.draft_tokens)
+    if args.max_tokens < 0:
+        raise UserError("--max-tokens must be >= 0")
+    try:
+        parse_proposer_spec(args.proposer)
+        lm = load_model(args.model)
+        parts: list[str] = []
+        for ev in generate_local(lm, args.prompt, chat=not args.no_chat, proposer=args.proposer,
+                                 draft_tokens=k, max_tokens=args.max_tokens, params=params):
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+                if not args.json:
+                    print(ev.text, end="", flush=True)
+            elif isinstance(ev, Finished):
+                if args.json:
+                    print(json.dumps(stats_json(ev.stats, "".join(parts), ev.token_ids)))
+                else:
+                    print()
+                    print_stats(ev.stats)
+    except (ModelSpecError, ProposerSpecError, PromptError, ValueError) as e:
+        raise UserError(str(e)) from None
+    return 0
+
+
+def run(args) -> int:
+    return run_local(args)

@@ -1,0 +1,41 @@
+"""`macfleet` command line: subcommands map to functions; no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from macfleet.cli.preload import ensure_openblas
+
+COMMANDS = ("generate", "doctor", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from macfleet.cli import cmd_bench, cmd_doctor, cmd_generate
+
+    p = argparse.ArgumentParser(prog="macfleet", description=__doc__)
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for mod in (cmd_generate, cmd_doctor, cmd_bench):
+        mod.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        ensure_openblas()
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except UserError as e:
+        print(f"macfleet: error: {e}", file=sys.stderr)
+        return 2
+
+
+class UserError(Exception):
+    """An error caused by the user's input, printed without a traceback."""

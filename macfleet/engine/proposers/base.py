@@ -1,0 +1,58 @@
+"""The proposer interface.
+
+A proposer is told the whole committed context on every call (`propose(context, k)`) and keeps
+whatever state it wants (a KV cache of the prefix it has seen): it finds the common prefix with
+what it has cached and rolls back the rest. Passing the full context keeps the contract
+stateless for the caller, which is what lets a remote proposer pre-draft speculatively
+(cross-round drafting) and recover from any mismatch by itself; over the wire only the
+committed delta (flow F1) travels, and the agent rebuilds the context.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from macfleet.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Draft tokens and, when the proposer sampled them, the distributions they came from."""
+
+    tokens: tuple[int, ...]
+    probs: np.ndarray | None = field(default=None, compare=False)  # [len(tokens), V]
+    draft_ms: float = 0.0
+    # The proposer's own guess of the token after the last draft token (for cross-round
+    # drafting: the verifier's bonus token when the whole block is accepted).
+    next_guess: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY_DRAFT = Draft(tokens=())
+
+
+class Proposer(ABC):
+    """A cheap source of draft tokens for one sequence."""
+
+    name: str = "proposer"
+
+    def start(self, params: SamplingParams) -> None:
+        """Begin a new sequence with these sampling parameters (drops all cached state)."""
+        self.params = params
+
+    @abstractmethod
+    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+        """Up to k draft tokens continuing `context` (the full committed sequence).
+
+        with_guess: also predict the token after the last draft token (`Draft.next_guess`),
+        which cross-round drafting uses to pre-draft the next block.
+        """
+
+    def close(self) -> None:
+        """Release caches; the proposer may be started again."""

@@ -1,0 +1,71 @@
+"""Proposer specs: `none`, `ngram[:N]`, `layerskip:K`, `draft:<model spec>`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from macfleet.engine.models import LoadedModel, ModelSpecError, load_model
+from macfleet.engine.proposers.base import Proposer
+from macfleet.engine.proposers.model_draft import LayerSkipModel, ModelProposer
+from macfleet.engine.proposers.ngram import DEFAULT_MAX_NGRAM, NgramProposer
+
+
+class ProposerSpecError(ValueError):
+    """A proposer spec that cannot be built for this verifier (the message says why)."""
+
+
+@dataclass(frozen=True)
+class ProposerSpec:
+    kind: str  # none | ngram | layerskip | draft
+    arg: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.arg}" if self.arg else self.kind
+
+
+KINDS = ("none", "ngram", "layerskip", "draft")
+
+
+def parse_proposer_spec(spec: str) -> ProposerSpec:
+    kind, _, arg = (spec or "").strip().partition(":")
+    if kind not in KINDS:
+        raise ProposerSpecError(
+            f"unknown proposer '{spec}': use none, ngram[:N], layerskip:K or draft:MODEL"
+        )
+    if kind in ("ngram", "layerskip") and arg and not arg.isdigit():
+        raise ProposerSpecError(f"'{spec}': the argument of {kind} must be a whole number")
+    if kind in ("layerskip", "draft") and not arg:
+        raise ProposerSpecError(f"'{spec}': {kind} needs an argument ({kind}:K or draft:MODEL)")
+    if kind == "none" and arg:
+        raise ProposerSpecError(f"'{spec}': none takes no argument")
+    return ProposerSpec(kind, arg)
+
+
+def make_proposer(spec: str, verifier: LoadedModel) -> Proposer | None:
+    """Build the proposer named by `spec` for this verifier (None for `none`)."""
+    ps = parse_proposer_spec(spec)
+    if ps.kind == "none":
+        return None
+    if ps.kind == "ngram":
+        n = int(ps.arg) if ps.arg else DEFAULT_MAX_NGRAM
+        if not 1 <= n <= 8:
+            raise ProposerSpecError(f"ngram size must be 1..8, got {n}")
+        return NgramProposer(max_n=n)
+    if ps.kind == "layerskip":
+        k = int(ps.arg)
+        if not 1 <= k < verifier.num_layers:
+            raise ProposerSpecError(
+                f"layerskip:{k}: depth must be 1..{verifier.num_layers - 1} for "
+                f"{verifier.spec} ({verifier.num_layers} layers)"
+            )
+        return ModelProposer(LayerSkipModel(verifier.model, k), name=f"layerskip:{k}")
+    try:
+        draft = load_model(ps.arg)
+    except ModelSpecError as e:
+        raise ProposerSpecError(f"draft model: {e}") from e
+    if draft.vocab_size != verifier.vocab_size:
+        raise ProposerSpecError(
+            f"draft model {ps.arg} has vocabulary {draft.vocab_size}, the verifier "
+            f"{verifier.vocab_size}: a draft model must share the verifier's tokenizer"
+        )
+    return ModelProposer(draft.model, name=f"draft:{ps.arg}")

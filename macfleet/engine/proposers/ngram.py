@@ -1,0 +1,65 @@
+"""N-gram prompt lookup: model-free drafts copied from earlier in the context.
+
+Finds the most recent earlier occurrence of the context's last n tokens (longest n first) and
+proposes what followed it. Free to compute; strong when the answer repeats its input
+(summaries, code edits), silent (an empty draft -> a plain decoding step) otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+
+DEFAULT_MAX_NGRAM = 3
+DEFAULT_MIN_NGRAM = 1
+
+
+class NgramProposer(Proposer):
+    def __init__(self, max_n: int = DEFAULT_MAX_NGRAM, min_n: int = DEFAULT_MIN_NGRAM) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.name = f"ngram:{max_n}"
+        self.max_n, self.min_n = max_n, min_n
+        self._seen: list[int] = []
+        # n -> n-gram -> end positions (index just past the n-gram), ascending
+        self._index: dict[int, dict[tuple[int, ...], list[int]]] = {}
+
+    def start(self, params=None) -> None:
+        self.params = params
+        self._seen, self._index = [], {n: {} for n in range(self.min_n, self.max_n + 1)}
+
+    def close(self) -> None:
+        self.start(self.params if hasattr(self, "params") else None)
+
+    def _extend(self, context: Sequence[int]) -> None:
+        if len(context) < len(self._seen) or list(context[: len(self._seen)]) != self._seen:
+            self.start(getattr(self, "params", None))
+        if not self._index:
+            self._index = {n: {} for n in range(self.min_n, self.max_n + 1)}
+        start = len(self._seen)
+        self._seen.extend(int(t) for t in context[start:])
+        for end in range(max(start, 1), len(self._seen) + 1):
+            for n, idx in self._index.items():
+                if end >= n:
+                    idx.setdefault(tuple(self._seen[end - n : end]), []).append(end)
+
+    def _lookup(self, seq: list[int], k: int) -> list[int]:
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(seq) <= n:
+                continue
+            ends = self._index[n].get(tuple(seq[-n:]), [])
+            for end in reversed(ends):
+                if end < len(seq):  # an earlier occurrence, not the suffix itself
+                    return seq[end : end + k]
+        return []
+
+    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+        if k <= 0 or not context:
+            return EMPTY_DRAFT
+        t0 = time.perf_counter()
+        self._extend(context)
+        tokens = self._lookup(self._seen, k + (1 if with_guess else 0))
+        guess = tokens.pop() if with_guess and len(tokens) > k else None
+        return Draft(tuple(tokens[:k]), None, (time.perf_counter() - t0) * 1e3, guess)
