@@ -25,6 +25,11 @@ def add_parser(sub) -> None:
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--local", action="store_true", help="in-process (no fleet)")
+    p.add_argument("--no-cross-round", action="store_true",
+                   help="fleet: the proposer does not pre-draft the next block")
+    p.add_argument("--key", default=None, help="fleet key file (default ~/.macfleet/fleet.key)")
+    p.add_argument("--open", action="store_true", help="talk to an unauthenticated fleet")
+    p.add_argument("--wait", type=float, default=2.0, help="seconds to look for agents")
     p.set_defaults(func=run)
 
 
@@ -95,5 +100,67 @@ def run_local(args) -> int:
     return 0
 
 
+def run_fleet(args, key, verifier, proposers) -> int:
+    """Generate through a verifier agent with remote proposers; same output contract as local."""
+    from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+    from bridge.messages import GenerateChunk, GenerateDone
+    from macfleet.fleet.client import generate_remote
+
+    params = sampling_params(args)
+    k = parse_draft_tokens(args.draft_tokens)
+    remote = [p.card.router_endpoint for p in proposers] if args.proposer != "none" else []
+    try:
+        for msg in generate_remote(
+                verifier.card, key, prompt=args.prompt, chat=not args.no_chat,
+                max_tokens=args.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                seed=params.seed, draft_tokens=-1 if k == "auto" else k, proposers=remote,
+                proposer_spec=args.proposer, cross_round=not args.no_cross_round):
+            if isinstance(msg, GenerateChunk) and not args.json:
+                print(msg.text, end="", flush=True)
+            elif isinstance(msg, GenerateDone):
+                st = dict(msg.stats)
+                st["verifier_agent"] = verifier.card.name
+                st["proposer_agents"] = ",".join(p.card.name for p in proposers) if remote else ""
+                if args.json:
+                    print(json.dumps({"text": msg.text, "token_ids": msg.token_ids, "stats": st}))
+                else:
+                    print()
+                    print_fleet_stats(st)
+    except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
+        raise UserError(f"verifier {verifier.card.name}: {e}") from None
+    return 0
+
+
+def print_fleet_stats(st: dict, file=sys.stderr) -> None:
+    print(f"\n-- {st['tokens']} tokens in {st['elapsed_s']:.2f}s: {st['tokens_per_s']:.1f} tok/s "
+          f"| verifier {st['verifier_agent']} | proposer {st['proposer']} on "
+          f"{st['proposer_agents'] or '-'} | acceptance {st['acceptance']:.0%} | mean accepted "
+          f"{st['mean_accepted']:.2f} | blocks {st['blocks']}", file=file)
+    if st.get("remote_blocks"):
+        print(f"   flows/block: F1 {st['f1_bytes_per_block']:.0f} B {st['f1_ms_per_block']:.2f} ms"
+              f" | F2 {st['f2_bytes_per_block']:.0f} B {st['f2_ms_per_block']:.2f} ms | "
+              f"multi-host overhead {st['multihost_overhead']:.1%} | pre-draft hits "
+              f"{st['predraft_hit_rate']:.0%}", file=file)
+
+
 def run(args) -> int:
-    return run_local(args)
+    if args.local:
+        return run_local(args)
+    from bridge.auth import fleet_id
+    from macfleet.fleet.client import NoFleet, choose_roles, discover, probe
+    from macfleet.fleet.keys import KeyMissing, resolve_key
+
+    try:
+        key = resolve_key(args.key, open_fleet=args.open)
+    except KeyMissing:
+        return run_local(args)  # no fleet key on this machine: no fleet to talk to
+    cards = discover(fleet_id(key), wait_s=args.wait, expect=2)
+    statuses = [probe(c, key, pings=1) for c in cards]
+    try:
+        verifier, proposers = choose_roles(statuses, None if args.model == "smollm2" and not
+                                           cards else args.model)
+    except NoFleet as e:
+        if cards:
+            print(f"macfleet: {e}; generating in-process", file=sys.stderr)
+        return run_local(args)
+    return run_fleet(args, key, verifier, proposers)

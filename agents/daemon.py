@@ -1,0 +1,156 @@
+"""The agent daemon: one per Mac. Advertise, serve a role, publish metrics, never die of input.
+
+Life cycle: load the model (so the card can say it is loaded) -> bind ROUTER and PUB ->
+advertise on Zeroconf -> serve until SIGTERM/SIGINT -> unregister (goodbyes go out) -> close.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+from bridge.auth import fleet_id
+from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
+from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Advertiser
+from bridge.errors import BAD_REQUEST, ProtocolError
+from bridge.messages import AgentEvent, Ping, Pong, StatusReply, StatusRequest
+from bridge.transport import Publisher, Server
+from macfleet import sysinfo
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CARD_REFRESH_S = 15.0
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    role: str
+    model: str = "smollm2"
+    name: str = ""
+    bind_host: str = "127.0.0.1"  # "0.0.0.0" on a LAN
+    port: int = 0
+    pub_port: int = 0
+    key: bytes | None = None
+    loopback_only: bool = True
+    proposer_kinds: tuple[str, ...] = ("layerskip", "ngram", "draft")
+    cpu: int | None = None
+    advertise: bool = True
+    node_id: str = ""
+
+
+def pin_to_cpu(cpu: int | None) -> None:
+    """Pin this process to one core (Linux), so two agents on one machine do not fight."""
+    if cpu is None:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        log.warning("--cpu is not supported on this platform; ignoring")
+        return
+    os.sched_setaffinity(0, {cpu})
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        if cfg.role not in (ROLE_PROPOSER, ROLE_VERIFIER):
+            raise ValueError(f"role must be {ROLE_PROPOSER} or {ROLE_VERIFIER}, got {cfg.role}")
+        self.cfg = cfg
+        self.node_id = cfg.node_id or uuid.uuid4().hex[:12]
+        self.name = cfg.name or f"{socket.gethostname().split('.')[0]}-{cfg.role}"
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        pin_to_cpu(cfg.cpu)
+        from macfleet.engine.models import load_model
+
+        self.lm = load_model(cfg.model)
+        self.publisher = Publisher(key=cfg.key, bind=f"tcp://{cfg.bind_host}:{cfg.pub_port or '*'}")
+        self.proposer = self.verifier = None
+        if cfg.role == ROLE_PROPOSER:
+            from agents.proposer_service import ProposerService
+
+            self.proposer = ProposerService(self.lm, kinds=cfg.proposer_kinds)
+        else:
+            from agents.verifier_service import VerifierService
+
+            self.verifier = VerifierService(self.lm, node_id=self.node_id, key=cfg.key,
+                                            publish=self.publish)
+        self.server = Server(self._handle, key=cfg.key,
+                             bind=f"tcp://{cfg.bind_host}:{cfg.port or '*'}").start()
+        self.card = self._make_card()
+        self.advertiser = None
+        if cfg.advertise:
+            self.advertiser = Advertiser(
+                self.card, interfaces=LOOPBACK_ONLY if cfg.loopback_only else ALL_INTERFACES)
+            self.card = self.advertiser.card
+        self.publish(AgentEvent(self.node_id, "join", f"{self.name} up ({cfg.role})", time.time()))
+
+    def _make_card(self) -> AgentCard:
+        host = self.cfg.bind_host if self.cfg.bind_host not in ("0.0.0.0", "*") else ""
+        return AgentCard(
+            node_id=self.node_id, name=self.name, fleet_id=fleet_id(self.cfg.key), host=host,
+            router_port=self.server.port, pub_port=self.publisher.port, roles=(self.cfg.role,),
+            chip=sysinfo.chip()[:60], mem_total=sysinfo.memory_total(),
+            mem_free=sysinfo.memory_free() // 2**26 * 2**26, models=(self.lm.spec,),
+            proposers=self.cfg.proposer_kinds if self.cfg.role == ROLE_PROPOSER else (),
+        )
+
+    def publish(self, msg) -> None:
+        try:
+            self.publisher.publish(msg)
+        except Exception:  # metrics are best effort; a PUB failure must not stop generation
+            log.exception("publish failed")
+
+    @property
+    def sessions(self) -> int:
+        if self.proposer is not None:
+            return self.proposer.sessions
+        return self.verifier.active if self.verifier is not None else 0
+
+    def _handle(self, env, reply) -> None:
+        msg = env.msg
+        if isinstance(msg, Ping):
+            reply(Pong(msg.seq, msg.sent_ns, self.node_id))
+            return
+        if isinstance(msg, StatusRequest):
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+            reply(StatusReply(self.card, self.sessions, time.monotonic() - self.started, load,
+                              sysinfo.memory_total() - sysinfo.memory_free(), sysinfo.rss_bytes()))
+            return
+        for svc in (self.proposer, self.verifier):
+            if svc is not None and svc.handle(msg, reply):
+                return
+        raise ProtocolError(BAD_REQUEST,
+                            f"a {self.cfg.role} agent does not serve '{type(msg).__name__}'")
+
+    def refresh_card(self) -> None:
+        """Re-announce when what the card says changed (free memory, quantised to 64 MiB)."""
+        if self.advertiser is None:
+            return
+        new = replace(self.advertiser.card, mem_free=sysinfo.memory_free() // 2**26 * 2**26)
+        if new != self.advertiser.card:
+            self.advertiser.update(new)
+            self.card = self.advertiser.card
+
+    def serve_forever(self, card_refresh_s: float = DEFAULT_CARD_REFRESH_S) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        while not self._stop.wait(card_refresh_s):
+            self.refresh_card()
+        self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self.publish(AgentEvent(self.node_id, "leave", f"{self.name} down", time.time()))
+        if self.advertiser is not None:
+            self.advertiser.close()  # waits, so the goodbyes go out
+        self.server.close()
+        for svc in (self.proposer, self.verifier):
+            if svc is not None:
+                svc.close()
+        self.publisher.close()

@@ -1,0 +1,95 @@
+"""One drafting session on a proposer agent: the committed context plus a speculative stream.
+
+The stream is what the proposer believes comes next: draft tokens beyond the committed
+context, each with the distribution it was sampled from (when sampling). A draft request
+brings the tokens the verifier committed since the last one (flow F1):
+
+* if they are a prefix of the stream (the verifier accepted everything we drafted, and its
+  bonus token equals our guess), the rest of the stream is still valid: we answer from it
+  at once -- this is cross-round drafting, the stream having been extended while the
+  verifier was busy verifying the previous block;
+* otherwise the stream is dropped and drafting restarts from the new context (the
+  proposer's KV cache rolls back to the common prefix by itself).
+
+Reusing stream tokens is lossless for sampling too: each token was drawn from q(. | its
+prefix), and whether that prefix got committed does not depend on the token itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from macfleet.engine.proposers.base import Proposer
+
+
+@dataclass
+class StreamReply:
+    tokens: list[int]
+    probs: np.ndarray | None
+    compute_ms: float
+    predraft_hit: bool  # answered entirely from the pre-drafted stream
+
+
+@dataclass
+class DraftStream:
+    proposer: Proposer
+    context: list[int]
+    want_probs: bool
+    cross_round: bool
+    stream: list[int] = field(default_factory=list)
+    rows: list[np.ndarray] = field(default_factory=list)
+    last_k: int = 4
+    last_used: float = field(default_factory=time.monotonic)
+    exhausted: bool = False  # the proposer had nothing more to say for this stream
+
+    def commit(self, committed: Sequence[int]) -> bool:
+        """Append the verifier's committed tokens; returns whether the stream survived."""
+        committed = [int(t) for t in committed]
+        self.context.extend(committed)
+        n = len(committed)
+        if self.stream[:n] == committed:
+            del self.stream[:n]
+            del self.rows[:n]
+            return True
+        self.stream.clear()
+        self.rows.clear()
+        self.exhausted = False
+        return False
+
+    def extend(self, n: int = 1) -> int:
+        """Draft up to n more stream tokens; returns how many were added."""
+        if self.exhausted:
+            return 0
+        d = self.proposer.propose(self.context + self.stream, n)
+        if not d.tokens:
+            self.exhausted = True
+            return 0
+        self.stream.extend(d.tokens)
+        if d.probs is not None:
+            self.rows.extend(d.probs)
+        return len(d.tokens)
+
+    def draft(self, k: int) -> StreamReply:
+        """The next k tokens of the stream, drafting what is missing now."""
+        t0 = time.perf_counter()
+        self.last_k = k
+        self.last_used = time.monotonic()
+        hit = len(self.stream) >= k and k > 0
+        while len(self.stream) < k and self.extend(k - len(self.stream)):
+            pass
+        toks = self.stream[:k]
+        probs = None
+        if self.want_probs and toks:
+            if len(self.rows) >= len(toks):
+                probs = np.stack(self.rows[: len(toks)]).astype(np.float32)
+            else:  # a proposer without distributions (n-gram): exact-match acceptance
+                probs = None
+        return StreamReply(toks, probs, (time.perf_counter() - t0) * 1e3, hit)
+
+    def wants_lookahead(self) -> bool:
+        """Cross-round: keep one block + the bonus guess + the next block pre-drafted."""
+        return self.cross_round and not self.exhausted and len(self.stream) < 2 * self.last_k + 1

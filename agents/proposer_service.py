@@ -1,0 +1,187 @@
+"""The proposer role: draft blocks for many verifier sessions at once.
+
+One compute thread owns the model (MLX work is serialised here; two cores cannot run two
+forwards faster than one after the other). It serves, in order:
+1. draft requests, first come first served across sessions (fair: one block each turn);
+2. in idle time, cross-round lookahead: extending each session's speculative stream one token at
+   a time, round-robin, re-checking for requests between tokens so a real request never waits
+   for more than one draft step.
+Sessions idle longer than `idle_evict_s` are evicted. Every request is validated; a bad one gets
+a typed error and the service keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agents.draft_stream import DraftStream
+from bridge.errors import BAD_REQUEST, BUSY, NOT_FOUND, ProtocolError
+from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, OpenSession,
+                             SessionClosed, SessionOpened)
+from macfleet.engine.models import LoadedModel, ModelSpecError
+from macfleet.engine.proposers import ProposerSpecError, make_proposer, parse_proposer_spec
+from macfleet.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SESSIONS = 16
+DEFAULT_IDLE_EVICT_S = 300.0
+DEFAULT_MAX_K = 32
+DEFAULT_MAX_PROMPT = 32768
+_IDLE_WAIT_S = 0.05
+
+Reply = Callable[[object], int]
+
+
+@dataclass(frozen=True)
+class ProposerLimits:
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    idle_evict_s: float = DEFAULT_IDLE_EVICT_S
+    max_k: int = DEFAULT_MAX_K
+    max_prompt: int = DEFAULT_MAX_PROMPT
+
+
+class ProposerService:
+    def __init__(self, lm: LoadedModel, *, kinds: tuple[str, ...] = ("layerskip", "ngram", "draft"),
+                 limits: ProposerLimits = ProposerLimits(),
+                 on_block: Callable[[str, int, float, bool], None] | None = None) -> None:
+        self.lm = lm
+        self.kinds = kinds
+        self.limits = limits
+        self._sessions: dict[str, DraftStream] = {}
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._on_block = on_block
+        self._rr = 0
+        self.served = 0
+        self.predraft_hits = 0
+        self._thread = threading.Thread(target=self._run, name="proposer-compute", daemon=True)
+        self._thread.start()
+
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    # -- called on the server loop thread: validate, then queue for the compute thread
+    def handle(self, msg, reply: Reply) -> bool:
+        """Returns False when the message is not for this service."""
+        if isinstance(msg, OpenSession):
+            self._validate_open(msg)
+        elif isinstance(msg, DraftRequest):
+            if not 0 <= msg.k <= self.limits.max_k:
+                raise ProtocolError(BAD_REQUEST, f"k must be 0..{self.limits.max_k}, got {msg.k}")
+            if msg.session_id not in self._sessions:
+                raise ProtocolError(NOT_FOUND, f"no drafting session '{msg.session_id}'")
+        elif not isinstance(msg, CloseSession):
+            return False
+        self._jobs.put((msg, reply))
+        return True
+
+    def _validate_open(self, msg: OpenSession) -> None:
+        try:
+            spec = parse_proposer_spec(msg.proposer)
+        except ProposerSpecError as e:
+            raise ProtocolError(BAD_REQUEST, str(e)) from None
+        if spec.kind not in self.kinds:
+            raise ProtocolError(BAD_REQUEST, f"this agent serves {self.kinds}, not {spec.kind}")
+        if msg.model not in ("", self.lm.spec):
+            raise ProtocolError(BAD_REQUEST,
+                                f"this proposer drafts for '{self.lm.spec}', not '{msg.model}'")
+        if not msg.prompt or len(msg.prompt) > self.limits.max_prompt:
+            raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} tokens")
+        if len(self._sessions) >= self.limits.max_sessions and msg.session_id not in self._sessions:
+            raise ProtocolError(BUSY, f"{len(self._sessions)} sessions open (the limit)")
+        vocab = self.lm.vocab_size
+        if any(not 0 <= t < vocab for t in msg.prompt):
+            raise ProtocolError(BAD_REQUEST, f"prompt ids must be in 0..{vocab - 1}")
+        try:
+            SamplingParams(msg.temperature, msg.top_p, msg.seed)
+        except ValueError as e:
+            raise ProtocolError(BAD_REQUEST, str(e)) from None
+
+    # -- compute thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=_IDLE_WAIT_S) if not self._lookahead_pending() \
+                    else self._jobs.get_nowait()
+            except queue.Empty:
+                self._lookahead_step()
+                self._evict_idle()
+                continue
+            if job is None:
+                break
+            msg, reply = job
+            try:
+                reply(self._serve(msg))
+            except ProtocolError as e:
+                reply(ErrorReply(e.code, str(e)))
+            except (ModelSpecError, ProposerSpecError, ValueError) as e:
+                reply(ErrorReply(BAD_REQUEST, str(e)))
+            except Exception as e:  # the daemon never dies of a request; the error goes back
+                log.exception("proposer job failed")
+                reply(ErrorReply("internal", f"{type(e).__name__}: {e}"))
+
+    def _serve(self, msg):
+        if isinstance(msg, OpenSession):
+            prop = make_proposer(msg.proposer, self.lm)
+            if prop is None:
+                raise ProtocolError(BAD_REQUEST, "proposer 'none' drafts nothing")
+            params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
+            prop.start(params)
+            self._sessions[msg.session_id] = DraftStream(
+                prop, list(msg.prompt), want_probs=not params.greedy, cross_round=msg.cross_round)
+            return SessionOpened(msg.session_id, prop.name, self.lm.vocab_size)
+        if isinstance(msg, CloseSession):
+            s = self._sessions.pop(msg.session_id, None)
+            if s is not None:
+                s.proposer.close()
+            return SessionClosed(msg.session_id)
+        s = self._sessions.get(msg.session_id)
+        if s is None:
+            raise ProtocolError(NOT_FOUND, f"no drafting session '{msg.session_id}'")
+        if any(not 0 <= t < self.lm.vocab_size for t in msg.committed):
+            raise ProtocolError(BAD_REQUEST, "committed ids outside the vocabulary")
+        s.commit(msg.committed)
+        r = s.draft(msg.k)
+        self.served += 1
+        self.predraft_hits += int(r.predraft_hit)
+        if self._on_block:
+            self._on_block(msg.session_id, msg.block, r.compute_ms, r.predraft_hit)
+        return DraftReply(msg.session_id, msg.block, r.tokens, r.probs, r.compute_ms,
+                          r.predraft_hit)
+
+    def _lookahead_pending(self) -> bool:
+        return any(s.wants_lookahead() for s in self._sessions.values())
+
+    def _lookahead_step(self) -> None:
+        """Extend one session's stream by one token (round-robin), then look at the queue again."""
+        live = [s for s in list(self._sessions.values()) if s.wants_lookahead()]
+        if not live:
+            return
+        self._rr = (self._rr + 1) % len(live)
+        try:
+            live[self._rr].extend(1)
+        except Exception:  # a lookahead failure must not kill the service: drop that stream
+            log.exception("lookahead failed; dropping the speculative stream")
+            live[self._rr].stream.clear()
+            live[self._rr].rows.clear()
+            live[self._rr].exhausted = True
+
+    def _evict_idle(self) -> None:
+        now = time.monotonic()
+        for sid, s in list(self._sessions.items()):
+            if now - s.last_used > self.limits.idle_evict_s:
+                log.info("evicting idle drafting session %s", sid)
+                self._sessions.pop(sid, None)
+                s.proposer.close()

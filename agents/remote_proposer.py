@@ -1,0 +1,141 @@
+"""A proposer on another agent, seen by the verifier's loop as a local `Proposer`.
+
+Per block it sends only what the proposer cannot know: the tokens committed since the last
+request (flow F1), and receives the draft (flow F2: ids, plus probabilities when sampling).
+It measures both flows: bytes each way, and the wire time on the critical path, i.e. the
+round trip minus the proposer's own compute time. The round trip cannot be split into its two
+one-way halves without synchronised clocks, so the wire time is attributed to F1 and F2 in
+proportion to their bytes (a bandwidth model; on a latency-bound link each gets about half).
+
+Any failure -- timeout, dead peer, typed error -- raises `ProposerFailed`, and the loop
+carries on without it: a dead proposer costs speed, never tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+from bridge.messages import CloseSession, DraftReply, DraftRequest, OpenSession, SessionOpened
+from bridge.transport import Client
+from macfleet.engine.loop import ProposerFailed
+from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.sampling import GREEDY, SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DRAFT_TIMEOUT_S = 5.0  # a proposer slower than this is useless anyway
+DEFAULT_OPEN_TIMEOUT_S = 30.0  # first contact may load a model
+
+
+@dataclass
+class FlowTotals:
+    blocks: int = 0
+    f1_bytes: int = 0
+    f2_bytes: int = 0
+    f1_ms: float = 0.0
+    f2_ms: float = 0.0
+    compute_ms: float = 0.0
+    predraft_hits: int = 0
+    last: dict = field(default_factory=dict)
+
+    def add(self, b1: int, b2: int, wire_ms: float, compute_ms: float, hit: bool) -> None:
+        share1 = b1 / (b1 + b2) if b1 + b2 else 0.5
+        self.blocks += 1
+        self.f1_bytes += b1
+        self.f2_bytes += b2
+        self.f1_ms += wire_ms * share1
+        self.f2_ms += wire_ms * (1 - share1)
+        self.compute_ms += compute_ms
+        self.predraft_hits += int(hit)
+        self.last = {"f1_bytes": b1, "f2_bytes": b2, "f1_ms": wire_ms * share1,
+                     "f2_ms": wire_ms * (1 - share1), "compute_ms": compute_ms, "hit": hit}
+
+
+class RemoteProposer(Proposer):
+    def __init__(self, endpoint: str, *, key: bytes | None, proposer: str, model: str,
+                 cross_round: bool = True, draft_timeout_s: float = DEFAULT_DRAFT_TIMEOUT_S,
+                 open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S) -> None:
+        self.endpoint = endpoint
+        self.key = key
+        self.spec = proposer
+        self.model = model
+        self.cross_round = cross_round
+        self.draft_timeout_s = draft_timeout_s
+        self.open_timeout_s = open_timeout_s
+        self.name = f"{proposer}@{endpoint}"
+        self.flows = FlowTotals()
+        self._client: Client | None = None
+        self._session = ""
+        self._sent = 0  # context tokens the remote session knows
+        self._block = 0
+        self.params = GREEDY
+
+    def start(self, params: SamplingParams = GREEDY) -> None:
+        self.params = params
+        self._session = ""
+        self._sent = 0
+        self._block = 0
+        self.flows = FlowTotals()
+
+    def _open(self, context: Sequence[int]) -> None:
+        self._client = self._client or Client(self.endpoint, key=self.key)
+        sid = uuid.uuid4().hex[:16]
+        msg = OpenSession(sid, self.spec, self.model, [int(t) for t in context],
+                          self.params.temperature, self.params.top_p, self.params.seed,
+                          self.cross_round)
+        try:
+            reply = self._client.request(msg, timeout=self.open_timeout_s)
+        except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
+            raise ProposerFailed(f"cannot open a drafting session on {self.endpoint}: {e}") from e
+        if not isinstance(reply, SessionOpened):
+            raise ProposerFailed(f"{self.endpoint} answered {type(reply).__name__} to OpenSession")
+        self.name = f"{reply.proposer}@{self.endpoint}"
+        self._session, self._sent = sid, len(context)
+
+    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+        if not self._session:
+            self._open(context)
+        assert self._client is not None
+        delta = [int(t) for t in context[self._sent:]]
+        self._block += 1
+        req = DraftRequest(self._session, self._block, delta, k, not self.params.greedy)
+        t0 = time.perf_counter()
+        try:
+            reply = self._client.request(req, timeout=self.draft_timeout_s, session=self._session)
+        except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
+            raise ProposerFailed(f"{self.endpoint}: {e}") from e
+        rtt_ms = (time.perf_counter() - t0) * 1e3
+        if not isinstance(reply, DraftReply) or reply.block != self._block:
+            raise ProposerFailed(f"{self.endpoint} sent an unexpected reply to block {self._block}")
+        self._sent = len(context)
+        wire = max(0.0, rtt_ms - reply.draft_ms)
+        self.flows.add(self._client.last_sent_bytes, self._client.last_recv_bytes, wire,
+                       reply.draft_ms, reply.predraft_hit)
+        return Draft(tuple(reply.tokens), reply.probs, rtt_ms)
+
+    def close(self) -> None:
+        if self._client is not None:
+            if self._session:
+                try:
+                    self._client.request(CloseSession(self._session), timeout=1.0)
+                except (ProtocolError, TransportTimeout, PeerUnavailable):
+                    pass  # the proposer evicts idle sessions by itself
+            self._client.close()
+            self._client = None
+        self._session = ""
+
+    def stats(self) -> dict[str, float]:
+        f = self.flows
+        n = max(f.blocks, 1)
+        return {
+            "remote_blocks": f.blocks,
+            "f1_bytes_per_block": f.f1_bytes / n, "f2_bytes_per_block": f.f2_bytes / n,
+            "f1_ms_per_block": f.f1_ms / n, "f2_ms_per_block": f.f2_ms / n,
+            "proposer_compute_ms_per_block": f.compute_ms / n,
+            "predraft_hit_rate": f.predraft_hits / n,
+        }

@@ -1,0 +1,202 @@
+"""The verifier role: owns generation sessions and drives the spec-decode loop.
+
+A client's GenerateRequest names the proposer agents to use (ZeroMQ endpoints, in order of
+preference). The loop runs on this agent's compute thread with a `FallbackProposer` in place of
+a local proposer: when one proposer dies or stalls, the next one takes over; when none is left,
+decoding goes on plainly. Tokens stream back as GenerateChunk messages; per-block metrics go
+out on the agent's PUB socket (BlockMetrics) for `macfleet dash`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from agents.remote_proposer import RemoteProposer
+from bridge.errors import BAD_REQUEST, BUSY, ProtocolError
+from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDone, GenerateRequest
+from macfleet.engine.controller import make_controller
+from macfleet.engine.events import BlockDone, Finished, TokensCommitted
+from macfleet.engine.loop import ProposerFailed, speculative_generate
+from macfleet.engine.models import LoadedModel
+from macfleet.engine.proposers import ProposerSpecError, make_proposer
+from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.engine.text import PromptError, TextStream, encode_prompt
+from macfleet.engine.verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUED = 8
+DEFAULT_MAX_TOKENS_CAP = 4096
+
+Reply = Callable[[object], int]
+
+
+class FallbackProposer(Proposer):
+    """Remote proposers in order of preference; the first that fails is dropped for the next."""
+
+    def __init__(self, proposers: Sequence[RemoteProposer]) -> None:
+        self._all = list(proposers)
+        self._live = list(proposers)
+        self.failures: list[str] = []
+        self.name = self._live[0].spec if self._live else "none"
+
+    @property
+    def current(self) -> RemoteProposer | None:
+        return self._live[0] if self._live else None
+
+    def start(self, params: SamplingParams = GREEDY) -> None:
+        self.params = params
+        for p in self._live:
+            p.start(params)
+
+    def propose(self, context, k: int, with_guess: bool = False) -> Draft:
+        while self._live:
+            p = self._live[0]
+            try:
+                return p.propose(context, k)
+            except ProposerFailed as e:
+                log.warning("proposer %s failed: %s", p.endpoint, e)
+                self.failures.append(f"{p.endpoint}: {e}")
+                p.close()
+                self._live.pop(0)
+        raise ProposerFailed("no proposer left; continuing with plain decoding")
+
+    def close(self) -> None:
+        for p in self._live:
+            p.close()
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in self._all:
+            for key, v in p.stats().items():
+                out[key] = out.get(key, 0.0) + v if key == "remote_blocks" else v
+        return out
+
+
+@dataclass(frozen=True)
+class VerifierLimits:
+    max_queued: int = DEFAULT_MAX_QUEUED
+    max_tokens: int = DEFAULT_MAX_TOKENS_CAP
+
+
+class VerifierService:
+    def __init__(self, lm: LoadedModel, *, node_id: str, key: bytes | None,
+                 publish: Callable[[object], None] | None = None,
+                 limits: VerifierLimits = VerifierLimits()) -> None:
+        self.lm = lm
+        self.node_id = node_id
+        self.key = key
+        self.limits = limits
+        self._publish = publish or (lambda m: None)
+        self._jobs: queue.Queue = queue.Queue(maxsize=limits.max_queued)
+        self._verifier = Verifier(lm.model)
+        self.active = 0
+        self.completed = 0
+        self._thread = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        try:
+            self._jobs.put_nowait(None)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    def handle(self, msg, reply: Reply) -> bool:
+        if not isinstance(msg, GenerateRequest):
+            return False
+        if not 0 <= msg.max_tokens <= self.limits.max_tokens:
+            raise ProtocolError(BAD_REQUEST, f"max_tokens must be 0..{self.limits.max_tokens}")
+        if not -1 <= msg.draft_tokens <= 64:
+            raise ProtocolError(BAD_REQUEST, "draft_tokens must be -1 (auto) or 0..64")
+        try:
+            SamplingParams(msg.temperature, msg.top_p, msg.seed)
+        except ValueError as e:
+            raise ProtocolError(BAD_REQUEST, str(e)) from None
+        try:
+            self._jobs.put_nowait((msg, reply))
+        except queue.Full:
+            raise ProtocolError(BUSY, f"{self.limits.max_queued} generations queued") from None
+        return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            msg, reply = job
+            self.active += 1
+            try:
+                self._generate(msg, reply)
+            except (PromptError, ProposerSpecError, ValueError) as e:
+                reply(ErrorReply(BAD_REQUEST, str(e)))
+            except Exception as e:  # the daemon never dies of a request; the client gets why
+                log.exception("generation failed")
+                reply(ErrorReply("internal", f"{type(e).__name__}: {e}"))
+            finally:
+                self.active -= 1
+
+    def _proposer(self, msg: GenerateRequest) -> Proposer | None:
+        if msg.proposers:
+            remotes = [RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec,
+                                      model=self.lm.spec, cross_round=msg.cross_round)
+                       for ep in msg.proposers]
+            return FallbackProposer(remotes)
+        return make_proposer(msg.proposer_spec or "none", self.lm)
+
+    def _generate(self, msg: GenerateRequest, reply: Reply) -> None:
+        params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
+        ids = encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat)
+        proposer = self._proposer(msg)
+        ctl = make_controller(0 if proposer is None else
+                              ("auto" if msg.draft_tokens < 0 else msg.draft_tokens))
+        text = TextStream(self.lm.tokenizer)
+        parts: list[str] = []
+        block_ms = wire_ms = 0.0
+        stats = None
+        remote = proposer if isinstance(proposer, FallbackProposer) else None
+        try:
+            for ev in speculative_generate(self._verifier, proposer, ids, params=params,
+                                           max_tokens=msg.max_tokens, controller=ctl,
+                                           eos_ids=self.lm.eos_ids):
+                if isinstance(ev, TokensCommitted):
+                    s = text.add(ev.tokens)
+                    parts.append(s)
+                    reply(GenerateChunk(msg.request_id, list(ev.tokens), s))
+                elif isinstance(ev, BlockDone):
+                    last = remote.current.flows.last if remote and remote.current and \
+                        ev.drafted is not None and ev.k > 0 else {}
+                    if last and ev.k > 0:
+                        wire_ms += last["f1_ms"] + last["f2_ms"]
+                    block_ms += ev.block_ms
+                    self._publish(BlockMetrics(
+                        self.node_id, msg.request_id, ev.block, ev.k, ev.accepted, ev.block_ms,
+                        ev.draft_ms, ev.verify_ms, int(last.get("f1_bytes", 0)),
+                        float(last.get("f1_ms", 0.0)), int(last.get("f2_bytes", 0)),
+                        float(last.get("f2_ms", 0.0)), 0, 0.0, False))
+                elif isinstance(ev, Finished):
+                    stats = ev.stats
+                    token_ids = list(ev.token_ids)
+        finally:
+            if proposer is not None:
+                proposer.close()
+        tail = text.finish()
+        if tail:
+            parts.append(tail)
+        out = {k: v for k, v in stats.to_dict().items()
+               if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+        out["accepted_hist"] = ",".join(str(c) for c in stats.accepted_hist)
+        if remote is not None:
+            out.update(remote.stats())
+            out["proposer_failures"] = len(remote.failures)
+        out["wire_ms"] = wire_ms
+        out["multihost_overhead"] = wire_ms / block_ms if block_ms else 0.0
+        out["verifier"] = self.node_id
+        self.completed += 1
+        reply(GenerateDone(msg.request_id, "".join(parts), token_ids, out))

@@ -1,0 +1,164 @@
+"""`macfleet agent | up | down | ls | keygen`: run agents and see the fleet."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from macfleet.cli.main import UserError
+
+
+def add_parser(sub) -> None:
+    a = sub.add_parser("agent", help="run the agent daemon on this machine")
+    a.add_argument("--role", required=True, choices=("proposer", "verifier"))
+    a.add_argument("--model", default="smollm2")
+    a.add_argument("--proposers", default="layerskip,ngram,draft",
+                   help="proposer kinds a proposer agent serves")
+    a.add_argument("--name", default="")
+    a.add_argument("--node-id", default="")
+    a.add_argument("--port", type=int, default=0)
+    a.add_argument("--pub-port", type=int, default=0)
+    a.add_argument("--bind", default=None, help="bind address (default 127.0.0.1 with "
+                   "--loopback, else 0.0.0.0)")
+    a.add_argument("--loopback", action="store_true", help="advertise on 127.0.0.1 only")
+    _key_args(a)
+    a.add_argument("--cpu", type=int, default=None, help="pin to this core (Linux)")
+    a.set_defaults(func=run_agent)
+
+    u = sub.add_parser("up", help="start a local fleet (default: 1 verifier + 1 proposer)")
+    u.add_argument("--agents", type=int, default=2)
+    u.add_argument("--model", default="smollm2")
+    u.add_argument("--no-pin", action="store_true", help="do not pin agents to cores")
+    _key_args(u)
+    u.set_defaults(func=run_up)
+
+    d = sub.add_parser("down", help="stop the local fleet started by `up`")
+    d.set_defaults(func=run_down)
+
+    ls = sub.add_parser("ls", help="the discovered agents: cards, heartbeat age, RTT")
+    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--wait", type=float, default=2.0, help="seconds to browse")
+    _key_args(ls)
+    ls.set_defaults(func=run_ls)
+
+    k = sub.add_parser("keygen", help="write a new fleet key")
+    k.add_argument("--key", default=None, help="path (default ~/.macfleet/fleet.key)")
+    k.add_argument("--force", action="store_true", help="overwrite an existing key")
+    k.set_defaults(func=run_keygen)
+
+
+def _key_args(p) -> None:
+    p.add_argument("--key", default=None, help="fleet key file (default ~/.macfleet/fleet.key)")
+    p.add_argument("--open", action="store_true",
+                   help="no key: an unauthenticated fleet (trusted networks only)")
+
+
+def load_key(args, create: bool = False) -> bytes | None:
+    from macfleet.fleet.keys import KeyMissing, resolve_key
+
+    try:
+        return resolve_key(args.key, open_fleet=args.open, create=create)
+    except KeyMissing as e:
+        raise UserError(str(e)) from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read the fleet key: {e}") from None
+
+
+def run_agent(args) -> int:
+    from agents.daemon import Agent, AgentConfig
+    from macfleet.engine.models import ModelSpecError
+
+    key = load_key(args)
+    bind = args.bind or ("127.0.0.1" if args.loopback else "0.0.0.0")
+    cfg = AgentConfig(role=args.role, model=args.model, name=args.name, bind_host=bind,
+                      port=args.port, pub_port=args.pub_port, key=key,
+                      loopback_only=args.loopback, cpu=args.cpu, node_id=args.node_id,
+                      proposer_kinds=tuple(k for k in args.proposers.split(",") if k))
+    try:
+        agent = Agent(cfg)
+    except ModelSpecError as e:
+        raise UserError(str(e)) from None
+    print(f"agent {agent.name} ({args.role}, {agent.lm.spec}) serving at "
+          f"{agent.card.router_endpoint}, metrics at {agent.card.pub_endpoint}", flush=True)
+    agent.serve_forever()
+    return 0
+
+
+def run_up(args) -> int:
+    from macfleet.fleet import local
+    from macfleet.fleet.keys import default_key_path, run_dir
+
+    key = load_key(args, create=True)
+    key_path = None if args.open else Path(args.key or default_key_path())
+    try:
+        cards = local.up(args.agents, model=args.model, key=key, key_path=key_path,
+                         run_dir=run_dir(), pin=not args.no_pin)
+    except (local.FleetStartError, ValueError) as e:
+        raise UserError(str(e)) from None
+    for c in sorted(cards, key=lambda c: c.name):
+        print(f"{c.name:14s} {'/'.join(c.roles):9s} {c.router_endpoint}")
+    print(f"fleet up ({len(cards)} agents); `macfleet down` stops it")
+    return 0
+
+
+def run_down(args) -> int:
+    from macfleet.fleet import local
+    from macfleet.fleet.keys import run_dir
+
+    n = local.down(run_dir())
+    print(f"stopped {n} agent(s)")
+    return 0
+
+
+def run_ls(args) -> int:
+    from bridge.auth import fleet_id
+    from macfleet.fleet.client import discover, probe
+
+    key = load_key(args)
+    fid = fleet_id(key)
+    cards = discover(fid, wait_s=args.wait)
+    statuses = [probe(c, key) for c in cards]
+    rows = []
+    for s in sorted(statuses, key=lambda s: s.card.name):
+        c = s.card
+        rows.append({
+            "name": c.name, "node_id": c.node_id, "roles": list(c.roles), "models": list(c.models),
+            "endpoint": c.router_endpoint, "chip": c.chip, "alive": s.alive,
+            "mem_total_gb": round(c.mem_total / 2**30, 1),
+            "mem_free_gb": round(c.mem_free / 2**30, 1),
+            "sessions": s.status.sessions if s.status else None,
+            "uptime_s": round(s.status.uptime_s, 1) if s.status else None,
+            "heartbeat_age_s": 0.0 if s.alive else None,
+            "rtt_p50_ms": round(s.rtt_p50_ms, 3) if s.rtt_p50_ms is not None else None,
+            "error": s.error,
+        })
+    if args.json:
+        print(json.dumps({"fleet_id": fid, "agents": rows}, indent=2))
+        return 0
+    if not rows:
+        print(f"no agents found in fleet {fid} (start some with `macfleet up`)", file=sys.stderr)
+        return 1
+    print(f"{'NAME':14s} {'ROLE':9s} {'MODEL':10s} {'ENDPOINT':24s} {'MEM FREE':>9s} "
+          f"{'SESS':>4s} {'RTT ms':>7s}  STATE")
+    for r in rows:
+        rtt = f"{r['rtt_p50_ms']:.2f}" if r["rtt_p50_ms"] is not None else "-"
+        print(f"{r['name'][:14]:14s} {'/'.join(r['roles']):9s} {','.join(r['models'])[:10]:10s} "
+              f"{r['endpoint']:24s} {r['mem_free_gb']:>7.1f}GB {r['sessions'] or 0:>4d} "
+              f"{rtt:>7s}  {'up' if r['alive'] else 'DOWN ' + r['error'][:40]}")
+    return 0
+
+
+def run_keygen(args) -> int:
+    from bridge.auth import fleet_id, keygen
+    from macfleet.fleet.keys import default_key_path
+
+    path = Path(args.key or default_key_path())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = keygen(path, overwrite=args.force)
+    except FileExistsError:
+        raise UserError(f"{path} exists; use --force to replace it (agents with the old key "
+                        "will refuse clients with the new one)") from None
+    print(f"wrote {path} (fleet id {fleet_id(key)}); copy it to every Mac of the fleet")
+    return 0

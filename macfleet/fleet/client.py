@@ -1,0 +1,114 @@
+"""The control-plane client: discovered agents -> statuses; generation through a verifier.
+
+Everything goes through `bridge` (Zeroconf + ZeroMQ); nothing here imports the engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
+from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser
+from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+from bridge.messages import (GenerateChunk, GenerateDone, GenerateRequest, Ping, Pong,
+                             StatusReply, StatusRequest)
+from bridge.transport import Client
+
+DEFAULT_DISCOVER_S = 3.0
+DEFAULT_STATUS_TIMEOUT_S = 2.0
+DEFAULT_PINGS = 3
+DEFAULT_FIRST_TOKEN_TIMEOUT_S = 120.0  # the verifier may be busy with queued generations
+
+
+class NoFleet(RuntimeError):
+    """No usable agents were found (the message says what was seen)."""
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    card: AgentCard
+    status: StatusReply | None
+    rtt_ms: tuple[float, ...]
+    error: str = ""
+
+    @property
+    def alive(self) -> bool:
+        return self.status is not None
+
+    @property
+    def rtt_p50_ms(self) -> float | None:
+        if not self.rtt_ms:
+            return None
+        s = sorted(self.rtt_ms)
+        return s[len(s) // 2]
+
+
+def discover(fleet_id: str | None, *, loopback: bool = False, wait_s: float = DEFAULT_DISCOVER_S,
+             expect: int = 0) -> list[AgentCard]:
+    """Cards seen within wait_s (returns early once `expect` agents are seen)."""
+    with Browser(fleet_id=fleet_id,
+                 interfaces=LOOPBACK_ONLY if loopback else ALL_INTERFACES) as b:
+        if expect:
+            try:
+                return b.wait_for(lambda cs: len(cs) >= expect, wait_s)
+            except TimeoutError:
+                return b.cards()
+        time.sleep(wait_s)
+        return b.cards()
+
+
+def probe(card: AgentCard, key: bytes | None, *, pings: int = DEFAULT_PINGS,
+          timeout: float = DEFAULT_STATUS_TIMEOUT_S) -> AgentStatus:
+    """Ping an agent a few times (RTT) and ask its status; never raises for a dead agent."""
+    rtts: list[float] = []
+    try:
+        with Client(card.router_endpoint, key=key, connect_timeout_s=timeout) as c:
+            for seq in range(pings):
+                t = time.perf_counter_ns()
+                r = c.request(Ping(seq, t), timeout=timeout)
+                if isinstance(r, Pong):
+                    rtts.append((time.perf_counter_ns() - t) / 1e6)
+            st = c.request(StatusRequest(), timeout=timeout)
+        return AgentStatus(card, st if isinstance(st, StatusReply) else None, tuple(rtts))
+    except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
+        return AgentStatus(card, None, tuple(rtts), str(e))
+
+
+def choose_roles(statuses: Sequence[AgentStatus], model: str | None = None
+                 ) -> tuple[AgentStatus, list[AgentStatus]]:
+    """The verifier (alive, serving the model, lowest load) and the live proposers for it."""
+    def serves(s: AgentStatus) -> bool:
+        return model is None or model in s.card.models
+
+    verifiers = [s for s in statuses if s.alive and ROLE_VERIFIER in s.card.roles and serves(s)]
+    if not verifiers:
+        seen = ", ".join(f"{s.card.name}({'/'.join(s.card.roles)}, "
+                         f"{'up' if s.alive else 'down: ' + s.error})" for s in statuses)
+        raise NoFleet(f"no live verifier{' for ' + model if model else ''} in the fleet; "
+                      f"saw {seen or 'no agents'}")
+    v = min(verifiers, key=lambda s: (s.status.sessions, s.rtt_p50_ms or 0.0))
+    props = [s for s in statuses if s.alive and ROLE_PROPOSER in s.card.roles
+             and any(m in s.card.models for m in v.card.models)]
+    props.sort(key=lambda s: (s.status.sessions, s.rtt_p50_ms or 0.0))
+    return v, props
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat: bool = True,
+                    max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                    seed: int | None = None, draft_tokens: int = -1,
+                    proposers: Sequence[str] = (), proposer_spec: str = "ngram",
+                    cross_round: bool = True,
+                    first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S
+                    ) -> Iterator[GenerateChunk | GenerateDone]:
+    """Stream a generation from a verifier agent. Raises ProtocolError/TransportTimeout."""
+    req = GenerateRequest(new_request_id(), prompt, chat, max_tokens, temperature, top_p, seed,
+                          draft_tokens, list(proposers), proposer_spec, cross_round)
+    with Client(verifier.router_endpoint, key=key) as c:
+        yield from c.stream(req, timeout_per_msg=first_token_timeout_s)

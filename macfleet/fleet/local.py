@@ -1,0 +1,149 @@
+"""A local fleet: agent processes on this machine (`macfleet up` / `macfleet down`).
+
+Each agent is a real process (`python -m macfleet agent ...`) in its own session, with its
+own log in the run directory; `fleet.json` there records their pids so `down` can stop them.
+On Linux each agent is pinned to its own core when there are enough, so the proposer's
+drafting and the verifier's verifying really run at the same time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bridge.auth import fleet_id
+from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
+from bridge.discovery import LOOPBACK_ONLY, Browser
+
+DEFAULT_START_TIMEOUT_S = 90.0
+DEFAULT_STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class LocalAgent:
+    name: str
+    role: str
+    node_id: str
+    pid: int
+    log: str
+
+
+class FleetStartError(RuntimeError):
+    pass
+
+
+def _state_file(run_dir: Path) -> Path:
+    return run_dir / "fleet.json"
+
+
+def read_state(run_dir: Path) -> list[LocalAgent]:
+    try:
+        return [LocalAgent(**a) for a in json.loads(_state_file(run_dir).read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def plan_roles(agents: int) -> list[str]:
+    if agents < 2:
+        raise ValueError("a local fleet needs at least 2 agents (one verifier, one proposer)")
+    return [ROLE_VERIFIER] + [ROLE_PROPOSER] * (agents - 1)
+
+
+def start_agent(role: str, *, name: str, model: str, key_path: Path | None, run_dir: Path,
+                cpu: int | None, extra: list[str] | None = None) -> LocalAgent:
+    node_id = uuid.uuid4().hex[:12]
+    log = run_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "macfleet", "agent", "--role", role, "--model", model,
+           "--name", name, "--node-id", node_id, "--loopback"]
+    cmd += ["--key", str(key_path)] if key_path else ["--open"]
+    if cpu is not None:
+        cmd += ["--cpu", str(cpu)]
+    cmd += extra or []
+    with open(log, "ab") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    return LocalAgent(name, role, node_id, p.pid, str(log))
+
+
+def up(agents: int = 2, *, model: str = "smollm2", key: bytes | None, key_path: Path | None,
+       run_dir: Path, pin: bool = True, timeout_s: float = DEFAULT_START_TIMEOUT_S,
+       extra_args: dict[str, list[str]] | None = None) -> list[AgentCard]:
+    """Start the agents and return their cards once all are discovered over Zeroconf."""
+    running = [a for a in read_state(run_dir) if _alive(a.pid)]
+    if running:
+        raise FleetStartError(f"a local fleet is already running ({len(running)} agents, "
+                              f"{run_dir}); run `macfleet down` first")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    started: list[LocalAgent] = []
+    fid = fleet_id(key)
+    with Browser(fleet_id=fid, interfaces=LOOPBACK_ONLY) as browser:
+        for i, role in enumerate(plan_roles(agents)):
+            cpu = cpus[i % len(cpus)] if pin and cpus and (ncpu or 1) >= 2 else None
+            started.append(start_agent(role, name=f"{role}-{i}", model=model, key_path=key_path,
+                                       run_dir=run_dir, cpu=cpu,
+                                       extra=(extra_args or {}).get(role)))
+        _state_file(run_dir).write_text(json.dumps([asdict(a) for a in started], indent=1))
+        want = {a.node_id for a in started}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            cards = [c for c in browser.cards() if c.node_id in want]
+            if len(cards) == len(want):
+                return cards
+            dead = [a for a in started if not _alive(a.pid)]
+            if dead:
+                down(run_dir)
+                tail = Path(dead[0].log).read_text(errors="replace")[-2000:]
+                raise FleetStartError(f"agent {dead[0].name} exited during start-up; its log "
+                                      f"({dead[0].log}) ends with:\n{tail}")
+            time.sleep(0.2)
+    down(run_dir)
+    raise FleetStartError(f"agents not discovered within {timeout_s:.0f}s; logs in {run_dir}")
+
+
+def down(run_dir: Path, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int:
+    """SIGTERM every agent of the local fleet (SIGKILL after timeout_s); returns how many."""
+    agents = [a for a in read_state(run_dir) if _alive(a.pid)]
+    for a in agents:
+        try:
+            os.kill(a.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for a in agents:
+        while _alive(a.pid) and time.monotonic() < deadline:
+            _reap(a.pid)
+            time.sleep(0.05)
+        if _alive(a.pid):
+            os.kill(a.pid, signal.SIGKILL)
+            _reap(a.pid)
+    try:
+        _state_file(run_dir).unlink()
+    except FileNotFoundError:
+        pass
+    return len(agents)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
