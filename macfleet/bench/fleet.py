@@ -1,0 +1,112 @@
+"""`macfleet bench fleet`: one process vs two agent processes, same prompts, same model.
+
+Methods, interleaved per repeat:
+  mlx_generate_step                 mlx-lm plain decoding, this process (baseline)
+  mlx_speculative[layerskip:K]      mlx-lm's one-process spec-decode with the layer-skip draft
+  macfleet_local[P]                 macfleet's loop in this process, proposer P
+  agent_alone                       the verifier agent decoding alone (pinned to one core: the
+                                    fair baseline for the agent rows)
+  agents[P, no cross-round]         verifier agent + proposer agent, proposer P
+  agents[P, cross-round]            same, the proposer pre-drafting the next block
+Tokens/s is decode throughput (prompt processing excluded), median of the repeats.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from bridge.auth import keygen
+from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
+from bridge.messages import GenerateDone
+from macfleet.bench.local import run_macfleet, run_mlx_plain, run_mlx_spec
+from macfleet.bench.record import median
+from macfleet.engine.models import LoadedModel
+from macfleet.engine.proposers.model_draft import LayerSkipModel
+from macfleet.engine.text import encode_prompt
+from macfleet.fleet import local
+from macfleet.fleet.client import generate_remote
+
+DEFAULT_PROPOSERS = ("ngram", "layerskip:20")
+
+
+def _remote(card, key, prompt, n, proposers, spec, cross_round, k=-1) -> GenerateDone:
+    for msg in generate_remote(card, key, prompt=prompt, max_tokens=n, proposers=proposers,
+                               proposer_spec=spec, cross_round=cross_round, draft_tokens=k):
+        if isinstance(msg, GenerateDone):
+            return msg
+    raise RuntimeError("no result from the verifier agent")
+
+
+def bench_fleet(lm: LoadedModel, prompts: dict[str, str], *, max_tokens: int = 48,
+                repeats: int = 2, layerskip: int = 20, k: int = 4,
+                proposers=DEFAULT_PROPOSERS, progress=None) -> dict:
+    draft = LayerSkipModel(lm.model, layerskip)
+    with tempfile.TemporaryDirectory(prefix="macfleet-bench-") as tmp:
+        key_path = Path(tmp) / "fleet.key"
+        key = keygen(key_path)
+        cards = local.up(2, model=lm.spec, key=key, key_path=key_path, run_dir=Path(tmp) / "run")
+        try:
+            v = next(c for c in cards if ROLE_VERIFIER in c.roles)
+            p = next(c for c in cards if ROLE_PROPOSER in c.roles)
+            _remote(v, key, "Hi", 4, [], "none", False)  # warm-up
+            return _run(lm, prompts, draft, v, p, key, max_tokens, repeats, layerskip, k,
+                        proposers, progress)
+        finally:
+            local.down(Path(tmp) / "run")
+
+
+def _run(lm, prompts, draft, v, p, key, n, repeats, layerskip, k, proposers, progress) -> dict:
+    ep = [p.router_endpoint]
+    methods = {
+        "mlx_generate_step": lambda t, ids: run_mlx_plain(lm, ids, n),
+        f"mlx_speculative[layerskip:{layerskip},k={k}]":
+            lambda t, ids: run_mlx_spec(lm, ids, n, draft, k),
+    }
+    for spec in proposers:
+        methods[f"macfleet_local[{spec}]"] = (
+            lambda t, ids, spec=spec: run_macfleet(lm, ids, n, spec, "auto"))
+    methods["agent_alone"] = lambda t, ids: _remote(v, key, t, n, [], "none", False)
+    for spec in proposers:
+        for cr in (False, True):
+            methods[f"agents[{spec},{'cross-round' if cr else 'no cross-round'}]"] = (
+                lambda t, ids, spec=spec, cr=cr: _remote(v, key, t, n, ep, spec, cr))
+    out = {}
+    for pname, text in prompts.items():
+        ids = encode_prompt(lm.tokenizer, text, chat=True)
+        tps: dict[str, list[float]] = {m: [] for m in methods}
+        info: dict[str, dict] = {}
+        ref = None
+        for _ in range(repeats):
+            for m, fn in methods.items():
+                r = fn(text, ids)
+                if isinstance(r, GenerateDone):
+                    toks, st = r.token_ids, r.stats
+                    tps[m].append(st["decode_tokens_per_s"])
+                    info[m] = {k2: round(st[k2], 4) for k2 in (
+                        "acceptance", "mean_accepted", "f1_bytes_per_block", "f2_bytes_per_block",
+                        "f1_ms_per_block", "f2_ms_per_block", "multihost_overhead",
+                        "predraft_hit_rate", "proposer_compute_ms_per_block") if k2 in st}
+                else:
+                    toks, secs = r[0], r[1]
+                    tps[m].append((len(toks) - 1) / secs if m.startswith("mlx") else
+                                  len(toks) / secs)
+                    if len(r) > 2:
+                        info[m] = {"acceptance": round(r[2].acceptance, 4),
+                                   "mean_accepted": round(r[2].mean_accepted, 4)}
+                ref = ref if ref is not None else list(toks)
+                info.setdefault(m, {})["identical_to_plain"] = list(toks) == ref
+                if progress:
+                    progress(f"{pname} {m}: {tps[m][-1]:.1f} tok/s")
+        base = median(tps["mlx_generate_step"])
+        spec_base = median(tps[f"mlx_speculative[layerskip:{layerskip},k={k}]"])
+        alone = median(tps["agent_alone"])
+        out[pname] = {"methods": {m: {
+            "tokens_per_s": round(median(x), 2),
+            "ratio_to_mlx_generate_step": round(median(x) / base, 3),
+            "ratio_to_mlx_speculative": round(median(x) / spec_base, 3),
+            "ratio_to_agent_alone": round(median(x) / alone, 3),
+            **info.get(m, {})} for m, x in tps.items()}}
+    return {"model": lm.spec, "max_tokens": n, "repeats": repeats, "prompts": out,
+            "notes": "agents are pinned one core each (2-core machine); in-process methods use "
+                     "both cores, so compare agent rows with agent_alone"}

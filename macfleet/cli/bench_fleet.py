@@ -1,0 +1,36 @@
+"""`macfleet bench fleet`: registered into `macfleet bench` by cmd_bench."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_bench_parsers(bs) -> None:
+    f = bs.add_parser("fleet", help="one process vs two agent processes (results/fleet_spec.json)")
+    f.add_argument("--max-tokens", type=int, default=48)
+    f.add_argument("--repeats", type=int, default=2)
+    f.add_argument("--layerskip", type=int, default=20)
+    f.add_argument("--proposers", default="ngram,layerskip:20")
+    f.set_defaults(func=run_fleet)
+
+
+def run_fleet(args) -> int:
+    from macfleet.bench.fleet import bench_fleet
+    from macfleet.bench.prompts import BENCH_PROMPTS, NO_MATCH_PROMPT
+    from macfleet.bench.record import write_result
+    from macfleet.engine.models import load_model
+
+    prompts = dict(BENCH_PROMPTS, no_match=NO_MATCH_PROMPT)
+    res = bench_fleet(load_model(args.model), prompts, max_tokens=args.max_tokens,
+                      repeats=args.repeats, layerskip=args.layerskip,
+                      proposers=tuple(args.proposers.split(",")),
+                      progress=lambda m: print(m, file=sys.stderr, flush=True))
+    path = write_result("fleet_spec.json", res, args.out)
+    for pname, r in res["prompts"].items():
+        print(f"{pname}:")
+        for m, v in r["methods"].items():
+            oh = f" overhead {v['multihost_overhead']:.1%}" if "multihost_overhead" in v else ""
+            print(f"  {m:42s} {v['tokens_per_s']:6.1f} tok/s  x{v['ratio_to_mlx_generate_step']:.2f}"
+                  f" plain  x{v['ratio_to_agent_alone']:.2f} agent-alone{oh}")
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,79 @@
+"""Pure aggregation of per-block metrics into dashboard session views.
+
+`SessionMetrics.apply(block_metrics)` folds one BlockMetrics message in; `view()` reduces the
+recent window to a SessionView: tokens/s, acceptance, the accepted-length histogram, and the
+multi-host overhead per flow (bytes/block, ms/block, share of block time, with history).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from macfleet.fleet.snapshot import BlockSample, FlowView, SessionView
+
+DEFAULT_WINDOW = 32
+DEFAULT_HISTORY = 40
+ACTIVE_S = 5.0
+
+
+@dataclass
+class SessionMetrics:
+    session_id: str
+    verifier: str
+    window: int = DEFAULT_WINDOW
+    blocks: deque = field(default_factory=lambda: deque(maxlen=DEFAULT_WINDOW))
+    hist: list[int] = field(default_factory=lambda: [0] * 33)
+    total_blocks: int = 0
+    last_seen: float = 0.0
+    proposers: tuple[str, ...] = ()
+    history: dict[str, deque] = field(default_factory=dict)
+
+    def apply(self, m, now: float) -> None:
+        """m: a bridge BlockMetrics (duck-typed: the fields are read by name)."""
+        self.blocks.append(m)
+        self.total_blocks += 1
+        self.last_seen = now
+        if m.k > 0:
+            self.hist[min(m.accepted, len(self.hist) - 1)] += 1
+        for flow, ms in (("F1", m.f1_ms), ("F2", m.f2_ms), ("F3", m.f3_ms)):
+            h = self.history.setdefault(flow, deque(maxlen=DEFAULT_HISTORY))
+            h.append(ms / m.block_ms if m.block_ms > 0 else 0.0)
+
+    def view(self, now: float) -> SessionView:
+        bl = list(self.blocks)
+        n = max(len(bl), 1)
+        block_ms = sum(b.block_ms for b in bl)
+        committed = sum(b.accepted + 1 for b in bl)
+        drafted = sum(b.k for b in bl)
+        spec_blocks = [b for b in bl if b.k > 0]
+
+        def flow(name: str, bytes_attr: str, ms_attr: str, probe: bool) -> FlowView:
+            ms = sum(getattr(b, ms_attr) for b in bl) / n
+            return FlowView(name, sum(getattr(b, bytes_attr) for b in bl) / n, ms,
+                            ms / (block_ms / n) if block_ms else 0.0, probe,
+                            tuple(self.history.get(name, ())))
+
+        flows = [flow("F1", "f1_bytes", "f1_ms", False), flow("F2", "f2_bytes", "f2_ms", False)]
+        if any(b.f3_bytes for b in bl):
+            flows.append(flow("F3", "f3_bytes", "f3_ms", any(b.probe for b in bl)))
+        hist = list(self.hist)
+        while len(hist) > 1 and hist[-1] == 0:
+            hist.pop()
+        wire = sum(b.f1_ms + b.f2_ms + b.f3_ms for b in bl)
+        remote = any(b.f1_bytes for b in bl)
+        return SessionView(
+            session_id=self.session_id, verifier=self.verifier, proposers=self.proposers,
+            topology="1 proposer : 1 verifier (2 hosts)" if remote else "local",
+            tokens_per_s=committed / (block_ms / 1e3) if block_ms else 0.0,
+            acceptance=sum(b.accepted for b in spec_blocks) / drafted if drafted else 0.0,
+            mean_accepted=(sum(b.accepted for b in spec_blocks) / len(spec_blocks)
+                           if spec_blocks else 0.0),
+            draft_len=bl[-1].k if bl else 0, blocks=self.total_blocks,
+            accepted_hist=tuple(hist),
+            flows=tuple(flows),
+            timeline=tuple(BlockSample(b.block, b.k, b.accepted, b.block_ms, b.draft_ms,
+                                       b.verify_ms, b.f1_ms + b.f2_ms + b.f3_ms) for b in bl),
+            overhead_share=wire / block_ms if block_ms else 0.0,
+            active=now - self.last_seen < ACTIVE_S,
+        )
