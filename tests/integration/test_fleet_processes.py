@@ -1,0 +1,228 @@
+"""A real 2-agent fleet: separate processes, Zeroconf on loopback, ZeroMQ, the embedded model.
+
+One fleet per module (starting it loads the model in two processes); the test that kills the
+proposer runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bridge.auth import fleet_id, keygen
+from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
+from bridge.discovery import LOOPBACK_ONLY, Browser
+from bridge.errors import ProtocolError
+from bridge.messages import GenerateChunk, GenerateDone, Ping, Pong, StatusReply, StatusRequest
+from bridge.transport import Client
+from macfleet.fleet import local
+from macfleet.fleet.client import generate_remote, probe
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPTS = [
+    "Summarize, reusing its wording: the cat sat on the mat, and the dog sat on the rug.",
+    "Write a Python function that adds two numbers.",
+]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fleet")
+    key_path = tmp / "fleet.key"
+    key = keygen(key_path)
+    run_dir = tmp / "run"
+    cards = local.up(2, key=key, key_path=key_path, run_dir=run_dir, timeout_s=120)
+    v = next(c for c in cards if ROLE_VERIFIER in c.roles)
+    p = next(c for c in cards if ROLE_PROPOSER in c.roles)
+    yield {"key": key, "key_path": key_path, "verifier": v, "proposer": p, "run_dir": run_dir,
+           "agents": {a.role: a for a in local.read_state(run_dir)}}
+    local.down(run_dir)
+
+
+def run_gen(fleet, prompt, proposers, spec="ngram", **kw):
+    chunks, done = [], None
+    for msg in generate_remote(fleet["verifier"], fleet["key"], prompt=prompt,
+                               proposers=proposers, proposer_spec=spec, **kw):
+        if isinstance(msg, GenerateChunk):
+            chunks.append(msg)
+        elif isinstance(msg, GenerateDone):
+            done = msg
+    assert done is not None
+    return chunks, done
+
+
+def test_agents_discover_each_other_over_zeroconf(fleet):
+    """A fresh browser (another process's view) sees both agents with their cards."""
+    with Browser(fleet_id=fleet_id(fleet["key"]), interfaces=LOOPBACK_ONLY) as b:
+        cards = b.wait_for(lambda cs: len(cs) >= 2, timeout=10)
+    roles = sorted(r for c in cards for r in c.roles)
+    assert roles == [ROLE_PROPOSER, ROLE_VERIFIER]
+    assert all(c.models == ("smollm2",) and c.mem_total > 0 for c in cards)
+    # another fleet id sees nothing
+    with Browser(fleet_id="not-this-fleet", interfaces=LOOPBACK_ONLY) as b:
+        time.sleep(1.0)
+        assert b.cards() == []
+
+
+def test_status_and_ping(fleet):
+    st = probe(fleet["proposer"], fleet["key"], pings=3)
+    assert st.alive and isinstance(st.status, StatusReply)
+    assert len(st.rtt_ms) == 3 and all(r < 500 for r in st.rtt_ms)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "layerskip:16"])
+def test_greedy_across_agents_is_bit_identical_to_verifier_alone(fleet, spec):
+    for prompt in PROMPTS:
+        _, alone = run_gen(fleet, prompt, [], "none", max_tokens=32)
+        chunks, spec_done = run_gen(fleet, prompt, [fleet["proposer"].router_endpoint], spec,
+                                    max_tokens=32)
+        assert spec_done.token_ids == alone.token_ids
+        assert [t for c in chunks for t in c.token_ids] == spec_done.token_ids
+        st = spec_done.stats
+        assert st["remote_blocks"] > 0, "the remote proposer was never asked"
+        assert st["f1_bytes_per_block"] > 0 and st["f2_bytes_per_block"] > 0
+        assert 0 <= st["multihost_overhead"] < 1
+
+
+def test_sampling_across_agents_is_reproducible_with_a_seed(fleet):
+    ep = [fleet["proposer"].router_endpoint]
+    a = run_gen(fleet, PROMPTS[0], ep, "layerskip:16", max_tokens=16, temperature=0.8,
+                seed=7)[1]
+    b = run_gen(fleet, PROMPTS[0], ep, "layerskip:16", max_tokens=16, temperature=0.8,
+                seed=7)[1]
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+
+
+def test_bad_requests_get_typed_errors_and_the_agent_keeps_serving(fleet):
+    with Client(fleet["verifier"].router_endpoint, key=fleet["key"]) as c:
+        with pytest.raises(ProtocolError) as e:
+            list(c.stream(__import__("bridge.messages", fromlist=["x"]).GenerateRequest(
+                "r1", "hi", True, -5, 0.0, 1.0, None, -1, [], "none", True), 5))
+        assert e.value.code == "bad_request"
+        with pytest.raises(ProtocolError) as e:
+            c.request(__import__("bridge.messages", fromlist=["x"]).DraftRequest(
+                "nope", 1, [], 4, False), 5)
+        assert e.value.code == "bad_request"  # a verifier does not serve drafts
+        assert isinstance(c.request(Ping(1, 0), 5), Pong)
+    with Client(fleet["verifier"].router_endpoint, key=b"x" * 32) as c:
+        with pytest.raises(ProtocolError) as e:
+            c.request(StatusRequest(), 5)
+        assert e.value.code == "auth"
+    # a dead proposer endpoint: generation still completes (plain decoding)
+    _, done = run_gen(fleet, PROMPTS[1], ["tcp://127.0.0.1:9"], "ngram", max_tokens=8)
+    _, alone = run_gen(fleet, PROMPTS[1], [], "none", max_tokens=8)
+    assert done.token_ids == alone.token_ids and done.stats["proposer_failures"] == 1
+
+
+def test_cli_ls_json_lists_the_fleet(fleet):
+    env = dict(os.environ, MACFLEET_KEY=str(fleet["key_path"]))
+    out = subprocess.run([sys.executable, "-m", "macfleet", "ls", "--json", "--wait", "2"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    names = {a["name"] for a in doc["agents"] if a["alive"]}
+    assert {fleet["verifier"].name, fleet["proposer"].name} <= names
+    assert all(a["rtt_p50_ms"] is not None for a in doc["agents"] if a["alive"])
+
+
+def test_zz_proposer_killed_mid_generation_loses_nothing(fleet):
+    """SIGKILL the proposer agent after the first streamed tokens: same ids as verifier alone."""
+    prompt = PROMPTS[0]
+    _, alone = run_gen(fleet, prompt, [], "none", max_tokens=48)
+    pid = fleet["agents"][ROLE_PROPOSER].pid
+    ids, done, killed = [], None, False
+    for msg in generate_remote(fleet["verifier"], fleet["key"], prompt=prompt, max_tokens=48,
+                               proposers=[fleet["proposer"].router_endpoint],
+                               proposer_spec="layerskip:16", draft_tokens=2):
+        if isinstance(msg, GenerateChunk):
+            ids.extend(msg.token_ids)
+            if not killed:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+        elif isinstance(msg, GenerateDone):
+            done = msg
+    assert killed and done is not None
+    assert ids == done.token_ids == alone.token_ids
+    assert done.stats["proposer_failures"] == 1
+
+
+def test_observer_sees_hosts_sessions_and_flows(fleet):
+    """The dashboard's live source: both hosts alive with RTT, and a session with F1/F2 rows."""
+    from macfleet.fleet.observer import FleetObserver
+
+    obs = FleetObserver(fleet["key"], loopback=True, period_s=0.3)
+    try:
+        deadline = time.monotonic() + 20
+        snap = None
+        while time.monotonic() < deadline:
+            snap = obs.poll(1.0) or snap
+            if snap and len([h for h in snap.hosts if h.rtt_ms is not None]) >= 2:
+                break
+        assert snap is not None and {h.name for h in snap.hosts} >= {
+            fleet["verifier"].name, fleet["proposer"].name}
+        assert all(h.alive for h in snap.hosts)
+        run_gen(fleet, PROMPTS[0], [fleet["proposer"].router_endpoint], "ngram", max_tokens=16)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            snap = obs.poll(1.0) or snap
+            if snap.sessions:
+                break
+        assert snap.sessions, "no BlockMetrics reached the observer"
+        s = snap.sessions[-1]
+        f2 = s.flow("F2")
+        assert s.blocks > 0 and f2 is not None and f2.bytes_per_block > 0
+        assert any(e.kind == "join" for e in snap.events)
+    finally:
+        obs.close()
+
+
+def test_dashboard_live_on_a_generating_fleet(fleet):
+    """`macfleet dash` on a real fleet: both hosts and a nonzero F2 row while a generation runs."""
+    import asyncio
+    import threading
+
+    from textual.widgets import DataTable
+
+    from macfleet.fleet.observer import FleetObserver
+    from tui.app import FleetDashboard
+
+    obs = FleetObserver(fleet["key"], loopback=True, period_s=0.3)
+    app = FleetDashboard(obs, refresh_s=0.2)
+    gen_done = threading.Event()
+
+    def generate() -> None:
+        try:
+            run_gen(fleet, PROMPTS[1], [fleet["proposer"].router_endpoint], "ngram",
+                    max_tokens=24)
+        finally:
+            gen_done.set()
+
+    async def scenario() -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            threading.Thread(target=generate, daemon=True).start()
+            deadline = time.monotonic() + 40
+            ok = False
+            while time.monotonic() < deadline and not ok:
+                await pilot.pause(0.2)
+                snap = app.snapshot
+                hosts = {h.name for h in snap.hosts}
+                f2 = [s.flow("F2") for s in snap.sessions]
+                ok = ({fleet["verifier"].name, fleet["proposer"].name} <= hosts
+                      and any(f is not None and f.bytes_per_block > 0 for f in f2))
+            assert ok, f"dashboard saw hosts={[h.name for h in app.snapshot.hosts]} " \
+                       f"sessions={len(app.snapshot.sessions)}"
+            assert app.hosts.query_one(DataTable).row_count >= 2
+            await pilot.press("q")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gen_done.wait(60)
+        obs.close()
