@@ -26,6 +26,10 @@ import numpy as np
 from macfleet.engine.proposers.base import Proposer
 
 
+MIN_LOOKAHEAD_HIT_RATE = 0.2
+LOOKAHEAD_RETRY = 8  # with a low hit rate, still pre-draft before every 8th request
+
+
 @dataclass
 class StreamReply:
     tokens: list[int]
@@ -45,6 +49,11 @@ class DraftStream:
     last_k: int = 4
     last_used: float = field(default_factory=time.monotonic)
     exhausted: bool = False  # the proposer had nothing more to say for this stream
+    # EMA of how often a request was answered from the pre-drafted stream. Lookahead that
+    # never hits only delays real requests (they wait for the draft step in progress), so
+    # it is paused when hits are rare and retried now and then.
+    hit_rate: float = 0.5
+    requests: int = 0
 
     def commit(self, committed: Sequence[int]) -> bool:
         """Append the verifier's committed tokens; returns whether the stream survived."""
@@ -79,6 +88,8 @@ class DraftStream:
         self.last_k = k
         self.last_used = time.monotonic()
         hit = len(self.stream) >= k and k > 0
+        self.requests += 1
+        self.hit_rate = 0.8 * self.hit_rate + 0.2 * float(hit)
         while len(self.stream) < k and self.extend(k - len(self.stream)):
             pass
         toks = self.stream[:k]
@@ -92,4 +103,6 @@ class DraftStream:
 
     def wants_lookahead(self) -> bool:
         """Cross-round: keep one block + the bonus guess + the next block pre-drafted."""
-        return self.cross_round and not self.exhausted and len(self.stream) < 2 * self.last_k + 1
+        if not self.cross_round or self.exhausted or len(self.stream) >= 2 * self.last_k + 1:
+            return False
+        return self.hit_rate >= MIN_LOOKAHEAD_HIT_RATE or self.requests % LOOKAHEAD_RETRY == 0

@@ -76,9 +76,12 @@ def start_agent(role: str, *, name: str, model: str, key_path: Path | None, run_
     if cpu is not None:
         cmd += ["--cpu", str(cpu)]
     cmd += extra or []
+    env = dict(os.environ)
+    if cpu is not None:  # one core: more BLAS threads than cores only contend
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
     with open(log, "ab") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+                             start_new_session=True, env=env)
     return LocalAgent(name, role, node_id, p.pid, str(log))
 
 
