@@ -1,0 +1,490 @@
+"""Thin shells over ZeroMQ: Server (ROUTER), Client (DEALER), Publisher (PUB), Subscriber (SUB).
+
+All logic that can be pure lives in codec and auth; this module only moves frames, enforces caps
+and deadlines, and keeps one rule of ZeroMQ: a socket is used by one thread at a time. The Server
+owns its ROUTER in its loop thread; replies from other threads go through a queue and a wake-up
+socketpair the loop polls beside the ROUTER, so a worker's reply leaves at once rather than at the
+next poll tick. After a timed-out request the Client rebuilds its DEALER instead of reusing it, so
+a late reply can never be mistaken for the next one's.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, TypeVar
+
+import zmq
+
+from bridge.auth import DEFAULT_REPLAY_WINDOW_S, ReplayGuard, sign, verify
+from bridge.codec import (Envelope, Header, Limits, encode, encode_error, frames_nbytes, new_id,
+                          peek_id)
+from bridge.errors import (AUTH, INTERNAL, OVERSIZE, PeerUnavailable, ProtocolError,
+                           TransportTimeout)
+from bridge.messages import ErrorReply, Message, is_terminal, tag_of
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BIND = "tcp://127.0.0.1:*"
+DEFAULT_POLL_S = 0.1  # how soon the server loop notices close()
+DEFAULT_CLOSE_TIMEOUT_S = 2.0
+DEFAULT_CONNECT_TIMEOUT_S = 5.0  # wait for a usable connection before sending
+DEFAULT_REQUEST_TIMEOUT_S = 10.0
+DEFAULT_STREAM_TIMEOUT_S = 30.0  # per streamed message
+DEFAULT_RECV_TIMEOUT_S = 10.0
+SERVE_BATCH = 64  # requests per loop turn before queued replies are flushed
+RECENT_IDS = 256  # sent ids for which an unauthenticated "auth" refusal is believed
+
+Reply = Callable[[Message], int]  # sends one reply, returns its wire bytes
+Handler = Callable[[Envelope, Reply], None]
+_S = TypeVar("_S", bound="_Shell")
+
+
+def _socket(ctx: zmq.Context, kind: int, limits: Limits | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if limits is not None:
+        # libzmq disconnects a peer sending a frame above this instead of buffering it; frames
+        # between the caps and this still get a typed oversize reply.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * max(limits.max_frame_bytes, limits.max_body_bytes))
+    return sock
+
+
+def _bind(sock: zmq.Socket, bind: str) -> str:
+    """Bind (a `*` port picks a free one) and return the endpoint actually bound."""
+    try:
+        sock.bind(bind)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _recv_capped(sock: zmq.Socket, cap: int) -> tuple[list[memoryview], int]:
+    """One multipart message (already waiting: poll first), keeping at most `cap` frames so a
+    peer cannot make us hold a million of them; returns (kept frames, frames received)."""
+    kept: list[memoryview] = []
+    count = 0
+    while True:
+        frame = sock.recv(zmq.NOBLOCK, copy=False)  # multipart delivery is atomic
+        count += 1
+        if count <= cap:
+            kept.append(frame.buffer)
+        if not frame.more:
+            return kept, count
+
+
+def _ms_left(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000))
+
+
+class _Shell:
+    """What every shell shares: an owned socket (close() idempotent, use after close refused)
+    and the path from received frames to a typed message: caps, MAC, freshness, decode."""
+
+    _sock: zmq.Socket | None = None
+    _key: bytes | None = None
+    _limits: Limits = Limits()
+    _guard: ReplayGuard
+
+    def _unwrap(self, parts: list[memoryview], count: int) -> Envelope:
+        if count > self._limits.max_frames + 1:  # + the MAC
+            raise ProtocolError(OVERSIZE, f"{count} frames exceed {self._limits.max_frames}")
+        return self._limits.decode(verify(parts, self._key, self._guard))
+
+    def _live(self) -> zmq.Socket:
+        if self._sock is None:
+            raise RuntimeError(f"{type(self).__name__} closed")
+        return self._sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _poll_recv(self, deadline: float, extra: int, what: str) -> tuple[list[memoryview], int]:
+        """Wait for one message; `extra` frames precede the signed ones (topic, identity)."""
+        sock = self._live()
+        if not sock.poll(_ms_left(deadline), zmq.POLLIN):
+            raise TransportTimeout(f"no message from {what} before the deadline")
+        return _recv_capped(sock, self._limits.max_frames + 1 + extra)
+
+
+class Server(_Shell):
+    """A ROUTER serving `handler(envelope, reply)` in one loop thread.
+
+    `reply(msg)` may be called zero, one or many times (streaming), from any thread, also after
+    the handler returned. The handler runs on the loop thread: hand long work to a worker and
+    reply from there. A request that fails auth or decoding gets an ErrorReply with its code; a
+    handler raising ProtocolError gets that code; any other exception becomes ErrorReply(internal)
+    and is logged. The server never dies of a request.
+    """
+
+    def __init__(self, handler: Handler, *, key: bytes | None, bind: str = DEFAULT_BIND,
+                 context: zmq.Context | None = None, limits: Limits = Limits(),
+                 replay_window_s: float = DEFAULT_REPLAY_WINDOW_S,
+                 poll_s: float = DEFAULT_POLL_S) -> None:
+        self._handler = handler
+        self._key = key
+        self._limits = limits
+        self._guard = ReplayGuard(replay_window_s)
+        self._poll_ms = max(1, int(poll_s * 1000))
+        self._sock = _socket(context or zmq.Context.instance(), zmq.ROUTER, limits)
+        self.endpoint = _bind(self._sock, bind)
+        self._wake_r, self._wake_w = socket.socketpair()  # workers' replies wake the loop
+        for end in (self._wake_r, self._wake_w):
+            end.setblocking(False)
+        self._outbox: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop_ident: int | None = None
+        self.requests = 0
+        self.errors = 0  # error replies sent (malformed, auth, handler errors)
+        if key is None:
+            log.warning("server %s runs an OPEN fleet: requests are not authenticated", self.endpoint)
+
+    @property
+    def port(self) -> int:
+        return port_of(self.endpoint)
+
+    def start(self) -> Server:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("server closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"bridge-server {self.endpoint}",
+                                                daemon=True)
+                self._thread.start()
+        return self
+
+    def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
+        """Stop the loop and close the socket (idempotent); pending replies are dropped."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+            self._stop.set()
+            self._wake()
+        if thread is None:
+            self._close_sockets()
+            return
+        thread.join(timeout)  # the loop thread closes its sockets on the way out
+        if thread.is_alive():
+            log.warning("server %s loop still busy after %.1fs (a slow handler?)", self.endpoint, timeout)
+
+    def _close_sockets(self) -> None:
+        self._sock.close(linger=0)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    # --- loop thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._loop_ident = threading.get_ident()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(self._poll_ms))
+                if self._wake_r.fileno() in events:
+                    self._drain_wake()
+                self._flush()
+                if self._sock in events:
+                    for _ in range(SERVE_BATCH):
+                        if self._stop.is_set() or not self._sock.poll(0, zmq.POLLIN):
+                            break
+                        self._serve(*_recv_capped(self._sock, self._limits.max_frames + 2))
+                        self._flush()
+        except zmq.ContextTerminated:
+            log.info("server %s: context terminated", self.endpoint)
+        finally:
+            with self._lock:  # not while close() or a worker is still writing a wake-up byte
+                self._close_sockets()
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:  # drained
+            return
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                frames = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._send(frames)
+
+    def _send(self, frames: list[Any]) -> None:
+        try:  # ROUTER drops (never blocks) on unknown peers and full pipes
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("server %s: reply dropped (peer queue full)", self.endpoint)
+
+    def _serve(self, parts: list[memoryview], count: int) -> None:
+        identity, payload = bytes(parts[0]), parts[1:]
+        self.requests += 1
+        try:
+            env = self._unwrap(payload, count - 1)
+        except ProtocolError as exc:
+            log.info("server %s refused a message: %s", self.endpoint, exc)
+            if exc.msg_id is None and payload:
+                exc.msg_id = peek_id(payload[0])
+            self._send_error(identity, exc, None)
+            return
+        try:
+            self._handler(env, self._replier(identity, env.header))
+        except ProtocolError as exc:
+            self._send_error(identity, exc, env.header)
+        except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the server
+            log.exception("server %s: handler failed on %s", self.endpoint, env.header.type)
+            self._send_error(identity, ProtocolError(INTERNAL, f"{type(exc).__name__}: {exc}"), env.header)
+
+    def _send_error(self, identity: bytes, exc: ProtocolError, request: Header | None) -> None:
+        self.errors += 1
+        self._send([identity, *sign(encode_error(exc, request=request), self._key)])
+
+    # --- any thread --------------------------------------------------------------------------
+
+    def _replier(self, identity: bytes, request: Header) -> Reply:
+        def reply(msg: Message) -> int:
+            frames = sign(encode(msg, reply_to=request.id, session=request.session), self._key)
+            self._post([identity, *frames])
+            return frames_nbytes(frames)
+
+        return reply
+
+    def _post(self, frames: list[Any]) -> None:
+        if threading.get_ident() == self._loop_ident:
+            self._flush()  # replies queued by workers before this one leave first
+            self._send(frames)
+            return
+        with self._lock:
+            if self._closed:
+                log.debug("server %s closed; reply dropped", self.endpoint)
+                return
+            self._outbox.put(frames)
+            self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except BlockingIOError:  # buffer full: the loop is already due to wake
+            pass
+
+
+class Client(_Shell):
+    """A DEALER to one agent. Not thread-safe: one thread per Client.
+
+    request() and stream() match replies to their request by reply_to and discard others (stale
+    replies, replies to earlier pipelined sends). send()/recv() are the pipelined form: recv
+    returns every verified message, ErrorReply included, and does not rebuild on timeout (call
+    reset() when the link is to be abandoned). Byte counters include the MAC frame.
+    """
+
+    def __init__(self, endpoint: str, *, key: bytes | None, context: zmq.Context | None = None,
+                 limits: Limits = Limits(), replay_window_s: float = DEFAULT_REPLAY_WINDOW_S,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+        self.endpoint = endpoint
+        self._key = key
+        self._ctx = context or zmq.Context.instance()
+        self._limits = limits
+        self._guard = ReplayGuard(replay_window_s)
+        self._connect_ms = int(connect_timeout_s * 1000)
+        self._recent: collections.deque[str] = collections.deque(maxlen=RECENT_IDS)
+        self._sock: zmq.Socket | None = self._connect()
+        self.bytes_sent = self.bytes_received = 0
+        self.last_sent_bytes = self.last_recv_bytes = 0
+        self.dropped = 0  # received messages that failed auth or decoding
+        self.rebuilds = 0
+
+    def _connect(self) -> zmq.Socket:
+        sock = _socket(self._ctx, zmq.DEALER, self._limits)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: no-peer is visible
+        sock.connect(self.endpoint)
+        return sock
+
+    def reset(self) -> None:
+        """Drop the socket (and anything queued or in flight on it) and connect a new one."""
+        self._live().close(linger=0)
+        self._sock = self._connect()
+        self.rebuilds += 1
+
+    def send(self, msg: Message, *, session: str = "") -> str:
+        """Send one message; returns its id. PeerUnavailable when no connection is usable in time."""
+        sock = self._live()
+        msg_id = new_id()
+        frames = sign(encode(msg, msg_id=msg_id, session=session), self._key)
+        if not sock.poll(self._connect_ms, zmq.POLLOUT):
+            raise PeerUnavailable(f"no connection to {self.endpoint} within {self._connect_ms} ms")
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise PeerUnavailable(f"send queue to {self.endpoint} is full") from None
+        self._recent.append(msg_id)
+        self.last_sent_bytes = frames_nbytes(frames)
+        self.bytes_sent += self.last_sent_bytes
+        return msg_id
+
+    def recv(self, timeout: float = DEFAULT_RECV_TIMEOUT_S) -> Envelope:
+        """The next verified message; TransportTimeout at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            parts, count = self._poll_recv(deadline, 0, self.endpoint)
+            nbytes = sum(p.nbytes for p in parts)
+            self.bytes_received += nbytes
+            env = self._accept(parts, count)
+            if env is not None:
+                self.last_recv_bytes = nbytes
+                return env
+
+    def _accept(self, parts: list[memoryview], count: int) -> Envelope | None:
+        try:
+            return self._unwrap(parts, count)
+        except ProtocolError as exc:
+            refusal = self._refusal(parts)
+            if refusal is not None:
+                raise refusal from None
+            self.dropped += 1
+            log.warning("client %s dropped a message: %s", self.endpoint, exc)
+            return None
+
+    def _refusal(self, parts: list[memoryview]) -> ProtocolError | None:
+        """An agent with another key (or none) cannot sign in a way we verify, but its "auth"
+        refusal of *our* request is worth surfacing instead of a timeout. Trusting it unverified
+        only lets a forger make a request fail, which an on-path attacker can do anyway."""
+        for frames in (parts[:-1], parts):
+            try:
+                env = self._limits.decode(frames)
+            except ProtocolError:
+                continue
+            msg = env.msg
+            if isinstance(msg, ErrorReply) and msg.code == AUTH and env.header.reply_to in self._recent:
+                return ProtocolError(AUTH, f"{self.endpoint} refused us: {msg.message}")
+        return None
+
+    def _await(self, msg_id: str, timeout: float) -> Envelope:
+        deadline = time.monotonic() + timeout  # stale messages do not extend it
+        try:
+            while True:
+                env = self.recv(max(0.0, deadline - time.monotonic()))
+                if env.header.reply_to == msg_id:
+                    if isinstance(env.msg, ErrorReply):
+                        raise ProtocolError(env.msg.code, env.msg.message, msg_id=msg_id)
+                    return env
+                log.debug("client %s discarded a stale %s", self.endpoint, env.header.type)
+        except TransportTimeout:
+            self.reset()
+            raise
+
+    def request(self, msg: Message, timeout: float = DEFAULT_REQUEST_TIMEOUT_S, *,
+                session: str = "") -> Message:
+        """Send and wait for the first reply. ProtocolError for an ErrorReply; TransportTimeout
+        (after which the socket is rebuilt) at the deadline."""
+        deadline = time.monotonic() + timeout
+        msg_id = self.send(msg, session=session)
+        return self._await(msg_id, max(0.0, deadline - time.monotonic())).msg
+
+    def stream(self, msg: Message, timeout_per_msg: float = DEFAULT_STREAM_TIMEOUT_S, *,
+               session: str = "") -> Iterator[Message]:
+        """Send and yield replies until one of a terminal type (see `message(terminal=...)`)."""
+        msg_id = self.send(msg, session=session)
+        while True:
+            reply = self._await(msg_id, timeout_per_msg).msg
+            yield reply
+            if is_terminal(reply):
+                return
+
+
+class Publisher(_Shell):
+    """A PUB socket for metrics and events, signed like everything else.
+
+    Each message is `[topic, header, body, *buffers, mac]`; the topic (default: the message tag)
+    is only for SUB-side filtering and is not authenticated. Thread-safe (a lock serializes
+    sends); PUB never blocks and drops messages for slow subscribers.
+    """
+
+    def __init__(self, *, key: bytes | None, bind: str = DEFAULT_BIND,
+                 context: zmq.Context | None = None) -> None:
+        self._key = key
+        self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.PUB)
+        self.endpoint = _bind(self._sock, bind)
+        self._lock = threading.Lock()
+
+    @property
+    def port(self) -> int:
+        return port_of(self.endpoint)
+
+    def publish(self, msg: Message, *, topic: str | None = None) -> int:
+        """Publish one message; returns its wire bytes (0 once closed)."""
+        frames = sign(encode(msg), self._key)
+        head = (topic if topic is not None else tag_of(msg)).encode()
+        with self._lock:
+            if self._sock is None:
+                return 0
+            self._sock.send_multipart([head, *frames], flags=zmq.NOBLOCK, copy=False)
+        return frames_nbytes(frames)
+
+    def close(self) -> None:
+        with self._lock:
+            super().close()
+
+
+class Subscriber(_Shell):
+    """A SUB socket over any number of publishers. Not thread-safe: connect/recv from one thread.
+
+    Messages that fail auth or decoding are dropped (counted in `dropped`) and recv keeps waiting.
+    """
+
+    def __init__(self, endpoints: Sequence[str] = (), *, key: bytes | None,
+                 topics: Sequence[str] = ("",), context: zmq.Context | None = None,
+                 limits: Limits = Limits(), replay_window_s: float = DEFAULT_REPLAY_WINDOW_S) -> None:
+        self._key = key
+        self._limits = limits
+        self._guard = ReplayGuard(replay_window_s)
+        self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.SUB, limits)
+        for t in topics:
+            self._sock.setsockopt(zmq.SUBSCRIBE, t.encode())
+        for e in endpoints:
+            self.connect(e)
+        self.dropped = 0
+
+    def connect(self, endpoint: str) -> None:
+        self._live().connect(endpoint)
+
+    def disconnect(self, endpoint: str) -> None:
+        self._live().disconnect(endpoint)
+
+    def recv(self, timeout: float = DEFAULT_RECV_TIMEOUT_S) -> Envelope:
+        """The next verified message; TransportTimeout at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            parts, count = self._poll_recv(deadline, 1, "publishers")
+            try:  # parts[0] is the topic
+                return self._unwrap(parts[1:], count - 1)
+            except ProtocolError as exc:
+                self.dropped += 1
+                log.warning("subscriber dropped a message: %s", exc)

@@ -1,0 +1,311 @@
+"""Codec, arrays and message registry: round trips of every message, typed errors for each
+malformed case."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import pytest
+
+from bridge import arrays, codec, messages
+from bridge.card import PROTOCOL_VERSION, AgentCard
+from bridge.errors import CODES, ProtocolError
+from bridge.messages import (DraftReply, ErrorReply, GenerateChunk, GenerateDone, HiddenStates,
+                             Ping, equal, example, message, registry)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@dataclass(frozen=True)
+class _Inner:
+    name: str
+    pair: tuple[int, str]
+
+
+@message("test.codec.kitchen_sink")
+class KitchenSink:
+    """Every supported field kind, so the codec is exercised beyond the product messages."""
+
+    raw: bytes
+    flag: bool
+    maybe: float | None
+    scalar: int | str
+    ids: list[int]
+    names: tuple[str, ...]
+    table: dict[str, float | int | str]
+    inner: _Inner
+    inners: list[_Inner]
+    mats: list[np.ndarray]
+    opt_arr: np.ndarray | None
+
+
+ALL_TAGS = sorted(registry())
+DTYPES = sorted(arrays.ALLOWED_DTYPES)
+
+
+def roundtrip(msg, **kw):
+    env = codec.decode(codec.encode(msg, **kw))
+    assert equal(msg, env.msg), (msg, env.msg)
+    return env
+
+
+def header(**over):
+    h = {"v": PROTOCOL_VERSION, "type": "ping", "id": "abc", "session": "", "reply_to": None, "t_ns": 1}
+    h.update(over)
+    return msgpack.packb(h)
+
+
+def expect(code, frames, **kw):
+    with pytest.raises(ProtocolError) as info:
+        codec.decode(frames, **kw)
+    assert info.value.code == code, info.value
+    return info.value
+
+
+# --- round trips -----------------------------------------------------------------------------
+
+
+def test_registry_has_every_product_message():
+    for tag in ("ping", "pong", "error", "status_request", "status", "open_session", "session_opened",
+                "draft_request", "draft_reply", "hidden_states", "close_session", "session_closed",
+                "generate", "generate_chunk", "generate_done", "block_metrics", "agent_event",
+                "run_preset", "preset_result"):
+        assert tag in registry()
+
+
+@pytest.mark.parametrize("tag", ALL_TAGS)
+@pytest.mark.parametrize("variant", [dict(), dict(seed=3, none=True), dict(seed=5, dtype="int8")])
+def test_every_message_roundtrips(tag, variant):
+    roundtrip(example(registry()[tag], **variant))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_array_fields_roundtrip_in_every_dtype(dtype):
+    for cls in (DraftReply, HiddenStates, KitchenSink):
+        env = roundtrip(example(cls, dtype=dtype))
+        arr = env.msg.states if cls is HiddenStates else None
+        if arr is not None:
+            assert arrays.is_bfloat16(arr) == (dtype == "bfloat16")
+            assert not arr.flags.writeable
+
+
+def test_header_fields_travel():
+    env = roundtrip(Ping(1, 2), msg_id="m1", session="sess", reply_to="r0", t_ns=42)
+    assert env.header == codec.Header(PROTOCOL_VERSION, "ping", "m1", "sess", "r0", 42)
+    assert env.nbytes == codec.frames_nbytes(codec.encode(Ping(1, 2), msg_id="m1", session="sess",
+                                                         reply_to="r0", t_ns=42))
+
+
+def test_arrays_travel_as_frames_not_in_msgpack():
+    probs = np.random.default_rng(0).random((4, 1000), dtype=np.float32)
+    frames = codec.encode(DraftReply("s", 1, [1, 2, 3, 4], probs, 1.0, False))
+    assert len(frames) == 3
+    assert len(frames[1]) < 200 and memoryview(frames[2]).nbytes == probs.nbytes
+
+
+def test_decode_is_zero_copy():
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    frames = [bytes(f) if i < 2 else bytearray(f) for i, f in enumerate(codec.encode(
+        HiddenStates("s", 0, [0, 1, 2], arr)))]
+    states = codec.decode(frames).msg.states
+    frames[2][:4] = np.float32(99).tobytes()
+    assert states[0, 0] == 99
+
+
+@pytest.mark.parametrize("arr", [
+    np.zeros((0, 5), np.float32), np.array(3.5, np.float16), np.arange(10, dtype=">i4"),
+    np.arange(24, dtype=np.int64).reshape(2, 3, 4)[:, ::2, 1:], np.asfortranarray(np.eye(3, dtype=np.float32)),
+])
+def test_array_edge_cases(arr):
+    out = codec.decode(codec.encode(HiddenStates("s", 0, [], arr))).msg.states
+    assert out.shape == arr.shape and np.array_equal(out, arr) and out.dtype.byteorder in "=<|"
+
+
+def test_bfloat16_bits_roundtrip():
+    bits = arrays.as_bfloat16(np.array([0x3F80, 0x4000], np.uint16))  # 1.0, 2.0
+    out = codec.decode(codec.encode(HiddenStates("s", 0, [0, 1], bits))).msg.states
+    assert arrays.is_bfloat16(out) and out.tolist() == [0x3F80, 0x4000]
+    with pytest.raises(TypeError):  # untagged uint16 is not a wire dtype: no silent guess
+        codec.encode(HiddenStates("s", 0, [0, 1], bits.view(np.uint16)))
+
+
+def test_encode_coerces_numpy_scalars_and_sequences():
+    msg = GenerateChunk("r", np.array([1, 2, 3]), "t")
+    assert codec.decode(codec.encode(msg)).msg.token_ids == [1, 2, 3]
+    assert codec.decode(codec.encode(Ping(np.int64(4), 5))).msg.seq == 4
+
+
+@pytest.mark.parametrize("msg", [
+    Ping("1", 2), Ping(True, 2), Ping(1.5, 2), Ping(2**70, 0),
+    GenerateDone("r", "t", [1], {"a": True}), GenerateDone("r", "t", [1], {1: 2}),
+    HiddenStates("s", 0, [], np.zeros(2, np.float64)), HiddenStates("s", 0, [], [1.0]),
+    ErrorReply(None, "m"),
+])
+def test_encode_refuses_bad_fields(msg):
+    with pytest.raises((TypeError, ValueError)):
+        codec.encode(msg)
+
+
+def test_encode_refuses_unregistered():
+    with pytest.raises(TypeError):
+        codec.encode(_Inner("a", (1, "b")))
+
+
+# --- registry --------------------------------------------------------------------------------
+
+
+def test_decorator_makes_frozen_dataclass_and_flags_terminal():
+    assert messages.is_terminal(GenerateDone) and not messages.is_terminal(GenerateChunk)
+    with pytest.raises(AttributeError):
+        Ping(1, 2).seq = 3  # type: ignore[misc]
+
+
+def test_registry_refuses_bad_classes():
+    with pytest.raises(ValueError):
+        message("ping")(type("Other", (), {"__annotations__": {"x": int}}))
+    with pytest.raises(TypeError):
+        message("test.codec.bad_type")(type("Bad", (), {"__annotations__": {"x": set}}))
+    with pytest.raises(TypeError):
+        message("test.codec.not_frozen")(dataclass(type("Loose", (), {"__annotations__": {"x": int}})))
+    with pytest.raises(ProtocolError) as info:
+        messages.message_class("nope")
+    assert info.value.code == "unknown_type"
+
+
+def test_equal_compares_arrays():
+    a = HiddenStates("s", 0, [1], np.ones((1, 2), np.float32))
+    assert equal(a, HiddenStates("s", 0, [1], np.ones((1, 2), np.float32)))
+    assert not equal(a, HiddenStates("s", 0, [1], np.ones((1, 2), np.float16)))
+    assert not equal(a, HiddenStates("s", 0, [1], np.zeros((1, 2), np.float32)))
+
+
+def test_status_reply_carries_agent_card():
+    card = AgentCard("n1", "mac", "fid", "10.0.0.2", 5555, 5556, roles=("proposer",),
+                     extra=(("k", "v"),))
+    assert roundtrip(messages.StatusReply(card, 1, 2.5, 0.1, 3, 4)).msg.card == card
+
+
+# --- typed errors ----------------------------------------------------------------------------
+
+
+def body(**fields):
+    return msgpack.packb(fields)
+
+
+def test_frame_count_and_garbage():
+    expect("malformed", [])
+    expect("malformed", [header()])
+    expect("malformed", [b"\xc1", body(seq=1, sent_ns=2)])  # 0xc1 is never valid msgpack
+    expect("malformed", [msgpack.packb([1, 2]), body(seq=1, sent_ns=2)])
+    expect("malformed", [header(), b"\x93\x01"])  # truncated
+    expect("malformed", [header(), body(seq=1, sent_ns=2) + b"\x00"])  # trailing bytes
+    expect("malformed", ["not bytes", body()])
+    expect("oversize", [header(), body(seq=1, sent_ns=2), *[b""] * 70])
+
+
+def test_header_errors():
+    assert expect("bad_version", [header(v=2), body(seq=1, sent_ns=2)]).msg_id == "abc"
+    expect("bad_version", [msgpack.packb({"v": 99}), b""])
+    expect("malformed", [header(v="1"), body(seq=1, sent_ns=2)])
+    expect("malformed", [header(extra=1), body(seq=1, sent_ns=2)])
+    expect("malformed", [header(t_ns="now"), body(seq=1, sent_ns=2)])
+    expect("malformed", [header(id=""), body(seq=1, sent_ns=2)])
+    expect("malformed", [header(reply_to=5), body(seq=1, sent_ns=2)])
+    expect("oversize", [header(session="x" * 5000), body(seq=1, sent_ns=2)])
+    err = expect("unknown_type", [header(type="nope"), body()])
+    assert err.msg_id == "abc"
+
+
+@pytest.mark.parametrize("fields", [
+    dict(seq=1), dict(seq=1, sent_ns=2, more=3), dict(seq="1", sent_ns=2), dict(seq=True, sent_ns=2),
+    dict(seq=1.0, sent_ns=2), dict(seq=None, sent_ns=2), dict(seq=[1], sent_ns=2),
+])
+def test_field_errors(fields):
+    assert expect("malformed", [header(), body(**fields)]).msg_id == "abc"
+
+
+def test_nested_field_errors():
+    good = msgpack.unpackb(codec.encode(example(GenerateDone))[1])
+    for field, value in [("token_ids", [1, "2"]), ("token_ids", 5), ("stats", {"a": [1]}),
+                         ("stats", [1]), ("text", b"bytes")]:
+        bad = dict(good, **{field: value})
+        expect("malformed", [header(type="generate_done"), msgpack.packb(bad)])
+    expect("malformed", [header(), msgpack.packb({1: 2})])  # non-str keys
+    expect("malformed", [header(), msgpack.packb([1, 2])])
+    expect("malformed", [header(), msgpack.packb({"seq": msgpack.ExtType(1, b"x"), "sent_ns": 1})])
+
+
+def hidden(desc, frames, **kw):
+    b = msgpack.packb({"session_id": "s", "block": 0, "positions": [], "states": desc})
+    return [header(type="hidden_states"), b, *frames]
+
+
+def test_array_descriptor_errors():
+    ok = {"__frame__": 0, "dtype": "float32", "shape": [2]}
+    codec.decode(hidden(ok, [b"\0" * 8]))
+    expect("bad_dtype", hidden(dict(ok, dtype="float64"), [b"\0" * 8]))
+    expect("bad_dtype", hidden(dict(ok, dtype="object"), [b"\0" * 8]))
+    expect("bad_dtype", hidden(dict(ok, dtype=7), [b"\0" * 8]))
+    expect("bad_shape", hidden(dict(ok, shape=[3]), [b"\0" * 8]))
+    expect("bad_shape", hidden(dict(ok, shape=[-2]), [b"\0" * 8]))
+    expect("bad_shape", hidden(dict(ok, shape=[2.0]), [b"\0" * 8]))
+    expect("bad_shape", hidden(dict(ok, shape="2"), [b"\0" * 8]))
+    expect("bad_shape", hidden(dict(ok, shape=[1] * 9), [b"\0" * 4]))
+    expect("oversize", hidden(dict(ok, shape=[0, 2**40, 2**40]), [b""]))
+    expect("oversize", hidden(dict(ok, shape=[4]), [b"\0" * 16]), max_frame_bytes=8)
+    expect("malformed", hidden(dict(ok, __frame__=1), [b"\0" * 8]))
+    expect("malformed", hidden(dict(ok, __frame__=-1), [b"\0" * 8]))
+    expect("malformed", hidden({"dtype": "float32", "shape": [2]}, [b"\0" * 8]))
+    expect("malformed", hidden(dict(ok, extra=1), [b"\0" * 8]))
+    expect("malformed", hidden(ok, [b"\0" * 8, b"spare"]))  # unreferenced frame
+    expect("malformed", hidden(ok, []))
+
+
+def test_reused_frame_index_is_malformed():
+    desc = {"__frame__": 0, "dtype": "uint8", "shape": [1]}
+    b = msgpack.packb({**msgpack.unpackb(codec.encode(example(KitchenSink))[1]),
+                       "mats": [desc, desc], "opt_arr": None})
+    expect("malformed", [header(type="test.codec.kitchen_sink"), b, b"\0"])
+
+
+def test_msgpack_bombs():
+    expect("malformed", [header(), b"\x91" * 100_000 + b"\x00"])  # nesting
+    expect("malformed", [header(), b"\xdd\xff\xff\xff\xff"])  # array32 claiming 4G items
+    expect("malformed", [header(), b"\xdf\xff\xff\xff\xff"])  # map32
+    expect("malformed", [header(), b"\xdb\xff\xff\xff\xff"])  # str32
+    expect("malformed", [header(), b"\xc6\xff\xff\xff\xff"])  # bin32
+    expect("oversize", [header(), b"\x00" * 100], max_body_bytes=50)
+
+
+def test_error_reply_is_addressed():
+    exc = ProtocolError("bad_shape", "nope", msg_id="req1")
+    env = codec.decode(codec.encode_error(exc))
+    assert env.msg == ErrorReply("bad_shape", "nope") and env.header.reply_to == "req1"
+    req = codec.decode(codec.encode(Ping(1, 1), msg_id="r2", session="s")).header
+    env = codec.decode(codec.encode_error(exc, request=req))
+    assert env.header.reply_to == "r2" and env.header.session == "s"
+    assert {"unknown_type", "bad_version", "malformed", "bad_shape", "bad_dtype", "oversize", "auth",
+            "bad_request", "not_found", "busy", "internal", "timeout", "unavailable"} == CODES
+
+
+def test_bridge_imports_no_other_project_package_and_no_pickle():
+    import ast
+    import pathlib
+    import sys
+
+    import bridge
+
+    allowed_roots = {"bridge", "numpy", "msgpack", "zmq", "zeroconf"}
+    project = {"macfleet", "agents", "tui"}
+    for path in pathlib.Path(bridge.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            for name in names:
+                root = name.split(".")[0]
+                assert root not in project, f"{path.name} imports {name}"
+                assert root not in {"pickle", "cPickle", "dill", "cloudpickle"}, f"{path.name}: {name}"
+                assert root in allowed_roots or root in sys.stdlib_module_names, f"{path.name}: {name}"
