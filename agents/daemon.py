@@ -42,6 +42,7 @@ class AgentConfig:
     cpu: int | None = None
     advertise: bool = True
     node_id: str = ""
+    f3_probe: bool = False  # verifier: measure F3 with a hidden-state-sized probe per block
 
 
 def pin_to_cpu(cpu: int | None) -> None:
@@ -77,7 +78,7 @@ class Agent:
             from agents.verifier_service import VerifierService
 
             self.verifier = VerifierService(self.lm, node_id=self.node_id, key=cfg.key,
-                                            publish=self.publish)
+                                            publish=self.publish, f3_probe=cfg.f3_probe)
         self.server = Server(self._handle, key=cfg.key,
                              bind=f"tcp://{cfg.bind_host}:{cfg.port or '*'}").start()
         self.card = self._make_card()

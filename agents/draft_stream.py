@@ -35,7 +35,7 @@ class StreamReply:
     tokens: list[int]
     probs: np.ndarray | None
     compute_ms: float
-    predraft_hit: bool  # answered entirely from the pre-drafted stream
+    predraft_hit: bool  # the pre-drafted stream survived and supplied at least one token
 
 
 @dataclass
@@ -54,6 +54,7 @@ class DraftStream:
     # it is paused when hits are rare and retried now and then.
     hit_rate: float = 0.5
     requests: int = 0
+    _survived: bool = False
 
     def commit(self, committed: Sequence[int]) -> bool:
         """Append the verifier's committed tokens; returns whether the stream survived."""
@@ -63,7 +64,9 @@ class DraftStream:
         if self.stream[:n] == committed:
             del self.stream[:n]
             del self.rows[:n]
+            self._survived = True
             return True
+        self._survived = False
         self.stream.clear()
         self.rows.clear()
         self.exhausted = False
@@ -87,7 +90,7 @@ class DraftStream:
         t0 = time.perf_counter()
         self.last_k = k
         self.last_used = time.monotonic()
-        hit = len(self.stream) >= k and k > 0
+        hit = bool(self.stream) and k > 0 and self._survived
         self.requests += 1
         self.hit_rate = 0.8 * self.hit_rate + 0.2 * float(hit)
         while len(self.stream) < k and self.extend(k - len(self.stream)):

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from agents.draft_stream import DraftStream
 from bridge.errors import BAD_REQUEST, BUSY, NOT_FOUND, ProtocolError
-from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, OpenSession,
-                             SessionClosed, SessionOpened)
+from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
+                             HiddenStatesAck, OpenSession, SessionClosed, SessionOpened)
 from macfleet.engine.models import LoadedModel, ModelSpecError
 from macfleet.engine.proposers import ProposerSpecError, make_proposer, parse_proposer_spec
 from macfleet.engine.sampling import SamplingParams
@@ -75,6 +75,11 @@ class ProposerService:
     # -- called on the server loop thread: validate, then queue for the compute thread
     def handle(self, msg, reply: Reply) -> bool:
         """Returns False when the message is not for this service."""
+        if isinstance(msg, HiddenStates):
+            # F3. No drafter here consumes hidden states yet: acknowledge at once (on the loop
+            # thread, not behind drafting work) so the verifier measures the wire cost only.
+            reply(HiddenStatesAck(msg.session_id, msg.block, int(msg.states.nbytes)))
+            return True
         if isinstance(msg, OpenSession):
             self._validate_open(msg)
         elif isinstance(msg, DraftRequest):

@@ -20,7 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
-from bridge.messages import CloseSession, DraftReply, DraftRequest, OpenSession, SessionOpened
+import numpy as np
+
+from bridge.messages import (CloseSession, DraftReply, DraftRequest, HiddenStates,
+                             HiddenStatesAck, OpenSession, SessionOpened)
 from bridge.transport import Client
 from macfleet.engine.loop import ProposerFailed
 from macfleet.engine.proposers.base import Draft, Proposer
@@ -39,11 +42,14 @@ class FlowTotals:
     f2_bytes: int = 0
     f1_ms: float = 0.0
     f2_ms: float = 0.0
+    f3_bytes: int = 0
+    f3_ms: float = 0.0
     compute_ms: float = 0.0
     predraft_hits: int = 0
     last: dict = field(default_factory=dict)
 
-    def add(self, b1: int, b2: int, wire_ms: float, compute_ms: float, hit: bool) -> None:
+    def add(self, b1: int, b2: int, wire_ms: float, compute_ms: float, hit: bool,
+            b3: int = 0, f3_ms: float = 0.0) -> None:
         share1 = b1 / (b1 + b2) if b1 + b2 else 0.5
         self.blocks += 1
         self.f1_bytes += b1
@@ -52,14 +58,21 @@ class FlowTotals:
         self.f2_ms += wire_ms * (1 - share1)
         self.compute_ms += compute_ms
         self.predraft_hits += int(hit)
+        self.f3_bytes += b3
+        self.f3_ms += f3_ms
         self.last = {"f1_bytes": b1, "f2_bytes": b2, "f1_ms": wire_ms * share1,
-                     "f2_ms": wire_ms * (1 - share1), "compute_ms": compute_ms, "hit": hit}
+                     "f2_ms": wire_ms * (1 - share1), "compute_ms": compute_ms, "hit": hit,
+                     "f3_bytes": b3, "f3_ms": f3_ms}
 
 
 class RemoteProposer(Proposer):
     def __init__(self, endpoint: str, *, key: bytes | None, proposer: str, model: str,
                  cross_round: bool = True, draft_timeout_s: float = DEFAULT_DRAFT_TIMEOUT_S,
-                 open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S) -> None:
+                 open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
+                 f3_probe_width: int = 0) -> None:
+        """f3_probe_width > 0: before each draft request, send the hidden states a
+        hidden-state drafter would need for the newly committed tokens (width = hidden size x
+        layers used, float16) and wait for the ack -- F3 measured for real, labelled a probe."""
         self.endpoint = endpoint
         self.key = key
         self.spec = proposer
@@ -67,6 +80,7 @@ class RemoteProposer(Proposer):
         self.cross_round = cross_round
         self.draft_timeout_s = draft_timeout_s
         self.open_timeout_s = open_timeout_s
+        self.f3_probe_width = f3_probe_width
         self.name = f"{proposer}@{endpoint}"
         self.flows = FlowTotals()
         self._client: Client | None = None
@@ -103,6 +117,7 @@ class RemoteProposer(Proposer):
         assert self._client is not None
         delta = [int(t) for t in context[self._sent:]]
         self._block += 1
+        b3, f3_ms = self._f3_probe(len(delta)) if self.f3_probe_width else (0, 0.0)
         req = DraftRequest(self._session, self._block, delta, k, not self.params.greedy)
         t0 = time.perf_counter()
         try:
@@ -115,8 +130,20 @@ class RemoteProposer(Proposer):
         self._sent = len(context)
         wire = max(0.0, rtt_ms - reply.draft_ms)
         self.flows.add(self._client.last_sent_bytes, self._client.last_recv_bytes, wire,
-                       reply.draft_ms, reply.predraft_hit)
+                       reply.draft_ms, reply.predraft_hit, b3, f3_ms)
         return Draft(tuple(reply.tokens), reply.probs, rtt_ms)
+
+    def _f3_probe(self, n_tokens: int) -> tuple[int, float]:
+        states = np.zeros((max(n_tokens, 1), self.f3_probe_width), dtype=np.float16)
+        msg = HiddenStates(self._session, self._block, list(range(len(states))), states)
+        t0 = time.perf_counter()
+        try:
+            ack = self._client.request(msg, timeout=self.draft_timeout_s, session=self._session)
+        except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
+            raise ProposerFailed(f"{self.endpoint} (F3 probe): {e}") from e
+        if not isinstance(ack, HiddenStatesAck):
+            raise ProposerFailed(f"{self.endpoint} answered {type(ack).__name__} to HiddenStates")
+        return self._client.last_sent_bytes, (time.perf_counter() - t0) * 1e3
 
     def close(self) -> None:
         if self._client is not None:
@@ -138,4 +165,6 @@ class RemoteProposer(Proposer):
             "f1_ms_per_block": f.f1_ms / n, "f2_ms_per_block": f.f2_ms / n,
             "proposer_compute_ms_per_block": f.compute_ms / n,
             "predraft_hit_rate": f.predraft_hits / n,
+            "f3_bytes_per_block": f.f3_bytes / n, "f3_ms_per_block": f.f3_ms / n,
+            "f3_probe": float(bool(self.f3_probe_width)),
         }

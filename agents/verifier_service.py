@@ -88,11 +88,13 @@ class VerifierLimits:
 class VerifierService:
     def __init__(self, lm: LoadedModel, *, node_id: str, key: bytes | None,
                  publish: Callable[[object], None] | None = None,
-                 limits: VerifierLimits = VerifierLimits()) -> None:
+                 limits: VerifierLimits = VerifierLimits(), f3_probe: bool = False) -> None:
         self.lm = lm
         self.node_id = node_id
         self.key = key
         self.limits = limits
+        # F3 probe width: what an EAGLE-style drafter reads, the last layer's hidden state
+        self.f3_probe_width = lm.hidden_size if f3_probe else 0
         self._publish = publish or (lambda m: None)
         self._jobs: queue.Queue = queue.Queue(maxsize=limits.max_queued)
         self._verifier = Verifier(lm.model)
@@ -145,7 +147,8 @@ class VerifierService:
     def _proposer(self, msg: GenerateRequest) -> Proposer | None:
         if msg.proposers:
             remotes = [RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec,
-                                      model=self.lm.spec, cross_round=msg.cross_round)
+                                      model=self.lm.spec, cross_round=msg.cross_round,
+                                      f3_probe_width=self.f3_probe_width)
                        for ep in msg.proposers]
             return FallbackProposer(remotes)
         return make_proposer(msg.proposer_spec or "none", self.lm)
@@ -173,13 +176,14 @@ class VerifierService:
                     last = remote.current.flows.last if remote and remote.current and \
                         ev.drafted is not None and ev.k > 0 else {}
                     if last and ev.k > 0:
-                        wire_ms += last["f1_ms"] + last["f2_ms"]
+                        wire_ms += last["f1_ms"] + last["f2_ms"] + last.get("f3_ms", 0.0)
                     block_ms += ev.block_ms
                     self._publish(BlockMetrics(
                         self.node_id, msg.request_id, ev.block, ev.k, ev.accepted, ev.block_ms,
                         ev.draft_ms, ev.verify_ms, int(last.get("f1_bytes", 0)),
                         float(last.get("f1_ms", 0.0)), int(last.get("f2_bytes", 0)),
-                        float(last.get("f2_ms", 0.0)), 0, 0.0, False))
+                        float(last.get("f2_ms", 0.0)), int(last.get("f3_bytes", 0)),
+                        float(last.get("f3_ms", 0.0)), bool(self.f3_probe_width)))
                 elif isinstance(ev, Finished):
                     stats = ev.stats
                     token_ids = list(ev.token_ids)

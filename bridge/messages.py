@@ -324,6 +324,15 @@ class HiddenStates:
     states: np.ndarray  # [len(positions), hidden]
 
 
+@message("hidden_states_ack")
+class HiddenStatesAck:
+    """The proposer received a HiddenStates message (closes the F3 round trip of a probe)."""
+
+    session_id: str
+    block: int
+    nbytes: int
+
+
 @message("close_session")
 class CloseSession:
     session_id: str

@@ -24,12 +24,15 @@ def add_parser(sub) -> None:
     a.add_argument("--loopback", action="store_true", help="advertise on 127.0.0.1 only")
     _key_args(a)
     a.add_argument("--cpu", type=int, default=None, help="pin to this core (Linux)")
+    a.add_argument("--f3-probe", action="store_true", help="verifier: send a hidden-state-"
+                   "sized probe with each block so the dashboard's F3 row is measured")
     a.set_defaults(func=run_agent)
 
     u = sub.add_parser("up", help="start a local fleet (default: 1 verifier + 1 proposer)")
     u.add_argument("--agents", type=int, default=2)
     u.add_argument("--model", default="smollm2")
     u.add_argument("--no-pin", action="store_true", help="do not pin agents to cores")
+    u.add_argument("--f3-probe", action="store_true", help="the verifier measures F3 per block")
     _key_args(u)
     u.set_defaults(func=run_up)
 
@@ -74,7 +77,8 @@ def run_agent(args) -> int:
     cfg = AgentConfig(role=args.role, model=args.model, name=args.name, bind_host=bind,
                       port=args.port, pub_port=args.pub_port, key=key,
                       loopback_only=args.loopback, cpu=args.cpu, node_id=args.node_id,
-                      proposer_kinds=tuple(k for k in args.proposers.split(",") if k))
+                      proposer_kinds=tuple(k for k in args.proposers.split(",") if k),
+                      f3_probe=args.f3_probe)
     try:
         agent = Agent(cfg)
     except ModelSpecError as e:
@@ -93,7 +97,8 @@ def run_up(args) -> int:
     key_path = None if args.open else Path(args.key or default_key_path())
     try:
         cards = local.up(args.agents, model=args.model, key=key, key_path=key_path,
-                         run_dir=run_dir(), pin=not args.no_pin)
+                         run_dir=run_dir(), pin=not args.no_pin,
+                         extra_args={"verifier": ["--f3-probe"]} if args.f3_probe else None)
     except (local.FleetStartError, ValueError) as e:
         raise UserError(str(e)) from None
     for c in sorted(cards, key=lambda c: c.name):

@@ -1,0 +1,92 @@
+"""Agents in one process on tiny models: fast checks of the role services over real sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents.daemon import Agent, AgentConfig
+from agents.draft_stream import DraftStream
+from bridge.messages import GenerateChunk, GenerateDone
+from macfleet.engine.models import load_model
+from macfleet.engine.proposers import make_proposer
+from macfleet.fleet.client import generate_remote
+
+KEY = b"k" * 32
+MODEL = "tiny:3"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False))
+    ver = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False,
+                            f3_probe=True))
+    yield ver, prop
+    ver.close()
+    prop.close()
+
+
+def gen(ver, prop, spec, **kw):
+    done, ids = None, []
+    for m in generate_remote(ver.card, KEY, prompt="the cat sat on the mat", chat=False,
+                             proposers=[prop.card.router_endpoint] if prop else [],
+                             proposer_spec=spec, **kw):
+        if isinstance(m, GenerateChunk):
+            ids += m.token_ids
+        elif isinstance(m, GenerateDone):
+            done = m
+    assert done is not None and ids == done.token_ids
+    return done
+
+
+@pytest.mark.parametrize("spec", ["draft:tiny:3", "layerskip:2", "ngram", "draft:tiny:4"])
+def test_remote_greedy_equals_verifier_alone(pair, spec):
+    ver, prop = pair
+    alone = gen(ver, None, "none", max_tokens=40)
+    for cross in (False, True):
+        d = gen(ver, prop, spec, max_tokens=40, draft_tokens=3, cross_round=cross)
+        assert d.token_ids == alone.token_ids, (spec, cross)
+        assert d.stats["remote_blocks"] > 0
+
+
+def test_cross_round_predrafts_hit_when_drafts_are_right(pair):
+    """Self-drafting accepts everything, and the proposer's guess of the bonus token is the
+    verifier's own: the next block is ready before it is asked for."""
+    ver, prop = pair
+    no = gen(ver, prop, "draft:tiny:3", max_tokens=40, draft_tokens=3, cross_round=False)
+    yes = gen(ver, prop, "draft:tiny:3", max_tokens=40, draft_tokens=3, cross_round=True)
+    assert no.stats["acceptance"] == 1.0 and yes.stats["acceptance"] == 1.0
+    assert no.stats["predraft_hit_rate"] == 0.0
+    assert yes.stats["predraft_hit_rate"] > 0.5
+
+
+def test_f3_probe_is_measured_per_block(pair):
+    ver, prop = pair
+    d = gen(ver, prop, "ngram", max_tokens=12, draft_tokens=2)
+    hidden = load_model(MODEL).hidden_size
+    assert d.stats["f3_probe"] == 1.0
+    assert d.stats["f3_bytes_per_block"] >= hidden * 2  # at least one float16 row
+    assert d.stats["f3_ms_per_block"] > 0
+
+
+def test_sampling_remote_is_seeded_and_lossless_path_runs(pair):
+    ver, prop = pair
+    a = gen(ver, prop, "draft:tiny:4", max_tokens=20, temperature=1.0, seed=5, draft_tokens=3)
+    b = gen(ver, prop, "draft:tiny:4", max_tokens=20, temperature=1.0, seed=5, draft_tokens=3)
+    assert a.token_ids == b.token_ids
+    assert a.stats["f2_bytes_per_block"] > 64 * 4  # draft probabilities travelled as frames
+
+
+def test_draft_stream_keeps_only_a_surviving_prefix():
+    lm = load_model(MODEL)
+    s = DraftStream(make_proposer("draft:tiny:3", lm), [1, 2, 3], want_probs=False,
+                    cross_round=True)
+    s.proposer.start(__import__("macfleet.engine.sampling", fromlist=["x"]).GREEDY)
+    r = s.draft(3)
+    assert len(r.tokens) == 3 and not r.predraft_hit
+    s.extend(4)
+    stream = list(s.stream)
+    assert s.commit(stream[:4])  # all 3 accepted + the bonus guess: the rest survives
+    assert s.stream == stream[4:]
+    assert s.draft(len(s.stream) + 2).predraft_hit  # partly pre-drafted still counts
+    bad = (s.stream[0] + 1) % lm.vocab_size
+    assert not s.commit([bad]) and s.stream == []
