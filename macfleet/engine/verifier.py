@@ -45,13 +45,14 @@ class Verifier:
     def prefill(self, tokens: Sequence[int]) -> None:
         """Feed tokens without needing their logits (chunked, like mlx-lm's prompt processing)."""
         for i in range(0, len(tokens), self.prefill_step):
-            chunk = mx.array(list(tokens[i : i + self.prefill_step]), dtype=mx.uint32)[None]
+            chunk = mx.array([int(t) for t in tokens[i : i + self.prefill_step]],
+                             dtype=mx.uint32)[None]
             self.model(chunk, cache=self.cache)
             mx.eval([c.state for c in self.cache])
 
     def forward(self, tokens: Sequence[int]) -> mx.array:
         """tokens: [L] -> logits [L, V] (float32), appending L entries to the cache."""
-        x = mx.array(list(tokens), dtype=mx.uint32)[None]
+        x = mx.array([int(t) for t in tokens], dtype=mx.uint32)[None]
         return self.model(x, cache=self.cache)[0].astype(mx.float32)
 
     def rollback(self, n: int) -> None:

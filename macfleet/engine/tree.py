@@ -1,0 +1,144 @@
+"""Token trees: several proposers' drafts merged and accepted in one verifier forward.
+
+Pure data and decisions, no MLX. Node 0 is the root (the last committed token); every other
+node is a drafted token whose parent precedes it, so a block laid out in node order can be
+verified in ONE forward with an ancestor mask and per-node positions (offset + depth).
+
+Acceptance walks from the root:
+* greedy: follow the child whose token is the verifier's argmax -> the longest accepted path;
+  the committed ids are exactly greedy decoding's (each step is an argmax given its prefix).
+* sampling, no draft probabilities: sample y ~ p at the node; follow the child with token y if
+  there is one, else commit y and stop. Every committed token is a draw from p: lossless.
+* sampling with draft probabilities: SpecInfer's multi-step speculative sampling (Miao et al.
+  2024): try the node's candidate children in a fixed order; accept candidate x drawn from q_j
+  with probability min(1, p(x) / q_j(x)); on rejection replace p by norm(max(p - q_j, 0)) and
+  try the next; if all are rejected, sample from what is left of p. Lossless for independent
+  candidates, which holds here because each proposer samples its own chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from macfleet.engine.acceptance import residual
+from macfleet.engine.sampling import sample
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A child of a node as drafted by one proposer (with the q row it was sampled from)."""
+
+    node: int
+    source: int  # proposer index
+    q: np.ndarray | None = field(default=None, compare=False)
+
+
+@dataclass
+class TokenTree:
+    tokens: list[int]  # node -> token (node 0: the root)
+    parents: list[int]  # node -> parent (-1 for the root)
+    depths: list[int]
+    children: list[dict[int, int]]  # node -> {token: child node}
+    candidates: list[list[Candidate]]  # node -> candidates in proposer order
+    paths: list[list[int]]  # proposer -> its chain of nodes
+
+    @property
+    def size(self) -> int:
+        """Drafted nodes (the root excluded)."""
+        return len(self.tokens) - 1
+
+    @classmethod
+    def from_drafts(cls, root: int, drafts: Sequence[Sequence[int]],
+                    probs: Sequence[np.ndarray | None] | None = None) -> TokenTree:
+        """Merge chains sharing prefixes. probs[j]: [len(drafts[j]), V] or None."""
+        t = cls([int(root)], [-1], [0], [{}], [[]], [])
+        for j, chain in enumerate(drafts):
+            q = probs[j] if probs is not None else None
+            cur, path = 0, []
+            for d, tok in enumerate(chain):
+                tok = int(tok)
+                child = t.children[cur].get(tok)
+                if child is None:
+                    child = len(t.tokens)
+                    t.tokens.append(tok)
+                    t.parents.append(cur)
+                    t.depths.append(t.depths[cur] + 1)
+                    t.children.append({})
+                    t.candidates.append([])
+                    t.children[cur][tok] = child
+                t.candidates[cur].append(Candidate(child, j, None if q is None else q[d]))
+                path.append(child)
+                cur = child
+            t.paths.append(path)
+        return t
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[N+1, N+1] bool: node i may attend to node j (j is i or an ancestor of i)."""
+        n = len(self.tokens)
+        m = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, j] = True
+                j = self.parents[j]
+        return m
+
+    def path_tokens(self, path: Sequence[int]) -> list[int]:
+        return [self.tokens[i] for i in path]
+
+    def accepted_per_source(self, path: Sequence[int]) -> list[int]:
+        """How many of each proposer's draft tokens lie on the accepted path."""
+        on = set(path)
+        out = []
+        for chain in self.paths:
+            n = 0
+            while n < len(chain) and chain[n] in on:
+                n += 1
+            out.append(n)
+        return out
+
+
+def accept_tree_greedy(tree: TokenTree, target_ids: Sequence[int]) -> tuple[list[int], int]:
+    """target_ids: argmax at every node. Returns (accepted node path, next token)."""
+    cur, path = 0, []
+    while True:
+        t = int(target_ids[cur])
+        child = tree.children[cur].get(t)
+        if child is None:
+            return path, t
+        path.append(child)
+        cur = child
+
+
+def accept_tree_sample(tree: TokenTree, p: np.ndarray,
+                       rng: np.random.Generator) -> tuple[list[int], int]:
+    """p: [N+1, V] verifier probabilities at every node."""
+    cur, path = 0, []
+    while True:
+        cands = tree.candidates[cur]
+        if not cands:
+            return path, sample(p[cur], rng)
+        if all(c.q is not None for c in cands):
+            nxt, tok = _multi_step(tree, cands, p[cur], rng)
+        else:
+            tok = sample(p[cur], rng)
+            nxt = tree.children[cur].get(tok)
+        if nxt is None:
+            return path, tok
+        path.append(nxt)
+        cur = nxt
+
+
+def _multi_step(tree: TokenTree, cands: list[Candidate], p_row: np.ndarray,
+                rng: np.random.Generator) -> tuple[int | None, int]:
+    p = p_row
+    for c in cands:
+        x = tree.tokens[c.node]
+        qx = float(c.q[x])
+        if qx > 0 and rng.random() < min(1.0, p[x] / qx):
+            return c.node, x
+        p = residual(p, c.q)
+    return None, sample(p, rng)

@@ -1,0 +1,177 @@
+"""N proposers : 1 verifier. Every block, each proposer drafts a chain; the chains are merged
+into a token tree and verified in ONE forward; the longest accepted path wins.
+
+Each proposer has its own adaptive draft length (its own acceptance and cost), so a useless
+proposer is pruned to k = 0 (probed now and then) and a good one grows. The tree is capped at
+`node_budget` nodes: verify(L) is sublinear but not free. Events and statistics are the same as
+the chain loop's, plus per-proposer acceptance in `stats.extra`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
+from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
+from macfleet.engine.loop import ProposerFailed, sanitize_draft
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng, probs_from_logits
+from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample
+from macfleet.engine.tree_verify import (compact_cache, supports_tree_attention, tree_forward,
+                                         verify_branches)
+from macfleet.engine.verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NODE_BUDGET = 16
+DEFAULT_K_MAX = 8
+
+
+class ProposerGroup:
+    """Proposers drafting for one sequence. `draft_all` is sequential here; a remote group
+    (agents) sends every request first and then collects, so drafting runs in parallel."""
+
+    def __init__(self, proposers: Sequence[Proposer], *, draft_tokens: int | str = "auto",
+                 k_max: int = DEFAULT_K_MAX, node_budget: int = DEFAULT_NODE_BUDGET) -> None:
+        if not proposers:
+            raise ValueError("a proposer group needs at least one proposer")
+        self.proposers = list(proposers)
+        self.node_budget = node_budget
+        self.controllers = [AdaptiveDraftLength(k_max=k_max) if draft_tokens == "auto"
+                            else FixedDraftLength(int(draft_tokens)) for _ in proposers]
+        self.live = [True] * len(proposers)
+        self.drafted = [0] * len(proposers)
+        self.accepted = [0] * len(proposers)
+
+    @property
+    def name(self) -> str:
+        return "+".join(p.name for p in self.proposers)
+
+    def start(self, params: SamplingParams) -> None:
+        for p in self.proposers:
+            p.start(params)
+
+    def lengths(self, limit: int) -> list[int]:
+        ks = [min(c.next_k(), limit) if live else 0
+              for c, live in zip(self.controllers, self.live)]
+        while sum(ks) > self.node_budget:
+            ks[ks.index(max(ks))] -= 1
+        return ks
+
+    def draft_all(self, context: Sequence[int], ks: Sequence[int]) -> list[Draft]:
+        out = []
+        for j, (p, k) in enumerate(zip(self.proposers, ks)):
+            out.append(self._one(j, p, context, k))
+        return out
+
+    def _one(self, j: int, p: Proposer, context, k: int) -> Draft:
+        if k <= 0 or not self.live[j]:
+            return EMPTY_DRAFT
+        try:
+            return p.propose(context, k)
+        except ProposerFailed as e:
+            log.warning("proposer %s failed (%s): pruned from the tree", p.name, e)
+            self.live[j] = False
+            return EMPTY_DRAFT
+
+    def observe(self, drafts: Sequence[Draft], accepted: Sequence[int], verify_ms: float) -> None:
+        for j, (c, d, n) in enumerate(zip(self.controllers, drafts, accepted)):
+            c.observe(len(d), n, d.draft_ms, verify_ms)
+            self.drafted[j] += len(d)
+            self.accepted[j] += n
+
+    def close(self) -> None:
+        for p in self.proposers:
+            p.close()
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p, d, a in zip(self.proposers, self.drafted, self.accepted):
+            out[f"acceptance[{p.name}]"] = a / d if d else 0.0
+        return out
+
+
+def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: SamplingParams,
+            rng) -> tuple[list[int], int]:
+    base = verifier.offset
+    if tree_ok:
+        logits = tree_forward(verifier, tree)
+        if params.greedy:
+            path, nxt = accept_tree_greedy(tree, np.array(mx.argmax(logits, axis=-1)).tolist())
+        else:
+            path, nxt = accept_tree_sample(tree, probs_from_logits(logits, params), rng)
+        compact_cache(verifier, base, path)
+        return path, nxt
+    path, nxt = accept_tree_greedy(tree, verify_branches(verifier, tree).tolist())
+    verifier.forward([tree.tokens[0], *tree.path_tokens(path)])  # refill the accepted entries
+    return path, nxt
+
+
+def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int], *,
+                  params: SamplingParams = GREEDY, max_tokens: int = 256,
+                  eos_ids: frozenset[int] = frozenset()) -> Iterator[Event]:
+    if not prompt:
+        raise ValueError("empty prompt")
+    vocab = int(verifier.model.args.vocab_size)
+    tree_ok = supports_tree_attention(verifier.model)
+    if not tree_ok and not params.greedy:
+        raise ValueError("sampling with several proposers needs tree attention (llama family)")
+    rng = make_rng(params, stream=0)
+    t_start = time.perf_counter()
+    verifier.reset()
+    group.start(params)
+    context = [int(t) for t in prompt]
+    verifier.prefill(context[:-1])
+    prefill_ms = (time.perf_counter() - t_start) * 1e3
+    generated: list[int] = []
+    hist = [0] * (group.node_budget + 2)
+    blocks = drafted = accepted = 0
+    draft_total = verify_total = 0.0
+    finish = "length"
+    try:
+        while len(generated) < max_tokens and finish != "stop":
+            t0 = time.perf_counter()
+            ks = group.lengths(max_tokens - len(generated) - 1)
+            drafts = [sanitize_draft(d, k, vocab)
+                      for d, k in zip(group.draft_all(context, ks), ks)]
+            if params.greedy:
+                drafts = [Draft(d.tokens, None, d.draft_ms) for d in drafts]
+            tree = TokenTree.from_drafts(context[-1], [d.tokens for d in drafts],
+                                         [d.probs for d in drafts])
+            t1 = time.perf_counter()
+            path, nxt = _verify(verifier, tree, tree_ok, params, rng)
+            t2 = time.perf_counter()
+            new = [*tree.path_tokens(path), nxt]
+            stop_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
+            if stop_at is not None:
+                new, finish = new[:stop_at], "stop"
+            context.extend(new)
+            generated.extend(new)
+            blocks += 1
+            if tree.size:
+                hist[min(len(path), len(hist) - 1)] += 1
+                drafted += tree.size
+                accepted += len(path)
+            dms, vms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+            draft_total += dms
+            verify_total += vms
+            group.observe(drafts, tree.accepted_per_source(path), vms)
+            if new:
+                yield TokensCommitted(blocks, tuple(new))
+            yield BlockDone(blocks, sum(ks), tree.size, len(path), len(new), dms, vms,
+                            (time.perf_counter() - t0) * 1e3)
+    finally:
+        group.close()
+    while len(hist) > 1 and hist[-1] == 0:
+        hist.pop()
+    stats = GenerationStats(
+        tokens=len(generated), elapsed_s=time.perf_counter() - t_start, prefill_ms=prefill_ms,
+        blocks=blocks, drafted=drafted, accepted=accepted, draft_ms=draft_total,
+        verify_ms=verify_total, proposer=group.name, finish_reason=finish,
+        accepted_hist=tuple(hist) if drafted else (), extra=group.stats())
+    yield Finished(stats, tuple(generated))

@@ -1,0 +1,167 @@
+"""Token trees: merging, the ancestor mask, one-forward verification, lossless acceptance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from macfleet.engine.events import Finished
+from macfleet.engine.loop import speculative_generate
+from macfleet.engine.models import load_model
+from macfleet.engine.proposers import make_proposer
+from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.sampling import GREEDY
+from macfleet.engine.tree import Candidate, TokenTree, accept_tree_sample
+from macfleet.engine.tree_loop import ProposerGroup, tree_generate
+from macfleet.engine.tree_verify import compact_cache, tree_forward
+from macfleet.engine.verifier import Verifier
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z=3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    exp = probs * counts.sum()
+    keep = exp > 5
+    return float((((counts - exp) ** 2)[keep] / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def test_merge_shares_prefixes_and_masks_ancestors():
+    t = TokenTree.from_drafts(9, [[1, 2, 3], [1, 2, 4], [5]])
+    assert t.tokens == [9, 1, 2, 3, 4, 5] and t.parents == [-1, 0, 1, 2, 2, 0]
+    assert t.depths == [0, 1, 2, 3, 3, 1] and t.size == 5
+    m = t.ancestor_mask()
+    assert m[4].tolist() == [True, True, True, False, True, False]
+    assert m[5].tolist() == [True, False, False, False, False, True]
+    assert t.accepted_per_source([1, 2, 4]) == [2, 3, 0]
+
+
+@pytest.mark.parametrize("spec", ["tiny:1", "tiny:2:300"])
+def test_one_forward_equals_each_branch_and_compaction_is_exact(spec):
+    lm = load_model(spec)
+    rng = np.random.default_rng(1)
+    prompt = [int(x) for x in rng.integers(0, lm.vocab_size, 12)]
+    a = [int(x) for x in rng.integers(0, lm.vocab_size, 4)]
+    drafts = [a, a[:2] + [int(x) for x in rng.integers(0, lm.vocab_size, 2)], [a[0] + 1]]
+    v = Verifier(lm.model)
+    v.prefill(prompt[:-1])
+    tree = TokenTree.from_drafts(prompt[-1], drafts)
+    base = v.offset
+    lt = np.array(tree_forward(v, tree))
+    for j, chain in enumerate(drafts):
+        ref = Verifier(lm.model)
+        ref.prefill(prompt[:-1])
+        lc = np.array(ref.forward([prompt[-1], *chain]))
+        for row, node in enumerate([0, *tree.paths[j]]):
+            np.testing.assert_allclose(lt[node], lc[row], atol=1e-3)
+            assert lt[node].argmax() == lc[row].argmax()
+    path = tree.paths[1]
+    compact_cache(v, base, path)
+    assert v.offset == base + 1 + len(path)
+    nxt = int(lt[path[-1]].argmax())
+    ref = Verifier(lm.model)
+    ref.prefill(prompt[:-1])
+    want = np.array(ref.forward([prompt[-1], *tree.path_tokens(path), nxt]))[-1]
+    np.testing.assert_allclose(np.array(v.forward([nxt]))[0], want, rtol=1e-3, atol=2e-3)
+
+
+class Garbage(Proposer):
+    name = "garbage"
+
+    def __init__(self, vocab):
+        self.rng, self.vocab = np.random.default_rng(0), vocab
+
+    def propose(self, context, k, with_guess=False):
+        return Draft(tuple(int(x) for x in self.rng.integers(-3, self.vocab + 3, k + 2)))
+
+
+def run(gen):
+    for ev in gen:
+        if isinstance(ev, Finished):
+            return list(ev.token_ids), ev.stats
+
+
+def test_tree_greedy_is_bit_identical_to_plain_decoding_and_prunes_useless_proposers():
+    lm = load_model("tiny:5")
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    plain, _ = run(speculative_generate(Verifier(lm.model), None, prompt, max_tokens=60))
+    group = ProposerGroup([make_proposer("ngram", lm), make_proposer("draft:tiny:5", lm),
+                           make_proposer("layerskip:2", lm), Garbage(lm.vocab_size)])
+    out, st = run(tree_generate(Verifier(lm.model), group, prompt, max_tokens=60))
+    assert out == plain
+    assert st.extra["acceptance[draft:tiny:5]"] == 1.0
+    assert st.extra["acceptance[garbage]"] < 0.2
+    assert group.controllers[3].next_k() <= 2  # pruned (or a probe)
+
+
+@pytest.mark.slow
+def test_tree_greedy_on_the_embedded_model():
+    from mlx_lm.generate import generate_step
+    import mlx.core as mx
+
+    lm = load_model("smollm2")
+    ids = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Repeat: red green blue, red green blue."}],
+        add_generation_prompt=True)
+    ref = []
+    for (y, _), _ in zip(generate_step(mx.array(ids), lm.model, max_tokens=24), range(24)):
+        if int(y) in lm.eos_ids:
+            break
+        ref.append(int(y))
+    group = ProposerGroup([make_proposer("ngram", lm), make_proposer("layerskip:12", lm)])
+    out, st = run(tree_generate(Verifier(lm.model), group, ids, max_tokens=24,
+                                eos_ids=lm.eos_ids))
+    assert out == ref and st.blocks < len(ref) + 1
+
+
+def _first_token_counts(rule, p, qs, trials, seed=0):
+    """Empirical distribution of the first committed token at a root with one candidate per q."""
+    V = len(p)
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(V)
+    for _ in range(trials):
+        xs = [int(rng.choice(V, p=q)) for q in qs]  # each proposer samples its own candidate
+        tree = TokenTree.from_drafts(0, [[x] for x in xs], [q[None] for q in qs])
+        pp = np.stack([p] * len(tree.tokens))
+        path, nxt = rule(tree, pp, rng)
+        counts[tree.tokens[path[0]] if path else nxt] += 1
+    return counts
+
+
+def _broken_rule(tree, p, rng):
+    """Multi-draft sampling WITHOUT the residual update: biased towards the drafts."""
+    for c in tree.candidates[0]:
+        x = tree.tokens[c.node]
+        if rng.random() < min(1.0, p[0][x] / c.q[x]):
+            return [c.node], x
+    return [], int(rng.choice(len(p[0]), p=p[0]))
+
+
+def test_multi_draft_sampling_keeps_the_verifier_distribution():
+    rng = np.random.default_rng(3)
+    V = 6
+    p = rng.dirichlet(np.ones(V))
+    qs = [rng.dirichlet(np.ones(V) * 0.5), rng.dirichlet(np.ones(V) * 0.5)]
+    good = _first_token_counts(accept_tree_sample, p, qs, 6000)
+    stat, df = chi2(good, p)
+    assert stat < chi2_critical(df), (stat, df)
+    bad = _first_token_counts(_broken_rule, p, qs, 6000)
+    stat_bad, df_bad = chi2(bad, p)
+    assert stat_bad > chi2_critical(df_bad), "the test cannot tell a wrong rule from a right one"
+
+
+def test_tree_sampling_loop_runs_and_is_seeded():
+    from macfleet.engine.sampling import SamplingParams
+
+    lm = load_model("tiny:6:32")
+    params = SamplingParams(1.0, 1.0, 11)
+    outs = []
+    for _ in range(2):
+        group = ProposerGroup([make_proposer("draft:tiny:7:32", lm), make_proposer("ngram", lm)])
+        outs.append(run(tree_generate(Verifier(lm.model), group, [1, 2, 3, 1, 2, 3], params=params,
+                                      max_tokens=30))[0])
+    assert outs[0] == outs[1] and len(outs[0]) == 30
+    assert GREEDY.greedy
+    assert Candidate(1, 0).q is None
