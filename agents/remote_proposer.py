@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 import numpy as np
 
-from bridge.messages import (CloseSession, DraftReply, DraftRequest, HiddenStates,
+from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionOpened)
 from bridge.transport import Client
 from macfleet.engine.loop import ProposerFailed
@@ -87,6 +87,11 @@ class RemoteProposer(Proposer):
         self._session = ""
         self._sent = 0  # context tokens the remote session knows
         self._block = 0
+        self._pending = ""
+        self._pending_len = 0
+        self._sent_bytes = 0
+        self._t0 = 0.0
+        self._f3: tuple[int, float] = (0, 0.0)
         self.params = GREEDY
 
     def start(self, params: SamplingParams = GREEDY) -> None:
@@ -112,25 +117,50 @@ class RemoteProposer(Proposer):
         self._session, self._sent = sid, len(context)
 
     def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+        self.begin(context, k)
+        return self.finish()
+
+    def begin(self, context: Sequence[int], k: int) -> None:
+        """Send the draft request (F1) without waiting: a tree of remote proposers sends to
+        all of them first, so they draft at the same time."""
         if not self._session:
             self._open(context)
         assert self._client is not None
         delta = [int(t) for t in context[self._sent:]]
         self._block += 1
-        b3, f3_ms = self._f3_probe(len(delta)) if self.f3_probe_width else (0, 0.0)
+        self._f3 = self._f3_probe(len(delta)) if self.f3_probe_width else (0, 0.0)
         req = DraftRequest(self._session, self._block, delta, k, not self.params.greedy)
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         try:
-            reply = self._client.request(req, timeout=self.draft_timeout_s, session=self._session)
-        except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
+            self._pending = self._client.send(req, session=self._session)
+        except PeerUnavailable as e:
             raise ProposerFailed(f"{self.endpoint}: {e}") from e
-        rtt_ms = (time.perf_counter() - t0) * 1e3
+        self._pending_len = len(context)
+        self._sent_bytes = self._client.last_sent_bytes
+
+    def finish(self) -> Draft:
+        """Collect the reply (F2) of the request sent by `begin`."""
+        assert self._client is not None
+        deadline = self._t0 + self.draft_timeout_s
+        try:
+            while True:
+                env = self._client.recv(max(0.0, deadline - time.perf_counter()))
+                if env.header.reply_to == self._pending:
+                    break
+        except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
+            self._client.reset()
+            raise ProposerFailed(f"{self.endpoint}: {e}") from e
+        reply = env.msg
+        rtt_ms = (time.perf_counter() - self._t0) * 1e3
+        if isinstance(reply, ErrorReply):
+            raise ProposerFailed(f"{self.endpoint}: {reply.code}: {reply.message}")
         if not isinstance(reply, DraftReply) or reply.block != self._block:
             raise ProposerFailed(f"{self.endpoint} sent an unexpected reply to block {self._block}")
-        self._sent = len(context)
+        self._sent = self._pending_len
         wire = max(0.0, rtt_ms - reply.draft_ms)
-        self.flows.add(self._client.last_sent_bytes, self._client.last_recv_bytes, wire,
-                       reply.draft_ms, reply.predraft_hit, b3, f3_ms)
+        b3, f3_ms = self._f3
+        self.flows.add(self._sent_bytes, self._client.last_recv_bytes, wire, reply.draft_ms,
+                       reply.predraft_hit, b3, f3_ms)
         return Draft(tuple(reply.tokens), reply.probs, rtt_ms)
 
     def _f3_probe(self, n_tokens: int) -> tuple[int, float]:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agents.remote_proposer import RemoteProposer
+from agents.remote_tree import RemoteProposerGroup
 from bridge.errors import BAD_REQUEST, BUSY, ProtocolError
 from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDone, GenerateRequest
 from macfleet.engine.controller import make_controller
@@ -27,6 +28,7 @@ from macfleet.engine.proposers import ProposerSpecError, make_proposer
 from macfleet.engine.proposers.base import Draft, Proposer
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.text import PromptError, TextStream, encode_prompt
+from macfleet.engine.tree_loop import tree_generate
 from macfleet.engine.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,8 @@ class VerifierService:
                 self.active -= 1
 
     def _proposer(self, msg: GenerateRequest) -> Proposer | None:
+        if msg.proposers and "+" in msg.proposer_spec:
+            return self._tree_group(msg)
         if msg.proposers:
             remotes = [RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec,
                                       model=self.lm.spec, cross_round=msg.cross_round,
@@ -152,6 +156,31 @@ class VerifierService:
                        for ep in msg.proposers]
             return FallbackProposer(remotes)
         return make_proposer(msg.proposer_spec or "none", self.lm)
+
+    @staticmethod
+    def _last_flows(proposer) -> dict:
+        """Flow figures of the block just verified (the slowest proposer's, for a tree)."""
+        if isinstance(proposer, FallbackProposer):
+            return proposer.current.flows.last if proposer.current else {}
+        if isinstance(proposer, RemoteProposerGroup):
+            lasts = [p.flows.last for p, live in zip(proposer.proposers, proposer.live)
+                     if live and p.flows.last]
+            if not lasts:
+                return {}
+            worst = max(lasts, key=lambda f: f["f1_ms"] + f["f2_ms"] + f["f3_ms"])
+            return dict(worst, f1_bytes=sum(f["f1_bytes"] for f in lasts),
+                        f2_bytes=sum(f["f2_bytes"] for f in lasts))
+        return {}
+
+    def _tree_group(self, msg: GenerateRequest) -> RemoteProposerGroup:
+        """`a+b+c` with N endpoints: proposer i drafts spec i (the last spec repeats)."""
+        specs = msg.proposer_spec.split("+")
+        remotes = [RemoteProposer(ep, key=self.key, proposer=specs[min(i, len(specs) - 1)],
+                                  model=self.lm.spec, cross_round=msg.cross_round,
+                                  f3_probe_width=self.f3_probe_width)
+                   for i, ep in enumerate(msg.proposers)]
+        return RemoteProposerGroup(remotes, draft_tokens="auto" if msg.draft_tokens < 0
+                                   else msg.draft_tokens)
 
     def _generate(self, msg: GenerateRequest, reply: Reply) -> None:
         params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
@@ -164,17 +193,21 @@ class VerifierService:
         block_ms = wire_ms = 0.0
         stats = None
         remote = proposer if isinstance(proposer, FallbackProposer) else None
+        if isinstance(proposer, RemoteProposerGroup):
+            events = tree_generate(self._verifier, proposer, ids, params=params,
+                                   max_tokens=msg.max_tokens, eos_ids=self.lm.eos_ids)
+        else:
+            events = speculative_generate(self._verifier, proposer, ids, params=params,
+                                          max_tokens=msg.max_tokens, controller=ctl,
+                                          eos_ids=self.lm.eos_ids)
         try:
-            for ev in speculative_generate(self._verifier, proposer, ids, params=params,
-                                           max_tokens=msg.max_tokens, controller=ctl,
-                                           eos_ids=self.lm.eos_ids):
+            for ev in events:
                 if isinstance(ev, TokensCommitted):
                     s = text.add(ev.tokens)
                     parts.append(s)
                     reply(GenerateChunk(msg.request_id, list(ev.tokens), s))
                 elif isinstance(ev, BlockDone):
-                    last = remote.current.flows.last if remote and remote.current and \
-                        ev.drafted is not None and ev.k > 0 else {}
+                    last = self._last_flows(proposer) if ev.k > 0 else {}
                     if last and ev.k > 0:
                         wire_ms += last["f1_ms"] + last["f2_ms"] + last.get("f3_ms", 0.0)
                     block_ms += ev.block_ms
@@ -199,6 +232,8 @@ class VerifierService:
         if remote is not None:
             out.update(remote.stats())
             out["proposer_failures"] = len(remote.failures)
+        elif isinstance(proposer, RemoteProposerGroup):
+            out.update(proposer.stats())
         out["wire_ms"] = wire_ms
         out["multihost_overhead"] = wire_ms / block_ms if block_ms else 0.0
         out["verifier"] = self.node_id

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 | PATH.gguf | mlx-lm dir/id | "
                    "tiny:SEED[:VOCAB]")
     p.add_argument("--proposer", default=DEFAULT_PROPOSER,
-                   help="draft:SPEC | layerskip:K | ngram[:N] | none (default: %(default)s)")
+                   help="draft:SPEC | layerskip:K | ngram[:N] | none; several joined by + "
+                   "draft a token tree each block (default: %(default)s)")
     p.add_argument("--draft-tokens", default="auto", help="K or auto (default: auto)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0)
@@ -80,7 +81,8 @@ def run_local(args) -> int:
     if args.max_tokens < 0:
         raise UserError("--max-tokens must be >= 0")
     try:
-        parse_proposer_spec(args.proposer)
+        for spec in args.proposer.split("+"):
+            parse_proposer_spec(spec)
         lm = load_model(args.model)
         parts: list[str] = []
         for ev in generate_local(lm, args.prompt, chat=not args.no_chat, proposer=args.proposer,

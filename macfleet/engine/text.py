@@ -11,6 +11,7 @@ from macfleet.engine.loop import DEFAULT_MAX_TOKENS, speculative_generate
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.engine.tree_loop import ProposerGroup, tree_generate
 from macfleet.engine.verifier import Verifier
 
 MAX_PROMPT_TOKENS = 32768
@@ -57,6 +58,10 @@ class TextStream:
         return self._detok.last_segment
 
 
+def _none(spec: str):
+    raise ValueError(f"'{spec}' drafts nothing: it cannot be part of a proposer tree")
+
+
 @dataclass(frozen=True)
 class TextDelta:
     text: str
@@ -76,12 +81,19 @@ def generate_local(
 ) -> Iterator[TextDelta | Event]:
     """In-process speculative generation: TextDelta for each commit, BlockDone, then Finished."""
     ids = encode_prompt(lm.tokenizer, prompt, chat)
-    prop = make_proposer(proposer, lm)
-    controller = make_controller(draft_tokens if prop is not None else 0)
     stream = TextStream(lm.tokenizer)
     verifier = verifier or Verifier(lm.model)
-    for ev in speculative_generate(verifier, prop, ids, params=params, max_tokens=max_tokens,
-                                   controller=controller, eos_ids=lm.eos_ids):
+    if "+" in proposer:  # several proposers: a token tree per block
+        group = ProposerGroup([make_proposer(s, lm) or _none(s) for s in proposer.split("+")],
+                              draft_tokens=draft_tokens)
+        events = tree_generate(verifier, group, ids, params=params, max_tokens=max_tokens,
+                               eos_ids=lm.eos_ids)
+    else:
+        prop = make_proposer(proposer, lm)
+        controller = make_controller(draft_tokens if prop is not None else 0)
+        events = speculative_generate(verifier, prop, ids, params=params, max_tokens=max_tokens,
+                                      controller=controller, eos_ids=lm.eos_ids)
+    for ev in events:
         if isinstance(ev, TokensCommitted):
             yield TextDelta(stream.add(ev.tokens), ev.tokens)
         elif isinstance(ev, Finished):

@@ -90,3 +90,29 @@ def test_draft_stream_keeps_only_a_surviving_prefix():
     assert s.draft(len(s.stream) + 2).predraft_hit  # partly pre-drafted still counts
     bad = (s.stream[0] + 1) % lm.vocab_size
     assert not s.commit([bad]) and s.stream == []
+
+
+def test_remote_tree_of_two_proposer_agents_is_lossless_and_survives_one_dying(pair):
+    ver, prop = pair
+    prop2 = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False))
+    try:
+        alone = gen(ver, None, "none", max_tokens=40)
+        eps = [prop.card.router_endpoint, prop2.card.router_endpoint]
+        done = None
+        for m in generate_remote(ver.card, KEY, prompt="the cat sat on the mat", chat=False,
+                                 proposers=eps, proposer_spec="ngram+draft:tiny:3",
+                                 max_tokens=40, draft_tokens=3):
+            if isinstance(m, GenerateDone):
+                done = m
+        assert done.token_ids == alone.token_ids
+        assert done.stats["acceptance[draft:tiny:3@" + eps[1] + "]"] == 1.0
+        prop2.close()  # gone: the tree loses a branch, the session goes on
+        done2 = None
+        for m in generate_remote(ver.card, KEY, prompt="the cat sat on the mat", chat=False,
+                                 proposers=eps, proposer_spec="ngram+draft:tiny:3",
+                                 max_tokens=40, draft_tokens=3):
+            if isinstance(m, GenerateDone):
+                done2 = m
+        assert done2.token_ids == alone.token_ids and done2.stats["proposer_failures"] == 1
+    finally:
+        prop2.close()

@@ -1,0 +1,57 @@
+"""N remote proposers : 1 verifier: the proposers draft at the same time on their own Macs.
+
+`RemoteProposerGroup` sends every proposer's draft request first and collects the replies
+after, so the critical path waits for the slowest proposer, not for the sum of them. A
+proposer that fails is pruned from the tree; the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from agents.remote_proposer import RemoteProposer
+from macfleet.engine.loop import ProposerFailed
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft
+from macfleet.engine.tree_loop import ProposerGroup
+
+log = logging.getLogger(__name__)
+
+
+class RemoteProposerGroup(ProposerGroup):
+    def __init__(self, proposers: Sequence[RemoteProposer], **kw) -> None:
+        super().__init__(proposers, **kw)
+        self.failures: list[str] = []
+
+    def _fail(self, j: int, e: Exception) -> None:
+        p = self.proposers[j]
+        log.warning("proposer %s failed (%s): pruned from the tree", p.name, e)
+        self.failures.append(f"{p.endpoint}: {e}")
+        self.live[j] = False
+        p.close()
+
+    def draft_all(self, context, ks) -> list[Draft]:
+        started = []
+        for j, (p, k) in enumerate(zip(self.proposers, ks)):
+            if k > 0 and self.live[j]:
+                try:
+                    p.begin(context, k)
+                    started.append(j)
+                except ProposerFailed as e:
+                    self._fail(j, e)
+        out = [EMPTY_DRAFT] * len(self.proposers)
+        for j in started:
+            try:
+                out[j] = self.proposers[j].finish()
+            except ProposerFailed as e:
+                self._fail(j, e)
+        return out
+
+    def stats(self) -> dict[str, float]:
+        out = super().stats()
+        for p in self.proposers:
+            for key, v in p.stats().items():
+                out[key] = out.get(key, 0.0) + v if key == "remote_blocks" else \
+                    max(out.get(key, 0.0), v)
+        out["proposer_failures"] = len(self.failures)
+        return out
