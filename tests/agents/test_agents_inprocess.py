@@ -26,10 +26,11 @@ def pair():
 
 
 def gen(ver, prop, spec, **kw):
+    """prop: an Agent, a list of endpoints, or None (the verifier alone)."""
+    eps = prop if isinstance(prop, list) else [prop.card.router_endpoint] if prop else []
     done, ids = None, []
     for m in generate_remote(ver.card, KEY, prompt="the cat sat on the mat", chat=False,
-                             proposers=[prop.card.router_endpoint] if prop else [],
-                             proposer_spec=spec, **kw):
+                             proposers=eps, proposer_spec=spec, **kw):
         if isinstance(m, GenerateChunk):
             ids += m.token_ids
         elif isinstance(m, GenerateDone):
@@ -98,21 +99,11 @@ def test_remote_tree_of_two_proposer_agents_is_lossless_and_survives_one_dying(p
     try:
         alone = gen(ver, None, "none", max_tokens=40)
         eps = [prop.card.router_endpoint, prop2.card.router_endpoint]
-        done = None
-        for m in generate_remote(ver.card, KEY, prompt="the cat sat on the mat", chat=False,
-                                 proposers=eps, proposer_spec="ngram+draft:tiny:3",
-                                 max_tokens=40, draft_tokens=3):
-            if isinstance(m, GenerateDone):
-                done = m
+        done = gen(ver, eps, "ngram+draft:tiny:3", max_tokens=40, draft_tokens=3)
         assert done.token_ids == alone.token_ids
         assert done.stats["acceptance[draft:tiny:3@" + eps[1] + "]"] == 1.0
         prop2.close()  # gone: the tree loses a branch, the session goes on
-        done2 = None
-        for m in generate_remote(ver.card, KEY, prompt="the cat sat on the mat", chat=False,
-                                 proposers=eps, proposer_spec="ngram+draft:tiny:3",
-                                 max_tokens=40, draft_tokens=3):
-            if isinstance(m, GenerateDone):
-                done2 = m
+        done2 = gen(ver, eps, "ngram+draft:tiny:3", max_tokens=40, draft_tokens=3)
         assert done2.token_ids == alone.token_ids and done2.stats["proposer_failures"] == 1
     finally:
         prop2.close()
