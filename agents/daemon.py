@@ -65,7 +65,10 @@ class Agent:
         self.started = time.monotonic()
         self._stop = threading.Event()
         pin_to_cpu(cfg.cpu)
+        from agents.admission import admit
         from macfleet.engine.models import load_model
+
+        self.admission = admit(cfg.model, sysinfo.memory_free())  # AdmissionError: not loaded
 
         self.lm = load_model(cfg.model)
         self.publisher = Publisher(key=cfg.key, bind=f"tcp://{cfg.bind_host}:{cfg.pub_port or '*'}")

@@ -28,7 +28,7 @@ def _extensions() -> list:
     import importlib
 
     mods = []
-    for name in ("macfleet.cli.bench_fleet",):
+    for name in ("macfleet.cli.bench_fleet", "macfleet.cli.bench_soak"):
         try:
             mods.append(importlib.import_module(name))
         except ModuleNotFoundError as e:

@@ -69,6 +69,7 @@ def load_key(args, create: bool = False) -> bytes | None:
 
 
 def run_agent(args) -> int:
+    from agents.admission import AdmissionError
     from agents.daemon import Agent, AgentConfig
     from macfleet.engine.models import ModelSpecError
 
@@ -81,7 +82,7 @@ def run_agent(args) -> int:
                       f3_probe=args.f3_probe)
     try:
         agent = Agent(cfg)
-    except ModelSpecError as e:
+    except (ModelSpecError, AdmissionError) as e:
         raise UserError(str(e)) from None
     print(f"agent {agent.name} ({args.role}, {agent.lm.spec}) serving at "
           f"{agent.card.router_endpoint}, metrics at {agent.card.pub_endpoint}", flush=True)

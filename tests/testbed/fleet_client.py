@@ -1,0 +1,52 @@
+"""A fleet client to run inside a test-bed namespace (`ip netns exec NS python fleet_client.py`).
+
+    discover --key K --expect N          -> one JSON line: the cards seen (all interfaces)
+    generate --key K --expect N ...      -> JSON lines: {"chunk": ids} ..., then {"done": ids, ...}
+
+The test reads the lines as they come, so it can act (cut a link) mid-generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bridge.auth import fleet_id, load_key
+from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
+from bridge.messages import GenerateChunk, GenerateDone
+from macfleet.fleet.client import discover, generate_remote
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=("discover", "generate"))
+    p.add_argument("--key", required=True)
+    p.add_argument("--expect", type=int, default=2)
+    p.add_argument("--wait", type=float, default=20.0)
+    p.add_argument("--prompt", default="the cat sat on the mat and the dog sat on the rug")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--spec", default="ngram")
+    p.add_argument("--alone", action="store_true", help="no proposer: the verifier alone")
+    p.add_argument("--draft-tokens", type=int, default=-1)
+    a = p.parse_args()
+    key = load_key(a.key)
+    cards = discover(fleet_id(key), wait_s=a.wait, expect=a.expect)
+    if a.what == "discover":
+        print(json.dumps([{"name": c.name, "host": c.host, "roles": list(c.roles),
+                           "router": c.router_endpoint} for c in cards]), flush=True)
+        return 0
+    v = next(c for c in cards if ROLE_VERIFIER in c.roles)
+    props = [] if a.alone else [c.router_endpoint for c in cards if ROLE_PROPOSER in c.roles]
+    for msg in generate_remote(v, key, prompt=a.prompt, chat=False, max_tokens=a.max_tokens,
+                               proposers=props, proposer_spec=a.spec if props else "none",
+                               draft_tokens=a.draft_tokens, first_token_timeout_s=60):
+        if isinstance(msg, GenerateChunk):
+            print(json.dumps({"chunk": msg.token_ids}), flush=True)
+        elif isinstance(msg, GenerateDone):
+            print(json.dumps({"done": msg.token_ids, "stats": msg.stats}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Three hosts in network namespaces on one bridge: verifier (h0), proposer (h1), client (h2).
+
+Each agent is a real `macfleet agent` process bound to its namespace's address; discovery is
+Zeroconf multicast across the bridge, traffic is TCP between namespaces. Skipped unless root
+and `ip netns` work. The tiny model keeps it fast; the network is what is under test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bridge.auth import keygen
+
+sys.path.insert(0, str(Path(__file__).parent))
+import netns  # noqa: E402
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(240)]
+
+MODEL = "tiny:1"
+CLIENT = str(Path(__file__).parent / "fleet_client.py")
+REASON = netns.available()
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory):
+    if REASON:
+        pytest.skip(f"multi-host test bed unavailable: {REASON}")
+    tmp = tmp_path_factory.mktemp("bed")
+    key_path = tmp / "fleet.key"
+    keygen(key_path)
+    with netns.Testbed(3, rate=netns.WIFI_RATE) as tb:
+        v, p, c = tb.hosts
+        for host, role in ((v, "verifier"), (p, "proposer")):
+            log = open(tmp / f"{role}.log", "wb")
+            tb.popen(host, [sys.executable, "-m", "macfleet", "agent", "--role", role,
+                            "--model", MODEL, "--name", f"{role}-{host.ip}", "--bind", host.ip,
+                            "--key", str(key_path)], stdout=log, stderr=subprocess.STDOUT)
+        yield {"tb": tb, "key_path": str(key_path), "v": v, "p": p, "c": c, "tmp": tmp}
+
+
+def client(bed, *args: str, timeout: float = 90) -> list[dict]:
+    r = bed["tb"].run(bed["c"], [sys.executable, CLIENT, *args, "--key", bed["key_path"]],
+                      timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+
+
+def test_zeroconf_discovery_across_namespaces(bed):
+    """The client's namespace sees both agents, each advertising its own namespace address."""
+    cards = client(bed, "discover", "--expect", "2")[0]
+    by_role = {c["roles"][0]: c for c in cards}
+    assert set(by_role) == {"verifier", "proposer"}
+    assert by_role["verifier"]["host"] == bed["v"].ip
+    assert by_role["proposer"]["host"] == bed["p"].ip
+    assert by_role["proposer"]["router"].startswith(f"tcp://{bed['p'].ip}:")
+
+
+def test_two_host_generation_is_identical_to_the_verifier_alone(bed):
+    alone = client(bed, "generate", "--alone", "--max-tokens", "24")[-1]
+    spec = client(bed, "generate", "--max-tokens", "24", "--spec", "layerskip:2")[-1]
+    assert spec["done"] == alone["done"] and len(alone["done"]) == 24
+    assert spec["stats"]["remote_blocks"] > 0 and spec["stats"]["proposer_failures"] == 0
+
+
+def test_zz_link_cut_mid_generation_completes_with_identical_output(bed):
+    """`ip link set <veth> down` on the proposer's side after the first tokens: the verifier's
+    draft request times out, it decodes on alone, and the ids equal the verifier alone."""
+    n = "400"
+    alone = client(bed, "generate", "--alone", "--max-tokens", n)[-1]["done"]
+    tb = bed["tb"]
+    proc = tb.popen(bed["c"], [sys.executable, CLIENT, "generate", "--max-tokens", n,
+                               "--spec", "layerskip:2", "--draft-tokens", "2",
+                               "--key", bed["key_path"]],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, cut_at = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(json.loads(line))
+            if cut_at is None and "chunk" in lines[-1]:
+                tb.set_link(bed["p"], up=False)
+                cut_at = time.monotonic()
+        assert proc.wait(60) == 0, proc.stderr.read()[-3000:]
+    finally:
+        tb.set_link(bed["p"], up=True)
+    done = lines[-1]
+    assert cut_at is not None and "done" in done
+    ids = [t for x in lines if "chunk" in x for t in x["chunk"]]
+    assert ids == done["done"] == alone
+    assert done["stats"]["proposer_failures"] == 1, done["stats"]
