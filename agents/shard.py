@@ -1,0 +1,368 @@
+"""A verifier sharded over several processes (several Macs) with mlx.distributed, ring backend.
+
+Each rank is its own process. The group is started without ssh or mpirun: every rank gets the
+same hostfile (a JSON list, one entry per rank, each a list of "ip:port") and its own rank,
+through MLX_HOSTFILE / MLX_RANK, then calls `mx.distributed.init(backend="ring")`.
+
+Two ways to cut the model:
+* tensor (mlx-lm's `model.shard(group)`): every rank holds 1/N of every layer's heads and MLP
+  columns; two all-reduces per layer; every rank ends with the full logits. Needs heads and
+  kv-heads divisible by N (SmolLM2: 9/3 heads -> N = 3).
+* pipeline: rank r holds a contiguous range of layers; activations go rank to rank with
+  send/recv; the last rank computes the logits and sends them back to rank 0.
+
+Rank 0 (the leader) is a drop-in `Verifier` for the spec-decode loop (`offset`, `reset`,
+`prefill`, `forward`, `rollback`, `model.args`); each call is broadcast to the followers as a
+small control array (an all_sum where only rank 0 contributes). Followers serve in a loop.
+
+A dead peer makes the ring raise within milliseconds, but a cut link blocks a collective
+forever, so every collective runs under a `Watchdog`: past its deadline the rank reports
+`ShardPeerLost` on stderr and exits with EXIT_PEER_LOST (a blocked MLX collective cannot be
+cancelled; exiting is the only way not to hang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from macfleet.engine.verifier import DEFAULT_PREFILL_STEP
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE_S = 3.0  # any collective while generating
+DEFAULT_START_DEADLINE_S = 120.0  # ring connect + first barrier (ranks load the model first)
+EXIT_PEER_LOST = 75
+MAX_BLOCK = DEFAULT_PREFILL_STEP
+CMD_STOP, CMD_FORWARD, CMD_PREFILL, CMD_ROLLBACK, CMD_RESET, CMD_PING = range(6)
+HEADER = 3  # cmd, n, unused
+
+
+class ShardPeerLost(RuntimeError):
+    """A collective failed or passed its deadline: a shard is dead or a link is cut."""
+
+
+class Watchdog:
+    """Arms a deadline around a blocking call; a thread fires `on_expire(what)` when it passes."""
+
+    def __init__(self, deadline_s: float, on_expire: Callable[[str], None],
+                 poll_s: float = 0.02) -> None:
+        self.deadline_s = deadline_s
+        self._on_expire = on_expire
+        self._poll_s = poll_s
+        self._armed: tuple[float, str] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shard-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            with self._lock:
+                armed = self._armed
+            if armed and time.monotonic() > armed[0]:
+                self._on_expire(armed[1])
+                with self._lock:
+                    self._armed = None
+
+    @contextmanager
+    def guard(self, what: str, deadline_s: float | None = None) -> Iterator[None]:
+        with self._lock:
+            self._armed = (time.monotonic() + (deadline_s or self.deadline_s), what)
+        try:
+            yield
+        except RuntimeError as e:  # MLX's ring raises RuntimeError when a peer closes
+            raise ShardPeerLost(f"{what} failed: {e} (a shard died?)") from e
+        finally:
+            with self._lock:
+                self._armed = None
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def exit_on_expire(rank: int) -> Callable[[str], None]:
+    def fire(what: str) -> None:
+        sys.stderr.write(f"macfleet shard rank {rank}: ShardPeerLost: {what} did not complete "
+                         f"within the deadline: a peer is dead or a link is cut; exiting\n")
+        sys.stderr.flush()
+        os._exit(EXIT_PEER_LOST)
+    return fire
+
+
+def init_ring(hostfile: str, rank: int) -> mx.distributed.Group:
+    """Start this rank's ring group from a hostfile path (no ssh, no launcher)."""
+    os.environ["MLX_HOSTFILE"] = hostfile
+    os.environ["MLX_RANK"] = str(rank)
+    return mx.distributed.init(strict=True, backend="ring")
+
+
+def write_hostfile(path: str, ports: Sequence[int], host: str = "127.0.0.1") -> str:
+    with open(path, "w") as f:
+        json.dump([[f"{host}:{p}"] for p in ports], f)
+    return path
+
+
+def layer_range(layers: int, n: int, r: int) -> tuple[int, int]:
+    q, rem = divmod(layers, n)
+    start = r * q + min(r, rem)
+    return start, start + q + (1 if r < rem else 0)
+
+
+class _Stage:
+    """This rank's part of the model and its KV cache."""
+
+    def __init__(self, model: nn.Module, group: mx.distributed.Group, mode: str) -> None:
+        self.model, self.group, self.mode = model, group, mode
+        self.rank, self.size = group.rank(), group.size()
+        args = model.args
+        if mode == "tensor":
+            if args.num_attention_heads % self.size or args.num_key_value_heads % self.size:
+                raise ValueError(f"tensor parallel needs heads ({args.num_attention_heads}) and "
+                                 f"kv heads ({args.num_key_value_heads}) divisible by "
+                                 f"{self.size}; use pipeline")
+            model.shard(group)
+            self.layers = list(model.model.layers)
+        elif mode == "pipeline":
+            a, b = layer_range(len(model.model.layers), self.size, self.rank)
+            self.layers = list(model.model.layers)[a:b]
+            model.model.layers = self.layers  # drop the other ranks' layers: this is the fit
+            self.span = (a, b)
+        else:
+            raise ValueError(f"unknown shard mode '{mode}': tensor or pipeline")
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = [KVCache() for _ in self.layers]
+
+    @property
+    def offset(self) -> int:
+        return int(self.cache[0].offset)
+
+    def rollback(self, n: int) -> None:
+        for c in self.cache:
+            c.trim(n)
+
+    def _head(self, h: mx.array) -> mx.array:
+        m = self.model
+        h = m.model.norm(h)
+        if m.args.tie_word_embeddings:
+            return m.model.embed_tokens.as_linear(h)
+        return m.lm_head(h)
+
+    def _layers(self, h: mx.array) -> mx.array:
+        mask = create_attention_mask(h, self.cache[0])
+        for layer, c in zip(self.layers, self.cache):
+            h = layer(h, mask, cache=c)
+        return h
+
+    def forward(self, ids: mx.array, want_logits: bool) -> mx.array | None:
+        """ids: [1, L]. Returns logits [L, V] float32 on rank 0 (None elsewhere)."""
+        L = ids.shape[1]
+        if self.mode == "tensor":
+            out = self.model(ids, cache=self.cache)[0].astype(mx.float32)
+            mx.eval(out)
+            return out if self.rank == 0 else None
+        H = self.model.args.hidden_size
+        last = self.size - 1
+        if self.rank == 0:
+            h = self._layers(self.model.model.embed_tokens(ids))
+        else:
+            h = mx.distributed.recv((1, L, H), mx.float32, self.rank - 1, group=self.group)
+            h = self._layers(h)
+        if self.rank < last:
+            mx.eval(mx.distributed.send(h.astype(mx.float32), self.rank + 1, group=self.group))
+        else:
+            mx.eval(h)
+        if not want_logits:
+            return None
+        V = self.model.args.vocab_size
+        if self.rank == last:
+            logits = self._head(h)[0].astype(mx.float32)
+            mx.eval(mx.distributed.send(logits, 0, group=self.group))
+            return None
+        if self.rank == 0:
+            logits = mx.distributed.recv((L, V), mx.float32, last, group=self.group)
+            mx.eval(logits)
+            return logits
+        return None
+
+
+class ShardGroup:
+    """Leader and followers share this: the command broadcast and the watched collectives."""
+
+    def __init__(self, model: nn.Module, group: mx.distributed.Group, mode: str,
+                 watchdog: Watchdog) -> None:
+        self.group, self.watchdog = group, watchdog
+        self.stage = _Stage(model, group, mode)
+        self.model = model  # `model.args` is what the spec-decode loop reads
+
+    def barrier(self, deadline_s: float | None = None) -> None:
+        with self.watchdog.guard("barrier", deadline_s):
+            mx.eval(mx.distributed.all_sum(mx.zeros((1,)), group=self.group))
+
+    def _exchange(self, cmd: int = 0, n: int = 0, tokens: Sequence[int] = ()) -> np.ndarray:
+        buf = np.zeros(HEADER + MAX_BLOCK, dtype=np.int32)
+        if self.group.rank() == 0:
+            buf[0], buf[1] = cmd, n
+            buf[HEADER:HEADER + len(tokens)] = tokens
+        with self.watchdog.guard(f"command broadcast (cmd {cmd})"):
+            out = mx.distributed.all_sum(mx.array(buf), group=self.group)
+            mx.eval(out)
+        return np.array(out)
+
+    def _run(self, cmd: int, n: int, tokens: np.ndarray) -> mx.array | None:
+        st = self.stage
+        if cmd in (CMD_FORWARD, CMD_PREFILL):
+            ids = mx.array(tokens[:n].astype(np.uint32))[None]
+            with self.watchdog.guard(f"{st.mode} forward of {n} tokens"):
+                return st.forward(ids, want_logits=cmd == CMD_FORWARD)
+        if cmd == CMD_ROLLBACK:
+            st.rollback(n)
+        elif cmd == CMD_RESET:
+            st.reset()
+        return None
+
+    def serve(self) -> None:
+        """Follower loop: run what rank 0 broadcasts until CMD_STOP."""
+        while True:
+            buf = self._exchange()
+            cmd, n = int(buf[0]), int(buf[1])
+            if cmd == CMD_STOP:
+                return
+            self._run(cmd, n, buf[HEADER:])
+
+    def command(self, cmd: int, n: int = 0, tokens: Sequence[int] = ()) -> mx.array | None:
+        buf = self._exchange(cmd, n, tokens)
+        return self._run(cmd, n, buf[HEADER:])
+
+
+class ShardedVerifier:
+    """Rank 0's face: the `Verifier` interface over the whole group."""
+
+    def __init__(self, shards: ShardGroup, prefill_step: int = MAX_BLOCK) -> None:
+        if shards.group.rank() != 0:
+            raise ValueError("only rank 0 leads the sharded verifier")
+        self.shards = shards
+        self.model = shards.model
+        self.prefill_step = min(prefill_step, MAX_BLOCK)
+
+    @property
+    def offset(self) -> int:
+        return self.shards.stage.offset
+
+    def reset(self) -> None:
+        self.shards.command(CMD_RESET)
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        for i in range(0, len(tokens), self.prefill_step):
+            chunk = list(tokens[i:i + self.prefill_step])
+            self.shards.command(CMD_PREFILL, len(chunk), chunk)
+
+    def forward(self, tokens: Sequence[int]) -> mx.array:
+        if not 0 < len(tokens) <= MAX_BLOCK:
+            raise ValueError(f"a block must have 1..{MAX_BLOCK} tokens, got {len(tokens)}")
+        return self.shards.command(CMD_FORWARD, len(tokens), list(tokens))
+
+    def rollback(self, n: int) -> None:
+        if n < 0 or n > self.offset:
+            raise ValueError(f"cannot roll back {n} of {self.offset} cached tokens")
+        if n:
+            self.shards.command(CMD_ROLLBACK, n)
+
+    def keepalive(self) -> None:
+        """Call at least every deadline while idle, or the followers' watchdogs fire."""
+        self.shards.command(CMD_PING)
+
+    def stop(self) -> None:
+        self.shards.command(CMD_STOP)
+
+
+# --- process entry: `python -m agents.shard` --------------------------------------------------
+
+
+def _greedy_plain(v: ShardedVerifier, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """Plain greedy decoding, one token per forward; returns ids and each step's logits."""
+    v.reset()
+    v.prefill(prompt[:-1])
+    last, ids, rows = prompt[-1], [], []
+    for _ in range(n):
+        logits = v.forward([last])
+        rows.append(np.array(logits[-1]))
+        last = int(np.argmax(rows[-1]))
+        ids.append(last)
+        print(f"step {len(ids)}", file=sys.stderr, flush=True)
+    return ids, np.stack(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="one rank of a sharded verifier (mlx.distributed ring)")
+    p.add_argument("--hostfile", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--mode", choices=("tensor", "pipeline"), required=True)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prompt-ids", default="", help="rank 0: JSON list of prompt token ids")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--spec", default="ngram", help="rank 0: proposer for the spec-decode run "
+                   "(none to skip it)")
+    p.add_argument("--out", default="", help="rank 0: write ids (+ logits .npy) here")
+    p.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    from macfleet.engine.models import load_model
+
+    lm = load_model(args.model, cached=False)
+    wd = Watchdog(DEFAULT_START_DEADLINE_S, exit_on_expire(args.rank))
+    with wd.guard("ring connect"):
+        group = init_ring(args.hostfile, args.rank)
+    shards = ShardGroup(lm.model, group, args.mode, wd)
+    shards.barrier()
+    wd.deadline_s = args.deadline
+    print(f"rank {group.rank()}/{group.size()} ready ({args.mode})", file=sys.stderr, flush=True)
+    try:
+        if group.rank() != 0:
+            shards.serve()
+            return 0
+        v = ShardedVerifier(shards)
+        prompt = json.loads(args.prompt_ids)
+        ids, logits = _greedy_plain(v, prompt, args.max_tokens)
+        out = {"rank_size": group.size(), "mode": args.mode, "plain_ids": ids}
+        if args.spec != "none":
+            from macfleet.engine.events import Finished
+            from macfleet.engine.loop import speculative_generate
+            from macfleet.engine.proposers import make_proposer
+
+            prop = make_proposer(args.spec, lm)
+            fin = [e for e in speculative_generate(v, prop, prompt, max_tokens=args.max_tokens)
+                   if isinstance(e, Finished)][0]
+            out["spec_ids"] = list(fin.token_ids)
+            out["spec_blocks"] = fin.stats.blocks
+        v.stop()
+        if args.out:
+            np.save(args.out + ".logits.npy", logits)
+            with open(args.out, "w") as f:
+                json.dump(out, f)
+        return 0
+    except ShardPeerLost as e:
+        print(f"macfleet shard rank {group.rank()}: ShardPeerLost: {e}", file=sys.stderr)
+        return EXIT_PEER_LOST
+    finally:
+        wd.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

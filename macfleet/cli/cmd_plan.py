@@ -1,0 +1,174 @@
+"""`macfleet plan`: which topologies this fleet allows, where each role goes, predicted tok/s.
+
+A thin shell over `macfleet.topology` (pure): it builds the fleet snapshot from the live fleet
+(discover + probe) or from `--simulate HOSTS.json`, reads measured profiles from `results/`
+when present, and prints the plans. Asking for the split-sequence topology prints the refusal
+and exits 3.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from macfleet.cli.main import UserError
+
+RESULTS_DIR = Path("results")
+EXIT_REFUSED = 3
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="plan topologies for the fleet and predict tokens/s")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--model", default=None,
+                   help="smollm2 (default) or an mlx-lm model directory (reads config.json)")
+    p.add_argument("--draft", default=None, help="proposer kind to plan with (default: each)")
+    p.add_argument("--simulate", default=None, metavar="HOSTS.json",
+                   help="plan for a described fleet (see macfleet/topology/examples/)")
+    p.add_argument("--split-sequence", action="store_true",
+                   help="ask for one sequence split across verifiers (refused, exit 3)")
+    p.add_argument("--sampling", action="store_true",
+                   help="drafts carry probabilities (temperature > 0): bigger F2")
+    p.add_argument("--results", default=str(RESULTS_DIR), help="where measured profiles are")
+    p.add_argument("--wait", type=float, default=2.0, help="seconds to browse (live fleet)")
+    p.add_argument("--key", default=None, help="fleet key file (default ~/.macfleet/fleet.key)")
+    p.add_argument("--open", action="store_true", help="an unauthenticated fleet")
+    p.set_defaults(func=run_plan)
+
+
+def measured_profile(results: Path):
+    """Profile from results/verify_l_sweep.json and results/local_spec.json, else defaults."""
+    from macfleet.topology.snapshot import Profile, ProposerProfile
+
+    prof, used = Profile(), []
+    sweep = results / "verify_l_sweep.json"
+    try:
+        d = json.loads(sweep.read_text())
+        curve = min(d["curves"], key=lambda c: c["context"])
+        pts = tuple((int(p["L"]), float(p["ms"])) for p in curve["points"])
+        if len(pts) >= 2:
+            prof = replace(prof, verify_ms=pts)
+            used.append(f"verify(L) from {sweep} (context {curve['context']})")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    spec = results / "local_spec.json"
+    try:
+        d = json.loads(spec.read_text())
+        acc: dict[str, list[float]] = {}
+        for pr in d["prompts"].values():
+            for m, r in pr["methods"].items():
+                if m.startswith("macfleet[") and "acceptance" in r:
+                    kind = m[len("macfleet["):].split(":")[0].split(",")[0].rstrip("]")
+                    acc.setdefault(kind, []).append(float(r["acceptance"]))
+        if acc:
+            props = tuple(replace(p, acceptance=min(0.99, sum(acc[p.kind]) / len(acc[p.kind])))
+                          if p.kind in acc else p for p in prof.proposers)
+            prof = replace(prof, proposers=props)
+            used.append(f"acceptance of {sorted(acc)} from {spec}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    if used:
+        prof = replace(prof, source="; ".join(used) + "; other numbers: " + prof.source)
+    return prof
+
+
+def model_shape(spec: str | None):
+    from macfleet.topology.snapshot import SMOLLM2, ModelShape
+
+    if spec is None or spec.split(":")[0] == "smollm2":
+        return SMOLLM2
+    p = Path(spec).expanduser()
+    try:
+        c = json.loads((p / "config.json").read_text())
+        size = sum(f.stat().st_size for f in p.glob("*.safetensors"))
+        return ModelShape(p.name, size, int(c["num_hidden_layers"]), int(c["hidden_size"]),
+                          int(c["num_attention_heads"]),
+                          int(c.get("num_key_value_heads", c["num_attention_heads"])),
+                          int(c.get("vocab_size", 32000)), int(c.get("intermediate_size", 0)))
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"cannot read the shape of model '{spec}' ({e}); use smollm2 or an "
+                        "mlx-lm model directory") from None
+
+
+def live_fleet(args, profile, shape):
+    """Hosts from discovered agents; a link's RTT ~ the larger of the two client RTTs."""
+    from bridge.auth import fleet_id
+    from macfleet.cli.cmd_fleet import load_key
+    from macfleet.fleet.client import discover, probe
+    from macfleet.topology.snapshot import Fleet, Host, Link
+
+    key = load_key(args)
+    statuses = [probe(c, key) for c in discover(fleet_id(key), wait_s=args.wait)]
+    live = [s for s in statuses if s.alive]
+    if not live:
+        raise UserError("no live agents found (start some with `macfleet up`, or plan a "
+                        "described fleet with --simulate HOSTS.json)")
+    hosts = tuple(Host(s.card.name, s.card.chip, s.card.mem_free, tuple(s.card.roles))
+                  for s in live)
+    links = tuple(Link(a.card.name, b.card.name,
+                       max(a.rtt_p50_ms or 0.0, b.rtt_p50_ms or 0.0), 100.0)
+                  for i, a in enumerate(live) for b in live[i + 1:])
+    return Fleet(hosts, shape, profile, links)
+
+
+def plan_to_dict(q) -> dict:
+    d = asdict(q)
+    if q.cost is not None:
+        d["cost"]["block_ms"] = round(q.cost.block_ms, 3)
+        d["cost"]["overhead_share"] = round(q.cost.overhead_share, 4)
+    return d
+
+
+def run_plan(args) -> int:
+    from macfleet.topology import (SPLIT_SEQUENCE, SnapshotError, plan, refuse_split_sequence,
+                                   snapshot_from_dict)
+
+    if args.split_sequence:
+        r = refuse_split_sequence()
+        if args.json:
+            print(json.dumps({"refused": plan_to_dict(r)}, indent=2))
+        print(f"macfleet plan: {r.topology}: {r.reason}", file=sys.stderr)
+        return EXIT_REFUSED
+    profile = measured_profile(Path(args.results))
+    shape = model_shape(args.model)
+    try:
+        if args.simulate:
+            try:
+                raw = json.loads(Path(args.simulate).read_text())
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot read {args.simulate}: {e}") from None
+            fleet = snapshot_from_dict(raw, None if "profile" in raw else profile)
+            if args.model:
+                fleet = replace(fleet, model=shape)
+        else:
+            fleet = live_fleet(args, profile, shape)
+        plans = plan(fleet, proposer=args.draft, with_probs=args.sampling)
+    except SnapshotError as e:
+        raise UserError(str(e)) from None
+    if args.json:
+        print(json.dumps({"model": asdict(fleet.model), "profile_source": fleet.profile.source,
+                          "hosts": [asdict(h) for h in fleet.hosts],
+                          "plans": [plan_to_dict(q) for q in plans]}, indent=2))
+        return 0
+    print(f"model {fleet.model.name}: {fleet.model.param_bytes / 1e9:.2f} GB, "
+          f"{fleet.model.layers} layers, {fleet.model.heads}/{fleet.model.kv_heads} heads; "
+          f"{len(fleet.hosts)} hosts")
+    print(f"profile: {fleet.profile.source}\n")
+    print(f"{'TOPOLOGY':34s} {'N':>2s} {'MODE':8s} {'DRAFT':9s} {'k':>2s} {'TOK/S':>7s} "
+          f"{'BLOCK ms':>8s} {'WIRE%':>5s}  PLACEMENT / WHY NOT")
+    for q in plans:
+        if q.topology == SPLIT_SEQUENCE:
+            print(f"{q.topology[:34]:34s}  - REFUSED: {q.reason.split('. ')[1]}.")
+            continue
+        if not q.feasible:
+            print(f"{q.topology[:34]:34s} {q.n:>2d} {q.shard_mode:8s} {'':9s} {'':>2s} "
+                  f"{'-':>7s} {'':>8s} {'':>5s}  {q.reason[:90]}")
+            continue
+        c = q.cost
+        where = ", ".join(f"{r.host}={r.role}" for r in q.placement)
+        print(f"{q.topology[:34]:34s} {q.n:>2d} {q.shard_mode:8s} {q.proposer[:9]:9s} "
+              f"{c.k:>2d} {q.tokens_per_s:>7.1f} {c.block_ms:>8.1f} "
+              f"{100 * c.overhead_share:>4.0f}%  {where}")
+    return 0
