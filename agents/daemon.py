@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from bridge.auth import fleet_id
-from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
+from bridge.card import ROLE_PROPOSER, ROLE_SHARD, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Advertiser
 from bridge.errors import BAD_REQUEST, ProtocolError
 from bridge.messages import AgentEvent, Ping, Pong, StatusReply, StatusRequest
@@ -57,8 +57,9 @@ def pin_to_cpu(cpu: int | None) -> None:
 
 class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
-        if cfg.role not in (ROLE_PROPOSER, ROLE_VERIFIER):
-            raise ValueError(f"role must be {ROLE_PROPOSER} or {ROLE_VERIFIER}, got {cfg.role}")
+        if cfg.role not in (ROLE_PROPOSER, ROLE_VERIFIER, ROLE_SHARD):
+            raise ValueError(f"role must be {ROLE_PROPOSER}, {ROLE_VERIFIER} or {ROLE_SHARD}, "
+                             f"got {cfg.role}")
         self.cfg = cfg
         self.node_id = cfg.node_id or uuid.uuid4().hex[:12]
         self.name = cfg.name or f"{socket.gethostname().split('.')[0]}-{cfg.role}"
@@ -73,15 +74,7 @@ class Agent:
         self.lm = load_model(cfg.model)
         self.publisher = Publisher(key=cfg.key, bind=f"tcp://{cfg.bind_host}:{cfg.pub_port or '*'}")
         self.proposer = self.verifier = None
-        if cfg.role == ROLE_PROPOSER:
-            from agents.proposer_service import ProposerService
-
-            self.proposer = ProposerService(self.lm, kinds=cfg.proposer_kinds)
-        else:
-            from agents.verifier_service import VerifierService
-
-            self.verifier = VerifierService(self.lm, node_id=self.node_id, key=cfg.key,
-                                            publish=self.publish, f3_probe=cfg.f3_probe)
+        self._start_services()
         self.server = Server(self._handle, key=cfg.key,
                              bind=f"tcp://{cfg.bind_host}:{cfg.port or '*'}").start()
         self.card = self._make_card()
@@ -90,17 +83,41 @@ class Agent:
             self.advertiser = Advertiser(
                 self.card, interfaces=LOOPBACK_ONLY if cfg.loopback_only else ALL_INTERFACES)
             self.card = self.advertiser.card
+        self._after_advertise()
         self.publish(AgentEvent(self.node_id, "join", f"{self.name} up ({cfg.role})", time.time()))
+
+    def _start_services(self) -> None:
+        """The role's services (a hook: a shard agent starts its own after forming the group)."""
+        if self.cfg.role == ROLE_PROPOSER:
+            from agents.proposer_service import ProposerService
+
+            self.proposer = ProposerService(self.lm, kinds=self.cfg.proposer_kinds)
+        else:
+            self.verifier = self._verifier_service()
+
+    def _verifier_service(self, verifier=None, on_fatal=None):
+        from agents.verifier_service import VerifierService
+
+        return VerifierService(self.lm, node_id=self.node_id, key=self.cfg.key,
+                               publish=self.publish, f3_probe=self.cfg.f3_probe,
+                               verifier=verifier, on_fatal=on_fatal)
+
+    def _after_advertise(self) -> None:
+        """A hook run once the agent is discoverable."""
 
     def _make_card(self) -> AgentCard:
         host = self.cfg.bind_host if self.cfg.bind_host not in ("0.0.0.0", "*") else ""
         return AgentCard(
+            extra=self._card_extra(),
             node_id=self.node_id, name=self.name, fleet_id=fleet_id(self.cfg.key), host=host,
             router_port=self.server.port, pub_port=self.publisher.port, roles=(self.cfg.role,),
             chip=sysinfo.chip()[:60], mem_total=sysinfo.memory_total(),
             mem_free=sysinfo.memory_free() // 2**26 * 2**26, models=(self.lm.spec,),
             proposers=self.cfg.proposer_kinds if self.cfg.role == ROLE_PROPOSER else (),
         )
+
+    def _card_extra(self) -> tuple[tuple[str, str], ...]:
+        return ()
 
     def publish(self, msg) -> None:
         try:

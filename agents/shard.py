@@ -39,6 +39,8 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from agents.verifier_service import VerifierLost
+
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ CMD_STOP, CMD_FORWARD, CMD_PREFILL, CMD_ROLLBACK, CMD_RESET, CMD_PING = range(6)
 HEADER = 3  # cmd, n, unused
 
 
-class ShardPeerLost(RuntimeError):
+class ShardPeerLost(VerifierLost):
     """A collective failed or passed its deadline: a shard is dead or a link is cut."""
 
 

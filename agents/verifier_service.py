@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from agents.remote_proposer import RemoteProposer
 from agents.remote_tree import RemoteProposerGroup
-from bridge.errors import BAD_REQUEST, BUSY, ProtocolError
+from bridge.errors import BAD_REQUEST, BUSY, UNAVAILABLE, ProtocolError
 from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDone, GenerateRequest
 from macfleet.engine.controller import make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
@@ -34,6 +34,11 @@ from macfleet.engine.verifier import Verifier
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED = 8
+KEEPALIVE_S = 1.0  # idle period after which a shard group's leader pings its followers
+
+
+class VerifierLost(RuntimeError):
+    """The verifier itself is gone (a shard rank died): no request can be served any more."""
 DEFAULT_MAX_TOKENS_CAP = 4096
 
 Reply = Callable[[object], int]
@@ -90,7 +95,10 @@ class VerifierLimits:
 class VerifierService:
     def __init__(self, lm: LoadedModel, *, node_id: str, key: bytes | None,
                  publish: Callable[[object], None] | None = None,
-                 limits: VerifierLimits = VerifierLimits(), f3_probe: bool = False) -> None:
+                 limits: VerifierLimits = VerifierLimits(), f3_probe: bool = False,
+                 verifier=None, on_fatal: Callable[[str], None] | None = None) -> None:
+        """verifier: a Verifier-like object (a ShardedVerifier on a shard group's rank 0);
+        on_fatal: called when the verifier itself is lost (a shard died): the agent stops."""
         self.lm = lm
         self.node_id = node_id
         self.key = key
@@ -99,7 +107,9 @@ class VerifierService:
         self.f3_probe_width = lm.hidden_size if f3_probe else 0
         self._publish = publish or (lambda m: None)
         self._jobs: queue.Queue = queue.Queue(maxsize=limits.max_queued)
-        self._verifier = Verifier(lm.model)
+        self._verifier = verifier if verifier is not None else Verifier(lm.model)
+        self._on_fatal = on_fatal
+        self._keepalive = getattr(self._verifier, "keepalive", None)
         self.active = 0
         self.completed = 0
         self._thread = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
@@ -131,13 +141,22 @@ class VerifierService:
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=KEEPALIVE_S if self._keepalive else None)
+            except queue.Empty:
+                if not self._idle_keepalive():
+                    return
+                continue
             if job is None:
                 return
             msg, reply = job
             self.active += 1
             try:
                 self._generate(msg, reply)
+            except VerifierLost as e:
+                reply(ErrorReply(UNAVAILABLE, f"the sharded verifier lost a rank: {e}"))
+                self._fatal(str(e))
+                return
             except (PromptError, ProposerSpecError, ValueError) as e:
                 reply(ErrorReply(BAD_REQUEST, str(e)))
             except Exception as e:  # the daemon never dies of a request; the client gets why
@@ -145,6 +164,20 @@ class VerifierService:
                 reply(ErrorReply("internal", f"{type(e).__name__}: {e}"))
             finally:
                 self.active -= 1
+
+    def _idle_keepalive(self) -> bool:
+        """Keep a shard group's watchdogs fed while idle; False once the group is lost."""
+        try:
+            self._keepalive()
+            return True
+        except VerifierLost as e:
+            self._fatal(str(e))
+            return False
+
+    def _fatal(self, why: str) -> None:
+        log.error("verifier lost: %s", why)
+        if self._on_fatal is not None:
+            self._on_fatal(why)
 
     def _proposer(self, msg: GenerateRequest) -> Proposer | None:
         if msg.proposers and "+" in msg.proposer_spec:
@@ -184,10 +217,13 @@ class VerifierService:
 
     def _generate(self, msg: GenerateRequest, reply: Reply) -> None:
         params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
-        ids = encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat)
+        ids = encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids)
+        if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
+            raise ValueError("prefix ids outside the vocabulary")
         proposer = self._proposer(msg)
         ctl = make_controller(0 if proposer is None else
                               ("auto" if msg.draft_tokens < 0 else msg.draft_tokens))
+        max_new = max(0, msg.max_tokens - len(msg.prefix_ids))
         text = TextStream(self.lm.tokenizer)
         parts: list[str] = []
         block_ms = wire_ms = 0.0
@@ -195,10 +231,10 @@ class VerifierService:
         remote = proposer if isinstance(proposer, FallbackProposer) else None
         if isinstance(proposer, RemoteProposerGroup):
             events = tree_generate(self._verifier, proposer, ids, params=params,
-                                   max_tokens=msg.max_tokens, eos_ids=self.lm.eos_ids)
+                                   max_tokens=max_new, eos_ids=self.lm.eos_ids)
         else:
             events = speculative_generate(self._verifier, proposer, ids, params=params,
-                                          max_tokens=msg.max_tokens, controller=ctl,
+                                          max_tokens=max_new, controller=ctl,
                                           eos_ids=self.lm.eos_ids)
         try:
             for ev in events:

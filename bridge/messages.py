@@ -359,6 +359,10 @@ class GenerateRequest:
     proposers: list[str]  # ZeroMQ endpoints of proposer agents
     proposer_spec: str
     cross_round: bool
+    # Tokens already committed for this request by a verifier that failed: the new verifier
+    # continues after them (greedy: the same ids), so a re-planned session loses and repeats
+    # nothing. max_tokens counts them.
+    prefix_ids: tuple[int, ...] = ()
 
 
 @message("generate_chunk", terminal=False)

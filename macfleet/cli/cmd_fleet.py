@@ -11,7 +11,11 @@ from macfleet.cli.main import UserError
 
 def add_parser(sub) -> None:
     a = sub.add_parser("agent", help="run the agent daemon on this machine")
-    a.add_argument("--role", required=True, choices=("proposer", "verifier"))
+    a.add_argument("--role", required=True, choices=("proposer", "verifier", "shard"))
+    a.add_argument("--group", default="", help="shard: the sharded verifier's group name")
+    a.add_argument("--group-size", type=int, default=0, help="shard: number of ranks")
+    a.add_argument("--rank", type=int, default=0, help="shard: this agent's rank")
+    a.add_argument("--shard-mode", choices=("tensor", "pipeline"), default="pipeline")
     a.add_argument("--model", default="smollm2")
     a.add_argument("--proposers", default="layerskip,ngram,draft",
                    help="proposer kinds a proposer agent serves")
@@ -33,6 +37,9 @@ def add_parser(sub) -> None:
     u.add_argument("--model", default="smollm2")
     u.add_argument("--no-pin", action="store_true", help="do not pin agents to cores")
     u.add_argument("--f3-probe", action="store_true", help="the verifier measures F3 per block")
+    u.add_argument("--shard", type=int, default=0, metavar="N",
+                   help="shard the verifier over N agents (mlx.distributed ring)")
+    u.add_argument("--shard-mode", choices=("tensor", "pipeline"), default="pipeline")
     _key_args(u)
     u.set_defaults(func=run_up)
 
@@ -81,8 +88,16 @@ def run_agent(args) -> int:
                       proposer_kinds=tuple(k for k in args.proposers.split(",") if k),
                       f3_probe=args.f3_probe)
     try:
-        agent = Agent(cfg)
-    except (ModelSpecError, AdmissionError) as e:
+        if args.role == "shard":
+            from agents.shard_agent import ShardAgent, ShardSpec
+
+            if not args.group or args.group_size < 2:
+                raise UserError("a shard agent needs --group NAME and --group-size N >= 2")
+            agent = ShardAgent(cfg, ShardSpec(args.group, args.group_size, args.rank,
+                                              args.shard_mode))
+        else:
+            agent = Agent(cfg)
+    except (ModelSpecError, AdmissionError, TimeoutError, ValueError) as e:
         raise UserError(str(e)) from None
     print(f"agent {agent.name} ({args.role}, {agent.lm.spec}) serving at "
           f"{agent.card.router_endpoint}, metrics at {agent.card.pub_endpoint}", flush=True)
@@ -99,7 +114,8 @@ def run_up(args) -> int:
     try:
         cards = local.up(args.agents, model=args.model, key=key, key_path=key_path,
                          run_dir=run_dir(), pin=not args.no_pin,
-                         extra_args={"verifier": ["--f3-probe"]} if args.f3_probe else None)
+                         extra_args={"verifier": ["--f3-probe"]} if args.f3_probe else None,
+                         shard=args.shard, shard_mode=args.shard_mode)
     except (local.FleetStartError, ValueError) as e:
         raise UserError(str(e)) from None
     for c in sorted(cards, key=lambda c: c.name):

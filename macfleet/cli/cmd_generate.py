@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 
 from macfleet.cli.main import UserError
 
 DEFAULT_PROPOSER = "ngram"
+MAX_REPLANS = 2
 
 
 def add_parser(sub) -> None:
@@ -102,8 +104,20 @@ def run_local(args) -> int:
     return 0
 
 
-def run_fleet(args, key, verifier, proposers) -> int:
-    """Generate through a verifier agent with remote proposers; same output contract as local."""
+@dataclass
+class Progress:
+    """What the client has received for a request: survives a re-plan."""
+
+    ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+
+def run_fleet(args, key, verifier, proposers, committed: Progress) -> int:
+    """Generate through a verifier agent with remote proposers; same output contract as local.
+
+    committed: ids received so far for this request (filled in as chunks arrive), so that a
+    re-plan after a verifier failure continues after them instead of starting over.
+    """
     from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
     from bridge.messages import GenerateChunk, GenerateDone
     from macfleet.fleet.client import generate_remote
@@ -111,15 +125,24 @@ def run_fleet(args, key, verifier, proposers) -> int:
     params = sampling_params(args)
     k = parse_draft_tokens(args.draft_tokens)
     remote = [p.card.router_endpoint for p in proposers] if args.proposer != "none" else []
+    prior_text = "".join(committed.text)
     try:
         for msg in generate_remote(
                 verifier.card, key, prompt=args.prompt, chat=not args.no_chat,
                 max_tokens=args.max_tokens, temperature=params.temperature, top_p=params.top_p,
                 seed=params.seed, draft_tokens=-1 if k == "auto" else k, proposers=remote,
-                proposer_spec=args.proposer, cross_round=not args.no_cross_round):
-            if isinstance(msg, GenerateChunk) and not args.json:
-                print(msg.text, end="", flush=True)
+                proposer_spec=args.proposer, cross_round=not args.no_cross_round,
+                prefix_ids=list(committed.ids)):
+            if isinstance(msg, GenerateChunk):
+                committed.ids.extend(msg.token_ids)
+                committed.text.append(msg.text)
+                if not args.json:
+                    print(msg.text, end="", flush=True)
             elif isinstance(msg, GenerateDone):
+                # this verifier's full text (with its detokenizer's final flush) after what an
+                # earlier, failed verifier had already sent
+                msg = GenerateDone(msg.request_id, prior_text + msg.text, list(committed.ids),
+                                   msg.stats)
                 st = dict(msg.stats)
                 st["verifier_agent"] = verifier.card.name
                 st["proposer_agents"] = ",".join(p.card.name for p in proposers) if remote else ""
@@ -128,9 +151,17 @@ def run_fleet(args, key, verifier, proposers) -> int:
                 else:
                     print()
                     print_fleet_stats(st)
-    except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
+    except ProtocolError as e:
+        if e.code in ("unavailable", "internal"):
+            raise VerifierFailed(f"verifier {verifier.card.name}: {e}") from None
         raise UserError(f"verifier {verifier.card.name}: {e}") from None
+    except (TransportTimeout, PeerUnavailable) as e:
+        raise VerifierFailed(f"verifier {verifier.card.name}: {e}") from None
     return 0
+
+
+class VerifierFailed(RuntimeError):
+    """The verifier died or broke mid-request: the client re-plans on the rest of the fleet."""
 
 
 def print_fleet_stats(st: dict, file=sys.stderr) -> None:
@@ -156,13 +187,23 @@ def run(args) -> int:
         key = resolve_key(args.key, open_fleet=args.open)
     except KeyMissing:
         return run_local(args)  # no fleet key on this machine: no fleet to talk to
-    cards = discover(fleet_id(key), wait_s=args.wait, expect=2)
-    statuses = [probe(c, key, pings=1) for c in cards]
-    try:
-        verifier, proposers = choose_roles(statuses, None if args.model == "smollm2" and not
-                                           cards else args.model)
-    except NoFleet as e:
-        if cards:
-            print(f"macfleet: {e}; generating in-process", file=sys.stderr)
-        return run_local(args)
-    return run_fleet(args, key, verifier, proposers)
+    failed: set[str] = set()
+    committed = Progress()
+    for attempt in range(MAX_REPLANS + 1):
+        cards = [c for c in discover(fleet_id(key), wait_s=args.wait, expect=2)
+                 if c.node_id not in failed]
+        statuses = [probe(c, key, pings=1) for c in cards]
+        try:
+            verifier, proposers = choose_roles(statuses, args.model)
+        except NoFleet as e:
+            if attempt:
+                raise UserError(f"{e} (after the verifier failed)") from None
+            if cards:
+                print(f"macfleet: {e}; generating in-process", file=sys.stderr)
+            return run_local(args)
+        try:
+            return run_fleet(args, key, verifier, proposers, committed)
+        except VerifierFailed as e:
+            failed.add(verifier.card.node_id)
+            print(f"macfleet: {e}; re-planning on the rest of the fleet", file=sys.stderr)
+    raise UserError("no verifier could finish the generation")

@@ -105,10 +105,14 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
                     seed: int | None = None, draft_tokens: int = -1,
                     proposers: Sequence[str] = (), proposer_spec: str = "ngram",
                     cross_round: bool = True,
-                    first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S
-                    ) -> Iterator[GenerateChunk | GenerateDone]:
-    """Stream a generation from a verifier agent. Raises ProtocolError/TransportTimeout."""
+                    first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S,
+                    prefix_ids: Sequence[int] = ()) -> Iterator[GenerateChunk | GenerateDone]:
+    """Stream a generation from a verifier agent. Raises ProtocolError/TransportTimeout.
+
+    prefix_ids: tokens a failed verifier already committed for this request (re-planning).
+    """
     req = GenerateRequest(new_request_id(), prompt, chat, max_tokens, temperature, top_p, seed,
-                          draft_tokens, list(proposers), proposer_spec, cross_round)
+                          draft_tokens, list(proposers), proposer_spec, cross_round,
+                          tuple(int(t) for t in prefix_ids))
     with Client(verifier.router_endpoint, key=key) as c:
         yield from c.stream(req, timeout_per_msg=first_token_timeout_s)

@@ -87,8 +87,14 @@ def start_agent(role: str, *, name: str, model: str, key_path: Path | None, run_
 
 def up(agents: int = 2, *, model: str = "smollm2", key: bytes | None, key_path: Path | None,
        run_dir: Path, pin: bool = True, timeout_s: float = DEFAULT_START_TIMEOUT_S,
-       extra_args: dict[str, list[str]] | None = None) -> list[AgentCard]:
-    """Start the agents and return their cards once all are discovered over Zeroconf."""
+       extra_args: dict[str, list[str]] | None = None, shard: int = 0,
+       shard_mode: str = "pipeline") -> list[AgentCard]:
+    """Start the agents and return their cards once all are discovered over Zeroconf.
+
+    shard >= 2: the verifier is a group of `shard` shard agents (ranks of one sharded
+    verifier, which form their mlx.distributed ring from each other's cards); rank 0 serves
+    as the verifier once the group is up.
+    """
     running = [a for a in read_state(run_dir) if _alive(a.pid)]
     if running:
         raise FleetStartError(f"a local fleet is already running ({len(running)} agents, "
@@ -99,17 +105,25 @@ def up(agents: int = 2, *, model: str = "smollm2", key: bytes | None, key_path: 
     started: list[LocalAgent] = []
     fid = fleet_id(key)
     with Browser(fleet_id=fid, interfaces=LOOPBACK_ONLY) as browser:
-        for i, role in enumerate(plan_roles(agents)):
+        roles = plan_roles(agents)
+        if shard >= 2:
+            group = uuid.uuid4().hex[:8]
+            roles = [f"shard:{r}" for r in range(shard)] + roles[1:]
+        for i, role in enumerate(roles):
             cpu = cpus[i % len(cpus)] if pin and cpus and (ncpu or 1) >= 2 else None
+            extra = list((extra_args or {}).get(role.split(":")[0], []))
+            if role.startswith("shard:"):
+                extra += ["--group", group, "--group-size", str(shard), "--rank",
+                          role.split(":")[1], "--shard-mode", shard_mode]
+                role = "shard"
             started.append(start_agent(role, name=f"{role}-{i}", model=model, key_path=key_path,
-                                       run_dir=run_dir, cpu=cpu,
-                                       extra=(extra_args or {}).get(role)))
+                                       run_dir=run_dir, cpu=cpu, extra=extra))
         _state_file(run_dir).write_text(json.dumps([asdict(a) for a in started], indent=1))
         want = {a.node_id for a in started}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             cards = [c for c in browser.cards() if c.node_id in want]
-            if len(cards) == len(want):
+            if len(cards) == len(want) and any(ROLE_VERIFIER in c.roles for c in cards):
                 return cards
             dead = [a for a in started if not _alive(a.pid)]
             if dead:
