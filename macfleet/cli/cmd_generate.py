@@ -176,7 +176,16 @@ def print_fleet_stats(st: dict, file=sys.stderr) -> None:
               f"{st['predraft_hit_rate']:.0%}", file=file)
 
 
+def validate(args) -> None:
+    """Cheap argument checks first, so a typo costs no model import (or fleet discovery)."""
+    sampling_params(args)
+    parse_draft_tokens(args.draft_tokens)
+    if args.max_tokens < 0:
+        raise UserError("--max-tokens must be >= 0")
+
+
 def run(args) -> int:
+    validate(args)
     if args.local:
         return run_local(args)
     from bridge.auth import fleet_id

@@ -63,6 +63,7 @@ class AdaptiveDraftLength:
     ema: float = DEFAULT_EMA
     probe_interval: int = DEFAULT_PROBE_MIN
     _since_probe: int = 0
+    _probing: bool = False  # the last block was a probe (its failure doubles the interval)
     _samples: list[tuple[int, float]] = field(default_factory=list)
     last_k: int = 0
 
@@ -71,10 +72,12 @@ class AdaptiveDraftLength:
             self.last_k = min(4, self.k_max)
             return self.last_k
         k = best_k(self.alpha, self.draft_ms, self.verify_a, self.verify_b or 0.0, self.k_max)
+        self._probing = False
         if k == 0:
             self._since_probe += 1
             if self._since_probe >= self.probe_interval:
                 self._since_probe = 0
+                self._probing = True
                 k = min(DEFAULT_PROBE_K, self.k_max)
         self.last_k = k
         return k
@@ -93,7 +96,7 @@ class AdaptiveDraftLength:
             trials = accepted + (1 if accepted < k else 0)
             if trials:
                 self.alpha = min(0.98, max(0.0, self._mix(self.alpha, accepted / trials)))
-            if accepted == 0 and self.last_k <= DEFAULT_PROBE_K:
+            if accepted == 0 and self._probing:
                 self.probe_interval = min(DEFAULT_PROBE_MAX, self.probe_interval * 2)
             elif accepted > 0:
                 self.probe_interval = DEFAULT_PROBE_MIN

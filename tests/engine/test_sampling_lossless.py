@@ -1,0 +1,356 @@
+"""Sampling is lossless: every committed token is distributed as the verifier's own.
+
+The acceptance rules are checked as pure functions with many trials (a chi-square test at
+p = 0.001 against the verifier's distribution p, with a DIFFERENT draft distribution q), and the
+same check is shown to reject deliberately broken rules, so it has the power to fail. Then the
+whole loop (`speculative_generate` with a draft model) is checked on the joint distribution of
+its first two committed tokens, against the verifier's exact p(t1) * p(t2 | t1).
+
+Models: 1-layer tiny models with unscaled weights over an 8-token vocabulary, so p and q are
+spread out (entropy ~1.5 nats) and differ (about half of the drafts are rejected), and a forward
+costs ~1 ms, which is what makes thousands of full generations affordable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_testkit import chi2_test
+
+from macfleet.engine import acceptance
+from macfleet.engine.acceptance import accept_exact_sample, accept_ratio, residual
+from macfleet.engine.controller import make_controller
+from macfleet.engine.loop import speculative_generate
+from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.proposers.model_draft import ModelProposer
+from macfleet.engine.sampling import (SamplingParams, make_rng, probs_from_logits, sample,
+                                      top_p_filter)
+from macfleet.engine.tiny import build_tiny_model
+from macfleet.engine.verifier import Verifier
+
+VOCAB = 8
+PROMPT = [1]
+TRIALS = 20_000
+T1 = SamplingParams(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(verifier model, draft model): different seeds, so p != q."""
+    return (build_tiny_model(1, VOCAB, layers=1, weight_scale=1.0),
+            build_tiny_model(3, VOCAB, layers=1, weight_scale=1.0))
+
+
+def next_probs(model, ctx, params=T1) -> np.ndarray:
+    return probs_from_logits(model(mx.array([ctx], dtype=mx.uint32))[0, -1:], params)[0]
+
+
+@pytest.fixture(scope="module", params=[1.0, 0.8], ids=["top_p=1", "top_p=0.8"])
+def pq(request, models) -> tuple[np.ndarray, np.ndarray]:
+    params = SamplingParams(1.0, top_p=request.param)
+    p, q = next_probs(models[0], PROMPT, params), next_probs(models[1], PROMPT, params)
+    tv = 0.5 * np.abs(p - q).sum()
+    assert tv > 0.25, f"p and q are too close (TV {tv:.3f}) for the test to mean anything"
+    assert (p > 0.02).sum() >= 3, p
+    return p, q
+
+
+Rule = Callable[[list[int], np.ndarray, np.ndarray, np.random.Generator], tuple[int, int]]
+
+
+def first_token_counts(rule: Rule, p: np.ndarray, q: np.ndarray, k: int,
+                       seed: int = 1234) -> np.ndarray:
+    """Histogram of the first committed token over TRIALS blocks of k drafts sampled from q."""
+    rng = np.random.default_rng(seed)
+    drafts = rng.choice(VOCAB, size=(TRIALS, k), p=q / q.sum())  # x_i ~ q, vectorised
+    P = np.stack([p] * (k + 1))
+    Q = np.stack([q] * k)
+    counts = np.zeros(VOCAB, dtype=np.int64)
+    for row in drafts:
+        n, nxt = rule(list(row), Q, P, rng)
+        counts[row[0] if n >= 1 else nxt] += 1
+    return counts
+
+
+def passes(counts: np.ndarray, p: np.ndarray) -> bool:
+    stat, df, crit = chi2_test(counts, p)
+    return stat < crit
+
+
+# -- the rules under test -----------------------------------------------------------------
+
+def ratio(draft, q, p, rng):
+    return accept_ratio(draft, q, p, rng)
+
+
+def exact(draft, q, p, rng):
+    return accept_exact_sample(draft, p, rng)
+
+
+# -- deliberately broken rules: the same check must reject each of them ---------------------
+
+def broken_resample_from_p(draft, q, p, rng):
+    """On rejection, sample from p instead of the residual max(p - q, 0)."""
+    for i, d in enumerate(draft):
+        if rng.random() >= min(1.0, p[i, d] / q[i, d]):
+            return i, sample(p[i], rng)
+    return len(draft), sample(p[len(draft)], rng)
+
+
+def broken_always_accept(draft, q, p, rng):
+    return len(draft), sample(p[len(draft)], rng)
+
+
+def broken_inverted_ratio(draft, q, p, rng):
+    """Accept with min(1, q/p) (the ratio upside down), residual as usual."""
+    for i, d in enumerate(draft):
+        if p[i, d] <= 0 or rng.random() >= min(1.0, q[i, d] / p[i, d]):
+            return i, sample(residual(p[i], q[i]), rng)
+    return len(draft), sample(p[len(draft)], rng)
+
+
+def broken_unnormalised_residual(draft, q, p, rng):
+    """On rejection, sample from max(p - q, 0) + the rejected mass put back on the draft."""
+    for i, d in enumerate(draft):
+        if rng.random() >= min(1.0, p[i, d] / q[i, d]):
+            r = np.maximum(p[i] - q[i], 0.0)
+            r[d] += 1.0 - r.sum()
+            return i, sample(r / r.sum(), rng)
+    return len(draft), sample(p[len(draft)], rng)
+
+
+def broken_exact_keep_with_p(draft, q, p, rng):
+    """Exact-match done wrong: keep the draft token with probability p(x), else sample p."""
+    for i, d in enumerate(draft):
+        if rng.random() >= p[i, d]:
+            return i, sample(p[i], rng)
+    return len(draft), sample(p[len(draft)], rng)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_accept_ratio_first_token_is_distributed_as_p(pq, k):
+    p, q = pq
+    counts = first_token_counts(ratio, p, q, k)
+    stat, df, crit = chi2_test(counts, p)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df}): {counts} vs {p * TRIALS}"
+    # and not by accident: the draft distribution itself is clearly rejected
+    assert not passes(counts, q)
+
+
+@pytest.mark.parametrize("draft_kind", ["from_q", "mode_of_p", "unlikely"])
+def test_accept_exact_sample_first_token_is_distributed_as_p(pq, draft_kind):
+    """Drafts without probabilities (n-gram): whatever the draft, the first token is ~ p."""
+    p, q = pq
+    rule = exact
+    if draft_kind != "from_q":
+        tok = int(np.argmax(p)) if draft_kind == "mode_of_p" else int(np.argmin(p + (p == 0)))
+        const = np.zeros(VOCAB)
+        const[tok] = 1.0  # drafts are a deterministic token
+        counts = first_token_counts(rule, p, const, 2)
+    else:
+        counts = first_token_counts(rule, p, q, 2)
+    stat, df, crit = chi2_test(counts, p)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df}): {counts} vs {p * TRIALS}"
+
+
+@pytest.mark.parametrize("broken", [broken_resample_from_p, broken_always_accept,
+                                    broken_inverted_ratio, broken_unnormalised_residual])
+def test_chi_square_rejects_broken_ratio_rules(pq, broken):
+    p, q = pq
+    counts = first_token_counts(broken, p, q, 1)
+    stat, df, crit = chi2_test(counts, p)
+    assert stat > crit, f"{broken.__name__} was not caught: chi2 {stat:.1f} < {crit:.1f}"
+
+
+def test_chi_square_rejects_broken_exact_rule(pq):
+    p, q = pq
+    counts = first_token_counts(broken_exact_keep_with_p, p, q, 1)
+    stat, df, crit = chi2_test(counts, p)
+    assert stat > crit, f"chi2 {stat:.1f} < {crit:.1f}"
+
+
+def test_residual():
+    p = np.array([0.5, 0.3, 0.2, 0.0])
+    q = np.array([0.2, 0.5, 0.2, 0.1])
+    np.testing.assert_allclose(residual(p, q), [1.0, 0.0, 0.0, 0.0])
+    np.testing.assert_allclose(residual(p, p), p)  # p <= q everywhere: falls back to p
+    r = residual(np.array([0.4, 0.4, 0.2]), np.array([0.1, 0.3, 0.6]))
+    np.testing.assert_allclose(r, [0.75, 0.25, 0.0])
+
+
+def test_accept_ratio_certain_cases():
+    rng = np.random.default_rng(0)
+    p = np.array([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
+    q = np.array([[0.0, 1.0, 0.0]])
+    for _ in range(50):  # p(x) >= q(x): always accepted, then a bonus token from p[1]
+        n, nxt = accept_ratio([1], q, p, rng)
+        assert n == 1 and nxt in (0, 1, 2)
+    p = np.array([[1.0, 0.0, 0.0], [0.2, 0.3, 0.5]])
+    for _ in range(50):  # p(x) = 0: always rejected, the correction is from the residual
+        assert accept_ratio([1], q, p, rng) == (0, 0)
+    # a draft token the draft distribution gave no mass to is rejected, not divided by zero
+    q0 = np.array([[1.0, 0.0, 0.0]])
+    p = np.array([[0.2, 0.8, 0.0], [1.0, 0.0, 0.0]])
+    assert accept_ratio([1], q0, p, rng) == (0, 1)
+
+
+def test_accept_greedy():
+    from macfleet.engine.acceptance import accept_greedy
+
+    assert accept_greedy([3, 4, 5], [3, 4, 5, 6]) == (3, 6)
+    assert accept_greedy([3, 9, 5], [3, 4, 5, 6]) == (1, 4)
+    assert accept_greedy([], [7]) == (0, 7)
+    assert accept_greedy([1], [2, 9]) == (0, 2)
+
+
+def test_sample_matches_distribution_and_skips_zero_mass():
+    rng = np.random.default_rng(5)
+    p = np.array([0.0, 0.1, 0.0, 0.6, 0.3, 0.0])
+    counts = np.bincount([sample(p, rng) for _ in range(20_000)], minlength=len(p))
+    stat, df, crit = chi2_test(counts, p)
+    assert stat < crit
+    assert counts[[0, 2, 5]].sum() == 0
+
+
+def test_make_rng_is_seeded_per_stream():
+    a = make_rng(SamplingParams(1.0, seed=7), 0).random(3)
+    assert np.array_equal(a, make_rng(SamplingParams(1.0, seed=7), 0).random(3))
+    assert not np.array_equal(a, make_rng(SamplingParams(1.0, seed=7), 1).random(3))
+
+
+# -- top-p ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p,top_p,kept", [
+    ([0.5, 0.3, 0.15, 0.05], 0.5, [0]),  # the top token alone reaches 0.5
+    ([0.5, 0.3, 0.15, 0.05], 0.7, [0, 1]),
+    ([0.5, 0.3, 0.15, 0.05], 0.9, [0, 1, 2]),
+    ([0.5, 0.3, 0.15, 0.05], 1.0, [0, 1, 2, 3]),
+    ([0.05, 0.15, 0.5, 0.3], 0.7, [2, 3]),  # order of the vocabulary does not matter
+    ([0.9, 0.05, 0.05], 0.1, [0]),  # always keeps the top token
+    ([0.25, 0.25, 0.25, 0.25], 0.6, [0, 1, 2]),  # ties: a minimal set, by index
+])
+def test_top_p_filter_keeps_minimal_nucleus(p, top_p, kept):
+    p = np.array(p)
+    out = top_p_filter(p[None], top_p)[0]
+    assert sorted(np.flatnonzero(out).tolist()) == kept
+    np.testing.assert_allclose(out.sum(), 1.0)
+    np.testing.assert_allclose(out[kept], p[kept] / p[kept].sum())  # renormalised, same ratios
+
+
+def test_top_p_filter_rows_are_independent():
+    p = np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.34, 0.33, 0.33]])
+    out = top_p_filter(p, 0.75)
+    assert (out > 0).tolist() == [[True, True, False], [False, False, True],
+                                  [True, True, True]]
+
+
+def test_probs_from_logits_temperature_and_top_p():
+    logits = mx.array([[2.0, 1.0, 0.0, -1.0]])
+    p1 = probs_from_logits(logits, SamplingParams(1.0))[0]
+    want = np.exp([2.0, 1.0, 0.0, -1.0])
+    np.testing.assert_allclose(p1, want / want.sum(), rtol=1e-5)
+    p2 = probs_from_logits(logits, SamplingParams(2.0))[0]
+    want2 = np.exp([1.0, 0.5, 0.0, -0.5])
+    np.testing.assert_allclose(p2, want2 / want2.sum(), rtol=1e-5)
+    p3 = probs_from_logits(logits, SamplingParams(1.0, top_p=0.8))[0]
+    assert p3[2] == p3[3] == 0.0 and abs(p3.sum() - 1) < 1e-9
+    assert p1.dtype == np.float64
+    with pytest.raises(ValueError):
+        probs_from_logits(logits, SamplingParams(0.0))
+
+
+# -- the whole loop -------------------------------------------------------------------------
+
+LOOP_SAMPLES = 1_600
+
+
+def exact_joint(verifier_model) -> np.ndarray:
+    """p(t1, t2) = p(t1) * p(t2 | t1), by forwards of the verifier (no sampling involved)."""
+    p1 = next_probs(verifier_model, PROMPT)
+    joint = np.zeros((VOCAB, VOCAB))
+    for t1 in range(VOCAB):
+        joint[t1] = p1[t1] * next_probs(verifier_model, PROMPT + [t1])
+    return joint
+
+
+def loop_joint_counts(verifier_model, proposer: Proposer, n: int, seed0: int) -> np.ndarray:
+    verifier = Verifier(verifier_model)
+    counts = np.zeros((VOCAB, VOCAB), dtype=np.int64)
+    for i in range(n):
+        events = list(speculative_generate(
+            verifier, proposer, PROMPT, params=SamplingParams(1.0, seed=seed0 + i),
+            max_tokens=3, controller=make_controller(2)))
+        t1, t2 = events[-1].token_ids[:2]
+        counts[t1, t2] += 1
+    return counts
+
+
+def test_loop_first_two_tokens_match_verifier_joint(models):
+    """With max_tokens=3 and k=2, the first block drafts 2 tokens: both committed tokens pass
+    through the ratio test (or its residual), and the second also through the bonus path."""
+    target = exact_joint(models[0])
+    proposer = ModelProposer(models[1], "draft:tiny")
+    counts = loop_joint_counts(models[0], proposer, LOOP_SAMPLES, seed0=10_000)
+    stat, df, crit = chi2_test(counts, target)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"
+    # the draft really drafted with probabilities, and was sometimes rejected
+    q1 = next_probs(models[1], PROMPT)
+    assert not passes(counts.sum(axis=1), q1)
+
+
+def test_loop_check_catches_a_broken_rule(models, monkeypatch):
+    """The same loop check fails when the loop's ratio rule resamples from p on rejection
+    (with a quarter of the samples: the bias is large, so this stays cheap)."""
+    monkeypatch.setattr("macfleet.engine.loop.accept_ratio", broken_resample_from_p)
+    target = exact_joint(models[0])
+    proposer = ModelProposer(models[1], "draft:tiny")
+    counts = loop_joint_counts(models[0], proposer, LOOP_SAMPLES // 4, seed0=10_000)
+    stat, df, crit = chi2_test(counts, target)
+    assert stat > crit, f"the broken loop was not caught: chi2 {stat:.1f} < {crit:.1f}"
+
+
+class FixedDraft(Proposer):
+    """A draft without probabilities (like n-gram): always the same tokens."""
+
+    name = "fixed"
+
+    def __init__(self, tokens: tuple[int, ...]) -> None:
+        self.tokens = tokens
+
+    def propose(self, context, k, with_guess=False):
+        return Draft(self.tokens[:k])
+
+
+def test_loop_exact_match_path_first_two_tokens(models):
+    target = exact_joint(models[0])
+    mode = int(np.argmax(target.sum(axis=1)))
+    counts = loop_joint_counts(models[0], FixedDraft((mode, mode)), LOOP_SAMPLES // 2,
+                               seed0=50_000)
+    stat, df, crit = chi2_test(counts, target)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"
+
+
+def test_acceptance_module_is_pure():
+    """The rules are functions of their inputs and the rng: same seed, same decisions."""
+    p = np.array([[0.2, 0.3, 0.5], [0.3, 0.3, 0.4]])
+    q = np.array([[0.6, 0.2, 0.2]])
+    a = [acceptance.accept_ratio([0], q, p, np.random.default_rng(9)) for _ in range(3)]
+    assert a[0] == a[1] == a[2]
+
+
+def test_chi_square_helper():
+    """The critical values agree with scipy (when it is installed); the test has its size."""
+    from engine_testkit import chi2_critical
+
+    stats = pytest.importorskip("scipy.stats")
+    for df in (2, 5, 7, 19, 63):
+        assert chi2_critical(df) == pytest.approx(stats.chi2.ppf(0.999, df), rel=0.03)
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    rng = np.random.default_rng(3)
+    rejections = sum(
+        not passes(np.bincount(rng.choice(4, size=2000, p=p), minlength=4), p)
+        for _ in range(200))
+    assert rejections <= 3  # about 0.001 * 200 expected
