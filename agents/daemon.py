@@ -6,6 +6,7 @@ advertise on Zeroconf -> serve until SIGTERM/SIGINT -> unregister (goodbyes go o
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -18,8 +19,9 @@ from dataclasses import dataclass, replace
 from bridge.auth import fleet_id
 from bridge.card import ROLE_PROPOSER, ROLE_SHARD, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Advertiser
-from bridge.errors import BAD_REQUEST, ProtocolError
-from bridge.messages import AgentEvent, Ping, Pong, StatusReply, StatusRequest
+from bridge.errors import BAD_REQUEST, BUSY, ProtocolError
+from bridge.messages import (AgentEvent, ErrorReply, HiddenStates, HiddenStatesAck, Ping, Pong,
+                             PresetResult, RunPreset, StatusReply, StatusRequest)
 from bridge.transport import Publisher, Server
 from macfleet import sysinfo
 
@@ -65,6 +67,7 @@ class Agent:
         self.name = cfg.name or f"{socket.gethostname().split('.')[0]}-{cfg.role}"
         self.started = time.monotonic()
         self._stop = threading.Event()
+        self._tool_lock = threading.Lock()
         pin_to_cpu(cfg.cpu)
         from agents.admission import admit
         from macfleet.engine.models import load_model
@@ -141,11 +144,44 @@ class Agent:
             reply(StatusReply(self.card, self.sessions, time.monotonic() - self.started, load,
                               sysinfo.memory_total() - sysinfo.memory_free(), sysinfo.rss_bytes()))
             return
+        if isinstance(msg, HiddenStates) and self.proposer is None:
+            # link probes reach every role; a proposer service acks (and may use) its own
+            reply(HiddenStatesAck(msg.session_id, msg.block, int(msg.states.nbytes)))
+            return
+        if isinstance(msg, RunPreset):
+            self._run_preset(msg, reply)
+            return
         for svc in (self.proposer, self.verifier):
             if svc is not None and svc.handle(msg, reply):
                 return
         raise ProtocolError(BAD_REQUEST,
                             f"a {self.cfg.role} agent does not serve '{type(msg).__name__}'")
+
+    def _run_preset(self, msg, reply) -> None:
+        """Validate now (typed error at once), measure on a worker thread, one at a time."""
+        from agents.presets import validate
+
+        preset, params = validate(msg.preset, dict(msg.params))
+        if self.sessions:
+            raise ProtocolError(BUSY, "sessions are running: a benchmark now would measure "
+                                      "both badly; try again when idle")
+        if not self._tool_lock.acquire(blocking=False):
+            raise ProtocolError(BUSY, "another preset is running")
+
+        def work() -> None:
+            try:
+                result = preset.run(self, params)
+                result.update(host=self.name, chip=self.card.chip, preset=preset.name,
+                              params=params, measured_at=time.time())
+                answer = PresetResult(preset.name, json.dumps(result))
+            except Exception as e:  # the daemon never dies of a request; the error goes back
+                log.exception("preset %s failed", preset.name)
+                answer = ErrorReply("internal", f"{preset.name}: {type(e).__name__}: {e}")
+            finally:
+                self._tool_lock.release()  # before replying: the next request may follow at once
+            reply(answer)
+
+        threading.Thread(target=work, name=f"preset-{preset.name}", daemon=True).start()
 
     def refresh_card(self) -> None:
         """Re-announce when what the card says changed (free memory, quantised to 64 MiB)."""

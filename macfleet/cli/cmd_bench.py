@@ -10,7 +10,13 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks written to results/")
     p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--model", default="smollm2")
-    bs = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    p.add_argument("--fleet", action="store_true", help="every discovered agent measures itself "
+                   "(tool plane) into results/<host>/; `macfleet plan` reads these profiles")
+    p.add_argument("--key", default=None)
+    p.add_argument("--open", action="store_true")
+    p.add_argument("--wait", type=float, default=2.0)
+    p.set_defaults(func=run_fleet_profile)
+    bs = p.add_subparsers(dest="bench", required=False, metavar="BENCH")
     v = bs.add_parser("verify-sweep", help="verify(L) for L=1..32 at two context lengths")
     v.add_argument("--repeats", type=int, default=5)
     v.set_defaults(func=run_verify_sweep)
@@ -35,6 +41,25 @@ def _extensions() -> list:
             if e.name != name:
                 raise
     return mods
+
+
+def run_fleet_profile(args) -> int:
+    from bridge.auth import fleet_id
+    from macfleet.cli.cmd_fleet import load_key
+    from macfleet.cli.main import UserError
+    from macfleet.fleet.client import discover
+    from macfleet.fleet.profile import profile_fleet
+
+    if not args.fleet:
+        raise UserError("name a benchmark (macfleet bench --help) or use --fleet")
+    key = load_key(args)
+    cards = discover(fleet_id(key), wait_s=args.wait)
+    if not cards:
+        raise UserError("no agents discovered: start some (macfleet up) or check the key")
+    written = profile_fleet(cards, key, args.out, progress)
+    for host, files in sorted(written.items()):
+        print(f"{host}: {len(files)} profile(s) in {Path(files[0]).parent}")
+    return 0 if written else 1
 
 
 def progress(msg: str) -> None:

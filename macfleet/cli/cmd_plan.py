@@ -44,6 +44,9 @@ def measured_profile(results: Path):
 
     prof, used = Profile(), []
     sweep = results / "verify_l_sweep.json"
+    per_host = sorted(results.glob("*/verify_sweep.json"))  # measured by agents (tool plane)
+    if per_host:
+        sweep = per_host[0]
     try:
         d = json.loads(sweep.read_text())
         curve = min(d["curves"], key=lambda c: c["context"])
@@ -69,6 +72,18 @@ def measured_profile(results: Path):
             used.append(f"acceptance of {sorted(acc)} from {spec}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
+    costs = {}
+    for f in sorted(results.glob("*/draft_cost-*.json")):
+        try:
+            d = json.loads(f.read_text())
+            costs[d["proposer"].split(":")[0]] = float(d["ms_per_token"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if costs:
+        props = tuple(replace(p, ms_per_token=costs[p.kind]) if p.kind in costs else p
+                      for p in prof.proposers)
+        prof = replace(prof, proposers=props)
+        used.append(f"draft cost of {sorted(costs)} from {results}/<host>/draft_cost-*.json")
     if used:
         prof = replace(prof, source="; ".join(used) + "; other numbers: " + prof.source)
     return prof
