@@ -56,16 +56,23 @@ def shard_extra(card: AgentCard) -> dict[str, str]:
     return dict(card.extra)
 
 
-def hostfile_from_cards(cards: list[AgentCard], spec: ShardSpec) -> list[list[str]]:
-    """Pure: the ring hostfile (one entry per rank) from the group's cards."""
+def hostfile_from_cards(cards: list[AgentCard], spec: ShardSpec,
+                        need_ready: bool = False) -> list[list[str]]:
+    """Pure: the ring hostfile (one entry per rank) from the group's cards.
+
+    need_ready: every rank must also have announced `ready` (it has seen the whole group).
+    """
     by_rank: dict[int, AgentCard] = {}
     for c in cards:
         x = shard_extra(c)
         if x.get("group") == spec.group and x.get("size") == str(spec.size):
+            if need_ready and x.get("phase") != "ready":
+                continue
             by_rank[int(x["rank"])] = c
     missing = [r for r in range(spec.size) if r not in by_rank]
     if missing:
-        raise LookupError(f"shard group {spec.group}: ranks {missing} not seen yet")
+        raise LookupError(f"shard group {spec.group}: ranks {missing} not "
+                          f"{'ready' if need_ready else 'seen'} yet")
     return [[f"{by_rank[r].host}:{shard_extra(by_rank[r])['ring_port']}"]
             for r in range(spec.size)]
 
@@ -84,10 +91,10 @@ class ShardAgent(Agent):
         self.shards: ShardGroup | None = None
         super().__init__(replace(cfg, role=ROLE_SHARD))
 
-    def _card_extra(self) -> tuple[tuple[str, str], ...]:
+    def _card_extra(self, phase: str = "forming") -> tuple[tuple[str, str], ...]:
         s = self.spec
         return (("group", s.group), ("size", str(s.size)), ("rank", str(s.rank)),
-                ("ring_port", str(s.ring_port)), ("mode", s.mode))
+                ("ring_port", str(s.ring_port)), ("mode", s.mode), ("phase", phase))
 
     def _start_services(self) -> None:
         pass  # nothing to serve until the group has formed
@@ -108,23 +115,35 @@ class ShardAgent(Agent):
             self.verifier = self._verifier_service(ShardedVerifier(self.shards),
                                                    on_fatal=self._lost)
             if self.advertiser is not None:
-                card = replace(self.advertiser.card, roles=(ROLE_VERIFIER, ROLE_SHARD))
+                card = replace(self.advertiser.card, roles=(ROLE_VERIFIER, ROLE_SHARD),
+                               extra=self._card_extra("serving"))
                 self.advertiser.update(card)
                 self.card = self.advertiser.card
         else:
             threading.Thread(target=self._follow, name="shard-follower", daemon=True).start()
 
     def _discover_group(self) -> list[list[str]]:
+        """Two phases, so that all ranks start the ring within moments of each other (MLX's
+        ring gives up connecting after ~30 s, and a second init in one process is broken):
+        1. wait until every rank's card is seen, then announce `ready`;
+        2. wait until every rank is `ready`."""
         interfaces = LOOPBACK_ONLY if self.cfg.loopback_only else ALL_INTERFACES
         with Browser(fleet_id=fleet_id(self.cfg.key), interfaces=interfaces) as b:
             deadline = time.monotonic() + self.form_timeout_s
-            while True:
-                try:
-                    return hostfile_from_cards(b.cards(), self.spec)
-                except LookupError as e:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{e} within {self.form_timeout_s:.0f}s") from None
-                time.sleep(0.2)
+            self._wait_group(b, deadline, need_ready=False)
+            if self.advertiser is not None:
+                self.advertiser.update(replace(self.advertiser.card,
+                                               extra=self._card_extra("ready")))
+            return self._wait_group(b, deadline, need_ready=True)
+
+    def _wait_group(self, browser: Browser, deadline: float, need_ready: bool):
+        while True:
+            try:
+                return hostfile_from_cards(browser.cards(), self.spec, need_ready)
+            except LookupError as e:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{e} within {self.form_timeout_s:.0f}s") from None
+            time.sleep(0.1)
 
     def _follow(self) -> None:
         try:

@@ -34,7 +34,8 @@ def _extensions() -> list:
     import importlib
 
     mods = []
-    for name in ("macfleet.cli.bench_fleet", "macfleet.cli.bench_soak"):
+    for name in ("macfleet.cli.bench_fleet", "macfleet.cli.bench_soak", "macfleet.cli.bench_f3",
+                 "macfleet.cli.bench_sessions", "macfleet.cli.bench_topologies"):
         try:
             mods.append(importlib.import_module(name))
         except ModuleNotFoundError as e:

@@ -50,7 +50,15 @@ def read_state(run_dir: Path) -> list[LocalAgent]:
         return []
 
 
+_children: dict[int, subprocess.Popen] = {}  # agents started by this process
+
+
 def _alive(pid: int) -> bool:
+    """True while the process runs. Our own children are polled: a dead child stays a zombie
+    (and answers kill(pid, 0)) until it is reaped."""
+    child = _children.get(pid)
+    if child is not None:
+        return child.poll() is None
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -82,6 +90,7 @@ def start_agent(role: str, *, name: str, model: str, key_path: Path | None, run_
     with open(log, "ab") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True, env=env)
+    _children[p.pid] = p
     return LocalAgent(name, role, node_id, p.pid, str(log))
 
 
@@ -152,6 +161,8 @@ def down(run_dir: Path, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int:
         if _alive(a.pid):
             os.kill(a.pid, signal.SIGKILL)
             _reap(a.pid)
+    for a in agents:
+        _children.pop(a.pid, None)
     try:
         _state_file(run_dir).unlink()
     except FileNotFoundError:
@@ -160,6 +171,10 @@ def down(run_dir: Path, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int:
 
 
 def _reap(pid: int) -> None:
+    child = _children.get(pid)
+    if child is not None:
+        child.poll()
+        return
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:

@@ -132,27 +132,6 @@ def test_cli_ls_json_lists_the_fleet(fleet):
     assert all(a["rtt_p50_ms"] is not None for a in doc["agents"] if a["alive"])
 
 
-def test_zz_proposer_killed_mid_generation_loses_nothing(fleet):
-    """SIGKILL the proposer agent after the first streamed tokens: same ids as verifier alone."""
-    prompt = PROMPTS[0]
-    _, alone = run_gen(fleet, prompt, [], "none", max_tokens=48)
-    pid = fleet["agents"][ROLE_PROPOSER].pid
-    ids, done, killed = [], None, False
-    for msg in generate_remote(fleet["verifier"], fleet["key"], prompt=prompt, max_tokens=48,
-                               proposers=[fleet["proposer"].router_endpoint],
-                               proposer_spec="layerskip:16", draft_tokens=2):
-        if isinstance(msg, GenerateChunk):
-            ids.extend(msg.token_ids)
-            if not killed:
-                os.kill(pid, signal.SIGKILL)
-                killed = True
-        elif isinstance(msg, GenerateDone):
-            done = msg
-    assert killed and done is not None
-    assert ids == done.token_ids == alone.token_ids
-    assert done.stats["proposer_failures"] == 1
-
-
 def test_observer_sees_hosts_sessions_and_flows(fleet):
     """The dashboard's live source: both hosts alive with RTT, and a session with F1/F2 rows."""
     from macfleet.fleet.observer import FleetObserver
@@ -226,3 +205,25 @@ def test_dashboard_live_on_a_generating_fleet(fleet):
     finally:
         gen_done.wait(60)
         obs.close()
+
+
+# Runs last (pytest keeps definition order): it kills the module's proposer agent.
+def test_zz_proposer_killed_mid_generation_loses_nothing(fleet):
+    """SIGKILL the proposer agent after the first streamed tokens: same ids as verifier alone."""
+    prompt = PROMPTS[0]
+    _, alone = run_gen(fleet, prompt, [], "none", max_tokens=48)
+    pid = fleet["agents"][ROLE_PROPOSER].pid
+    ids, done, killed = [], None, False
+    for msg in generate_remote(fleet["verifier"], fleet["key"], prompt=prompt, max_tokens=48,
+                               proposers=[fleet["proposer"].router_endpoint],
+                               proposer_spec="layerskip:16", draft_tokens=2):
+        if isinstance(msg, GenerateChunk):
+            ids.extend(msg.token_ids)
+            if not killed:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+        elif isinstance(msg, GenerateDone):
+            done = msg
+    assert killed and done is not None
+    assert ids == done.token_ids == alone.token_ids
+    assert done.stats["proposer_failures"] == 1
