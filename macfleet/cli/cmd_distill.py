@@ -1,0 +1,62 @@
+"""`macfleet distill`: train an EAGLE-style draft head for a verifier (offline)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from macfleet.cli.main import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("distill", help="train an EAGLE draft head for a verifier (offline)")
+    p.add_argument("--model", default="smollm2", help="verifier spec (default: %(default)s)")
+    p.add_argument("--data", nargs="*", default=[], metavar="PATH",
+                   help="text files or directories (.txt .md .py .rst); default: docstrings and "
+                   "docs installed on this machine, plus the verifier's own answers")
+    p.add_argument("--out", default=None, help="output PATH[.safetensors] (+ .json); default: "
+                   "./<model>-eagle.safetensors")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--gen-prompts", type=int, default=12,
+                   help="built-in prompts the verifier answers itself (slow: ~10 tok/s on CPU)")
+    p.add_argument("--gen-tokens", type=int, default=96, help="tokens per generated answer")
+    p.add_argument("--text-tokens", type=int, default=24000,
+                   help="tokens of file text to extract features for")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="token ids drafts may use (0: the whole vocabulary); the LM head is most "
+                   "of the draft cost")
+    p.add_argument("--work", default=None, help="work directory (answers, features, checkpoint)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from macfleet.engine.drafter.distill import distill
+    from macfleet.engine.drafter.train import TrainParams
+    from macfleet.engine.models import ModelSpecError, load_model
+
+    if args.steps < 1 or args.batch < 1 or args.seq_len < 8:
+        raise UserError("--steps and --batch must be >= 1, --seq-len >= 8")
+    for d in args.data:
+        if not Path(d).expanduser().exists():
+            raise UserError(f"--data: no such file or directory: {d}")
+    try:
+        lm = load_model(args.model)
+    except ModelSpecError as e:
+        raise UserError(str(e)) from None
+    out = Path(args.out or f"{args.model.replace(':', '-').replace('/', '-')}-eagle")
+    params = TrainParams(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+                         save_every=args.save_every)
+    try:
+        distill(lm, out, params, paths=args.data, resume=args.resume,
+                work=Path(args.work) if args.work else None, gen_prompts=args.gen_prompts,
+                gen_tokens=args.gen_tokens, text_tokens=args.text_tokens,
+                draft_vocab=args.draft_vocab,
+                report=lambda s: print(s, file=sys.stderr, flush=True))
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(str(e)) from None
+    return 0

@@ -1,0 +1,137 @@
+"""The `macfleet distill` pipeline: data -> verifier features -> trained head -> acceptance.
+
+Work files (generated answers, extracted features, the resumable checkpoint) live in a work
+directory (default `~/.cache/macfleet/distill/<verifier fingerprint>/`), never next to the
+shipped weights, so `--resume` skips generation and extraction and continues training.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from macfleet.engine.drafter import data
+from macfleet.engine.drafter.features import FeatureChunk, extract_features
+from macfleet.engine.drafter.head import EagleConfig, EagleHead, verifier_fingerprint
+from macfleet.engine.drafter.train import (Acceptance, TrainParams, chain_acceptance,
+                                           choose_draft_vocab, feature_rms, train)
+from macfleet.engine.models import LoadedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GEN_PROMPTS = 12
+DEFAULT_GEN_TOKENS = 96
+DEFAULT_TEXT_TOKENS = 24_000
+DEFAULT_DRAFT_VOCAB = 8192
+HELD_OUT_PROMPTS = 2  # the last generated answers are held out for the acceptance figure
+
+
+@dataclass(frozen=True)
+class DistillResult:
+    path: Path
+    steps: int
+    train_tokens: int
+    held_out: Acceptance
+    untrained: Acceptance
+    first_loss: float
+    last_loss: float
+
+
+def default_work_dir(lm: LoadedModel) -> Path:
+    return Path.home() / ".cache" / "macfleet" / "distill" / verifier_fingerprint(lm.model)
+
+
+def _save_features(path: Path, chunks: Sequence[FeatureChunk]) -> None:
+    np.savez(path, **{f"{i}_{k}": getattr(c, k) for i, c in enumerate(chunks)
+                      for k in ("tokens", "hidden", "top")},
+             generated=np.array([c.generated for c in chunks]))
+
+
+def _load_features(path: Path) -> list[FeatureChunk]:
+    z = np.load(path)
+    gen = z["generated"]
+    return [FeatureChunk(z[f"{i}_tokens"], z[f"{i}_hidden"], z[f"{i}_top"], bool(gen[i]))
+            for i in range(len(gen))]
+
+
+def build_dataset(lm: LoadedModel, work: Path, paths: Sequence[str], gen_prompts: int,
+                  gen_tokens: int, text_tokens: int, resume: bool,
+                  report: Callable[[str], None]) -> tuple[list[FeatureChunk], list[FeatureChunk]]:
+    """(train, held_out) feature chunks, cached in `work` (reused by --resume)."""
+    fp = work / "features.npz"
+    if resume and fp.is_file():
+        report(f"reusing features from {fp}")
+        chunks = _load_features(fp)
+    else:
+        prompts = [data.PROMPTS[i % len(data.PROMPTS)] for i in range(gen_prompts)]
+        done = [0]
+
+        def gen_progress(n: int) -> None:
+            done[0] += n
+            if done[0] % 50 == 0:
+                report(f"generating answers: {done[0]}/{len(prompts) * gen_tokens} tokens")
+
+        answers = data.cached_answers(lm, work / "answers.json", prompts, gen_tokens,
+                                      gen_progress) if gen_prompts else []
+        texts = data.read_texts(paths) if paths else data.default_local_texts()
+        seqs: list[tuple[list[int], bool]] = []
+        total = 0
+        for t in texts:
+            ids = list(lm.tokenizer.encode(t))
+            seqs.append((ids[: max(0, text_tokens - total)], False))
+            total += len(seqs[-1][0])
+            if total >= text_tokens:
+                break
+        report(f"extracting features: {len(answers)} generated answers, {total} tokens of text")
+        held = [(a, True) for a in answers[len(answers) - HELD_OUT_PROMPTS:]] if len(
+            answers) > HELD_OUT_PROMPTS else []
+        train_gen = [(a, True) for a in answers[: len(answers) - len(held)]]
+        held_chunks = extract_features(lm.model, held)
+        chunks = extract_features(lm.model, train_gen + seqs) + held_chunks
+        n_held = len(held_chunks)
+        work.mkdir(parents=True, exist_ok=True)
+        _save_features(fp, chunks)
+        (work / "held_out.txt").write_text(str(n_held))
+    n_held = int((work / "held_out.txt").read_text()) if (work / "held_out.txt").is_file() else 0
+    if n_held == 0 or n_held >= len(chunks):
+        n_held = max(1, len(chunks) // 10)
+    return chunks[:-n_held], chunks[-n_held:]
+
+
+def distill(lm: LoadedModel, out: Path, params: TrainParams, *, paths: Sequence[str] = (),
+            resume: bool = False, work: Path | None = None,
+            gen_prompts: int = DEFAULT_GEN_PROMPTS, gen_tokens: int = DEFAULT_GEN_TOKENS,
+            text_tokens: int = DEFAULT_TEXT_TOKENS, dtype: str = "float16",
+            draft_vocab: int = DEFAULT_DRAFT_VOCAB,
+            report: Callable[[str], None] = log.info) -> DistillResult:
+    work = work or default_work_dir(lm)
+    train_chunks, held = build_dataset(lm, work, paths, gen_prompts, gen_tokens, text_tokens,
+                                       resume, report)
+    ntok = sum(len(c.tokens) for c in train_chunks)
+    cfg = EagleConfig.for_verifier(lm.model, lm.spec, feature_scale=feature_rms(train_chunks),
+                                   dtype=dtype)
+    mx.random.seed(params.seed)
+    head = EagleHead(cfg, lm.model)
+    mx.eval(head.parameters())
+    before = chain_acceptance(head, held, max_starts=100)
+    report(f"training on {ntok} tokens ({len(train_chunks)} chunks), held out "
+           f"{sum(len(c.tokens) for c in held)} tokens; untrained acceptance "
+           f"{before.mean_accepted:.2f}/4")
+    losses = train(head, train_chunks, params, ckpt=work / "checkpoint", resume=resume,
+                   report=report)
+    if 0 < draft_vocab < cfg.vocab_size:
+        head.set_draft_vocab(choose_draft_vocab(train_chunks, draft_vocab, cfg.vocab_size))
+    acc = chain_acceptance(head, held, max_starts=200)
+    path = head.save(out, steps=params.steps)
+    report(f"held-out greedy chain acceptance (k=4): per position "
+           f"{', '.join(f'{x:.2f}' for x in acc.per_position)}; mean accepted "
+           f"{acc.mean_accepted:.2f}; first-token agreement {acc.top1:.2f} over {acc.starts} "
+           f"starts -> wrote {path}")
+    return DistillResult(path, params.steps, ntok, acc, before,
+                         losses[0] if losses else float("nan"),
+                         losses[-1] if losses else float("nan"))

@@ -1,0 +1,138 @@
+"""Verifier features: the last layer's pre-norm hidden state at every position.
+
+Two ways to get them:
+* `hidden_states(model, ids, cache)`: run the verifier's layers ourselves (like LayerSkipModel),
+  one forward per chunk, for training data and for a proposer that has no verifier to tap;
+* `HiddenTap`: reuse the verifier's *own* forward. It swaps the class of the verifier's inner
+  model and final norm for subclasses whose `__call__` is the original one plus a record of
+  (start position, token ids, pre-norm hidden). The arithmetic is untouched (bit-identical
+  logits), costs nothing while no tap is attached, and only full-model calls are recorded
+  (LayerSkipModel and the draft head call the norm directly, outside a full forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.base import create_attention_mask
+
+DEFAULT_CHUNK = 256
+_TAP = "_macfleet_tap"
+
+
+def hidden_states(model: nn.Module, ids: mx.array, cache=None) -> mx.array:
+    """ids [B, L] -> pre-norm hidden of the last layer [B, L, H] (appends to `cache`)."""
+    inner = model.model
+    h = inner.embed_tokens(ids)
+    cache = cache or [None] * len(inner.layers)
+    mask = create_attention_mask(h, cache[0])
+    for layer, c in zip(inner.layers, cache):
+        h = layer(h, mask, cache=c)
+    return h
+
+
+def verifier_logits(model: nn.Module, h: mx.array) -> mx.array:
+    n = model.model.norm(h)
+    if getattr(model.args, "tie_word_embeddings", True):
+        return model.model.embed_tokens.as_linear(n)
+    return model.lm_head(n)
+
+
+@dataclass(frozen=True)
+class FeatureChunk:
+    """One chunk of text as the verifier sees it (numpy, so it stores and batches cheaply)."""
+
+    tokens: np.ndarray  # [L] int32
+    hidden: np.ndarray  # [L, H] float16: f_t
+    top: np.ndarray  # [L] int32: the verifier's argmax after position t (its greedy next token)
+    generated: bool = False  # text the verifier produced itself (greedy)
+
+
+def extract_features(model: nn.Module, seqs: Iterable[tuple[Sequence[int], bool]],
+                     chunk: int = DEFAULT_CHUNK, progress=None) -> list[FeatureChunk]:
+    """One verifier forward per chunk (no cache across chunks: each chunk is its own context)."""
+    out: list[FeatureChunk] = []
+    for ids, gen in seqs:
+        for i in range(0, len(ids) - 1, chunk):
+            piece = list(ids[i : i + chunk])
+            if len(piece) < 8:
+                continue
+            h = hidden_states(model, mx.array(piece, dtype=mx.uint32)[None])
+            top = mx.argmax(verifier_logits(model, h), axis=-1)
+            mx.eval(h, top)
+            out.append(FeatureChunk(np.array(piece, dtype=np.int32),
+                                    np.array(h[0].astype(mx.float16)),
+                                    np.array(top[0]).astype(np.int32), gen))
+            if progress is not None:
+                progress(len(piece))
+    return out
+
+
+# -- tapping the verifier's own forward ----------------------------------------------------
+
+
+class HiddenTap:
+    """Receives (start, tokens, hidden[L, H]) for every full forward of the tapped model."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, list[int], mx.array]] = []
+        self._pending: tuple[int, list[int]] | None = None
+
+    def _begin(self, start: int, tokens: list[int]) -> None:
+        self._pending = (start, tokens)
+
+    def _record(self, h: mx.array) -> None:
+        if self._pending is not None:
+            start, toks = self._pending
+            self.records.append((start, toks, h[0]))
+            self._pending = None
+
+    def drain(self) -> list[tuple[int, list[int], mx.array]]:
+        r, self.records = self.records, []
+        return r
+
+
+def _tapped_class(base: type, kind: str) -> type:
+    name = f"Tapped{base.__name__}"
+    if kind == "model":
+
+        def __call__(self, inputs, cache=None, input_embeddings=None, **kw):
+            tap = self.__dict__.get(_TAP)
+            if tap is None or input_embeddings is not None:
+                return base.__call__(self, inputs, cache, input_embeddings, **kw)
+            c0 = cache[0] if cache else None
+            start = int(getattr(c0, "offset", 0)) if c0 is not None else 0
+            tap._begin(start, np.array(inputs[0]).astype(np.int64).tolist())
+            self.norm.__dict__[_TAP] = tap
+            try:
+                return base.__call__(self, inputs, cache, input_embeddings, **kw)
+            finally:
+                self.norm.__dict__.pop(_TAP, None)
+    else:
+
+        def __call__(self, x):
+            tap = self.__dict__.get(_TAP)
+            if tap is not None:
+                tap._record(x)
+            return base.__call__(self, x)
+
+    return type(name, (base,), {"__call__": __call__, "_macfleet_base": base})
+
+
+def attach_tap(model: nn.Module, tap: HiddenTap) -> None:
+    """Record the verifier's pre-norm hidden states into `tap` on every full forward."""
+    inner = model.model
+    for mod, kind in ((inner, "model"), (inner.norm, "norm")):
+        if not hasattr(type(mod), "_macfleet_base"):
+            mod.__class__ = _tapped_class(type(mod), kind)
+    inner.__dict__[_TAP] = tap
+
+
+def detach_tap(model: nn.Module, tap: HiddenTap) -> None:
+    inner = model.model
+    if inner.__dict__.get(_TAP) is tap:
+        inner.__dict__.pop(_TAP, None)

@@ -1,0 +1,243 @@
+"""The EAGLE-style draft head: one decoder layer that predicts the verifier's next hidden state.
+
+Input at position t: the verifier's last-layer hidden state f_t concatenated with the embedding
+of token t+1 -> a linear fuse (2H -> H) -> one llama decoder layer (own KV cache) -> f^_{t+1}.
+Logits come from the verifier's own final norm and LM head (frozen, shared, never saved).
+
+Features are the *pre-norm* output of the last layer, as in EAGLE: that is exactly what the
+verifier's norm + LM head consume, so the head predicts a quantity the frozen head already
+knows how to read, and the predicted feature can be fed back as the next input unchanged.
+A learned RMSNorm on the feature input tames the pre-norm scale (outlier dimensions).
+
+Only the head's own weights are saved (`.safetensors`, float16) with a JSON config carrying a
+fingerprint of the verifier; loading a head for another verifier raises `HeadMismatch`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+FORMAT_VERSION = 1
+FEATURE_KIND = "prenorm_last_layer"
+DEFAULT_DTYPE = "float16"
+DRAFT_VOCAB_KEY = "draft_vocab_ids"
+
+
+class HeadMismatch(ValueError):
+    """A draft head trained for another verifier (or a file that is not a head)."""
+
+
+def verifier_fingerprint(model: nn.Module) -> str:
+    """A short hash of a few embedding rows and the norm weights of the verifier.
+
+    Read through the modules (embedding *outputs*, float norms) so a dense and a quantized load
+    of the same checkpoint agree, while any other checkpoint (or tiny seed) differs.
+    """
+    inner = model.model
+    ids = mx.array([0, 1, 2, 3, model.args.vocab_size // 2, model.args.vocab_size - 1])
+    parts = [inner.embed_tokens(ids)[:, :64], inner.norm.weight,
+             *(layer.input_layernorm.weight[:32] for layer in inner.layers)]
+    h = hashlib.sha256(f"{model.args.hidden_size}:{model.args.vocab_size}:"
+                       f"{len(inner.layers)}".encode())
+    for p in parts:
+        h.update(np.round(np.array(p.astype(mx.float32)), 2).tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    verifier: str  # the verifier's model spec when trained
+    fingerprint: str  # verifier_fingerprint() of that verifier
+    hidden_size: int
+    vocab_size: int
+    verifier_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_traditional: bool
+    feature: str = FEATURE_KIND
+    feature_scale: float = 1.0  # RMS of the features: regression loss is measured in these units
+    layers: int = 1
+    draft_vocab: int = 0  # >0: drafts use only this many token ids (saved with the weights)
+    dtype: str = DEFAULT_DTYPE
+    steps: int = 0
+    version: int = FORMAT_VERSION
+
+    @classmethod
+    def for_verifier(cls, model: nn.Module, spec: str, **kw) -> EagleConfig:
+        a = model.args
+        return cls(verifier=spec, fingerprint=verifier_fingerprint(model),
+                   hidden_size=a.hidden_size, vocab_size=a.vocab_size,
+                   verifier_layers=len(model.layers), num_heads=a.num_attention_heads,
+                   num_kv_heads=a.num_key_value_heads, intermediate_size=a.intermediate_size,
+                   rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
+                   rope_traditional=bool(getattr(a, "rope_traditional", False)), **kw)
+
+    def layer_args(self) -> llama.ModelArgs:
+        return llama.ModelArgs(
+            model_type="llama", hidden_size=self.hidden_size, num_hidden_layers=self.layers,
+            intermediate_size=self.intermediate_size, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, rms_norm_eps=self.rms_norm_eps,
+            vocab_size=self.vocab_size, rope_theta=self.rope_theta,
+            rope_traditional=self.rope_traditional, tie_word_embeddings=True)
+
+    def check_verifier(self, model: nn.Module) -> None:
+        fp = verifier_fingerprint(model)
+        if fp != self.fingerprint or model.args.hidden_size != self.hidden_size \
+                or model.args.vocab_size != self.vocab_size:
+            raise HeadMismatch(
+                f"this draft head was trained for verifier '{self.verifier}' (fingerprint "
+                f"{self.fingerprint}, hidden {self.hidden_size}, vocab {self.vocab_size}); the "
+                f"verifier here has fingerprint {fp}, hidden {model.args.hidden_size}, vocab "
+                f"{model.args.vocab_size}: train a head for it with `macfleet distill`")
+
+
+class _Frozen:
+    """Holds the verifier outside the module tree, so its weights are neither trained nor saved."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig, verifier: nn.Module) -> None:
+        super().__init__()
+        config.check_verifier(verifier)
+        self.config = config
+        self._v = _Frozen(verifier)
+        h = config.hidden_size
+        self.in_norm = nn.RMSNorm(h, eps=config.rms_norm_eps)
+        self.fuse = nn.Linear(2 * h, h, bias=True)
+        args = config.layer_args()
+        self.layers = [llama.TransformerBlock(args) for _ in range(config.layers)]
+        self._sub = _Frozen(None)  # (ids [V'], rows [V', H]) of the draft vocabulary
+
+    def set_draft_vocab(self, ids: np.ndarray | None) -> None:
+        """Draft from a subset of the vocabulary (EAGLE-3's trick): the LM head is most of the
+        draft cost, and frequent tokens carry almost all accepted drafts. Needs a dense
+        embedding; with a quantized one the full head is used."""
+        emb = self.verifier.model.embed_tokens
+        if ids is None or not len(ids) or not isinstance(emb, nn.Embedding) or \
+                not getattr(self.verifier.args, "tie_word_embeddings", True):
+            self._sub = _Frozen(None)
+            return
+        idx = mx.array(np.asarray(ids, dtype=np.int32))
+        self._sub = _Frozen((idx, emb.weight[idx]))
+
+    @property
+    def draft_ids(self) -> mx.array | None:
+        return None if self._sub.model is None else self._sub.model[0]
+
+    def draft_logits(self, h: mx.array) -> mx.array:
+        """Logits over the draft vocabulary (index into `draft_ids`), or the full one."""
+        if self._sub.model is None:
+            return self.logits(h)
+        return self.verifier.model.norm(h) @ self._sub.model[1].T
+
+    @property
+    def verifier(self) -> nn.Module:
+        return self._v.model
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.verifier.model.embed_tokens(tokens)
+
+    def __call__(self, feats: mx.array, next_tokens: mx.array, cache=None) -> mx.array:
+        """feats [B, L, H] (f_t), next_tokens [B, L] (x_{t+1}) -> predicted f_{t+1} [B, L, H]."""
+        x = mx.concatenate([self.in_norm(feats), self.embed(next_tokens)], axis=-1)
+        h = self.fuse(x)
+        from mlx_lm.models.base import create_attention_mask
+
+        cache = cache or [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, cache=c)
+        return h
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The verifier's own final norm + LM head on (predicted) features."""
+        v = self.verifier
+        n = v.model.norm(h)
+        if getattr(v.args, "tie_word_embeddings", True):
+            return v.model.embed_tokens.as_linear(n)
+        return v.lm_head(n)
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.layers]
+
+    def draft_argmax(self, h: mx.array) -> int:
+        """The greedy draft token for one predicted feature h [H]."""
+        i = int(mx.argmax(self.draft_logits(h)).item())
+        return i if self.draft_ids is None else int(self.draft_ids[i].item())
+
+    # -- persistence ---------------------------------------------------------------------
+    def save(self, path: str | Path, steps: int | None = None) -> Path:
+        """Write PATH.safetensors (head weights in config.dtype) and PATH.json (config)."""
+        p = weights_path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        cfg = self.config if steps is None else replace(self.config, steps=steps)
+        dt = getattr(mx, cfg.dtype)
+        w = {k: v.astype(dt) for k, v in tree_flatten(self.parameters())}
+        if self.draft_ids is not None:
+            w[DRAFT_VOCAB_KEY] = self.draft_ids.astype(mx.int32)
+            cfg = replace(cfg, draft_vocab=int(self.draft_ids.size))
+        tmp = p.with_name(p.stem + ".tmp.safetensors")
+        mx.save_safetensors(str(tmp), w, metadata={"format": "macfleet-eagle",
+                                                   "version": str(cfg.version)})
+        tmp.replace(p)
+        config_path(p).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        self.config = cfg
+        return p
+
+
+def weights_path(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.suffix == ".safetensors" else p.with_suffix(".safetensors")
+
+
+def config_path(path: str | Path) -> Path:
+    return weights_path(path).with_suffix(".json")
+
+
+def read_config(path: str | Path) -> EagleConfig:
+    cp = config_path(path)
+    if not cp.is_file():
+        raise HeadMismatch(f"no draft-head config at {cp}")
+    try:
+        d = json.loads(cp.read_text())
+        cfg = EagleConfig(**d)
+    except (ValueError, TypeError) as e:
+        raise HeadMismatch(f"{cp} is not a macfleet draft-head config: {e}") from e
+    if cfg.version != FORMAT_VERSION:
+        raise HeadMismatch(f"{cp}: head format {cfg.version}, this macfleet reads "
+                           f"{FORMAT_VERSION}")
+    return cfg
+
+
+def load_head(path: str | Path, verifier: nn.Module) -> EagleHead:
+    """Load a head for this verifier; HeadMismatch when it was trained for another one."""
+    cfg = read_config(path)
+    head = EagleHead(cfg, verifier)  # checks the fingerprint
+    wp = weights_path(path)
+    if not wp.is_file():
+        raise HeadMismatch(f"no draft-head weights at {wp}")
+    w = mx.load(str(wp))
+    ids = w.pop(DRAFT_VOCAB_KEY, None)
+    head.load_weights([(k, v.astype(mx.float32)) for k, v in w.items()], strict=True)
+    if ids is not None:
+        head.set_draft_vocab(np.array(ids))
+    mx.eval(head.parameters())
+    head.eval()
+    return head

@@ -1,0 +1,193 @@
+"""EagleProposer: drafts a chain with the EAGLE head from the verifier's own hidden states.
+
+Feature source (the choice, and its cost): in-process the verifier model is shared, so the
+proposer attaches a `HiddenTap` to it and reuses the hidden states the verifier computes anyway
+when it prefills and verifies (zero extra verifier compute; the tap only keeps references).
+The tap records the positions of every forward; the proposer keeps a store that mirrors the
+verifier's KV cache (a forward starting at position s overwrites everything from s on), checks
+the recorded token ids against the committed context, and only when something is missing (no
+verifier ran through the tap: standalone use, another process) computes the features itself
+with a separate KV cache over the verifier's layers: that fallback costs one verifier forward
+over the new tokens, i.e. roughly a verify step per block, which is why the tap matters.
+
+Drafting: the head's one-layer KV cache holds real pairs (f_i, x_{i+1}) for committed
+positions; drafted pairs are appended for the chain and trimmed off afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from macfleet.engine.drafter.features import HiddenTap, attach_tap, detach_tap, hidden_states
+from macfleet.engine.drafter.head import EagleHead, HeadMismatch, load_head
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.model_draft import common_prefix
+from macfleet.engine.sampling import GREEDY, make_rng, probs_from_logits, sample
+
+
+class _FeatureStore:
+    """Hidden rows by position, mirroring what the verifier's cache has seen."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.segments: list[tuple[int, mx.array]] = []  # (start, hidden [L, H]), ascending
+
+    def write(self, start: int, tokens: Sequence[int], h: mx.array) -> None:
+        start = min(start, len(self.tokens))
+        del self.tokens[start:]
+        self.tokens.extend(int(t) for t in tokens)
+        kept = []
+        for s, a in self.segments:
+            if s >= start:
+                continue
+            kept.append((s, a[: start - s] if s + a.shape[0] > start else a))
+        kept.append((start, h))
+        self.segments = kept
+
+    def rows(self, a: int, b: int) -> mx.array:
+        """Hidden rows for positions a..b-1 ([b - a, H])."""
+        parts = []
+        for s, arr in self.segments:
+            e = s + arr.shape[0]
+            if e <= a or s >= b:
+                continue
+            parts.append(arr[max(a - s, 0) : min(b, e) - s])
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+
+
+class EagleProposer(Proposer):
+    def __init__(self, head: EagleHead, name: str = "eagle", tap: bool = True) -> None:
+        self.head = head
+        self.name = name
+        self.use_tap = tap
+        self.params = GREEDY
+        self._rng = make_rng(GREEDY, stream=1)
+        self._tap: HiddenTap | None = None
+        self._reset_state()
+        self.fallback_tokens = 0  # tokens whose features the proposer computed itself
+
+    def _reset_state(self) -> None:
+        self._store = _FeatureStore()
+        self._own_cache: list | None = None
+        self._own_tokens: list[int] = []
+        self._head_cache = self.head.make_cache()
+        self._head_ctx: list[int] = []  # x_0..x_m: pairs (f_i, x_{i+1}) i < m are in the cache
+
+    def start(self, params=GREEDY) -> None:
+        self.params = params
+        self._rng = make_rng(params, stream=1)
+        self._reset_state()
+        if self.use_tap and self._tap is None:
+            self._tap = HiddenTap()
+            attach_tap(self.head.verifier, self._tap)
+
+    def close(self) -> None:
+        if self._tap is not None:
+            detach_tap(self.head.verifier, self._tap)
+            self._tap = None
+        self._reset_state()
+
+    # -- features ----------------------------------------------------------------------
+    def _sync_features(self, context: Sequence[int]) -> None:
+        """Make the store hold f_0..f_{T-2} for this context (T = len(context))."""
+        if self._tap is not None:
+            for start, toks, h in self._tap.drain():
+                self._store.write(start, toks, h)
+        need = len(context) - 1
+        ok = common_prefix(self._store.tokens[:need], context[:need])
+        if ok >= need:
+            return
+        # fallback: the verifier did not show us these positions; compute them ourselves
+        v = self.head.verifier
+        if self._own_cache is None:
+            self._own_cache = [KVCache() for _ in v.layers]
+            self._own_tokens = []
+        c = min(common_prefix(self._own_tokens, context[:need]), ok)
+        drop = len(self._own_tokens) - c
+        if drop > 0:
+            for kv in self._own_cache:
+                kv.trim(drop)
+            del self._own_tokens[c:]
+        new = list(context[c:need])
+        h = hidden_states(v, mx.array(new, dtype=mx.uint32)[None], self._own_cache)[0]
+        self._own_tokens.extend(new)
+        self.fallback_tokens += len(new)
+        self._store.write(c, new, h)
+
+    # -- drafting ----------------------------------------------------------------------
+    def _pick(self, h: mx.array, rows: list[np.ndarray]) -> int:
+        logits = self.head.draft_logits(h).astype(mx.float32)  # [V] or [V'] (draft vocab)
+        ids = self.head.draft_ids
+        if self.params.greedy:
+            i = int(mx.argmax(logits).item())
+            return i if ids is None else int(ids[i].item())
+        if ids is not None:  # a full-vocabulary q with zeros outside the draft vocabulary
+            full = np.full(self.head.config.vocab_size, -np.inf, dtype=np.float32)
+            full[np.array(ids)] = np.array(logits)
+            logits = mx.array(full)
+        q = probs_from_logits(logits[None], self.params)[0]
+        rows.append(q)
+        return sample(q, self._rng)
+
+    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+        if k <= 0 or len(context) < 2:
+            return EMPTY_DRAFT
+        t0 = time.perf_counter()
+        context = [int(t) for t in context]
+        self._sync_features(context)
+        # roll the head cache back to the pairs still valid for this context
+        m = max(len(self._head_ctx) - 1, 0)
+        T = len(context)
+        valid = min(m, max(common_prefix(self._head_ctx, context) - 1, 0), T - 2)
+        if m - valid:
+            for c in self._head_cache:
+                c.trim(m - valid)
+        feats = self._store.rows(valid, T - 1)[None]  # f_valid .. f_{T-2}
+        nxt = mx.array(context[valid + 1 : T], dtype=mx.uint32)[None]  # x_{valid+1} .. x_{T-1}
+        h = self.head(feats.astype(mx.float32), nxt, cache=self._head_cache)[:, -1:]
+        self._head_ctx = context
+        n = k + 1 if with_guess else k
+        tokens: list[int] = []
+        rows: list[np.ndarray] = []
+        for i in range(n):
+            tok = self._pick(h[0, -1], rows)
+            tokens.append(tok)
+            if i + 1 < n:
+                h = self.head(h, mx.array([[tok]], dtype=mx.uint32), cache=self._head_cache)
+        drafted = n - 1
+        if drafted:
+            for c in self._head_cache:
+                c.trim(drafted)
+        guess = tokens.pop() if with_guess else None
+        if with_guess and rows:
+            rows.pop()
+        probs = np.stack(rows) if rows else None
+        return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3, guess)
+
+
+SHIPPED_HEADS = {"smollm2": "smollm2-eagle"}
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+
+
+def default_head_path(verifier_spec: str) -> Path | None:
+    name = SHIPPED_HEADS.get(verifier_spec.partition(":")[0])
+    return WEIGHTS_DIR / f"{name}.safetensors" if name else None
+
+
+def make_eagle_proposer(arg: str, verifier, error: type[Exception] = ValueError) -> EagleProposer:
+    """`eagle[:PATH]`: the head at PATH, or the one shipped for this verifier."""
+    path = Path(arg).expanduser() if arg else default_head_path(verifier.spec)
+    if path is None:
+        raise error(f"eagle: no head is shipped for {verifier.spec}; train one with "
+                    f"`macfleet distill --model {verifier.spec} --out PATH` and use eagle:PATH")
+    try:
+        head = load_head(path, verifier.model)
+    except HeadMismatch as e:
+        raise error(f"eagle: {e}") from e
+    return EagleProposer(head, name=f"eagle:{arg}" if arg else "eagle")

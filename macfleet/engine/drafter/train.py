@@ -1,0 +1,249 @@
+"""Training the EAGLE head (self-distillation from the verifier), and its acceptance figure.
+
+Loss on each pair (f_t, x_{t+1}) -> f^_{t+1}:
+  smooth-L1((f^_{t+1} - f_{t+1}) / scale)          next-feature regression (EAGLE)
++ w_ce * CE(LMhead(norm(f^_{t+1})), top_{t+1})     the verifier's own greedy next token
+Features get small Gaussian noise at the input (EAGLE's trick against its own errors when the
+chain feeds predicted features back). AdamW, cosine decay, resumable checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from macfleet.engine.drafter.features import FeatureChunk
+from macfleet.engine.drafter.head import EagleHead
+
+log = logging.getLogger(__name__)
+
+DEFAULT_K = 4
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    steps: int = 400
+    batch: int = 4
+    seq_len: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    ce_weight: float = 0.1
+    noise: float = 0.05  # input-feature noise, in units of the feature RMS
+    unroll_weight: float = 0.5  # loss of a second step fed the head's own predicted features
+    save_every: int = 50
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Greedy chain acceptance of k drafted tokens against the verifier's greedy tokens."""
+
+    k: int
+    starts: int
+    per_position: tuple[float, ...]  # P(draft token j accepted), j = 1..k (chain: all before it)
+    mean_accepted: float  # mean accepted tokens per block of k
+    top1: float  # teacher-forced: head's first token == verifier's greedy token
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def feature_rms(chunks: Sequence[FeatureChunk]) -> float:
+    sample = np.concatenate([c.hidden[:64].astype(np.float32) for c in chunks[:64]])
+    return float(np.sqrt(np.mean(sample ** 2)))
+
+
+def sample_batch(chunks: Sequence[FeatureChunk], p: TrainParams,
+                 rng: np.random.Generator) -> tuple[mx.array, mx.array, mx.array]:
+    """Random windows: feats [B, S, H] float32, tokens [B, S], top [B, S]."""
+    f, t, y = [], [], []
+    lens = np.array([len(c.tokens) for c in chunks], dtype=np.float64)
+    for i in rng.choice(len(chunks), size=p.batch, p=lens / lens.sum()):
+        c = chunks[i]
+        s = min(p.seq_len, len(c.tokens))
+        o = int(rng.integers(0, len(c.tokens) - s + 1))
+        pad = p.seq_len - s
+        f.append(np.pad(c.hidden[o : o + s].astype(np.float32), ((0, pad), (0, 0))))
+        t.append(np.pad(c.tokens[o : o + s], (0, pad)))
+        y.append(np.pad(c.top[o : o + s], (0, pad), constant_values=-1))
+    return mx.array(np.stack(f)), mx.array(np.stack(t)), mx.array(np.stack(y))
+
+
+def _step_losses(head: EagleHead, h: mx.array, feats: mx.array, top: mx.array,
+                 scale: float) -> tuple[mx.array, mx.array]:
+    """h [B, L, H] predicts feats [B, L, H] and the verifier's greedy tokens top [B, L]."""
+    valid = (top >= 0).astype(mx.float32)
+    n = mx.maximum(valid.sum(), 1.0)
+    reg = nn.losses.smooth_l1_loss((h - feats) / scale, mx.zeros_like(h),
+                                   reduction="none").mean(-1)
+    logits = head.logits(h).astype(mx.float32)
+    ce = nn.losses.cross_entropy(logits, mx.maximum(top, 0), reduction="none")
+    return (reg * valid).sum() / n, (ce * valid).sum() / n
+
+
+def loss_fn(head: EagleHead, feats: mx.array, tokens: mx.array, top: mx.array,
+            scale: float, ce_weight: float, noise: float,
+            unroll_weight: float = 0.0) -> tuple[mx.array, mx.array]:
+    """Step 1 on real features; optional step 2 fed the head's own predictions (the chain)."""
+    x = feats[:, :-1]
+    if noise > 0:
+        x = x + noise * scale * mx.random.normal(x.shape)
+    h = head(x, tokens[:, 1:].astype(mx.uint32))
+    reg, ce = _step_losses(head, h, feats[:, 1:], top[:, 1:], scale)
+    loss = reg + ce_weight * ce
+    if unroll_weight > 0:
+        h2 = head(h[:, :-1], tokens[:, 2:].astype(mx.uint32))
+        reg2, ce2 = _step_losses(head, h2, feats[:, 2:], top[:, 2:], scale)
+        loss = loss + unroll_weight * (reg2 + ce_weight * ce2)
+    return loss, mx.stack([reg, ce])
+
+
+def _ckpt_paths(ckpt: Path) -> tuple[Path, Path, Path]:
+    return ckpt / "head.safetensors", ckpt / "optimizer.safetensors", ckpt / "state.json"
+
+
+def save_checkpoint(ckpt: Path, head: EagleHead, opt: optim.Optimizer, step: int) -> None:
+    hp, op, sp = _ckpt_paths(ckpt)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(hp), dict(tree_flatten(head.parameters())))
+    mx.save_safetensors(str(op), {k: v for k, v in tree_flatten(opt.state)
+                                  if isinstance(v, mx.array)})
+    sp.write_text(json.dumps({"step": step, "config": asdict(head.config)}))
+
+
+def load_checkpoint(ckpt: Path, head: EagleHead, opt: optim.Optimizer) -> int:
+    """Restore head and optimizer; returns the step reached (0 when there is none)."""
+    hp, op, sp = _ckpt_paths(ckpt)
+    if not sp.is_file():
+        return 0
+    state = json.loads(sp.read_text())
+    if state["config"]["fingerprint"] != head.config.fingerprint:
+        raise ValueError(f"checkpoint {ckpt} was made for another verifier")
+    head.load_weights(list(mx.load(str(hp)).items()), strict=True)
+    opt.state = tree_unflatten(list(mx.load(str(op)).items()))
+    return int(state["step"])
+
+
+def make_optimizer(p: TrainParams) -> optim.Optimizer:
+    warm = max(1, min(20, p.steps // 10))
+    sched = optim.join_schedules(
+        [optim.linear_schedule(p.lr * 0.05, p.lr, warm),
+         optim.cosine_decay(p.lr, max(1, p.steps - warm), p.lr * 0.05)], [warm])
+    return optim.AdamW(learning_rate=sched, weight_decay=p.weight_decay)
+
+
+def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
+          ckpt: Path | None = None, resume: bool = False,
+          report: Callable[[str], None] | None = None) -> list[float]:
+    """Train in place; returns the loss per step run. Checkpoints every p.save_every steps."""
+    if not chunks:
+        raise ValueError("no training data")
+    scale = head.config.feature_scale
+    opt = make_optimizer(p)
+    step = load_checkpoint(ckpt, head, opt) if (ckpt is not None and resume) else 0
+    rng = np.random.default_rng([p.seed, step])
+    mx.random.seed(p.seed + step)
+    step_fn = nn.value_and_grad(head, lambda h, f, t, y: loss_fn(h, f, t, y, scale,
+                                                                   p.ce_weight, p.noise,
+                                                                   p.unroll_weight))
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    start = step
+    while step < p.steps:
+        f, t, y = sample_batch(chunks, p, rng)
+        (loss, parts), grads = step_fn(head, f, t, y)
+        opt.update(head, grads)
+        mx.eval(head.parameters(), opt.state, loss, parts)
+        step += 1
+        losses.append(float(loss))
+        if report is not None and (step % 10 == 0 or step == p.steps):
+            rate = (time.perf_counter() - t0) / (step - start)
+            reg, ce = (float(v) for v in parts)
+            report(f"step {step}/{p.steps} loss {losses[-1]:.4f} (feature {reg:.4f}, ce "
+                   f"{ce:.3f}) {rate:.2f} s/step, eta {rate * (p.steps - step) / 60:.1f} min")
+        if ckpt is not None and (step % p.save_every == 0 or step == p.steps):
+            save_checkpoint(ckpt, head, opt, step)
+    return losses
+
+
+def chain_acceptance(head: EagleHead, chunks: Sequence[FeatureChunk], k: int = DEFAULT_K,
+                     max_starts: int = 200, seed: int = 0) -> Acceptance:
+    """Greedy chain acceptance on held-out chunks.
+
+    At start t the head has seen the real pairs up to t-1 (as in the proposer), drafts k tokens,
+    and is scored against the verifier's greedy chain. The chain is known exactly where the text
+    itself follows the verifier's greedy path for the next k tokens (x_{t+j} == top_{t+j-1}):
+    the verifier's own generated answers, and such stretches of other text.
+    """
+    rng = np.random.default_rng(seed)
+    cands = []
+    for ci, c in enumerate(chunks):
+        follows = c.tokens[1:] == c.top[:-1]  # x_{t+1} is the verifier's greedy token
+        for t in range(1, len(c.tokens) - k):
+            if follows[t : t + k].all():
+                cands.append((ci, t))
+    if len(cands) > max_starts:
+        cands = [cands[i] for i in sorted(rng.choice(len(cands), max_starts, replace=False))]
+    hits = np.zeros(k)
+    top1_hits = 0
+    by_chunk: dict[int, list[int]] = {}
+    for ci, t in cands:
+        by_chunk.setdefault(ci, []).append(t)
+    accepted_total = 0
+    for ci, starts in by_chunk.items():
+        c = chunks[ci]
+        feats = mx.array(c.hidden.astype(np.float32))
+        for t in starts:
+            cache = head.make_cache()
+            h = head(feats[None, :t], mx.array(c.tokens[1 : t + 1], dtype=mx.uint32)[None],
+                     cache=cache)[:, -1:]
+            n_ok = 0
+            for j in range(k):
+                tok = head.draft_argmax(h[0, -1])
+                if j == 0:
+                    top1_hits += tok == int(c.top[t])
+                if tok != int(c.tokens[t + 1 + j]):
+                    break
+                n_ok += 1
+                if j + 1 < k:
+                    h = head(h, mx.array([[tok]], dtype=mx.uint32), cache=cache)
+            hits[:n_ok] += 1
+            accepted_total += n_ok
+    n = max(len(cands), 1)
+    return Acceptance(k, len(cands), tuple(float(x) for x in hits / n),
+                      accepted_total / n, top1_hits / n)
+
+
+def untrained_loss(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
+                   batches: int = 4) -> float:
+    rng = np.random.default_rng(12345)
+    tot = 0.0
+    for _ in range(batches):
+        f, t, y = sample_batch(chunks, p, rng)
+        loss, _ = loss_fn(head, f, t, y, head.config.feature_scale, p.ce_weight, 0.0)
+        tot += float(loss)
+    return tot / batches
+
+
+
+
+def choose_draft_vocab(chunks: Sequence[FeatureChunk], size: int, vocab: int) -> np.ndarray:
+    """The `size` ids drafts may use: tokens seen in the data (most frequent first), then the
+    lowest ids (byte-level BPE numbers merges by frequency, so low ids are common tokens)."""
+    if size <= 0 or size >= vocab:
+        return np.arange(vocab, dtype=np.int32)
+    counts = np.bincount(np.concatenate([np.concatenate([c.tokens, c.top]) for c in chunks]),
+                         minlength=vocab)
+    seen = [int(i) for i in np.argsort(-counts, kind="stable") if counts[i] > 0][:size]
+    rest = np.setdiff1d(np.arange(vocab), seen)[: size - len(seen)]
+    return np.sort(np.concatenate([np.array(seen, dtype=np.int64), rest])).astype(np.int32)
