@@ -7,7 +7,7 @@ import sys
 
 def add_bench_parsers(bs) -> None:
     s = bs.add_parser("soak", help="N short generations on a local fleet: no failures, RSS "
-                      "growth < 5 %, no fd leak (results/soak.json)")
+                      "growth < 5 %%, no fd leak (results/soak.json)")
     s.add_argument("--requests", type=int, default=1000)
     s.add_argument("--warmup", type=int, default=20)
     s.add_argument("--max-tokens", type=int, default=4)

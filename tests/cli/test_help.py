@@ -1,0 +1,30 @@
+"""Every command and benchmark renders its help (argparse formats help strings lazily: a stray
+'%' only fails when a user asks for --help)."""
+
+from __future__ import annotations
+
+import argparse
+
+from macfleet.cli.main import build_parser
+
+
+def _subparsers(p: argparse.ArgumentParser):
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            yield from a.choices.items()
+
+
+def test_every_command_and_bench_renders_help():
+    root = build_parser()
+    assert root.format_help()
+    seen = []
+    for name, sub in _subparsers(root):
+        assert sub.format_help(), name
+        seen.append(name)
+        for bname, bsub in _subparsers(sub):
+            assert bsub.format_help(), f"{name} {bname}"
+            seen.append(f"{name} {bname}")
+    for want in ("generate", "agent", "up", "down", "ls", "keygen", "demo", "dash", "plan",
+                 "distill", "doctor", "bench", "bench verify-sweep", "bench local", "bench fleet",
+                 "bench soak", "bench f3", "bench sessions", "bench topologies", "bench drafter"):
+        assert want in seen, f"missing command: {want}"
