@@ -40,7 +40,8 @@ class AgentConfig:
     pub_port: int = 0
     key: bytes | None = None
     loopback_only: bool = True
-    proposer_kinds: tuple[str, ...] = ("layerskip", "ngram", "draft")
+    proposer_kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle")
+    heads_dir: str | None = None  # draft heads a proposer may load by name (besides shipped)
     cpu: int | None = None
     advertise: bool = True
     node_id: str = ""
@@ -94,7 +95,8 @@ class Agent:
         if self.cfg.role == ROLE_PROPOSER:
             from agents.proposer_service import ProposerService
 
-            self.proposer = ProposerService(self.lm, kinds=self.cfg.proposer_kinds)
+            self.proposer = ProposerService(self.lm, kinds=self.cfg.proposer_kinds,
+                                            heads_dir=self.cfg.heads_dir)
         else:
             self.verifier = self._verifier_service()
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agents.draft_stream import DraftStream
-from bridge.errors import BAD_REQUEST, BUSY, NOT_FOUND, ProtocolError
+from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, NOT_FOUND, ProtocolError
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionClosed, SessionOpened)
 from macfleet.engine.models import LoadedModel, ModelSpecError
@@ -46,13 +46,34 @@ class ProposerLimits:
     max_prompt: int = DEFAULT_MAX_PROMPT
 
 
+def check_remote_paths(spec, heads_dir: str | None) -> None:
+    """A request from the network must not make the agent open files of its choosing:
+    `eagle:NAME` names a head inside the agent's heads directory, `draft:` a model spec that
+    is not a filesystem path (smollm2, tiny:..., an org/name id)."""
+    arg = spec.arg
+    if spec.kind == "eagle" and arg:
+        from pathlib import Path
+
+        if heads_dir is None:
+            raise ProtocolError(BAD_REQUEST, "this agent serves only its shipped draft heads "
+                                             "(start it with --heads DIR to serve others)")
+        base = Path(heads_dir).resolve()
+        target = (base / arg).resolve()
+        if base != target.parent and base not in target.parents:
+            raise ProtocolError(BAD_REQUEST, f"draft head '{arg}' is outside {base}")
+    if spec.kind == "draft" and (arg.startswith(("/", ".", "~")) or arg.endswith(".gguf")):
+        raise ProtocolError(BAD_REQUEST, "a remote draft model must be a model spec, not a path")
+
+
 class ProposerService:
-    def __init__(self, lm: LoadedModel, *, kinds: tuple[str, ...] = ("layerskip", "ngram", "draft"),
-                 limits: ProposerLimits = ProposerLimits(),
+    def __init__(self, lm: LoadedModel, *,
+                 kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle"),
+                 limits: ProposerLimits = ProposerLimits(), heads_dir: str | None = None,
                  on_block: Callable[[str, int, float, bool], None] | None = None) -> None:
         self.lm = lm
         self.kinds = kinds
         self.limits = limits
+        self.heads_dir = heads_dir
         self._sessions: dict[str, DraftStream] = {}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -60,6 +81,9 @@ class ProposerService:
         self._rr = 0
         self.served = 0
         self.predraft_hits = 0
+        # tokens whose hidden states a hidden-state drafter had to compute itself, because
+        # they did not arrive over F3 (closed sessions included)
+        self.fallback_tokens = 0
         self._thread = threading.Thread(target=self._run, name="proposer-compute", daemon=True)
         self._thread.start()
 
@@ -87,6 +111,11 @@ class ProposerService:
                 raise ProtocolError(BAD_REQUEST, f"k must be 0..{self.limits.max_k}, got {msg.k}")
             if msg.session_id not in self._sessions:
                 raise ProtocolError(NOT_FOUND, f"no drafting session '{msg.session_id}'")
+            f = msg.features
+            if f is not None and (f.ndim != 2 or f.shape[1] != self.lm.hidden_size
+                                  or msg.features_start < 0):
+                raise ProtocolError(BAD_SHAPE, f"features must be [n, {self.lm.hidden_size}] "
+                                               f"from a position >= 0, got {f.shape}")
         elif not isinstance(msg, CloseSession):
             return False
         self._jobs.put((msg, reply))
@@ -99,6 +128,7 @@ class ProposerService:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
         if spec.kind not in self.kinds:
             raise ProtocolError(BAD_REQUEST, f"this agent serves {self.kinds}, not {spec.kind}")
+        check_remote_paths(spec, self.heads_dir)
         if msg.model not in ("", self.lm.spec):
             raise ProtocolError(BAD_REQUEST,
                                 f"this proposer drafts for '{self.lm.spec}', not '{msg.model}'")
@@ -139,17 +169,20 @@ class ProposerService:
 
     def _serve(self, msg):
         if isinstance(msg, OpenSession):
-            prop = make_proposer(msg.proposer, self.lm)
+            prop = make_proposer(self._local_spec(msg.proposer), self.lm)
             if prop is None:
                 raise ProtocolError(BAD_REQUEST, "proposer 'none' drafts nothing")
             params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
             prop.start(params)
+            # a hidden-state drafter cannot pre-draft ahead of the verifier's features
+            lookahead = msg.cross_round and not hasattr(prop, "feed_features")
             self._sessions[msg.session_id] = DraftStream(
-                prop, list(msg.prompt), want_probs=not params.greedy, cross_round=msg.cross_round)
+                prop, list(msg.prompt), want_probs=not params.greedy, cross_round=lookahead)
             return SessionOpened(msg.session_id, prop.name, self.lm.vocab_size)
         if isinstance(msg, CloseSession):
             s = self._sessions.pop(msg.session_id, None)
             if s is not None:
+                self.fallback_tokens += getattr(s.proposer, "fallback_tokens", 0)
                 s.proposer.close()
             return SessionClosed(msg.session_id)
         s = self._sessions.get(msg.session_id)
@@ -158,6 +191,11 @@ class ProposerService:
         if any(not 0 <= t < self.lm.vocab_size for t in msg.committed):
             raise ProtocolError(BAD_REQUEST, "committed ids outside the vocabulary")
         s.commit(msg.committed)
+        if msg.features is not None and hasattr(s.proposer, "feed_features"):
+            a = msg.features_start
+            n = min(len(msg.features), len(s.context) - a)  # rows of committed positions only
+            if n > 0:
+                s.proposer.feed_features(a, s.context[a : a + n], msg.features[:n])
         r = s.draft(msg.k)
         self.served += 1
         self.predraft_hits += int(r.predraft_hit)
@@ -165,6 +203,15 @@ class ProposerService:
             self._on_block(msg.session_id, msg.block, r.compute_ms, r.predraft_hit)
         return DraftReply(msg.session_id, msg.block, r.tokens, r.probs, r.compute_ms,
                           r.predraft_hit)
+
+    def _local_spec(self, spec: str) -> str:
+        """`eagle:NAME` from the network -> the head's path in this agent's heads directory."""
+        kind, _, arg = spec.partition(":")
+        if kind == "eagle" and arg and self.heads_dir:
+            from pathlib import Path
+
+            return f"eagle:{(Path(self.heads_dir) / arg).resolve()}"
+        return spec
 
     def _lookahead_pending(self) -> bool:
         return any(s.wants_lookahead() for s in self._sessions.values())

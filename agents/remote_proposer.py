@@ -69,7 +69,7 @@ class RemoteProposer(Proposer):
     def __init__(self, endpoint: str, *, key: bytes | None, proposer: str, model: str,
                  cross_round: bool = True, draft_timeout_s: float = DEFAULT_DRAFT_TIMEOUT_S,
                  open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
-                 f3_probe_width: int = 0) -> None:
+                 f3_probe_width: int = 0, features=None) -> None:
         """f3_probe_width > 0: before each draft request, send the hidden states a
         hidden-state drafter would need for the newly committed tokens (width = hidden size x
         layers used, float16) and wait for the ack -- F3 measured for real, labelled a probe."""
@@ -81,6 +81,8 @@ class RemoteProposer(Proposer):
         self.draft_timeout_s = draft_timeout_s
         self.open_timeout_s = open_timeout_s
         self.f3_probe_width = f3_probe_width
+        self.features = features  # VerifierFeatures: real F3 for a hidden-state drafter
+        self._f_sent = 0  # feature rows the remote session has
         self.name = f"{proposer}@{endpoint}"
         self.flows = FlowTotals()
         self._client: Client | None = None
@@ -89,6 +91,7 @@ class RemoteProposer(Proposer):
         self._block = 0
         self._pending = ""
         self._pending_len = 0
+        self._f3_bytes = 0
         self._sent_bytes = 0
         self._t0 = 0.0
         self._f3: tuple[int, float] = (0, 0.0)
@@ -98,6 +101,7 @@ class RemoteProposer(Proposer):
         self.params = params
         self._session = ""
         self._sent = 0
+        self._f_sent = 0
         self._block = 0
         self.flows = FlowTotals()
 
@@ -114,7 +118,7 @@ class RemoteProposer(Proposer):
         if not isinstance(reply, SessionOpened):
             raise ProposerFailed(f"{self.endpoint} answered {type(reply).__name__} to OpenSession")
         self.name = f"{reply.proposer}@{self.endpoint}"
-        self._session, self._sent = sid, len(context)
+        self._session, self._sent, self._f_sent = sid, len(context), 0
 
     def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
         self.begin(context, k)
@@ -129,7 +133,10 @@ class RemoteProposer(Proposer):
         delta = [int(t) for t in context[self._sent:]]
         self._block += 1
         self._f3 = self._f3_probe(len(delta)) if self.f3_probe_width else (0, 0.0)
-        req = DraftRequest(self._session, self._block, delta, k, not self.params.greedy)
+        feats, f_start = self._new_features(len(context))
+        req = DraftRequest(self._session, self._block, delta, k, not self.params.greedy,
+                           feats, f_start)
+        self._f3_bytes = 0 if feats is None else int(feats.nbytes)
         self._t0 = time.perf_counter()
         try:
             self._pending = self._client.send(req, session=self._session)
@@ -159,9 +166,23 @@ class RemoteProposer(Proposer):
         self._sent = self._pending_len
         wire = max(0.0, rtt_ms - reply.draft_ms)
         b3, f3_ms = self._f3
-        self.flows.add(self._sent_bytes, self._client.last_recv_bytes, wire, reply.draft_ms,
+        if self._f3_bytes:  # real F3 rode with F1: split the round trip's wire time by bytes
+            b1, b2 = self._sent_bytes - self._f3_bytes, self._client.last_recv_bytes
+            f3_ms = wire * self._f3_bytes / (b1 + b2 + self._f3_bytes)
+            b3, wire = self._f3_bytes, wire - f3_ms
+            self._f_sent = self._pending_len - 1
+        else:
+            b1 = self._sent_bytes
+        self.flows.add(b1, self._client.last_recv_bytes, wire, reply.draft_ms,
                        reply.predraft_hit, b3, f3_ms)
         return Draft(tuple(reply.tokens), reply.probs, rtt_ms)
+
+    def _new_features(self, context_len: int):
+        """Rows the remote drafter lacks: positions _f_sent .. context_len - 2."""
+        if self.features is None:
+            return None, 0
+        rows = self.features.rows(self._f_sent, context_len - 1)
+        return (rows, self._f_sent) if rows is not None else (None, 0)
 
     def _f3_probe(self, n_tokens: int) -> tuple[int, float]:
         states = np.zeros((max(n_tokens, 1), self.f3_probe_width), dtype=np.float16)

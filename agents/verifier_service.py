@@ -109,6 +109,7 @@ class VerifierService:
         self._jobs: queue.Queue = queue.Queue(maxsize=limits.max_queued)
         self._verifier = verifier if verifier is not None else Verifier(lm.model)
         self._on_fatal = on_fatal
+        self._feature_tap = None
         self._keepalive = getattr(self._verifier, "keepalive", None)
         self.active = 0
         self.completed = 0
@@ -183,12 +184,23 @@ class VerifierService:
         if msg.proposers and "+" in msg.proposer_spec:
             return self._tree_group(msg)
         if msg.proposers:
+            feats = self._features(msg.proposer_spec)
             remotes = [RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec,
                                       model=self.lm.spec, cross_round=msg.cross_round,
-                                      f3_probe_width=self.f3_probe_width)
+                                      f3_probe_width=0 if feats else self.f3_probe_width,
+                                      features=feats)
                        for ep in msg.proposers]
             return FallbackProposer(remotes)
         return make_proposer(msg.proposer_spec or "none", self.lm)
+
+    def _features(self, spec: str):
+        """Real F3 for a remote hidden-state drafter: tap this verifier's own forwards."""
+        if not spec.startswith("eagle") or not hasattr(self._verifier, "cache"):
+            return None
+        from macfleet.engine.drafter.proposer import VerifierFeatures
+
+        self._feature_tap = VerifierFeatures(self.lm.model)
+        return self._feature_tap
 
     @staticmethod
     def _last_flows(proposer) -> dict:
@@ -252,13 +264,17 @@ class VerifierService:
                         ev.draft_ms, ev.verify_ms, int(last.get("f1_bytes", 0)),
                         float(last.get("f1_ms", 0.0)), int(last.get("f2_bytes", 0)),
                         float(last.get("f2_ms", 0.0)), int(last.get("f3_bytes", 0)),
-                        float(last.get("f3_ms", 0.0)), bool(self.f3_probe_width)))
+                        float(last.get("f3_ms", 0.0)),
+                        bool(self.f3_probe_width) and self._feature_tap is None))
                 elif isinstance(ev, Finished):
                     stats = ev.stats
                     token_ids = list(ev.token_ids)
         finally:
             if proposer is not None:
                 proposer.close()
+            if self._feature_tap is not None:
+                self._feature_tap.close()
+                self._feature_tap = None
         tail = text.finish()
         if tail:
             parts.append(tail)

@@ -300,6 +300,10 @@ class DraftRequest:
     committed: list[int]
     k: int
     want_probs: bool
+    # Flow F3, riding with F1 (no extra round trip): the verifier's hidden states for
+    # positions features_start.. (the newly committed ones), for hidden-state drafters.
+    features: np.ndarray | None = None  # [n, hidden] float16
+    features_start: int = 0
 
 
 @message("draft_reply")

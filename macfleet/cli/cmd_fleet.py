@@ -17,8 +17,10 @@ def add_parser(sub) -> None:
     a.add_argument("--rank", type=int, default=0, help="shard: this agent's rank")
     a.add_argument("--shard-mode", choices=("tensor", "pipeline"), default="pipeline")
     a.add_argument("--model", default="smollm2")
-    a.add_argument("--proposers", default="layerskip,ngram,draft",
+    a.add_argument("--proposers", default="layerskip,ngram,draft,eagle",
                    help="proposer kinds a proposer agent serves")
+    a.add_argument("--heads", default=None, help="directory of draft heads clients may name "
+                   "(eagle:NAME); the shipped heads are always available")
     a.add_argument("--name", default="")
     a.add_argument("--node-id", default="")
     a.add_argument("--port", type=int, default=0)
@@ -86,7 +88,7 @@ def run_agent(args) -> int:
                       port=args.port, pub_port=args.pub_port, key=key,
                       loopback_only=args.loopback, cpu=args.cpu, node_id=args.node_id,
                       proposer_kinds=tuple(k for k in args.proposers.split(",") if k),
-                      f3_probe=args.f3_probe)
+                      f3_probe=args.f3_probe, heads_dir=args.heads)
     try:
         if args.role == "shard":
             from agents.shard_agent import ShardAgent, ShardSpec

@@ -107,3 +107,32 @@ def test_remote_tree_of_two_proposer_agents_is_lossless_and_survives_one_dying(p
         assert done2.token_ids == alone.token_ids and done2.stats["proposer_failures"] == 1
     finally:
         prop2.close()
+
+
+def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
+    """A hidden-state drafter on the proposer agent is fed the verifier's own hidden states
+    (flow F3, riding with each draft request): lossless, and the proposer never recomputes
+    features itself."""
+    import mlx.core as mx
+
+    from macfleet.engine.drafter.head import EagleConfig, EagleHead
+
+    ver, _ = pair
+    lm = load_model(MODEL)
+    mx.random.seed(0)
+    EagleHead(EagleConfig.for_verifier(lm.model, MODEL, feature_scale=1.0),
+              lm.model).save(tmp_path / "head")
+    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
+                             heads_dir=str(tmp_path)))
+    try:
+        alone = gen(ver, None, "none", max_tokens=30)
+        d = gen(ver, prop, "eagle:head.safetensors", max_tokens=30, draft_tokens=3)
+        for bad in ("eagle:../../etc/passwd", "draft:/etc/passwd"):
+            refused = gen(ver, prop, bad, max_tokens=4)  # refused -> plain decoding
+            assert refused.stats["proposer_failures"] == 1
+        served, fallback = prop.proposer.served, prop.proposer.fallback_tokens
+    finally:
+        prop.close()
+    assert d.token_ids == alone.token_ids
+    assert d.stats["f3_bytes_per_block"] >= lm.hidden_size * 2  # >= one float16 row a block
+    assert served > 0 and fallback == 0  # every feature came over F3

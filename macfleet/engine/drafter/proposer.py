@@ -94,6 +94,11 @@ class EagleProposer(Proposer):
         self._reset_state()
 
     # -- features ----------------------------------------------------------------------
+    def feed_features(self, start: int, tokens: Sequence[int], h) -> None:
+        """Hidden states computed elsewhere (flow F3: the verifier on another Mac sends the
+        rows of newly committed positions): rows for positions start.. of `tokens`."""
+        self._store.write(start, [int(t) for t in tokens], mx.array(h))
+
     def _sync_features(self, context: Sequence[int]) -> None:
         """Make the store hold f_0..f_{T-2} for this context (T = len(context))."""
         if self._tap is not None:
@@ -169,6 +174,30 @@ class EagleProposer(Proposer):
             rows.pop()
         probs = np.stack(rows) if rows else None
         return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3, guess)
+
+
+class VerifierFeatures:
+    """The verifier's side of F3: taps its own forwards and hands out the hidden-state rows of
+    committed positions, to send to a remote EAGLE proposer (no extra verifier compute)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._tap = HiddenTap()
+        self._store = _FeatureStore()
+        attach_tap(model, self._tap)
+
+    def rows(self, a: int, b: int) -> np.ndarray | None:
+        """float16 rows for positions a..b-1, or None when the verifier has not computed them."""
+        for start, toks, h in self._tap.drain():
+            self._store.write(start, toks, h)
+        if b <= a:
+            return None
+        if len(self._store.tokens) < b:
+            return None
+        return np.array(self._store.rows(a, b).astype(mx.float16))
+
+    def close(self) -> None:
+        detach_tap(self.model, self._tap)
 
 
 SHIPPED_HEADS = {"smollm2": "smollm2-eagle"}
