@@ -28,3 +28,14 @@ def test_every_command_and_bench_renders_help():
                  "distill", "doctor", "bench", "bench verify-sweep", "bench local", "bench fleet",
                  "bench soak", "bench f3", "bench sessions", "bench topologies", "bench drafter"):
         assert want in seen, f"missing command: {want}"
+
+
+def test_demo_picks_the_shipped_head_only_when_it_pays():
+    from macfleet.cli.cmd_demo import MIN_HEAD_MEAN_ACCEPTED, choose_demo_proposer
+
+    assert choose_demo_proposer(None)[0] == "ngram"
+    good = {"held_out": {"mean_accepted": MIN_HEAD_MEAN_ACCEPTED + 0.1}}
+    bad = {"held_out": {"mean_accepted": MIN_HEAD_MEAN_ACCEPTED - 0.1}}
+    assert choose_demo_proposer(good)[0] == "eagle"
+    spec, why = choose_demo_proposer(bad)
+    assert spec == "ngram" and "only" in why

@@ -7,6 +7,8 @@ shipped weights, so `--resume` skips generation and extraction and continues tra
 
 from __future__ import annotations
 
+import json
+
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -103,6 +105,26 @@ def build_dataset(lm: LoadedModel, work: Path, paths: Sequence[str], gen_prompts
     return chunks[:-n_held], chunks[-n_held:]
 
 
+def eval_path(head_path: str | Path) -> Path:
+    p = Path(head_path)
+    return p.with_name(p.name.removesuffix(".safetensors") + ".eval.json")
+
+
+def write_eval(head_path, acc: Acceptance, before: Acceptance, steps: int, ntok: int) -> Path:
+    """The held-out figure next to the weights: what the head is worth, measured by distill."""
+    out = eval_path(head_path)
+    out.write_text(json.dumps({"held_out": acc.to_dict(), "untrained": before.to_dict(),
+                               "steps": steps, "train_tokens": ntok}, indent=2) + "\n")
+    return out
+
+
+def read_eval(head_path) -> dict | None:
+    try:
+        return json.loads(eval_path(head_path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def distill(lm: LoadedModel, out: Path, params: TrainParams, *, paths: Sequence[str] = (),
             resume: bool = False, work: Path | None = None,
             gen_prompts: int = DEFAULT_GEN_PROMPTS, gen_tokens: int = DEFAULT_GEN_TOKENS,
@@ -128,6 +150,7 @@ def distill(lm: LoadedModel, out: Path, params: TrainParams, *, paths: Sequence[
         head.set_draft_vocab(choose_draft_vocab(train_chunks, draft_vocab, cfg.vocab_size))
     acc = chain_acceptance(head, held, max_starts=200)
     path = head.save(out, steps=params.steps)
+    write_eval(path, acc, before, params.steps, ntok)
     report(f"held-out greedy chain acceptance (k=4): per position "
            f"{', '.join(f'{x:.2f}' for x in acc.per_position)}; mean accepted "
            f"{acc.mean_accepted:.2f}; first-token agreement {acc.top1:.2f} over {acc.starts} "
