@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--ce-weight", type=float, default=0.5,
+                   help="weight of the next-token loss against the feature regression")
     p.add_argument("--gen-prompts", type=int, default=12,
                    help="built-in prompts the verifier answers itself (slow: ~10 tok/s on CPU)")
     p.add_argument("--gen-tokens", type=int, default=96, help="tokens per generated answer")
@@ -50,7 +52,7 @@ def run(args) -> int:
         raise UserError(str(e)) from None
     out = Path(args.out or f"{args.model.replace(':', '-').replace('/', '-')}-eagle")
     params = TrainParams(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                         save_every=args.save_every)
+                         save_every=args.save_every, ce_weight=args.ce_weight)
     try:
         distill(lm, out, params, paths=args.data, resume=args.resume,
                 work=Path(args.work) if args.work else None, gen_prompts=args.gen_prompts,

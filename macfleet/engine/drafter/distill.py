@@ -80,7 +80,8 @@ def build_dataset(lm: LoadedModel, work: Path, paths: Sequence[str], gen_prompts
 
         answers = data.cached_answers(lm, work / "answers.json", prompts, gen_tokens,
                                       gen_progress) if gen_prompts else []
-        texts = data.read_texts(paths) if paths else data.default_local_texts()
+        texts = data.read_texts(paths) if paths else data.default_local_texts(
+            max(data.DEFAULT_FILE_CHARS, 6 * text_tokens))
         seqs: list[tuple[list[int], bool]] = []
         total = 0
         for t in texts:
@@ -140,14 +141,14 @@ def distill(lm: LoadedModel, out: Path, params: TrainParams, *, paths: Sequence[
     mx.random.seed(params.seed)
     head = EagleHead(cfg, lm.model)
     mx.eval(head.parameters())
+    if 0 < draft_vocab < cfg.vocab_size:  # chosen first: training targets this vocabulary
+        head.set_draft_vocab(choose_draft_vocab(train_chunks, draft_vocab, cfg.vocab_size))
     before = chain_acceptance(head, held, max_starts=100)
     report(f"training on {ntok} tokens ({len(train_chunks)} chunks), held out "
            f"{sum(len(c.tokens) for c in held)} tokens; untrained acceptance "
            f"{before.mean_accepted:.2f}/4")
     losses = train(head, train_chunks, params, ckpt=work / "checkpoint", resume=resume,
                    report=report)
-    if 0 < draft_vocab < cfg.vocab_size:
-        head.set_draft_vocab(choose_draft_vocab(train_chunks, draft_vocab, cfg.vocab_size))
     acc = chain_acceptance(head, held, max_starts=200)
     path = head.save(out, steps=params.steps)
     write_eval(path, acc, before, params.steps, ntok)

@@ -40,6 +40,7 @@ class TrainParams:
     ce_weight: float = 0.1
     noise: float = 0.05  # input-feature noise, in units of the feature RMS
     unroll_weight: float = 0.5  # loss of a second step fed the head's own predicted features
+    gen_fraction: float = 0.5  # share of each batch drawn from the verifier's own answers
     save_every: int = 50
     seed: int = 0
 
@@ -68,7 +69,15 @@ def sample_batch(chunks: Sequence[FeatureChunk], p: TrainParams,
     """Random windows: feats [B, S, H] float32, tokens [B, S], top [B, S]."""
     f, t, y = [], [], []
     lens = np.array([len(c.tokens) for c in chunks], dtype=np.float64)
-    for i in rng.choice(len(chunks), size=p.batch, p=lens / lens.sum()):
+    gen = np.array([bool(getattr(c, "generated", False)) for c in chunks])
+    # The verifier's own answers are what the head must predict at run time: give them a
+    # fixed share of every batch however much file text there is.
+    if 0 < p.gen_fraction < 1 and gen.any() and (~gen).any():
+        w = np.where(gen, p.gen_fraction / lens[gen].sum(), (1 - p.gen_fraction) / lens[~gen].sum())
+        probs = lens * w
+    else:
+        probs = lens
+    for i in rng.choice(len(chunks), size=p.batch, p=probs / probs.sum()):
         c = chunks[i]
         s = min(p.seq_len, len(c.tokens))
         o = int(rng.integers(0, len(c.tokens) - s + 1))
@@ -79,31 +88,50 @@ def sample_batch(chunks: Sequence[FeatureChunk], p: TrainParams,
     return mx.array(np.stack(f)), mx.array(np.stack(t)), mx.array(np.stack(y))
 
 
+def draft_remap(head: EagleHead) -> mx.array | None:
+    """token id -> index in the head's draft vocabulary (-1 outside it), or None (full)."""
+    ids = head.draft_ids
+    if ids is None:
+        return None
+    remap = np.full(head.config.vocab_size, -1, dtype=np.int32)
+    remap[np.array(ids)] = np.arange(ids.size, dtype=np.int32)
+    return mx.array(remap)
+
+
 def _step_losses(head: EagleHead, h: mx.array, feats: mx.array, top: mx.array,
-                 scale: float) -> tuple[mx.array, mx.array]:
-    """h [B, L, H] predicts feats [B, L, H] and the verifier's greedy tokens top [B, L]."""
+                 scale: float, remap: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """h [B, L, H] predicts feats [B, L, H] and the verifier's greedy tokens top [B, L].
+
+    With a draft vocabulary (remap), the token loss is over that vocabulary only -- what the
+    head drafts from -- which also makes the LM head ~6x cheaper to train."""
     valid = (top >= 0).astype(mx.float32)
     n = mx.maximum(valid.sum(), 1.0)
     reg = nn.losses.smooth_l1_loss((h - feats) / scale, mx.zeros_like(h),
                                    reduction="none").mean(-1)
-    logits = head.logits(h).astype(mx.float32)
-    ce = nn.losses.cross_entropy(logits, mx.maximum(top, 0), reduction="none")
-    return (reg * valid).sum() / n, (ce * valid).sum() / n
+    if remap is None:
+        logits, tgt, ce_valid = head.logits(h), mx.maximum(top, 0), valid
+    else:
+        tgt = remap[mx.maximum(top, 0)]
+        ce_valid = valid * (tgt >= 0).astype(mx.float32)
+        logits, tgt = head.draft_logits(h), mx.maximum(tgt, 0)
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
+    return (reg * valid).sum() / n, (ce * ce_valid).sum() / mx.maximum(ce_valid.sum(), 1.0)
 
 
 def loss_fn(head: EagleHead, feats: mx.array, tokens: mx.array, top: mx.array,
             scale: float, ce_weight: float, noise: float,
-            unroll_weight: float = 0.0) -> tuple[mx.array, mx.array]:
+            unroll_weight: float = 0.0, remap: mx.array | None = None
+            ) -> tuple[mx.array, mx.array]:
     """Step 1 on real features; optional step 2 fed the head's own predictions (the chain)."""
     x = feats[:, :-1]
     if noise > 0:
         x = x + noise * scale * mx.random.normal(x.shape)
     h = head(x, tokens[:, 1:].astype(mx.uint32))
-    reg, ce = _step_losses(head, h, feats[:, 1:], top[:, 1:], scale)
+    reg, ce = _step_losses(head, h, feats[:, 1:], top[:, 1:], scale, remap)
     loss = reg + ce_weight * ce
     if unroll_weight > 0:
         h2 = head(h[:, :-1], tokens[:, 2:].astype(mx.uint32))
-        reg2, ce2 = _step_losses(head, h2, feats[:, 2:], top[:, 2:], scale)
+        reg2, ce2 = _step_losses(head, h2, feats[:, 2:], top[:, 2:], scale, remap)
         loss = loss + unroll_weight * (reg2 + ce_weight * ce2)
     return loss, mx.stack([reg, ce])
 
@@ -153,9 +181,10 @@ def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
     step = load_checkpoint(ckpt, head, opt) if (ckpt is not None and resume) else 0
     rng = np.random.default_rng([p.seed, step])
     mx.random.seed(p.seed + step)
+    remap = draft_remap(head)
     step_fn = nn.value_and_grad(head, lambda h, f, t, y: loss_fn(h, f, t, y, scale,
                                                                    p.ce_weight, p.noise,
-                                                                   p.unroll_weight))
+                                                                   p.unroll_weight, remap))
     losses: list[float] = []
     t0 = time.perf_counter()
     start = step
