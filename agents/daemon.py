@@ -42,6 +42,7 @@ class AgentConfig:
     loopback_only: bool = True
     proposer_kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle")
     heads_dir: str | None = None  # draft heads a proposer may load by name (besides shipped)
+    f3_codec: str = "float16"  # verifier: how hidden states travel to a remote drafter
     cpu: int | None = None
     advertise: bool = True
     node_id: str = ""
@@ -105,7 +106,7 @@ class Agent:
 
         return VerifierService(self.lm, node_id=self.node_id, key=self.cfg.key,
                                publish=self.publish, f3_probe=self.cfg.f3_probe,
-                               verifier=verifier, on_fatal=on_fatal)
+                               verifier=verifier, on_fatal=on_fatal, f3_codec=self.cfg.f3_codec)
 
     def _after_advertise(self) -> None:
         """A hook run once the agent is discoverable."""

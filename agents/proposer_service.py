@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from agents.draft_stream import DraftStream
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, NOT_FOUND, ProtocolError
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
@@ -111,14 +113,16 @@ class ProposerService:
                 raise ProtocolError(BAD_REQUEST, f"k must be 0..{self.limits.max_k}, got {msg.k}")
             if msg.session_id not in self._sessions:
                 raise ProtocolError(NOT_FOUND, f"no drafting session '{msg.session_id}'")
-            f = msg.features
+            f, sc = msg.features, msg.features_scale
             if f is not None and (f.ndim != 2 or f.shape[1] != self.lm.hidden_size
                                   or msg.features_start < 0):
                 raise ProtocolError(BAD_SHAPE, f"features must be [n, {self.lm.hidden_size}] "
                                                f"from a position >= 0, got {f.shape}")
+            if sc is not None and (f is None or f.dtype != np.int8 or sc.shape != (len(f),)):
+                raise ProtocolError(BAD_SHAPE, "features_scale needs int8 features, one per row")
         elif not isinstance(msg, CloseSession):
             return False
-        self._jobs.put((msg, reply))
+        self._jobs.put((msg, reply, time.perf_counter()))
         return True
 
     def _validate_open(self, msg: OpenSession) -> None:
@@ -156,9 +160,9 @@ class ProposerService:
                 continue
             if job is None:
                 break
-            msg, reply = job
+            msg, reply, received = job
             try:
-                reply(self._serve(msg))
+                reply(self._serve(msg, received))
             except ProtocolError as e:
                 reply(ErrorReply(e.code, str(e)))
             except (ModelSpecError, ProposerSpecError, ValueError) as e:
@@ -167,7 +171,10 @@ class ProposerService:
                 log.exception("proposer job failed")
                 reply(ErrorReply("internal", f"{type(e).__name__}: {e}"))
 
-    def _serve(self, msg):
+    def _serve(self, msg, received: float):
+        """received: when the request reached this agent. The reply's draft_ms counts from
+        then, so time a request waits here (behind a lookahead step, or other sessions'
+        blocks) is the proposer's time, not the wire's."""
         if isinstance(msg, OpenSession):
             prop = make_proposer(self._local_spec(msg.proposer), self.lm)
             if prop is None:
@@ -195,14 +202,19 @@ class ProposerService:
             a = msg.features_start
             n = min(len(msg.features), len(s.context) - a)  # rows of committed positions only
             if n > 0:
-                s.proposer.feed_features(a, s.context[a : a + n], msg.features[:n])
+                feats = msg.features[:n]
+                if msg.features_scale is not None:
+                    from macfleet.engine.drafter.f3codec import decode_int8
+
+                    feats = decode_int8(feats, msg.features_scale[:n])
+                s.proposer.feed_features(a, s.context[a : a + n], feats)
         r = s.draft(msg.k)
         self.served += 1
         self.predraft_hits += int(r.predraft_hit)
         if self._on_block:
             self._on_block(msg.session_id, msg.block, r.compute_ms, r.predraft_hit)
-        return DraftReply(msg.session_id, msg.block, r.tokens, r.probs, r.compute_ms,
-                          r.predraft_hit)
+        return DraftReply(msg.session_id, msg.block, r.tokens, r.probs,
+                          (time.perf_counter() - received) * 1e3, r.predraft_hit)
 
     def _local_spec(self, spec: str) -> str:
         """`eagle:NAME` from the network -> the head's path in this agent's heads directory."""

@@ -69,7 +69,7 @@ class RemoteProposer(Proposer):
     def __init__(self, endpoint: str, *, key: bytes | None, proposer: str, model: str,
                  cross_round: bool = True, draft_timeout_s: float = DEFAULT_DRAFT_TIMEOUT_S,
                  open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
-                 f3_probe_width: int = 0, features=None) -> None:
+                 f3_probe_width: int = 0, features=None, f3_codec: str = "float16") -> None:
         """f3_probe_width > 0: before each draft request, send the hidden states a
         hidden-state drafter would need for the newly committed tokens (width = hidden size x
         layers used, float16) and wait for the ack -- F3 measured for real, labelled a probe."""
@@ -83,6 +83,7 @@ class RemoteProposer(Proposer):
         self.f3_probe_width = f3_probe_width
         self.features = features  # VerifierFeatures: real F3 for a hidden-state drafter
         self._f_sent = 0  # feature rows the remote session has
+        self.f3_codec = f3_codec
         self.name = f"{proposer}@{endpoint}"
         self.flows = FlowTotals()
         self._client: Client | None = None
@@ -134,9 +135,15 @@ class RemoteProposer(Proposer):
         self._block += 1
         self._f3 = self._f3_probe(len(delta)) if self.f3_probe_width else (0, 0.0)
         feats, f_start = self._new_features(len(context))
+        scale = None
+        if feats is not None and self.f3_codec == "int8":
+            from macfleet.engine.drafter.f3codec import encode_int8
+
+            feats, scale = encode_int8(feats)
         req = DraftRequest(self._session, self._block, delta, k, not self.params.greedy,
-                           feats, f_start)
-        self._f3_bytes = 0 if feats is None else int(feats.nbytes)
+                           feats, f_start, scale)
+        self._f3_bytes = 0 if feats is None else int(feats.nbytes) + (
+            0 if scale is None else int(scale.nbytes))
         self._t0 = time.perf_counter()
         try:
             self._pending = self._client.send(req, session=self._session)

@@ -96,7 +96,8 @@ class VerifierService:
     def __init__(self, lm: LoadedModel, *, node_id: str, key: bytes | None,
                  publish: Callable[[object], None] | None = None,
                  limits: VerifierLimits = VerifierLimits(), f3_probe: bool = False,
-                 verifier=None, on_fatal: Callable[[str], None] | None = None) -> None:
+                 verifier=None, on_fatal: Callable[[str], None] | None = None,
+                 f3_codec: str = "float16") -> None:
         """verifier: a Verifier-like object (a ShardedVerifier on a shard group's rank 0);
         on_fatal: called when the verifier itself is lost (a shard died): the agent stops."""
         self.lm = lm
@@ -110,6 +111,7 @@ class VerifierService:
         self._verifier = verifier if verifier is not None else Verifier(lm.model)
         self._on_fatal = on_fatal
         self._feature_tap = None
+        self.f3_codec = f3_codec
         self._keepalive = getattr(self._verifier, "keepalive", None)
         self.active = 0
         self.completed = 0
@@ -188,7 +190,7 @@ class VerifierService:
             remotes = [RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec,
                                       model=self.lm.spec, cross_round=msg.cross_round,
                                       f3_probe_width=0 if feats else self.f3_probe_width,
-                                      features=feats)
+                                      features=feats, f3_codec=self.f3_codec)
                        for ep in msg.proposers]
             return FallbackProposer(remotes)
         return make_proposer(msg.proposer_spec or "none", self.lm)

@@ -302,8 +302,9 @@ class DraftRequest:
     want_probs: bool
     # Flow F3, riding with F1 (no extra round trip): the verifier's hidden states for
     # positions features_start.. (the newly committed ones), for hidden-state drafters.
-    features: np.ndarray | None = None  # [n, hidden] float16
+    features: np.ndarray | None = None  # [n, hidden] float16, or int8 with features_scale
     features_start: int = 0
+    features_scale: np.ndarray | None = None  # [n] float16: per-row scale of int8 features
 
 
 @message("draft_reply")

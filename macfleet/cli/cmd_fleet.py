@@ -19,6 +19,9 @@ def add_parser(sub) -> None:
     a.add_argument("--model", default="smollm2")
     a.add_argument("--proposers", default="layerskip,ngram,draft,eagle",
                    help="proposer kinds a proposer agent serves")
+    a.add_argument("--f3-codec", choices=("float16", "int8"), default="float16",
+                   help="verifier: hidden states to a remote drafter as float16, or int8 "
+                   "(half the bytes; see results/drafter.json for its acceptance cost)")
     a.add_argument("--heads", default=None, help="directory of draft heads clients may name "
                    "(eagle:NAME); the shipped heads are always available")
     a.add_argument("--name", default="")
@@ -88,7 +91,7 @@ def run_agent(args) -> int:
                       port=args.port, pub_port=args.pub_port, key=key,
                       loopback_only=args.loopback, cpu=args.cpu, node_id=args.node_id,
                       proposer_kinds=tuple(k for k in args.proposers.split(",") if k),
-                      f3_probe=args.f3_probe, heads_dir=args.heads)
+                      f3_probe=args.f3_probe, heads_dir=args.heads, f3_codec=args.f3_codec)
     try:
         if args.role == "shard":
             from agents.shard_agent import ShardAgent, ShardSpec

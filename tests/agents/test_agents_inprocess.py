@@ -127,6 +127,11 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
     try:
         alone = gen(ver, None, "none", max_tokens=30)
         d = gen(ver, prop, "eagle:head.safetensors", max_tokens=30, draft_tokens=3)
+        ver.verifier.f3_codec = "int8"  # hidden states as int8 + row scales: still lossless
+        d8 = gen(ver, prop, "eagle:head.safetensors", max_tokens=30, draft_tokens=3)
+        ver.verifier.f3_codec = "float16"
+        assert d8.token_ids == alone.token_ids
+        assert d8.stats["f3_bytes_per_block"] < 0.6 * d.stats["f3_bytes_per_block"]
         for bad in ("eagle:../../etc/passwd", "draft:/etc/passwd"):
             refused = gen(ver, prop, bad, max_tokens=4)  # refused -> plain decoding
             assert refused.stats["proposer_failures"] == 1

@@ -29,7 +29,7 @@ from macfleet.engine.verifier import Verifier
 PROMPTS = ("Explain how a bicycle works.",
            "Write a Python function that returns the factorial of n.",
            "What are three good habits for staying healthy?")
-PROPOSERS = ("none", "eagle", "layerskip:20", "ngram")
+PROPOSERS = ("none", "eagle", "eagle@int8", "eagle@auto", "layerskip:20", "ngram")
 K = 4
 
 
@@ -46,6 +46,19 @@ def verifier_step_ms(lm, prompt: list[int], n: int = 12) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _proposer(spec: str, lm):
+    """`eagle@int8`: the head fed features that went through the int8 F3 codec (what a
+    proposer on another Mac sees with --f3-codec int8); `X@auto`: adaptive draft length."""
+    from macfleet.engine.controller import make_controller
+
+    base, _, opt = spec.partition("@")
+    prop = make_proposer(base, lm)
+    if opt == "int8":
+        prop.f3_codec = "int8"
+    ctl = make_controller("auto") if opt == "auto" else FixedDraftLength(K if prop else 0)
+    return prop, ctl
+
+
 def run(model: str, max_tokens: int, proposers=PROPOSERS, prompts=PROMPTS) -> dict:
     lm = load_model(model)
     rows: dict[str, list[dict]] = {p: [] for p in proposers}
@@ -55,10 +68,10 @@ def run(model: str, max_tokens: int, proposers=PROPOSERS, prompts=PROMPTS) -> di
         step_ms.append(verifier_step_ms(lm, ids))
         ref = None
         for spec in proposers:
-            prop = make_proposer(spec, lm)
+            prop, ctl = _proposer(spec, lm)
             evs = list(speculative_generate(Verifier(lm.model), prop, ids,
                                             max_tokens=max_tokens, eos_ids=lm.eos_ids,
-                                            controller=FixedDraftLength(K if prop else 0)))
+                                            controller=ctl))
             fin = evs[-1]
             assert isinstance(fin, Finished)
             ref = fin.token_ids if ref is None else ref

@@ -62,8 +62,12 @@ class _FeatureStore:
 
 
 class EagleProposer(Proposer):
-    def __init__(self, head: EagleHead, name: str = "eagle", tap: bool = True) -> None:
+    def __init__(self, head: EagleHead, name: str = "eagle", tap: bool = True,
+                 f3_codec: str | None = None) -> None:
+        """f3_codec: pass tapped features through this wire codec (to measure what sending
+        them over F3 as int8 costs in acceptance, in one process)."""
         self.head = head
+        self.f3_codec = f3_codec
         self.name = name
         self.use_tap = tap
         self.params = GREEDY
@@ -103,6 +107,10 @@ class EagleProposer(Proposer):
         """Make the store hold f_0..f_{T-2} for this context (T = len(context))."""
         if self._tap is not None:
             for start, toks, h in self._tap.drain():
+                if self.f3_codec is not None:
+                    from macfleet.engine.drafter.f3codec import roundtrip
+
+                    h = mx.array(roundtrip(np.array(h.astype(mx.float32)), self.f3_codec))
                 self._store.write(start, toks, h)
         need = len(context) - 1
         ok = common_prefix(self._store.tokens[:need], context[:need])
