@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
 
 def measured_profile(results: Path):
     """Profile from results/verify_l_sweep.json and results/local_spec.json, else defaults."""
-    from macfleet.topology.snapshot import Profile, ProposerProfile
+    from macfleet.topology.snapshot import Profile
 
     prof, used = Profile(), []
     sweep = results / "verify_l_sweep.json"

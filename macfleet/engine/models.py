@@ -128,7 +128,7 @@ def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
             return _load_gguf_spec(spec, p, default_dense() if dense is None else dense)
         except GGUFError as e:
             raise ModelSpecError(f"{p}: {e}") from e
-    tried.append(f"not 'smollm2', 'tiny:<seed>' or a .gguf path")
+    tried.append("not 'smollm2', 'tiny:<seed>' or a .gguf path")
     if p.is_dir() and not (p / "config.json").is_file():
         raise ModelSpecError(f"{p} is a directory without config.json, not an mlx-lm model")
     try:

@@ -13,11 +13,10 @@ import time
 
 import pytest
 
-from bridge.auth import keygen
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateChunk, GenerateDone
-from macfleet.fleet import local
+from fleetkit import local_fleet
 from macfleet.fleet.client import generate_remote, probe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -28,21 +27,8 @@ FIRST_TOKEN_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("faults")
-    key_path = tmp / "fleet.key"
-    key = keygen(key_path)
-    run_dir = tmp / "run"
-    cards = local.up(2, model=MODEL, key=key, key_path=key_path, run_dir=run_dir, timeout_s=120)
-    yield {"key": key, "run_dir": run_dir,
-           "verifier": next(c for c in cards if ROLE_VERIFIER in c.roles),
-           "proposer": next(c for c in cards if ROLE_PROPOSER in c.roles),
-           "agents": {a.role: a for a in local.read_state(run_dir)}}
-    for a in local.read_state(run_dir):  # a stopped agent cannot handle SIGTERM
-        try:
-            os.kill(a.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    local.down(run_dir)
+    with local_fleet(tmp_path_factory.mktemp("faults"), model=MODEL) as f:
+        yield f
 
 
 def test_sigstopped_agent_is_reported_dead_then_rejoins(fleet):

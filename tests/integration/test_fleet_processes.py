@@ -15,13 +15,13 @@ import time
 
 import pytest
 
-from bridge.auth import fleet_id, keygen
+from bridge.auth import fleet_id
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
 from bridge.discovery import LOOPBACK_ONLY, Browser
 from bridge.errors import ProtocolError
 from bridge.messages import GenerateChunk, GenerateDone, Ping, Pong, StatusReply, StatusRequest
 from bridge.transport import Client
-from macfleet.fleet import local
+from fleetkit import local_fleet
 from macfleet.fleet.client import generate_remote, probe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -34,16 +34,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fleet")
-    key_path = tmp / "fleet.key"
-    key = keygen(key_path)
-    run_dir = tmp / "run"
-    cards = local.up(2, key=key, key_path=key_path, run_dir=run_dir, timeout_s=120)
-    v = next(c for c in cards if ROLE_VERIFIER in c.roles)
-    p = next(c for c in cards if ROLE_PROPOSER in c.roles)
-    yield {"key": key, "key_path": key_path, "verifier": v, "proposer": p, "run_dir": run_dir,
-           "agents": {a.role: a for a in local.read_state(run_dir)}}
-    local.down(run_dir)
+    with local_fleet(tmp_path_factory.mktemp("fleet"), timeout_s=120) as f:
+        yield f
 
 
 def run_gen(fleet, prompt, proposers, spec="ngram", **kw):
