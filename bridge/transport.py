@@ -1,4 +1,4 @@
-"""Thin shells over ZeroMQ: Server (ROUTER), Client (DEALER), Publisher (PUB), Subscriber (SUB).
+"""Thin shells over ZeroMQ: Server (ROUTER) and Client (DEALER); PUB/SUB are in bridge.pubsub.
 
 All logic that can be pure lives in codec and auth; this module only moves frames, enforces caps
 and deadlines, and keeps one rule of ZeroMQ: a socket is used by one thread at a time. The Server
@@ -16,115 +16,32 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable, TypeVar
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import zmq
 
-from bridge.auth import DEFAULT_REPLAY_WINDOW_S, ReplayGuard, sign, verify
+from bridge.auth import DEFAULT_REPLAY_WINDOW_S, ReplayGuard, sign
 from bridge.codec import (Envelope, Header, Limits, encode, encode_error, frames_nbytes, new_id,
                           peek_id)
-from bridge.errors import (AUTH, INTERNAL, OVERSIZE, PeerUnavailable, ProtocolError,
+from bridge.errors import (AUTH, INTERNAL, PeerUnavailable, ProtocolError,
                            TransportTimeout)
-from bridge.messages import ErrorReply, Message, is_terminal, tag_of
+from bridge.messages import ErrorReply, Message, is_terminal
+from bridge.sockets import (DEFAULT_BIND, DEFAULT_RECV_TIMEOUT_S, _bind, _recv_capped, _Shell,
+                            _socket, port_of)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BIND = "tcp://127.0.0.1:*"
 DEFAULT_POLL_S = 0.1  # how soon the server loop notices close()
 DEFAULT_CLOSE_TIMEOUT_S = 2.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0  # wait for a usable connection before sending
 DEFAULT_REQUEST_TIMEOUT_S = 10.0
 DEFAULT_STREAM_TIMEOUT_S = 30.0  # per streamed message
-DEFAULT_RECV_TIMEOUT_S = 10.0
 SERVE_BATCH = 64  # requests per loop turn before queued replies are flushed
 RECENT_IDS = 256  # sent ids for which an unauthenticated "auth" refusal is believed
 
 Reply = Callable[[Message], int]  # sends one reply, returns its wire bytes
 Handler = Callable[[Envelope, Reply], None]
-_S = TypeVar("_S", bound="_Shell")
-
-
-def _socket(ctx: zmq.Context, kind: int, limits: Limits | None = None) -> zmq.Socket:
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    if limits is not None:
-        # libzmq disconnects a peer sending a frame above this instead of buffering it; frames
-        # between the caps and this still get a typed oversize reply.
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * max(limits.max_frame_bytes, limits.max_body_bytes))
-    return sock
-
-
-def _bind(sock: zmq.Socket, bind: str) -> str:
-    """Bind (a `*` port picks a free one) and return the endpoint actually bound."""
-    try:
-        sock.bind(bind)
-    except zmq.ZMQError:
-        sock.close(linger=0)
-        raise
-    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-
-
-def port_of(endpoint: str) -> int:
-    return int(endpoint.rsplit(":", 1)[1])
-
-
-def _recv_capped(sock: zmq.Socket, cap: int) -> tuple[list[memoryview], int]:
-    """One multipart message (already waiting: poll first), keeping at most `cap` frames so a
-    peer cannot make us hold a million of them; returns (kept frames, frames received)."""
-    kept: list[memoryview] = []
-    count = 0
-    while True:
-        frame = sock.recv(zmq.NOBLOCK, copy=False)  # multipart delivery is atomic
-        count += 1
-        if count <= cap:
-            kept.append(frame.buffer)
-        if not frame.more:
-            return kept, count
-
-
-def _ms_left(deadline: float) -> int:
-    return max(0, int((deadline - time.monotonic()) * 1000))
-
-
-class _Shell:
-    """What every shell shares: an owned socket (close() idempotent, use after close refused)
-    and the path from received frames to a typed message: caps, MAC, freshness, decode."""
-
-    _sock: zmq.Socket | None = None
-    _key: bytes | None = None
-    _limits: Limits = Limits()
-    _guard: ReplayGuard
-
-    def _unwrap(self, parts: list[memoryview], count: int) -> Envelope:
-        if count > self._limits.max_frames + 1:  # + the MAC
-            raise ProtocolError(OVERSIZE, f"{count} frames exceed {self._limits.max_frames}")
-        return self._limits.decode(verify(parts, self._key, self._guard))
-
-    def _live(self) -> zmq.Socket:
-        if self._sock is None:
-            raise RuntimeError(f"{type(self).__name__} closed")
-        return self._sock
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-
-    def __enter__(self: _S) -> _S:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _poll_recv(self, deadline: float, extra: int, what: str) -> tuple[list[memoryview], int]:
-        """Wait for one message; `extra` frames precede the signed ones (topic, identity)."""
-        sock = self._live()
-        if not sock.poll(_ms_left(deadline), zmq.POLLIN):
-            raise TransportTimeout(f"no message from {what} before the deadline")
-        return _recv_capped(sock, self._limits.max_frames + 1 + extra)
-
-
 class Server(_Shell):
     """A ROUTER serving `handler(envelope, reply)` in one loop thread.
 
@@ -419,72 +336,8 @@ class Client(_Shell):
                 return
 
 
-class Publisher(_Shell):
-    """A PUB socket for metrics and events, signed like everything else.
 
-    Each message is `[topic, header, body, *buffers, mac]`; the topic (default: the message tag)
-    is only for SUB-side filtering and is not authenticated. Thread-safe (a lock serializes
-    sends); PUB never blocks and drops messages for slow subscribers.
-    """
+# PUB/SUB live in bridge.pubsub; re-exported so `from bridge.transport import Publisher` works.
+from bridge.pubsub import Publisher, Subscriber  # noqa: E402
 
-    def __init__(self, *, key: bytes | None, bind: str = DEFAULT_BIND,
-                 context: zmq.Context | None = None) -> None:
-        self._key = key
-        self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.PUB)
-        self.endpoint = _bind(self._sock, bind)
-        self._lock = threading.Lock()
-
-    @property
-    def port(self) -> int:
-        return port_of(self.endpoint)
-
-    def publish(self, msg: Message, *, topic: str | None = None) -> int:
-        """Publish one message; returns its wire bytes (0 once closed)."""
-        frames = sign(encode(msg), self._key)
-        head = (topic if topic is not None else tag_of(msg)).encode()
-        with self._lock:
-            if self._sock is None:
-                return 0
-            self._sock.send_multipart([head, *frames], flags=zmq.NOBLOCK, copy=False)
-        return frames_nbytes(frames)
-
-    def close(self) -> None:
-        with self._lock:
-            super().close()
-
-
-class Subscriber(_Shell):
-    """A SUB socket over any number of publishers. Not thread-safe: connect/recv from one thread.
-
-    Messages that fail auth or decoding are dropped (counted in `dropped`) and recv keeps waiting.
-    """
-
-    def __init__(self, endpoints: Sequence[str] = (), *, key: bytes | None,
-                 topics: Sequence[str] = ("",), context: zmq.Context | None = None,
-                 limits: Limits = Limits(), replay_window_s: float = DEFAULT_REPLAY_WINDOW_S) -> None:
-        self._key = key
-        self._limits = limits
-        self._guard = ReplayGuard(replay_window_s)
-        self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.SUB, limits)
-        for t in topics:
-            self._sock.setsockopt(zmq.SUBSCRIBE, t.encode())
-        for e in endpoints:
-            self.connect(e)
-        self.dropped = 0
-
-    def connect(self, endpoint: str) -> None:
-        self._live().connect(endpoint)
-
-    def disconnect(self, endpoint: str) -> None:
-        self._live().disconnect(endpoint)
-
-    def recv(self, timeout: float = DEFAULT_RECV_TIMEOUT_S) -> Envelope:
-        """The next verified message; TransportTimeout at the deadline."""
-        deadline = time.monotonic() + timeout
-        while True:
-            parts, count = self._poll_recv(deadline, 1, "publishers")
-            try:  # parts[0] is the topic
-                return self._unwrap(parts[1:], count - 1)
-            except ProtocolError as exc:
-                self.dropped += 1
-                log.warning("subscriber dropped a message: %s", exc)
+__all__ = ["Client", "Handler", "Publisher", "Reply", "Server", "Subscriber", "port_of"]

@@ -1,0 +1,93 @@
+"""PUB/SUB shells for metrics and events, signed like every other message.
+
+Kept apart from the request/reply shells in `bridge.transport`; both build on
+`bridge.sockets`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from bridge.auth import DEFAULT_REPLAY_WINDOW_S, ReplayGuard, sign
+from bridge.codec import Envelope, Limits, encode, frames_nbytes
+from bridge.errors import ProtocolError
+from bridge.messages import Message, tag_of
+from bridge.sockets import (DEFAULT_BIND, DEFAULT_RECV_TIMEOUT_S, _bind, _Shell, _socket,
+                            port_of)
+
+log = logging.getLogger(__name__)
+
+class Publisher(_Shell):
+    """A PUB socket for metrics and events, signed like everything else.
+
+    Each message is `[topic, header, body, *buffers, mac]`; the topic (default: the message tag)
+    is only for SUB-side filtering and is not authenticated. Thread-safe (a lock serializes
+    sends); PUB never blocks and drops messages for slow subscribers.
+    """
+
+    def __init__(self, *, key: bytes | None, bind: str = DEFAULT_BIND,
+                 context: zmq.Context | None = None) -> None:
+        self._key = key
+        self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.PUB)
+        self.endpoint = _bind(self._sock, bind)
+        self._lock = threading.Lock()
+
+    @property
+    def port(self) -> int:
+        return port_of(self.endpoint)
+
+    def publish(self, msg: Message, *, topic: str | None = None) -> int:
+        """Publish one message; returns its wire bytes (0 once closed)."""
+        frames = sign(encode(msg), self._key)
+        head = (topic if topic is not None else tag_of(msg)).encode()
+        with self._lock:
+            if self._sock is None:
+                return 0
+            self._sock.send_multipart([head, *frames], flags=zmq.NOBLOCK, copy=False)
+        return frames_nbytes(frames)
+
+    def close(self) -> None:
+        with self._lock:
+            super().close()
+
+
+class Subscriber(_Shell):
+    """A SUB socket over any number of publishers. Not thread-safe: connect/recv from one thread.
+
+    Messages that fail auth or decoding are dropped (counted in `dropped`) and recv keeps waiting.
+    """
+
+    def __init__(self, endpoints: Sequence[str] = (), *, key: bytes | None,
+                 topics: Sequence[str] = ("",), context: zmq.Context | None = None,
+                 limits: Limits = Limits(), replay_window_s: float = DEFAULT_REPLAY_WINDOW_S) -> None:
+        self._key = key
+        self._limits = limits
+        self._guard = ReplayGuard(replay_window_s)
+        self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.SUB, limits)
+        for t in topics:
+            self._sock.setsockopt(zmq.SUBSCRIBE, t.encode())
+        for e in endpoints:
+            self.connect(e)
+        self.dropped = 0
+
+    def connect(self, endpoint: str) -> None:
+        self._live().connect(endpoint)
+
+    def disconnect(self, endpoint: str) -> None:
+        self._live().disconnect(endpoint)
+
+    def recv(self, timeout: float = DEFAULT_RECV_TIMEOUT_S) -> Envelope:
+        """The next verified message; TransportTimeout at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            parts, count = self._poll_recv(deadline, 1, "publishers")
+            try:  # parts[0] is the topic
+                return self._unwrap(parts[1:], count - 1)
+            except ProtocolError as exc:
+                self.dropped += 1
+                log.warning("subscriber dropped a message: %s", exc)

@@ -1,0 +1,100 @@
+"""Socket helpers shared by the request/reply (`bridge.transport`) and PUB/SUB
+(`bridge.pubsub`) shells: creation with caps, binding, capped receives, the common base."""
+
+from __future__ import annotations
+
+import time
+from typing import TypeVar
+
+import zmq
+
+from bridge.auth import ReplayGuard, verify
+from bridge.codec import Envelope, Limits
+from bridge.errors import OVERSIZE, ProtocolError, TransportTimeout
+
+DEFAULT_BIND = "tcp://127.0.0.1:*"
+DEFAULT_RECV_TIMEOUT_S = 10.0
+
+_S = TypeVar("_S", bound="_Shell")
+
+
+def _socket(ctx: zmq.Context, kind: int, limits: Limits | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if limits is not None:
+        # libzmq disconnects a peer sending a frame above this instead of buffering it; frames
+        # between the caps and this still get a typed oversize reply.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * max(limits.max_frame_bytes, limits.max_body_bytes))
+    return sock
+
+
+def _bind(sock: zmq.Socket, bind: str) -> str:
+    """Bind (a `*` port picks a free one) and return the endpoint actually bound."""
+    try:
+        sock.bind(bind)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _recv_capped(sock: zmq.Socket, cap: int) -> tuple[list[memoryview], int]:
+    """One multipart message (already waiting: poll first), keeping at most `cap` frames so a
+    peer cannot make us hold a million of them; returns (kept frames, frames received)."""
+    kept: list[memoryview] = []
+    count = 0
+    while True:
+        frame = sock.recv(zmq.NOBLOCK, copy=False)  # multipart delivery is atomic
+        count += 1
+        if count <= cap:
+            kept.append(frame.buffer)
+        if not frame.more:
+            return kept, count
+
+
+def _ms_left(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000))
+
+
+class _Shell:
+    """What every shell shares: an owned socket (close() idempotent, use after close refused)
+    and the path from received frames to a typed message: caps, MAC, freshness, decode."""
+
+    _sock: zmq.Socket | None = None
+    _key: bytes | None = None
+    _limits: Limits = Limits()
+    _guard: ReplayGuard
+
+    def _unwrap(self, parts: list[memoryview], count: int) -> Envelope:
+        if count > self._limits.max_frames + 1:  # + the MAC
+            raise ProtocolError(OVERSIZE, f"{count} frames exceed {self._limits.max_frames}")
+        return self._limits.decode(verify(parts, self._key, self._guard))
+
+    def _live(self) -> zmq.Socket:
+        if self._sock is None:
+            raise RuntimeError(f"{type(self).__name__} closed")
+        return self._sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _poll_recv(self, deadline: float, extra: int, what: str) -> tuple[list[memoryview], int]:
+        """Wait for one message; `extra` frames precede the signed ones (topic, identity)."""
+        sock = self._live()
+        if not sock.poll(_ms_left(deadline), zmq.POLLIN):
+            raise TransportTimeout(f"no message from {what} before the deadline")
+        return _recv_capped(sock, self._limits.max_frames + 1 + extra)
+
+
