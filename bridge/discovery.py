@@ -31,13 +31,15 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from zeroconf import InterfaceChoice, IPVersion, ServiceInfo, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo
 
 from bridge.card import SERVICE_TYPE, AgentCard
+from bridge.roster import (CardAdded, CardRemoved, CardUpdated, DiscoveryEvent, Roster,
+                           Sighting, nodes_present)
 from bridge.txt import (
     TxtProtocolError,
     TxtRecordError,
@@ -49,6 +51,11 @@ from bridge.txt import (
 )
 
 log = logging.getLogger(__name__)
+
+# the roster's events are part of this module's interface (Browser's on_change receives them)
+__all__ = ["ALL_INTERFACES", "LOOPBACK_ONLY", "Advertiser", "Browser", "CardAdded", "CardRemoved",
+           "CardUpdated", "DiscoveryEvent", "Roster", "Sighting", "advertised_host",
+           "nodes_present"]
 
 # Probing (3 queries, 500 ms apart after a 150-250 ms random delay) is most of a registration.
 DEFAULT_REGISTER_TIMEOUT_S = 10.0
@@ -64,90 +71,6 @@ Interfaces = Sequence[str] | InterfaceChoice
 
 _UNSPECIFIED_HOSTS = frozenset({"", "0.0.0.0", "*"})
 T = TypeVar("T")
-
-
-# -- events and the pure roster ----------------------------------------------------------------
-@dataclass(frozen=True)
-class CardAdded:
-    card: AgentCard
-    at: float  # Browser clock (time.monotonic by default)
-
-
-@dataclass(frozen=True)
-class CardUpdated:
-    card: AgentCard
-    previous: AgentCard
-    at: float
-
-
-@dataclass(frozen=True)
-class CardRemoved:
-    """The agent said goodbye (or its records expired). Never sent for a crashed agent."""
-    card: AgentCard
-    at: float
-
-
-DiscoveryEvent = CardAdded | CardUpdated | CardRemoved
-
-
-@dataclass(frozen=True)
-class Sighting:
-    """A card and when it was first and last announced (announcements, not liveness)."""
-    card: AgentCard
-    service: str  # the DNS-SD instance name it came under
-    first_seen: float
-    last_seen: float
-
-
-class Roster:
-    """Pure bookkeeping of browsed cards keyed by node id; not thread-safe (Browser locks it).
-
-    Node id, not service name, is the identity: an instance renamed on a name conflict (``-2``)
-    is the same agent, and a stale service name later expiring must not remove the node that a
-    newer service now carries.
-    """
-
-    def __init__(self, fleet_id: str | None = None) -> None:
-        self._fleet_id = fleet_id
-        self._by_node: dict[str, Sighting] = {}
-        self._node_of: dict[str, str] = {}  # service name -> node id
-
-    def observe(self, service: str, card: AgentCard, now: float) -> list[DiscoveryEvent]:
-        if self._fleet_id is not None and card.fleet_id != self._fleet_id:
-            log.debug("ignoring %s: fleet %s, not %s", service, card.fleet_id, self._fleet_id)
-            return self.forget(service, now)
-        events: list[DiscoveryEvent] = []
-        if self._node_of.get(service, card.node_id) != card.node_id:
-            events += self.forget(service, now)  # the service now speaks for another node
-        self._node_of[service] = card.node_id
-        seen = self._by_node.get(card.node_id)
-        if seen is None:
-            self._by_node[card.node_id] = Sighting(card, service, now, now)
-            return events + [CardAdded(card, now)]
-        self._by_node[card.node_id] = Sighting(card, service, seen.first_seen, now)
-        if seen.card == card:
-            return events
-        return events + [CardUpdated(card, seen.card, now)]
-
-    def forget(self, service: str, now: float) -> list[DiscoveryEvent]:
-        node_id = self._node_of.pop(service, None)
-        seen = self._by_node.get(node_id) if node_id is not None else None
-        if seen is None or seen.service != service:
-            return []
-        del self._by_node[seen.card.node_id]
-        return [CardRemoved(seen.card, now)]
-
-    def sightings(self) -> list[Sighting]:
-        return sorted(self._by_node.values(), key=lambda s: (s.card.name, s.card.node_id))
-
-    def cards(self) -> list[AgentCard]:
-        return [s.card for s in self.sightings()]
-
-
-def nodes_present(*node_ids: str) -> Callable[[list[AgentCard]], bool]:
-    """A ``Browser.wait_for`` predicate: every one of ``node_ids`` has been seen."""
-    wanted = frozenset(node_ids)
-    return lambda cards: wanted <= {c.node_id for c in cards}
 
 
 # -- the zeroconf handle -----------------------------------------------------------------------
