@@ -221,10 +221,14 @@ class VerifierService:
     def _tree_group(self, msg: GenerateRequest) -> RemoteProposerGroup:
         """`a+b+c` with N endpoints: proposer i drafts spec i (the last spec repeats)."""
         specs = msg.proposer_spec.split("+")
-        remotes = [RemoteProposer(ep, key=self.key, proposer=specs[min(i, len(specs) - 1)],
-                                  model=self.lm.spec, cross_round=msg.cross_round,
-                                  f3_probe_width=self.f3_probe_width)
-                   for i, ep in enumerate(msg.proposers)]
+        spec_of = [specs[min(i, len(specs) - 1)] for i in range(len(msg.proposers))]
+        feats = next((self._features(s) for s in spec_of if s.startswith("eagle")), None)
+        remotes = [RemoteProposer(ep, key=self.key, proposer=spec, model=self.lm.spec,
+                                  cross_round=msg.cross_round,
+                                  f3_probe_width=self.f3_probe_width,
+                                  features=feats if spec.startswith("eagle") else None,
+                                  f3_codec=self.f3_codec)
+                   for ep, spec in zip(msg.proposers, spec_of)]
         return RemoteProposerGroup(remotes, draft_tokens="auto" if msg.draft_tokens < 0
                                    else msg.draft_tokens)
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
+from macfleet.engine.drafter.features import record_hidden
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
@@ -100,12 +101,16 @@ def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: Sampling
             rng) -> tuple[list[int], int]:
     base = verifier.offset
     if tree_ok:
-        logits = tree_forward(verifier, tree)
+        logits, hidden = tree_forward(verifier, tree, return_hidden=True)
         if params.greedy:
             path, nxt = accept_tree_greedy(tree, np.array(mx.argmax(logits, axis=-1)).tolist())
         else:
             path, nxt = accept_tree_sample(tree, probs_from_logits(logits, params), rng)
         compact_cache(verifier, base, path)
+        # hidden-state drafters read the verifier's features through a tap on its forward;
+        # the tree forward runs the layers itself, so report the kept rows (root + path)
+        record_hidden(verifier.model, base, [tree.tokens[0], *tree.path_tokens(path)],
+                      hidden[mx.array([0, *path], dtype=mx.int32)])
         return path, nxt
     path, nxt = accept_tree_greedy(tree, verify_branches(verifier, tree).tolist())
     verifier.forward([tree.tokens[0], *tree.path_tokens(path)])  # refill the accepted entries

@@ -46,8 +46,9 @@ def _tree_attention(attn, x: mx.array, mask: mx.array, cache, positions: mx.arra
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
 
 
-def tree_forward(verifier: Verifier, tree: TokenTree) -> mx.array:
-    """Logits [N+1, V] for every node, appending N+1 entries to the verifier's cache."""
+def tree_forward(verifier: Verifier, tree: TokenTree, return_hidden: bool = False):
+    """Logits [N+1, V] for every node, appending N+1 entries to the verifier's cache
+    (with return_hidden: also the last layer's pre-norm hidden states [N+1, H])."""
     model = verifier.model
     inner = model.model
     offset = verifier.offset
@@ -60,9 +61,11 @@ def tree_forward(verifier: Verifier, tree: TokenTree) -> mx.array:
         r = _tree_attention(layer.self_attn, layer.input_layernorm(h), mask, c, positions)
         h = h + r
         h = h + layer.mlp(layer.post_attention_layernorm(h))
+    pre = h
     h = inner.norm(h)
     out = model.lm_head(h) if hasattr(model, "lm_head") else inner.embed_tokens.as_linear(h)
-    return out[0].astype(mx.float32)
+    logits = out[0].astype(mx.float32)
+    return (logits, pre[0]) if return_hidden else logits
 
 
 def compact_cache(verifier: Verifier, base: int, path: Sequence[int]) -> None:

@@ -165,3 +165,24 @@ def test_tree_sampling_loop_runs_and_is_seeded():
     assert outs[0] == outs[1] and len(outs[0]) == 30
     assert GREEDY.greedy
     assert Candidate(1, 0).q is None
+
+
+def test_eagle_in_a_tree_reads_the_tree_forward_features(tmp_path):
+    """Tree verification runs the layers itself; it must still hand the kept rows to a
+    hidden-state drafter, or the drafter would recompute every feature (fallback)."""
+    import mlx.core as mx
+
+    from macfleet.engine.drafter.head import EagleConfig, EagleHead
+    from macfleet.engine.drafter.proposer import make_eagle_proposer
+
+    lm = load_model("tiny:9")
+    mx.random.seed(1)
+    path = EagleHead(EagleConfig.for_verifier(lm.model, "tiny:9", feature_scale=1.0),
+                     lm.model).save(tmp_path / "head")
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    plain, _ = run(speculative_generate(Verifier(lm.model), None, prompt, max_tokens=40))
+    eagle = make_eagle_proposer(str(path), lm)
+    group = ProposerGroup([eagle, make_proposer("ngram", lm)], draft_tokens=2)
+    out, _ = run(tree_generate(Verifier(lm.model), group, prompt, max_tokens=40))
+    assert out == plain
+    assert eagle.fallback_tokens == 0
