@@ -30,7 +30,9 @@ def choose_demo_proposer(head_eval: dict | None) -> tuple[str, str]:
         return "ngram", "no trained draft head is shipped for this model"
     m = float(head_eval.get("held_out", {}).get("mean_accepted", 0.0))
     if m >= MIN_HEAD_MEAN_ACCEPTED:
-        return "eagle", f"the shipped draft head accepts {m:.2f} tokens/block held out"
+        return "eagle+ngram", (f"a token tree of the shipped draft head (accepts {m:.2f} "
+                               f"tokens/block held out) and n-gram lookup; each block keeps "
+                               f"the branch that matches")
     return "ngram", (f"the shipped draft head accepts only {m:.2f} tokens/block held out "
                      f"(< {MIN_HEAD_MEAN_ACCEPTED}): n-gram lookup is the better drafter")
 
@@ -90,8 +92,9 @@ def run(args) -> int:
             common = dict(prompt=args.prompt, max_tokens=args.max_tokens)
             _collect(v, key, prompt="Hi", max_tokens=4)  # warm-up
             alone = _collect(v, key, proposers=[], proposer_spec="none", **common)
-            spec = _collect(v, key, proposers=[p.router_endpoint], proposer_spec=args.proposer,
-                            **common)
+            # one proposer agent serves every branch of the tree (one session per branch)
+            eps = [p.router_endpoint] * len(args.proposer.split("+"))
+            spec = _collect(v, key, proposers=eps, proposer_spec=args.proposer, **common)
         except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
             raise UserError(f"fleet request failed: {e}") from None
         finally:

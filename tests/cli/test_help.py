@@ -36,6 +36,6 @@ def test_demo_picks_the_shipped_head_only_when_it_pays():
     assert choose_demo_proposer(None)[0] == "ngram"
     good = {"held_out": {"mean_accepted": MIN_HEAD_MEAN_ACCEPTED + 0.1}}
     bad = {"held_out": {"mean_accepted": MIN_HEAD_MEAN_ACCEPTED - 0.1}}
-    assert choose_demo_proposer(good)[0] == "eagle"
+    assert choose_demo_proposer(good)[0] == "eagle+ngram"
     spec, why = choose_demo_proposer(bad)
     assert spec == "ngram" and "only" in why
