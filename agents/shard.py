@@ -36,10 +36,10 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from agents.verifier_service import VerifierLost
+from macfleet.engine.layers import head_logits, run_layers
 
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP
 
@@ -159,17 +159,10 @@ class _Stage:
             c.trim(n)
 
     def _head(self, h: mx.array) -> mx.array:
-        m = self.model
-        h = m.model.norm(h)
-        if m.args.tie_word_embeddings:
-            return m.model.embed_tokens.as_linear(h)
-        return m.lm_head(h)
+        return head_logits(self.model, h)
 
     def _layers(self, h: mx.array) -> mx.array:
-        mask = create_attention_mask(h, self.cache[0])
-        for layer, c in zip(self.layers, self.cache):
-            h = layer(h, mask, cache=c)
-        return h
+        return run_layers(self.layers, h, self.cache)
 
     def forward(self, ids: mx.array, want_logits: bool) -> mx.array | None:
         """ids: [1, L]. Returns logits [L, V] float32 on rank 0 (None elsewhere)."""

@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from macfleet.engine.layers import head_logits
 from macfleet.engine.tree import TokenTree
 from macfleet.engine.verifier import Verifier
 
@@ -61,11 +62,8 @@ def tree_forward(verifier: Verifier, tree: TokenTree, return_hidden: bool = Fals
         r = _tree_attention(layer.self_attn, layer.input_layernorm(h), mask, c, positions)
         h = h + r
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    pre = h
-    h = inner.norm(h)
-    out = model.lm_head(h) if hasattr(model, "lm_head") else inner.embed_tokens.as_linear(h)
-    logits = out[0].astype(mx.float32)
-    return (logits, pre[0]) if return_hidden else logits
+    logits = head_logits(model, h)[0].astype(mx.float32)
+    return (logits, h[0]) if return_hidden else logits
 
 
 def compact_cache(verifier: Verifier, base: int, path: Sequence[int]) -> None:

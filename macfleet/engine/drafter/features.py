@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_attention_mask
+from macfleet.engine.layers import head_logits, run_layers
 
 DEFAULT_CHUNK = 256
 _TAP = "_macfleet_tap"
@@ -26,20 +26,11 @@ _TAP = "_macfleet_tap"
 
 def hidden_states(model: nn.Module, ids: mx.array, cache=None) -> mx.array:
     """ids [B, L] -> pre-norm hidden of the last layer [B, L, H] (appends to `cache`)."""
-    inner = model.model
-    h = inner.embed_tokens(ids)
-    cache = cache or [None] * len(inner.layers)
-    mask = create_attention_mask(h, cache[0])
-    for layer, c in zip(inner.layers, cache):
-        h = layer(h, mask, cache=c)
-    return h
+    return run_layers(model.model.layers, model.model.embed_tokens(ids), cache)
 
 
 def verifier_logits(model: nn.Module, h: mx.array) -> mx.array:
-    n = model.model.norm(h)
-    if getattr(model.args, "tie_word_embeddings", True):
-        return model.model.embed_tokens.as_linear(n)
-    return model.lm_head(n)
+    return head_logits(model, h)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
+from macfleet.engine.layers import head_logits, run_layers
+
 FORMAT_VERSION = 1
 FEATURE_KIND = "prenorm_last_layer"
 DEFAULT_DTYPE = "float16"
@@ -155,22 +157,11 @@ class EagleHead(nn.Module):
     def __call__(self, feats: mx.array, next_tokens: mx.array, cache=None) -> mx.array:
         """feats [B, L, H] (f_t), next_tokens [B, L] (x_{t+1}) -> predicted f_{t+1} [B, L, H]."""
         x = mx.concatenate([self.in_norm(feats), self.embed(next_tokens)], axis=-1)
-        h = self.fuse(x)
-        from mlx_lm.models.base import create_attention_mask
-
-        cache = cache or [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, cache=c)
-        return h
+        return run_layers(self.layers, self.fuse(x), cache)
 
     def logits(self, h: mx.array) -> mx.array:
         """The verifier's own final norm + LM head on (predicted) features."""
-        v = self.verifier
-        n = v.model.norm(h)
-        if getattr(v.args, "tie_word_embeddings", True):
-            return v.model.embed_tokens.as_linear(n)
-        return v.lm_head(n)
+        return head_logits(self.verifier, h)
 
     def make_cache(self) -> list:
         from mlx_lm.models.cache import KVCache

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
 
+from macfleet.engine.layers import head_logits, run_layers
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import GREEDY, make_rng, probs_from_logits, sample
 
@@ -44,14 +44,7 @@ class LayerSkipModel(nn.Module):
     def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
         inner = self._full.model
         h = inner.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-        cache = cache or [None] * self.k
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, cache=c)
-        h = inner.norm(h)
-        if getattr(self._full.args, "tie_word_embeddings", True):
-            return inner.embed_tokens.as_linear(h)
-        return self._full.lm_head(h)
+        return head_logits(self._full, run_layers(self.layers, h, cache))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
