@@ -32,6 +32,16 @@ def add_parser(sub) -> None:
                    help="token ids drafts may use (0: the whole vocabulary); the LM head is most "
                    "of the draft cost")
     p.add_argument("--work", default=None, help="work directory (answers, features, checkpoint)")
+    p.add_argument("--dataset", default=None, metavar="DIR",
+                   help="distillation dataset directory (the verifier's answers + hidden "
+                   "states, memory-mapped); default: <work>/dataset")
+    p.add_argument("--tokens", type=int, default=0, metavar="N",
+                   help="generate the verifier's own answers in batches until the dataset "
+                   "holds N answer tokens (resumable), then train on it")
+    p.add_argument("--gen-batch", type=int, default=32, help="rows per generation forward")
+    p.add_argument("--max-answer", type=int, default=256, help="tokens per generated answer")
+    p.add_argument("--stage", choices=("all", "data", "train"), default="all",
+                   help="data: only generate; train: only train on the dataset")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.set_defaults(func=run)
 
@@ -53,6 +63,8 @@ def run(args) -> int:
     out = Path(args.out or f"{args.model.replace(':', '-').replace('/', '-')}-eagle")
     params = TrainParams(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                          save_every=args.save_every, ce_weight=args.ce_weight)
+    if args.tokens > 0 or args.stage != "all":
+        return _run_dataset(args, lm, out, params)
     try:
         distill(lm, out, params, paths=args.data, resume=args.resume,
                 work=Path(args.work) if args.work else None, gen_prompts=args.gen_prompts,
@@ -60,5 +72,29 @@ def run(args) -> int:
                 draft_vocab=args.draft_vocab,
                 report=lambda s: print(s, file=sys.stderr, flush=True))
     except (ValueError, FileNotFoundError) as e:
+        raise UserError(str(e)) from None
+    return 0
+
+
+def _run_dataset(args, lm, out: Path, params) -> int:
+    """The scaled pipeline: batched self-distillation data on disk, then training from it."""
+    from macfleet.engine.drafter.dataset import DatasetError, generate_dataset
+    from macfleet.engine.drafter.distill import default_work_dir, distill_from_dataset
+    from macfleet.engine.drafter.head import verifier_fingerprint
+
+    work = Path(args.work) if args.work else default_work_dir(lm)
+    ds = Path(args.dataset) if args.dataset else work / "dataset"
+    report = (lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        if args.stage in ("all", "data") and args.tokens > 0:
+            m = generate_dataset(lm, ds, args.tokens, fingerprint=verifier_fingerprint(lm.model),
+                                 batch=args.gen_batch, max_answer=args.max_answer)
+            report(f"dataset {ds}: {m.samples} answers, {m.answer_tokens:,} answer tokens, "
+                   f"{m.tokens:,} positions with hidden states; {m.seconds / 60:.1f} min "
+                   f"generating ({', '.join(f'{k} {v:.0f}' for k, v in m.timing.items())})")
+        if args.stage in ("all", "train"):
+            distill_from_dataset(lm, ds, out, params, work=work, resume=args.resume,
+                                 draft_vocab=args.draft_vocab, report=report)
+    except (DatasetError, ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
     return 0

@@ -1,0 +1,229 @@
+"""A distillation dataset directory: the verifier's answers and its hidden states, on disk.
+
+Layout (all numpy `.npy`, so training memory-maps them and never recomputes the verifier):
+
+    manifest.json               verifier spec + fingerprint, hidden size, shards, totals, timing
+    keys.txt                    one prompt key per line (deduplication and resume)
+    shard-00000.tokens.npy      [N] int32     every fed token of every sample, concatenated
+    shard-00000.hidden.npy      [N, H] float16 last-layer pre-norm hidden state per token
+    shard-00000.top.npy         [N] int32     the verifier's greedy next token per position
+    shard-00000.offsets.npy     [S+1] int64   sample boundaries
+    shard-00000.nprompt.npy     [S] int32     prompt length of each sample
+    shard-00000.meta.jsonl      source and finish reason of each sample
+
+A shard is written whole (files, then the manifest, atomically); a run stopped mid-shard loses
+at most one shard's worth of generation and resumes where the manifest says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from macfleet.engine.drafter.batchgen import (DEFAULT_BATCH, DEFAULT_MAX_ANSWER, Sample,
+                                              Timing, generate_samples)
+from macfleet.engine.drafter.features import FeatureChunk
+from macfleet.engine.drafter.prompts import iter_prompts
+from macfleet.engine.models import LoadedModel
+
+MANIFEST = "manifest.json"
+KEYS = "keys.txt"
+DEFAULT_SHARD_TOKENS = 32_768
+FORMAT = 1
+
+
+class DatasetError(ValueError):
+    """A dataset directory that is missing, damaged, or made by another verifier."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    samples: int
+    tokens: int  # fed positions (rows of hidden)
+    answer_tokens: int
+
+
+@dataclass
+class Manifest:
+    verifier: str
+    fingerprint: str
+    hidden_size: int
+    shards: list[ShardInfo] = field(default_factory=list)
+    seconds: float = 0.0
+    timing: dict[str, float] = field(default_factory=dict)
+    format: int = FORMAT
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(s.answer_tokens for s in self.shards)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> Manifest:
+        try:
+            d = json.loads((path / MANIFEST).read_text())
+            d["shards"] = [ShardInfo(**s) for s in d.get("shards", [])]
+            m = cls(**d)
+        except (OSError, ValueError, TypeError) as e:
+            raise DatasetError(f"{path}: not a distillation dataset ({e})") from e
+        if m.format != FORMAT:
+            raise DatasetError(f"{path}: dataset format {m.format}, this macfleet reads {FORMAT}")
+        return m
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def open_manifest(path: Path, lm: LoadedModel, fingerprint: str) -> Manifest:
+    """The directory's manifest (checked against this verifier), or a new one."""
+    if (path / MANIFEST).is_file():
+        m = Manifest.read(path)
+        if m.fingerprint != fingerprint:
+            raise DatasetError(f"{path} holds data of verifier '{m.verifier}' (fingerprint "
+                               f"{m.fingerprint}); this verifier's is {fingerprint}")
+        return m
+    path.mkdir(parents=True, exist_ok=True)
+    return Manifest(lm.spec, fingerprint, lm.hidden_size)
+
+
+def write_shard(path: Path, index: int, samples: Sequence[Sample]) -> ShardInfo:
+    name = f"shard-{index:05d}"
+    offsets = np.cumsum([0] + [len(s.tokens) for s in samples]).astype(np.int64)
+    arrays = {"tokens": np.concatenate([s.tokens for s in samples]).astype(np.int32),
+              "hidden": np.concatenate([s.hidden for s in samples]).astype(np.float16),
+              "top": np.concatenate([s.top for s in samples]).astype(np.int32),
+              "offsets": offsets,
+              "nprompt": np.array([s.n_prompt for s in samples], dtype=np.int32)}
+    for k, a in arrays.items():
+        np.save(path / f"{name}.{k}.npy", a)
+    meta = "".join(json.dumps({"source": s.prompt.source, "finish": s.finish,
+                               "key": s.prompt.key}) + "\n" for s in samples)
+    (path / f"{name}.meta.jsonl").write_text(meta)
+    return ShardInfo(name, len(samples), int(offsets[-1]),
+                     sum(s.answer_tokens for s in samples))
+
+
+def done_keys(path: Path) -> frozenset[str]:
+    f = path / KEYS
+    return frozenset(f.read_text().split()) if f.is_file() else frozenset()
+
+
+class Progress:
+    """A progress line with rate and ETA: rewritten in place on a terminal, else every 30 s."""
+
+    def __init__(self, target: int, start: int, report: Callable[[str], None] | None = None,
+                 every_s: float = 30.0) -> None:
+        self.target, self.start, self.t0 = target, start, time.perf_counter()
+        self.tty = report is None and sys.stderr.isatty()
+        self.report = report or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.every_s = 0.5 if self.tty else every_s
+        self._last = 0.0
+
+    def line(self, done: int, extra: str = "") -> str:
+        el = time.perf_counter() - self.t0
+        rate = (done - self.start) / el if el > 0 else 0.0
+        eta = (self.target - done) / rate if rate > 0 else float("inf")
+        frac = min(done / self.target, 1.0) if self.target else 1.0
+        bar = "#" * int(frac * 24)
+        eta_s = f"{eta / 60:.0f} min" if eta != float("inf") else "?"
+        return (f"[{bar:<24}] {done:,}/{self.target:,} answer tokens  {rate:.0f} tok/s  "
+                f"ETA {eta_s}  {extra}")
+
+    def update(self, done: int, extra: str = "", force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self._last >= self.every_s:
+            self._last = now
+            s = self.line(done, extra)
+            if self.tty:
+                print("\r" + s, end="", file=sys.stderr, flush=True)
+            else:
+                self.report(s)
+
+
+def generate_dataset(lm: LoadedModel, path: Path, target_tokens: int, *, fingerprint: str,
+                     batch: int = DEFAULT_BATCH, max_answer: int = DEFAULT_MAX_ANSWER,
+                     seed: int = 0, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                     report: Callable[[str], None] | None = None) -> Manifest:
+    """Add the verifier's answers to `path` until it holds `target_tokens` answer tokens."""
+    m = open_manifest(path, lm, fingerprint)
+    if m.answer_tokens >= target_tokens:
+        return m
+    timing = Timing(**{k: v for k, v in m.timing.items() if k in Timing.__dataclass_fields__})
+    prog = Progress(target_tokens, m.answer_tokens, report)
+    buf: list[Sample] = []
+    done = m.answer_tokens
+    t_run = time.perf_counter()
+    seconds0 = m.seconds
+
+    def flush() -> None:
+        t0 = time.perf_counter()
+        info = write_shard(path, len(m.shards), buf)
+        with open(path / KEYS, "a") as f:
+            f.write("".join(s.prompt.key + "\n" for s in buf))
+        m.shards.append(info)
+        m.seconds = seconds0 + time.perf_counter() - t_run
+        m.timing = {**asdict(timing), "write": m.timing.get("write", 0.0)
+                    + time.perf_counter() - t0}
+        _atomic_write(path / MANIFEST, m.to_json())
+        buf.clear()
+
+    prompts = iter_prompts(seed=seed, skip=done_keys(path))
+    gen = generate_samples(lm, prompts, batch=batch, max_answer=max_answer, timing=timing,
+                           on_step=lambda rows: prog.update(done, f"batch {rows}"))
+    try:
+        for s in gen:
+            buf.append(s)
+            done += s.answer_tokens
+            if sum(len(b.tokens) for b in buf) >= shard_tokens:
+                flush()
+                prog.update(done, f"{len(m.shards)} shards", force=True)
+            if done >= target_tokens:
+                break
+    finally:
+        gen.close()
+        if buf:
+            flush()
+    if prog.tty:
+        print(file=sys.stderr)
+    return m
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def load_chunks(path: Path, max_len: int = 1 << 30) -> list[FeatureChunk]:
+    """Every sample as a FeatureChunk of memory-mapped views (nothing is read until used)."""
+    m = Manifest.read(path)
+    out: list[FeatureChunk] = []
+    for s in m.shards:
+        arr = {k: np.load(path / f"{s.name}.{k}.npy", mmap_mode="r")
+               for k in ("tokens", "hidden", "top")}
+        offs = np.load(path / f"{s.name}.offsets.npy")
+        for a, b in zip(offs[:-1], offs[1:]):
+            for c in range(int(a), int(b), max_len):
+                e = min(int(b), c + max_len)
+                if e - c >= 8:
+                    out.append(FeatureChunk(arr["tokens"][c:e], arr["hidden"][c:e],
+                                            arr["top"][c:e], True))
+    return out

@@ -1,0 +1,248 @@
+"""Prompts for self-distillation, from sources that need no download.
+
+The head must predict what THIS verifier says to ordinary requests, so training data is the
+verifier's own answers to many varied prompts. Four offline sources, mixed round-robin:
+
+* `topics`: questions over a list of topics in many phrasings (chat, explanation, advice);
+* `code`: programming tasks in several languages and styles;
+* `local`: instructions over text already on this machine (explain a stdlib function's code,
+  summarize or rewrite a docstring or a README paragraph);
+* `problems`: word problems with varied numbers.
+
+`HELD_OUT` are the benchmark's prompts: they, and anything equal to them, are never trained
+on (`iter_prompts` drops them), so `macfleet bench drafter` measures unseen requests.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import itertools
+import random
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+# The benchmark's held-out requests (what a new user types), by kind. Never trained on.
+HELD_OUT: dict[str, str] = {
+    "chat": "What should I pack for a weekend camping trip in the mountains?",
+    "code": "Write a Python function that merges two sorted lists into one sorted list.",
+    "explain": "Explain how a refrigerator keeps food cold.",
+    "rewrite": "Rewrite this sentence to sound more formal: hey, can u send me the report "
+               "by tomorrow? thanks!",
+    "problem": "A shop sells pencils at 3 for $1. How much do 27 pencils cost? Explain.",
+    "describe": "Describe a busy market on a Saturday morning.",
+}
+CHAT_KINDS = ("chat", "explain", "rewrite", "problem", "describe")
+CODE_KINDS = ("code",)
+
+TOPICS = (
+    "black holes", "photosynthesis", "the water cycle", "volcanoes", "earthquakes", "DNA",
+    "vaccines", "the immune system", "climate change", "renewable energy", "solar panels",
+    "electric cars", "the internet", "encryption", "machine learning", "neural networks",
+    "databases", "operating systems", "compilers", "cloud computing", "smartphones",
+    "the Roman Empire", "the French Revolution", "the Industrial Revolution", "World War I",
+    "ancient Egypt", "the Renaissance", "the printing press", "the Silk Road", "democracy",
+    "inflation", "interest rates", "the stock market", "budgeting", "saving for retirement",
+    "credit scores", "starting a small business", "marketing", "job interviews", "resumes",
+    "time management", "public speaking", "learning a new language", "studying for exams",
+    "sleep", "exercise", "meditation", "healthy eating", "vitamins", "hydration", "stress",
+    "coffee", "tea", "baking bread", "making pasta", "grilling vegetables", "chocolate",
+    "gardening", "composting", "houseplants", "dogs", "cats", "birds", "bees", "whales",
+    "sharks", "rainforests", "deserts", "coral reefs", "the Moon", "Mars", "the Sun",
+    "gravity", "magnetism", "electricity", "light", "sound", "atoms", "chemical reactions",
+    "the periodic table", "evolution", "dinosaurs", "the human brain", "the heart",
+    "music theory", "playing the guitar", "painting", "photography", "writing a novel",
+    "poetry", "chess", "football", "basketball", "running a marathon", "cycling", "swimming",
+    "hiking", "traveling on a budget", "Japan", "Italy", "Brazil", "Egypt", "Canada",
+    "recycling", "plastic pollution", "air pollution", "electric grids", "nuclear power",
+    "wind turbines", "batteries", "3D printing", "robots", "drones", "video games",
+    "social media", "online privacy", "passwords", "email etiquette", "remote work",
+    "teamwork", "leadership", "negotiation", "friendship", "parenting", "moving to a new city",
+    "renting an apartment", "buying a used car", "home repairs", "cleaning a kitchen",
+    "the scientific method", "statistics", "probability", "prime numbers", "fractions",
+    "geometry", "algebra", "calculus", "logic puzzles", "philosophy", "ethics", "happiness",
+    "museums", "libraries", "movies", "theater", "the Olympic Games", "weather forecasts",
+    "hurricanes", "snow", "rainbows", "tides", "maps", "GPS", "airplanes", "trains", "ships",
+)
+TOPIC_TEMPLATES = (
+    "What is {t}?", "Explain {t} in simple terms.", "Give me three interesting facts about {t}.",
+    "How does {t} work?", "Why is {t} important?", "Write a short paragraph about {t}.",
+    "What are the pros and cons of {t}?", "What are common misconceptions about {t}?",
+    "Give a beginner's guide to {t}.", "Write a short poem about {t}.",
+    "Explain {t} to a ten-year-old.", "What is the history of {t}?",
+    "List five questions people often ask about {t}, with short answers.",
+    "Write a short story that involves {t}.", "What should everyone know about {t}?",
+    "Give me some tips related to {t}.", "Summarize the main ideas of {t} in a few sentences.",
+    "How has {t} changed over time?", "Compare {t} and {u}.", "What do {t} and {u} have in common?",
+)
+
+CODE_TASKS = (
+    "reverses a string", "checks whether a string is a palindrome", "returns the n-th prime",
+    "computes the factorial of a number", "counts the vowels in a string",
+    "finds the largest element of a list", "removes duplicates from a list",
+    "sorts a list of numbers with bubble sort", "implements binary search",
+    "computes the greatest common divisor of two numbers", "converts Celsius to Fahrenheit",
+    "checks whether a year is a leap year", "returns the Fibonacci sequence up to n",
+    "counts word frequencies in a text", "flattens a nested list", "transposes a matrix",
+    "reads a file and counts its lines", "validates an email address",
+    "finds the second largest number in a list", "computes the average of a list",
+    "checks whether two strings are anagrams", "capitalizes every word in a sentence",
+    "converts a decimal number to binary", "sums the digits of a number",
+    "finds the intersection of two lists", "rotates a list by k positions",
+    "computes the power set of a set", "implements a stack", "implements a queue",
+    "implements a linked list", "parses a CSV line", "returns the median of a list",
+    "checks whether a number is a perfect square", "generates a random password",
+    "computes the area of a circle", "finds all divisors of a number",
+    "merges two dictionaries", "groups words by their first letter",
+    "counts the occurrences of each character", "checks balanced parentheses",
+    "implements quicksort", "implements merge sort", "computes the dot product of two vectors",
+    "finds the longest word in a sentence", "removes whitespace from a string",
+    "converts a string to title case", "computes compound interest",
+    "returns the minimum and maximum of a list", "checks whether a list is sorted",
+    "splits a list into chunks of size n", "finds the mode of a list",
+    "computes the Levenshtein distance between two strings", "implements a simple calculator",
+    "converts Roman numerals to integers", "formats a number with thousands separators",
+    "retries a function call up to three times", "memoizes a function",
+    "measures how long a function takes", "walks a directory and lists all files",
+)
+LANGUAGES = ("Python", "Python", "Python", "JavaScript", "C", "Rust", "Go", "Java", "Bash")
+CODE_TEMPLATES = (
+    "Write a {lang} function that {task}.", "Show me how to write a {lang} function that {task}.",
+    "Write a {lang} function that {task}, with comments.",
+    "Explain how to write a {lang} function that {task}, with an example.",
+    "Write a {lang} program that {task} and prints the result.",
+    "Write a {lang} function that {task}, and a short test for it.",
+)
+
+PROBLEM_TEMPLATES = (
+    "A train travels {a} miles in {b} hours. What is its average speed? Explain.",
+    "If a shirt costs ${a} and is on sale for {p}% off, what is the sale price?",
+    "Tom has {a} apples and gives {c} to his friend. How many does he have left?",
+    "A recipe needs {c} eggs for {b} people. How many eggs are needed for {a} people?",
+    "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+    "Sara saves ${c} every week. How many weeks does she need to save ${a}?",
+    "A car uses {b} liters of fuel per 100 km. How much fuel does it need for {a} km?",
+    "There are {a} students and each bus holds {c}. How many buses are needed?",
+    "What is {p}% of {a}? Show the steps.",
+    "If {b} workers build a wall in {c} days, how long do {a} workers take?",
+)
+
+LOCAL_TEMPLATES_CODE = (
+    "Explain what this Python function does:\n\n```python\n{x}\n```",
+    "Review this Python code and suggest improvements:\n\n```python\n{x}\n```",
+    "Add comments to this Python function:\n\n```python\n{x}\n```",
+)
+LOCAL_TEMPLATES_TEXT = (
+    "Summarize the following text in a few sentences:\n\n{x}",
+    "Rewrite the following text in simpler words:\n\n{x}",
+    "What are the key points of this text?\n\n{x}",
+)
+MAX_LOCAL_CHARS = 900
+
+
+@dataclass(frozen=True)
+class Prompt:
+    source: str  # topics | code | local | problems
+    text: str
+
+    @property
+    def key(self) -> str:
+        """Deduplication key: a hash of the normalised text."""
+        return hashlib.sha1(" ".join(self.text.lower().split()).encode()).hexdigest()[:16]
+
+
+HELD_OUT_KEYS = frozenset(Prompt("held", t).key for t in HELD_OUT.values())
+
+
+def topic_prompts(rng: random.Random) -> Iterator[Prompt]:
+    pairs = [(t, tpl) for t in TOPICS for tpl in TOPIC_TEMPLATES]
+    rng.shuffle(pairs)
+    for t, tpl in pairs:
+        yield Prompt("topics", tpl.format(t=t, u=rng.choice(TOPICS)))
+
+
+def code_prompts(rng: random.Random) -> Iterator[Prompt]:
+    combos = list(itertools.product(CODE_TASKS, sorted(set(LANGUAGES)), CODE_TEMPLATES))
+    rng.shuffle(combos)
+    for task, lang, tpl in combos:
+        yield Prompt("code", tpl.format(task=task, lang=lang))
+
+
+def problem_prompts(rng: random.Random) -> Iterator[Prompt]:
+    while True:
+        tpl = rng.choice(PROBLEM_TEMPLATES)
+        yield Prompt("problems", tpl.format(a=rng.randint(12, 480), b=rng.randint(2, 9),
+                                            c=rng.randint(2, 11), p=rng.choice((10, 15, 20,
+                                                                                25, 30, 40))))
+
+
+def _functions(path: Path) -> Iterator[tuple[str, str | None]]:
+    """(source, docstring) of top-level functions and methods of a Python file."""
+    try:
+        src = path.read_text(encoding="utf-8", errors="ignore")
+        tree = ast.parse(src)
+    except (OSError, SyntaxError, ValueError):
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            seg = ast.get_source_segment(src, node)
+            if seg:
+                yield inspect.cleandoc(seg) if seg.startswith(" ") else seg, \
+                    ast.get_docstring(node)
+
+
+def local_prompts(rng: random.Random, roots: tuple[Path, ...] | None = None) -> Iterator[Prompt]:
+    """Instructions over the stdlib's own functions and docstrings and installed READMEs."""
+    if roots is None:
+        paths = sysconfig.get_paths()
+        roots = (Path(paths["stdlib"]), Path(paths["purelib"]))
+    files = sorted(roots[0].glob("*.py")) + sorted(roots[0].glob("*/*.py"))
+    mds = [f for r in roots[1:] for f in sorted(r.glob("*/*.md")) + sorted(r.glob("*/README*"))]
+    rng.shuffle(files)
+    rng.shuffle(mds)
+    for f in files:
+        for seg, doc in _functions(f):
+            if 150 <= len(seg) <= MAX_LOCAL_CHARS:
+                yield Prompt("local", rng.choice(LOCAL_TEMPLATES_CODE).format(x=seg))
+            if doc and 200 <= len(doc) <= MAX_LOCAL_CHARS:
+                yield Prompt("local", rng.choice(LOCAL_TEMPLATES_TEXT).format(x=doc))
+    for f in mds:
+        try:
+            text = f.read_text(encoding="utf-8", errors="ignore")
+        except OSError:
+            continue
+        for para in text.split("\n\n"):
+            para = para.strip()
+            if 250 <= len(para) <= MAX_LOCAL_CHARS and not para.startswith(("```", "|", "<")):
+                yield Prompt("local", rng.choice(LOCAL_TEMPLATES_TEXT).format(x=para))
+
+
+SOURCES = ("topics", "code", "local", "problems")
+DEFAULT_MIX = {"topics": 5, "code": 4, "local": 1, "problems": 1}
+
+
+def iter_prompts(seed: int = 0, mix: dict[str, int] | None = None,
+                 skip: frozenset[str] = frozenset()) -> Iterator[Prompt]:
+    """Prompts from every source, interleaved by `mix` weights, deduplicated, held-out and
+    `skip` keys (already generated: resume) dropped. Deterministic for a seed."""
+    rng = random.Random(seed)
+    mix = mix or DEFAULT_MIX
+    gens = {"topics": topic_prompts(random.Random(rng.random())),
+            "code": code_prompts(random.Random(rng.random())),
+            "local": local_prompts(random.Random(rng.random())),
+            "problems": problem_prompts(random.Random(rng.random()))}
+    live = {s: gens[s] for s in SOURCES if mix.get(s, 0) > 0}
+    seen = set(skip) | set(HELD_OUT_KEYS)
+    while live:
+        for s in list(live):
+            for _ in range(mix[s]):
+                p = next(live[s], None)
+                if p is None:
+                    live.pop(s)
+                    break
+                if p.key not in seen:
+                    seen.add(p.key)
+                    yield p
