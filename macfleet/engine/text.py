@@ -11,7 +11,7 @@ from macfleet.engine.loop import DEFAULT_MAX_TOKENS, speculative_generate
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.engine.tree_loop import ProposerGroup, tree_generate
+from macfleet.engine.tree_loop import ProposerGroup, tree_budget, tree_generate
 from macfleet.engine.verifier import Verifier
 
 MAX_PROMPT_TOKENS = 32768
@@ -83,13 +83,17 @@ def generate_local(
     ids = encode_prompt(lm.tokenizer, prompt, chat)
     stream = TextStream(lm.tokenizer)
     verifier = verifier or Verifier(lm.model)
-    if "+" in proposer:  # several proposers: a token tree per block
-        group = ProposerGroup([make_proposer(s, lm) or _none(s) for s in proposer.split("+")],
-                              draft_tokens=draft_tokens)
+    single = None if "+" in proposer else make_proposer(proposer, lm)
+    if "+" in proposer or (single is not None and single.drafts_trees):
+        # several proposers, or one that drafts trees: a token tree per block
+        props = [single] if single is not None else [
+            make_proposer(s, lm) or _none(s) for s in proposer.split("+")]
+        group = ProposerGroup(props, draft_tokens=draft_tokens,
+                              node_budget=tree_budget(props))
         events = tree_generate(verifier, group, ids, params=params, max_tokens=max_tokens,
                                eos_ids=lm.eos_ids)
     else:
-        prop = make_proposer(proposer, lm)
+        prop = single
         controller = make_controller(draft_tokens if prop is not None else 0)
         events = speculative_generate(verifier, prop, ids, params=params, max_tokens=max_tokens,
                                       controller=controller, eos_ids=lm.eos_ids)

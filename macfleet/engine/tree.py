@@ -43,36 +43,59 @@ class TokenTree:
     depths: list[int]
     children: list[dict[int, int]]  # node -> {token: child node}
     candidates: list[list[Candidate]]  # node -> candidates in proposer order
-    paths: list[list[int]]  # proposer -> its chain of nodes
+    paths: list[list[int]]  # root-to-leaf chains of nodes (one per chain draft, one per leaf
+    #                        of a tree draft), in proposer order
+    owned: list[set[int]] = field(default_factory=list)  # proposer -> the nodes it drafted
 
     @property
     def size(self) -> int:
         """Drafted nodes (the root excluded)."""
         return len(self.tokens) - 1
 
+    def _child(self, cur: int, tok: int) -> int:
+        child = self.children[cur].get(tok)
+        if child is None:
+            child = len(self.tokens)
+            self.tokens.append(tok)
+            self.parents.append(cur)
+            self.depths.append(self.depths[cur] + 1)
+            self.children.append({})
+            self.candidates.append([])
+            self.children[cur][tok] = child
+        return child
+
     @classmethod
     def from_drafts(cls, root: int, drafts: Sequence[Sequence[int]],
-                    probs: Sequence[np.ndarray | None] | None = None) -> TokenTree:
-        """Merge chains sharing prefixes. probs[j]: [len(drafts[j]), V] or None."""
+                    probs: Sequence[np.ndarray | None] | None = None,
+                    parents: Sequence[Sequence[int] | None] | None = None) -> TokenTree:
+        """Merge drafts sharing prefixes. probs[j]: [len(drafts[j]), V] or None.
+
+        parents[j], when given, makes draft j a tree: token i hangs under token parents[j][i]
+        of the same draft (-1: under the root). Chains and trees merge alike."""
         t = cls([int(root)], [-1], [0], [{}], [[]], [])
-        for j, chain in enumerate(drafts):
+        for j, toks in enumerate(drafts):
             q = probs[j] if probs is not None else None
-            cur, path = 0, []
-            for d, tok in enumerate(chain):
-                tok = int(tok)
-                child = t.children[cur].get(tok)
-                if child is None:
-                    child = len(t.tokens)
-                    t.tokens.append(tok)
-                    t.parents.append(cur)
-                    t.depths.append(t.depths[cur] + 1)
-                    t.children.append({})
-                    t.candidates.append([])
-                    t.children[cur][tok] = child
+            par = parents[j] if parents is not None else None
+            chain = par is None
+            if chain:
+                par = list(range(-1, len(toks) - 1))
+            nodes: list[int] = []
+            for d, (tok, p) in enumerate(zip(toks, par)):
+                cur = 0 if p < 0 else nodes[p]
+                child = t._child(cur, int(tok))
                 t.candidates[cur].append(Candidate(child, j, None if q is None else q[d]))
-                path.append(child)
-                cur = child
-            t.paths.append(path)
+                nodes.append(child)
+            t.owned.append(set(nodes))
+            if chain:  # exactly one path per chain draft, even an empty one
+                t.paths.append(nodes)
+                continue
+            leaves = set(range(len(nodes))) - {p for p in par if p >= 0}
+            for leaf in sorted(leaves):
+                branch, i = [], leaf
+                while i >= 0:
+                    branch.append(nodes[i])
+                    i = par[i]
+                t.paths.append(branch[::-1])
         return t
 
     def ancestor_mask(self) -> np.ndarray:
@@ -92,13 +115,7 @@ class TokenTree:
     def accepted_per_source(self, path: Sequence[int]) -> list[int]:
         """How many of each proposer's draft tokens lie on the accepted path."""
         on = set(path)
-        out = []
-        for chain in self.paths:
-            n = 0
-            while n < len(chain) and chain[n] in on:
-                n += 1
-            out.append(n)
-        return out
+        return [len(on & nodes) for nodes in self.owned]
 
 
 def accept_tree_greedy(tree: TokenTree, target_ids: Sequence[int]) -> tuple[list[int], int]:

@@ -33,6 +33,14 @@ DEFAULT_NODE_BUDGET = 16
 DEFAULT_K_MAX = 8
 
 
+TREE_DRAFTER_BUDGET = 24  # nodes a dynamic-tree drafter may use (it picks its own size)
+
+
+def tree_budget(proposers: Sequence[Proposer]) -> int:
+    """The node budget of a group: room for a dynamic tree when one of them drafts trees."""
+    return max(DEFAULT_NODE_BUDGET, *(TREE_DRAFTER_BUDGET for p in proposers if p.drafts_trees))
+
+
 class ProposerGroup:
     """Proposers drafting for one sequence. `draft_all` is sequential here; a remote group
     (agents) sends every request first and then collects, so drafting runs in parallel."""
@@ -58,8 +66,10 @@ class ProposerGroup:
             p.start(params)
 
     def lengths(self, limit: int) -> list[int]:
-        ks = [min(c.next_k(), limit) if live else 0
-              for c, live in zip(self.controllers, self.live)]
+        """Draft length per proposer; a tree drafter gets the node budget (it picks its own
+        size within it) and shares it with the others."""
+        ks = [0 if not live else min(self.node_budget if p.drafts_trees else c.next_k(), limit)
+              for p, c, live in zip(self.proposers, self.controllers, self.live)]
         while sum(ks) > self.node_budget:
             ks[ks.index(max(ks))] -= 1
         return ks
@@ -81,8 +91,10 @@ class ProposerGroup:
             return EMPTY_DRAFT
 
     def observe(self, drafts: Sequence[Draft], accepted: Sequence[int], verify_ms: float) -> None:
-        for j, (c, d, n) in enumerate(zip(self.controllers, drafts, accepted)):
+        for j, (p, c, d, n) in enumerate(zip(self.proposers, self.controllers, drafts,
+                                              accepted)):
             c.observe(len(d), n, d.draft_ms, verify_ms)
+            p.observe(len(d), n, verify_ms)
             self.drafted[j] += len(d)
             self.accepted[j] += n
 
@@ -145,9 +157,10 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
             drafts = [sanitize_draft(d, k, vocab)
                       for d, k in zip(group.draft_all(context, ks), ks)]
             if params.greedy:
-                drafts = [Draft(d.tokens, None, d.draft_ms) for d in drafts]
+                drafts = [Draft(d.tokens, None, d.draft_ms, None, d.parents) for d in drafts]
             tree = TokenTree.from_drafts(context[-1], [d.tokens for d in drafts],
-                                         [d.probs for d in drafts])
+                                         [d.probs for d in drafts],
+                                         [d.parents for d in drafts])
             t1 = time.perf_counter()
             path, nxt = _verify(verifier, tree, tree_ok, params, rng)
             t2 = time.perf_counter()

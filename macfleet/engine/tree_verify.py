@@ -35,7 +35,10 @@ def supports_tree_attention(model: nn.Module) -> bool:
     return a is not None and all(hasattr(a, n) for n in need) and hasattr(layers[0], "mlp")
 
 
-def _tree_attention(attn, x: mx.array, mask: mx.array, cache, positions: mx.array) -> mx.array:
+def tree_attention(attn, x: mx.array, mask: mx.array, cache, positions: mx.array) -> mx.array:
+    """A llama attention step for nodes of a tree: per-node rope positions, an explicit mask
+    ([L, cached + L]); appends the nodes' keys/values to `cache` (the verifier's or the draft
+    head's, for EAGLE-2 expansion)."""
     _, L, _ = x.shape  # x: [1, L, D]
     q = attn.q_proj(x).reshape(L, attn.n_heads, 1, -1)  # one batch row per node
     k = attn.k_proj(x).reshape(L, attn.n_kv_heads, 1, -1)
@@ -59,7 +62,7 @@ def tree_forward(verifier: Verifier, tree: TokenTree, return_hidden: bool = Fals
     mask = mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), tree_mask], axis=1)
     h = inner.embed_tokens(mx.array(tree.tokens, dtype=mx.uint32)[None])
     for layer, c in zip(model.layers, verifier.cache):
-        r = _tree_attention(layer.self_attn, layer.input_layernorm(h), mask, c, positions)
+        r = tree_attention(layer.self_attn, layer.input_layernorm(h), mask, c, positions)
         h = h + r
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     logits = head_logits(model, h)[0].astype(mx.float32)

@@ -19,44 +19,7 @@ from macfleet.engine.proposers.factory import ProposerSpecError, make_proposer
 from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.verifier import Verifier
 
-SPEC = "tiny:1:16"
-
-
-def _greedy_text(lm, n_seqs: int, length: int, seed: int = 0) -> list[tuple[list[int], bool]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n_seqs):
-        ids = rng.integers(0, lm.vocab_size, 8).tolist()
-        gen = [int(t) for t, _ in generate_step(mx.array(ids, dtype=mx.uint32), lm.model,
-                                                 max_tokens=length)]
-        out.append((ids + gen, True))
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model(SPEC)
-
-
-@pytest.fixture(scope="module")
-def chunks(tiny):
-    return extract_features(tiny.model, _greedy_text(tiny, 40, 120), chunk=128)
-
-
-def _head(lm, chunks, seed: int = 0) -> EagleHead:
-    mx.random.seed(seed)
-    cfg = EagleConfig.for_verifier(lm.model, lm.spec, feature_scale=feature_rms(chunks))
-    head = EagleHead(cfg, lm.model)
-    mx.eval(head.parameters())
-    return head
-
-
-@pytest.fixture(scope="module")
-def trained(tiny, chunks):
-    head = _head(tiny, chunks)
-    train(head, chunks[:-6], TrainParams(steps=200, batch=8, seq_len=64, lr=3e-3,
-                                         save_every=10_000))
-    return head
+from drafter_fixtures import SPEC, _head  # noqa: E402  (fixtures: conftest.py)
 
 
 def test_training_lowers_loss_and_raises_held_out_acceptance(tiny, chunks, trained):

@@ -148,11 +148,9 @@ class EagleProposer(Proposer):
         rows.append(q)
         return sample(q, self._rng)
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
-        if k <= 0 or len(context) < 2:
-            return EMPTY_DRAFT
-        t0 = time.perf_counter()
-        context = [int(t) for t in context]
+    def _root(self, context: list[int]) -> mx.array:
+        """Bring the head's cache up to `context` (real pairs only) and return its predicted
+        feature for the position after the context, [1, 1, H]: the root of every draft."""
         self._sync_features(context)
         # roll the head cache back to the pairs still valid for this context
         m = max(len(self._head_ctx) - 1, 0)
@@ -165,6 +163,14 @@ class EagleProposer(Proposer):
         nxt = mx.array(context[valid + 1 : T], dtype=mx.uint32)[None]  # x_{valid+1} .. x_{T-1}
         h = self.head(feats.astype(mx.float32), nxt, cache=self._head_cache)[:, -1:]
         self._head_ctx = context
+        return h
+
+    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+        if k <= 0 or len(context) < 2:
+            return EMPTY_DRAFT
+        t0 = time.perf_counter()
+        context = [int(t) for t in context]
+        h = self._root(context)
         n = k + 1 if with_guess else k
         tokens: list[int] = []
         rows: list[np.ndarray] = []
@@ -217,14 +223,22 @@ def default_head_path(verifier_spec: str) -> Path | None:
     return WEIGHTS_DIR / f"{name}.safetensors" if name else None
 
 
-def make_eagle_proposer(arg: str, verifier, error: type[Exception] = ValueError) -> EagleProposer:
-    """`eagle[:PATH]`: the head at PATH, or the one shipped for this verifier."""
+def make_eagle_proposer(arg: str, verifier, error: type[Exception] = ValueError,
+                        tree: bool = False) -> EagleProposer:
+    """`eagle[:PATH]` (chains) / `eagle2[:PATH]` (EAGLE-2 dynamic trees): the head at PATH, or
+    the one shipped for this verifier."""
+    kind = "eagle2" if tree else "eagle"
     path = Path(arg).expanduser() if arg else default_head_path(verifier.spec)
     if path is None:
-        raise error(f"eagle: no head is shipped for {verifier.spec}; train one with "
-                    f"`macfleet distill --model {verifier.spec} --out PATH` and use eagle:PATH")
+        raise error(f"{kind}: no head is shipped for {verifier.spec}; train one with "
+                    f"`macfleet distill --model {verifier.spec} --out PATH` and use {kind}:PATH")
     try:
         head = load_head(path, verifier.model)
     except HeadMismatch as e:
-        raise error(f"eagle: {e}") from e
-    return EagleProposer(head, name=f"eagle:{arg}" if arg else "eagle")
+        raise error(f"{kind}: {e}") from e
+    name = f"{kind}:{arg}" if arg else kind
+    if tree:
+        from macfleet.engine.drafter.tree_draft import EagleTreeProposer
+
+        return EagleTreeProposer(head, name=name)
+    return EagleProposer(head, name=name)

@@ -29,6 +29,9 @@ class Draft:
     # The proposer's own guess of the token after the last draft token (for cross-round
     # drafting: the verifier's bonus token when the whole block is accepted).
     next_guess: int | None = None
+    # A token tree instead of a chain: parents[i] is the index of token i's parent in
+    # `tokens` (-1: a child of the last committed token); parents precede their children.
+    parents: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -41,6 +44,9 @@ class Proposer(ABC):
     """A cheap source of draft tokens for one sequence."""
 
     name: str = "proposer"
+    # Declared capabilities (what the loops may ask of a proposer):
+    drafts_trees: bool = False  # propose() may return a tree (Draft.parents); k = node budget
+
 
     def start(self, params: SamplingParams) -> None:
         """Begin a new sequence with these sampling parameters (drops all cached state)."""
@@ -53,6 +59,9 @@ class Proposer(ABC):
         with_guess: also predict the token after the last draft token (`Draft.next_guess`),
         which cross-round drafting uses to pre-draft the next block.
         """
+
+    def observe(self, drafted: int, accepted: int, verify_ms: float) -> None:
+        """What became of the last draft: tokens verified, accepted, and the verify time."""
 
     def close(self) -> None:
         """Release caches; the proposer may be started again."""

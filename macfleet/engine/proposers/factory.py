@@ -23,15 +23,15 @@ class ProposerSpec:
         return f"{self.kind}:{self.arg}" if self.arg else self.kind
 
 
-KINDS = ("none", "ngram", "layerskip", "draft", "eagle")
+KINDS = ("none", "ngram", "layerskip", "draft", "eagle", "eagle2")
 
 
 def parse_proposer_spec(spec: str) -> ProposerSpec:
     kind, _, arg = (spec or "").strip().partition(":")
     if kind not in KINDS:
         raise ProposerSpecError(
-            f"unknown proposer '{spec}': use none, ngram[:N], layerskip:K, draft:MODEL "
-            "or eagle[:PATH]"
+            f"unknown proposer '{spec}': use none, ngram[:N], layerskip:K, draft:MODEL, "
+            "eagle[:PATH] (chains) or eagle2[:PATH] (dynamic trees)"
         )
     if kind in ("ngram", "layerskip") and arg and not arg.isdigit():
         raise ProposerSpecError(f"'{spec}': the argument of {kind} must be a whole number")
@@ -52,10 +52,11 @@ def make_proposer(spec: str, verifier: LoadedModel) -> Proposer | None:
         if not 1 <= n <= 8:
             raise ProposerSpecError(f"ngram size must be 1..8, got {n}")
         return NgramProposer(max_n=n)
-    if ps.kind == "eagle":
+    if ps.kind in ("eagle", "eagle2"):
         from macfleet.engine.drafter.proposer import make_eagle_proposer
 
-        return make_eagle_proposer(ps.arg, verifier, ProposerSpecError)
+        return make_eagle_proposer(ps.arg, verifier, ProposerSpecError,
+                                   tree=ps.kind == "eagle2")
     if ps.kind == "layerskip":
         k = int(ps.arg)
         if not 1 <= k < verifier.num_layers:

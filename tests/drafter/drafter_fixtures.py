@@ -1,0 +1,31 @@
+"""Helpers behind the drafter fixtures (importable by the tests that need them)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+
+from macfleet.engine.drafter.head import EagleConfig, EagleHead
+from macfleet.engine.drafter.train import feature_rms
+
+SPEC = "tiny:1:16"
+
+
+def _greedy_text(lm, n_seqs: int, length: int, seed: int = 0) -> list[tuple[list[int], bool]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_seqs):
+        ids = rng.integers(0, lm.vocab_size, 8).tolist()
+        gen = [int(t) for t, _ in generate_step(mx.array(ids, dtype=mx.uint32), lm.model,
+                                                 max_tokens=length)]
+        out.append((ids + gen, True))
+    return out
+
+
+def _head(lm, chunks, seed: int = 0) -> EagleHead:
+    mx.random.seed(seed)
+    cfg = EagleConfig.for_verifier(lm.model, lm.spec, feature_scale=feature_rms(chunks))
+    head = EagleHead(cfg, lm.model)
+    mx.eval(head.parameters())
+    return head

@@ -1,0 +1,168 @@
+"""EAGLE-2 dynamic trees: tree drafts, the size decision, lossless greedy and sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from macfleet.engine.drafter.budget import Calibration, VerifyCurve, choose_tree_size
+from macfleet.engine.drafter.tree_draft import EagleTreeProposer
+from macfleet.engine.events import Finished
+from macfleet.engine.loop import sanitize_draft, speculative_generate
+from macfleet.engine.proposers.base import Draft
+from macfleet.engine.sampling import SamplingParams, probs_from_logits
+from macfleet.engine.tree import TokenTree, accept_tree_sample
+from macfleet.engine.tree_loop import ProposerGroup, tree_budget, tree_generate
+from macfleet.engine.tree_verify import tree_forward
+from macfleet.engine.verifier import Verifier
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def test_a_tree_draft_merges_with_a_chain_and_counts_its_own_nodes():
+    # draft 0: a tree  (7 -> 8, 7 -> 9, 5);  draft 1: the chain 7 8 4
+    t = TokenTree.from_drafts(1, [[7, 5, 8, 9], [7, 8, 4]], None, [(-1, -1, 0, 0), None])
+    assert t.tokens == [1, 7, 5, 8, 9, 4]
+    assert t.parents == [-1, 0, 0, 1, 1, 3]
+    assert t.depths == [0, 1, 1, 2, 2, 3]
+    assert sorted(map(tuple, t.paths)) == [(1, 3), (1, 3, 5), (1, 4), (2,)]
+    assert t.accepted_per_source([1, 3, 5]) == [2, 3]
+    m = t.ancestor_mask()
+    assert m[5].tolist() == [True, True, False, True, False, True]
+
+
+def test_sanitize_keeps_the_valid_prefix_of_a_tree():
+    d = Draft((4, 5, 6, 7), parents=(-1, 0, 5, 1))  # node 2 names a later parent
+    s = sanitize_draft(d, 8, 16)
+    assert s.tokens == (4, 5) and s.parents == (-1, 0)
+    assert sanitize_draft(Draft((4, 5, 99), parents=(-1, 0, 1)), 8, 16).parents == (-1, 0)
+    assert sanitize_draft(Draft((4, 5), parents=(-1, 0)), 8, 16).parents == (-1, 0)
+
+
+def test_tree_size_grows_with_confidence_and_shrinks_with_verify_cost():
+    flat = [1.0 + 0.01 * n for n in range(25)]
+    steep = [1.0 + 0.5 * n for n in range(25)]
+    sure = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1]
+    assert choose_tree_size([0.001] * 10, flat) == 0  # nothing likely: plain decoding
+    assert choose_tree_size(sure, flat) == 10
+    assert 0 < choose_tree_size(sure, steep) < 5
+    assert choose_tree_size(sure, flat, gain=0.0) == 0  # a head that is never right
+
+
+def test_verify_curve_learns_the_slope_and_calibration_tracks_acceptance():
+    c = VerifyCurve()
+    assert c.costs(2) == pytest.approx([1.0, 1.05, 1.1])  # prior, relative units
+    for L in (1, 4, 8, 12, 16) * 4:
+        c.observe(L, 80.0 + 5.0 * (L - 1))
+    a, b = c.fit()
+    assert a == pytest.approx(80.0, rel=0.05) and b == pytest.approx(5.0, rel=0.1)
+    cal = Calibration()
+    for _ in range(60):
+        cal.observe(predicted=4.0, accepted=1)
+    assert cal.gain == pytest.approx(0.25, rel=0.1)
+
+
+def _check_tree(d: Draft) -> None:
+    assert d.parents is not None and len(d.parents) == len(d.tokens)
+    assert all(-1 <= p < i for i, p in enumerate(d.parents))
+
+
+def test_eagle2_greedy_is_bit_identical_and_drafts_branching_trees(tiny, trained):
+    alone = list(speculative_generate(Verifier(tiny.model), None, PROMPT, max_tokens=48))[-1]
+    prop = EagleTreeProposer(trained)
+    seen: list[Draft] = []
+    propose = prop.propose
+
+    def spy(context, k, with_guess=False):
+        d = propose(context, k, with_guess)
+        seen.append(d)
+        return d
+
+    prop.propose = spy
+    group = ProposerGroup([prop], node_budget=tree_budget([prop]))
+    fin = list(tree_generate(Verifier(tiny.model), group, PROMPT, max_tokens=48))[-1]
+    assert isinstance(fin, Finished) and fin.token_ids == alone.token_ids
+    assert fin.stats.accepted > 0 and fin.stats.blocks < 48
+    trees = [d for d in seen if len(d)]
+    for d in trees:
+        _check_tree(d)
+    assert any(len(set(d.parents)) < len(d.parents) for d in trees), "no branching tree drafted"
+    assert prop.fallback_tokens == 0  # features came from the verifier's tree forwards
+
+
+def test_eagle2_in_a_chain_loop_still_lossless(tiny, trained):
+    """A tree drafter handed to the chain loop: its tokens are checked as a chain; the output
+    stays the verifier's (speed is lost, never correctness)."""
+    alone = list(speculative_generate(Verifier(tiny.model), None, PROMPT, max_tokens=24))[-1]
+    fin = list(speculative_generate(Verifier(tiny.model), EagleTreeProposer(trained), PROMPT,
+                                    max_tokens=24))[-1]
+    assert fin.token_ids == alone.token_ids
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+    from engine_testkit import chi2_test
+
+    stat, _, crit = chi2_test(counts, probs)
+    return stat, crit
+
+
+@pytest.fixture(scope="module")
+def sampled_tree(tiny, trained):
+    """A real EAGLE-2 tree on the tiny verifier and the verifier's p at every node."""
+    params = SamplingParams(temperature=3.0, top_p=1.0, seed=0)  # flat p: many cells to test
+    v = Verifier(tiny.model)
+    v.prefill(PROMPT[:-1])
+    prop = EagleTreeProposer(trained)
+    prop.start(params)
+    prop.calibration.predicted = prop.calibration.accepted = 1.0
+    d = prop.propose(PROMPT, 24)
+    prop.close()
+    _check_tree(d)
+    tree = TokenTree.from_drafts(PROMPT[-1], [d.tokens], None, [d.parents])
+    p = probs_from_logits(tree_forward(v, tree), params)
+    return tree, p, params
+
+
+def test_eagle2_tree_sampling_keeps_the_verifier_distribution(tiny, sampled_tree):
+    tree, p, _ = sampled_tree
+    rng = np.random.default_rng(5)
+    V = p.shape[1]
+    first = np.zeros(V)
+    # the first two tokens, given the first is a drafted child that has children of its own:
+    # expected p(t1) * p(t2 | t1), renormalised over those t1
+    inner = [c for c in tree.children[0].values() if tree.children[c]]
+    assert inner, "the tree has no depth-2 node"
+    row = {c: i for i, c in enumerate(inner)}
+    joint = np.zeros((len(inner), V))
+    for _ in range(30000):
+        path, nxt = accept_tree_sample(tree, p, rng)
+        toks = [*tree.path_tokens(path), nxt]
+        first[toks[0]] += 1
+        if path and path[0] in row:
+            joint[row[path[0]], toks[1]] += 1
+    stat, crit = _chi2(first, p[0])
+    assert stat < crit, (stat, crit)
+    expect = np.stack([p[0][tree.tokens[c]] * p[c] for c in inner])
+    stat, crit = _chi2(joint, expect / expect.sum())
+    assert stat < crit, (stat, crit)
+    # the same counts are rejected against a distribution the drafts would bias towards
+    q = np.zeros(V)
+    q[[tree.tokens[c] for c in tree.children[0].values()]] = 1.0
+    biased = 0.5 * p[0] + 0.5 * q / q.sum()
+    stat, crit = _chi2(first, biased)
+    assert stat > crit
+
+
+def test_eagle2_sampling_loop_is_seeded(tiny, trained):
+    params = SamplingParams(temperature=0.9, top_p=1.0, seed=7)
+    outs = []
+    for _ in range(2):
+        prop = EagleTreeProposer(trained)
+        group = ProposerGroup([prop], node_budget=tree_budget([prop]))
+        outs.append(list(tree_generate(Verifier(tiny.model), group, PROMPT, params=params,
+                                       max_tokens=30))[-1].token_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 30
