@@ -199,7 +199,8 @@ def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
             rate = (time.perf_counter() - t0) / (step - start)
             reg, ce = (float(v) for v in parts)
             report(f"step {step}/{p.steps} loss {losses[-1]:.4f} (feature {reg:.4f}, ce "
-                   f"{ce:.3f}) {rate:.2f} s/step, eta {rate * (p.steps - step) / 60:.1f} min")
+                   f"{ce:.3f}) {rate:.2f} s/step, {p.batch * p.seq_len / rate:,.0f} tokens/s, "
+                   f"eta {rate * (p.steps - step) / 60:.1f} min")
         if ckpt is not None and (step % p.save_every == 0 or step == p.steps):
             save_checkpoint(ckpt, head, opt, step)
     return losses

@@ -1,0 +1,100 @@
+"""Self-distillation data at scale: batched answers, the dataset directory, training from it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from macfleet.engine.drafter.batchgen import Timing, generate_samples
+from macfleet.engine.drafter.data import generate_answers
+from macfleet.engine.drafter.dataset import (DatasetError, Manifest, done_keys,
+                                             generate_dataset, load_chunks)
+from macfleet.engine.drafter.distill import distill_from_dataset, split_held_out
+from macfleet.engine.drafter.head import load_head, verifier_fingerprint
+from macfleet.engine.drafter.prompts import HELD_OUT, HELD_OUT_KEYS, Prompt, iter_prompts
+from macfleet.engine.drafter.train import TrainParams
+from macfleet.engine.models import load_model
+
+EOS = 5
+
+
+@pytest.fixture()
+def lm_eos():
+    """A tiny verifier whose token 5 ends an answer, so rows stop at different steps."""
+    lm = load_model("tiny:3:32")
+    lm.tokenizer.eos_token_ids = {EOS}
+    return lm
+
+
+def test_prompts_are_varied_deduplicated_and_never_the_held_out_ones():
+    ps = list(itertools.islice(iter_prompts(seed=1), 600))
+    assert len({p.key for p in ps}) == len(ps)
+    assert {p.source for p in ps} == {"topics", "code", "local", "problems"}
+    assert not HELD_OUT_KEYS & {p.key for p in ps}
+    assert Prompt("x", "  What IS  a hash table? ").key == Prompt("y", "what is a hash table?").key
+    skip = frozenset(p.key for p in ps[:100])
+    again = list(itertools.islice(iter_prompts(seed=1, skip=skip), 50))
+    assert not skip & {p.key for p in again}
+    assert all(t for t in HELD_OUT.values())
+
+
+def test_batched_answers_equal_one_at_a_time_with_ragged_stops(lm_eos):
+    ps = list(itertools.islice(iter_prompts(seed=2), 9))
+    t = Timing()
+    got = list(generate_samples(lm_eos, ps, batch=4, max_answer=24, timing=t))
+    assert sorted(s.prompt.key for s in got) == sorted(p.key for p in ps)
+    ref = {p.key: r for p, r in zip(ps, generate_answers(lm_eos, [p.text for p in ps], 24))}
+    finishes = set()
+    for s in got:
+        full = [*s.tokens.tolist(), int(s.top[-1])]
+        r = ref[s.prompt.key]
+        # generate_answers drops the EOS; the sample keeps it as the last target
+        assert full[: len(r)] == r[: len(full)]
+        assert s.hidden.shape == (len(s.tokens), lm_eos.hidden_size)
+        assert s.hidden.dtype == np.float16
+        # answer positions: the target is the token fed next
+        a = s.tokens[s.n_prompt :]
+        assert (s.top[s.n_prompt - 1 : -1] == a).all()
+        finishes.add(s.finish)
+    assert finishes == {"stop", "length"}  # rows ended on their own, at different steps
+    assert t.steps > 0 and 1 < t.rows / t.steps <= 4
+
+
+def test_dataset_resumes_without_duplicates_and_refuses_another_verifier(tmp_path, lm_eos):
+    fp = verifier_fingerprint(lm_eos.model)
+    m1 = generate_dataset(lm_eos, tmp_path, 200, fingerprint=fp, batch=4, max_answer=16,
+                          shard_tokens=256)
+    assert m1.answer_tokens >= 200 and len(m1.shards) >= 1
+    m2 = generate_dataset(lm_eos, tmp_path, 500, fingerprint=fp, batch=4, max_answer=16,
+                          shard_tokens=256)
+    assert m2.answer_tokens >= 500 and len(m2.shards) > len(m1.shards)
+    keys = (tmp_path / "keys.txt").read_text().split()
+    assert len(keys) == len(set(keys)) == m2.samples == len(done_keys(tmp_path))
+    meta = [json.loads(line) for s in m2.shards
+            for line in (tmp_path / f"{s.name}.meta.jsonl").read_text().splitlines()]
+    assert [r["key"] for r in meta] == keys
+    chunks = load_chunks(tmp_path)
+    assert sum(len(c.tokens) for c in chunks) == Manifest.read(tmp_path).tokens
+    assert isinstance(chunks[0].hidden, np.memmap)
+    with pytest.raises(DatasetError, match="verifier"):
+        generate_dataset(load_model("tiny:4:32"), tmp_path, 900, fingerprint="0" * 16)
+
+
+def test_a_head_trains_from_the_dataset_and_records_what_it_saw(tmp_path, lm_eos):
+    fp = verifier_fingerprint(lm_eos.model)
+    ds = tmp_path / "ds"
+    generate_dataset(lm_eos, ds, 1500, fingerprint=fp, batch=8, max_answer=48)
+    tr, held = split_held_out(load_chunks(ds), share=0.1)
+    assert held and tr and not {id(c) for c in tr} & {id(c) for c in held}
+    res = distill_from_dataset(lm_eos, ds, tmp_path / "head", TrainParams(
+        steps=60, batch=8, seq_len=48, lr=3e-3, save_every=1000), work=tmp_path / "w",
+        draft_vocab=0, report=lambda s: None)
+    assert res.last_loss < res.first_loss
+    assert res.held_out.mean_accepted > res.untrained.mean_accepted
+    head = load_head(res.path, lm_eos.model)
+    assert head.config.steps == 60
+    ev = json.loads(res.path.with_name("head.eval.json").read_text())
+    assert ev["train_tokens"] == res.train_tokens
