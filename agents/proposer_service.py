@@ -26,6 +26,7 @@ from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, NOT_FOUND, ProtocolError
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionClosed, SessionOpened)
 from macfleet.engine.models import LoadedModel, ModelSpecError
+from macfleet.engine.drafter.proposer import EagleProposer
 from macfleet.engine.proposers import ProposerSpecError, make_proposer, parse_proposer_spec
 from macfleet.engine.sampling import SamplingParams
 
@@ -53,7 +54,7 @@ def check_remote_paths(spec, heads_dir: str | None) -> None:
     `eagle:NAME` names a head inside the agent's heads directory, `draft:` a model spec that
     is not a filesystem path (smollm2, tiny:..., an org/name id)."""
     arg = spec.arg
-    if spec.kind == "eagle" and arg:
+    if spec.kind in ("eagle", "eagle2") and arg:
         from pathlib import Path
 
         if heads_dir is None:
@@ -69,7 +70,7 @@ def check_remote_paths(spec, heads_dir: str | None) -> None:
 
 class ProposerService:
     def __init__(self, lm: LoadedModel, *,
-                 kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle"),
+                 kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle", "eagle2"),
                  limits: ProposerLimits = ProposerLimits(), heads_dir: str | None = None,
                  on_block: Callable[[str, int, float, bool], None] | None = None) -> None:
         self.lm = lm
@@ -177,6 +178,10 @@ class ProposerService:
         blocks) is the proposer's time, not the wire's."""
         if isinstance(msg, OpenSession):
             prop = make_proposer(self._local_spec(msg.proposer), self.lm)
+            if isinstance(prop, EagleProposer):
+                # features arrive over F3; never tap this process's model (agents sharing a
+                # process would otherwise swap hidden states across threads)
+                prop.use_tap = False
             if prop is None:
                 raise ProtocolError(BAD_REQUEST, "proposer 'none' drafts nothing")
             params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
@@ -208,6 +213,16 @@ class ProposerService:
 
                     feats = decode_int8(feats, msg.features_scale[:n])
                 s.proposer.feed_features(a, s.context[a : a + n], feats)
+        if s.proposer.drafts_trees:  # a dynamic tree is drafted fresh for every block
+            t0 = time.perf_counter()
+            d = s.proposer.propose(s.context, msg.k)
+            self.served += 1
+            if self._on_block:
+                self._on_block(msg.session_id, msg.block, (time.perf_counter() - t0) * 1e3,
+                               False)
+            return DraftReply(msg.session_id, msg.block, list(d.tokens), None,
+                              (time.perf_counter() - received) * 1e3, False,
+                              list(d.parents) if d.parents is not None else None)
         r = s.draft(msg.k)
         self.served += 1
         self.predraft_hits += int(r.predraft_hit)
@@ -219,10 +234,10 @@ class ProposerService:
     def _local_spec(self, spec: str) -> str:
         """`eagle:NAME` from the network -> the head's path in this agent's heads directory."""
         kind, _, arg = spec.partition(":")
-        if kind == "eagle" and arg and self.heads_dir:
+        if kind in ("eagle", "eagle2") and arg and self.heads_dir:
             from pathlib import Path
 
-            return f"eagle:{(Path(self.heads_dir) / arg).resolve()}"
+            return f"{kind}:{(Path(self.heads_dir) / arg).resolve()}"
         return spec
 
     def _lookahead_pending(self) -> bool:

@@ -76,6 +76,8 @@ class RemoteProposer(Proposer):
         self.endpoint = endpoint
         self.key = key
         self.spec = proposer
+        # a dynamic-tree drafter on the other end: the loop gives it the node budget
+        self.drafts_trees = proposer.partition(":")[0] == "eagle2"
         self.model = model
         self.cross_round = cross_round
         self.draft_timeout_s = draft_timeout_s
@@ -182,7 +184,8 @@ class RemoteProposer(Proposer):
             b1 = self._sent_bytes
         self.flows.add(b1, self._client.last_recv_bytes, wire, reply.draft_ms,
                        reply.predraft_hit, b3, f3_ms)
-        return Draft(tuple(reply.tokens), reply.probs, rtt_ms)
+        parents = tuple(reply.parents) if reply.parents is not None else None
+        return Draft(tuple(reply.tokens), reply.probs, rtt_ms, None, parents)
 
     def _new_features(self, context_len: int):
         """Rows the remote drafter lacks: positions _f_sent .. context_len - 2."""

@@ -27,7 +27,7 @@ from macfleet.engine.proposers import ProposerSpecError, make_proposer
 from macfleet.engine.proposers.base import Draft, Proposer
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.text import PromptError, TextStream, encode_prompt
-from macfleet.engine.tree_loop import tree_generate
+from macfleet.engine.tree_loop import tree_budget, tree_generate
 from macfleet.engine.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,8 @@ class VerifierService:
             self._on_fatal(why)
 
     def _proposer(self, msg: GenerateRequest) -> Proposer | None:
-        if msg.proposers and "+" in msg.proposer_spec:
+        if msg.proposers and ("+" in msg.proposer_spec
+                              or msg.proposer_spec.partition(":")[0] == "eagle2"):
             return self._tree_group(msg)
         if msg.proposers:
             feats = self._features(msg.proposer_spec)
@@ -230,7 +231,7 @@ class VerifierService:
                                   f3_codec=self.f3_codec)
                    for ep, spec in zip(msg.proposers, spec_of)]
         return RemoteProposerGroup(remotes, draft_tokens="auto" if msg.draft_tokens < 0
-                                   else msg.draft_tokens)
+                                   else msg.draft_tokens, node_budget=tree_budget(remotes))
 
     def _generate(self, msg: GenerateRequest, reply: Reply) -> None:
         params = SamplingParams(msg.temperature, msg.top_p, msg.seed)

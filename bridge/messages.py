@@ -317,6 +317,8 @@ class DraftReply:
     probs: np.ndarray | None
     draft_ms: float
     predraft_hit: bool  # the block was drafted ahead (cross-round) and its guess held
+    # a token tree instead of a chain (EAGLE-2 drafters): parents[i] indexes tokens, -1 = root
+    parents: list[int] | None = None
 
 
 @message("hidden_states")

@@ -14,42 +14,16 @@ from pathlib import Path
 
 from macfleet.cli.main import UserError
 
-DEMO_PROMPT = ("Summarize in two sentences, reusing its wording: Apple Silicon Macs share one "
-               "pool of unified memory between the CPU and the GPU, so a model loaded once can "
-               "be used by both without copies, and MLX is built around that unified memory.")
+# An ordinary question (nothing in it for a drafter to copy), never used in training.
+DEMO_PROMPT = "What are three simple ways to save energy at home?"
 DEMO_PROPOSER = "auto"
-# A shipped draft head is the demo's drafter when `macfleet distill` measured it above this
-# (mean accepted tokens per block of 4, held out): below it, speculation with it costs more
-# verify work than it saves on this verifier (draft ~5% of a step, verify(5) ~1.1x verify(1)).
-MIN_HEAD_MEAN_ACCEPTED = 0.5
-
-
-def choose_demo_proposer(head_eval: dict | None) -> tuple[str, str]:
-    """Pure: (proposer spec, why) from the shipped head's held-out figure (None: no head)."""
-    if head_eval is None:
-        return "ngram", "no trained draft head is shipped for this model"
-    m = float(head_eval.get("held_out", {}).get("mean_accepted", 0.0))
-    if m >= MIN_HEAD_MEAN_ACCEPTED:
-        return "eagle+ngram", (f"a token tree of the shipped draft head (accepts {m:.2f} "
-                               f"tokens/block held out) and n-gram lookup; each block keeps "
-                               f"the branch that matches")
-    return "ngram", (f"the shipped draft head accepts only {m:.2f} tokens/block held out "
-                     f"(< {MIN_HEAD_MEAN_ACCEPTED}): n-gram lookup is the better drafter")
-
-
-def shipped_head_eval(model: str) -> dict | None:
-    from macfleet.engine.drafter.distill import read_eval
-    from macfleet.engine.drafter.proposer import default_head_path
-
-    path = default_head_path(model)
-    return read_eval(path) if path is not None and path.is_file() else None
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="local 2-agent fleet: speculative decoding across agents")
     p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("--proposer", default=DEMO_PROPOSER, help="auto: the shipped draft head "
-                   "when it is good enough, else ngram")
+    p.add_argument("--proposer", default=DEMO_PROPOSER, help="auto (default): the drafter "
+                   "measured best for the model")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--max-tokens", type=int, default=64)
     p.set_defaults(func=run)
@@ -72,9 +46,10 @@ def run(args) -> int:
     from macfleet.cli.cmd_generate import print_fleet_stats
     from macfleet.fleet import local
 
-    if args.proposer == "auto":
-        args.proposer, why = choose_demo_proposer(shipped_head_eval(args.model))
-        print(f"drafter: {args.proposer} ({why})", file=sys.stderr)
+    from macfleet.engine.drafter.choice import resolve_proposer
+
+    args.proposer, why = resolve_proposer(args.proposer, args.model)
+    print(f"drafter: {args.proposer} ({why})", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="macfleet-demo-") as tmp:
         key_path = Path(tmp) / "fleet.key"
         key = keygen(key_path)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from macfleet.cli.main import UserError
 
-DEFAULT_PROPOSER = "ngram"
+DEFAULT_PROPOSER = "auto"  # the drafter measured best for the model (engine/drafter/choice)
 MAX_REPLANS = 2
 
 
@@ -18,8 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 | PATH.gguf | mlx-lm dir/id | "
                    "tiny:SEED[:VOCAB]")
     p.add_argument("--proposer", default=DEFAULT_PROPOSER,
-                   help="draft:SPEC | layerskip:K | ngram[:N] | none; several joined by + "
-                   "draft a token tree each block (default: %(default)s)")
+                   help="auto | eagle2[:PATH] | eagle[:PATH] | ngram[:N] | layerskip:K | "
+                   "draft:SPEC | none; several joined by + draft a token tree each block "
+                   "(default: auto, the drafter measured best for the model)")
     p.add_argument("--draft-tokens", default="auto", help="K or auto (default: auto)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0)
@@ -125,6 +126,9 @@ def run_fleet(args, key, verifier, proposers, committed: Progress) -> int:
     params = sampling_params(args)
     k = parse_draft_tokens(args.draft_tokens)
     remote = [p.card.router_endpoint for p in proposers] if args.proposer != "none" else []
+    n_specs = len(args.proposer.split("+"))
+    if remote and len(remote) < n_specs:  # one agent drafts several branches (a session each)
+        remote = [remote[i % len(remote)] for i in range(n_specs)]
     prior_text = "".join(committed.text)
     try:
         for msg in generate_remote(
@@ -186,6 +190,9 @@ def validate(args) -> None:
 
 def run(args) -> int:
     validate(args)
+    from macfleet.engine.drafter.choice import resolve_proposer
+
+    args.proposer, _ = resolve_proposer(args.proposer, args.model)
     if args.local:
         return run_local(args)
     from bridge.auth import fleet_id

@@ -38,7 +38,7 @@ TREE_DRAFTER_BUDGET = 24  # nodes a dynamic-tree drafter may use (it picks its o
 
 def tree_budget(proposers: Sequence[Proposer]) -> int:
     """The node budget of a group: room for a dynamic tree when one of them drafts trees."""
-    return max(DEFAULT_NODE_BUDGET, *(TREE_DRAFTER_BUDGET for p in proposers if p.drafts_trees))
+    return max([DEFAULT_NODE_BUDGET, *(TREE_DRAFTER_BUDGET for p in proposers if p.drafts_trees)])
 
 
 class ProposerGroup:

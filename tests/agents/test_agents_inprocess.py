@@ -141,3 +141,45 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
     assert d.token_ids == alone.token_ids
     assert d.stats["f3_bytes_per_block"] >= lm.hidden_size * 2  # >= one float16 row a block
     assert served > 0 and fallback == 0  # every feature came over F3
+
+
+def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path):
+    """An EAGLE-2 drafter on the proposer agent returns a token tree (DraftReply.parents); the
+    verifier agent verifies it in one forward: output identical to the verifier alone, fed by
+    F3, never recomputing features. (tiny:1:16: a verifier a head learns in seconds.)"""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    from macfleet.engine.drafter.features import extract_features
+    from macfleet.engine.drafter.head import EagleConfig, EagleHead
+    from macfleet.engine.drafter.train import TrainParams, feature_rms, train
+
+    model = "tiny:1:16"
+    lm = load_model(model)
+    rng = np.random.default_rng(0)
+    seqs = []
+    for _ in range(40):
+        ids = rng.integers(0, lm.vocab_size, 8).tolist()
+        seqs.append((ids + [int(t) for t, _ in generate_step(
+            mx.array(ids, dtype=mx.uint32), lm.model, max_tokens=120)], True))
+    chunks = extract_features(lm.model, seqs, chunk=128)
+    mx.random.seed(0)
+    head = EagleHead(EagleConfig.for_verifier(lm.model, model,
+                                              feature_scale=feature_rms(chunks)), lm.model)
+    train(head, chunks, TrainParams(steps=200, batch=8, seq_len=64, lr=3e-3, save_every=10**6))
+    head.save(tmp_path / "head")
+    ver = Agent(AgentConfig(role="verifier", model=model, key=KEY, advertise=False))
+    prop = Agent(AgentConfig(role="proposer", model=model, key=KEY, advertise=False,
+                             heads_dir=str(tmp_path)))
+    try:
+        alone = gen(ver, None, "none", max_tokens=40)
+        d = gen(ver, prop, "eagle2:head.safetensors", max_tokens=40)
+        fallback = prop.proposer.fallback_tokens
+    finally:
+        prop.close()
+        ver.close()
+    assert d.token_ids == alone.token_ids
+    assert d.stats["drafted"] > 0 and d.stats["accepted"] > 0
+    assert d.stats["blocks"] < 40
+    assert fallback == 0

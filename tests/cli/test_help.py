@@ -30,12 +30,19 @@ def test_every_command_and_bench_renders_help():
         assert want in seen, f"missing command: {want}"
 
 
-def test_demo_picks_the_shipped_head_only_when_it_pays():
-    from macfleet.cli.cmd_demo import MIN_HEAD_MEAN_ACCEPTED, choose_demo_proposer
+def test_the_default_drafter_is_the_measured_best_and_a_weak_head_is_not_used():
+    from macfleet.engine.drafter.choice import (MIN_HEAD_MEAN_ACCEPTED, choose_proposer,
+                                                resolve_proposer)
 
-    assert choose_demo_proposer(None)[0] == "ngram"
+    assert choose_proposer(None)[0] == "ngram"
     good = {"held_out": {"mean_accepted": MIN_HEAD_MEAN_ACCEPTED + 0.1}}
     bad = {"held_out": {"mean_accepted": MIN_HEAD_MEAN_ACCEPTED - 0.1}}
-    assert choose_demo_proposer(good)[0] == "eagle+ngram"
-    spec, why = choose_demo_proposer(bad)
+    assert choose_proposer(good)[0] == "eagle2+ngram"
+    spec, why = choose_proposer(bad)
     assert spec == "ngram" and "only" in why
+    # a bench record wins over the held-out rule, whatever it says
+    benched = dict(bad, bench={"best": "eagle2", "speedup": 1.4})
+    spec, why = choose_proposer(benched)
+    assert spec == "eagle2" and "1.40x" in why
+    assert resolve_proposer("ngram", "smollm2") == ("ngram", "asked for")
+    assert resolve_proposer("auto", "tiny:1")[0] == "ngram"  # no head shipped for it
