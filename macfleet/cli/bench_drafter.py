@@ -1,16 +1,73 @@
-"""`macfleet bench drafter`: trained head vs layer-skip vs n-gram (results/drafter.json)."""
+"""`macfleet bench drafter`: drafters on held-out prompts, one process and two agents
+(results/drafter.json, results/drafter_curve.png)."""
 
 from __future__ import annotations
 
 
 def add_bench_parsers(bs) -> None:
-    d = bs.add_parser("drafter", help="the hidden-state drafter vs other proposers")
-    d.add_argument("--max-tokens", type=int, default=48)
+    d = bs.add_parser("drafter", help="every drafter on held-out chat and code prompts")
+    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("--specs", nargs="+", default=None, metavar="SPEC",
+                   help="drafters to compare in one process (none first: the baseline)")
+    d.add_argument("--no-agents", action="store_true", help="skip the 2-agent fleet part")
+    d.add_argument("--curve", default=None, metavar="CURVE.jsonl",
+                   help="a distill run's held-out curve to plot (results/drafter_curve.png)")
+    d.add_argument("--record", action="store_true",
+                   help="record the measured best drafter as the model's default (auto)")
     d.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from macfleet.engine.drafter.bench import main
+    import json
+    import sys
+    from pathlib import Path
 
-    return main(["--model", args.model, "--max-tokens", str(args.max_tokens),
-                 "--out", str(args.out / "drafter.json")])
+    from macfleet.bench import drafter as b
+    from macfleet.bench.record import write_result
+    from macfleet.cli.main import UserError
+    from macfleet.engine.drafter.proposer import default_head_path
+    from macfleet.engine.models import ModelSpecError, load_model
+
+    try:
+        lm = load_model(args.model)
+    except ModelSpecError as e:
+        raise UserError(str(e)) from None
+    specs = tuple(args.specs) if args.specs else b.DEFAULT_SPECS
+    if specs[0] != "none":
+        specs = ("none", *specs)
+
+    def say(s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
+    doc: dict = {"model": lm.spec, "max_tokens": args.max_tokens, "greedy": True,
+                 "held_out_prompts": b.HELD_OUT,
+                 "in_process": b.bench_in_process(lm, specs, args.max_tokens, say)}
+    if not args.no_agents:
+        agent_specs = tuple(s for s in b.DEFAULT_AGENT_SPECS if s in specs) or ("none",)
+        doc["agents"] = b.bench_agents(lm, agent_specs, args.max_tokens, say)
+    best, speedup = b.best_spec(doc["in_process"]["summary"], specs)
+    doc["best_in_process"] = {"spec": best, "speedup_geomean": speedup}
+    head = default_head_path(lm.spec)
+    if head is not None and head.is_file():
+        from macfleet.engine.drafter.distill import read_eval
+
+        doc["head"] = read_eval(head)
+        if args.record:
+            b.record_best(head, best, speedup, "macfleet " + " ".join(sys.argv[1:]))
+    if args.curve:
+        curve = [json.loads(line) for line in Path(args.curve).read_text().splitlines() if line]
+        doc["training_curve"] = curve
+        png = b.plot_curve(curve, args.out / "drafter_curve.png")
+        if png:
+            say(f"wrote {png}")
+    path = write_result("drafter.json", doc, args.out)
+    for where in ("in_process", "agents"):
+        if where not in doc:
+            continue
+        for group in ("chat", "code"):
+            for s, r in doc[where]["summary"][group].items():
+                print(f"{where:10s} {group:4s} {s:14s} tau {r['tau']:.2f}  speedup "
+                      f"{r['speedup']:.2f}x (geomean {r['speedup_geomean']:.2f}x, min "
+                      f"{r['speedup_min']:.2f}x)  identical {r['all_identical']}")
+    print(f"best in one process: {best} ({speedup:.2f}x); wrote {path}")
+    return 0

@@ -40,8 +40,15 @@ def add_parser(sub) -> None:
                    "holds N answer tokens (resumable), then train on it")
     p.add_argument("--gen-batch", type=int, default=32, help="rows per generation forward")
     p.add_argument("--max-answer", type=int, default=256, help="tokens per generated answer")
-    p.add_argument("--stage", choices=("all", "data", "train"), default="all",
-                   help="data: only generate; train: only train on the dataset")
+    p.add_argument("--stage", choices=("all", "data", "train", "store"), default="all",
+                   help="data: only generate; train: only train on the dataset; store: only "
+                   "write the answer store")
+    p.add_argument("--init", choices=("verifier", "random"), default="verifier",
+                   help="start the head's layer from the verifier's last layer (default) or "
+                   "from random weights")
+    p.add_argument("--store", default=None, metavar="PATH.npy",
+                   help="also write the dataset's answers as a retrieval store (the "
+                   "`retrieval:PATH` drafter)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.set_defaults(func=run)
 
@@ -92,9 +99,16 @@ def _run_dataset(args, lm, out: Path, params) -> int:
             report(f"dataset {ds}: {m.samples} answers, {m.answer_tokens:,} answer tokens, "
                    f"{m.tokens:,} positions with hidden states; {m.seconds / 60:.1f} min "
                    f"generating ({', '.join(f'{k} {v:.0f}' for k, v in m.timing.items())})")
+        if args.store and args.stage in ("all", "data", "store"):
+            from macfleet.engine.drafter.dataset import answers
+            from macfleet.engine.proposers.retrieval import Datastore
+
+            store = Datastore.build(answers(ds))
+            report(f"answer store: {store.tokens.size:,} tokens -> {store.save(Path(args.store))}")
         if args.stage in ("all", "train"):
             distill_from_dataset(lm, ds, out, params, work=work, resume=args.resume,
-                                 draft_vocab=args.draft_vocab, report=report)
+                                 draft_vocab=args.draft_vocab,
+                                 init_layer=args.init == "verifier", report=report)
     except (DatasetError, ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
     return 0

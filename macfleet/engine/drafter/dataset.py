@@ -227,3 +227,17 @@ def load_chunks(path: Path, max_len: int = 1 << 30) -> list[FeatureChunk]:
                     out.append(FeatureChunk(arr["tokens"][c:e], arr["hidden"][c:e],
                                             arr["top"][c:e], True))
     return out
+
+
+def answers(path: Path) -> list[np.ndarray]:
+    """The verifier's answer of every sample (its final token included), for an answer store."""
+    m = Manifest.read(path)
+    out: list[np.ndarray] = []
+    for s in m.shards:
+        toks = np.load(path / f"{s.name}.tokens.npy", mmap_mode="r")
+        top = np.load(path / f"{s.name}.top.npy", mmap_mode="r")
+        offs = np.load(path / f"{s.name}.offsets.npy")
+        npr = np.load(path / f"{s.name}.nprompt.npy")
+        for (a, b), n in zip(zip(offs[:-1], offs[1:]), npr):
+            out.append(np.concatenate([toks[a + n : b], top[b - 1 : b]]).astype(np.int64))
+    return out

@@ -162,6 +162,7 @@ def distill(lm: LoadedModel, out: Path, params: TrainParams, *, paths: Sequence[
 
 
 HELD_OUT_SHARE = 0.02  # of the dataset's samples, for the held-out acceptance figure
+CURVE_FILE = "curve.jsonl"  # held-out acceptance at every checkpoint of a dataset run
 
 
 def split_held_out(chunks: Sequence[FeatureChunk], share: float = HELD_OUT_SHARE
@@ -176,8 +177,10 @@ def split_held_out(chunks: Sequence[FeatureChunk], share: float = HELD_OUT_SHARE
 def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: TrainParams, *,
                          work: Path, resume: bool = False,
                          draft_vocab: int = DEFAULT_DRAFT_VOCAB, dtype: str = "float16",
+                         init_layer: bool = True,
                          report: Callable[[str], None] = log.info) -> DistillResult:
-    """Train a head on a dataset directory (memory-mapped; the verifier never runs again)."""
+    """Train a head on a dataset directory (memory-mapped; the verifier never runs again).
+    init_layer: start the head's layer from the verifier's last layer."""
     from macfleet.engine.drafter.dataset import Manifest, load_chunks
 
     m = Manifest.read(dataset)
@@ -189,14 +192,32 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
                                    dtype=dtype)
     mx.random.seed(params.seed)
     head = EagleHead(cfg, lm.model)
+    if init_layer and not head.init_from_verifier():
+        report("the verifier's last layer cannot seed the head (quantized?): random init")
     mx.eval(head.parameters())
     if 0 < draft_vocab < cfg.vocab_size:
         head.set_draft_vocab(choose_draft_vocab(train_chunks, draft_vocab, cfg.vocab_size))
     before = chain_acceptance(head, held, max_starts=100)
     report(f"training on {ntok:,} positions ({len(train_chunks)} answers, {m.answer_tokens:,} "
            f"answer tokens in the dataset), held out {len(held)} answers")
+    curve = work / CURVE_FILE
+
+    def measure(step: int) -> None:
+        """A point of the learning curve: held-out acceptance against training tokens."""
+        a = chain_acceptance(head, held, max_starts=150)
+        with open(curve, "a") as f:
+            f.write(json.dumps({"step": step, "train_tokens": step * params.batch
+                                * params.seq_len, "dataset_answer_tokens": m.answer_tokens,
+                                "dataset_positions": ntok, "mean_accepted": a.mean_accepted,
+                                "per_position": a.per_position, "top1": a.top1}) + "\n")
+        report(f"held out at step {step}: mean accepted {a.mean_accepted:.2f}/4, per position "
+               f"{', '.join(f'{x:.2f}' for x in a.per_position)}")
+
+    work.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        curve.unlink(missing_ok=True)
     losses = train(head, train_chunks, params, ckpt=work / "checkpoint-ds", resume=resume,
-                   report=report)
+                   report=report, on_checkpoint=measure)
     acc = chain_acceptance(head, held, max_starts=300)
     path = head.save(out, steps=params.steps)
     write_eval(path, acc, before, params.steps, ntok)

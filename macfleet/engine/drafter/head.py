@@ -125,6 +125,18 @@ class EagleHead(nn.Module):
         self.layers = [llama.TransformerBlock(args) for _ in range(config.layers)]
         self._sub = _Frozen(None)  # (ids [V'], rows [V', H]) of the draft vocabulary
 
+    def init_from_verifier(self) -> bool:
+        """Start the decoder layer from the verifier's last layer (same shapes, dense weights
+        only): it already maps a residual stream to the next one, so training starts from a
+        layer that reads these features instead of from noise. False when it cannot."""
+        src = self.verifier.model.layers[-1]
+        mine = dict(tree_flatten(self.layers[0].parameters()))
+        theirs = dict(tree_flatten(src.parameters()))
+        if set(mine) != set(theirs) or any(mine[k].shape != theirs[k].shape for k in mine):
+            return False  # quantized or another architecture
+        self.layers[0].load_weights([(k, v.astype(mx.float32)) for k, v in theirs.items()])
+        return True
+
     def set_draft_vocab(self, ids: np.ndarray | None) -> None:
         """Draft from a subset of the vocabulary (EAGLE-3's trick): the LM head is most of the
         draft cost, and frequent tokens carry almost all accepted drafts. Needs a dense

@@ -172,8 +172,10 @@ def make_optimizer(p: TrainParams) -> optim.Optimizer:
 
 def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
           ckpt: Path | None = None, resume: bool = False,
-          report: Callable[[str], None] | None = None) -> list[float]:
-    """Train in place; returns the loss per step run. Checkpoints every p.save_every steps."""
+          report: Callable[[str], None] | None = None,
+          on_checkpoint: Callable[[int], None] | None = None) -> list[float]:
+    """Train in place; returns the loss per step run. Checkpoints every p.save_every steps
+    (then calls on_checkpoint(step): the held-out curve is measured there)."""
     if not chunks:
         raise ValueError("no training data")
     scale = head.config.feature_scale
@@ -201,8 +203,11 @@ def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
             report(f"step {step}/{p.steps} loss {losses[-1]:.4f} (feature {reg:.4f}, ce "
                    f"{ce:.3f}) {rate:.2f} s/step, {p.batch * p.seq_len / rate:,.0f} tokens/s, "
                    f"eta {rate * (p.steps - step) / 60:.1f} min")
-        if ckpt is not None and (step % p.save_every == 0 or step == p.steps):
-            save_checkpoint(ckpt, head, opt, step)
+        if step % p.save_every == 0 or step == p.steps:
+            if ckpt is not None:
+                save_checkpoint(ckpt, head, opt, step)
+            if on_checkpoint is not None:
+                on_checkpoint(step)
     return losses
 
 

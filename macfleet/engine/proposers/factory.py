@@ -23,7 +23,7 @@ class ProposerSpec:
         return f"{self.kind}:{self.arg}" if self.arg else self.kind
 
 
-KINDS = ("none", "ngram", "layerskip", "draft", "eagle", "eagle2")
+KINDS = ("none", "ngram", "layerskip", "draft", "eagle", "eagle2", "retrieval")
 
 
 def parse_proposer_spec(spec: str) -> ProposerSpec:
@@ -31,7 +31,7 @@ def parse_proposer_spec(spec: str) -> ProposerSpec:
     if kind not in KINDS:
         raise ProposerSpecError(
             f"unknown proposer '{spec}': use none, ngram[:N], layerskip:K, draft:MODEL, "
-            "eagle[:PATH] (chains) or eagle2[:PATH] (dynamic trees)"
+            "eagle[:PATH] (chains), eagle2[:PATH] (dynamic trees) or retrieval[:PATH]"
         )
     if kind in ("ngram", "layerskip") and arg and not arg.isdigit():
         raise ProposerSpecError(f"'{spec}': the argument of {kind} must be a whole number")
@@ -52,6 +52,10 @@ def make_proposer(spec: str, verifier: LoadedModel) -> Proposer | None:
         if not 1 <= n <= 8:
             raise ProposerSpecError(f"ngram size must be 1..8, got {n}")
         return NgramProposer(max_n=n)
+    if ps.kind == "retrieval":
+        from macfleet.engine.proposers.retrieval import make_retrieval_proposer
+
+        return make_retrieval_proposer(ps.arg, verifier, ProposerSpecError)
     if ps.kind in ("eagle", "eagle2"):
         from macfleet.engine.drafter.proposer import make_eagle_proposer
 

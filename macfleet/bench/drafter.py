@@ -1,0 +1,198 @@
+"""`macfleet bench drafter`: every drafter on held-out prompts, in one process and across agents.
+
+Prompts: `drafter.prompts.HELD_OUT` (a chat question, a code task, an explanation, a rewrite,
+a word problem, a description), excluded from every training set by construction. Greedy,
+interleaved per prompt (a busy machine slows every method alike), each run checked identical to
+plain decoding. Per drafter:
+  tau                  mean accepted draft tokens per verify block (the bonus token excluded);
+                       tokens per block = tau + 1
+  accept_at_position   P(block accepts >= j draft tokens), j = 1.. (chains and trees alike)
+  speedup              decode tokens/s over plain decoding in the same run
+Chat (chat, explain, rewrite, problem, describe) and code are aggregated separately.
+Across agents: a local 2-agent fleet; each drafter on the proposer agent against the verifier
+agent decoding alone (agents are pinned one core each on this 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from macfleet.engine.drafter.prompts import CHAT_KINDS, CODE_KINDS, HELD_OUT
+from macfleet.engine.events import Finished, GenerationStats
+from macfleet.engine.models import LoadedModel
+from macfleet.engine.text import generate_local
+
+DEFAULT_SPECS = ("none", "ngram", "eagle", "eagle2", "eagle2+ngram")
+DEFAULT_AGENT_SPECS = ("none", "ngram", "eagle2", "eagle2+ngram")
+
+
+def _row(st: GenerationStats, ids: Sequence[int], ref: Sequence[int] | None) -> dict:
+    decode_s = max(st.elapsed_s - st.prefill_ms / 1e3, 1e-9)
+    return {"tokens": st.tokens, "decode_tokens_per_s": st.tokens / decode_s,
+            "blocks": st.blocks, "drafted": st.drafted, "accepted": st.accepted,
+            "accepted_hist": list(st.accepted_hist), "draft_ms": st.draft_ms,
+            "verify_ms": st.verify_ms, "identical": ref is None or list(ids) == list(ref)}
+
+
+def summarize(rows: Sequence[dict], base_tps: float | None) -> dict:
+    """Pooled figures of one drafter over some prompts (pure)."""
+    blocks = sum(r["blocks"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    secs = sum(r["tokens"] / r["decode_tokens_per_s"] for r in rows)
+    hist: list[int] = []
+    for r in rows:
+        for i, c in enumerate(r["accepted_hist"]):
+            hist += [0] * (i + 1 - len(hist))
+            hist[i] += c
+    drafted_blocks = sum(hist)
+    at = [sum(hist[j:]) / drafted_blocks for j in range(1, len(hist))] if drafted_blocks else []
+    tps = tokens / secs if secs else 0.0
+    return {"tau": accepted / blocks if blocks else 0.0,
+            "tokens_per_block": tokens / blocks if blocks else 0.0,
+            "accept_at_position": [round(x, 4) for x in at],
+            "decode_tokens_per_s": round(tps, 2),
+            "speedup": round(tps / base_tps, 3) if base_tps else None,
+            "draft_ms_per_block": round(sum(r["draft_ms"] for r in rows) / blocks, 2)
+            if blocks else 0.0,
+            "verify_ms_per_block": round(sum(r["verify_ms"] for r in rows) / blocks, 2)
+            if blocks else 0.0,
+            "all_identical": all(r["identical"] for r in rows)}
+
+
+def _groups(runs: dict[str, dict[str, dict]], specs: Sequence[str]) -> dict:
+    out = {}
+    for group, kinds in (("chat", CHAT_KINDS), ("code", CODE_KINDS), ("all", tuple(HELD_OUT))):
+        base = summarize([runs[k]["none"] for k in kinds if k in runs], None)
+        out[group] = {s: summarize([runs[k][s] for k in kinds if k in runs],
+                                   base["decode_tokens_per_s"]) for s in specs}
+        # the speedup a user sees per prompt, as a geometric mean (one long prompt cannot hide
+        # a slow one)
+        for s in specs:
+            ratios = [runs[k][s]["decode_tokens_per_s"] / runs[k]["none"]["decode_tokens_per_s"]
+                      for k in kinds if k in runs]
+            out[group][s]["speedup_geomean"] = round(
+                math.exp(sum(map(math.log, ratios)) / len(ratios)), 3) if ratios else None
+            out[group][s]["speedup_min"] = round(min(ratios), 3) if ratios else None
+    return out
+
+
+def bench_in_process(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
+                     progress: Callable[[str], None] = lambda s: None) -> dict:
+    runs: dict[str, dict[str, dict]] = {}
+    for kind, prompt in HELD_OUT.items():
+        runs[kind] = {}
+        ref = None
+        for spec in specs:
+            fin = None
+            for ev in generate_local(lm, prompt, proposer=spec, max_tokens=max_tokens):
+                if isinstance(ev, Finished):
+                    fin = ev
+            assert fin is not None
+            ref = fin.token_ids if ref is None else ref
+            runs[kind][spec] = _row(fin.stats, fin.token_ids, ref)
+            progress(f"in-process {kind:8s} {spec:14s} "
+                     f"{runs[kind][spec]['decode_tokens_per_s']:.1f} tok/s, tau "
+                     f"{fin.stats.accepted / max(fin.stats.blocks, 1):.2f}")
+    return {"runs": runs, "summary": _groups(runs, specs)}
+
+
+def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
+                 progress: Callable[[str], None] = lambda s: None) -> dict:
+    """The same prompts through a local 2-agent fleet (real processes, real sockets)."""
+    from bridge.auth import keygen
+    from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
+    from bridge.messages import GenerateDone
+    from macfleet.fleet import local
+    from macfleet.fleet.client import generate_remote
+
+    def remote(card, key, prompt, eps, spec) -> GenerateDone:
+        for msg in generate_remote(card, key, prompt=prompt, max_tokens=max_tokens,
+                                   proposers=eps, proposer_spec=spec):
+            if isinstance(msg, GenerateDone):
+                return msg
+        raise RuntimeError("no result from the verifier agent")
+
+    with tempfile.TemporaryDirectory(prefix="macfleet-bench-") as tmp:
+        key_path = Path(tmp) / "fleet.key"
+        key = keygen(key_path)
+        cards = local.up(2, model=lm.spec, key=key, key_path=key_path, run_dir=Path(tmp) / "run")
+        try:
+            v = next(c for c in cards if ROLE_VERIFIER in c.roles)
+            p = next(c for c in cards if ROLE_PROPOSER in c.roles)
+            remote(v, key, "Hi", [], "none")  # warm-up
+            runs: dict[str, dict[str, dict]] = {}
+            for kind, prompt in HELD_OUT.items():
+                runs[kind] = {}
+                ref = None
+                for spec in specs:
+                    eps = [] if spec == "none" else [p.router_endpoint] * len(spec.split("+"))
+                    d = remote(v, key, prompt, eps, spec)
+                    st = d.stats
+                    ref = d.token_ids if ref is None else ref
+                    runs[kind][spec] = {
+                        "tokens": int(st["tokens"]),
+                        "decode_tokens_per_s": float(st["decode_tokens_per_s"]),
+                        "blocks": int(st["blocks"]), "drafted": int(st["drafted"]),
+                        "accepted": int(st["accepted"]),
+                        "accepted_hist": [int(x) for x in str(st.get("accepted_hist", ""))
+                                          .split(",") if x],
+                        "draft_ms": float(st["draft_ms"]), "verify_ms": float(st["verify_ms"]),
+                        "multihost_overhead": float(st.get("multihost_overhead", 0.0)),
+                        "f3_bytes_per_block": float(st.get("f3_bytes_per_block", 0.0)),
+                        "identical": d.token_ids == ref}
+                    progress(f"agents     {kind:8s} {spec:14s} "
+                             f"{runs[kind][spec]['decode_tokens_per_s']:.1f} tok/s")
+        finally:
+            local.down(Path(tmp) / "run")
+    return {"runs": runs, "summary": _groups(runs, specs),
+            "notes": "speedup is against the verifier agent decoding alone ('none'); agents "
+                     "are pinned one core each on this 2-core machine"}
+
+
+def best_spec(summary: dict, candidates: Sequence[str]) -> tuple[str, float]:
+    """The drafter with the best geometric-mean speedup over every held-out prompt (pure)."""
+    best = max(candidates, key=lambda s: summary["all"][s]["speedup_geomean"] or 0.0)
+    return best, float(summary["all"][best]["speedup_geomean"] or 0.0)
+
+
+def record_best(head_path: Path, best: str, speedup: float, command: str) -> None:
+    """Write the measured best drafter into the head's eval record (engine/drafter/choice)."""
+    from macfleet.engine.drafter.distill import eval_path
+
+    p = eval_path(head_path)
+    doc = json.loads(p.read_text()) if p.is_file() else {}
+    doc["bench"] = {"best": best, "speedup": speedup, "command": command,
+                    "prompts": "held-out (macfleet/engine/drafter/prompts.py HELD_OUT)"}
+    p.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def plot_curve(curve: Sequence[dict], out: Path, final: dict | None = None) -> Path | None:
+    """Held-out acceptance against training tokens (results/drafter_curve.png)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    xs = [c["train_tokens"] for c in curve]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, [c["mean_accepted"] for c in curve], "o-",
+            label="held-out chain acceptance (tokens per block of 4)")
+    if final:
+        for name, (x, y) in final.items():
+            ax.plot([x], [y], "s", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens processed")
+    ax.set_ylabel("mean accepted draft tokens")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

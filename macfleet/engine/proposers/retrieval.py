@@ -1,0 +1,201 @@
+"""Retrieval drafts: token trees looked up in a datastore of the verifier's own answers.
+
+REST (He et al. 2023, "Retrieval-Based Speculative Decoding") drafts by finding the context's
+suffix in a large text store and proposing what followed it there. macfleet's store is the
+verifier's OWN greedy answers (the `macfleet distill` dataset), so what follows a matching
+suffix is what this verifier tends to say next: "Here is a Python function that", the shape of
+a list, the closing of a code block. It needs no training and no model: a lookup costs
+microseconds, so it adds nothing to the critical path and runs as well on a proposer agent.
+
+Lookup: rolling hashes of every n-gram of the store (n = 8, 6, 4, 3, 2), sorted once; the
+longest n whose last-n-token hash occurs gives up to `max_matches` positions (shorter n fill up
+when few match); their continuations form a trie weighted by how many matches share each
+prefix. The weight of a node (matches through it / all matches) is its estimated probability
+of being accepted, and the tree of the best nodes is sized like an EAGLE-2 tree: calibrated
+confidence against the measured verify(L) (`drafter/budget.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from macfleet.engine.drafter.budget import Calibration, VerifyCurve, choose_tree_size
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+
+SEPARATOR = 0xFFFF  # between answers in the store (never a token id of a <65535 vocabulary)
+NGRAMS = (8, 6, 4, 3, 2)
+DEFAULT_MAX_MATCHES = 64
+DEFAULT_DEPTH = 8
+DEFAULT_MAX_NODES = 24
+_MUL = np.uint64(1000003)
+
+
+def _hash_all(tokens: np.ndarray, n: int) -> np.ndarray:
+    """Rolling hash of every n-gram of `tokens` (uint64, wrapping)."""
+    t = tokens.astype(np.uint64)
+    h = np.zeros(len(t) - n + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(n):
+            h = h * _MUL + t[j : len(t) - n + 1 + j]
+    return h
+
+
+def _hash_one(ctx: Sequence[int]) -> np.uint64:
+    return _hash_all(np.asarray(ctx, dtype=np.int64), len(ctx))[0]
+
+
+@dataclass(frozen=True)
+class Datastore:
+    """The answers, concatenated with separators, and a sorted n-gram index per n."""
+
+    tokens: np.ndarray  # [N] uint16
+    index: dict[int, tuple[np.ndarray, np.ndarray]]  # n -> (sorted hashes, start positions)
+
+    @classmethod
+    def build(cls, answers: Sequence[Sequence[int]]) -> Datastore:
+        parts = [np.append(np.asarray(a, dtype=np.uint16), np.uint16(SEPARATOR))
+                 for a in answers if len(a)]
+        toks = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+        return cls.from_tokens(toks)
+
+    @classmethod
+    def from_tokens(cls, toks: np.ndarray) -> Datastore:
+        index = {}
+        for n in NGRAMS:
+            if len(toks) >= n:
+                h = _hash_all(toks, n)
+                order = np.argsort(h, kind="stable").astype(np.int64)
+                index[n] = (h[order], order)
+        return cls(toks, index)
+
+    def save(self, path: Path) -> Path:
+        p = Path(path).with_suffix(".npy")
+        np.save(p, self.tokens)
+        return p
+
+    @classmethod
+    def load(cls, path: Path) -> Datastore:
+        toks = np.load(Path(path).with_suffix(".npy"))
+        if toks.dtype != np.uint16 or toks.ndim != 1:
+            raise ValueError(f"{path}: not a macfleet answer store (uint16 tokens)")
+        return cls.from_tokens(toks)
+
+    def matches(self, context: Sequence[int], limit: int) -> list[tuple[int, int]]:
+        """(position after the match, n) for up to `limit` occurrences of the context's
+        suffix, longest n first."""
+        out: list[tuple[int, int]] = []
+        for n in NGRAMS:
+            if len(context) < n or n not in self.index:
+                continue
+            hs, pos = self.index[n]
+            key = _hash_one(context[-n:])
+            lo, hi = np.searchsorted(hs, key, "left"), np.searchsorted(hs, key, "right")
+            seen = {p for p, _ in out}
+            for s in pos[lo : min(hi, lo + limit)]:
+                after = int(s) + n
+                if after not in seen:
+                    out.append((after, n))
+            if len(out) >= limit:
+                break
+        return out[:limit]
+
+
+def build_tree(store: Datastore, matches: Sequence[tuple[int, int]], depth: int
+               ) -> tuple[list[int], list[int], list[float]]:
+    """A weighted trie of the matches' continuations: (tokens, parents, weights), parents
+    first; a node's weight is the share of matches that pass through it (longer matched
+    suffixes count double: they are better evidence)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    weight: list[float] = []
+    child: dict[tuple[int, int], int] = {}
+    total = sum(2.0 if n >= 4 else 1.0 for _, n in matches)
+    for after, n in matches:
+        w = (2.0 if n >= 4 else 1.0) / total
+        cur = -1
+        for t in store.tokens[after : after + depth].tolist():
+            if t == SEPARATOR:
+                break
+            node = child.get((cur, t))
+            if node is None:
+                node = len(tokens)
+                child[(cur, t)] = node
+                tokens.append(t)
+                parents.append(cur)
+                weight.append(0.0)
+            weight[node] += w
+            cur = node
+    return tokens, parents, weight
+
+
+class RetrievalProposer(Proposer):
+    drafts_trees = True
+
+    def __init__(self, store: Datastore, name: str = "retrieval", *,
+                 max_matches: int = DEFAULT_MAX_MATCHES, depth: int = DEFAULT_DEPTH,
+                 max_nodes: int = DEFAULT_MAX_NODES) -> None:
+        self.store = store
+        self.name = name
+        self.max_matches, self.depth, self.max_nodes = max_matches, depth, max_nodes
+        self.curve = VerifyCurve()
+        self.calibration = Calibration()
+        self._predicted = 0.0
+
+    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+        k = min(k, self.max_nodes)
+        if k <= 0:
+            return EMPTY_DRAFT
+        t0 = time.perf_counter()
+        matches = self.store.matches(context, self.max_matches)
+        if not matches:
+            return Draft((), None, (time.perf_counter() - t0) * 1e3)
+        tokens, parents, weight = build_tree(self.store, matches, self.depth)
+        order = sorted(range(len(tokens)), key=lambda i: (-weight[i], i))[:k]
+        n = choose_tree_size([weight[i] for i in order], self.curve.costs(len(order)),
+                             self.calibration.gain)
+        keep = sorted(order[:n])  # trie order: parents come before children
+        self._predicted = sum(weight[i] for i in keep)
+        new = {old: j for j, old in enumerate(keep)}
+        return Draft(tuple(tokens[i] for i in keep), None, (time.perf_counter() - t0) * 1e3,
+                     None, tuple(new[parents[i]] if parents[i] >= 0 else -1 for i in keep))
+
+    def observe(self, drafted: int, accepted: int, verify_ms: float) -> None:
+        self.curve.observe(drafted + 1, verify_ms)
+        if drafted:
+            self.calibration.observe(self._predicted, accepted)
+
+
+SHIPPED_STORES = {"smollm2": "smollm2-answers.npy"}
+_loaded: dict[str, Datastore] = {}
+
+
+def default_store_path(verifier_spec: str) -> Path | None:
+    from macfleet.engine.drafter.proposer import WEIGHTS_DIR
+
+    name = SHIPPED_STORES.get(verifier_spec.partition(":")[0])
+    return WEIGHTS_DIR / name if name else None
+
+
+def make_retrieval_proposer(arg: str, verifier, error: type[Exception] = ValueError
+                            ) -> RetrievalProposer:
+    """`retrieval[:PATH]`: the answer store at PATH, or the one shipped for this verifier."""
+    path = Path(arg).expanduser() if arg else default_store_path(verifier.spec)
+    if path is None or not path.with_suffix(".npy").is_file():
+        raise error(f"retrieval: no answer store for {verifier.spec}; build one with "
+                    f"`macfleet distill --model {verifier.spec} --tokens N --store PATH`")
+    key = str(path.with_suffix(".npy").resolve())
+    if key not in _loaded:  # the index is rebuilt once per process (a fraction of a second)
+        try:
+            _loaded[key] = Datastore.load(path)
+        except (OSError, ValueError) as e:
+            raise error(f"retrieval: {e}") from e
+    store = _loaded[key]
+    if store.tokens.size and int(store.tokens[store.tokens != SEPARATOR].max(initial=0)) \
+            >= verifier.vocab_size:
+        raise error(f"retrieval: {path} holds token ids outside this verifier's vocabulary")
+    return RetrievalProposer(store, name=f"retrieval:{arg}" if arg else "retrieval")

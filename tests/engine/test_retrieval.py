@@ -1,0 +1,72 @@
+"""Retrieval drafts from a store of the verifier's own answers: lookup, trees, lossless use."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from macfleet.engine.events import Finished
+from macfleet.engine.loop import speculative_generate
+from macfleet.engine.models import load_model
+from macfleet.engine.proposers import ProposerSpecError, make_proposer
+from macfleet.engine.proposers.retrieval import (SEPARATOR, Datastore, RetrievalProposer,
+                                                 build_tree)
+from macfleet.engine.tree_loop import ProposerGroup, tree_budget, tree_generate
+from macfleet.engine.verifier import Verifier
+
+
+def test_longest_suffix_matches_first_and_the_trie_weights_sum_by_prefix():
+    store = Datastore.build([[1, 2, 3, 4, 5, 6], [9, 3, 4, 5, 7], [3, 4, 8]])
+    m = store.matches([0, 2, 3, 4], limit=8)
+    assert m[0][1] == 3  # "2 3 4" occurs once: the longest suffix found first
+    assert {n for _, n in m} == {3, 2}  # shorter suffixes fill up the matches
+    toks, parents, weight = build_tree(store, m, depth=3)
+    assert toks[0] == 5 and parents[0] == -1
+    assert all(-1 <= p < i for i, p in enumerate(parents))
+    # a node's weight is at most its parent's; siblings at the root share the whole mass
+    assert all(weight[i] <= weight[p] + 1e-9 for i, p in enumerate(parents) if p >= 0)
+    assert sum(w for w, p in zip(weight, parents) if p < 0) == pytest.approx(1.0)
+    assert SEPARATOR not in toks
+
+
+def test_no_match_drafts_nothing_and_a_store_round_trips(tmp_path):
+    store = Datastore.build([[1, 2, 3], [4, 5, 6]])
+    prop = RetrievalProposer(store)
+    assert len(prop.propose([7, 8, 9], 8)) == 0
+    again = Datastore.load(store.save(tmp_path / "s"))
+    assert (again.tokens == store.tokens).all() and again.tokens.dtype == np.uint16
+
+
+def _answers(lm, n, length, seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(0, lm.vocab_size, 6).tolist()
+        out.append([int(t) for t, _ in generate_step(mx.array(ids, dtype=mx.uint32), lm.model,
+                                                     max_tokens=length)])
+    return out
+
+
+def test_retrieval_trees_are_lossless_and_accept_the_verifiers_habits(tmp_path):
+    lm = load_model("tiny:5:32")
+    store = Datastore.build(_answers(lm, 30, 60, seed=0))
+    path = store.save(tmp_path / "answers")
+    prompt = [3, 1, 4, 1, 5, 9]
+    alone = list(speculative_generate(Verifier(lm.model), None, prompt, max_tokens=48))[-1]
+    prop = make_proposer(f"retrieval:{path}", lm)
+    assert prop.drafts_trees
+    fin = list(tree_generate(Verifier(lm.model), ProposerGroup([prop], node_budget=tree_budget(
+        [prop])), prompt, max_tokens=48))[-1]
+    assert isinstance(fin, Finished) and fin.token_ids == alone.token_ids
+    assert fin.stats.accepted > 0 and fin.stats.blocks < 48
+
+
+def test_a_store_for_another_vocabulary_is_refused(tmp_path):
+    lm = load_model("tiny:5:32")
+    path = Datastore.build([[1, 2, 300, 4]]).save(tmp_path / "big")
+    with pytest.raises(ProposerSpecError, match="vocabulary"):
+        make_proposer(f"retrieval:{path}", lm)
+    with pytest.raises(ProposerSpecError, match="macfleet distill"):
+        make_proposer("retrieval", lm)  # nothing shipped for a tiny model
