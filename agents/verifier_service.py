@@ -271,7 +271,8 @@ class VerifierService:
                         float(last.get("f1_ms", 0.0)), int(last.get("f2_bytes", 0)),
                         float(last.get("f2_ms", 0.0)), int(last.get("f3_bytes", 0)),
                         float(last.get("f3_ms", 0.0)),
-                        bool(self.f3_probe_width) and self._feature_tap is None))
+                        bool(self.f3_probe_width) and self._feature_tap is None,
+                        self.lm.hidden_size))
                 elif isinstance(ev, Finished):
                     stats = ev.stats
                     token_ids = list(ev.token_ids)

@@ -409,6 +409,9 @@ class BlockMetrics:
     f3_bytes: int
     f3_ms: float
     probe: bool  # F3 measured with a probe payload, no F3 drafter running
+    # the verifier's hidden width: what F3 would carry per committed token (float16) when no
+    # hidden-state drafter runs, so the dashboard can show F3's cost as an estimate
+    hidden_size: int = 0
 
 
 @message("agent_event", terminal=False)

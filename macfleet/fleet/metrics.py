@@ -57,6 +57,8 @@ class SessionMetrics:
         flows = [flow("F1", "f1_bytes", "f1_ms", False), flow("F2", "f2_bytes", "f2_ms", False)]
         if any(b.f3_bytes for b in bl):
             flows.append(flow("F3", "f3_bytes", "f3_ms", any(b.probe for b in bl)))
+        elif bl:
+            flows.append(f3_estimate(bl, block_ms))
         hist = list(self.hist)
         while len(hist) > 1 and hist[-1] == 0:
             hist.pop()
@@ -77,3 +79,20 @@ class SessionMetrics:
             overhead_share=wire / block_ms if block_ms else 0.0,
             active=now - self.last_seen < ACTIVE_S,
         )
+
+
+F3_BYTES_PER_VALUE = 2  # float16 hidden states
+
+
+def f3_estimate(bl, block_ms: float) -> FlowView:
+    """What F3 would cost these blocks had a hidden-state drafter run on the proposer: the
+    committed tokens' hidden rows (float16), priced at the F1+F2 round trip's wire time split
+    by bytes (how real F3 is accounted when it rides with F1). Zero on one host."""
+    n = len(bl)
+    hidden = max((getattr(b, "hidden_size", 0) for b in bl), default=0)
+    nbytes = sum((b.accepted + 1) * hidden * F3_BYTES_PER_VALUE for b in bl) / n
+    f12_bytes = sum(b.f1_bytes + b.f2_bytes for b in bl) / n
+    f12_ms = sum(b.f1_ms + b.f2_ms for b in bl) / n
+    ms = f12_ms * nbytes / (f12_bytes + nbytes) if f12_bytes and nbytes else 0.0
+    return FlowView("F3", nbytes if f12_bytes else 0.0, ms,
+                    ms / (block_ms / n) if block_ms else 0.0, False, (), True)

@@ -102,7 +102,10 @@ class FlowView(_Dictable):
     """What one inter-host flow (DESIGN.md F1/F2/F3/shard) costs per block.
 
     ``probe`` marks a flow measured by ``bench`` with real payload sizes although no
-    drafter uses it (F3 without an EAGLE-style drafter); ``history`` holds recent
+    drafter uses it (F3 without an EAGLE-style drafter); ``estimate`` one not measured at all:
+    F3's cost computed from the verifier's hidden width and the link's measured time per byte
+    (the rule real F3 is accounted by: a round trip's wire time split by bytes); ``history``
+    holds recent
     ``ms_per_block`` samples for a sparkline.
     """
 
@@ -112,13 +115,20 @@ class FlowView(_Dictable):
     share_of_block: float
     probe: bool = False
     history: tuple[float, ...] = ()
+    estimate: bool = False  # not measured: what the flow would cost (F3 with no F3 drafter)
+
+    @property
+    def label(self) -> str:
+        return f"{self.flow} est" if self.estimate else (
+            f"{self.flow} probe" if self.probe else self.flow)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FlowView:
         return cls(flow=str(d["flow"]), bytes_per_block=float(d["bytes_per_block"]),
                    ms_per_block=float(d["ms_per_block"]),
                    share_of_block=float(d["share_of_block"]), probe=bool(d.get("probe", False)),
-                   history=tuple(float(x) for x in d.get("history", ())))
+                   history=tuple(float(x) for x in d.get("history", ())),
+                   estimate=bool(d.get("estimate", False)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,8 +47,8 @@ class FlowRow(Horizontal):
         f = self.flow
         # F3 is often only *probed* (bench-sized payloads, no EAGLE drafter consuming it):
         # say so, or its MBs/block read as overhead the session is actually paying.
-        self.set_class(f.probe, "-probe")
-        self._name.update(clip(f"{f.flow} probe" if f.probe else f.flow, 9))
+        self.set_class(f.probe or f.estimate, "-probe")
+        self._name.update(clip(f.label, 9))
         nums = f"{fmt_bytes(f.bytes_per_block):>10}{fmt_ms(f.ms_per_block):>8}"
         self._nums.update(nums + f"{fmt_pct(f.share_of_block):>8}")
         self._spark.data = list(f.history)
@@ -106,5 +106,4 @@ class FlowsPanel(Vertical):
 
     def flow_names(self) -> list[str]:
         """Displayed flow labels in order (what a user reads in the first column)."""
-        return [(f"{r.flow.flow} probe" if r.flow.probe else r.flow.flow)
-                for r in self.query_one("#flow-rows").query(FlowRow)]
+        return [r.flow.label for r in self.query_one("#flow-rows").query(FlowRow)]
