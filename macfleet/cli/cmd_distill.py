@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
     p.add_argument("--init", choices=("verifier", "random"), default="verifier",
                    help="start the head's layer from the verifier's last layer (default) or "
                    "from random weights")
+    p.add_argument("--follow", action="store_true",
+                   help="train while another `distill --stage data` adds to the dataset: "
+                   "re-read it at every checkpoint")
     p.add_argument("--store", default=None, metavar="PATH.npy",
                    help="also write the dataset's answers as a retrieval store (the "
                    "`retrieval:PATH` drafter)")
@@ -108,7 +111,8 @@ def _run_dataset(args, lm, out: Path, params) -> int:
         if args.stage in ("all", "train"):
             distill_from_dataset(lm, ds, out, params, work=work, resume=args.resume,
                                  draft_vocab=args.draft_vocab,
-                                 init_layer=args.init == "verifier", report=report)
+                                 init_layer=args.init == "verifier", follow=args.follow,
+                                 report=report)
     except (DatasetError, ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
     return 0

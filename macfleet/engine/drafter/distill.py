@@ -11,7 +11,7 @@ import json
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -111,11 +111,16 @@ def eval_path(head_path: str | Path) -> Path:
     return p.with_name(p.name.removesuffix(".safetensors") + ".eval.json")
 
 
-def write_eval(head_path, acc: Acceptance, before: Acceptance, steps: int, ntok: int) -> Path:
-    """The held-out figure next to the weights: what the head is worth, measured by distill."""
+def write_eval(head_path, acc: Acceptance, before: Acceptance, steps: int, ntok: int,
+               trained_on: dict | None = None) -> Path:
+    """The held-out figure next to the weights: what the head is worth, measured by distill,
+    and what it was trained on."""
     out = eval_path(head_path)
-    out.write_text(json.dumps({"held_out": acc.to_dict(), "untrained": before.to_dict(),
-                               "steps": steps, "train_tokens": ntok}, indent=2) + "\n")
+    doc = {"held_out": acc.to_dict(), "untrained": before.to_dict(), "steps": steps,
+           "train_tokens": ntok}
+    if trained_on:
+        doc["trained_on"] = trained_on
+    out.write_text(json.dumps(doc, indent=2) + "\n")
     return out
 
 
@@ -177,10 +182,12 @@ def split_held_out(chunks: Sequence[FeatureChunk], share: float = HELD_OUT_SHARE
 def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: TrainParams, *,
                          work: Path, resume: bool = False,
                          draft_vocab: int = DEFAULT_DRAFT_VOCAB, dtype: str = "float16",
-                         init_layer: bool = True,
+                         init_layer: bool = True, follow: bool = False,
                          report: Callable[[str], None] = log.info) -> DistillResult:
     """Train a head on a dataset directory (memory-mapped; the verifier never runs again).
-    init_layer: start the head's layer from the verifier's last layer."""
+    init_layer: start the head's layer from the verifier's last layer; follow: re-read the
+    dataset at every checkpoint (train while `distill --stage data` is still adding to it;
+    the held-out answers stay those of the first read)."""
     from macfleet.engine.drafter.dataset import Manifest, load_chunks
 
     m = Manifest.read(dataset)
@@ -208,7 +215,7 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
         with open(curve, "a") as f:
             f.write(json.dumps({"step": step, "train_tokens": step * params.batch
                                 * params.seq_len, "dataset_answer_tokens": m.answer_tokens,
-                                "dataset_positions": ntok, "mean_accepted": a.mean_accepted,
+                                "dataset_positions": m.tokens, "mean_accepted": a.mean_accepted,
                                 "per_position": a.per_position, "top1": a.top1}) + "\n")
         report(f"held out at step {step}: mean accepted {a.mean_accepted:.2f}/4, per position "
                f"{', '.join(f'{x:.2f}' for x in a.per_position)}")
@@ -216,11 +223,23 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
     work.mkdir(parents=True, exist_ok=True)
     if not resume:
         curve.unlink(missing_ok=True)
+    def reread() -> list[FeatureChunk]:
+        nonlocal m
+        m = Manifest.read(dataset)
+        return split_held_out(load_chunks(dataset))[0]
+
     losses = train(head, train_chunks, params, ckpt=work / "checkpoint-ds", resume=resume,
-                   report=report, on_checkpoint=measure)
+                   report=report, on_checkpoint=measure, refresh=reread if follow else None)
     acc = chain_acceptance(head, held, max_starts=300)
     path = head.save(out, steps=params.steps)
-    write_eval(path, acc, before, params.steps, ntok)
+    write_eval(path, acc, before, params.steps, ntok,
+               {"processed_tokens": params.steps * params.batch * params.seq_len,
+                "dataset": str(dataset), "verifier": m.verifier, "answers": m.samples,
+                "answer_tokens": m.answer_tokens, "positions": m.tokens,
+                "held_out_answers": len(held), "params": asdict(params),
+                "init": "verifier_last_layer" if init_layer else "random",
+                "prompt_sources": "topics, code, local text, word problems "
+                                  "(macfleet/engine/drafter/prompts.py)"})
     report(f"held-out greedy chain acceptance (k=4): per position "
            f"{', '.join(f'{x:.2f}' for x in acc.per_position)}; mean accepted "
            f"{acc.mean_accepted:.2f} -> wrote {path}")

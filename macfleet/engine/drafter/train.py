@@ -173,9 +173,11 @@ def make_optimizer(p: TrainParams) -> optim.Optimizer:
 def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
           ckpt: Path | None = None, resume: bool = False,
           report: Callable[[str], None] | None = None,
-          on_checkpoint: Callable[[int], None] | None = None) -> list[float]:
+          on_checkpoint: Callable[[int], None] | None = None,
+          refresh: Callable[[], Sequence[FeatureChunk]] | None = None) -> list[float]:
     """Train in place; returns the loss per step run. Checkpoints every p.save_every steps
-    (then calls on_checkpoint(step): the held-out curve is measured there)."""
+    (then calls on_checkpoint(step): the held-out curve is measured there, and refresh():
+    training data that grows while it trains -- a dataset still being generated)."""
     if not chunks:
         raise ValueError("no training data")
     scale = head.config.feature_scale
@@ -208,6 +210,8 @@ def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
                 save_checkpoint(ckpt, head, opt, step)
             if on_checkpoint is not None:
                 on_checkpoint(step)
+            if refresh is not None:
+                chunks = refresh() or chunks
     return losses
 
 
