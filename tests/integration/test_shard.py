@@ -23,7 +23,11 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 TOKENS = 16
-TP_ATOL = 1e-4  # measured: 3.1e-5 max |Δlogit| over 16 steps
+# Ranks run with their own BLAS thread counts, so their arithmetic is not the test process's:
+# measured 3.1e-5 max |Δlogit| (tensor, all-reduce order) here, ~5e-4 between BLAS code paths
+# on another x86-64 box. Token ids must match exactly (no argmax is that close to a tie on
+# these prompts); logits within this tolerance.
+TP_ATOL = 5e-3
 DEADLINE_S = 3.0
 PROMPT = "List the numbers: one two three, one two three, one two three,"
 
@@ -91,7 +95,7 @@ def finish(procs, timeout: float = 240.0) -> list[str]:
     return errs
 
 
-def test_pipeline_two_ranks_bit_identical(tmp_path, reference):
+def test_pipeline_two_ranks_same_ids(tmp_path, reference):
     prompt, ids, logits = reference
     procs, out = start(tmp_path, "pipeline", 2, prompt, spec="ngram")
     errs = finish(procs)
@@ -99,7 +103,9 @@ def test_pipeline_two_ranks_bit_identical(tmp_path, reference):
     res = json.loads(out.read_text())
     assert res["plain_ids"] == ids
     assert res["spec_ids"] == ids  # multi-token blocks and rollbacks through the pipeline
-    assert np.array_equal(np.load(str(out) + ".logits.npy"), logits)
+    # bit-identical only on one BLAS code path: the ranks' thread counts differ from this
+    # process's on some machines (see TP_ATOL)
+    np.testing.assert_allclose(np.load(str(out) + ".logits.npy"), logits, atol=TP_ATOL, rtol=0)
 
 
 def test_tensor_three_ranks_same_ids(tmp_path, reference):
