@@ -40,7 +40,8 @@ class AgentConfig:
     pub_port: int = 0
     key: bytes | None = None
     loopback_only: bool = True
-    proposer_kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle", "eagle2")
+    proposer_kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle", "eagle2",
+                                       "retrieval")
     heads_dir: str | None = None  # draft heads a proposer may load by name (besides shipped)
     f3_codec: str = "float16"  # verifier: how hidden states travel to a remote drafter
     cpu: int | None = None

@@ -49,12 +49,16 @@ class ProposerLimits:
     max_prompt: int = DEFAULT_MAX_PROMPT
 
 
+# drafters whose argument names a file (a head, an answer store): confined to --heads DIR
+FILE_KINDS = ("eagle", "eagle2", "retrieval")
+
+
 def check_remote_paths(spec, heads_dir: str | None) -> None:
     """A request from the network must not make the agent open files of its choosing:
     `eagle:NAME` names a head inside the agent's heads directory, `draft:` a model spec that
     is not a filesystem path (smollm2, tiny:..., an org/name id)."""
     arg = spec.arg
-    if spec.kind in ("eagle", "eagle2") and arg:
+    if spec.kind in FILE_KINDS and arg:
         from pathlib import Path
 
         if heads_dir is None:
@@ -70,7 +74,8 @@ def check_remote_paths(spec, heads_dir: str | None) -> None:
 
 class ProposerService:
     def __init__(self, lm: LoadedModel, *,
-                 kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle", "eagle2"),
+                 kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle", "eagle2",
+                                           "retrieval"),
                  limits: ProposerLimits = ProposerLimits(), heads_dir: str | None = None,
                  on_block: Callable[[str, int, float, bool], None] | None = None) -> None:
         self.lm = lm
@@ -234,7 +239,7 @@ class ProposerService:
     def _local_spec(self, spec: str) -> str:
         """`eagle:NAME` from the network -> the head's path in this agent's heads directory."""
         kind, _, arg = spec.partition(":")
-        if kind in ("eagle", "eagle2") and arg and self.heads_dir:
+        if kind in FILE_KINDS and arg and self.heads_dir:
             from pathlib import Path
 
             return f"{kind}:{(Path(self.heads_dir) / arg).resolve()}"
