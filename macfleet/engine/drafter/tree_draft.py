@@ -2,10 +2,11 @@
 
 Each block: the head predicts the feature after the context (the root); the `top_k` tokens
 of its distribution become depth-1 nodes scored by log-probability. Then, depth by depth, the
-`top_k` best frontier nodes (by cumulative log-probability) are expanded in ONE head forward
-with tree attention (each node sees the committed pairs and its own ancestors, at position
-base + depth - 1), each giving `top_k` children. Expansion stops at `max_depth` or when no
-frontier node is likely enough to matter. Finally every node is re-ranked by cumulative
+`top_k` best nodes of the newest depth (by cumulative log-probability) are expanded in ONE head
+forward with tree attention (each node sees the committed pairs and its own ancestors, at
+position base + depth - 1), each giving `top_k` children. With a fixed beam every shape is
+known, so all depths are one lazy graph evaluated once per block; a head unsure even of the
+first token (calibrated confidence below `min_prob`) stops at depth 1. Finally every node is re-ranked by cumulative
 probability and the N best form the tree (ancestors always rank above their descendants, so
 the selection is a tree); N comes from `choose_tree_size`: the head's confidence, calibrated
 by what was accepted, against the verifier's measured verify(L).
@@ -32,7 +33,7 @@ from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft
 from macfleet.engine.tree_verify import tree_attention
 
 DEFAULT_TOP_K = 4
-DEFAULT_MAX_DEPTH = 6
+DEFAULT_MAX_DEPTH = 5
 DEFAULT_MAX_NODES = 24
 DEFAULT_MIN_PROB = 0.02  # a frontier node less likely than this is not expanded
 
@@ -67,15 +68,45 @@ class EagleTreeProposer(EagleProposer):
         self.calibration = Calibration()
         self._predicted = 0.0  # sum of the last tree's node probabilities
 
-    def _top(self, h: mx.array) -> tuple[np.ndarray, np.ndarray]:
-        """h [n, H] -> (token ids [n, top_k], log-probs [n, top_k]) of the head's best tokens."""
+    def _top(self, h: mx.array) -> tuple[mx.array, mx.array]:
+        """h [n, H] -> (token ids [n, top_k], log-probs [n, top_k]) of the head's best tokens
+        (lazy: nothing is evaluated here)."""
         lp = _log_softmax(self.head.draft_logits(h))
         idx = mx.argpartition(-lp, self.top_k - 1, axis=-1)[:, : self.top_k]
         vals = mx.take_along_axis(lp, idx, axis=-1)
         ids = self.head.draft_ids
-        toks = idx if ids is None else ids[idx]
-        mx.eval(toks, vals)
-        return np.array(toks).astype(np.int64), np.array(vals).astype(np.float64)
+        return (idx if ids is None else ids[idx]), vals
+
+    def _expand(self, root: mx.array, t1: mx.array, s1: mx.array, base: int
+                ) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
+        """Depths 2..max_depth as ONE lazy graph (one evaluation per block, not one per depth):
+        the beam is always the top_k best nodes of the newest depth, so every shape is fixed.
+        Returns per level >= 1: candidate tokens [K*K], cumulative scores [K*K], and the level
+        below's candidate index of each beam node (whose children they are)."""
+        K = self.top_k
+        toks, scores, sel = [], [], []
+        beam_tok, beam_score = t1, s1  # depth-1 nodes: all K are the first beam
+        beam_feat = mx.repeat(root, K, axis=0)  # [K, H]: the feature that predicted each node
+        beam_sel = mx.arange(K)
+        anc = mx.eye(K, dtype=mx.bool_)  # beam node x expanded slot: its ancestors and itself
+        for d in range(2, self.max_depth + 1):
+            mask = mx.concatenate([mx.ones((K, base), dtype=mx.bool_), anc], axis=1)
+            pos = mx.full((K,), base + d - 2, dtype=mx.int32)
+            h = head_tree_forward(self.head, beam_feat, beam_tok.astype(mx.uint32), pos, mask,
+                                  self._head_cache)  # [K, H]
+            ct, cs = self._top(h)  # [K, K]
+            flat_s = (beam_score[:, None] + cs).reshape(-1)
+            flat_t = ct.reshape(-1)
+            toks.append(flat_t)
+            scores.append(flat_s)
+            sel.append(beam_sel)
+            if d == self.max_depth:
+                break
+            nxt = mx.argpartition(-flat_s, K - 1)[:K]  # the next beam: best K of this depth
+            pb = nxt // K
+            beam_tok, beam_score, beam_feat, beam_sel = flat_t[nxt], flat_s[nxt], h[pb], nxt
+            anc = mx.concatenate([anc[pb], mx.eye(K, dtype=mx.bool_)], axis=1)
+        return toks, scores, sel
 
     def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
         k = min(k, self.max_nodes)
@@ -85,52 +116,28 @@ class EagleTreeProposer(EagleProposer):
         context = [int(t) for t in context]
         root = self._root(context)[0]  # [1, H]
         base = int(self._head_cache[0].offset)
-        # node arrays (drafted nodes only; parent -1 = the root)
-        tokens: list[int] = []
-        parents: list[int] = []
-        depth: list[int] = []
-        score: list[float] = []
-        src: list[int] = []  # node -> row in `feats` of the feature that predicted it
-        feats: list[mx.array] = [root]  # row 0: the root's predicted feature
-        slot_of: dict[int, int] = {}  # expanded node -> its slot in the head cache
-        toks, lps = self._top(root)
-        for t, lp in zip(toks[0], lps[0]):
-            tokens.append(int(t)); parents.append(-1); depth.append(1)
-            score.append(float(lp)); src.append(0)
-        frontier = list(range(len(tokens)))
-        gain = self.calibration.gain
-        for d in range(2, self.max_depth + 1):
-            beam = sorted(frontier, key=lambda i: -score[i])[: self.top_k]
-            beam = [i for i in beam if gain * np.exp(score[i]) >= self.min_prob]
-            if not beam:
-                break
-            n_slots = len(slot_of)
-            for i in beam:
-                slot_of[i] = n_slots + beam.index(i)
-            mask = np.zeros((len(beam), base + len(slot_of)), dtype=bool)
-            mask[:, :base] = True
-            for r, i in enumerate(beam):
-                j = i
-                while j >= 0:  # the node and its ancestors (all of them expanded already)
-                    mask[r, base + slot_of[j]] = True
-                    j = parents[j]
-            x = mx.concatenate([feats[src[i]] for i in beam], axis=0)
-            h = head_tree_forward(self.head, x, mx.array([tokens[i] for i in beam],
-                                                          dtype=mx.uint32),
-                                  mx.array([base + depth[i] - 1 for i in beam], dtype=mx.int32),
-                                  mx.array(mask), self._head_cache)
-            ctoks, clps = self._top(h)
-            frontier = []
-            for r, i in enumerate(beam):
-                feats.append(h[r : r + 1])
-                row = len(feats) - 1
-                for t, lp in zip(ctoks[r], clps[r]):
-                    tokens.append(int(t)); parents.append(i); depth.append(d)
-                    score.append(score[i] + float(lp)); src.append(row)
-                    frontier.append(len(tokens) - 1)
-        if slot_of:
+        K = self.top_k
+        t1, s1 = self._top(root)
+        mx.eval(t1, s1)
+        tokens = np.array(t1[0]).astype(np.int64).tolist()
+        score = np.array(s1[0]).astype(np.float64).tolist()
+        parents = [-1] * K
+        depth = [1] * K
+        # a head this unsure of the next token will not get deeper ones right: stop here
+        if self.max_depth > 1 and self.calibration.gain * np.exp(max(score)) >= self.min_prob:
+            toks, scores, sel = self._expand(root, t1[0], s1[0], base)
+            mx.eval(toks, scores, sel)
+            level_start = [0]  # global node id of each level's first candidate
+            for lvl, (lt, ls, lsel) in enumerate(zip(toks, scores, sel), start=1):
+                level_start.append(len(tokens))
+                prev = level_start[lvl - 1]
+                beam = np.array(lsel).astype(np.int64)
+                tokens += np.array(lt).astype(np.int64).tolist()
+                score += np.array(ls).astype(np.float64).tolist()
+                parents += [prev + int(beam[c // K]) for c in range(K * K)]
+                depth += [lvl + 1] * (K * K)
             for c in self._head_cache:
-                c.trim(len(slot_of))
+                c.trim((self.max_depth - 1) * K)
         order = sorted(range(len(tokens)), key=lambda i: (-score[i], depth[i], i))
         probs = [float(np.exp(score[i])) for i in order[:k]]
         n = choose_tree_size(probs, self.curve.costs(len(probs)), self.calibration.gain)
