@@ -166,3 +166,25 @@ def test_eagle2_sampling_loop_is_seeded(tiny, trained):
         outs.append(list(tree_generate(Verifier(tiny.model), group, PROMPT, params=params,
                                        max_tokens=30))[-1].token_ids)
     assert outs[0] == outs[1] and len(outs[0]) == 30
+
+
+def test_backoff_skips_a_drafter_that_keeps_drafting_nothing_and_probes_again():
+    from macfleet.engine.drafter.budget import Backoff
+
+    b = Backoff(patience=2, max_skip=4)
+    pattern = []
+    for _ in range(14):
+        d = b.should_draft()
+        pattern.append(d)
+        if d:
+            b.observe(0, 0)  # it looked, and chose an empty tree
+    assert pattern[:2] == [True, True] and pattern[2:4] == [False, False]
+    assert pattern.count(False) >= 8  # the skips grow (2, 4, 4, ...)
+    while not b.should_draft():  # the current skip runs out, then a probe drafts
+        pass
+    b.observe(3, 0)  # drafts that miss are not its business
+    b.observe(3, 2)  # a hit resets it
+    for _ in range(2):
+        assert b.should_draft()
+        b.observe(0, 0)
+    assert not b.should_draft()  # skipping 2 again, not 4

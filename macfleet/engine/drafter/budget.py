@@ -90,3 +90,34 @@ class Calibration:
     def observe(self, predicted: float, accepted: int) -> None:
         self.predicted = (1 - self.ema) * self.predicted + self.ema * predicted
         self.accepted = (1 - self.ema) * self.accepted + self.ema * accepted
+
+
+@dataclass
+class Backoff:
+    """When a drafter keeps choosing an empty tree, stop paying even for the root of its
+    draft: skip a growing number of blocks, then probe again. Keeps a drafter that has nothing
+    to say on this text near plain-decoding speed. (Drafts that miss are the calibration's
+    business: it shrinks the trees until they are empty, and then this takes over.)"""
+
+    patience: int = 3  # empty drafts in a row before skipping
+    max_skip: int = 16
+    _misses: int = 0
+    _skip: int = 0
+    _skip_len: int = 2
+
+    def should_draft(self) -> bool:
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            if accepted > 0:
+                self._misses, self._skip_len = 0, 2
+            return
+        self._misses += 1
+        if self._misses >= self.patience:
+            self._misses = 0
+            self._skip = self._skip_len
+            self._skip_len = min(self.max_skip, self._skip_len * 2)

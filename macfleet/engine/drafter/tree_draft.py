@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.drafter.budget import Calibration, VerifyCurve, choose_tree_size
+from macfleet.engine.drafter.budget import Backoff, Calibration, VerifyCurve, choose_tree_size
 from macfleet.engine.drafter.head import EagleHead
 from macfleet.engine.drafter.proposer import EagleProposer
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft
@@ -66,6 +66,7 @@ class EagleTreeProposer(EagleProposer):
         self.min_prob = min_prob
         self.curve = VerifyCurve()
         self.calibration = Calibration()
+        self.backoff = Backoff()
         self._predicted = 0.0  # sum of the last tree's node probabilities
 
     def _top(self, h: mx.array) -> tuple[mx.array, mx.array]:
@@ -110,7 +111,7 @@ class EagleTreeProposer(EagleProposer):
 
     def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
         k = min(k, self.max_nodes)
-        if k <= 0 or len(context) < 2:
+        if k <= 0 or len(context) < 2 or not self.backoff.should_draft():
             return EMPTY_DRAFT
         t0 = time.perf_counter()
         context = [int(t) for t in context]
@@ -154,3 +155,4 @@ class EagleTreeProposer(EagleProposer):
         self.curve.observe(drafted + 1, verify_ms)
         if drafted:
             self.calibration.observe(self._predicted, accepted)
+        self.backoff.observe(drafted, accepted)
