@@ -1,0 +1,119 @@
+"""`macfleet serve`: an OpenAI-compatible HTTP API with continuous batching of speculative blocks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+from macfleet.cli.main import UserError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8000
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API (continuous batching)")
+    p.add_argument("--local", action="store_true",
+                   help="in-process verifier (the only mode so far: see README)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")
+    p.add_argument("--model", default="smollm2")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    key.add_argument("--api-key-file", type=Path, default=None)
+    p.add_argument("--proposer", default="ngram",
+                   help="per-session drafts: ngram[:N] | eagle[:PATH] | layerskip:K | none")
+    p.add_argument("--draft-tokens", default="auto", help="K or auto (default: auto)")
+    p.add_argument("--token-budget", type=int, default=256,
+                   help="tokens per iteration (bounds prefill chunks)")
+    p.add_argument("--max-active", type=int, default=16, help="sessions batched at once")
+    p.add_argument("--max-queue", type=int, default=64, help="sessions waiting for a slot")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="feed each prompt in one iteration (to measure the decode stall)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="each session's rows in the shapes it would have alone: bit-identical "
+                   "to serving it alone, slower")
+    p.add_argument("--max-tokens-cap", type=int, default=1024)
+    p.add_argument("--max-prompt-tokens", type=int, default=4096)
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-sessions-per-client", type=int, default=8)
+    p.set_defaults(func=run)
+
+
+def _api_key(args) -> str | None:
+    if args.api_key_file is not None:
+        try:
+            key = args.api_key_file.read_text().strip()
+        except OSError as e:
+            raise UserError(f"cannot read --api-key-file: {e}") from None
+        if not key:
+            raise UserError(f"{args.api_key_file} is empty")
+        return key
+    return args.api_key or os.environ.get("MACFLEET_API_KEY") or None
+
+
+def _validate(args) -> None:
+    for name in ("token_budget", "max_active", "max_queue", "max_tokens_cap",
+                 "max_prompt_tokens", "max_body_bytes", "max_sessions_per_client"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.port <= 65535:
+        raise UserError("--port must be 0..65535")
+
+
+def run(args) -> int:
+    _validate(args)
+    key = _api_key(args)
+    from macfleet.cli.cmd_generate import parse_draft_tokens
+
+    k = parse_draft_tokens(args.draft_tokens)
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {e}") from None
+    import uvicorn
+
+    from macfleet.engine.batch import BatchUnsupported
+    from macfleet.engine.models import ModelSpecError, load_model
+    from macfleet.engine.proposers import ProposerSpecError
+    from macfleet.serve.app import ServerConfig, create_app
+    from macfleet.serve.engine import BatchEngine
+    from macfleet.serve.schemas import Limits
+
+    try:
+        lm = load_model(args.model)
+        engine = BatchEngine(lm, proposer=args.proposer, draft_tokens=k,
+                             token_budget=args.token_budget, max_active=args.max_active,
+                             max_queue=args.max_queue, chunked=not args.no_chunked_prefill,
+                             invariant=args.batch_invariant)
+    except (ModelSpecError, ProposerSpecError, BatchUnsupported, ValueError) as e:
+        raise UserError(str(e)) from None
+    limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_cap,
+                    args.max_sessions_per_client)
+    app = create_app(engine.start(), lm.tokenizer, ServerConfig(args.model, key, limits))
+    host, port = sock.getsockname()[:2]
+    print(f"macfleet serve: {args.model} on http://{host}:{port}/v1 (in-process, "
+          f"proposer {args.proposer}, budget {args.token_budget} tokens/iteration"
+          f"{', batch-invariant' if args.batch_invariant else ''}"
+          f"{', API key required' if key else ''})", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    code = 0
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        engine.stop()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+    # MLX can abort at interpreter exit after two threads ran compiled functions
+    # (ml-explore/mlx#3126); everything is shut down and flushed, so leave without it.
+    os._exit(code)

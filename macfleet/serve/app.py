@@ -1,0 +1,277 @@
+"""The OpenAI-compatible HTTP API (Starlette): routes, limits, errors, server-sent events.
+
+Every failure is an OpenAI-shaped error object `{"error": {message, type, param, code}}` with
+the usual status: 400 bad JSON or parameters, 401 missing/wrong API key, 404 unknown route or
+model, 413 oversize body, 429 too many sessions for one client, 503 no verifier or queue full.
+Handlers catch what they can answer; anything else is logged and answered 500, and the server
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from macfleet.serve.engine import EngineRequest, Overloaded
+from macfleet.serve.schemas import GenerationRequest, Limits, RequestError, parse_request
+from macfleet.serve.session import GenerationFailed, Outcome, Piece, open_session, run_session
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str
+    api_key: str | None = None
+    limits: Limits = field(default_factory=Limits)
+
+
+def error_response(e: RequestError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class Api:
+    """Holds the engine, tokenizer and per-client session counts behind the routes."""
+
+    def __init__(self, engine, tokenizer, config: ServerConfig) -> None:
+        self.engine, self.tok, self.cfg = engine, tokenizer, config
+        self.sessions: Counter[str] = Counter()
+        self.created = int(time.time())
+
+    # -- checks ---------------------------------------------------------------------------
+    def _auth(self, request: Request) -> None:
+        if self.cfg.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        token = got[7:] if got.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.cfg.api_key.encode()):
+            raise RequestError("missing or wrong API key (Authorization: Bearer KEY)",
+                               status=401, code="invalid_api_key")
+
+    async def _body(self, request: Request) -> object:
+        limit = self.cfg.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestError(f"request body over {limit} bytes", status=413,
+                               code="request_too_large")
+        buf = bytearray()
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise RequestError(f"request body over {limit} bytes", status=413,
+                                   code="request_too_large")
+        try:
+            return json.loads(buf)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RequestError(f"the body is not valid JSON: {e}") from None
+
+    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+        tok = self.tok
+        if req.chat:
+            msgs = [{"role": m.role, "content": m.content} for m in req.messages]
+            if getattr(tok, "has_chat_template", False):
+                ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
+            else:
+                ids = tok.encode("\n".join(m.content for m in req.messages))
+        else:
+            ids = tok.encode(req.prompt)
+        ids = [int(t) for t in ids]
+        lim = self.cfg.limits.max_prompt_tokens
+        if not ids:
+            raise RequestError("the prompt encodes to no tokens", param="prompt")
+        if len(ids) > lim:
+            raise RequestError(f"the prompt is {len(ids)} tokens; this server's limit is {lim}",
+                               param="messages" if req.chat else "prompt",
+                               code="context_length_exceeded")
+        return ids
+
+    # -- routes ---------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        alive = self.engine.alive
+        active, waiting = self.engine.load()
+        recent = list(self.engine.history)[-32:]
+        body = {"status": "ok" if alive else "unavailable", "model": self.cfg.model_id,
+                "active_sessions": active, "waiting_sessions": waiting,
+                "iterations": self.engine.iterations,
+                "recent_iterations": [
+                    {"sessions": r.sessions, "decode_tokens": r.decode_tokens,
+                     "prefill_tokens": r.prefill_tokens, "queued": r.queued,
+                     "ms": round(r.ms, 2)} for r in recent]}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    async def models(self, request: Request) -> Response:
+        self._auth(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.cfg.model_id, "object": "model", "created": self.created,
+             "owned_by": "macfleet"}]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        self._auth(request)
+        req = parse_request(await self._body(request), chat=chat, limits=self.cfg.limits)
+        if req.model is not None and req.model != self.cfg.model_id:
+            raise RequestError(f"model '{req.model}' is not served here; this server serves "
+                               f"'{self.cfg.model_id}' (GET /v1/models)", param="model",
+                               status=404, code="model_not_found")
+        if not self.engine.alive:
+            raise RequestError("no verifier is available", status=503, kind="server_error",
+                               code="unavailable")
+        ids = self._prompt_ids(req)
+        client = f"{request.client.host if request.client else '?'}"
+        if self.sessions[client] >= self.cfg.limits.max_sessions_per_client:
+            raise RequestError(f"{self.sessions[client]} sessions already open for this client",
+                               status=429, kind="rate_limit_error", code="too_many_sessions")
+        ereq = EngineRequest(tuple(ids), req.params, req.max_tokens,
+                             frozenset(getattr(self.tok, "eos_token_ids", ()) or ()))
+        meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                     int(time.time()), self.cfg.model_id, chat, len(ids))
+        self.sessions[client] += 1  # released when the engine drops the session
+        try:
+            handle, q = open_session(self.engine, ereq, lambda: self._release(client))
+        except Overloaded as e:
+            self._release(client)
+            raise RequestError(f"server busy: {e}", status=503, kind="server_error",
+                               code="overloaded") from None
+        outcome: list[Outcome] = []
+        pieces = run_session(handle, q, self.tok, req.stop, outcome=outcome)
+        if req.stream:
+            return StreamingResponse(self._sse(pieces, meta, req, outcome),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            text = await _collect(request, pieces)
+        except GenerationFailed as e:
+            raise RequestError(str(e), status=500, kind="server_error") from None
+        finally:
+            handle.cancel()
+        if not outcome:  # the client left; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(meta.full(text, outcome[0]))
+
+    def _release(self, client: str) -> None:
+        self.sessions[client] -= 1
+        if self.sessions[client] <= 0:
+            del self.sessions[client]
+
+    async def _sse(self, pieces: AsyncIterator[Piece], meta: _Meta, req: GenerationRequest,
+                   outcome: list[Outcome]) -> AsyncIterator[str]:
+        try:
+            if meta.chat:
+                yield _event(meta.chunk(None, {"role": "assistant", "content": ""}))
+            async for p in pieces:
+                if p.text:
+                    yield _event(meta.chunk(None, p.text if not meta.chat
+                                            else {"content": p.text}))
+            o = outcome[0]
+            yield _event(meta.chunk(o.finish_reason, "" if not meta.chat else {}))
+            if req.include_usage:
+                yield _event({**meta.chunk(None, {}), "choices": [], "usage": meta.usage(o)})
+        except GenerationFailed as e:  # the status line is gone: an error event, then [DONE]
+            yield _event(RequestError(str(e), status=500, kind="server_error").body())
+        finally:
+            await pieces.aclose()
+        yield "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class _Meta:
+    id: str
+    created: int
+    model: str
+    chat: bool
+    prompt_tokens: int
+
+    def usage(self, o: Outcome) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": o.completion_tokens,
+                "total_tokens": self.prompt_tokens + o.completion_tokens,
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": o.accepted,
+                    "rejected_prediction_tokens": o.drafted - o.accepted}}
+
+    def full(self, text: str, o: Outcome) -> dict:
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                   "finish_reason": o.finish_reason, "logprobs": None} if self.chat else
+                  {"index": 0, "text": text, "finish_reason": o.finish_reason,
+                   "logprobs": None})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                "usage": self.usage(o)}
+
+    def chunk(self, finish: str | None, delta) -> dict:
+        choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                  if self.chat else
+                  {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None})
+        return {"id": self.id, "created": self.created, "model": self.model,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "choices": [choice]}
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _collect(request: Request, pieces: AsyncIterator[Piece]) -> str:
+    """All the text; stops early (freeing the session) when the client disconnects."""
+    async def gather() -> str:
+        return "".join([p.text async for p in pieces])
+
+    task = asyncio.ensure_future(gather())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                log.debug("client left before its answer was complete")
+                task.cancel()
+                return ""
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _request_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 500)
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    return error_response(RequestError(str(getattr(exc, "detail", exc)), status=status,
+                                       kind=kind))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return error_response(RequestError("internal server error", status=500,
+                                       kind="server_error"))
+
+
+def create_app(engine, tokenizer, config: ServerConfig) -> Starlette:
+    api = Api(engine, tokenizer, config)
+    routes = [Route("/health", api.health, methods=["GET"]),
+              Route("/v1/models", api.models, methods=["GET"]),
+              Route("/v1/chat/completions", api.chat, methods=["POST"]),
+              Route("/v1/completions", api.completions, methods=["POST"])]
+    return Starlette(routes=routes, exception_handlers={
+        RequestError: _request_error, HTTPException: _http_error, Exception: _server_error})

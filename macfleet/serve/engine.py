@@ -1,0 +1,359 @@
+"""The continuous-batching engine: one thread, one flat forward per iteration.
+
+Each iteration (1) drops sessions whose client left, admits waiting ones, (2) asks every
+decoding session's proposer for its draft, (3) lets the pure scheduler pick slots under the
+token budget, (4) runs ONE forward over every slot (`engine.batch.flat_forward`) and (5) applies
+each session's own acceptance rule, rolls back its own cache and emits its committed tokens.
+A session follows `engine.loop.speculative_generate` step for step (prefill prompt[:-1], then
+blocks [last token, drafts...], the same per-request rng), so a request's greedy ids and seeded
+samples are what the single-session loop gives; only the forward is shared.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accept_ratio
+from macfleet.engine.batch import Segment, check_batchable, flat_forward
+from macfleet.engine.controller import make_controller
+from macfleet.engine.events import Finished, GenerationStats, TokensCommitted
+from macfleet.engine.loop import ProposerFailed, sanitize_draft
+from macfleet.engine.models import LoadedModel
+from macfleet.engine.proposers import make_proposer
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.sampling import SamplingParams, make_rng, probs_from_logits
+from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
+from macfleet.serve.scheduler import DEFAULT_TOKEN_BUDGET, SessionView, plan_iteration
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_ACTIVE = 16
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_IDLE_WAIT_S = 0.05
+ITERATION_HISTORY = 256
+
+
+class Overloaded(RuntimeError):
+    """The wait queue is full: the caller should answer 'try again later'."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int
+    eos_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class SessionFailed:
+    """The engine could not finish this request (the message says why)."""
+
+    message: str
+
+
+EngineEvent = TokensCommitted | Finished | SessionFailed
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One forward, for the dashboard and the benchmark."""
+
+    t: float
+    sessions: int
+    decode_tokens: int
+    prefill_tokens: int
+    queued: int
+    ms: float
+
+
+@dataclass
+class _Session:
+    sid: int
+    req: EngineRequest
+    emit: Callable[[EngineEvent], None]
+    proposer: Proposer | None
+    controller: object
+    cache: list | None = None
+    context: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    cancelled: bool = False
+    t_start: float = 0.0
+    prefill_ms: float = 0.0
+    blocks: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft: Draft = EMPTY_DRAFT
+    draft_ms: float = 0.0
+    rng: np.random.Generator | None = None
+    on_close: Callable[[], None] | None = None
+
+    @property
+    def prefill_left(self) -> int:
+        return len(self.req.prompt) - 1 - self.prefilled
+
+
+class SessionHandle:
+    """What a caller holds for one request: cancel() frees its session at the next iteration."""
+
+    def __init__(self, session: _Session, wake: Callable[[], None]) -> None:
+        self._s, self._wake = session, wake
+
+    @property
+    def sid(self) -> int:
+        return self._s.sid
+
+    def cancel(self) -> None:
+        self._s.cancelled = True
+        self._wake()
+
+
+class BatchEngine:
+    """Runs every active session's blocks and prefill chunks in one forward per iteration."""
+
+    def __init__(self, lm: LoadedModel, *, proposer: str = "ngram",
+                 draft_tokens: int | str = "auto", token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 max_active: int = DEFAULT_MAX_ACTIVE, max_queue: int = DEFAULT_MAX_QUEUE,
+                 chunked: bool = True, invariant: bool = False,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        check_batchable(lm.model)
+        probe = make_proposer(proposer, lm)
+        if probe is not None and probe.drafts_trees:
+            raise ValueError(f"proposer '{proposer}' drafts token trees; the batching engine "
+                             "verifies chains (use ngram, eagle, layerskip:K or none)")
+        self.lm, self.proposer_spec, self.draft_tokens = lm, proposer, draft_tokens
+        self.token_budget, self.max_active, self.max_queue = token_budget, max_active, max_queue
+        self.chunked, self.invariant, self.clock = chunked, invariant, clock
+        self._vocab = lm.vocab_size
+        self._waiting: deque[_Session] = deque()
+        self._active: list[_Session] = []
+        self._next_sid = 0
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.history: deque[IterationRecord] = deque(maxlen=ITERATION_HISTORY)
+        self.iterations = 0
+
+    # -- the caller's side (any thread) -------------------------------------------------
+    def start(self) -> BatchEngine:
+        self._thread = threading.Thread(target=self._run, name="macfleet-batch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def load(self) -> tuple[int, int]:
+        """(active sessions, waiting sessions)."""
+        with self._cv:
+            return len(self._active), len(self._waiting)
+
+    def submit(self, req: EngineRequest, emit: Callable[[EngineEvent], None],
+               on_close: Callable[[], None] | None = None) -> SessionHandle:
+        """Queue a request; `emit` is called from the engine thread with its events, and
+        `on_close` once when its session is gone (finished, failed or cancelled)."""
+        proposer = make_proposer(self.proposer_spec, self.lm)
+        if proposer is not None:
+            proposer.start(req.params)
+        controller = make_controller(self.draft_tokens if proposer is not None else 0)
+        with self._cv:
+            if len(self._waiting) >= self.max_queue:
+                raise Overloaded(f"{len(self._waiting)} requests are already waiting")
+            s = _Session(self._next_sid, req, emit, proposer, controller, on_close=on_close)
+            self._next_sid += 1
+            self._waiting.append(s)
+            self._cv.notify()
+        return SessionHandle(s, self._wake)
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        """The engine thread. Note: MLX (0.32, ml-explore/mlx#3126) may abort the process at
+        exit once two threads have run compiled functions (mlx-lm's swiglu): the `serve`
+        command ends with os._exit after a clean shutdown, and tests run servers as
+        subprocesses or step the engine on their own thread."""
+        try:
+            self._loop()
+        finally:
+            # MLX aborts the process at exit if a thread that ran work on its per-thread
+            # stream ends with that stream unsynchronized
+            mx.synchronize()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.step(DEFAULT_IDLE_WAIT_S)
+        with self._cv:
+            for s in [*self._active, *self._waiting]:
+                self._finish(s, failed="server shutting down")
+
+    def step(self, idle_wait_s: float = 0.0) -> bool:
+        """Admit waiting sessions and run one iteration; False when there was nothing to run.
+
+        The engine thread calls this in a loop; tests call it (or `run_until_idle`) on their
+        own thread instead of `start()`."""
+        with self._cv:
+            self._admit()
+            if not self._active:
+                if idle_wait_s:
+                    self._cv.wait(idle_wait_s)
+                return False
+        batch = list(self._active)
+        try:
+            self._iteration(batch)
+        except Exception as e:  # noqa: BLE001 - the engine outlives any one bad iteration
+            log.exception("batch iteration failed")
+            for s in batch:
+                self._finish(s, failed=f"engine error: {type(e).__name__}: {e}")
+        return True
+
+    def run_until_idle(self, max_iterations: int = 100_000) -> int:
+        """Step until no session is left (synchronous use); returns the iterations run."""
+        n = 0
+        while n < max_iterations and self.step():
+            n += 1
+        return n
+
+    def _admit(self) -> None:
+        """Under the lock: drop cancelled sessions, move waiting ones in while there is room."""
+        self._active = [s for s in self._active if not self._drop_if_cancelled(s)]
+        self._waiting = deque(s for s in self._waiting if not self._drop_if_cancelled(s))
+        while self._waiting and len(self._active) < self.max_active:
+            s = self._waiting.popleft()
+            s.t_start = self.clock()
+            s.context = list(s.req.prompt)
+            if s.req.max_tokens == 0:
+                self._finish(s, reason="length")
+                continue
+            s.cache = make_trimmable_cache(self.lm.model)
+            s.rng = make_rng(s.req.params, stream=0)
+            self._active.append(s)
+
+    def _drop_if_cancelled(self, s: _Session) -> bool:
+        if s.cancelled:
+            log.debug("session %d cancelled by its client", s.sid)
+            self._release(s)
+        return s.cancelled
+
+    def _release(self, s: _Session) -> None:
+        s.cache = None
+        if s.on_close is not None:
+            s.on_close()
+            s.on_close = None
+        if s.proposer is not None:
+            s.proposer.close()
+            s.proposer = None
+
+    def _draft(self, s: _Session) -> None:
+        t0 = self.clock()
+        k = min(s.controller.next_k(), s.req.max_tokens - len(s.generated) - 1)
+        s.draft = EMPTY_DRAFT
+        if s.proposer is not None and k > 0:
+            try:
+                d = sanitize_draft(s.proposer.propose(s.context, k), k, self._vocab)
+                s.draft = d if d.parents is None else EMPTY_DRAFT
+            except ProposerFailed as e:
+                log.warning("session %d: proposer failed (%s), continuing without", s.sid, e)
+                s.proposer = None
+        s.draft_ms = (self.clock() - t0) * 1e3
+
+    def _iteration(self, batch: list[_Session]) -> None:
+        for s in batch:
+            if s.prefill_left <= 0:
+                self._draft(s)
+        views = [SessionView(s.sid, s.prefill_left, s.prefilled, 1 + len(s.draft))
+                 for s in batch]
+        align = DEFAULT_PREFILL_STEP if self.invariant else 0
+        slots = plan_iteration(views, self.token_budget, chunked=self.chunked, align=align)
+        by_sid = {s.sid: s for s in batch}
+        segs, run = [], []
+        for slot in slots:
+            s = by_sid[slot.sid]
+            if slot.prefill:
+                toks = tuple(s.req.prompt[s.prefilled:s.prefilled + slot.tokens])
+                segs.append(Segment(toks, s.cache, None))
+            else:
+                s.draft = Draft(s.draft.tokens[:slot.tokens - 1], None if s.draft.probs is None
+                                else s.draft.probs[:slot.tokens - 1], s.draft.draft_ms)
+                segs.append(Segment((s.context[-1], *s.draft.tokens), s.cache, 0))
+            run.append((s, slot))
+        t0 = self.clock()
+        out = flat_forward(self.lm.model, segs, invariant=self.invariant)
+        ms = (self.clock() - t0) * 1e3
+        n_dec = sum(sl.tokens for _, sl in run if not sl.prefill)
+        self.history.append(IterationRecord(t0, len(run), n_dec,
+                                            sum(sl.tokens for _, sl in run) - n_dec,
+                                            len(self._waiting), ms))
+        self.iterations += 1
+        for (s, slot), logits in zip(run, out):
+            if slot.prefill:
+                s.prefilled += slot.tokens
+                if s.prefill_left <= 0:
+                    s.prefill_ms = (self.clock() - s.t_start) * 1e3
+            else:
+                self._commit(s, logits, ms)
+
+    def _commit(self, s: _Session, logits: mx.array, verify_ms: float) -> None:
+        d = s.draft
+        p = s.req.params
+        if p.greedy:
+            n, nxt = accept_greedy(d.tokens, np.array(mx.argmax(logits, axis=-1)).tolist())
+        else:
+            probs = probs_from_logits(logits, p)
+            n, nxt = (accept_ratio(d.tokens, d.probs, probs, s.rng) if d.probs is not None
+                      else accept_exact_sample(d.tokens, probs, s.rng))
+        if len(d) - n:
+            for c in s.cache:
+                c.trim(len(d) - n)
+        new = [*d.tokens[:n], nxt]
+        stop_at = next((i for i, t in enumerate(new) if t in s.req.eos_ids), None)
+        if stop_at is not None:
+            new = new[:stop_at]
+        s.context.extend(new)
+        s.generated.extend(new)
+        s.blocks += 1
+        if len(d):
+            s.drafted += len(d)
+            s.accepted += n
+            if s.proposer is not None:
+                s.proposer.observe(len(d), n, verify_ms)
+        s.controller.observe(len(d), n, s.draft_ms, verify_ms)
+        if new:
+            s.emit(TokensCommitted(s.blocks, tuple(new)))
+        if stop_at is not None:
+            self._finish(s, reason="stop")
+        elif len(s.generated) >= s.req.max_tokens:
+            self._finish(s, reason="length")
+
+    def _finish(self, s: _Session, *, reason: str = "", failed: str = "") -> None:
+        if s in self._active:
+            self._active.remove(s)
+        self._release(s)
+        if s.cancelled:
+            return
+        if failed:
+            s.emit(SessionFailed(failed))
+            return
+        stats = GenerationStats(
+            tokens=len(s.generated), elapsed_s=self.clock() - s.t_start, prefill_ms=s.prefill_ms,
+            blocks=s.blocks, drafted=s.drafted, accepted=s.accepted,
+            proposer=self.proposer_spec, finish_reason=reason)
+        s.emit(Finished(stats, tuple(s.generated)))

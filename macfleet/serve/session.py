@@ -1,0 +1,123 @@
+"""One request's life on the server side: prompt ids in, text pieces out, session freed.
+
+Bridges the engine thread (which calls `emit`) to the request's asyncio task with a queue, turns
+token ids into text with a streaming detokenizer of its own (one per request), holds back
+text that could be the start of a stop sequence, and cancels the engine session whenever the
+consumer stops early (stop sequence, client gone, error) so its KV cache is freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from macfleet.engine.events import Finished, TokensCommitted
+from macfleet.engine.text import TextStream
+from macfleet.serve.engine import EngineEvent, EngineRequest, SessionFailed, SessionHandle
+
+DEFAULT_TOKEN_TIMEOUT_S = 120.0
+
+
+class GenerationFailed(RuntimeError):
+    """The engine could not finish the request."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    finish_reason: str  # stop | length
+    completion_tokens: int
+    drafted: int
+    accepted: int
+    ttft_s: float
+
+
+class StopMatcher:
+    """Emit text up to the first stop sequence; hold back a tail that may still become one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._buf = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        self._buf += text
+        hits = [i for i in (self._buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self._buf = self._buf[:min(hits)], ""
+            return out
+        cut = max(0, len(self._buf) - self._hold)
+        out, self._buf = self._buf[:cut], self._buf[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self._buf = ("" if self.stopped else self._buf), ""
+        return out
+
+
+def open_session(engine, req: EngineRequest,
+                 on_close: Callable[[], None] | None = None) -> tuple[SessionHandle, asyncio.Queue]:
+    """Submit to the engine now (so Overloaded is raised before any response starts)."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue[EngineEvent] = asyncio.Queue()
+
+    def emit(ev: EngineEvent) -> None:  # engine thread
+        loop.call_soon_threadsafe(q.put_nowait, ev)
+
+    def closed() -> None:  # engine thread
+        if on_close is not None:
+            loop.call_soon_threadsafe(on_close)
+
+    return engine.submit(req, emit, closed), q
+
+
+async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops: Sequence[str],
+                      *, outcome: list[Outcome],
+                      token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S) -> AsyncIterator[Piece]:
+    """Yield text pieces; append the Outcome when the generation ended (not when cancelled)."""
+    t0 = time.perf_counter()
+    ttft = None
+    text = TextStream(tokenizer)
+    stop = StopMatcher(stops)
+    n = 0
+    try:
+        while True:
+            try:
+                ev = await asyncio.wait_for(q.get(), token_timeout_s)
+            except TimeoutError:
+                raise GenerationFailed(f"no token for {token_timeout_s:.0f} s") from None
+            if isinstance(ev, SessionFailed):
+                raise GenerationFailed(ev.message)
+            if isinstance(ev, TokensCommitted):
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                n += len(ev.tokens)
+                out = stop.feed(text.add(ev.tokens))
+                if out or stop.stopped:
+                    yield Piece(out, len(ev.tokens))
+                if stop.stopped:
+                    outcome.append(Outcome("stop", n, 0, 0, ttft))
+                    return
+            elif isinstance(ev, Finished):
+                tail = stop.feed(text.finish())
+                tail += stop.flush()
+                if tail:
+                    yield Piece(tail, 0)
+                st = ev.stats
+                reason = "stop" if stop.stopped or st.finish_reason == "stop" else "length"
+                outcome.append(Outcome(reason, st.tokens, st.drafted, st.accepted,
+                                       ttft if ttft is not None else time.perf_counter() - t0))
+                return
+    finally:
+        handle.cancel()  # client gone, stop sequence or error: free the KV cache now (no-op
+        # for a session the engine already finished)
