@@ -77,7 +77,7 @@ def _attention(attn, x: mx.array, segments: Sequence[Segment], layer: int) -> mx
 
 def _flat(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None]:
     inner = model.model
-    toks = [t for s in segments for t in s.tokens]
+    toks = [int(t) for s in segments for t in s.tokens]
     h = inner.embed_tokens(mx.array(toks, dtype=mx.uint32)[None])  # [1, N, D]
     for i, layer in enumerate(model.layers):
         h = h + _attention(layer.self_attn, layer.input_layernorm(h), segments, i)
@@ -103,7 +103,7 @@ def _flat(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None
 def _one_by_one(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None]:
     out: list[mx.array | None] = []
     for s in segments:
-        x = mx.array(list(s.tokens), dtype=mx.uint32)[None]
+        x = mx.array([int(t) for t in s.tokens], dtype=mx.uint32)[None]
         logits = model(x, cache=s.cache)
         out.append(None if s.logits_from is None
                    else logits[0, s.logits_from:].astype(mx.float32))

@@ -168,6 +168,10 @@ class BatchEngine:
                on_close: Callable[[], None] | None = None) -> SessionHandle:
         """Queue a request; `emit` is called from the engine thread with its events, and
         `on_close` once when its session is gone (finished, failed or cancelled)."""
+        if not req.prompt or not all(0 <= int(t) < self._vocab for t in req.prompt):
+            raise ValueError(f"prompt must be 1+ token ids in 0..{self._vocab - 1}")
+        if req.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
         proposer = make_proposer(self.proposer_spec, self.lm)
         if proposer is not None:
             proposer.start(req.params)

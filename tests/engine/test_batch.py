@@ -1,0 +1,167 @@
+"""The continuous-batching engine on real models: one flat forward per iteration, many sessions,
+and each session's greedy ids / seeded samples equal to that request served alone.
+
+The engine is stepped on the test's own thread (`run_until_idle`), no engine thread: see
+macfleet/serve/engine.py on MLX's exit abort with compiled functions in two threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from macfleet.engine.batch import Segment, flat_forward
+from macfleet.engine.events import Finished, TokensCommitted
+from macfleet.engine.loop import speculative_generate
+from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.engine.verifier import Verifier, make_trimmable_cache
+from macfleet.serve.engine import BatchEngine, EngineRequest, Overloaded, SessionFailed
+
+
+def _prompts(vocab: int, n: int, seed: int, lo: int = 2, hi: int = 120) -> list[tuple[int, ...]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        base = rng.integers(0, vocab, size=int(rng.integers(lo, hi))).tolist()
+        if i % 3 == 0:  # repetitive prompts give the n-gram proposer something to accept
+            base = (base[:8] * 6)[: max(lo, len(base))]
+        out.append(tuple(base))
+    return out
+
+
+def _alone(lm, prompt, max_tokens, params=GREEDY) -> tuple[int, ...]:
+    evs = list(speculative_generate(Verifier(lm.model), None, prompt, params=params,
+                                    max_tokens=max_tokens, eos_ids=lm.eos_ids))
+    return evs[-1].token_ids
+
+
+def _serve_all(engine: BatchEngine, reqs: list[EngineRequest]) -> list[Finished]:
+    done: dict[int, object] = {}
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
+    for i, r in enumerate(reqs):
+        def emit(ev, i=i):
+            if isinstance(ev, TokensCommitted):
+                streamed[i].extend(ev.tokens)
+            else:
+                done[i] = ev
+        engine.submit(r, emit)
+    engine.run_until_idle()
+    assert sorted(done) == list(range(len(reqs)))
+    for i, ev in done.items():
+        assert isinstance(ev, Finished), ev
+        assert list(ev.token_ids) == streamed[i]  # the stream is the answer, nothing retracted
+    return [done[i] for i in range(len(reqs))]
+
+
+def test_flat_forward_rows_match_each_session_alone(tiny):
+    m = tiny.model
+    prompts = _prompts(tiny.vocab_size, 5, seed=3)
+    caches = [make_trimmable_cache(m) for _ in prompts]
+    flat_forward(m, [Segment(p[:-1], c, None) for p, c in zip(prompts, caches)])
+    blocks = [(p[-1], 5, 7)[: 1 + i % 3] for i, p in enumerate(prompts)]
+    out = flat_forward(m, [Segment(b, c, 0) for b, c in zip(blocks, caches)])
+    for p, b, c, lg in zip(prompts, blocks, caches, out):
+        v = Verifier(m)
+        v.prefill(p[:-1])
+        ref = np.array(v.forward(b))
+        assert lg.shape == ref.shape
+        np.testing.assert_allclose(np.array(lg), ref, atol=2e-4)  # BLAS blocking: last bits
+        assert c[0].offset == len(p) - 1 + len(b)
+    # batch-invariant mode: the single-session code path, bit for bit
+    caches = [make_trimmable_cache(m) for _ in prompts]
+    flat_forward(m, [Segment(p[:-1], c, None) for p, c in zip(prompts, caches)], invariant=True)
+    out = flat_forward(m, [Segment(b, c, 0) for b, c in zip(blocks, caches)], invariant=True)
+    for p, b, lg in zip(prompts, blocks, out):
+        v = Verifier(m)
+        v.prefill(p[:-1])
+        assert np.array_equal(np.array(lg), np.array(v.forward(b)))
+
+
+@pytest.mark.parametrize("proposer,invariant", [("none", False), ("ngram", False),
+                                                ("ngram", True)])
+def test_greedy_batched_equals_alone(tiny, proposer, invariant):
+    prompts = _prompts(tiny.vocab_size, 12, seed=7)
+    reqs = [EngineRequest(p, GREEDY, 8 + i % 5 * 6) for i, p in enumerate(prompts)]
+    eng = BatchEngine(tiny, proposer=proposer, token_budget=64, max_active=8,
+                      invariant=invariant)
+    got = _serve_all(eng, reqs)
+    for r, f in zip(reqs, got):
+        assert f.token_ids == _alone(tiny, r.prompt, r.max_tokens)
+    assert eng.iterations < sum(r.max_tokens for r in reqs)  # sessions really shared forwards
+    assert max(rec.sessions for rec in eng.history) > 1
+    assert max(rec.decode_tokens + rec.prefill_tokens for rec in eng.history) <= 64 + (
+        512 if invariant else 0)
+    if proposer == "ngram":
+        assert sum(f.stats.accepted for f in got) > 0
+
+
+def test_seeded_sampling_same_alone_or_batched(tiny):
+    prompts = _prompts(tiny.vocab_size, 6, seed=11)
+    params = [SamplingParams(0.9, 0.95, seed=100 + i) for i in range(len(prompts))]
+    reqs = [EngineRequest(p, sp, 20) for p, sp in zip(prompts, params)]
+    batched = _serve_all(BatchEngine(tiny, proposer="ngram", token_budget=48), reqs)
+    alone = [_serve_all(BatchEngine(tiny, proposer="ngram"), [r])[0] for r in reqs]
+    assert [f.token_ids for f in batched] == [f.token_ids for f in alone]
+    assert [f.token_ids for f in batched] == [_alone(tiny, r.prompt, 20, r.params) for r in reqs]
+    assert len({f.token_ids for f in batched}) > 1  # seeds differ: answers differ
+
+
+def test_chunked_prefill_keeps_decoders_going(tiny):
+    eng = BatchEngine(tiny, proposer="none", token_budget=32, max_active=4)
+    short = [EngineRequest(p, GREEDY, 30) for p in _prompts(tiny.vocab_size, 3, 5, 2, 6)]
+    long = EngineRequest(tuple(np.arange(400) % tiny.vocab_size), GREEDY, 4)
+    got = _serve_all(eng, [*short, long])
+    prefill_iters = [r for r in eng.history if r.prefill_tokens]
+    assert all(r.prefill_tokens + r.decode_tokens <= 32 for r in eng.history)
+    assert sum(1 for r in prefill_iters if r.decode_tokens) >= 5  # decoding went on meanwhile
+    assert got[-1].token_ids == _alone(tiny, long.prompt, 4)
+    # without chunking the whole prompt is one iteration
+    eng2 = BatchEngine(tiny, proposer="none", token_budget=32, chunked=False)
+    _serve_all(eng2, [long])
+    assert max(r.prefill_tokens for r in eng2.history) == len(long.prompt) - 1
+
+
+def test_cancel_frees_the_session_and_others_finish(tiny):
+    eng = BatchEngine(tiny, proposer="none")
+    events: list = []
+    closed: list[int] = []
+    h = eng.submit(EngineRequest((1, 2, 3), GREEDY, 200), events.append,
+                   lambda: closed.append(1))
+    other: list = []
+    eng.submit(EngineRequest((4, 5, 6), GREEDY, 5), other.append)
+    for _ in range(3):
+        eng.step()
+    h.cancel()
+    eng.run_until_idle()
+    assert closed == [1] and eng.load() == (0, 0)
+    assert not any(isinstance(e, Finished) for e in events)  # nobody to tell
+    assert isinstance(other[-1], Finished) and len(other[-1].token_ids) == 5
+
+
+def test_queue_limit_and_zero_tokens(tiny):
+    eng = BatchEngine(tiny, proposer="none", max_queue=2)
+    out: list = []
+    eng.submit(EngineRequest((1, 2), GREEDY, 0), out.append)
+    eng.submit(EngineRequest((1, 2), GREEDY, 1), out.append)
+    with pytest.raises(Overloaded):
+        eng.submit(EngineRequest((1, 2), GREEDY, 1), out.append)
+    eng.run_until_idle()
+    fins = [e for e in out if isinstance(e, Finished)]
+    assert sorted(len(f.token_ids) for f in fins) == [0, 1]
+    assert not any(isinstance(e, SessionFailed) for e in out)
+
+
+@pytest.mark.slow
+def test_smollm2_batched_greedy_equals_alone(smollm2):
+    """The embedded model, 6 chat prompts at once vs one by one (same ids as
+    `macfleet generate --local --proposer none`, whose loop `_alone` runs)."""
+    tok = smollm2.tokenizer
+    qs = ["What is the capital of France?", "Write a haiku about rain.",
+          "List three prime numbers.", "Explain what a CPU does in one sentence.",
+          "Say hello in Spanish.", "What is 12 times 12?"]
+    prompts = [tuple(tok.apply_chat_template([{"role": "user", "content": q}],
+                                             add_generation_prompt=True)) for q in qs]
+    reqs = [EngineRequest(p, GREEDY, 16, smollm2.eos_ids) for p in prompts]
+    got = _serve_all(BatchEngine(smollm2, proposer="ngram", token_budget=256), reqs)
+    for r, f in zip(reqs, got):
+        assert f.token_ids == _alone(smollm2, r.prompt, 16)
