@@ -1,0 +1,85 @@
+"""The official `openai` client against a real `macfleet serve` (tiny model) on loopback."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import openai
+import pytest
+from conftest import wait_idle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.v1, api_key=server.key, timeout=30, max_retries=0)
+
+
+def _chat(client, content: str, **kw):
+    return client.chat.completions.create(
+        model="tiny:1", messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["tiny:1"]
+
+
+def test_chat_non_streaming_and_streaming_agree(client):
+    r = _chat(client, "the cat sat on the mat", max_tokens=20, temperature=0)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length" and len(text) == 20  # tiny: 1 char/token
+    u = r.usage
+    assert (u.prompt_tokens, u.completion_tokens) == (22, 20)
+    assert u.total_tokens == 42
+    assert u.completion_tokens_details.accepted_prediction_tokens >= 0
+    chunks = list(_chat(client, "the cat sat on the mat", max_tokens=20, temperature=0,
+                        stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20
+
+
+def test_completions_and_stop_sequence(client):
+    full = client.completions.create(model="tiny:1", prompt="abc abc abc", max_tokens=30,
+                                     temperature=0).choices[0].text
+    assert len(full) == 30
+    stop = full[10:12]
+    cut = full[: full.index(stop)]
+    r = client.completions.create(model="tiny:1", prompt="abc abc abc", max_tokens=30,
+                                  temperature=0, stop=[stop])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    s = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny:1", prompt="abc abc abc", max_tokens=30, temperature=0, stop=stop,
+        stream=True) if c.choices)
+    assert s == cut
+
+
+def test_seeded_sampling_repeats_and_seeds_differ(client):
+    a = _chat(client, "hello", max_tokens=24, temperature=1.0, seed=5)
+    b = _chat(client, "hello", max_tokens=24, temperature=1.0, seed=5)
+    c = _chat(client, "hello", max_tokens=24, temperature=1.0, seed=6)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].message.content != c.choices[0].message.content
+
+
+def test_concurrent_requests_equal_one_at_a_time(client, server):
+    prompts = [f"prompt number {i} " * (1 + i % 4) for i in range(6)]
+    alone = [_chat(client, p, max_tokens=16, temperature=0).choices[0].message.content
+             for p in prompts]
+    with cf.ThreadPoolExecutor(6) as ex:
+        together = list(ex.map(lambda p: _chat(client, p, max_tokens=16, temperature=0)
+                               .choices[0].message.content, prompts))
+    assert together == alone
+    assert wait_idle(server)["active_sessions"] == 0
+
+
+def test_errors_are_openai_errors(client, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, "x", max_tokens=10_000)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user",
+                                                                 "content": "x"}])
+    bad = openai.OpenAI(base_url=server.v1, api_key="wrong", timeout=10, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()

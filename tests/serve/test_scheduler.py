@@ -1,0 +1,42 @@
+"""The pure iteration scheduler: decoders first, drafts cut before anyone starves, chunks."""
+
+from __future__ import annotations
+
+import pytest
+
+from macfleet.serve.scheduler import SessionView, Slot, plan_iteration
+
+
+def test_decoders_first_then_prefill_chunk_under_budget():
+    views = [SessionView(1, 0, want=5), SessionView(2, 300), SessionView(3, 0, want=3),
+             SessionView(4, 50)]
+    slots = plan_iteration(views, 64)
+    assert slots[:2] == (Slot(1, 5, False), Slot(3, 3, False))
+    assert slots[2] == Slot(2, 56, True) and len(slots) == 3  # budget used up
+    assert sum(s.tokens for s in slots) == 64
+
+
+def test_drafts_are_cut_but_every_decoder_runs():
+    views = [SessionView(i, 0, want=9) for i in range(6)]
+    slots = plan_iteration(views, 10)
+    assert [s.tokens for s in slots] == [5, 1, 1, 1, 1, 1]
+    slots = plan_iteration(views, 3)  # fewer tokens than decoders: all still get one
+    assert [s.tokens for s in slots] == [1] * 6
+
+
+def test_unchunked_prefill_takes_the_whole_prompt():
+    slots = plan_iteration([SessionView(1, 0), SessionView(2, 2000)], 64, chunked=False)
+    assert slots == (Slot(1, 1, False), Slot(2, 2000, True))
+
+
+def test_aligned_chunks_end_on_multiples_and_are_never_starved():
+    slots = plan_iteration([SessionView(1, 0), SessionView(2, 900, prefill_done=100)], 64,
+                           align=512)
+    assert slots[1] == Slot(2, 412, True)  # up to 512: the chunk a session alone would run
+    slots = plan_iteration([SessionView(2, 900), SessionView(3, 600)], 600, align=512)
+    assert slots == (Slot(2, 512, True),)  # one overrunning chunk per iteration
+
+
+def test_bad_budget():
+    with pytest.raises(ValueError):
+        plan_iteration([], 0)
