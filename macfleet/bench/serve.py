@@ -1,0 +1,256 @@
+"""`macfleet bench serve`: many streaming clients against a real `macfleet serve` process.
+
+Each configuration is its own server process (one session at a time: `--max-active 1`;
+batched without drafts: `--proposer none`; batched with n-gram drafts), clients are threads
+speaking HTTP + server-sent events like any OpenAI client. Measured per client: time to first
+token (TTFT), gaps between streamed chunks (inter-token latency; a chunk can carry several
+tokens when drafts are accepted) and completion tokens from the final usage chunk.
+Decode stall: 8 decoding streams while a ~2,000-token prompt arrives, chunked prefill on / off.
+Every phase is bounded by a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+START_TIMEOUT_S = 120.0
+CHAT_PROMPTS = (
+    "What is the capital of France?", "Write a haiku about rain.",
+    "Give me three tips for better sleep.", "Explain what a CPU does.",
+    "What is the difference between a list and a tuple in Python?",
+    "Name three planets of the solar system.", "How do I boil an egg?",
+    "Why is the sky blue?",
+)
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 160
+
+
+@dataclass
+class ClientResult:
+    ok: bool = False
+    ttft_s: float = 0.0
+    gaps_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    t_start: float = 0.0
+    t_end: float = 0.0
+    error: str = ""
+
+
+def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "macfleet", "serve", "--model", model, "--port", "0",
+           "--max-sessions-per-client", "64", "--max-prompt-tokens", "4096", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        m = re.search(r"on (http://[\d.]+:\d+/v1)", line)
+        if m:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain
+            return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"server did not start: {' '.join(cmd)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def stream_one(url: str, body: dict, timeout_s: float, res: ClientResult) -> None:
+    """One streaming request; fills res (never raises)."""
+    res.t_start = last = time.perf_counter()
+    try:
+        with httpx.Client(timeout=timeout_s) as c, c.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}"
+                return
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("usage"):
+                    res.tokens = ev["usage"]["completion_tokens"]
+                ch = ev.get("choices") or [{}]
+                text = ch[0].get("text") or (ch[0].get("delta") or {}).get("content")
+                if text:
+                    now = time.perf_counter()
+                    if res.ttft_s == 0.0:
+                        res.ttft_s = now - res.t_start
+                    else:
+                        res.gaps_s.append(now - last)
+                    last = now
+        res.ok = res.tokens > 0
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    finally:
+        res.t_end = time.perf_counter()
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def run_clients(url: str, n: int, max_tokens: int, timeout_s: float) -> dict:
+    results = [ClientResult() for _ in range(n)]
+    threads = []
+    for i in range(n):
+        body = {"messages": [{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        threads.append(threading.Thread(target=stream_one, daemon=True,
+                                        args=(url + "/chat/completions", body, timeout_s,
+                                              results[i])))
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r.ok]
+    gaps = [g for r in ok for g in r.gaps_s]
+    toks = sum(r.tokens for r in ok)
+    return {"clients": n, "ok": len(ok), "failed": n - len(ok), "tokens": toks,
+            "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 2) if wall else 0.0,
+            "ttft_p50_s": round(_pct([r.ttft_s for r in ok], 0.5), 3),
+            "ttft_p99_s": round(_pct([r.ttft_s for r in ok], 0.99), 3),
+            "itl_p50_s": round(_pct(gaps, 0.5), 4), "itl_p99_s": round(_pct(gaps, 0.99), 4),
+            "errors": sorted({r.error for r in results if r.error})}
+
+
+MODES = {
+    "one_at_a_time": ("--max-active", "1", "--proposer", "none"),
+    "batched": ("--proposer", "none"),
+    "batched_ngram": ("--proposer", "ngram"),
+}
+
+
+def bench_throughput(model: str, clients: list[int], max_tokens: int, deadline: float,
+                     progress: Callable[[str], None]) -> dict:
+    out: dict[str, list[dict]] = {}
+    for mode, extra in MODES.items():
+        proc, url = start_server(model, *extra)
+        try:
+            run_clients(url, 1, 4, timeout_s=60)  # warm-up: first-call costs are not serving
+            out[mode] = []
+            for n in clients:
+                left = deadline - time.monotonic()
+                if left < 10:
+                    progress(f"{mode}: time limit reached before {n} clients")
+                    break
+                r = run_clients(url, n, max_tokens, timeout_s=left)
+                out[mode].append(r)
+                progress(f"{mode:14s} {n:3d} clients: {r['tokens_per_s']:7.2f} tok/s, TTFT p50 "
+                         f"{r['ttft_p50_s']:.2f}s, ITL p50/p99 {r['itl_p50_s'] * 1e3:.0f}/"
+                         f"{r['itl_p99_s'] * 1e3:.0f} ms, failed {r['failed']}")
+        finally:
+            stop_server(proc)
+    return out
+
+
+def bench_stall(model: str, chunked: bool, deadline: float, decoders: int = 8,
+                max_tokens: int = 96) -> dict:
+    """ITL of `decoders` streams in the window while a long prompt is prefilled."""
+    proc, url = start_server(model, "--proposer", "none",
+                             *(() if chunked else ("--no-chunked-prefill",)))
+    try:
+        run_clients(url, 1, 4, timeout_s=60)  # warm-up
+        left = max(10.0, deadline - time.monotonic())
+        res = [ClientResult() for _ in range(decoders)]
+        body = {"messages": [{"role": "user", "content": CHAT_PROMPTS[0]}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        ts = [threading.Thread(target=stream_one, daemon=True,
+                               args=(url + "/chat/completions", body, left, r)) for r in res]
+        for t in ts:
+            t.start()
+        t_wait = time.monotonic() + left
+        while time.monotonic() < t_wait and not all(r.ttft_s for r in res):
+            time.sleep(0.05)  # every decoder is streaming before the long prompt arrives
+        long = ClientResult()
+        lbody = {"prompt": LONG_PROMPT, "max_tokens": 1, "temperature": 0, "stream": True,
+                 "stream_options": {"include_usage": True}}
+        stream_one(url + "/completions", lbody, left, long)
+        window = (long.t_start, long.t_end)
+        for t in ts:
+            t.join(max(1.0, deadline - time.monotonic()))
+        gaps = []
+        for r in res:  # chunk gaps that end inside the prefill window
+            t = r.t_start + r.ttft_s
+            for g in r.gaps_s:
+                t += g
+                if window[0] <= t <= window[1] + 1e-3:
+                    gaps.append(g)
+        all_gaps = [g for r in res for g in r.gaps_s]
+        return {"chunked_prefill": chunked, "long_prompt_s": round(long.t_end - long.t_start, 3),
+                "long_ok": long.ok, "gaps_in_window": len(gaps),
+                "itl_window_p50_s": round(_pct(gaps, 0.5), 4),
+                "itl_window_p99_s": round(_pct(gaps, 0.99), 4),
+                "itl_max_s": round(max(gaps, default=0.0), 4),
+                "itl_overall_p50_s": round(_pct(all_gaps, 0.5), 4)}
+    finally:
+        stop_server(proc)
+
+
+def bench_serve(model: str, clients: list[int], max_tokens: int, time_limit_s: float,
+                progress: Callable[[str], None], stall: bool = True) -> dict:
+    deadline = time.monotonic() + time_limit_s
+    res = {"model": model, "max_tokens": max_tokens, "clients": clients,
+           "time_limit_s": time_limit_s,
+           "throughput": bench_throughput(model, clients, max_tokens,
+                                          deadline - (120 if stall else 0), progress)}
+    if stall:
+        res["decode_stall"] = []
+        for chunked in (True, False):
+            r = bench_stall(model, chunked, deadline)
+            res["decode_stall"].append(r)
+            progress(f"stall chunked={chunked}: long prompt {r['long_prompt_s']:.1f}s, ITL in "
+                     f"window p50/p99/max {r['itl_window_p50_s'] * 1e3:.0f}/"
+                     f"{r['itl_window_p99_s'] * 1e3:.0f}/{r['itl_max_s'] * 1e3:.0f} ms")
+    res["not_measured"] = ("mlx_lm.server on the same model (needs `macfleet export`, not "
+                           "written yet)")
+    return res
+
+
+def plot(res: dict, path) -> bool:
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, rows in res["throughput"].items():
+        xs = [r["clients"] for r in rows]
+        ax[0].plot(xs, [r["tokens_per_s"] for r in rows], marker="o", label=mode)
+        ax[1].plot(xs, [r["itl_p50_s"] * 1e3 for r in rows], marker="o", label=mode)
+    ax[0].set(xlabel="concurrent clients", ylabel="aggregate tokens/s", title=res["model"])
+    ax[1].set(xlabel="concurrent clients", ylabel="inter-token latency p50 (ms)")
+    ax[0].legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def summary_rows(res: dict) -> list[str]:
+    return [f"{mode}: " + ", ".join(f"{r['clients']}c {r['tokens_per_s']} tok/s" for r in rows)
+            for mode, rows in res["throughput"].items()]
+
