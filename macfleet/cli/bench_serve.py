@@ -13,6 +13,12 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--time-limit", type=float, default=900.0, help="seconds for everything")
     s.add_argument("--no-stall", action="store_true", help="skip the decode-stall measurement")
     s.set_defaults(func=run_serve)
+    b = bs.add_parser("batch-identity", help="greedy answers batched vs alone over many "
+                      "requests: divergence rate per mode (results/batch_identity.json)")
+    b.add_argument("--requests", type=int, default=200)
+    b.add_argument("--max-tokens", type=int, default=24)
+    b.add_argument("--concurrency", type=int, default=16)
+    b.set_defaults(func=run_identity)
 
 
 def run_serve(args) -> int:
@@ -33,5 +39,25 @@ def run_serve(args) -> int:
         print(f"wrote {args.out / 'serve.png'}")
     for line in summary_rows(res):
         print(line)
+    print(f"wrote {path}")
+    return 0
+
+
+def run_identity(args) -> int:
+    from macfleet.bench.batch_identity import bench_identity
+    from macfleet.bench.record import write_result
+    from macfleet.cli.main import UserError
+    from macfleet.engine.models import load_model
+
+    if min(args.requests, args.max_tokens, args.concurrency) < 1:
+        raise UserError("--requests, --max-tokens and --concurrency must be >= 1")
+    res = bench_identity(load_model(args.model), args.requests, args.max_tokens,
+                         args.concurrency, lambda m: print(m, file=sys.stderr, flush=True))
+    name = "batch_identity.json" if args.model == "smollm2" else (
+        f"batch_identity_{args.model.replace(':', '_')}.json")
+    path = write_result(name, res, args.out)
+    for mode, r in res["modes"].items():
+        print(f"{mode:10s} diverged {r['diverged']}/{res['requests']} "
+              f"({r['divergence_rate']:.1%}), {r['iterations']} iterations, {r['seconds']} s")
     print(f"wrote {path}")
     return 0
