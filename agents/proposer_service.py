@@ -192,14 +192,14 @@ class ProposerService:
             params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
             prop.start(params)
             # a hidden-state drafter cannot pre-draft ahead of the verifier's features
-            lookahead = msg.cross_round and not hasattr(prop, "feed_features")
+            lookahead = msg.cross_round and not prop.wants_features
             self._sessions[msg.session_id] = DraftStream(
                 prop, list(msg.prompt), want_probs=not params.greedy, cross_round=lookahead)
             return SessionOpened(msg.session_id, prop.name, self.lm.vocab_size)
         if isinstance(msg, CloseSession):
             s = self._sessions.pop(msg.session_id, None)
             if s is not None:
-                self.fallback_tokens += getattr(s.proposer, "fallback_tokens", 0)
+                self.fallback_tokens += s.proposer.fallback_tokens
                 s.proposer.close()
             return SessionClosed(msg.session_id)
         s = self._sessions.get(msg.session_id)
@@ -208,7 +208,7 @@ class ProposerService:
         if any(not 0 <= t < self.lm.vocab_size for t in msg.committed):
             raise ProtocolError(BAD_REQUEST, "committed ids outside the vocabulary")
         s.commit(msg.committed)
-        if msg.features is not None and hasattr(s.proposer, "feed_features"):
+        if msg.features is not None and s.proposer.wants_features:
             a = msg.features_start
             n = min(len(msg.features), len(s.context) - a)  # rows of committed positions only
             if n > 0:

@@ -25,7 +25,7 @@ import numpy as np
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionOpened)
 from bridge.transport import Client
-from macfleet.engine.loop import ProposerFailed
+from macfleet.engine.proposers.base import ProposerFailed
 from macfleet.engine.proposers.base import Draft, Proposer
 from macfleet.engine.sampling import GREEDY, SamplingParams
 

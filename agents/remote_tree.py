@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 
 from agents.remote_proposer import RemoteProposer
-from macfleet.engine.loop import ProposerFailed
+from macfleet.engine.proposers.base import ProposerFailed
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft
 from macfleet.engine.tree_loop import ProposerGroup
 

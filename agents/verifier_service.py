@@ -21,10 +21,10 @@ from bridge.errors import BAD_REQUEST, BUSY, UNAVAILABLE, ProtocolError
 from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDone, GenerateRequest
 from macfleet.engine.controller import make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
-from macfleet.engine.loop import ProposerFailed, speculative_generate
+from macfleet.engine.loop import speculative_generate
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import ProposerSpecError, make_proposer
-from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.text import PromptError, TextStream, encode_prompt
 from macfleet.engine.tree_loop import tree_budget, tree_generate

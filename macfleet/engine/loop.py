@@ -23,17 +23,13 @@ import numpy as np
 from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accept_ratio
 from macfleet.engine.controller import FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
-
-
-class ProposerFailed(RuntimeError):
-    """Raised by a proposer that cannot serve any more (dead peer): the loop goes on without it."""
 
 
 def _tree_prefix(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:

@@ -19,8 +19,8 @@ import numpy as np
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
 from macfleet.engine.drafter.features import record_hidden
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
-from macfleet.engine.loop import ProposerFailed, sanitize_draft
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.loop import sanitize_draft
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample
 from macfleet.engine.tree_verify import (compact_cache, supports_tree_attention, tree_forward,

@@ -159,7 +159,9 @@ def test_tree_sampling_loop_runs_and_is_seeded():
     params = SamplingParams(1.0, 1.0, 11)
     outs = []
     for _ in range(2):
-        group = ProposerGroup([make_proposer("draft:tiny:7:32", lm), make_proposer("ngram", lm)])
+        # fixed lengths: adaptive ones follow measured times, which differ between runs
+        group = ProposerGroup([make_proposer("draft:tiny:7:32", lm), make_proposer("ngram", lm)],
+                              draft_tokens=3)
         outs.append(run(tree_generate(Verifier(lm.model), group, [1, 2, 3, 1, 2, 3], params=params,
                                       max_tokens=30))[0])
     assert outs[0] == outs[1] and len(outs[0]) == 30

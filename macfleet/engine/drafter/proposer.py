@@ -62,6 +62,8 @@ class _FeatureStore:
 
 
 class EagleProposer(Proposer):
+    wants_features = True
+
     def __init__(self, head: EagleHead, name: str = "eagle", tap: bool = True,
                  f3_codec: str | None = None) -> None:
         """f3_codec: pass tapped features through this wire codec (to measure what sending

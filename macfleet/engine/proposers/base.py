@@ -40,12 +40,22 @@ class Draft:
 EMPTY_DRAFT = Draft(tokens=())
 
 
+class ProposerFailed(RuntimeError):
+    """Raised by a proposer that cannot serve any more (dead peer): the loop goes on without it."""
+
+
 class Proposer(ABC):
     """A cheap source of draft tokens for one sequence."""
 
     name: str = "proposer"
-    # Declared capabilities (what the loops may ask of a proposer):
+    # Declared capabilities (what the loops and agents may ask of a proposer):
     drafts_trees: bool = False  # propose() may return a tree (Draft.parents); k = node budget
+    wants_features: bool = False  # drafts from the verifier's hidden states (flow F3)
+    fallback_tokens: int = 0  # positions whose features it had to compute itself
+
+    def feed_features(self, start: int, tokens: Sequence[int], hidden) -> None:
+        """Hidden states of committed positions start.. (flow F3); only for wants_features."""
+        raise TypeError(f"{self.name} does not draft from hidden states")
 
 
     def start(self, params: SamplingParams) -> None:
