@@ -42,6 +42,7 @@ def add_parser(sub) -> None:
     u.add_argument("--model", default="smollm2")
     u.add_argument("--no-pin", action="store_true", help="do not pin agents to cores")
     u.add_argument("--f3-probe", action="store_true", help="the verifier measures F3 per block")
+    u.add_argument("--serve", action="store_true", help="then serve the OpenAI API on it")
     u.add_argument("--shard", type=int, default=0, metavar="N",
                    help="shard the verifier over N agents (mlx.distributed ring)")
     u.add_argument("--shard-mode", choices=("tensor", "pipeline"), default="pipeline")
@@ -126,6 +127,10 @@ def run_up(args) -> int:
     for c in sorted(cards, key=lambda c: c.name):
         print(f"{c.name:14s} {'/'.join(c.roles):9s} {c.router_endpoint}")
     print(f"fleet up ({len(cards)} agents); `macfleet down` stops it")
+    if getattr(args, "serve", False):
+        from macfleet.cli.cmd_serve import serve_fleet
+
+        return serve_fleet(args)
     return 0
 
 

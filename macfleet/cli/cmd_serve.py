@@ -18,7 +18,8 @@ DEFAULT_PORT = 8000
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP API (continuous batching)")
     p.add_argument("--local", action="store_true",
-                   help="in-process verifier (the only mode so far: see README)")
+                   help="in-process verifier with continuous batching (default when no fleet "
+                   "is found); without it a fleet's verifier agent serves each request")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")
     p.add_argument("--model", default="smollm2")
@@ -41,7 +42,33 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-sessions-per-client", type=int, default=8)
+    p.add_argument("--key", default=None, help="fleet key file (default ~/.macfleet/fleet.key)")
+    p.add_argument("--open", action="store_true", help="talk to an unauthenticated fleet")
+    p.add_argument("--wait", type=float, default=2.0, help="seconds to look for agents")
     p.set_defaults(func=run)
+
+
+def fleet_engine(args, draft_tokens):
+    """A RemoteEngine on the fleet's verifier agent, or None (no key, no live verifier)."""
+    from bridge.auth import fleet_id
+    from macfleet.fleet.client import NoFleet, choose_roles, discover, probe
+    from macfleet.fleet.keys import KeyMissing, resolve_key
+    from macfleet.serve.remote import RemoteEngine
+
+    try:
+        key = resolve_key(args.key, open_fleet=args.open)
+    except KeyMissing:
+        return None
+    cards = discover(fleet_id(key), wait_s=args.wait, expect=2)
+    try:
+        verifier, proposers = choose_roles([probe(c, key, pings=1) for c in cards], args.model)
+    except NoFleet as e:
+        if cards:
+            print(f"macfleet serve: {e}; serving in-process", file=sys.stderr)
+        return None
+    return RemoteEngine(verifier, proposers, key, proposer=args.proposer,
+                        draft_tokens=draft_tokens, max_active=args.max_active,
+                        max_queue=args.max_queue)
 
 
 def _api_key(args) -> str | None:
@@ -65,6 +92,19 @@ def _validate(args) -> None:
         raise UserError("--port must be 0..65535")
 
 
+def serve_fleet(up_args) -> int:
+    """`macfleet up --serve`: serve the fleet just started (its model, key) with the defaults."""
+    import argparse
+
+    sub = argparse.ArgumentParser(prog="macfleet").add_subparsers()
+    add_parser(sub)
+    argv = ["serve", "--model", up_args.model, "--wait", "5"]
+    argv += ["--open"] if getattr(up_args, "open", False) else []
+    argv += ["--key", up_args.key] if getattr(up_args, "key", None) else []
+    args = sub.choices["serve"].parse_args(argv[1:])
+    return run(args)
+
+
 def run(args) -> int:
     _validate(args)
     key = _api_key(args)
@@ -86,20 +126,24 @@ def run(args) -> int:
     from macfleet.serve.engine import BatchEngine
     from macfleet.serve.schemas import Limits
 
+    engine = None if args.local else fleet_engine(args, k)
     try:
-        lm = load_model(args.model)
-        engine = BatchEngine(lm, proposer=args.proposer, draft_tokens=k,
-                             token_budget=args.token_budget, max_active=args.max_active,
-                             max_queue=args.max_queue, chunked=not args.no_chunked_prefill,
-                             invariant=args.batch_invariant)
+        lm = load_model(args.model)  # the tokenizer; the weights too when in-process
+        engine = engine or BatchEngine(
+            lm, proposer=args.proposer, draft_tokens=k, token_budget=args.token_budget,
+            max_active=args.max_active, max_queue=args.max_queue,
+            chunked=not args.no_chunked_prefill, invariant=args.batch_invariant)
     except (ModelSpecError, ProposerSpecError, BatchUnsupported, ValueError) as e:
         raise UserError(str(e)) from None
     limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_cap,
                     args.max_sessions_per_client)
     app = create_app(engine.start(), lm.tokenizer, ServerConfig(args.model, key, limits))
     host, port = sock.getsockname()[:2]
-    print(f"macfleet serve: {args.model} on http://{host}:{port}/v1 (in-process, "
-          f"proposer {args.proposer}, budget {args.token_budget} tokens/iteration"
+    where = (f"in-process, budget {args.token_budget} tokens/iteration"
+             if isinstance(engine, BatchEngine) else
+             f"verifier agent {engine.verifier.card.name}, not batched")
+    print(f"macfleet serve: {args.model} on http://{host}:{port}/v1 ({where}, "
+          f"proposer {args.proposer}"
           f"{', batch-invariant' if args.batch_invariant else ''}"
           f"{', API key required' if key else ''})", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,

@@ -80,16 +80,20 @@ class Api:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise RequestError(f"the body is not valid JSON: {e}") from None
 
-    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+    def _prompt(self, req: GenerationRequest) -> tuple[list[int], str]:
+        """Token ids and text of the prompt (chat template applied for chat requests)."""
         tok = self.tok
         if req.chat:
             msgs = [{"role": m.role, "content": m.content} for m in req.messages]
             if getattr(tok, "has_chat_template", False):
                 ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
+                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
             else:
-                ids = tok.encode("\n".join(m.content for m in req.messages))
+                text = "\n".join(m.content for m in req.messages)
+                ids = tok.encode(text)
         else:
-            ids = tok.encode(req.prompt)
+            text = req.prompt
+            ids = tok.encode(text)
         ids = [int(t) for t in ids]
         lim = self.cfg.limits.max_prompt_tokens
         if not ids:
@@ -98,7 +102,7 @@ class Api:
             raise RequestError(f"the prompt is {len(ids)} tokens; this server's limit is {lim}",
                                param="messages" if req.chat else "prompt",
                                code="context_length_exceeded")
-        return ids
+        return ids, text
 
     # -- routes ---------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -136,13 +140,13 @@ class Api:
         if not self.engine.alive:
             raise RequestError("no verifier is available", status=503, kind="server_error",
                                code="unavailable")
-        ids = self._prompt_ids(req)
+        ids, text = self._prompt(req)
         client = f"{request.client.host if request.client else '?'}"
         if self.sessions[client] >= self.cfg.limits.max_sessions_per_client:
             raise RequestError(f"{self.sessions[client]} sessions already open for this client",
                                status=429, kind="rate_limit_error", code="too_many_sessions")
         ereq = EngineRequest(tuple(ids), req.params, req.max_tokens,
-                             frozenset(getattr(self.tok, "eos_token_ids", ()) or ()))
+                             frozenset(getattr(self.tok, "eos_token_ids", ()) or ()), text)
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      int(time.time()), self.cfg.model_id, chat, len(ids))
         self.sessions[client] += 1  # released when the engine drops the session

@@ -51,6 +51,7 @@ class EngineRequest:
     params: SamplingParams
     max_tokens: int
     eos_ids: frozenset[int] = frozenset()
+    text: str | None = None  # the prompt as text (chat template applied), for fleet backends
 
 
 @dataclass(frozen=True)

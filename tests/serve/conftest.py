@@ -27,6 +27,7 @@ class Server:
     proc: subprocess.Popen
     model: str
     key: str | None
+    banner: str = ""
 
     @property
     def v1(self) -> str:
@@ -39,12 +40,14 @@ class Server:
         return httpx.get(self.base + "/health", timeout=5).json()
 
 
-def start_server(*extra: str, model: str = "tiny:1", key: str | None = API_KEY) -> Server:
+def start_server(*extra: str, model: str = "tiny:1", key: str | None = API_KEY,
+                 local: bool = True) -> Server:
     env = dict(os.environ)
     blas = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
     if os.path.exists(blas):
         env.setdefault("LD_PRELOAD", blas)
-    cmd = [sys.executable, "-m", "macfleet", "serve", "--model", model, "--port", "0", *extra]
+    cmd = [sys.executable, "-m", "macfleet", "serve", *(["--local"] if local else []),
+           "--model", model, "--port", "0", *extra]
     if key:
         cmd += ["--api-key", key]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -55,7 +58,7 @@ def start_server(*extra: str, model: str = "tiny:1", key: str | None = API_KEY) 
         line = proc.stdout.readline()
         m = re.search(r"on (http://[\d.]+:\d+)/v1", line)
         if m:
-            return Server(m.group(1), proc, model, key)
+            return Server(m.group(1), proc, model, key, line.strip())
         if proc.poll() is not None:
             break
     proc.kill()

@@ -1,0 +1,129 @@
+"""Serving through a fleet's verifier agent: each request forwarded with `generate_remote`.
+
+No batching here: the verifier agent runs its sessions one forward each (its own queue), and
+the agent's proposers keep drafting per session, cross-round. What this buys over `--local`
+is the fleet's verifier and proposers; continuous batching on the agent is not done yet.
+Same interface as `BatchEngine` (submit / alive / load / history), so the HTTP layer is one.
+The prompt travels as text (the chat template already applied here), since the wire request
+carries text; a request stopped by its client stops reading, and the agent finishes the
+generation on its own (the protocol has no cancel message yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+from bridge.messages import GenerateChunk, GenerateDone
+from macfleet.engine.events import Finished, GenerationStats, TokensCommitted
+from macfleet.fleet.client import generate_remote
+from macfleet.serve.engine import EngineEvent, EngineRequest, Overloaded, SessionFailed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Handle:
+    cancelled: bool = False
+    sid: int = 0
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class RemoteEngine:
+    """Forwards every request to one verifier agent (chosen by `choose_roles`)."""
+
+    def __init__(self, verifier, proposers, key: bytes | None, *, proposer: str = "ngram",
+                 draft_tokens: int | str = "auto", max_active: int = 16,
+                 max_queue: int = 64) -> None:
+        self.verifier, self.proposers, self.key = verifier, proposers, key
+        self.proposer_spec, self.draft_tokens = proposer, draft_tokens
+        self.max_active, self.max_queue = max_active, max_queue
+        self._slots = threading.BoundedSemaphore(max_active)
+        self._lock = threading.Lock()
+        self._active = self._waiting = 0
+        self._alive = True
+        self._next = 0
+        self.history: deque = deque()  # no iterations of our own to show
+        self.iterations = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def start(self) -> RemoteEngine:
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._alive = False
+
+    def load(self) -> tuple[int, int]:
+        with self._lock:
+            return self._active, self._waiting
+
+    def submit(self, req: EngineRequest, emit: Callable[[EngineEvent], None],
+               on_close: Callable[[], None] | None = None) -> _Handle:
+        if req.text is None:
+            raise ValueError("a fleet request needs its prompt text")
+        with self._lock:
+            if self._waiting >= self.max_queue:
+                raise Overloaded(f"{self._waiting} requests are already waiting")
+            self._waiting += 1
+            h = _Handle(sid=self._next)
+            self._next += 1
+        threading.Thread(target=self._run, args=(req, emit, on_close, h), daemon=True,
+                         name=f"serve-remote-{h.sid}").start()
+        return h
+
+    def _run(self, req: EngineRequest, emit, on_close, h: _Handle) -> None:
+        self._slots.acquire()
+        with self._lock:
+            self._waiting -= 1
+            self._active += 1
+        try:
+            self._forward(req, emit, h)
+        finally:
+            with self._lock:
+                self._active -= 1
+            self._slots.release()
+            if on_close is not None:
+                on_close()
+
+    def _forward(self, req: EngineRequest, emit, h: _Handle) -> None:
+        if h.cancelled:
+            return
+        p = req.params
+        remote = ([c.card.router_endpoint for c in self.proposers]
+                  if self.proposer_spec != "none" else [])
+        k = -1 if self.draft_tokens == "auto" else int(self.draft_tokens)
+        n = 0
+        try:
+            for msg in generate_remote(self.verifier.card, self.key, prompt=req.text, chat=False,
+                                       max_tokens=req.max_tokens, temperature=p.temperature,
+                                       top_p=p.top_p, seed=p.seed, draft_tokens=k,
+                                       proposers=remote, proposer_spec=self.proposer_spec):
+                if h.cancelled:
+                    return  # closes the client; the agent finishes on its own
+                if isinstance(msg, GenerateChunk) and msg.token_ids:
+                    n += 1
+                    emit(TokensCommitted(n, tuple(msg.token_ids)))
+                elif isinstance(msg, GenerateDone):
+                    st = msg.stats
+                    emit(Finished(GenerationStats(
+                        tokens=len(msg.token_ids), elapsed_s=float(st.get("elapsed_s", 0.0)),
+                        drafted=int(st.get("drafted", 0)), accepted=int(st.get("accepted", 0)),
+                        proposer=str(st.get("proposer", "")),
+                        finish_reason=str(st.get("finish_reason", "length"))),
+                        tuple(msg.token_ids)))
+                    return
+        except (PeerUnavailable, TransportTimeout) as e:
+            self._alive = False  # the HTTP layer answers 503 from now on
+            log.error("verifier agent %s is gone: %s", self.verifier.card.name, e)
+            emit(SessionFailed(f"verifier {self.verifier.card.name}: {e}"))
+        except ProtocolError as e:
+            emit(SessionFailed(f"verifier {self.verifier.card.name}: {e}"))

@@ -1,0 +1,49 @@
+"""`macfleet serve` in front of a real local fleet (`macfleet up`, tiny model, its own
+MACFLEET_HOME so no other fleet is seen): each request goes to the verifier agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import openai
+import pytest
+from conftest import start_server, stop_server
+
+
+def _cli(*args: str, env: dict, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "macfleet", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture
+def fleet_env(tmp_path):
+    env = {**os.environ, "MACFLEET_HOME": str(tmp_path / "home")}
+    r = _cli("up", "--model", "tiny:1", "--agents", "2", "--no-pin", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    try:
+        yield env
+    finally:
+        _cli("down", env=env, timeout=30)
+
+
+def test_serve_forwards_to_the_fleet_verifier(fleet_env, monkeypatch):
+    monkeypatch.setenv("MACFLEET_HOME", fleet_env["MACFLEET_HOME"])
+    s = start_server("--proposer", "ngram", key=None, local=False)
+    try:
+        assert "verifier agent" in s.banner
+        c = openai.OpenAI(base_url=s.v1, api_key="none", timeout=60, max_retries=0)
+        r = c.chat.completions.create(model="tiny:1", max_tokens=12, temperature=0,
+                                      messages=[{"role": "user", "content": "hello hello"}])
+        text = r.choices[0].message.content
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="tiny:1", max_tokens=12, temperature=0, stream=True,
+            messages=[{"role": "user", "content": "hello hello"}]) if ch.choices)
+    finally:
+        stop_server(s)
+    alone = _cli("generate", "hello hello", "--model", "tiny:1", "--local", "--proposer", "none",
+                 "--max-tokens", "12", "--json", env=fleet_env)
+    assert text == streamed == json.loads(alone.stdout.strip().splitlines()[-1])["text"]
+    assert r.usage.completion_tokens == 12
