@@ -19,6 +19,12 @@ def add_bench_parsers(bs) -> None:
     b.add_argument("--max-tokens", type=int, default=24)
     b.add_argument("--concurrency", type=int, default=16)
     b.set_defaults(func=run_identity)
+    k = bs.add_parser("serve-soak", help="many requests of misbehaving clients (disconnects, "
+                      "timeouts, bad JSON) against one server (results/serve_soak.json)")
+    k.add_argument("--requests", type=int, default=1000)
+    k.add_argument("--concurrency", type=int, default=16)
+    k.add_argument("--time-limit", type=float, default=600.0)
+    k.set_defaults(func=run_soak)
 
 
 def run_serve(args) -> int:
@@ -61,3 +67,17 @@ def run_identity(args) -> int:
               f"({r['divergence_rate']:.1%}), {r['iterations']} iterations, {r['seconds']} s")
     print(f"wrote {path}")
     return 0
+
+
+def run_soak(args) -> int:
+    from macfleet.bench.record import write_result
+    from macfleet.bench.serve_soak import soak
+
+    res = soak(args.model, args.requests, args.concurrency, args.time_limit,
+               lambda m: print(m, file=sys.stderr, flush=True))
+    path = write_result("serve_soak.json", res, args.out)
+    print(f"{res['requests']} requests ({res['by_kind']}): {res['failed']} failed; server "
+          f"{'alive' if res['server_alive_at_end'] else 'DEAD'}, "
+          f"{res['sessions_left_at_end']} sessions left")
+    print(f"wrote {path}")
+    return 0 if res["failed"] == 0 and res["server_alive_at_end"] else 1

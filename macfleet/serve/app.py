@@ -108,7 +108,7 @@ class Api:
     async def health(self, request: Request) -> Response:
         alive = self.engine.alive
         active, waiting = self.engine.load()
-        recent = list(self.engine.history)[-32:]
+        recent = self.engine.recent(32)
         body = {"status": "ok" if alive else "unavailable", "model": self.cfg.model_id,
                 "active_sessions": active, "waiting_sessions": waiting,
                 "iterations": self.engine.iterations,

@@ -165,6 +165,11 @@ class BatchEngine:
         with self._cv:
             return len(self._active), len(self._waiting)
 
+    def recent(self, n: int = 32) -> list[IterationRecord]:
+        """The last n iterations (a copy: the engine thread keeps appending)."""
+        with self._cv:
+            return list(self.history)[-n:]
+
     def submit(self, req: EngineRequest, emit: Callable[[EngineEvent], None],
                on_close: Callable[[], None] | None = None) -> SessionHandle:
         """Queue a request; `emit` is called from the engine thread with its events, and
@@ -304,10 +309,11 @@ class BatchEngine:
         out = flat_forward(self.lm.model, segs, invariant=self.invariant)
         ms = (self.clock() - t0) * 1e3
         n_dec = sum(sl.tokens for _, sl in run if not sl.prefill)
-        self.history.append(IterationRecord(t0, len(run), n_dec,
-                                            sum(sl.tokens for _, sl in run) - n_dec,
-                                            len(self._waiting), ms))
-        self.iterations += 1
+        rec = IterationRecord(t0, len(run), n_dec, sum(sl.tokens for _, sl in run) - n_dec,
+                              len(self._waiting), ms)
+        with self._cv:
+            self.history.append(rec)
+            self.iterations += 1
         for (s, slot), logits in zip(run, out):
             if slot.prefill:
                 s.prefilled += slot.tokens

@@ -3,7 +3,7 @@
 No batching here: the verifier agent runs its sessions one forward each (its own queue), and
 the agent's proposers keep drafting per session, cross-round. What this buys over `--local`
 is the fleet's verifier and proposers; continuous batching on the agent is not done yet.
-Same interface as `BatchEngine` (submit / alive / load / history), so the HTTP layer is one.
+Same interface as `BatchEngine` (submit / alive / load / recent), so the HTTP layer is one.
 The prompt travels as text (the chat template already applied here), since the wire request
 carries text; a request stopped by its client stops reading, and the agent finishes the
 generation on its own (the protocol has no cancel message yet).
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,7 +48,6 @@ class RemoteEngine:
         self._active = self._waiting = 0
         self._alive = True
         self._next = 0
-        self.history: deque = deque()  # no iterations of our own to show
         self.iterations = 0
 
     @property
@@ -61,6 +59,9 @@ class RemoteEngine:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._alive = False
+
+    def recent(self, n: int = 32) -> list:
+        return []
 
     def load(self) -> tuple[int, int]:
         with self._lock:

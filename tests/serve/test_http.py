@@ -115,6 +115,9 @@ class _DeadEngine:
     def load(self):
         return 0, 0
 
+    def recent(self, n=32):
+        return []
+
     def submit(self, req, emit, on_close=None):
         raise Overloaded("3 requests are already waiting")
 
