@@ -143,6 +143,7 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
     assert served > 0 and fallback == 0  # every feature came over F3
 
 
+@pytest.mark.slow  # trains a head first
 def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path):
     """An EAGLE-2 drafter on the proposer agent returns a token tree (DraftReply.parents); the
     verifier agent verifies it in one forward: output identical to the verifier alone, fed by

@@ -83,6 +83,7 @@ def test_dataset_resumes_without_duplicates_and_refuses_another_verifier(tmp_pat
         generate_dataset(load_model("tiny:4:32"), tmp_path, 900, fingerprint="0" * 16)
 
 
+@pytest.mark.slow  # trains a head
 def test_a_head_trains_from_the_dataset_and_records_what_it_saw(tmp_path, lm_eos):
     fp = verifier_fingerprint(lm_eos.model)
     ds = tmp_path / "ds"
