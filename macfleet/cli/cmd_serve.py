@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens-cap", type=int, default=1024)
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    p.add_argument("--max-sessions-per-client", type=int, default=8)
+    p.add_argument("--max-sessions-per-client", type=int, default=16,
+                   help="open sessions per client address")
     p.add_argument("--key", default=None, help="fleet key file (default ~/.macfleet/fleet.key)")
     p.add_argument("--open", action="store_true", help="talk to an unauthenticated fleet")
     p.add_argument("--wait", type=float, default=2.0, help="seconds to look for agents")

@@ -38,7 +38,7 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int = 4096
     max_tokens: int = 1024
-    max_sessions_per_client: int = 8
+    max_sessions_per_client: int = 16
 
 
 @dataclass(frozen=True)

@@ -72,12 +72,18 @@ def open_session(engine, req: EngineRequest,
     loop = asyncio.get_running_loop()
     q: asyncio.Queue[EngineEvent] = asyncio.Queue()
 
-    def emit(ev: EngineEvent) -> None:  # engine thread
-        loop.call_soon_threadsafe(q.put_nowait, ev)
+    def post(fn, *a) -> None:  # engine thread
+        try:
+            loop.call_soon_threadsafe(fn, *a)
+        except RuntimeError:  # the server's loop is closed (shutdown): nobody to tell
+            pass
 
-    def closed() -> None:  # engine thread
+    def emit(ev: EngineEvent) -> None:
+        post(q.put_nowait, ev)
+
+    def closed() -> None:
         if on_close is not None:
-            loop.call_soon_threadsafe(on_close)
+            post(on_close)
 
     return engine.submit(req, emit, closed), q
 
