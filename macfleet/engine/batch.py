@@ -53,34 +53,40 @@ def check_batchable(model: nn.Module) -> None:
             "(q/k/v/o projections, rope): continuous batching supports the llama family")
 
 
-def _attention(attn, x: mx.array, segments: Sequence[Segment], layer: int) -> mx.array:
-    """x: [1, N, D] flat batch -> o_proj(attention) [1, N, D]; attention per segment."""
-    q_all, k_all, v_all = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+def _attention(attn, x: mx.array, segments: Sequence[Segment], layer: int,
+               positions: mx.array) -> mx.array:
+    """x: [1, N, D] flat batch -> o_proj(attention) [1, N, D].
+
+    Projections and rotary embeddings run once on the flat batch (`mx.fast.rope` takes one
+    offset per batch row, so the N tokens are laid out as N rows at their own positions);
+    only the cache update and the attention itself are per segment."""
+    N = x.shape[1]
+    q = attn.rope(attn.q_proj(x).reshape(N, attn.n_heads, 1, -1), offset=positions)
+    k = attn.rope(attn.k_proj(x).reshape(N, attn.n_kv_heads, 1, -1), offset=positions)
+    v = attn.v_proj(x).reshape(N, attn.n_kv_heads, 1, -1)
     outs = []
     start = 0
     for seg in segments:
-        L = len(seg)
-        end = start + L
-        cache = seg.cache[layer]
-        q = q_all[:, start:end].reshape(1, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
-        k = k_all[:, start:end].reshape(1, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = v_all[:, start:end].reshape(1, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q = attn.rope(q, offset=cache.offset)
-        k = attn.rope(k, offset=cache.offset)
-        keys, values = cache.update_and_fetch(k, v)
-        o = mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=attn.scale, mask="causal" if L > 1 else None)
-        outs.append(o.transpose(0, 2, 1, 3).reshape(1, L, -1))
+        end = start + len(seg)
+        # rows [start, end) as one sequence: [L, heads, 1, hd] -> [1, heads, L, hd]
+        keys, values = seg.cache[layer].update_and_fetch(k[start:end].transpose(2, 1, 0, 3),
+                                                         v[start:end].transpose(2, 1, 0, 3))
+        outs.append(mx.fast.scaled_dot_product_attention(
+            q[start:end].transpose(2, 1, 0, 3), keys, values, scale=attn.scale,
+            mask="causal" if len(seg) > 1 else None))
         start = end
-    return attn.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
+    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # [1, heads, N, hd]
+    return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, N, -1))
 
 
 def _flat(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None]:
     inner = model.model
     toks = [int(t) for s in segments for t in s.tokens]
+    positions = mx.array([s.cache[0].offset + i for s in segments for i in range(len(s))],
+                         dtype=mx.int32)
     h = inner.embed_tokens(mx.array(toks, dtype=mx.uint32)[None])  # [1, N, D]
     for i, layer in enumerate(model.layers):
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), segments, i)
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), segments, i, positions)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     rows: list[int] = []
     spans: list[tuple[int, int] | None] = []
