@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -62,6 +63,28 @@ def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
             break
     proc.kill()
     raise RuntimeError(f"server did not start: {' '.join(cmd)}")
+
+
+def start_mlx_lm_server(model_dir: str) -> tuple[subprocess.Popen, str]:
+    """`mlx_lm.server` on an exported copy of the same weights (its default batching on)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", model_dir,
+                             "--host", "127.0.0.1", "--port", str(port), "--max-tokens", "512"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/models", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("mlx_lm.server did not start")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -144,10 +167,14 @@ MODES = {
 
 
 def bench_throughput(model: str, clients: list[int], max_tokens: int, deadline: float,
-                     progress: Callable[[str], None]) -> dict:
+                     progress: Callable[[str], None], mlx_lm_dir: str | None = None) -> dict:
     out: dict[str, list[dict]] = {}
-    for mode, extra in MODES.items():
-        proc, url = start_server(model, *extra)
+    modes = dict(MODES)
+    if mlx_lm_dir:
+        modes["mlx_lm_server"] = ()
+    for mode, extra in modes.items():
+        proc, url = (start_mlx_lm_server(mlx_lm_dir) if mode == "mlx_lm_server"
+                     else start_server(model, *extra))
         try:
             run_clients(url, 1, 4, timeout_s=60)  # warm-up: first-call costs are not serving
             out[mode] = []
@@ -211,12 +238,14 @@ def bench_stall(model: str, chunked: bool, deadline: float, decoders: int = 8,
 
 
 def bench_serve(model: str, clients: list[int], max_tokens: int, time_limit_s: float,
-                progress: Callable[[str], None], stall: bool = True) -> dict:
+                progress: Callable[[str], None], stall: bool = True,
+                mlx_lm_dir: str | None = None) -> dict:
     deadline = time.monotonic() + time_limit_s
     res = {"model": model, "max_tokens": max_tokens, "clients": clients,
            "time_limit_s": time_limit_s,
            "throughput": bench_throughput(model, clients, max_tokens,
-                                          deadline - (120 if stall else 0), progress)}
+                                          deadline - (120 if stall else 0), progress,
+                                          mlx_lm_dir)}
     if stall:
         res["decode_stall"] = []
         for chunked in (True, False):
@@ -225,8 +254,8 @@ def bench_serve(model: str, clients: list[int], max_tokens: int, time_limit_s: f
             progress(f"stall chunked={chunked}: long prompt {r['long_prompt_s']:.1f}s, ITL in "
                      f"window p50/p99/max {r['itl_window_p50_s'] * 1e3:.0f}/"
                      f"{r['itl_window_p99_s'] * 1e3:.0f}/{r['itl_max_s'] * 1e3:.0f} ms")
-    res["not_measured"] = ("mlx_lm.server on the same model (needs `macfleet export`, not "
-                           "written yet)")
+    if not mlx_lm_dir:
+        res["not_measured"] = "mlx_lm.server (pass --mlx-lm DIR from `macfleet export DIR`)"
     return res
 
 

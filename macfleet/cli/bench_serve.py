@@ -12,6 +12,8 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--max-tokens", type=int, default=32)
     s.add_argument("--time-limit", type=float, default=900.0, help="seconds for everything")
     s.add_argument("--no-stall", action="store_true", help="skip the decode-stall measurement")
+    s.add_argument("--mlx-lm", default=None, metavar="DIR",
+                   help="also measure mlx_lm.server on this mlx-lm directory (macfleet export)")
     s.set_defaults(func=run_serve)
     b = bs.add_parser("batch-identity", help="greedy answers batched vs alone over many "
                       "requests: divergence rate per mode (results/batch_identity.json)")
@@ -39,7 +41,8 @@ def run_serve(args) -> int:
     if not clients or min(clients) < 1 or args.max_tokens < 1:
         raise UserError("--clients and --max-tokens must be >= 1")
     res = bench_serve(args.model, clients, args.max_tokens, args.time_limit,
-                      lambda m: print(m, file=sys.stderr, flush=True), stall=not args.no_stall)
+                      lambda m: print(m, file=sys.stderr, flush=True), stall=not args.no_stall,
+                      mlx_lm_dir=args.mlx_lm)
     path = write_result("serve.json", res, args.out)
     if plot(res, args.out / "serve.png"):
         print(f"wrote {args.out / 'serve.png'}")
