@@ -193,11 +193,17 @@ def bench_throughput(model: str, clients: list[int], max_tokens: int, deadline: 
     return out
 
 
-def bench_stall(model: str, chunked: bool, deadline: float, decoders: int = 8,
+STALL_MODES = {
+    "chunked, stall ratio 2": ("--stall-ratio", "2"),
+    "chunked, token budget only": ("--stall-ratio", "0"),
+    "not chunked": ("--no-chunked-prefill",),
+}
+
+
+def bench_stall(model: str, mode: str, deadline: float, decoders: int = 8,
                 max_tokens: int = 96) -> dict:
     """ITL of `decoders` streams in the window while a long prompt is prefilled."""
-    proc, url = start_server(model, "--proposer", "none",
-                             *(() if chunked else ("--no-chunked-prefill",)))
+    proc, url = start_server(model, "--proposer", "none", *STALL_MODES[mode])
     try:
         run_clients(url, 1, 4, timeout_s=60)  # warm-up
         left = max(10.0, deadline - time.monotonic())
@@ -227,7 +233,7 @@ def bench_stall(model: str, chunked: bool, deadline: float, decoders: int = 8,
                 if window[0] <= t <= window[1] + 1e-3:
                     gaps.append(g)
         all_gaps = [g for r in res for g in r.gaps_s]
-        return {"chunked_prefill": chunked, "long_prompt_s": round(long.t_end - long.t_start, 3),
+        return {"mode": mode, "long_prompt_s": round(long.t_end - long.t_start, 3),
                 "long_ok": long.ok, "gaps_in_window": len(gaps),
                 "itl_window_p50_s": round(_pct(gaps, 0.5), 4),
                 "itl_window_p99_s": round(_pct(gaps, 0.99), 4),
@@ -244,14 +250,14 @@ def bench_serve(model: str, clients: list[int], max_tokens: int, time_limit_s: f
     res = {"model": model, "max_tokens": max_tokens, "clients": clients,
            "time_limit_s": time_limit_s,
            "throughput": bench_throughput(model, clients, max_tokens,
-                                          deadline - (120 if stall else 0), progress,
+                                          deadline - (240 if stall else 0), progress,
                                           mlx_lm_dir)}
     if stall:
         res["decode_stall"] = []
-        for chunked in (True, False):
-            r = bench_stall(model, chunked, deadline)
+        for mode in STALL_MODES:
+            r = bench_stall(model, mode, deadline)
             res["decode_stall"].append(r)
-            progress(f"stall chunked={chunked}: long prompt {r['long_prompt_s']:.1f}s, ITL in "
+            progress(f"stall, {mode}: long prompt {r['long_prompt_s']:.1f}s, ITL in "
                      f"window p50/p99/max {r['itl_window_p50_s'] * 1e3:.0f}/"
                      f"{r['itl_window_p99_s'] * 1e3:.0f}/{r['itl_max_s'] * 1e3:.0f} ms")
     if not mlx_lm_dir:

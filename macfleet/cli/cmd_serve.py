@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="sessions waiting for a slot")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="feed each prompt in one iteration (to measure the decode stall)")
+    p.add_argument("--stall-ratio", type=float, default=2.0,
+                   help="size prefill chunks so an iteration costs at most this many times a "
+                   "decode-only one (from the measured cost per token; 0: token budget only)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="each session's rows in the shapes it would have alone: bit-identical "
                    "to serving it alone, slower")
@@ -89,6 +92,8 @@ def _validate(args) -> None:
                  "max_prompt_tokens", "max_body_bytes", "max_sessions_per_client"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.stall_ratio <= 100:
+        raise UserError("--stall-ratio must be 0..100")
     if not 0 <= args.port <= 65535:
         raise UserError("--port must be 0..65535")
 
@@ -133,7 +138,8 @@ def run(args) -> int:
         engine = engine or BatchEngine(
             lm, proposer=args.proposer, draft_tokens=k, token_budget=args.token_budget,
             max_active=args.max_active, max_queue=args.max_queue,
-            chunked=not args.no_chunked_prefill, invariant=args.batch_invariant)
+            chunked=not args.no_chunked_prefill, invariant=args.batch_invariant,
+            stall_ratio=args.stall_ratio)
     except (ModelSpecError, ProposerSpecError, BatchUnsupported, ValueError) as e:
         raise UserError(str(e)) from None
     limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_cap,

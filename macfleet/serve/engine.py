@@ -31,7 +31,8 @@ from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
-from macfleet.serve.scheduler import DEFAULT_TOKEN_BUDGET, SessionView, plan_iteration
+from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, SessionView,
+                                      fit_iteration_cost, plan_iteration, stall_budget)
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,10 @@ class BatchEngine:
                  draft_tokens: int | str = "auto", token_budget: int = DEFAULT_TOKEN_BUDGET,
                  max_active: int = DEFAULT_MAX_ACTIVE, max_queue: int = DEFAULT_MAX_QUEUE,
                  chunked: bool = True, invariant: bool = False,
+                 stall_ratio: float = DEFAULT_STALL_RATIO,
                  clock: Callable[[], float] = time.perf_counter) -> None:
+        """stall_ratio: prefill chunks are sized so an iteration costs at most this many times
+        a decode-only one (0: only the token budget bounds them)."""
         check_batchable(lm.model)
         probe = make_proposer(proposer, lm)
         if probe is not None and probe.drafts_trees:
@@ -134,6 +138,8 @@ class BatchEngine:
         self.lm, self.proposer_spec, self.draft_tokens = lm, proposer, draft_tokens
         self.token_budget, self.max_active, self.max_queue = token_budget, max_active, max_queue
         self.chunked, self.invariant, self.clock = chunked, invariant, clock
+        self.stall_ratio = stall_ratio
+        self._cost_samples: deque[tuple[int, float]] = deque(maxlen=64)
         self._vocab = lm.vocab_size
         self._waiting: deque[_Session] = deque()
         self._active: list[_Session] = []
@@ -292,7 +298,12 @@ class BatchEngine:
         views = [SessionView(s.sid, s.prefill_left, s.prefilled, 1 + len(s.draft))
                  for s in batch]
         align = DEFAULT_PREFILL_STEP if self.invariant else 0
-        slots = plan_iteration(views, self.token_budget, chunked=self.chunked, align=align)
+        budget = self.token_budget
+        if self.chunked and not self.invariant and any(v.prefill_left > 0 for v in views):
+            budget = stall_budget(sum(v.want for v in views if v.prefill_left <= 0),
+                                  fit_iteration_cost(self._cost_samples), budget,
+                                  self.stall_ratio)
+        slots = plan_iteration(views, budget, chunked=self.chunked, align=align)
         by_sid = {s.sid: s for s in batch}
         segs, run = [], []
         for slot in slots:
@@ -311,6 +322,7 @@ class BatchEngine:
         n_dec = sum(sl.tokens for _, sl in run if not sl.prefill)
         rec = IterationRecord(t0, len(run), n_dec, sum(sl.tokens for _, sl in run) - n_dec,
                               len(self._waiting), ms)
+        self._cost_samples.append((rec.decode_tokens + rec.prefill_tokens, ms))
         with self._cv:
             self.history.append(rec)
             self.iterations += 1

@@ -69,3 +69,39 @@ def plan_iteration(sessions: Sequence[SessionView], budget: int = DEFAULT_TOKEN_
         if left <= 0:
             break
     return tuple(slots)
+
+
+DEFAULT_STALL_RATIO = 2.0
+MIN_PREFILL_CHUNK = 16
+
+
+def fit_iteration_cost(samples: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least-squares ms = a + b * tokens over (tokens, ms) samples; None until it is defined."""
+    if len(samples) < 4:
+        return None
+    xs = [float(n) for n, _ in samples]
+    ys = [ms for _, ms in samples]
+    mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx_) ** 2 for x in xs)
+    if var == 0:
+        return None
+    b = max(0.0, sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / var)
+    return max(0.0, my - b * mx_), b
+
+
+def stall_budget(decode_tokens: int, cost: tuple[float, float] | None, token_budget: int,
+                 ratio: float = DEFAULT_STALL_RATIO, min_chunk: int = MIN_PREFILL_CHUNK) -> int:
+    """The iteration's token budget so that it costs at most `ratio` x a decode-only one.
+
+    A prefill chunk makes every decoding session wait for it: on a compute-bound machine
+    (this CPU) each prefill token costs about as much as a decode token, on a bandwidth-bound
+    GPU almost nothing. With the fitted cost ms = a + b * tokens, the chunk is sized so the
+    decoders' inter-token latency stays within `ratio` of its plain value, and never below
+    `min_chunk` tokens so a long prompt still moves."""
+    if cost is None or ratio <= 0 or decode_tokens == 0:
+        return token_budget
+    a, b = cost
+    if b <= 0:
+        return token_budget
+    allowed = int((ratio * (a + b * decode_tokens) - a) / b)
+    return max(1, min(token_budget, max(allowed, decode_tokens + min_chunk)))

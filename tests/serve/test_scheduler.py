@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from macfleet.serve.scheduler import SessionView, Slot, plan_iteration
+from macfleet.serve.scheduler import (SessionView, Slot, fit_iteration_cost, plan_iteration,
+                                      stall_budget)
 
 
 def test_decoders_first_then_prefill_chunk_under_budget():
@@ -40,3 +41,17 @@ def test_aligned_chunks_end_on_multiples_and_are_never_starved():
 def test_bad_budget():
     with pytest.raises(ValueError):
         plan_iteration([], 0)
+
+
+def test_iteration_cost_fit_and_stall_budget():
+    samples = [(n, 50.0 + 4.0 * n) for n in (8, 8, 40, 100, 8, 256)]
+    a, b = fit_iteration_cost(samples)
+    assert (round(a, 6), round(b, 6)) == (50.0, 4.0)
+    assert fit_iteration_cost(samples[:3]) is None  # too few to trust
+    assert fit_iteration_cost([(8, 50.0)] * 6) is None  # one size: no slope
+    # 8 decode tokens cost 82 ms; within 2x (164 ms) fit (164 - 50) / 4 = 28 tokens in all
+    assert stall_budget(8, (a, b), 256, ratio=2.0, min_chunk=4) == 28
+    assert stall_budget(8, (a, b), 256, ratio=2.0, min_chunk=30) == 38  # a prompt still moves
+    assert stall_budget(8, (a, 0.0), 256) == 256  # free tokens (a GPU): the budget rules
+    assert stall_budget(0, (a, b), 256) == 256 and stall_budget(8, None, 256) == 256
+    assert stall_budget(8, (a, b), 20, ratio=2.0, min_chunk=4) == 20  # never above the budget
