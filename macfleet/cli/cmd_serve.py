@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
     key.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     key.add_argument("--api-key-file", type=Path, default=None)
     p.add_argument("--proposer", default="ngram",
-                   help="per-session drafts: ngram[:N] | eagle[:PATH] | layerskip:K | none")
+                   help="per-session drafts: ngram[:N] | layerskip:K | draft:MODEL | none")
     p.add_argument("--draft-tokens", default="auto", help="K or auto (default: auto)")
     p.add_argument("--token-budget", type=int, default=256,
                    help="tokens per iteration (bounds prefill chunks)")

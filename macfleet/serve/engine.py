@@ -131,6 +131,10 @@ class BatchEngine:
         """stall_ratio: prefill chunks are sized so an iteration costs at most this many times
         a decode-only one (0: only the token budget bounds them)."""
         check_batchable(lm.model)
+        if proposer.partition(":")[0] in ("eagle", "eagle2"):
+            raise ValueError("EAGLE drafts need each session's hidden states, which the flat "
+                             "batched forward does not tap yet: use ngram, layerskip:K, "
+                             "draft:MODEL or none")
         probe = make_proposer(proposer, lm)
         if probe is not None and probe.drafts_trees:
             raise ValueError(f"proposer '{proposer}' drafts token trees; the batching engine "
