@@ -1,4 +1,4 @@
-"""`macfleet serve`: an OpenAI-compatible HTTP API with continuous batching of speculative blocks."""
+"""`macfleet serve`: an OpenAI-compatible HTTP API, continuous batching of speculative blocks."""
 
 from __future__ import annotations
 

@@ -140,13 +140,13 @@ class Api:
         if not self.engine.alive:
             raise RequestError("no verifier is available", status=503, kind="server_error",
                                code="unavailable")
-        ids, text = self._prompt(req)
+        ids, prompt_text = self._prompt(req)
         client = f"{request.client.host if request.client else '?'}"
         if self.sessions[client] >= self.cfg.limits.max_sessions_per_client:
             raise RequestError(f"{self.sessions[client]} sessions already open for this client",
                                status=429, kind="rate_limit_error", code="too_many_sessions")
-        ereq = EngineRequest(tuple(ids), req.params, req.max_tokens,
-                             frozenset(getattr(self.tok, "eos_token_ids", ()) or ()), text)
+        eos = frozenset(getattr(self.tok, "eos_token_ids", ()) or ())
+        ereq = EngineRequest(tuple(ids), req.params, req.max_tokens, eos, prompt_text)
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      int(time.time()), self.cfg.model_id, chat, len(ids))
         self.sessions[client] += 1  # released when the engine drops the session
