@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -115,7 +115,8 @@ class Api:
                 "recent_iterations": [
                     {"sessions": r.sessions, "decode_tokens": r.decode_tokens,
                      "prefill_tokens": r.prefill_tokens, "queued": r.queued,
-                     "ms": round(r.ms, 2)} for r in recent]}
+                     "ms": round(r.ms, 2)} for r in recent],
+                "sessions": [asdict(si) for si in self.engine.sessions()]}
         return JSONResponse(body, status_code=200 if alive else 503)
 
     async def models(self, request: Request) -> Response:

@@ -77,6 +77,20 @@ class IterationRecord:
     ms: float
 
 
+@dataclass(frozen=True)
+class SessionInfo:
+    """One active session as the dashboard shows it."""
+
+    sid: int
+    prompt_tokens: int
+    prefill_left: int
+    generated: int
+    ttft_ms: float | None  # None: no token yet
+    itl_ms: float | None  # mean time between committed blocks
+    accepted: int
+    drafted: int
+
+
 @dataclass
 class _Session:
     sid: int
@@ -97,6 +111,8 @@ class _Session:
     draft: Draft = EMPTY_DRAFT
     draft_ms: float = 0.0
     rng: np.random.Generator | None = None
+    t_first: float | None = None
+    t_last: float = 0.0
     on_close: Callable[[], None] | None = None
 
     @property
@@ -174,6 +190,19 @@ class BatchEngine:
         """(active sessions, waiting sessions)."""
         with self._cv:
             return len(self._active), len(self._waiting)
+
+    def sessions(self) -> list[SessionInfo]:
+        """The active sessions, for /health and the dashboard."""
+        with self._cv:
+            active = list(self._active)
+        out = []
+        for s in active:
+            ttft = None if s.t_first is None else (s.t_first - s.t_start) * 1e3
+            itl = (None if s.t_first is None or s.blocks < 2
+                   else (s.t_last - s.t_first) * 1e3 / (s.blocks - 1))
+            out.append(SessionInfo(s.sid, len(s.req.prompt), max(0, s.prefill_left),
+                                   len(s.generated), ttft, itl, s.accepted, s.drafted))
+        return out
 
     def recent(self, n: int = 32) -> list[IterationRecord]:
         """The last n iterations (a copy: the engine thread keeps appending)."""
@@ -364,6 +393,8 @@ class BatchEngine:
                 s.proposer.observe(len(d), n, verify_ms)
         s.controller.observe(len(d), n, s.draft_ms, verify_ms)
         if new:
+            s.t_last = self.clock()
+            s.t_first = s.t_first if s.t_first is not None else s.t_last
             s.emit(TokensCommitted(s.blocks, tuple(new)))
         if stop_at is not None:
             self._finish(s, reason="stop")

@@ -61,6 +61,9 @@ class RemoteEngine:
         self._alive = False
 
     def recent(self, n: int = 32) -> list:
+        return []  # the agent's own iterations are not reported here
+
+    def sessions(self) -> list:
         return []
 
     def load(self) -> tuple[int, int]:

@@ -98,7 +98,9 @@ def test_client_that_disconnects_mid_stream_frees_its_session(server):
         while got.count(b"data: ") < 3 and time.monotonic() < deadline:
             got += sk.recv(4096)
         assert got.startswith(b"HTTP/1.1 200")
-        assert server.health()["active_sessions"] == 1
+        h = server.health()
+        assert h["active_sessions"] == 1 and h["sessions"][0]["generated"] >= 1
+        assert h["sessions"][0]["ttft_ms"] > 0 and h["recent_iterations"]
     h = wait_idle(server)  # the socket closed mid-answer: the session goes at once
     assert h["active_sessions"] == 0
     r = httpx.post(server.v1 + "/completions", headers=server.headers(), timeout=10,
@@ -116,6 +118,9 @@ class _DeadEngine:
         return 0, 0
 
     def recent(self, n=32):
+        return []
+
+    def sessions(self):
         return []
 
     def submit(self, req, emit, on_close=None):
