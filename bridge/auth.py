@@ -1,22 +1,34 @@
-"""The fleet key: an HMAC-SHA256 on every multipart message, plus a replay window.
+"""The fleet key: ZeroMQ CURVE on every socket, an HMAC-SHA256 on every message, a replay window.
 
-Why HMAC and not ZeroMQ CURVE: CURVE needs a libzmq built with libsodium/tweetnacl support and a
-keypair per agent plus a way to distribute and trust public keys. An HMAC with one shared fleet
-key works with any pyzmq build, authenticates *every* message (not only the connection), and keeps
-array frames zero-copy (the MAC is computed over the buffers where they are; nothing is
-re-encoded). What it does not give: confidentiality. Prompts, tokens, probabilities and hidden
-states cross the LAN in clear; anyone on the link can read them, but not forge, alter or replay
-them within the window. Use a trusted network (or a VPN) when the content is secret.
+One 32-byte fleet key, copied to every Mac, is the only secret. Everything else derives from it:
+
+- CURVE (`curve_keys`): a server keypair (ROUTER and PUB sockets) and a client keypair (DEALER
+  and SUB sockets), each secret = HMAC-SHA256(fleet key, label) taken as a Curve25519 scalar
+  (libsodium clamps it), the public half computed by `zmq.curve_public`. The server *public* key
+  is never published (Zeroconf TXT carries only `fleet_id`, a hash), so it acts as a second
+  secret: a peer that does not hold the fleet key cannot build a HELLO the server can open, the
+  handshake fails and libzmq closes the connection before one byte reaches the application. An
+  unauthenticated peer therefore gets nothing back: no typed error, no signed echo. Traffic is
+  encrypted (XSalsa20-Poly1305 per frame) and each connection's short-term keys and nonces stop
+  an outsider from replaying or splicing captured traffic. Sockets that never finish the
+  handshake are dropped after `DEFAULT_HANDSHAKE_S` (`zmq.HANDSHAKE_IVL`).
+- The per-message HMAC and the replay window are kept, for what CURVE does not give:
+  CURVE authenticates a *connection* as a key holder; the MAC authenticates each *message*
+  independently of the socket options it came through, so a socket built by mistake without
+  CURVE (or a future door, e.g. a relay or a recorded capture replayed into a new connection by
+  a misbehaving fleet member) still cannot inject a message an agent acts on; the replay window
+  bounds how long any fleet member can re-send a message it once saw. It costs one SHA-256 pass
+  over the frames (measured next to CURVE's cost by `macfleet bench f3`, results/security.json).
+  Neither layer distinguishes one fleet member from another: the fleet key is shared, so any
+  holder can speak for the fleet. Keep it as secret as a password.
 
 A message is signed as `[header, body, *buffers, mac]`, the MAC covering every frame with its
 length (so frames cannot be re-split). A verified message is then checked for freshness: its
 header's t_ns must lie within the replay window of our clock, and its id must not have been seen
-in that window. The MAC does not bind the destination: within the window a captured message can
-still be replayed once to a *different* agent, so handlers with effects should be idempotent
-(e.g. keyed by session id).
+in that window.
 
-A key of None means an open fleet: nothing is signed or checked. Callers pass None only when the
-user explicitly asked for an open fleet.
+A key of None means an open fleet: no CURVE, nothing signed or checked, traffic in clear. Callers
+pass None only when the user explicitly asked for one (`--open`).
 """
 
 from __future__ import annotations
@@ -31,8 +43,13 @@ import stat
 import struct
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
+
+import zmq
+from zmq.utils import z85
 
 from bridge.codec import decode_header
 from bridge.errors import AUTH, ProtocolError
@@ -45,6 +62,56 @@ DEFAULT_REPLAY_WINDOW_S = 30.0  # covers NTP-level clock skew between Macs
 _DOMAIN = b"macfleet-msg-v1\0"
 _FLEET_ID_DOMAIN = b"macfleet-fleet-id-v1\0"
 OPEN_FLEET_ID = "open"
+_CURVE_DOMAIN = b"macfleet-curve-v1\0"
+DEFAULT_HANDSHAKE_S = 3.0  # a connection that has not proved the key by then is dropped
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The fleet's CURVE keypairs, z85-encoded as libzmq takes them."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+@lru_cache(maxsize=16)
+def curve_keys(key: bytes) -> CurveKeys:
+    """Derive both CURVE keypairs from the fleet key (pure, deterministic: one file per Mac)."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"fleet key must be {KEY_BYTES} bytes, got {len(key)}")
+
+    def secret(label: bytes) -> bytes:
+        return z85.encode(hmac.new(key, _CURVE_DOMAIN + label, hashlib.sha256).digest())
+
+    server, client = secret(b"server"), secret(b"client")
+    return CurveKeys(server_public=zmq.curve_public(server), server_secret=server,
+                     client_public=zmq.curve_public(client), client_secret=client)
+
+
+def apply_curve(sock: zmq.Socket, key: bytes | None, *, server: bool,
+                handshake_s: float = DEFAULT_HANDSHAKE_S) -> None:
+    """Make `sock` a CURVE server or client of the fleet of `key` (before bind/connect).
+
+    No-op for an open fleet (key None). Raises RuntimeError when libzmq lacks CURVE: a closed
+    fleet never falls back to clear text.
+    """
+    if key is None:
+        return
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq has no CURVE support; install a pyzmq wheel that has it "
+                           "or run an explicitly --open fleet")
+    ck = curve_keys(key)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake_s * 1000)))
+    if server:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, ck.server_secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, ck.server_public)
+    else:
+        sock.setsockopt(zmq.CURVE_SECRETKEY, ck.client_secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, ck.client_public)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, ck.server_public)
 
 
 def keygen(path: str | os.PathLike[str], *, overwrite: bool = False) -> bytes:

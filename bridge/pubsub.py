@@ -1,4 +1,5 @@
-"""PUB/SUB shells for metrics and events, signed like every other message.
+"""PUB/SUB shells for metrics and events: CURVE-encrypted (only fleet key holders can subscribe)
+and signed like every other message.
 
 Kept apart from the request/reply shells in `bridge.transport`; both build on
 `bridge.sockets`.
@@ -33,7 +34,7 @@ class Publisher(_Shell):
     def __init__(self, *, key: bytes | None, bind: str = DEFAULT_BIND,
                  context: zmq.Context | None = None) -> None:
         self._key = key
-        self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.PUB)
+        self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.PUB, key=key)
         self.endpoint = _bind(self._sock, bind)
         self._lock = threading.Lock()
 
@@ -68,7 +69,7 @@ class Subscriber(_Shell):
         self._key = key
         self._limits = limits
         self._guard = ReplayGuard(replay_window_s)
-        self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.SUB, limits)
+        self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.SUB, limits, key=key)
         for t in topics:
             self._sock.setsockopt(zmq.SUBSCRIBE, t.encode())
         for e in endpoints:

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import zmq
 
-from bridge.auth import ReplayGuard, verify
+from bridge.auth import ReplayGuard, apply_curve, verify
 from bridge.codec import Envelope, Limits
 from bridge.errors import OVERSIZE, ProtocolError, TransportTimeout
 
@@ -18,9 +18,19 @@ DEFAULT_RECV_TIMEOUT_S = 10.0
 _S = TypeVar("_S", bound="_Shell")
 
 
-def _socket(ctx: zmq.Context, kind: int, limits: Limits | None = None) -> zmq.Socket:
+_SERVER_KINDS = (zmq.ROUTER, zmq.PUB)  # bind and hold the CURVE server key; the rest connect
+
+
+def _socket(ctx: zmq.Context, kind: int, limits: Limits | None = None, *,
+            key: bytes | None = None) -> zmq.Socket:
+    """A socket with linger 0, the size cap and (key not None) CURVE for the fleet of `key`."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    try:
+        apply_curve(sock, key, server=kind in _SERVER_KINDS)
+    except Exception:
+        sock.close(linger=0)
+        raise
     if limits is not None:
         # libzmq disconnects a peer sending a frame above this instead of buffering it; frames
         # between the caps and this still get a typed oversize reply.

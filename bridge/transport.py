@@ -61,7 +61,7 @@ class Server(_Shell):
         self._limits = limits
         self._guard = ReplayGuard(replay_window_s)
         self._poll_ms = max(1, int(poll_s * 1000))
-        self._sock = _socket(context or zmq.Context.instance(), zmq.ROUTER, limits)
+        self._sock = _socket(context or zmq.Context.instance(), zmq.ROUTER, limits, key=key)
         self.endpoint = _bind(self._sock, bind)
         self._wake_r, self._wake_w = socket.socketpair()  # workers' replies wake the loop
         for end in (self._wake_r, self._wake_w):
@@ -239,7 +239,7 @@ class Client(_Shell):
         self.rebuilds = 0
 
     def _connect(self) -> zmq.Socket:
-        sock = _socket(self._ctx, zmq.DEALER, self._limits)
+        sock = _socket(self._ctx, zmq.DEALER, self._limits, key=self._key)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: no-peer is visible
         sock.connect(self.endpoint)
         return sock
@@ -256,7 +256,8 @@ class Client(_Shell):
         msg_id = new_id()
         frames = sign(encode(msg, msg_id=msg_id, session=session), self._key)
         if not sock.poll(self._connect_ms, zmq.POLLOUT):
-            raise PeerUnavailable(f"no connection to {self.endpoint} within {self._connect_ms} ms")
+            raise PeerUnavailable(f"no connection to {self.endpoint} within {self._connect_ms} ms "
+                                  "(agent down, or its fleet key differs from ours)")
         try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bridge import codec
-from bridge.auth import sign, verify
+from bridge.auth import apply_curve, sign, verify
 from bridge.card import PROTOCOL_VERSION
 from bridge.errors import CODES
 from bridge.messages import (DraftReply, DraftRequest, ErrorReply, GenerateDone, GenerateRequest,
@@ -142,6 +142,7 @@ class Dealer:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, 5000)
+        apply_curve(self.sock, KEY, server=False)  # a fleet member: CURVE lets only those in
         self.sock.connect(endpoint)
         self.sent = 0
         self.replies: Counter[str] = Counter()

@@ -1,0 +1,138 @@
+"""CURVE on the wire: keys derived from the fleet key, nothing for peers without it, and the
+bytes on the wire are encrypted (a relay between client and server sees no plain text)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import zmq
+
+from bridge import auth, codec
+from bridge.messages import AgentEvent, GenerateRequest, Ping, Pong
+from bridge.transport import Client, Publisher, Server, Subscriber
+
+pytestmark = pytest.mark.timeout(30)
+
+KEY = bytes(range(32))
+OTHER = bytes(range(1, 33))
+SECRET_WORDS = b"purple-elephant-recipe"
+
+
+def test_curve_keys_are_derived_deterministically():
+    a, b = auth.curve_keys(KEY), auth.curve_keys(bytes(KEY))
+    assert a == b != auth.curve_keys(OTHER)
+    assert len(a.server_secret) == len(a.server_public) == 40  # z85 of 32 bytes
+    assert a.server_public == zmq.curve_public(a.server_secret)
+    assert a.client_public == zmq.curve_public(a.client_secret)
+    assert len({a.server_public, a.server_secret, a.client_public, a.client_secret}) == 4
+    assert KEY.hex().encode() not in a.server_public + a.client_public
+    with pytest.raises(ValueError):
+        auth.curve_keys(b"short")
+
+
+def echo(env, reply):
+    reply(Pong(getattr(env.msg, "seq", 0), 0, "echo"))
+
+
+def plain_dealer(endpoint: str, key: bytes | None) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    auth.apply_curve(sock, key, server=False)
+    sock.connect(endpoint)
+    return sock
+
+
+@pytest.mark.parametrize("key", [None, OTHER], ids=["no-key", "wrong-key"])
+def test_peer_without_the_key_receives_nothing(key):
+    """A raw DEALER (no CURVE, or CURVE with another fleet's key) sends a validly signed ping
+    and gets nothing back within the deadline: no reply, no typed error, no signed echo."""
+    with Server(echo, key=KEY, poll_s=0.02) as srv:
+        sock = plain_dealer(srv.endpoint, key)
+        try:
+            frames = [bytes(f) for f in auth.sign(codec.encode(Ping(1, 0)), KEY)]
+            if sock.poll(500, zmq.POLLOUT):  # a plain DEALER queues; a CURVE one never connects
+                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            assert not sock.poll(1500, zmq.POLLIN)
+        finally:
+            sock.close(linger=0)
+        assert srv.requests == 0
+        with Client(srv.endpoint, key=KEY) as c:  # the key holder is still served
+            assert c.request(Ping(9, 0), 5).seq == 9
+
+
+def test_metrics_pub_only_reaches_key_holders():
+    with Publisher(key=KEY) as pub, Subscriber([pub.endpoint], key=KEY) as sub:
+        raw = zmq.Context.instance().socket(zmq.SUB)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.SUBSCRIBE, b"")
+        raw.connect(pub.endpoint)
+        try:
+            got = None
+            deadline = time.monotonic() + 3
+            while got is None and time.monotonic() < deadline:
+                pub.publish(AgentEvent("n", "k", "t", 0.0))
+                if sub._live().poll(50, zmq.POLLIN):
+                    got = sub.recv(1)
+            assert got is not None and isinstance(got.msg, AgentEvent)
+            for _ in range(10):
+                pub.publish(AgentEvent("n", "k", "t", 0.0))
+            assert not raw.poll(500, zmq.POLLIN)
+        finally:
+            raw.close(linger=0)
+
+
+class Relay:
+    """A TCP relay that records every byte crossing it (a loopback 'capture')."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.captured = bytearray()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                a, _ = self.lsock.accept()
+            except OSError:
+                return
+            b = socket.create_connection(self.target)
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                with self._lock:
+                    self.captured += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                s.close()
+
+    def close(self) -> None:
+        self.lsock.close()
+
+
+@pytest.mark.parametrize("key,visible", [(KEY, False), (None, True)], ids=["curve", "open"])
+def test_prompt_is_not_readable_on_the_wire(key, visible):
+    def handler(env, reply):
+        reply(Pong(0, 0, env.msg.prompt))  # the answer carries the words back too
+
+    with Server(handler, key=key, poll_s=0.02) as srv:
+        relay = Relay(srv.port)
+        try:
+            with Client(f"tcp://127.0.0.1:{relay.port}", key=key) as c:
+                req = GenerateRequest("r", SECRET_WORDS.decode(), False, 4, 0.0, 1.0, None, -1,
+                                      [], "none", False)
+                assert c.request(req, 5).node_id == SECRET_WORDS.decode()
+        finally:
+            relay.close()
+        assert (SECRET_WORDS in relay.captured) is visible
