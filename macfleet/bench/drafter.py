@@ -26,8 +26,9 @@ from macfleet.engine.events import Finished, GenerationStats
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.text import generate_local
 
-DEFAULT_SPECS = ("none", "ngram", "eagle", "eagle2", "eagle2+ngram")
-DEFAULT_AGENT_SPECS = ("none", "ngram", "eagle2", "eagle2+ngram")
+DEFAULT_SPECS = ("none", "ngram", "retrieval", "eagle", "eagle2", "retrieval+ngram",
+                 "eagle2+retrieval", "eagle2+retrieval+ngram")
+DEFAULT_AGENT_SPECS = ("none", "ngram", "retrieval+ngram", "eagle2", "eagle2+retrieval+ngram")
 
 
 def _row(st: GenerationStats, ids: Sequence[int], ref: Sequence[int] | None) -> dict:
