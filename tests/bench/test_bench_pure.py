@@ -40,3 +40,22 @@ def test_fairness():
     assert fairness([2.0, 2.0])["jain_index"] == 1.0
     f = fairness([1.0, 3.0])
     assert f["min_over_max"] == pytest.approx(0.333, abs=1e-3) and f["jain_index"] == 0.8
+
+
+def test_drafter_summary_pools_prompts_and_picks_the_best_by_geometric_mean():
+    from macfleet.bench.drafter import best_spec, summarize
+
+    plain = {"tokens": 64, "decode_tokens_per_s": 10.0, "blocks": 64, "drafted": 0,
+             "accepted": 0, "accepted_hist": [], "draft_ms": 0.0, "verify_ms": 6400.0,
+             "identical": True}
+    spec = {"tokens": 64, "decode_tokens_per_s": 20.0, "blocks": 32, "drafted": 96,
+            "accepted": 32, "accepted_hist": [8, 16, 8], "draft_ms": 160.0,
+            "verify_ms": 3200.0, "identical": True}
+    s = summarize([spec, spec], base_tps=10.0)
+    assert s["tau"] == 1.0 and s["tokens_per_block"] == 2.0
+    assert s["accept_at_position"] == [0.75, 0.25]  # P(>= 1 accepted), P(>= 2)
+    assert s["speedup"] == 2.0 and s["all_identical"]
+    summary = {"all": {"none": {"speedup_geomean": 1.0}, "a": {"speedup_geomean": 1.3},
+                       "b": {"speedup_geomean": 1.1}}}
+    assert best_spec(summary, ["none", "a", "b"]) == ("a", 1.3)
+    assert summarize([plain], None)["tau"] == 0.0
