@@ -251,7 +251,7 @@ def bench_serve(model: str, clients: list[int], max_tokens: int, time_limit_s: f
            "time_limit_s": time_limit_s,
            "throughput": bench_throughput(model, clients, max_tokens,
                                           deadline - (240 if stall else 0), progress,
-                                          mlx_lm_dir)}
+                                          mlx_lm_dir) if clients else {}}
     if stall:
         res["decode_stall"] = []
         for mode in STALL_MODES:

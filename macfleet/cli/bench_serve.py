@@ -12,6 +12,8 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--max-tokens", type=int, default=32)
     s.add_argument("--time-limit", type=float, default=900.0, help="seconds for everything")
     s.add_argument("--no-stall", action="store_true", help="skip the decode-stall measurement")
+    s.add_argument("--stall-only", action="store_true",
+                   help="only the decode-stall measurement (results/serve_stall.json)")
     s.add_argument("--mlx-lm", default=None, metavar="DIR",
                    help="also measure mlx_lm.server on this mlx-lm directory (macfleet export)")
     s.set_defaults(func=run_serve)
@@ -40,11 +42,13 @@ def run_serve(args) -> int:
         raise UserError(f"--clients must be numbers separated by commas, got {args.clients}")
     if not clients or min(clients) < 1 or args.max_tokens < 1:
         raise UserError("--clients and --max-tokens must be >= 1")
+    if args.stall_only:
+        clients = []
     res = bench_serve(args.model, clients, args.max_tokens, args.time_limit,
                       lambda m: print(m, file=sys.stderr, flush=True), stall=not args.no_stall,
                       mlx_lm_dir=args.mlx_lm)
-    path = write_result("serve.json", res, args.out)
-    if plot(res, args.out / "serve.png"):
+    path = write_result("serve_stall.json" if args.stall_only else "serve.json", res, args.out)
+    if clients and plot(res, args.out / "serve.png"):
         print(f"wrote {args.out / 'serve.png'}")
     for line in summary_rows(res):
         print(line)

@@ -98,8 +98,10 @@ def stall_budget(decode_tokens: int, cost: tuple[float, float] | None, token_bud
     GPU almost nothing. With the fitted cost ms = a + b * tokens, the chunk is sized so the
     decoders' inter-token latency stays within `ratio` of its plain value, and never below
     `min_chunk` tokens so a long prompt still moves."""
-    if cost is None or ratio <= 0 or decode_tokens == 0:
+    if ratio <= 0 or decode_tokens == 0:
         return token_budget
+    if cost is None:  # nothing measured yet: a small probe chunk (it also gives the fit a slope)
+        return max(1, min(token_budget, decode_tokens + min_chunk))
     a, b = cost
     if b <= 0:
         return token_budget

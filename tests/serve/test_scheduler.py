@@ -53,5 +53,7 @@ def test_iteration_cost_fit_and_stall_budget():
     assert stall_budget(8, (a, b), 256, ratio=2.0, min_chunk=4) == 28
     assert stall_budget(8, (a, b), 256, ratio=2.0, min_chunk=30) == 38  # a prompt still moves
     assert stall_budget(8, (a, 0.0), 256) == 256  # free tokens (a GPU): the budget rules
-    assert stall_budget(0, (a, b), 256) == 256 and stall_budget(8, None, 256) == 256
+    assert stall_budget(0, (a, b), 256) == 256
+    assert stall_budget(8, None, 256, min_chunk=16) == 24  # unmeasured: a small probe chunk
+    assert stall_budget(8, (a, b), 256, ratio=0) == 256  # off
     assert stall_budget(8, (a, b), 20, ratio=2.0, min_chunk=4) == 20  # never above the budget
