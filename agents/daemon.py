@@ -48,6 +48,29 @@ class AgentConfig:
     advertise: bool = True
     node_id: str = ""
     f3_probe: bool = False  # verifier: measure F3 with a hidden-state-sized probe per block
+    allow_hub: bool = False  # remote requests may name Hugging Face ids (downloads) for draft:
+
+
+DEFAULT_FD_TARGET = 65536
+
+
+def raise_fd_limit(target: int = DEFAULT_FD_TARGET) -> int:
+    """Raise the soft open-files limit toward the hard one (each ZeroMQ peer costs an fd; a
+    flood of unauthenticated connections must not starve the agent before CURVE's handshake
+    deadline sheds them). Returns the soft limit now in force."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-files limit to %d: %s", want, e)
+    return soft
 
 
 def pin_to_cpu(cpu: int | None) -> None:
@@ -71,6 +94,7 @@ class Agent:
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._tool_lock = threading.Lock()
+        self.fd_limit = raise_fd_limit()
         pin_to_cpu(cfg.cpu)
         from agents.admission import admit
         from macfleet.engine.models import load_model
@@ -98,16 +122,21 @@ class Agent:
             from agents.proposer_service import ProposerService
 
             self.proposer = ProposerService(self.lm, kinds=self.cfg.proposer_kinds,
-                                            heads_dir=self.cfg.heads_dir)
+                                            heads_dir=self.cfg.heads_dir,
+                                            allow_hub=self.cfg.allow_hub)
         else:
             self.verifier = self._verifier_service()
 
     def _verifier_service(self, verifier=None, on_fatal=None):
+        from agents.specs import SpecPolicy
         from agents.verifier_service import VerifierService
 
+        policy = SpecPolicy(heads_dir=self.cfg.heads_dir, own_model=self.lm.spec,
+                            allow_hub=self.cfg.allow_hub)
         return VerifierService(self.lm, node_id=self.node_id, key=self.cfg.key,
                                publish=self.publish, f3_probe=self.cfg.f3_probe,
-                               verifier=verifier, on_fatal=on_fatal, f3_codec=self.cfg.f3_codec)
+                               verifier=verifier, on_fatal=on_fatal, f3_codec=self.cfg.f3_codec,
+                               policy=policy)
 
     def _after_advertise(self) -> None:
         """A hook run once the agent is discoverable."""

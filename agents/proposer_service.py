@@ -6,8 +6,11 @@ forwards faster than one after the other). It serves, in order:
 2. in idle time, cross-round lookahead: extending each session's speculative stream one token at
    a time, round-robin, re-checking for requests between tokens so a real request never waits
    for more than one draft step.
-Sessions idle longer than `idle_evict_s` are evicted. Every request is validated; a bad one gets
-a typed error and the service keeps serving.
+Sessions idle longer than `idle_evict_s` are evicted; when every slot is taken, a new session
+reclaims the one idle longest if it has been idle `reclaim_idle_s` (a live verifier asks for a
+block every few hundred ms), and one client connection holds at most `max_sessions_per_client`.
+Every request is validated (drafter specs by `agents.specs.check_spec`); a bad one gets a typed
+error and the service keeps serving.
 """
 
 from __future__ import annotations
@@ -22,18 +25,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.draft_stream import DraftStream
+from agents.specs import DraftModels, SpecPolicy, check_spec, make_checked_proposer
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, NOT_FOUND, ProtocolError
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionClosed, SessionOpened)
 from macfleet.engine.models import LoadedModel, ModelSpecError
 from macfleet.engine.drafter.proposer import EagleProposer
-from macfleet.engine.proposers import ProposerSpecError, make_proposer, parse_proposer_spec
+from macfleet.engine.proposers import ProposerSpecError
 from macfleet.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SESSIONS = 16
-DEFAULT_IDLE_EVICT_S = 300.0
+DEFAULT_IDLE_EVICT_S = 30.0
+DEFAULT_RECLAIM_IDLE_S = 3.0
+DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
 DEFAULT_MAX_K = 32
 DEFAULT_MAX_PROMPT = 32768
 _IDLE_WAIT_S = 0.05
@@ -47,29 +53,16 @@ class ProposerLimits:
     idle_evict_s: float = DEFAULT_IDLE_EVICT_S
     max_k: int = DEFAULT_MAX_K
     max_prompt: int = DEFAULT_MAX_PROMPT
+    max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT
+    reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S
 
 
-# drafters whose argument names a file (a head, an answer store): confined to --heads DIR
-FILE_KINDS = ("eagle", "eagle2", "retrieval")
-
-
-def check_remote_paths(spec, heads_dir: str | None) -> None:
-    """A request from the network must not make the agent open files of its choosing:
-    `eagle:NAME` names a head inside the agent's heads directory, `draft:` a model spec that
-    is not a filesystem path (smollm2, tiny:..., an org/name id)."""
-    arg = spec.arg
-    if spec.kind in FILE_KINDS and arg:
-        from pathlib import Path
-
-        if heads_dir is None:
-            raise ProtocolError(BAD_REQUEST, "this agent serves only its shipped draft heads "
-                                             "(start it with --heads DIR to serve others)")
-        base = Path(heads_dir).resolve()
-        target = (base / arg).resolve()
-        if base != target.parent and base not in target.parents:
-            raise ProtocolError(BAD_REQUEST, f"draft head '{arg}' is outside {base}")
-    if spec.kind == "draft" and (arg.startswith(("/", ".", "~")) or arg.endswith(".gguf")):
-        raise ProtocolError(BAD_REQUEST, "a remote draft model must be a model spec, not a path")
+def reclaimable(last_used: dict[str, float], now: float, min_idle_s: float) -> str | None:
+    """The session idle longest, when it has been idle at least min_idle_s (pure)."""
+    if not last_used:
+        return None
+    sid = min(last_used, key=last_used.__getitem__)
+    return sid if now - last_used[sid] >= min_idle_s else None
 
 
 class ProposerService:
@@ -77,12 +70,17 @@ class ProposerService:
                  kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle", "eagle2",
                                            "retrieval"),
                  limits: ProposerLimits = ProposerLimits(), heads_dir: str | None = None,
-                 on_block: Callable[[str, int, float, bool], None] | None = None) -> None:
+                 on_block: Callable[[str, int, float, bool], None] | None = None,
+                 allow_hub: bool = False) -> None:
         self.lm = lm
         self.kinds = kinds
         self.limits = limits
         self.heads_dir = heads_dir
+        self.policy = SpecPolicy(kinds=kinds, heads_dir=heads_dir, own_model=lm.spec,
+                                 allow_hub=allow_hub)
+        self.models = DraftModels()
         self._sessions: dict[str, DraftStream] = {}
+        self._owner: dict[str, bytes] = {}  # session -> the client connection that opened it
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._on_block = on_block
@@ -113,7 +111,7 @@ class ProposerService:
             reply(HiddenStatesAck(msg.session_id, msg.block, int(msg.states.nbytes)))
             return True
         if isinstance(msg, OpenSession):
-            self._validate_open(msg)
+            self._validate_open(msg, getattr(reply, "peer", b""))
         elif isinstance(msg, DraftRequest):
             if not 0 <= msg.k <= self.limits.max_k:
                 raise ProtocolError(BAD_REQUEST, f"k must be 0..{self.limits.max_k}, got {msg.k}")
@@ -131,21 +129,17 @@ class ProposerService:
         self._jobs.put((msg, reply, time.perf_counter()))
         return True
 
-    def _validate_open(self, msg: OpenSession) -> None:
-        try:
-            spec = parse_proposer_spec(msg.proposer)
-        except ProposerSpecError as e:
-            raise ProtocolError(BAD_REQUEST, str(e)) from None
-        if spec.kind not in self.kinds:
-            raise ProtocolError(BAD_REQUEST, f"this agent serves {self.kinds}, not {spec.kind}")
-        check_remote_paths(spec, self.heads_dir)
+    def _validate_open(self, msg: OpenSession, peer: bytes) -> None:
+        if not isinstance(msg.proposer, str) or "+" in msg.proposer:
+            raise ProtocolError(BAD_REQUEST, "a drafting session runs one drafter, not a+b")
+        check_spec(msg.proposer, self.policy)
         if msg.model not in ("", self.lm.spec):
             raise ProtocolError(BAD_REQUEST,
                                 f"this proposer drafts for '{self.lm.spec}', not '{msg.model}'")
         if not msg.prompt or len(msg.prompt) > self.limits.max_prompt:
             raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} tokens")
-        if len(self._sessions) >= self.limits.max_sessions and msg.session_id not in self._sessions:
-            raise ProtocolError(BUSY, f"{len(self._sessions)} sessions open (the limit)")
+        if msg.session_id not in self._sessions:
+            self._check_quota(peer)
         vocab = self.lm.vocab_size
         if any(not 0 <= t < vocab for t in msg.prompt):
             raise ProtocolError(BAD_REQUEST, f"prompt ids must be in 0..{vocab - 1}")
@@ -153,6 +147,27 @@ class ProposerService:
             SamplingParams(msg.temperature, msg.top_p, msg.seed)
         except ValueError as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
+
+    def _check_quota(self, peer: bytes) -> None:
+        """BUSY when this client holds its share, or every slot is taken and none is idle."""
+        mine = sum(1 for o in list(self._owner.values()) if o == peer)
+        if mine >= self.limits.max_sessions_per_client:
+            raise ProtocolError(BUSY, f"this client holds {mine} drafting sessions (the limit "
+                                      f"per client); close one first")
+        if len(self._sessions) >= self.limits.max_sessions and reclaimable(
+                self._last_used(), time.monotonic(), self.limits.reclaim_idle_s) is None:
+            raise ProtocolError(BUSY, f"{len(self._sessions)} sessions open (the limit), "
+                                      "all of them active")
+
+    def _last_used(self) -> dict[str, float]:
+        return {sid: s.last_used for sid, s in list(self._sessions.items())}
+
+    def _drop(self, sid: str) -> None:
+        s = self._sessions.pop(sid, None)
+        self._owner.pop(sid, None)
+        if s is not None:
+            self.fallback_tokens += s.proposer.fallback_tokens
+            s.proposer.close()
 
     # -- compute thread
     def _run(self) -> None:
@@ -168,7 +183,7 @@ class ProposerService:
                 break
             msg, reply, received = job
             try:
-                reply(self._serve(msg, received))
+                reply(self._serve(msg, received, getattr(reply, "peer", b"")))
             except ProtocolError as e:
                 reply(ErrorReply(e.code, str(e)))
             except (ModelSpecError, ProposerSpecError, ValueError) as e:
@@ -177,12 +192,19 @@ class ProposerService:
                 log.exception("proposer job failed")
                 reply(ErrorReply("internal", f"{type(e).__name__}: {e}"))
 
-    def _serve(self, msg, received: float):
+    def _serve(self, msg, received: float, peer: bytes = b""):
         """received: when the request reached this agent. The reply's draft_ms counts from
         then, so time a request waits here (behind a lookahead step, or other sessions'
         blocks) is the proposer's time, not the wire's."""
         if isinstance(msg, OpenSession):
-            prop = make_proposer(self._local_spec(msg.proposer), self.lm)
+            if msg.session_id not in self._sessions:
+                self._check_quota(peer)  # again: other opens may have been queued meanwhile
+                if len(self._sessions) >= self.limits.max_sessions:
+                    sid = reclaimable(self._last_used(), time.monotonic(),
+                                      self.limits.reclaim_idle_s)
+                    log.info("reclaiming idle drafting session %s for a new one", sid)
+                    self._drop(sid)
+            prop = make_checked_proposer(msg.proposer, self.lm, self.policy, self.models)
             if isinstance(prop, EagleProposer):
                 # features arrive over F3; never tap this process's model (agents sharing a
                 # process would otherwise swap hidden states across threads)
@@ -193,14 +215,13 @@ class ProposerService:
             prop.start(params)
             # a hidden-state drafter cannot pre-draft ahead of the verifier's features
             lookahead = msg.cross_round and not prop.wants_features
+            self._drop(msg.session_id)  # re-opening a session replaces it
             self._sessions[msg.session_id] = DraftStream(
                 prop, list(msg.prompt), want_probs=not params.greedy, cross_round=lookahead)
+            self._owner[msg.session_id] = peer
             return SessionOpened(msg.session_id, prop.name, self.lm.vocab_size)
         if isinstance(msg, CloseSession):
-            s = self._sessions.pop(msg.session_id, None)
-            if s is not None:
-                self.fallback_tokens += s.proposer.fallback_tokens
-                s.proposer.close()
+            self._drop(msg.session_id)
             return SessionClosed(msg.session_id)
         s = self._sessions.get(msg.session_id)
         if s is None:
@@ -236,15 +257,6 @@ class ProposerService:
         return DraftReply(msg.session_id, msg.block, r.tokens, r.probs,
                           (time.perf_counter() - received) * 1e3, r.predraft_hit)
 
-    def _local_spec(self, spec: str) -> str:
-        """`eagle:NAME` from the network -> the head's path in this agent's heads directory."""
-        kind, _, arg = spec.partition(":")
-        if kind in FILE_KINDS and arg and self.heads_dir:
-            from pathlib import Path
-
-            return f"{kind}:{(Path(self.heads_dir) / arg).resolve()}"
-        return spec
-
     def _lookahead_pending(self) -> bool:
         return any(s.wants_lookahead() for s in self._sessions.values())
 
@@ -267,5 +279,4 @@ class ProposerService:
         for sid, s in list(self._sessions.items()):
             if now - s.last_used > self.limits.idle_evict_s:
                 log.info("evicting idle drafting session %s", sid)
-                self._sessions.pop(sid, None)
-                s.proposer.close()
+                self._drop(sid)

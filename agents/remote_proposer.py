@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_TIMEOUT_S = 5.0  # a proposer slower than this is useless anyway
 DEFAULT_OPEN_TIMEOUT_S = 30.0  # first contact may load a model
+# a proposer that has not completed the (CURVE) handshake by then is taken as dead: the
+# verifier's compute thread must not wait on it (seconds per dead endpoint, several named)
+DEFAULT_CONNECT_TIMEOUT_S = 0.5
 
 
 @dataclass
@@ -109,7 +112,8 @@ class RemoteProposer(Proposer):
         self.flows = FlowTotals()
 
     def _open(self, context: Sequence[int]) -> None:
-        self._client = self._client or Client(self.endpoint, key=self.key)
+        self._client = self._client or Client(self.endpoint, key=self.key,
+                                              connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S)
         sid = uuid.uuid4().hex[:16]
         msg = OpenSession(sid, self.spec, self.model, [int(t) for t in context],
                           self.params.temperature, self.params.top_p, self.params.seed,

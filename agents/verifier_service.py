@@ -17,22 +17,31 @@ from dataclasses import dataclass
 
 from agents.remote_proposer import RemoteProposer
 from agents.remote_tree import RemoteProposerGroup
+from agents.specs import DraftModels, SpecPolicy, check_spec, make_checked_proposer
 from bridge.errors import BAD_REQUEST, BUSY, UNAVAILABLE, ProtocolError
 from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDone, GenerateRequest
 from macfleet.engine.controller import make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.loop import speculative_generate
 from macfleet.engine.models import LoadedModel
-from macfleet.engine.proposers import ProposerSpecError, make_proposer
+from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
 from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.engine.text import PromptError, TextStream, encode_prompt
+from macfleet.engine.text import MAX_PROMPT_TOKENS, PromptError, TextStream, encode_prompt
 from macfleet.engine.tree_loop import tree_budget, tree_generate
 from macfleet.engine.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED = 8
+MAX_PROPOSERS = 8  # proposer endpoints one request may name
+MAX_ENDPOINT_CHARS = 256
+# refused before tokenizing: no tokenizer allocates for a prompt that cannot fit anyway
+MAX_PROMPT_CHARS = 8 * MAX_PROMPT_TOKENS
+# every queued or running request hears from us this often (an empty GenerateChunk when no token
+# is ready: queued behind others, prefilling), so a client can call a verifier silent for a few
+# seconds dead instead of waiting out a first-token deadline
+HEARTBEAT_S = 1.0
 KEEPALIVE_S = 1.0  # idle period after which a shard group's leader pings its followers
 
 
@@ -85,6 +94,28 @@ class FallbackProposer(Proposer):
         return out
 
 
+def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:
+    """What a GenerateRequest may name, checked before it is queued (ProtocolError)."""
+    if not isinstance(msg.prompt, str) or len(msg.prompt) > MAX_PROMPT_CHARS:
+        raise ProtocolError(BAD_REQUEST, f"prompt longer than {MAX_PROMPT_CHARS} characters "
+                                         f"(the limit is {MAX_PROMPT_TOKENS} tokens)")
+    eps = msg.proposers
+    if len(eps) > MAX_PROPOSERS:
+        raise ProtocolError(BAD_REQUEST, f"at most {MAX_PROPOSERS} proposer endpoints")
+    if any(not isinstance(e, str) or not e.startswith("tcp://") or len(e) > MAX_ENDPOINT_CHARS
+           for e in eps):
+        raise ProtocolError(BAD_REQUEST, "proposer endpoints must be tcp://HOST:PORT strings")
+    if not eps:  # built here: the one spec check, with this agent's policy
+        check_spec(msg.proposer_spec or "none", policy)
+        return
+    # drafted elsewhere: each proposer agent checks the names against its own heads directory
+    for part in (msg.proposer_spec or "").split("+")[:MAX_PROPOSERS + 1]:
+        try:
+            parse_proposer_spec(part)
+        except ProposerSpecError as e:
+            raise ProtocolError(BAD_REQUEST, str(e)) from None
+
+
 @dataclass(frozen=True)
 class VerifierLimits:
     max_queued: int = DEFAULT_MAX_QUEUED
@@ -96,13 +127,15 @@ class VerifierService:
                  publish: Callable[[object], None] | None = None,
                  limits: VerifierLimits = VerifierLimits(), f3_probe: bool = False,
                  verifier=None, on_fatal: Callable[[str], None] | None = None,
-                 f3_codec: str = "float16") -> None:
+                 f3_codec: str = "float16", policy: SpecPolicy | None = None) -> None:
         """verifier: a Verifier-like object (a ShardedVerifier on a shard group's rank 0);
         on_fatal: called when the verifier itself is lost (a shard died): the agent stops."""
         self.lm = lm
         self.node_id = node_id
         self.key = key
         self.limits = limits
+        self.policy = policy or SpecPolicy(own_model=lm.spec)
+        self.models = DraftModels()
         # F3 probe width: what an EAGLE-style drafter reads, the last layer's hidden state
         self.f3_probe_width = lm.hidden_size if f3_probe else 0
         self._publish = publish or (lambda m: None)
@@ -114,10 +147,24 @@ class VerifierService:
         self._keepalive = getattr(self._verifier, "keepalive", None)
         self.active = 0
         self.completed = 0
+        self._pending: dict[int, tuple[str, Reply]] = {}  # queued or running -> heartbeats
+        self._pending_lock = threading.Lock()
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
         self._thread.start()
+        self._beat = threading.Thread(target=self._heartbeats, name="verifier-heartbeat",
+                                      daemon=True)
+        self._beat.start()
+
+    def _heartbeats(self) -> None:
+        while not self._stopped.wait(HEARTBEAT_S):
+            with self._pending_lock:
+                pending = list(self._pending.values())
+            for rid, reply in pending:
+                reply(GenerateChunk(rid, [], ""))
 
     def close(self, timeout: float = 5.0) -> None:
+        self._stopped.set()
         try:
             self._jobs.put_nowait(None)
         except queue.Full:
@@ -135,10 +182,13 @@ class VerifierService:
             SamplingParams(msg.temperature, msg.top_p, msg.seed)
         except ValueError as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
-        try:
-            self._jobs.put_nowait((msg, reply))
-        except queue.Full:
-            raise ProtocolError(BUSY, f"{self.limits.max_queued} generations queued") from None
+        check_request(msg, self.policy)
+        with self._pending_lock:
+            try:
+                self._jobs.put_nowait((msg, reply))
+            except queue.Full:
+                raise ProtocolError(BUSY, f"{self.limits.max_queued} generations queued") from None
+            self._pending[id(reply)] = (msg.request_id, reply)
         return True
 
     def _run(self) -> None:
@@ -166,6 +216,8 @@ class VerifierService:
                 reply(ErrorReply("internal", f"{type(e).__name__}: {e}"))
             finally:
                 self.active -= 1
+                with self._pending_lock:
+                    self._pending.pop(id(reply), None)
 
     def _idle_keepalive(self) -> bool:
         """Keep a shard group's watchdogs fed while idle; False once the group is lost."""
@@ -193,7 +245,8 @@ class VerifierService:
                                       features=feats, f3_codec=self.f3_codec)
                        for ep in msg.proposers]
             return FallbackProposer(remotes)
-        return make_proposer(msg.proposer_spec or "none", self.lm)
+        return make_checked_proposer(msg.proposer_spec or "none", self.lm, self.policy,
+                                     self.models)
 
     def _features(self, spec: str):
         """Real F3 for a remote hidden-state drafter: tap this verifier's own forwards."""

@@ -187,12 +187,7 @@ class Server(_Shell):
     # --- any thread --------------------------------------------------------------------------
 
     def _replier(self, identity: bytes, request: Header) -> Reply:
-        def reply(msg: Message) -> int:
-            frames = sign(encode(msg, reply_to=request.id, session=request.session), self._key)
-            self._post([identity, *frames])
-            return frames_nbytes(frames)
-
-        return reply
+        return Replier(self, identity, request)
 
     def _post(self, frames: list[Any]) -> None:
         if threading.get_ident() == self._loop_ident:
@@ -211,6 +206,22 @@ class Server(_Shell):
             self._wake_w.send(b"\0")
         except BlockingIOError:  # buffer full: the loop is already due to wake
             pass
+
+
+class Replier:
+    """`reply(msg)` for one request; `peer` names the connection it came on (the ROUTER's
+    routing id), so services can apply per-client quotas."""
+
+    __slots__ = ("_server", "peer", "_request")
+
+    def __init__(self, server: Server, peer: bytes, request: Header) -> None:
+        self._server, self.peer, self._request = server, peer, request
+
+    def __call__(self, msg: Message) -> int:
+        frames = sign(encode(msg, reply_to=self._request.id, session=self._request.session),
+                      self._server._key)
+        self._server._post([self.peer, *frames])
+        return frames_nbytes(frames)
 
 
 class Client(_Shell):
@@ -341,4 +352,5 @@ class Client(_Shell):
 # PUB/SUB live in bridge.pubsub; re-exported so `from bridge.transport import Publisher` works.
 from bridge.pubsub import Publisher, Subscriber  # noqa: E402
 
-__all__ = ["Client", "Handler", "Publisher", "Reply", "Server", "Subscriber", "port_of"]
+__all__ = ["Client", "Handler", "Publisher", "Replier", "Reply", "Server", "Subscriber",
+           "port_of"]

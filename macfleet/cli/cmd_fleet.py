@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
                    "(half the bytes; see results/drafter.json for its acceptance cost)")
     a.add_argument("--heads", default=None, help="directory of draft heads clients may name "
                    "(eagle:NAME); the shipped heads are always available")
+    a.add_argument("--allow-hub", action="store_true", help="let remote requests name Hugging "
+                   "Face ids for draft: models (downloads); off: allowlisted names and --heads")
     a.add_argument("--name", default="")
     a.add_argument("--node-id", default="")
     a.add_argument("--port", type=int, default=0)
@@ -92,7 +94,8 @@ def run_agent(args) -> int:
                       port=args.port, pub_port=args.pub_port, key=key,
                       loopback_only=args.loopback, cpu=args.cpu, node_id=args.node_id,
                       proposer_kinds=tuple(k for k in args.proposers.split(",") if k),
-                      f3_probe=args.f3_probe, heads_dir=args.heads, f3_codec=args.f3_codec)
+                      f3_probe=args.f3_probe, heads_dir=args.heads, f3_codec=args.f3_codec,
+                      allow_hub=args.allow_hub)
     try:
         if args.role == "shard":
             from agents.shard_agent import ShardAgent, ShardSpec

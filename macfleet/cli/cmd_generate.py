@@ -195,16 +195,27 @@ def run(args) -> int:
     args.proposer, _ = resolve_proposer(args.proposer, args.model)
     if args.local:
         return run_local(args)
-    from bridge.auth import fleet_id
-    from macfleet.fleet.client import NoFleet, choose_roles, discover, probe
     from macfleet.fleet.keys import KeyMissing, resolve_key
 
     try:
         key = resolve_key(args.key, open_fleet=args.open)
     except KeyMissing:
         return run_local(args)  # no fleet key on this machine: no fleet to talk to
-    failed: set[str] = set()
     committed = Progress()
+    try:
+        return _replanning(args, key, committed)
+    except UserError as e:
+        if args.json and committed.ids:  # what was received is kept, with why it stopped
+            print(json.dumps({"text": "".join(committed.text), "token_ids": committed.ids,
+                              "complete": False, "error": str(e)}))
+        raise
+
+
+def _replanning(args, key, committed: Progress) -> int:
+    from bridge.auth import fleet_id
+    from macfleet.fleet.client import NoFleet, choose_roles, discover, probe
+
+    failed: set[str] = set()
     for attempt in range(MAX_REPLANS + 1):
         cards = [c for c in discover(fleet_id(key), wait_s=args.wait, expect=2)
                  if c.node_id not in failed]

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+# Below this, logits / temperature overflows float32 (1e-38 gave the last vocabulary token on
+# every step): such temperatures are taken as greedy, which is what they tend to anyway.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,6 +26,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # documented floor: greedy
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 

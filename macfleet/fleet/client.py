@@ -21,6 +21,9 @@ DEFAULT_DISCOVER_S = 3.0
 DEFAULT_STATUS_TIMEOUT_S = 2.0
 DEFAULT_PINGS = 3
 DEFAULT_FIRST_TOKEN_TIMEOUT_S = 120.0  # the verifier may be busy with queued generations
+# a verifier agent heartbeats every request it holds each second (agents.verifier_service):
+# silent this long, it is dead (killed, asleep, cut off)
+DEFAULT_SILENCE_S = 3.0
 
 
 class NoFleet(RuntimeError):
@@ -106,13 +109,25 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
                     proposers: Sequence[str] = (), proposer_spec: str = "ngram",
                     cross_round: bool = True,
                     first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S,
-                    prefix_ids: Sequence[int] = ()) -> Iterator[GenerateChunk | GenerateDone]:
+                    prefix_ids: Sequence[int] = (),
+                    silence_s: float = DEFAULT_SILENCE_S) -> Iterator[GenerateChunk | GenerateDone]:
     """Stream a generation from a verifier agent. Raises ProtocolError/TransportTimeout.
 
+    TransportTimeout when the verifier is silent (no chunk, no heartbeat) for silence_s, or
+    sends no token within first_token_timeout_s. Heartbeats (empty chunks) are not yielded.
     prefix_ids: tokens a failed verifier already committed for this request (re-planning).
     """
     req = GenerateRequest(new_request_id(), prompt, chat, max_tokens, temperature, top_p, seed,
                           draft_tokens, list(proposers), proposer_spec, cross_round,
                           tuple(int(t) for t in prefix_ids))
+    first_by = time.monotonic() + first_token_timeout_s
+    first = True
     with Client(verifier.router_endpoint, key=key) as c:
-        yield from c.stream(req, timeout_per_msg=first_token_timeout_s)
+        for msg in c.stream(req, timeout_per_msg=min(silence_s, first_token_timeout_s)):
+            if isinstance(msg, GenerateChunk) and not msg.token_ids and not msg.text:
+                if first and time.monotonic() > first_by:
+                    raise TransportTimeout(f"no token from {verifier.name} within "
+                                           f"{first_token_timeout_s:.0f}s (it is alive but busy)")
+                continue  # a heartbeat
+            first = False
+            yield msg

@@ -22,7 +22,7 @@ from macfleet.fleet.client import generate_remote, probe
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 MODEL = "tiny:1"
-FIRST_TOKEN_TIMEOUT_S = 3.0
+SILENCE_S = 3.0  # macfleet.fleet.client.DEFAULT_SILENCE_S: verifier heartbeats each second
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +72,15 @@ def test_sigstopped_agent_is_reported_dead_then_rejoins(fleet):
 
 def test_zz_verifier_killed_mid_generation_gives_a_clear_error_not_a_hang(fleet):
     """SIGKILL the verifier after the first streamed tokens: the client's stream raises within
-    its per-message deadline (first_token_timeout_s), never hangs."""
+    3 s of the verifier's last message (heartbeats), with the default deadlines (the 120 s
+    first-token deadline is not applied to every message), never hangs."""
     pid = fleet["agents"][ROLE_VERIFIER].pid
     got, killed = 0, None
     with pytest.raises((TransportTimeout, PeerUnavailable, ProtocolError)) as e:
         for msg in generate_remote(fleet["verifier"], fleet["key"], prompt="the cat sat on",
                                    chat=False, max_tokens=4096,
                                    proposers=[fleet["proposer"].router_endpoint],
-                                   proposer_spec="ngram",
-                                   first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S):
+                                   proposer_spec="ngram"):
             if isinstance(msg, GenerateChunk):
                 got += len(msg.token_ids)
                 if killed is None:
@@ -91,7 +91,7 @@ def test_zz_verifier_killed_mid_generation_gives_a_clear_error_not_a_hang(fleet)
     assert killed is not None and got > 0
     waited = time.monotonic() - killed
     # chunks already in flight may still arrive; then one deadline, plus slack for a busy CPU
-    assert waited < FIRST_TOKEN_TIMEOUT_S + 3.0, waited
+    assert waited < SILENCE_S + 2.0, waited
     assert "deadline" in str(e.value) or isinstance(e.value, (PeerUnavailable, ProtocolError))
     # the proposer is unaffected
     assert probe(fleet["proposer"], fleet["key"], pings=1).alive

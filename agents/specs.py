@@ -1,0 +1,168 @@
+"""The one check for every drafter spec a request names, and the bounded draft-model cache.
+
+A request from the network (`OpenSession.proposer` on a proposer agent, `GenerateRequest.
+proposer_spec` on a verifier agent, a preset's `proposer`) must not make an agent open files,
+probe paths or download models of the sender's choosing. Whatever the door, the spec goes
+through `check_spec` with the agent's `SpecPolicy`:
+
+- the kind must be one the agent serves;
+- `eagle:NAME`, `eagle2:NAME`, `retrieval:NAME` name a file inside the agent's `--heads DIR`
+  (a plain relative name; `..`, absolute paths and symlinks out of it are refused);
+- `draft:MODEL` is an allowlisted name (`smollm2[:dense|:q]`, `tiny:SEED[:VOCAB]`, the agent's
+  own model), or a model directory/GGUF *inside* `--heads DIR`; a Hugging Face id only when the
+  agent was started with `--allow-hub`; never a path.
+
+`local_spec` then turns the checked names into what the engine loads. `DraftModels` keeps at
+most `DEFAULT_MAX_DRAFT_MODELS` draft models loaded (least recently used goes), so a stream of
+distinct allowed specs cannot grow the agent without bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from bridge.errors import BAD_REQUEST, ProtocolError
+
+FILE_KINDS = ("eagle", "eagle2", "retrieval")  # the argument names a file
+ALLOWED_MODELS = ("smollm2", "smollm2:dense", "smollm2:q")
+_TINY = re.compile(r"tiny:\d{1,6}(:\d{1,6})?")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,95}")
+DEFAULT_MAX_DRAFT_MODELS = 2
+MAX_SPEC_CHARS = 512
+MAX_SPEC_PARTS = 8
+
+
+@dataclass(frozen=True)
+class SpecPolicy:
+    kinds: tuple[str, ...] = ("none", "ngram", "layerskip", "draft", "eagle", "eagle2",
+                              "retrieval")
+    heads_dir: str | None = None  # the agent's own directory of heads, stores, draft models
+    own_model: str = ""  # the agent's model spec, always allowed as a draft
+    allow_hub: bool = False  # Hugging Face ids for draft: (downloads) from remote requests
+
+
+def _refuse(why: str) -> ProtocolError:
+    return ProtocolError(BAD_REQUEST, why)
+
+
+def _inside(base_dir: str | None, name: str, what: str) -> Path:
+    if base_dir is None:
+        raise _refuse(f"this agent serves no {what} by name (start it with --heads DIR)")
+    if not _plain(name):
+        raise _refuse(f"{what} '{name}' must be a plain name inside the agent's heads directory")
+    base = Path(base_dir).resolve()
+    target = (base / name).resolve()
+    if base not in target.parents:
+        raise _refuse(f"{what} '{name}' is outside the agent's heads directory")
+    return target
+
+
+def check_spec(spec: str, policy: SpecPolicy) -> None:
+    """Raise ProtocolError(bad_request) unless every part of `spec` (a+b+...) is allowed.
+
+    Pure apart from resolving paths inside the heads directory (symlinks out are refused)."""
+    from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
+
+    if not isinstance(spec, str) or len(spec) > MAX_SPEC_CHARS:
+        raise _refuse(f"a proposer spec is a string of at most {MAX_SPEC_CHARS} characters")
+    parts = spec.split("+") if spec else ["none"]
+    if len(parts) > MAX_SPEC_PARTS:
+        raise _refuse(f"at most {MAX_SPEC_PARTS} drafters per spec")
+    for part in parts:
+        try:
+            ps = parse_proposer_spec(part)
+        except ProposerSpecError as e:
+            raise _refuse(str(e)) from None
+        if ps.kind not in policy.kinds:
+            raise _refuse(f"this agent serves {policy.kinds}, not {ps.kind}")
+        if ps.kind in FILE_KINDS and ps.arg:
+            _inside(policy.heads_dir, ps.arg, "draft head")
+        if ps.kind == "draft":
+            _check_draft_model(ps.arg, policy)
+
+
+def _plain(name: str) -> bool:
+    return bool(name) and not name.startswith(("/", "~")) and "\\" not in name \
+        and "\0" not in name and all(part not in ("..", "", ".") for part in name.split("/"))
+
+
+def _check_draft_model(arg: str, policy: SpecPolicy) -> None:
+    if arg in ALLOWED_MODELS or arg == policy.own_model or _TINY.fullmatch(arg):
+        return
+    if policy.heads_dir is not None and _plain(arg) and _inside(policy.heads_dir, arg,
+                                                                "draft model").exists():
+        return
+    if policy.allow_hub and _HUB_ID.fullmatch(arg) and _plain(arg):
+        return
+    raise _refuse(f"draft model '{arg}' is not allowed here: use smollm2, tiny:SEED, the agent's "
+                  "own model or a model in its --heads DIR (Hugging Face ids need --allow-hub)")
+
+
+def local_spec(spec: str, policy: SpecPolicy) -> str:
+    """A checked spec with names in the heads directory replaced by their paths."""
+    out = []
+    for part in (spec or "none").split("+"):
+        kind, _, arg = part.partition(":")
+        inside = policy.heads_dir is not None and _plain(arg) and (
+            kind in FILE_KINDS or (kind == "draft" and (Path(policy.heads_dir) / arg).exists()))
+        out.append(f"{kind}:{(Path(policy.heads_dir) / arg).resolve()}" if inside else part)
+    return "+".join(out)
+
+
+class DraftModels:
+    """An LRU of loaded draft models (thread-safe); the agent's own model is never counted."""
+
+    def __init__(self, max_models: int = DEFAULT_MAX_DRAFT_MODELS) -> None:
+        self.max_models = max_models
+        self._lru: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def get(self, spec: str, own):
+        """The LoadedModel for `spec` (`own` when it names the agent's model)."""
+        from macfleet.engine.models import load_model
+
+        if spec == own.spec:
+            return own
+        with self._lock:
+            if spec in self._lru:
+                self._lru.move_to_end(spec)
+                return self._lru[spec]
+            lm = load_model(spec, cached=False)
+            self._lru[spec] = lm
+            while len(self._lru) > self.max_models:
+                self._lru.popitem(last=False)
+            return lm
+
+    def proposer(self, spec: str, own):
+        """A draft-model proposer like the engine's factory builds, from this cache."""
+        from macfleet.engine.models import ModelSpecError
+        from macfleet.engine.proposers import ProposerSpecError
+        from macfleet.engine.proposers.model_draft import ModelProposer
+
+        arg = spec.partition(":")[2]
+        try:
+            draft = self.get(arg, own)
+        except ModelSpecError as e:
+            raise ProposerSpecError(f"draft model: {e}") from e
+        if draft.vocab_size != own.vocab_size:
+            raise ProposerSpecError(f"draft model {arg} has vocabulary {draft.vocab_size}, the "
+                                    f"verifier {own.vocab_size}: it must share the tokenizer")
+        return ModelProposer(draft.model, name=f"draft:{arg}")
+
+
+def make_checked_proposer(spec: str, lm, policy: SpecPolicy, models: DraftModels):
+    """check_spec + local_spec + build (draft models from the bounded cache)."""
+    from macfleet.engine.proposers import make_proposer
+
+    check_spec(spec, policy)
+    local = local_spec(spec, policy)
+    if local.partition(":")[0] == "draft" and "+" not in local:
+        return models.proposer(local, lm)
+    return make_proposer(local, lm)

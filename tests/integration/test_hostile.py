@@ -1,0 +1,212 @@
+"""Holes a key holder (or a peer without the key) could use against live agents, each closed:
+spec checks on the verifier side, endpoint caps and dead proposers, oversized prompts, the
+temperature floor, per-client session quotas and reclaiming idle sessions, the bounded draft
+model cache, presets that reach only fleet members, idle connections shed, fd limit raised,
+a silent verifier reported within seconds."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import replace
+
+import pytest
+
+from agents.proposer_service import ProposerLimits
+from bridge.errors import BAD_REQUEST, BUSY, ProtocolError, TransportTimeout
+from bridge.messages import (CloseSession, GenerateChunk, GenerateDone, GenerateRequest,
+                             OpenSession, Ping, Pong, RunPreset, SessionOpened)
+from bridge.transport import Client, Server
+from macfleet import sysinfo
+from macfleet.engine import models
+from macfleet.engine.sampling import MIN_TEMPERATURE, SamplingParams
+
+pytestmark = [pytest.mark.timeout(90)]
+
+KEY = b"H" * 32
+OTHER = b"h" * 32
+
+
+@pytest.fixture(scope="module")
+def agents():
+    from agents.daemon import Agent, AgentConfig
+
+    made = {role: Agent(AgentConfig(role=role, model="tiny:1", key=KEY, advertise=False))
+            for role in ("proposer", "verifier")}
+    yield made
+    for a in made.values():
+        a.close()
+
+
+def req(prompt="the cat", spec="none", proposers=(), **kw) -> GenerateRequest:
+    base = GenerateRequest("r", prompt, False, 8, 0.0, 1.0, None, -1, list(proposers), spec,
+                           False)
+    return replace(base, **kw)
+
+
+def generate(agent, msg, timeout=30):
+    with Client(agent.card.router_endpoint, key=KEY) as c:
+        msgs = list(c.stream(msg, timeout))
+    assert isinstance(msgs[-1], GenerateDone)
+    return msgs[-1]
+
+
+def refusal(agent, msg) -> ProtocolError:
+    with Client(agent.card.router_endpoint, key=KEY) as c, pytest.raises(ProtocolError) as e:
+        list(c.stream(msg, 10))
+    return e.value
+
+
+@pytest.mark.parametrize("spec", ["draft:/etc", "draft:org/name", "eagle:/etc/passwd",
+                                  "eagle:../../x", "retrieval:/etc/hosts"])
+def test_verifier_applies_the_same_spec_check(agents, spec):
+    e = refusal(agents["verifier"], req(spec=spec))
+    assert e.code == BAD_REQUEST and ("not allowed" in e.message or "heads" in e.message), e
+
+
+def test_proposer_endpoints_are_capped_and_dead_ones_cost_little(agents):
+    e = refusal(agents["verifier"], req(spec="ngram", proposers=["tcp://127.0.0.1:9"] * 9))
+    assert e.code == BAD_REQUEST and "at most" in e.message
+    e = refusal(agents["verifier"], req(spec="ngram", proposers=["ipc:///tmp/x"]))
+    assert e.code == BAD_REQUEST
+    dead = []
+    for _ in range(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead.append(f"tcp://127.0.0.1:{s.getsockname()[1]}")
+    alone = generate(agents["verifier"], req())
+    t0 = time.monotonic()
+    done = generate(agents["verifier"], req(spec="ngram", proposers=dead))
+    assert time.monotonic() - t0 < 4.0  # 4 dead proposers held the compute thread 20 s before
+    assert done.token_ids == alone.token_ids and done.stats["proposer_failures"] == 4
+
+
+def test_oversized_prompt_is_refused_before_it_costs_memory(agents):
+    v = agents["verifier"]
+    refusal(v, req(prompt="word " * 200_000))  # warm the path once
+    before = sysinfo.rss_bytes()
+    for _ in range(3):
+        e = refusal(v, req(prompt="word " * 200_000))  # 1 MB
+        assert e.code == BAD_REQUEST and "characters" in e.message
+    assert sysinfo.rss_bytes() - before < 30 * 2**20
+    assert isinstance(Client(v.card.router_endpoint, key=KEY).request(Ping(1, 0), 5), Pong)
+
+
+def test_tiny_temperatures_are_greedy(agents):
+    assert SamplingParams(1e-38).greedy and SamplingParams(MIN_TEMPERATURE / 2).greedy
+    assert not SamplingParams(MIN_TEMPERATURE).greedy
+    greedy = generate(agents["verifier"], req(max_tokens=12))
+    tiny = generate(agents["verifier"], req(max_tokens=12, temperature=1e-38, seed=1))
+    assert tiny.token_ids == greedy.token_ids
+
+
+def open_session(c, sid, spec="ngram"):
+    return c.request(OpenSession(sid, spec, "", [1, 2, 3], 0.0, 1.0, None, False), timeout=30)
+
+
+def test_sessions_per_client_are_capped(agents):
+    p = agents["proposer"]
+    quota = p.proposer.limits.max_sessions_per_client
+    with Client(p.card.router_endpoint, key=KEY) as a, Client(p.card.router_endpoint, key=KEY) as b:
+        for i in range(quota):
+            assert isinstance(open_session(a, f"a{i}"), SessionOpened)
+        with pytest.raises(ProtocolError) as e:
+            open_session(a, "a-extra")
+        assert e.value.code == BUSY and "per client" in e.value.message
+        assert isinstance(open_session(b, "b0"), SessionOpened)  # others are still served
+        for sid in [f"a{i}" for i in range(quota)]:
+            a.request(CloseSession(sid), timeout=10)
+        b.request(CloseSession("b0"), timeout=10)
+
+
+def test_idle_sessions_are_reclaimed_when_full(agents):
+    svc = agents["proposer"].proposer
+    old = svc.limits
+    svc.limits = ProposerLimits(max_sessions=2, reclaim_idle_s=0.5)
+    try:
+        with Client(agents["proposer"].card.router_endpoint, key=KEY) as a, \
+                Client(agents["proposer"].card.router_endpoint, key=KEY) as b:
+            open_session(a, "idle1")
+            open_session(a, "idle2")
+            with pytest.raises(ProtocolError) as e:  # full, and both were just used
+                open_session(b, "new")
+            assert e.value.code == BUSY
+            time.sleep(0.7)
+            assert isinstance(open_session(b, "new"), SessionOpened)  # an idle one gave way
+            assert svc.sessions == 2
+            for sid in ("idle1", "idle2", "new"):
+                a.request(CloseSession(sid), timeout=10)
+    finally:
+        svc.limits = old
+
+
+def test_draft_models_from_requests_are_bounded(agents):
+    p = agents["proposer"]
+    with Client(p.card.router_endpoint, key=KEY) as c:
+        for seed in range(41, 46):
+            assert isinstance(open_session(c, f"d{seed}", f"draft:tiny:{seed}"), SessionOpened)
+            c.request(CloseSession(f"d{seed}"), timeout=10)
+    assert len(p.proposer.models) <= 2
+    assert not any(k[0].startswith("tiny:4") for k in models._cache)
+
+
+def test_link_probe_reaches_only_fleet_members(agents):
+    """A preset naming a non-member (another fleet's agent) delivers nothing to it."""
+    p = agents["proposer"]
+    seen = []
+    with Server(lambda env, reply: seen.append(env), key=OTHER) as outsider, \
+            Server(lambda env, reply: seen.append(env), key=None) as open_one:
+        for target in (outsider, open_one):
+            with Client(p.card.router_endpoint, key=KEY) as c, pytest.raises(ProtocolError):
+                c.request(RunPreset("link_probe", {"peer": target.endpoint, "repeats": 1}), 30)
+        assert seen == [] and outsider.requests == open_one.requests == 0
+
+
+def test_fd_limit_is_raised_and_idle_connections_are_shed(agents):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert agents["verifier"].fd_limit == soft >= min(hard, 65536)
+    port = agents["verifier"].server.port
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+    try:
+        for s in conns:
+            s.settimeout(8.0)
+        t0 = time.monotonic()
+        closed = 0
+        for s in conns:  # libzmq sends its greeting, then drops us at the handshake deadline
+            try:
+                while s.recv(4096):
+                    pass
+                closed += 1
+            except ConnectionResetError:
+                closed += 1
+            except TimeoutError:
+                pass
+        assert closed == len(conns) and time.monotonic() - t0 < 8.0
+        with Client(agents["verifier"].card.router_endpoint, key=KEY) as c:
+            assert isinstance(c.request(Ping(1, 0), 5), Pong)
+    finally:
+        for s in conns:
+            s.close()
+
+
+def test_a_silent_verifier_is_reported_within_seconds():
+    """One chunk, then silence (killed, asleep, cut off): the client raises within the silence
+    deadline, having yielded the chunk, instead of waiting out the first-token deadline."""
+    from bridge.card import AgentCard
+    from macfleet.fleet.client import DEFAULT_SILENCE_S, generate_remote
+
+    def handler(env, reply):
+        reply(GenerateChunk(env.msg.request_id, [5], "x"))
+
+    with Server(handler, key=KEY) as srv:
+        card = AgentCard(node_id="n", name="mute", fleet_id="f", host="127.0.0.1",
+                         router_port=srv.port, pub_port=1, roles=("verifier",))
+        got = []
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeout):
+            for m in generate_remote(card, KEY, prompt="hi"):
+                got.append(m)
+        assert got and got[0].token_ids == [5]
+        assert time.monotonic() - t0 < DEFAULT_SILENCE_S + 1.5
