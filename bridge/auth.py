@@ -1,65 +1,51 @@
-"""The fleet key: ZeroMQ CURVE on every socket, an HMAC-SHA256 on every message, a replay window.
+"""The fleet key and ZeroMQ CURVE: every socket of a closed fleet is encrypted and authenticated.
 
-One 32-byte fleet key, copied to every Mac, is the only secret. Everything else derives from it:
+One 32-byte fleet key, copied to every Mac, is the only secret. `curve_keys` derives from it a
+server keypair (ROUTER and PUB sockets) and a client keypair (DEALER and SUB sockets): each
+secret is HMAC-SHA256(fleet key, label) taken as a Curve25519 scalar (libsodium clamps it), the
+public half computed by `zmq.curve_public`. The server *public* key is never published (Zeroconf
+TXT carries only `fleet_id`, a hash), so it acts as a second secret: a peer that does not hold
+the fleet key cannot build a HELLO the server can open, the handshake fails and libzmq closes the
+connection before one byte reaches the application. An unauthenticated peer gets nothing back:
+no typed error, no echo. Connections that never finish the handshake are dropped after
+`DEFAULT_HANDSHAKE_S` (`zmq.HANDSHAKE_IVL`), so idle floods cannot hold file descriptors.
 
-- CURVE (`curve_keys`): a server keypair (ROUTER and PUB sockets) and a client keypair (DEALER
-  and SUB sockets), each secret = HMAC-SHA256(fleet key, label) taken as a Curve25519 scalar
-  (libsodium clamps it), the public half computed by `zmq.curve_public`. The server *public* key
-  is never published (Zeroconf TXT carries only `fleet_id`, a hash), so it acts as a second
-  secret: a peer that does not hold the fleet key cannot build a HELLO the server can open, the
-  handshake fails and libzmq closes the connection before one byte reaches the application. An
-  unauthenticated peer therefore gets nothing back: no typed error, no signed echo. Traffic is
-  encrypted (XSalsa20-Poly1305 per frame) and each connection's short-term keys and nonces stop
-  an outsider from replaying or splicing captured traffic. Sockets that never finish the
-  handshake are dropped after `DEFAULT_HANDSHAKE_S` (`zmq.HANDSHAKE_IVL`).
-- The per-message HMAC and the replay window are kept, for what CURVE does not give:
-  CURVE authenticates a *connection* as a key holder; the MAC authenticates each *message*
-  independently of the socket options it came through, so a socket built by mistake without
-  CURVE (or a future door, e.g. a relay or a recorded capture replayed into a new connection by
-  a misbehaving fleet member) still cannot inject a message an agent acts on; the replay window
-  bounds how long any fleet member can re-send a message it once saw. It costs one SHA-256 pass
-  over the frames (measured next to CURVE's cost by `macfleet bench f3`, results/security.json).
-  Neither layer distinguishes one fleet member from another: the fleet key is shared, so any
-  holder can speak for the fleet. Keep it as secret as a password.
+Why there is no per-message HMAC and replay window any more (there were, before CURVE):
+- CURVE already authenticates every frame (Poly1305 under per-connection short-term keys) and
+  numbers them (nonces), so nothing can be forged, altered, re-ordered or replayed by anyone
+  without the key, and a capture cannot be replayed into another connection (its short-term
+  keys die with it).
+- Against a fleet member neither layer helps: the key is shared, so any holder can sign a fresh
+  message as easily as replay an old one. Per-member identity would need per-Mac keys.
+- The one thing a MAC would still catch, a socket built without CURVE by mistake, is ruled out
+  structurally instead: every fleet socket is made by `bridge.sockets._socket`, which applies
+  CURVE whenever there is a key (and refuses to fall back to clear text), and a test checks no
+  other module creates ZeroMQ sockets.
+- It was not free: signing and verifying a 16 MiB message took ~19 ms, a quarter of what CURVE
+  itself adds (`macfleet bench security`, results/security.json, column `hmac_ms`).
 
-A message is signed as `[header, body, *buffers, mac]`, the MAC covering every frame with its
-length (so frames cannot be re-split). A verified message is then checked for freshness: its
-header's t_ns must lie within the replay window of our clock, and its id must not have been seen
-in that window.
-
-A key of None means an open fleet: no CURVE, nothing signed or checked, traffic in clear. Callers
-pass None only when the user explicitly asked for one (`--open`).
+A key of None means an open fleet: no CURVE, traffic in clear, anyone who can reach the port is
+served. Callers pass None only when the user explicitly asked for one (`--open`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import hmac
 import logging
 import os
 import secrets
 import stat
-import struct
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
 
 import zmq
 from zmq.utils import z85
 
-from bridge.codec import decode_header
-from bridge.errors import AUTH, ProtocolError
-
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
-MAC_BYTES = 32
-DEFAULT_REPLAY_WINDOW_S = 30.0  # covers NTP-level clock skew between Macs
-_DOMAIN = b"macfleet-msg-v1\0"
 _FLEET_ID_DOMAIN = b"macfleet-fleet-id-v1\0"
 OPEN_FLEET_ID = "open"
 _CURVE_DOMAIN = b"macfleet-curve-v1\0"
@@ -154,72 +140,3 @@ def fleet_id(key: bytes | None) -> str:
     if key is None:
         return OPEN_FLEET_ID
     return hashlib.sha256(_FLEET_ID_DOMAIN + key).hexdigest()[:16]
-
-
-def mac(frames: Sequence[Any], key: bytes) -> bytes:
-    h = hmac.new(key, _DOMAIN, hashlib.sha256)
-    for f in frames:
-        view = memoryview(f)
-        h.update(struct.pack("<Q", view.nbytes))
-        h.update(view)
-    return h.digest()
-
-
-def sign(frames: Sequence[Any], key: bytes | None) -> list[Any]:
-    """`frames + [mac]`; unchanged (a new list) for an open fleet."""
-    if key is None:
-        return list(frames)
-    return [*frames, mac(frames, key)]
-
-
-class ReplayGuard:
-    """Refuses stale messages and ids already seen within the window.
-
-    Only authenticated messages reach it, so its memory is bounded by what real fleet members
-    send in one window. Not thread-safe: one per receiving socket.
-    """
-
-    def __init__(self, window_s: float = DEFAULT_REPLAY_WINDOW_S,
-                 clock: Callable[[], int] = time.time_ns) -> None:
-        self.window_ns = int(window_s * 1e9)
-        self._clock = clock
-        self._seen: set[str] = set()
-        self._expiry: list[tuple[int, str]] = []  # heap of (forget after, id)
-
-    def check(self, msg_id: str, t_ns: int) -> None:
-        now = self._clock()
-        while self._expiry and self._expiry[0][0] < now:
-            self._seen.discard(heapq.heappop(self._expiry)[1])
-        if abs(now - t_ns) > self.window_ns:
-            raise ProtocolError(AUTH, "message outside the replay window (clock skew or replay)",
-                                msg_id=msg_id)
-        if msg_id in self._seen:
-            raise ProtocolError(AUTH, "replayed message id", msg_id=msg_id)
-        self._seen.add(msg_id)
-        # Remember it until its timestamp leaves the window; after that the time check refuses it.
-        heapq.heappush(self._expiry, (t_ns + self.window_ns, msg_id))
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-
-def verify(frames: Sequence[Any], key: bytes | None, guard: ReplayGuard | None = None) -> list[Any]:
-    """Check the trailing MAC (and freshness, with a guard); return the frames without the MAC.
-
-    Raises ProtocolError("auth") on a missing or wrong MAC, a stale or a replayed message.
-    """
-    if key is None:
-        return list(frames)
-    if len(frames) < 2:
-        raise ProtocolError(AUTH, "message carries no MAC")
-    *payload, tag = frames
-    try:
-        tag_bytes = bytes(memoryview(tag))
-    except TypeError:
-        raise ProtocolError(AUTH, "MAC frame is not bytes") from None
-    if len(tag_bytes) != MAC_BYTES or not hmac.compare_digest(tag_bytes, mac(payload, key)):
-        raise ProtocolError(AUTH, "bad MAC (wrong fleet key, or altered in transit)")
-    if guard is not None:
-        header = decode_header(payload[0])
-        guard.check(header.id, header.t_ns)
-    return payload

@@ -1,5 +1,5 @@
-"""PUB/SUB shells for metrics and events: CURVE-encrypted (only fleet key holders can subscribe)
-and signed like every other message.
+"""PUB/SUB shells for metrics and events: CURVE-encrypted, so only fleet key holders can
+subscribe.
 
 Kept apart from the request/reply shells in `bridge.transport`; both build on
 `bridge.sockets`.
@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import zmq
 
-from bridge.auth import DEFAULT_REPLAY_WINDOW_S, ReplayGuard, sign
 from bridge.codec import Envelope, Limits, encode, frames_nbytes
 from bridge.errors import ProtocolError
 from bridge.messages import Message, tag_of
@@ -24,10 +23,10 @@ from bridge.sockets import (DEFAULT_BIND, DEFAULT_RECV_TIMEOUT_S, _bind, _Shell,
 log = logging.getLogger(__name__)
 
 class Publisher(_Shell):
-    """A PUB socket for metrics and events, signed like everything else.
+    """A PUB socket for metrics and events (a CURVE server: only key holders subscribe).
 
-    Each message is `[topic, header, body, *buffers, mac]`; the topic (default: the message tag)
-    is only for SUB-side filtering and is not authenticated. Thread-safe (a lock serializes
+    Each message is `[topic, header, body, *buffers]`; the topic (default: the message tag)
+    is only for SUB-side filtering. Thread-safe (a lock serializes
     sends); PUB never blocks and drops messages for slow subscribers.
     """
 
@@ -44,7 +43,7 @@ class Publisher(_Shell):
 
     def publish(self, msg: Message, *, topic: str | None = None) -> int:
         """Publish one message; returns its wire bytes (0 once closed)."""
-        frames = sign(encode(msg), self._key)
+        frames = encode(msg)
         head = (topic if topic is not None else tag_of(msg)).encode()
         with self._lock:
             if self._sock is None:
@@ -60,15 +59,14 @@ class Publisher(_Shell):
 class Subscriber(_Shell):
     """A SUB socket over any number of publishers. Not thread-safe: connect/recv from one thread.
 
-    Messages that fail auth or decoding are dropped (counted in `dropped`) and recv keeps waiting.
+    Messages that fail decoding are dropped (counted in `dropped`) and recv keeps waiting.
     """
 
     def __init__(self, endpoints: Sequence[str] = (), *, key: bytes | None,
                  topics: Sequence[str] = ("",), context: zmq.Context | None = None,
-                 limits: Limits = Limits(), replay_window_s: float = DEFAULT_REPLAY_WINDOW_S) -> None:
+                 limits: Limits = Limits()) -> None:
         self._key = key
         self._limits = limits
-        self._guard = ReplayGuard(replay_window_s)
         self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.SUB, limits, key=key)
         for t in topics:
             self._sock.setsockopt(zmq.SUBSCRIBE, t.encode())
@@ -83,7 +81,7 @@ class Subscriber(_Shell):
         self._live().disconnect(endpoint)
 
     def recv(self, timeout: float = DEFAULT_RECV_TIMEOUT_S) -> Envelope:
-        """The next verified message; TransportTimeout at the deadline."""
+        """The next well-formed message; TransportTimeout at the deadline."""
         deadline = time.monotonic() + timeout
         while True:
             parts, count = self._poll_recv(deadline, 1, "publishers")

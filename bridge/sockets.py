@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import zmq
 
-from bridge.auth import ReplayGuard, apply_curve, verify
+from bridge.auth import apply_curve
 from bridge.codec import Envelope, Limits
 from bridge.errors import OVERSIZE, ProtocolError, TransportTimeout
 
@@ -72,17 +72,17 @@ def _ms_left(deadline: float) -> int:
 
 class _Shell:
     """What every shell shares: an owned socket (close() idempotent, use after close refused)
-    and the path from received frames to a typed message: caps, MAC, freshness, decode."""
+    and the path from received frames to a typed message: caps, then decode. (Who may send at
+    all was settled by CURVE when the connection was made.)"""
 
     _sock: zmq.Socket | None = None
     _key: bytes | None = None
     _limits: Limits = Limits()
-    _guard: ReplayGuard
 
     def _unwrap(self, parts: list[memoryview], count: int) -> Envelope:
-        if count > self._limits.max_frames + 1:  # + the MAC
+        if count > self._limits.max_frames:
             raise ProtocolError(OVERSIZE, f"{count} frames exceed {self._limits.max_frames}")
-        return self._limits.decode(verify(parts, self._key, self._guard))
+        return self._limits.decode(parts)
 
     def _live(self) -> zmq.Socket:
         if self._sock is None:
@@ -101,7 +101,7 @@ class _Shell:
         self.close()
 
     def _poll_recv(self, deadline: float, extra: int, what: str) -> tuple[list[memoryview], int]:
-        """Wait for one message; `extra` frames precede the signed ones (topic, identity)."""
+        """Wait for one message; `extra` frames precede the message's own (topic, identity)."""
         sock = self._live()
         if not sock.poll(_ms_left(deadline), zmq.POLLIN):
             raise TransportTimeout(f"no message from {what} before the deadline")

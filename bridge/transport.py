@@ -10,7 +10,6 @@ a late reply can never be mistaken for the next one's.
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import socket
@@ -21,10 +20,9 @@ from typing import Any, Callable
 
 import zmq
 
-from bridge.auth import DEFAULT_REPLAY_WINDOW_S, ReplayGuard, sign
 from bridge.codec import (Envelope, Header, Limits, encode, encode_error, frames_nbytes, new_id,
                           peek_id)
-from bridge.errors import (AUTH, INTERNAL, PeerUnavailable, ProtocolError,
+from bridge.errors import (INTERNAL, PeerUnavailable, ProtocolError,
                            TransportTimeout)
 from bridge.messages import ErrorReply, Message, is_terminal
 from bridge.sockets import (DEFAULT_BIND, DEFAULT_RECV_TIMEOUT_S, _bind, _recv_capped, _Shell,
@@ -38,7 +36,6 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0  # wait for a usable connection before sending
 DEFAULT_REQUEST_TIMEOUT_S = 10.0
 DEFAULT_STREAM_TIMEOUT_S = 30.0  # per streamed message
 SERVE_BATCH = 64  # requests per loop turn before queued replies are flushed
-RECENT_IDS = 256  # sent ids for which an unauthenticated "auth" refusal is believed
 
 Reply = Callable[[Message], int]  # sends one reply, returns its wire bytes
 Handler = Callable[[Envelope, Reply], None]
@@ -47,19 +44,18 @@ class Server(_Shell):
 
     `reply(msg)` may be called zero, one or many times (streaming), from any thread, also after
     the handler returned. The handler runs on the loop thread: hand long work to a worker and
-    reply from there. A request that fails auth or decoding gets an ErrorReply with its code; a
+    reply from there. A request that fails decoding gets an ErrorReply with its code (only peers
+    that completed the CURVE handshake get this far, or anyone on an open fleet); a
     handler raising ProtocolError gets that code; any other exception becomes ErrorReply(internal)
     and is logged. The server never dies of a request.
     """
 
     def __init__(self, handler: Handler, *, key: bytes | None, bind: str = DEFAULT_BIND,
                  context: zmq.Context | None = None, limits: Limits = Limits(),
-                 replay_window_s: float = DEFAULT_REPLAY_WINDOW_S,
                  poll_s: float = DEFAULT_POLL_S) -> None:
         self._handler = handler
         self._key = key
         self._limits = limits
-        self._guard = ReplayGuard(replay_window_s)
         self._poll_ms = max(1, int(poll_s * 1000))
         self._sock = _socket(context or zmq.Context.instance(), zmq.ROUTER, limits, key=key)
         self.endpoint = _bind(self._sock, bind)
@@ -75,7 +71,8 @@ class Server(_Shell):
         self.requests = 0
         self.errors = 0  # error replies sent (malformed, auth, handler errors)
         if key is None:
-            log.warning("server %s runs an OPEN fleet: requests are not authenticated", self.endpoint)
+            log.warning("server %s runs an OPEN fleet: no CURVE, anyone reaching it is served",
+                        self.endpoint)
 
     @property
     def port(self) -> int:
@@ -132,7 +129,7 @@ class Server(_Shell):
                     for _ in range(SERVE_BATCH):
                         if self._stop.is_set() or not self._sock.poll(0, zmq.POLLIN):
                             break
-                        self._serve(*_recv_capped(self._sock, self._limits.max_frames + 2))
+                        self._serve(*_recv_capped(self._sock, self._limits.max_frames + 1))
                         self._flush()
         except zmq.ContextTerminated:
             log.info("server %s: context terminated", self.endpoint)
@@ -182,7 +179,7 @@ class Server(_Shell):
 
     def _send_error(self, identity: bytes, exc: ProtocolError, request: Header | None) -> None:
         self.errors += 1
-        self._send([identity, *sign(encode_error(exc, request=request), self._key)])
+        self._send([identity, *encode_error(exc, request=request)])
 
     # --- any thread --------------------------------------------------------------------------
 
@@ -218,8 +215,7 @@ class Replier:
         self._server, self.peer, self._request = server, peer, request
 
     def __call__(self, msg: Message) -> int:
-        frames = sign(encode(msg, reply_to=self._request.id, session=self._request.session),
-                      self._server._key)
+        frames = encode(msg, reply_to=self._request.id, session=self._request.session)
         self._server._post([self.peer, *frames])
         return frames_nbytes(frames)
 
@@ -229,20 +225,18 @@ class Client(_Shell):
 
     request() and stream() match replies to their request by reply_to and discard others (stale
     replies, replies to earlier pipelined sends). send()/recv() are the pipelined form: recv
-    returns every verified message, ErrorReply included, and does not rebuild on timeout (call
-    reset() when the link is to be abandoned). Byte counters include the MAC frame.
+    returns every well-formed message, ErrorReply included, and does not rebuild on timeout (call
+    reset() when the link is to be abandoned).
     """
 
     def __init__(self, endpoint: str, *, key: bytes | None, context: zmq.Context | None = None,
-                 limits: Limits = Limits(), replay_window_s: float = DEFAULT_REPLAY_WINDOW_S,
+                 limits: Limits = Limits(),
                  connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
         self.endpoint = endpoint
         self._key = key
         self._ctx = context or zmq.Context.instance()
         self._limits = limits
-        self._guard = ReplayGuard(replay_window_s)
         self._connect_ms = int(connect_timeout_s * 1000)
-        self._recent: collections.deque[str] = collections.deque(maxlen=RECENT_IDS)
         self._sock: zmq.Socket | None = self._connect()
         self.bytes_sent = self.bytes_received = 0
         self.last_sent_bytes = self.last_recv_bytes = 0
@@ -265,7 +259,7 @@ class Client(_Shell):
         """Send one message; returns its id. PeerUnavailable when no connection is usable in time."""
         sock = self._live()
         msg_id = new_id()
-        frames = sign(encode(msg, msg_id=msg_id, session=session), self._key)
+        frames = encode(msg, msg_id=msg_id, session=session)
         if not sock.poll(self._connect_ms, zmq.POLLOUT):
             raise PeerUnavailable(f"no connection to {self.endpoint} within {self._connect_ms} ms "
                                   "(agent down, or its fleet key differs from ours)")
@@ -273,13 +267,12 @@ class Client(_Shell):
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise PeerUnavailable(f"send queue to {self.endpoint} is full") from None
-        self._recent.append(msg_id)
         self.last_sent_bytes = frames_nbytes(frames)
         self.bytes_sent += self.last_sent_bytes
         return msg_id
 
     def recv(self, timeout: float = DEFAULT_RECV_TIMEOUT_S) -> Envelope:
-        """The next verified message; TransportTimeout at the deadline."""
+        """The next well-formed message; TransportTimeout at the deadline."""
         deadline = time.monotonic() + timeout
         while True:
             parts, count = self._poll_recv(deadline, 0, self.endpoint)
@@ -294,26 +287,9 @@ class Client(_Shell):
         try:
             return self._unwrap(parts, count)
         except ProtocolError as exc:
-            refusal = self._refusal(parts)
-            if refusal is not None:
-                raise refusal from None
             self.dropped += 1
             log.warning("client %s dropped a message: %s", self.endpoint, exc)
             return None
-
-    def _refusal(self, parts: list[memoryview]) -> ProtocolError | None:
-        """An agent with another key (or none) cannot sign in a way we verify, but its "auth"
-        refusal of *our* request is worth surfacing instead of a timeout. Trusting it unverified
-        only lets a forger make a request fail, which an on-path attacker can do anyway."""
-        for frames in (parts[:-1], parts):
-            try:
-                env = self._limits.decode(frames)
-            except ProtocolError:
-                continue
-            msg = env.msg
-            if isinstance(msg, ErrorReply) and msg.code == AUTH and env.header.reply_to in self._recent:
-                return ProtocolError(AUTH, f"{self.endpoint} refused us: {msg.message}")
-        return None
 
     def _await(self, msg_id: str, timeout: float) -> Envelope:
         deadline = time.monotonic() + timeout  # stale messages do not extend it

@@ -11,8 +11,8 @@ def add_bench_parsers(bs) -> None:
     f.add_argument("--repeats", type=int, default=10)
     f.add_argument("--max-mib", type=int, default=16, help="largest payload (MiB, power of 4)")
     f.add_argument("--no-netns", action="store_true", help="loopback only")
-    f.add_argument("--encryption", action="store_true", help="instead: open vs closed (CURVE + "
-                   "HMAC) fleet per payload size and SmolLM2 flow -> results/security.json")
+    f.add_argument("--encryption", action="store_true", help="instead: open vs closed (CURVE) "
+                   "fleet per payload size and SmolLM2 flow -> results/security.json")
     f.set_defaults(func=run_f3)
     s = bs.add_parser("security", help="closed-fleet cost (open vs CURVE) and a fuzz campaign "
                       "against live agents (results/security.json)")
@@ -49,7 +49,7 @@ def run_security(args, *, fuzz: bool | None = None, encryption: bool | None = No
 
         res = section["encryption"] = encryption_cost(sizes=sizes, repeats=args.repeats,
                                                       results=args.out, progress=_progress)
-        print(f"{'payload':>10s} {'open ms':>9s} {'closed ms':>9s} {'extra':>8s} {'hmac':>7s}")
+        print(f"{'payload':>10s} {'open ms':>9s} {'closed ms':>9s} {'extra':>8s} {'+hmac':>7s}")
         for r in res["by_size"]:
             print(f"{r['nbytes']:>10d} {r['open_ms']:9.3f} {r['closed_ms']:9.3f} "
                   f"{r['extra_ms']:8.3f} {r['hmac_ms']:7.3f}")

@@ -47,12 +47,12 @@ def plain_dealer(endpoint: str, key: bytes | None) -> zmq.Socket:
 
 @pytest.mark.parametrize("key", [None, OTHER], ids=["no-key", "wrong-key"])
 def test_peer_without_the_key_receives_nothing(key):
-    """A raw DEALER (no CURVE, or CURVE with another fleet's key) sends a validly signed ping
-    and gets nothing back within the deadline: no reply, no typed error, no signed echo."""
+    """A raw DEALER (no CURVE, or CURVE with another fleet's key) sends a valid ping and gets
+    nothing back within the deadline: no reply, no typed error, no echo."""
     with Server(echo, key=KEY, poll_s=0.02) as srv:
         sock = plain_dealer(srv.endpoint, key)
         try:
-            frames = [bytes(f) for f in auth.sign(codec.encode(Ping(1, 0)), KEY)]
+            frames = [bytes(f) for f in codec.encode(Ping(1, 0))]
             if sock.poll(500, zmq.POLLOUT):  # a plain DEALER queues; a CURVE one never connects
                 sock.send_multipart(frames, flags=zmq.NOBLOCK)
             assert not sock.poll(1500, zmq.POLLIN)
@@ -61,6 +61,21 @@ def test_peer_without_the_key_receives_nothing(key):
         assert srv.requests == 0
         with Client(srv.endpoint, key=KEY) as c:  # the key holder is still served
             assert c.request(Ping(9, 0), 5).seq == 9
+
+
+def test_no_module_builds_zeromq_sockets_but_bridge_sockets():
+    """Every fleet socket gets CURVE from bridge.sockets._socket; a socket made elsewhere could
+    silently run in clear (there is no per-message MAC to catch it)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    pattern = re.compile(r"(?<!socket)\.socket\(|zmq\.Socket\(")  # not socket.socket(...)
+    offenders = [str(p.relative_to(root)) for d in ("bridge", "agents", "macfleet", "tui")
+                 for p in (root / d).rglob("*.py")
+                 if pattern.search(p.read_text())]
+    # the fuzz campaign's hostile probe builds raw sockets on purpose (no CURVE, wrong keys)
+    assert sorted(offenders) == ["bridge/sockets.py", "macfleet/bench/fuzz.py"]
 
 
 def test_metrics_pub_only_reaches_key_holders():

@@ -1,9 +1,10 @@
 """Fuzz a live agent over a real DEALER: >= 10,000 random and malformed multipart messages.
 
 The agents run in this process (`agents.daemon.Agent`, tiny model, no Zeroconf) and are reached
-over TCP on loopback exactly as a remote client would reach them. Messages go out in batches
-without waiting (the ROUTER sees them back to back), then replies are drained. Every reply must
-verify under the fleet key and decode to a registered type (a typed ErrorReply, or a normal
+over TCP on loopback exactly as a fleet member's client would reach them (CURVE with the fleet
+key; peers without it get nothing at all, see tests/bridge/test_curve.py). Messages go out in
+batches without waiting (the ROUTER sees them back to back), then replies are drained. Every
+reply must decode to a registered type (a typed ErrorReply, or a normal
 reply to a message that happened to be valid); the agent must keep serving real requests.
 """
 
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bridge import codec
-from bridge.auth import apply_curve, sign, verify
+from bridge.auth import apply_curve
 from bridge.card import PROTOCOL_VERSION
 from bridge.errors import CODES
 from bridge.messages import (DraftReply, DraftRequest, ErrorReply, GenerateDone, GenerateRequest,
@@ -29,7 +30,6 @@ from bridge.transport import Client
 pytestmark = [pytest.mark.timeout(120)]
 
 KEY = b"k" * 32
-OTHER_KEY = b"o" * 32
 BATCH = 100
 BATCHES = 50  # per agent: 5,000 messages each, 10,000 in all
 DRAIN_QUIET_S = 0.25
@@ -97,28 +97,13 @@ oversize = st.sampled_from([
 ])
 
 
-def _sign(frames: list[bytes], how: str) -> list[bytes]:
-    if how == "key":
-        return [bytes(f) for f in sign(frames, KEY)]
-    if how == "other":
-        return [bytes(f) for f in sign(frames, OTHER_KEY)]
-    return frames  # no MAC at all
-
-
 one_message = st.one_of(
-    st.lists(st.binary(max_size=48), min_size=1, max_size=6).map(lambda f: _sign(f, "none")),
-    st.tuples(st.lists(st.binary(max_size=48), min_size=1, max_size=6),
-              st.sampled_from(["key", "other"])).map(lambda t: _sign(*t)),
-    st.tuples(mutated(), st.sampled_from(["key", "key", "key", "other", "none"])).map(
-        lambda t: _sign(*t)),
-    wrong_version().map(lambda f: _sign(f, "key")),
-    oversize.map(lambda f: _sign(list(f), "key")),
-    # valid and signed, of every registered type: reaches the agent's handler
-    st.tuples(st.sampled_from(TAGS), st.integers(0, 5)).map(
-        lambda t: _sign(_valid(t[0], t[1], False), "key")),
-    # valid but unauthenticated: right encoding, wrong key or no MAC
-    st.tuples(st.sampled_from(TAGS), st.sampled_from(["other", "none"])).map(
-        lambda t: _sign(_valid(t[0], 1, False), t[1])),
+    st.lists(st.binary(max_size=48), min_size=1, max_size=6),
+    mutated(),
+    wrong_version(),
+    oversize.map(list),
+    # valid, of every registered type: reaches the agent's handler
+    st.tuples(st.sampled_from(TAGS), st.integers(0, 5)).map(lambda t: _valid(t[0], t[1], False)),
 )
 
 FUZZ = settings(max_examples=BATCHES, deadline=None, database=None, derandomize=True,
@@ -153,10 +138,10 @@ class Dealer:
             self.sent += 1
 
     def drain(self, quiet_s: float = DRAIN_QUIET_S) -> None:
-        """Read replies until none arrives for quiet_s; each must be a signed registered type."""
+        """Read replies until none arrives for quiet_s; each must be a registered type."""
         while self.sock.poll(int(quiet_s * 1000), zmq.POLLIN):
             parts = self.sock.recv_multipart()
-            env = codec.decode(verify(parts, KEY))  # raises if the agent sent garbage
+            env = codec.decode(parts)  # raises if the agent sent garbage
             msg = env.msg
             if isinstance(msg, ErrorReply):
                 assert msg.code in CODES, msg
@@ -196,7 +181,7 @@ def test_fuzz_proposer_agent_then_it_drafts(agents):
     d = _fuzz(a)
     assert d.sent >= BATCH * BATCHES
     assert sum(d.replies.values()) <= d.sent + 64  # never more than one reply per message
-    assert d.replies["auth"] > 0 and d.replies["malformed"] > 0
+    assert d.replies["malformed"] > 0
     assert d.replies["bad_version"] > 0 and d.replies["oversize"] > 0
     assert d.replies["bad_request"] > 0 and d.replies["Pong"] > 0  # the handler was reached
     assert a.server._thread.is_alive() and a.proposer._thread.is_alive()
@@ -215,7 +200,7 @@ def test_fuzz_verifier_agent_then_it_generates(agents):
     t0 = time.monotonic()
     d = _fuzz(a)
     assert d.sent >= BATCH * BATCHES
-    assert d.replies["auth"] > 0 and d.replies["malformed"] > 0
+    assert d.replies["malformed"] > 0
     assert a.server._thread.is_alive() and a.verifier._thread.is_alive()
     _still_serves(a)
     with Client(a.card.router_endpoint, key=KEY) as c:
