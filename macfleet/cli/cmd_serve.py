@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
                    help="feed each prompt in one iteration (to measure the decode stall)")
     p.add_argument("--stall-ratio", type=float, default=2.0,
                    help="size prefill chunks so an iteration costs at most this many times a "
-                   "decode-only one (from the measured cost per token; 0: token budget only)")
+                   "decode-only one (chunks follow measured iteration times; 0: token budget only)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="each session's rows in the shapes it would have alone: bit-identical "
                    "to serving it alone, slower")

@@ -32,7 +32,7 @@ from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, SessionView,
-                                      fit_iteration_cost, plan_iteration, stall_budget)
+                                      StallControl, plan_iteration)
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,7 @@ class BatchEngine:
         self.lm, self.proposer_spec, self.draft_tokens = lm, proposer, draft_tokens
         self.token_budget, self.max_active, self.max_queue = token_budget, max_active, max_queue
         self.chunked, self.invariant, self.clock = chunked, invariant, clock
-        self.stall_ratio = stall_ratio
-        self._cost_samples: deque[tuple[int, float]] = deque(maxlen=64)
+        self._stall = StallControl(stall_ratio)
         self._vocab = lm.vocab_size
         self._waiting: deque[_Session] = deque()
         self._active: list[_Session] = []
@@ -333,9 +332,8 @@ class BatchEngine:
         align = DEFAULT_PREFILL_STEP if self.invariant else 0
         budget = self.token_budget
         if self.chunked and not self.invariant and any(v.prefill_left > 0 for v in views):
-            budget = stall_budget(sum(v.want for v in views if v.prefill_left <= 0),
-                                  fit_iteration_cost(self._cost_samples), budget,
-                                  self.stall_ratio)
+            budget = self._stall.budget(sum(v.want for v in views if v.prefill_left <= 0),
+                                        budget)
         slots = plan_iteration(views, budget, chunked=self.chunked, align=align)
         by_sid = {s.sid: s for s in batch}
         segs, run = [], []
@@ -355,7 +353,7 @@ class BatchEngine:
         n_dec = sum(sl.tokens for _, sl in run if not sl.prefill)
         rec = IterationRecord(t0, len(run), n_dec, sum(sl.tokens for _, sl in run) - n_dec,
                               len(self._waiting), ms)
-        self._cost_samples.append((rec.decode_tokens + rec.prefill_tokens, ms))
+        self._stall.observe(rec.prefill_tokens, rec.decode_tokens, ms)
         with self._cv:
             self.history.append(rec)
             self.iterations += 1

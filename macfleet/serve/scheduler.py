@@ -72,38 +72,40 @@ def plan_iteration(sessions: Sequence[SessionView], budget: int = DEFAULT_TOKEN_
 
 
 DEFAULT_STALL_RATIO = 2.0
-MIN_PREFILL_CHUNK = 16
+MIN_PREFILL_CHUNK = 8
+STALL_EMA = 0.2
+MAX_CHUNK_GROWTH = 1.5
 
 
-def fit_iteration_cost(samples: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
-    """Least-squares ms = a + b * tokens over (tokens, ms) samples; None until it is defined."""
-    if len(samples) < 4:
-        return None
-    xs = [float(n) for n, _ in samples]
-    ys = [ms for _, ms in samples]
-    mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx_) ** 2 for x in xs)
-    if var == 0:
-        return None
-    b = max(0.0, sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / var)
-    return max(0.0, my - b * mx_), b
+@dataclass
+class StallControl:
+    """Sizes prefill chunks so an iteration costs at most `ratio` x a decode-only one.
 
+    A prefill chunk makes every decoding session wait for it. How much a chunk token costs
+    depends on the machine (on this compute-bound CPU about as much as a decode token, on a
+    bandwidth-bound GPU almost nothing) and grows with the prompt's context (attention), so
+    rather than predict it the chunk follows the measurements: after each iteration with a
+    chunk, chunk *= target / measured (growth capped at 1.5x), target = ratio x the recent
+    decode-only iteration time; never below `min_chunk`, so a long prompt still moves."""
 
-def stall_budget(decode_tokens: int, cost: tuple[float, float] | None, token_budget: int,
-                 ratio: float = DEFAULT_STALL_RATIO, min_chunk: int = MIN_PREFILL_CHUNK) -> int:
-    """The iteration's token budget so that it costs at most `ratio` x a decode-only one.
+    ratio: float = DEFAULT_STALL_RATIO
+    min_chunk: int = MIN_PREFILL_CHUNK
+    decode_ms: float | None = None  # EMA of iterations without prefill
+    chunk: int = MIN_PREFILL_CHUNK
 
-    A prefill chunk makes every decoding session wait for it: on a compute-bound machine
-    (this CPU) each prefill token costs about as much as a decode token, on a bandwidth-bound
-    GPU almost nothing. With the fitted cost ms = a + b * tokens, the chunk is sized so the
-    decoders' inter-token latency stays within `ratio` of its plain value, and never below
-    `min_chunk` tokens so a long prompt still moves."""
-    if ratio <= 0 or decode_tokens == 0:
-        return token_budget
-    if cost is None:  # nothing measured yet: a small probe chunk (it also gives the fit a slope)
-        return max(1, min(token_budget, decode_tokens + min_chunk))
-    a, b = cost
-    if b <= 0:
-        return token_budget
-    allowed = int((ratio * (a + b * decode_tokens) - a) / b)
-    return max(1, min(token_budget, max(allowed, decode_tokens + min_chunk)))
+    def observe(self, prefill_tokens: int, decode_tokens: int, ms: float) -> None:
+        if prefill_tokens == 0:
+            if decode_tokens:
+                self.decode_ms = ms if self.decode_ms is None else (
+                    (1 - STALL_EMA) * self.decode_ms + STALL_EMA * ms)
+            return
+        if self.decode_ms is None or decode_tokens == 0 or ms <= 0:
+            return
+        scale = min(MAX_CHUNK_GROWTH, self.ratio * self.decode_ms / ms)
+        self.chunk = max(self.min_chunk, int(prefill_tokens * scale))
+
+    def budget(self, decode_tokens: int, token_budget: int) -> int:
+        """The token budget of the next iteration."""
+        if self.ratio <= 0 or decode_tokens == 0:
+            return token_budget  # nobody would wait for the prefill
+        return max(1, min(token_budget, decode_tokens + self.chunk))

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from macfleet.serve.scheduler import (SessionView, Slot, fit_iteration_cost, plan_iteration,
-                                      stall_budget)
+from macfleet.serve.scheduler import SessionView, Slot, StallControl, plan_iteration
 
 
 def test_decoders_first_then_prefill_chunk_under_budget():
@@ -43,17 +42,16 @@ def test_bad_budget():
         plan_iteration([], 0)
 
 
-def test_iteration_cost_fit_and_stall_budget():
-    samples = [(n, 50.0 + 4.0 * n) for n in (8, 8, 40, 100, 8, 256)]
-    a, b = fit_iteration_cost(samples)
-    assert (round(a, 6), round(b, 6)) == (50.0, 4.0)
-    assert fit_iteration_cost(samples[:3]) is None  # too few to trust
-    assert fit_iteration_cost([(8, 50.0)] * 6) is None  # one size: no slope
-    # 8 decode tokens cost 82 ms; within 2x (164 ms) fit (164 - 50) / 4 = 28 tokens in all
-    assert stall_budget(8, (a, b), 256, ratio=2.0, min_chunk=4) == 28
-    assert stall_budget(8, (a, b), 256, ratio=2.0, min_chunk=30) == 38  # a prompt still moves
-    assert stall_budget(8, (a, 0.0), 256) == 256  # free tokens (a GPU): the budget rules
-    assert stall_budget(0, (a, b), 256) == 256
-    assert stall_budget(8, None, 256, min_chunk=16) == 24  # unmeasured: a small probe chunk
-    assert stall_budget(8, (a, b), 256, ratio=0) == 256  # off
-    assert stall_budget(8, (a, b), 20, ratio=2.0, min_chunk=4) == 20  # never above the budget
+def test_stall_control_follows_the_measured_cost():
+    c = StallControl(ratio=2.0, min_chunk=8)
+    assert c.budget(8, 256) == 16  # nothing measured: a small probe chunk
+    assert c.budget(0, 256) == 256  # no decoder would wait
+    c.observe(0, 8, 100.0)  # decode-only iterations: 100 ms
+    c.observe(16, 8, 160.0)  # a 16-token chunk: 160 ms, under the 200 ms target
+    assert c.chunk == 20  # grows, at most 1.5x (200/160 = 1.25)
+    c.observe(20, 8, 800.0)  # the context grew: too slow now
+    assert c.chunk == 8  # shrinks to target/measured, not below min_chunk
+    c.observe(40, 8, 100.0)
+    assert c.chunk == 60 and c.budget(8, 40) == 40  # the token budget still caps it
+    off = StallControl(ratio=0)
+    assert off.budget(8, 256) == 256
