@@ -2,6 +2,7 @@
 
     discover --key K --expect N          -> one JSON line: the cards seen (all interfaces)
     generate --key K --expect N ...      -> JSON lines: {"chunk": ids} ..., then {"done": ids, ...}
+                                            or {"error": why} (exit status 3)
 
 The test reads the lines as they come, so it can act (cut a link) mid-generation.
 """
@@ -14,6 +15,7 @@ import sys
 
 from bridge.auth import fleet_id, load_key
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
+from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateChunk, GenerateDone
 from macfleet.fleet.client import discover, generate_remote
 
@@ -38,13 +40,18 @@ def main() -> int:
         return 0
     v = next(c for c in cards if ROLE_VERIFIER in c.roles)
     props = [] if a.alone else [c.router_endpoint for c in cards if ROLE_PROPOSER in c.roles]
-    for msg in generate_remote(v, key, prompt=a.prompt, chat=False, max_tokens=a.max_tokens,
-                               proposers=props, proposer_spec=a.spec if props else "none",
-                               draft_tokens=a.draft_tokens, first_token_timeout_s=60):
-        if isinstance(msg, GenerateChunk):
-            print(json.dumps({"chunk": msg.token_ids}), flush=True)
-        elif isinstance(msg, GenerateDone):
-            print(json.dumps({"done": msg.token_ids, "stats": msg.stats}), flush=True)
+    try:
+        for msg in generate_remote(v, key, prompt=a.prompt, chat=False,
+                                   max_tokens=a.max_tokens, proposers=props,
+                                   proposer_spec=a.spec if props else "none",
+                                   draft_tokens=a.draft_tokens, first_token_timeout_s=60):
+            if isinstance(msg, GenerateChunk):
+                print(json.dumps({"chunk": msg.token_ids}), flush=True)
+            elif isinstance(msg, GenerateDone):
+                print(json.dumps({"done": msg.token_ids, "stats": msg.stats}), flush=True)
+    except (TransportTimeout, PeerUnavailable, ProtocolError) as e:  # a clear error, as a line
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+        return 3
     return 0
 
 

@@ -8,6 +8,8 @@ and `ip netns` work. The tiny model keeps it fast; the network is what is under 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -36,12 +38,14 @@ def bed(tmp_path_factory):
     keygen(key_path)
     with netns.Testbed(3, rate=netns.WIFI_RATE) as tb:
         v, p, c = tb.hosts
+        procs = {}
         for host, role in ((v, "verifier"), (p, "proposer")):
             log = open(tmp / f"{role}.log", "wb")
-            tb.popen(host, [sys.executable, "-m", "macfleet", "agent", "--role", role,
+            procs[role] = tb.popen(host, [sys.executable, "-m", "macfleet", "agent", "--role", role,
                             "--model", MODEL, "--name", f"{role}-{host.ip}", "--bind", host.ip,
                             "--key", str(key_path)], stdout=log, stderr=subprocess.STDOUT)
-        yield {"tb": tb, "key_path": str(key_path), "v": v, "p": p, "c": c, "tmp": tmp}
+        yield {"tb": tb, "key_path": str(key_path), "v": v, "p": p, "c": c, "tmp": tmp,
+               "procs": procs}
 
 
 def client(bed, *args: str, timeout: float = 90) -> list[dict]:
@@ -66,6 +70,42 @@ def test_two_host_generation_is_identical_to_the_verifier_alone(bed):
     spec = client(bed, "generate", "--max-tokens", "24", "--spec", "layerskip:2")[-1]
     assert spec["done"] == alone["done"] and len(alone["done"]) == 24
     assert spec["stats"]["remote_blocks"] > 0 and spec["stats"]["proposer_failures"] == 0
+
+
+def _generate_acting(bed, act, *args: str):
+    """Run a generation in the client namespace; call act() after the first chunk. Returns
+    (json lines, seconds from act to the last line, exit status)."""
+    proc = bed["tb"].popen(bed["c"], [sys.executable, CLIENT, "generate", *args,
+                                      "--key", bed["key_path"]],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, acted = [], None
+    for line in proc.stdout:
+        lines.append(json.loads(line))
+        if acted is None and "chunk" in lines[-1]:
+            act()
+            acted = time.monotonic()
+    status = proc.wait(60)
+    assert acted is not None, (lines, proc.stderr.read()[-3000:])
+    return lines, time.monotonic() - acted, status
+
+
+def test_verifier_asleep_mid_generation_is_a_clear_error_within_3s(bed):
+    """SIGSTOP of the verifier after the first tokens (a Mac asleep): its heartbeats stop and
+    the client reports it within 3 s of its last message, tokens received kept; after SIGCONT
+    it serves again, with output identical to before."""
+    pid = bed["procs"]["verifier"].pid
+    alone = client(bed, "generate", "--alone", "--max-tokens", "24")[-1]["done"]
+    try:
+        lines, waited, status = _generate_acting(
+            bed, lambda: os.kill(pid, signal.SIGSTOP), "--alone", "--max-tokens", "4000")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert status == 3 and "error" in lines[-1] and "deadline" in lines[-1]["error"], lines[-1]
+    assert waited < 3.0 + 2.0, waited  # silence deadline, plus start-up slack of a busy box
+    assert any("chunk" in x for x in lines)
+    time.sleep(1.0)
+    again = client(bed, "generate", "--alone", "--max-tokens", "24")[-1]["done"]
+    assert again == alone
 
 
 def test_zz_link_cut_mid_generation_completes_with_identical_output(bed):
@@ -93,3 +133,18 @@ def test_zz_link_cut_mid_generation_completes_with_identical_output(bed):
     ids = [t for x in lines if "chunk" in x for t in x["chunk"]]
     assert ids == done["done"] == alone
     assert done["stats"]["proposer_failures"] == 1, done["stats"]
+
+
+def test_zzz_proposer_killed_mid_stream_output_identical(bed):
+    """SIGKILL of the proposer agent after the first tokens: the verifier decodes on alone,
+    the output equals the verifier alone and nothing hangs."""
+    n = "300"
+    alone = client(bed, "generate", "--alone", "--max-tokens", n)[-1]["done"]
+    pid = bed["procs"]["proposer"].pid
+    lines, waited, status = _generate_acting(
+        bed, lambda: os.kill(pid, signal.SIGKILL), "--max-tokens", n, "--spec", "layerskip:2",
+        "--draft-tokens", "2")
+    assert status == 0, lines[-1]
+    ids = [t for x in lines if "chunk" in x for t in x["chunk"]]
+    assert ids == lines[-1]["done"] == alone
+    assert lines[-1]["stats"]["proposer_failures"] == 1
