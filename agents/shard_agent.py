@@ -2,7 +2,8 @@
 
 Every shard agent of a group advertises, in its card, the group name, the group size, its rank
 and the TCP port its mlx.distributed ring will listen on. Each one browses until it has seen
-all ranks of its group, builds the ring hostfile from their cards (rank order, `host:port`),
+all ranks of its group, has each card confirmed by the agent it names over the fleet's CURVE
+channel (Zeroconf is unauthenticated), builds the ring hostfile from them (rank order, `host:port`),
 and starts the ring itself: no ssh, no launcher, no hostfile written by hand.
 
 Rank 0 then serves as the fleet's verifier (roles `verifier` + `shard`): its VerifierService
@@ -34,6 +35,7 @@ from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser
 log = logging.getLogger(__name__)
 
 DEFAULT_FORM_TIMEOUT_S = 90.0
+DEFAULT_CONFIRM_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,9 @@ def shard_extra(card: AgentCard) -> dict[str, str]:
     return dict(card.extra)
 
 
-def hostfile_from_cards(cards: list[AgentCard], spec: ShardSpec,
-                        need_ready: bool = False) -> list[list[str]]:
-    """Pure: the ring hostfile (one entry per rank) from the group's cards.
+def group_cards(cards: list[AgentCard], spec: ShardSpec,
+                need_ready: bool = False) -> list[AgentCard]:
+    """Pure: one card per rank of the group, in rank order (LookupError while ranks miss).
 
     need_ready: every rank must also have announced `ready` (it has seen the whole group).
     """
@@ -73,8 +75,47 @@ def hostfile_from_cards(cards: list[AgentCard], spec: ShardSpec,
     if missing:
         raise LookupError(f"shard group {spec.group}: ranks {missing} not "
                           f"{'ready' if need_ready else 'seen'} yet")
-    return [[f"{by_rank[r].host}:{shard_extra(by_rank[r])['ring_port']}"]
-            for r in range(spec.size)]
+    return [by_rank[r] for r in range(spec.size)]
+
+
+def hostfile_from_cards(cards: list[AgentCard], spec: ShardSpec,
+                        need_ready: bool = False) -> list[list[str]]:
+    """Pure: the ring hostfile (one `host:port` entry per rank) from the group's cards."""
+    return [[f"{c.host}:{shard_extra(c)['ring_port']}"]
+            for c in group_cards(cards, spec, need_ready)]
+
+
+_RING_FIELDS = ("group", "size", "rank", "ring_port")
+
+
+def _ring_identity(c: AgentCard) -> tuple:
+    x = shard_extra(c)
+    return (c.node_id, c.host, c.router_port, *(x.get(f) for f in _RING_FIELDS))
+
+
+def confirm_cards(cards: list[AgentCard], key: bytes | None,
+                  timeout_s: float = DEFAULT_CONFIRM_TIMEOUT_S) -> list[AgentCard]:
+    """Zeroconf cards are not authenticated: before a ring is built from them, each rank's card
+    is confirmed by the agent itself over the fleet's CURVE channel (only a key holder can
+    answer there). Its StatusReply card must name the same node and ring fields. LookupError
+    names the rank that could not be confirmed."""
+    from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+    from bridge.messages import StatusReply, StatusRequest
+    from bridge.transport import Client
+
+    for c in cards:
+        try:
+            with Client(c.router_endpoint, key=key, connect_timeout_s=timeout_s) as cl:
+                st = cl.request(StatusRequest(), timeout=timeout_s)
+        except (PeerUnavailable, TransportTimeout, ProtocolError) as e:
+            raise LookupError(f"card of {c.name} ({c.router_endpoint}) not confirmed by a "
+                              f"fleet member: {e}") from None
+        said, mine = shard_extra(st.card) if isinstance(st, StatusReply) else {}, shard_extra(c)
+        if not isinstance(st, StatusReply) or st.card.node_id != c.node_id or any(
+                said.get(f) != mine.get(f) for f in _RING_FIELDS):
+            raise LookupError(f"card of {c.name} ({c.router_endpoint}) differs from what the "
+                              "agent there says: not building a ring from it")
+    return cards
 
 
 class ShardAgent(Agent):
@@ -125,21 +166,31 @@ class ShardAgent(Agent):
     def _discover_group(self) -> list[list[str]]:
         """Two phases, so that all ranks start the ring within moments of each other (MLX's
         ring gives up connecting after ~30 s, and a second init in one process is broken):
-        1. wait until every rank's card is seen, then announce `ready`;
-        2. wait until every rank is `ready`."""
+        1. wait until every rank's card is seen, have each confirmed by its agent over CURVE
+           (`confirm_cards`: Zeroconf itself is unauthenticated), then announce `ready`;
+        2. wait until every rank is `ready` (with the card it had when confirmed)."""
         interfaces = LOOPBACK_ONLY if self.cfg.loopback_only else ALL_INTERFACES
         with Browser(fleet_id=fleet_id(self.cfg.key), interfaces=interfaces) as b:
             deadline = time.monotonic() + self.form_timeout_s
-            self._wait_group(b, deadline, need_ready=False)
+            seen = self._wait_group(b, deadline, need_ready=False)
+            # the ring hostfile only from cards the agents themselves confirm over CURVE; done
+            # before `ready`, since no rank may be inside the ring's connect (which holds its
+            # process) while another still asks it
+            confirm_cards(seen, self.cfg.key)
             if self.advertiser is not None:
                 self.advertiser.update(replace(self.advertiser.card,
                                                extra=self._card_extra("ready")))
-            return self._wait_group(b, deadline, need_ready=True)
+            ready = self._wait_group(b, deadline, need_ready=True)
+        for a, c in zip(seen, ready):
+            if _ring_identity(a) != _ring_identity(c):
+                raise LookupError(f"card of rank {shard_extra(c).get('rank')} changed after it "
+                                  "was confirmed: not building a ring from it")
+        return [[f"{c.host}:{shard_extra(c)['ring_port']}"] for c in ready]
 
     def _wait_group(self, browser: Browser, deadline: float, need_ready: bool):
         while True:
             try:
-                return hostfile_from_cards(browser.cards(), self.spec, need_ready)
+                return group_cards(browser.cards(), self.spec, need_ready)
             except LookupError as e:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{e} within {self.form_timeout_s:.0f}s") from None
