@@ -206,6 +206,8 @@ class ShardAgent(Agent):
     def _lost(self, why: str) -> None:
         """The group is broken: say so, leave the fleet, exit (a ring cannot be re-formed)."""
         log.error("shard rank %d: %s; leaving", self.spec.rank, why)
+        if self.verifier is not None:  # requests in flight hear why, not silence
+            self.verifier.fail_pending(why)
         threading.Thread(target=self._exit_soon, daemon=True).start()
 
     def _exit_soon(self) -> None:

@@ -163,6 +163,16 @@ class VerifierService:
             for rid, reply in pending:
                 reply(GenerateChunk(rid, [], ""))
 
+    def fail_pending(self, why: str) -> int:
+        """Answer every queued or running request with `unavailable` (the verifier is lost and
+        its compute thread may be stuck in a collective that never returns); returns how many."""
+        with self._pending_lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for rid, reply in pending:
+            reply(ErrorReply(UNAVAILABLE, f"the verifier is lost: {why}"))
+        return len(pending)
+
     def close(self, timeout: float = 5.0) -> None:
         self._stopped.set()
         try:
