@@ -59,7 +59,10 @@ def run(args) -> int:
     if args.curve:
         curve = [json.loads(line) for line in Path(args.curve).read_text().splitlines() if line]
         doc["training_curve"] = curve
-        png = b.plot_curve(curve, args.out / "drafter_curve.png")
+        x = curve[-1]["train_tokens"] if curve else 1
+        final = {f"{best}, {g} prompts: tau in the loop (bench)":
+                 (x, doc["in_process"]["summary"][g][best]["tau"]) for g in ("chat", "code")}
+        png = b.plot_curve(curve, args.out / "drafter_curve.png", final)
         if png:
             say(f"wrote {png}")
     path = write_result("drafter.json", doc, args.out)
