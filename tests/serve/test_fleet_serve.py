@@ -10,7 +10,7 @@ import sys
 
 import openai
 import pytest
-from conftest import start_server, stop_server
+from serve_testkit import start_server, stop_server
 
 
 def _cli(*args: str, env: dict, timeout: float = 90) -> subprocess.CompletedProcess:

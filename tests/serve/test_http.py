@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import wait_idle
+from serve_testkit import wait_idle
 
 from macfleet.serve.engine import Overloaded
 

@@ -6,7 +6,7 @@ import concurrent.futures as cf
 
 import openai
 import pytest
-from conftest import wait_idle
+from serve_testkit import wait_idle
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import sys
 
 import openai
 import pytest
-from conftest import start_server, stop_server
+from serve_testkit import start_server, stop_server
 
 from macfleet.engine.models import embedded_model_path
 

@@ -1,0 +1,84 @@
+"""Helpers for the HTTP tests (imported by name; conftest.py holds the fixtures): a real
+`macfleet serve` process on 127.0.0.1 (port chosen by the OS).
+
+A subprocess rather than a thread: the server's engine thread and this process's own MLX use
+would trip MLX's exit abort (ml-explore/mlx#3126), and a subprocess is what users run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+
+START_TIMEOUT_S = 60.0
+API_KEY = "test-key-123"
+
+
+@dataclass(frozen=True)
+class Server:
+    base: str  # http://127.0.0.1:PORT
+    proc: subprocess.Popen
+    model: str
+    key: str | None
+    banner: str = ""
+
+    @property
+    def v1(self) -> str:
+        return self.base + "/v1"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+    def health(self) -> dict:
+        return httpx.get(self.base + "/health", timeout=5).json()
+
+
+def start_server(*extra: str, model: str = "tiny:1", key: str | None = API_KEY,
+                 local: bool = True) -> Server:
+    env = dict(os.environ)
+    blas = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+    if os.path.exists(blas):
+        env.setdefault("LD_PRELOAD", blas)
+    cmd = [sys.executable, "-m", "macfleet", "serve", *(["--local"] if local else []),
+           "--model", model, "--port", "0", *extra]
+    if key:
+        cmd += ["--api-key", key]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    line = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        m = re.search(r"on (http://[\d.]+:\d+)/v1", line)
+        if m:
+            return Server(m.group(1), proc, model, key, line.strip())
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"macfleet serve did not start: {line!r} {proc.stdout.read()[-2000:]}")
+
+
+def stop_server(s: Server) -> None:
+    s.proc.terminate()
+    try:
+        s.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        s.proc.kill()
+        s.proc.wait(5)
+
+
+def wait_idle(s: Server, timeout_s: float = 10.0) -> dict:
+    """Health once no session is active (every session freed), or the last health seen."""
+    deadline = time.monotonic() + timeout_s
+    h = s.health()
+    while time.monotonic() < deadline and (h["active_sessions"] or h["waiting_sessions"]):
+        time.sleep(0.05)
+        h = s.health()
+    return h
