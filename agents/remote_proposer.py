@@ -113,7 +113,8 @@ class RemoteProposer(Proposer):
 
     def _open(self, context: Sequence[int]) -> None:
         self._client = self._client or Client(self.endpoint, key=self.key,
-                                              connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S)
+                                              connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S,
+                                              watch_peer=True)
         sid = uuid.uuid4().hex[:16]
         msg = OpenSession(sid, self.spec, self.model, [int(t) for t in context],
                           self.params.temperature, self.params.top_p, self.params.seed,

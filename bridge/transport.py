@@ -231,8 +231,14 @@ class Client(_Shell):
 
     def __init__(self, endpoint: str, *, key: bytes | None, context: zmq.Context | None = None,
                  limits: Limits = Limits(),
-                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 watch_peer: bool = False) -> None:
+        """watch_peer: a lost connection (the peer's process died, its socket closed) fails a
+        pending recv at once with PeerUnavailable instead of waiting out its deadline (a peer
+        asleep or cut off still costs the deadline: TCP does not tell)."""
         self.endpoint = endpoint
+        self._watch = watch_peer
+        self._mon: zmq.Socket | None = None
         self._key = key
         self._ctx = context or zmq.Context.instance()
         self._limits = limits
@@ -246,14 +252,52 @@ class Client(_Shell):
     def _connect(self) -> zmq.Socket:
         sock = _socket(self._ctx, zmq.DEALER, self._limits, key=self._key)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: no-peer is visible
+        if self._watch:
+            self._mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         return sock
 
+    def _unwatch(self) -> None:
+        if self._mon is not None:
+            if self._sock is not None:
+                self._sock.disable_monitor()
+            self._mon.close(linger=0)
+            self._mon = None
+
     def reset(self) -> None:
         """Drop the socket (and anything queued or in flight on it) and connect a new one."""
-        self._live().close(linger=0)
+        self._live()
+        self._unwatch()
+        self._sock.close(linger=0)
         self._sock = self._connect()
         self.rebuilds += 1
+
+    def close(self) -> None:
+        self._unwatch()
+        super().close()
+
+    def _peer_lost(self) -> bool:
+        """Drain the monitor; True when the connection was lost since the last drain."""
+        lost = False
+        while self._mon is not None and self._mon.poll(0, zmq.POLLIN):
+            from zmq.utils.monitor import recv_monitor_message
+
+            lost |= recv_monitor_message(self._mon)["event"] == zmq.EVENT_DISCONNECTED
+        return lost
+
+    def _wait_readable(self, deadline: float) -> None:
+        """With watch_peer: wait for a message or a lost connection (PeerUnavailable)."""
+        if self._mon is None:
+            return
+        poller = zmq.Poller()
+        poller.register(self._live(), zmq.POLLIN)
+        poller.register(self._mon, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            if self._sock in ready or not ready:
+                return  # a message, or the deadline: _poll_recv says which
+            if self._peer_lost():
+                raise PeerUnavailable(f"connection to {self.endpoint} lost (its agent died?)")
 
     def send(self, msg: Message, *, session: str = "") -> str:
         """Send one message; returns its id. PeerUnavailable when no connection is usable in time."""
@@ -263,6 +307,7 @@ class Client(_Shell):
         if not sock.poll(self._connect_ms, zmq.POLLOUT):
             raise PeerUnavailable(f"no connection to {self.endpoint} within {self._connect_ms} ms "
                                   "(agent down, or its fleet key differs from ours)")
+        self._peer_lost()  # a connection lost before this send is not this request's news
         try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -275,6 +320,7 @@ class Client(_Shell):
         """The next well-formed message; TransportTimeout at the deadline."""
         deadline = time.monotonic() + timeout
         while True:
+            self._wait_readable(deadline)
             parts, count = self._poll_recv(deadline, 0, self.endpoint)
             nbytes = sum(p.nbytes for p in parts)
             self.bytes_received += nbytes

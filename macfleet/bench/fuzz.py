@@ -306,9 +306,13 @@ def campaign(*, messages: int = 3000, seed: int = 0,
             exhaustion = session_exhaustion(p_ep, key, 500)
             for role, (endpoint, proc) in agents.items():
                 doors[role]["rss_end_mib"] = _rss_mib(proc.pid)
+            from macfleet.bench.faults import fault_cases
+
+            progress("faults: verifier SIGSTOP, proposer SIGKILL, verifier SIGKILL mid-generation")
+            faults = fault_cases(agents["verifier"], agents["proposer"], key)
     return {"what": "hostile traffic against live agent processes (closed fleet, tiny:1)",
             "seed": seed, "wall_s": round(time.monotonic() - t0, 1), "doors": doors,
-            "idle_flood": flood, "session_exhaustion": exhaustion,
+            "idle_flood": flood, "session_exhaustion": exhaustion, "faults": faults,
             "totals": {"messages": sum(d["messages"] for d in doors.values()),
                        "crashes": sum(d["crashes"] for d in doors.values()) + flood["crash"],
                        "hangs": sum(d["hangs"] for d in doors.values()) + flood["hang"]}}

@@ -65,6 +65,8 @@ def run_security(args, *, fuzz: bool | None = None, encryption: bool | None = No
             print(f"{door:10s} {d['messages']:6d} msgs  crashes {d['crashes']}  hangs {d['hangs']}"
                   f"  rss {d['rss_before_mib']} -> {d['rss_after_mib']} MiB  refusals "
                   f"{d['refusals']}")
+        for case, f in res["faults"].items():
+            print(f"fault {case}: {f['outcome'][:80]} after {f['seconds_after_fault']} s")
     path = _update_security(args.out, section)
     print(f"wrote {path}")
     return 0

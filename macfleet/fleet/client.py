@@ -113,6 +113,7 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
                     silence_s: float = DEFAULT_SILENCE_S) -> Iterator[GenerateChunk | GenerateDone]:
     """Stream a generation from a verifier agent. Raises ProtocolError/TransportTimeout.
 
+    PeerUnavailable at once when the verifier's process dies (its connection drops);
     TransportTimeout when the verifier is silent (no chunk, no heartbeat) for silence_s, or
     sends no token within first_token_timeout_s. Heartbeats (empty chunks) are not yielded.
     prefix_ids: tokens a failed verifier already committed for this request (re-planning).
@@ -122,7 +123,7 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
                           tuple(int(t) for t in prefix_ids))
     first_by = time.monotonic() + first_token_timeout_s
     first = True
-    with Client(verifier.router_endpoint, key=key) as c:
+    with Client(verifier.router_endpoint, key=key, watch_peer=True) as c:
         for msg in c.stream(req, timeout_per_msg=min(silence_s, first_token_timeout_s)):
             if isinstance(msg, GenerateChunk) and not msg.token_ids and not msg.text:
                 if first and time.monotonic() > first_by:

@@ -311,3 +311,22 @@ def test_subscriber_topics_and_wrong_key():
         assert wrong.dropped == 0
     pub.close()
     assert pub.publish(event) == 0
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_a_dead_peer_fails_a_watched_recv_at_once(watch):
+    """The peer's socket goes away mid-request (its process died): with watch_peer the pending
+    recv raises PeerUnavailable at once instead of waiting out its deadline."""
+    srv = Server(lambda env, reply: None, key=KEY, poll_s=0.02).start()  # never answers
+    with Client(srv.endpoint, key=KEY, watch_peer=watch) as c:
+        c.send(Ping(1, 0))
+        time.sleep(0.2)
+        srv.close()
+        t0 = time.monotonic()
+        if watch:
+            with pytest.raises(PeerUnavailable, match="lost"):
+                c.recv(5.0)
+            assert time.monotonic() - t0 < 1.0
+        else:
+            with pytest.raises(TransportTimeout):
+                c.recv(1.0)
