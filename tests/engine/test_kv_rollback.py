@@ -13,11 +13,8 @@ from macfleet.engine.verifier import Verifier
 
 PROMPT = [5, 17, 3, 42, 8, 8, 21, 60, 1]
 
-# Two BLAS code paths (another CPU, another thread count, a chunked vs one-shot forward) move
-# logits by up to ~5e-4 here and on other x86-64 boxes; exact equality is not a property of
-# the cache. A wrong rollback or prefix moves them by O(1) (see the negative check below).
-LOGIT_ATOL = 5e-3
-LOGIT_RTOL = 1e-3
+from tolerance import LOGIT_ATOL, LOGIT_RTOL  # why: tests/tolerance.py; a wrong rollback
+# or prefix moves logits by O(1) (see the negative check below)
 
 
 def test_rollback_then_forward_equals_never_fed(tiny):

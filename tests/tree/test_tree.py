@@ -15,6 +15,7 @@ from macfleet.engine.tree import Candidate, TokenTree, accept_tree_sample
 from macfleet.engine.tree_loop import ProposerGroup, tree_generate
 from macfleet.engine.tree_verify import compact_cache, tree_forward
 from macfleet.engine.verifier import Verifier
+from tolerance import LOGIT_ATOL, LOGIT_RTOL
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:
@@ -55,7 +56,7 @@ def test_one_forward_equals_each_branch_and_compaction_is_exact(spec):
         ref.prefill(prompt[:-1])
         lc = np.array(ref.forward([prompt[-1], *chain]))
         for row, node in enumerate([0, *tree.paths[j]]):
-            np.testing.assert_allclose(lt[node], lc[row], atol=1e-3)
+            np.testing.assert_allclose(lt[node], lc[row], rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
             assert lt[node].argmax() == lc[row].argmax()
     path = tree.paths[1]
     compact_cache(v, base, path)
@@ -64,7 +65,8 @@ def test_one_forward_equals_each_branch_and_compaction_is_exact(spec):
     ref = Verifier(lm.model)
     ref.prefill(prompt[:-1])
     want = np.array(ref.forward([prompt[-1], *tree.path_tokens(path), nxt]))[-1]
-    np.testing.assert_allclose(np.array(v.forward([nxt]))[0], want, rtol=1e-3, atol=2e-3)
+    np.testing.assert_allclose(np.array(v.forward([nxt]))[0], want, rtol=LOGIT_RTOL,
+                               atol=LOGIT_ATOL)
 
 
 class Garbage(Proposer):
