@@ -11,7 +11,8 @@ def add_bench_parsers(bs) -> None:
                    help="drafters to compare in one process (none first: the baseline)")
     d.add_argument("--no-agents", action="store_true", help="skip the 2-agent fleet part")
     d.add_argument("--curve", default=None, metavar="CURVE.jsonl",
-                   help="a distill run's held-out curve to plot (results/drafter_curve.png)")
+                   help="a distill run's held-out curve to plot (results/drafter_curve.png; "
+                        "default: the curve recorded in the head's eval file)")
     d.add_argument("--record", action="store_true",
                    help="record the measured best drafter as the model's default (auto)")
     d.set_defaults(func=run)
@@ -56,12 +57,17 @@ def run(args) -> int:
         doc["head"] = read_eval(head)
         if args.record:
             b.record_best(head, best, speedup, "macfleet " + " ".join(sys.argv[1:]))
-    if args.curve:
-        curve = [json.loads(line) for line in Path(args.curve).read_text().splitlines() if line]
+    # the distill run's learning curve: a curve.jsonl given here, else the one recorded in
+    # the head's eval file
+    curve = ([json.loads(line) for line in Path(args.curve).read_text().splitlines() if line]
+             if args.curve else ((doc.get("head") or {}).get("trained_on") or {}).get("curve"))
+    if curve:
         doc["training_curve"] = curve
         x = curve[-1]["train_tokens"] if curve else 1
-        final = {f"{best}, {g} prompts: tau in the loop (bench)":
-                 (x, doc["in_process"]["summary"][g][best]["tau"]) for g in ("chat", "code")}
+        summ = doc["in_process"]["summary"]
+        final = {f"{s}, {g} prompts: tau in the loop (bench)": (x, summ[g][s]["tau"])
+                 for s in dict.fromkeys(("eagle", best)) if s in summ["chat"]
+                 for g in ("chat", "code")}
         png = b.plot_curve(curve, args.out / "drafter_curve.png", final)
         if png:
             say(f"wrote {png}")

@@ -170,6 +170,15 @@ HELD_OUT_SHARE = 0.02  # of the dataset's samples, for the held-out acceptance f
 CURVE_FILE = "curve.jsonl"  # held-out acceptance at every checkpoint of a dataset run
 
 
+def read_curve(path: Path) -> list[dict]:
+    """The learning curve of a dataset run (it travels in the head's eval record, so the plot
+    of tau against training tokens can be redrawn wherever the head goes)."""
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
 def split_held_out(chunks: Sequence[FeatureChunk], share: float = HELD_OUT_SHARE
                    ) -> tuple[list[FeatureChunk], list[FeatureChunk]]:
     """Every 1/share-th sample is held out (deterministic, spread over every source)."""
@@ -239,7 +248,8 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
                 "held_out_answers": len(held), "params": asdict(params),
                 "init": "verifier_last_layer" if init_layer else "random",
                 "prompt_sources": "topics, code, local text, word problems "
-                                  "(macfleet/engine/drafter/prompts.py)"})
+                                  "(macfleet/engine/drafter/prompts.py)",
+                "curve": read_curve(curve)})
     report(f"held-out greedy chain acceptance (k=4): per position "
            f"{', '.join(f'{x:.2f}' for x in acc.per_position)}; mean accepted "
            f"{acc.mean_accepted:.2f} -> wrote {path}")
