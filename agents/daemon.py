@@ -22,6 +22,7 @@ from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Advertiser
 from bridge.errors import BAD_REQUEST, BUSY, ProtocolError
 from bridge.messages import (AgentEvent, ErrorReply, HiddenStates, HiddenStatesAck, Ping, Pong,
                              PresetResult, RunPreset, StatusReply, StatusRequest)
+from agents.specs import PROPOSER_KINDS
 from bridge.transport import Publisher, Server
 from macfleet import sysinfo
 
@@ -40,8 +41,7 @@ class AgentConfig:
     pub_port: int = 0
     key: bytes | None = None
     loopback_only: bool = True
-    proposer_kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle", "eagle2",
-                                       "retrieval")
+    proposer_kinds: tuple[str, ...] = PROPOSER_KINDS
     heads_dir: str | None = None  # draft heads a proposer may load by name (besides shipped)
     f3_codec: str = "float16"  # verifier: how hidden states travel to a remote drafter
     cpu: int | None = None

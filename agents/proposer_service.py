@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.draft_stream import DraftStream
-from agents.specs import DraftModels, SpecPolicy, check_spec, make_checked_proposer
+from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_spec,
+                          make_checked_proposer)
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, NOT_FOUND, ProtocolError
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionClosed, SessionOpened)
@@ -67,8 +68,7 @@ def reclaimable(last_used: dict[str, float], now: float, min_idle_s: float) -> s
 
 class ProposerService:
     def __init__(self, lm: LoadedModel, *,
-                 kinds: tuple[str, ...] = ("layerskip", "ngram", "draft", "eagle", "eagle2",
-                                           "retrieval"),
+                 kinds: tuple[str, ...] = PROPOSER_KINDS,
                  limits: ProposerLimits = ProposerLimits(), heads_dir: str | None = None,
                  on_block: Callable[[str, int, float, bool], None] | None = None,
                  allow_hub: bool = False) -> None:

@@ -36,10 +36,14 @@ MAX_SPEC_CHARS = 512
 MAX_SPEC_PARTS = 8
 
 
+# Every drafter kind a proposer agent serves unless started with fewer (`--proposers`): the
+# one list the daemon, the proposer service and the CLI default share.
+PROPOSER_KINDS = ("layerskip", "ngram", "draft", "eagle", "eagle2", "retrieval")
+
+
 @dataclass(frozen=True)
 class SpecPolicy:
-    kinds: tuple[str, ...] = ("none", "ngram", "layerskip", "draft", "eagle", "eagle2",
-                              "retrieval")
+    kinds: tuple[str, ...] = ("none", *PROPOSER_KINDS)
     heads_dir: str | None = None  # the agent's own directory of heads, stores, draft models
     own_model: str = ""  # the agent's model spec, always allowed as a draft
     allow_hub: bool = False  # Hugging Face ids for draft: (downloads) from remote requests

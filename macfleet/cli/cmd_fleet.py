@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from agents.specs import PROPOSER_KINDS
 from macfleet.cli.main import UserError
 
 
@@ -17,8 +18,8 @@ def add_parser(sub) -> None:
     a.add_argument("--rank", type=int, default=0, help="shard: this agent's rank")
     a.add_argument("--shard-mode", choices=("tensor", "pipeline"), default="pipeline")
     a.add_argument("--model", default="smollm2")
-    a.add_argument("--proposers", default="layerskip,ngram,draft,eagle",
-                   help="proposer kinds a proposer agent serves")
+    a.add_argument("--proposers", default=",".join(PROPOSER_KINDS),
+                   help="proposer kinds a proposer agent serves (default: all)")
     a.add_argument("--f3-codec", choices=("float16", "int8"), default="float16",
                    help="verifier: hidden states to a remote drafter as float16, or int8 "
                    "(half the bytes; see results/drafter.json for its acceptance cost)")
