@@ -40,9 +40,12 @@ def add_parser(sub) -> None:
                    "holds N answer tokens (resumable), then train on it")
     p.add_argument("--gen-batch", type=int, default=32, help="rows per generation forward")
     p.add_argument("--max-answer", type=int, default=256, help="tokens per generated answer")
-    p.add_argument("--stage", choices=("all", "data", "train", "store"), default="all",
-                   help="data: only generate; train: only train on the dataset; store: only "
-                   "write the answer store")
+    p.add_argument("--stage", choices=("all", "data", "features", "train", "store"),
+                   default="all",
+                   help="data: only generate; features: only rebuild missing hidden states "
+                   "(a dataset copied without them); train: only train on the dataset "
+                   "(rebuilding missing hidden states first); store: only write the answer "
+                   "store")
     p.add_argument("--init", choices=("verifier", "random"), default="verifier",
                    help="start the head's layer from the verifier's last layer (default) or "
                    "from random weights")
@@ -88,7 +91,8 @@ def run(args) -> int:
 
 def _run_dataset(args, lm, out: Path, params) -> int:
     """The scaled pipeline: batched self-distillation data on disk, then training from it."""
-    from macfleet.engine.drafter.dataset import DatasetError, generate_dataset
+    from macfleet.engine.drafter.dataset import (DatasetError, generate_dataset,
+                                                 missing_hidden, rebuild_hidden)
     from macfleet.engine.drafter.distill import default_work_dir, distill_from_dataset
     from macfleet.engine.drafter.head import verifier_fingerprint
 
@@ -108,6 +112,12 @@ def _run_dataset(args, lm, out: Path, params) -> int:
 
             store = Datastore.build(answers(ds))
             report(f"answer store: {store.tokens.size:,} tokens -> {store.save(Path(args.store))}")
+        if args.stage in ("all", "features", "train") and missing_hidden(ds):
+            r = rebuild_hidden(lm, ds, fingerprint=verifier_fingerprint(lm.model))
+            report(f"rebuilt hidden states of {r.shards} shard(s): {r.tokens:,} positions in "
+                   f"{r.seconds / 60:.1f} min ({r.tokens / max(r.seconds, 1e-9):.0f} tok/s); "
+                   f"{r.top_mismatch} positions where this machine's argmax differs from "
+                   f"the stored greedy token")
         if args.stage in ("all", "train"):
             distill_from_dataset(lm, ds, out, params, work=work, resume=args.resume,
                                  draft_vocab=args.draft_vocab,

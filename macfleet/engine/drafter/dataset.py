@@ -13,6 +13,12 @@ Layout (all numpy `.npy`, so training memory-maps them and never recomputes the 
 
 A shard is written whole (files, then the manifest, atomically); a run stopped mid-shard loses
 at most one shard's worth of generation and resumes where the manifest says.
+
+The hidden states are a cache, not the record: they are 97% of the bytes (1,152 bytes a token
+for SmolLM2 against ~9 for the rest) but cost only a prefill to rebuild, while the answers cost
+a decode each. A directory without its `*.hidden.npy` files (copied between machines, or kept
+in git) is still a whole dataset: `rebuild_hidden` (`macfleet distill --stage features`, and
+training on its own) recomputes them, one verifier forward per sample.
 """
 
 from __future__ import annotations
@@ -140,21 +146,22 @@ class Progress:
         self.every_s = 0.5 if self.tty else every_s
         self._last = 0.0
 
-    def line(self, done: int, extra: str = "") -> str:
+    def line(self, done: int, extra: str = "", unit: str = "answer tokens") -> str:
         el = time.perf_counter() - self.t0
         rate = (done - self.start) / el if el > 0 else 0.0
         eta = (self.target - done) / rate if rate > 0 else float("inf")
         frac = min(done / self.target, 1.0) if self.target else 1.0
         bar = "#" * int(frac * 24)
         eta_s = f"{eta / 60:.0f} min" if eta != float("inf") else "?"
-        return (f"[{bar:<24}] {done:,}/{self.target:,} answer tokens  {rate:.0f} tok/s  "
+        return (f"[{bar:<24}] {done:,}/{self.target:,} {unit}  {rate:.0f} tok/s  "
                 f"ETA {eta_s}  {extra}")
 
-    def update(self, done: int, extra: str = "", force: bool = False) -> None:
+    def update(self, done: int, extra: str = "", force: bool = False,
+               unit: str = "answer tokens") -> None:
         now = time.perf_counter()
         if force or now - self._last >= self.every_s:
             self._last = now
-            s = self.line(done, extra)
+            s = self.line(done, extra, unit)
             if self.tty:
                 print("\r" + s, end="", file=sys.stderr, flush=True)
             else:
@@ -209,12 +216,67 @@ def generate_dataset(lm: LoadedModel, path: Path, target_tokens: int, *, fingerp
     return m
 
 
+def missing_hidden(path: Path) -> list[ShardInfo]:
+    """Shards whose hidden-state cache is absent."""
+    return [s for s in Manifest.read(path).shards
+            if not (path / f"{s.name}.hidden.npy").is_file()]
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    shards: int
+    tokens: int
+    seconds: float
+    top_mismatch: int  # positions where this machine's argmax differs from the stored one
+
+
+def rebuild_hidden(lm: LoadedModel, path: Path, *, fingerprint: str,
+                   report: Callable[[str], None] | None = None) -> Rebuilt:
+    """Recompute the missing hidden-state files: one forward per sample over the tokens the
+    verifier was fed (its prompt and answer), the same rows generation captured. The stored
+    greedy targets (`top`) are kept; where this machine's argmax differs (float paths differ in
+    the last bits between CPUs) the count is reported, not silently rewritten."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from macfleet.engine.drafter.batchgen import _forward
+
+    m = Manifest.read(path)
+    if m.fingerprint != fingerprint:
+        raise DatasetError(f"{path} holds data of verifier '{m.verifier}' (fingerprint "
+                           f"{m.fingerprint}); this verifier's is {fingerprint}")
+    todo = missing_hidden(path)
+    total = sum(s.tokens for s in todo)
+    prog = Progress(total, 0, report)
+    t0, done, mismatch = time.perf_counter(), 0, 0
+    for s in todo:
+        toks = np.load(path / f"{s.name}.tokens.npy")
+        top = np.load(path / f"{s.name}.top.npy")
+        offs = np.load(path / f"{s.name}.offsets.npy")
+        hidden = np.empty((len(toks), m.hidden_size), dtype=np.float16)
+        for a, b in zip(offs[:-1].tolist(), offs[1:].tolist()):
+            cache = [KVCache() for _ in lm.model.layers]
+            h, am = _forward(lm, mx.array(toks[a:b].tolist(), dtype=mx.uint32)[None], cache)
+            mx.eval(h, am)
+            hidden[a:b] = np.array(h[0].astype(mx.float16))
+            mismatch += int((np.array(am[0]) != top[a:b]).sum())
+            done += b - a
+            prog.update(done, "rebuilding hidden states", unit="positions")
+        tmp = path / f"{s.name}.hidden.tmp.npy"
+        np.save(tmp, hidden)
+        os.replace(tmp, path / f"{s.name}.hidden.npy")
+    return Rebuilt(len(todo), total, time.perf_counter() - t0, mismatch)
+
+
 # -- reading ------------------------------------------------------------------------------
 
 
 def load_chunks(path: Path, max_len: int = 1 << 30) -> list[FeatureChunk]:
     """Every sample as a FeatureChunk of memory-mapped views (nothing is read until used)."""
     m = Manifest.read(path)
+    if missing := missing_hidden(path):
+        raise DatasetError(f"{path}: {len(missing)} shard(s) have no hidden states (a copied "
+                           f"dataset?): run `macfleet distill --dataset {path} --stage features`")
     out: list[FeatureChunk] = []
     for s in m.shards:
         arr = {k: np.load(path / f"{s.name}.{k}.npy", mmap_mode="r")
