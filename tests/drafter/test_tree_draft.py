@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from macfleet.engine.drafter.budget import Calibration, VerifyCurve, choose_tree_size
+from macfleet.engine.drafter.budget import (Calibration, VerifyCurve, choose_tree_size,
+                                            worth_expanding)
 from macfleet.engine.drafter.tree_draft import EagleTreeProposer
 from macfleet.engine.events import Finished
 from macfleet.engine.loop import sanitize_draft, speculative_generate
@@ -47,6 +48,15 @@ def test_tree_size_grows_with_confidence_and_shrinks_with_verify_cost():
     assert choose_tree_size(sure, flat) == 10
     assert 0 < choose_tree_size(sure, steep) < 5
     assert choose_tree_size(sure, flat, gain=0.0) == 0  # a head that is never right
+
+
+def test_a_deeper_level_is_drafted_only_while_it_can_pay_for_its_head_forward():
+    # the beam's mass bounds what its children can add; each token saves a verifier step
+    assert worth_expanding([0.5, 0.2], gain=1.0, depth_ms=4.0, step_ms=45.0)
+    assert not worth_expanding([0.05, 0.02, 0.01], gain=1.0, depth_ms=4.0, step_ms=45.0)
+    assert not worth_expanding([0.5, 0.2], gain=0.1, depth_ms=4.0, step_ms=45.0)  # overconfident
+    # a fast verifier step (a Mac GPU) next to a slow head: shallow trees
+    assert not worth_expanding([0.3], gain=1.0, depth_ms=4.0, step_ms=10.0)
 
 
 def test_verify_curve_learns_the_slope_and_calibration_tracks_acceptance():

@@ -75,6 +75,17 @@ def choose_tree_size(probs: Sequence[float], costs: Sequence[float], gain: float
     return best
 
 
+def worth_expanding(beam_probs: Sequence[float], gain: float, depth_ms: float,
+                    step_ms: float) -> bool:
+    """Is one more depth of a draft tree worth a head forward? (pure)
+
+    The children of the beam together are accepted at most as often as the beam itself
+    (a child needs its parent), so the level can add at most gain * sum(beam_probs) expected
+    tokens, each worth one verifier step (step_ms) of plain decoding; it costs depth_ms of
+    drafting now. Which of its nodes are then verified is choose_tree_size's decision."""
+    return gain * float(sum(beam_probs)) * step_ms > depth_ms
+
+
 @dataclass
 class Calibration:
     """g = accepted / predicted over recent blocks (EMA of both sums)."""

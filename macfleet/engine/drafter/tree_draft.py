@@ -26,7 +26,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.drafter.budget import Backoff, Calibration, VerifyCurve, choose_tree_size
+from macfleet.engine.drafter.budget import (Backoff, Calibration, VerifyCurve, choose_tree_size,
+                                            worth_expanding)
 from macfleet.engine.drafter.head import EagleHead
 from macfleet.engine.drafter.proposer import EagleProposer
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft
@@ -68,6 +69,7 @@ class EagleTreeProposer(EagleProposer):
         self.calibration = Calibration()
         self.backoff = Backoff()
         self._predicted = 0.0  # sum of the last tree's node probabilities
+        self.depth_ms = 0.0  # measured cost of one deeper level (EMA)
 
     def _top(self, h: mx.array) -> tuple[mx.array, mx.array]:
         """h [n, H] -> (token ids [n, top_k], log-probs [n, top_k]) of the head's best tokens
@@ -79,18 +81,28 @@ class EagleTreeProposer(EagleProposer):
         return (idx if ids is None else ids[idx]), vals
 
     def _expand(self, root: mx.array, t1: mx.array, s1: mx.array, base: int
-                ) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
-        """Depths 2..max_depth as ONE lazy graph (one evaluation per block, not one per depth):
-        the beam is always the top_k best nodes of the newest depth, so every shape is fixed.
-        Returns per level >= 1: candidate tokens [K*K], cumulative scores [K*K], and the level
-        below's candidate index of each beam node (whose children they are)."""
+                ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        """Depths 2.. one head forward each, while a deeper level still pays.
+
+        The beam is always the top_k best nodes of the newest depth, so every shape is fixed.
+        Before each depth, `worth_expanding` weighs what the level could add (at most the
+        beam's probability mass, calibrated) against what one more head forward costs here
+        (measured): on a verifier whose step is cheap next to the head's, or a head unsure
+        of the text, the tree stays shallow. Returns per level >= 1: candidate tokens [K*K],
+        cumulative scores [K*K], and the level below's candidate index of each beam node."""
         K = self.top_k
         toks, scores, sel = [], [], []
         beam_tok, beam_score = t1, s1  # depth-1 nodes: all K are the first beam
         beam_feat = mx.repeat(root, K, axis=0)  # [K, H]: the feature that predicted each node
         beam_sel = mx.arange(K)
         anc = mx.eye(K, dtype=mx.bool_)  # beam node x expanded slot: its ancestors and itself
+        step_ms = self.curve.costs(0)[0] if self.curve.samples else None
         for d in range(2, self.max_depth + 1):
+            if step_ms is not None and not worth_expanding(
+                    np.exp(np.array(beam_score, dtype=np.float64)), self.calibration.gain,
+                    self.depth_ms, step_ms):
+                break
+            t0 = time.perf_counter()
             mask = mx.concatenate([mx.ones((K, base), dtype=mx.bool_), anc], axis=1)
             pos = mx.full((K,), base + d - 2, dtype=mx.int32)
             h = head_tree_forward(self.head, beam_feat, beam_tok.astype(mx.uint32), pos, mask,
@@ -98,12 +110,13 @@ class EagleTreeProposer(EagleProposer):
             ct, cs = self._top(h)  # [K, K]
             flat_s = (beam_score[:, None] + cs).reshape(-1)
             flat_t = ct.reshape(-1)
-            toks.append(flat_t)
-            scores.append(flat_s)
-            sel.append(beam_sel)
-            if d == self.max_depth:
-                break
             nxt = mx.argpartition(-flat_s, K - 1)[:K]  # the next beam: best K of this depth
+            mx.eval(flat_t, flat_s, nxt, h)
+            toks.append(np.array(flat_t))
+            scores.append(np.array(flat_s))
+            sel.append(np.array(beam_sel))
+            self.depth_ms = (self.depth_ms * 0.8 + 0.2 * (time.perf_counter() - t0) * 1e3
+                             if self.depth_ms else (time.perf_counter() - t0) * 1e3)
             pb = nxt // K
             beam_tok, beam_score, beam_feat, beam_sel = flat_t[nxt], flat_s[nxt], h[pb], nxt
             anc = mx.concatenate([anc[pb], mx.eye(K, dtype=mx.bool_)], axis=1)
@@ -127,7 +140,6 @@ class EagleTreeProposer(EagleProposer):
         # a head this unsure of the next token will not get deeper ones right: stop here
         if self.max_depth > 1 and self.calibration.gain * np.exp(max(score)) >= self.min_prob:
             toks, scores, sel = self._expand(root, t1[0], s1[0], base)
-            mx.eval(toks, scores, sel)
             level_start = [0]  # global node id of each level's first candidate
             for lvl, (lt, ls, lsel) in enumerate(zip(toks, scores, sel), start=1):
                 level_start.append(len(tokens))
@@ -137,8 +149,9 @@ class EagleTreeProposer(EagleProposer):
                 score += np.array(ls).astype(np.float64).tolist()
                 parents += [prev + int(beam[c // K]) for c in range(K * K)]
                 depth += [lvl + 1] * (K * K)
-            for c in self._head_cache:
-                c.trim((self.max_depth - 1) * K)
+            if toks:
+                for c in self._head_cache:
+                    c.trim(len(toks) * K)
         order = sorted(range(len(tokens)), key=lambda i: (-score[i], depth[i], i))
         probs = [float(np.exp(score[i])) for i in order[:k]]
         n = choose_tree_size(probs, self.curve.costs(len(probs)), self.calibration.gain)
