@@ -17,17 +17,17 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
-from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 import numpy as np
 
+from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionOpened)
 from bridge.transport import Client
-from macfleet.engine.proposers.base import ProposerFailed
-from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.stats import BlockFlows, FlowStats
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ DEFAULT_CONNECT_TIMEOUT_S = 0.5
 
 @dataclass
 class FlowTotals:
+    """Running totals of one remote proposer's flows; `last` is the block just verified."""
+
     blocks: int = 0
     f1_bytes: int = 0
     f2_bytes: int = 0
@@ -49,23 +51,40 @@ class FlowTotals:
     f3_ms: float = 0.0
     compute_ms: float = 0.0
     predraft_hits: int = 0
-    last: dict = field(default_factory=dict)
+    last: BlockFlows | None = None
 
     def add(self, b1: int, b2: int, wire_ms: float, compute_ms: float, hit: bool,
             b3: int = 0, f3_ms: float = 0.0) -> None:
         share1 = b1 / (b1 + b2) if b1 + b2 else 0.5
+        last = BlockFlows(f1_bytes=b1, f2_bytes=b2, f3_bytes=b3, f1_ms=wire_ms * share1,
+                          f2_ms=wire_ms * (1 - share1), f3_ms=f3_ms, compute_ms=compute_ms,
+                          predraft_hit=hit)
         self.blocks += 1
         self.f1_bytes += b1
         self.f2_bytes += b2
-        self.f1_ms += wire_ms * share1
-        self.f2_ms += wire_ms * (1 - share1)
+        self.f1_ms += last.f1_ms
+        self.f2_ms += last.f2_ms
         self.compute_ms += compute_ms
         self.predraft_hits += int(hit)
         self.f3_bytes += b3
         self.f3_ms += f3_ms
-        self.last = {"f1_bytes": b1, "f2_bytes": b2, "f1_ms": wire_ms * share1,
-                     "f2_ms": wire_ms * (1 - share1), "compute_ms": compute_ms, "hit": hit,
-                     "f3_bytes": b3, "f3_ms": f3_ms}
+        self.last = last
+
+    def __iadd__(self, other: FlowTotals) -> FlowTotals:
+        for f in fields(self):
+            if f.name != "last":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def summary(self, *, f3_probe: bool = False) -> FlowStats:
+        """Per-block averages (zeros when no block was drafted remotely)."""
+        n = max(self.blocks, 1)
+        return FlowStats(
+            remote_blocks=self.blocks, f1_bytes_per_block=self.f1_bytes / n,
+            f2_bytes_per_block=self.f2_bytes / n, f3_bytes_per_block=self.f3_bytes / n,
+            f1_ms_per_block=self.f1_ms / n, f2_ms_per_block=self.f2_ms / n,
+            f3_ms_per_block=self.f3_ms / n, proposer_compute_ms_per_block=self.compute_ms / n,
+            predraft_hit_rate=self.predraft_hits / n, f3_probe=f3_probe)
 
 
 class RemoteProposer(Proposer):
@@ -116,9 +135,10 @@ class RemoteProposer(Proposer):
                                               connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S,
                                               watch_peer=True)
         sid = uuid.uuid4().hex[:16]
-        msg = OpenSession(sid, self.spec, self.model, [int(t) for t in context],
-                          self.params.temperature, self.params.top_p, self.params.seed,
-                          self.cross_round)
+        msg = OpenSession(session_id=sid, proposer=self.spec, model=self.model,
+                          prompt=[int(t) for t in context], temperature=self.params.temperature,
+                          top_p=self.params.top_p, seed=self.params.seed,
+                          cross_round=self.cross_round)
         try:
             reply = self._client.request(msg, timeout=self.open_timeout_s)
         except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
@@ -147,8 +167,9 @@ class RemoteProposer(Proposer):
             from macfleet.engine.drafter.f3codec import encode_int8
 
             feats, scale = encode_int8(feats)
-        req = DraftRequest(self._session, self._block, delta, k, not self.params.greedy,
-                           feats, f_start, scale)
+        req = DraftRequest(session_id=self._session, block=self._block, committed=delta, k=k,
+                           want_probs=not self.params.greedy, features=feats,
+                           features_start=f_start, features_scale=scale)
         self._f3_bytes = 0 if feats is None else int(feats.nbytes) + (
             0 if scale is None else int(scale.nbytes))
         self._t0 = time.perf_counter()
@@ -222,15 +243,5 @@ class RemoteProposer(Proposer):
             self._client = None
         self._session = ""
 
-    def stats(self) -> dict[str, float]:
-        f = self.flows
-        n = max(f.blocks, 1)
-        return {
-            "remote_blocks": f.blocks,
-            "f1_bytes_per_block": f.f1_bytes / n, "f2_bytes_per_block": f.f2_bytes / n,
-            "f1_ms_per_block": f.f1_ms / n, "f2_ms_per_block": f.f2_ms / n,
-            "proposer_compute_ms_per_block": f.compute_ms / n,
-            "predraft_hit_rate": f.predraft_hits / n,
-            "f3_bytes_per_block": f.f3_bytes / n, "f3_ms_per_block": f.f3_ms / n,
-            "f3_probe": float(bool(self.f3_probe_width)),
-        }
+    def flow_stats(self) -> FlowStats:
+        return self.flows.summary(f3_probe=bool(self.f3_probe_width))

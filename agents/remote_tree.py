@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import fields
 
 from agents.remote_proposer import RemoteProposer
-from macfleet.engine.proposers.base import ProposerFailed
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, ProposerFailed
 from macfleet.engine.tree_loop import ProposerGroup
+from macfleet.stats import FlowStats
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,15 @@ class RemoteProposerGroup(ProposerGroup):
                 self._fail(j, e)
         return out
 
-    def stats(self) -> dict[str, float]:
-        out = super().stats()
-        for p in self.proposers:
-            for key, v in p.stats().items():
-                out[key] = out.get(key, 0.0) + v if key == "remote_blocks" else \
-                    max(out.get(key, 0.0), v)
-        out["proposer_failures"] = len(self.failures)
-        return out
+    def flow_stats(self) -> FlowStats:
+        """The proposers draft side by side: per block, the worst of them (blocks summed)."""
+        return worst_flows([p.flow_stats() for p in self.proposers])
+
+
+def worst_flows(each: Sequence[FlowStats]) -> FlowStats:
+    """Field by field the largest per-block figure; remote blocks summed over proposers."""
+    if not each:
+        return FlowStats()
+    out = {f.name: max(getattr(s, f.name) for s in each) for f in fields(FlowStats)}
+    out["remote_blocks"] = sum(s.remote_blocks for s in each)
+    return FlowStats(**out)

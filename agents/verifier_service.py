@@ -13,9 +13,9 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from agents.remote_proposer import RemoteProposer
+from agents.remote_proposer import FlowTotals, RemoteProposer
 from agents.remote_tree import RemoteProposerGroup
 from agents.specs import DraftModels, SpecPolicy, check_spec, make_checked_proposer
 from bridge.errors import BAD_REQUEST, BUSY, UNAVAILABLE, ProtocolError
@@ -30,6 +30,7 @@ from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.text import MAX_PROMPT_TOKENS, PromptError, TextStream, encode_prompt
 from macfleet.engine.tree_loop import tree_budget, tree_generate
 from macfleet.engine.verifier import Verifier
+from macfleet.stats import BlockFlows, FleetStats, FlowStats
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +87,12 @@ class FallbackProposer(Proposer):
         for p in self._live:
             p.close()
 
-    def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+    def flow_stats(self) -> FlowStats:
+        """Per-block flows over every remote block, whichever proposer drafted it."""
+        totals = FlowTotals()
         for p in self._all:
-            for key, v in p.stats().items():
-                out[key] = out.get(key, 0.0) + v if key == "remote_blocks" else v
-        return out
+            totals += p.flows
+        return totals.summary(f3_probe=any(p.f3_probe_width for p in self._all))
 
 
 def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:
@@ -268,19 +269,19 @@ class VerifierService:
         return self._feature_tap
 
     @staticmethod
-    def _last_flows(proposer) -> dict:
+    def _last_flows(proposer) -> BlockFlows | None:
         """Flow figures of the block just verified (the slowest proposer's, for a tree)."""
         if isinstance(proposer, FallbackProposer):
-            return proposer.current.flows.last if proposer.current else {}
+            return proposer.current.flows.last if proposer.current else None
         if isinstance(proposer, RemoteProposerGroup):
             lasts = [p.flows.last for p, live in zip(proposer.proposers, proposer.live)
                      if live and p.flows.last]
             if not lasts:
-                return {}
-            worst = max(lasts, key=lambda f: f["f1_ms"] + f["f2_ms"] + f["f3_ms"])
-            return dict(worst, f1_bytes=sum(f["f1_bytes"] for f in lasts),
-                        f2_bytes=sum(f["f2_bytes"] for f in lasts))
-        return {}
+                return None
+            worst = max(lasts, key=lambda f: f.wire_ms)
+            return replace(worst, f1_bytes=sum(f.f1_bytes for f in lasts),
+                           f2_bytes=sum(f.f2_bytes for f in lasts))
+        return None
 
     def _tree_group(self, msg: GenerateRequest) -> RemoteProposerGroup:
         """`a+b+c` with N endpoints: proposer i drafts spec i (the last spec repeats)."""
@@ -324,18 +325,17 @@ class VerifierService:
                     parts.append(s)
                     reply(GenerateChunk(msg.request_id, list(ev.tokens), s))
                 elif isinstance(ev, BlockDone):
-                    last = self._last_flows(proposer) if ev.k > 0 else {}
-                    if last and ev.k > 0:
-                        wire_ms += last["f1_ms"] + last["f2_ms"] + last.get("f3_ms", 0.0)
+                    last = (self._last_flows(proposer) if ev.k > 0 else None) or BlockFlows()
+                    wire_ms += last.wire_ms
                     block_ms += ev.block_ms
                     self._publish(BlockMetrics(
-                        self.node_id, msg.request_id, ev.block, ev.k, ev.accepted, ev.block_ms,
-                        ev.draft_ms, ev.verify_ms, int(last.get("f1_bytes", 0)),
-                        float(last.get("f1_ms", 0.0)), int(last.get("f2_bytes", 0)),
-                        float(last.get("f2_ms", 0.0)), int(last.get("f3_bytes", 0)),
-                        float(last.get("f3_ms", 0.0)),
-                        bool(self.f3_probe_width) and self._feature_tap is None,
-                        self.lm.hidden_size))
+                        node_id=self.node_id, session_id=msg.request_id, block=ev.block, k=ev.k,
+                        accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
+                        verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
+                        f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes,
+                        f3_ms=last.f3_ms,
+                        probe=bool(self.f3_probe_width) and self._feature_tap is None,
+                        hidden_size=self.lm.hidden_size))
                 elif isinstance(ev, Finished):
                     stats = ev.stats
                     token_ids = list(ev.token_ids)
@@ -348,16 +348,14 @@ class VerifierService:
         tail = text.finish()
         if tail:
             parts.append(tail)
-        out = {k: v for k, v in stats.to_dict().items()
-               if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
-        out["accepted_hist"] = ",".join(str(c) for c in stats.accepted_hist)
+        flows, failures = FlowStats(), []
         if remote is not None:
-            out.update(remote.stats())
-            out["proposer_failures"] = len(remote.failures)
+            flows, failures = remote.flow_stats(), remote.failures
         elif isinstance(proposer, RemoteProposerGroup):
-            out.update(proposer.stats())
-        out["wire_ms"] = wire_ms
-        out["multihost_overhead"] = wire_ms / block_ms if block_ms else 0.0
-        out["verifier"] = self.node_id
+            flows, failures = proposer.flow_stats(), proposer.failures
+        fleet = FleetStats(verifier=self.node_id, flows=flows, proposer_failures=len(failures),
+                           wire_ms=wire_ms,
+                           multihost_overhead=wire_ms / block_ms if block_ms else 0.0)
         self.completed += 1
-        reply(GenerateDone(msg.request_id, "".join(parts), token_ids, out))
+        reply(GenerateDone(msg.request_id, "".join(parts), token_ids,
+                           replace(stats, fleet=fleet)))

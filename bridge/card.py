@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: GenerateDone.stats is a typed GenerationStats (was a flat dict)
 SERVICE_TYPE = "_macfleet._tcp.local."
 
 ROLE_PROPOSER = "proposer"

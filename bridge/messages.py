@@ -16,7 +16,9 @@ validate every field of every incoming message, which is what makes decoding unt
 Supported field types: int, float, str, bool, bytes, `X | None`, unions of scalars
 (`float | int | str`), `list[X]`, `tuple[X, ...]`, `tuple[X, Y]`, `dict[str, X]`, `np.ndarray`
 (a raw buffer frame, never inside msgpack) and nested frozen dataclasses (sent as maps, e.g.
-`AgentCard`). A message whose field is an ndarray compares with `equal()`, not `==`.
+`AgentCard`, or `GenerationStats` from macfleet/stats.py, the one project module bridge imports:
+plain records, so the wire carries the very objects the engine produces). A message whose field
+is an ndarray compares with `equal()`, not `==`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 from bridge.arrays import as_bfloat16
 from bridge.card import PROTOCOL_VERSION, AgentCard
 from bridge.errors import UNKNOWN_TYPE, ProtocolError
+from macfleet.stats import GenerationStats  # plain records: the one project import here
 
 __all__ = ["PROTOCOL_VERSION", "Spec", "message", "registry", "message_class", "tag_of",
            "is_terminal", "schema", "equal", "example"]
@@ -221,7 +224,7 @@ def example(cls: type, *, seed: int = 0, dtype: str = "float32", none: bool = Fa
             if dtype == "bfloat16":
                 return as_bfloat16(base.astype(np.uint16))
             return base.astype(dtype)
-        return spec.cls(*(build(a) for a in spec.args))
+        return spec.cls(**{n: build(a) for n, a in zip(spec.names, spec.args)})
 
     return build(schema(cls))
 
@@ -384,7 +387,7 @@ class GenerateDone:
     request_id: str
     text: str
     token_ids: list[int]
-    stats: dict[str, float | int | str]
+    stats: GenerationStats  # the engine's record, with the verifier agent's `fleet` figures
 
 
 # --- metrics and events (PUB) ----------------------------------------------------------------

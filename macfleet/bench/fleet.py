@@ -26,8 +26,25 @@ from macfleet.engine.proposers.model_draft import LayerSkipModel
 from macfleet.engine.text import encode_prompt
 from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote
+from macfleet.stats import GenerationStats
 
 DEFAULT_PROPOSERS = ("ngram", "layerskip:20")
+
+
+def _figures(st: GenerationStats) -> dict[str, float]:
+    """What results/fleet.json records of an agent run."""
+    out = {"acceptance": st.acceptance, "mean_accepted": st.mean_accepted}
+    if st.fleet is not None:
+        f = st.fleet.flows
+        if f.remote_blocks:
+            out.update(f1_bytes_per_block=f.f1_bytes_per_block,
+                       f2_bytes_per_block=f.f2_bytes_per_block, f1_ms_per_block=f.f1_ms_per_block,
+                       f2_ms_per_block=f.f2_ms_per_block)
+        out["multihost_overhead"] = st.fleet.multihost_overhead
+        if f.remote_blocks:
+            out.update(predraft_hit_rate=f.predraft_hit_rate,
+                       proposer_compute_ms_per_block=f.proposer_compute_ms_per_block)
+    return out
 
 
 def _remote(card, key, prompt, n, proposers, spec, cross_round, k=-1) -> GenerateDone:
@@ -82,11 +99,8 @@ def _run(lm, prompts, draft, v, p, key, n, repeats, layerskip, k, proposers, pro
                 r = fn(text, ids)
                 if isinstance(r, GenerateDone):
                     toks, st = r.token_ids, r.stats
-                    tps[m].append(st["decode_tokens_per_s"])
-                    info[m] = {k2: round(st[k2], 4) for k2 in (
-                        "acceptance", "mean_accepted", "f1_bytes_per_block", "f2_bytes_per_block",
-                        "f1_ms_per_block", "f2_ms_per_block", "multihost_overhead",
-                        "predraft_hit_rate", "proposer_compute_ms_per_block") if k2 in st}
+                    tps[m].append(st.decode_tokens_per_s)
+                    info[m] = {k2: round(v, 4) for k2, v in _figures(st).items()}
                 else:
                     toks, secs = r[0], r[1]
                     tps[m].append((len(toks) - 1) / secs if m.startswith("mlx") else

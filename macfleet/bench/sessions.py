@@ -135,8 +135,8 @@ def run_session(i: int, verifier: AgentCard, key: bytes, prompt: str, n: int,
     wall = end - start
     return SessionRun(i, len(done.token_ids), round(wall, 4),
                       round(len(done.token_ids) / wall, 3),
-                      round(float(done.stats.get("decode_tokens_per_s", 0.0)), 3),
-                      round(float(done.stats.get("acceptance", 0.0)), 4),
+                      round(done.stats.decode_tokens_per_s, 3),
+                      round(done.stats.acceptance, 4),
                       round(start - t0, 4), round(end - t0, 4))
 
 

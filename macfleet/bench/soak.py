@@ -72,7 +72,7 @@ def soak(*, model: str, requests: int = DEFAULT_REQUESTS, warmup: int = DEFAULT_
                         if isinstance(m, GenerateDone)]
                     if len(done) != 1 or not done[0].token_ids:
                         failures.append(f"request {i}: no GenerateDone with tokens")
-                    elif use and done[0].stats.get("proposer_failures"):
+                    elif use and done[0].stats.fleet and done[0].stats.fleet.proposer_failures:
                         failures.append(f"request {i}: proposer failed: {done[0].stats}")
                 except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
                     failures.append(f"request {i}: {type(e).__name__}: {e}")

@@ -109,10 +109,10 @@ def _measure_agents(lm: LoadedModel, case: Case, prompt: str, n: int, profile: P
             fleet, rtt = fleet_from_cards(cards, key, profile, bw)
             r = _done(v, key, prompt, n, props, case.spec)
             alone = _done(v, key, prompt, n, [], "none")  # calibration: plain decoding
-            return {"measured_tokens_per_s": float(r.stats["decode_tokens_per_s"]),
-                    "verifier_alone_tokens_per_s": float(alone.stats["decode_tokens_per_s"]),
-                    "acceptance": float(r.stats.get("acceptance", 0.0)),
-                    "mean_accepted": float(r.stats.get("mean_accepted", 0.0)),
+            return {"measured_tokens_per_s": r.stats.decode_tokens_per_s,
+                    "verifier_alone_tokens_per_s": alone.stats.decode_tokens_per_s,
+                    "acceptance": r.stats.acceptance,
+                    "mean_accepted": r.stats.mean_accepted,
                     "tokens": len(r.token_ids), "rtt_ms": round(rtt, 3),
                     "hosts": [f"{c.name} ({'/'.join(c.roles)})" for c in cards],
                     "plan": predict(fleet, case)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from macfleet.cli.main import UserError
@@ -43,7 +44,7 @@ def run(args) -> int:
     from bridge.auth import keygen
     from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
     from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
-    from macfleet.cli.cmd_generate import print_fleet_stats
+    from macfleet.cli.cmd_generate import print_stats
     from macfleet.fleet import local
 
     from macfleet.engine.drafter.choice import resolve_proposer
@@ -76,11 +77,13 @@ def run(args) -> int:
             local.down(Path(tmp) / "run")
     print(f"\nprompt: {args.prompt}\n")
     print(spec.text)
-    st = dict(spec.stats, verifier_agent=v.name, proposer_agents=p.name)
-    print_fleet_stats(st, file=sys.stdout)
+    st = spec.stats
+    if st.fleet is not None:
+        st = replace(st, fleet=replace(st.fleet, verifier_agent=v.name, proposer_agents=(p.name,)))
+    print_stats(st, file=sys.stdout)
     a = alone.stats
     same = "identical" if spec.token_ids == alone.token_ids else "DIFFERENT (bug!)"
-    print(f"   verifier alone: {a['tokens_per_s']:.1f} tok/s -> with the proposer agent: "
-          f"{st['tokens_per_s']:.1f} tok/s = {st['tokens_per_s'] / a['tokens_per_s']:.2f}x; "
+    print(f"   verifier alone: {a.tokens_per_s:.1f} tok/s -> with the proposer agent: "
+          f"{st.tokens_per_s:.1f} tok/s = {st.tokens_per_s / a.tokens_per_s:.2f}x; "
           f"output {same} to the verifier alone")
     return 0 if spec.token_ids == alone.token_ids else 1

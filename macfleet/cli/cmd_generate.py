@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from macfleet.cli.main import UserError
+from macfleet.stats import FleetStats, GenerationStats
 
 DEFAULT_PROPOSER = "auto"  # the drafter measured best for the model (engine/drafter/choice)
 MAX_REPLANS = 2
@@ -58,19 +59,34 @@ def sampling_params(args):
         raise UserError(str(e)) from None
 
 
-def stats_json(stats, text: str, token_ids) -> dict:
-    d = stats.to_dict()
-    return {"text": text, "token_ids": list(token_ids), "stats": d}
+def result_json(stats: GenerationStats, text: str, token_ids) -> str:
+    """The one JSON object of `generate --json` (in-process and fleet alike)."""
+    return json.dumps({"text": text, "token_ids": list(token_ids), "stats": stats.to_dict()})
 
 
-def print_stats(stats, file=sys.stderr) -> None:
+def print_stats(stats: GenerationStats, file=sys.stderr) -> None:
+    """The statistics of a run, in-process or through agents (then with where it ran and
+    what the flows between hosts cost)."""
+    fleet = stats.fleet
+    where = f" on {','.join(fleet.proposer_agents) or '-'}" if fleet is not None else ""
     print(f"\n-- {stats.tokens} tokens in {stats.elapsed_s:.2f}s: {stats.tokens_per_s:.1f} tok/s "
-          f"(decode {stats.decode_tokens_per_s:.1f}) | proposer {stats.proposer} | acceptance "
-          f"{stats.acceptance:.0%} | mean accepted {stats.mean_accepted:.2f} | blocks "
+          f"(decode {stats.decode_tokens_per_s:.1f}) | proposer {stats.proposer}{where} | "
+          f"acceptance {stats.acceptance:.0%} | mean accepted {stats.mean_accepted:.2f} | blocks "
           f"{stats.blocks} | draft {stats.draft_ms:.0f} ms, verify {stats.verify_ms:.0f} ms",
           file=file)
-    for k, v in sorted(stats.extra.items()):
-        print(f"   {k}: {v:.3f}" if isinstance(v, float) else f"   {k}: {v}", file=file)
+    for p in stats.per_proposer:
+        print(f"   acceptance[{p.name}]: {p.acceptance:.3f}", file=file)
+    if fleet is None:
+        return
+    print(f"   verifier {fleet.verifier_agent or fleet.verifier} | proposer failures "
+          f"{fleet.proposer_failures}", file=file)
+    f = fleet.flows
+    if f.remote_blocks:
+        print(f"   flows/block: F1 {f.f1_bytes_per_block:.0f} B {f.f1_ms_per_block:.2f} ms | "
+              f"F2 {f.f2_bytes_per_block:.0f} B {f.f2_ms_per_block:.2f} ms | F3 "
+              f"{f.f3_bytes_per_block:.0f} B {f.f3_ms_per_block:.2f} ms | multi-host overhead "
+              f"{fleet.multihost_overhead:.1%} | pre-draft hits {f.predraft_hit_rate:.0%}",
+              file=file)
 
 
 def run_local(args) -> int:
@@ -96,7 +112,7 @@ def run_local(args) -> int:
                     print(ev.text, end="", flush=True)
             elif isinstance(ev, Finished):
                 if args.json:
-                    print(json.dumps(stats_json(ev.stats, "".join(parts), ev.token_ids)))
+                    print(result_json(ev.stats, "".join(parts), ev.token_ids))
                 else:
                     print()
                     print_stats(ev.stats)
@@ -145,16 +161,16 @@ def run_fleet(args, key, verifier, proposers, committed: Progress) -> int:
             elif isinstance(msg, GenerateDone):
                 # this verifier's full text (with its detokenizer's final flush) after what an
                 # earlier, failed verifier had already sent
-                msg = GenerateDone(msg.request_id, prior_text + msg.text, list(committed.ids),
-                                   msg.stats)
-                st = dict(msg.stats)
-                st["verifier_agent"] = verifier.card.name
-                st["proposer_agents"] = ",".join(p.card.name for p in proposers) if remote else ""
+                text = prior_text + msg.text
+                fleet = msg.stats.fleet or FleetStats(verifier=verifier.card.node_id)
+                stats = replace(msg.stats, fleet=replace(
+                    fleet, verifier_agent=verifier.card.name,
+                    proposer_agents=tuple(p.card.name for p in proposers) if remote else ()))
                 if args.json:
-                    print(json.dumps({"text": msg.text, "token_ids": msg.token_ids, "stats": st}))
+                    print(result_json(stats, text, committed.ids))
                 else:
                     print()
-                    print_fleet_stats(st)
+                    print_stats(stats)
     except ProtocolError as e:
         if e.code in ("unavailable", "internal"):
             raise VerifierFailed(f"verifier {verifier.card.name}: {e}") from None
@@ -166,18 +182,6 @@ def run_fleet(args, key, verifier, proposers, committed: Progress) -> int:
 
 class VerifierFailed(RuntimeError):
     """The verifier died or broke mid-request: the client re-plans on the rest of the fleet."""
-
-
-def print_fleet_stats(st: dict, file=sys.stderr) -> None:
-    print(f"\n-- {st['tokens']} tokens in {st['elapsed_s']:.2f}s: {st['tokens_per_s']:.1f} tok/s "
-          f"| verifier {st['verifier_agent']} | proposer {st['proposer']} on "
-          f"{st['proposer_agents'] or '-'} | acceptance {st['acceptance']:.0%} | mean accepted "
-          f"{st['mean_accepted']:.2f} | blocks {st['blocks']}", file=file)
-    if st.get("remote_blocks"):
-        print(f"   flows/block: F1 {st['f1_bytes_per_block']:.0f} B {st['f1_ms_per_block']:.2f} ms"
-              f" | F2 {st['f2_bytes_per_block']:.0f} B {st['f2_ms_per_block']:.2f} ms | "
-              f"multi-host overhead {st['multihost_overhead']:.1%} | pre-draft hits "
-              f"{st['predraft_hit_rate']:.0%}", file=file)
 
 
 def validate(args) -> None:

@@ -147,8 +147,9 @@ def speculative_generate(
             controller.observe(len(draft), n, dms, vms)
             if new:
                 yield TokensCommitted(blocks, tuple(new))
-            yield BlockDone(blocks, k, len(draft), n, len(new), dms, vms,
-                            (time.perf_counter() - t0) * 1e3)
+            yield BlockDone(block=blocks, k=k, drafted=len(draft), accepted=n,
+                            committed=len(new), draft_ms=dms, verify_ms=vms,
+                            block_ms=(time.perf_counter() - t0) * 1e3)
             if finish == "stop":
                 break
     finally:

@@ -4,7 +4,7 @@ into a token tree and verified in ONE forward; the longest accepted path wins.
 Each proposer has its own adaptive draft length (its own acceptance and cost), so a useless
 proposer is pruned to k = 0 (probed now and then) and a good one grows. The tree is capped at
 `node_budget` nodes: verify(L) is sublinear but not free. Events and statistics are the same as
-the chain loop's, plus per-proposer acceptance in `stats.extra`.
+the chain loop's, plus per-proposer acceptance in `stats.per_proposer`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_samp
 from macfleet.engine.tree_verify import (compact_cache, supports_tree_attention, tree_forward,
                                          verify_branches)
 from macfleet.engine.verifier import Verifier
+from macfleet.stats import ProposerStats
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +103,9 @@ class ProposerGroup:
         for p in self.proposers:
             p.close()
 
-    def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for p, d, a in zip(self.proposers, self.drafted, self.accepted):
-            out[f"acceptance[{p.name}]"] = a / d if d else 0.0
-        return out
+    def per_proposer(self) -> tuple[ProposerStats, ...]:
+        return tuple(ProposerStats(p.name, d, a)
+                     for p, d, a in zip(self.proposers, self.drafted, self.accepted))
 
 
 def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: SamplingParams,
@@ -181,8 +180,9 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
             group.observe(drafts, tree.accepted_per_source(path), vms)
             if new:
                 yield TokensCommitted(blocks, tuple(new))
-            yield BlockDone(blocks, sum(ks), tree.size, len(path), len(new), dms, vms,
-                            (time.perf_counter() - t0) * 1e3)
+            yield BlockDone(block=blocks, k=sum(ks), drafted=tree.size, accepted=len(path),
+                            committed=len(new), draft_ms=dms, verify_ms=vms,
+                            block_ms=(time.perf_counter() - t0) * 1e3)
     finally:
         group.close()
     while len(hist) > 1 and hist[-1] == 0:
@@ -191,5 +191,5 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
         tokens=len(generated), elapsed_s=time.perf_counter() - t_start, prefill_ms=prefill_ms,
         blocks=blocks, drafted=drafted, accepted=accepted, draft_ms=draft_total,
         verify_ms=verify_total, proposer=group.name, finish_reason=finish,
-        accepted_hist=tuple(hist) if drafted else (), extra=group.stats())
+        accepted_hist=tuple(hist) if drafted else (), per_proposer=group.per_proposer())
     yield Finished(stats, tuple(generated))

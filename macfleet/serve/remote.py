@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateChunk, GenerateDone
-from macfleet.engine.events import Finished, GenerationStats, TokensCommitted
+from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.fleet.client import generate_remote
 from macfleet.serve.engine import EngineEvent, EngineRequest, Overloaded, SessionFailed
 
@@ -117,13 +117,7 @@ class RemoteEngine:
                     n += 1
                     emit(TokensCommitted(n, tuple(msg.token_ids)))
                 elif isinstance(msg, GenerateDone):
-                    st = msg.stats
-                    emit(Finished(GenerationStats(
-                        tokens=len(msg.token_ids), elapsed_s=float(st.get("elapsed_s", 0.0)),
-                        drafted=int(st.get("drafted", 0)), accepted=int(st.get("accepted", 0)),
-                        proposer=str(st.get("proposer", "")),
-                        finish_reason=str(st.get("finish_reason", "length"))),
-                        tuple(msg.token_ids)))
+                    emit(Finished(msg.stats, tuple(msg.token_ids)))
                     return
         except (PeerUnavailable, TransportTimeout) as e:
             self._alive = False  # the HTTP layer answers 503 from now on

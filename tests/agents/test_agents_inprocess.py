@@ -46,7 +46,7 @@ def test_remote_greedy_equals_verifier_alone(pair, spec):
     for cross in (False, True):
         d = gen(ver, prop, spec, max_tokens=40, draft_tokens=3, cross_round=cross)
         assert d.token_ids == alone.token_ids, (spec, cross)
-        assert d.stats["remote_blocks"] > 0
+        assert d.stats.fleet.flows.remote_blocks > 0
 
 
 def test_cross_round_predrafts_hit_when_drafts_are_right(pair):
@@ -55,18 +55,18 @@ def test_cross_round_predrafts_hit_when_drafts_are_right(pair):
     ver, prop = pair
     no = gen(ver, prop, "draft:tiny:3", max_tokens=40, draft_tokens=3, cross_round=False)
     yes = gen(ver, prop, "draft:tiny:3", max_tokens=40, draft_tokens=3, cross_round=True)
-    assert no.stats["acceptance"] == 1.0 and yes.stats["acceptance"] == 1.0
-    assert no.stats["predraft_hit_rate"] == 0.0
-    assert yes.stats["predraft_hit_rate"] > 0.5
+    assert no.stats.acceptance == 1.0 and yes.stats.acceptance == 1.0
+    assert no.stats.fleet.flows.predraft_hit_rate == 0.0
+    assert yes.stats.fleet.flows.predraft_hit_rate > 0.5
 
 
 def test_f3_probe_is_measured_per_block(pair):
     ver, prop = pair
     d = gen(ver, prop, "ngram", max_tokens=12, draft_tokens=2)
     hidden = load_model(MODEL).hidden_size
-    assert d.stats["f3_probe"] == 1.0
-    assert d.stats["f3_bytes_per_block"] >= hidden * 2  # at least one float16 row
-    assert d.stats["f3_ms_per_block"] > 0
+    assert d.stats.fleet.flows.f3_probe is True
+    assert d.stats.fleet.flows.f3_bytes_per_block >= hidden * 2  # at least one float16 row
+    assert d.stats.fleet.flows.f3_ms_per_block > 0
 
 
 def test_sampling_remote_is_seeded_and_lossless_path_runs(pair):
@@ -74,7 +74,8 @@ def test_sampling_remote_is_seeded_and_lossless_path_runs(pair):
     a = gen(ver, prop, "draft:tiny:4", max_tokens=20, temperature=1.0, seed=5, draft_tokens=3)
     b = gen(ver, prop, "draft:tiny:4", max_tokens=20, temperature=1.0, seed=5, draft_tokens=3)
     assert a.token_ids == b.token_ids
-    assert a.stats["f2_bytes_per_block"] > 64 * 4  # draft probabilities travelled as frames
+    # draft probabilities travelled as frames
+    assert a.stats.fleet.flows.f2_bytes_per_block > 64 * 4
 
 
 def test_draft_stream_keeps_only_a_surviving_prefix():
@@ -101,10 +102,10 @@ def test_remote_tree_of_two_proposer_agents_is_lossless_and_survives_one_dying(p
         eps = [prop.card.router_endpoint, prop2.card.router_endpoint]
         done = gen(ver, eps, "ngram+draft:tiny:3", max_tokens=40, draft_tokens=3)
         assert done.token_ids == alone.token_ids
-        assert done.stats["acceptance[draft:tiny:3@" + eps[1] + "]"] == 1.0
+        assert done.stats.acceptance_of("draft:tiny:3@" + eps[1]) == 1.0
         prop2.close()  # gone: the tree loses a branch, the session goes on
         done2 = gen(ver, eps, "ngram+draft:tiny:3", max_tokens=40, draft_tokens=3)
-        assert done2.token_ids == alone.token_ids and done2.stats["proposer_failures"] == 1
+        assert done2.token_ids == alone.token_ids and done2.stats.fleet.proposer_failures == 1
     finally:
         prop2.close()
 
@@ -131,15 +132,17 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
         d8 = gen(ver, prop, "eagle:head.safetensors", max_tokens=30, draft_tokens=3)
         ver.verifier.f3_codec = "float16"
         assert d8.token_ids == alone.token_ids
-        assert d8.stats["f3_bytes_per_block"] < 0.6 * d.stats["f3_bytes_per_block"]
+        assert (d8.stats.fleet.flows.f3_bytes_per_block
+                < 0.6 * d.stats.fleet.flows.f3_bytes_per_block)
         for bad in ("eagle:../../etc/passwd", "draft:/etc/passwd"):
             refused = gen(ver, prop, bad, max_tokens=4)  # refused -> plain decoding
-            assert refused.stats["proposer_failures"] == 1
+            assert refused.stats.fleet.proposer_failures == 1
         served, fallback = prop.proposer.served, prop.proposer.fallback_tokens
     finally:
         prop.close()
     assert d.token_ids == alone.token_ids
-    assert d.stats["f3_bytes_per_block"] >= lm.hidden_size * 2  # >= one float16 row a block
+    # >= one float16 row a block
+    assert d.stats.fleet.flows.f3_bytes_per_block >= lm.hidden_size * 2
     assert served > 0 and fallback == 0  # every feature came over F3
 
 
@@ -181,6 +184,6 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path):
         prop.close()
         ver.close()
     assert d.token_ids == alone.token_ids
-    assert d.stats["drafted"] > 0 and d.stats["accepted"] > 0
-    assert d.stats["blocks"] < 40
+    assert d.stats.drafted > 0 and d.stats.accepted > 0
+    assert d.stats.blocks < 40
     assert fallback == 0

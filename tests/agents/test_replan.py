@@ -64,7 +64,7 @@ def test_replan_continues_after_committed_tokens(monkeypatch, capsys):
                                                lm.tokenizer.encode("the cat sat on the mat"),
                                                max_tokens=60) if isinstance(e, Finished)][0]
         assert doc["token_ids"] == list(ref.token_ids) and len(doc["token_ids"]) == 60
-        assert doc["stats"]["verifier_agent"] == good.name
+        assert doc["stats"]["fleet"]["verifier_agent"] == good.name
     finally:
         for a in (bad, good, prop):
             a.close()

@@ -18,6 +18,7 @@ from bridge.messages import (AgentEvent, BlockMetrics, DraftReply, DraftRequest,
                              GenerateChunk, GenerateDone, GenerateRequest, Ping, Pong, equal,
                              example)
 from bridge.transport import Client, Limits, Publisher, Server, Subscriber
+from macfleet.stats import GenerationStats
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -56,7 +57,8 @@ class Agent:
         time.sleep(0.01)  # the handler has returned: these replies come from another thread
         for i in range(msg.max_tokens):
             reply(GenerateChunk(msg.request_id, [i], f"t{i}"))
-        reply(GenerateDone(msg.request_id, "done", list(range(msg.max_tokens)), {"n": msg.max_tokens}))
+        reply(GenerateDone(msg.request_id, "done", list(range(msg.max_tokens)),
+                           GenerationStats(tokens=msg.max_tokens)))
 
 
 @pytest.fixture
@@ -129,7 +131,7 @@ def test_streaming_from_worker_threads(client):
     replies = list(client.stream(generate(5), T))
     assert [type(r) for r in replies] == [GenerateChunk] * 5 + [GenerateDone]
     assert [r.token_ids for r in replies[:-1]] == [[i] for i in range(5)]
-    assert replies[-1].stats == {"n": 5}
+    assert replies[-1].stats == GenerationStats(tokens=5)
 
 
 def test_concurrent_replies_from_many_threads(server):
@@ -139,7 +141,7 @@ def test_concurrent_replies_from_many_threads(server):
             t.start()
         for t in threads:
             t.join(T)
-        reply(GenerateDone("r", "", [], {}))
+        reply(GenerateDone("r", "", [], GenerationStats()))
 
     with Server(handler, key=KEY, poll_s=0.02) as srv, Client(srv.endpoint, key=KEY) as c:
         replies = list(c.stream(generate(0), T))
@@ -245,7 +247,7 @@ def malformed_messages(rng: random.Random) -> list[tuple[list[bytes], str | None
         n = rng.randint(1, 5)
         out.append(([rng.randbytes(rng.randint(0, 40)) for _ in range(n)], None))  # garbage
         out.append(([hdr(type=f"t{rng.random()}"), good_body], "unknown_type"))
-        out.append(([hdr(v=rng.randint(2, 99)), good_body], "bad_version"))
+        out.append(([hdr(v=rng.randint(PROTOCOL_VERSION + 1, 99)), good_body], "bad_version"))
         out.append(([hdr(), msgpack.packb({"seq": "x", "sent_ns": 2})], "malformed"))
     desc = {"__frame__": 0, "dtype": "float32", "shape": [2000]}
     body = msgpack.packb({"session_id": "s", "block": 0, "positions": [], "states": desc})

@@ -78,9 +78,9 @@ def test_greedy_across_agents_is_bit_identical_to_verifier_alone(fleet, spec):
         assert spec_done.token_ids == alone.token_ids
         assert [t for c in chunks for t in c.token_ids] == spec_done.token_ids
         st = spec_done.stats
-        assert st["remote_blocks"] > 0, "the remote proposer was never asked"
-        assert st["f1_bytes_per_block"] > 0 and st["f2_bytes_per_block"] > 0
-        assert 0 <= st["multihost_overhead"] < 1
+        assert st.fleet.flows.remote_blocks > 0, "the remote proposer was never asked"
+        assert st.fleet.flows.f1_bytes_per_block > 0 and st.fleet.flows.f2_bytes_per_block > 0
+        assert 0 <= st.fleet.multihost_overhead < 1
 
 
 def test_sampling_across_agents_is_reproducible_with_a_seed(fleet):
@@ -110,7 +110,7 @@ def test_bad_requests_get_typed_errors_and_the_agent_keeps_serving(fleet):
     # a dead proposer endpoint: generation still completes (plain decoding)
     _, done = run_gen(fleet, PROMPTS[1], ["tcp://127.0.0.1:9"], "ngram", max_tokens=8)
     _, alone = run_gen(fleet, PROMPTS[1], [], "none", max_tokens=8)
-    assert done.token_ids == alone.token_ids and done.stats["proposer_failures"] == 1
+    assert done.token_ids == alone.token_ids and done.stats.fleet.proposer_failures == 1
 
 
 def test_cli_ls_json_lists_the_fleet(fleet):
@@ -218,4 +218,4 @@ def test_zz_proposer_killed_mid_generation_loses_nothing(fleet):
             done = msg
     assert killed and done is not None
     assert ids == done.token_ids == alone.token_ids
-    assert done.stats["proposer_failures"] == 1
+    assert done.stats.fleet.proposer_failures == 1

@@ -78,7 +78,7 @@ def test_proposer_endpoints_are_capped_and_dead_ones_cost_little(agents):
     t0 = time.monotonic()
     done = generate(agents["verifier"], req(spec="ngram", proposers=dead))
     assert time.monotonic() - t0 < 4.0  # 4 dead proposers held the compute thread 20 s before
-    assert done.token_ids == alone.token_ids and done.stats["proposer_failures"] == 4
+    assert done.token_ids == alone.token_ids and done.stats.fleet.proposer_failures == 4
 
 
 def test_oversized_prompt_is_refused_before_it_costs_memory(agents):

@@ -48,7 +48,7 @@ def main() -> int:
             if isinstance(msg, GenerateChunk):
                 print(json.dumps({"chunk": msg.token_ids}), flush=True)
             elif isinstance(msg, GenerateDone):
-                print(json.dumps({"done": msg.token_ids, "stats": msg.stats}), flush=True)
+                print(json.dumps({"done": msg.token_ids, "stats": msg.stats.to_dict()}), flush=True)
     except (TransportTimeout, PeerUnavailable, ProtocolError) as e:  # a clear error, as a line
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
         return 3

@@ -69,7 +69,7 @@ def test_two_host_generation_is_identical_to_the_verifier_alone(bed):
     alone = client(bed, "generate", "--alone", "--max-tokens", "24")[-1]
     spec = client(bed, "generate", "--max-tokens", "24", "--spec", "layerskip:2")[-1]
     assert spec["done"] == alone["done"] and len(alone["done"]) == 24
-    assert spec["stats"]["remote_blocks"] > 0 and spec["stats"]["proposer_failures"] == 0
+    assert spec["stats"]["fleet"]["flows"]["remote_blocks"] > 0 and spec["stats"]["fleet"]["proposer_failures"] == 0
 
 
 def _generate_acting(bed, act, *args: str):
@@ -132,7 +132,7 @@ def test_zz_link_cut_mid_generation_completes_with_identical_output(bed):
     assert cut_at is not None and "done" in done
     ids = [t for x in lines if "chunk" in x for t in x["chunk"]]
     assert ids == done["done"] == alone
-    assert done["stats"]["proposer_failures"] == 1, done["stats"]
+    assert done["stats"]["fleet"]["proposer_failures"] == 1, done["stats"]
 
 
 def test_zzz_proposer_killed_mid_stream_output_identical(bed):
@@ -147,4 +147,4 @@ def test_zzz_proposer_killed_mid_stream_output_identical(bed):
     assert status == 0, lines[-1]
     ids = [t for x in lines if "chunk" in x for t in x["chunk"]]
     assert ids == lines[-1]["done"] == alone
-    assert lines[-1]["stats"]["proposer_failures"] == 1
+    assert lines[-1]["stats"]["fleet"]["proposer_failures"] == 1

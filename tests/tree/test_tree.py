@@ -93,8 +93,8 @@ def test_tree_greedy_is_bit_identical_to_plain_decoding_and_prunes_useless_propo
                            make_proposer("layerskip:2", lm), Garbage(lm.vocab_size)])
     out, st = run(tree_generate(Verifier(lm.model), group, prompt, max_tokens=60))
     assert out == plain
-    assert st.extra["acceptance[draft:tiny:5]"] == 1.0
-    assert st.extra["acceptance[garbage]"] < 0.2
+    assert st.acceptance_of("draft:tiny:5") == 1.0
+    assert st.acceptance_of("garbage") < 0.2
     assert group.controllers[3].next_k() <= 2  # pruned (or a probe)
 
 

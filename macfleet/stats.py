@@ -1,0 +1,140 @@
+"""What a generation cost and moved: one set of frozen records from the engine to the terminal.
+
+The engine's loops produce a `GenerationStats`; the verifier agent adds a `FleetStats` (where it
+ran, what each flow to the proposer agents moved) and sends the same object in
+`GenerateDone.stats` (bridge/codec.py validates it field by field, as any nested record); the
+CLI prints it with one formatter (cli/cmd_generate.py `print_stats`) whether it ran in-process or
+through agents, and `to_dict()` is its JSON form.
+
+Plain dataclasses of the standard library only: the one project module that both `bridge` (which
+imports no other project package) and `macfleet.engine` (which imports no networking) import.
+Records wider than five fields are keyword-only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockFlows:
+    """What one verified block moved between the verifier and one remote proposer.
+
+    The round trip cannot be split into its one-way halves without synchronised clocks, so the
+    wire time is shared between F1 and F2 in proportion to their bytes (agents/remote_proposer).
+    """
+
+    f1_bytes: int = 0
+    f2_bytes: int = 0
+    f3_bytes: int = 0
+    f1_ms: float = 0.0
+    f2_ms: float = 0.0
+    f3_ms: float = 0.0
+    compute_ms: float = 0.0  # the proposer's own drafting time, off the wire
+    predraft_hit: bool = False  # the block was drafted ahead (cross-round) and its guess held
+
+    @property
+    def wire_ms(self) -> float:
+        return self.f1_ms + self.f2_ms + self.f3_ms
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlowStats:
+    """Per-block averages of the flows to the remote proposers over one generation."""
+
+    remote_blocks: int = 0
+    f1_bytes_per_block: float = 0.0
+    f2_bytes_per_block: float = 0.0
+    f3_bytes_per_block: float = 0.0
+    f1_ms_per_block: float = 0.0
+    f2_ms_per_block: float = 0.0
+    f3_ms_per_block: float = 0.0
+    proposer_compute_ms_per_block: float = 0.0
+    predraft_hit_rate: float = 0.0
+    f3_probe: bool = False  # F3 was measured with probe payloads (no hidden-state drafter ran)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetStats:
+    """What a generation through agents adds: who ran it and what crossing hosts cost."""
+
+    verifier: str  # node id of the verifier agent
+    flows: FlowStats = FlowStats()
+    proposer_failures: int = 0  # proposers dropped (the rest, or plain decoding, went on)
+    wire_ms: float = 0.0  # critical-path time spent moving F1/F2/F3 bytes
+    multihost_overhead: float = 0.0  # wire_ms as a share of block time
+    # names for people, filled in by the client that chose the agents
+    verifier_agent: str = ""
+    proposer_agents: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ProposerStats:
+    """One drafter of a token tree: how many of its drafts the verifier kept."""
+
+    name: str
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationStats:
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    prefill_ms: float = 0.0
+    blocks: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    proposer: str = "none"
+    finish_reason: str = ""
+    accepted_hist: tuple[int, ...] = ()  # blocks with k > 0, by accepted length
+    per_proposer: tuple[ProposerStats, ...] = ()  # token trees: each drafter's share
+    fleet: FleetStats | None = None  # set by the verifier agent; None in-process
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the prompt was processed (what mlx-lm reports)."""
+        t = self.elapsed_s - self.prefill_ms / 1e3
+        return self.tokens / t if t > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        n = sum(self.accepted_hist)
+        return sum(i * c for i, c in enumerate(self.accepted_hist)) / n if n else 0.0
+
+    def acceptance_of(self, name: str) -> float:
+        """The acceptance of the tree drafter called `name`; KeyError when none is."""
+        for p in self.per_proposer:
+            if p.name == name:
+                return p.acceptance
+        raise KeyError(name)
+
+    def to_dict(self) -> dict:
+        """The JSON form (`generate --json`): every field, nested as the records are, plus the
+        derived rates."""
+        d = asdict(self)
+        d["accepted_hist"] = list(self.accepted_hist)
+        d["per_proposer"] = [dict(asdict(p), acceptance=p.acceptance) for p in self.per_proposer]
+        if self.fleet is not None:
+            d["fleet"]["proposer_agents"] = list(self.fleet.proposer_agents)
+        d.update(tokens_per_s=self.tokens_per_s,
+                 decode_tokens_per_s=self.decode_tokens_per_s, acceptance=self.acceptance,
+                 mean_accepted=self.mean_accepted)
+        return d
+
+
+__all__ = ["BlockFlows", "FlowStats", "FleetStats", "ProposerStats", "GenerationStats"]
