@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from bridge.auth import fleet_id
 from bridge.card import ROLE_PROPOSER, ROLE_SHARD, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Advertiser
-from bridge.errors import BAD_REQUEST, BUSY, ProtocolError
+from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError
 from bridge.messages import (AgentEvent, ErrorReply, HiddenStates, HiddenStatesAck, Ping, Pong,
                              PresetResult, RunPreset, StatusReply, StatusRequest)
 from agents.specs import PROPOSER_KINDS
@@ -174,8 +174,10 @@ class Agent:
             return
         if isinstance(msg, StatusRequest):
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-            reply(StatusReply(self.card, self.sessions, time.monotonic() - self.started, load,
-                              sysinfo.memory_total() - sysinfo.memory_free(), sysinfo.rss_bytes()))
+            reply(StatusReply(card=self.card, sessions=self.sessions,
+                              uptime_s=time.monotonic() - self.started, load=load,
+                              mem_used=sysinfo.memory_total() - sysinfo.memory_free(),
+                              rss=sysinfo.rss_bytes()))
             return
         if isinstance(msg, HiddenStates) and self.proposer is None:
             # link probes reach every role; a proposer service acks (and may use) its own
@@ -209,7 +211,7 @@ class Agent:
                 answer = PresetResult(preset.name, json.dumps(result))
             except Exception as e:  # the daemon never dies of a request; the error goes back
                 log.exception("preset %s failed", preset.name)
-                answer = ErrorReply("internal", f"{preset.name}: {type(e).__name__}: {e}")
+                answer = ErrorReply(INTERNAL, f"{preset.name}: {type(e).__name__}: {e}")
             finally:
                 self._tool_lock.release()  # before replying: the next request may follow at once
             reply(answer)

@@ -27,7 +27,7 @@ import numpy as np
 from agents.draft_stream import DraftStream
 from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_spec,
                           make_checked_proposer)
-from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, NOT_FOUND, ProtocolError
+from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, INTERNAL, NOT_FOUND, ProtocolError
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionClosed, SessionOpened)
 from macfleet.engine.models import LoadedModel, ModelSpecError
@@ -190,7 +190,7 @@ class ProposerService:
                 reply(ErrorReply(BAD_REQUEST, str(e)))
             except Exception as e:  # the daemon never dies of a request; the error goes back
                 log.exception("proposer job failed")
-                reply(ErrorReply("internal", f"{type(e).__name__}: {e}"))
+                reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
 
     def _serve(self, msg, received: float, peer: bytes = b""):
         """received: when the request reached this agent. The reply's draft_ms counts from
@@ -246,16 +246,18 @@ class ProposerService:
             if self._on_block:
                 self._on_block(msg.session_id, msg.block, (time.perf_counter() - t0) * 1e3,
                                False)
-            return DraftReply(msg.session_id, msg.block, list(d.tokens), None,
-                              (time.perf_counter() - received) * 1e3, False,
-                              list(d.parents) if d.parents is not None else None)
+            return DraftReply(session_id=msg.session_id, block=msg.block, tokens=list(d.tokens),
+                              probs=None, draft_ms=(time.perf_counter() - received) * 1e3,
+                              predraft_hit=False,
+                              parents=list(d.parents) if d.parents is not None else None)
         r = s.draft(msg.k)
         self.served += 1
         self.predraft_hits += int(r.predraft_hit)
         if self._on_block:
             self._on_block(msg.session_id, msg.block, r.compute_ms, r.predraft_hit)
-        return DraftReply(msg.session_id, msg.block, r.tokens, r.probs,
-                          (time.perf_counter() - received) * 1e3, r.predraft_hit)
+        return DraftReply(session_id=msg.session_id, block=msg.block, tokens=r.tokens,
+                          probs=r.probs, draft_ms=(time.perf_counter() - received) * 1e3,
+                          predraft_hit=r.predraft_hit)
 
     def _lookahead_pending(self) -> bool:
         return any(s.wants_lookahead() for s in self._sessions.values())

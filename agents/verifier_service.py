@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from agents.remote_proposer import FlowTotals, RemoteProposer
 from agents.remote_tree import RemoteProposerGroup
 from agents.specs import DraftModels, SpecPolicy, check_spec, make_checked_proposer
-from bridge.errors import BAD_REQUEST, BUSY, UNAVAILABLE, ProtocolError
+from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
 from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDone, GenerateRequest
 from macfleet.engine.controller import make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
@@ -224,7 +224,7 @@ class VerifierService:
                 reply(ErrorReply(BAD_REQUEST, str(e)))
             except Exception as e:  # the daemon never dies of a request; the client gets why
                 log.exception("generation failed")
-                reply(ErrorReply("internal", f"{type(e).__name__}: {e}"))
+                reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
             finally:
                 self.active -= 1
                 with self._pending_lock:

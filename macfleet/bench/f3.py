@@ -33,7 +33,7 @@ import numpy as np
 
 from bridge.auth import keygen, load_key
 from bridge.card import ROLE_PROPOSER
-from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+from bridge.errors import INTERNAL, PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import HiddenStates, HiddenStatesAck, Ping, Pong
 from bridge.transport import Client
 from macfleet.fleet import local
@@ -143,7 +143,7 @@ def probe(endpoint: str, key: bytes | None, sizes: Sequence[int] = DEFAULT_SIZES
                 r = c.request(msg, timeout=DEFAULT_REQUEST_TIMEOUT_S)
                 dt = (time.perf_counter() - t) * 1e3
                 if not isinstance(r, HiddenStatesAck) or r.nbytes != states.nbytes:
-                    raise ProtocolError("internal", f"unexpected reply {r!r}")
+                    raise ProtocolError(INTERNAL, f"unexpected reply {r!r}")
                 if i:  # the first one warms the connection and buffers
                     ms.append(dt)
             p = Point(int(states.nbytes), round(float(np.median(ms)), 3),

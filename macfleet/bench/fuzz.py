@@ -118,7 +118,8 @@ CATEGORIES: dict[str, Callable[[random.Random], list[bytes]]] = {
                                           [2], 16),
     "truncated_buffers": lambda r: _array_msg(r, "float32", [16, 16], r.randint(0, 1023)),
     "deep_nesting": lambda r: [_hdr(r), _nested(r.choice([100, 1000, 10000, 100000]))],
-    "wrong_version": lambda r: [_hdr(r, v=r.choice([0, 2, 99, "1", None])),
+    "wrong_version": lambda r: [_hdr(r, v=r.choice([0, PROTOCOL_VERSION + 1, 99,
+                                                    str(PROTOCOL_VERSION), None])),
                                 msgpack.packb({"seq": 1, "sent_ns": 2})],
     "unknown_types": lambda r: [_hdr(r, type=f"t{r.random()}"), b"\x80"],
     "valid_any_type": lambda r: [bytes(f) for f in codec.encode(
@@ -269,19 +270,23 @@ def idle_flood(endpoint: str, key: bytes, proc: subprocess.Popen, n: int) -> dic
             "ping_ms_during": ping_ms, "shed_after_handshake_deadline": shed}
 
 
+def _open(sid: str) -> OpenSession:
+    return OpenSession(session_id=sid, proposer="ngram", model="", prompt=[1, 2, 3],
+                       temperature=0.0, top_p=1.0, seed=None, cross_round=False)
+
+
 def session_exhaustion(endpoint: str, key: bytes, n: int) -> dict:
     """One client opens n sessions; a second client must still get one."""
     codes: Counter[str] = Counter()
     with Client(endpoint, key=key) as a:
         for i in range(n):
             try:
-                r = a.request(OpenSession(f"x{i}", "ngram", "", [1, 2, 3], 0.0, 1.0, None, False),
-                              10)
+                r = a.request(_open(f"x{i}"), 10)
                 codes[type(r).__name__] += 1
             except Exception as e:  # noqa: BLE001 - the typed code is the figure
                 codes[getattr(e, "code", type(e).__name__)] += 1
     with Client(endpoint, key=key) as b:
-        r = b.request(OpenSession("other", "ngram", "", [1, 2, 3], 0.0, 1.0, None, False), 10)
+        r = b.request(_open("other"), 10)
     return {"requests": n, "replies": dict(codes), "other_client_served":
             isinstance(r, SessionOpened), "busy": codes.get(BUSY, 0)}
 

@@ -135,7 +135,8 @@ def run_fleet(args, key, verifier, proposers, committed: Progress) -> int:
     committed: ids received so far for this request (filled in as chunks arrive), so that a
     re-plan after a verifier failure continues after them instead of starting over.
     """
-    from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+    from bridge.errors import (INTERNAL, UNAVAILABLE, PeerUnavailable, ProtocolError,
+                               TransportTimeout)
     from bridge.messages import GenerateChunk, GenerateDone
     from macfleet.fleet.client import generate_remote
 
@@ -172,7 +173,7 @@ def run_fleet(args, key, verifier, proposers, committed: Progress) -> int:
                     print()
                     print_stats(stats)
     except ProtocolError as e:
-        if e.code in ("unavailable", "internal"):
+        if e.code in (UNAVAILABLE, INTERNAL):
             raise VerifierFailed(f"verifier {verifier.card.name}: {e}") from None
         raise UserError(f"verifier {verifier.card.name}: {e}") from None
     except (TransportTimeout, PeerUnavailable) as e:

@@ -118,9 +118,11 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
     sends no token within first_token_timeout_s. Heartbeats (empty chunks) are not yielded.
     prefix_ids: tokens a failed verifier already committed for this request (re-planning).
     """
-    req = GenerateRequest(new_request_id(), prompt, chat, max_tokens, temperature, top_p, seed,
-                          draft_tokens, list(proposers), proposer_spec, cross_round,
-                          tuple(int(t) for t in prefix_ids))
+    req = GenerateRequest(request_id=new_request_id(), prompt=prompt, chat=chat,
+                          max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                          draft_tokens=draft_tokens, proposers=list(proposers),
+                          proposer_spec=proposer_spec, cross_round=cross_round,
+                          prefix_ids=tuple(int(t) for t in prefix_ids))
     first_by = time.monotonic() + first_token_timeout_s
     first = True
     with Client(verifier.router_endpoint, key=key, watch_peer=True) as c:

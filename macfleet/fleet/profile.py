@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bridge.card import AgentCard
-from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+from bridge.errors import INTERNAL, PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import PresetResult, RunPreset
 from bridge.transport import Client
 
@@ -24,7 +24,7 @@ def run_preset(card: AgentCard, key: bytes | None, preset: str, params: dict,
     with Client(card.router_endpoint, key=key) as c:
         r = c.request(RunPreset(preset, params), timeout=timeout_s)
     if not isinstance(r, PresetResult):
-        raise ProtocolError("internal", f"{card.name} answered {type(r).__name__}")
+        raise ProtocolError(INTERNAL, f"{card.name} answered {type(r).__name__}")
     return json.loads(r.result_json)
 
 
