@@ -30,6 +30,7 @@ from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_spec,
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, INTERNAL, NOT_FOUND, ProtocolError
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionClosed, SessionOpened)
+from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import LoadedModel, ModelSpecError
 from macfleet.engine.drafter.proposer import EagleProposer
 from macfleet.engine.proposers import ProposerSpecError
@@ -41,7 +42,7 @@ DEFAULT_MAX_SESSIONS = 16
 DEFAULT_IDLE_EVICT_S = 30.0
 DEFAULT_RECLAIM_IDLE_S = 3.0
 DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
-DEFAULT_MAX_K = 32
+DEFAULT_MAX_K = MAX_DRAFT_TOKENS  # what any verifier may ask for (engine/controller.py)
 DEFAULT_MAX_PROMPT = 32768
 _IDLE_WAIT_S = 0.05
 

@@ -19,8 +19,9 @@ from agents.remote_proposer import FlowTotals, RemoteProposer
 from agents.remote_tree import RemoteProposerGroup
 from agents.specs import DraftModels, SpecPolicy, check_spec, make_checked_proposer
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
-from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDone, GenerateRequest
-from macfleet.engine.controller import make_controller
+from bridge.messages import (AUTO_DRAFT_TOKENS, BlockMetrics, ErrorReply, GenerateChunk,
+                             GenerateDone, GenerateRequest)
+from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS, DraftTokens, make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.loop import speculative_generate
 from macfleet.engine.models import LoadedModel
@@ -93,6 +94,11 @@ class FallbackProposer(Proposer):
         for p in self._all:
             totals += p.flows
         return totals.summary(f3_probe=any(p.f3_probe_width for p in self._all))
+
+
+def draft_tokens_of(msg: GenerateRequest) -> DraftTokens:
+    """The engine's draft length named by a request (its wire form is an int)."""
+    return AUTO if msg.draft_tokens == AUTO_DRAFT_TOKENS else msg.draft_tokens
 
 
 def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:
@@ -187,8 +193,9 @@ class VerifierService:
             return False
         if not 0 <= msg.max_tokens <= self.limits.max_tokens:
             raise ProtocolError(BAD_REQUEST, f"max_tokens must be 0..{self.limits.max_tokens}")
-        if not -1 <= msg.draft_tokens <= 64:
-            raise ProtocolError(BAD_REQUEST, "draft_tokens must be -1 (auto) or 0..64")
+        if msg.draft_tokens != AUTO_DRAFT_TOKENS and not 0 <= msg.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ProtocolError(BAD_REQUEST, f"draft_tokens must be {AUTO_DRAFT_TOKENS} (auto) or "
+                                             f"0..{MAX_DRAFT_TOKENS}")
         try:
             SamplingParams(msg.temperature, msg.top_p, msg.seed)
         except ValueError as e:
@@ -294,8 +301,8 @@ class VerifierService:
                                   features=feats if spec.startswith("eagle") else None,
                                   f3_codec=self.f3_codec)
                    for ep, spec in zip(msg.proposers, spec_of)]
-        return RemoteProposerGroup(remotes, draft_tokens="auto" if msg.draft_tokens < 0
-                                   else msg.draft_tokens, node_budget=tree_budget(remotes))
+        return RemoteProposerGroup(remotes, draft_tokens=draft_tokens_of(msg),
+                                   node_budget=tree_budget(remotes))
 
     def _generate(self, msg: GenerateRequest, reply: Reply) -> None:
         params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
@@ -303,8 +310,7 @@ class VerifierService:
         if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
             raise ValueError("prefix ids outside the vocabulary")
         proposer = self._proposer(msg)
-        ctl = make_controller(0 if proposer is None else
-                              ("auto" if msg.draft_tokens < 0 else msg.draft_tokens))
+        ctl = make_controller(0 if proposer is None else draft_tokens_of(msg))
         max_new = max(0, msg.max_tokens - len(msg.prefix_ids))
         text = TextStream(self.lm.tokenizer)
         parts: list[str] = []

@@ -356,6 +356,9 @@ class SessionClosed:
 # --- generation (client -> verifier agent) ---------------------------------------------------
 
 
+AUTO_DRAFT_TOKENS = -1  # GenerateRequest.draft_tokens: the verifier picks k per block ("auto")
+
+
 @message("generate")
 class GenerateRequest:
     request_id: str
@@ -365,7 +368,7 @@ class GenerateRequest:
     temperature: float
     top_p: float
     seed: int | None
-    draft_tokens: int  # -1 = choose automatically
+    draft_tokens: int  # 0..the engine's MAX_DRAFT_TOKENS, or AUTO_DRAFT_TOKENS
     proposers: list[str]  # ZeroMQ endpoints of proposer agents
     proposer_spec: str
     cross_round: bool

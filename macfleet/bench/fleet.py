@@ -21,6 +21,7 @@ from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
 from bridge.messages import GenerateDone
 from macfleet.bench.local import run_macfleet, run_mlx_plain, run_mlx_spec
 from macfleet.bench.record import median
+from macfleet.engine.controller import AUTO
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers.model_draft import LayerSkipModel
 from macfleet.engine.text import encode_prompt
@@ -47,7 +48,7 @@ def _figures(st: GenerationStats) -> dict[str, float]:
     return out
 
 
-def _remote(card, key, prompt, n, proposers, spec, cross_round, k=-1) -> GenerateDone:
+def _remote(card, key, prompt, n, proposers, spec, cross_round, k=AUTO) -> GenerateDone:
     for msg in generate_remote(card, key, prompt=prompt, max_tokens=n, proposers=proposers,
                                proposer_spec=spec, cross_round=cross_round, draft_tokens=k):
         if isinstance(msg, GenerateDone):

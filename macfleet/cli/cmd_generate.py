@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from macfleet.cli.main import UserError
+from macfleet.engine import controller
+from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS, DraftTokens
 from macfleet.stats import FleetStats, GenerationStats
 
 DEFAULT_PROPOSER = "auto"  # the drafter measured best for the model (engine/drafter/choice)
@@ -22,7 +24,8 @@ def add_parser(sub) -> None:
                    help="auto | eagle2[:PATH] | eagle[:PATH] | ngram[:N] | layerskip:K | "
                    "draft:SPEC | none; several joined by + draft a token tree each block "
                    "(default: auto, the drafter measured best for the model)")
-    p.add_argument("--draft-tokens", default="auto", help="K or auto (default: auto)")
+    p.add_argument("--draft-tokens", default=AUTO,
+                   help=f"K (0..{MAX_DRAFT_TOKENS}) or {AUTO} (default: {AUTO})")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -38,16 +41,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def parse_draft_tokens(v: str) -> int | str:
-    if v == "auto":
-        return v
+def parse_draft_tokens(v: str) -> DraftTokens:
     try:
-        k = int(v)
-    except ValueError:
-        raise UserError(f"--draft-tokens must be a whole number or 'auto', got '{v}'") from None
-    if not 0 <= k <= 64:
-        raise UserError(f"--draft-tokens must be 0..64, got {k}")
-    return k
+        return controller.parse_draft_tokens(v)
+    except ValueError as e:
+        raise UserError(f"--draft-tokens {e}") from None
 
 
 def sampling_params(args):
@@ -151,7 +149,7 @@ def run_fleet(args, key, verifier, proposers, committed: Progress) -> int:
         for msg in generate_remote(
                 verifier.card, key, prompt=args.prompt, chat=not args.no_chat,
                 max_tokens=args.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                seed=params.seed, draft_tokens=-1 if k == "auto" else k, proposers=remote,
+                seed=params.seed, draft_tokens=k, proposers=remote,
                 proposer_spec=args.proposer, cross_round=not args.no_cross_round,
                 prefix_ids=list(committed.ids)):
             if isinstance(msg, GenerateChunk):

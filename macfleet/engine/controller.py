@@ -13,6 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The draft length a request may name: AUTO (chosen per block by AdaptiveDraftLength) or a fixed
+# 0..MAX_DRAFT_TOKENS. The one definition: the CLI, the loops, the verifier agent's request check
+# and the proposer agent's per-request cap all read it, so a length the CLI accepts is never
+# refused by an agent (which would quietly turn speculation into plain decoding).
+AUTO = "auto"
+MAX_DRAFT_TOKENS = 64
+DraftTokens = int | str  # AUTO or 0..MAX_DRAFT_TOKENS
+
 DEFAULT_K_MAX = 12
 DEFAULT_EMA = 0.15
 DEFAULT_PROBE_K = 2
@@ -117,11 +125,32 @@ class AdaptiveDraftLength:
         self.verify_a, self.verify_b = a, b
 
 
-def make_controller(draft_tokens: int | str, k_max: int = DEFAULT_K_MAX):
-    """`auto` -> AdaptiveDraftLength; an int -> FixedDraftLength (0 = plain decoding)."""
-    if draft_tokens == "auto":
+def check_draft_tokens(draft_tokens: DraftTokens) -> DraftTokens:
+    """AUTO, or an int in 0..MAX_DRAFT_TOKENS; ValueError otherwise."""
+    if draft_tokens == AUTO:
+        return AUTO
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) \
+            or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"draft tokens must be 0..{MAX_DRAFT_TOKENS} or '{AUTO}', "
+                         f"got {draft_tokens!r}")
+    return draft_tokens
+
+
+def parse_draft_tokens(text: str) -> DraftTokens:
+    """A command-line value: 'auto' or a whole number in range; ValueError otherwise."""
+    if text == AUTO:
+        return AUTO
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"must be a whole number or '{AUTO}', got '{text}'") from None
+    if not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"must be 0..{MAX_DRAFT_TOKENS}, got {k}")
+    return k
+
+
+def make_controller(draft_tokens: DraftTokens, k_max: int = DEFAULT_K_MAX):
+    """AUTO -> AdaptiveDraftLength; an int -> FixedDraftLength (0 = plain decoding)."""
+    if check_draft_tokens(draft_tokens) == AUTO:
         return AdaptiveDraftLength(k_max=k_max)
-    k = int(draft_tokens)
-    if not 0 <= k <= 64:
-        raise ValueError(f"draft tokens must be 0..64 or 'auto', got {draft_tokens}")
-    return FixedDraftLength(k)
+    return FixedDraftLength(int(draft_tokens))

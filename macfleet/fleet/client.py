@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
-from bridge.messages import (GenerateChunk, GenerateDone, GenerateRequest, Ping, Pong,
-                             StatusReply, StatusRequest)
+from bridge.messages import (AUTO_DRAFT_TOKENS, GenerateChunk, GenerateDone, GenerateRequest,
+                             Ping, Pong, StatusReply, StatusRequest)
 from bridge.transport import Client
+from macfleet.engine.controller import AUTO, DraftTokens
 
 DEFAULT_DISCOVER_S = 3.0
 DEFAULT_STATUS_TIMEOUT_S = 2.0
@@ -105,7 +106,7 @@ def new_request_id() -> str:
 
 def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat: bool = True,
                     max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                    seed: int | None = None, draft_tokens: int = -1,
+                    seed: int | None = None, draft_tokens: DraftTokens = AUTO,
                     proposers: Sequence[str] = (), proposer_spec: str = "ngram",
                     cross_round: bool = True,
                     first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S,
@@ -120,7 +121,8 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
     """
     req = GenerateRequest(request_id=new_request_id(), prompt=prompt, chat=chat,
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                          draft_tokens=draft_tokens, proposers=list(proposers),
+                          draft_tokens=AUTO_DRAFT_TOKENS if draft_tokens == AUTO
+                          else int(draft_tokens), proposers=list(proposers),
                           proposer_spec=proposer_spec, cross_round=cross_round,
                           prefix_ids=tuple(int(t) for t in prefix_ids))
     first_by = time.monotonic() + first_token_timeout_s

@@ -104,12 +104,12 @@ class RemoteEngine:
         p = req.params
         remote = ([c.card.router_endpoint for c in self.proposers]
                   if self.proposer_spec != "none" else [])
-        k = -1 if self.draft_tokens == "auto" else int(self.draft_tokens)
         n = 0
         try:
             for msg in generate_remote(self.verifier.card, self.key, prompt=req.text, chat=False,
                                        max_tokens=req.max_tokens, temperature=p.temperature,
-                                       top_p=p.top_p, seed=p.seed, draft_tokens=k,
+                                       top_p=p.top_p, seed=p.seed,
+                                       draft_tokens=self.draft_tokens,
                                        proposers=remote, proposer_spec=self.proposer_spec):
                 if h.cancelled:
                     return  # closes the client; the agent finishes on its own

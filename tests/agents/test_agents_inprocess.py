@@ -6,7 +6,12 @@ import pytest
 
 from agents.daemon import Agent, AgentConfig
 from agents.draft_stream import DraftStream
+from agents.proposer_service import ProposerLimits
+from bridge.errors import BAD_REQUEST, ProtocolError
 from bridge.messages import GenerateChunk, GenerateDone
+from macfleet.cli.cmd_generate import parse_draft_tokens
+from macfleet.cli.main import UserError
+from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers import make_proposer
 from macfleet.fleet.client import generate_remote
@@ -187,3 +192,20 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path):
     assert d.stats.drafted > 0 and d.stats.accepted > 0
     assert d.stats.blocks < 40
     assert fallback == 0
+
+
+def test_the_longest_draft_the_cli_accepts_is_drafted_remotely(pair):
+    """One draft-length limit for CLI, verifier and proposer agents: the longest length the CLI
+    accepts is drafted by the proposer agent, not refused into plain decoding."""
+    assert parse_draft_tokens(str(MAX_DRAFT_TOKENS)) == MAX_DRAFT_TOKENS
+    with pytest.raises(UserError):
+        parse_draft_tokens(str(MAX_DRAFT_TOKENS + 1))
+    assert ProposerLimits().max_k == MAX_DRAFT_TOKENS
+    ver, prop = pair
+    alone = gen(ver, None, "none", max_tokens=40)
+    d = gen(ver, prop, "draft:tiny:3", max_tokens=40, draft_tokens=MAX_DRAFT_TOKENS)
+    assert d.token_ids == alone.token_ids
+    assert d.stats.fleet.proposer_failures == 0 and d.stats.fleet.flows.remote_blocks > 0
+    with pytest.raises(ProtocolError) as e:
+        gen(ver, prop, "draft:tiny:3", max_tokens=4, draft_tokens=MAX_DRAFT_TOKENS + 1)
+    assert e.value.code == BAD_REQUEST

@@ -17,6 +17,7 @@ from bridge.auth import fleet_id, load_key
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateChunk, GenerateDone
+from macfleet.engine.controller import AUTO, parse_draft_tokens
 from macfleet.fleet.client import discover, generate_remote
 
 
@@ -30,7 +31,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--spec", default="ngram")
     p.add_argument("--alone", action="store_true", help="no proposer: the verifier alone")
-    p.add_argument("--draft-tokens", type=int, default=-1)
+    p.add_argument("--draft-tokens", type=parse_draft_tokens, default=AUTO)
     a = p.parse_args()
     key = load_key(a.key)
     cards = discover(fleet_id(key), wait_s=a.wait, expect=a.expect)
