@@ -33,18 +33,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
-import os
-import secrets
-import stat
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import zmq
 from zmq.utils import z85
-
-log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
 _FLEET_ID_DOMAIN = b"macfleet-fleet-id-v1\0"
@@ -99,41 +92,6 @@ def apply_curve(sock: zmq.Socket, key: bytes | None, *, server: bool,
         sock.setsockopt(zmq.CURVE_SECRETKEY, ck.client_secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, ck.client_public)
         sock.setsockopt(zmq.CURVE_SERVERKEY, ck.server_public)
-
-
-def keygen(path: str | os.PathLike[str], *, overwrite: bool = False) -> bytes:
-    """Write a new random fleet key (hex) to `path` with mode 0600 and return it.
-
-    Refuses to replace an existing key unless overwrite=True: replacing it locks this Mac out of
-    its fleet.
-    """
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = secrets.token_bytes(KEY_BYTES)
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
-    fd = os.open(p, flags, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # O_CREAT's mode is masked by umask and ignored for existing files
-        os.write(fd, key.hex().encode() + b"\n")
-    finally:
-        os.close(fd)
-    return key
-
-
-def load_key(path: str | os.PathLike[str]) -> bytes:
-    """Read a key written by keygen; ValueError when the file does not hold one."""
-    p = Path(path)
-    mode = p.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("fleet key %s is readable by others (mode %o); chmod 600 it", p, mode & 0o777)
-    text = p.read_text(encoding="ascii").strip()
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        raise ValueError(f"{p} does not hold a hex fleet key") from None
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"{p}: fleet key must be {KEY_BYTES} bytes, got {len(key)}")
-    return key
 
 
 def fleet_id(key: bytes | None) -> str:

@@ -105,7 +105,7 @@ def bench_in_process(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
 def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                  progress: Callable[[str], None] = lambda s: None) -> dict:
     """The same prompts through a local 2-agent fleet (real processes, real sockets)."""
-    from bridge.auth import keygen
+    from macfleet.fleet.keys import keygen
     from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
     from bridge.messages import GenerateDone
     from macfleet.fleet import local

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bridge.auth import keygen, load_key
 from bridge.card import ROLE_PROPOSER
 from bridge.errors import INTERNAL, PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import HiddenStates, HiddenStatesAck, Ping, Pong
 from bridge.transport import Client
 from macfleet.fleet import local
+from macfleet.fleet.keys import keygen, load_key
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from bridge.auth import keygen
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
 from bridge.messages import GenerateDone
 from macfleet.bench.local import run_macfleet, run_mlx_plain, run_mlx_spec
@@ -27,6 +26,7 @@ from macfleet.engine.proposers.model_draft import LayerSkipModel
 from macfleet.engine.text import encode_prompt
 from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote
+from macfleet.fleet.keys import keygen
 from macfleet.stats import GenerationStats
 
 DEFAULT_PROPOSERS = ("ngram", "layerskip:20")

@@ -30,6 +30,7 @@ from bridge.card import PROTOCOL_VERSION
 from bridge.errors import CODES, BUSY
 from bridge.messages import ErrorReply, OpenSession, Ping, Pong, SessionOpened, example, registry
 from bridge.transport import Client
+from macfleet.fleet.keys import keygen
 
 HANG_S = 5.0
 DRAIN_QUIET_S = 0.3
@@ -56,7 +57,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def live_agents(tmp: Path) -> Iterator[tuple[bytes, dict[str, tuple[str, subprocess.Popen]]]]:
     key_path = tmp / "fleet.key"
-    key = auth.keygen(key_path)
+    key = keygen(key_path)
     env = {**os.environ, "MACFLEET_HOME": str(tmp)}
     out: dict[str, tuple[str, subprocess.Popen]] = {}
     logs = []

@@ -32,6 +32,7 @@ import numpy as np
 from bridge import auth, codec
 from bridge.messages import HiddenStates, HiddenStatesAck
 from bridge.transport import Client
+from macfleet.fleet.keys import keygen
 from macfleet.bench.f3 import DEFAULT_SIZES, FLOAT16_BYTES, Point, interp_loglog, percentile, wait_ready
 
 DEFAULT_REPEATS = 10
@@ -84,7 +85,7 @@ def _free_port() -> int:
 def proposer_agents(tmp: Path) -> Iterator[dict[str, tuple[str, bytes | None]]]:
     """An open and a closed proposer agent (tiny model) as processes: mode -> (endpoint, key)."""
     key_path = tmp / "fleet.key"
-    key = auth.keygen(key_path)
+    key = keygen(key_path)
     env = {**os.environ, "MACFLEET_HOME": str(tmp)}
     procs, out = [], {}
     try:

@@ -21,13 +21,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bridge.auth import fleet_id, keygen
+from bridge.auth import fleet_id
 from bridge.card import AgentCard
 from bridge.discovery import LOOPBACK_ONLY, Browser
 from bridge.messages import GenerateDone
 from macfleet.bench.prompts import BENCH_PROMPTS, NO_MATCH_PROMPT
 from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote
+from macfleet.fleet.keys import keygen
 
 DEFAULT_SESSIONS = 4
 DEFAULT_MAX_TOKENS = 32

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bridge.auth import keygen
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateDone
 from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote
+from macfleet.fleet.keys import keygen
 
 DEFAULT_REQUESTS = 1000
 DEFAULT_WARMUP = 20

@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge.auth import keygen
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
 from bridge.messages import GenerateDone
 from macfleet import sysinfo
@@ -31,6 +30,7 @@ from macfleet.engine.models import LoadedModel
 from macfleet.engine.text import encode_prompt
 from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote, probe
+from macfleet.fleet.keys import keygen
 from macfleet.topology import planner
 from macfleet.topology.snapshot import Fleet, Host, Link, Profile
 

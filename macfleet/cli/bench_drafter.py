@@ -25,7 +25,7 @@ def run(args) -> int:
 
     from macfleet.bench import drafter as b
     from macfleet.bench.record import write_result
-    from macfleet.cli.main import UserError
+    from macfleet.cli.common import UserError
     from macfleet.engine.drafter.proposer import default_head_path
     from macfleet.engine.models import ModelSpecError, load_model
 

@@ -34,7 +34,7 @@ def add_bench_parsers(bs) -> None:
 def run_serve(args) -> int:
     from macfleet.bench.record import write_result
     from macfleet.bench.serve import bench_serve, plot, summary_rows
-    from macfleet.cli.main import UserError
+    from macfleet.cli.common import UserError
 
     try:
         clients = [int(c) for c in args.clients.split(",") if c.strip()]
@@ -59,7 +59,7 @@ def run_serve(args) -> int:
 def run_identity(args) -> int:
     from macfleet.bench.batch_identity import bench_identity
     from macfleet.bench.record import write_result
-    from macfleet.cli.main import UserError
+    from macfleet.cli.common import UserError
     from macfleet.engine.models import load_model
 
     if min(args.requests, args.max_tokens, args.concurrency) < 1:

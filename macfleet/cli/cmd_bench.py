@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from macfleet.cli.common import add_key_args
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks written to results/")
@@ -12,8 +14,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--fleet", action="store_true", help="every discovered agent measures itself "
                    "(tool plane) into results/<host>/; `macfleet plan` reads these profiles")
-    p.add_argument("--key", default=None)
-    p.add_argument("--open", action="store_true")
+    add_key_args(p)
     p.add_argument("--wait", type=float, default=2.0)
     p.set_defaults(func=run_fleet_profile)
     bs = p.add_subparsers(dest="bench", required=False, metavar="BENCH")
@@ -47,14 +48,13 @@ def _extensions() -> list:
 
 def run_fleet_profile(args) -> int:
     from bridge.auth import fleet_id
-    from macfleet.cli.cmd_fleet import load_key
-    from macfleet.cli.main import UserError
+    from macfleet.cli.common import UserError, fleet_key
     from macfleet.fleet.client import discover
     from macfleet.fleet.profile import profile_fleet
 
     if not args.fleet:
         raise UserError("name a benchmark (macfleet bench --help) or use --fleet")
-    key = load_key(args)
+    key = fleet_key(args)
     cards = discover(fleet_id(key), wait_s=args.wait)
     if not cards:
         raise UserError("no agents discovered: start some (macfleet up) or check the key")

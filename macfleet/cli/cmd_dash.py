@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from macfleet.cli.main import UserError
+from macfleet.cli.common import UserError, add_key_args, fleet_key
 
 
 def add_parser(sub) -> None:
@@ -11,8 +11,7 @@ def add_parser(sub) -> None:
     p.add_argument("--record", default=None, help="also record the snapshots to this file")
     p.add_argument("--refresh", type=float, default=1.0)
     p.add_argument("--loopback", action="store_true", help="browse 127.0.0.1 only")
-    p.add_argument("--key", default=None)
-    p.add_argument("--open", action="store_true")
+    add_key_args(p)
     p.set_defaults(func=run)
 
 
@@ -26,10 +25,9 @@ def run(args) -> int:
         except (OSError, SnapshotFormatError) as e:
             raise UserError(f"cannot replay {args.replay}: {e}") from None
     else:
-        from macfleet.cli.cmd_fleet import load_key
         from macfleet.fleet.observer import FleetObserver
 
-        source = FleetObserver(load_key(args), loopback=args.loopback)
+        source = FleetObserver(fleet_key(args), loopback=args.loopback)
     if args.record:
         source = RecordingSource(source, args.record)
     try:

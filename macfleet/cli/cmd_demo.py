@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from macfleet.cli.main import UserError
+from macfleet.cli.common import UserError
 
 # An ordinary question (nothing in it for a drafter to copy), never used in training.
 DEMO_PROMPT = "What are three simple ways to save energy at home?"
@@ -41,11 +41,11 @@ def _collect(card, key, **kw):
 
 
 def run(args) -> int:
-    from bridge.auth import keygen
     from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
     from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
     from macfleet.cli.cmd_generate import print_stats
     from macfleet.fleet import local
+    from macfleet.fleet.keys import keygen
 
     from macfleet.engine.drafter.choice import resolve_proposer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from macfleet.cli.main import UserError
+from macfleet.cli.common import UserError
 
 
 def add_parser(sub) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from macfleet.cli.main import UserError
+from macfleet.cli.common import UserError
 
 
 def add_parser(sub) -> None:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from agents.specs import PROPOSER_KINDS
-from macfleet.cli.main import UserError
+from macfleet.cli.common import UserError, add_key_args, fleet_key
 
 
 def add_parser(sub) -> None:
@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     a.add_argument("--bind", default=None, help="bind address (default 127.0.0.1 with "
                    "--loopback, else 0.0.0.0)")
     a.add_argument("--loopback", action="store_true", help="advertise on 127.0.0.1 only")
-    _key_args(a)
+    add_key_args(a)
     a.add_argument("--cpu", type=int, default=None, help="pin to this core (Linux)")
     a.add_argument("--f3-probe", action="store_true", help="verifier: send a hidden-state-"
                    "sized probe with each block so the dashboard's F3 row is measured")
@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
     u.add_argument("--shard", type=int, default=0, metavar="N",
                    help="shard the verifier over N agents (mlx.distributed ring)")
     u.add_argument("--shard-mode", choices=("tensor", "pipeline"), default="pipeline")
-    _key_args(u)
+    add_key_args(u)
     u.set_defaults(func=run_up)
 
     d = sub.add_parser("down", help="stop the local fleet started by `up`")
@@ -58,7 +58,7 @@ def add_parser(sub) -> None:
     ls = sub.add_parser("ls", help="the discovered agents: cards, heartbeat age, RTT")
     ls.add_argument("--json", action="store_true")
     ls.add_argument("--wait", type=float, default=2.0, help="seconds to browse")
-    _key_args(ls)
+    add_key_args(ls)
     ls.set_defaults(func=run_ls)
 
     k = sub.add_parser("keygen", help="write a new fleet key")
@@ -67,29 +67,12 @@ def add_parser(sub) -> None:
     k.set_defaults(func=run_keygen)
 
 
-def _key_args(p) -> None:
-    p.add_argument("--key", default=None, help="fleet key file (default ~/.macfleet/fleet.key)")
-    p.add_argument("--open", action="store_true",
-                   help="no key: an unauthenticated fleet (trusted networks only)")
-
-
-def load_key(args, create: bool = False) -> bytes | None:
-    from macfleet.fleet.keys import KeyMissing, resolve_key
-
-    try:
-        return resolve_key(args.key, open_fleet=args.open, create=create)
-    except KeyMissing as e:
-        raise UserError(str(e)) from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read the fleet key: {e}") from None
-
-
 def run_agent(args) -> int:
     from agents.admission import AdmissionError
     from agents.daemon import Agent, AgentConfig
     from macfleet.engine.models import ModelSpecError
 
-    key = load_key(args)
+    key = fleet_key(args)
     bind = args.bind or ("127.0.0.1" if args.loopback else "0.0.0.0")
     cfg = AgentConfig(role=args.role, model=args.model, name=args.name, bind_host=bind,
                       port=args.port, pub_port=args.pub_port, key=key,
@@ -119,7 +102,7 @@ def run_up(args) -> int:
     from macfleet.fleet import local
     from macfleet.fleet.keys import default_key_path, run_dir
 
-    key = load_key(args, create=True)
+    key = fleet_key(args, create=True)
     key_path = None if args.open else Path(args.key or default_key_path())
     try:
         cards = local.up(args.agents, model=args.model, key=key, key_path=key_path,
@@ -151,7 +134,7 @@ def run_ls(args) -> int:
     from bridge.auth import fleet_id
     from macfleet.fleet.client import discover, probe
 
-    key = load_key(args)
+    key = fleet_key(args)
     fid = fleet_id(key)
     cards = discover(fid, wait_s=args.wait)
     statuses = [probe(c, key) for c in cards]
@@ -186,7 +169,8 @@ def run_ls(args) -> int:
 
 
 def run_keygen(args) -> int:
-    from bridge.auth import fleet_id, keygen
+    from bridge.auth import fleet_id
+    from macfleet.fleet.keys import keygen
     from macfleet.fleet.keys import default_key_path
 
     path = Path(args.key or default_key_path())

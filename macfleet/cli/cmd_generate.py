@@ -6,9 +6,9 @@ import json
 import sys
 from dataclasses import dataclass, field, replace
 
-from macfleet.cli.main import UserError
-from macfleet.engine import controller
-from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS, DraftTokens
+from macfleet.cli.common import (UserError, add_key_args, parse_draft_tokens,
+                                 sampling_params)
+from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS
 from macfleet.stats import FleetStats, GenerationStats
 
 DEFAULT_PROPOSER = "auto"  # the drafter measured best for the model (engine/drafter/choice)
@@ -35,26 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--local", action="store_true", help="in-process (no fleet)")
     p.add_argument("--no-cross-round", action="store_true",
                    help="fleet: the proposer does not pre-draft the next block")
-    p.add_argument("--key", default=None, help="fleet key file (default ~/.macfleet/fleet.key)")
-    p.add_argument("--open", action="store_true", help="talk to an unauthenticated fleet")
+    add_key_args(p, open_help="talk to an unauthenticated fleet")
     p.add_argument("--wait", type=float, default=2.0, help="seconds to look for agents")
     p.set_defaults(func=run)
-
-
-def parse_draft_tokens(v: str) -> DraftTokens:
-    try:
-        return controller.parse_draft_tokens(v)
-    except ValueError as e:
-        raise UserError(f"--draft-tokens {e}") from None
-
-
-def sampling_params(args):
-    from macfleet.engine.sampling import SamplingParams
-
-    try:
-        return SamplingParams(args.temp, args.top_p, args.seed)
-    except ValueError as e:
-        raise UserError(str(e)) from None
 
 
 def result_json(stats: GenerationStats, text: str, token_ids) -> str:

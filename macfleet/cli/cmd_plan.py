@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from macfleet.cli.main import UserError
+from macfleet.cli.common import UserError, add_key_args, fleet_key
 
 RESULTS_DIR = Path("results")
 EXIT_REFUSED = 3
@@ -33,8 +33,7 @@ def add_parser(sub) -> None:
                    help="drafts carry probabilities (temperature > 0): bigger F2")
     p.add_argument("--results", default=str(RESULTS_DIR), help="where measured profiles are")
     p.add_argument("--wait", type=float, default=2.0, help="seconds to browse (live fleet)")
-    p.add_argument("--key", default=None, help="fleet key file (default ~/.macfleet/fleet.key)")
-    p.add_argument("--open", action="store_true", help="an unauthenticated fleet")
+    add_key_args(p, open_help="an unauthenticated fleet")
     p.set_defaults(func=run_plan)
 
 
@@ -110,11 +109,10 @@ def model_shape(spec: str | None):
 def live_fleet(args, profile, shape):
     """Hosts from discovered agents; a link's RTT ~ the larger of the two client RTTs."""
     from bridge.auth import fleet_id
-    from macfleet.cli.cmd_fleet import load_key
     from macfleet.fleet.client import discover, probe
     from macfleet.topology.snapshot import Fleet, Host, Link
 
-    key = load_key(args)
+    key = fleet_key(args)
     statuses = [probe(c, key) for c in discover(fleet_id(key), wait_s=args.wait)]
     live = [s for s in statuses if s.alive]
     if not live:

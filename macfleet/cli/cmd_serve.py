@@ -8,7 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
-from macfleet.cli.main import UserError
+from macfleet.cli.common import UserError, add_key_args, parse_draft_tokens
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-sessions-per-client", type=int, default=16,
                    help="open sessions per client address")
-    p.add_argument("--key", default=None, help="fleet key file (default ~/.macfleet/fleet.key)")
-    p.add_argument("--open", action="store_true", help="talk to an unauthenticated fleet")
+    add_key_args(p, open_help="talk to an unauthenticated fleet")
     p.add_argument("--wait", type=float, default=2.0, help="seconds to look for agents")
     p.set_defaults(func=run)
 
@@ -114,8 +113,6 @@ def serve_fleet(up_args) -> int:
 def run(args) -> int:
     _validate(args)
     key = _api_key(args)
-    from macfleet.cli.cmd_generate import parse_draft_tokens
-
     k = parse_draft_tokens(args.draft_tokens)
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

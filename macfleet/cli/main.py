@@ -6,8 +6,8 @@ import argparse
 import logging
 import sys
 
+from macfleet.cli.common import UserError
 from macfleet.cli.preload import ensure_openblas
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +38,3 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"macfleet: error: {e}", file=sys.stderr)
         return 2
-
-
-class UserError(Exception):
-    """An error caused by the user's input, printed without a traceback."""

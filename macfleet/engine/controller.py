@@ -126,14 +126,18 @@ class AdaptiveDraftLength:
 
 
 def check_draft_tokens(draft_tokens: DraftTokens) -> DraftTokens:
-    """AUTO, or an int in 0..MAX_DRAFT_TOKENS; ValueError otherwise."""
+    """AUTO, or a whole number (an int or its digits) in 0..MAX_DRAFT_TOKENS; ValueError
+    otherwise."""
     if draft_tokens == AUTO:
         return AUTO
-    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) \
-            or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+    try:
+        k = int(draft_tokens) if not isinstance(draft_tokens, (bool, float)) else None
+    except ValueError:
+        k = None
+    if k is None or not 0 <= k <= MAX_DRAFT_TOKENS:
         raise ValueError(f"draft tokens must be 0..{MAX_DRAFT_TOKENS} or '{AUTO}', "
                          f"got {draft_tokens!r}")
-    return draft_tokens
+    return k
 
 
 def parse_draft_tokens(text: str) -> DraftTokens:

@@ -9,8 +9,7 @@ from agents.draft_stream import DraftStream
 from agents.proposer_service import ProposerLimits
 from bridge.errors import BAD_REQUEST, ProtocolError
 from bridge.messages import GenerateChunk, GenerateDone
-from macfleet.cli.cmd_generate import parse_draft_tokens
-from macfleet.cli.main import UserError
+from macfleet.cli.common import UserError, parse_draft_tokens
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers import make_proposer

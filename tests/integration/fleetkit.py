@@ -8,9 +8,9 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-from bridge.auth import keygen
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
 from macfleet.fleet import local
+from macfleet.fleet.keys import keygen
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from macfleet.cli import cmd_generate
-from macfleet.cli.main import UserError
+from macfleet.cli.common import UserError
 
 
 def test_tokens_received_before_the_last_verifier_died_are_printed(monkeypatch, capsys):

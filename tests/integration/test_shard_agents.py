@@ -10,7 +10,6 @@ import time
 import pytest
 
 from bridge.card import ROLE_PROPOSER, ROLE_SHARD, ROLE_VERIFIER
-from bridge.auth import keygen
 from bridge.errors import ProtocolError, TransportTimeout
 from bridge.messages import GenerateDone
 from macfleet.engine.events import Finished
@@ -20,6 +19,7 @@ from macfleet.engine.text import encode_prompt
 from macfleet.engine.verifier import Verifier
 from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote
+from macfleet.fleet.keys import keygen
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 PROMPT = "Summarize, reusing its wording: the cat sat on the mat, and the dog sat on the rug."

@@ -13,12 +13,13 @@ import argparse
 import json
 import sys
 
-from bridge.auth import fleet_id, load_key
+from bridge.auth import fleet_id
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateChunk, GenerateDone
 from macfleet.engine.controller import AUTO, parse_draft_tokens
 from macfleet.fleet.client import discover, generate_remote
+from macfleet.fleet.keys import load_key
 
 
 def main() -> int:

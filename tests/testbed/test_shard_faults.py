@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bridge.auth import keygen
+from macfleet.fleet.keys import keygen
+
 
 sys.path.insert(0, str(Path(__file__).parent))
 import netns  # noqa: E402

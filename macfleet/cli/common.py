@@ -1,0 +1,49 @@
+"""What every `macfleet` command shares: the user-error type, the fleet-key arguments and the
+argument parsers that more than one command uses. Imports nothing of the commands (cli/main.py
+imports them), so there is no import circle."""
+
+from __future__ import annotations
+
+from macfleet.engine import controller
+from macfleet.engine.controller import DraftTokens
+
+
+class UserError(Exception):
+    """An error caused by the user's input, printed without a traceback (exit status 2)."""
+
+
+def add_key_args(p, *, open_help: str = "no key: an unauthenticated fleet (trusted networks "
+                 "only)") -> None:
+    """--key and --open, the same on every command that talks to a fleet."""
+    p.add_argument("--key", default=None, help="fleet key file (default ~/.macfleet/fleet.key)")
+    p.add_argument("--open", action="store_true", help=open_help)
+
+
+def fleet_key(args, *, create: bool = False) -> bytes | None:
+    """The fleet key named by --key/--open (fleet/keys.py), or a UserError that says what to do."""
+    from macfleet.fleet.keys import KeyMissing, resolve_key
+
+    try:
+        return resolve_key(args.key, open_fleet=args.open, create=create)
+    except KeyMissing as e:
+        raise UserError(str(e)) from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read the fleet key: {e}") from None
+
+
+def parse_draft_tokens(v: str) -> DraftTokens:
+    """--draft-tokens: AUTO or 0..MAX_DRAFT_TOKENS (engine/controller.py)."""
+    try:
+        return controller.parse_draft_tokens(v)
+    except ValueError as e:
+        raise UserError(f"--draft-tokens {e}") from None
+
+
+def sampling_params(args):
+    """--temp, --top-p, --seed -> SamplingParams (UserError when out of range)."""
+    from macfleet.engine.sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temp, args.top_p, args.seed)
+    except ValueError as e:
+        raise UserError(str(e)) from None
