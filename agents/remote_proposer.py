@@ -25,6 +25,7 @@ from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionOpened)
 from bridge.transport import Client
+from macfleet.engine.proposers import drafts_tree
 from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.stats import BlockFlows, FlowStats
@@ -99,7 +100,7 @@ class RemoteProposer(Proposer):
         self.key = key
         self.spec = proposer
         # a dynamic-tree drafter on the other end: the loop gives it the node budget
-        self.drafts_trees = proposer.partition(":")[0] == "eagle2"
+        self.drafts_trees = drafts_tree(proposer)
         self.model = model
         self.cross_round = cross_round
         self.draft_timeout_s = draft_timeout_s

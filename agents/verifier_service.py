@@ -21,15 +21,16 @@ from agents.specs import DraftModels, SpecPolicy, check_spec, make_checked_propo
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
 from bridge.messages import (AUTO_DRAFT_TOKENS, BlockMetrics, ErrorReply, GenerateChunk,
                              GenerateDone, GenerateRequest)
-from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS, DraftTokens, make_controller
-from macfleet.engine.events import BlockDone, Finished, TokensCommitted
-from macfleet.engine.loop import speculative_generate
+from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS, DraftTokens
+from macfleet.engine.events import BlockDone, Finished
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
 from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.engine.text import MAX_PROMPT_TOKENS, PromptError, TextStream, encode_prompt
-from macfleet.engine.tree_loop import tree_budget, tree_generate
+from macfleet.engine.text import (MAX_PROMPT_TOKENS, Drafting, PromptError, TextDelta,
+                                  encode_prompt, generate_from_ids, make_group, no_drafts,
+                                  plan_drafting)
+from macfleet.engine.tree_loop import tree_budget
 from macfleet.engine.verifier import Verifier
 from macfleet.stats import BlockFlows, FleetStats, FlowStats
 
@@ -251,20 +252,30 @@ class VerifierService:
         if self._on_fatal is not None:
             self._on_fatal(why)
 
-    def _proposer(self, msg: GenerateRequest) -> Proposer | None:
-        if msg.proposers and ("+" in msg.proposer_spec
-                              or msg.proposer_spec.partition(":")[0] == "eagle2"):
-            return self._tree_group(msg)
+    def _drafting(self, msg: GenerateRequest) -> Drafting:
+        """What drafts for this request: remote proposer agents when it names endpoints (a
+        chain falls back from one to the next, a tree drafts on all at once), else this agent's
+        own drafters; tree or chain is decided as in-process (engine/text.py plan_drafting)."""
+        spec = msg.proposer_spec or "none"
         if msg.proposers:
-            feats = self._features(msg.proposer_spec)
-            remotes = [RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec,
-                                      model=self.lm.spec, cross_round=msg.cross_round,
-                                      f3_probe_width=0 if feats else self.f3_probe_width,
-                                      features=feats, f3_codec=self.f3_codec)
-                       for ep in msg.proposers]
-            return FallbackProposer(remotes)
-        return make_checked_proposer(msg.proposer_spec or "none", self.lm, self.policy,
-                                     self.models)
+            return plan_drafting(spec, chain=lambda s: self._fallback(msg),
+                                 tree=lambda specs: self._tree_group(msg, specs))
+
+        def make(s: str) -> Proposer | None:
+            return make_checked_proposer(s, self.lm, self.policy, self.models)
+
+        return plan_drafting(spec, chain=make, tree=lambda specs: make_group(
+            [make(s) or no_drafts(s) for s in specs], draft_tokens_of(msg)))
+
+    def _fallback(self, msg: GenerateRequest) -> FallbackProposer:
+        """One chain drafter on the named endpoints, in order of preference."""
+        feats = self._features(msg.proposer_spec)
+        return FallbackProposer([
+            RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec, model=self.lm.spec,
+                           cross_round=msg.cross_round,
+                           f3_probe_width=0 if feats else self.f3_probe_width,
+                           features=feats, f3_codec=self.f3_codec)
+            for ep in msg.proposers])
 
     def _features(self, spec: str):
         """Real F3 for a remote hidden-state drafter: tap this verifier's own forwards."""
@@ -290,9 +301,8 @@ class VerifierService:
                            f2_bytes=sum(f.f2_bytes for f in lasts))
         return None
 
-    def _tree_group(self, msg: GenerateRequest) -> RemoteProposerGroup:
+    def _tree_group(self, msg: GenerateRequest, specs: list[str]) -> RemoteProposerGroup:
         """`a+b+c` with N endpoints: proposer i drafts spec i (the last spec repeats)."""
-        specs = msg.proposer_spec.split("+")
         spec_of = [specs[min(i, len(specs) - 1)] for i in range(len(msg.proposers))]
         feats = next((self._features(s) for s in spec_of if s.startswith("eagle")), None)
         remotes = [RemoteProposer(ep, key=self.key, proposer=spec, model=self.lm.spec,
@@ -309,27 +319,20 @@ class VerifierService:
         ids = encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids)
         if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
             raise ValueError("prefix ids outside the vocabulary")
-        proposer = self._proposer(msg)
-        ctl = make_controller(0 if proposer is None else draft_tokens_of(msg))
+        proposer = self._drafting(msg)
         max_new = max(0, msg.max_tokens - len(msg.prefix_ids))
-        text = TextStream(self.lm.tokenizer)
         parts: list[str] = []
         block_ms = wire_ms = 0.0
         stats = None
         remote = proposer if isinstance(proposer, FallbackProposer) else None
-        if isinstance(proposer, RemoteProposerGroup):
-            events = tree_generate(self._verifier, proposer, ids, params=params,
-                                   max_tokens=max_new, eos_ids=self.lm.eos_ids)
-        else:
-            events = speculative_generate(self._verifier, proposer, ids, params=params,
-                                          max_tokens=max_new, controller=ctl,
-                                          eos_ids=self.lm.eos_ids)
+        events = generate_from_ids(self.lm, self._verifier, proposer, ids,
+                                   draft_tokens=draft_tokens_of(msg), max_tokens=max_new,
+                                   params=params)
         try:
             for ev in events:
-                if isinstance(ev, TokensCommitted):
-                    s = text.add(ev.tokens)
-                    parts.append(s)
-                    reply(GenerateChunk(msg.request_id, list(ev.tokens), s))
+                if isinstance(ev, TextDelta):  # the last one: the detokenizer's flush, no ids
+                    parts.append(ev.text)
+                    reply(GenerateChunk(msg.request_id, list(ev.tokens), ev.text))
                 elif isinstance(ev, BlockDone):
                     last = (self._last_flows(proposer) if ev.k > 0 else None) or BlockFlows()
                     wire_ms += last.wire_ms
@@ -351,9 +354,6 @@ class VerifierService:
             if self._feature_tap is not None:
                 self._feature_tap.close()
                 self._feature_tap = None
-        tail = text.finish()
-        if tail:
-            parts.append(tail)
         flows, failures = FlowStats(), []
         if remote is not None:
             flows, failures = remote.flow_stats(), remote.failures

@@ -1,15 +1,17 @@
-"""Text in, text out around the token loop: prompt encoding and streaming detokenization."""
+"""Text in, text out around the token loops: prompt encoding, streaming detokenization, and the
+one generation driver (`plan_drafting` + `generate_from_ids`) that `generate_local` and the
+verifier agent both run."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from macfleet.engine.controller import make_controller
+from macfleet.engine.controller import AUTO, DraftTokens, make_controller
 from macfleet.engine.events import Event, Finished, TokensCommitted
 from macfleet.engine.loop import DEFAULT_MAX_TOKENS, speculative_generate
 from macfleet.engine.models import LoadedModel
-from macfleet.engine.proposers import make_proposer
+from macfleet.engine.proposers import Proposer, drafts_tree, make_proposer
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.tree_loop import ProposerGroup, tree_budget, tree_generate
 from macfleet.engine.verifier import Verifier
@@ -58,45 +60,49 @@ class TextStream:
         return self._detok.last_segment
 
 
-def _none(spec: str):
+def no_drafts(spec: str):
+    """Refuse a drafter that drafts nothing (`none`) as a branch of a tree."""
     raise ValueError(f"'{spec}' drafts nothing: it cannot be part of a proposer tree")
 
 
 @dataclass(frozen=True)
 class TextDelta:
     text: str
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...]  # () for the detokenizer's final flush
 
 
-def generate_local(
-    lm: LoadedModel,
-    prompt: str,
-    *,
-    chat: bool = True,
-    proposer: str = "ngram",
-    draft_tokens: int | str = "auto",
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    params: SamplingParams = GREEDY,
-    verifier: Verifier | None = None,
-) -> Iterator[TextDelta | Event]:
-    """In-process speculative generation: TextDelta for each commit, BlockDone, then Finished."""
-    ids = encode_prompt(lm.tokenizer, prompt, chat)
+Drafting = Proposer | ProposerGroup | None  # a chain drafter, a tree of drafters, or none
+
+
+def plan_drafting(spec: str, *, chain: Callable[[str], Proposer | None],
+                  tree: Callable[[list[str]], ProposerGroup]) -> Drafting:
+    """Split `spec` on '+': several drafters, or one that drafts trees itself, draft a token
+    tree each block (`tree(specs)`); one chain drafter drafts chains (`chain(spec)`, None for
+    `none`). The caller builds (local proposers here, remote ones in the verifier agent)."""
+    return tree(spec.split("+")) if drafts_tree(spec) else chain(spec)
+
+
+def make_group(proposers: Sequence[Proposer], draft_tokens: DraftTokens,
+               group: type[ProposerGroup] = ProposerGroup) -> ProposerGroup:
+    """A tree of drafters with the node budget a tree drafter among them needs."""
+    return group(proposers, draft_tokens=draft_tokens, node_budget=tree_budget(proposers))
+
+
+def generate_from_ids(lm: LoadedModel, verifier, drafting: Drafting, ids: Sequence[int], *,
+                      draft_tokens: DraftTokens = AUTO, max_tokens: int = DEFAULT_MAX_TOKENS,
+                      params: SamplingParams = GREEDY) -> Iterator[TextDelta | Event]:
+    """The one generation driver (in-process and in the verifier agent): the tree loop for a
+    group of drafters, the chain loop otherwise; TextDelta for each commit, BlockDone per block,
+    the detokenizer's flush as a last TextDelta, then Finished."""
     stream = TextStream(lm.tokenizer)
-    verifier = verifier or Verifier(lm.model)
-    single = None if "+" in proposer else make_proposer(proposer, lm)
-    if "+" in proposer or (single is not None and single.drafts_trees):
-        # several proposers, or one that drafts trees: a token tree per block
-        props = [single] if single is not None else [
-            make_proposer(s, lm) or _none(s) for s in proposer.split("+")]
-        group = ProposerGroup(props, draft_tokens=draft_tokens,
-                              node_budget=tree_budget(props))
-        events = tree_generate(verifier, group, ids, params=params, max_tokens=max_tokens,
+    if isinstance(drafting, ProposerGroup):
+        events = tree_generate(verifier, drafting, ids, params=params, max_tokens=max_tokens,
                                eos_ids=lm.eos_ids)
     else:
-        prop = single
-        controller = make_controller(draft_tokens if prop is not None else 0)
-        events = speculative_generate(verifier, prop, ids, params=params, max_tokens=max_tokens,
-                                      controller=controller, eos_ids=lm.eos_ids)
+        controller = make_controller(draft_tokens if drafting is not None else 0)
+        events = speculative_generate(verifier, drafting, ids, params=params,
+                                      max_tokens=max_tokens, controller=controller,
+                                      eos_ids=lm.eos_ids)
     for ev in events:
         if isinstance(ev, TokensCommitted):
             yield TextDelta(stream.add(ev.tokens), ev.tokens)
@@ -107,3 +113,26 @@ def generate_local(
             yield ev
         else:
             yield ev
+
+
+def generate_local(
+    lm: LoadedModel,
+    prompt: str,
+    *,
+    chat: bool = True,
+    proposer: str = "ngram",
+    draft_tokens: DraftTokens = AUTO,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    params: SamplingParams = GREEDY,
+    verifier: Verifier | None = None,
+) -> Iterator[TextDelta | Event]:
+    """In-process speculative generation: TextDelta for each commit, BlockDone, then Finished."""
+    ids = encode_prompt(lm.tokenizer, prompt, chat)
+
+    def make(spec: str) -> Proposer | None:
+        return make_proposer(spec, lm)
+
+    drafting = plan_drafting(proposer, chain=make, tree=lambda specs: make_group(
+        [make(s) or no_drafts(s) for s in specs], draft_tokens))
+    yield from generate_from_ids(lm, verifier or Verifier(lm.model), drafting, ids,
+                                 draft_tokens=draft_tokens, max_tokens=max_tokens, params=params)

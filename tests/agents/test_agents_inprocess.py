@@ -208,3 +208,13 @@ def test_the_longest_draft_the_cli_accepts_is_drafted_remotely(pair):
     with pytest.raises(ProtocolError) as e:
         gen(ver, prop, "draft:tiny:3", max_tokens=4, draft_tokens=MAX_DRAFT_TOKENS + 1)
     assert e.value.code == BAD_REQUEST
+
+
+def test_the_verifier_agent_drafts_a_local_tree_like_generate_local(pair):
+    """No endpoints: the agent's own drafters, tree or chain decided as in-process."""
+    ver, _ = pair
+    alone = gen(ver, None, "none", max_tokens=30)
+    tree = gen(ver, None, "ngram+draft:tiny:3", max_tokens=30)
+    assert tree.token_ids == alone.token_ids
+    assert [p.name for p in tree.stats.per_proposer] == ["ngram:3", "draft:tiny:3"]
+    assert tree.stats.acceptance_of("draft:tiny:3") == 1.0

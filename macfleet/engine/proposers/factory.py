@@ -24,6 +24,7 @@ class ProposerSpec:
 
 
 KINDS = ("none", "ngram", "layerskip", "draft", "eagle", "eagle2", "retrieval")
+TREE_KINDS = ("eagle2", "retrieval")  # drafters whose proposals are token trees (drafts_trees)
 
 
 def parse_proposer_spec(spec: str) -> ProposerSpec:
@@ -40,6 +41,14 @@ def parse_proposer_spec(spec: str) -> ProposerSpec:
     if kind == "none" and arg:
         raise ProposerSpecError(f"'{spec}': none takes no argument")
     return ProposerSpec(kind, arg)
+
+
+def drafts_tree(spec: str) -> bool:
+    """Whether `spec` drafts a token tree each block: several drafters joined by '+', or one
+    that drafts trees itself. Decided from the spec alone, so a verifier can route a remote
+    drafter it never builds the same way as a local one."""
+    parts = spec.split("+")
+    return len(parts) > 1 or parse_proposer_spec(parts[0]).kind in TREE_KINDS
 
 
 def make_proposer(spec: str, verifier: LoadedModel) -> Proposer | None:
