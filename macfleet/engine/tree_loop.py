@@ -26,6 +26,7 @@ from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_samp
 from macfleet.engine.tree_verify import (compact_cache, supports_tree_attention, tree_forward,
                                          verify_branches)
 from macfleet.engine.verifier import Verifier
+from macfleet.engine.verify_costs import verify_costs
 from macfleet.stats import ProposerStats
 
 log = logging.getLogger(__name__)
@@ -91,11 +92,16 @@ class ProposerGroup:
             self.live[j] = False
             return EMPTY_DRAFT
 
-    def observe(self, drafts: Sequence[Draft], accepted: Sequence[int], verify_ms: float) -> None:
+    def seed_verify_costs(self, costs) -> None:
+        for p in self.proposers:
+            p.seed_verify_costs(costs)
+
+    def observe(self, drafts: Sequence[Draft], accepted: Sequence[int], verify_ms: float,
+                verified: int | None = None) -> None:
         for j, (p, c, d, n) in enumerate(zip(self.proposers, self.controllers, drafts,
                                               accepted)):
             c.observe(len(d), n, d.draft_ms, verify_ms)
-            p.observe(len(d), n, verify_ms)
+            p.observe(len(d), n, verify_ms, verified)
             self.drafted[j] += len(d)
             self.accepted[j] += n
 
@@ -138,9 +144,11 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
     if not tree_ok and not params.greedy:
         raise ValueError("sampling with several proposers needs tree attention (llama family)")
     rng = make_rng(params, stream=0)
+    costs = verify_costs(verifier.model)  # measured once per machine (cached), not timed here
     t_start = time.perf_counter()
     verifier.reset()
     group.start(params)
+    group.seed_verify_costs(costs)
     context = [int(t) for t in prompt]
     verifier.prefill(context[:-1])
     prefill_ms = (time.perf_counter() - t_start) * 1e3
@@ -177,7 +185,7 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
             dms, vms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
             draft_total += dms
             verify_total += vms
-            group.observe(drafts, tree.accepted_per_source(path), vms)
+            group.observe(drafts, tree.accepted_per_source(path), vms, len(tree.tokens))
             if new:
                 yield TokensCommitted(blocks, tuple(new))
             yield BlockDone(block=blocks, k=sum(ks), drafted=tree.size, accepted=len(path),

@@ -7,9 +7,9 @@ N best nodes commits E(N) = 1 + g * sum(p_1..p_N) tokens per block, where g corr
 head's calibration from what was actually accepted. It costs verify(N + 1). The tree size is
 the N that maximises E(N) / verify(N + 1); N = 0 is plain decoding.
 
-verify(L) is learnt online from the blocks the loop verifies (a least-squares line over the
-recent (L, ms) pairs, held to a prior slope until several lengths have been seen), because it is
-a property of the verifier's machine: flat on a Mac GPU, steeper on a CPU.
+verify(L) is measured on the verifier (a probe, engine/verify_costs.py) and kept up to date
+from the blocks the loop verifies, because it is a property of the verifier's machine: flat on
+a Mac GPU, steeper and saw-toothed on a CPU.
 """
 
 from __future__ import annotations
@@ -18,45 +18,65 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 PRIOR_SLOPE = 0.05  # verify(L) / verify(1) grows ~5% per extra token on the machines measured
-DEFAULT_WINDOW = 48
 MIN_GAIN, MAX_GAIN = 0.1, 2.0
 
 
 @dataclass
 class VerifyCurve:
-    """verify(L) in ms from observed blocks: a + b * (L - 1), b >= 0."""
+    """verify(L) in ms, a table by length L: measured (a probe of the verifier, `seed`) and
+    learnt from the blocks the loop verifies (an EMA per length, `observe`).
+
+    Not a line: on a CPU the matmul kernels block the rows, so verify(L) is a sawtooth
+    (SmolLM2 here: L=12 costs 102 ms, L=16 68 ms; results/verify_costs.json), and a line
+    through it picks exactly the lengths that cost most. Between measured lengths the table
+    interpolates; beyond the longest it extends with the prior slope."""
 
     prior_slope: float = PRIOR_SLOPE
-    window: int = DEFAULT_WINDOW
-    samples: list[tuple[int, float]] = field(default_factory=list)
+    ema: float = 0.25
+    table: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> bool:
+        """Anything measured yet (else costs are relative units of the prior)."""
+        return bool(self.table)
+
+    def seed(self, costs: dict[int, float]) -> None:
+        """Measured verify(L) of the verifier (ms by L), e.g. from a probe."""
+        for L, ms in costs.items():
+            if int(L) >= 1 and ms > 0:
+                self.table[int(L)] = float(ms)
 
     def observe(self, length: int, ms: float) -> None:
         if length >= 1 and ms > 0:
-            self.samples.append((length, ms))
-            del self.samples[: -self.window]
+            old = self.table.get(length)
+            self.table[length] = ms if old is None else (1 - self.ema) * old + self.ema * ms
 
-    def fit(self) -> tuple[float, float]:
-        """(a, b) in ms; (1, prior) in relative units before anything was seen."""
-        if not self.samples:
-            return 1.0, self.prior_slope
-        xs = [L - 1 for L, _ in self.samples]
-        ys = [ms for _, ms in self.samples]
-        n = len(xs)
-        mx_, my = sum(xs) / n, sum(ys) / n
-        var = sum((x - mx_) ** 2 for x in xs)
-        prior_b = self.prior_slope * max(min(ys), 1e-6)
-        if var <= 0 or len({L for L, _ in self.samples}) < 3:
-            b = prior_b
-        else:  # shrink toward the prior with few distinct lengths (a ridge with weight 4)
-            cov = sum((x - mx_) * (y - my) for x, y in zip(xs, ys))
-            b = max(0.0, (cov + 4.0 * prior_b) / (var + 4.0))
-        a = max(1e-6, my - b * mx_)
-        return a, b
+    def cost(self, length: int) -> float:
+        if not self.table:
+            return 1.0 + self.prior_slope * (length - 1)
+        if length in self.table:
+            return self.table[length]
+        below = [L for L in self.table if L < length]
+        above = [L for L in self.table if L > length]
+        if below and above:
+            a, b = max(below), min(above)
+            t = (length - a) / (b - a)
+            return (1 - t) * self.table[a] + t * self.table[b]
+        if above:  # shorter than anything measured: no cheaper than the shortest known
+            return self.table[min(above)]
+        a = max(below)
+        return self.table[a] * (1.0 + self.prior_slope * (length - a))
 
     def costs(self, n_max: int) -> list[float]:
         """verify(N + 1) for N = 0..n_max."""
-        a, b = self.fit()
-        return [a + b * n for n in range(n_max + 1)]
+        return [self.cost(n + 1) for n in range(n_max + 1)]
+
+    def block_costs(self, n_max: int, draft_ms: float) -> list[float]:
+        """costs(n_max) with the block's drafting charged to every tree (`with_draft_cost`);
+        before anything is measured the costs are relative units and drafting is not
+        charged."""
+        c = self.costs(n_max)
+        return with_draft_cost(c, draft_ms) if self.table else c
 
 
 def choose_tree_size(probs: Sequence[float], costs: Sequence[float], gain: float = 1.0,
@@ -73,6 +93,12 @@ def choose_tree_size(probs: Sequence[float], costs: Sequence[float], gain: float
         if rate > best_rate and rate > margin / costs[0]:
             best, best_rate = n, rate
     return best
+
+
+def with_draft_cost(costs: Sequence[float], draft_ms: float) -> list[float]:
+    """Costs per tree size with the block's drafting added to every non-empty size (pure):
+    plain decoding (N = 0) would not have drafted at all."""
+    return [costs[0], *(c + draft_ms for c in costs[1:])]
 
 
 def worth_expanding(beam_probs: Sequence[float], gain: float, depth_ms: float,

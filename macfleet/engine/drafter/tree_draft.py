@@ -154,7 +154,11 @@ class EagleTreeProposer(EagleProposer):
                     c.trim(len(toks) * K)
         order = sorted(range(len(tokens)), key=lambda i: (-score[i], depth[i], i))
         probs = [float(np.exp(score[i])) for i in order[:k]]
-        n = choose_tree_size(probs, self.curve.costs(len(probs)), self.calibration.gain)
+        # a tree must pay for its drafting too: charged to every non-empty size, so a head
+        # whose trees do not beat plain decoding by their full cost chooses none, and the
+        # backoff stops paying for the head at all
+        costs = self.curve.block_costs(len(probs), (time.perf_counter() - t0) * 1e3)
+        n = choose_tree_size(probs, costs, self.calibration.gain)
         keep = sorted(order[:n], key=lambda i: (depth[i], i))
         new_index = {old: j for j, old in enumerate(keep)}
         self._predicted = sum(probs[:n])
@@ -164,8 +168,12 @@ class EagleTreeProposer(EagleProposer):
         return Draft(tuple(tokens[i] for i in keep), None, draft_ms, None,
                      tuple(new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep))
 
-    def observe(self, drafted: int, accepted: int, verify_ms: float) -> None:
-        self.curve.observe(drafted + 1, verify_ms)
+    def seed_verify_costs(self, costs) -> None:
+        self.curve.seed(costs)
+
+    def observe(self, drafted: int, accepted: int, verify_ms: float,
+                verified: int | None = None) -> None:
+        self.curve.observe(verified or drafted + 1, verify_ms)
         if drafted:
             self.calibration.observe(self._predicted, accepted)
         self.backoff.observe(drafted, accepted)

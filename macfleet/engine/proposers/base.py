@@ -11,7 +11,7 @@ committed delta (flow F1) travels, and the agent rebuilds the context.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,8 +70,15 @@ class Proposer(ABC):
         which cross-round drafting uses to pre-draft the next block.
         """
 
-    def observe(self, drafted: int, accepted: int, verify_ms: float) -> None:
-        """What became of the last draft: tokens verified, accepted, and the verify time."""
+    def observe(self, drafted: int, accepted: int, verify_ms: float,
+                verified: int | None = None) -> None:
+        """What became of the last draft: its tokens, how many were accepted, and the verify
+        time of the block, which held `verified` tokens (default drafted + 1; more when
+        several drafters shared the block's tree)."""
+
+    def seed_verify_costs(self, costs: Mapping[int, float]) -> None:
+        """The verifier's measured verify(L) in ms by length (engine/verify_costs.py), for
+        drafters that size their trees against it; others ignore it."""
 
     def close(self) -> None:
         """Release caches; the proposer may be started again."""

@@ -156,7 +156,9 @@ class RetrievalProposer(Proposer):
             return Draft((), None, (time.perf_counter() - t0) * 1e3)
         tokens, parents, weight = build_tree(self.store, matches, self.depth)
         order = sorted(range(len(tokens)), key=lambda i: (-weight[i], i))[:k]
-        n = choose_tree_size([weight[i] for i in order], self.curve.costs(len(order)),
+        n = choose_tree_size([weight[i] for i in order],
+                             self.curve.block_costs(len(order),
+                                                    (time.perf_counter() - t0) * 1e3),
                              self.calibration.gain)
         keep = sorted(order[:n])  # trie order: parents come before children
         self._predicted = sum(weight[i] for i in keep)
@@ -164,8 +166,12 @@ class RetrievalProposer(Proposer):
         return Draft(tuple(tokens[i] for i in keep), None, (time.perf_counter() - t0) * 1e3,
                      None, tuple(new[parents[i]] if parents[i] >= 0 else -1 for i in keep))
 
-    def observe(self, drafted: int, accepted: int, verify_ms: float) -> None:
-        self.curve.observe(drafted + 1, verify_ms)
+    def seed_verify_costs(self, costs) -> None:
+        self.curve.seed(costs)
+
+    def observe(self, drafted: int, accepted: int, verify_ms: float,
+                verified: int | None = None) -> None:
+        self.curve.observe(verified or drafted + 1, verify_ms)
         if drafted:
             self.calibration.observe(self._predicted, accepted)
 

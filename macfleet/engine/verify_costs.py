@@ -1,0 +1,104 @@
+"""verify(L): what one verifier forward over L tokens costs on this machine, measured.
+
+A draft tree's size is chosen against this table (engine/drafter/budget.py), so it must be
+what the verifier really costs here, not a model of it: on a Mac GPU the curve is nearly flat
+up to dozens of tokens; on a CPU the matmul kernels block the rows and the curve is a sawtooth
+(SmolLM2 on the 2-core x86 box: L=1 39 ms, 4 64, 12 102, 16 68, 28 141, 32 103). The probe
+runs each length a few times over a short context and keeps the fastest; the table is kept
+per process and on disk (per model, weight format, machine and MLX version), so a one-shot
+`generate` pays the ~2 s probe once per machine. A probe taken while the machine is loaded is
+not written to disk (load flattens the curve); the loop's own measurements correct the table
+at the lengths it uses either way (budget.VerifyCurve.observe).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from macfleet.engine.verifier import Verifier
+
+PROBE_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32)
+PROBE_CONTEXT = 64
+PROBE_REPS = 2
+_memo: dict[int, dict[int, float]] = {}
+
+
+def probe_verify_costs(model: nn.Module, lengths: Sequence[int] = PROBE_LENGTHS,
+                       context: int = PROBE_CONTEXT, reps: int = PROBE_REPS) -> dict[int, float]:
+    """ms of one forward over L new tokens after `context` cached ones, fastest of `reps`."""
+    vocab = int(model.args.vocab_size)
+    v = Verifier(model)
+    v.prefill([(7 * i + 3) % vocab for i in range(context)])
+    base = v.offset
+    out: dict[int, float] = {}
+    for L in lengths:
+        toks = [(11 * i + 5) % vocab for i in range(L)]
+        best = float("inf")
+        for _ in range(reps + 1):  # the first run warms this shape up
+            t0 = time.perf_counter()
+            mx.eval(v.forward(toks))
+            best = min(best, (time.perf_counter() - t0) * 1e3)
+            v.rollback(v.offset - base)
+        out[int(L)] = round(best, 3)
+    return out
+
+
+def _key(model: nn.Module) -> str:
+    from macfleet.engine.drafter.head import verifier_fingerprint
+
+    layer = model.model.layers[0]
+    w = getattr(getattr(getattr(layer, "self_attn", None), "q_proj", None), "weight", None)
+    fmt = "quantized" if hasattr(getattr(layer.self_attn, "q_proj", None), "scales") else \
+        str(getattr(w, "dtype", "?"))
+    machine = f"{platform.system()}-{platform.machine()}-{platform.processor()}-{os.cpu_count()}"
+    raw = f"{verifier_fingerprint(model)}|{fmt}|{machine}|{mx.__version__}|{PROBE_LENGTHS}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:20]
+
+
+def machine_busy(threshold: float = 0.5) -> bool:
+    """Is something else using this machine's cores (1-minute load per core)?"""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1) > threshold
+    except (OSError, AttributeError):
+        return False
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MACFLEET_CACHE", Path.home() / ".cache" / "macfleet")) / \
+        "verify-costs"
+
+
+def verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float]:
+    """The measured verify(L) table of `model` on this machine (memoised, cached on disk)."""
+    got = _memo.get(id(model))
+    if got is not None:
+        return got
+    path = cache_dir() / f"{_key(model)}.json" if use_disk else None
+    if path is not None:
+        try:
+            got = {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, AttributeError):
+            got = None
+    if not got:
+        busy = machine_busy()
+        got = probe_verify_costs(model)
+        if path is not None and not (busy or machine_busy()):  # a loaded machine's table is
+            # flattened (small forwards suffer most): keep it for this process only
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(got))
+                os.replace(tmp, path)
+            except OSError:
+                pass  # a read-only home: the process keeps its own copy
+    _memo[id(model)] = got
+    return got

@@ -1,0 +1,41 @@
+"""verify(L) measured on the verifier: the table trees are sized against."""
+
+from __future__ import annotations
+
+import json
+
+from macfleet.engine import verify_costs as vc
+
+
+def test_probe_times_every_length_and_leaves_no_trace(tiny):
+    costs = vc.probe_verify_costs(tiny.model, lengths=(1, 2, 4), context=8, reps=1)
+    assert sorted(costs) == [1, 2, 4] and all(ms > 0 for ms in costs.values())
+
+
+def test_the_table_is_measured_once_per_machine_and_model(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("MACFLEET_CACHE", str(tmp_path))
+    monkeypatch.setattr(vc, "_memo", {})
+    monkeypatch.setattr(vc, "machine_busy", lambda: False)
+    calls = []
+    real = vc.probe_verify_costs
+    monkeypatch.setattr(vc, "probe_verify_costs",
+                        lambda m: calls.append(1) or real(m, lengths=(1, 3), context=4, reps=1))
+    first = vc.verify_costs(tiny.model)
+    assert vc.verify_costs(tiny.model) is first and len(calls) == 1  # memoised in-process
+    files = list((tmp_path / "verify-costs").glob("*.json"))
+    assert len(files) == 1 and {int(k) for k in json.loads(files[0].read_text())} == {1, 3}
+    monkeypatch.setattr(vc, "_memo", {})
+    assert vc.verify_costs(tiny.model) == first and len(calls) == 1  # read back from disk
+    files[0].write_text("{not json")
+    monkeypatch.setattr(vc, "_memo", {})
+    assert set(vc.verify_costs(tiny.model)) == {1, 3}
+    assert len(calls) == 2  # a damaged cache file is measured again, not trusted
+
+
+def test_a_probe_on_a_loaded_machine_is_not_kept_on_disk(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("MACFLEET_CACHE", str(tmp_path))
+    monkeypatch.setattr(vc, "_memo", {})
+    monkeypatch.setattr(vc, "machine_busy", lambda: True)
+    monkeypatch.setattr(vc, "probe_verify_costs", lambda m: {1: 5.0, 2: 6.0})
+    assert vc.verify_costs(tiny.model) == {1: 5.0, 2: 6.0}
+    assert not list(tmp_path.rglob("*.json"))
