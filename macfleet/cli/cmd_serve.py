@@ -13,6 +13,7 @@ from macfleet.cli.common import UserError, add_key_args, parse_draft_tokens
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
+SOCKET_BACKLOG = 2048  # uvicorn's default
 
 
 def add_parser(sub) -> None:
@@ -118,6 +119,8 @@ def run(args) -> int:
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((args.host, args.port))
+        sock.listen(SOCKET_BACKLOG)  # before the banner: a client that reads it and connects
+        # at once waits in the backlog for uvicorn instead of being refused
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     import uvicorn
