@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from macfleet.fleet.batch import ServeView
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -205,7 +207,8 @@ class FleetEvent(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class FleetSnapshot(_Dictable):
-    """Everything the dashboard shows, taken at ``taken_at`` (Unix seconds)."""
+    """Everything the dashboard shows, taken at ``taken_at`` (Unix seconds); ``serve`` is the
+    watched `macfleet serve` (``dash --serve``), None when none is watched."""
 
     taken_at: float
     fleet_id: str
@@ -213,6 +216,7 @@ class FleetSnapshot(_Dictable):
     links: tuple[LinkView, ...] = ()
     sessions: tuple[SessionView, ...] = ()
     events: tuple[FleetEvent, ...] = ()
+    serve: ServeView | None = None
 
     @classmethod
     def empty(cls, fleet_id: str = "", taken_at: float = 0.0) -> FleetSnapshot:
@@ -220,7 +224,10 @@ class FleetSnapshot(_Dictable):
         return cls(taken_at=taken_at, fleet_id=fleet_id)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"v": FORMAT_VERSION, **asdict(self)}
+        d = {"v": FORMAT_VERSION, **asdict(self)}
+        if self.serve is None:  # recordings of a fleet alone stay as they were
+            del d["serve"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FleetSnapshot:
@@ -236,6 +243,7 @@ class FleetSnapshot(_Dictable):
                 links=tuple(LinkView.from_dict(x) for x in d.get("links", ())),
                 sessions=tuple(SessionView.from_dict(s) for s in d.get("sessions", ())),
                 events=tuple(FleetEvent.from_dict(e) for e in d.get("events", ())),
+                serve=ServeView.from_dict(d["serve"]) if d.get("serve") else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, SnapshotFormatError):

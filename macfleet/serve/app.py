@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from macfleet.fleet.batch import BATCH_PATH
 from macfleet.serve.engine import EngineRequest, Overloaded
 from macfleet.serve.schemas import GenerationRequest, Limits, RequestError, parse_request
 from macfleet.serve.session import GenerationFailed, Outcome, Piece, open_session, run_session
@@ -116,8 +117,14 @@ class Api:
                     {"sessions": r.sessions, "decode_tokens": r.decode_tokens,
                      "prefill_tokens": r.prefill_tokens, "queued": r.queued,
                      "ms": round(r.ms, 2)} for r in recent],
-                "sessions": [asdict(si) for si in self.engine.sessions()]}
+                "sessions": [si.to_dict() for si in self.engine.sessions()]}
         return JSONResponse(body, status_code=200 if alive else 503)
+
+    async def batch(self, request: Request) -> Response:
+        """The continuous batch for the dashboard (`BatchView`, fleet/batch.py); 200 even
+        without a verifier (the view says so), the API key when one is set."""
+        self._auth(request)
+        return JSONResponse(self.engine.batch_view(self.cfg.model_id).to_dict())
 
     async def models(self, request: Request) -> Response:
         self._auth(request)
@@ -276,6 +283,7 @@ def create_app(engine, tokenizer, config: ServerConfig) -> Starlette:
     api = Api(engine, tokenizer, config)
     routes = [Route("/health", api.health, methods=["GET"]),
               Route("/v1/models", api.models, methods=["GET"]),
+              Route(BATCH_PATH, api.batch, methods=["GET"]),
               Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={

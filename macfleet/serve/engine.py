@@ -31,8 +31,10 @@ from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
+from macfleet.fleet.batch import BatchView, IterationView, ServedSession
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, SessionView,
                                       StallControl, plan_iteration)
+from macfleet.serve.timing import RECENT_SESSIONS, TokenTimes
 
 log = logging.getLogger(__name__)
 
@@ -65,32 +67,6 @@ class SessionFailed:
 EngineEvent = TokensCommitted | Finished | SessionFailed
 
 
-@dataclass(frozen=True)
-class IterationRecord:
-    """One forward, for the dashboard and the benchmark."""
-
-    t: float
-    sessions: int
-    decode_tokens: int
-    prefill_tokens: int
-    queued: int
-    ms: float
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    """One active session as the dashboard shows it."""
-
-    sid: int
-    prompt_tokens: int
-    prefill_left: int
-    generated: int
-    ttft_ms: float | None  # None: no token yet
-    itl_ms: float | None  # mean time between committed blocks
-    accepted: int
-    drafted: int
-
-
 @dataclass
 class _Session:
     sid: int
@@ -111,13 +87,24 @@ class _Session:
     draft: Draft = EMPTY_DRAFT
     draft_ms: float = 0.0
     rng: np.random.Generator | None = None
-    t_first: float | None = None
-    t_last: float = 0.0
+    times: TokenTimes = field(default_factory=lambda: TokenTimes(0.0))
+    admitted: bool = False
     on_close: Callable[[], None] | None = None
 
     @property
     def prefill_left(self) -> int:
         return len(self.req.prompt) - 1 - self.prefilled
+
+    def view(self, state: str = "") -> ServedSession:
+        """This session for the dashboard; `state` given when it ended."""
+        t = self.times
+        state = state or ("queued" if not self.admitted else
+                          "prefill" if self.prefill_left > 0 else "decode")
+        return ServedSession(sid=self.sid, state=state, prompt_tokens=len(self.req.prompt),
+                             prefill_left=max(0, self.prefill_left),
+                             generated=len(self.generated), ttft_ms=t.ttft_ms,
+                             itl_p50_ms=t.itl_ms(0.5), itl_p99_ms=t.itl_ms(0.99),
+                             accepted=self.accepted, drafted=self.drafted)
 
 
 class SessionHandle:
@@ -166,7 +153,8 @@ class BatchEngine:
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.history: deque[IterationRecord] = deque(maxlen=ITERATION_HISTORY)
+        self.history: deque[IterationView] = deque(maxlen=ITERATION_HISTORY)
+        self._ended: deque[ServedSession] = deque(maxlen=RECENT_SESSIONS)
         self.iterations = 0
 
     # -- the caller's side (any thread) -------------------------------------------------
@@ -190,23 +178,24 @@ class BatchEngine:
         with self._cv:
             return len(self._active), len(self._waiting)
 
-    def sessions(self) -> list[SessionInfo]:
-        """The active sessions, for /health and the dashboard."""
+    def sessions(self) -> list[ServedSession]:
+        """Active, then waiting, then recently ended sessions (for /health and the dashboard)."""
         with self._cv:
-            active = list(self._active)
-        out = []
-        for s in active:
-            ttft = None if s.t_first is None else (s.t_first - s.t_start) * 1e3
-            itl = (None if s.t_first is None or s.blocks < 2
-                   else (s.t_last - s.t_first) * 1e3 / (s.blocks - 1))
-            out.append(SessionInfo(s.sid, len(s.req.prompt), max(0, s.prefill_left),
-                                   len(s.generated), ttft, itl, s.accepted, s.drafted))
-        return out
+            live = [*self._active, *self._waiting]
+            ended = list(self._ended)
+        return [s.view() for s in live] + ended[::-1]
 
-    def recent(self, n: int = 32) -> list[IterationRecord]:
+    def recent(self, n: int = 32) -> list[IterationView]:
         """The last n iterations (a copy: the engine thread keeps appending)."""
         with self._cv:
             return list(self.history)[-n:]
+
+    def batch_view(self, model: str, n: int = 32) -> BatchView:
+        """Load, the last n iterations and the sessions, for GET /v1/macfleet/batch."""
+        active, waiting = self.load()
+        return BatchView(model=model, mode="batched", alive=self.alive, active=active,
+                         waiting=waiting, iterations=self.iterations,
+                         recent=tuple(self.recent(n)), sessions=tuple(self.sessions()))
 
     def submit(self, req: EngineRequest, emit: Callable[[EngineEvent], None],
                on_close: Callable[[], None] | None = None) -> SessionHandle:
@@ -223,7 +212,8 @@ class BatchEngine:
         with self._cv:
             if len(self._waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self._waiting)} requests are already waiting")
-            s = _Session(self._next_sid, req, emit, proposer, controller, on_close=on_close)
+            s = _Session(self._next_sid, req, emit, proposer, controller, on_close=on_close,
+                         times=TokenTimes(self.clock()))
             self._next_sid += 1
             self._waiting.append(s)
             self._cv.notify()
@@ -287,6 +277,7 @@ class BatchEngine:
         while self._waiting and len(self._active) < self.max_active:
             s = self._waiting.popleft()
             s.t_start = self.clock()
+            s.admitted = True
             s.context = list(s.req.prompt)
             if s.req.max_tokens == 0:
                 self._finish(s, reason="length")
@@ -298,10 +289,12 @@ class BatchEngine:
     def _drop_if_cancelled(self, s: _Session) -> bool:
         if s.cancelled:
             log.debug("session %d cancelled by its client", s.sid)
-            self._release(s)
+            self._release(s, "cancelled")
         return s.cancelled
 
-    def _release(self, s: _Session) -> None:
+    def _release(self, s: _Session, state: str) -> None:
+        with self._cv:  # an RLock: some callers hold it already
+            self._ended.append(s.view(state))
         s.cache = None
         if s.on_close is not None:
             s.on_close()
@@ -354,8 +347,8 @@ class BatchEngine:
         out = flat_forward(self.lm.model, segs, invariant=self.invariant)
         ms = (self.clock() - t0) * 1e3
         n_dec = sum(sl.tokens for _, sl in run if not sl.prefill)
-        rec = IterationRecord(t0, len(run), n_dec, sum(sl.tokens for _, sl in run) - n_dec,
-                              len(self._waiting), ms)
+        rec = IterationView(t0, len(run), n_dec, sum(sl.tokens for _, sl in run) - n_dec,
+                            len(self._waiting), ms)
         self._stall.observe(rec.prefill_tokens, rec.decode_tokens, ms)
         with self._cv:
             self.history.append(rec)
@@ -394,8 +387,7 @@ class BatchEngine:
                 s.proposer.observe(len(d), n, verify_ms)
         s.controller.observe(len(d), n, s.draft_ms, verify_ms)
         if new:
-            s.t_last = self.clock()
-            s.t_first = s.t_first if s.t_first is not None else s.t_last
+            s.times.commit(self.clock())
             s.emit(TokensCommitted(s.blocks, tuple(new)))
         if stop_at is not None:
             self._finish(s, reason="stop")
@@ -405,7 +397,7 @@ class BatchEngine:
     def _finish(self, s: _Session, *, reason: str = "", failed: str = "") -> None:
         if s in self._active:
             self._active.remove(s)
-        self._release(s)
+        self._release(s, "cancelled" if s.cancelled else "failed" if failed else "done")
         if s.cancelled:
             return
         if failed:

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateChunk, GenerateDone
 from macfleet.engine.events import Finished, TokensCommitted
+from macfleet.fleet.batch import BatchView, ServedSession
 from macfleet.fleet.client import generate_remote
 from macfleet.serve.engine import EngineEvent, EngineRequest, Overloaded, SessionFailed
+from macfleet.serve.timing import RECENT_SESSIONS, TokenTimes
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +33,22 @@ log = logging.getLogger(__name__)
 class _Handle:
     cancelled: bool = False
     sid: int = 0
+    prompt_tokens: int = 0
+    times: TokenTimes = field(default_factory=lambda: TokenTimes(time.perf_counter()))
+    state: str = "queued"
+    generated: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def view(self) -> ServedSession:
+        t = self.times
+        return ServedSession(sid=self.sid, state=self.state, prompt_tokens=self.prompt_tokens,
+                             prefill_left=0, generated=self.generated, ttft_ms=t.ttft_ms,
+                             itl_p50_ms=t.itl_ms(0.5), itl_p99_ms=t.itl_ms(0.99),
+                             accepted=self.accepted, drafted=self.drafted)
 
 
 class RemoteEngine:
@@ -48,6 +65,8 @@ class RemoteEngine:
         self._active = self._waiting = 0
         self._alive = True
         self._next = 0
+        self._live: dict[int, _Handle] = {}
+        self._ended: deque[ServedSession] = deque(maxlen=RECENT_SESSIONS)
         self.iterations = 0
 
     @property
@@ -63,8 +82,17 @@ class RemoteEngine:
     def recent(self, n: int = 32) -> list:
         return []  # the agent's own iterations are not reported here
 
-    def sessions(self) -> list:
-        return []
+    def sessions(self) -> list[ServedSession]:
+        """Live sessions (oldest first), then recently ended ones."""
+        with self._lock:
+            live, ended = sorted(self._live.values(), key=lambda h: h.sid), list(self._ended)
+        return [h.view() for h in live] + ended[::-1]
+
+    def batch_view(self, model: str, n: int = 32) -> BatchView:
+        """No iterations here (the verifier agent runs them); load and per-session latency."""
+        active, waiting = self.load()
+        return BatchView(model=model, mode="fleet", alive=self.alive, active=active,
+                         waiting=waiting, iterations=0, sessions=tuple(self.sessions()))
 
     def load(self) -> tuple[int, int]:
         with self._lock:
@@ -78,8 +106,9 @@ class RemoteEngine:
             if self._waiting >= self.max_queue:
                 raise Overloaded(f"{self._waiting} requests are already waiting")
             self._waiting += 1
-            h = _Handle(sid=self._next)
+            h = _Handle(sid=self._next, prompt_tokens=len(req.prompt))
             self._next += 1
+            self._live[h.sid] = h
         threading.Thread(target=self._run, args=(req, emit, on_close, h), daemon=True,
                          name=f"serve-remote-{h.sid}").start()
         return h
@@ -89,18 +118,24 @@ class RemoteEngine:
         with self._lock:
             self._waiting -= 1
             self._active += 1
+            h.state = "decode"
         try:
-            self._forward(req, emit, h)
+            h.state = self._forward(req, emit, h)
         finally:
             with self._lock:
                 self._active -= 1
+                if h.state == "decode":
+                    h.state = "failed"  # _forward raised: the thread logs it
+                self._live.pop(h.sid, None)
+                self._ended.append(h.view())
             self._slots.release()
             if on_close is not None:
                 on_close()
 
-    def _forward(self, req: EngineRequest, emit, h: _Handle) -> None:
+    def _forward(self, req: EngineRequest, emit, h: _Handle) -> str:
+        """Run one request on the verifier agent; returns how it ended (SESSION_STATES)."""
         if h.cancelled:
-            return
+            return "cancelled"
         p = req.params
         remote = ([c.card.router_endpoint for c in self.proposers]
                   if self.proposer_spec != "none" else [])
@@ -112,16 +147,20 @@ class RemoteEngine:
                                        draft_tokens=self.draft_tokens,
                                        proposers=remote, proposer_spec=self.proposer_spec):
                 if h.cancelled:
-                    return  # closes the client; the agent finishes on its own
+                    return "cancelled"  # closes the client; the agent finishes on its own
                 if isinstance(msg, GenerateChunk) and msg.token_ids:
                     n += 1
+                    h.times.commit(time.perf_counter())
+                    h.generated += len(msg.token_ids)
                     emit(TokensCommitted(n, tuple(msg.token_ids)))
                 elif isinstance(msg, GenerateDone):
+                    h.drafted, h.accepted = msg.stats.drafted, msg.stats.accepted
                     emit(Finished(msg.stats, tuple(msg.token_ids)))
-                    return
+                    return "done"
         except (PeerUnavailable, TransportTimeout) as e:
             self._alive = False  # the HTTP layer answers 503 from now on
             log.error("verifier agent %s is gone: %s", self.verifier.card.name, e)
             emit(SessionFailed(f"verifier {self.verifier.card.name}: {e}"))
         except ProtocolError as e:
             emit(SessionFailed(f"verifier {self.verifier.card.name}: {e}"))
+        return "failed"

@@ -12,6 +12,8 @@ import openai
 import pytest
 from serve_testkit import start_server, stop_server
 
+from macfleet.fleet.serve_watch import fetch_batch
+
 
 def _cli(*args: str, env: dict, timeout: float = 90) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "macfleet", *args], capture_output=True,
@@ -41,9 +43,13 @@ def test_serve_forwards_to_the_fleet_verifier(fleet_env, monkeypatch):
         streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
             model="tiny:1", max_tokens=12, temperature=0, stream=True,
             messages=[{"role": "user", "content": "hello hello"}]) if ch.choices)
+        batch = fetch_batch(s.base, timeout_s=5).batch  # what `dash --serve` shows
     finally:
         stop_server(s)
     alone = _cli("generate", "hello hello", "--model", "tiny:1", "--local", "--proposer", "none",
                  "--max-tokens", "12", "--json", env=fleet_env)
     assert text == streamed == json.loads(alone.stdout.strip().splitlines()[-1])["text"]
     assert r.usage.completion_tokens == 12
+    assert batch.mode == "fleet" and batch.alive and batch.recent == ()
+    assert [x.state for x in batch.sessions] == ["done", "done"]
+    assert all(x.generated == 12 and x.ttft_ms > 0 for x in batch.sessions)

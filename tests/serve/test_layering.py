@@ -27,6 +27,8 @@ def _imports(path: Path) -> set[str]:
     ("macfleet/serve/engine.py", NETWORK),
     ("macfleet/serve/scheduler.py", (*NETWORK, "mlx", "numpy")),
     ("macfleet/serve/schemas.py", (*NETWORK, "mlx")),
+    ("macfleet/serve/timing.py", (*NETWORK, "mlx", "numpy")),
+    ("macfleet/fleet/batch.py", (*NETWORK, "mlx", "numpy", "http")),
 ])
 def test_serving_layers(rel, banned):
     bad = {m for m in _imports(ROOT / rel) if m.split(".")[0] in banned}
