@@ -258,6 +258,10 @@ class Heartbeat:
         with self._lock:
             return self._table.pong(peer, seq, sent_ns, self._clock())
 
+    def peers(self) -> list[Peer]:
+        with self._lock:
+            return self._table.peers()
+
     def rtt(self, peer: Peer) -> RttStats:
         with self._lock:
             return self._table.rtt(peer)

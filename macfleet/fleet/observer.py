@@ -1,16 +1,19 @@
 """The live fleet observer: Zeroconf + heartbeats + the agents' metric streams -> snapshots.
 
-It is the dashboard's `SnapshotSource`. A background thread browses for the fleet's agents,
-pings each one every period (RTT, liveness through `bridge.heartbeat`: a SIGKILLed agent keeps
-its Zeroconf card but stops answering, and is shown dead), asks their status now and then,
-and subscribes to their PUB sockets for BlockMetrics and AgentEvents. `poll()` hands out the
-newest snapshot. Widgets never see a socket.
+It is the dashboard's `SnapshotSource`. Liveness and RTT come from `bridge.heartbeat`'s
+`Heartbeat` shell (a SIGKILLed agent keeps its Zeroconf card but stops answering, and is shown
+dead): its thread schedules a ping per agent each period and hands it over a queue to this
+observer's I/O thread, which owns the sockets: it browses for the fleet's agents, sends the
+pings and feeds the pongs back, and asks their status now and then. A second thread subscribes
+to their PUB sockets for BlockMetrics and AgentEvents. `poll()` hands out the newest snapshot.
+Widgets never see a socket.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 from collections import deque
@@ -18,7 +21,7 @@ from collections import deque
 from bridge.auth import fleet_id as fleet_id_of
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser, CardAdded, CardRemoved
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
-from bridge.heartbeat import HeartTable, PeerState
+from bridge.heartbeat import Heartbeat, PeerState
 from bridge.messages import (AgentEvent, BlockMetrics, Ping, Pong, StatusReply, StatusRequest)
 from bridge.transport import Client, Subscriber
 from macfleet.fleet.metrics import SessionMetrics
@@ -44,7 +47,10 @@ class FleetObserver(SnapshotSource):
         self.ping_timeout_s = ping_timeout_s
         self._lock = threading.Lock()
         self._events: deque[FleetEvent] = deque(maxlen=MAX_EVENTS)
-        self._hearts = HeartTable(deadline_s=deadline_s)
+        self._pings: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
+        self._hearts = Heartbeat(lambda *ping: self._pings.put(ping), period_s=period_s,
+                                 deadline_s=deadline_s,
+                                 on_failed=self._failed, on_recovered=self._recovered)
         self._cards: dict[str, object] = {}
         self._status: dict[str, StatusReply] = {}
         self._last_pong: dict[str, int] = {}
@@ -52,17 +58,17 @@ class FleetObserver(SnapshotSource):
         self._sessions: dict[str, SessionMetrics] = {}
         self._stop = threading.Event()
         self._fresh = threading.Event()
-        self._seq = 0
         self._tick = 0
         self._sub = Subscriber(key=key)
         self._subscribed: set[str] = set()
         self._browser = Browser(fleet_id=self.fleet_id,
                                 interfaces=LOOPBACK_ONLY if loopback else ALL_INTERFACES,
                                 on_change=self._on_discovery)
-        self._threads = [threading.Thread(target=self._heart_loop, daemon=True, name="observe"),
+        self._threads = [threading.Thread(target=self._io_loop, daemon=True, name="observe"),
                          threading.Thread(target=self._metrics_loop, daemon=True, name="metrics")]
         for t in self._threads:
             t.start()
+        self._hearts.start()
 
     # -- discovery (zeroconf's thread: quick, no blocking calls)
     def _on_discovery(self, ev) -> None:
@@ -77,44 +83,74 @@ class FleetObserver(SnapshotSource):
             self._events.append(FleetEvent(time.time(), kind, text))
         self._fresh.set()
 
-    # -- heartbeats and status
-    def _heart_loop(self) -> None:
-        while not self._stop.wait(0 if self._tick == 0 else self.period_s):
-            self._tick += 1
-            cards = {c.node_id: c for c in self._browser.cards()}
-            with self._lock:
-                self._cards = cards
-            for nid, card in cards.items():
-                self._subscribed.add(card.pub_endpoint)
-                self._ping(nid, card)
-            report = self._hearts.tick(time.monotonic_ns())
-            for nid in report.failed:
-                self._event("heartbeat_lost", f"{self._name(nid)} stopped answering heartbeats")
-            for nid in report.recovered:
-                self._event("heartbeat_back", f"{self._name(nid)} answers heartbeats again")
-            self._fresh.set()
+    # -- heartbeats and status (the I/O thread owns every Client)
+    def _io_loop(self) -> None:
+        next_browse = 0.0
+        while not self._stop.is_set():
+            if time.monotonic() >= next_browse:
+                self._browse()
+                next_browse = time.monotonic() + self.period_s
+            try:
+                nid, seq, sent_ns = self._pings.get(timeout=min(0.1, self.period_s))
+            except queue.Empty:
+                continue
+            card = self._cards.get(nid)
+            stale = time.monotonic_ns() - sent_ns > self.period_s * 1e9  # a newer one is queued
+            if card is not None and not stale:
+                self._ping(nid, card, seq, sent_ns)
+
+    def _browse(self) -> None:
+        """Follow the discovered agents; ask their status every few periods."""
+        self._tick += 1
+        cards = {c.node_id: c for c in self._browser.cards()}
+        with self._lock:
+            gone = set(self._cards) - set(cards)
+            self._cards = cards
+        for nid in gone:  # said goodbye: no longer watched
+            self._hearts.remove_peer(nid)
+            client = self._clients.pop(nid, None)
+            if client is not None:
+                client.close()
+        for nid, card in cards.items():
+            self._subscribed.add(card.pub_endpoint)
+            self._hearts.add_peer(nid)
+            if self._tick % DEFAULT_STATUS_EVERY == 1:
+                self._request_status(nid, card)
+        self._fresh.set()
+
+    def _failed(self, nid: str) -> None:  # heartbeat thread
+        self._event("heartbeat_lost", f"{self._name(nid)} stopped answering heartbeats")
+
+    def _recovered(self, nid: str) -> None:  # heartbeat thread
+        self._event("heartbeat_back", f"{self._name(nid)} answers heartbeats again")
 
     def _name(self, nid: str) -> str:
         c = self._cards.get(nid)
         return c.name if c is not None else nid
 
-    def _ping(self, nid: str, card) -> None:
+    def _client(self, nid: str, card) -> Client:
         client = self._clients.get(nid)
         if client is None or client.endpoint != card.router_endpoint:
             client = self._clients[nid] = Client(card.router_endpoint, key=self.key,
                                                  connect_timeout_s=self.ping_timeout_s)
-        self._seq += 1
-        now = time.monotonic_ns()
-        self._hearts.beat_sent(nid, self._seq, now)
+        return client
+
+    def _ping(self, nid: str, card, seq: int, sent_ns: int) -> None:
         try:
-            r = client.request(Ping(self._seq, now), timeout=self.ping_timeout_s)
-            if isinstance(r, Pong) and self._hearts.pong(nid, r.seq, r.sent_ns,
-                                                         time.monotonic_ns()):
+            r = self._client(nid, card).request(Ping(seq, sent_ns), timeout=self.ping_timeout_s)
+            if isinstance(r, Pong) and self._hearts.on_pong(nid, r.seq, r.sent_ns):
                 self._last_pong[nid] = time.monotonic_ns()
-            if self._tick % DEFAULT_STATUS_EVERY == 1:
-                st = client.request(StatusRequest(), timeout=self.ping_timeout_s)
-                if isinstance(st, StatusReply):
-                    self._status[nid] = st
+                self._fresh.set()
+        except (TransportTimeout, PeerUnavailable):
+            pass  # silence: the heartbeat fails the agent at its deadline
+        except ProtocolError as e:
+            self._event("error", f"{card.name}: {e}")
+
+    def _request_status(self, nid: str, card) -> None:
+        try:
+            st = self._client(nid, card).request(StatusRequest(), timeout=self.ping_timeout_s)
+            if isinstance(st, StatusReply):
+                self._status[nid] = st
         except (TransportTimeout, PeerUnavailable):
             pass
         except ProtocolError as e:
@@ -186,6 +222,7 @@ class FleetObserver(SnapshotSource):
             return
         self._stop.set()
         self._fresh.set()
+        self._hearts.stop()
         for t in self._threads:
             t.join(2.0)
         self._browser.close()
