@@ -23,8 +23,8 @@ from macfleet.fleet.snapshot import (EMPTY_SNAPSHOT, FleetEvent, FleetSnapshot, 
                                      SnapshotSource)
 from tui.messages import SnapshotArrived
 from tui.screens.session_detail import SessionDetailScreen
-from tui.widgets import (HOST_SORTS, AcceptHistogram, EventLog, FlowsPanel, HostsPanel, LinksPanel,
-                         SessionsPanel, StatusBar)
+from tui.widgets import (HOST_SORTS, AcceptHistogram, BatchPanel, EventLog, FlowsPanel, HostsPanel,
+                         LinksPanel, SessionsPanel, StatusBar)
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ STALL_CHECK_MAX_S = 0.25
 
 
 class FleetDashboard(App[None]):
-    """Hosts, links, sessions, per-flow multi-host overhead and events of one fleet."""
+    """Hosts, links, sessions, per-flow multi-host overhead and events of one fleet; the
+    batch of a watched `macfleet serve` on top when the snapshots carry one."""
 
     CSS_PATH = "dashboard.tcss"
     TITLE = "macfleet"
@@ -76,7 +77,9 @@ class FleetDashboard(App[None]):
         self.flows = FlowsPanel(id="flows", classes="panel")
         self.events = EventLog(id="events", classes="panel")
         self.accept_hist = AcceptHistogram(id="accept-hist")
+        self.batch_panel = BatchPanel(id="batch", classes="panel")  # with dash --serve only
         yield self.status_bar
+        yield self.batch_panel
         yield self.hosts
         with Horizontal(id="middle"):
             yield self.sessions
@@ -138,6 +141,7 @@ class FleetDashboard(App[None]):
     def apply_snapshot(self, snapshot: FleetSnapshot) -> None:
         """Show ``snapshot`` in every panel (and in an open session detail screen)."""
         self.snapshot = snapshot
+        self.batch_panel.show(snapshot.serve)
         self.hosts.show(snapshot.hosts, self.host_sort)
         self.links.show(snapshot.links)
         self.sessions.show(snapshot.sessions)

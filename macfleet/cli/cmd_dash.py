@@ -11,6 +11,11 @@ def add_parser(sub) -> None:
     p.add_argument("--record", default=None, help="also record the snapshots to this file")
     p.add_argument("--refresh", type=float, default=1.0)
     p.add_argument("--loopback", action="store_true", help="browse 127.0.0.1 only")
+    p.add_argument("--serve", default=None, metavar="URL",
+                   help="also show the batch of this `macfleet serve` (e.g. "
+                   "http://127.0.0.1:8000); without a fleet key, only it")
+    p.add_argument("--api-key", default=None,
+                   help="the server's API key (default: $MACFLEET_API_KEY)")
     add_key_args(p)
     p.set_defaults(func=run)
 
@@ -19,15 +24,18 @@ def run(args) -> int:
     from macfleet.fleet.snapshot import RecordingSource, ReplaySource, SnapshotFormatError
     from tui.app import run_dashboard
 
+    if args.replay and args.serve:
+        raise UserError("--serve watches a live server; --replay plays a recording (which "
+                        "holds the batch it was recorded with)")
     if args.replay:
         try:
             source = ReplaySource(args.replay)
         except (OSError, SnapshotFormatError) as e:
             raise UserError(f"cannot replay {args.replay}: {e}") from None
     else:
-        from macfleet.fleet.observer import FleetObserver
-
-        source = FleetObserver(fleet_key(args), loopback=args.loopback)
+        source = _fleet_source(args)
+    if args.serve:
+        source = _serve_source(args, source)
     if args.record:
         source = RecordingSource(source, args.record)
     try:
@@ -35,3 +43,30 @@ def run(args) -> int:
     finally:
         source.close()
     return 0
+
+
+def _fleet_source(args):
+    """The fleet observer; with --serve and no fleet key, None (the server alone is shown)."""
+    from macfleet.fleet.keys import KeyMissing, resolve_key
+    from macfleet.fleet.observer import FleetObserver
+
+    if args.serve and not args.open:
+        try:
+            resolve_key(args.key, open_fleet=False)
+        except KeyMissing:
+            return None
+    return FleetObserver(fleet_key(args), loopback=args.loopback)
+
+
+def _serve_source(args, inner):
+    import os
+
+    from macfleet.fleet.serve_watch import ServeWatchSource
+
+    try:
+        return ServeWatchSource(args.serve, inner,
+                                api_key=args.api_key or os.environ.get("MACFLEET_API_KEY"))
+    except ValueError as e:
+        if inner is not None:
+            inner.close()
+        raise UserError(f"--serve: {e}") from None

@@ -81,9 +81,10 @@ def _imported_modules(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("path", sorted((ROOT / "tui").rglob("*.py")), ids=lambda p: p.name)
 def test_tui_reads_only_fleet_snapshots(path: Path) -> None:
-    """DESIGN.md layering: the dashboard observes ``macfleet.fleet``; no sockets, no MLX."""
+    """DESIGN.md layering: the dashboard observes ``macfleet.fleet``'s pure records (fleet
+    snapshots, a server's batch); no sockets, no MLX."""
     for mod in _imported_modules(path):
         top = mod.split(".")[0]
         assert top not in {"zmq", "mlx", "zeroconf", "bridge", "agents", "socket"}, mod
         if top == "macfleet":
-            assert mod.startswith("macfleet.fleet.snapshot"), mod
+            assert mod.startswith(("macfleet.fleet.snapshot", "macfleet.fleet.batch")), mod

@@ -1,5 +1,6 @@
 """Dashboard panels: each takes plain snapshot views through a method call, never I/O."""
 
+from tui.widgets.batch import BatchPanel
 from tui.widgets.events import EventLog
 from tui.widgets.flows import FlowsPanel
 from tui.widgets.histogram import AcceptHistogram
@@ -9,6 +10,6 @@ from tui.widgets.sessions import SessionsPanel
 from tui.widgets.status import StatusBar
 
 __all__ = [
-    "AcceptHistogram", "EventLog", "FlowsPanel", "HOST_SORTS", "HostsPanel", "LinksPanel",
+    "AcceptHistogram", "BatchPanel", "EventLog", "FlowsPanel", "HOST_SORTS", "HostsPanel", "LinksPanel",
     "SessionsPanel", "StatusBar", "sort_hosts",
 ]
