@@ -54,6 +54,7 @@ class DraftStream:
     # it is paused when hits are rare and retried now and then.
     hit_rate: float = 0.5
     requests: int = 0
+    last_drafted: int = 0  # tokens of the last tree drafted (what the verifier reports on)
     _survived: bool = False
 
     def commit(self, committed: Sequence[int]) -> bool:

@@ -67,6 +67,23 @@ def reclaimable(last_used: dict[str, float], now: float, min_idle_s: float) -> s
     return sid if now - last_used[sid] >= min_idle_s else None
 
 
+def _learn(s: DraftStream, msg: DraftRequest) -> None:
+    """Give a tree drafter what the verifier measured: its verify(L) table (first request)
+    and what became of the previous draft, as the local loop does (tree_loop)."""
+    lengths, ms = msg.verify_lengths, msg.verify_costs_ms
+    if lengths and ms and len(lengths) == len(ms):
+        s.proposer.seed_verify_costs({int(L): float(c) for L, c in zip(lengths, ms)
+                                      if 1 <= int(L) <= MAX_VERIFY_LENGTH and 0 < c < 1e6})
+    drafted = s.last_drafted
+    if 0 <= msg.last_accepted <= drafted and 0 < msg.last_verify_ms < 1e6:
+        s.proposer.observe(drafted, msg.last_accepted, msg.last_verify_ms,
+                           msg.last_verified if 0 < msg.last_verified <= MAX_VERIFY_LENGTH
+                           else None)
+
+
+MAX_VERIFY_LENGTH = 4096  # a verified block larger than this is a lie, not a measurement
+
+
 class ProposerService:
     def __init__(self, lm: LoadedModel, *,
                  kinds: tuple[str, ...] = PROPOSER_KINDS,
@@ -241,8 +258,10 @@ class ProposerService:
                     feats = decode_int8(feats, msg.features_scale[:n])
                 s.proposer.feed_features(a, s.context[a : a + n], feats)
         if s.proposer.drafts_trees:  # a dynamic tree is drafted fresh for every block
+            _learn(s, msg)
             t0 = time.perf_counter()
             d = s.proposer.propose(s.context, msg.k)
+            s.last_drafted = len(d.tokens)
             self.served += 1
             if self._on_block:
                 self._on_block(msg.session_id, msg.block, (time.perf_counter() - t0) * 1e3,

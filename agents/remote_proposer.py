@@ -122,6 +122,8 @@ class RemoteProposer(Proposer):
         self._t0 = 0.0
         self._f3: tuple[int, float] = (0, 0.0)
         self.params = GREEDY
+        self._feedback: tuple[int, int, float] = (-1, 0, 0.0)  # for the next request
+        self._costs: dict[int, float] | None = None  # the verifier's verify(L), sent once
 
     def start(self, params: SamplingParams = GREEDY) -> None:
         self.params = params
@@ -130,6 +132,15 @@ class RemoteProposer(Proposer):
         self._f_sent = 0
         self._block = 0
         self.flows = FlowTotals()
+        self._feedback = (-1, 0, 0.0)
+
+    def seed_verify_costs(self, costs) -> None:
+        self._costs = {int(k): float(v) for k, v in costs.items()}
+
+    def observe(self, drafted: int, accepted: int, verify_ms: float,
+                verified: int | None = None) -> None:
+        """Kept for the next request: the drafter on the other Mac learns from it."""
+        self._feedback = (int(accepted), int(verified or drafted + 1), float(verify_ms))
 
     def _open(self, context: Sequence[int]) -> None:
         self._client = self._client or Client(self.endpoint, key=self.key,
@@ -168,9 +179,15 @@ class RemoteProposer(Proposer):
             from macfleet.engine.drafter.f3codec import encode_int8
 
             feats, scale = encode_int8(feats)
+        acc, verified, vms = self._feedback
+        costs, self._costs = self._costs, None
         req = DraftRequest(session_id=self._session, block=self._block, committed=delta, k=k,
                            want_probs=not self.params.greedy, features=feats,
-                           features_start=f_start, features_scale=scale)
+                           features_start=f_start, features_scale=scale,
+                           last_accepted=acc, last_verified=verified, last_verify_ms=vms,
+                           verify_lengths=sorted(costs) if costs else None,
+                           verify_costs_ms=[costs[L] for L in sorted(costs)] if costs else None)
+        self._feedback = (-1, 0, 0.0)
         self._f3_bytes = 0 if feats is None else int(feats.nbytes) + (
             0 if scale is None else int(scale.nbytes))
         self._t0 = time.perf_counter()

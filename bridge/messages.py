@@ -308,6 +308,16 @@ class DraftRequest:
     features: np.ndarray | None = None  # [n, hidden] float16, or int8 with features_scale
     features_start: int = 0
     features_scale: np.ndarray | None = None  # [n] float16: per-row scale of int8 features
+    # What became of this proposer's previous draft, so a remote tree drafter calibrates and
+    # sizes its trees as a local one does: its accepted tokens (-1: nothing to report), and
+    # the verified block's size (root included) and time.
+    last_accepted: int = -1
+    last_verified: int = 0
+    last_verify_ms: float = 0.0
+    # The verifier's measured verify(L) (engine/verify_costs.py), with a session's first
+    # request: the lengths and their ms.
+    verify_lengths: list[int] | None = None
+    verify_costs_ms: list[float] | None = None
 
 
 @message("draft_reply")

@@ -151,7 +151,7 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
 
 
 @pytest.mark.slow  # trains a head first
-def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path):
+def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path, monkeypatch):
     """An EAGLE-2 drafter on the proposer agent returns a token tree (DraftReply.parents); the
     verifier agent verifies it in one forward: output identical to the verifier alone, fed by
     F3, never recomputing features. (tiny:1:16: a verifier a head learns in seconds.)"""
@@ -163,6 +163,12 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path):
     from macfleet.engine.drafter.head import EagleConfig, EagleHead
     from macfleet.engine.drafter.train import TrainParams, feature_rms, train
 
+    import macfleet.engine.tree_loop as tree_loop
+
+    # the tiny verifier costs what its head does, so measured costs would (rightly) stop the
+    # remote drafter from drafting at all; verify as if it were a big model's step (the
+    # verifier agent sends this table to the drafter, which sizes its trees against it)
+    monkeypatch.setattr(tree_loop, "verify_costs", lambda m: {1: 100.0, 16: 105.0, 32: 120.0})
     model = "tiny:1:16"
     lm = load_model(model)
     rng = np.random.default_rng(0)
@@ -218,3 +224,39 @@ def test_the_verifier_agent_drafts_a_local_tree_like_generate_local(pair):
     assert tree.token_ids == alone.token_ids
     assert [p.name for p in tree.stats.per_proposer] == ["ngram:3", "draft:tiny:3"]
     assert tree.stats.acceptance_of("draft:tiny:3") == 1.0
+
+
+def test_a_remote_tree_drafter_learns_what_the_verifier_measured():
+    """The verifier's verify(L) table (first request) and the fate of each tree (later ones)
+    reach the drafter on the other Mac, as they reach a local one; lies are dropped."""
+    from agents.draft_stream import DraftStream
+    from agents.proposer_service import _learn
+    from bridge.messages import DraftRequest
+    from macfleet.engine.proposers.base import Proposer
+
+    class Spy(Proposer):
+        drafts_trees = True
+
+        def __init__(self):
+            self.seen, self.costs = [], None
+
+        def propose(self, context, k, with_guess=False):
+            raise AssertionError
+
+        def seed_verify_costs(self, costs):
+            self.costs = dict(costs)
+
+        def observe(self, drafted, accepted, verify_ms, verified=None):
+            self.seen.append((drafted, accepted, verify_ms, verified))
+
+    p = Spy()
+    s = DraftStream(p, [1, 2], want_probs=False, cross_round=False)
+    req = dict(session_id="s", block=1, committed=[], k=8, want_probs=False)
+    _learn(s, DraftRequest(**req, verify_lengths=[1, 16, -3], verify_costs_ms=[40.0, 70.0, 5.0]))
+    assert p.costs == {1: 40.0, 16: 70.0} and p.seen == []  # nothing drafted yet to report
+    s.last_drafted = 6
+    _learn(s, DraftRequest(**req, last_accepted=2, last_verified=9, last_verify_ms=66.0))
+    assert p.seen == [(6, 2, 66.0, 9)]
+    _learn(s, DraftRequest(**req, last_accepted=7, last_verified=9, last_verify_ms=66.0))
+    _learn(s, DraftRequest(**req, last_accepted=1, last_verified=9, last_verify_ms=-1.0))
+    assert len(p.seen) == 1  # more accepted than drafted, or a negative time: not learnt
