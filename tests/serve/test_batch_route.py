@@ -64,8 +64,10 @@ def test_dashboard_client_sees_iterations_and_session_latencies(server):
 
 def test_a_server_that_is_down_or_silent_shows_as_such_within_the_deadline():
     s = start_server()
-    assert fetch_batch(s.base, api_key=s.key, timeout_s=5).state == "up"
-    stop_server(s)
+    try:
+        assert fetch_batch(s.base, api_key=s.key, timeout_s=5).state == "up"
+    finally:
+        stop_server(s)
     t0 = time.monotonic()
     v = fetch_batch(s.base, api_key=s.key, timeout_s=DEADLINE_S)
     assert v.state == "down" and "refused" in v.error
