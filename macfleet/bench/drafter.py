@@ -62,7 +62,8 @@ def summarize(rows: Sequence[dict], base_tps: float | None) -> dict:
             if blocks else 0.0,
             "verify_ms_per_block": round(sum(r["verify_ms"] for r in rows) / blocks, 2)
             if blocks else 0.0,
-            "all_identical": all(r["identical"] for r in rows)}
+            "all_identical": all(r["identical"] for r in rows),
+            "proposer_failures": sum(r.get("proposer_failures", 0) for r in rows)}
 
 
 def _groups(runs: dict[str, dict[str, dict]], specs: Sequence[str]) -> dict:
@@ -135,17 +136,14 @@ def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                     d = remote(v, key, prompt, eps, spec)
                     st = d.stats
                     ref = d.token_ids if ref is None else ref
+                    fleet = st.fleet
                     runs[kind][spec] = {
-                        "tokens": int(st["tokens"]),
-                        "decode_tokens_per_s": float(st["decode_tokens_per_s"]),
-                        "blocks": int(st["blocks"]), "drafted": int(st["drafted"]),
-                        "accepted": int(st["accepted"]),
-                        "accepted_hist": [int(x) for x in str(st.get("accepted_hist", ""))
-                                          .split(",") if x],
-                        "draft_ms": float(st["draft_ms"]), "verify_ms": float(st["verify_ms"]),
-                        "multihost_overhead": float(st.get("multihost_overhead", 0.0)),
-                        "f3_bytes_per_block": float(st.get("f3_bytes_per_block", 0.0)),
-                        "identical": d.token_ids == ref}
+                        **_row(st, d.token_ids, ref),
+                        "multihost_overhead": fleet.multihost_overhead if fleet else 0.0,
+                        "f3_bytes_per_block": fleet.flows.f3_bytes_per_block if fleet else 0.0,
+                        # a drafter the proposer agent refused or lost is plain decoding in
+                        # disguise: counted, so the row cannot pass for a measurement of it
+                        "proposer_failures": fleet.proposer_failures if fleet else 0}
                     progress(f"agents     {kind:8s} {spec:14s} "
                              f"{runs[kind][spec]['decode_tokens_per_s']:.1f} tok/s")
         finally:
