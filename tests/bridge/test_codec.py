@@ -291,29 +291,6 @@ def test_error_reply_is_addressed():
             "bad_request", "not_found", "busy", "internal", "timeout", "unavailable"} == CODES
 
 
-def test_bridge_imports_no_other_project_package_and_no_pickle():
-    import ast
-    import pathlib
-    import sys
-
-    import bridge
-
-    allowed_roots = {"bridge", "numpy", "msgpack", "zmq", "zeroconf"}
-    project = {"macfleet", "agents", "tui"}
-    for path in pathlib.Path(bridge.__file__).parent.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
-                     else [])
-            for name in names:
-                if name == "macfleet.stats":  # plain records shared with the engine
-                    continue
-                root = name.split(".")[0]
-                assert root not in project, f"{path.name} imports {name}"
-                assert root not in {"pickle", "cPickle", "dill", "cloudpickle"}, f"{path.name}: {name}"
-                assert root in allowed_roots or root in sys.stdlib_module_names, f"{path.name}: {name}"
-
-
 def test_generation_stats_travel_nested_and_are_validated_field_by_field():
     from macfleet.stats import FleetStats, FlowStats, GenerationStats, ProposerStats
 

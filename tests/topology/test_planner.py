@@ -111,18 +111,3 @@ def test_plans_are_frozen():
     q = plan(fleet(8))[0]
     with pytest.raises(dataclasses.FrozenInstanceError):
         q.tokens_per_s = 1.0  # type: ignore[misc]
-
-
-def test_topology_is_pure():
-    """DESIGN.md: topology is pure functions of a snapshot: no MLX, no bridge, no fleet I/O."""
-    import ast
-
-    pkg = Path(__file__).parents[2] / "macfleet/topology"
-    for f in pkg.glob("*.py"):
-        for node in ast.walk(ast.parse(f.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            for n in names:
-                top = n.split(".")[0]
-                assert top in ("__future__", "collections", "dataclasses", "typing", "macfleet"), (f, n)
-                assert top != "macfleet" or n.startswith("macfleet.topology"), (f, n)

@@ -1,10 +1,9 @@
-"""Pure pieces of the dashboard (formatting, sorting, histogram) and its import layering."""
+"""Pure pieces of the dashboard (formatting, sorting, histogram); its import layering is in
+tests/test_layering.py."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +13,6 @@ from tui.format import clip, fmt_age, fmt_bytes, fmt_mem, fmt_ms
 from tui.widgets.histogram import histogram_lines
 from tui.widgets.hosts import HOST_SORTS, host_cells, sort_hosts
 from tui_testkit import load
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_formatters_are_short_and_handle_unknowns() -> None:
@@ -66,25 +63,3 @@ def test_run_dashboard_closes_the_source_even_on_error(monkeypatch: pytest.Monke
     with pytest.raises(KeyboardInterrupt):
         app_module.run_dashboard(src, refresh_s=0.5)
     assert seen == {"refresh_s": 0.5} and src._closed
-
-
-def _imported_modules(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
-
-
-@pytest.mark.parametrize("path", sorted((ROOT / "tui").rglob("*.py")), ids=lambda p: p.name)
-def test_tui_reads_only_fleet_snapshots(path: Path) -> None:
-    """DESIGN.md layering: the dashboard observes ``macfleet.fleet``'s pure records (fleet
-    snapshots, a server's batch); no sockets, no MLX."""
-    for mod in _imported_modules(path):
-        top = mod.split(".")[0]
-        assert top not in {"zmq", "mlx", "zeroconf", "bridge", "agents", "socket"}, mod
-        if top == "macfleet":
-            assert mod.startswith(("macfleet.fleet.snapshot", "macfleet.fleet.batch")), mod
