@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with speculative decoding")
     p.add_argument("prompt")
     p.add_argument("--model", default="smollm2", help="smollm2 | PATH.gguf | mlx-lm dir/id | "
-                   "tiny:SEED[:VOCAB]")
+                   "tiny:SEED[:VOCAB] | tiny-moe:SEED[:VOCAB]")
     p.add_argument("--proposer", default=DEFAULT_PROPOSER,
                    help="auto | eagle2[:PATH] | eagle[:PATH] | ngram[:N] | layerskip:K | "
                    "draft:SPEC | none; several joined by + draft a token tree each block "

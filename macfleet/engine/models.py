@@ -7,7 +7,8 @@ Specs:
   `smollm2:dense` / `smollm2:q` force dense or quantized weights.
 * a `.gguf` path (llama family);
 * an mlx-lm model directory or Hugging Face id (through `mlx_lm.load`; needs internet for ids);
-* `tiny:<seed>[:<vocab>]`: a tiny random-weight model for tests.
+* `tiny:<seed>[:<vocab>]`: a tiny random-weight model for tests;
+* `tiny-moe:<seed>[:<vocab>]`: a tiny random mixture of experts (mlx-lm's qwen3_moe) for tests.
 
 Dense is the default on Linux (MLX's quantized CPU matmul is slow there), quantized on macOS.
 """
@@ -25,7 +26,8 @@ from typing import Any
 import mlx.nn as nn
 
 from macfleet.engine.gguf import GGUFError, load_gguf
-from macfleet.engine.tiny import DEFAULT_TINY_VOCAB, TinyTokenizer, build_tiny_model
+from macfleet.engine.tiny import (DEFAULT_TINY_VOCAB, TinyTokenizer, build_tiny_model,
+                                  build_tiny_moe)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,12 @@ class LoadedModel:
     @property
     def hidden_size(self) -> int:
         return int(self.model.args.hidden_size)
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0 for a dense model)."""
+        a = self.model.args
+        return int(getattr(a, "num_experts", 0) or getattr(a, "num_local_experts", 0) or 0)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -96,7 +104,8 @@ def _parse_tiny(spec: str) -> tuple[int, int]:
         seed = int(parts[1])
         vocab = int(parts[2]) if len(parts) > 2 else DEFAULT_TINY_VOCAB
     except (IndexError, ValueError) as e:
-        raise ModelSpecError(f"bad tiny spec '{spec}': expected tiny:<seed>[:<vocab>]") from e
+        raise ModelSpecError(f"bad tiny spec '{spec}': expected {parts[0]}:<seed>[:<vocab>]"
+                             ) from e
     if len(parts) > 3 or not 2 <= vocab <= 65536:
         raise ModelSpecError(f"bad tiny spec '{spec}': vocab must be 2..65536")
     return seed, vocab
@@ -109,6 +118,10 @@ def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
         seed, vocab = _parse_tiny(spec)
         return LoadedModel(spec, build_tiny_model(seed, vocab), TinyTokenizer(vocab),
                            "built in code", False)
+    if name == "tiny-moe":
+        seed, vocab = _parse_tiny(spec)
+        return LoadedModel(spec, build_tiny_moe(seed, vocab), TinyTokenizer(vocab),
+                           "built in code (qwen3_moe)", False)
     if name == "smollm2":
         if opt not in ("", "dense", "q"):
             raise ModelSpecError(f"bad spec '{spec}': use smollm2, smollm2:dense or smollm2:q")
@@ -128,7 +141,7 @@ def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
             return _load_gguf_spec(spec, p, default_dense() if dense is None else dense)
         except GGUFError as e:
             raise ModelSpecError(f"{p}: {e}") from e
-    tried.append("not 'smollm2', 'tiny:<seed>' or a .gguf path")
+    tried.append("not 'smollm2', 'tiny:<seed>', 'tiny-moe:<seed>' or a .gguf path")
     if p.is_dir() and not (p / "config.json").is_file():
         raise ModelSpecError(f"{p} is a directory without config.json, not an mlx-lm model")
     try:

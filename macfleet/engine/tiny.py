@@ -1,8 +1,11 @@
-"""Tiny random-weight models built in code, for fast tests (spec `tiny:<seed>[:<vocab>]`).
+"""Tiny random-weight models built in code, for fast tests (specs `tiny:<seed>[:<vocab>]` and
+`tiny-moe:<seed>[:<vocab>]`).
 
-They are real mlx-lm llama models (same code path as the big ones), just small, so every loop,
-cache and acceptance test runs in milliseconds. Weights are scaled up so the output
-distributions are peaked rather than uniform, which makes acceptance tests meaningful.
+They are real mlx-lm models (llama, and qwen3_moe for the mixture of experts: the same code path
+as the big ones), just small, so every loop, cache and acceptance test runs in milliseconds.
+Weights are scaled up so the output distributions are peaked rather than uniform, which makes
+acceptance tests meaningful; the MoE's router is scaled too, so routing is decisive (a token's
+top-k experts are not near a tie that an all-reduce's summation order could flip).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen3_moe
 
 DEFAULT_TINY_VOCAB = 64
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:!?-'\n"
@@ -38,6 +41,51 @@ def build_tiny_model(seed: int, vocab_size: int = DEFAULT_TINY_VOCAB, layers: in
     mx.random.seed(seed)
     model = llama.Model(tiny_args(vocab_size, layers))
     model.update(tree_map(lambda p: p * weight_scale, model.parameters()))
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+# The tiny MoE: 8 experts, 2 per token, every layer sparse. Heads (8), kv heads (4), the experts'
+# width (64) and the expert count all divide by 2 and 4, so tensor, pipeline and expert
+# parallelism all run it over 2 and 4 ranks.
+TINY_MOE_EXPERTS = 8
+TINY_MOE_TOP_K = 2
+
+
+def tiny_moe_args(vocab_size: int = DEFAULT_TINY_VOCAB, layers: int = 4,
+                  experts: int = TINY_MOE_EXPERTS, top_k: int = TINY_MOE_TOP_K
+                  ) -> qwen3_moe.ModelArgs:
+    return qwen3_moe.ModelArgs(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,  # dense MLP width; unused while every layer is sparse
+        num_attention_heads=8,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        moe_intermediate_size=64,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab_size,
+        num_key_value_heads=4,
+        head_dim=16,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        norm_topk_prob=True,
+    )
+
+
+def build_tiny_moe(seed: int, vocab_size: int = DEFAULT_TINY_VOCAB, layers: int = 4,
+                   weight_scale: float = 3.0, router_scale: float = 8.0) -> nn.Module:
+    """A random qwen3_moe model, deterministic from `seed`."""
+    mx.random.seed(seed)
+    model = qwen3_moe.Model(tiny_moe_args(vocab_size, layers))
+    model.update(tree_map(lambda p: p * weight_scale, model.parameters()))
+    for layer in model.model.layers:
+        layer.mlp.gate.weight = layer.mlp.gate.weight * router_scale
     mx.eval(model.parameters())
     model.eval()
     return model
