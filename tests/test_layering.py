@@ -46,6 +46,10 @@ ALLOWED: dict[str, Rule] = {
     # pure planning
     "macfleet/topology": Rule(("macfleet.topology",),
                               only=("__future__", "collections", "dataclasses", "typing")),
+    # ... but for the planning inputs it reads from disk (results/, a model's config.json)
+    "macfleet/topology/inputs.py": Rule(("macfleet.topology",),
+                                        only=("__future__", "collections", "dataclasses",
+                                              "typing", "json", "pathlib")),
     # the control-plane client: the wire, its own records, the engine's draft-length limits
     "macfleet/fleet": Rule(("bridge", "macfleet.fleet", "macfleet.engine.controller", *RECORDS),
                            banned=("mlx", "textual")),

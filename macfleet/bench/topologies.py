@@ -32,7 +32,7 @@ from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote, probe
 from macfleet.fleet.keys import keygen
 from macfleet.topology import planner
-from macfleet.topology.snapshot import Fleet, Host, Link, Profile
+from macfleet.topology.fleet_spec import Fleet, Host, Link, Profile
 
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_LAYERSKIP = 20

@@ -19,8 +19,8 @@ def run_topologies(args) -> int:
     from macfleet.bench.prompts import BENCH_PROMPTS
     from macfleet.bench.record import write_result
     from macfleet.bench.topologies import bench_topologies
-    from macfleet.cli.cmd_plan import measured_profile
     from macfleet.engine.models import load_model
+    from macfleet.topology.inputs import measured_profile
 
     res = bench_topologies(load_model(args.model), BENCH_PROMPTS.get(args.prompt, args.prompt),
                            profile=measured_profile(args.out), results=args.out,

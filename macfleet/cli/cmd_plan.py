@@ -1,8 +1,8 @@
 """`macfleet plan`: which topologies this fleet allows, where each role goes, predicted tok/s.
 
-A thin shell over `macfleet.topology` (pure): it builds the fleet snapshot from the live fleet
-(discover + probe) or from `--simulate HOSTS.json`, reads measured profiles from `results/`
-when present, and prints the plans. Asking for the split-sequence topology prints the refusal
+A thin shell over `macfleet.topology`: the planning inputs (measured profiles from `results/`,
+the model's shape, a live fleet from discover + probe) come from topology/inputs.py, or the fleet
+from `--simulate HOSTS.json`; the pure planner plans; this prints. Asking for the split-sequence topology prints the refusal
 and exits 3.
 """
 
@@ -37,80 +37,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run_plan)
 
 
-def measured_profile(results: Path):
-    """Profile from results/verify_l_sweep.json and results/local_spec.json, else defaults."""
-    from macfleet.topology.snapshot import Profile
-
-    prof, used = Profile(), []
-    sweep = results / "verify_l_sweep.json"
-    per_host = sorted(results.glob("*/verify_sweep.json"))  # measured by agents (tool plane)
-    if per_host:
-        sweep = per_host[0]
-    try:
-        d = json.loads(sweep.read_text())
-        curve = min(d["curves"], key=lambda c: c["context"])
-        pts = tuple((int(p["L"]), float(p["ms"])) for p in curve["points"])
-        if len(pts) >= 2:
-            prof = replace(prof, verify_ms=pts)
-            used.append(f"verify(L) from {sweep} (context {curve['context']})")
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    spec = results / "local_spec.json"
-    try:
-        d = json.loads(spec.read_text())
-        acc: dict[str, list[float]] = {}
-        for pr in d["prompts"].values():
-            for m, r in pr["methods"].items():
-                if m.startswith("macfleet[") and "acceptance" in r:
-                    kind = m[len("macfleet["):].split(":")[0].split(",")[0].rstrip("]")
-                    acc.setdefault(kind, []).append(float(r["acceptance"]))
-        if acc:
-            props = tuple(replace(p, acceptance=min(0.99, sum(acc[p.kind]) / len(acc[p.kind])))
-                          if p.kind in acc else p for p in prof.proposers)
-            prof = replace(prof, proposers=props)
-            used.append(f"acceptance of {sorted(acc)} from {spec}")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    costs = {}
-    for f in sorted(results.glob("*/draft_cost-*.json")):
-        try:
-            d = json.loads(f.read_text())
-            costs[d["proposer"].split(":")[0]] = float(d["ms_per_token"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    if costs:
-        props = tuple(replace(p, ms_per_token=costs[p.kind]) if p.kind in costs else p
-                      for p in prof.proposers)
-        prof = replace(prof, proposers=props)
-        used.append(f"draft cost of {sorted(costs)} from {results}/<host>/draft_cost-*.json")
-    if used:
-        prof = replace(prof, source="; ".join(used) + "; other numbers: " + prof.source)
-    return prof
-
-
-def model_shape(spec: str | None):
-    from macfleet.topology.snapshot import SMOLLM2, ModelShape
-
-    if spec is None or spec.split(":")[0] == "smollm2":
-        return SMOLLM2
-    p = Path(spec).expanduser()
-    try:
-        c = json.loads((p / "config.json").read_text())
-        size = sum(f.stat().st_size for f in p.glob("*.safetensors"))
-        return ModelShape(p.name, size, int(c["num_hidden_layers"]), int(c["hidden_size"]),
-                          int(c["num_attention_heads"]),
-                          int(c.get("num_key_value_heads", c["num_attention_heads"])),
-                          int(c.get("vocab_size", 32000)), int(c.get("intermediate_size", 0)))
-    except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"cannot read the shape of model '{spec}' ({e}); use smollm2 or an "
-                        "mlx-lm model directory") from None
-
-
 def live_fleet(args, profile, shape):
-    """Hosts from discovered agents; a link's RTT ~ the larger of the two client RTTs."""
+    """The discovered agents that answer, as the planner's fleet (topology/inputs.py)."""
     from bridge.auth import fleet_id
     from macfleet.fleet.client import discover, probe
-    from macfleet.topology.snapshot import Fleet, Host, Link
+    from macfleet.topology.inputs import fleet_from_statuses
 
     key = fleet_key(args)
     statuses = [probe(c, key) for c in discover(fleet_id(key), wait_s=args.wait)]
@@ -118,12 +49,7 @@ def live_fleet(args, profile, shape):
     if not live:
         raise UserError("no live agents found (start some with `macfleet up`, or plan a "
                         "described fleet with --simulate HOSTS.json)")
-    hosts = tuple(Host(s.card.name, s.card.chip, s.card.mem_free, tuple(s.card.roles))
-                  for s in live)
-    links = tuple(Link(a.card.name, b.card.name,
-                       max(a.rtt_p50_ms or 0.0, b.rtt_p50_ms or 0.0), 100.0)
-                  for i, a in enumerate(live) for b in live[i + 1:])
-    return Fleet(hosts, shape, profile, links)
+    return fleet_from_statuses(live, profile, shape)
 
 
 def plan_to_dict(q) -> dict:
@@ -144,8 +70,13 @@ def run_plan(args) -> int:
             print(json.dumps({"refused": plan_to_dict(r)}, indent=2))
         print(f"macfleet plan: {r.topology}: {r.reason}", file=sys.stderr)
         return EXIT_REFUSED
+    from macfleet.topology.inputs import ModelShapeError, measured_profile, model_shape
+
     profile = measured_profile(Path(args.results))
-    shape = model_shape(args.model)
+    try:
+        shape = model_shape(args.model)
+    except ModelShapeError as e:
+        raise UserError(str(e)) from None
     try:
         if args.simulate:
             try:

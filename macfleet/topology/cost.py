@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from macfleet.topology.snapshot import Link, ModelShape, Profile
+from macfleet.topology.fleet_spec import Link, ModelShape, Profile
 
 MSG_OVERHEAD_BYTES = 256  # header + msgpack body of one F1/F2 message
 ID_BYTES = 4

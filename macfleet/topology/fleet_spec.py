@@ -1,4 +1,7 @@
-"""The planner's input: a fleet snapshot (hosts, links, model shape, measured profiles).
+"""The planner's input: a described fleet (hosts, links, model shape, measured profiles).
+
+Not to be confused with macfleet/fleet/snapshot.py, the *observed* fleet the dashboard shows:
+this is what `macfleet plan` plans for (built by topology/inputs.py or from `--simulate`).
 
 Pure data. `snapshot_from_dict` parses the JSON of `macfleet plan --simulate` (and what the
 CLI builds from a live fleet); it raises `SnapshotError` naming the bad field.

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from macfleet.topology.cost import (BlockCost, best_k, chip_factor, expected_tokens,
                                     expected_tokens_tree, shard_ms, verify_ms_on, wire_ms)
-from macfleet.topology.snapshot import Fleet, Host, ModelShape, ProposerProfile
+from macfleet.topology.fleet_spec import Fleet, Host, ModelShape, ProposerProfile
 
 SINGLE = "single host"
 ONE_TO_ONE = "1 proposer : 1 verifier"
@@ -94,7 +94,7 @@ def _offers(h: Host, role: str) -> bool:
 
 
 def _verifier_need(fleet: Fleet, fraction: float = 1.0) -> int:
-    from macfleet.topology.snapshot import DEFAULT_MEM_OVERHEAD
+    from macfleet.topology.fleet_spec import DEFAULT_MEM_OVERHEAD
 
     return int(fleet.model.param_bytes * fraction * DEFAULT_MEM_OVERHEAD)
 

@@ -12,7 +12,7 @@ from macfleet.topology import (N_TO_ONE, ONE_TO_N, ONE_TO_ONE, SHARDED, SINGLE, 
                                Fleet, Host, Link, Profile, ProposerProfile, SnapshotError,
                                layer_ranges, plan, shard_mode, snapshot_from_dict)
 from macfleet.topology.cost import expected_tokens, expected_tokens_tree
-from macfleet.topology.snapshot import GB, SMOLLM2
+from macfleet.topology.fleet_spec import GB, SMOLLM2
 
 EXAMPLE = Path(__file__).parents[2] / "macfleet/topology/examples/desk-8-macs.json"
 
