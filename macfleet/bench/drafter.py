@@ -159,14 +159,18 @@ def best_spec(summary: dict, candidates: Sequence[str]) -> tuple[str, float]:
     return best, float(summary["all"][best]["speedup_geomean"] or 0.0)
 
 
-def record_best(head_path: Path, best: str, speedup: float, command: str) -> None:
-    """Write the measured best drafter into the head's eval record (engine/drafter/choice)."""
+def record_best(head_path: Path, best: str, speedup: float, command: str,
+                best_agents: str | None = None, speedup_agents: float | None = None) -> None:
+    """Write the measured best drafters (in one process; across agents) into the head's eval
+    record, which engine/drafter/choice reads."""
     from macfleet.engine.drafter.distill import eval_path
 
     p = eval_path(head_path)
     doc = json.loads(p.read_text()) if p.is_file() else {}
     doc["bench"] = {"best": best, "speedup": speedup, "command": command,
                     "prompts": "held-out (macfleet/engine/drafter/prompts.py HELD_OUT)"}
+    if best_agents:
+        doc["bench"].update(best_agents=best_agents, speedup_agents=speedup_agents)
     p.write_text(json.dumps(doc, indent=2) + "\n")
 
 

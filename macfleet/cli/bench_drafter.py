@@ -50,13 +50,17 @@ def run(args) -> int:
         if best not in agent_specs:  # the default is measured across agents too
             agent_specs += (best,)
         doc["agents"] = b.bench_agents(lm, agent_specs, args.max_tokens, say)
+        best_a, speedup_a = b.best_spec(doc["agents"]["summary"], agent_specs)
+        doc["best_agents"] = {"spec": best_a, "speedup_geomean": speedup_a}
     head = default_head_path(lm.spec)
     if head is not None and head.is_file():
         from macfleet.engine.drafter.distill import read_eval
 
         doc["head"] = read_eval(head)
         if args.record:
-            b.record_best(head, best, speedup, "macfleet " + " ".join(sys.argv[1:]))
+            agents = doc.get("best_agents") or {}
+            b.record_best(head, best, speedup, "macfleet " + " ".join(sys.argv[1:]),
+                          agents.get("spec"), agents.get("speedup_geomean"))
     # the distill run's learning curve: a curve.jsonl given here, else the one recorded in
     # the head's eval file
     curve = ([json.loads(line) for line in Path(args.curve).read_text().splitlines() if line]
@@ -69,8 +73,8 @@ def run(args) -> int:
                  for s in dict.fromkeys(("eagle", best)) if s in summ["chat"]
                  for g in ("chat", "code")}
         png = b.plot_curve(curve, args.out / "drafter_curve.png", final)
-        if png:
-            say(f"wrote {png}")
+        say(f"wrote {png}" if png else "drafter_curve.png not written: matplotlib is missing "
+            "(pip install 'macfleet[bench]')")
     path = write_result("drafter.json", doc, args.out)
     for where in ("in_process", "agents"):
         if where not in doc:

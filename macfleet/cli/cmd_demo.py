@@ -47,9 +47,9 @@ def run(args) -> int:
     from macfleet.fleet import local
     from macfleet.fleet.keys import keygen
 
-    from macfleet.engine.drafter.choice import resolve_proposer
+    from macfleet.engine.drafter.choice import FLEET, resolve_proposer
 
-    args.proposer, why = resolve_proposer(args.proposer, args.model)
+    args.proposer, why = resolve_proposer(args.proposer, args.model, FLEET)
     print(f"drafter: {args.proposer} ({why})", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="macfleet-demo-") as tmp:
         key_path = Path(tmp) / "fleet.key"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from dataclasses import dataclass, field, replace
@@ -176,9 +177,10 @@ def validate(args) -> None:
 
 def run(args) -> int:
     validate(args)
-    from macfleet.engine.drafter.choice import resolve_proposer
+    from macfleet.engine.drafter.choice import FLEET, resolve_proposer
 
-    args.proposer, _ = resolve_proposer(args.proposer, args.model)
+    asked = args.proposer
+    args.proposer, _ = resolve_proposer(asked, args.model)
     if args.local:
         return run_local(args)
     from macfleet.fleet.keys import KeyMissing, resolve_key
@@ -187,6 +189,8 @@ def run(args) -> int:
         key = resolve_key(args.key, open_fleet=args.open)
     except KeyMissing:
         return run_local(args)  # no fleet key on this machine: no fleet to talk to
+    # on a proposer agent a drafter runs beside the verifier: its own measured best
+    args.fleet_proposer, _ = resolve_proposer(asked, args.model, FLEET)
     committed = Progress()
     try:
         return _replanning(args, key, committed)
@@ -195,6 +199,13 @@ def run(args) -> int:
             print(json.dumps({"text": "".join(committed.text), "token_ids": committed.ids,
                               "complete": False, "error": str(e)}))
         raise
+
+
+def _with(args, **changes):
+    out = copy.copy(args)
+    for k, v in changes.items():
+        setattr(out, k, v)
+    return out
 
 
 def _replanning(args, key, committed: Progress) -> int:
@@ -215,7 +226,8 @@ def _replanning(args, key, committed: Progress) -> int:
                 print(f"macfleet: {e}; generating in-process", file=sys.stderr)
             return run_local(args)
         try:
-            return run_fleet(args, key, verifier, proposers, committed)
+            return run_fleet(_with(args, proposer=args.fleet_proposer), key, verifier,
+                             proposers, committed)
         except VerifierFailed as e:
             failed.add(verifier.card.node_id)
             print(f"macfleet: {e}; re-planning on the rest of the fleet", file=sys.stderr)

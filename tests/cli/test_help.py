@@ -44,5 +44,13 @@ def test_the_default_drafter_is_the_measured_best_and_a_weak_head_is_not_used():
     benched = dict(bad, bench={"best": "eagle2", "speedup": 1.4})
     spec, why = choose_proposer(benched)
     assert spec == "eagle2" and "1.40x" in why
+    # in one process and across agents the measured best differ (a remote drafter's time is
+    # off the critical path): each has its own record
+    both = dict(bad, bench={"best": "ngram", "speedup": 1.01, "best_agents": "eagle2",
+                            "speedup_agents": 1.12})
+    assert choose_proposer(both)[0] == "ngram"
+    spec, why = choose_proposer(both, "fleet")
+    assert spec == "eagle2" and "across agents" in why and "1.12x" in why
+    assert choose_proposer(benched, "fleet")[0] == "eagle2"  # no agents record: the one best
     assert resolve_proposer("ngram", "smollm2") == ("ngram", "asked for")
     assert resolve_proposer("auto", "tiny:1")[0] == "ngram"  # no head shipped for it

@@ -20,14 +20,22 @@ FALLBACK = "ngram"
 MIN_HEAD_MEAN_ACCEPTED = 0.5
 
 
-def choose_proposer(head_eval: dict | None) -> tuple[str, str]:
-    """Pure: (proposer spec, why) from a head's recorded figures (None: no head)."""
+LOCAL, FLEET = "local", "fleet"  # where the drafter runs: the verifier's process, or an agent
+
+
+def choose_proposer(head_eval: dict | None, where: str = LOCAL) -> tuple[str, str]:
+    """Pure: (proposer spec, why) from a head's recorded figures (None: no head). In one
+    process a drafter's time adds to every block; on a proposer agent it runs beside the
+    verifier, so the best drafter differs and is measured (and recorded) for each."""
     if head_eval is None:
         return FALLBACK, "no trained draft head is shipped for this model"
     bench = head_eval.get("bench") or {}
-    if bench.get("best"):
-        return str(bench["best"]), (f"measured best by `macfleet bench drafter`: "
-                                    f"{float(bench.get('speedup', 0.0)):.2f}x plain decoding")
+    fleet = where == FLEET and bench.get("best_agents")
+    best = bench.get("best_agents") if fleet else bench.get("best")
+    if best:
+        speedup = float(bench.get("speedup_agents" if fleet else "speedup", 0.0))
+        return str(best), (f"measured best {'across agents' if fleet else 'in one process'} "
+                           f"by `macfleet bench drafter`: {speedup:.2f}x plain decoding")
     m = float(head_eval.get("held_out", {}).get("mean_accepted", 0.0))
     if m >= MIN_HEAD_MEAN_ACCEPTED:
         return "eagle2+ngram", (f"dynamic trees of the shipped draft head (accepts {m:.2f} "
@@ -41,8 +49,8 @@ def shipped_head_eval(model: str) -> dict | None:
     return read_eval(path) if path is not None and path.is_file() else None
 
 
-def resolve_proposer(spec: str, model: str) -> tuple[str, str]:
-    """`auto` -> the measured best drafter for `model`; anything else is kept as given."""
+def resolve_proposer(spec: str, model: str, where: str = LOCAL) -> tuple[str, str]:
+    """`auto` -> the measured best drafter for `model` run `where`; anything else is kept."""
     if spec != AUTO:
         return spec, "asked for"
-    return choose_proposer(shipped_head_eval(model))
+    return choose_proposer(shipped_head_eval(model), where)
