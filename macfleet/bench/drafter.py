@@ -153,6 +153,29 @@ def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                      "are pinned one core each on this 2-core machine"}
 
 
+def head_on_held_out(lm: LoadedModel, max_answer: int = 64) -> dict | None:
+    """The shipped head's greedy chain acceptance (k=4) on the verifier's answers to the
+    held-out prompts, fed the verifier's true features (as `distill` measures its own held-out
+    split, whose prompts come from the training templates): what the head is worth on text
+    no template produced."""
+    from macfleet.engine.drafter.batchgen import generate_samples
+    from macfleet.engine.drafter.features import FeatureChunk
+    from macfleet.engine.drafter.head import load_head
+    from macfleet.engine.drafter.proposer import default_head_path
+    from macfleet.engine.drafter.prompts import Prompt
+    from macfleet.engine.drafter.train import chain_acceptance
+
+    path = default_head_path(lm.spec)
+    if path is None or not path.is_file():
+        return None
+    head = load_head(path, lm.model)
+    samples = list(generate_samples(lm, [Prompt("held_out", t) for t in HELD_OUT.values()],
+                                    batch=len(HELD_OUT), max_answer=max_answer))
+    acc = chain_acceptance(head, [FeatureChunk(s.tokens, s.hidden, s.top, True)
+                                  for s in samples], k=4, max_starts=400)
+    return {**acc.to_dict(), "answers": len(samples), "max_answer": max_answer}
+
+
 def best_spec(summary: dict, candidates: Sequence[str]) -> tuple[str, float]:
     """The drafter with the best geometric-mean speedup over every held-out prompt (pure)."""
     best = max(candidates, key=lambda s: summary["all"][s]["speedup_geomean"] or 0.0)

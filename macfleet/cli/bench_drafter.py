@@ -57,6 +57,7 @@ def run(args) -> int:
         from macfleet.engine.drafter.distill import read_eval
 
         doc["head"] = read_eval(head)
+        doc["head_on_held_out_prompts"] = b.head_on_held_out(lm)
         if args.record:
             agents = doc.get("best_agents") or {}
             b.record_best(head, best, speedup, "macfleet " + " ".join(sys.argv[1:]),
