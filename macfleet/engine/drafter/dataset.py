@@ -124,7 +124,8 @@ def write_shard(path: Path, index: int, samples: Sequence[Sample]) -> ShardInfo:
     for k, a in arrays.items():
         np.save(path / f"{name}.{k}.npy", a)
     meta = "".join(json.dumps({"source": s.prompt.source, "finish": s.finish,
-                               "key": s.prompt.key}) + "\n" for s in samples)
+                               "key": s.prompt.key, "group": s.prompt.group}) + "\n"
+                   for s in samples)
     (path / f"{name}.meta.jsonl").write_text(meta)
     return ShardInfo(name, len(samples), int(offsets[-1]),
                      sum(s.answer_tokens for s in samples))
@@ -282,13 +283,25 @@ def load_chunks(path: Path, max_len: int = 1 << 30) -> list[FeatureChunk]:
         arr = {k: np.load(path / f"{s.name}.{k}.npy", mmap_mode="r")
                for k in ("tokens", "hidden", "top")}
         offs = np.load(path / f"{s.name}.offsets.npy")
-        for a, b in zip(offs[:-1], offs[1:]):
+        groups = _groups(path / f"{s.name}.meta.jsonl", len(offs) - 1)
+        for a, b, g in zip(offs[:-1], offs[1:], groups):
             for c in range(int(a), int(b), max_len):
                 e = min(int(b), c + max_len)
                 if e - c >= 8:
                     out.append(FeatureChunk(arr["tokens"][c:e], arr["hidden"][c:e],
-                                            arr["top"][c:e], True))
+                                            arr["top"][c:e], True, g))
     return out
+
+
+def _groups(meta: Path, n: int) -> list[str]:
+    """Each sample's prompt group; a dataset written before groups were recorded falls back
+    to the sample's own key (held out sample by sample, as then)."""
+    try:
+        rows = [json.loads(line) for line in meta.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        rows = []
+    out = [r.get("group") or r.get("key", "") for r in rows[:n]]
+    return out + [""] * (n - len(out))
 
 
 def answers(path: Path) -> list[np.ndarray]:

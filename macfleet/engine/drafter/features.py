@@ -41,6 +41,7 @@ class FeatureChunk:
     hidden: np.ndarray  # [L, H] float16: f_t
     top: np.ndarray  # [L] int32: the verifier's argmax after position t (its greedy next token)
     generated: bool = False  # text the verifier produced itself (greedy)
+    group: str = ""  # the prompt's material (prompts.Prompt.group), for held-out splits
 
 
 def extract_features(model: nn.Module, seqs: Iterable[tuple[Sequence[int], bool]],

@@ -147,6 +147,10 @@ MAX_LOCAL_CHARS = 900
 class Prompt:
     source: str  # topics | code | local | problems
     text: str
+    # prompts made from the same material (a topic, a code task, a problem template, a file):
+    # held-out figures hold out whole groups, so no held-out answer shares its material with
+    # a trained one
+    group: str = ""
 
     @property
     def key(self) -> str:
@@ -161,22 +165,24 @@ def topic_prompts(rng: random.Random) -> Iterator[Prompt]:
     pairs = [(t, tpl) for t in TOPICS for tpl in TOPIC_TEMPLATES]
     rng.shuffle(pairs)
     for t, tpl in pairs:
-        yield Prompt("topics", tpl.format(t=t, u=rng.choice(TOPICS)))
+        yield Prompt("topics", tpl.format(t=t, u=rng.choice(TOPICS)), f"topic:{t}")
 
 
 def code_prompts(rng: random.Random) -> Iterator[Prompt]:
     combos = list(itertools.product(CODE_TASKS, sorted(set(LANGUAGES)), CODE_TEMPLATES))
     rng.shuffle(combos)
     for task, lang, tpl in combos:
-        yield Prompt("code", tpl.format(task=task, lang=lang))
+        yield Prompt("code", tpl.format(task=task, lang=lang), f"code:{task}")
 
 
 def problem_prompts(rng: random.Random) -> Iterator[Prompt]:
     while True:
-        tpl = rng.choice(PROBLEM_TEMPLATES)
+        i = rng.randrange(len(PROBLEM_TEMPLATES))
+        tpl = PROBLEM_TEMPLATES[i]
         yield Prompt("problems", tpl.format(a=rng.randint(12, 480), b=rng.randint(2, 9),
                                             c=rng.randint(2, 11), p=rng.choice((10, 15, 20,
-                                                                                25, 30, 40))))
+                                                                                25, 30, 40))),
+                     f"problem:{i}")
 
 
 def _functions(path: Path) -> Iterator[tuple[str, str | None]]:
@@ -206,9 +212,11 @@ def local_prompts(rng: random.Random, roots: tuple[Path, ...] | None = None) -> 
     for f in files:
         for seg, doc in _functions(f):
             if 150 <= len(seg) <= MAX_LOCAL_CHARS:
-                yield Prompt("local", rng.choice(LOCAL_TEMPLATES_CODE).format(x=seg))
+                yield Prompt("local", rng.choice(LOCAL_TEMPLATES_CODE).format(x=seg),
+                             f"file:{f.name}")
             if doc and 200 <= len(doc) <= MAX_LOCAL_CHARS:
-                yield Prompt("local", rng.choice(LOCAL_TEMPLATES_TEXT).format(x=doc))
+                yield Prompt("local", rng.choice(LOCAL_TEMPLATES_TEXT).format(x=doc),
+                             f"file:{f.name}")
     for f in mds:
         try:
             text = f.read_text(encoding="utf-8", errors="ignore")
@@ -217,7 +225,8 @@ def local_prompts(rng: random.Random, roots: tuple[Path, ...] | None = None) -> 
         for para in text.split("\n\n"):
             para = para.strip()
             if 250 <= len(para) <= MAX_LOCAL_CHARS and not para.startswith(("```", "|", "<")):
-                yield Prompt("local", rng.choice(LOCAL_TEMPLATES_TEXT).format(x=para))
+                yield Prompt("local", rng.choice(LOCAL_TEMPLATES_TEXT).format(x=para),
+                             f"file:{f.parent.name}/{f.name}")
 
 
 SOURCES = ("topics", "code", "local", "problems")
