@@ -312,11 +312,17 @@ def campaign(*, messages: int = 3000, seed: int = 0,
             exhaustion = session_exhaustion(p_ep, key, 500)
             for role, (endpoint, proc) in agents.items():
                 doors[role]["rss_end_mib"] = _rss_mib(proc.pid)
+            from macfleet.bench.fuzz_http import CATEGORIES as HTTP_CATEGORIES, http_door
+
+            progress(f"fuzzing the HTTP API ({per} requests per category)")
+            doors["http"] = http_door(max(1, per * (len(CATEGORIES) + 4) // len(HTTP_CATEGORIES)),
+                                      rng, progress)
             from macfleet.bench.faults import fault_cases
 
             progress("faults: verifier SIGSTOP, proposer SIGKILL, verifier SIGKILL mid-generation")
             faults = fault_cases(agents["verifier"], agents["proposer"], key)
-    return {"what": "hostile traffic against live agent processes (closed fleet, tiny:1)",
+    return {"what": "hostile traffic against live agent processes (closed fleet, tiny:1) and "
+                    "a live HTTP API server (tiny:1, API key set)",
             "seed": seed, "wall_s": round(time.monotonic() - t0, 1), "doors": doors,
             "idle_flood": flood, "session_exhaustion": exhaustion, "faults": faults,
             "totals": {"messages": sum(d["messages"] for d in doors.values()),

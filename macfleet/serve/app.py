@@ -80,6 +80,8 @@ class Api:
             return json.loads(buf)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise RequestError(f"the body is not valid JSON: {e}") from None
+        except RecursionError:  # [[[[...]]]] deeper than the parser's stack
+            raise RequestError("the body's JSON is nested too deeply") from None
 
     def _prompt(self, req: GenerationRequest) -> tuple[list[int], str]:
         """Token ids and text of the prompt (chat template applied for chat requests)."""

@@ -48,6 +48,7 @@ def test_curl_without_key_is_401_and_health_is_open(server):
 @pytest.mark.parametrize("body,status,param", [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
+    (b"[" * 5000 + b"]" * 5000, 400, None),  # deeper than the JSON parser's stack (was 500)
     (json.dumps({"messages": "hi"}).encode(), 400, "messages"),
     (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400,
      "messages[0].role"),
