@@ -17,6 +17,9 @@ import numpy as np
 MIN_TEMPERATURE = 1e-5
 
 
+MAX_SEED = 2**63 - 1  # what numpy's generators take (a negative seed is refused)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -30,6 +33,9 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)  # documented floor: greedy
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not (isinstance(self.seed, int)
+                                          and 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in 0..{MAX_SEED}, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -238,7 +238,10 @@ class BatchEngine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.step(DEFAULT_IDLE_WAIT_S)
+            try:
+                self.step(DEFAULT_IDLE_WAIT_S)
+            except Exception:  # noqa: BLE001 - a dead engine thread is a dead server
+                log.exception("engine step failed; the engine goes on")
         with self._cv:
             for s in [*self._active, *self._waiting]:
                 self._finish(s, failed="server shutting down")
@@ -282,8 +285,13 @@ class BatchEngine:
             if s.req.max_tokens == 0:
                 self._finish(s, reason="length")
                 continue
-            s.cache = make_trimmable_cache(self.lm.model)
-            s.rng = make_rng(s.req.params, stream=0)
+            try:
+                s.cache = make_trimmable_cache(self.lm.model)
+                s.rng = make_rng(s.req.params, stream=0)
+            except Exception as e:  # noqa: BLE001 - one bad session fails alone
+                log.exception("session %d could not start", s.sid)
+                self._finish(s, failed=f"could not start: {type(e).__name__}: {e}")
+                continue
             self._active.append(s)
 
     def _drop_if_cancelled(self, s: _Session) -> bool:

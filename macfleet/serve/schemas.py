@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from macfleet.engine.sampling import SamplingParams
+from macfleet.engine.sampling import MAX_SEED, SamplingParams
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 64
@@ -146,6 +146,8 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
     temperature = float(_typed(body, "temperature", (int, float), 1.0))
     top_p = float(_typed(body, "top_p", (int, float), 1.0))
     seed = _typed(body, "seed", (int,), None)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise RequestError(f"'seed' must be 0..{MAX_SEED}", param="seed")
     if not 0.0 <= temperature <= 2.0:
         raise RequestError("'temperature' must be 0..2", param="temperature")
     if not 0.0 < top_p <= 1.0:

@@ -139,6 +139,30 @@ def test_cancel_frees_the_session_and_others_finish(tiny):
     assert isinstance(other[-1], Finished) and len(other[-1].token_ids) == 5
 
 
+def test_a_session_that_cannot_start_fails_alone(tiny, monkeypatch):
+    """One bad request must not take the engine down (a seed numpy refused once killed the
+    engine thread: every later request got 503)."""
+    import macfleet.serve.engine as engine_mod
+
+    real = engine_mod.make_rng
+
+    def picky(params, stream=0):
+        if params.seed == 13:
+            raise ValueError("refused seed")
+        return real(params, stream)
+
+    monkeypatch.setattr(engine_mod, "make_rng", picky)
+    eng = BatchEngine(tiny, proposer="none")
+    bad: list = []
+    good: list = []
+    eng.submit(EngineRequest((1, 2), SamplingParams(0.5, 1.0, 13), 4), bad.append)
+    eng.submit(EngineRequest((3, 4), GREEDY, 4), good.append)
+    eng.run_until_idle()
+    assert isinstance(bad[-1], SessionFailed) and "refused seed" in bad[-1].message
+    assert isinstance(good[-1], Finished) and len(good[-1].token_ids) == 4
+    assert eng.load() == (0, 0)
+
+
 def test_queue_limit_and_zero_tokens(tiny):
     eng = BatchEngine(tiny, proposer="none", max_queue=2)
     out: list = []
