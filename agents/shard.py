@@ -10,6 +10,11 @@ Two ways to cut the model:
   kv-heads divisible by N (SmolLM2: 9/3 heads -> N = 3).
 * pipeline: rank r holds a contiguous range of layers; activations go rank to rank with
   send/recv; the last rank computes the logits and sends them back to rank 0.
+* expert (mixture-of-experts models only, agents/expert.py): rank r holds a contiguous range
+  of every MoE layer's experts; attention and routers are replicated; one all_sum per MoE layer.
+
+Every forward's shard flow (exact bytes, rank 0's milliseconds, the router's load in expert
+mode) is tallied by agents/shard_traffic.py and reported as a `ShardStats`.
 
 Rank 0 (the leader) is a drop-in `Verifier` for the spec-decode loop (`offset`, `reset`,
 `prefill`, `forward`, `rollback`, `model.args`); each call is broadcast to the followers as a
@@ -38,10 +43,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from agents.expert import expert_range, shard_experts
+from agents.shard_traffic import ShardTraffic, pipeline_bytes, tensor_bytes
 from agents.verifier_service import VerifierLost
 from macfleet.engine.layers import head_logits, run_layers
 
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP
+from macfleet.stats import ShardStats
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,7 @@ EXIT_PEER_LOST = 75
 MAX_BLOCK = DEFAULT_PREFILL_STEP
 CMD_STOP, CMD_FORWARD, CMD_PREFILL, CMD_ROLLBACK, CMD_RESET, CMD_PING = range(6)
 HEADER = 3  # cmd, n, unused
+SHARD_MODES = ("tensor", "pipeline", "expert")
 
 
 class ShardPeerLost(VerifierLost):
@@ -131,7 +140,11 @@ class _Stage:
         self.model, self.group, self.mode = model, group, mode
         self.rank, self.size = group.rank(), group.size()
         args = model.args
-        if mode == "tensor":
+        self.load = None  # expert mode: the router's load and the expert collective
+        if mode == "expert":
+            self.experts, self.load = shard_experts(model, group)
+            self.layers = list(model.model.layers)
+        elif mode == "tensor":
             if args.num_attention_heads % self.size or args.num_key_value_heads % self.size:
                 raise ValueError(f"tensor parallel needs heads ({args.num_attention_heads}) and "
                                  f"kv heads ({args.num_key_value_heads}) divisible by "
@@ -144,11 +157,23 @@ class _Stage:
             model.model.layers = self.layers  # drop the other ranks' layers: this is the fit
             self.span = (a, b)
         else:
-            raise ValueError(f"unknown shard mode '{mode}': tensor or pipeline")
+            raise ValueError(f"unknown shard mode '{mode}': one of {SHARD_MODES}")
         self.reset()
 
     def reset(self) -> None:
         self.cache = [KVCache() for _ in self.layers]
+        if self.load is not None:
+            self.load.reset()
+
+    def flow_bytes(self, tokens: int, want_logits: bool) -> int:
+        """Payload of one forward's collectives (expert mode: counted by its blocks)."""
+        a = self.model.args
+        if self.mode == "tensor":
+            item = self.model.model.embed_tokens.weight.dtype.size
+            return tensor_bytes(len(self.layers), tokens, a.hidden_size, item)
+        if self.mode == "pipeline":
+            return pipeline_bytes(self.size, tokens, a.hidden_size, a.vocab_size, want_logits)
+        return 0
 
     @property
     def offset(self) -> int:
@@ -167,7 +192,7 @@ class _Stage:
     def forward(self, ids: mx.array, want_logits: bool) -> mx.array | None:
         """ids: [1, L]. Returns logits [L, V] float32 on rank 0 (None elsewhere)."""
         L = ids.shape[1]
-        if self.mode == "tensor":
+        if self.mode in ("tensor", "expert"):
             out = self.model(ids, cache=self.cache)[0].astype(mx.float32)
             mx.eval(out)
             return out if self.rank == 0 else None
@@ -204,6 +229,7 @@ class ShardGroup:
         self.group, self.watchdog = group, watchdog
         self.stage = _Stage(model, group, mode)
         self.model = model  # `model.args` is what the spec-decode loop reads
+        self.traffic = ShardTraffic(mode, group.size(), (HEADER + MAX_BLOCK) * 4)
 
     def barrier(self, deadline_s: float | None = None) -> None:
         with self.watchdog.guard("barrier", deadline_s):
@@ -217,19 +243,38 @@ class ShardGroup:
         with self.watchdog.guard(f"command broadcast (cmd {cmd})"):
             out = mx.distributed.all_sum(mx.array(buf), group=self.group)
             mx.eval(out)
+        self.traffic.command()
         return np.array(out)
 
     def _run(self, cmd: int, n: int, tokens: np.ndarray) -> mx.array | None:
         st = self.stage
         if cmd in (CMD_FORWARD, CMD_PREFILL):
             ids = mx.array(tokens[:n].astype(np.uint32))[None]
+            want = cmd == CMD_FORWARD
+            t0 = time.perf_counter()
             with self.watchdog.guard(f"{st.mode} forward of {n} tokens"):
-                return st.forward(ids, want_logits=cmd == CMD_FORWARD)
+                out = st.forward(ids, want_logits=want)
+            self.traffic.forward(n, st.flow_bytes(n, want), (time.perf_counter() - t0) * 1e3)
+            return out
         if cmd == CMD_ROLLBACK:
             st.rollback(n)
         elif cmd == CMD_RESET:
             st.reset()
+            self.traffic.reset()
         return None
+
+    def shard_stats(self) -> ShardStats:
+        """This rank's tally since the last reset (rank 0's is the generation's shard flow)."""
+        load = self.stage.load
+        if load is None:
+            return self.traffic.stats()
+        per = tuple(int(c) for c in load.per_expert)
+        n = self.group.size()
+        ranks = tuple(sum(per[a:b]) for a, b in (expert_range(len(per), n, r)
+                                                  for r in range(n)))
+        return self.traffic.stats(collective_bytes=load.collective_bytes,
+                                  collective_ms=load.collective_ms, expert_load=per,
+                                  rank_load=ranks)
 
     def serve(self) -> None:
         """Follower loop: run what rank 0 broadcasts until CMD_STOP."""
@@ -278,6 +323,10 @@ class ShardedVerifier:
         if n:
             self.shards.command(CMD_ROLLBACK, n)
 
+    def shard_stats(self) -> ShardStats:
+        """The shard flow and router load since the last `reset` (one generation)."""
+        return self.shards.shard_stats()
+
     def keepalive(self) -> None:
         """Call at least every deadline while idle, or the followers' watchdogs fire."""
         self.shards.command(CMD_PING)
@@ -307,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one rank of a sharded verifier (mlx.distributed ring)")
     p.add_argument("--hostfile", required=True)
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--mode", choices=("tensor", "pipeline"), required=True)
+    p.add_argument("--mode", choices=SHARD_MODES, required=True)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--prompt-ids", default="", help="rank 0: JSON list of prompt token ids")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -334,18 +383,23 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         v = ShardedVerifier(shards)
         prompt = json.loads(args.prompt_ids)
+        t0 = time.perf_counter()
         ids, logits = _greedy_plain(v, prompt, args.max_tokens)
-        out = {"rank_size": group.size(), "mode": args.mode, "plain_ids": ids}
+        out = {"rank_size": group.size(), "mode": args.mode, "plain_ids": ids,
+               "plain_s": time.perf_counter() - t0, "plain_shard": v.shard_stats().to_dict()}
         if args.spec != "none":
             from macfleet.engine.events import Finished
             from macfleet.engine.loop import speculative_generate
             from macfleet.engine.proposers import make_proposer
 
             prop = make_proposer(args.spec, lm)
+            t0 = time.perf_counter()
             fin = [e for e in speculative_generate(v, prop, prompt, max_tokens=args.max_tokens)
                    if isinstance(e, Finished)][0]
             out["spec_ids"] = list(fin.token_ids)
             out["spec_blocks"] = fin.stats.blocks
+            out["spec_s"] = time.perf_counter() - t0
+            out["spec_shard"] = v.shard_stats().to_dict()
         v.stop()
         if args.out:
             np.save(args.out + ".logits.npy", logits)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 
 from agents.daemon import Agent, AgentConfig
 from agents.shard import (DEFAULT_DEADLINE_S, DEFAULT_START_DEADLINE_S, EXIT_PEER_LOST,
-                          ShardedVerifier, ShardGroup, ShardPeerLost, Watchdog, init_ring)
+                          SHARD_MODES, ShardedVerifier, ShardGroup, ShardPeerLost, Watchdog,
+                          init_ring)
 from bridge.auth import fleet_id
 from bridge.card import ROLE_SHARD, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser
@@ -43,7 +44,7 @@ class ShardSpec:
     group: str
     size: int
     rank: int
-    mode: str  # tensor | pipeline
+    mode: str  # tensor | pipeline | expert
     ring_port: int = 0
     deadline_s: float = DEFAULT_DEADLINE_S
 
@@ -123,8 +124,8 @@ class ShardAgent(Agent):
                  form_timeout_s: float = DEFAULT_FORM_TIMEOUT_S) -> None:
         if not 0 <= spec.rank < spec.size:
             raise ValueError(f"rank {spec.rank} is not in a group of {spec.size}")
-        if spec.mode not in ("tensor", "pipeline"):
-            raise ValueError(f"shard mode must be tensor or pipeline, got {spec.mode}")
+        if spec.mode not in SHARD_MODES:
+            raise ValueError(f"shard mode must be one of {SHARD_MODES}, got {spec.mode}")
         port = spec.ring_port or free_port(cfg.bind_host if cfg.bind_host != "0.0.0.0"
                                            else "127.0.0.1")
         self.spec = replace(spec, ring_port=port)

@@ -359,9 +359,11 @@ class VerifierService:
             flows, failures = remote.flow_stats(), remote.failures
         elif isinstance(proposer, RemoteProposerGroup):
             flows, failures = proposer.flow_stats(), proposer.failures
+        shard_stats = getattr(self._verifier, "shard_stats", None)  # a sharded verifier's
         fleet = FleetStats(verifier=self.node_id, flows=flows, proposer_failures=len(failures),
                            wire_ms=wire_ms,
-                           multihost_overhead=wire_ms / block_ms if block_ms else 0.0)
+                           multihost_overhead=wire_ms / block_ms if block_ms else 0.0,
+                           shard=shard_stats() if shard_stats else None)
         self.completed += 1
         reply(GenerateDone(msg.request_id, "".join(parts), token_ids,
                            replace(stats, fleet=fleet)))

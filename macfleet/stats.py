@@ -55,6 +55,47 @@ class FlowStats:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ShardStats:
+    """The shard flow of one generation on a sharded verifier (rank 0's view, agents/shard.py).
+
+    collective_bytes is the exact payload of what crosses between ranks during the forwards:
+    expert: one all_sum of [tokens, hidden] per MoE layer; tensor: two all-reduces of
+    [tokens, hidden] per layer; pipeline: [tokens, hidden] per rank boundary plus the logits
+    sent back to rank 0. A ring all-reduce puts 2(N-1)/N of its payload on each rank's link.
+    The leader's command broadcasts are counted apart (control_bytes).
+    """
+
+    mode: str  # tensor | pipeline | expert
+    ranks: int
+    forwards: int = 0
+    tokens: int = 0  # positions forwarded (prefill chunks + verified blocks)
+    collective_bytes: int = 0
+    control_bytes: int = 0
+    forward_ms: float = 0.0  # wall time of the sharded forwards on rank 0
+    collective_ms: float = 0.0  # expert mode: rank 0's time inside the per-layer all_sums
+    expert_load: tuple[int, ...] = ()  # expert mode: tokens routed to each expert, all layers
+    rank_load: tuple[int, ...] = ()  # expert mode: the same summed over each rank's experts
+
+    @property
+    def bytes_per_forward(self) -> float:
+        return self.collective_bytes / self.forwards if self.forwards else 0.0
+
+    @property
+    def ms_per_forward(self) -> float:
+        return self.forward_ms / self.forwards if self.forwards else 0.0
+
+    @property
+    def collective_ms_per_forward(self) -> float:
+        return self.collective_ms / self.forwards if self.forwards else 0.0
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), expert_load=list(self.expert_load),
+                    rank_load=list(self.rank_load), bytes_per_forward=self.bytes_per_forward,
+                    ms_per_forward=self.ms_per_forward,
+                    collective_ms_per_forward=self.collective_ms_per_forward)
+
+
+@dataclass(frozen=True, kw_only=True)
 class FleetStats:
     """What a generation through agents adds: who ran it and what crossing hosts cost."""
 
@@ -66,6 +107,7 @@ class FleetStats:
     # names for people, filled in by the client that chose the agents
     verifier_agent: str = ""
     proposer_agents: tuple[str, ...] = ()
+    shard: ShardStats | None = None  # a sharded verifier's shard flow and router load
 
 
 @dataclass(frozen=True)
@@ -131,10 +173,13 @@ class GenerationStats:
         d["per_proposer"] = [dict(asdict(p), acceptance=p.acceptance) for p in self.per_proposer]
         if self.fleet is not None:
             d["fleet"]["proposer_agents"] = list(self.fleet.proposer_agents)
+            if self.fleet.shard is not None:
+                d["fleet"]["shard"] = self.fleet.shard.to_dict()
         d.update(tokens_per_s=self.tokens_per_s,
                  decode_tokens_per_s=self.decode_tokens_per_s, acceptance=self.acceptance,
                  mean_accepted=self.mean_accepted)
         return d
 
 
-__all__ = ["BlockFlows", "FlowStats", "FleetStats", "ProposerStats", "GenerationStats"]
+__all__ = ["BlockFlows", "FlowStats", "ShardStats", "FleetStats", "ProposerStats",
+           "GenerationStats"]

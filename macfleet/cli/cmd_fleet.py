@@ -9,6 +9,8 @@ from pathlib import Path
 from agents.specs import PROPOSER_KINDS
 from macfleet.cli.common import UserError, add_key_args, fleet_key
 
+SHARD_MODES = ("tensor", "pipeline", "expert")  # agents/shard.py SHARD_MODES
+
 
 def add_parser(sub) -> None:
     a = sub.add_parser("agent", help="run the agent daemon on this machine")
@@ -16,7 +18,9 @@ def add_parser(sub) -> None:
     a.add_argument("--group", default="", help="shard: the sharded verifier's group name")
     a.add_argument("--group-size", type=int, default=0, help="shard: number of ranks")
     a.add_argument("--rank", type=int, default=0, help="shard: this agent's rank")
-    a.add_argument("--shard-mode", choices=("tensor", "pipeline"), default="pipeline")
+    a.add_argument("--shard-mode", choices=SHARD_MODES, default="pipeline",
+                   help="tensor: split every layer; pipeline: split the layers; expert "
+                   "(MoE models): whole experts per rank, attention and routers replicated")
     a.add_argument("--model", default="smollm2")
     a.add_argument("--proposers", default=",".join(PROPOSER_KINDS),
                    help="proposer kinds a proposer agent serves (default: all)")
@@ -48,7 +52,7 @@ def add_parser(sub) -> None:
     u.add_argument("--serve", action="store_true", help="then serve the OpenAI API on it")
     u.add_argument("--shard", type=int, default=0, metavar="N",
                    help="shard the verifier over N agents (mlx.distributed ring)")
-    u.add_argument("--shard-mode", choices=("tensor", "pipeline"), default="pipeline")
+    u.add_argument("--shard-mode", choices=SHARD_MODES, default="pipeline")
     add_key_args(u)
     u.set_defaults(func=run_up)
 

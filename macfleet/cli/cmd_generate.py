@@ -69,6 +69,13 @@ def print_stats(stats: GenerationStats, file=sys.stderr) -> None:
               f"{f.f3_bytes_per_block:.0f} B {f.f3_ms_per_block:.2f} ms | multi-host overhead "
               f"{fleet.multihost_overhead:.1%} | pre-draft hits {f.predraft_hit_rate:.0%}",
               file=file)
+    sh = fleet.shard
+    if sh is not None:
+        print(f"   shard flow ({sh.mode} over {sh.ranks}): {sh.bytes_per_forward:.0f} B/forward, "
+              f"{sh.ms_per_forward:.1f} ms/forward over {sh.forwards} forwards"
+              + (f", collective {sh.collective_ms_per_forward:.2f} ms" if sh.collective_ms else "")
+              + (f" | router load per rank {list(sh.rank_load)}, per expert "
+                 f"{list(sh.expert_load)}" if sh.expert_load else ""), file=file)
 
 
 def run_local(args) -> int:

@@ -1,0 +1,62 @@
+"""The shard flow of a sharded verifier, counted on rank 0: bytes and milliseconds per forward.
+
+The bytes are exact, from the shapes each mode moves (nothing is sampled):
+* expert: one all_sum of the [tokens, hidden] partial per MoE layer (counted by the blocks
+  themselves, agents/expert.py, from the arrays they reduce);
+* tensor: two all-reduces of [tokens, hidden] per layer (attention out-projection and the
+  MLP's / MoE's down-projection, mlx-lm's `shard()`);
+* pipeline: [tokens, hidden] float32 over each of the N-1 rank boundaries, plus the logits
+  [tokens, vocab] float32 from the last rank back to rank 0 when they are wanted.
+The leader's command broadcast (an all_sum of HEADER + MAX_BLOCK int32) is counted apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from macfleet.stats import ShardStats
+
+ACT_ITEMSIZE = 4  # pipeline hops and logits travel as float32 (agents/shard.py)
+
+
+def tensor_bytes(layers: int, tokens: int, hidden: int, itemsize: int) -> int:
+    return 2 * layers * tokens * hidden * itemsize
+
+
+def pipeline_bytes(ranks: int, tokens: int, hidden: int, vocab: int, want_logits: bool) -> int:
+    return ((ranks - 1) * tokens * hidden + (tokens * vocab if want_logits else 0)) * ACT_ITEMSIZE
+
+
+class ShardTraffic:
+    """Mutable tally of one generation (reset with the verifier); `stats()` is the record."""
+
+    def __init__(self, mode: str, ranks: int, control_bytes_per_command: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.mode, self.ranks = mode, ranks
+        self._control = control_bytes_per_command
+        self._clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        self.forwards = self.tokens = self.collective_bytes = self.control_bytes = 0
+        self.forward_ms = 0.0
+
+    def command(self) -> None:
+        self.control_bytes += self._control
+
+    def forward(self, tokens: int, nbytes: int, ms: float) -> None:
+        self.forwards += 1
+        self.tokens += tokens
+        self.collective_bytes += nbytes
+        self.forward_ms += ms
+
+    def stats(self, *, collective_bytes: int = 0, collective_ms: float = 0.0,
+              expert_load: tuple[int, ...] = (), rank_load: tuple[int, ...] = ()) -> ShardStats:
+        """The record; expert mode adds what its blocks counted (bytes, ms, router load)."""
+        return ShardStats(mode=self.mode, ranks=self.ranks, forwards=self.forwards,
+                          tokens=self.tokens,
+                          collective_bytes=self.collective_bytes + collective_bytes,
+                          control_bytes=self.control_bytes, forward_ms=self.forward_ms,
+                          collective_ms=collective_ms, expert_load=expert_load,
+                          rank_load=rank_load)
