@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 2  # 2: GenerateDone.stats is a typed GenerationStats (was a flat dict)
+# 2: GenerateDone.stats is a typed GenerationStats (was a flat dict); 3: the prefill role
+# (PrefillRequest, KVChunk, PrefillDone) and FleetStats.kv
+PROTOCOL_VERSION = 3
 SERVICE_TYPE = "_macfleet._tcp.local."
 
 ROLE_PROPOSER = "proposer"
 ROLE_VERIFIER = "verifier"
 ROLE_SHARD = "shard"
-ROLES = (ROLE_PROPOSER, ROLE_VERIFIER, ROLE_SHARD)
+ROLE_PREFILL = "prefill"  # computes long prompts' KV for a verifier (flow KV)
+ROLES = (ROLE_PROPOSER, ROLE_VERIFIER, ROLE_SHARD, ROLE_PREFILL)
 
 
 @dataclass(frozen=True)

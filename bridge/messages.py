@@ -403,6 +403,45 @@ class GenerateDone:
     stats: GenerationStats  # the engine's record, with the verifier agent's `fleet` figures
 
 
+# --- prefill/decode disaggregation (verifier -> prefill agent): flow KV ----------------------
+
+
+@message("prefill_request")
+class PrefillRequest:
+    """Compute the KV of `prompt` (the verifier feeds the last prompt token itself, so its first
+    logits come from its own forward) and stream it back once, in bounded KVChunk messages."""
+
+    session_id: str
+    model: str
+    prompt: list[int]
+    codec: str  # "auto" (the cache's own dtype, exact) | "float16" | "int8" (+ row scales)
+
+
+@message("kv_chunk", terminal=False)
+class KVChunk:
+    """Flow KV: layers [layer, layer + n) at positions [start, start + tokens) of the prompt."""
+
+    session_id: str
+    layer: int
+    start: int
+    keys: np.ndarray  # [n_layers, kv_heads, tokens, head_dim]: float32/float16, or int8
+    values: np.ndarray
+    keys_scale: np.ndarray | None = None  # [n_layers, kv_heads, tokens] float16 (int8 only)
+    values_scale: np.ndarray | None = None
+
+
+@message("prefill_done")
+class PrefillDone:
+    """The last reply of a prefill: how many chunks were sent (the verifier checks it got them
+    all) and what the prefill agent spent computing."""
+
+    session_id: str
+    tokens: int
+    chunks: int
+    kv_bytes: int
+    prefill_ms: float
+
+
 # --- metrics and events (PUB) ----------------------------------------------------------------
 
 

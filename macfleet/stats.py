@@ -96,6 +96,25 @@ class ShardStats:
 
 
 @dataclass(frozen=True, kw_only=True)
+class KVFlow:
+    """Flow KV: where a generation's prompt was prefilled, and what shipping its KV cost.
+
+    where: "local" (the verifier computed it), "remote" (a prefill agent did and shipped it
+    once) or "fallback" (a prefill agent was tried and failed; the verifier computed it).
+    reason: the planner's words for the choice (topology/disagg.py), or the failure."""
+
+    where: str = "local"
+    reason: str = ""
+    agent: str = ""  # the prefill agent's endpoint
+    tokens: int = 0  # prompt positions whose KV was shipped
+    codec: str = ""
+    kv_bytes: int = 0  # bytes of KV arrays received
+    kv_ms: float = 0.0  # request sent -> last chunk received (prefill and wire, overlapped)
+    prefill_ms: float = 0.0  # the prefill agent's own compute
+    install_ms: float = 0.0  # the verifier putting the received KV into its cache
+
+
+@dataclass(frozen=True, kw_only=True)
 class FleetStats:
     """What a generation through agents adds: who ran it and what crossing hosts cost."""
 
@@ -104,6 +123,7 @@ class FleetStats:
     proposer_failures: int = 0  # proposers dropped (the rest, or plain decoding, went on)
     wire_ms: float = 0.0  # critical-path time spent moving F1/F2/F3 bytes
     multihost_overhead: float = 0.0  # wire_ms as a share of block time
+    kv: KVFlow = KVFlow()  # flow KV: a long prompt prefilled on a prefill agent
     # names for people, filled in by the client that chose the agents
     verifier_agent: str = ""
     proposer_agents: tuple[str, ...] = ()

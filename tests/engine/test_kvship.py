@@ -1,0 +1,123 @@
+"""Shipping a prompt's KV (engine/kvship.py): slices, codecs, assembly checks, installation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from macfleet.engine.kvship import (KVAssembler, KVShipError, KVSlice, PrefilledVerifier,
+                                    decode_int8, encode_int8, export_slices, layout_of,
+                                    model_layout)
+from macfleet.engine.loop import speculative_generate
+from macfleet.engine.events import Finished
+from macfleet.engine.proposers import make_proposer
+from macfleet.engine.verifier import Verifier
+
+
+def _prefilled(lm, ids):
+    v = Verifier(lm.model)
+    v.prefill(ids)
+    return v
+
+
+def _ship(lm, ids, codec, max_bytes=1 << 20):
+    """What a prefill agent sends, chunk by chunk, assembled as the verifier does."""
+    src = Verifier(lm.model)
+    asm = KVAssembler(model_layout(lm.model), len(ids))
+    for start in range(0, len(ids), 512):
+        src.prefill(ids[start:start + 512])
+        for s in export_slices(src.cache, start, src.offset, codec, max_bytes):
+            asm.add(s)
+    return asm
+
+
+def _ids(lm, n, seed=0):
+    return np.random.default_rng(seed).integers(0, lm.vocab_size, n).tolist()
+
+
+def test_layout_and_bytes(tiny):
+    lay = model_layout(tiny.model)
+    v = _prefilled(tiny, _ids(tiny, 10))
+    assert layout_of(v.cache) == lay
+    assert lay.bytes_per_token("int8") == 2 * lay.layers * lay.heads * (lay.head_dim + 2)
+    assert lay.bytes_per_token("float16") * 2 == lay.bytes_per_token("auto")  # a float32 cache
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram"])
+def test_shipped_kv_gives_identical_greedy_ids(tiny, proposer):
+    ids = _ids(tiny, 1300)
+    asm = _ship(tiny, ids[:-1], "auto", max_bytes=20_000)  # several slices per chunk
+
+    def run(verifier):
+        p = make_proposer(proposer, tiny)
+        ev = list(speculative_generate(verifier, p, ids, max_tokens=40))
+        return next(e for e in ev if isinstance(e, Finished)).token_ids
+
+    plain = run(Verifier(tiny.model))
+    shipped = PrefilledVerifier(Verifier(tiny.model), ids[:-1], asm.layout, asm.arrays())
+    assert run(shipped) == plain
+    assert shipped.installed and shipped.install_ms >= 0
+
+
+def test_installed_cache_equals_computed_bitwise(tiny):
+    ids = _ids(tiny, 700, seed=3)
+    asm = _ship(tiny, ids, "auto")
+    local = _prefilled(tiny, ids)
+    v = PrefilledVerifier(Verifier(tiny.model), ids, asm.layout, asm.arrays())
+    v.prefill(ids)
+    for a, b in zip(local.cache, v.cache):
+        assert a.offset == b.offset and a.keys.shape == b.keys.shape
+        assert np.array_equal(np.array(a.keys[..., :a.offset, :]), np.array(b.keys[..., :b.offset, :]))
+
+
+def test_int8_round_trip_bound(tiny):
+    x = np.random.default_rng(1).normal(size=(3, 4, 50, 64)).astype(np.float32) * 5
+    q, s = encode_int8(x)
+    assert q.dtype == np.int8 and s.shape == x.shape[:-1] and s.dtype == np.float16
+    err = np.abs(decode_int8(q, s) - x)
+    # half a quantisation step per row, plus float16 rounding of the scale
+    bound = np.abs(x).max(axis=-1, keepdims=True) / 127 * (0.5 + 127 * 2 ** -11) + 1e-7
+    assert np.all(err <= bound)
+    # and a whole shipped cache through int8 stays within that bound of the exact one
+    ids = _ids(tiny, 600, seed=2)
+    exact = _ship(tiny, ids, "auto").arrays()
+    approx = _ship(tiny, ids, "int8").arrays()
+    for (k, v), (k8, v8) in zip(exact, approx):
+        for a, b in ((k, k8), (v, v8)):
+            row = np.abs(a).max(axis=-1, keepdims=True) / 127
+            assert np.all(np.abs(a - b) <= row * (0.5 + 127 * 2 ** -11) + 1e-6)
+
+
+def test_int8_and_float16_sizes(tiny):
+    ids = _ids(tiny, 100)
+    auto, f16, i8 = (_ship(tiny, ids, c).nbytes for c in ("auto", "float16", "int8"))
+    lay = model_layout(tiny.model)
+    assert auto == 100 * lay.bytes_per_token("auto")
+    assert f16 * 2 == auto
+    assert i8 == 100 * lay.bytes_per_token("int8")
+
+
+def test_assembler_refuses_gaps_overlaps_and_wrong_shapes(tiny):
+    lay = model_layout(tiny.model)
+    asm = KVAssembler(lay, 8)
+    k = np.zeros((1, lay.heads, 4, lay.head_dim), np.float32)
+    asm.add(KVSlice(0, 0, k, k))
+    with pytest.raises(KVShipError, match="overlaps"):
+        asm.add(KVSlice(0, 2, k, k))
+    with pytest.raises(KVShipError, match="out of range"):
+        asm.add(KVSlice(lay.layers, 0, k, k))
+    with pytest.raises(KVShipError, match="heads"):
+        asm.add(KVSlice(1, 0, k[:, :, :, :1], k[:, :, :, :1]))
+    with pytest.raises(KVShipError, match="scales"):
+        asm.add(KVSlice(1, 0, k.astype(np.int8), k.astype(np.int8)))
+    assert not asm.complete
+    with pytest.raises(KVShipError, match="never arrived"):
+        asm.arrays()
+
+
+def test_a_different_prefill_is_computed_not_installed(tiny):
+    ids = _ids(tiny, 40)
+    asm = _ship(tiny, ids, "auto")
+    v = PrefilledVerifier(Verifier(tiny.model), ids, asm.layout, asm.arrays())
+    v.prefill(ids[:-1])  # not what was shipped
+    assert not v.installed and v.offset == len(ids) - 1
