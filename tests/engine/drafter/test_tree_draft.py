@@ -130,7 +130,7 @@ def _chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/engine: engine_testkit
     from engine_testkit import chi2_test
 
     stat, _, crit = chi2_test(counts, probs)
