@@ -115,4 +115,8 @@ def run_plan(args) -> int:
         print(f"{q.topology[:34]:34s} {q.n:>2d} {q.shard_mode:8s} {q.proposer[:9]:9s} "
               f"{c.k:>2d} {q.tokens_per_s:>7.1f} {c.block_ms:>8.1f} "
               f"{100 * c.overhead_share:>4.0f}%  {where}")
+    for q in plans:  # a mixture of experts: why expert, tensor or pipeline (topology/moe.py)
+        for note in q.notes:
+            if note.startswith("MoE:"):
+                print(f"\nsharded over {q.n}, {note}")
     return 0

@@ -96,20 +96,27 @@ def shard_ms(model: ModelShape, mode: str, n: int, tokens: int, link: Link) -> f
 
     tensor: 2 all-reduces per layer; a ring all-reduce of S bytes over n ranks takes 2(n-1)
       steps of S/n bytes, each paying half a round trip.
+    expert (MoE, topology/moe.py): 1 all-reduce per MoE layer.
     pipeline: n-1 activation hops forward and the chosen ids back.
     """
     if n <= 1:
         return 0.0
     act = model.hidden * ACT_BYTES * tokens
+    one = 2 * (n - 1) * link.transfer_ms(act / n)
     if mode == "tensor":
-        one = 2 * (n - 1) * link.transfer_ms(act / n)
         return model.layers * ALLREDUCES_PER_LAYER * one
+    if mode == "expert":
+        return (model.moe_layers or model.layers) * one
     return (n - 1) * link.transfer_ms(act) + link.transfer_ms(MSG_OVERHEAD_BYTES)
 
 
-def verify_ms_on(profile: Profile, L: int, chip: str, shard_n: int = 1, mode: str = "") -> float:
-    """Compute time of verify(L) on `chip`; tensor-parallel splits the weights read by n."""
+def verify_ms_on(profile: Profile, L: int, chip: str, shard_n: int = 1, mode: str = "",
+                 expert_share: float = 0.0) -> float:
+    """Compute time of verify(L) on `chip`; tensor-parallel splits the weights read by n,
+    expert-parallel only the experts' share (topology/moe.py expert_time_share)."""
     base = profile.verify(L) * chip_factor(chip, profile.ref_chip)
+    if mode == "expert":
+        return base * (1 - expert_share + expert_share / shard_n)
     return base / shard_n if mode == "tensor" else base
 
 

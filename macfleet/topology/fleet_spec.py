@@ -56,6 +56,7 @@ class Link:
 
 
 LOOPBACK = Link("", "", 0.0, 1e9)
+MOE_FIELDS = ("experts", "experts_per_tok", "expert_bytes", "expert_intermediate", "moe_layers")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,12 @@ class ModelShape:
     kv_heads: int
     vocab: int = 49152
     intermediate: int = 0
+    # a mixture of experts (topology/moe.py); experts = 0: a dense model
+    experts: int = 0
+    experts_per_tok: int = 0
+    expert_bytes: int = 0  # all experts' weights (of param_bytes); the rest is replicated
+    expert_intermediate: int = 0  # one expert's MLP width
+    moe_layers: int = 0  # 0: every layer is sparse
 
 
 SMOLLM2 = ModelShape("smollm2", param_bytes=538_000_000, layers=30, hidden=576, heads=9,
@@ -175,7 +182,8 @@ def snapshot_from_dict(d: Mapping[str, Any], profile: Profile | None = None) -> 
             model = ModelShape(str(m.get("name", "model")), int(_num(m, "param_bytes", "model")),
                                int(m["layers"]), int(m["hidden"]), int(m["heads"]),
                                int(m.get("kv_heads", m["heads"])), int(m.get("vocab", 32000)),
-                               int(m.get("intermediate", 0)))
+                               int(m.get("intermediate", 0)),
+                               **{f: int(m[f]) for f in MOE_FIELDS if f in m})
         except (KeyError, TypeError, ValueError) as e:
             raise SnapshotError(f"model: {e}") from None
     if profile is None:

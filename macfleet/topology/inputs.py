@@ -66,11 +66,49 @@ def measured_profile(results: Path) -> Profile:
     return prof
 
 
+def tiny_moe_shape(spec: str) -> ModelShape:
+    """`tiny-moe:SEED[:VOCAB]`'s shape (macfleet/engine/tiny.py tiny_moe_args, float32; a test
+    checks these figures against the built model)."""
+    parts = spec.split(":")
+    vocab = int(parts[2]) if len(parts) > 2 and parts[2] else 64
+    layers, hidden, heads, kv, head_dim, experts, width = 4, 64, 8, 4, 16, 8, 64
+    attn = hidden * head_dim * (2 * heads + 2 * kv) + 2 * head_dim + 2 * hidden
+    router, expert = hidden * experts, experts * 3 * hidden * width
+    params = layers * (attn + router + expert) + vocab * hidden + hidden
+    return ModelShape(spec, 4 * params, layers, hidden, heads, kv, vocab, 128, experts=experts,
+                      experts_per_tok=2, expert_bytes=4 * layers * expert,
+                      expert_intermediate=width)
+
+
+def _moe_fields(c: dict, size: int) -> dict:
+    """An mlx-lm config's experts: counts, and their share of the weights' bytes by the
+    parameter counts the config implies."""
+    e = int(c.get("num_experts", c.get("num_local_experts", c.get("n_routed_experts", 0))) or 0)
+    if not e:
+        return {}
+    h, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+    heads = int(c["num_attention_heads"])
+    kv = int(c.get("num_key_value_heads", heads))
+    hd = int(c.get("head_dim") or h // heads)
+    width = int(c.get("moe_intermediate_size", c.get("intermediate_size", 0)))
+    dense_only = len(c.get("mlp_only_layers", ())) + int(c.get("first_k_dense_replace", 0))
+    moe = max(0, layers - dense_only)
+    expert = moe * e * 3 * h * width
+    dense = (layers * h * hd * (2 * heads + 2 * kv) + dense_only * 3 * h
+             * int(c.get("intermediate_size", 0))
+             + int(c.get("vocab_size", 32000)) * h * (1 if c.get("tie_word_embeddings") else 2))
+    return dict(experts=e, experts_per_tok=int(c.get("num_experts_per_tok", 1)),
+                expert_bytes=int(size * expert / (expert + dense)), expert_intermediate=width,
+                moe_layers=moe)
+
+
 def model_shape(spec: str | None) -> ModelShape:
-    """The embedded SmolLM2's shape, or an mlx-lm model directory's (its config.json and
-    weights' size); ModelShapeError when neither."""
+    """The embedded SmolLM2's shape, the tiny MoE's, or an mlx-lm model directory's (its
+    config.json and weights' size); ModelShapeError when none."""
     if spec is None or spec.split(":")[0] == "smollm2":
         return SMOLLM2
+    if spec.split(":")[0] == "tiny-moe":
+        return tiny_moe_shape(spec)
     p = Path(spec).expanduser()
     try:
         c = json.loads((p / "config.json").read_text())
@@ -78,7 +116,8 @@ def model_shape(spec: str | None) -> ModelShape:
         return ModelShape(p.name, size, int(c["num_hidden_layers"]), int(c["hidden_size"]),
                           int(c["num_attention_heads"]),
                           int(c.get("num_key_value_heads", c["num_attention_heads"])),
-                          int(c.get("vocab_size", 32000)), int(c.get("intermediate_size", 0)))
+                          int(c.get("vocab_size", 32000)), int(c.get("intermediate_size", 0)),
+                          **_moe_fields(c, size))
     except (OSError, ValueError, KeyError) as e:
         raise ModelShapeError(f"cannot read the shape of model '{spec}' ({e}); use smollm2 or "
                               "an mlx-lm model directory") from None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from macfleet.topology.cost import (BlockCost, best_k, chip_factor, expected_tokens,
                                     expected_tokens_tree, shard_ms, verify_ms_on, wire_ms)
 from macfleet.topology.fleet_spec import Fleet, Host, ModelShape, ProposerProfile
+from macfleet.topology.moe import choose_moe_mode, expert_range, expert_time_share
 
 SINGLE = "single host"
 ONE_TO_ONE = "1 proposer : 1 verifier"
@@ -33,6 +34,7 @@ ROLE_PROPOSER = "proposer"
 ROLE_SHARD = "shard"
 DEFAULT_MAX_PROPOSERS = 4
 DEFAULT_MAX_SESSIONS = 8
+MOE_PLAN_TOKENS = 4  # a MoE's shard mode is chosen for a typical verify block (1 + k drafts)
 
 
 class Refused(ValueError):
@@ -120,7 +122,8 @@ def _spec_cost(fleet: Fleet, v: Host, p: ProposerProfile, p_host: Host | None,
                        * chip_factor(h.chip, fleet.profile.ref_chip)
                        for h, (s, e) in zip(shard_hosts, rngs))
         chip = max(shard_hosts or (v,), key=lambda h: chip_factor(h.chip, fleet.profile.ref_chip))
-        return verify_ms_on(fleet.profile, L, chip.chip, shard_n, mode)
+        return verify_ms_on(fleet.profile, L, chip.chip, shard_n, mode,
+                            expert_time_share(fleet.model, L))
 
     def sh(L: int) -> float:
         if not shard_hosts:
@@ -263,7 +266,19 @@ def _plan_sharded(fleet: Fleet, p: ProposerProfile, with_probs: bool) -> list[Pl
     for n in range(2, len(cands) + 1):
         mode = shard_mode(fleet.model, n)
         hosts = tuple(cands[:n])
-        if mode == "tensor":
+        moe_why: tuple[str, ...] = ()
+        if fleet.model.experts:  # a MoE: expert, tensor or pipeline, priced (topology/moe.py)
+            ring = max((fleet.link(a.name, b.name) for a, b in
+                        zip(hosts, hosts[1:] + hosts[:1])), key=lambda ln: ln.rtt_ms)
+            choice = choose_moe_mode(fleet.model, n, [h.mem_free for h in hosts], ring,
+                                     fleet.profile.verify(MOE_PLAN_TOKENS), MOE_PLAN_TOKENS)
+            mode, moe_why = choice.mode or mode, (f"MoE: {choice.reason}",)
+        if mode == "expert":
+            spans = [expert_range(fleet.model.experts, n, i) for i in range(n)]
+            rest = 1 - fleet.model.expert_bytes / fleet.model.param_bytes
+            fr = [rest + (b - a) / fleet.model.experts * (1 - rest) for a, b in spans]
+            labels = [f"shard {i + 1}/{n} (experts {a}-{b - 1})" for i, (a, b) in enumerate(spans)]
+        elif mode == "tensor":
             fr = [1.0 / n] * n
             labels = [f"shard {i + 1}/{n} (heads {i * fleet.model.heads // n}-"
                       f"{(i + 1) * fleet.model.heads // n - 1})" for i in range(n)]
@@ -289,11 +304,15 @@ def _plan_sharded(fleet: Fleet, p: ProposerProfile, with_probs: bool) -> list[Pl
                                      ph.mem_free),)
         out.append(Plan(SHARDED, True, place, cost, cost.tokens_per_s, cost.tokens_per_s, p.kind,
                         n, mode, notes=(f"{mode} parallel: {shard_ms_note(mode)}",
-                                        f"shard traffic {cost.shard_ms:.1f} ms per block")))
+                                        f"shard traffic {cost.shard_ms:.1f} ms per block",
+                                        *moe_why)))
     return out or [Plan(SHARDED, False, reason="needs >= 2 hosts")]
 
 
 def shard_ms_note(mode: str) -> str:
+    if mode == "expert":
+        return ("whole experts per rank, attention and routers replicated; 1 all-reduce per "
+                "MoE layer")
     return ("2 all-reduces per layer over the ring" if mode == "tensor"
             else "activations hop rank to rank once per forward; stages run in turn")
 
