@@ -37,7 +37,8 @@ def _extensions() -> list:
     mods = []
     for name in ("macfleet.cli.bench_fleet", "macfleet.cli.bench_soak", "macfleet.cli.bench_f3",
                  "macfleet.cli.bench_sessions", "macfleet.cli.bench_topologies",
-                 "macfleet.cli.bench_drafter", "macfleet.cli.bench_serve"):
+                 "macfleet.cli.bench_drafter", "macfleet.cli.bench_serve",
+                 "macfleet.cli.bench_moe"):
         try:
             mods.append(importlib.import_module(name))
         except ModuleNotFoundError as e:
@@ -47,9 +48,8 @@ def _extensions() -> list:
 
 
 def run_fleet_profile(args) -> int:
-    from bridge.auth import fleet_id
     from macfleet.cli.common import UserError, fleet_key
-    from macfleet.fleet.client import discover
+    from macfleet.fleet.client import discover, fleet_id
     from macfleet.fleet.profile import profile_fleet
 
     if not args.fleet:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 from macfleet.cli.common import UserError
@@ -31,20 +30,18 @@ def add_parser(sub) -> None:
 
 
 def _collect(card, key, **kw):
-    from bridge.messages import GenerateDone
-    from macfleet.fleet.client import generate_remote
+    from macfleet.fleet.client import Done, generate
 
-    for msg in generate_remote(card, key, **kw):
-        if isinstance(msg, GenerateDone):
-            return msg
+    for ev in generate(card, key, **kw):
+        if isinstance(ev, Done):
+            return ev
     raise UserError("the verifier ended the stream without a result")
 
 
 def run(args) -> int:
-    from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
-    from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
     from macfleet.cli.cmd_generate import print_stats
     from macfleet.fleet import local
+    from macfleet.fleet.client import Refused, VerifierFailed, verifier_and_proposer
     from macfleet.fleet.keys import keygen
 
     from macfleet.engine.drafter.choice import FLEET, resolve_proposer
@@ -61,25 +58,21 @@ def run(args) -> int:
         except local.FleetStartError as e:
             raise UserError(str(e)) from None
         try:
-            v = next(c for c in cards if ROLE_VERIFIER in c.roles)
-            p = next(c for c in cards if ROLE_PROPOSER in c.roles)
+            v, p = verifier_and_proposer(cards)
             print(f"discovered over Zeroconf: {v.name} at {v.router_endpoint}, {p.name} at "
                   f"{p.router_endpoint}", file=sys.stderr)
             common = dict(prompt=args.prompt, max_tokens=args.max_tokens)
             _collect(v, key, prompt="Hi", max_tokens=4)  # warm-up
             alone = _collect(v, key, proposers=[], proposer_spec="none", **common)
             # one proposer agent serves every branch of the tree (one session per branch)
-            eps = [p.router_endpoint] * len(args.proposer.split("+"))
-            spec = _collect(v, key, proposers=eps, proposer_spec=args.proposer, **common)
-        except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
+            spec = _collect(v, key, proposers=[p], proposer_spec=args.proposer, **common)
+        except (Refused, VerifierFailed) as e:
             raise UserError(f"fleet request failed: {e}") from None
         finally:
             local.down(Path(tmp) / "run")
     print(f"\nprompt: {args.prompt}\n")
     print(spec.text)
-    st = spec.stats
-    if st.fleet is not None:
-        st = replace(st, fleet=replace(st.fleet, verifier_agent=v.name, proposer_agents=(p.name,)))
+    st = spec.stats  # where it ran is filled in by the fleet client
     print_stats(st, file=sys.stdout)
     a = alone.stats
     same = "identical" if spec.token_ids == alone.token_ids else "DIFFERENT (bug!)"

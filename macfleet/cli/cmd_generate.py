@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 import json
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from macfleet.cli.common import (UserError, add_key_args, parse_draft_tokens,
                                  sampling_params)
 from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS
-from macfleet.stats import FleetStats, GenerationStats
+from macfleet.stats import GenerationStats
 
 DEFAULT_PROPOSER = "auto"  # the drafter measured best for the model (engine/drafter/choice)
 MAX_REPLANS = 2
@@ -123,55 +123,35 @@ def run_fleet(args, key, verifier, proposers, committed: Progress) -> int:
 
     committed: ids received so far for this request (filled in as chunks arrive), so that a
     re-plan after a verifier failure continues after them instead of starting over.
+    Raises macfleet.fleet.client.VerifierFailed when the verifier is lost (re-plan).
     """
-    from bridge.errors import (INTERNAL, UNAVAILABLE, PeerUnavailable, ProtocolError,
-                               TransportTimeout)
-    from bridge.messages import GenerateChunk, GenerateDone
-    from macfleet.fleet.client import generate_remote
+    from macfleet.fleet.client import Done, Refused, Text, generate
 
     params = sampling_params(args)
-    k = parse_draft_tokens(args.draft_tokens)
-    remote = [p.card.router_endpoint for p in proposers] if args.proposer != "none" else []
-    n_specs = len(args.proposer.split("+"))
-    if remote and len(remote) < n_specs:  # one agent drafts several branches (a session each)
-        remote = [remote[i % len(remote)] for i in range(n_specs)]
     prior_text = "".join(committed.text)
     try:
-        for msg in generate_remote(
-                verifier.card, key, prompt=args.prompt, chat=not args.no_chat,
+        for ev in generate(
+                verifier.card, key, proposers=[p.card for p in proposers],
+                proposer_spec=args.proposer, prompt=args.prompt, chat=not args.no_chat,
                 max_tokens=args.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                seed=params.seed, draft_tokens=k, proposers=remote,
-                proposer_spec=args.proposer, cross_round=not args.no_cross_round,
-                prefix_ids=list(committed.ids)):
-            if isinstance(msg, GenerateChunk):
-                committed.ids.extend(msg.token_ids)
-                committed.text.append(msg.text)
+                seed=params.seed, draft_tokens=parse_draft_tokens(args.draft_tokens),
+                cross_round=not args.no_cross_round, prefix_ids=list(committed.ids)):
+            if isinstance(ev, Text):
+                committed.ids.extend(ev.token_ids)
+                committed.text.append(ev.text)
                 if not args.json:
-                    print(msg.text, end="", flush=True)
-            elif isinstance(msg, GenerateDone):
+                    print(ev.text, end="", flush=True)
+            elif isinstance(ev, Done):
                 # this verifier's full text (with its detokenizer's final flush) after what an
                 # earlier, failed verifier had already sent
-                text = prior_text + msg.text
-                fleet = msg.stats.fleet or FleetStats(verifier=verifier.card.node_id)
-                stats = replace(msg.stats, fleet=replace(
-                    fleet, verifier_agent=verifier.card.name,
-                    proposer_agents=tuple(p.card.name for p in proposers) if remote else ()))
                 if args.json:
-                    print(result_json(stats, text, committed.ids))
+                    print(result_json(ev.stats, prior_text + ev.text, committed.ids))
                 else:
                     print()
-                    print_stats(stats)
-    except ProtocolError as e:
-        if e.code in (UNAVAILABLE, INTERNAL):
-            raise VerifierFailed(f"verifier {verifier.card.name}: {e}") from None
-        raise UserError(f"verifier {verifier.card.name}: {e}") from None
-    except (TransportTimeout, PeerUnavailable) as e:
-        raise VerifierFailed(f"verifier {verifier.card.name}: {e}") from None
+                    print_stats(ev.stats)
+    except Refused as e:
+        raise UserError(str(e)) from None
     return 0
-
-
-class VerifierFailed(RuntimeError):
-    """The verifier died or broke mid-request: the client re-plans on the rest of the fleet."""
 
 
 def validate(args) -> None:
@@ -216,8 +196,8 @@ def _with(args, **changes):
 
 
 def _replanning(args, key, committed: Progress) -> int:
-    from bridge.auth import fleet_id
-    from macfleet.fleet.client import NoFleet, choose_roles, discover, probe
+    from macfleet.fleet.client import (NoFleet, VerifierFailed, choose_roles, discover,
+                                       fleet_id, probe)
 
     failed: set[str] = set()
     for attempt in range(MAX_REPLANS + 1):

@@ -39,8 +39,7 @@ def add_parser(sub) -> None:
 
 def live_fleet(args, profile, shape):
     """The discovered agents that answer, as the planner's fleet (topology/inputs.py)."""
-    from bridge.auth import fleet_id
-    from macfleet.fleet.client import discover, probe
+    from macfleet.fleet.client import discover, fleet_id, probe
     from macfleet.topology.inputs import fleet_from_statuses
 
     key = fleet_key(args)

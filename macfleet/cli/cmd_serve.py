@@ -54,8 +54,7 @@ def add_parser(sub) -> None:
 
 def fleet_engine(args, draft_tokens):
     """A RemoteEngine on the fleet's verifier agent, or None (no key, no live verifier)."""
-    from bridge.auth import fleet_id
-    from macfleet.fleet.client import NoFleet, choose_roles, discover, probe
+    from macfleet.fleet.client import NoFleet, choose_roles, discover, fleet_id, probe
     from macfleet.fleet.keys import KeyMissing, resolve_key
     from macfleet.serve.remote import RemoteEngine
 

@@ -1,6 +1,8 @@
 """The control-plane client: discovered agents -> statuses; generation through a verifier.
 
 Everything goes through `bridge` (Zeroconf + ZeroMQ); nothing here imports the engine.
+`generate` is what the CLI uses: fleet-level events (`Text`, `Done`) and fleet-level errors
+(`VerifierFailed`, `Refused`), so no wire message or wire error reaches a command.
 """
 
 from __future__ import annotations
@@ -8,15 +10,17 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from bridge.auth import fleet_id as fleet_id  # discovery filters on a key's fleet id
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser
-from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+from bridge.errors import INTERNAL, UNAVAILABLE, PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import (AUTO_DRAFT_TOKENS, GenerateChunk, GenerateDone, GenerateRequest,
                              Ping, Pong, StatusReply, StatusRequest)
 from bridge.transport import Client
 from macfleet.engine.controller import AUTO, DraftTokens
+from macfleet.stats import FleetStats, GenerationStats
 
 DEFAULT_DISCOVER_S = 3.0
 DEFAULT_STATUS_TIMEOUT_S = 2.0
@@ -136,3 +140,67 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
                 continue  # a heartbeat
             first = False
             yield msg
+
+
+# --- generation as fleet-level events (what the CLI sees) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class Text:
+    """Tokens the verifier committed, and their text."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The end of one verifier's answer: its text (with the detokenizer's final flush), ids and
+    the typed stats, with where it ran filled in."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+
+
+class VerifierFailed(RuntimeError):
+    """The verifier died, went silent or broke mid-request: re-plan on the rest of the fleet."""
+
+
+class Refused(RuntimeError):
+    """The verifier refused the request itself (a bad argument): asking another will not help."""
+
+
+def verifier_and_proposer(cards: Sequence[AgentCard]) -> tuple[AgentCard, AgentCard]:
+    """The first verifier and the first proposer among cards (a local fleet's pair)."""
+    return (next(c for c in cards if ROLE_VERIFIER in c.roles),
+            next(c for c in cards if ROLE_PROPOSER in c.roles))
+
+
+def generate(verifier: AgentCard, key: bytes | None, *, proposers: Sequence[AgentCard] = (),
+             proposer_spec: str = "ngram", **request) -> Iterator[Text | Done]:
+    """`generate_remote` as fleet-level events; one proposer agent drafts several `+` branches
+    (a session each) when there are fewer agents than branches. request: generate_remote's
+    keywords (prompt, chat, max_tokens, temperature, top_p, seed, draft_tokens, cross_round,
+    prefix_ids)."""
+    remote = [p.router_endpoint for p in proposers] if proposer_spec != "none" else []
+    n_specs = len(proposer_spec.split("+"))
+    if remote and len(remote) < n_specs:
+        remote = [remote[i % len(remote)] for i in range(n_specs)]
+    try:
+        for msg in generate_remote(verifier, key, proposers=remote, proposer_spec=proposer_spec,
+                                   **request):
+            if isinstance(msg, GenerateChunk):
+                yield Text(tuple(msg.token_ids), msg.text)
+            elif isinstance(msg, GenerateDone):
+                fleet = msg.stats.fleet or FleetStats(verifier=verifier.node_id)
+                stats = replace(msg.stats, fleet=replace(
+                    fleet, verifier_agent=verifier.name,
+                    proposer_agents=tuple(p.name for p in proposers) if remote else ()))
+                yield Done(msg.text, tuple(msg.token_ids), stats)
+    except ProtocolError as e:
+        if e.code in (UNAVAILABLE, INTERNAL):
+            raise VerifierFailed(f"verifier {verifier.name}: {e}") from None
+        raise Refused(f"verifier {verifier.name}: {e}") from None
+    except (TransportTimeout, PeerUnavailable) as e:
+        raise VerifierFailed(f"verifier {verifier.name}: {e}") from None
