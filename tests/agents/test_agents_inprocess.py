@@ -1,4 +1,8 @@
-"""Agents in one process on tiny models: fast checks of the role services over real sockets."""
+"""Agents in one process on tiny models: fast checks of the role services over real sockets.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py for remote drafting vs the
+verifier alone; "same path" for a seeded request asked twice of the same agents.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,9 @@
 Reference: mlx-lm's own `generate_step` (greedy) on the same model, cut at EOS, same max tokens.
 Real-model generations are kept short (10 tokens) and few: every proposer x 3 prompts at k=4,
 plus two adaptive (`auto`) cases and one k=1 case. Malicious proposers run on a tiny model.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py (verify blocks of L tokens vs
+mlx-lm's one token per forward).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ from macfleet.engine.verifier import Verifier
 
 PROMPT = [5, 17, 3, 42, 8, 8, 21, 60, 1]
 
-from tolerance import LOGIT_ATOL, LOGIT_RTOL  # why: tests/tolerance.py; a wrong rollback
-# or prefix moves logits by O(1) (see the negative check below)
+from tolerance import (LOGIT_ATOL, LOGIT_RTOL, LOGPROB_ATOL,  # why: tests/tolerance.py; a
+                       LOGPROB_RTOL)  # wrong rollback or prefix moves logits by O(1) (see the
+# negative checks below)
 
 
 def test_rollback_then_forward_equals_never_fed(tiny):
@@ -111,10 +112,18 @@ def test_model_proposer_prefix_reuse_equals_fresh(tiny, which, params):
         want = fresh.propose(ctx, 4)
         got = reused.propose(ctx, 4)
         if params.greedy:
+            # ids exactly: reuse feeds only the new suffix, fresh the whole context (another
+            # BLAS code path); greedy argmax is not moved by the ~5e-4 of tests/tolerance.py
+            # unless two logits are that close to a tie (deterministic: a fail, not a flake)
             assert got.tokens == want.tokens and got.probs is None
         else:  # the sampled tokens use different random draws; the distributions must match
             assert got.probs.shape == (4, tiny.vocab_size)
-            np.testing.assert_allclose(got.probs[0], want.probs[0], rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(np.log(got.probs[0]), np.log(want.probs[0]),
+                                       rtol=LOGPROB_RTOL, atol=LOGPROB_ATOL)
+            # and the check is sensitive: another last token moves the distribution
+            other = new().propose(list(ctx[:-1]) + [(ctx[-1] + 1) % tiny.vocab_size], 4)
+            assert not np.allclose(np.log(other.probs[0]), np.log(want.probs[0]),
+                                   rtol=LOGPROB_RTOL, atol=LOGPROB_ATOL)
         assert reused._cached[: len(ctx)] == list(ctx)
         assert reused._cache[0].offset == len(reused._cached)
 

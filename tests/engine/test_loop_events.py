@@ -1,4 +1,8 @@
-"""The spec-decode loop as a stream of events: consistency, limits, EOS, a proposer that dies."""
+"""The spec-decode loop as a stream of events: consistency, limits, EOS, a proposer that dies.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py (the loop's blocks vs mlx-lm's
+plain decoding); "same path" for a seeded run repeated.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Retrieval drafts from a store of the verifier's own answers: lookup, trees, lossless use."""
+"""Retrieval drafts from a store of the verifier's own answers: lookup, trees, lossless use.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py (trees vs plain decoding).
+"""
 
 from __future__ import annotations
 

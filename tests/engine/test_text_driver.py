@@ -1,5 +1,8 @@
 """The one generation driver (engine/text.py): '+' or a tree drafter -> a token tree, one chain
-drafter -> chains, the text stream flushed last; the same for in-process and agent runs."""
+drafter -> chains, the text stream flushed last; the same for in-process and agent runs.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py (a tree vs chains).
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ seed. Speculative decoding over it is bit-identical in greedy to mlx-lm's plain 
 same model, with drafts that are mostly rejected (ngram on a random model: rollbacks) and drafts
 that are all accepted (the model as its own draft: multi-token blocks); the CLI's in-process
 `generate --local --proposer ngram` prints the same ids.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py (blocks vs plain decoding).
 """
 
 from __future__ import annotations

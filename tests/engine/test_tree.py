@@ -1,4 +1,8 @@
-"""Token trees: merging, the ancestor mask, one-forward verification, lossless acceptance."""
+"""Token trees: merging, the ancestor mask, one-forward verification, lossless acceptance.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py (a tree forward vs chains);
+"same path" for a seeded run repeated with fixed draft lengths.
+"""
 
 from __future__ import annotations
 

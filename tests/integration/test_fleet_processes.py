@@ -2,6 +2,9 @@
 
 One fleet per module (starting it loads the model in two processes); the test that kills the
 proposer runs last.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py for drafting vs the verifier
+alone; "same path" for a seeded request asked twice of the same agents, drafting fixed.
 """
 
 from __future__ import annotations

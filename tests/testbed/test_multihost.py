@@ -3,6 +3,9 @@
 Each agent is a real `macfleet agent` process bound to its namespace's address; discovery is
 Zeroconf multicast across the bridge, traffic is TCP between namespaces. Skipped unless root
 and `ip netns` work. The tiny model keeps it fast; the network is what is under test.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py (drafting across hosts vs the
+verifier alone).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""The EAGLE draft head: training, persistence, verifier check, and lossless use in the loop."""
+"""The EAGLE draft head: training, persistence, verifier check, and lossless use in the loop.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py (blocks vs mlx-lm's plain
+decoding).
+"""
 
 from __future__ import annotations
 

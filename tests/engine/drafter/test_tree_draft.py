@@ -1,4 +1,8 @@
-"""EAGLE-2 dynamic trees: tree drafts, the size decision, lossless greedy and sampling."""
+"""EAGLE-2 dynamic trees: tree drafts, the size decision, lossless greedy and sampling.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py (trees vs plain decoding);
+"same path" for a seeded run repeated with fixed tree sizes.
+"""
 
 from __future__ import annotations
 
