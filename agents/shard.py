@@ -59,6 +59,7 @@ EXIT_PEER_LOST = 75
 MAX_BLOCK = DEFAULT_PREFILL_STEP
 CMD_STOP, CMD_FORWARD, CMD_PREFILL, CMD_ROLLBACK, CMD_RESET, CMD_PING = range(6)
 HEADER = 3  # cmd, n, unused
+PING_REPEATS = 30
 SHARD_MODES = ("tensor", "pipeline", "expert")
 
 
@@ -338,10 +339,13 @@ class ShardedVerifier:
 # --- process entry: `python -m agents.shard` --------------------------------------------------
 
 
-def _greedy_plain(v: ShardedVerifier, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """Plain greedy decoding, one token per forward; returns ids and each step's logits."""
+def _greedy_plain(v: ShardedVerifier, prompt: list[int], n: int
+                  ) -> tuple[list[int], np.ndarray, ShardStats]:
+    """Plain greedy decoding, one token per forward; returns ids, each step's logits and the
+    shard flow of the prefill alone."""
     v.reset()
     v.prefill(prompt[:-1])
+    prefilled = v.shard_stats()
     last, ids, rows = prompt[-1], [], []
     for _ in range(n):
         logits = v.forward([last])
@@ -349,7 +353,7 @@ def _greedy_plain(v: ShardedVerifier, prompt: list[int], n: int) -> tuple[list[i
         last = int(np.argmax(rows[-1]))
         ids.append(last)
         print(f"step {len(ids)}", file=sys.stderr, flush=True)
-    return ids, np.stack(rows)
+    return ids, np.stack(rows), prefilled
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,10 +387,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         v = ShardedVerifier(shards)
         prompt = json.loads(args.prompt_ids)
+        pings = []
+        for _ in range(PING_REPEATS):  # the ring's all_sum latency, as this run sees it
+            t0 = time.perf_counter()
+            v.keepalive()
+            pings.append((time.perf_counter() - t0) * 1e3)
         t0 = time.perf_counter()
-        ids, logits = _greedy_plain(v, prompt, args.max_tokens)
+        ids, logits, prefilled = _greedy_plain(v, prompt, args.max_tokens)
         out = {"rank_size": group.size(), "mode": args.mode, "plain_ids": ids,
-               "plain_s": time.perf_counter() - t0, "plain_shard": v.shard_stats().to_dict()}
+               "plain_s": time.perf_counter() - t0, "plain_shard": v.shard_stats().to_dict(),
+               "prefill_shard": prefilled.to_dict(),
+               "ping_ms": float(np.median(pings))}
         if args.spec != "none":
             from macfleet.engine.events import Finished
             from macfleet.engine.loop import speculative_generate

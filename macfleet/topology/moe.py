@@ -16,7 +16,7 @@ bytes, one [tokens, hidden] float32 activation):
 Compute is split by bytes read (decode is bandwidth-bound): the experts' share of a forward is
 what the tokens' routed experts weigh against the replicated weights.
 A ring all-reduce of S over n ranks is 2(n-1) steps of S/n, each paying half a round trip;
-or, when the ring was measured (`RingLatency`, agents/ring_probe.py), its measured small-payload
+or, when the ring was measured (`RingLatency`: `macfleet bench moe` pings it), its small-payload
 all-reduce and hop latencies plus the bytes at the link's rate.
 """
 

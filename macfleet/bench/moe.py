@@ -1,0 +1,171 @@
+"""`macfleet bench moe`: expert, tensor and pipeline parallelism of the tiny MoE over 2 and 4
+shard ranks (real processes, mlx.distributed ring on loopback), measured and predicted.
+
+Per ring size, each mode runs `python -m agents.shard` (the shard agents' own ShardGroup): 30
+pings (one small all_sum each: the ring's latency as that run sees it), plain greedy decoding
+(one token per forward) and speculative decoding with ngram drafts; rank 0 reports wall times
+and its `ShardStats` (exact collective bytes, ms per forward, router load). The planner
+(topology/moe.py) then predicts each mode's ms per forward from the single-process verify(1)
+measured here and the ring's median ping (a hop taken as one of the all_sum's 2(n-1) ring
+steps), so the ranking can be compared side by side.
+
+Bounded: the ranks load a 2 MB model; a run is a few seconds; every process has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from macfleet.topology.fleet_spec import GB, Link
+from macfleet.topology.inputs import tiny_moe_shape
+from macfleet.topology.moe import MOE_MODES, RingLatency, choose_moe_mode
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = "tiny-moe:1"
+DEFAULT_PROMPT = "one two three, one two three, one two three, four five six"
+DEFAULT_TOKENS = 32
+RUN_TIMEOUT_S = 240.0
+LOOPBACK_LINK = Link("rank", "rank", 0.0, 1e6)  # latency comes from the probe; ~1 GB/s bytes
+
+
+def _ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _env() -> dict[str, str]:
+    e = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
+    blas = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+    if Path(blas).exists():
+        e.setdefault("LD_PRELOAD", blas)
+    return e
+
+
+def _ranks(module: str, n: int, tmp: Path, extra: list[str]) -> list[str]:
+    """Run n ranks of `python -m module`; their stderr tails (raises on failure)."""
+    hostfile = tmp / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _ports(n)]))
+    procs = [subprocess.Popen([sys.executable, "-m", module, "--hostfile", str(hostfile),
+                               "--rank", str(r), *extra], cwd=ROOT, env=_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for r in range(n)]
+    errs = []
+    try:
+        for p in procs:
+            errs.append(p.communicate(timeout=RUN_TIMEOUT_S)[1][-600:])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{module} over {n} ranks failed: {errs}")
+    return errs
+
+
+def single_process(model: str, prompt: list[int], tokens: int, repeats: int = 30) -> dict:
+    """Reference ids and the single-process verify(1) / plain decoding rate."""
+    from macfleet.engine.models import load_model
+    from macfleet.engine.verifier import Verifier
+
+    v = Verifier(load_model(model).model)
+    v.prefill(prompt[:-1])
+    t0 = time.perf_counter()
+    last, ids = prompt[-1], []
+    for _ in range(tokens):
+        last = int(np.argmax(np.array(v.forward([last])[-1])))
+        ids.append(last)
+    decode_s = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        v.forward([last])
+        times.append((time.perf_counter() - t) * 1e3)
+        v.rollback(1)
+    return {"ids": ids, "verify1_ms": float(np.median(times)),
+            "tokens_per_s": tokens / decode_s}
+
+
+def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
+              tokens: int = DEFAULT_TOKENS, prompt_text: str = DEFAULT_PROMPT,
+              progress: Callable[[str], None] = print) -> dict:
+    from macfleet.engine.models import load_model
+
+    lm = load_model(model)
+    prompt = lm.tokenizer.encode(prompt_text)
+    shape = tiny_moe_shape(model)
+    ref = single_process(model, prompt, tokens)
+    progress(f"single process: verify(1) {ref['verify1_ms']:.2f} ms, "
+             f"{ref['tokens_per_s']:.0f} tok/s")
+    rows = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory(prefix="macfleet-moe-") as d:
+            tmp = Path(d)
+            runs = {}
+            for mode in MOE_MODES:
+                out = tmp / f"{mode}.json"
+                _ranks("agents.shard", n, tmp, [
+                    "--mode", mode, "--model", model, "--prompt-ids", json.dumps(prompt),
+                    "--max-tokens", str(tokens), "--spec", "ngram", "--out", str(out),
+                    "--deadline", "60"])
+                runs[mode] = json.loads(out.read_text())
+            ping = float(np.median([r["ping_ms"] for r in runs.values()]))
+            ring = RingLatency(ping, ping / (2 * (n - 1)))
+            progress(f"{n} ranks: all_sum {ring.allreduce_ms:.3f} ms (median ping)")
+            choice = choose_moe_mode(shape, n, [GB] * n, LOOPBACK_LINK, ref["verify1_ms"],
+                                     tokens=1, ring=ring)
+            pred = {e.mode: e for e in choice.estimates}
+            measured = {}
+            for mode, r in runs.items():
+                plain, spec, pre = r["plain_shard"], r["spec_shard"], r["prefill_shard"]
+                measured[mode] = tokens / r["plain_s"]
+                decode_fw = plain["forwards"] - pre["forwards"]  # one token each
+                e = pred[mode]
+                rows.append({
+                    "mode": mode, "ranks": n,
+                    "ids_match": r["plain_ids"] == ref["ids"] and r["spec_ids"] == ref["ids"],
+                    "measured_tokens_per_s": tokens / r["plain_s"],
+                    "measured_spec_tokens_per_s": tokens / r["spec_s"],
+                    "measured_ms_per_decode_forward":
+                        (plain["forward_ms"] - pre["forward_ms"]) / decode_fw,
+                    "bytes_per_decode_forward":
+                        (plain["collective_bytes"] - pre["collective_bytes"]) / decode_fw,
+                    "prefill_bytes": pre["collective_bytes"], "prefill_tokens": pre["tokens"],
+                    "control_bytes_per_forward": plain["control_bytes"] / plain["forwards"],
+                    "collective_ms_per_decode_forward":
+                        (plain["collective_ms"] - pre["collective_ms"]) / decode_fw,
+                    "rank_load": plain["rank_load"], "expert_load": plain["expert_load"],
+                    "spec_bytes_per_forward": spec["bytes_per_forward"],
+                    "predicted_ms_per_forward": e.forward_ms,
+                    "predicted_tokens_per_s": 1000.0 / e.forward_ms,
+                    "predicted_bytes_per_decode_forward": e.bytes_per_forward,
+                    "predicted_mem_per_rank": e.mem_per_rank,
+                    "possible": e.possible, "ping_ms": r["ping_ms"]})
+                progress(f"  {mode:8s} {tokens / r['plain_s']:7.1f} tok/s measured, "
+                         f"{1000 / e.forward_ms:7.1f} predicted, "
+                         f"{rows[-1]['bytes_per_decode_forward']:.0f} B/forward, ids match "
+                         f"{rows[-1]['ids_match']}")
+            m_rank = sorted(measured, key=lambda m: -measured[m])
+            p_rank = [e.mode for e in choice.estimates]
+            rows.append({"ranks": n, "ring_allreduce_ms": ping, "planner_choice": choice.mode,
+                         "planner_reason": choice.reason, "predicted_ranking": p_rank,
+                         "measured_ranking": m_rank, "ranking_matches": p_rank == m_rank})
+    return {"model": model, "tokens": tokens, "prompt_tokens": len(prompt),
+            "single_process": {k: v for k, v in ref.items() if k != "ids"},
+            "placement": "expert: rank r holds a contiguous range of every MoE layer's "
+                         "experts; attention, embeddings and routers replicated",
+            "rows": rows}
