@@ -3,15 +3,25 @@
 Decode is memory-bound: one forward over N tokens reads the weights once. Serving many users
 therefore concatenates every active session's new tokens (a speculative block, or a prefill
 chunk) into ONE sequence [1, N] and runs embeddings, the q/k/v/o projections, the MLPs and the
-LM head on it; only attention is per session, against that session's own mlx-lm `KVCache`
-with that session's rope offset, so every session keeps O(1) rollback (`trim`) and its own
-KV length (vLLM's flat batch, without paged attention).
+LM head on it (vLLM's flat batch). Row results of a dense layer do not depend on the other rows
+(MLX's `x @ W.T` with OpenBLAS gives each row the same bits whatever the batch; tests check it).
 
-Row results of a dense layer do not depend on the other rows here (MLX's `x @ W.T` with
-OpenBLAS gives each row the same bits whatever the batch; tests check it on real models), and
-each session's attention sees exactly the shapes it would see alone, so a greedy request's
-ids do not change under batching. `invariant=True` runs each segment as its own forward
-(the model's own `__call__`, the single-session code path) for backends where that fails.
+Where the sessions' keys and values live decides the cost of the rest. Kept as one mlx-lm
+`KVCache` per session, attention is a loop of ~18 small ops per session per layer (16 sessions x
+30 layers: ~8,600 ops per iteration, each a dispatch on a 2-core CPU), which cost as much as the
+dense layers themselves. So every session's cache is one row of a `BatchKV`: one buffer per
+layer, keys/values [rows, kv_heads, capacity, head_dim]. An iteration writes every new key and
+value with one scatter per layer, and attends all short segments (decode blocks) in ONE
+attention call over the rows, each row masked to its own length and positions; long segments
+(prefill chunks) attend one by one, as before, so padding never multiplies their queries. A
+session's rollback is still O(1) (its row's offset moves), a session that leaves frees its row.
+
+Batched attention is not bit-identical to a session's own: a row's softmax over keys padded to
+the longest row sums in another order (MLX's CPU softmax runs a SIMD body and a scalar tail), so
+logits move by ~1e-5 and a greedy argmax can only flip at a near-tie; `bench batch-identity`
+measures how often over many requests. Caches given as per-session layer lists run each segment
+as its own forward (the model's own `__call__`, the single-session code path): the
+batch-invariant mode.
 """
 
 from __future__ import annotations
@@ -21,25 +31,139 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from macfleet.engine.layers import head_logits
 from macfleet.engine.tree_verify import supports_tree_attention
+
+DEFAULT_KV_STEP = 256  # capacity grows in steps of this many positions (mlx-lm's KVCache step)
+ROW_STEP = 4  # rows grow in steps of this many sessions
+MAX_BATCHED_SEGMENT = 16  # segments up to this long share one attention call
 
 
 class BatchUnsupported(ValueError):
     """The model's layers do not look like llama's: it cannot run a flat batch."""
 
 
+class BatchKV:
+    """Every session's KV cache as one row of one buffer per layer.
+
+    keys[i], values[i]: [rows, kv_heads, capacity, head_dim], allocated at the first write (the
+    shape comes from the model's own k/v) and grown by `ROW_STEP` rows / `step` positions when a
+    session needs more; dropped when the last row closes."""
+
+    def __init__(self, n_layers: int, step: int = DEFAULT_KV_STEP) -> None:
+        self.n_layers, self.step = n_layers, step
+        self.keys: list[mx.array | None] = [None] * n_layers
+        self.values: list[mx.array | None] = [None] * n_layers
+        self.rows = 0  # rows the buffers have (or will have at the next write)
+        self.capacity = 0  # positions per row
+        self._open: set[int] = set()
+
+    def open(self) -> RowCache:
+        """A new, empty row (the lowest free one, so the batched attention spans few rows)."""
+        row = next(r for r in range(len(self._open) + 1) if r not in self._open)
+        self._open.add(row)
+        return RowCache(self, row)
+
+    def close(self, row: int) -> None:
+        self._open.discard(row)
+        if not self._open:  # idle: give the memory back
+            self.keys = [None] * self.n_layers
+            self.values = [None] * self.n_layers
+            self.rows = self.capacity = 0
+
+    @property
+    def open_rows(self) -> int:
+        return len(self._open)
+
+    def reserve(self, rows: int, positions: int) -> None:
+        """Make room for rows [0, rows) and positions [0, positions) (applied per layer at its
+        next write)."""
+        if rows > self.rows:
+            self.rows = -(-rows // ROW_STEP) * ROW_STEP
+        if positions > self.capacity:
+            self.capacity = -(-positions // self.step) * self.step
+
+    def _buffers(self, i: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Layer i's buffers at the reserved size; k, v: [N, kv_heads, 1, head_dim]."""
+        out = []
+        for buf, new in ((self.keys[i], k), (self.values[i], v)):
+            if buf is None:
+                buf = mx.zeros((self.rows, new.shape[1], self.capacity, new.shape[3]), new.dtype)
+            else:
+                r, h, c, d = buf.shape
+                if c < self.capacity:
+                    buf = mx.concatenate([buf, mx.zeros((r, h, self.capacity - c, d), buf.dtype)],
+                                         axis=2)
+                if r < self.rows:
+                    buf = mx.concatenate(
+                        [buf, mx.zeros((self.rows - r, h, self.capacity, d), buf.dtype)], axis=0)
+            out.append(buf)
+        return out[0], out[1]
+
+    def write(self, i: int, k: mx.array, v: mx.array, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """Scatter k, v [N, kv_heads, 1, head_dim] into layer i at flat `slots` [N * kv_heads]
+        (see `slot_index`); returns the updated buffers."""
+        kb, vb = self._buffers(i, k, v)
+        self.keys[i] = self.values[i] = None  # drop our references: the scatter works in place
+        shape, d = kb.shape, kb.shape[3]
+        kf, vf = kb.reshape(-1, d), vb.reshape(-1, vb.shape[3])
+        del kb, vb
+        kf[slots] = k.reshape(-1, d)
+        vf[slots] = v.reshape(-1, v.shape[3])
+        self.keys[i], self.values[i] = kf.reshape(shape), vf.reshape(*shape[:3], -1)
+        return self.keys[i], self.values[i]
+
+    def slot_index(self, rows: np.ndarray, positions: np.ndarray, kv_heads: int) -> mx.array:
+        """Flat indices [N * kv_heads] of (row, head, position) in a [rows*heads*cap] view."""
+        heads = np.arange(kv_heads)[None, :]
+        flat = (rows[:, None] * kv_heads + heads) * self.capacity + positions[:, None]
+        return mx.array(flat.reshape(-1), dtype=mx.int32)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (*self.keys, *self.values) if a is not None]
+
+
+class RowCache:
+    """One session's KV cache: a row of a `BatchKV`. Rollback moves the offset (O(1))."""
+
+    def __init__(self, store: BatchKV, row: int) -> None:
+        self.store, self.row, self.offset = store, row, 0
+        self._closed = False
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.store.close(self.row)
+
+
+def trim_cache(cache, n: int) -> None:
+    """Drop the last n positions of a session's cache (a `RowCache` or mlx-lm layer caches)."""
+    if isinstance(cache, RowCache):
+        cache.trim(n)
+    else:
+        for c in cache:
+            c.trim(n)
+
+
 @dataclass(frozen=True)
 class Segment:
     """One session's new tokens in an iteration.
 
-    cache: that session's per-layer KV caches (appended to in place).
+    cache: that session's `RowCache` (flat batch), or its per-layer mlx-lm caches (each
+    segment its own forward: batch-invariant); appended to in place.
     logits_from: rows >= this index get logits (a block: 0; a prefill chunk: None).
     """
 
     tokens: tuple[int, ...]
-    cache: list
+    cache: object
     logits_from: int | None = 0
 
     def __len__(self) -> int:
@@ -53,57 +177,125 @@ def check_batchable(model: nn.Module) -> None:
             "(q/k/v/o projections, rope): continuous batching supports the llama family")
 
 
-def _attention(attn, x: mx.array, segments: Sequence[Segment], layer: int,
-               positions: mx.array) -> mx.array:
+@dataclass(frozen=True)
+class _Plan:
+    """Index arrays of one flat iteration, shared by every layer.
+
+    Flat order: the short segments (batched attention) first, then the long ones.
+    rows: [R] rows the batched attention spans (0..max row of a short segment);
+    q_index [R * Lq]: flat token of each (row, query) cell (padding cells: token 0);
+    out_index [n_short]: the cell of each short-segment token; mask [R, 1, Lq, T]."""
+
+    n_short: int
+    n_rows: int
+    lq: int
+    q_index: mx.array | None
+    out_index: mx.array | None
+    mask: mx.array | None
+    t_max: int
+    long: tuple[tuple[int, int, int, int], ...]  # (flat start, length, row, offset)
+
+
+def _plan(segs: Sequence[Segment]) -> _Plan:
+    short = [s for s in segs if len(s) <= MAX_BATCHED_SEGMENT]
+    n_short = sum(len(s) for s in short)
+    long, start = [], n_short
+    for s in segs[len(short):]:
+        long.append((start, len(s), s.cache.row, s.cache.offset))
+        start += len(s)
+    if not short:
+        return _Plan(0, 0, 0, None, None, None, 0, tuple(long))
+    n_rows = max(s.cache.row for s in short) + 1
+    lq = max(len(s) for s in short)
+    t_max = max(s.cache.offset + len(s) for s in short)
+    q_index = np.zeros((n_rows, lq), np.int32)
+    out_index = np.zeros(n_short, np.int32)
+    # keys a (row, query) cell may see: j <= limit; rows without a segment see key 0 only
+    limit = np.zeros((n_rows, lq), np.int64)
+    n = 0
+    for s in short:
+        r, L, off = s.cache.row, len(s), s.cache.offset
+        q_index[r, :L] = np.arange(n, n + L)
+        out_index[n:n + L] = r * lq + np.arange(L)
+        limit[r] = off + np.minimum(np.arange(lq), L - 1)
+        n += L
+    mask = np.arange(t_max)[None, None, :] <= limit[:, :, None]  # [R, Lq, T]
+    return _Plan(n_short, n_rows, lq, mx.array(q_index.reshape(-1)), mx.array(out_index),
+                 mx.array(mask[:, None]), t_max, tuple(long))
+
+
+def _attention(attn, x: mx.array, store: BatchKV, layer: int, positions: mx.array,
+               slots: mx.array, plan: _Plan) -> mx.array:
     """x: [1, N, D] flat batch -> o_proj(attention) [1, N, D].
 
     Projections and rotary embeddings run once on the flat batch (`mx.fast.rope` takes one
-    offset per batch row, so the N tokens are laid out as N rows at their own positions);
-    only the cache update and the attention itself are per segment."""
-    N = x.shape[1]
-    q = attn.rope(attn.q_proj(x).reshape(N, attn.n_heads, 1, -1), offset=positions)
+    offset per batch row, so the N tokens are laid out as N rows at their own positions); one
+    scatter writes every new key/value; short segments attend together, long ones alone."""
+    N, H = x.shape[1], attn.n_heads
+    q = attn.rope(attn.q_proj(x).reshape(N, H, 1, -1), offset=positions)  # [N, H, 1, hd]
     k = attn.rope(attn.k_proj(x).reshape(N, attn.n_kv_heads, 1, -1), offset=positions)
     v = attn.v_proj(x).reshape(N, attn.n_kv_heads, 1, -1)
+    hd = q.shape[-1]
+    keys, values = store.write(layer, k, v, slots)  # [rows, kv_heads, cap, hd]
     outs = []
-    start = 0
-    for seg in segments:
-        end = start + len(seg)
-        # rows [start, end) as one sequence: [L, heads, 1, hd] -> [1, heads, L, hd]
-        keys, values = seg.cache[layer].update_and_fetch(k[start:end].transpose(2, 1, 0, 3),
-                                                         v[start:end].transpose(2, 1, 0, 3))
-        outs.append(mx.fast.scaled_dot_product_attention(
-            q[start:end].transpose(2, 1, 0, 3), keys, values, scale=attn.scale,
-            mask="causal" if len(seg) > 1 else None))
-        start = end
-    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # [1, heads, N, hd]
-    return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, N, -1))
+    if plan.n_short:
+        R, Lq = plan.n_rows, plan.lq
+        qb = q.reshape(N, H, hd)[plan.q_index].reshape(R, Lq, H, hd).transpose(0, 2, 1, 3)
+        o = mx.fast.scaled_dot_product_attention(
+            qb, keys[:R, :, :plan.t_max], values[:R, :, :plan.t_max], scale=attn.scale,
+            mask=plan.mask)  # [R, H, Lq, hd]
+        outs.append(o.transpose(0, 2, 1, 3).reshape(R * Lq, H * hd)[plan.out_index])
+    for start, L, row, off in plan.long:
+        qs = q[start:start + L].transpose(2, 1, 0, 3)  # [1, H, L, hd]
+        o = mx.fast.scaled_dot_product_attention(
+            qs, keys[row:row + 1, :, :off + L], values[row:row + 1, :, :off + L],
+            scale=attn.scale, mask="causal" if L > 1 else None)
+        outs.append(o.transpose(0, 2, 1, 3).reshape(L, H * hd))
+    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)  # [N, H * hd]
+    return attn.o_proj(o[None])
 
 
 def _flat(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None]:
+    caches = [s.cache for s in segments]
+    if not all(isinstance(c, RowCache) for c in caches) or len({c.store for c in caches}) > 1:
+        raise ValueError("a flat batch needs every segment's cache to be a row of one BatchKV")
+    if len({c.row for c in caches}) < len(caches):
+        raise ValueError("two segments of one flat batch write the same cache row")
+    store = caches[0].store
+    order = sorted(range(len(segments)), key=lambda i: len(segments[i]) > MAX_BATCHED_SEGMENT)
+    segs = [segments[i] for i in order]
+    toks = [int(t) for s in segs for t in s.tokens]
+    rows = np.array([s.cache.row for s in segs for _ in range(len(s))], np.int64)
+    pos = np.array([s.cache.offset + i for s in segs for i in range(len(s))], np.int64)
+    store.reserve(int(rows.max()) + 1, int(pos.max()) + 1)
+    plan = _plan(segs)
     inner = model.model
-    toks = [int(t) for s in segments for t in s.tokens]
-    positions = mx.array([s.cache[0].offset + i for s in segments for i in range(len(s))],
-                         dtype=mx.int32)
+    kv_heads = model.layers[0].self_attn.n_kv_heads
+    slots = store.slot_index(rows, pos, kv_heads)
+    positions = mx.array(pos, dtype=mx.int32)
     h = inner.embed_tokens(mx.array(toks, dtype=mx.uint32)[None])  # [1, N, D]
     for i, layer in enumerate(model.layers):
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), segments, i, positions)
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), store, i, positions,
+                           slots, plan)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    rows: list[int] = []
-    spans: list[tuple[int, int] | None] = []
+    for s in segs:
+        s.cache.offset += len(s)
+    # logits only for the rows that need them (a prefill chunk needs none)
+    want: list[int] = []
+    spans: dict[int, tuple[int, int]] = {}
     start = 0
-    for s in segments:
-        if s.logits_from is None:
-            spans.append(None)
-        else:
-            a = len(rows)
-            rows.extend(range(start + s.logits_from, start + len(s)))
-            spans.append((a, len(rows)))
+    for i, s in zip(order, segs):
+        if s.logits_from is not None:
+            a = len(want)
+            want.extend(range(start + s.logits_from, start + len(s)))
+            spans[i] = (a, len(want))
         start += len(s)
-    if not rows:
+    if not want:
         return [None] * len(segments)
-    sel = h[:, mx.array(rows, dtype=mx.int32)] if len(rows) < start else h
+    sel = h[:, mx.array(want, dtype=mx.int32)] if len(want) < start else h
     logits = head_logits(model, sel)[0].astype(mx.float32)  # [rows, V]
-    return [None if sp is None else logits[sp[0]:sp[1]] for sp in spans]
+    return [logits[spans[i][0]:spans[i][1]] if i in spans else None
+            for i in range(len(segments))]
 
 
 def _one_by_one(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None]:
@@ -116,12 +308,17 @@ def _one_by_one(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array 
     return out
 
 
-def flat_forward(model: nn.Module, segments: Sequence[Segment], *,
-                 invariant: bool = False) -> list[mx.array | None]:
+def flat_forward(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None]:
     """Logits [len(seg) - logits_from, V] per segment (None for prefill chunks), evaluated;
-    every segment's tokens are appended to its cache."""
+    every segment's tokens are appended to its cache. Segments whose caches are rows of a
+    `BatchKV` share one forward; per-layer cache lists run one forward each (batch-invariant)."""
     if not segments or any(not len(s) for s in segments):
         raise ValueError("flat_forward needs at least one segment, none of them empty")
-    out = (_one_by_one if invariant else _flat)(model, segments)
-    mx.eval([o for o in out if o is not None] + [c.state for s in segments for c in s.cache])
+    if isinstance(segments[0].cache, RowCache):
+        out = _flat(model, segments)
+        state = segments[0].cache.store.state
+    else:
+        out = _one_by_one(model, segments)
+        state = [c.state for s in segments for c in s.cache]
+    mx.eval([o for o in out if o is not None] + state)
     return out

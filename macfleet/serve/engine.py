@@ -22,7 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accept_ratio
-from macfleet.engine.batch import Segment, check_batchable, flat_forward
+from macfleet.engine.batch import (BatchKV, RowCache, Segment, check_batchable, flat_forward,
+                                   trim_cache)
 from macfleet.engine.controller import make_controller
 from macfleet.engine.events import Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
@@ -146,6 +147,8 @@ class BatchEngine:
         self.token_budget, self.max_active, self.max_queue = token_budget, max_active, max_queue
         self.chunked, self.invariant, self.clock = chunked, invariant, clock
         self._stall = StallControl(stall_ratio)
+        # every session's KV is a row of one store (flat batch), or its own caches (invariant)
+        self._kv = None if invariant else BatchKV(len(lm.model.layers))
         self._vocab = lm.vocab_size
         self._waiting: deque[_Session] = deque()
         self._active: list[_Session] = []
@@ -286,7 +289,8 @@ class BatchEngine:
                 self._finish(s, reason="length")
                 continue
             try:
-                s.cache = make_trimmable_cache(self.lm.model)
+                s.cache = (make_trimmable_cache(self.lm.model) if self._kv is None
+                           else self._kv.open())
                 s.rng = make_rng(s.req.params, stream=0)
             except Exception as e:  # noqa: BLE001 - one bad session fails alone
                 log.exception("session %d could not start", s.sid)
@@ -303,6 +307,8 @@ class BatchEngine:
     def _release(self, s: _Session, state: str) -> None:
         with self._cv:  # an RLock: some callers hold it already
             self._ended.append(s.view(state))
+        if isinstance(s.cache, RowCache):
+            s.cache.close()
         s.cache = None
         if s.on_close is not None:
             s.on_close()
@@ -352,7 +358,7 @@ class BatchEngine:
                 segs.append(Segment((s.context[-1], *s.draft.tokens), s.cache, 0))
             run.append((s, slot))
         t0 = self.clock()
-        out = flat_forward(self.lm.model, segs, invariant=self.invariant)
+        out = flat_forward(self.lm.model, segs)
         ms = (self.clock() - t0) * 1e3
         n_dec = sum(sl.tokens for _, sl in run if not sl.prefill)
         rec = IterationView(t0, len(run), n_dec, sum(sl.tokens for _, sl in run) - n_dec,
@@ -379,8 +385,7 @@ class BatchEngine:
             n, nxt = (accept_ratio(d.tokens, d.probs, probs, s.rng) if d.probs is not None
                       else accept_exact_sample(d.tokens, probs, s.rng))
         if len(d) - n:
-            for c in s.cache:
-                c.trim(len(d) - n)
+            trim_cache(s.cache, len(d) - n)
         new = [*d.tokens[:n], nxt]
         stop_at = next((i for i, t in enumerate(new) if t in s.req.eos_ids), None)
         if stop_at is not None:

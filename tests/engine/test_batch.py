@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tolerance import LOGIT_ATOL, LOGIT_RTOL
 
-from macfleet.engine.batch import Segment, flat_forward
+from macfleet.engine.batch import BatchKV, Segment, flat_forward
 from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.engine.loop import speculative_generate
 from macfleet.engine.sampling import GREEDY, SamplingParams
@@ -57,7 +57,8 @@ def _serve_all(engine: BatchEngine, reqs: list[EngineRequest]) -> list[Finished]
 def test_flat_forward_rows_match_each_session_alone(tiny):
     m = tiny.model
     prompts = _prompts(tiny.vocab_size, 5, seed=3)
-    caches = [make_trimmable_cache(m) for _ in prompts]
+    store = BatchKV(len(m.layers))
+    caches = [store.open() for _ in prompts]
     flat_forward(m, [Segment(p[:-1], c, None) for p, c in zip(prompts, caches)])
     blocks = [(p[-1], 5, 7)[: 1 + i % 3] for i, p in enumerate(prompts)]
     out = flat_forward(m, [Segment(b, c, 0) for b, c in zip(blocks, caches)])
@@ -67,11 +68,12 @@ def test_flat_forward_rows_match_each_session_alone(tiny):
         ref = np.array(v.forward(b))
         assert lg.shape == ref.shape
         np.testing.assert_allclose(np.array(lg), ref, rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
-        assert c[0].offset == len(p) - 1 + len(b)
-    # batch-invariant mode: the single-session code path, bit for bit
+        assert np.array_equal(np.argmax(np.array(lg), -1), np.argmax(ref, -1))
+        assert c.offset == len(p) - 1 + len(b)
+    # batch-invariant mode (per-session caches): the single-session code path, bit for bit
     caches = [make_trimmable_cache(m) for _ in prompts]
-    flat_forward(m, [Segment(p[:-1], c, None) for p, c in zip(prompts, caches)], invariant=True)
-    out = flat_forward(m, [Segment(b, c, 0) for b, c in zip(blocks, caches)], invariant=True)
+    flat_forward(m, [Segment(p[:-1], c, None) for p, c in zip(prompts, caches)])
+    out = flat_forward(m, [Segment(b, c, 0) for b, c in zip(blocks, caches)])
     for p, b, lg in zip(prompts, blocks, out):
         v = Verifier(m)
         v.prefill(p[:-1])
