@@ -85,6 +85,7 @@ def run_soak(args) -> int:
     path = write_result("serve_soak.json", res, args.out)
     print(f"{res['requests']} requests ({res['by_kind']}): {res['failed']} failed; server "
           f"{'alive' if res['server_alive_at_end'] else 'DEAD'}, "
-          f"{res['sessions_left_at_end']} sessions left")
+          f"{res['sessions_left_at_end']} sessions left; RSS {res['rss_before_mib']} -> "
+          f"{res['rss_after_mib']} MiB, open files {res['fds_before']} -> {res['fds_after']}")
     print(f"wrote {path}")
-    return 0 if res["failed"] == 0 and res["server_alive_at_end"] else 1
+    return 0 if res["failed"] == 0 and res["server_alive_at_end"] and res["flat"] else 1
