@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def add_bench_parsers(bs) -> None:
     d = bs.add_parser("drafter", help="every drafter on held-out chat and code prompts")
@@ -16,6 +18,14 @@ def add_bench_parsers(bs) -> None:
     d.add_argument("--record", action="store_true",
                    help="record the measured best drafter as the model's default (auto)")
     d.set_defaults(func=run)
+    c = bs.add_parser("data-curve", help="retrieval drafts against the size of the verifier's "
+                      "answer store, on the dataset's held-out prompt groups (no model runs)")
+    c.add_argument("--dataset", type=Path, default=Path("results/distill-smollm2"),
+                   help="a `macfleet distill --tokens N` dataset (default: %(default)s)")
+    c.add_argument("--max-starts", type=int, default=2000,
+                   help="held-out answer positions scored per store size")
+    c.add_argument("--goal", type=float, default=2.5, help="tau to extrapolate the data to")
+    c.set_defaults(func=run_data_curve)
 
 
 def run(args) -> int:
@@ -86,4 +96,31 @@ def run(args) -> int:
                       f"{r['speedup']:.2f}x (geomean {r['speedup_geomean']:.2f}x, min "
                       f"{r['speedup_min']:.2f}x)  identical {r['all_identical']}")
     print(f"best in one process: {best} ({speedup:.2f}x); wrote {path}")
+    return 0
+
+
+def run_data_curve(args) -> int:
+    import sys
+
+    from macfleet.bench import store_curve
+    from macfleet.bench.record import write_result
+    from macfleet.cli.common import UserError
+    from macfleet.engine.drafter.dataset import DatasetError
+
+    if not (args.dataset / "manifest.json").is_file():
+        raise UserError(f"{args.dataset}: not a distillation dataset (no manifest.json); make "
+                        f"one with `macfleet distill --model M --tokens N --dataset DIR`")
+    try:
+        doc = store_curve.data_curve(args.dataset, max_starts=args.max_starts, goal=args.goal,
+                                     progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except (DatasetError, ValueError, OSError) as e:
+        raise UserError(str(e)) from None
+    path = write_result("data_curve.json", doc, args.out)
+    png = store_curve.plot(doc, args.out / "data_curve.png")
+    for n, t in doc["store_tokens_for_goal"].items():
+        f = doc["fit"][n]
+        print(f"tree of {n:>2s} nodes: +{f['b_per_doubling']:.3f} tau per doubling of the store; "
+              f"tau {args.goal} at ~{t:.2g} answer tokens" if f and t else
+              f"tree of {n:>2s} nodes: tau does not grow with the store here")
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 0
