@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from bridge.auth import fleet_id
-from bridge.card import ROLE_PROPOSER, ROLE_SHARD, ROLE_VERIFIER, AgentCard
+from bridge.card import ROLE_PREFILL, ROLE_PROPOSER, ROLE_SHARD, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Advertiser
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError
 from bridge.messages import (AgentEvent, ErrorReply, HiddenStates, HiddenStatesAck, Ping, Pong,
@@ -49,6 +49,9 @@ class AgentConfig:
     node_id: str = ""
     f3_probe: bool = False  # verifier: measure F3 with a hidden-state-sized probe per block
     allow_hub: bool = False  # remote requests may name Hugging Face ids (downloads) for draft:
+    # verifier: ship long prompts' prefill to prefill agents found on Zeroconf when it pays
+    # (None: never); an agents.remote_prefill.DisaggPolicy
+    disagg: object | None = None
 
 
 DEFAULT_FD_TARGET = 65536
@@ -85,9 +88,9 @@ def pin_to_cpu(cpu: int | None) -> None:
 
 class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
-        if cfg.role not in (ROLE_PROPOSER, ROLE_VERIFIER, ROLE_SHARD):
-            raise ValueError(f"role must be {ROLE_PROPOSER}, {ROLE_VERIFIER} or {ROLE_SHARD}, "
-                             f"got {cfg.role}")
+        if cfg.role not in (ROLE_PROPOSER, ROLE_VERIFIER, ROLE_SHARD, ROLE_PREFILL):
+            raise ValueError(f"role must be {ROLE_PROPOSER}, {ROLE_VERIFIER}, {ROLE_SHARD} or "
+                             f"{ROLE_PREFILL}, got {cfg.role}")
         self.cfg = cfg
         self.node_id = cfg.node_id or uuid.uuid4().hex[:12]
         self.name = cfg.name or f"{socket.gethostname().split('.')[0]}-{cfg.role}"
@@ -103,7 +106,7 @@ class Agent:
 
         self.lm = load_model(cfg.model)
         self.publisher = Publisher(key=cfg.key, bind=f"tcp://{cfg.bind_host}:{cfg.pub_port or '*'}")
-        self.proposer = self.verifier = None
+        self.proposer = self.verifier = self.prefill = self._browser = None
         self._start_services()
         self.server = Server(self._handle, key=cfg.key,
                              bind=f"tcp://{cfg.bind_host}:{cfg.port or '*'}").start()
@@ -124,6 +127,10 @@ class Agent:
             self.proposer = ProposerService(self.lm, kinds=self.cfg.proposer_kinds,
                                             heads_dir=self.cfg.heads_dir,
                                             allow_hub=self.cfg.allow_hub)
+        elif self.cfg.role == ROLE_PREFILL:
+            from agents.prefill_service import PrefillService
+
+            self.prefill = PrefillService(self.lm)
         else:
             self.verifier = self._verifier_service()
 
@@ -133,10 +140,24 @@ class Agent:
 
         policy = SpecPolicy(heads_dir=self.cfg.heads_dir, own_model=self.lm.spec,
                             allow_hub=self.cfg.allow_hub)
+        endpoints = None
+        if self.cfg.disagg is not None and verifier is None:
+            from bridge.discovery import Browser
+
+            self._browser = Browser(fleet_id=fleet_id(self.cfg.key), interfaces=(
+                LOOPBACK_ONLY if self.cfg.loopback_only else ALL_INTERFACES))
+            endpoints = self._prefill_endpoints
         return VerifierService(self.lm, node_id=self.node_id, key=self.cfg.key,
                                publish=self.publish, f3_probe=self.cfg.f3_probe,
                                verifier=verifier, on_fatal=on_fatal, f3_codec=self.cfg.f3_codec,
-                               policy=policy)
+                               policy=policy, prefill_endpoints=endpoints,
+                               disagg=self.cfg.disagg)
+
+    def _prefill_endpoints(self) -> list[str]:
+        """Prefill agents of this fleet serving this model, as Zeroconf shows them now (CURVE
+        decides whether a card's endpoint is really one of ours)."""
+        return [c.router_endpoint for c in self._browser.cards()
+                if ROLE_PREFILL in c.roles and self.lm.spec in c.models]
 
     def _after_advertise(self) -> None:
         """A hook run once the agent is discoverable."""
@@ -165,6 +186,8 @@ class Agent:
     def sessions(self) -> int:
         if self.proposer is not None:
             return self.proposer.sessions
+        if self.prefill is not None:
+            return self.prefill.sessions
         return self.verifier.active if self.verifier is not None else 0
 
     def _handle(self, env, reply) -> None:
@@ -186,7 +209,7 @@ class Agent:
         if isinstance(msg, RunPreset):
             self._run_preset(msg, reply)
             return
-        for svc in (self.proposer, self.verifier):
+        for svc in (self.proposer, self.verifier, self.prefill):
             if svc is not None and svc.handle(msg, reply):
                 return
         raise ProtocolError(BAD_REQUEST,
@@ -242,7 +265,9 @@ class Agent:
         if self.advertiser is not None:
             self.advertiser.close()  # waits, so the goodbyes go out
         self.server.close()
-        for svc in (self.proposer, self.verifier):
+        for svc in (self.proposer, self.verifier, self.prefill):
             if svc is not None:
                 svc.close()
+        if self._browser is not None:
+            self._browser.close()
         self.publisher.close()

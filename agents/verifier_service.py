@@ -23,6 +23,7 @@ from bridge.messages import (AUTO_DRAFT_TOKENS, BlockMetrics, ErrorReply, Genera
                              GenerateDone, GenerateRequest)
 from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS, DraftTokens
 from macfleet.engine.events import BlockDone, Finished
+from macfleet.engine.kvship import PrefilledVerifier, model_layout
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
 from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
@@ -32,7 +33,7 @@ from macfleet.engine.text import (MAX_PROMPT_TOKENS, Drafting, PromptError, Text
                                   plan_drafting)
 from macfleet.engine.tree_loop import tree_budget
 from macfleet.engine.verifier import Verifier
-from macfleet.stats import BlockFlows, FleetStats, FlowStats
+from macfleet.stats import BlockFlows, FleetStats, FlowStats, KVFlow
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,13 @@ class VerifierService:
                  publish: Callable[[object], None] | None = None,
                  limits: VerifierLimits = VerifierLimits(), f3_probe: bool = False,
                  verifier=None, on_fatal: Callable[[str], None] | None = None,
-                 f3_codec: str = "float16", policy: SpecPolicy | None = None) -> None:
+                 f3_codec: str = "float16", policy: SpecPolicy | None = None,
+                 prefill_endpoints: Callable[[], list[str]] | None = None,
+                 disagg=None) -> None:
         """verifier: a Verifier-like object (a ShardedVerifier on a shard group's rank 0);
-        on_fatal: called when the verifier itself is lost (a shard died): the agent stops."""
+        on_fatal: called when the verifier itself is lost (a shard died): the agent stops;
+        prefill_endpoints: live prefill agents for this model (flow KV, agents/remote_prefill),
+        with `disagg` (a DisaggPolicy) saying when to use them."""
         self.lm = lm
         self.node_id = node_id
         self.key = key
@@ -163,6 +168,13 @@ class VerifierService:
         self._beat = threading.Thread(target=self._heartbeats, name="verifier-heartbeat",
                                       daemon=True)
         self._beat.start()
+        self._stage = None
+        if prefill_endpoints is not None and verifier is None:
+            from agents.remote_prefill import DisaggPolicy, PrefillStage
+
+            self._stage = PrefillStage(lm, key=key, layout=model_layout(lm.model),
+                                       endpoints=prefill_endpoints, submit=self._submit,
+                                       policy=disagg or DisaggPolicy())
 
     def _heartbeats(self) -> None:
         while not self._stopped.wait(HEARTBEAT_S):
@@ -183,6 +195,8 @@ class VerifierService:
 
     def close(self, timeout: float = 5.0) -> None:
         self._stopped.set()
+        if self._stage is not None:
+            self._stage.close()
         try:
             self._jobs.put_nowait(None)
         except queue.Full:
@@ -204,11 +218,18 @@ class VerifierService:
         check_request(msg, self.policy)
         with self._pending_lock:
             try:
-                self._jobs.put_nowait((msg, reply))
+                if self._stage is not None and self._stage.wants(msg):
+                    self._stage.put(msg, reply)  # a long prompt may prefill elsewhere first
+                else:
+                    self._jobs.put_nowait((msg, reply, None))
             except queue.Full:
                 raise ProtocolError(BUSY, f"{self.limits.max_queued} generations queued") from None
             self._pending[id(reply)] = (msg.request_id, reply)
         return True
+
+    def _submit(self, msg: GenerateRequest, reply: Reply, staged) -> None:
+        """The prefill stage hands a request on (waits while the compute queue is full)."""
+        self._jobs.put((msg, reply, staged))
 
     def _run(self) -> None:
         while True:
@@ -220,10 +241,10 @@ class VerifierService:
                 continue
             if job is None:
                 return
-            msg, reply = job
+            msg, reply, staged = job
             self.active += 1
             try:
-                self._generate(msg, reply)
+                self._generate(msg, reply, staged)
             except VerifierLost as e:
                 reply(ErrorReply(UNAVAILABLE, f"the sharded verifier lost a rank: {e}"))
                 self._fatal(str(e))
@@ -314,18 +335,22 @@ class VerifierService:
         return RemoteProposerGroup(remotes, draft_tokens=draft_tokens_of(msg),
                                    node_budget=tree_budget(remotes))
 
-    def _generate(self, msg: GenerateRequest, reply: Reply) -> None:
+    def _generate(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
         params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
-        ids = encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids)
         if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
             raise ValueError("prefix ids outside the vocabulary")
+        ids = staged.ids if staged is not None else (
+            encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
+        verifier = self._verifier
+        if staged is not None and staged.kv is not None:  # flow KV: installed, not computed
+            verifier = PrefilledVerifier(self._verifier, ids[:-1], self._stage.layout, staged.kv)
         proposer = self._drafting(msg)
         max_new = max(0, msg.max_tokens - len(msg.prefix_ids))
         parts: list[str] = []
         block_ms = wire_ms = 0.0
         stats = None
         remote = proposer if isinstance(proposer, FallbackProposer) else None
-        events = generate_from_ids(self.lm, self._verifier, proposer, ids,
+        events = generate_from_ids(self.lm, verifier, proposer, ids,
                                    draft_tokens=draft_tokens_of(msg), max_tokens=max_new,
                                    params=params)
         try:
@@ -360,10 +385,20 @@ class VerifierService:
         elif isinstance(proposer, RemoteProposerGroup):
             flows, failures = proposer.flow_stats(), proposer.failures
         shard_stats = getattr(self._verifier, "shard_stats", None)  # a sharded verifier's
+        kv = self._kv_flow(staged, verifier, len(ids), stats.prefill_ms)
         fleet = FleetStats(verifier=self.node_id, flows=flows, proposer_failures=len(failures),
-                           wire_ms=wire_ms,
+                           wire_ms=wire_ms, kv=kv,
                            multihost_overhead=wire_ms / block_ms if block_ms else 0.0,
                            shard=shard_stats() if shard_stats else None)
         self.completed += 1
         reply(GenerateDone(msg.request_id, "".join(parts), token_ids,
                            replace(stats, fleet=fleet)))
+
+    def _kv_flow(self, staged, verifier, tokens: int, prefill_ms: float) -> KVFlow:
+        """Flow KV of a finished generation; a local prefill also teaches the stage's meter."""
+        if staged is None:
+            return KVFlow()
+        if isinstance(verifier, PrefilledVerifier) and verifier.installed:
+            return replace(staged.flow, install_ms=verifier.install_ms)
+        self._stage.meter.local(tokens - 1, prefill_ms)
+        return staged.flow

@@ -70,7 +70,8 @@ ALLOWED: dict[str, Rule] = {
     "macfleet/cli": Rule(PROJECT),
     "macfleet/__main__.py": Rule(("macfleet.cli",)),
     # the daemon: bridge + engine; the tool plane runs allowlisted benchmarks
-    "agents": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo", *RECORDS),
+    "agents": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",
+                    "macfleet.topology.disagg", *RECORDS),
                    banned=("starlette", "uvicorn", "httpx", "textual")),
     "agents/presets.py": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",
                                "macfleet.bench", *RECORDS)),

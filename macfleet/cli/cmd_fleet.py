@@ -7,14 +7,16 @@ import sys
 from pathlib import Path
 
 from agents.specs import PROPOSER_KINDS
+from macfleet.topology.disagg import DEFAULT_MIN_PROMPT_TOKENS
 from macfleet.cli.common import UserError, add_key_args, fleet_key
 
 SHARD_MODES = ("tensor", "pipeline", "expert")  # agents/shard.py SHARD_MODES
+KV_CODECS = ("auto", "float16", "int8")  # engine/kvship.py KV_CODECS (no MLX import here)
 
 
 def add_parser(sub) -> None:
     a = sub.add_parser("agent", help="run the agent daemon on this machine")
-    a.add_argument("--role", required=True, choices=("proposer", "verifier", "shard"))
+    a.add_argument("--role", required=True, choices=("proposer", "verifier", "shard", "prefill"))
     a.add_argument("--group", default="", help="shard: the sharded verifier's group name")
     a.add_argument("--group-size", type=int, default=0, help="shard: number of ranks")
     a.add_argument("--rank", type=int, default=0, help="shard: this agent's rank")
@@ -42,6 +44,12 @@ def add_parser(sub) -> None:
     a.add_argument("--cpu", type=int, default=None, help="pin to this core (Linux)")
     a.add_argument("--f3-probe", action="store_true", help="verifier: send a hidden-state-"
                    "sized probe with each block so the dashboard's F3 row is measured")
+    a.add_argument("--kv-codec", choices=KV_CODECS, default="auto", help="verifier: how a "
+                   "prefill agent's KV travels (auto: the cache's own dtype, exact)")
+    a.add_argument("--prefill-min-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,
+                   help="verifier: shorter prompts are always prefilled here")
+    a.add_argument("--no-disagg", action="store_true", help="verifier: never ship a prefill "
+                   "to a prefill agent")
     a.set_defaults(func=run_agent)
 
     u = sub.add_parser("up", help="start a local fleet (default: 1 verifier + 1 proposer)")
@@ -53,6 +61,8 @@ def add_parser(sub) -> None:
     u.add_argument("--shard", type=int, default=0, metavar="N",
                    help="shard the verifier over N agents (mlx.distributed ring)")
     u.add_argument("--shard-mode", choices=SHARD_MODES, default="pipeline")
+    u.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="also start N prefill agents (long prompts' KV computed off the verifier)")
     add_key_args(u)
     u.set_defaults(func=run_up)
 
@@ -74,6 +84,7 @@ def add_parser(sub) -> None:
 def run_agent(args) -> int:
     from agents.admission import AdmissionError
     from agents.daemon import Agent, AgentConfig
+    from agents.remote_prefill import DisaggPolicy
     from macfleet.engine.models import ModelSpecError
 
     key = fleet_key(args)
@@ -83,7 +94,8 @@ def run_agent(args) -> int:
                       loopback_only=args.loopback, cpu=args.cpu, node_id=args.node_id,
                       proposer_kinds=tuple(k for k in args.proposers.split(",") if k),
                       f3_probe=args.f3_probe, heads_dir=args.heads, f3_codec=args.f3_codec,
-                      allow_hub=args.allow_hub)
+                      allow_hub=args.allow_hub, disagg=None if args.no_disagg else DisaggPolicy(
+                          codec=args.kv_codec, min_prompt_tokens=args.prefill_min_tokens))
     try:
         if args.role == "shard":
             from agents.shard_agent import ShardAgent, ShardSpec
@@ -112,7 +124,7 @@ def run_up(args) -> int:
         cards = local.up(args.agents, model=args.model, key=key, key_path=key_path,
                          run_dir=run_dir(), pin=not args.no_pin,
                          extra_args={"verifier": ["--f3-probe"]} if args.f3_probe else None,
-                         shard=args.shard, shard_mode=args.shard_mode)
+                         shard=args.shard, shard_mode=args.shard_mode, prefill=args.prefill)
     except (local.FleetStartError, ValueError) as e:
         raise UserError(str(e)) from None
     for c in sorted(cards, key=lambda c: c.name):

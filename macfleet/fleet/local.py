@@ -97,12 +97,12 @@ def start_agent(role: str, *, name: str, model: str, key_path: Path | None, run_
 def up(agents: int = 2, *, model: str = "smollm2", key: bytes | None, key_path: Path | None,
        run_dir: Path, pin: bool = True, timeout_s: float = DEFAULT_START_TIMEOUT_S,
        extra_args: dict[str, list[str]] | None = None, shard: int = 0,
-       shard_mode: str = "pipeline") -> list[AgentCard]:
+       shard_mode: str = "pipeline", prefill: int = 0) -> list[AgentCard]:
     """Start the agents and return their cards once all are discovered over Zeroconf.
 
     shard >= 2: the verifier is a group of `shard` shard agents (ranks of one sharded
     verifier, which form their mlx.distributed ring from each other's cards); rank 0 serves
-    as the verifier once the group is up.
+    as the verifier once the group is up. prefill: also start that many prefill agents.
     """
     running = [a for a in read_state(run_dir) if _alive(a.pid)]
     if running:
@@ -118,6 +118,7 @@ def up(agents: int = 2, *, model: str = "smollm2", key: bytes | None, key_path: 
         if shard >= 2:
             group = uuid.uuid4().hex[:8]
             roles = [f"shard:{r}" for r in range(shard)] + roles[1:]
+        roles += ["prefill"] * prefill
         for i, role in enumerate(roles):
             cpu = cpus[i % len(cpus)] if pin and cpus and (ncpu or 1) >= 2 else None
             extra = list((extra_args or {}).get(role.split(":")[0], []))

@@ -1,0 +1,201 @@
+"""The verifier's side of flow KV: decide, fetch a prompt's KV from a prefill agent, or not.
+
+`PrefillStage` runs beside the verifier's compute thread. A request whose prompt may be long
+goes through it: it tokenizes, asks the planner (macfleet/topology/disagg.py `decide`, fed with
+what this verifier measured: its own prefill speed, the prefill agent's, the link's bytes/s) and,
+when disaggregation pays, fetches the KV (`fetch_kv`) while the compute thread keeps decoding
+other sessions; then it hands the job to the compute queue with the KV attached. A dead, slow or
+wrong prefill agent costs a local prefill (identical output), never the request: every wait has
+a deadline, a lost connection is noticed at once, and the KV must cover every layer and
+position exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+from bridge.messages import GenerateRequest, KVChunk, PrefillDone, PrefillRequest
+from bridge.transport import Client
+from macfleet.engine.kvship import (DEFAULT_KV_CODEC, KVAssembler, KVLayout, KVShipError,
+                                    KVSlice)
+from macfleet.engine.text import encode_prompt
+from macfleet.stats import KVFlow
+from macfleet.topology.disagg import (DEFAULT_MAX_TTFT_RATIO, DEFAULT_MIN_PROMPT_TOKENS,
+                                      DEFAULT_MIN_SAVED_MS, DisaggInputs, decide)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONNECT_S = 0.5
+DEFAULT_MIN_SILENCE_S = 3.0  # a prefill agent silent this long (or 3 chunks' time) is dead
+DEFAULT_ASSUMED_TOK_S = 1000.0  # prefill speed until this verifier has measured its own
+_EWMA = 0.5
+MIN_PROMPT_CHARS = 256  # shorter prompts skip the stage (no tokenizing off the compute thread)
+
+
+class PrefillFailed(RuntimeError):
+    """The prefill agent did not deliver a complete KV in time (the message says why)."""
+
+
+@dataclass(frozen=True)
+class DisaggPolicy:
+    """When this verifier ships prefills out (the planner's knobs) and how KV travels."""
+
+    codec: str = DEFAULT_KV_CODEC
+    min_prompt_tokens: int = DEFAULT_MIN_PROMPT_TOKENS
+    min_saved_ms: float = DEFAULT_MIN_SAVED_MS
+    max_ttft_ratio: float = DEFAULT_MAX_TTFT_RATIO
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What the stage hands the compute thread: the prompt ids, and a shipped KV when there is
+    one (kv: per layer (keys, values) float32 [heads, tokens, head_dim])."""
+
+    ids: list[int]
+    flow: KVFlow
+    kv: list | None = None
+
+
+class Meter:
+    """What this verifier measured, for the planner: prefill speeds and the link (EWMA)."""
+
+    def __init__(self) -> None:
+        self.local_tok_s = 0.0
+        self.remote_tok_s = 0.0
+        self.link_bytes_s = 0.0
+        self.rtt_ms = 1.0
+
+    @staticmethod
+    def _mix(old: float, new: float) -> float:
+        return new if old <= 0 else (1 - _EWMA) * old + _EWMA * new
+
+    def local(self, tokens: int, ms: float) -> None:
+        if tokens >= 64 and ms > 0:
+            self.local_tok_s = self._mix(self.local_tok_s, 1e3 * tokens / ms)
+
+    def remote(self, flow: KVFlow) -> None:
+        if flow.tokens >= 64 and flow.prefill_ms > 0:
+            self.remote_tok_s = self._mix(self.remote_tok_s, 1e3 * flow.tokens / flow.prefill_ms)
+        wire_ms = flow.kv_ms - flow.prefill_ms  # what the overlap left on the wire, at least
+        if flow.kv_bytes and wire_ms > 0:
+            self.link_bytes_s = self._mix(self.link_bytes_s, 1e3 * flow.kv_bytes / wire_ms)
+
+    def inputs(self, prompt_tokens: int, agents: int, layout: KVLayout, policy: DisaggPolicy
+               ) -> DisaggInputs:
+        local = self.local_tok_s or DEFAULT_ASSUMED_TOK_S
+        extra = {"link_bytes_per_s": self.link_bytes_s} if self.link_bytes_s else {}
+        return DisaggInputs(prompt_tokens=prompt_tokens, prefill_agents=agents,
+                            kv_bytes_per_token=layout.bytes_per_token(policy.codec),
+                            local_prefill_tok_s=local,
+                            remote_prefill_tok_s=self.remote_tok_s or local,
+                            link_rtt_ms=self.rtt_ms, min_prompt_tokens=policy.min_prompt_tokens,
+                            min_saved_ms=policy.min_saved_ms,
+                            max_ttft_ratio=policy.max_ttft_ratio, **extra)
+
+
+def silence_s(chunk_tokens: int, tok_s: float) -> float:
+    """How long a prefill agent may say nothing: 3 chunks' compute, at least 3 s."""
+    return max(DEFAULT_MIN_SILENCE_S, 3.0 * chunk_tokens / tok_s if tok_s > 0 else 0.0)
+
+
+def fetch_kv(endpoint: str, key: bytes | None, *, ids: Sequence[int], model: str,
+             layout: KVLayout, codec: str, silence: float, deadline_s: float,
+             client_factory: Callable[..., Client] = Client) -> tuple[list, KVFlow]:
+    """The KV of `ids` from the prefill agent at `endpoint`: (per-layer arrays, its KVFlow).
+    PrefillFailed when it errs, dies (noticed at once), is silent for `silence` seconds, runs
+    past `deadline_s`, or sends a KV that does not fit this verifier's model."""
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + deadline_s
+    asm = KVAssembler(layout, len(ids))
+    chunks = 0
+    req = PrefillRequest(uuid.uuid4().hex[:16], model, [int(t) for t in ids], codec)
+    try:
+        with client_factory(endpoint, key=key, watch_peer=True,
+                            connect_timeout_s=DEFAULT_CONNECT_S) as c:
+            for msg in c.stream(req, timeout_per_msg=silence):
+                if time.monotonic() > deadline:
+                    raise PrefillFailed(f"no complete KV within {deadline_s:.1f} s")
+                if isinstance(msg, KVChunk):
+                    asm.add(KVSlice(msg.layer, msg.start, msg.keys, msg.values,
+                                    msg.keys_scale, msg.values_scale))
+                    chunks += 1
+                elif isinstance(msg, PrefillDone):
+                    if msg.chunks != chunks or not asm.complete:
+                        raise PrefillFailed(f"{chunks} of {msg.chunks} KV chunks arrived")
+                    kv_ms = (time.perf_counter() - t0) * 1e3
+                    return asm.arrays(), KVFlow(
+                        where="remote", agent=endpoint, tokens=len(ids), codec=codec,
+                        kv_bytes=asm.nbytes, kv_ms=kv_ms, prefill_ms=msg.prefill_ms)
+    except (ProtocolError, TransportTimeout, PeerUnavailable, KVShipError) as e:
+        raise PrefillFailed(f"{type(e).__name__}: {e}") from None
+    raise PrefillFailed("the prefill agent's stream ended without PrefillDone")
+
+
+class PrefillStage:
+    """One thread between a verifier's door and its compute queue (see the module doc).
+
+    endpoints(): live prefill agents for this model, best first; submit(msg, reply, staged):
+    queue the job for the compute thread (may block while that queue is full)."""
+
+    def __init__(self, lm, *, key: bytes | None, layout: KVLayout,
+                 endpoints: Callable[[], list[str]],
+                 submit: Callable[[GenerateRequest, Callable, Staged | None], None],
+                 policy: DisaggPolicy = DisaggPolicy(), max_queued: int = 8) -> None:
+        self.lm, self.key, self.layout = lm, key, layout
+        self.endpoints, self.submit, self.policy = endpoints, submit, policy
+        self.meter = Meter()
+        self._q: queue.Queue = queue.Queue(maxsize=max_queued)
+        self._thread = threading.Thread(target=self._run, name="prefill-stage", daemon=True)
+        self._thread.start()
+
+    def wants(self, msg: GenerateRequest) -> bool:
+        """Whether a request may be long enough to go through the stage (cheap: no tokenizer)."""
+        return len(msg.prompt) >= MIN_PROMPT_CHARS and bool(self.endpoints())
+
+    def put(self, msg: GenerateRequest, reply: Callable) -> None:
+        self._q.put_nowait((msg, reply))  # queue.Full: the caller says busy
+
+    def close(self) -> None:
+        try:
+            self._q.put_nowait(None)
+        except queue.Full:
+            pass
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            msg, reply = job
+            try:
+                staged = self.stage(msg)
+            except Exception as e:  # noqa: BLE001 - the compute thread reports the request's error
+                log.info("prefill stage: %s; the verifier runs the request as it is", e)
+                staged = None
+            self.submit(msg, reply, staged)
+
+    def stage(self, msg: GenerateRequest) -> Staged:
+        ids = encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids)
+        eps = self.endpoints()
+        d = decide(self.meter.inputs(len(ids), len(eps), self.layout, self.policy))
+        if not d.remote:
+            return Staged(ids, KVFlow(where="local", reason=d.reason))
+        tok_s = self.meter.remote_tok_s or self.meter.local_tok_s or DEFAULT_ASSUMED_TOK_S
+        deadline = max(10.0, 3.0 * max(d.remote_ms, d.local_ms) / 1e3)
+        try:
+            kv, flow = fetch_kv(eps[0], self.key, ids=ids[:-1], model=self.lm.spec,
+                                layout=self.layout, codec=self.policy.codec,
+                                silence=silence_s(512, tok_s), deadline_s=deadline)
+        except PrefillFailed as e:
+            log.warning("prefill agent %s failed (%s): prefilling locally", eps[0], e)
+            return Staged(ids, KVFlow(where="fallback", agent=eps[0],
+                                      reason=f"prefill agent failed: {e}"[:300]))
+        self.meter.remote(flow)
+        return Staged(ids, replace(flow, reason=d.reason), kv)
