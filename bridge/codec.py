@@ -229,7 +229,8 @@ def decode_header(frame: Any, *, max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> H
           and type(h["t_ns"]) is int)
     if not ok:
         raise ProtocolError(MALFORMED, "header field of the wrong type or size", msg_id=msg_id)
-    return Header(h["v"], h["type"], h["id"], h["session"], h["reply_to"], h["t_ns"])
+    return Header(v=h["v"], type=h["type"], id=h["id"], session=h["session"],
+                  reply_to=h["reply_to"], t_ns=h["t_ns"])
 
 
 def peek_id(header_frame: Any) -> str | None:

@@ -85,7 +85,8 @@ def f3_payload_bytes(hidden: int, layers: int, tokens: int,
 
 def real_payloads(verifiers=VERIFIERS, drafters=DRAFTERS,
                   tokens: Sequence[int] = ACCEPTED_TOKENS) -> list[RealPayload]:
-    return [RealPayload(v, h, d, n, t, f3_payload_bytes(h, n, t))
+    return [RealPayload(verifier=v, hidden=h, drafter=d, layers=n, tokens=t,
+                        nbytes=f3_payload_bytes(h, n, t))
             for v, h in verifiers for d, n in drafters for t in tokens]
 
 

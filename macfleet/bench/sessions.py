@@ -134,11 +134,11 @@ def run_session(i: int, verifier: AgentCard, key: bytes, prompt: str, n: int,
     if done is None:
         raise RuntimeError(f"session {i}: no GenerateDone")
     wall = end - start
-    return SessionRun(i, len(done.token_ids), round(wall, 4),
-                      round(len(done.token_ids) / wall, 3),
-                      round(done.stats.decode_tokens_per_s, 3),
-                      round(done.stats.acceptance, 4),
-                      round(start - t0, 4), round(end - t0, 4))
+    return SessionRun(session=i, tokens=len(done.token_ids), wall_s=round(wall, 4),
+                      tokens_per_s=round(len(done.token_ids) / wall, 3),
+                      decode_tokens_per_s=round(done.stats.decode_tokens_per_s, 3),
+                      acceptance=round(done.stats.acceptance, 4),
+                      start_s=round(start - t0, 4), end_s=round(end - t0, 4))
 
 
 def concurrent_round(verifiers: Sequence[AgentCard], key: bytes, prompts: Sequence[str], n: int,

@@ -50,9 +50,10 @@ class SessionMetrics:
 
         def flow(name: str, bytes_attr: str, ms_attr: str, probe: bool) -> FlowView:
             ms = sum(getattr(b, ms_attr) for b in bl) / n
-            return FlowView(name, sum(getattr(b, bytes_attr) for b in bl) / n, ms,
-                            ms / (block_ms / n) if block_ms else 0.0, probe,
-                            tuple(self.history.get(name, ())))
+            return FlowView(flow=name, bytes_per_block=sum(getattr(b, bytes_attr) for b in bl) / n,
+                            ms_per_block=ms,
+                            share_of_block=ms / (block_ms / n) if block_ms else 0.0, probe=probe,
+                            history=tuple(self.history.get(name, ())))
 
         flows = [flow("F1", "f1_bytes", "f1_ms", False), flow("F2", "f2_bytes", "f2_ms", False)]
         if any(b.f3_bytes for b in bl):
@@ -74,8 +75,10 @@ class SessionMetrics:
             draft_len=bl[-1].k if bl else 0, blocks=self.total_blocks,
             accepted_hist=tuple(hist),
             flows=tuple(flows),
-            timeline=tuple(BlockSample(b.block, b.k, b.accepted, b.block_ms, b.draft_ms,
-                                       b.verify_ms, b.f1_ms + b.f2_ms + b.f3_ms) for b in bl),
+            timeline=tuple(BlockSample(block=b.block, k=b.k, accepted=b.accepted,
+                                       block_ms=b.block_ms, draft_ms=b.draft_ms,
+                                       verify_ms=b.verify_ms,
+                                       wire_ms=b.f1_ms + b.f2_ms + b.f3_ms) for b in bl),
             overhead_share=wire / block_ms if block_ms else 0.0,
             active=now - self.last_seen < ACTIVE_S,
         )
@@ -94,5 +97,6 @@ def f3_estimate(bl, block_ms: float) -> FlowView:
     f12_bytes = sum(b.f1_bytes + b.f2_bytes for b in bl) / n
     f12_ms = sum(b.f1_ms + b.f2_ms for b in bl) / n
     ms = f12_ms * nbytes / (f12_bytes + nbytes) if f12_bytes and nbytes else 0.0
-    return FlowView("F3", nbytes if f12_bytes else 0.0, ms,
-                    ms / (block_ms / n) if block_ms else 0.0, False, (), True)
+    return FlowView(flow="F3", bytes_per_block=nbytes if f12_bytes else 0.0, ms_per_block=ms,
+                    share_of_block=ms / (block_ms / n) if block_ms else 0.0, probe=False,
+                    history=(), estimate=True)

@@ -174,7 +174,7 @@ class FleetObserver(SnapshotSource):
                     s = self._sessions.get(msg.session_id)
                     if s is None:
                         s = self._sessions[msg.session_id] = SessionMetrics(
-                            msg.session_id, self._name(msg.node_id))
+                            session_id=msg.session_id, verifier=self._name(msg.node_id))
                     s.apply(msg, now)
                 self._fresh.set()
             elif isinstance(msg, AgentEvent):
@@ -208,8 +208,8 @@ class FleetObserver(SnapshotSource):
                 links.append(LinkView(s.verifier, ", ".join(s.proposers) or "proposer",
                                       wires[len(wires) // 2],
                                       wires[min(len(wires) - 1, int(len(wires) * 0.95))]))
-        return FleetSnapshot(time.time(), self.fleet_id, tuple(hosts), tuple(links),
-                             tuple(sessions), events)
+        return FleetSnapshot(taken_at=time.time(), fleet_id=self.fleet_id, hosts=tuple(hosts),
+                             links=tuple(links), sessions=tuple(sessions), events=events)
 
     def poll(self, timeout_s: float) -> FleetSnapshot | None:
         if self._stop.is_set() or not self._fresh.wait(timeout_s):

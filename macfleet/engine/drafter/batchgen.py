@@ -179,5 +179,5 @@ def _finish(r: _Row, eos: frozenset[int]) -> Sample:
     fed = r.ids + r.answer[:-1]
     hidden = np.concatenate(r.hidden)[: len(fed)]
     top = np.concatenate(r.top)[: len(fed)]
-    return Sample(r.prompt, np.array(fed, dtype=np.int32), hidden, top, len(r.ids),
-                  "stop" if r.answer[-1] in eos else "length")
+    return Sample(prompt=r.prompt, tokens=np.array(fed, dtype=np.int32), hidden=hidden, top=top,
+                  n_prompt=len(r.ids), finish="stop" if r.answer[-1] in eos else "length")

@@ -110,7 +110,7 @@ def open_manifest(path: Path, lm: LoadedModel, fingerprint: str) -> Manifest:
                                f"{m.fingerprint}); this verifier's is {fingerprint}")
         return m
     path.mkdir(parents=True, exist_ok=True)
-    return Manifest(lm.spec, fingerprint, lm.hidden_size)
+    return Manifest(verifier=lm.spec, fingerprint=fingerprint, hidden_size=lm.hidden_size)
 
 
 def write_shard(path: Path, index: int, samples: Sequence[Sample]) -> ShardInfo:

@@ -162,9 +162,9 @@ def distill(lm: LoadedModel, out: Path, params: TrainParams, *, paths: Sequence[
            f"{', '.join(f'{x:.2f}' for x in acc.per_position)}; mean accepted "
            f"{acc.mean_accepted:.2f}; first-token agreement {acc.top1:.2f} over {acc.starts} "
            f"starts -> wrote {path}")
-    return DistillResult(path, params.steps, ntok, acc, before,
-                         losses[0] if losses else float("nan"),
-                         losses[-1] if losses else float("nan"))
+    return DistillResult(path=path, steps=params.steps, train_tokens=ntok, held_out=acc,
+                         untrained=before, first_loss=losses[0] if losses else float("nan"),
+                         last_loss=losses[-1] if losses else float("nan"))
 
 
 HELD_OUT_SHARE = 0.02  # of the dataset's samples, for the held-out acceptance figure
@@ -267,6 +267,6 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
     report(f"held-out greedy chain acceptance (k=4): per position "
            f"{', '.join(f'{x:.2f}' for x in acc.per_position)}; mean accepted "
            f"{acc.mean_accepted:.2f} -> wrote {path}")
-    return DistillResult(path, params.steps, ntok, acc, before,
-                         losses[0] if losses else float("nan"),
-                         losses[-1] if losses else float("nan"))
+    return DistillResult(path=path, steps=params.steps, train_tokens=ntok, held_out=acc,
+                         untrained=before, first_loss=losses[0] if losses else float("nan"),
+                         last_loss=losses[-1] if losses else float("nan"))
