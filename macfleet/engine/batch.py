@@ -86,7 +86,8 @@ class BatchKV:
             self.capacity = -(-positions // self.step) * self.step
 
     def _buffers(self, i: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Layer i's buffers at the reserved size; k, v: [N, kv_heads, 1, head_dim]."""
+        """Layer i's buffers at the reserved size; k, v: [*, kv_heads, *, head_dim] (the
+        shape and dtype of a buffer not allocated yet)."""
         out = []
         for buf, new in ((self.keys[i], k), (self.values[i], v)):
             if buf is None:
@@ -102,17 +103,49 @@ class BatchKV:
             out.append(buf)
         return out[0], out[1]
 
-    def write(self, i: int, k: mx.array, v: mx.array, slots: mx.array) -> tuple[mx.array, mx.array]:
+    def copy_prefixes(self, copies: Sequence[tuple[RowCache, RowCache, int]]) -> None:
+        """For each (src, dst, n): dst's cache becomes src's first n positions (a shared prompt
+        prefix: one gather and one scatter per layer instead of a prefill of n tokens). The
+        gathered positions are evaluated first, so the scatter then updates in place."""
+        for src, dst, n in copies:
+            if not 0 < n <= src.offset or src.store is not self or dst.store is not self:
+                raise ValueError(f"cannot share {n} positions of a row holding {src.offset}")
+            self.reserve(max(src.row, dst.row) + 1, n)
+        pos = np.concatenate([np.arange(n) for *_, n in copies])
+        src_rows = np.concatenate([np.full(n, src.row) for src, _, n in copies])
+        dst_rows = np.concatenate([np.full(n, dst.row) for _, dst, n in copies])
+        bufs = [self._buffers(i, self.keys[i], self.values[i]) for i in range(self.n_layers)]
+        kv_heads = bufs[0][0].shape[1]
+        src_slots = self.slot_index(src_rows, pos, kv_heads)
+        parts = [[b.reshape(-1, b.shape[3])[src_slots] for b in kb_vb] for kb_vb in bufs]
+        mx.eval(bufs, parts)
+        dst_slots = self.slot_index(dst_rows, pos, kv_heads)
+        self.keys = [b[0] for b in bufs]
+        self.values = [b[1] for b in bufs]
+        del bufs
+        for i, (pk, pv) in enumerate(parts):
+            self._scatter(i, pk, pv, dst_slots)
+        for _, dst, n in copies:
+            dst.offset = n
+
+    def _scatter(self, i: int, k: mx.array, v: mx.array, slots: mx.array) -> None:
+        """Layer i's buffers (allocated, reserved size) with rows k, v [n, head_dim] written at
+        flat `slots` [n]; our references are dropped first so the scatter works in place."""
+        kb, vb = self.keys[i], self.values[i]
+        self.keys[i] = self.values[i] = None
+        kshape, vshape = kb.shape, vb.shape
+        kf, vf = kb.reshape(-1, kshape[3]), vb.reshape(-1, vshape[3])
+        del kb, vb
+        kf[slots] = k
+        vf[slots] = v
+        self.keys[i], self.values[i] = kf.reshape(kshape), vf.reshape(vshape)
+
+    def write(self, i: int, k: mx.array, v: mx.array, slots: mx.array
+              ) -> tuple[mx.array, mx.array]:
         """Scatter k, v [N, kv_heads, 1, head_dim] into layer i at flat `slots` [N * kv_heads]
         (see `slot_index`); returns the updated buffers."""
-        kb, vb = self._buffers(i, k, v)
-        self.keys[i] = self.values[i] = None  # drop our references: the scatter works in place
-        shape, d = kb.shape, kb.shape[3]
-        kf, vf = kb.reshape(-1, d), vb.reshape(-1, vb.shape[3])
-        del kb, vb
-        kf[slots] = k.reshape(-1, d)
-        vf[slots] = v.reshape(-1, v.shape[3])
-        self.keys[i], self.values[i] = kf.reshape(shape), vf.reshape(*shape[:3], -1)
+        self.keys[i], self.values[i] = self._buffers(i, k, v)
+        self._scatter(i, k.reshape(-1, k.shape[3]), v.reshape(-1, v.shape[3]), slots)
         return self.keys[i], self.values[i]
 
     def slot_index(self, rows: np.ndarray, positions: np.ndarray, kv_heads: int) -> mx.array:

@@ -33,8 +33,9 @@ from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
-from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, SessionView,
-                                      StallControl, plan_iteration)
+from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, PrefixView,
+                                      SessionView, StallControl, plan_iteration,
+                                      plan_prefix_sharing)
 from macfleet.serve.timing import RECENT_SESSIONS, TokenTimes
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class _Session:
     context: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0
+    shared: int = 0  # prompt tokens copied from another session's cache
     cancelled: bool = False
     t_start: float = 0.0
     prefill_ms: float = 0.0
@@ -330,7 +332,29 @@ class BatchEngine:
                 s.proposer = None
         s.draft_ms = (self.clock() - t0) * 1e3
 
+    def _share_prefixes(self, batch: list[_Session]) -> list[_Session]:
+        """New sessions copy the prompt prefix another session's cache holds; those about to
+        get one from a session ahead of them sit this iteration out (returned: the others)."""
+        if self._kv is None or not any(s.prefilled == 0 < s.prefill_left for s in batch):
+            return batch
+        views = [PrefixView(s.sid, tuple(s.context[:s.cache.offset]), s.req.prompt[:-1])
+                 for s in batch]
+        copies, waiting = plan_prefix_sharing(views)
+        by_sid = {s.sid: s for s in batch}
+        if copies:
+            self._kv.copy_prefixes([(by_sid[c.src].cache, by_sid[c.dst].cache, c.tokens)
+                                    for c in copies])
+        for c in copies:
+            dst = by_sid[c.dst]
+            dst.prefilled = dst.shared = c.tokens
+            if dst.prefill_left <= 0:
+                dst.prefill_ms = (self.clock() - dst.t_start) * 1e3
+            log.debug("session %d: %d prompt tokens from session %d's cache", c.dst, c.tokens,
+                      c.src)
+        return [s for s in batch if s.sid not in waiting]
+
     def _iteration(self, batch: list[_Session]) -> None:
+        batch = self._share_prefixes(batch)
         for s in batch:
             if s.prefill_left <= 0:
                 self._draft(s)

@@ -109,3 +109,59 @@ class StallControl:
         if self.ratio <= 0 or decode_tokens == 0:
             return token_budget  # nobody would wait for the prefill
         return max(1, min(token_budget, decode_tokens + self.chunk))
+
+
+MIN_SHARED_PREFIX = 8
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """A session as prefix sharing sees it: the tokens whose keys/values its cache holds now
+    and the prompt tokens it will hold once prefilled (prompt[:-1])."""
+
+    sid: int
+    cached: tuple[int, ...]
+    target: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrefixCopy:
+    dst: int
+    src: int
+    tokens: int
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def plan_prefix_sharing(sessions: Sequence[PrefixView], min_shared: int = MIN_SHARED_PREFIX
+                        ) -> tuple[tuple[PrefixCopy, ...], frozenset[int]]:
+    """Which new sessions copy a prompt prefix from another session's cache, and which wait.
+
+    Chat prompts share long prefixes (the template's system turn, a client's repeated
+    instructions, the same question twice); a prefix another session's cache already holds is
+    copied (one slice per layer) instead of prefilled (the whole model per token). For every
+    session with nothing cached: when a session ahead of it (in the order given) is prefilling a
+    prompt that shares at least `min_shared` more tokens than any cache holds now, wait for it
+    (an iteration or a few) rather than compute the same keys twice; otherwise copy the longest
+    prefix of its prompt another cache holds, when at least `min_shared` tokens. The first
+    session never waits, so one always runs."""
+    copies: list[PrefixCopy] = []
+    waiting: set[int] = set()
+    for i, s in enumerate(sessions):
+        if s.cached or len(s.target) < min_shared:
+            continue
+        n, src = max(((common_prefix(s.target, o.cached), o.sid) for o in sessions
+                      if o.sid != s.sid and o.cached), default=(0, -1))
+        ahead = max((common_prefix(s.target, o.target) for o in sessions[:i]
+                     if o.sid not in waiting and len(o.cached) < len(o.target)), default=0)
+        if ahead >= n + min_shared:
+            waiting.add(s.sid)
+        elif n >= min_shared:
+            copies.append(PrefixCopy(s.sid, src, n))
+    return tuple(copies), frozenset(waiting)

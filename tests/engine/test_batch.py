@@ -192,3 +192,45 @@ def test_smollm2_batched_greedy_equals_alone(smollm2):
     got = _serve_all(BatchEngine(smollm2, proposer="ngram", token_budget=256), reqs)
     for r, f in zip(reqs, got):
         assert f.token_ids == _alone(smollm2, r.prompt, 16)
+
+
+def test_shared_prompt_prefixes_are_copied_and_answers_do_not_change(tiny):
+    """Prompts with a common system turn (and a repeated question) take their prefix from
+    another session's cache instead of prefilling it; every answer is still the alone one."""
+    rng = np.random.default_rng(5)
+    system = tuple(rng.integers(0, tiny.vocab_size, 30).tolist())
+    asks = [tuple(rng.integers(0, tiny.vocab_size, int(rng.integers(3, 12))).tolist())
+            for _ in range(4)]
+    prompts = [system + asks[i % 4] for i in range(8)]  # 8 sessions, each question twice
+    reqs = [EngineRequest(p, GREEDY, 10) for p in prompts]
+    eng = BatchEngine(tiny, proposer="none", token_budget=64)
+    got = _serve_all(eng, reqs)
+    for r, f in zip(reqs, got):
+        assert f.token_ids == _alone(tiny, r.prompt, r.max_tokens)
+    fed = sum(rec.prefill_tokens for rec in eng.history)
+    assert fed < sum(len(p) - 1 for p in prompts) - 6 * 30  # the system turn prefilled ~once
+    assert eng.load() == (0, 0) and eng._kv.open_rows == 0  # every row freed
+
+
+def test_batch_kv_rows_copy_and_roll_back(tiny):
+    m = tiny.model
+    store = BatchKV(len(m.layers), step=8)
+    a, b = store.open(), store.open()
+    p = tuple(range(1, 21))
+    flat_forward(m, [Segment(p, a, None)])
+    store.copy_prefixes([(a, b, 12)])
+    assert b.offset == 12
+    for i in range(len(m.layers)):
+        np.testing.assert_array_equal(np.array(store.keys[i][b.row, :, :12]),
+                                      np.array(store.keys[i][a.row, :, :12]))
+    # b continues from the copied prefix: same logits as computing it itself
+    out_b = flat_forward(m, [Segment(p[12:15], b, 0)])[0]
+    ref = Verifier(m)
+    ref.prefill(p[:12])
+    np.testing.assert_allclose(np.array(out_b), np.array(ref.forward(p[12:15])),
+                               rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
+    b.trim(3)
+    assert b.offset == 12 and store.capacity == 24 and store.rows >= 2
+    a.close()
+    b.close()
+    assert store.open_rows == 0 and store.state == []  # idle: memory given back

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from macfleet.serve.scheduler import SessionView, Slot, StallControl, plan_iteration
+from macfleet.serve.scheduler import (PrefixCopy, PrefixView, SessionView, Slot, StallControl,
+                                      common_prefix, plan_iteration, plan_prefix_sharing)
 
 
 def test_decoders_first_then_prefill_chunk_under_budget():
@@ -55,3 +56,28 @@ def test_stall_control_follows_the_measured_cost():
     assert c.chunk == 60 and c.budget(8, 40) == 40  # the token budget still caps it
     off = StallControl(ratio=0)
     assert off.budget(8, 256) == 256
+
+
+def test_prefix_sharing_copies_what_a_cache_holds_and_waits_for_a_longer_one():
+    sys_turn = tuple(range(100, 124))  # a chat template's system turn: 24 tokens
+    a = PrefixView(1, (*sys_turn, 1, 2, 3, 4), (*sys_turn, 1, 2, 3, 4))  # decoding: cached
+    b = PrefixView(2, (), (*sys_turn, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14))  # new
+    c = PrefixView(3, (), (*sys_turn, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14))  # new, same as b
+    d = PrefixView(4, (), (9,) * 30)  # new, nothing in common
+    copies, waiting = plan_prefix_sharing([a, b, c, d])
+    # b copies the system turn from a; c would copy 24 now, but b (ahead of it) is about to
+    # hold 34 of its tokens: c waits; d has nobody to share with
+    assert copies == (PrefixCopy(2, 1, 24),) and waiting == {3}
+    # next iteration b holds its prompt: c copies all of it
+    b2 = PrefixView(2, b.target, b.target)
+    assert plan_prefix_sharing([a, b2, c, d]) == ((PrefixCopy(3, 2, 34),), frozenset())
+
+
+def test_prefix_sharing_never_blocks_the_first_and_ignores_short_prefixes():
+    same = tuple(range(40))
+    views = [PrefixView(i, (), same) for i in range(4)]
+    copies, waiting = plan_prefix_sharing(views)
+    assert copies == () and waiting == {1, 2, 3}  # 0 prefills, the others wait for it
+    short = [PrefixView(1, (1, 2, 3), (1, 2, 3)), PrefixView(2, (), (1, 2, 3, 4, 5))]
+    assert plan_prefix_sharing(short, min_shared=8) == ((), frozenset())
+    assert common_prefix((1, 2, 3), (1, 2, 4)) == 2 and common_prefix((), (1,)) == 0
