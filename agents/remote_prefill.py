@@ -169,33 +169,52 @@ class PrefillStage:
             pass
 
     def _run(self) -> None:
+        """Decide here (quick); a fetch gets its own thread, so a short prompt behind a long
+        one is never held up by the long one's transfer."""
         while True:
             job = self._q.get()
             if job is None:
                 return
             msg, reply = job
             try:
-                staged = self.stage(msg)
+                staged, fetch = self.plan(msg)
             except Exception as e:  # noqa: BLE001 - the compute thread reports the request's error
                 log.info("prefill stage: %s; the verifier runs the request as it is", e)
-                staged = None
-            self.submit(msg, reply, staged)
+                staged, fetch = None, None
+            if fetch is None:
+                self.submit(msg, reply, staged)
+                continue
+            threading.Thread(target=self._fetch_then_submit, args=(msg, reply, staged, fetch),
+                             name="prefill-fetch", daemon=True).start()
 
-    def stage(self, msg: GenerateRequest) -> Staged:
+    def _fetch_then_submit(self, msg, reply, local: Staged, fetch: Callable[[], Staged]) -> None:
+        try:
+            staged = fetch()
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the request still runs
+            log.exception("prefill fetch failed")
+            staged = replace(local, flow=KVFlow(where="fallback", reason=f"fetch failed: {e}"[:300]))
+        self.submit(msg, reply, staged)
+
+    def plan(self, msg: GenerateRequest) -> tuple[Staged, Callable[[], Staged] | None]:
+        """The ids and the planner's choice; for a remote prefill, the fetch to run."""
         ids = encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids)
         eps = self.endpoints()
         d = decide(self.meter.inputs(len(ids), len(eps), self.layout, self.policy))
+        local = Staged(ids, KVFlow(where="local", reason=d.reason))
         if not d.remote:
-            return Staged(ids, KVFlow(where="local", reason=d.reason))
+            return local, None
+        return local, lambda: self.fetch(ids, eps[0], d)
+
+    def fetch(self, ids: list[int], endpoint: str, d) -> Staged:
         tok_s = self.meter.remote_tok_s or self.meter.local_tok_s or DEFAULT_ASSUMED_TOK_S
         deadline = max(10.0, 3.0 * max(d.remote_ms, d.local_ms) / 1e3)
         try:
-            kv, flow = fetch_kv(eps[0], self.key, ids=ids[:-1], model=self.lm.spec,
+            kv, flow = fetch_kv(endpoint, self.key, ids=ids[:-1], model=self.lm.spec,
                                 layout=self.layout, codec=self.policy.codec,
                                 silence=silence_s(512, tok_s), deadline_s=deadline)
         except PrefillFailed as e:
-            log.warning("prefill agent %s failed (%s): prefilling locally", eps[0], e)
-            return Staged(ids, KVFlow(where="fallback", agent=eps[0],
+            log.warning("prefill agent %s failed (%s): prefilling locally", endpoint, e)
+            return Staged(ids, KVFlow(where="fallback", agent=endpoint,
                                       reason=f"prefill agent failed: {e}"[:300]))
         self.meter.remote(flow)
         return Staged(ids, replace(flow, reason=d.reason), kv)

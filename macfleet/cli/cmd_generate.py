@@ -76,6 +76,13 @@ def print_stats(stats: GenerationStats, file=sys.stderr) -> None:
               + (f", collective {sh.collective_ms_per_forward:.2f} ms" if sh.collective_ms else "")
               + (f" | router load per rank {list(sh.rank_load)}, per expert "
                  f"{list(sh.expert_load)}" if sh.expert_load else ""), file=file)
+    kv = fleet.kv
+    if kv.where != "local" or kv.reason:  # flow KV: the prompt's prefill, where and why
+        print(f"   flow KV: prefill {kv.where}" + (
+            f" on {kv.agent}: {kv.tokens} tokens, {kv.kv_bytes / 1e6:.1f} MB ({kv.codec}) in "
+            f"{kv.kv_ms:.0f} ms (agent compute {kv.prefill_ms:.0f} ms, install "
+            f"{kv.install_ms:.0f} ms)" if kv.where == "remote" else "")
+            + (f" | {kv.reason}" if kv.reason else ""), file=file)
 
 
 def run_local(args) -> int:
