@@ -48,7 +48,7 @@ from agents.shard_traffic import ShardTraffic, pipeline_bytes, tensor_bytes
 from agents.verifier_service import VerifierLost
 from macfleet.engine.layers import head_logits, run_layers
 
-from macfleet.engine.verifier import DEFAULT_PREFILL_STEP
+from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, Verifier
 from macfleet.stats import ShardStats
 
 log = logging.getLogger(__name__)
@@ -291,8 +291,10 @@ class ShardGroup:
         return self._run(cmd, n, buf[HEADER:])
 
 
-class ShardedVerifier:
+class ShardedVerifier(Verifier):
     """Rank 0's face: the `Verifier` interface over the whole group."""
+
+    needs_keepalive = True  # the followers' watchdogs fire when rank 0 is silent
 
     def __init__(self, shards: ShardGroup, prefill_step: int = MAX_BLOCK) -> None:
         if shards.group.rank() != 0:

@@ -157,7 +157,7 @@ class VerifierService:
         self._on_fatal = on_fatal
         self._feature_tap = None
         self.f3_codec = f3_codec
-        self._keepalive = getattr(self._verifier, "keepalive", None)
+        self._keepalive = self._verifier.keepalive if self._verifier.needs_keepalive else None
         self.active = 0
         self.completed = 0
         self._pending: dict[int, tuple[str, Reply]] = {}  # queued or running -> heartbeats

@@ -29,6 +29,10 @@ def make_trimmable_cache(model: nn.Module) -> list:
 
 
 class Verifier:
+    # Declared capability (what an agent may ask of a verifier): one whose peers must hear from
+    # it while it is idle (a shard group's watchdogs) sets this and implements keepalive().
+    needs_keepalive: bool = False
+
     def __init__(self, model: nn.Module, prefill_step: int = DEFAULT_PREFILL_STEP) -> None:
         self.model = model
         self.prefill_step = prefill_step
@@ -62,3 +66,6 @@ class Verifier:
         if n:
             for c in self.cache:
                 c.trim(n)
+
+    def keepalive(self) -> None:
+        """Called at least every keepalive period while idle, only when needs_keepalive."""
