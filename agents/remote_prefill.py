@@ -156,8 +156,11 @@ class PrefillStage:
         self._thread.start()
 
     def wants(self, msg: GenerateRequest) -> bool:
-        """Whether a request may be long enough to go through the stage (cheap: no tokenizer)."""
-        return len(msg.prompt) >= MIN_PROMPT_CHARS and bool(self.endpoints())
+        """Whether a request may be long enough to go through the stage (cheap: no tokenizer).
+        Not with a hidden-state drafter (eagle*): it reads the verifier's own hidden states of
+        the prompt, which a shipped KV does not carry (yet)."""
+        return (len(msg.prompt) >= MIN_PROMPT_CHARS and "eagle" not in msg.proposer_spec
+                and bool(self.endpoints()))
 
     def put(self, msg: GenerateRequest, reply: Callable) -> None:
         self._q.put_nowait((msg, reply))  # queue.Full: the caller says busy
