@@ -54,3 +54,19 @@ def test_json_nests_the_records_and_adds_the_rates():
     assert loc["per_proposer"][0] == {"name": "ngram", "drafted": 10, "accepted": 9,
                                       "acceptance": 0.9}
     assert loc["mean_accepted"] == (2 * 1 + 3 * 3) / 5
+
+
+def test_fleet_run_prints_the_kv_flow_where_and_why():
+    from dataclasses import replace
+
+    from macfleet.stats import KVFlow
+
+    kv = KVFlow(where="remote", reason="2000 tokens: frees ~1900 ms", agent="tcp://h:1",
+                tokens=1999, codec="auto", kv_bytes=92_000_000, kv_ms=900.0, prefill_ms=800.0,
+                install_ms=40.0)
+    text = _printed(replace(FLEET, fleet=replace(FLEET.fleet, kv=kv)))
+    assert ("flow KV: prefill remote on tcp://h:1: 1999 tokens, 92.0 MB (auto) in 900 ms "
+            "(agent compute 800 ms, install 40 ms) | 2000 tokens: frees ~1900 ms") in text
+    assert "flow KV" not in _printed(FLEET)  # a plain request: nothing to say
+    doc = json.loads(result_json(replace(FLEET, fleet=replace(FLEET.fleet, kv=kv)), "", []))
+    assert doc["stats"]["fleet"]["kv"]["kv_bytes"] == 92_000_000
