@@ -147,7 +147,7 @@ def run_down(args) -> int:
 
 
 def run_ls(args) -> int:
-    from bridge.auth import fleet_id
+    from macfleet.fleet.client import fleet_id
     from macfleet.fleet.client import discover, probe
 
     key = fleet_key(args)
@@ -185,7 +185,7 @@ def run_ls(args) -> int:
 
 
 def run_keygen(args) -> int:
-    from bridge.auth import fleet_id
+    from macfleet.fleet.client import fleet_id
     from macfleet.fleet.keys import keygen
     from macfleet.fleet.keys import default_key_path
 
