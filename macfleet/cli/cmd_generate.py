@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from dataclasses import dataclass, field
@@ -13,7 +12,6 @@ from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS
 from macfleet.stats import GenerationStats
 
 DEFAULT_PROPOSER = "auto"  # the drafter measured best for the model (engine/drafter/choice)
-MAX_REPLANS = 2
 
 
 def add_parser(sub) -> None:
@@ -125,42 +123,6 @@ class Progress:
     text: list[str] = field(default_factory=list)
 
 
-def run_fleet(args, key, verifier, proposers, committed: Progress) -> int:
-    """Generate through a verifier agent with remote proposers; same output contract as local.
-
-    committed: ids received so far for this request (filled in as chunks arrive), so that a
-    re-plan after a verifier failure continues after them instead of starting over.
-    Raises macfleet.fleet.client.VerifierFailed when the verifier is lost (re-plan).
-    """
-    from macfleet.fleet.client import Done, Refused, Text, generate
-
-    params = sampling_params(args)
-    prior_text = "".join(committed.text)
-    try:
-        for ev in generate(
-                verifier.card, key, proposers=[p.card for p in proposers],
-                proposer_spec=args.proposer, prompt=args.prompt, chat=not args.no_chat,
-                max_tokens=args.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                seed=params.seed, draft_tokens=parse_draft_tokens(args.draft_tokens),
-                cross_round=not args.no_cross_round, prefix_ids=list(committed.ids)):
-            if isinstance(ev, Text):
-                committed.ids.extend(ev.token_ids)
-                committed.text.append(ev.text)
-                if not args.json:
-                    print(ev.text, end="", flush=True)
-            elif isinstance(ev, Done):
-                # this verifier's full text (with its detokenizer's final flush) after what an
-                # earlier, failed verifier had already sent
-                if args.json:
-                    print(result_json(ev.stats, prior_text + ev.text, committed.ids))
-                else:
-                    print()
-                    print_stats(ev.stats)
-    except Refused as e:
-        raise UserError(str(e)) from None
-    return 0
-
-
 def validate(args) -> None:
     """Cheap argument checks first, so a typo costs no model import (or fleet discovery)."""
     sampling_params(args)
@@ -195,34 +157,38 @@ def run(args) -> int:
         raise
 
 
-def _with(args, **changes):
-    out = copy.copy(args)
-    for k, v in changes.items():
-        setattr(out, k, v)
-    return out
-
-
 def _replanning(args, key, committed: Progress) -> int:
-    from macfleet.fleet.client import (NoFleet, VerifierFailed, choose_roles, discover,
-                                       fleet_id, probe)
+    """Through the fleet (macfleet.fleet.client.generate_fleet re-plans when a verifier is
+    lost); in-process when it has no verifier. committed: what was received, kept on failure."""
+    from macfleet.fleet.client import (Done, NoFleet, Refused, Replanned, Text, VerifierFailed,
+                                       generate_fleet)
 
-    failed: set[str] = set()
-    for attempt in range(MAX_REPLANS + 1):
-        cards = [c for c in discover(fleet_id(key), wait_s=args.wait, expect=2)
-                 if c.node_id not in failed]
-        statuses = [probe(c, key, pings=1) for c in cards]
-        try:
-            verifier, proposers = choose_roles(statuses, args.model)
-        except NoFleet as e:
-            if attempt:
-                raise UserError(f"{e} (after the verifier failed)") from None
-            if cards:
-                print(f"macfleet: {e}; generating in-process", file=sys.stderr)
-            return run_local(args)
-        try:
-            return run_fleet(_with(args, proposer=args.fleet_proposer), key, verifier,
-                             proposers, committed)
-        except VerifierFailed as e:
-            failed.add(verifier.card.node_id)
-            print(f"macfleet: {e}; re-planning on the rest of the fleet", file=sys.stderr)
-    raise UserError("no verifier could finish the generation")
+    params = sampling_params(args)
+    try:
+        for ev in generate_fleet(
+                key, args.model, wait_s=args.wait, proposer_spec=args.fleet_proposer,
+                prompt=args.prompt, chat=not args.no_chat, max_tokens=args.max_tokens,
+                temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+                draft_tokens=parse_draft_tokens(args.draft_tokens),
+                cross_round=not args.no_cross_round):
+            if isinstance(ev, Text):
+                committed.ids.extend(ev.token_ids)
+                committed.text.append(ev.text)
+                if not args.json:
+                    print(ev.text, end="", flush=True)
+            elif isinstance(ev, Replanned):
+                print(f"macfleet: {ev.why}; re-planning on the rest of the fleet",
+                      file=sys.stderr)
+            elif isinstance(ev, Done):
+                if args.json:
+                    print(result_json(ev.stats, ev.text, ev.token_ids))
+                else:
+                    print()
+                    print_stats(ev.stats)
+    except NoFleet as e:
+        if e.seen:
+            print(f"macfleet: {e}; generating in-process", file=sys.stderr)
+        return run_local(args)
+    except (Refused, VerifierFailed) as e:
+        raise UserError(str(e)) from None
+    return 0

@@ -29,10 +29,15 @@ DEFAULT_FIRST_TOKEN_TIMEOUT_S = 120.0  # the verifier may be busy with queued ge
 # a verifier agent heartbeats every request it holds each second (agents.verifier_service):
 # silent this long, it is dead (killed, asleep, cut off)
 DEFAULT_SILENCE_S = 3.0
+DEFAULT_REPLANS = 2  # other verifiers tried after the first one fails mid-request
 
 
 class NoFleet(RuntimeError):
-    """No usable agents were found (the message says what was seen)."""
+    """No usable agents were found (the message says what was seen; `seen` counts them)."""
+
+    def __init__(self, message: str, seen: int = 0) -> None:
+        super().__init__(message)
+        self.seen = seen
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ def choose_roles(statuses: Sequence[AgentStatus], model: str | None = None
         seen = ", ".join(f"{s.card.name}({'/'.join(s.card.roles)}, "
                          f"{'up' if s.alive else 'down: ' + s.error})" for s in statuses)
         raise NoFleet(f"no live verifier{' for ' + model if model else ''} in the fleet; "
-                      f"saw {seen or 'no agents'}")
+                      f"saw {seen or 'no agents'}", seen=len(statuses))
     v = min(verifiers, key=lambda s: (s.status.sessions, s.rtt_p50_ms or 0.0))
     props = [s for s in statuses if s.alive and ROLE_PROPOSER in s.card.roles
              and any(m in s.card.models for m in v.card.models)]
@@ -163,6 +168,14 @@ class Done:
     stats: GenerationStats
 
 
+@dataclass(frozen=True)
+class Replanned:
+    """The verifier failed mid-request (why); the rest of the fleet takes over after the tokens
+    already received."""
+
+    why: str
+
+
 class VerifierFailed(RuntimeError):
     """The verifier died, went silent or broke mid-request: re-plan on the rest of the fleet."""
 
@@ -204,3 +217,45 @@ def generate(verifier: AgentCard, key: bytes | None, *, proposers: Sequence[Agen
         raise Refused(f"verifier {verifier.name}: {e}") from None
     except (TransportTimeout, PeerUnavailable) as e:
         raise VerifierFailed(f"verifier {verifier.name}: {e}") from None
+
+
+def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFAULT_DISCOVER_S,
+                   replans: int = DEFAULT_REPLANS, **request) -> Iterator[Text | Done | Replanned]:
+    """One generation through the fleet: discover, pick the verifier and its proposers
+    (`choose_roles`), stream; when the verifier is lost, re-plan without it and continue after
+    the tokens already received. `Done` carries the whole answer across verifiers.
+
+    Raises NoFleet when no verifier is found at first (the caller may generate in-process),
+    VerifierFailed when none could finish, Refused when the request itself is refused.
+    request: `generate`'s keywords but prefix_ids.
+    """
+    failed: set[str] = set()
+    ids: list[int] = []
+    texts: list[str] = []
+    for attempt in range(replans + 1):
+        cards = [c for c in discover(fleet_id(key), wait_s=wait_s, expect=2)
+                 if c.node_id not in failed]
+        statuses = [probe(c, key, pings=1) for c in cards]
+        try:
+            verifier, proposers = choose_roles(statuses, model)
+        except NoFleet as e:
+            if attempt:
+                raise VerifierFailed(f"{e} (after the verifier failed)") from None
+            raise
+        prior_text = "".join(texts)
+        try:
+            for ev in generate(verifier.card, key, proposers=[p.card for p in proposers],
+                               prefix_ids=list(ids), **request):
+                if isinstance(ev, Text):
+                    ids.extend(ev.token_ids)
+                    texts.append(ev.text)
+                    yield ev
+                elif isinstance(ev, Done):
+                    # this verifier's full text (with its detokenizer's final flush) after what
+                    # an earlier, failed verifier had already sent
+                    yield Done(prior_text + ev.text, tuple(ids), ev.stats)
+            return
+        except VerifierFailed as e:
+            failed.add(verifier.card.node_id)
+            yield Replanned(str(e))
+    raise VerifierFailed("no verifier could finish the generation")
