@@ -33,7 +33,8 @@ from macfleet.topology.moe import MOE_MODES, RingLatency, choose_moe_mode
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = "tiny-moe:1"
 DEFAULT_PROMPT = "one two three, one two three, one two three, four five six"
-DEFAULT_TOKENS = 32
+DEFAULT_TOKENS = 16
+DEFAULT_REPEATS = 3  # plain decoding runs per mode (in the same ranks); the median counts
 RUN_TIMEOUT_S = 240.0
 LOOPBACK_LINK = Link("rank", "rank", 0.0, 1e6)  # latency comes from the probe; ~1 GB/s bytes
 
@@ -102,6 +103,7 @@ def single_process(model: str, prompt: list[int], tokens: int, repeats: int = 30
 
 def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
               tokens: int = DEFAULT_TOKENS, prompt_text: str = DEFAULT_PROMPT,
+              repeats: int = DEFAULT_REPEATS,
               progress: Callable[[str], None] = print) -> dict:
     from macfleet.engine.models import load_model
 
@@ -112,6 +114,7 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
     progress(f"single process: verify(1) {ref['verify1_ms']:.2f} ms, "
              f"{ref['tokens_per_s']:.0f} tok/s")
     rows = []
+    load_before = os.getloadavg()[0]
     for n in sizes:
         with tempfile.TemporaryDirectory(prefix="macfleet-moe-") as d:
             tmp = Path(d)
@@ -121,7 +124,7 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
                 _ranks("agents.shard", n, tmp, [
                     "--mode", mode, "--model", model, "--prompt-ids", json.dumps(prompt),
                     "--max-tokens", str(tokens), "--spec", "ngram", "--out", str(out),
-                    "--deadline", "60"])
+                    "--deadline", "60", "--repeats", str(repeats)])
                 runs[mode] = json.loads(out.read_text())
             ping = float(np.median([r["ping_ms"] for r in runs.values()]))
             ring = RingLatency(ping, ping / (2 * (n - 1)))
@@ -139,6 +142,7 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
                     "mode": mode, "ranks": n,
                     "ids_match": r["plain_ids"] == ref["ids"] and r["spec_ids"] == ref["ids"],
                     "measured_tokens_per_s": tokens / r["plain_s"],
+                    "measured_tokens_per_s_runs": [tokens / s for s in r["plain_s_all"]],
                     "measured_spec_tokens_per_s": tokens / r["spec_s"],
                     "measured_ms_per_decode_forward":
                         (plain["forward_ms"] - pre["forward_ms"]) / decode_fw,
@@ -164,7 +168,11 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
             rows.append({"ranks": n, "ring_allreduce_ms": ping, "planner_choice": choice.mode,
                          "planner_reason": choice.reason, "predicted_ranking": p_rank,
                          "measured_ranking": m_rank, "ranking_matches": p_rank == m_rank})
-    return {"model": model, "tokens": tokens, "prompt_tokens": len(prompt),
+    return {"model": model, "tokens": tokens, "prompt_tokens": len(prompt), "repeats": repeats,
+            "cpus": os.cpu_count(), "load_average_1m": [load_before, os.getloadavg()[0]],
+            "note": "every rank is a process on this one machine: the ranks share its cores "
+                    "with whatever else runs (see load_average_1m); the planner prices ranks "
+                    "on separate hosts",
             "single_process": {k: v for k, v in ref.items() if k != "ids"},
             "placement": "expert: rank r holds a contiguous range of every MoE layer's "
                          "experts; attention, embeddings and routers replicated",

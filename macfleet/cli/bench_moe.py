@@ -9,7 +9,8 @@ def add_bench_parsers(bs) -> None:
     m = bs.add_parser("moe", help="expert vs tensor vs pipeline parallelism of the tiny MoE over "
                       "2 and 4 shard ranks, measured and predicted (results/moe.json)")
     m.add_argument("--ranks", default="2,4", help="ring sizes, comma-separated")
-    m.add_argument("--max-tokens", type=int, default=32)
+    m.add_argument("--max-tokens", type=int, default=16)
+    m.add_argument("--repeats", type=int, default=3, help="plain decoding runs per mode")
     m.set_defaults(func=run_moe)
 
 
@@ -19,7 +20,7 @@ def run_moe(args) -> int:
 
     model = args.model if args.model.startswith("tiny-moe") else "tiny-moe:1"
     res = bench_moe(model, sizes=tuple(int(n) for n in args.ranks.split(",") if n),
-                    tokens=args.max_tokens,
+                    tokens=args.max_tokens, repeats=args.repeats,
                     progress=lambda m: print(m, file=sys.stderr, flush=True))
     path = write_result("moe.json", res, args.out)
     print(f"{'ranks':>5s} {'mode':8s} {'tok/s':>7s} {'predicted':>9s} {'B/forward':>9s} "
