@@ -33,8 +33,9 @@ from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
-from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, PrefixView,
-                                      SessionView, StallControl, plan_iteration,
+from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, DraftView,
+                                      IterationCost, PrefixView, SessionView, StallControl,
+                                      draft_acceptance, plan_drafts, plan_iteration,
                                       plan_prefix_sharing)
 from macfleet.serve.timing import RECENT_SESSIONS, TokenTimes
 
@@ -44,6 +45,8 @@ DEFAULT_MAX_ACTIVE = 16
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_IDLE_WAIT_S = 0.05
 ITERATION_HISTORY = 256
+POOL_BLOCKS = 256  # recent drafted blocks whose acceptance every session's estimate leans on
+PROBE_EVERY = 16  # a session tries one draft at least this often, whatever the estimates say
 
 
 class Overloaded(RuntimeError):
@@ -87,6 +90,7 @@ class _Session:
     blocks: int = 0
     drafted: int = 0
     accepted: int = 0
+    trials: int = 0  # geometric trials of its drafts (accepted + one per rejected block)
     draft: Draft = EMPTY_DRAFT
     draft_ms: float = 0.0
     rng: np.random.Generator | None = None
@@ -149,6 +153,8 @@ class BatchEngine:
         self.token_budget, self.max_active, self.max_queue = token_budget, max_active, max_queue
         self.chunked, self.invariant, self.clock = chunked, invariant, clock
         self._stall = StallControl(stall_ratio)
+        self._cost = IterationCost()  # iterations' ms vs tokens, for draft lengths
+        self._pool: deque[tuple[int, int]] = deque(maxlen=POOL_BLOCKS)  # (trials, accepted)
         # every session's KV is a row of one store (flat batch), or its own caches (invariant)
         self._kv = None if invariant else BatchKV(len(lm.model.layers))
         self._vocab = lm.vocab_size
@@ -319,9 +325,26 @@ class BatchEngine:
             s.proposer.close()
             s.proposer = None
 
-    def _draft(self, s: _Session) -> None:
+    def _draft_lengths(self, decoding: list[_Session]) -> dict[int, int]:
+        """Each decoding session's draft length: what its controller asks for, cut by
+        `plan_drafts` to the drafts that pay at this batch's measured costs (sessions with a
+        fixed length keep it)."""
+        wants = {s.sid: min(s.controller.next_k(), s.req.max_tokens - len(s.generated) - 1)
+                 for s in decoding}
+        base = self._cost.predict(len(decoding))
+        adaptive = [s for s in decoding if s.proposer is not None and wants[s.sid] > 0
+                    and getattr(s.controller, "alpha", None) is not None]
+        if base is None or not adaptive:
+            return wants
+        pool_n, pool_acc = (sum(x) for x in zip((0, 0), *self._pool))
+        views = [DraftView(s.sid, draft_acceptance(s.accepted, s.trials, pool_acc, pool_n),
+                           wants[s.sid], getattr(s.controller, "draft_ms", None) or 0.0,
+                           probe=(self.iterations + s.sid) % PROBE_EVERY == 0)
+                 for s in adaptive]
+        return {**wants, **plan_drafts(views, base, self._cost.b)}
+
+    def _draft(self, s: _Session, k: int) -> None:
         t0 = self.clock()
-        k = min(s.controller.next_k(), s.req.max_tokens - len(s.generated) - 1)
         s.draft = EMPTY_DRAFT
         if s.proposer is not None and k > 0:
             try:
@@ -355,9 +378,10 @@ class BatchEngine:
 
     def _iteration(self, batch: list[_Session]) -> None:
         batch = self._share_prefixes(batch)
-        for s in batch:
-            if s.prefill_left <= 0:
-                self._draft(s)
+        decoding = [s for s in batch if s.prefill_left <= 0]
+        ks = self._draft_lengths(decoding)
+        for s in decoding:
+            self._draft(s, ks[s.sid])
         views = [SessionView(s.sid, s.prefill_left, s.prefilled, 1 + len(s.draft))
                  for s in batch]
         align = DEFAULT_PREFILL_STEP if self.invariant else 0
@@ -388,6 +412,7 @@ class BatchEngine:
         rec = IterationView(t0, len(run), n_dec, sum(sl.tokens for _, sl in run) - n_dec,
                             len(self._waiting), ms)
         self._stall.observe(rec.prefill_tokens, rec.decode_tokens, ms)
+        self._cost.observe(rec.decode_tokens + rec.prefill_tokens, ms)
         with self._cv:
             self.history.append(rec)
             self.iterations += 1
@@ -420,6 +445,9 @@ class BatchEngine:
         if len(d):
             s.drafted += len(d)
             s.accepted += n
+            trials = n + (n < len(d))
+            s.trials += trials
+            self._pool.append((trials, n))
             if s.proposer is not None:
                 s.proposer.observe(len(d), n, verify_ms)
         s.controller.observe(len(d), n, s.draft_ms, verify_ms)

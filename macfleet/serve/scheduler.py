@@ -18,7 +18,7 @@ overrun the budget, so a prompt is never starved by decoding sessions.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_TOKEN_BUDGET = 256
 
@@ -165,3 +165,92 @@ def plan_prefix_sharing(sessions: Sequence[PrefixView], min_shared: int = MIN_SH
         elif n >= min_shared:
             copies.append(PrefixCopy(s.sid, src, n))
     return tuple(copies), frozenset(waiting)
+
+
+@dataclass(frozen=True)
+class DraftView:
+    """A decoding session as batch draft planning sees it."""
+
+    sid: int
+    alpha: float  # measured per-token acceptance of its drafts
+    want: int  # drafts its own controller asks for
+    draft_ms: float = 0.0  # drafting cost per token (on the engine thread, before the forward)
+    probe: bool = False  # gets one draft whatever it costs, so a low estimate can recover
+
+
+def plan_drafts(sessions: Sequence[DraftView], base_ms: float, token_ms: float
+                ) -> dict[int, int]:
+    """How many drafts each decoding session gets this iteration, from measured costs.
+
+    Alone, verifying k drafts costs little more than one token (decode reads the weights once);
+    in a batch the forward is already wide, each extra row costs `token_ms` (on a CPU that is
+    compute-bound at batch 16, about what a decode token costs), and the iteration without
+    drafts costs `base_ms` for one token per session. The j-th draft of a session is accepted
+    with probability alpha^j, so it adds alpha^j expected tokens for token_ms + draft_ms. Drafts
+    are added best first while each raises the iteration's expected tokens per ms (a fractional
+    knapsack on the ratio): at batch 1 nearly every draft pays, at batch 16 only likely ones.
+    A probing session gets one draft regardless: estimates only move when drafts are tried."""
+    ks = {s.sid: min(1, s.want) if s.probe else 0 for s in sessions}
+    if not sessions:
+        return ks
+    value = len(sessions) + sum(s.alpha for s in sessions if ks[s.sid])
+    cost = max(base_ms, 1e-6) + sum(token_ms + s.draft_ms for s in sessions if ks[s.sid])
+    items = sorted(((s.alpha ** j / max(token_ms + s.draft_ms, 1e-6), s.alpha ** j, j, s)
+                    for s in sessions for j in range(1, s.want + 1)),
+                   key=lambda it: -it[0])
+    for ratio, v, j, s in items:
+        if ratio <= value / cost:
+            break
+        if ks[s.sid] == j - 1:  # a session's drafts are taken in order
+            ks[s.sid] = j
+            value += v
+            cost += token_ms + s.draft_ms
+    return ks
+
+
+POOL_WEIGHT = 4.0
+
+
+def draft_acceptance(accepted: int, trials: int, pool_accepted: int, pool_trials: int,
+                     pool_weight: float = POOL_WEIGHT) -> float:
+    """A session's per-token acceptance: its own counts, shrunk towards the rate of every
+    session's recent drafts (same proposer, same server, similar text), which has far more
+    data; the pool itself starts from 1/2 (Laplace). Counts are geometric trials: a block
+    with k drafts of which n were accepted is n successes in n + (n < k) trials."""
+    pool = (pool_accepted + 1.0) / (pool_trials + 2.0)
+    return (accepted + pool_weight * pool) / (trials + pool_weight)
+
+
+COST_WINDOW = 48
+
+
+@dataclass
+class IterationCost:
+    """Milliseconds of an iteration as a + b * tokens: a least-squares line over the
+    recent ones (the batch changes, so old ones age out). b stays at its last value while the
+    recent token counts do not spread enough to fit a slope."""
+
+    window: int = COST_WINDOW
+    samples: list[tuple[int, float]] = field(default_factory=list)
+    a: float | None = None
+    b: float | None = None
+
+    def observe(self, tokens: int, ms: float) -> None:
+        if tokens <= 0 or ms <= 0:
+            return
+        self.samples.append((tokens, ms))
+        del self.samples[:-self.window]
+        n = len(self.samples)
+        mx_ = sum(t for t, _ in self.samples) / n
+        my = sum(m for _, m in self.samples) / n
+        var = sum((t - mx_) ** 2 for t, _ in self.samples)
+        if var >= n * 0.25:  # token counts spread by at least ~half a token
+            cov = sum((t - mx_) * (m - my) for t, m in self.samples)
+            self.b = max(0.0, cov / var)
+        if self.b is not None:
+            self.a = max(0.0, my - self.b * mx_)
+
+    def predict(self, tokens: int) -> float | None:
+        if self.a is None or self.b is None:
+            return None
+        return self.a + self.b * tokens

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from macfleet.serve.scheduler import (PrefixCopy, PrefixView, SessionView, Slot, StallControl,
-                                      common_prefix, plan_iteration, plan_prefix_sharing)
+from macfleet.serve.scheduler import (COST_WINDOW, DraftView, IterationCost, PrefixCopy,
+                                      PrefixView, SessionView, Slot, StallControl, common_prefix,
+                                      draft_acceptance, plan_drafts, plan_iteration,
+                                      plan_prefix_sharing)
 
 
 def test_decoders_first_then_prefill_chunk_under_budget():
@@ -81,3 +83,37 @@ def test_prefix_sharing_never_blocks_the_first_and_ignores_short_prefixes():
     short = [PrefixView(1, (1, 2, 3), (1, 2, 3)), PrefixView(2, (), (1, 2, 3, 4, 5))]
     assert plan_prefix_sharing(short, min_shared=8) == ((), frozenset())
     assert common_prefix((1, 2, 3), (1, 2, 4)) == 2 and common_prefix((), (1,)) == 0
+
+
+def test_draft_plan_pays_alone_but_only_for_likely_drafts_in_a_wide_batch():
+    # alone: verify(1) 50 ms, each extra row 3 ms: likely drafts all pay; at alpha 0.5 the
+    # 4th (accepted 1/16 of the time, 0.02 tokens/ms) no longer beats the block's 0.032
+    assert plan_drafts([DraftView(1, 0.8, 4)], base_ms=50, token_ms=3) == {1: 4}
+    assert plan_drafts([DraftView(1, 0.5, 4)], base_ms=50, token_ms=3) == {1: 3}
+    # 16 sessions: the forward costs 100 ms for 16 tokens; a draft row costs 3.5 ms and pays
+    # only when accepted more often than ~16/100 * 3.5 = 0.56 of the time
+    views = [DraftView(i, 0.3, 4) for i in range(15)] + [DraftView(15, 0.9, 4)]
+    ks = plan_drafts(views, base_ms=100, token_ms=3.5)
+    assert all(ks[i] == 0 for i in range(15)) and ks[15] >= 3
+    # a probing session gets one draft whatever it costs; a fixed want caps everything
+    ks = plan_drafts([DraftView(1, 0.05, 4, probe=True), DraftView(2, 0.99, 2)], 100, 3.5)
+    assert ks == {1: 1, 2: 2}
+    assert plan_drafts([], 100, 3.5) == {}
+
+
+def test_draft_acceptance_leans_on_the_pool_until_a_session_has_its_own_data():
+    assert draft_acceptance(0, 0, 0, 0) == pytest.approx(0.5)  # nothing known: 1/2
+    low_pool = draft_acceptance(0, 0, 2, 100)
+    assert low_pool < 0.05
+    assert draft_acceptance(40, 50, 2, 100) > 0.7  # a session with a repetitive stretch
+
+
+def test_iteration_cost_fits_a_line_and_keeps_the_slope_without_spread():
+    c = IterationCost()
+    assert c.predict(16) is None
+    for n in (16, 20, 24, 16, 32):
+        c.observe(n, 40 + 3.5 * n)
+    assert c.b == pytest.approx(3.5) and c.predict(16) == pytest.approx(96)
+    for _ in range(COST_WINDOW):  # the batch settles at 16 tokens, now 10 ms slower: no
+        c.observe(16, 106)  # spread left to fit, the last slope is kept, the level follows
+    assert c.b > 2 and c.predict(16) == pytest.approx(106)
