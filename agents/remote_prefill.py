@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONNECT_S = 0.5
 DEFAULT_MIN_SILENCE_S = 3.0  # a prefill agent silent this long (or 3 chunks' time) is dead
+# before any prefill was measured here: a Mac may take seconds per chunk (a dead agent is
+# noticed at once by its lost connection; these bound a hung one)
+DEFAULT_UNMEASURED_SILENCE_S = 60.0
+DEFAULT_MIN_DEADLINE_S = 120.0
 DEFAULT_ASSUMED_TOK_S = 1000.0  # prefill speed until this verifier has measured its own
 _EWMA = 0.5
 MIN_PROMPT_CHARS = 256  # shorter prompts skip the stage (no tokenizing off the compute thread)
@@ -101,8 +105,11 @@ class Meter:
 
 
 def silence_s(chunk_tokens: int, tok_s: float) -> float:
-    """How long a prefill agent may say nothing: 3 chunks' compute, at least 3 s."""
-    return max(DEFAULT_MIN_SILENCE_S, 3.0 * chunk_tokens / tok_s if tok_s > 0 else 0.0)
+    """How long a prefill agent may say nothing: 3 chunks' compute at the measured speed, at
+    least 3 s; DEFAULT_UNMEASURED_SILENCE_S while no speed is measured (tok_s 0)."""
+    if tok_s <= 0:
+        return DEFAULT_UNMEASURED_SILENCE_S
+    return max(DEFAULT_MIN_SILENCE_S, 3.0 * chunk_tokens / tok_s)
 
 
 def fetch_kv(endpoint: str, key: bytes | None, *, ids: Sequence[int], model: str,
@@ -209,8 +216,8 @@ class PrefillStage:
         return local, lambda: self.fetch(ids, eps[0], d)
 
     def fetch(self, ids: list[int], endpoint: str, d) -> Staged:
-        tok_s = self.meter.remote_tok_s or self.meter.local_tok_s or DEFAULT_ASSUMED_TOK_S
-        deadline = max(10.0, 3.0 * max(d.remote_ms, d.local_ms) / 1e3)
+        tok_s = self.meter.remote_tok_s or self.meter.local_tok_s  # 0: not measured yet
+        deadline = max(DEFAULT_MIN_DEADLINE_S, 3.0 * max(d.remote_ms, d.local_ms) / 1e3)
         try:
             kv, flow = fetch_kv(endpoint, self.key, ids=ids[:-1], model=self.lm.spec,
                                 layout=self.layout, codec=self.policy.codec,
