@@ -215,9 +215,10 @@ class _Plan:
     """Index arrays of one flat iteration, shared by every layer.
 
     Flat order: the short segments (batched attention) first, then the long ones.
-    rows: [R] rows the batched attention spans (0..max row of a short segment);
+    n_rows: R, the rows the batched attention spans (0..max row of a short segment);
     q_index [R * Lq]: flat token of each (row, query) cell (padding cells: token 0);
-    out_index [n_short]: the cell of each short-segment token; mask [R, 1, Lq, T]."""
+    out_index [n_short]: the cell of each short-segment token (both None when every row holds
+    one block of Lq tokens, in row order); mask [R, 1, Lq, T]."""
 
     n_short: int
     n_rows: int
@@ -253,6 +254,9 @@ def _plan(segs: Sequence[Segment]) -> _Plan:
         limit[r] = off + np.minimum(np.arange(lq), L - 1)
         n += L
     mask = np.arange(t_max)[None, None, :] <= limit[:, :, None]  # [R, Lq, T]
+    if n_rows * lq == n_short:  # every row one block of Lq tokens, in row order: no gathers
+        return _Plan(n_short, n_rows, lq, None, None, mx.array(mask[:, None]), t_max,
+                     tuple(long))
     return _Plan(n_short, n_rows, lq, mx.array(q_index.reshape(-1)), mx.array(out_index),
                  mx.array(mask[:, None]), t_max, tuple(long))
 
@@ -265,19 +269,27 @@ def _attention(attn, x: mx.array, store: BatchKV, layer: int, positions: mx.arra
     offset per batch row, so the N tokens are laid out as N rows at their own positions); one
     scatter writes every new key/value; short segments attend together, long ones alone."""
     N, H = x.shape[1], attn.n_heads
-    q = attn.rope(attn.q_proj(x).reshape(N, H, 1, -1), offset=positions)  # [N, H, 1, hd]
-    k = attn.rope(attn.k_proj(x).reshape(N, attn.n_kv_heads, 1, -1), offset=positions)
+    # one rope call for queries and keys (a call costs far more than its arithmetic here; the
+    # rotation of a head does not depend on the other heads: same bits)
+    qk = mx.concatenate([attn.q_proj(x).reshape(N, H, 1, -1),
+                         attn.k_proj(x).reshape(N, attn.n_kv_heads, 1, -1)], axis=1)
+    qk = attn.rope(qk, offset=positions)
+    q, k = qk[:, :H], qk[:, H:]  # [N, H, 1, hd], [N, kv_heads, 1, hd]
     v = attn.v_proj(x).reshape(N, attn.n_kv_heads, 1, -1)
     hd = q.shape[-1]
     keys, values = store.write(layer, k, v, slots)  # [rows, kv_heads, cap, hd]
     outs = []
     if plan.n_short:
         R, Lq = plan.n_rows, plan.lq
-        qb = q.reshape(N, H, hd)[plan.q_index].reshape(R, Lq, H, hd).transpose(0, 2, 1, 3)
+        qs = q[:plan.n_short].reshape(plan.n_short, H, hd)
+        if plan.q_index is not None:
+            qs = qs[plan.q_index]
+        qb = qs.reshape(R, Lq, H, hd).transpose(0, 2, 1, 3)
         o = mx.fast.scaled_dot_product_attention(
             qb, keys[:R, :, :plan.t_max], values[:R, :, :plan.t_max], scale=attn.scale,
             mask=plan.mask)  # [R, H, Lq, hd]
-        outs.append(o.transpose(0, 2, 1, 3).reshape(R * Lq, H * hd)[plan.out_index])
+        o = o.transpose(0, 2, 1, 3).reshape(R * Lq, H * hd)
+        outs.append(o if plan.out_index is None else o[plan.out_index])
     for start, L, row, off in plan.long:
         qs = q[start:start + L].transpose(2, 1, 0, 3)  # [1, H, L, hd]
         o = mx.fast.scaled_dot_product_attention(
@@ -295,7 +307,9 @@ def _flat(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None
     if len({c.row for c in caches}) < len(caches):
         raise ValueError("two segments of one flat batch write the same cache row")
     store = caches[0].store
-    order = sorted(range(len(segments)), key=lambda i: len(segments[i]) > MAX_BATCHED_SEGMENT)
+    # short segments first, by row (a full batch of one-token blocks then needs no gathers)
+    order = sorted(range(len(segments)),
+                   key=lambda i: (len(segments[i]) > MAX_BATCHED_SEGMENT, caches[i].row))
     segs = [segments[i] for i in order]
     toks = [int(t) for s in segs for t in s.tokens]
     rows = np.array([s.cache.row for s in segs for _ in range(len(s))], np.int64)
