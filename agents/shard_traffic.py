@@ -28,6 +28,17 @@ def pipeline_bytes(ranks: int, tokens: int, hidden: int, vocab: int, want_logits
     return ((ranks - 1) * tokens * hidden + (tokens * vocab if want_logits else 0)) * ACT_ITEMSIZE
 
 
+def block_delta(prev: ShardStats | None, now: ShardStats | None
+                ) -> tuple[int, float, tuple[int, ...]]:
+    """What one block added to a generation's tally: bytes, collective ms, load per rank."""
+    if now is None:
+        return 0, 0.0, ()
+    if prev is None:
+        return now.collective_bytes, now.collective_ms, now.rank_load
+    return (now.collective_bytes - prev.collective_bytes, now.collective_ms - prev.collective_ms,
+            tuple(a - b for a, b in zip(now.rank_load, prev.rank_load)))
+
+
 class ShardTraffic:
     """Mutable tally of one generation (reset with the verifier); `stats()` is the record."""
 

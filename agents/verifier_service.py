@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from agents.remote_proposer import FlowTotals, RemoteProposer
 from agents.remote_tree import RemoteProposerGroup
+from agents.shard_traffic import block_delta
 from agents.specs import DraftModels, SpecPolicy, check_spec, make_checked_proposer
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
 from bridge.messages import (AUTO_DRAFT_TOKENS, BlockMetrics, ErrorReply, GenerateChunk,
@@ -350,6 +351,8 @@ class VerifierService:
         block_ms = wire_ms = 0.0
         stats = None
         remote = proposer if isinstance(proposer, FallbackProposer) else None
+        shard_now = getattr(self._verifier, "shard_stats", lambda: None)  # a sharded verifier's
+        shard_prev = None
         events = generate_from_ids(self.lm, verifier, proposer, ids,
                                    draft_tokens=draft_tokens_of(msg), max_tokens=max_new,
                                    params=params)
@@ -362,6 +365,9 @@ class VerifierService:
                     last = (self._last_flows(proposer) if ev.k > 0 else None) or BlockFlows()
                     wire_ms += last.wire_ms
                     block_ms += ev.block_ms
+                    shard = shard_now()
+                    sh_bytes, sh_ms, sh_load = block_delta(shard_prev, shard)
+                    shard_prev = shard
                     self._publish(BlockMetrics(
                         node_id=self.node_id, session_id=msg.request_id, block=ev.block, k=ev.k,
                         accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
@@ -369,7 +375,8 @@ class VerifierService:
                         f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes,
                         f3_ms=last.f3_ms,
                         probe=bool(self.f3_probe_width) and self._feature_tap is None,
-                        hidden_size=self.lm.hidden_size))
+                        hidden_size=self.lm.hidden_size, shard_bytes=sh_bytes, shard_ms=sh_ms,
+                        rank_load=sh_load))
                 elif isinstance(ev, Finished):
                     stats = ev.stats
                     token_ids = list(ev.token_ids)
@@ -384,12 +391,11 @@ class VerifierService:
             flows, failures = remote.flow_stats(), remote.failures
         elif isinstance(proposer, RemoteProposerGroup):
             flows, failures = proposer.flow_stats(), proposer.failures
-        shard_stats = getattr(self._verifier, "shard_stats", None)  # a sharded verifier's
         kv = self._kv_flow(staged, verifier, len(ids), stats.prefill_ms)
         fleet = FleetStats(verifier=self.node_id, flows=flows, proposer_failures=len(failures),
                            wire_ms=wire_ms, kv=kv,
                            multihost_overhead=wire_ms / block_ms if block_ms else 0.0,
-                           shard=shard_stats() if shard_stats else None)
+                           shard=shard_now())
         self.completed += 1
         reply(GenerateDone(msg.request_id, "".join(parts), token_ids,
                            replace(stats, fleet=fleet)))

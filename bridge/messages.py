@@ -467,6 +467,11 @@ class BlockMetrics:
     # the verifier's hidden width: what F3 would carry per committed token (float16) when no
     # hidden-state drafter runs, so the dashboard can show F3's cost as an estimate
     hidden_size: int = 0
+    # a sharded verifier: what its ranks moved for this block (exact bytes; ms inside the
+    # collective, measured in expert mode only) and the router's load per rank (expert mode)
+    shard_bytes: int = 0
+    shard_ms: float = 0.0
+    rank_load: tuple[int, ...] = ()
 
 
 @message("agent_event", terminal=False)

@@ -36,7 +36,8 @@ class SessionMetrics:
         self.last_seen = now
         if m.k > 0:
             self.hist[min(m.accepted, len(self.hist) - 1)] += 1
-        for flow, ms in (("F1", m.f1_ms), ("F2", m.f2_ms), ("F3", m.f3_ms)):
+        for flow, ms in (("F1", m.f1_ms), ("F2", m.f2_ms), ("F3", m.f3_ms),
+                         ("shard", getattr(m, "shard_ms", 0.0))):
             h = self.history.setdefault(flow, deque(maxlen=DEFAULT_HISTORY))
             h.append(ms / m.block_ms if m.block_ms > 0 else 0.0)
 
@@ -60,6 +61,9 @@ class SessionMetrics:
             flows.append(flow("F3", "f3_bytes", "f3_ms", any(b.probe for b in bl)))
         elif bl:
             flows.append(f3_estimate(bl, block_ms))
+        if any(getattr(b, "shard_bytes", 0) for b in bl):  # a sharded verifier's ranks
+            flows.append(flow("shard", "shard_bytes", "shard_ms", False))
+        loads = [b.rank_load for b in bl if getattr(b, "rank_load", ())]
         hist = list(self.hist)
         while len(hist) > 1 and hist[-1] == 0:
             hist.pop()
@@ -81,6 +85,7 @@ class SessionMetrics:
                                        wire_ms=b.f1_ms + b.f2_ms + b.f3_ms) for b in bl),
             overhead_share=wire / block_ms if block_ms else 0.0,
             active=now - self.last_seen < ACTIVE_S,
+            rank_load=tuple(map(sum, zip(*loads))) if loads else (),
         )
 
 

@@ -170,9 +170,17 @@ class SessionView(_Dictable):
     timeline: tuple[BlockSample, ...]
     overhead_share: float
     active: bool
+    # an expert-parallel verifier: tokens its router sent to each rank's experts (the window)
+    rank_load: tuple[int, ...] = ()
 
     def flow(self, name: str) -> FlowView | None:
         return next((f for f in self.flows if f.flow == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if not self.rank_load:  # recordings without a MoE verifier stay as they were
+            del d["rank_load"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SessionView:
@@ -185,6 +193,7 @@ class SessionView(_Dictable):
             flows=tuple(FlowView.from_dict(f) for f in d.get("flows", ())),
             timeline=tuple(BlockSample.from_dict(b) for b in d.get("timeline", ())),
             overhead_share=float(d["overhead_share"]), active=bool(d["active"]),
+            rank_load=tuple(int(x) for x in d.get("rank_load", ())),
         )
 
 
@@ -227,6 +236,7 @@ class FleetSnapshot(_Dictable):
         d = {"v": FORMAT_VERSION, **asdict(self)}
         if self.serve is None:  # recordings of a fleet alone stay as they were
             del d["serve"]
+        d["sessions"] = [s.to_dict() for s in self.sessions]
         return d
 
     @classmethod

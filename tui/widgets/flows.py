@@ -57,14 +57,16 @@ class FlowRow(Horizontal):
 def compute_summary(s: SessionView) -> str:
     """Where a block's time goes, from the session's recent timeline, to set the flows'
     wire time beside the compute time it competes with."""
+    load = ("\nrouter load per rank " + " / ".join(f"{x:,}" for x in s.rank_load)
+            + " tokens" if s.rank_load else "")
     if not s.timeline:
-        return f"overhead {fmt_pct(s.overhead_share)} of block time"
+        return f"overhead {fmt_pct(s.overhead_share)} of block time" + load
     tl = s.timeline
     return (f"block {fmt_ms(fmean(b.block_ms for b in tl))}ms = "
             f"verify {fmt_ms(fmean(b.verify_ms for b in tl))} + "
             f"draft {fmt_ms(fmean(b.draft_ms for b in tl))} + "
             f"wire {fmt_ms(fmean(b.wire_ms for b in tl))}  "
-            f"(overhead {fmt_pct(s.overhead_share)})")
+            f"(overhead {fmt_pct(s.overhead_share)})" + load)
 
 
 class FlowsPanel(Vertical):

@@ -1,0 +1,54 @@
+"""A sharded verifier's shard flow and router load, from its BlockMetrics to the dashboard:
+the per-block delta of the generation's tally (agents/shard_traffic.py), folded into a "shard"
+flow row and a per-rank load in the session view, shown under the flows panel."""
+
+from __future__ import annotations
+
+from agents.shard_traffic import block_delta
+from bridge.messages import BlockMetrics
+from macfleet.fleet.metrics import SessionMetrics
+from macfleet.fleet.snapshot import SessionView
+from macfleet.stats import ShardStats
+
+
+def block(i: int, **shard) -> BlockMetrics:
+    return BlockMetrics(node_id="v", session_id="s", block=i, k=2, accepted=1, block_ms=10.0,
+                        draft_ms=1.0, verify_ms=8.0, f1_bytes=10, f1_ms=0.1, f2_bytes=20,
+                        f2_ms=0.2, f3_bytes=0, f3_ms=0.0, probe=False, hidden_size=64, **shard)
+
+
+def test_block_delta_is_what_the_block_added():
+    a = ShardStats(mode="expert", ranks=2, collective_bytes=1000, collective_ms=1.0,
+                   rank_load=(10, 6))
+    b = ShardStats(mode="expert", ranks=2, collective_bytes=1768, collective_ms=1.5,
+                   rank_load=(13, 9))
+    assert block_delta(None, a) == (1000, 1.0, (10, 6))
+    assert block_delta(a, b) == (768, 0.5, (3, 3))
+    assert block_delta(a, None) == (0, 0.0, ())
+
+
+def test_session_view_has_a_shard_flow_and_rank_load():
+    m = SessionMetrics("s", "v")
+    m.apply(block(1, shard_bytes=768, shard_ms=0.5, rank_load=(3, 3)), now=1.0)
+    m.apply(block(2, shard_bytes=1024, shard_ms=1.5, rank_load=(5, 3)), now=1.1)
+    v = m.view(now=1.2)
+    sh = v.flow("shard")
+    assert sh is not None and sh.bytes_per_block == 896 and sh.ms_per_block == 1.0
+    assert v.rank_load == (8, 6)
+    assert SessionView.from_dict(v.to_dict()) == v
+
+
+def test_without_shards_nothing_changes():
+    m = SessionMetrics("s", "v")
+    m.apply(block(1), now=1.0)
+    v = m.view(now=1.1)
+    assert v.flow("shard") is None and v.rank_load == ()
+    assert "rank_load" not in v.to_dict()
+
+
+def test_flows_panel_summary_names_the_router_load():
+    from tui.widgets.flows import compute_summary
+
+    m = SessionMetrics("s", "v")
+    m.apply(block(1, shard_bytes=768, shard_ms=0.5, rank_load=(3, 5)), now=1.0)
+    assert "router load per rank 3 / 5 tokens" in compute_summary(m.view(now=1.1))
