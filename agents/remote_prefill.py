@@ -210,6 +210,9 @@ class PrefillStage:
         ids = encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids)
         eps = self.endpoints()
         d = decide(self.meter.inputs(len(ids), len(eps), self.layout, self.policy))
+        if not self.meter.local_tok_s:
+            d = replace(d, reason=d.reason + " (prefill speed assumed "
+                        f"{DEFAULT_ASSUMED_TOK_S:.0f} tok/s until measured here)")
         local = Staged(ids, KVFlow(where="local", reason=d.reason))
         if not d.remote:
             return local, None
