@@ -135,9 +135,12 @@ def test_cancel_frees_the_session_and_others_finish(tiny):
     eng.submit(EngineRequest((4, 5, 6), GREEDY, 5), other.append)
     for _ in range(3):
         eng.step()
+    assert eng._kv.open_rows == 2
     h.cancel()
+    eng.step()
+    assert eng._kv.open_rows == 1  # its KV row is free at the next iteration
     eng.run_until_idle()
-    assert closed == [1] and eng.load() == (0, 0)
+    assert closed == [1] and eng.load() == (0, 0) and eng._kv.open_rows == 0
     assert not any(isinstance(e, Finished) for e in events)  # nobody to tell
     assert isinstance(other[-1], Finished) and len(other[-1].token_ids) == 5
 
