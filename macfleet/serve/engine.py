@@ -297,8 +297,11 @@ class BatchEngine:
                 self._finish(s, reason="length")
                 continue
             try:
-                s.cache = (make_trimmable_cache(self.lm.model) if self._kv is None
-                           else self._kv.open())
+                if self._kv is None:
+                    s.cache = make_trimmable_cache(self.lm.model)
+                else:  # room for the whole prompt now: one growth, not one per chunk
+                    s.cache = self._kv.open()
+                    self._kv.reserve(s.cache.row + 1, len(s.req.prompt))
                 s.rng = make_rng(s.req.params, stream=0)
             except Exception as e:  # noqa: BLE001 - one bad session fails alone
                 log.exception("session %d could not start", s.sid)
