@@ -342,9 +342,10 @@ class VerifierService:
             raise ValueError("prefix ids outside the vocabulary")
         ids = staged.ids if staged is not None else (
             encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
-        verifier = self._verifier
+        verifier, kv_once = self._verifier, {}
         if staged is not None and staged.kv is not None:  # flow KV: installed, not computed
             verifier = PrefilledVerifier(self._verifier, ids[:-1], self._stage.layout, staged.kv)
+            kv_once = {"kv_bytes": staged.flow.kv_bytes, "kv_ms": staged.flow.kv_ms}
         proposer = self._drafting(msg)
         max_new = max(0, msg.max_tokens - len(msg.prefix_ids))
         parts: list[str] = []
@@ -376,7 +377,8 @@ class VerifierService:
                         f3_ms=last.f3_ms,
                         probe=bool(self.f3_probe_width) and self._feature_tap is None,
                         hidden_size=self.lm.hidden_size, shard_bytes=sh_bytes, shard_ms=sh_ms,
-                        rank_load=sh_load))
+                        rank_load=sh_load, **kv_once))
+                    kv_once = {}
                 elif isinstance(ev, Finished):
                     stats = ev.stats
                     token_ids = list(ev.token_ids)

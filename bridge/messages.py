@@ -472,6 +472,10 @@ class BlockMetrics:
     shard_bytes: int = 0
     shard_ms: float = 0.0
     rank_load: tuple[int, ...] = ()
+    # flow KV, on a session's first block only: its prompt's KV shipped by a prefill agent
+    # (bytes, and ms from request to last chunk)
+    kv_bytes: int = 0
+    kv_ms: float = 0.0
 
 
 @message("agent_event", terminal=False)

@@ -28,12 +28,15 @@ class SessionMetrics:
     last_seen: float = 0.0
     proposers: tuple[str, ...] = ()
     history: dict[str, deque] = field(default_factory=dict)
+    kv: tuple[int, float] | None = None  # flow KV of this session's prompt: (bytes, ms)
 
     def apply(self, m, now: float) -> None:
         """m: a bridge BlockMetrics (duck-typed: the fields are read by name)."""
         self.blocks.append(m)
         self.total_blocks += 1
         self.last_seen = now
+        if getattr(m, "kv_bytes", 0):
+            self.kv = (int(m.kv_bytes), float(m.kv_ms))
         if m.k > 0:
             self.hist[min(m.accepted, len(self.hist) - 1)] += 1
         for flow, ms in (("F1", m.f1_ms), ("F2", m.f2_ms), ("F3", m.f3_ms),
@@ -63,6 +66,9 @@ class SessionMetrics:
             flows.append(f3_estimate(bl, block_ms))
         if any(getattr(b, "shard_bytes", 0) for b in bl):  # a sharded verifier's ranks
             flows.append(flow("shard", "shard_bytes", "shard_ms", False))
+        if self.kv is not None:  # flow KV: the prompt's KV, shipped once (not per block)
+            flows.append(FlowView(flow="KV", bytes_per_block=float(self.kv[0]),
+                                  ms_per_block=self.kv[1], share_of_block=0.0, history=()))
         loads = [b.rank_load for b in bl if getattr(b, "rank_load", ())]
         hist = list(self.hist)
         while len(hist) > 1 and hist[-1] == 0:

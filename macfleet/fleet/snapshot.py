@@ -23,7 +23,7 @@ from macfleet.fleet.batch import ServeView
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-FLOW_NAMES = ("F1", "F2", "F3", "shard")
+FLOW_NAMES = ("F1", "F2", "F3", "shard", "KV")  # KV: once per prompt, not per block
 EVENT_KINDS = ("join", "leave", "heartbeat_lost", "heartbeat_back", "error", "session")
 
 

@@ -37,3 +37,14 @@ def test_real_and_probed_f3_are_labelled_as_such_and_one_host_costs_nothing():
     assert "F3 probe" in _flows([_block(1, f3_bytes=2304, f3_ms=0.4, probe=True)])
     local = _flows([_block(1, remote=False)])["F3 est"]
     assert local.bytes_per_block == 0 and local.ms_per_block == 0
+
+
+def test_kv_row_shows_a_prompt_shipped_once_by_a_prefill_agent():
+    from dataclasses import replace
+
+    blocks = [_block(1), *(_block(i) for i in range(2, 5))]
+    assert "KV" not in _flows(blocks)  # prefilled on the verifier: no KV flow
+    blocks[0] = replace(blocks[0], kv_bytes=93_000_000, kv_ms=380.0)
+    kv = _flows(blocks)["KV"]
+    assert kv.bytes_per_block == 93_000_000 and kv.ms_per_block == 380.0
+    assert list(_flows(blocks))[-1] == "KV"
