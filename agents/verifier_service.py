@@ -352,7 +352,7 @@ class VerifierService:
         block_ms = wire_ms = 0.0
         stats = None
         remote = proposer if isinstance(proposer, FallbackProposer) else None
-        shard_now = getattr(self._verifier, "shard_stats", lambda: None)  # a sharded verifier's
+        shard_now = self._verifier.shard_stats  # a sharded verifier's shard flow, else None
         shard_prev = None
         events = generate_from_ids(self.lm, verifier, proposer, ids,
                                    draft_tokens=draft_tokens_of(msg), max_tokens=max_new,

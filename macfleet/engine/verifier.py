@@ -13,6 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from macfleet.stats import ShardStats
+
 DEFAULT_PREFILL_STEP = 512
 
 
@@ -66,6 +68,11 @@ class Verifier:
         if n:
             for c in self.cache:
                 c.trim(n)
+
+    def shard_stats(self) -> ShardStats | None:
+        """What crossed between shard ranks since the last reset (agents/shard.py); None: one
+        process, nothing did."""
+        return None
 
     def keepalive(self) -> None:
         """Called at least every keepalive period while idle, only when needs_keepalive."""

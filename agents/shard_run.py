@@ -1,0 +1,115 @@
+"""`python -m agents.shard`: one rank of a sharded verifier as a plain process, given a ring
+hostfile (no agents, no Zeroconf): what the shard tests and `macfleet bench moe` run. Rank 0
+pings the ring, decodes greedily (each step's logits kept), then runs the spec-decode loop on
+top of the sharded verifier, and writes ids, wall times and the shard flow (`ShardStats`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+import numpy as np
+
+from agents.shard import (DEFAULT_DEADLINE_S, DEFAULT_START_DEADLINE_S, EXIT_PEER_LOST,
+                          PING_REPEATS, SHARD_MODES, ShardedVerifier, ShardGroup, ShardPeerLost,
+                          Watchdog, exit_on_expire, init_ring)
+from macfleet.stats import ShardStats
+
+
+def _greedy_plain(v: ShardedVerifier, prompt: list[int], n: int
+                  ) -> tuple[list[int], np.ndarray, ShardStats]:
+    """Plain greedy decoding, one token per forward; returns ids, each step's logits and the
+    shard flow of the prefill alone."""
+    v.reset()
+    v.prefill(prompt[:-1])
+    prefilled = v.shard_stats()
+    last, ids, rows = prompt[-1], [], []
+    for _ in range(n):
+        logits = v.forward([last])
+        rows.append(np.array(logits[-1]))
+        last = int(np.argmax(rows[-1]))
+        ids.append(last)
+        print(f"step {len(ids)}", file=sys.stderr, flush=True)
+    return ids, np.stack(rows), prefilled
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="one rank of a sharded verifier (mlx.distributed ring)")
+    p.add_argument("--hostfile", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--mode", choices=SHARD_MODES, required=True)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prompt-ids", default="", help="rank 0: JSON list of prompt token ids")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--spec", default="ngram", help="rank 0: proposer for the spec-decode run "
+                   "(none to skip it)")
+    p.add_argument("--out", default="", help="rank 0: write ids (+ logits .npy) here")
+    p.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S)
+    p.add_argument("--repeats", type=int, default=1, help="rank 0: plain decoding runs (the "
+                   "median wall time is reported)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    from macfleet.engine.models import load_model
+
+    lm = load_model(args.model, cached=False)
+    wd = Watchdog(DEFAULT_START_DEADLINE_S, exit_on_expire(args.rank))
+    with wd.guard("ring connect"):
+        group = init_ring(args.hostfile, args.rank)
+    shards = ShardGroup(lm.model, group, args.mode, wd)
+    shards.barrier()
+    wd.deadline_s = args.deadline
+    print(f"rank {group.rank()}/{group.size()} ready ({args.mode})", file=sys.stderr, flush=True)
+    try:
+        if group.rank() != 0:
+            shards.serve()
+            return 0
+        v = ShardedVerifier(shards)
+        prompt = json.loads(args.prompt_ids)
+        pings = []
+        for _ in range(PING_REPEATS):  # the ring's all_sum latency, as this run sees it
+            t0 = time.perf_counter()
+            v.keepalive()
+            pings.append((time.perf_counter() - t0) * 1e3)
+        walls = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            ids, logits, prefilled = _greedy_plain(v, prompt, args.max_tokens)
+            walls.append(time.perf_counter() - t0)
+        out = {"rank_size": group.size(), "mode": args.mode, "plain_ids": ids,
+               "plain_s": float(np.median(walls)), "plain_s_all": walls,
+               "plain_shard": v.shard_stats().to_dict(),
+               "prefill_shard": prefilled.to_dict(),
+               "ping_ms": float(np.median(pings))}
+        if args.spec != "none":
+            from macfleet.engine.events import Finished
+            from macfleet.engine.loop import speculative_generate
+            from macfleet.engine.proposers import make_proposer
+
+            prop = make_proposer(args.spec, lm)
+            t0 = time.perf_counter()
+            fin = [e for e in speculative_generate(v, prop, prompt, max_tokens=args.max_tokens)
+                   if isinstance(e, Finished)][0]
+            out["spec_ids"] = list(fin.token_ids)
+            out["spec_blocks"] = fin.stats.blocks
+            out["spec_s"] = time.perf_counter() - t0
+            out["spec_shard"] = v.shard_stats().to_dict()
+        v.stop()
+        if args.out:
+            np.save(args.out + ".logits.npy", logits)
+            with open(args.out, "w") as f:
+                json.dump(out, f)
+        return 0
+    except ShardPeerLost as e:
+        print(f"macfleet shard rank {group.rank()}: ShardPeerLost: {e}", file=sys.stderr)
+        return EXIT_PEER_LOST
+    finally:
+        wd.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
