@@ -13,6 +13,7 @@ bytes, one [tokens, hidden] float32 activation):
   replicated; compute: the replicated part in full, the experts' part / n; one ring all-reduce
   of S per MoE layer, plus a host sync per MoE layer (the rank reads the router's choice).
   Memory: replicated part + experts / n.
+Every mode also pays the leader's command broadcast (one small all-reduce) per forward.
 Compute is split by bytes read (decode is bandwidth-bound): the experts' share of a forward is
 what the tokens' routed experts weigh against the replicated weights.
 A ring all-reduce of S over n ranks is 2(n-1) steps of S/n, each paying half a round trip;
@@ -33,6 +34,9 @@ TENSOR = "tensor"
 PIPELINE = "pipeline"
 MOE_MODES = (EXPERT, TENSOR, PIPELINE)
 DEFAULT_SYNC_MS = 0.05  # expert mode: one host read of the router's choice per MoE layer
+# every forward of a shard group starts with the leader's command broadcast (agents/shard.py:
+# an all_sum of HEADER + MAX_BLOCK int32), whatever the mode
+CONTROL_BYTES = (3 + 512) * 4
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,7 @@ def estimate(model: ModelShape, mode: str, n: int, mem_free: Sequence[int], link
         compute = verify_ms
         comm = (n - 1) * hop_ms(link, s, ring) + hop_ms(link, tokens * model.vocab * ACT_BYTES,
                                                           ring)
+    comm += allreduce_ms(link, CONTROL_BYTES, n, ring)
     return ModeEstimate(mode=mode, possible=not _why_impossible(model, mode, n), fits=fits,
                         mem_per_rank=mem,
                         bytes_per_forward=collective_bytes(model, mode, n, tokens),
