@@ -70,9 +70,11 @@ class ExpertParallelMoE(nn.Module):
         a, b = span
         for name in _SWITCH:  # keep only this rank's experts: this is the fit
             lin = getattr(self.switch_mlp, name)
-            lin.weight = mx.array(lin.weight[a:b])
-            if "bias" in lin:
-                lin.bias = mx.array(lin.bias[a:b])
+            experts = lin.weight.shape[0]
+            # every per-expert array: weight, bias, and a quantized layer's scales/biases
+            for key, val in list(lin.items()):
+                if isinstance(val, mx.array) and val.ndim and val.shape[0] == experts:
+                    setattr(lin, key, mx.array(val[a:b]))
         mx.eval(self.switch_mlp.parameters())  # the other experts' weights can go now
         self._span, self._load, self._clock = span, load, clock
         # the collective; tests pass their own to run several ranks' blocks in one process

@@ -53,3 +53,21 @@ def test_shard_experts_refuses_a_dense_model():
 
     with pytest.raises(ValueError, match="mixture-of-experts"):
         shard_experts(build_tiny_model(1), Group())
+
+
+def test_a_quantized_block_keeps_its_experts_scales():
+    import mlx.nn as nn
+
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(4))
+    parts = []
+    for r in range(2):
+        model = build_tiny_moe(1)
+        nn.quantize(model, group_size=32, bits=8)
+        block = model.model.layers[0].mlp
+        want = block(x)
+        ep = ExpertParallelMoE(block, None, expert_range(8, 2, r), reduce=lambda p: p)
+        up = ep.switch_mlp.up_proj
+        assert up.weight.shape[0] == up.scales.shape[0] == up.biases.shape[0] == 4
+        parts.append(ep(x))
+    np.testing.assert_allclose(np.array(parts[0] + parts[1]), np.array(want),
+                               atol=LOGIT_ATOL, rtol=0)
