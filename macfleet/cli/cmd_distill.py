@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
                    help="train while another `distill --stage data` adds to the dataset: "
                    "re-read it at every checkpoint")
     p.add_argument("--store", default=None, metavar="PATH.npy",
-                   help="also write the dataset's answers as a retrieval store (the "
+                   help="also add the dataset's answers to a retrieval store (the "
                    "`retrieval:PATH` drafter)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.set_defaults(func=run)
@@ -110,8 +110,11 @@ def _run_dataset(args, lm, out: Path, params) -> int:
             from macfleet.engine.drafter.dataset import answers
             from macfleet.engine.proposers.retrieval import Datastore
 
-            store = Datastore.build(answers(ds))
-            report(f"answer store: {store.tokens.size:,} tokens -> {store.save(Path(args.store))}")
+            sp = Path(args.store).with_suffix(".npy")
+            old = Datastore.load(sp) if sp.is_file() else Datastore.build([])
+            store = old.merged(answers(ds))
+            report(f"answer store: {old.tokens.size:,} -> {store.tokens.size:,} tokens (answers "
+                   f"already there kept, repeats dropped) -> {store.save(sp)}")
         if args.stage in ("all", "features", "train") and missing_hidden(ds):
             r = rebuild_hidden(lm, ds, fingerprint=verifier_fingerprint(lm.model))
             report(f"rebuilt hidden states of {r.shards} shard(s): {r.tokens:,} positions in "

@@ -52,6 +52,7 @@ def _answers(lm, n, length, seed):
     return out
 
 
+@pytest.mark.slow  # generates 30 answers for its store
 def test_retrieval_trees_are_lossless_and_accept_the_verifiers_habits(tmp_path):
     lm = load_model("tiny:5:32")
     store = Datastore.build(_answers(lm, 30, 60, seed=0))
@@ -73,3 +74,16 @@ def test_a_store_for_another_vocabulary_is_refused(tmp_path):
         make_proposer(f"retrieval:{path}", lm)
     with pytest.raises(ProposerSpecError, match="macfleet distill"):
         make_proposer("retrieval", lm)  # nothing shipped for a tiny model
+
+
+def test_a_store_grows_across_datasets_without_repeating_an_answer(tmp_path):
+    a, b, c = [5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 9]
+    s1 = Datastore.build([a, b])
+    assert [x.tolist() for x in s1.answers()] == [a, b]
+    s2 = s1.merged([b, c, []])  # b is already there: kept once
+    assert [x.tolist() for x in s2.answers()] == [a, b, c]
+    loaded = Datastore.load(s2.save(tmp_path / "store.npy"))
+    assert [x.tolist() for x in loaded.answers()] == [a, b, c]
+    # the merged store's trie weights count each distinct answer once
+    assert len(loaded.matches([5, 6, 7], 10)) == 2
+    assert Datastore.build([]).answers() == [] and Datastore.build([]).merged([a]).answers()[0].tolist() == a
