@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import httpx
+import pytest
 
 from macfleet.bench.fuzz_http import CATEGORIES, http_door, typed
 
@@ -23,6 +24,7 @@ def test_a_refusal_counts_only_when_it_is_openai_shaped():
     assert typed("valid", _resp(200, {"choices": []})) and not typed("valid", _resp(400, err))
 
 
+@pytest.mark.slow  # starts a `macfleet serve` process and fuzzes it
 def test_hostile_requests_get_typed_refusals_and_the_server_survives():
     res = http_door(2, random.Random(0))
     assert res["crashes"] == 0 and res["hangs"] == 0 and res["alive_at_end"]

@@ -51,6 +51,7 @@ def test_fit_and_extrapolation():
     assert tokens_for(2.5, (1.0, 0.0)) is None and fit_log2(pts[:1], 4) is None
 
 
+@pytest.mark.slow  # generates a dataset
 def test_data_curve_on_a_generated_dataset(tmp_path):
     lm = load_model("tiny:3:32")
     lm.tokenizer.eos_token_ids = {5}

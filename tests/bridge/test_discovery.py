@@ -99,6 +99,7 @@ def subprocess_advertiser() -> Iterator[Callable[..., subprocess.Popen]]:
                 pipe.close()
 
 
+@pytest.mark.slow  # starts an advertiser process
 @pytest.mark.timeout(30)
 def test_real_zeroconf_on_loopback(subprocess_advertiser: Callable[..., subprocess.Popen]) -> None:
     fleet_log, all_log = EventLog(), EventLog()

@@ -16,7 +16,7 @@ from bridge.card import PROTOCOL_VERSION
 from bridge.errors import CODES, ProtocolError
 from bridge.messages import equal, example, registry, schema
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]  # slow: 200-2,000 examples per test
 
 FUZZ = settings(max_examples=2000, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -43,6 +43,7 @@ def test_layout_and_bytes(tiny):
     assert lay.bytes_per_token("float16") * 2 == lay.bytes_per_token("auto")  # a float32 cache
 
 
+@pytest.mark.slow  # two full greedy generations per case
 @pytest.mark.parametrize("proposer", ["none", "ngram"])
 def test_shipped_kv_gives_identical_greedy_ids(tiny, proposer):
     ids = _ids(tiny, 1300)

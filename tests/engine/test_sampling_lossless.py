@@ -288,6 +288,7 @@ def loop_joint_counts(verifier_model, proposer: Proposer, n: int, seed0: int) ->
     return counts
 
 
+@pytest.mark.slow  # 1,600 whole-loop samples
 def test_loop_first_two_tokens_match_verifier_joint(models):
     """With max_tokens=3 and k=2, the first block drafts 2 tokens: both committed tokens pass
     through the ratio test (or its residual), and the second also through the bonus path."""
@@ -301,6 +302,7 @@ def test_loop_first_two_tokens_match_verifier_joint(models):
     assert not passes(counts.sum(axis=1), q1)
 
 
+@pytest.mark.slow  # 400 whole-loop samples
 def test_loop_check_catches_a_broken_rule(models, monkeypatch):
     """The same loop check fails when the loop's ratio rule resamples from p on rejection
     (with a quarter of the samples: the bias is large, so this stays cheap)."""
@@ -324,6 +326,7 @@ class FixedDraft(Proposer):
         return Draft(self.tokens[:k])
 
 
+@pytest.mark.slow  # 800 whole-loop samples
 def test_loop_exact_match_path_first_two_tokens(models):
     target = exact_joint(models[0])
     mode = int(np.argmax(target.sum(axis=1)))

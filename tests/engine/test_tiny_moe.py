@@ -83,6 +83,7 @@ def test_bad_spec_is_named():
         load_model("tiny-moe:x")
 
 
+@pytest.mark.slow  # runs the CLI in a subprocess
 def test_cli_generate_local_ngram(reference):
     ids, want = reference
     env = dict(os.environ)

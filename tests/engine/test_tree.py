@@ -158,6 +158,7 @@ def test_multi_draft_sampling_keeps_the_verifier_distribution():
     assert stat_bad > chi2_critical(df_bad), "the test cannot tell a wrong rule from a right one"
 
 
+@pytest.mark.slow  # several sampled tree generations
 def test_tree_sampling_loop_runs_and_is_seeded():
     from macfleet.engine.sampling import SamplingParams
 

@@ -27,7 +27,7 @@ from bridge.messages import (DraftReply, DraftRequest, ErrorReply, GenerateDone,
                              OpenSession, Ping, Pong, SessionOpened, example, registry)
 from bridge.transport import Client
 
-pytestmark = [pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # slow: >= 10,000 messages to live agents
 
 KEY = b"k" * 32
 BATCH = 100

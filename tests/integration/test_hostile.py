@@ -64,6 +64,7 @@ def test_verifier_applies_the_same_spec_check(agents, spec):
     assert e.code == BAD_REQUEST and ("not allowed" in e.message or "heads" in e.message), e
 
 
+@pytest.mark.slow  # two generations, one through 4 dead proposers
 def test_proposer_endpoints_are_capped_and_dead_ones_cost_little(agents):
     e = refusal(agents["verifier"], req(spec="ngram", proposers=["tcp://127.0.0.1:9"] * 9))
     assert e.code == BAD_REQUEST and "at most" in e.message
@@ -150,6 +151,7 @@ def test_draft_models_from_requests_are_bounded(agents):
     assert not any(k[0] in {f"tiny:{s}" for s in range(41, 46)} for k in models._cache)
 
 
+@pytest.mark.slow  # starts two servers and runs link probes
 def test_link_probe_reaches_only_fleet_members(agents):
     """A preset naming a non-member (another fleet's agent) delivers nothing to it."""
     p = agents["proposer"]
@@ -162,6 +164,7 @@ def test_link_probe_reaches_only_fleet_members(agents):
         assert seen == [] and outsider.requests == open_one.requests == 0
 
 
+@pytest.mark.slow  # 200 connections dropped at the handshake deadline
 def test_fd_limit_is_raised_and_idle_connections_are_shed(agents):
     import resource
 
@@ -191,6 +194,7 @@ def test_fd_limit_is_raised_and_idle_connections_are_shed(agents):
             s.close()
 
 
+@pytest.mark.slow  # waits for a silence deadline
 def test_a_silent_verifier_is_reported_within_seconds():
     """One chunk, then silence (killed, asleep, cut off): the client raises within the silence
     deadline, having yielded the chunk, instead of waiting out the first-token deadline."""

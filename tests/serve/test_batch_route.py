@@ -9,9 +9,12 @@ import threading
 import time
 
 import httpx
+import pytest
 from serve_testkit import start_server, stop_server
 
 from macfleet.fleet.serve_watch import ServeWatchSource, fetch_batch
+
+pytestmark = pytest.mark.slow  # each test starts or uses a `macfleet serve` process
 
 DEADLINE_S = 0.3
 

@@ -14,6 +14,8 @@ from serve_testkit import start_server, stop_server
 
 from macfleet.fleet.serve_watch import fetch_batch
 
+pytestmark = pytest.mark.slow  # starts a local fleet (agent processes) and a server
+
 
 def _cli(*args: str, env: dict, timeout: float = 90) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "macfleet", *args], capture_output=True,

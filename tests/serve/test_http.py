@@ -24,6 +24,7 @@ def _curl(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=CURL_TIMEOUT_S + 5)
 
 
+@pytest.mark.slow  # the module's `macfleet serve` process
 def test_curl_stream_ends_with_done(server):
     body = json.dumps({"model": "tiny:1", "messages": [{"role": "user", "content": "hi"}],
                        "max_tokens": 8, "temperature": 0, "stream": True})
@@ -37,6 +38,7 @@ def test_curl_stream_ends_with_done(server):
     assert len(text) == 8 and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow  # the module's `macfleet serve` process
 def test_curl_without_key_is_401_and_health_is_open(server):
     r = _curl("-w", "\n%{http_code}", server.v1 + "/models")
     body, code = r.stdout.rsplit("\n", 1)
@@ -45,6 +47,7 @@ def test_curl_without_key_is_401_and_health_is_open(server):
     assert r.stdout.rsplit("\n", 1)[1] == "200"
 
 
+@pytest.mark.slow  # the module's `macfleet serve` process
 @pytest.mark.parametrize("body,status,param", [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
@@ -70,6 +73,7 @@ def test_bad_requests_get_openai_errors_and_server_lives(server, body, status, p
     assert server.health()["status"] == "ok"
 
 
+@pytest.mark.slow  # the module's `macfleet serve` process
 def test_too_many_sessions_for_one_client_is_429(server):
     body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 200,
             "temperature": 0, "stream": True}
@@ -87,6 +91,7 @@ def test_too_many_sessions_for_one_client_is_429(server):
     assert wait_idle(server)["active_sessions"] == 0
 
 
+@pytest.mark.slow  # the module's `macfleet serve` process
 def test_client_that_disconnects_mid_stream_frees_its_session(server):
     body = json.dumps({"messages": [{"role": "user", "content": "long one"}],
                        "max_tokens": 200, "temperature": 0, "stream": True}).encode()

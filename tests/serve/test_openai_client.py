@@ -8,6 +8,8 @@ import openai
 import pytest
 from serve_testkit import wait_idle
 
+pytestmark = pytest.mark.slow  # a `macfleet serve` process
+
 
 @pytest.fixture(scope="module")
 def client(server):

@@ -13,6 +13,8 @@ from tui_testkit import load
 
 pytest.importorskip("pytest_textual_snapshot", reason="pytest-textual-snapshot not installed")
 
+pytestmark = pytest.mark.slow  # each test runs the Textual app and renders an SVG
+
 
 def test_batch_over_a_fleet_80x24(snap_compare, utc: None) -> None:
     snap = served(UP, load("two_hosts")[2])

@@ -53,6 +53,7 @@ def host_rows(app: FleetDashboard) -> list[str]:
     return row_keys(app.hosts.query_one(DataTable))
 
 
+@pytest.mark.slow  # runs the Textual app
 @pytest.mark.parametrize("size", [SMALL, LARGE])
 def test_hosts_sessions_links_and_flows_appear(size: tuple[int, int]) -> None:
     snap = load("two_hosts")[0]
@@ -71,6 +72,7 @@ def test_hosts_sessions_links_and_flows_appear(size: tuple[int, int]) -> None:
     drive(scenario, size)
 
 
+@pytest.mark.slow  # runs the Textual app
 def test_s_cycles_host_sort_order() -> None:
     snap = load("two_hosts")[0]  # air: rtt 1.9, mem 7%, load .34; studio: .05, 5%, .61
 
@@ -89,6 +91,7 @@ def test_s_cycles_host_sort_order() -> None:
     drive(scenario, LARGE)
 
 
+@pytest.mark.slow  # runs the Textual app
 @pytest.mark.parametrize("size", [SMALL, LARGE])
 def test_host_marked_dead_then_removed(size: tuple[int, int]) -> None:
     first, dead, gone = load("host_vanishes")
@@ -109,6 +112,7 @@ def test_host_marked_dead_then_removed(size: tuple[int, int]) -> None:
     drive(scenario, size)
 
 
+@pytest.mark.slow  # runs the Textual app
 def test_p_pauses_and_resumes_with_the_latest_snapshot() -> None:
     first, _, gone = load("host_vanishes")
 
@@ -133,6 +137,7 @@ def test_p_pauses_and_resumes_with_the_latest_snapshot() -> None:
     drive(scenario)
 
 
+@pytest.mark.slow  # runs the Textual app
 @pytest.mark.parametrize("size", [SMALL, LARGE])
 def test_enter_opens_session_detail_and_escape_returns(size: tuple[int, int]) -> None:
     snaps = load("two_hosts")
@@ -161,6 +166,7 @@ def test_enter_opens_session_detail_and_escape_returns(size: tuple[int, int]) ->
     drive(scenario, size)
 
 
+@pytest.mark.slow  # runs the Textual app
 def test_highlighting_a_session_switches_the_flows_panel() -> None:
     snap = load("two_hosts")[0]
     s1 = snap.sessions[0]
@@ -179,6 +185,7 @@ def test_highlighting_a_session_switches_the_flows_panel() -> None:
     drive(scenario, LARGE)
 
 
+@pytest.mark.slow  # runs the Textual app
 @pytest.mark.parametrize("size", [SMALL, LARGE])
 def test_empty_fleet_says_no_agents_yet(size: tuple[int, int]) -> None:
     async def scenario(pilot: Pilot, app: FleetDashboard, src: StaticSource) -> None:
@@ -194,6 +201,7 @@ def test_empty_fleet_says_no_agents_yet(size: tuple[int, int]) -> None:
     drive(scenario, size)
 
 
+@pytest.mark.slow  # runs the Textual app
 def test_stalled_source_is_reported_then_cleared(utc: None) -> None:
     clock = FakeClock()  # 2026-01-01 00:00:00 UTC
 
@@ -212,6 +220,7 @@ def test_stalled_source_is_reported_then_cleared(utc: None) -> None:
     drive(scenario, stall_after_s=3.0, clock=clock)
 
 
+@pytest.mark.slow  # runs the Textual app
 def test_replay_runs_to_the_end_then_stalls() -> None:
     source = ReplaySource(FIXTURES / "two_hosts.jsonl")
 
@@ -239,6 +248,7 @@ class BrokenSource(SnapshotSource):
         self.closed = True
 
 
+@pytest.mark.slow  # runs the Textual app
 def test_failing_source_is_shown_not_crashed() -> None:
     source = BrokenSource()
 
@@ -253,6 +263,7 @@ def test_failing_source_is_shown_not_crashed() -> None:
     assert source.closed
 
 
+@pytest.mark.slow  # runs the Textual app
 def test_q_quits_and_closes_the_source() -> None:
     src = StaticSource()
 

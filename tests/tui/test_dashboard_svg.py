@@ -16,6 +16,8 @@ from tui_testkit import FakeClock, load, wait_until, wait_visible
 
 pytest.importorskip("pytest_textual_snapshot", reason="pytest-textual-snapshot not installed")
 
+pytestmark = pytest.mark.slow  # each test runs the Textual app and renders an SVG
+
 SLOW_REFRESH_S = 5.0  # one poll delivers the snapshot; nothing else moves during the shot
 
 

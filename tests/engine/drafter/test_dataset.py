@@ -67,6 +67,7 @@ def test_batched_answers_equal_one_at_a_time_with_ragged_stops(lm_eos):
     assert t.steps > 0 and 1 < t.rows / t.steps <= 4
 
 
+@pytest.mark.slow  # generates a dataset
 def test_dataset_resumes_without_duplicates_and_refuses_another_verifier(tmp_path, lm_eos):
     fp = verifier_fingerprint(lm_eos.model)
     m1 = generate_dataset(lm_eos, tmp_path, 200, fingerprint=fp, batch=4, max_answer=16,
@@ -87,6 +88,7 @@ def test_dataset_resumes_without_duplicates_and_refuses_another_verifier(tmp_pat
         generate_dataset(load_model("tiny:4:32"), tmp_path, 900, fingerprint="0" * 16)
 
 
+@pytest.mark.slow  # generates a dataset
 def test_hidden_states_are_a_cache_rebuilt_from_the_tokens(tmp_path, lm_eos):
     """A dataset copied without its hidden-state files (the 97% of bytes) is still whole:
     one forward per sample gives back the rows generation captured."""

@@ -36,6 +36,7 @@ def test_training_lowers_loss_and_raises_held_out_acceptance(tiny, chunks, train
     assert after.mean_accepted > before.mean_accepted + 0.02
 
 
+@pytest.mark.slow  # extracts features from generated text (the chunks fixture), then trains
 def test_checkpoint_resume_continues_from_saved_step(tiny, chunks, tmp_path):
     head = _head(tiny, chunks)
     p = TrainParams(steps=6, batch=2, seq_len=32, save_every=3)
