@@ -4,7 +4,9 @@ shard ranks (real processes, mlx.distributed ring on loopback), measured and pre
 Per ring size, each mode runs `python -m agents.shard` (the shard agents' own ShardGroup): 30
 pings (one small all_sum each: the ring's latency as that run sees it), plain greedy decoding
 (one token per forward) and speculative decoding with ngram drafts; rank 0 reports wall times
-and its `ShardStats` (exact collective bytes, ms per forward, router load). The planner
+and its `ShardStats` (exact collective bytes, ms per forward, router load). Each mode runs
+`repeats` times, the modes interleaved (E, T, P, E, T, P, ...) so that a machine whose load
+drifts weighs on all of them; the median wall time counts. The planner
 (topology/moe.py) then predicts each mode's ms per forward from the single-process verify(1)
 measured here and the ring's median ping (a hop taken as one of the all_sum's 2(n-1) ring
 steps), so the ranking can be compared side by side.
@@ -34,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = "tiny-moe:1"
 DEFAULT_PROMPT = "one two three, one two three, one two three, four five six"
 DEFAULT_TOKENS = 16
-DEFAULT_REPEATS = 3  # plain decoding runs per mode (in the same ranks); the median counts
+DEFAULT_REPEATS = 3  # runs per mode, interleaved across modes; the median counts
 RUN_TIMEOUT_S = 240.0
 LOOPBACK_LINK = Link("rank", "rank", 0.0, 1e6)  # latency comes from the probe; ~1 GB/s bytes
 
@@ -101,6 +103,12 @@ def single_process(model: str, prompt: list[int], tokens: int, repeats: int = 30
             "tokens_per_s": tokens / decode_s}
 
 
+def _decode_ms(run: dict) -> float:
+    """Rank 0's ms per decode forward of one run (its plain decoding less the prefill)."""
+    plain, pre = run["plain_shard"], run["prefill_shard"]
+    return (plain["forward_ms"] - pre["forward_ms"]) / (plain["forwards"] - pre["forwards"])
+
+
 def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
               tokens: int = DEFAULT_TOKENS, prompt_text: str = DEFAULT_PROMPT,
               repeats: int = DEFAULT_REPEATS,
@@ -118,15 +126,24 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
     for n in sizes:
         with tempfile.TemporaryDirectory(prefix="macfleet-moe-") as d:
             tmp = Path(d)
-            runs = {}
-            for mode in MOE_MODES:
-                out = tmp / f"{mode}.json"
-                _ranks("agents.shard", n, tmp, [
-                    "--mode", mode, "--model", model, "--prompt-ids", json.dumps(prompt),
-                    "--max-tokens", str(tokens), "--spec", "ngram", "--out", str(out),
-                    "--deadline", "60", "--repeats", str(repeats)])
-                runs[mode] = json.loads(out.read_text())
-            ping = float(np.median([r["ping_ms"] for r in runs.values()]))
+            runs: dict[str, dict] = {}
+            walls: dict[str, list[float]] = {m: [] for m in MOE_MODES}
+            decode_ms: dict[str, list[float]] = {m: [] for m in MOE_MODES}
+            pings: list[float] = []
+            for _ in range(repeats):  # modes interleaved, so the machine's load drifts on all
+                for mode in MOE_MODES:
+                    out = tmp / f"{mode}.json"
+                    _ranks("agents.shard", n, tmp, [
+                        "--mode", mode, "--model", model, "--prompt-ids", json.dumps(prompt),
+                        "--max-tokens", str(tokens), "--spec", "ngram", "--out", str(out),
+                        "--deadline", "60"])
+                    runs[mode] = json.loads(out.read_text())
+                    walls[mode].append(runs[mode]["plain_s"])
+                    decode_ms[mode].append(_decode_ms(runs[mode]))
+                    pings.append(runs[mode]["ping_ms"])
+            for mode, r in runs.items():
+                r["plain_s"], r["plain_s_all"] = float(np.median(walls[mode])), walls[mode]
+            ping = float(np.median(pings))
             ring = RingLatency(ping, ping / (2 * (n - 1)))
             progress(f"{n} ranks: all_sum {ring.allreduce_ms:.3f} ms (median ping)")
             choice = choose_moe_mode(shape, n, [GB] * n, LOOPBACK_LINK, ref["verify1_ms"],
@@ -144,8 +161,8 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
                     "measured_tokens_per_s": tokens / r["plain_s"],
                     "measured_tokens_per_s_runs": [tokens / s for s in r["plain_s_all"]],
                     "measured_spec_tokens_per_s": tokens / r["spec_s"],
-                    "measured_ms_per_decode_forward":
-                        (plain["forward_ms"] - pre["forward_ms"]) / decode_fw,
+                    "measured_ms_per_decode_forward": float(np.median(decode_ms[mode])),
+                    "measured_ms_per_decode_forward_runs": decode_ms[mode],
                     "bytes_per_decode_forward":
                         (plain["collective_bytes"] - pre["collective_bytes"]) / decode_fw,
                     "prefill_bytes": pre["collective_bytes"], "prefill_tokens": pre["tokens"],
