@@ -52,6 +52,9 @@ class AgentConfig:
     # verifier: ship long prompts' prefill to prefill agents found on Zeroconf when it pays
     # (None: never); an agents.remote_prefill.DisaggPolicy
     disagg: object | None = None
+    # connections one peer address may hold to the ROUTER and to the PUB (None: the default of
+    # bridge.peercap, 0: no cap)
+    max_conns_per_peer: int | None = None
 
 
 DEFAULT_FD_TARGET = 65536
@@ -105,10 +108,11 @@ class Agent:
         self.admission = admit(cfg.model, sysinfo.memory_free())  # AdmissionError: not loaded
 
         self.lm = load_model(cfg.model)
-        self.publisher = Publisher(key=cfg.key, bind=f"tcp://{cfg.bind_host}:{cfg.pub_port or '*'}")
+        self.publisher = Publisher(key=cfg.key, bind=f"tcp://{cfg.bind_host}:{cfg.pub_port or '*'}",
+                                   max_per_peer=cfg.max_conns_per_peer)
         self.proposer = self.verifier = self.prefill = self._browser = None
         self._start_services()
-        self.server = Server(self._handle, key=cfg.key,
+        self.server = Server(self._handle, key=cfg.key, max_per_peer=cfg.max_conns_per_peer,
                              bind=f"tcp://{cfg.bind_host}:{cfg.port or '*'}").start()
         self.card = self._make_card()
         self.advertiser = None

@@ -8,7 +8,8 @@ TXT carries only `fleet_id`, a hash), so it acts as a second secret: a peer that
 the fleet key cannot build a HELLO the server can open, the handshake fails and libzmq closes the
 connection before one byte reaches the application. An unauthenticated peer gets nothing back:
 no typed error, no echo. Connections that never finish the handshake are dropped after
-`DEFAULT_HANDSHAKE_S` (`zmq.HANDSHAKE_IVL`), so idle floods cannot hold file descriptors.
+`DEFAULT_HANDSHAKE_S` (`zmq.HANDSHAKE_IVL`), so idle floods cannot hold file descriptors, and
+`bridge.peercap` caps how many connections one address holds meanwhile (key holders too).
 
 Why there is no per-message HMAC and replay window any more (there were, before CURVE):
 - CURVE already authenticates every frame (Poly1305 under per-connection short-term keys) and

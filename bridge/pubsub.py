@@ -17,8 +17,8 @@ import zmq
 from bridge.codec import Envelope, Limits, encode, frames_nbytes
 from bridge.errors import ProtocolError
 from bridge.messages import Message, tag_of
-from bridge.sockets import (DEFAULT_BIND, DEFAULT_RECV_TIMEOUT_S, _bind, _Shell, _socket,
-                            port_of)
+from bridge.sockets import (DEFAULT_BIND, DEFAULT_RECV_TIMEOUT_S, _bind, _guard, _Shell,
+                            _socket, port_of)
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,12 @@ class Publisher(_Shell):
     """
 
     def __init__(self, *, key: bytes | None, bind: str = DEFAULT_BIND,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, max_per_peer: int | None = None) -> None:
+        """max_per_peer: connections one address may hold (None: bridge.peercap's default,
+        0: no cap); `peers` is the bridge.peercap.PeerGuard applying it."""
         self._key = key
         self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.PUB, key=key)
+        self.peers = _guard(self._sock, max_per_peer, bind)
         self.endpoint = _bind(self._sock, bind)
         self._lock = threading.Lock()
 

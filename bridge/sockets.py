@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import os
 import time
+from itertools import count
 from typing import TypeVar
 
 import zmq
 
+from bridge import peercap
 from bridge.auth import apply_curve
 from bridge.codec import Envelope, Limits
 from bridge.errors import OVERSIZE, ProtocolError, TransportTimeout
@@ -19,6 +22,7 @@ _S = TypeVar("_S", bound="_Shell")
 
 
 _SERVER_KINDS = (zmq.ROUTER, zmq.PUB)  # bind and hold the CURVE server key; the rest connect
+_MONITORS = count()  # unique inproc names (pyzmq's default reuses a closed socket's fd number)
 
 
 def _socket(ctx: zmq.Context, kind: int, limits: Limits | None = None, *,
@@ -36,6 +40,27 @@ def _socket(ctx: zmq.Context, kind: int, limits: Limits | None = None, *,
         # between the caps and this still get a typed oversize reply.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * max(limits.max_frame_bytes, limits.max_body_bytes))
     return sock
+
+
+def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR receiving `sock`'s monitor events, with no queue limit: libzmq blocks the thread
+    emitting an event (an I/O thread) while the monitor's queue is full."""
+    addr = f"inproc://macfleet-monitor-{os.getpid()}-{next(_MONITORS)}"
+    sock.monitor(addr, events)
+    mon = sock.context.socket(zmq.PAIR)
+    mon.setsockopt(zmq.LINGER, 0)
+    mon.setsockopt(zmq.RCVHWM, 0)
+    mon.connect(addr)
+    return mon
+
+
+def _guard(sock: zmq.Socket, max_per_peer: int | None, name: str) -> peercap.PeerGuard | None:
+    """Cap the connections per peer address of a listening socket (call before bind); None:
+    `peercap.DEFAULT_MAX_PER_PEER`, 0: no cap."""
+    cap = peercap.DEFAULT_MAX_PER_PEER if max_per_peer is None else max_per_peer
+    if not cap:
+        return None
+    return peercap.PeerGuard(sock, cap, _monitor(sock, peercap.EVENTS), name=name)
 
 
 def _bind(sock: zmq.Socket, bind: str) -> str:

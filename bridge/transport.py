@@ -25,8 +25,8 @@ from bridge.codec import (Envelope, Header, Limits, encode, encode_error, frames
 from bridge.errors import (INTERNAL, PeerUnavailable, ProtocolError,
                            TransportTimeout)
 from bridge.messages import ErrorReply, Message, is_terminal
-from bridge.sockets import (DEFAULT_BIND, DEFAULT_RECV_TIMEOUT_S, _bind, _recv_capped, _Shell,
-                            _socket, port_of)
+from bridge.sockets import (DEFAULT_BIND, DEFAULT_RECV_TIMEOUT_S, _bind, _guard, _recv_capped,
+                            _Shell, _socket, port_of)
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,15 @@ class Server(_Shell):
 
     def __init__(self, handler: Handler, *, key: bytes | None, bind: str = DEFAULT_BIND,
                  context: zmq.Context | None = None, limits: Limits = Limits(),
-                 poll_s: float = DEFAULT_POLL_S) -> None:
+                 poll_s: float = DEFAULT_POLL_S, max_per_peer: int | None = None) -> None:
+        """max_per_peer: connections one address may hold (None: bridge.peercap's default,
+        0: no cap); `peers` is the bridge.peercap.PeerGuard applying it."""
         self._handler = handler
         self._key = key
         self._limits = limits
         self._poll_ms = max(1, int(poll_s * 1000))
         self._sock = _socket(context or zmq.Context.instance(), zmq.ROUTER, limits, key=key)
+        self.peers = _guard(self._sock, max_per_peer, bind)
         self.endpoint = _bind(self._sock, bind)
         self._wake_r, self._wake_w = socket.socketpair()  # workers' replies wake the loop
         for end in (self._wake_r, self._wake_w):

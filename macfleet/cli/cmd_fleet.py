@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     a.add_argument("--bind", default=None, help="bind address (default 127.0.0.1 with "
                    "--loopback, else 0.0.0.0)")
     a.add_argument("--loopback", action="store_true", help="advertise on 127.0.0.1 only")
+    a.add_argument("--max-conns-per-peer", type=int, default=None, metavar="N",
+                   help="connections one address may hold to each of the agent's ports; over "
+                   "it new ones are closed (default 64; 0: no cap)")
     add_key_args(a)
     a.add_argument("--cpu", type=int, default=None, help="pin to this core (Linux)")
     a.add_argument("--f3-probe", action="store_true", help="verifier: send a hidden-state-"
@@ -94,7 +97,8 @@ def run_agent(args) -> int:
                       loopback_only=args.loopback, cpu=args.cpu, node_id=args.node_id,
                       proposer_kinds=tuple(k for k in args.proposers.split(",") if k),
                       f3_probe=args.f3_probe, heads_dir=args.heads, f3_codec=args.f3_codec,
-                      allow_hub=args.allow_hub, disagg=None if args.no_disagg else DisaggPolicy(
+                      allow_hub=args.allow_hub, max_conns_per_peer=args.max_conns_per_peer,
+                      disagg=None if args.no_disagg else DisaggPolicy(
                           codec=args.kv_codec, min_prompt_tokens=args.prefill_min_tokens))
     try:
         if args.role == "shard":
