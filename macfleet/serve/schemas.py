@@ -155,6 +155,7 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
     stream = _typed(body, "stream", (bool,), False)
     opts = _typed(body, "stream_options", (dict,), {})
     include_usage = bool(opts.get("include_usage", False))
-    return GenerationRequest(model, messages, prompt, max_tokens,
-                             SamplingParams(temperature, top_p, seed), _stop(body.get("stop")),
-                             stream, include_usage)
+    return GenerationRequest(model=model, messages=messages, prompt=prompt,
+                             max_tokens=max_tokens, params=SamplingParams(temperature, top_p, seed),
+                             stop=_stop(body.get("stop")), stream=stream,
+                             include_usage=include_usage)

@@ -179,10 +179,12 @@ def snapshot_from_dict(d: Mapping[str, Any], profile: Profile | None = None) -> 
     if "model" in d:
         m = d["model"]
         try:
-            model = ModelShape(str(m.get("name", "model")), int(_num(m, "param_bytes", "model")),
-                               int(m["layers"]), int(m["hidden"]), int(m["heads"]),
-                               int(m.get("kv_heads", m["heads"])), int(m.get("vocab", 32000)),
-                               int(m.get("intermediate", 0)),
+            model = ModelShape(name=str(m.get("name", "model")),
+                               param_bytes=int(_num(m, "param_bytes", "model")),
+                               layers=int(m["layers"]), hidden=int(m["hidden"]),
+                               heads=int(m["heads"]), kv_heads=int(m.get("kv_heads", m["heads"])),
+                               vocab=int(m.get("vocab", 32000)),
+                               intermediate=int(m.get("intermediate", 0)),
                                **{f: int(m[f]) for f in MOE_FIELDS if f in m})
         except (KeyError, TypeError, ValueError) as e:
             raise SnapshotError(f"model: {e}") from None

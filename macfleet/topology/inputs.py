@@ -75,7 +75,8 @@ def tiny_moe_shape(spec: str) -> ModelShape:
     attn = hidden * head_dim * (2 * heads + 2 * kv) + 2 * head_dim + 2 * hidden
     router, expert = hidden * experts, experts * 3 * hidden * width
     params = layers * (attn + router + expert) + vocab * hidden + hidden
-    return ModelShape(spec, 4 * params, layers, hidden, heads, kv, vocab, 128, experts=experts,
+    return ModelShape(name=spec, param_bytes=4 * params, layers=layers, hidden=hidden,
+                      heads=heads, kv_heads=kv, vocab=vocab, intermediate=128, experts=experts,
                       experts_per_tok=2, expert_bytes=4 * layers * expert,
                       expert_intermediate=width)
 
@@ -113,10 +114,11 @@ def model_shape(spec: str | None) -> ModelShape:
     try:
         c = json.loads((p / "config.json").read_text())
         size = sum(f.stat().st_size for f in p.glob("*.safetensors"))
-        return ModelShape(p.name, size, int(c["num_hidden_layers"]), int(c["hidden_size"]),
-                          int(c["num_attention_heads"]),
-                          int(c.get("num_key_value_heads", c["num_attention_heads"])),
-                          int(c.get("vocab_size", 32000)), int(c.get("intermediate_size", 0)),
+        return ModelShape(name=p.name, param_bytes=size, layers=int(c["num_hidden_layers"]),
+                          hidden=int(c["hidden_size"]), heads=int(c["num_attention_heads"]),
+                          kv_heads=int(c.get("num_key_value_heads", c["num_attention_heads"])),
+                          vocab=int(c.get("vocab_size", 32000)),
+                          intermediate=int(c.get("intermediate_size", 0)),
                           **_moe_fields(c, size))
     except (OSError, ValueError, KeyError) as e:
         raise ModelShapeError(f"cannot read the shape of model '{spec}' ({e}); use smollm2 or "

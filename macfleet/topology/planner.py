@@ -148,7 +148,8 @@ def _spec_cost(fleet: Fleet, v: Host, p: ProposerProfile, p_host: Host | None,
         else:
             draft = max(0.0, draft_total - vms)  # cross-round: hidden behind verify
         wire = wire_ms(link, k, e, vocab, with_probs) if k and not same else 0.0
-        return BlockCost(k, e, vms, draft, wire, sh(L))
+        return BlockCost(k=k, tokens_per_block=e, verify_ms=vms, draft_ms=draft, wire_ms=wire,
+                         shard_ms=sh(L))
 
     return best_k(cost)
 
@@ -160,9 +161,11 @@ def _plan_single(fleet: Fleet, p: ProposerProfile, with_probs: bool) -> Plan:
         if not _offers(v, ROLE_VERIFIER) or need > v.mem_free:
             continue
         cost = _spec_cost(fleet, v, p, None, with_probs)
-        cand = Plan(SINGLE, True, (RoleAssignment(v.name, f"verifier+proposer:{p.kind}", need,
-                                                  v.mem_free),),
-                    cost, cost.tokens_per_s, cost.tokens_per_s, p.kind)
+        cand = Plan(SINGLE, True,
+                    placement=(RoleAssignment(v.name, f"verifier+proposer:{p.kind}", need,
+                                              v.mem_free),),
+                    cost=cost, tokens_per_s=cost.tokens_per_s,
+                    per_session_tokens_per_s=cost.tokens_per_s, proposer=p.kind)
         if best is None or cand.tokens_per_s > best.tokens_per_s:
             best = cand
     return best or Plan(SINGLE, False, reason=f"no host has {need / 1e9:.2f} GB free for the "
@@ -193,10 +196,11 @@ def _plan_one_to_one(fleet: Fleet, p: ProposerProfile, with_probs: bool) -> Plan
     for v in vs:
         for ph in _proposer_hosts(fleet, p, v.name):
             cost = _spec_cost(fleet, v, p, ph, with_probs)
-            cand = Plan(ONE_TO_ONE, True, (
+            cand = Plan(ONE_TO_ONE, True, placement=(
                 RoleAssignment(v.name, ROLE_VERIFIER, _verifier_need(fleet), v.mem_free),
                 RoleAssignment(ph.name, f"proposer:{p.kind}", _proposer_need(fleet, p),
-                               ph.mem_free)), cost, cost.tokens_per_s, cost.tokens_per_s, p.kind)
+                               ph.mem_free)), cost=cost, tokens_per_s=cost.tokens_per_s,
+                per_session_tokens_per_s=cost.tokens_per_s, proposer=p.kind)
             if best is None or cand.tokens_per_s > best.tokens_per_s:
                 best = cand
     return best or Plan(ONE_TO_ONE, False, reason="no second host can run the proposer")
@@ -220,8 +224,9 @@ def _plan_n_to_one(fleet: Fleet, p: ProposerProfile, with_probs: bool, max_n: in
             place = (RoleAssignment(v.name, ROLE_VERIFIER, _verifier_need(fleet), v.mem_free),
                      *(RoleAssignment(h.name, f"proposer:{p.kind}", _proposer_need(fleet, p),
                                       h.mem_free) for h in props))
-            cand = Plan(N_TO_ONE, True, place, cost, cost.tokens_per_s, cost.tokens_per_s,
-                        p.kind, n, notes=(
+            cand = Plan(N_TO_ONE, True, placement=place, cost=cost,
+                        tokens_per_s=cost.tokens_per_s,
+                        per_session_tokens_per_s=cost.tokens_per_s, proposer=p.kind, n=n, notes=(
                             f"token tree of {n} branches x k={cost.k} verified in one forward of "
                             f"{1 + n * cost.k}; acceptance = best branch (branches assumed "
                             "independent: optimistic)",))
@@ -249,7 +254,8 @@ def _plan_one_to_n(fleet: Fleet, p: ProposerProfile, with_probs: bool, max_n: in
                      *(RoleAssignment(v.name, f"verifier (session {i + 1})",
                                       _verifier_need(fleet), v.mem_free)
                        for i, v in enumerate(chosen)))
-            cand = Plan(ONE_TO_N, True, place, worst, agg, worst.tokens_per_s, p.kind, n,
+            cand = Plan(ONE_TO_N, True, placement=place, cost=worst, tokens_per_s=agg,
+                        per_session_tokens_per_s=worst.tokens_per_s, proposer=p.kind, n=n,
                         notes=(f"{n} independent sequences; the proposer drafts for each in "
                                "turn (its time is shared)",))
             prev = next((q for q in out if q.n == n), None)
