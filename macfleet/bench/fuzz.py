@@ -240,34 +240,63 @@ def _no_key(endpoint: str, key: bytes, rng: random.Random, n: int) -> dict:
     return {"messages": 2 * n, "queued_by_zmq": sent, "replies": {}, "answered": got}
 
 
+def _other_address() -> str | None:
+    """A second loopback address to play the honest client from (Linux routes all of 127/8
+    to lo; macOS has only 127.0.0.1 unless aliased)."""
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.2", 0))
+        return "127.0.0.2"
+    except OSError:
+        return None
+
+
+def _still_open(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        while s.recv(65536):  # libzmq's greeting, if any
+            pass
+        return False  # end of stream: closed by the agent
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+
+
 def idle_flood(endpoint: str, key: bytes, proc: subprocess.Popen, n: int) -> dict:
-    """n idle TCP connections at once: the agent must keep answering, then shed them."""
+    """n idle TCP connections at once from one address: the agent keeps its per-address cap
+    (bridge.peercap) and closes the rest as they arrive, keeps serving a key holder (from
+    another address when there is one), then sheds the kept ones at CURVE's handshake
+    deadline."""
+    from bridge.peercap import DEFAULT_MAX_PER_PEER
+
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     conns = []
     opened_err = ""
+    t_open = time.monotonic()
     for _ in range(n):
         try:
             conns.append(socket.create_connection((host, int(port)), timeout=2))
         except OSError as e:  # our own fd limit, not the agent's
             opened_err = str(e)
             break
+    open_s = time.monotonic() - t_open
+    time.sleep(0.5)  # well inside the handshake deadline: what is closed now, the cap closed
+    kept = sum(_still_open(s) for s in conns)
+    other = _other_address()
+    ping_ep = f"tcp://{other}:0;{host}:{port}" if other else endpoint
     t0 = time.monotonic()
-    crashed, hung = _alive(endpoint, key, proc)
+    crashed, hung = _alive(ping_ep, key, proc)
     ping_ms = round((time.monotonic() - t0) * 1e3, 1)
     time.sleep(auth.DEFAULT_HANDSHAKE_S + 1.0)
-    shed = 0
+    shed = sum(not _still_open(s) for s in conns)
     for s in conns:
-        s.setblocking(False)
-        try:
-            while s.recv(65536):
-                pass
-            shed += 1
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
-            shed += 1
         s.close()
-    return {"connections": len(conns), "open_error": opened_err, "crash": crashed, "hang": hung,
+    return {"connections": len(conns), "open_error": opened_err, "open_s": round(open_s, 2),
+            "cap_per_address": DEFAULT_MAX_PER_PEER, "kept_from_one_address": kept,
+            "closed_at_once": len(conns) - kept,
+            "summary": f"{len(conns)} connections from one address -> {kept} kept",
+            "crash": crashed, "hang": hung, "ping_from": other or host,
             "ping_ms_during": ping_ms, "shed_after_handshake_deadline": shed}
 
 
@@ -290,6 +319,31 @@ def session_exhaustion(endpoint: str, key: bytes, n: int) -> dict:
         r = b.request(_open("other"), 10)
     return {"requests": n, "replies": dict(codes), "other_client_served":
             isinstance(r, SessionOpened), "busy": codes.get(BUSY, 0)}
+
+
+def _faults(agents: dict, key: bytes, progress: Callable[[str], None]) -> dict:
+    from macfleet.bench.faults import fault_cases, ring_cut
+
+    progress("faults: verifier SIGSTOP, proposer SIGKILL, verifier SIGKILL mid-generation")
+    out = fault_cases(agents["verifier"], agents["proposer"], key)
+    out["ring_cut"] = ring_cut(progress)
+    return out
+
+
+def one_part(part: str, progress: Callable[[str], None] = lambda m: None) -> dict:
+    """Re-measure one part of the campaign on fresh agents: "faults" (the `faults` figures) or
+    "flood" (the `idle_flood` figures)."""
+    if part not in ("faults", "flood"):
+        raise ValueError(f"unknown part {part!r}")
+    with tempfile.TemporaryDirectory(prefix="macfleet-fuzz-") as tmp:
+        with live_agents(Path(tmp)) as (key, agents):
+            if part == "faults":
+                return _faults(agents, key, progress)
+            if part == "flood":
+                progress(f"{IDLE_CONNECTIONS} idle connections to the verifier")
+                endpoint, proc = agents["verifier"]
+                return idle_flood(endpoint, key, proc, IDLE_CONNECTIONS)
+    raise ValueError(f"unknown part {part!r}")
 
 
 def campaign(*, messages: int = 3000, seed: int = 0,
@@ -317,10 +371,7 @@ def campaign(*, messages: int = 3000, seed: int = 0,
             progress(f"fuzzing the HTTP API ({per} requests per category)")
             doors["http"] = http_door(max(1, per * (len(CATEGORIES) + 4) // len(HTTP_CATEGORIES)),
                                       rng, progress)
-            from macfleet.bench.faults import fault_cases
-
-            progress("faults: verifier SIGSTOP, proposer SIGKILL, verifier SIGKILL mid-generation")
-            faults = fault_cases(agents["verifier"], agents["proposer"], key)
+            faults = _faults(agents, key, progress)
     return {"what": "hostile traffic against live agent processes (closed fleet, tiny:1) and "
                     "a live HTTP API server (tiny:1, API key set)",
             "seed": seed, "wall_s": round(time.monotonic() - t0, 1), "doors": doors,

@@ -21,27 +21,76 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--messages", type=int, default=3000, help="fuzz messages in all")
     s.add_argument("--skip-encryption", action="store_true")
     s.add_argument("--skip-fuzz", action="store_true")
+    s.add_argument("--only", choices=("encryption", "fuzz", "faults", "flood"), default=None,
+                   help="re-run one part; the file's other figures are kept (faults: the "
+                   "fault cases incl. the ring cut in the netns test bed; flood: idle "
+                   "connections from one address)")
     s.set_defaults(func=run_security)
 
 
-def _update_security(out, section: dict):
-    """results/security.json keeps the other section when one is re-run."""
+def _read_security(out) -> dict:
     import json
 
+    try:
+        return json.loads((out / "security.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _update_security(out, section: dict, parts: tuple[str, ...] = ()):
+    """results/security.json keeps the other sections when one is re-run; `parts` names the
+    parts re-run (default: the sections) for the record of commands."""
     from macfleet.bench.record import write_result
 
-    path = out / "security.json"
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
-        old = {}
+    old = _read_security(out)
     keep = {k: v for k, v in old.items() if k in ("encryption", "fuzz") and k not in section}
     commands = {**old.get("commands", {}), **{k: " ".join(["macfleet", *sys.argv[1:]])
-                                                for k in section}}
+                                                for k in parts or section}}
     return write_result("security.json", {**keep, **section, "commands": commands}, out)
 
 
+def _run_part(args, part: str) -> int:
+    """--only faults / flood: re-measure that part of the fuzz section on fresh agents and
+    merge it into the file's fuzz section."""
+    from macfleet.bench.fuzz import one_part
+
+    res = one_part(part, progress=_progress)
+    fuzz = dict(_read_security(args.out).get("fuzz", {}))
+    if part == "faults":
+        fuzz["faults"] = res
+        for case, f in res.items():
+            _print_fault(case, f)
+    else:
+        fuzz["idle_flood"] = res
+        if "totals" in fuzz:  # the flood's crash/hang count in the totals
+            doors = fuzz.get("doors", {}).values()
+            fuzz["totals"] = {**fuzz["totals"],
+                              "crashes": sum(d["crashes"] for d in doors) + res["crash"],
+                              "hangs": sum(d["hangs"] for d in doors) + res["hang"]}
+        print(f"{res['summary']} (cap {res['cap_per_address']}); a key holder from "
+              f"{res['ping_from']} answered in {res['ping_ms_during']} ms; "
+              f"{res['shed_after_handshake_deadline']} closed after the handshake deadline")
+    path = _update_security(args.out, {"fuzz": fuzz}, (f"fuzz.{part}",))
+    print(f"wrote {path}")
+    return 0
+
+
+def _print_fault(case: str, f: dict) -> None:
+    if "skipped" in f:
+        print(f"fault {case}: skipped ({f['skipped']})")
+    else:
+        print(f"fault {case}: {f.get('outcome', '')[:80]} after {f.get('seconds_after_fault')} s"
+              f", {f.get('tokens_received')} tokens received")
+
+
 def run_security(args, *, fuzz: bool | None = None, encryption: bool | None = None) -> int:
+    only = getattr(args, "only", None)
+    if only in ("faults", "flood"):
+        return _run_part(args, only)
+    if only == "encryption":
+        fuzz = False
+    elif only == "fuzz":
+        encryption = False
     sizes = _sizes(args.max_mib)
     section: dict = {}
     if not getattr(args, "skip_encryption", False) and encryption is not False:
@@ -65,8 +114,9 @@ def run_security(args, *, fuzz: bool | None = None, encryption: bool | None = No
             print(f"{door:10s} {d['messages']:6d} msgs  crashes {d['crashes']}  hangs {d['hangs']}"
                   f"  rss {d['rss_before_mib']} -> {d['rss_after_mib']} MiB  refusals "
                   f"{d['refusals']}")
+        print(res["idle_flood"]["summary"])
         for case, f in res["faults"].items():
-            print(f"fault {case}: {f['outcome'][:80]} after {f['seconds_after_fault']} s")
+            _print_fault(case, f)
     path = _update_security(args.out, section)
     print(f"wrote {path}")
     return 0

@@ -1,0 +1,53 @@
+"""`macfleet bench security --only faults|flood` re-measures one part and merges it into
+results/security.json, keeping every other figure; the ring cut says why when it is skipped."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from macfleet.bench import f3, faults, fuzz
+from macfleet.cli.bench_f3 import run_security
+
+OLD = {"encryption": {"by_size": [1, 2]},
+       "fuzz": {"doors": {"verifier": {"crashes": 0, "hangs": 0}},
+                "faults": {"verifier_sigkill": {"outcome": "old"}},
+                "idle_flood": {"crash": False, "hang": False, "summary": "old"},
+                "totals": {"messages": 10, "crashes": 0, "hangs": 0}},
+       "commands": {"encryption": "e", "fuzz": "f"}}
+
+FLOOD = {"connections": 100, "cap_per_address": 64, "kept_from_one_address": 64,
+         "summary": "100 connections from one address -> 64 kept", "crash": False,
+         "hang": True, "ping_from": "127.0.0.2", "ping_ms_during": 1.0,
+         "shed_after_handshake_deadline": 100}
+
+
+def run(tmp_path, monkeypatch, part: str, result: dict) -> dict:
+    (tmp_path / "security.json").write_text(json.dumps(OLD))
+    monkeypatch.setattr(fuzz, "one_part", lambda p, progress=None: result if p == part else {})
+    args = SimpleNamespace(only=part, out=tmp_path, max_mib=1, repeats=1, messages=1)
+    assert run_security(args) == 0
+    return json.loads((tmp_path / "security.json").read_text())
+
+
+def test_only_faults_replaces_the_faults_and_keeps_the_rest(tmp_path, monkeypatch):
+    new = {"ring_cut": {"outcome": "error: unavailable", "seconds_after_fault": 3.0,
+                        "tokens_received": 16}}
+    doc = run(tmp_path, monkeypatch, "faults", new)
+    assert doc["fuzz"]["faults"] == new
+    assert doc["encryption"] == OLD["encryption"]
+    assert {k: v for k, v in doc["fuzz"].items() if k != "faults"} == {
+        k: v for k, v in OLD["fuzz"].items() if k != "faults"}
+    assert doc["commands"]["encryption"] == "e" and "fuzz.faults" in doc["commands"]
+
+
+def test_only_flood_replaces_the_flood_and_its_share_of_the_totals(tmp_path, monkeypatch):
+    doc = run(tmp_path, monkeypatch, "flood", FLOOD)
+    assert doc["fuzz"]["idle_flood"] == FLOOD
+    assert doc["fuzz"]["totals"] == {"messages": 10, "crashes": 0, "hangs": 1}
+    assert doc["fuzz"]["faults"] == OLD["fuzz"]["faults"]
+
+
+def test_ring_cut_says_why_it_was_skipped(monkeypatch):
+    monkeypatch.setattr(f3, "load_testbed", lambda: (None, "needs root"))
+    assert faults.ring_cut() == {"skipped": "multi-host test bed unavailable: needs root"}
