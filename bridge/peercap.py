@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_PER_PEER = 64  # connections one address may hold to one listening socket; 0: no cap
 _BATCH = 1024  # monitor events read before acting on them
 EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-           | zmq.EVENT_MONITOR_STOPPED)
+          | zmq.EVENT_MONITOR_STOPPED)
 
 
 class PeerTable:
