@@ -106,8 +106,8 @@ def run_agent(args) -> int:
 
             if not args.group or args.group_size < 2:
                 raise UserError("a shard agent needs --group NAME and --group-size N >= 2")
-            agent = ShardAgent(cfg, ShardSpec(args.group, args.group_size, args.rank,
-                                              args.shard_mode))
+            agent = ShardAgent(cfg, ShardSpec(group=args.group, size=args.group_size,
+                                              rank=args.rank, mode=args.shard_mode))
         else:
             agent = Agent(cfg)
     except (ModelSpecError, AdmissionError, TimeoutError, ValueError) as e:
