@@ -38,7 +38,8 @@ from macfleet.engine.tree_verify import supports_tree_attention
 
 DEFAULT_KV_STEP = 256  # capacity grows in steps of this many positions (mlx-lm's KVCache step)
 ROW_STEP = 4  # rows grow in steps of this many sessions
-MAX_BATCHED_SEGMENT = 16  # segments up to this long share one attention call
+MAX_BATCHED_SEGMENT = 16  # decode blocks up to this long share one attention call
+BATCHED_CONTEXT_SLACK = 256  # ... unless their context exceeds 2x the median one by this much
 
 
 class BatchUnsupported(ValueError):
@@ -227,15 +228,39 @@ class _Plan:
     out_index: mx.array | None
     mask: mx.array | None
     t_max: int
-    long: tuple[tuple[int, int, int, int], ...]  # (flat start, length, row, offset)
+    long: tuple[tuple[int, int, RowCache], ...]  # (flat start, length, cache)
 
 
-def _plan(segs: Sequence[Segment]) -> _Plan:
-    short = [s for s in segs if len(s) <= MAX_BATCHED_SEGMENT]
+def main_store(segments: Sequence[Segment]) -> BatchKV:
+    """The store most segments' rows live in (the one whose rows attend together)."""
+    stores = [s.cache.store for s in segments]
+    return max(dict.fromkeys(stores), key=lambda st: sum(x is st for x in stores))
+
+
+def batched_segments(segments: Sequence[Segment]) -> list[bool]:
+    """Which segments attend together: decode blocks (logits wanted, at most
+    `MAX_BATCHED_SEGMENT` tokens) whose context is not far longer than the others'. The shared
+    call pads every row to the longest query block and the longest context, so a prefill chunk
+    or a session with a 2,000-token context would make every row pay for it; those attend
+    alone (as many small ops as before, but no padding), as do rows of another store than
+    `main_store`'s."""
+    main = main_store(segments) if segments else None
+    cand = [s.logits_from is not None and len(s) <= MAX_BATCHED_SEGMENT
+            and s.cache.store is main for s in segments]
+    ends = sorted(s.cache.offset + len(s) for s, c in zip(segments, cand) if c)
+    if not ends:
+        return cand
+    limit = 2 * ends[len(ends) // 2] + BATCHED_CONTEXT_SLACK
+    return [c and s.cache.offset + len(s) <= limit for s, c in zip(segments, cand)]
+
+
+def _plan(segs: Sequence[Segment], n_batched: int) -> _Plan:
+    """segs: the batched segments first (n_batched of them), then those attending alone."""
+    short = segs[:n_batched]
     n_short = sum(len(s) for s in short)
     long, start = [], n_short
-    for s in segs[len(short):]:
-        long.append((start, len(s), s.cache.row, s.cache.offset))
+    for s in segs[n_batched:]:
+        long.append((start, len(s), s.cache))
         start += len(s)
     if not short:
         return _Plan(0, 0, 0, None, None, None, 0, tuple(long))
@@ -261,8 +286,8 @@ def _plan(segs: Sequence[Segment]) -> _Plan:
                  mx.array(mask[:, None]), t_max, tuple(long))
 
 
-def _attention(attn, x: mx.array, store: BatchKV, layer: int, positions: mx.array,
-               slots: mx.array, plan: _Plan) -> mx.array:
+def _attention(attn, x: mx.array, writes: Sequence[tuple[BatchKV, mx.array | None, mx.array]],
+               layer: int, positions: mx.array, plan: _Plan) -> mx.array:
     """x: [1, N, D] flat batch -> o_proj(attention) [1, N, D].
 
     Projections and rotary embeddings run once on the flat batch (`mx.fast.rope` takes one
@@ -277,7 +302,11 @@ def _attention(attn, x: mx.array, store: BatchKV, layer: int, positions: mx.arra
     q, k = qk[:, :H], qk[:, H:]  # [N, H, 1, hd], [N, kv_heads, 1, hd]
     v = attn.v_proj(x).reshape(N, attn.n_kv_heads, 1, -1)
     hd = q.shape[-1]
-    keys, values = store.write(layer, k, v, slots)  # [rows, kv_heads, cap, hd]
+    kv = {}  # store -> its updated keys, values [rows, kv_heads, cap, hd]
+    for store, idx, slots in writes:
+        kv[store] = store.write(layer, k if idx is None else k[idx],
+                                v if idx is None else v[idx], slots)
+    keys, values = kv[writes[0][0]]
     outs = []
     if plan.n_short:
         R, Lq = plan.n_rows, plan.lq
@@ -290,11 +319,13 @@ def _attention(attn, x: mx.array, store: BatchKV, layer: int, positions: mx.arra
             mask=plan.mask)  # [R, H, Lq, hd]
         o = o.transpose(0, 2, 1, 3).reshape(R * Lq, H * hd)
         outs.append(o if plan.out_index is None else o[plan.out_index])
-    for start, L, row, off in plan.long:
+    for start, L, c in plan.long:
+        row, end = c.row, c.offset + L
+        ks, vs = kv[c.store]
         qs = q[start:start + L].transpose(2, 1, 0, 3)  # [1, H, L, hd]
         o = mx.fast.scaled_dot_product_attention(
-            qs, keys[row:row + 1, :, :off + L], values[row:row + 1, :, :off + L],
-            scale=attn.scale, mask="causal" if L > 1 else None)
+            qs, ks[row:row + 1, :, :end], vs[row:row + 1, :, :end], scale=attn.scale,
+            mask="causal" if L > 1 else None)
         outs.append(o.transpose(0, 2, 1, 3).reshape(L, H * hd))
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)  # [N, H * hd]
     return attn.o_proj(o[None])
@@ -302,28 +333,34 @@ def _attention(attn, x: mx.array, store: BatchKV, layer: int, positions: mx.arra
 
 def _flat(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None]:
     caches = [s.cache for s in segments]
-    if not all(isinstance(c, RowCache) for c in caches) or len({c.store for c in caches}) > 1:
-        raise ValueError("a flat batch needs every segment's cache to be a row of one BatchKV")
-    if len({c.row for c in caches}) < len(caches):
+    if not all(isinstance(c, RowCache) for c in caches):
+        raise ValueError("a flat batch needs every segment's cache to be a BatchKV row")
+    if len({(id(c.store), c.row) for c in caches}) < len(caches):
         raise ValueError("two segments of one flat batch write the same cache row")
-    store = caches[0].store
-    # short segments first, by row (a full batch of one-token blocks then needs no gathers)
-    order = sorted(range(len(segments)),
-                   key=lambda i: (len(segments[i]) > MAX_BATCHED_SEGMENT, caches[i].row))
+    # batched segments first, by row (a full batch of one-token blocks then needs no gathers)
+    batched = batched_segments(segments)
+    order = sorted(range(len(segments)), key=lambda i: (not batched[i], caches[i].row))
     segs = [segments[i] for i in order]
     toks = [int(t) for s in segs for t in s.tokens]
     rows = np.array([s.cache.row for s in segs for _ in range(len(s))], np.int64)
     pos = np.array([s.cache.offset + i for s in segs for i in range(len(s))], np.int64)
-    store.reserve(int(rows.max()) + 1, int(pos.max()) + 1)
-    plan = _plan(segs)
+    plan = _plan(segs, sum(batched))
     inner = model.model
     kv_heads = model.layers[0].self_attn.n_kv_heads
-    slots = store.slot_index(rows, pos, kv_heads)
+    # one scatter per store per layer (the main store first: its rows attend together)
+    of_store = [s.cache.store for s in segs for _ in range(len(s))]
+    writes = []
+    main = main_store(segments)
+    for store in dict.fromkeys([main, *(c.store for c in caches)]):
+        mine = np.array([st is store for st in of_store])
+        store.reserve(int(rows[mine].max()) + 1, int(pos[mine].max()) + 1)
+        idx = None if mine.all() else mx.array(np.flatnonzero(mine), dtype=mx.int32)
+        writes.append((store, idx, store.slot_index(rows[mine], pos[mine], kv_heads)))
     positions = mx.array(pos, dtype=mx.int32)
     h = inner.embed_tokens(mx.array(toks, dtype=mx.uint32)[None])  # [1, N, D]
     for i, layer in enumerate(model.layers):
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), store, i, positions,
-                           slots, plan)
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), writes, i, positions,
+                           plan)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     for s in segs:
         s.cache.offset += len(s)
@@ -363,7 +400,7 @@ def flat_forward(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array
         raise ValueError("flat_forward needs at least one segment, none of them empty")
     if isinstance(segments[0].cache, RowCache):
         out = _flat(model, segments)
-        state = segments[0].cache.store.state
+        state = [a for st in dict.fromkeys(s.cache.store for s in segments) for a in st.state]
     else:
         out = _one_by_one(model, segments)
         state = [c.state for s in segments for c in s.cache]

@@ -47,6 +47,7 @@ DEFAULT_IDLE_WAIT_S = 0.05
 ITERATION_HISTORY = 256
 POOL_BLOCKS = 256  # recent drafted blocks whose acceptance every session's estimate leans on
 PROBE_EVERY = 16  # a session tries one draft at least this often, whatever the estimates say
+OWN_STORE_PROMPT = 512  # prompts longer than this keep their KV in a store of their own
 
 
 class Overloaded(RuntimeError):
@@ -299,9 +300,14 @@ class BatchEngine:
             try:
                 if self._kv is None:
                     s.cache = make_trimmable_cache(self.lm.model)
-                else:  # room for the whole prompt now: one growth, not one per chunk
-                    s.cache = self._kv.open()
-                    self._kv.reserve(s.cache.row + 1, len(s.req.prompt))
+                else:
+                    # a long prompt gets a store of its own: growing the shared one to its
+                    # length would copy every row's keys (a ~1 s stall for a 2,000-token
+                    # prompt beside 8 decoders); room for the whole prompt now, one growth
+                    store = (self._kv if len(s.req.prompt) <= OWN_STORE_PROMPT
+                             else BatchKV(len(self.lm.model.layers)))
+                    s.cache = store.open()
+                    store.reserve(s.cache.row + 1, len(s.req.prompt))
                 s.rng = make_rng(s.req.params, stream=0)
             except Exception as e:  # noqa: BLE001 - one bad session fails alone
                 log.exception("session %d could not start", s.sid)
@@ -364,7 +370,7 @@ class BatchEngine:
         if self._kv is None or not any(s.prefilled == 0 < s.prefill_left for s in batch):
             return batch
         views = [PrefixView(s.sid, tuple(s.context[:s.cache.offset]), s.req.prompt[:-1])
-                 for s in batch]
+                 for s in batch if s.cache.store is self._kv]  # copies stay within a store
         copies, waiting = plan_prefix_sharing(views)
         by_sid = {s.sid: s for s in batch}
         if copies:

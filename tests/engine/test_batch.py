@@ -238,3 +238,27 @@ def test_batch_kv_rows_copy_and_roll_back(tiny):
     a.close()
     b.close()
     assert store.open_rows == 0 and store.state == []  # idle: memory given back
+
+
+def test_a_long_prompt_keeps_its_kv_apart_and_answers_do_not_change(tiny):
+    """A prompt past OWN_STORE_PROMPT gets a store of its own (growing the shared one would copy
+    every row); its rows attend alone, the short sessions' together, in the same forwards."""
+    from macfleet.serve.engine import OWN_STORE_PROMPT
+
+    eng = BatchEngine(tiny, proposer="none", token_budget=64, max_active=4)
+    short = [EngineRequest(p, GREEDY, 24) for p in _prompts(tiny.vocab_size, 3, 9, 4, 20)]
+    long = EngineRequest(tuple(np.arange(OWN_STORE_PROMPT + 88) % tiny.vocab_size), GREEDY, 6)
+    caps: list[int] = []
+    real_step = eng.step
+
+    def step(*a):
+        out = real_step(*a)
+        caps.append(eng._kv.capacity)
+        return out
+
+    eng.step = step
+    got = _serve_all(eng, [*short, long])
+    for r, f in zip([*short, long], got):
+        assert f.token_ids == _alone(tiny, r.prompt, r.max_tokens)
+    assert max(caps) <= 256  # the shared store never grew for the long prompt
+    assert sum(1 for r in eng.history if r.prefill_tokens and r.decode_tokens) >= 3
