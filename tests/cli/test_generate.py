@@ -75,8 +75,11 @@ def test_generate_json(cli):
     assert st["tokens"] == len(ids)
     assert st["tokens_per_s"] > 0
     assert 0.0 <= st["acceptance"] <= 1.0
-    assert 1 <= st["blocks"] <= st["tokens"]
     assert st["finish_reason"] == "stop"
+    # every block commits >= 1 token; the end-of-sequence token ends the answer without being
+    # part of it, so its block can be one more than the tokens (when no draft was accepted:
+    # drafting follows measured timings, so this varies from run to run)
+    assert 1 <= st["blocks"] <= st["tokens"] + 1
     assert "Traceback" not in r.err
 
 
