@@ -83,6 +83,7 @@ def run(args) -> int:
         final = {f"{s}, {g} prompts: tau in the loop (bench)": (x, summ[g][s]["tau"])
                  for s in dict.fromkeys(("eagle", best)) if s in summ["chat"]
                  for g in ("chat", "code")}
+        args.out.mkdir(parents=True, exist_ok=True)  # --out may name a new directory
         png = b.plot_curve(curve, args.out / "drafter_curve.png", final)
         say(f"wrote {png}" if png else "drafter_curve.png not written: matplotlib is missing "
             "(pip install 'macfleet[bench]')")
