@@ -176,10 +176,24 @@ def head_on_held_out(lm: LoadedModel, max_answer: int = 64) -> dict | None:
     return {**acc.to_dict(), "answers": len(samples), "max_answer": max_answer}
 
 
-def best_spec(summary: dict, candidates: Sequence[str]) -> tuple[str, float]:
-    """The drafter with the best geometric-mean speedup over every held-out prompt (pure)."""
-    best = max(candidates, key=lambda s: summary["all"][s]["speedup_geomean"] or 0.0)
-    return best, float(summary["all"][best]["speedup_geomean"] or 0.0)
+FLOOR = 0.95  # a default drafter must not cost more than noise on any held-out prompt
+
+
+def best_spec(summary: dict, candidates: Sequence[str], floor: float = FLOOR
+              ) -> tuple[str, float]:
+    """The default drafter (pure): the best geometric-mean speedup over every held-out prompt
+    among the drafters whose slowest prompt stays >= `floor` of plain decoding; when none does,
+    the drafter with the best worst prompt. A drafter that wins on code by a wide margin and
+    costs 10% on chat makes an ordinary question slower: the default must not."""
+    allp = summary["all"]
+    drafters = [s for s in candidates if s != "none"] or list(candidates)
+    safe = [s for s in drafters if (allp[s].get("speedup_min") or 0.0) >= floor]
+    if safe:
+        best = max(safe, key=lambda s: allp[s]["speedup_geomean"] or 0.0)
+    else:
+        best = max(drafters, key=lambda s: (allp[s].get("speedup_min") or 0.0,
+                                            allp[s]["speedup_geomean"] or 0.0))
+    return best, float(allp[best]["speedup_geomean"] or 0.0)
 
 
 def record_best(head_path: Path, best: str, speedup: float, command: str,

@@ -55,7 +55,15 @@ def test_drafter_summary_pools_prompts_and_picks_the_best_by_geometric_mean():
     assert s["tau"] == 1.0 and s["tokens_per_block"] == 2.0
     assert s["accept_at_position"] == [0.75, 0.25]  # P(>= 1 accepted), P(>= 2)
     assert s["speedup"] == 2.0 and s["all_identical"]
-    summary = {"all": {"none": {"speedup_geomean": 1.0}, "a": {"speedup_geomean": 1.3},
-                       "b": {"speedup_geomean": 1.1}}}
+    summary = {"all": {"none": {"speedup_geomean": 1.0, "speedup_min": 1.0},
+                       "a": {"speedup_geomean": 1.3, "speedup_min": 1.0},
+                       "b": {"speedup_geomean": 1.1, "speedup_min": 0.99}}}
     assert best_spec(summary, ["none", "a", "b"]) == ("a", 1.3)
+    # a drafter that is slower than plain on some prompt is not the default, however well it
+    # does on average (measured: retrieval+ngram 1.53x on code, 0.91x on a chat question)
+    summary["all"]["a"]["speedup_min"] = 0.90
+    assert best_spec(summary, ["none", "a", "b"]) == ("b", 1.1)
+    # none within the floor: the best worst case, and never plain decoding itself
+    summary["all"]["b"]["speedup_min"] = 0.94
+    assert best_spec(summary, ["none", "a", "b"]) == ("b", 1.1)
     assert summarize([plain], None)["tau"] == 0.0
