@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -125,6 +126,30 @@ def write_hostfile(path: str, ports: Sequence[int], host: str = "127.0.0.1") -> 
     with open(path, "w") as f:
         json.dump([[f"{host}:{p}"] for p in ports], f)
     return path
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n ports free on `host` now (all bound at once, so they differ), for a local ring."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+
+
+def rank_env(root: str) -> dict[str, str]:
+    """The environment of a rank process started from a checkout at `root`: the project on the
+    path, one BLAS thread (ranks share the machine's cores), OpenBLAS preloaded where present."""
+    env = dict(os.environ, PYTHONPATH=str(root), OPENBLAS_NUM_THREADS="1")
+    if os.path.exists(OPENBLAS):
+        env["LD_PRELOAD"] = OPENBLAS
+    return env
 
 
 def layer_range(layers: int, n: int, r: int) -> tuple[int, int]:

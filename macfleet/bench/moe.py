@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,30 +40,13 @@ RUN_TIMEOUT_S = 240.0
 LOOPBACK_LINK = Link("rank", "rank", 0.0, 1e6)  # latency comes from the probe; ~1 GB/s bytes
 
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _env() -> dict[str, str]:
-    e = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
-    blas = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-    if Path(blas).exists():
-        e.setdefault("LD_PRELOAD", blas)
-    return e
-
-
 def _ranks(module: str, n: int, tmp: Path, extra: list[str]) -> list[str]:
     """Run n ranks of `python -m module`; their stderr tails (raises on failure)."""
-    hostfile = tmp / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _ports(n)]))
-    procs = [subprocess.Popen([sys.executable, "-m", module, "--hostfile", str(hostfile),
-                               "--rank", str(r), *extra], cwd=ROOT, env=_env(),
+    from agents.shard import free_ports, rank_env, write_hostfile
+
+    hostfile = write_hostfile(str(tmp / "hosts.json"), free_ports(n))
+    procs = [subprocess.Popen([sys.executable, "-m", module, "--hostfile", hostfile,
+                               "--rank", str(r), *extra], cwd=ROOT, env=rank_env(str(ROOT)),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for r in range(n)]
     errs = []

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from agents.shard import free_ports, rank_env
 
 ROOT = Path(__file__).parents[2]
 TOKENS = 16
@@ -34,22 +35,8 @@ PROMPT = "List the numbers: one two three, one two three, one two three,"
 pytestmark = pytest.mark.slow
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def env() -> dict[str, str]:
-    e = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
-    blas = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-    if Path(blas).exists():
-        e["LD_PRELOAD"] = blas
-    return e
+    return rank_env(str(ROOT))
 
 
 @pytest.fixture(scope="module")
