@@ -213,12 +213,10 @@ def record_best(head_path: Path, best: str, speedup: float, command: str,
 
 def plot_curve(curve: Sequence[dict], out: Path, final: dict | None = None) -> Path | None:
     """Held-out acceptance against training tokens (results/drafter_curve.png)."""
-    try:
-        import matplotlib
+    from macfleet.bench.record import pyplot, save_log_x_plot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     xs = [c["train_tokens"] for c in curve]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -230,9 +228,4 @@ def plot_curve(curve: Sequence[dict], out: Path, final: dict | None = None) -> P
     ax.set_xscale("log")
     ax.set_xlabel("training tokens processed")
     ax.set_ylabel("mean accepted draft tokens")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_log_x_plot(plt, fig, ax, out)

@@ -43,3 +43,26 @@ def write_result(name: str, payload: dict, out_dir: Path = DEFAULT_RESULTS) -> P
 
 def median(xs) -> float:
     return float(statistics.median(xs)) if xs else 0.0
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or None when matplotlib is missing
+    (`pip install 'macfleet[bench]'`): a bench still writes its JSON without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_log_x_plot(plt, fig, ax, out: Path) -> Path:
+    """The finish every learning-curve plot shares: grid, legend, a PNG at `out`."""
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -182,12 +182,10 @@ def data_curve(dataset: Path, *, fractions: Sequence[float] = DEFAULT_FRACTIONS,
 
 def plot(doc: dict, out: Path) -> Path | None:
     """tau against store tokens, one line per tree size (results/data_curve.png)."""
-    try:
-        import matplotlib
+    from macfleet.bench.record import pyplot, save_log_x_plot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     pts = doc["points"]
     xs = [p["store_tokens"] for p in pts]
@@ -198,9 +196,4 @@ def plot(doc: dict, out: Path) -> Path | None:
     ax.set_xlabel("verifier answer tokens in the store")
     ax.set_ylabel("held-out tau (accepted tokens / block)")
     ax.set_title("retrieval drafts vs data (held-out prompt groups, greedy)", fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_log_x_plot(plt, fig, ax, out)
