@@ -55,6 +55,9 @@ class AgentConfig:
     # connections one peer address may hold to the ROUTER and to the PUB (None: the default of
     # bridge.peercap, 0: no cap)
     max_conns_per_peer: int | None = None
+    # verifier: sessions verified together in one forward (continuous batching; 0: one at a
+    # time; None: the verifier's default). A sharded verifier runs one session at a time.
+    batch_sessions: int | None = None
 
 
 DEFAULT_FD_TARGET = 65536
@@ -151,7 +154,11 @@ class Agent:
             self._browser = Browser(fleet_id=fleet_id(self.cfg.key), interfaces=(
                 LOOPBACK_ONLY if self.cfg.loopback_only else ALL_INTERFACES))
             endpoints = self._prefill_endpoints
+        from agents.verifier_service import VerifierLimits
+
         return VerifierService(self.lm, node_id=self.node_id, key=self.cfg.key,
+                               limits=VerifierLimits() if self.cfg.batch_sessions is None
+                               else VerifierLimits(batch_sessions=self.cfg.batch_sessions),
                                publish=self.publish, f3_probe=self.cfg.f3_probe,
                                verifier=verifier, on_fatal=on_fatal, f3_codec=self.cfg.f3_codec,
                                policy=policy, prefill_endpoints=endpoints,

@@ -9,6 +9,7 @@ out on the agent's PUB socket (BlockMetrics) for `macfleet dash`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -23,15 +24,15 @@ from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolErro
 from bridge.messages import (AUTO_DRAFT_TOKENS, BlockMetrics, ErrorReply, GenerateChunk,
                              GenerateDone, GenerateRequest)
 from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS, DraftTokens
-from macfleet.engine.events import BlockDone, Finished
+from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.kvship import PrefilledVerifier, model_layout
 from macfleet.engine.models import LoadedModel
-from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
+from macfleet.engine.proposers import ProposerSpecError, drafts_tree, parse_proposer_spec
 from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.text import (MAX_PROMPT_TOKENS, Drafting, PromptError, TextDelta,
-                                  encode_prompt, generate_from_ids, make_group, no_drafts,
-                                  plan_drafting)
+                                  TextStream, encode_prompt, generate_from_ids, make_group,
+                                  no_drafts, plan_drafting)
 from macfleet.engine.tree_loop import tree_budget
 from macfleet.engine.verifier import Verifier
 from macfleet.stats import BlockFlows, FleetStats, FlowStats, KVFlow
@@ -39,6 +40,8 @@ from macfleet.stats import BlockFlows, FleetStats, FlowStats, KVFlow
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED = 8
+DEFAULT_BATCH_SESSIONS = 16  # one forward over 16 sessions costs ~1.85x one here
+DEFAULT_BATCH_QUEUE = 64
 MAX_PROPOSERS = 8  # proposer endpoints one request may name
 MAX_ENDPOINT_CHARS = 256
 # refused before tokenizing: no tokenizer allocates for a prompt that cannot fit anyway
@@ -81,11 +84,38 @@ class FallbackProposer(Proposer):
             try:
                 return p.propose(context, k)
             except ProposerFailed as e:
-                log.warning("proposer %s failed: %s", p.endpoint, e)
-                self.failures.append(f"{p.endpoint}: {e}")
-                p.close()
-                self._live.pop(0)
+                self._drop(e)
         raise ProposerFailed("no proposer left; continuing with plain decoding")
+
+    def observe(self, drafted: int, accepted: int, verify_ms: float,
+                verified: int | None = None) -> None:
+        if self._live:  # the drafter on the other Mac learns from what became of its draft
+            self._live[0].observe(drafted, accepted, verify_ms, verified)
+
+    def begin(self, context, k: int) -> None:
+        """Send the request to the first live proposer (dropping those that cannot take it)."""
+        self._begun = (list(context), k)
+        while self._live:
+            try:
+                self._live[0].begin(context, k)
+                return
+            except ProposerFailed as e:
+                self._drop(e)
+        raise ProposerFailed("no proposer left; continuing with plain decoding")
+
+    def finish(self) -> Draft:
+        """Its reply; when that proposer fails now, the next ones are asked in turn."""
+        try:
+            return self._live[0].finish()
+        except ProposerFailed as e:
+            self._drop(e)
+        return self.propose(*self._begun)
+
+    def _drop(self, e: ProposerFailed) -> None:
+        p = self._live.pop(0)
+        log.warning("proposer %s failed: %s", p.endpoint, e)
+        self.failures.append(f"{p.endpoint}: {e}")
+        p.close()
 
     def close(self) -> None:
         for p in self._live:
@@ -130,6 +160,16 @@ def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:
 class VerifierLimits:
     max_queued: int = DEFAULT_MAX_QUEUED
     max_tokens: int = DEFAULT_MAX_TOKENS_CAP
+    batch_sessions: int = DEFAULT_BATCH_SESSIONS  # sessions in one batched forward (0: off)
+    batch_queue: int = DEFAULT_BATCH_QUEUE  # requests waiting for a batch slot
+
+
+def batchable(msg: GenerateRequest) -> bool:
+    """Whether the continuous batch can run this request: a chain of token drafts or none.
+    Trees (several drafters, dynamic-tree heads) and hidden-state drafters (they read each
+    session's features, which the flat forward does not tap) take the one-session path."""
+    spec = msg.proposer_spec or "none"
+    return not drafts_tree(spec) and not spec.startswith("eagle")
 
 
 class VerifierService:
@@ -159,7 +199,7 @@ class VerifierService:
         self._feature_tap = None
         self.f3_codec = f3_codec
         self._keepalive = self._verifier.keepalive if self._verifier.needs_keepalive else None
-        self.active = 0
+        self._solo = 0  # one-session generations running (0 or 1)
         self.completed = 0
         self._pending: dict[int, tuple[str, Reply]] = {}  # queued or running -> heartbeats
         self._pending_lock = threading.Lock()
@@ -169,6 +209,10 @@ class VerifierService:
         self._beat = threading.Thread(target=self._heartbeats, name="verifier-heartbeat",
                                       daemon=True)
         self._beat.start()
+        self._batch = None  # the continuous batch (a plain verifier only)
+        self._compute = contextlib.nullcontext()
+        if limits.batch_sessions > 0 and verifier is None:
+            self._start_batch()
         self._stage = None
         if prefill_endpoints is not None and verifier is None:
             from agents.remote_prefill import DisaggPolicy, PrefillStage
@@ -176,6 +220,33 @@ class VerifierService:
             self._stage = PrefillStage(lm, key=key, layout=model_layout(lm.model),
                                        endpoints=prefill_endpoints, submit=self._submit,
                                        policy=disagg or DisaggPolicy())
+
+    def _start_batch(self) -> None:
+        from macfleet.serve.engine import BatchEngine
+
+        lock = threading.Lock()
+        try:
+            self._batch = BatchEngine(self.lm, proposer="none",
+                                      max_active=self.limits.batch_sessions,
+                                      max_queue=self.limits.batch_queue, compute_lock=lock)
+        except ValueError as e:  # a model the flat forward cannot run: one session at a time
+            log.warning("no continuous batching for %s: %s", self.lm.spec, e)
+            return
+        self._compute = lock
+        self._batch.start()
+
+    @property
+    def active(self) -> int:
+        """Generations running now: the one-session path's and the batch's."""
+        return self._solo + (self._batch.load()[0] if self._batch is not None else 0)
+
+    @property
+    def batching(self) -> bool:
+        return self._batch is not None
+
+    def batch_view(self):
+        """The continuous batch (iterations, sessions) as `serve` and the dashboard show it."""
+        return self._batch.batch_view(self.lm.spec) if self._batch is not None else None
 
     def _heartbeats(self) -> None:
         while not self._stopped.wait(HEARTBEAT_S):
@@ -196,6 +267,8 @@ class VerifierService:
 
     def close(self, timeout: float = 5.0) -> None:
         self._stopped.set()
+        if self._batch is not None:
+            self._batch.stop(timeout)
         if self._stage is not None:
             self._stage.close()
         try:
@@ -217,6 +290,10 @@ class VerifierService:
         except ValueError as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
         check_request(msg, self.policy)
+        if (self._batch is not None and batchable(msg)
+                and not (self._stage is not None and self._stage.wants(msg))):
+            self._submit_batched(msg, reply)
+            return True
         with self._pending_lock:
             try:
                 if self._stage is not None and self._stage.wants(msg):
@@ -227,6 +304,72 @@ class VerifierService:
                 raise ProtocolError(BUSY, f"{self.limits.max_queued} generations queued") from None
             self._pending[id(reply)] = (msg.request_id, reply)
         return True
+
+    def _submit_batched(self, msg: GenerateRequest, reply: Reply) -> None:
+        """Into the continuous batch: its chain drafter (remote proposers, in order of
+        preference, or this agent's own) drafts per session, cross-round, while the batch
+        verifies every session's block in one forward; events become wire messages here."""
+        from macfleet.serve.engine import EngineRequest, Overloaded, SessionFailed
+
+        params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
+        if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
+            raise ProtocolError(BAD_REQUEST, "prefix ids outside the vocabulary")
+        try:
+            ids = encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids)
+            proposer = self._drafting(msg)
+        except (PromptError, ProposerSpecError, ValueError) as e:
+            raise ProtocolError(BAD_REQUEST, str(e)) from None
+        req = EngineRequest(prompt=tuple(ids), params=params,
+                            max_tokens=max(0, msg.max_tokens - len(msg.prefix_ids)),
+                            eos_ids=self.lm.eos_ids, draft_tokens=draft_tokens_of(msg),
+                            report_blocks=True)
+        rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
+        remote = proposer if isinstance(proposer, FallbackProposer) else None
+
+        def emit(ev) -> None:
+            if isinstance(ev, TokensCommitted):
+                text = stream.add(ev.tokens)
+                parts.append(text)
+                reply(GenerateChunk(rid, list(ev.tokens), text))
+            elif isinstance(ev, BlockDone):
+                last = (self._last_flows(remote) if remote is not None and ev.k > 0
+                        else None) or BlockFlows()
+                self._publish(BlockMetrics(
+                    node_id=self.node_id, session_id=rid, block=ev.block, k=ev.k,
+                    accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
+                    verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
+                    f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes,
+                    f3_ms=last.f3_ms, probe=bool(self.f3_probe_width),
+                    hidden_size=self.lm.hidden_size))
+            elif isinstance(ev, Finished):
+                tail = stream.finish()
+                if tail:
+                    parts.append(tail)
+                    reply(GenerateChunk(rid, [], tail))
+                flows, failures = ((remote.flow_stats(), remote.failures) if remote is not None
+                                   else (FlowStats(), []))
+                fleet = FleetStats(verifier=self.node_id, flows=flows,
+                                   proposer_failures=len(failures))
+                self.completed += 1
+                reply(GenerateDone(rid, "".join(parts), list(ev.token_ids),
+                                   replace(ev.stats, fleet=fleet)))
+            elif isinstance(ev, SessionFailed):
+                reply(ErrorReply(INTERNAL, ev.message))
+
+        def on_close() -> None:
+            with self._pending_lock:
+                self._pending.pop(id(reply), None)
+
+        with self._pending_lock:  # heartbeats while queued; the engine's on_close ends them
+            self._pending[id(reply)] = (rid, reply)
+        try:
+            self._batch.submit(req, emit, on_close, proposer=proposer)
+        except (Overloaded, ValueError) as e:
+            on_close()
+            if proposer is not None:
+                proposer.close()
+            code = BUSY if isinstance(e, Overloaded) else BAD_REQUEST
+            raise ProtocolError(code, str(e)) from None
 
     def _submit(self, msg: GenerateRequest, reply: Reply, staged) -> None:
         """The prefill stage hands a request on (waits while the compute queue is full)."""
@@ -243,9 +386,10 @@ class VerifierService:
             if job is None:
                 return
             msg, reply, staged = job
-            self.active += 1
+            self._solo += 1
             try:
-                self._generate(msg, reply, staged)
+                with self._compute:  # the batch waits while one session runs alone
+                    self._generate(msg, reply, staged)
             except VerifierLost as e:
                 reply(ErrorReply(UNAVAILABLE, f"the sharded verifier lost a rank: {e}"))
                 self._fatal(str(e))
@@ -256,7 +400,7 @@ class VerifierService:
                 log.exception("generation failed")
                 reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
             finally:
-                self.active -= 1
+                self._solo -= 1
                 with self._pending_lock:
                     self._pending.pop(id(reply), None)
 

@@ -71,9 +71,11 @@ ALLOWED: dict[str, Rule] = {
     # `agent` command starts the daemon of agents/, `dash` the dashboard of tui/)
     "macfleet/cli": Rule(("macfleet", "agents", "tui")),
     "macfleet/__main__.py": Rule(("macfleet.cli",)),
-    # the daemon: bridge + engine; the tool plane runs allowlisted benchmarks
+    # the daemon: bridge + engine (+ the networking-free continuous batch the verifier runs,
+    # with its records); the tool plane runs allowlisted benchmarks
     "agents": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",
-                    "macfleet.topology.disagg", *RECORDS),
+                    "macfleet.topology.disagg", "macfleet.serve.engine",
+                    "macfleet.fleet.batch", *RECORDS),
                    banned=("starlette", "uvicorn", "httpx", "textual")),
     "agents/presets.py": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",
                                "macfleet.bench", *RECORDS)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -59,6 +60,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _stop_on_term(signum, frame) -> None:
+    raise KeyboardInterrupt  # `kill` stops a long run like Ctrl-C: the open shard is written
+
+
 def run(args) -> int:
     from macfleet.engine.drafter.distill import distill
     from macfleet.engine.drafter.train import TrainParams
@@ -66,6 +71,7 @@ def run(args) -> int:
 
     if args.steps < 1 or args.batch < 1 or args.seq_len < 8:
         raise UserError("--steps and --batch must be >= 1, --seq-len >= 8")
+    signal.signal(signal.SIGTERM, _stop_on_term)
     for d in args.data:
         if not Path(d).expanduser().exists():
             raise UserError(f"--data: no such file or directory: {d}")

@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
                    "it new ones are closed (default 64; 0: no cap)")
     add_key_args(a)
     a.add_argument("--cpu", type=int, default=None, help="pin to this core (Linux)")
+    a.add_argument("--batch-sessions", type=int, default=None, metavar="N",
+                   help="verifier: sessions verified together in one forward (continuous "
+                        "batching of speculative blocks; default 16); 0: one at a time")
     a.add_argument("--f3-probe", action="store_true", help="verifier: send a hidden-state-"
                    "sized probe with each block so the dashboard's F3 row is measured")
     a.add_argument("--kv-codec", choices=KV_CODECS, default="auto", help="verifier: how a "
@@ -98,6 +101,7 @@ def run_agent(args) -> int:
                       proposer_kinds=tuple(k for k in args.proposers.split(",") if k),
                       f3_probe=args.f3_probe, heads_dir=args.heads, f3_codec=args.f3_codec,
                       allow_hub=args.allow_hub, max_conns_per_peer=args.max_conns_per_peer,
+                      batch_sessions=args.batch_sessions,
                       disagg=None if args.no_disagg else DisaggPolicy(
                           codec=args.kv_codec, min_prompt_tokens=args.prefill_min_tokens))
     try:

@@ -11,6 +11,7 @@ samples are what the single-session loop gives; only the forward is shared.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -24,8 +25,8 @@ import numpy as np
 from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accept_ratio
 from macfleet.engine.batch import (BatchKV, RowCache, Segment, check_batchable, flat_forward,
                                    trim_cache)
-from macfleet.engine.controller import make_controller
-from macfleet.engine.events import Finished, GenerationStats, TokensCommitted
+from macfleet.engine.controller import DraftTokens, make_controller
+from macfleet.engine.events import BlockDone, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
@@ -61,6 +62,8 @@ class EngineRequest:
     max_tokens: int
     eos_ids: frozenset[int] = frozenset()
     text: str | None = None  # the prompt as text (chat template applied), for fleet backends
+    draft_tokens: DraftTokens | None = None  # this request's draft length (None: the engine's)
+    report_blocks: bool = False  # also emit a BlockDone per verified block (agent metrics)
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class SessionFailed:
     message: str
 
 
-EngineEvent = TokensCommitted | Finished | SessionFailed
+EngineEvent = TokensCommitted | Finished | SessionFailed | BlockDone
 
 
 @dataclass
@@ -94,6 +97,8 @@ class _Session:
     trials: int = 0  # geometric trials of its drafts (accepted + one per rejected block)
     draft: Draft = EMPTY_DRAFT
     draft_ms: float = 0.0
+    k: int = 0  # drafts asked for this block
+    proposer_name: str = "none"
     rng: np.random.Generator | None = None
     times: TokenTimes = field(default_factory=lambda: TokenTimes(0.0))
     admitted: bool = False
@@ -138,9 +143,12 @@ class BatchEngine:
                  max_active: int = DEFAULT_MAX_ACTIVE, max_queue: int = DEFAULT_MAX_QUEUE,
                  chunked: bool = True, invariant: bool = False,
                  stall_ratio: float = DEFAULT_STALL_RATIO,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 compute_lock: threading.Lock | None = None) -> None:
         """stall_ratio: prefill chunks are sized so an iteration costs at most this many times
-        a decode-only one (0: only the token budget bounds them)."""
+        a decode-only one (0: only the token budget bounds them); compute_lock: held around
+        each iteration, when another thread runs the same model (the verifier agent's
+        one-session path)."""
         check_batchable(lm.model)
         if proposer.partition(":")[0] in ("eagle", "eagle2"):
             raise ValueError("EAGLE drafts need each session's hidden states, which the flat "
@@ -153,6 +161,7 @@ class BatchEngine:
         self.lm, self.proposer_spec, self.draft_tokens = lm, proposer, draft_tokens
         self.token_budget, self.max_active, self.max_queue = token_budget, max_active, max_queue
         self.chunked, self.invariant, self.clock = chunked, invariant, clock
+        self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
         self._stall = StallControl(stall_ratio)
         self._cost = IterationCost()  # iterations' ms vs tokens, for draft lengths
         self._pool: deque[tuple[int, int]] = deque(maxlen=POOL_BLOCKS)  # (trials, accepted)
@@ -210,22 +219,33 @@ class BatchEngine:
                          recent=tuple(self.recent(n)), sessions=tuple(self.sessions()))
 
     def submit(self, req: EngineRequest, emit: Callable[[EngineEvent], None],
-               on_close: Callable[[], None] | None = None) -> SessionHandle:
+               on_close: Callable[[], None] | None = None, *,
+               proposer: Proposer | None = None) -> SessionHandle:
         """Queue a request; `emit` is called from the engine thread with its events, and
-        `on_close` once when its session is gone (finished, failed or cancelled)."""
+        `on_close` once when its session is gone (finished, failed or cancelled).
+
+        proposer: this request's own chain drafter (the verifier agent's remote proposers),
+        started and closed here; None: one made from the engine's `proposer` spec."""
         if not req.prompt or not all(0 <= int(t) < self._vocab for t in req.prompt):
             raise ValueError(f"prompt must be 1+ token ids in 0..{self._vocab - 1}")
         if req.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
-        proposer = make_proposer(self.proposer_spec, self.lm)
+        if proposer is not None and (proposer.drafts_trees or proposer.wants_features):
+            raise ValueError(f"'{proposer.name}' drafts trees or from hidden states: the "
+                             "batching engine verifies chains from token-only drafters")
+        name = proposer.name if proposer is not None else self.proposer_spec
+        proposer = proposer if proposer is not None else make_proposer(self.proposer_spec,
+                                                                         self.lm)
         if proposer is not None:
             proposer.start(req.params)
-        controller = make_controller(self.draft_tokens if proposer is not None else 0)
+        draft_tokens = req.draft_tokens if req.draft_tokens is not None else self.draft_tokens
+        controller = make_controller(draft_tokens if proposer is not None else 0)
         with self._cv:
             if len(self._waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self._waiting)} requests are already waiting")
             s = _Session(self._next_sid, req, emit, proposer, controller, on_close=on_close,
-                         times=TokenTimes(self.clock()))
+                         times=TokenTimes(self.clock()),
+                         proposer_name=name)
             self._next_sid += 1
             self._waiting.append(s)
             self._cv.notify()
@@ -271,7 +291,8 @@ class BatchEngine:
                 return False
         batch = list(self._active)
         try:
-            self._iteration(batch)
+            with self._compute:
+                self._iteration(batch)
         except Exception as e:  # noqa: BLE001 - the engine outlives any one bad iteration
             log.exception("batch iteration failed")
             for s in batch:
@@ -352,17 +373,33 @@ class BatchEngine:
                  for s in adaptive]
         return {**wants, **plan_drafts(views, base, self._cost.b)}
 
-    def _draft(self, s: _Session, k: int) -> None:
+    def _draft_all(self, decoding: list[_Session], ks: dict[int, int]) -> None:
+        """Every decoding session's draft: all requests go out first (`begin`), then the
+        replies are collected (`finish`), so drafters on other machines draft at once and the
+        batch waits for the slowest, not for the sum."""
         t0 = self.clock()
-        s.draft = EMPTY_DRAFT
-        if s.proposer is not None and k > 0:
-            try:
-                d = sanitize_draft(s.proposer.propose(s.context, k), k, self._vocab)
-                s.draft = d if d.parents is None else EMPTY_DRAFT
-            except ProposerFailed as e:
-                log.warning("session %d: proposer failed (%s), continuing without", s.sid, e)
-                s.proposer = None
-        s.draft_ms = (self.clock() - t0) * 1e3
+        asked = []
+        for s in decoding:
+            s.draft, s.k = EMPTY_DRAFT, ks[s.sid]
+            if s.proposer is not None and s.k > 0:
+                try:
+                    s.proposer.begin(s.context, s.k)
+                    asked.append(s)
+                except ProposerFailed as e:
+                    self._lose_proposer(s, e)
+        for s in decoding:
+            if s in asked:
+                try:
+                    d = sanitize_draft(s.proposer.finish(), s.k, self._vocab)
+                    s.draft = d if d.parents is None else EMPTY_DRAFT
+                except ProposerFailed as e:
+                    self._lose_proposer(s, e)
+            s.draft_ms = (self.clock() - t0) * 1e3
+
+    def _lose_proposer(self, s: _Session, e: ProposerFailed) -> None:
+        log.warning("session %d: proposer failed (%s), continuing without", s.sid, e)
+        s.proposer.close()
+        s.proposer = None
 
     def _share_prefixes(self, batch: list[_Session]) -> list[_Session]:
         """New sessions copy the prompt prefix another session's cache holds; those about to
@@ -388,9 +425,7 @@ class BatchEngine:
     def _iteration(self, batch: list[_Session]) -> None:
         batch = self._share_prefixes(batch)
         decoding = [s for s in batch if s.prefill_left <= 0]
-        ks = self._draft_lengths(decoding)
-        for s in decoding:
-            self._draft(s, ks[s.sid])
+        self._draft_all(decoding, self._draft_lengths(decoding))
         views = [SessionView(s.sid, s.prefill_left, s.prefilled, 1 + len(s.draft))
                  for s in batch]
         align = DEFAULT_PREFILL_STEP if self.invariant else 0
@@ -460,6 +495,10 @@ class BatchEngine:
             if s.proposer is not None:
                 s.proposer.observe(len(d), n, verify_ms)
         s.controller.observe(len(d), n, s.draft_ms, verify_ms)
+        if s.req.report_blocks:
+            s.emit(BlockDone(block=s.blocks, k=s.k, drafted=len(d), accepted=n,
+                             committed=len(new), draft_ms=s.draft_ms, verify_ms=verify_ms,
+                             block_ms=s.draft_ms + verify_ms))
         if new:
             s.times.commit(self.clock())
             s.emit(TokensCommitted(s.blocks, tuple(new)))
@@ -480,5 +519,5 @@ class BatchEngine:
         stats = GenerationStats(
             tokens=len(s.generated), elapsed_s=self.clock() - s.t_start, prefill_ms=s.prefill_ms,
             blocks=s.blocks, drafted=s.drafted, accepted=s.accepted,
-            proposer=self.proposer_spec, finish_reason=reason)
+            proposer=s.proposer_name, finish_reason=reason)
         s.emit(Finished(stats, tuple(s.generated)))

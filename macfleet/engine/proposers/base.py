@@ -70,6 +70,17 @@ class Proposer(ABC):
         which cross-round drafting uses to pre-draft the next block.
         """
 
+    def begin(self, context: Sequence[int], k: int) -> None:
+        """Start drafting for `propose(context, k)`; `finish()` returns the draft. A batching
+        verifier begins every session's draft before finishing any, so drafters on other
+        machines draft at the same time; a local drafter just drafts in `finish`."""
+        self._begun = (context, k)
+
+    def finish(self) -> Draft:
+        """The draft `begin` asked for."""
+        context, k = self._begun
+        return self.propose(context, k)
+
     def observe(self, drafted: int, accepted: int, verify_ms: float,
                 verified: int | None = None) -> None:
         """What became of the last draft: its tokens, how many were accepted, and the verify

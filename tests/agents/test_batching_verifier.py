@@ -1,0 +1,83 @@
+"""The verifier agent's continuous batch, over real sockets (tiny models, one process).
+
+Concurrent requests to one verifier agent are verified together, one forward per iteration
+over every session's speculative block, each session drafted by its own remote proposer.
+Token ids: the "greedy margin" rule of tests/tolerance.py -- a session in the flat batch and
+the same request on a verifier agent that runs one session at a time take different code paths.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from agents.daemon import Agent, AgentConfig
+from bridge.messages import GenerateChunk, GenerateDone
+from macfleet.fleet.client import generate_remote
+
+KEY = b"k" * 32
+MODEL = "tiny:3"
+PROMPTS = ["the cat sat on the mat", "one two three four", "hello hello hello",
+           "a b a b a b", "the quick brown fox", "def f(x): return x", "lorem ipsum dolor",
+           "to be or not to be"]
+
+
+@pytest.fixture(scope="module")
+def agents():
+    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False))
+    batched = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False))
+    solo = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False,
+                             batch_sessions=0))
+    yield prop, batched, solo
+    for a in (batched, solo, prop):
+        a.close()
+
+
+def run(ver: Agent, prompt: str, eps: list[str], spec: str, **kw) -> GenerateDone:
+    done, ids = None, []
+    for m in generate_remote(ver.card, KEY, prompt=prompt, chat=False, proposers=eps,
+                             proposer_spec=spec, **kw):
+        if isinstance(m, GenerateChunk):
+            ids += m.token_ids
+        elif isinstance(m, GenerateDone):
+            done = m
+    assert done is not None and ids == done.token_ids
+    return done
+
+
+def test_concurrent_sessions_share_forwards_and_match_one_at_a_time(agents):
+    prop, batched, solo = agents
+    assert batched.verifier.batching and not solo.verifier.batching
+    alone = [run(solo, p, [], "none", max_tokens=24) for p in PROMPTS]
+    eps = [prop.card.router_endpoint]
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        got = list(ex.map(lambda p: run(batched, p, eps, "ngram", max_tokens=24,
+                                        draft_tokens=3), PROMPTS))
+    assert [g.token_ids for g in got] == [a.token_ids for a in alone]
+    assert [g.text for g in got] == [a.text for a in alone]
+    assert all(g.stats.fleet.flows.remote_blocks > 0 for g in got)
+    view = batched.verifier.batch_view()
+    assert view.mode == "batched" and view.iterations > 0
+    assert max(it.sessions for it in view.recent) > 1  # sessions were verified together
+    assert solo.verifier.batch_view() is None
+
+
+def test_a_dead_proposer_in_the_batch_falls_back_to_the_next(agents):
+    prop, batched, solo = agents
+    alone = run(solo, PROMPTS[0], [], "none", max_tokens=16)
+    d = run(batched, PROMPTS[0], ["tcp://127.0.0.1:9", prop.card.router_endpoint], "ngram",
+            max_tokens=16, draft_tokens=2)
+    assert d.token_ids == alone.token_ids
+    assert d.stats.fleet.proposer_failures == 1 and d.stats.fleet.flows.remote_blocks > 0
+
+
+def test_trees_take_the_one_session_path(agents):
+    """Two drafters make a token tree: not batched, still served, still lossless."""
+    prop, batched, solo = agents
+    before = batched.verifier.batch_view().iterations
+    alone = run(solo, PROMPTS[1], [], "none", max_tokens=16)
+    ep = prop.card.router_endpoint
+    d = run(batched, PROMPTS[1], [ep, ep], "ngram+layerskip:2", max_tokens=16)
+    assert d.token_ids == alone.token_ids
+    assert batched.verifier.batch_view().iterations == before
