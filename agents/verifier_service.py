@@ -305,7 +305,7 @@ class VerifierService:
             self._pending[id(reply)] = (msg.request_id, reply)
         return True
 
-    def _submit_batched(self, msg: GenerateRequest, reply: Reply) -> None:
+    def _submit_batched(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
         """Into the continuous batch: its chain drafter (remote proposers, in order of
         preference, or this agent's own) drafts per session, cross-round, while the batch
         verifies every session's block in one forward; events become wire messages here."""
@@ -315,7 +315,8 @@ class VerifierService:
         if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
             raise ProtocolError(BAD_REQUEST, "prefix ids outside the vocabulary")
         try:
-            ids = encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids)
+            ids = staged.ids if staged is not None else (
+                encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
             proposer = self._drafting(msg)
         except (PromptError, ProposerSpecError, ValueError) as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
@@ -325,6 +326,9 @@ class VerifierService:
                             report_blocks=True)
         rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
         remote = proposer if isinstance(proposer, FallbackProposer) else None
+        kv = staged.kv if staged is not None else None
+        kv_once = ({"kv_bytes": staged.flow.kv_bytes, "kv_ms": staged.flow.kv_ms}
+                   if kv is not None else {})
 
         def emit(ev) -> None:
             if isinstance(ev, TokensCommitted):
@@ -340,7 +344,7 @@ class VerifierService:
                     verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
                     f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes,
                     f3_ms=last.f3_ms, probe=bool(self.f3_probe_width),
-                    hidden_size=self.lm.hidden_size))
+                    hidden_size=self.lm.hidden_size, **(kv_once if ev.block == 1 else {})))
             elif isinstance(ev, Finished):
                 tail = stream.finish()
                 if tail:
@@ -349,7 +353,8 @@ class VerifierService:
                 flows, failures = ((remote.flow_stats(), remote.failures) if remote is not None
                                    else (FlowStats(), []))
                 fleet = FleetStats(verifier=self.node_id, flows=flows,
-                                   proposer_failures=len(failures))
+                                   proposer_failures=len(failures),
+                                   kv=self._batched_kv_flow(staged, len(ids), ev.stats.prefill_ms))
                 self.completed += 1
                 reply(GenerateDone(rid, "".join(parts), list(ev.token_ids),
                                    replace(ev.stats, fleet=fleet)))
@@ -363,7 +368,7 @@ class VerifierService:
         with self._pending_lock:  # heartbeats while queued; the engine's on_close ends them
             self._pending[id(reply)] = (rid, reply)
         try:
-            self._batch.submit(req, emit, on_close, proposer=proposer)
+            self._batch.submit(req, emit, on_close, proposer=proposer, kv=kv)
         except (Overloaded, ValueError) as e:
             on_close()
             if proposer is not None:
@@ -371,8 +376,27 @@ class VerifierService:
             code = BUSY if isinstance(e, Overloaded) else BAD_REQUEST
             raise ProtocolError(code, str(e)) from None
 
+    def _batched_kv_flow(self, staged, tokens: int, prefill_ms: float) -> KVFlow:
+        """Flow KV of a batched session: installed (its install time is the session's prefill
+        time), or prefilled here after all (which teaches the stage's meter)."""
+        if staged is None:
+            return KVFlow()
+        if staged.kv is not None:
+            return replace(staged.flow, install_ms=prefill_ms)
+        self._stage.meter.local(tokens - 1, prefill_ms)
+        return staged.flow
+
     def _submit(self, msg: GenerateRequest, reply: Reply, staged) -> None:
-        """The prefill stage hands a request on (waits while the compute queue is full)."""
+        """The prefill stage hands a request on: into the batch when it can run there (its
+        shipped KV installed in a batch row), else to the one-session queue (waits while full)."""
+        if self._batch is not None and batchable(msg):
+            try:
+                self._submit_batched(msg, reply, staged)
+            except ProtocolError as e:
+                with self._pending_lock:
+                    self._pending.pop(id(reply), None)
+                reply(ErrorReply(e.code, e.message))
+            return
         self._jobs.put((msg, reply, staged))
 
     def _run(self) -> None:

@@ -1,14 +1,15 @@
-"""`macfleet bench disagg`: short sessions around a long prompt, with and without a prefill agent.
+"""`macfleet bench disagg`: sessions decoding while a long prompt arrives, with and without a
+prefill agent.
 
-A verifier agent (pinned to one core) serves a stream of short chat sessions; while the first
-decodes, a long prompt arrives, and more short sessions follow. The verifier serves requests
-one at a time, so without a prefill agent every session queued behind the long prompt waits
-for its whole prefill. With a prefill agent (pinned to the other core) the verifier's prefill
-stage fetches the long prompt's KV while the short sessions keep being served, and decodes the
-long prompt from the shipped cache. Reported per mode: each short session's time to first token
-(queueing included) and inter-token gaps (p50/p99), the long prompt's time to first token, the
-KV flow (bytes, ms, the planner's reason), and whether the long prompt's greedy ids equal the
-verifier-alone ones. Loopback only: the planner's link speed is what loopback measures.
+A verifier agent (pinned to one core) runs a continuous batch: a few short chat sessions
+decode together; then a long prompt arrives. Without a prefill agent the verifier prefills it
+itself, in chunks inside the batch (its stall control keeps an iteration within ~2x a decode
+one). With a prefill agent (pinned to the other core) the verifier's prefill stage fetches the
+long prompt's KV over flow KV while the batch keeps decoding, installs it in a batch row and
+decodes it with the others. Reported per prompt size and mode: the short sessions' inter-token
+gaps inside the window from the long prompt's arrival to its first token (p50, p99, max; the
+goal: p99 <= 1.5x p50 with a prefill agent), the long prompt's time to first token, the KV flow
+(bytes, ms), and whether its greedy ids equal the verifier-alone ones. Loopback only.
 """
 
 from __future__ import annotations
@@ -25,18 +26,15 @@ from bridge.auth import fleet_id
 from bridge.discovery import LOOPBACK_ONLY, Browser
 from bridge.messages import GenerateChunk, GenerateDone
 from macfleet.bench.prompts import BENCH_PROMPTS
-from macfleet.bench.record import median
 from macfleet.bench.sessions import DEFAULT_START_TIMEOUT_S, LocalFleet, _reaped
 from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote
 from macfleet.fleet.keys import keygen
 
-DEFAULT_PROMPT_TOKENS = 2000
 DEFAULT_SHORT_SESSIONS = 4
-DEFAULT_SHORT_TOKENS = 32
 DEFAULT_LONG_TOKENS = 16
-LONG_AFTER_S = 0.5  # the long prompt arrives while the first short session decodes
-SHORT_EVERY_S = 1.0  # the other short sessions follow at this period
+LONG_AFTER_S = 3.0  # the long prompt arrives once the short sessions decode
+SHORT_CAP_TOKENS = 4096  # short sessions decode until the long prompt's first token
 # a verifier busy with a long prefill on a loaded core can miss its 1 s heartbeats for longer
 # than a client's default 3 s silence deadline; here it is a measurement, not a liveness check
 SILENCE_S = 120.0
@@ -71,24 +69,32 @@ def long_prompt(tokenizer, n: int) -> str:
     return tokenizer.decode(ids)
 
 
-def run_one(name: str, card, key: bytes, prompt: str, n: int, t0: float) -> Timed:
+def run_one(name: str, card, key: bytes, prompt: str, n: int, t0: float,
+            until: threading.Event | None = None) -> Timed:
+    """One request, streamed; with `until`, reading stops once it is set (the agent finishes
+    the session on its own: the protocol has no cancel)."""
     submit = time.perf_counter()
     stamps: list[float] = []
     done = None
+    ids: list[int] = []
     for msg in generate_remote(card, key, prompt=prompt, chat=True, max_tokens=n,
-                               proposer_spec="ngram", first_token_timeout_s=600.0,
+                               proposer_spec="ngram", first_token_timeout_s=900.0,
                                silence_s=SILENCE_S):
         if isinstance(msg, GenerateChunk) and msg.token_ids:
             stamps.append(time.perf_counter())
+            ids += msg.token_ids
         elif isinstance(msg, GenerateDone):
             done = msg
-    if done is None:
+        if until is not None and until.is_set():
+            break
+    if done is None and until is None:
         raise RuntimeError(f"{name}: no GenerateDone")
     stamps = stamps or [time.perf_counter()]  # no token before the end (an immediate stop)
-    kv = done.stats.fleet.kv if done.stats.fleet else None
+    kv = done.stats.fleet.kv if done is not None and done.stats.fleet else None
     return Timed(name, round(submit - t0, 3), round(stamps[0] - submit, 4),
                  tuple(round(b - a, 4) for a, b in zip(stamps, stamps[1:])),
-                 len(done.token_ids), tuple(done.token_ids), asdict(kv) if kv else {})
+                 len(ids), tuple(done.token_ids if done is not None else ids),
+                 asdict(kv) if kv else {})
 
 
 def start_pinned(agents: list[tuple[str, int | None, list[str]]], *, model: str, key: bytes,
@@ -119,33 +125,55 @@ def start_pinned(agents: list[tuple[str, int | None, list[str]]], *, model: str,
         raise
 
 
-def scenario(card, key: bytes, long_text: str, *, shorts: int, short_tokens: int,
-             long_tokens: int) -> list[Timed]:
-    """Short session 1 at 0, the long prompt at LONG_AFTER_S, the others every SHORT_EVERY_S."""
+def scenario(card, key: bytes, long_text: str, *, shorts: int, long_tokens: int
+             ) -> tuple[list[Timed], tuple[float, float]]:
+    """`shorts` sessions start together and decode; once every one of them streams, the long
+    prompt arrives. The short sessions are read until the long one's first token (the window:
+    its prefill, wherever it runs); returns the runs and the window (s from the round's start)."""
     prompts = list(BENCH_PROMPTS.values())
-    plan = [("short-1", 0.0, prompts[0], short_tokens),
-            ("long", LONG_AFTER_S, long_text, long_tokens)]
-    plan += [(f"short-{i + 1}", i * SHORT_EVERY_S, prompts[i % len(prompts)], short_tokens)
-             for i in range(1, shorts)]
     out: dict[str, Timed | BaseException] = {}
+    first = threading.Event()  # the long prompt's first token: the window ends
+    window: list[float] = []
     t0 = time.perf_counter()
 
-    def worker(name: str, at: float, prompt: str, n: int) -> None:
-        time.sleep(max(0.0, t0 + at - time.perf_counter()))
+    def short(name: str, prompt: str) -> None:
         try:
-            out[name] = run_one(name, card, key, prompt, n, t0)
+            out[name] = run_one(name, card, key, prompt, SHORT_CAP_TOKENS, t0, until=first)
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
             out[name] = e
 
-    threads = [threading.Thread(target=worker, args=p, daemon=True) for p in plan]
+    threads = [threading.Thread(target=short, args=(f"short-{i + 1}", prompts[i % len(prompts)]),
+                                daemon=True) for i in range(shorts)]
     for t in threads:
         t.start()
+    time.sleep(LONG_AFTER_S)  # every short session is past its prompt by then
+    window.append(time.perf_counter() - t0)
+    submit = time.perf_counter()
+    stamps: list[float] = []
+    done = None
+    for msg in generate_remote(card, key, prompt=long_text, chat=True, max_tokens=long_tokens,
+                               proposer_spec="ngram", first_token_timeout_s=900.0,
+                               silence_s=SILENCE_S):
+        if isinstance(msg, GenerateChunk) and msg.token_ids:
+            stamps.append(time.perf_counter())
+            if not first.is_set():
+                window.append(stamps[0] - t0)
+                first.set()
+        elif isinstance(msg, GenerateDone):
+            done = msg
+    first.set()
     for t in threads:
-        t.join()
+        t.join(SILENCE_S)
+    if done is None:
+        raise RuntimeError("long: no GenerateDone")
+    kv = done.stats.fleet.kv if done.stats.fleet else None
+    long = Timed("long", round(submit - t0, 3), round(stamps[0] - submit, 4),
+                 tuple(round(b - a, 4) for a, b in zip(stamps, stamps[1:])),
+                 len(done.token_ids), tuple(done.token_ids), asdict(kv) if kv else {})
     for r in out.values():
         if isinstance(r, BaseException):
             raise r
-    return [out[p[0]] for p in plan]  # type: ignore[misc]
+    return [long, *(out[f"short-{i + 1}"] for i in range(shorts))], (window[0], window[1])
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -155,54 +183,81 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def summarize(runs: list[Timed]) -> dict:
+def window_gaps(r: Timed, window: tuple[float, float]) -> tuple[list[float], list[float]]:
+    """A short session's inter-token gaps that end inside the window, and those before it."""
+    t = r.submit_s + r.ttft_s
+    inside, before = [], []
+    for g in r.gaps_s:
+        t += g
+        if window[0] <= t <= window[1]:
+            inside.append(g)
+        elif t < window[0]:
+            before.append(g)
+    return inside, before
+
+
+def summarize(runs: list[Timed], window: tuple[float, float]) -> dict:
     shorts = [r for r in runs if r.name.startswith("short")]
     long = next(r for r in runs if r.name == "long")
-    gaps = [g for r in shorts for g in r.gaps_s]
-    ttfts = [r.ttft_s for r in shorts]
-    return {"short_ttft_s": {"p50": round(median(ttfts), 3), "max": round(max(ttfts), 3)},
-            "short_itl_s": {"p50": round(pct(gaps, 0.5), 4), "p99": round(pct(gaps, 0.99), 4)},
+    inside = [g for r in shorts for g in window_gaps(r, window)[0]]
+    before = [g for r in shorts for g in window_gaps(r, window)[1]]
+    p50, p99 = pct(inside, 0.5), pct(inside, 0.99)
+    return {"window_s": round(window[1] - window[0], 3), "gaps_in_window": len(inside),
+            "short_itl_before_s": {"p50": round(pct(before, 0.5), 4)},
+            "short_itl_s": {"p50": round(p50, 4), "p99": round(p99, 4),
+                            "max": round(max(inside, default=0.0), 4)},
+            "p99_over_p50": round(p99 / p50, 2) if p50 else None,
             "long_ttft_s": long.ttft_s, "kv": long.kv,
-            "requests": [asdict(r) | {"token_ids": None} for r in runs]}
+            "requests": [asdict(r) | {"token_ids": None, "gaps_s": None} for r in runs]}
 
 
-def bench_disagg(*, model: str = "smollm2", prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
-                 shorts: int = DEFAULT_SHORT_SESSIONS, short_tokens: int = DEFAULT_SHORT_TOKENS,
-                 long_tokens: int = DEFAULT_LONG_TOKENS, codecs: tuple[str, ...] = ("auto",),
+def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (2000, 8000),
+                 shorts: int = DEFAULT_SHORT_SESSIONS, long_tokens: int = DEFAULT_LONG_TOKENS,
+                 codecs: tuple[str, ...] = ("auto",),
                  progress: Callable[[str], None] = lambda m: None) -> dict:
     from macfleet.engine.models import load_model
 
-    long_text = long_prompt(load_model(model).tokenizer, prompt_tokens)
+    tok = load_model(model).tokenizer
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     v_cpu, p_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
     modes = [("verifier alone", None)] + [(f"prefill agent ({c})", c) for c in codecs]
-    results, ids = [], {}
-    for label, codec in modes:
-        with tempfile.TemporaryDirectory(prefix="macfleet-disagg-") as tmp:
-            key_path = Path(tmp) / "fleet.key"
-            key = keygen(key_path)
-            agents = [("verifier", v_cpu, ["--no-disagg"] if codec is None else
-                       ["--kv-codec", codec])]
-            if codec is not None:
-                agents.append(("prefill", p_cpu, []))
-            progress(f"{label}: starting {len(agents)} agent(s) ({model})")
-            fleet = start_pinned(agents, model=model, key=key, key_path=key_path,
-                                 run_dir=Path(tmp) / "run")
-            try:
-                card = fleet.card(fleet.agents[0])
-                run_one("warm-up", card, key, "Hi", 4, time.perf_counter())
-                progress(f"{label}: {shorts} short sessions, a {prompt_tokens}-token prompt")
-                runs = scenario(card, key, long_text, shorts=shorts, short_tokens=short_tokens,
-                                long_tokens=long_tokens)
-            finally:
-                fleet.stop()
-        ids[label] = next(r.token_ids for r in runs if r.name == "long")
-        results.append({"mode": label, "codec": codec, **summarize(runs)})
-        progress(f"{label}: short TTFT max {results[-1]['short_ttft_s']['max']} s, long TTFT "
-                 f"{results[-1]['long_ttft_s']} s")
-    base = ids["verifier alone"]
-    for r in results:
-        r["long_ids_identical_to_verifier_alone"] = ids[r["mode"]] == base
-    return {"model": model, "prompt_tokens": prompt_tokens, "short_sessions": shorts,
-            "short_tokens": short_tokens, "long_tokens": long_tokens, "link": "loopback",
-            "cores": {"verifier": v_cpu, "prefill": p_cpu}, "modes": results}
+    sizes = []
+    for n in prompt_tokens:
+        long_text = long_prompt(tok, n)
+        results, ids = [], {}
+        for label, codec in modes:
+            with tempfile.TemporaryDirectory(prefix="macfleet-disagg-") as tmp:
+                key_path = Path(tmp) / "fleet.key"
+                key = keygen(key_path)
+                agents = [("verifier", v_cpu, ["--no-disagg"] if codec is None else
+                           ["--kv-codec", codec])]
+                if codec is not None:
+                    agents.append(("prefill", p_cpu, []))
+                progress(f"{n} tokens, {label}: starting {len(agents)} agent(s) ({model})")
+                fleet = start_pinned(agents, model=model, key=key, key_path=key_path,
+                                     run_dir=Path(tmp) / "run")
+                try:
+                    card = fleet.card(fleet.agents[0])
+                    run_one("warm-up", card, key, "Hi", 4, time.perf_counter())
+                    runs, window = scenario(card, key, long_text, shorts=shorts,
+                                            long_tokens=long_tokens)
+                finally:
+                    fleet.stop()
+            ids[label] = next(r.token_ids for r in runs if r.name == "long")
+            r = {"mode": label, "codec": codec, **summarize(runs, window)}
+            results.append(r)
+            progress(f"{n} tokens, {label}: long TTFT {r['long_ttft_s']} s; short ITL in the "
+                     f"window p50 {r['short_itl_s']['p50'] * 1e3:.0f} ms, p99 "
+                     f"{r['short_itl_s']['p99'] * 1e3:.0f} ms ({r['p99_over_p50']}x), "
+                     f"{r['gaps_in_window']} gaps")
+        base = ids["verifier alone"]
+        for r in results:
+            r["long_ids_identical_to_verifier_alone"] = ids[r["mode"]] == base
+        sizes.append({"prompt_tokens": n, "modes": results})
+    return {"model": model, "short_sessions": shorts, "long_tokens": long_tokens,
+            "scenario": f"{shorts} sessions decoding (one continuous batch on the verifier) when "
+                        f"the long prompt arrives {LONG_AFTER_S} s later; their inter-token gaps "
+                        "in the window from its arrival to its first token",
+            "goal": "with a prefill agent, short p99 ITL in the window <= 1.5x its p50",
+            "link": "loopback", "cores": {"verifier": v_cpu, "prefill": p_cpu},
+            "sizes": sizes}

@@ -6,11 +6,11 @@ import sys
 
 
 def add_bench_parsers(bs) -> None:
-    s = bs.add_parser("disagg", help="short sessions around a long prompt, with and without a "
-                      "prefill agent (results/disagg.json)")
-    s.add_argument("--prompt-tokens", type=int, default=2000)
-    s.add_argument("--sessions", type=int, default=4, help="short sessions")
-    s.add_argument("--max-tokens", type=int, default=32, help="per short session")
+    s = bs.add_parser("disagg", help="sessions decoding while a long prompt arrives, with and "
+                      "without a prefill agent (results/disagg.json)")
+    s.add_argument("--prompt-tokens", default="2000,8000", help="long prompt sizes, "
+                   "comma-separated")
+    s.add_argument("--sessions", type=int, default=4, help="sessions already decoding")
     s.add_argument("--codecs", default="auto", help="KV codecs to run with a prefill agent, "
                    "comma-separated (auto,float16,int8)")
     s.set_defaults(func=run_disagg)
@@ -19,19 +19,24 @@ def add_bench_parsers(bs) -> None:
 def run_disagg(args) -> int:
     from macfleet.bench.disagg import bench_disagg
     from macfleet.bench.record import write_result
+    from macfleet.cli.common import UserError
 
-    res = bench_disagg(model=args.model, prompt_tokens=args.prompt_tokens, shorts=args.sessions,
-                       short_tokens=args.max_tokens,
+    try:
+        sizes = tuple(int(x) for x in args.prompt_tokens.split(",") if x)
+    except ValueError:
+        raise UserError("--prompt-tokens: comma-separated token counts") from None
+    res = bench_disagg(model=args.model, prompt_tokens=sizes, shorts=args.sessions,
                        codecs=tuple(c for c in args.codecs.split(",") if c),
                        progress=lambda m: print(m, file=sys.stderr, flush=True))
     path = write_result("disagg.json", res, args.out)
-    print(f"{'mode':24s} {'short TTFT p50/max s':>21s} {'short ITL p50/p99 s':>20s} "
-          f"{'long TTFT s':>11s} {'KV MB':>7s} {'KV ms':>8s} identical")
-    for m in res["modes"]:
-        kv = m["kv"]
-        print(f"{m['mode']:24s} {m['short_ttft_s']['p50']:>10.2f}/{m['short_ttft_s']['max']:<10.2f}"
-              f" {m['short_itl_s']['p50']:>9.3f}/{m['short_itl_s']['p99']:<10.3f}"
-              f" {m['long_ttft_s']:>11.2f} {kv.get('kv_bytes', 0) / 1e6:>7.1f}"
-              f" {kv.get('kv_ms', 0):>8.0f} {m['long_ids_identical_to_verifier_alone']}")
+    print(f"{'prompt':>6s} {'mode':24s} {'long TTFT s':>11s} {'ITL p50/p99 ms':>15s} "
+          f"{'p99/p50':>7s} {'KV MB':>7s} {'KV ms':>8s} identical")
+    for size in res["sizes"]:
+        for m in size["modes"]:
+            kv, itl = m["kv"], m["short_itl_s"]
+            print(f"{size['prompt_tokens']:>6d} {m['mode']:24s} {m['long_ttft_s']:>11.2f} "
+                  f"{itl['p50'] * 1e3:>7.0f}/{itl['p99'] * 1e3:<7.0f} {m['p99_over_p50'] or 0:>7.2f}"
+                  f" {kv.get('kv_bytes', 0) / 1e6:>7.1f} {kv.get('kv_ms', 0):>8.0f} "
+                  f"{m['long_ids_identical_to_verifier_alone']}")
     print(f"wrote {path}")
     return 0

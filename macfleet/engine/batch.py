@@ -129,6 +129,26 @@ class BatchKV:
         for _, dst, n in copies:
             dst.offset = n
 
+    def install(self, cache: RowCache, kv: Sequence[tuple[np.ndarray, np.ndarray]],
+                dtype: mx.Dtype) -> None:
+        """An empty row takes a shipped prompt KV (flow KV): per layer (keys, values)
+        [kv_heads, n, head_dim], written at positions 0..n-1 in the buffers' dtype."""
+        if len(kv) != self.n_layers:
+            raise ValueError(f"{len(kv)} layers of KV for a model of {self.n_layers}")
+        if cache.store is not self or cache.offset:
+            raise ValueError("a shipped KV goes into an empty row of this store")
+        heads, n, _ = kv[0][0].shape
+        self.reserve(cache.row + 1, n)
+        slots = self.slot_index(np.full(n, cache.row), np.arange(n), heads)
+        for i, (k, v) in enumerate(kv):
+            ka, va = (mx.array(a).astype(dtype) for a in (k, v))  # [heads, n, d]
+            self.keys[i], self.values[i] = self._buffers(i, ka[None], va[None])
+            # one row per (position, head): the order of `slot_index`
+            rk, rv = (a.transpose(1, 0, 2).reshape(-1, a.shape[2]) for a in (ka, va))
+            self._scatter(i, rk, rv, slots)
+        mx.eval(self.state)
+        cache.offset = n
+
     def _scatter(self, i: int, k: mx.array, v: mx.array, slots: mx.array) -> None:
         """Layer i's buffers (allocated, reserved size) with rows k, v [n, head_dim] written at
         flat `slots` [n]; our references are dropped first so the scatter works in place."""

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -98,6 +98,7 @@ class _Session:
     draft: Draft = EMPTY_DRAFT
     draft_ms: float = 0.0
     k: int = 0  # drafts asked for this block
+    kv: Sequence[tuple[np.ndarray, np.ndarray]] | None = None  # shipped prompt KV to install
     proposer_name: str = "none"
     rng: np.random.Generator | None = None
     times: TokenTimes = field(default_factory=lambda: TokenTimes(0.0))
@@ -168,6 +169,7 @@ class BatchEngine:
         # every session's KV is a row of one store (flat batch), or its own caches (invariant)
         self._kv = None if invariant else BatchKV(len(lm.model.layers))
         self._vocab = lm.vocab_size
+        self._layout = None  # the model's KV layout, read when a shipped KV first arrives
         self._waiting: deque[_Session] = deque()
         self._active: list[_Session] = []
         self._next_sid = 0
@@ -220,16 +222,22 @@ class BatchEngine:
 
     def submit(self, req: EngineRequest, emit: Callable[[EngineEvent], None],
                on_close: Callable[[], None] | None = None, *,
-               proposer: Proposer | None = None) -> SessionHandle:
+               proposer: Proposer | None = None,
+               kv: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> SessionHandle:
         """Queue a request; `emit` is called from the engine thread with its events, and
         `on_close` once when its session is gone (finished, failed or cancelled).
 
         proposer: this request's own chain drafter (the verifier agent's remote proposers),
-        started and closed here; None: one made from the engine's `proposer` spec."""
+        started and closed here; None: one made from the engine's `proposer` spec.
+        kv: the KV of prompt[:-1] computed elsewhere (a prefill agent's, flow KV): per layer
+        (keys, values) [kv_heads, len(prompt) - 1, head_dim]; installed, not computed."""
         if not req.prompt or not all(0 <= int(t) < self._vocab for t in req.prompt):
             raise ValueError(f"prompt must be 1+ token ids in 0..{self._vocab - 1}")
         if req.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
+        if kv is not None and (len(kv) != len(self.lm.model.layers)
+                               or kv[0][0].shape[1] != len(req.prompt) - 1):
+            raise ValueError("the shipped KV must cover every layer and prompt[:-1]")
         if proposer is not None and (proposer.drafts_trees or proposer.wants_features):
             raise ValueError(f"'{proposer.name}' drafts trees or from hidden states: the "
                              "batching engine verifies chains from token-only drafters")
@@ -245,7 +253,7 @@ class BatchEngine:
                 raise Overloaded(f"{len(self._waiting)} requests are already waiting")
             s = _Session(self._next_sid, req, emit, proposer, controller, on_close=on_close,
                          times=TokenTimes(self.clock()),
-                         proposer_name=name)
+                         proposer_name=name, kv=kv)
             self._next_sid += 1
             self._waiting.append(s)
             self._cv.notify()
@@ -330,11 +338,27 @@ class BatchEngine:
                     s.cache = store.open()
                     store.reserve(s.cache.row + 1, len(s.req.prompt))
                 s.rng = make_rng(s.req.params, stream=0)
+                if s.kv is not None:
+                    self._install(s)
             except Exception as e:  # noqa: BLE001 - one bad session fails alone
                 log.exception("session %d could not start", s.sid)
                 self._finish(s, failed=f"could not start: {type(e).__name__}: {e}")
                 continue
             self._active.append(s)
+
+    def _install(self, s: _Session) -> None:
+        """A shipped prompt KV into the session's fresh cache: it starts decoding at once."""
+        from macfleet.engine.kvship import install, model_layout
+
+        if self._layout is None:
+            self._layout = model_layout(self.lm.model)
+        if isinstance(s.cache, RowCache):
+            s.cache.store.install(s.cache, s.kv, getattr(mx, self._layout.dtype))
+        else:
+            install(s.cache, self._layout, s.kv)
+        s.kv = None
+        s.prefilled = len(s.req.prompt) - 1
+        s.prefill_ms = (self.clock() - s.t_start) * 1e3
 
     def _drop_if_cancelled(self, s: _Session) -> bool:
         if s.cancelled:

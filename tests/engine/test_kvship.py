@@ -122,3 +122,28 @@ def test_a_different_prefill_is_computed_not_installed(tiny):
     v = PrefilledVerifier(Verifier(tiny.model), ids, asm.layout, asm.arrays())
     v.prefill(ids[:-1])  # not what was shipped
     assert not v.installed and v.offset == len(ids) - 1
+
+
+@pytest.mark.parametrize("prompt_len", [300, 700])  # a row of the shared store | its own store
+def test_shipped_kv_joins_the_batch_with_identical_greedy_ids(tiny, prompt_len):
+    """A prefill agent's KV installed in a batch row: the session decodes beside another one
+    and gives the ids it gives when the batch prefills it ("greedy margin": two code paths)."""
+    from macfleet.engine.events import Finished as Done
+    from macfleet.engine.sampling import GREEDY
+    from macfleet.serve.engine import BatchEngine, EngineRequest
+
+    ids, short = _ids(tiny, prompt_len, seed=3), _ids(tiny, 12, seed=4)
+    asm = _ship(tiny, ids[:-1], "auto", max_bytes=50_000)
+
+    def run(kv):
+        eng, out = BatchEngine(tiny, proposer="ngram"), {}
+        for name, prompt, k in (("short", short, None), ("long", ids, kv)):
+            eng.submit(EngineRequest(tuple(prompt), GREEDY, 24),
+                       lambda ev, n=name: isinstance(ev, Done) and out.__setitem__(n, ev), kv=k)
+        eng.run_until_idle()
+        return {n: e.token_ids for n, e in out.items()}, eng.history
+
+    shipped, hist = run(asm.arrays())
+    computed, _ = run(None)
+    assert shipped == computed and len(shipped["long"]) == 24
+    assert sum(it.prefill_tokens for it in hist) == len(short) - 1  # the long prompt: none
