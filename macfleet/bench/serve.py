@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -47,11 +49,15 @@ class ClientResult:
     error: str = ""
 
 
-def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "macfleet", "serve", "--local", "--model", model, "--port", "0",
+def start_server(model: str, *extra: str, env: dict | None = None
+                 ) -> tuple[subprocess.Popen, str]:
+    """`serve --local` (env None), or `serve` in front of the fleet that env's MACFLEET_HOME
+    holds."""
+    where = ["--local"] if env is None else []
+    cmd = [sys.executable, "-m", "macfleet", "serve", *where, "--model", model, "--port", "0",
            "--max-sessions-per-client", "64", "--max-prompt-tokens", "4096", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ))
+                            env=env or dict(os.environ))
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -85,6 +91,34 @@ def start_mlx_lm_server(model_dir: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError("mlx_lm.server did not start")
+
+
+class FleetServer:
+    """A local fleet (`macfleet up`: a verifier and a proposer agent, each pinned to a core)
+    in its own MACFLEET_HOME, and `macfleet serve` in front of it."""
+
+    def __init__(self, model: str, batch_sessions: int, proposer: str) -> None:
+        self.home = tempfile.mkdtemp(prefix="macfleet-bench-serve-")
+        self.env = {**os.environ, "MACFLEET_HOME": self.home}
+        r = subprocess.run([sys.executable, "-m", "macfleet", "up", "--model", model, "--agents",
+                            "2", "--batch-sessions", str(batch_sessions)], env=self.env,
+                           capture_output=True, text=True, timeout=START_TIMEOUT_S)
+        if r.returncode != 0:
+            raise RuntimeError(f"macfleet up failed: {r.stderr[-2000:]}")
+        try:
+            self.proc, self.url = start_server(model, "--proposer", proposer, env=self.env)
+        except BaseException:
+            self.down()
+            raise
+
+    def down(self) -> None:
+        subprocess.run([sys.executable, "-m", "macfleet", "down"], env=self.env,
+                       capture_output=True, timeout=60)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+    def stop(self) -> None:
+        stop_server(self.proc)
+        self.down()
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -164,6 +198,49 @@ MODES = {
     "batched": ("--proposer", "none"),
     "batched_ngram": ("--proposer", "ngram"),
 }
+# through a local fleet: the verifier agent's continuous batch (sessions per forward) and the
+# proposer the server names (drafted on the proposer agent, per session)
+FLEET_MODES = {
+    "fleet_one_at_a_time_ngram": (0, "ngram"),
+    "fleet_batched_ngram": (16, "ngram"),
+    "fleet_batched": (16, "none"),
+}
+
+
+def bench_fleet_throughput(model: str, clients: list[int], max_tokens: int, deadline: float,
+                           progress: Callable[[str], None]) -> dict:
+    out: dict[str, list[dict]] = {}
+    for mode, (batch, proposer) in FLEET_MODES.items():
+        fleet = FleetServer(model, batch, proposer)
+        try:
+            run_clients(fleet.url, 1, 4, timeout_s=60)  # warm-up
+            out[mode] = []
+            for n in clients:
+                left = deadline - time.monotonic()
+                if left < 10:
+                    progress(f"{mode}: time limit reached before {n} clients")
+                    break
+                r = run_clients(fleet.url, n, max_tokens, timeout_s=left)
+                out[mode].append(r)
+                progress(f"{mode:26s} {n:3d} clients: {r['tokens_per_s']:7.2f} tok/s, TTFT p50 "
+                         f"{r['ttft_p50_s']:.2f}s, ITL p50/p99 {r['itl_p50_s'] * 1e3:.0f}/"
+                         f"{r['itl_p99_s'] * 1e3:.0f} ms, failed {r['failed']}")
+        finally:
+            fleet.stop()
+    return out
+
+
+def bench_serve_fleet(model: str, clients: list[int], max_tokens: int, time_limit_s: float,
+                      progress: Callable[[str], None]) -> dict:
+    """`bench serve --fleet`: the same clients through `macfleet serve` in front of a local
+    fleet, its verifier agent batching or not."""
+    deadline = time.monotonic() + time_limit_s
+    return {"model": model, "max_tokens": max_tokens, "clients": clients,
+            "time_limit_s": time_limit_s,
+            "fleet": "macfleet up --agents 2 (verifier and proposer agents pinned to one core "
+                     "each) + macfleet serve in front",
+            "throughput": bench_fleet_throughput(model, clients, max_tokens, deadline,
+                                                 progress)}
 
 
 def bench_throughput(model: str, clients: list[int], max_tokens: int, deadline: float,

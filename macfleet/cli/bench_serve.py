@@ -12,6 +12,9 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--max-tokens", type=int, default=32)
     s.add_argument("--time-limit", type=float, default=900.0, help="seconds for everything")
     s.add_argument("--no-stall", action="store_true", help="skip the decode-stall measurement")
+    s.add_argument("--fleet", action="store_true", help="through a local fleet instead "
+                   "(macfleet up + serve): the verifier agent batching vs one session at a "
+                   "time (results/serve_fleet.json)")
     s.add_argument("--stall-only", action="store_true",
                    help="only the decode-stall measurement (results/serve_stall.json)")
     s.add_argument("--mlx-lm", default=None, metavar="DIR",
@@ -44,12 +47,19 @@ def run_serve(args) -> int:
         raise UserError("--clients and --max-tokens must be >= 1")
     if args.stall_only:
         clients = []
-    res = bench_serve(args.model, clients, args.max_tokens, args.time_limit,
-                      lambda m: print(m, file=sys.stderr, flush=True), stall=not args.no_stall,
-                      mlx_lm_dir=args.mlx_lm)
-    path = write_result("serve_stall.json" if args.stall_only else "serve.json", res, args.out)
-    if clients and plot(res, args.out / "serve.png"):
-        print(f"wrote {args.out / 'serve.png'}")
+    progress = (lambda m: print(m, file=sys.stderr, flush=True))
+    if args.fleet:
+        from macfleet.bench.serve import bench_serve_fleet
+
+        res = bench_serve_fleet(args.model, clients, args.max_tokens, args.time_limit, progress)
+        name = "serve_fleet"
+    else:
+        res = bench_serve(args.model, clients, args.max_tokens, args.time_limit, progress,
+                          stall=not args.no_stall, mlx_lm_dir=args.mlx_lm)
+        name = "serve_stall" if args.stall_only else "serve"
+    path = write_result(f"{name}.json", res, args.out)
+    if clients and plot(res, args.out / f"{name}.png"):
+        print(f"wrote {args.out / f'{name}.png'}")
     for line in summary_rows(res):
         print(line)
     print(f"wrote {path}")

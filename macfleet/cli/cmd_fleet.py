@@ -64,6 +64,9 @@ def add_parser(sub) -> None:
     u.add_argument("--no-pin", action="store_true", help="do not pin agents to cores")
     u.add_argument("--f3-probe", action="store_true", help="the verifier measures F3 per block")
     u.add_argument("--serve", action="store_true", help="then serve the OpenAI API on it")
+    u.add_argument("--batch-sessions", type=int, default=None, metavar="N",
+                   help="the verifier's continuous batch: sessions per forward (default 16; "
+                        "0: one session at a time)")
     u.add_argument("--shard", type=int, default=0, metavar="N",
                    help="shard the verifier over N agents (mlx.distributed ring)")
     u.add_argument("--shard-mode", choices=SHARD_MODES, default="pipeline")
@@ -122,6 +125,16 @@ def run_agent(args) -> int:
     return 0
 
 
+def verifier_args(args) -> list[str]:
+    """What `up` passes on to its verifier agent."""
+    out = ["--f3-probe"] if args.f3_probe else []
+    if args.batch_sessions is not None:
+        if args.batch_sessions < 0:
+            raise UserError("--batch-sessions must be >= 0")
+        out += ["--batch-sessions", str(args.batch_sessions)]
+    return out
+
+
 def run_up(args) -> int:
     from macfleet.fleet import local
     from macfleet.fleet.keys import default_key_path, run_dir
@@ -131,7 +144,7 @@ def run_up(args) -> int:
     try:
         cards = local.up(args.agents, model=args.model, key=key, key_path=key_path,
                          run_dir=run_dir(), pin=not args.no_pin,
-                         extra_args={"verifier": ["--f3-probe"]} if args.f3_probe else None,
+                         extra_args={"verifier": verifier_args(args)},
                          shard=args.shard, shard_mode=args.shard_mode, prefill=args.prefill)
     except (local.FleetStartError, ValueError) as e:
         raise UserError(str(e)) from None
