@@ -47,9 +47,11 @@ def add_parser(sub) -> None:
                    "(a dataset copied without them); train: only train on the dataset "
                    "(rebuilding missing hidden states first); store: only write the answer "
                    "store")
-    p.add_argument("--init", choices=("verifier", "random"), default="verifier",
-                   help="start the head's layer from the verifier's last layer (default) or "
-                   "from random weights")
+    p.add_argument("--init", default="verifier", metavar="verifier|random|HEAD",
+                   help="start the head's layer from the verifier's last layer (default), "
+                   "from random weights, or go on training a head (PATH[.safetensors])")
+    p.add_argument("--skip-missing-hidden", action="store_true",
+                   help="train on the shards that have hidden states; do not rebuild the others")
     p.add_argument("--follow", action="store_true",
                    help="train while another `distill --stage data` adds to the dataset: "
                    "re-read it at every checkpoint")
@@ -84,6 +86,9 @@ def run(args) -> int:
                          save_every=args.save_every, ce_weight=args.ce_weight)
     if args.tokens > 0 or args.stage != "all":
         return _run_dataset(args, lm, out, params)
+    if args.init not in ("verifier", "random") or args.skip_missing_hidden:
+        raise UserError("--init HEAD and --skip-missing-hidden train from a dataset: add "
+                        "--dataset DIR --stage train")
     try:
         distill(lm, out, params, paths=args.data, resume=args.resume,
                 work=Path(args.work) if args.work else None, gen_prompts=args.gen_prompts,
@@ -100,7 +105,7 @@ def _run_dataset(args, lm, out: Path, params) -> int:
     from macfleet.engine.drafter.dataset import (DatasetError, generate_dataset,
                                                  missing_hidden, rebuild_hidden)
     from macfleet.engine.drafter.distill import default_work_dir, distill_from_dataset
-    from macfleet.engine.drafter.head import verifier_fingerprint
+    from macfleet.engine.drafter.head import verifier_fingerprint, weights_path
 
     work = Path(args.work) if args.work else default_work_dir(lm)
     ds = Path(args.dataset) if args.dataset else work / "dataset"
@@ -121,7 +126,11 @@ def _run_dataset(args, lm, out: Path, params) -> int:
             store = old.merged(answers(ds))
             report(f"answer store: {old.tokens.size:,} -> {store.tokens.size:,} tokens (answers "
                    f"already there kept, repeats dropped) -> {store.save(sp)}")
-        if args.stage in ("all", "features", "train") and missing_hidden(ds):
+        init_head = None if args.init in ("verifier", "random") else Path(args.init)
+        if init_head is not None and not weights_path(init_head).is_file():
+            raise UserError(f"--init: no draft head at {weights_path(init_head)}")
+        if (args.stage == "features" or (args.stage in ("all", "train")
+                                         and not args.skip_missing_hidden)) and missing_hidden(ds):
             r = rebuild_hidden(lm, ds, fingerprint=verifier_fingerprint(lm.model))
             report(f"rebuilt hidden states of {r.shards} shard(s): {r.tokens:,} positions in "
                    f"{r.seconds / 60:.1f} min ({r.tokens / max(r.seconds, 1e-9):.0f} tok/s); "
@@ -131,6 +140,7 @@ def _run_dataset(args, lm, out: Path, params) -> int:
             distill_from_dataset(lm, ds, out, params, work=work, resume=args.resume,
                                  draft_vocab=args.draft_vocab,
                                  init_layer=args.init == "verifier", follow=args.follow,
+                                 init_head=init_head, skip_missing=args.skip_missing_hidden,
                                  report=report)
     except (DatasetError, ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None

@@ -272,14 +272,20 @@ def rebuild_hidden(lm: LoadedModel, path: Path, *, fingerprint: str,
 # -- reading ------------------------------------------------------------------------------
 
 
-def load_chunks(path: Path, max_len: int = 1 << 30) -> list[FeatureChunk]:
-    """Every sample as a FeatureChunk of memory-mapped views (nothing is read until used)."""
+def load_chunks(path: Path, max_len: int = 1 << 30, skip_missing: bool = False
+                ) -> list[FeatureChunk]:
+    """Every sample as a FeatureChunk of memory-mapped views (nothing is read until used);
+    skip_missing: leave out the shards without hidden states instead of refusing."""
     m = Manifest.read(path)
-    if missing := missing_hidden(path):
+    missing = missing_hidden(path)
+    if missing and not skip_missing:
         raise DatasetError(f"{path}: {len(missing)} shard(s) have no hidden states (a copied "
                            f"dataset?): run `macfleet distill --dataset {path} --stage features`")
     out: list[FeatureChunk] = []
+    skip = {s.name for s in missing}
     for s in m.shards:
+        if s.name in skip:
+            continue
         arr = {k: np.load(path / f"{s.name}.{k}.npy", mmap_mode="r")
                for k in ("tokens", "hidden", "top")}
         offs = np.load(path / f"{s.name}.offsets.npy")

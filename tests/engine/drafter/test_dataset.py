@@ -139,3 +139,26 @@ def test_a_head_trains_from_the_dataset_and_records_what_it_saw(tmp_path, lm_eos
     assert head.config.steps == 300
     ev = json.loads(res.path.with_name("head.eval.json").read_text())
     assert ev["train_tokens"] == res.train_tokens
+
+
+def test_training_goes_on_from_a_head_and_skips_shards_without_hidden_states(tmp_path, lm_eos):
+    """--init HEAD: the head's draft vocabulary and feature scale are kept, steps add up;
+    --skip-missing-hidden: shards whose hidden states are gone are left out, not rebuilt."""
+    fp = verifier_fingerprint(lm_eos.model)
+    ds = tmp_path / "ds"
+    m = generate_dataset(lm_eos, ds, 600, fingerprint=fp, batch=8, max_answer=32,
+                         shard_tokens=256)
+    p = TrainParams(steps=4, batch=4, seq_len=24, save_every=1000)
+    first = distill_from_dataset(lm_eos, ds, tmp_path / "a", p, work=tmp_path / "w1",
+                                 draft_vocab=64, report=lambda s: None)
+    (ds / f"{m.shards[0].name}.hidden.npy").unlink()
+    with pytest.raises(DatasetError):
+        load_chunks(ds)
+    kept = load_chunks(ds, skip_missing=True)
+    assert sum(len(c.tokens) for c in kept) == m.tokens - m.shards[0].tokens
+    again = distill_from_dataset(lm_eos, ds, tmp_path / "b", p, work=tmp_path / "w2",
+                                 init_head=first.path, skip_missing=True,
+                                 report=lambda s: None)
+    a, b = load_head(first.path, lm_eos.model), load_head(again.path, lm_eos.model)
+    assert b.config.steps == 8 and b.config.feature_scale == a.config.feature_scale
+    assert np.array_equal(np.array(a.draft_ids), np.array(b.draft_ids))
