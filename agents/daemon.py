@@ -20,8 +20,9 @@ from bridge.auth import fleet_id
 from bridge.card import ROLE_PREFILL, ROLE_PROPOSER, ROLE_SHARD, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Advertiser
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError
-from bridge.messages import (AgentEvent, ErrorReply, HiddenStates, HiddenStatesAck, Ping, Pong,
-                             PresetResult, RunPreset, StatusReply, StatusRequest)
+from bridge.messages import (AgentEvent, BatchStatusRequest, ErrorReply, HiddenStates,
+                             HiddenStatesAck, Ping, Pong, PresetResult, RunPreset, StatusReply,
+                             StatusRequest)
 from agents.specs import PROPOSER_KINDS
 from bridge.transport import Publisher, Server
 from macfleet import sysinfo
@@ -212,6 +213,9 @@ class Agent:
                               uptime_s=time.monotonic() - self.started, load=load,
                               mem_used=sysinfo.memory_total() - sysinfo.memory_free(),
                               rss=sysinfo.rss_bytes()))
+            return
+        if isinstance(msg, BatchStatusRequest) and self.verifier is not None:
+            reply(self.verifier.batch_status(msg.recent))
             return
         if isinstance(msg, HiddenStates) and self.proposer is None:
             # link probes reach every role; a proposer service acks (and may use) its own

@@ -21,8 +21,8 @@ from agents.remote_tree import RemoteProposerGroup
 from agents.shard_traffic import block_delta
 from agents.specs import DraftModels, SpecPolicy, check_spec, make_checked_proposer
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
-from bridge.messages import (AUTO_DRAFT_TOKENS, BlockMetrics, ErrorReply, GenerateChunk,
-                             GenerateDone, GenerateRequest)
+from bridge.messages import (AUTO_DRAFT_TOKENS, BatchStatus, BlockMetrics, ErrorReply,
+                             GenerateChunk, GenerateDone, GenerateRequest)
 from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS, DraftTokens
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.kvship import PrefilledVerifier, model_layout
@@ -35,6 +35,7 @@ from macfleet.engine.text import (MAX_PROMPT_TOKENS, Drafting, PromptError, Text
                                   no_drafts, plan_drafting)
 from macfleet.engine.tree_loop import tree_budget
 from macfleet.engine.verifier import Verifier
+from macfleet.serve.engine import ITERATION_HISTORY
 from macfleet.stats import BlockFlows, FleetStats, FlowStats, KVFlow
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,15 @@ class VerifierService:
     def batch_view(self):
         """The continuous batch (iterations, sessions) as `serve` and the dashboard show it."""
         return self._batch.batch_view(self.lm.spec) if self._batch is not None else None
+
+    def batch_status(self, recent: int) -> BatchStatus:
+        """The batch for a BatchStatusRequest (`recent` clamped to what is kept)."""
+        if self._batch is None:
+            return BatchStatus(batching=False, active=self._solo, waiting=self._jobs.qsize(),
+                               iterations=0, recent=(), sessions=())
+        v = self._batch.batch_view(self.lm.spec, max(0, min(int(recent), ITERATION_HISTORY)))
+        return BatchStatus(batching=True, active=v.active, waiting=v.waiting,
+                           iterations=v.iterations, recent=v.recent, sessions=v.sessions)
 
     def _heartbeats(self) -> None:
         while not self._stopped.wait(HEARTBEAT_S):

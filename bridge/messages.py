@@ -35,7 +35,8 @@ import numpy as np
 from bridge.arrays import as_bfloat16
 from bridge.card import PROTOCOL_VERSION, AgentCard
 from bridge.errors import UNKNOWN_TYPE, ProtocolError
-from macfleet.stats import GenerationStats  # plain records: the one project import here
+from macfleet.stats import (  # plain records: the one project import here
+    GenerationStats, IterationView, ServedSession)
 
 __all__ = ["PROTOCOL_VERSION", "Spec", "message", "registry", "message_class", "tag_of",
            "is_terminal", "schema", "equal", "example"]
@@ -268,6 +269,25 @@ class StatusReply:
     load: float
     mem_used: int  # bytes
     rss: int  # bytes
+
+
+@message("batch_status_request")
+class BatchStatusRequest:
+    """Ask a verifier agent for its continuous batch (the last `recent` iterations)."""
+
+    recent: int = 32
+
+
+@message("batch_status")
+class BatchStatus:
+    """A verifier agent's continuous batch: what `macfleet serve` in front of it shows."""
+
+    batching: bool  # False: this verifier runs one session at a time (the rest is empty)
+    active: int
+    waiting: int
+    iterations: int
+    recent: tuple[IterationView, ...]  # oldest first
+    sessions: tuple[ServedSession, ...]  # live, then recently ended (the agent's own view)
 
 
 # --- drafting sessions (verifier -> proposer agent) ------------------------------------------

@@ -13,7 +13,9 @@ Records wider than five fields are keyword-only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,5 +203,74 @@ class GenerationStats:
         return d
 
 
+
+
+# -- a continuous batch (the server's or a verifier agent's), iteration by iteration ------
+
+# a session's life on the server: waiting for a slot, feeding its prompt, decoding, then gone
+SESSION_STATES = ("queued", "prefill", "decode", "done", "cancelled", "failed")
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+@dataclass(frozen=True, slots=True)
+class IterationView:
+    """One forward over the flat batch: who was in it and how many tokens of each kind."""
+
+    t: float  # the engine's clock (s): only differences between iterations mean anything
+    sessions: int
+    decode_tokens: int  # speculative blocks (1 + drafts each)
+    prefill_tokens: int  # prompt chunks
+    queued: int  # sessions waiting for a slot when it ran
+    ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> IterationView:
+        return cls(t=float(d["t"]), sessions=int(d["sessions"]),
+                   decode_tokens=int(d["decode_tokens"]), prefill_tokens=int(d["prefill_tokens"]),
+                   queued=int(d["queued"]), ms=float(d["ms"]))
+
+
+@dataclass(frozen=True, slots=True)
+class ServedSession:
+    """One request's session: progress, time to first token and inter-token latency.
+
+    Latencies are what the client sees: TTFT from the moment the request was queued, and the
+    gaps between committed blocks (a block can carry several tokens), as bench serve measures
+    them between streamed chunks."""
+
+    sid: int
+    state: str  # one of SESSION_STATES
+    prompt_tokens: int
+    prefill_left: int
+    generated: int
+    ttft_ms: float | None  # None: no token yet
+    itl_p50_ms: float | None  # None: fewer than two blocks
+    itl_p99_ms: float | None
+    accepted: int
+    drafted: int
+
+    @property
+    def active(self) -> bool:
+        return self.state in ("queued", "prefill", "decode")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ServedSession:
+        return cls(sid=int(d["sid"]), state=str(d["state"]),
+                   prompt_tokens=int(d["prompt_tokens"]), prefill_left=int(d["prefill_left"]),
+                   generated=int(d["generated"]), ttft_ms=_opt_float(d.get("ttft_ms")),
+                   itl_p50_ms=_opt_float(d.get("itl_p50_ms")),
+                   itl_p99_ms=_opt_float(d.get("itl_p99_ms")),
+                   accepted=int(d["accepted"]), drafted=int(d["drafted"]))
+
+
 __all__ = ["BlockFlows", "FlowStats", "ShardStats", "FleetStats", "ProposerStats",
-           "GenerationStats"]
+           "GenerationStats", "SESSION_STATES", "IterationView", "ServedSession"]

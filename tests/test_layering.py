@@ -56,7 +56,7 @@ ALLOWED: dict[str, Rule] = {
     # what observers read: pure records (the dashboard imports only these)
     "macfleet/fleet/snapshot.py": Rule(("macfleet.fleet.snapshot", "macfleet.fleet.batch"),
                                        banned=(*NETWORK, "textual", "mlx")),
-    "macfleet/fleet/batch.py": Rule((), banned=(*NETWORK, "textual", "mlx")),
+    "macfleet/fleet/batch.py": Rule(RECORDS, banned=(*NETWORK, "textual", "mlx")),
     # the server: HTTP only in app.py; the batching engine and scheduler are networking-free
     "macfleet/serve": Rule(("macfleet.serve", "macfleet.engine", "macfleet.fleet", "bridge",
                             *RECORDS)),

@@ -147,7 +147,7 @@ def run(args) -> int:
     host, port = sock.getsockname()[:2]
     where = (f"in-process, budget {args.token_budget} tokens/iteration"
              if isinstance(engine, BatchEngine) else
-             f"verifier agent {engine.verifier.card.name}, not batched")
+             f"verifier agent {engine.verifier.card.name}, which batches the sessions")
     print(f"macfleet serve: {args.model} on http://{host}:{port}/v1 ({where}, "
           f"proposer {args.proposer}"
           f"{', batch-invariant' if args.batch_invariant else ''}"

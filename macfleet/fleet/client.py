@@ -16,8 +16,9 @@ from bridge.auth import fleet_id as fleet_id  # discovery filters on a key's fle
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser
 from bridge.errors import INTERNAL, UNAVAILABLE, PeerUnavailable, ProtocolError, TransportTimeout
-from bridge.messages import (AUTO_DRAFT_TOKENS, GenerateChunk, GenerateDone, GenerateRequest,
-                             Ping, Pong, StatusReply, StatusRequest)
+from bridge.messages import (AUTO_DRAFT_TOKENS, BatchStatus, BatchStatusRequest, GenerateChunk,
+                             GenerateDone, GenerateRequest, Ping, Pong, StatusReply,
+                             StatusRequest)
 from bridge.transport import Client
 from macfleet.engine.controller import AUTO, DraftTokens
 from macfleet.stats import FleetStats, GenerationStats
@@ -88,6 +89,17 @@ def probe(card: AgentCard, key: bytes | None, *, pings: int = DEFAULT_PINGS,
         return AgentStatus(card, st if isinstance(st, StatusReply) else None, tuple(rtts))
     except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
         return AgentStatus(card, None, tuple(rtts), str(e))
+
+
+def batch_status(card: AgentCard, key: bytes | None, *, recent: int = 32,
+                 timeout: float = DEFAULT_STATUS_TIMEOUT_S) -> BatchStatus | None:
+    """A verifier agent's continuous batch; None when it cannot be read (dead, older agent)."""
+    try:
+        with Client(card.router_endpoint, key=key, connect_timeout_s=timeout) as c:
+            r = c.request(BatchStatusRequest(recent), timeout=timeout)
+        return r if isinstance(r, BatchStatus) else None
+    except (ProtocolError, TransportTimeout, PeerUnavailable):
+        return None
 
 
 def choose_roles(statuses: Sequence[AgentStatus], model: str | None = None

@@ -126,7 +126,9 @@ class Api:
         """The continuous batch for the dashboard (`BatchView`, fleet/batch.py); 200 even
         without a verifier (the view says so), the API key when one is set."""
         self._auth(request)
-        return JSONResponse(self.engine.batch_view(self.cfg.model_id).to_dict())
+        # off the event loop: a fleet engine asks its verifier agent over the network
+        view = await asyncio.to_thread(self.engine.batch_view, self.cfg.model_id)
+        return JSONResponse(view.to_dict())
 
     async def models(self, request: Request) -> Response:
         self._auth(request)

@@ -1,8 +1,10 @@
 """Serving through a fleet's verifier agent: each request forwarded with `generate_remote`.
 
-No batching here: the verifier agent runs its sessions one forward each (its own queue), and
-the agent's proposers keep drafting per session, cross-round. What this buys over `--local`
-is the fleet's verifier and proposers; continuous batching on the agent is not done yet.
+The batching happens on the agent: concurrent requests join its continuous batch (one forward
+per iteration over every session's speculative block, agents/verifier_service.py), and each
+session's drafts come from the proposer agents, per session, cross-round. This engine keeps the
+client-side view (queue, TTFT and inter-token latency as the HTTP clients see them) and reads
+the agent's iterations for the dashboard (a BatchStatus request).
 Same interface as `BatchEngine` (submit / alive / load / recent), so the HTTP layer is one.
 The prompt travels as text (the chat template already applied here), since the wire request
 carries text; a request stopped by its client stops reading, and the agent finishes the
@@ -22,11 +24,13 @@ from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateChunk, GenerateDone
 from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.fleet.batch import BatchView, ServedSession
-from macfleet.fleet.client import generate_remote
+from macfleet.fleet.client import batch_status, generate_remote
 from macfleet.serve.engine import EngineEvent, EngineRequest, Overloaded, SessionFailed
 from macfleet.serve.timing import RECENT_SESSIONS, TokenTimes
 
 log = logging.getLogger(__name__)
+
+STATUS_TIMEOUT_S = 1.0  # the dashboard's poll must not hang on a busy agent
 
 
 @dataclass
@@ -80,7 +84,9 @@ class RemoteEngine:
         self._alive = False
 
     def recent(self, n: int = 32) -> list:
-        return []  # the agent's own iterations are not reported here
+        """The verifier agent's last n iterations ([] when it cannot be read)."""
+        st = batch_status(self.verifier.card, self.key, recent=n, timeout=STATUS_TIMEOUT_S)
+        return list(st.recent) if st is not None else []
 
     def sessions(self) -> list[ServedSession]:
         """Live sessions (oldest first), then recently ended ones."""
@@ -89,10 +95,13 @@ class RemoteEngine:
         return [h.view() for h in live] + ended[::-1]
 
     def batch_view(self, model: str, n: int = 32) -> BatchView:
-        """No iterations here (the verifier agent runs them); load and per-session latency."""
+        """The verifier agent's iterations; load and per-session latency as clients see them."""
         active, waiting = self.load()
+        st = batch_status(self.verifier.card, self.key, recent=n, timeout=STATUS_TIMEOUT_S)
         return BatchView(model=model, mode="fleet", alive=self.alive, active=active,
-                         waiting=waiting, iterations=0, sessions=tuple(self.sessions()))
+                         waiting=waiting, iterations=st.iterations if st is not None else 0,
+                         recent=st.recent if st is not None else (),
+                         sessions=tuple(self.sessions()))
 
     def load(self) -> tuple[int, int]:
         with self._lock:

@@ -14,7 +14,7 @@ import pytest
 
 from agents.daemon import Agent, AgentConfig
 from bridge.messages import GenerateChunk, GenerateDone
-from macfleet.fleet.client import generate_remote
+from macfleet.fleet.client import batch_status, generate_remote
 
 KEY = b"k" * 32
 MODEL = "tiny:3"
@@ -61,6 +61,10 @@ def test_concurrent_sessions_share_forwards_and_match_one_at_a_time(agents):
     assert view.mode == "batched" and view.iterations > 0
     assert max(it.sessions for it in view.recent) > 1  # sessions were verified together
     assert solo.verifier.batch_view() is None
+    st = batch_status(batched.card, KEY, recent=8)  # what `serve` in front of it shows
+    assert st.batching and st.iterations == view.iterations and len(st.recent) == 8
+    assert sorted(s.sid for s in st.sessions if s.state == "done")[-len(PROMPTS):]
+    assert not batch_status(solo.card, KEY).batching
 
 
 def test_a_dead_proposer_in_the_batch_falls_back_to_the_next(agents):

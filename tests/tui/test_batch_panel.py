@@ -68,7 +68,8 @@ def test_title_and_load_line() -> None:
     assert batch_title(UP) == "Batch · 127.0.0.1:8000 · up"
     assert batch_title(ServeView("http://h:1/v1")) == "Batch · h:1 · down"
     assert load_line(BATCH) == "2 active · 1 queued · 1204 iterations · smollm2"
-    assert "not batched" in load_line(replace(BATCH, mode="fleet"))
+    assert "1204 iterations on the verifier agent" in load_line(replace(BATCH, mode="fleet"))
+    assert "one session at a time" in load_line(replace(BATCH, mode="fleet", iterations=0))
 
 
 def test_iteration_lines_give_means_and_maxima() -> None:

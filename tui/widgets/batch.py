@@ -36,7 +36,8 @@ def _mean(xs: Sequence[float]) -> float:
 def load_line(b: BatchView) -> str:
     """``3 active · 1 queued · 1204 iterations · smollm2``."""
     its = (f"{b.iterations} iterations" if b.mode == "batched"
-           else "each request on the verifier agent (not batched)")
+           else f"{b.iterations} iterations on the verifier agent" if b.iterations
+           else "on the verifier agent (one session at a time)")
     return f"{b.active} active · {b.waiting} queued · {its} · {b.model}"
 
 
