@@ -69,6 +69,7 @@ def run_plan(args) -> int:
             print(json.dumps({"refused": plan_to_dict(r)}, indent=2))
         print(f"macfleet plan: {r.topology}: {r.reason}", file=sys.stderr)
         return EXIT_REFUSED
+    from macfleet.topology.disagg import plan_disagg
     from macfleet.topology.inputs import ModelShapeError, measured_profile, model_shape
 
     profile = measured_profile(Path(args.results))
@@ -88,12 +89,14 @@ def run_plan(args) -> int:
         else:
             fleet = live_fleet(args, profile, shape)
         plans = plan(fleet, proposer=args.draft, with_probs=args.sampling)
+        disagg = plan_disagg(fleet)
     except SnapshotError as e:
         raise UserError(str(e)) from None
     if args.json:
         print(json.dumps({"model": asdict(fleet.model), "profile_source": fleet.profile.source,
                           "hosts": [asdict(h) for h in fleet.hosts],
-                          "plans": [plan_to_dict(q) for q in plans]}, indent=2))
+                          "plans": [plan_to_dict(q) for q in plans],
+                          "disagg": [asdict(d) for d in disagg]}, indent=2))
         return 0
     print(f"model {fleet.model.name}: {fleet.model.param_bytes / 1e9:.2f} GB, "
           f"{fleet.model.layers} layers, {fleet.model.heads}/{fleet.model.kv_heads} heads; "
@@ -118,4 +121,9 @@ def run_plan(args) -> int:
         for note in q.notes:
             if note.startswith("MoE:"):
                 print(f"\nsharded over {q.n}, {note}")
+    print("\nlong prompts (prefill/decode disaggregation, topology/disagg.py):")
+    for d in disagg:
+        where = (f"on prefill agent {d.prefill_host}" if d.decision.remote
+                 else f"on the verifier ({d.verifier})")
+        print(f"  {d.prompt_tokens:>6,d} tokens: prefill {where}: {d.decision.reason}")
     return 0

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from macfleet.topology.fleet_spec import Fleet
+
 DEFAULT_MIN_PROMPT_TOKENS = 512  # below this a prefill is one chunk: never worth a round trip
 DEFAULT_MIN_SAVED_MS = 200.0  # verifier compute a transfer must free to be worth it
 DEFAULT_MAX_TTFT_RATIO = 1.5  # the new prompt's first token may come this much later at most
@@ -94,3 +96,47 @@ def decide(x: DisaggInputs) -> DisaggDecision:
         remote=True, **figures,
         reason=f"{n} tokens: prefill agent ~{remote_ms:.0f} ms ({mb:.1f} MB at {link:.0f} MB/s) "
                f"frees ~{saved_ms:.0f} ms of the verifier")
+
+
+# -- for `macfleet plan`: the decision a fleet would take for long prompts ------------------
+
+PLAN_PROMPT_TOKENS = (2000, 8000)
+WIRE_BYTES = 2  # float16 K and V on the wire (the `auto` codec of a float32 or float16 cache)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedDisagg:
+    prompt_tokens: int
+    verifier: str  # host
+    prefill_host: str  # "" when the fleet has no prefill agent
+    decision: DisaggDecision
+
+
+def plan_disagg(fleet: Fleet, prompt_tokens: tuple[int, ...] = PLAN_PROMPT_TOKENS
+                ) -> list[PlannedDisagg]:
+    """What the verifier's prefill stage would decide for prompts of these sizes on this fleet:
+    prefill speed read off the profile's verify(L) curve (its longest measured block, tokens
+    per second, on both hosts), KV bytes from the model's shape, the link between the verifier
+    host and the best-linked prefill host."""
+    hosts = fleet.hosts
+    verifier = next((h for h in hosts if not h.roles or "verifier" in h.roles), hosts[0])
+    prefills = [h for h in hosts if "prefill" in h.roles and h.name != verifier.name]
+    m = fleet.model
+    kv_per_token = 2 * m.layers * m.kv_heads * (m.hidden // max(m.heads, 1)) * WIRE_BYTES
+    L, ms = max(fleet.profile.verify_ms)
+    tok_s = 1e3 * L / ms if ms > 0 else 0.0
+    best = max(prefills, key=lambda h: fleet.link(verifier.name, h.name).bandwidth_mb_s,
+               default=None)
+    link = fleet.link(verifier.name, best.name) if best is not None else None
+    out = []
+    for n in prompt_tokens:
+        x = DisaggInputs(prompt_tokens=n, prefill_agents=len(prefills),
+                         kv_bytes_per_token=kv_per_token, local_prefill_tok_s=tok_s,
+                         remote_prefill_tok_s=tok_s,
+                         **({} if link is None else
+                            {"link_bytes_per_s": link.bandwidth_mb_s * 1e6,
+                             "link_rtt_ms": link.rtt_ms}))
+        out.append(PlannedDisagg(prompt_tokens=n, verifier=verifier.name,
+                                 prefill_host=best.name if best is not None else "",
+                                 decision=decide(x)))
+    return out

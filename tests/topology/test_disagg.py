@@ -58,3 +58,21 @@ def test_a_slower_prefill_agent_is_refused_when_the_wait_grows_too_much():
     assert not d.remote
     d = decide(replace(BASE, remote_prefill_tok_s=80.0))  # 25 s vs 20 s: within 1.5x
     assert d.remote
+
+
+def test_plan_disagg_reads_the_fleet():
+    """`macfleet plan`'s long-prompt lines: no prefill host -> the verifier, with its reason; a
+    prefill host on a fast link takes an 8,000-token prompt; over a slow link it does not."""
+    from macfleet.topology.disagg import plan_disagg
+    from macfleet.topology.fleet_spec import Fleet, Host, Link
+
+    alone = plan_disagg(Fleet(hosts=(Host("v"),)))
+    assert [d.prompt_tokens for d in alone] == [2000, 8000]
+    assert not any(d.decision.remote for d in alone) and alone[0].prefill_host == ""
+    hosts = (Host("v", roles=("verifier",)), Host("p", roles=("prefill",)))
+    fast = plan_disagg(Fleet(hosts=hosts, links=(Link("v", "p", 0.2, 2000.0),)), (8000,))[0]
+    assert fast.decision.remote and fast.prefill_host == "p" and fast.verifier == "v"
+    # 8,000 tokens of SmolLM2's float16 KV = 184 MB: ~3 min at 1 MB/s
+    slow = plan_disagg(Fleet(hosts=hosts, links=(Link("v", "p", 0.2, 1.0),)), (8000,))[0]
+    assert not slow.decision.remote and "MB/s" in slow.decision.reason
+    assert slow.decision.kv_bytes == fast.decision.kv_bytes == 7999 * 2 * 30 * 3 * 64 * 2
