@@ -157,7 +157,8 @@ def head_on_held_out(lm: LoadedModel, max_answer: int = 64) -> dict | None:
     """The shipped head's greedy chain acceptance (k=4) on the verifier's answers to the
     held-out prompts, fed the verifier's true features (as `distill` measures its own held-out
     split, whose prompts come from the training templates): what the head is worth on text
-    no template produced."""
+    no template produced. Drafts start at answer positions only (the chat template and the
+    prompt are easier to guess than an answer, and the loop never drafts them)."""
     from macfleet.engine.drafter.batchgen import generate_samples
     from macfleet.engine.drafter.features import FeatureChunk
     from macfleet.engine.drafter.head import load_head
@@ -171,9 +172,11 @@ def head_on_held_out(lm: LoadedModel, max_answer: int = 64) -> dict | None:
     head = load_head(path, lm.model)
     samples = list(generate_samples(lm, [Prompt("held_out", t) for t in HELD_OUT.values()],
                                     batch=len(HELD_OUT), max_answer=max_answer))
-    acc = chain_acceptance(head, [FeatureChunk(s.tokens, s.hidden, s.top, True)
-                                  for s in samples], k=4, max_starts=400)
-    return {**acc.to_dict(), "answers": len(samples), "max_answer": max_answer}
+    acc = chain_acceptance(head, [FeatureChunk(s.tokens[s.n_prompt - 1:],
+                                               s.hidden[s.n_prompt - 1:], s.top[s.n_prompt - 1:],
+                                               True) for s in samples], k=4, max_starts=400)
+    return {**acc.to_dict(), "answers": len(samples), "max_answer": max_answer,
+            "positions": "answers only"}
 
 
 FLOOR = 0.95  # a default drafter must not cost more than noise on any held-out prompt
