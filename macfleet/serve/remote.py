@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+from bridge.errors import BUSY, INTERNAL, PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateChunk, GenerateDone
 from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.fleet.batch import BatchView, ServedSession
@@ -31,6 +31,8 @@ from macfleet.serve.timing import RECENT_SESSIONS, TokenTimes
 log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 1.0  # the dashboard's poll must not hang on a busy agent
+BUSY_RETRY_S = 0.25  # a full verifier queue: ask again this often ...
+BUSY_WAIT_S = 600.0  # ... for at most this long (the HTTP client's own timeout may be shorter)
 
 
 @dataclass
@@ -145,31 +147,46 @@ class RemoteEngine:
         """Run one request on the verifier agent; returns how it ended (SESSION_STATES)."""
         if h.cancelled:
             return "cancelled"
-        p = req.params
         remote = ([c.card.router_endpoint for c in self.proposers]
                   if self.proposer_spec != "none" else [])
-        n = 0
-        try:
-            for msg in generate_remote(self.verifier.card, self.key, prompt=req.text, chat=False,
-                                       max_tokens=req.max_tokens, temperature=p.temperature,
-                                       top_p=p.top_p, seed=p.seed,
-                                       draft_tokens=self.draft_tokens,
-                                       proposers=remote, proposer_spec=self.proposer_spec):
+        busy_until = time.monotonic() + BUSY_WAIT_S
+        while True:
+            try:
+                return self._stream(req, emit, h, remote)
+            except ProtocolError as e:
+                # a verifier whose queue is full (one session at a time: a sharded verifier,
+                # or --batch-sessions 0) said so before any token: wait here, not fail
+                if e.code != BUSY or h.generated or time.monotonic() > busy_until:
+                    emit(SessionFailed(f"verifier {self.verifier.card.name}: {e}"))
+                    return "failed"
                 if h.cancelled:
-                    return "cancelled"  # closes the client; the agent finishes on its own
-                if isinstance(msg, GenerateChunk) and msg.token_ids:
-                    n += 1
-                    h.times.commit(time.perf_counter())
-                    h.generated += len(msg.token_ids)
-                    emit(TokensCommitted(n, tuple(msg.token_ids)))
-                elif isinstance(msg, GenerateDone):
-                    h.drafted, h.accepted = msg.stats.drafted, msg.stats.accepted
-                    emit(Finished(msg.stats, tuple(msg.token_ids)))
-                    return "done"
-        except (PeerUnavailable, TransportTimeout) as e:
-            self._alive = False  # the HTTP layer answers 503 from now on
-            log.error("verifier agent %s is gone: %s", self.verifier.card.name, e)
-            emit(SessionFailed(f"verifier {self.verifier.card.name}: {e}"))
-        except ProtocolError as e:
-            emit(SessionFailed(f"verifier {self.verifier.card.name}: {e}"))
-        return "failed"
+                    return "cancelled"
+                time.sleep(BUSY_RETRY_S)
+            except (PeerUnavailable, TransportTimeout) as e:
+                self._alive = False  # the HTTP layer answers 503 from now on
+                log.error("verifier agent %s is gone: %s", self.verifier.card.name, e)
+                emit(SessionFailed(f"verifier {self.verifier.card.name}: {e}"))
+                return "failed"
+
+    def _stream(self, req: EngineRequest, emit, h: _Handle, remote: list[str]) -> str:
+        """One try: the request's tokens as the agent streams them (ProtocolError, transport
+        errors raised)."""
+        p = req.params
+        n = 0
+        for msg in generate_remote(self.verifier.card, self.key, prompt=req.text, chat=False,
+                                   max_tokens=req.max_tokens, temperature=p.temperature,
+                                   top_p=p.top_p, seed=p.seed,
+                                   draft_tokens=self.draft_tokens,
+                                   proposers=remote, proposer_spec=self.proposer_spec):
+            if h.cancelled:
+                return "cancelled"  # closes the client; the agent finishes on its own
+            if isinstance(msg, GenerateChunk) and msg.token_ids:
+                n += 1
+                h.times.commit(time.perf_counter())
+                h.generated += len(msg.token_ids)
+                emit(TokensCommitted(n, tuple(msg.token_ids)))
+            elif isinstance(msg, GenerateDone):
+                h.drafted, h.accepted = msg.stats.drafted, msg.stats.accepted
+                emit(Finished(msg.stats, tuple(msg.token_ids)))
+                return "done"
+        raise ProtocolError(INTERNAL, "the stream ended without GenerateDone")

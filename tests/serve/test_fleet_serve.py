@@ -57,3 +57,29 @@ def test_serve_forwards_to_the_fleet_verifier(fleet_env, monkeypatch):
     assert batch.recent and all(it.sessions == 1 for it in batch.recent)
     assert [x.state for x in batch.sessions] == ["done", "done"]
     assert all(x.generated == 12 and x.ttft_ms > 0 for x in batch.sessions)
+
+
+def test_a_full_one_at_a_time_verifier_makes_requests_wait_not_fail(tmp_path, monkeypatch):
+    """A verifier agent that runs one session at a time (--batch-sessions 0, as a sharded one
+    does) answers `busy` past its queue of 8: the server keeps those requests waiting and
+    retries; all 12 concurrent ones are answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = {**os.environ, "MACFLEET_HOME": str(tmp_path / "home")}
+    r = _cli("up", "--model", "tiny:1", "--agents", "2", "--no-pin", "--batch-sessions", "0",
+             env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    monkeypatch.setenv("MACFLEET_HOME", env["MACFLEET_HOME"])
+    s = start_server("--proposer", "none", key=None, local=False)
+    try:
+        c = openai.OpenAI(base_url=s.v1, api_key="none", timeout=120, max_retries=0)
+
+        def ask(i: int) -> int:
+            return c.completions.create(model="tiny:1", prompt=f"w{i} w{i + 1}", max_tokens=40,
+                                        temperature=0).usage.completion_tokens
+
+        with ThreadPoolExecutor(12) as ex:
+            assert list(ex.map(ask, range(12))) == [40] * 12
+    finally:
+        stop_server(s)
+        _cli("down", env=env, timeout=30)
