@@ -38,6 +38,10 @@ DEFAULT_MIN_SILENCE_S = 3.0  # a prefill agent silent this long (or 3 chunks' ti
 # noticed at once by its lost connection; these bound a hung one)
 DEFAULT_UNMEASURED_SILENCE_S = 60.0
 DEFAULT_MIN_DEADLINE_S = 120.0
+# before any speed is measured, the whole fetch: a long prompt's attention makes its last chunks
+# the slowest (8,000 tokens of SmolLM2 on one CPU core: 183 s, the last chunk 20 s), so a
+# deadline from an assumed speed would drop a working agent; silence still bounds a hung one
+DEFAULT_UNMEASURED_DEADLINE_S = 900.0
 DEFAULT_ASSUMED_TOK_S = 1000.0  # prefill speed until this verifier has measured its own
 _EWMA = 0.5
 MIN_PROMPT_CHARS = 256  # shorter prompts skip the stage (no tokenizing off the compute thread)
@@ -220,7 +224,8 @@ class PrefillStage:
 
     def fetch(self, ids: list[int], endpoint: str, d) -> Staged:
         tok_s = self.meter.remote_tok_s or self.meter.local_tok_s  # 0: not measured yet
-        deadline = max(DEFAULT_MIN_DEADLINE_S, 3.0 * max(d.remote_ms, d.local_ms) / 1e3)
+        deadline = (max(DEFAULT_MIN_DEADLINE_S, 3.0 * max(d.remote_ms, d.local_ms) / 1e3)
+                    if tok_s else DEFAULT_UNMEASURED_DEADLINE_S)
         try:
             kv, flow = fetch_kv(endpoint, self.key, ids=ids[:-1], model=self.lm.spec,
                                 layout=self.layout, codec=self.policy.codec,

@@ -34,7 +34,7 @@ from macfleet.fleet.keys import keygen
 DEFAULT_SHORT_SESSIONS = 4
 DEFAULT_LONG_TOKENS = 16
 LONG_AFTER_S = 3.0  # the long prompt arrives once the short sessions decode
-SHORT_CAP_TOKENS = 4096  # short sessions decode until the long prompt's first token
+SHORT_CAP_TOKENS = 512  # per request; each client asks again until the window closes
 # a verifier busy with a long prefill on a loaded core can miss its 1 s heartbeats for longer
 # than a client's default 3 s silence deadline; here it is a measurement, not a liveness check
 SILENCE_S = 120.0
@@ -131,19 +131,26 @@ def scenario(card, key: bytes, long_text: str, *, shorts: int, long_tokens: int
     prompt arrives. The short sessions are read until the long one's first token (the window:
     its prefill, wherever it runs); returns the runs and the window (s from the round's start)."""
     prompts = list(BENCH_PROMPTS.values())
-    out: dict[str, Timed | BaseException] = {}
+    out: dict[str, list[Timed] | BaseException] = {}
     first = threading.Event()  # the long prompt's first token: the window ends
     window: list[float] = []
     t0 = time.perf_counter()
 
-    def short(name: str, prompt: str) -> None:
+    def short(name: str, i: int) -> None:
+        """One client: request after request (an answer ends at its EOS) until the window
+        closes, so a session is always decoding while the long prompt is prefilled."""
+        runs = []
         try:
-            out[name] = run_one(name, card, key, prompt, SHORT_CAP_TOKENS, t0, until=first)
+            while not first.is_set():
+                prompt = prompts[(i + len(runs) * shorts) % len(prompts)]
+                runs.append(run_one(f"{name}.{len(runs)}", card, key, prompt, SHORT_CAP_TOKENS,
+                                    t0, until=first))
+            out[name] = runs
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
             out[name] = e
 
-    threads = [threading.Thread(target=short, args=(f"short-{i + 1}", prompts[i % len(prompts)]),
-                                daemon=True) for i in range(shorts)]
+    threads = [threading.Thread(target=short, args=(f"short-{i + 1}", i), daemon=True)
+               for i in range(shorts)]
     for t in threads:
         t.start()
     time.sleep(LONG_AFTER_S)  # every short session is past its prompt by then
@@ -173,7 +180,8 @@ def scenario(card, key: bytes, long_text: str, *, shorts: int, long_tokens: int
     for r in out.values():
         if isinstance(r, BaseException):
             raise r
-    return [long, *(out[f"short-{i + 1}"] for i in range(shorts))], (window[0], window[1])
+    return ([long, *(r for i in range(shorts) for r in out[f"short-{i + 1}"])],
+            (window[0], window[1]))
 
 
 def pct(xs: list[float], q: float) -> float:
