@@ -42,6 +42,10 @@ DEFAULT_MIN_DEADLINE_S = 120.0
 # the slowest (8,000 tokens of SmolLM2 on one CPU core: 183 s, the last chunk 20 s), so a
 # deadline from an assumed speed would drop a working agent; silence still bounds a hung one
 DEFAULT_UNMEASURED_DEADLINE_S = 900.0
+# context at which a chunk's attention costs about what its weights do: the last 512-token chunk
+# of an 8,000-token prompt took ~6x the first (SmolLM2, one CPU core); speeds measured on short
+# prompts are scaled by 1 + context / this for the silence and the deadline
+ATTENTION_TOKENS = 1500.0
 DEFAULT_ASSUMED_TOK_S = 1000.0  # prefill speed until this verifier has measured its own
 _EWMA = 0.5
 MIN_PROMPT_CHARS = 256  # shorter prompts skip the stage (no tokenizing off the compute thread)
@@ -108,12 +112,21 @@ class Meter:
                             max_ttft_ratio=policy.max_ttft_ratio, **extra)
 
 
-def silence_s(chunk_tokens: int, tok_s: float) -> float:
-    """How long a prefill agent may say nothing: 3 chunks' compute at the measured speed, at
-    least 3 s; DEFAULT_UNMEASURED_SILENCE_S while no speed is measured (tok_s 0)."""
+def attention_factor(tokens: int) -> float:
+    """How much slower than a short prompt's a chunk at `tokens` of context computes: 1 + the
+    context over ATTENTION_TOKENS (speeds are measured on short prompts; a long one's last
+    chunks also attend over everything before them)."""
+    return 1.0 + tokens / ATTENTION_TOKENS
+
+
+def silence_s(chunk_tokens: int, tok_s: float, prompt_tokens: int = 0) -> float:
+    """How long a prefill agent may say nothing: 3 chunks' compute at the measured speed (its
+    last chunk's, for a prompt of `prompt_tokens`), at least 3 s; DEFAULT_UNMEASURED_SILENCE_S
+    while no speed is measured (tok_s 0)."""
     if tok_s <= 0:
         return DEFAULT_UNMEASURED_SILENCE_S
-    return max(DEFAULT_MIN_SILENCE_S, 3.0 * chunk_tokens / tok_s)
+    return max(DEFAULT_MIN_SILENCE_S,
+               3.0 * chunk_tokens / tok_s * attention_factor(prompt_tokens))
 
 
 def fetch_kv(endpoint: str, key: bytes | None, *, ids: Sequence[int], model: str,
@@ -224,12 +237,15 @@ class PrefillStage:
 
     def fetch(self, ids: list[int], endpoint: str, d) -> Staged:
         tok_s = self.meter.remote_tok_s or self.meter.local_tok_s  # 0: not measured yet
-        deadline = (max(DEFAULT_MIN_DEADLINE_S, 3.0 * max(d.remote_ms, d.local_ms) / 1e3)
-                    if tok_s else DEFAULT_UNMEASURED_DEADLINE_S)
+        # the planner's times are linear in the prompt; attention makes a long one's mean chunk
+        # slower by about half the last one's factor
+        deadline = (max(DEFAULT_MIN_DEADLINE_S, 3.0 * max(d.remote_ms, d.local_ms) / 1e3
+                        * attention_factor(len(ids) // 2)) if tok_s
+                    else DEFAULT_UNMEASURED_DEADLINE_S)
         try:
             kv, flow = fetch_kv(endpoint, self.key, ids=ids[:-1], model=self.lm.spec,
                                 layout=self.layout, codec=self.policy.codec,
-                                silence=silence_s(512, tok_s), deadline_s=deadline)
+                                silence=silence_s(512, tok_s, len(ids)), deadline_s=deadline)
         except PrefillFailed as e:
             log.warning("prefill agent %s failed (%s): prefilling locally", endpoint, e)
             return Staged(ids, KVFlow(where="fallback", agent=endpoint,

@@ -53,8 +53,10 @@ class BatchKV:
     shape comes from the model's own k/v) and grown by `ROW_STEP` rows / `step` positions when a
     session needs more; dropped when the last row closes."""
 
-    def __init__(self, n_layers: int, step: int = DEFAULT_KV_STEP) -> None:
-        self.n_layers, self.step = n_layers, step
+    def __init__(self, n_layers: int, step: int = DEFAULT_KV_STEP,
+                 row_step: int = ROW_STEP) -> None:
+        """row_step: rows added at a time (1 for a store of one long prompt's own)."""
+        self.n_layers, self.step, self.row_step = n_layers, step, row_step
         self.keys: list[mx.array | None] = [None] * n_layers
         self.values: list[mx.array | None] = [None] * n_layers
         self.rows = 0  # rows the buffers have (or will have at the next write)
@@ -82,7 +84,7 @@ class BatchKV:
         """Make room for rows [0, rows) and positions [0, positions) (applied per layer at its
         next write)."""
         if rows > self.rows:
-            self.rows = -(-rows // ROW_STEP) * ROW_STEP
+            self.rows = -(-rows // self.row_step) * self.row_step
         if positions > self.capacity:
             self.capacity = -(-positions // self.step) * self.step
 
@@ -129,10 +131,13 @@ class BatchKV:
         for _, dst, n in copies:
             dst.offset = n
 
-    def install(self, cache: RowCache, kv: Sequence[tuple[np.ndarray, np.ndarray]],
+    def install(self, cache: RowCache, kv: Sequence[tuple[np.ndarray | mx.array,
+                                                          np.ndarray | mx.array]],
                 dtype: mx.Dtype) -> None:
         """An empty row takes a shipped prompt KV (flow KV): per layer (keys, values)
-        [kv_heads, n, head_dim], written at positions 0..n-1 in the buffers' dtype."""
+        [kv_heads, n, head_dim], written at positions 0..n-1 in the buffers' dtype. A store
+        of one row not allocated yet (a long prompt's own) takes the arrays as its buffers,
+        padded to capacity: one copy, no scatter."""
         if len(kv) != self.n_layers:
             raise ValueError(f"{len(kv)} layers of KV for a model of {self.n_layers}")
         if cache.store is not self or cache.offset:
@@ -142,6 +147,10 @@ class BatchKV:
         slots = self.slot_index(np.full(n, cache.row), np.arange(n), heads)
         for i, (k, v) in enumerate(kv):
             ka, va = (mx.array(a).astype(dtype) for a in (k, v))  # [heads, n, d]
+            if self.keys[i] is None and self.rows == 1:
+                pad = ((0, 0), (0, 0), (0, self.capacity - n), (0, 0))
+                self.keys[i], self.values[i] = mx.pad(ka[None], pad), mx.pad(va[None], pad)
+                continue
             self.keys[i], self.values[i] = self._buffers(i, ka[None], va[None])
             # one row per (position, head): the order of `slot_index`
             rk, rv = (a.transpose(1, 0, 2).reshape(-1, a.shape[2]) for a in (ka, va))

@@ -334,7 +334,7 @@ class BatchEngine:
                     # length would copy every row's keys (a ~1 s stall for a 2,000-token
                     # prompt beside 8 decoders); room for the whole prompt now, one growth
                     store = (self._kv if len(s.req.prompt) <= OWN_STORE_PROMPT
-                             else BatchKV(len(self.lm.model.layers)))
+                             else BatchKV(len(self.lm.model.layers), row_step=1))
                     s.cache = store.open()
                     store.reserve(s.cache.row + 1, len(s.req.prompt))
                 s.rng = make_rng(s.req.params, stream=0)

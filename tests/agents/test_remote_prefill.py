@@ -133,6 +133,9 @@ def test_meter_learns_speeds_and_link():
     assert m.remote_tok_s == 1000.0 and m.link_bytes_s == 2e7
     assert silence_s(512, 1000.0) == 3.0 and silence_s(512, 100.0) == pytest.approx(15.36)
     assert silence_s(512, 0.0) == 60.0  # nothing measured yet: a slow Mac is not a dead one
+    # a speed measured on short prompts, for an 8,000-token one: its last chunks attend over
+    # everything before them (measured ~6x the first chunk's time on one CPU core)
+    assert silence_s(512, 100.0, 8000) >= 6 * silence_s(512, 100.0)
 
 
 def test_stage_decides_and_falls_back(lm):
