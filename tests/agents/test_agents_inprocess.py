@@ -143,7 +143,9 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
         assert (d8.stats.fleet.flows.f3_bytes_per_block
                 < 0.6 * d.stats.fleet.flows.f3_bytes_per_block)
         for bad in ("eagle:../../etc/passwd", "draft:/etc/passwd"):
-            refused = gen(ver, prop, bad, max_tokens=4)  # refused -> plain decoding
+            # refused -> plain decoding (a fixed draft length: the batch asks at once, where
+            # the auto controller may wait to draft until drafts would pay)
+            refused = gen(ver, prop, bad, max_tokens=4, draft_tokens=2)
             assert refused.stats.fleet.proposer_failures == 1
         served, fallback = prop.proposer.served, prop.proposer.fallback_tokens
     finally:
