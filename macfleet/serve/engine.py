@@ -98,6 +98,8 @@ class _Session:
     draft: Draft = EMPTY_DRAFT
     draft_ms: float = 0.0
     k: int = 0  # drafts asked for this block
+    draft_total_ms: float = 0.0
+    verify_total_ms: float = 0.0
     kv: Sequence[tuple[np.ndarray, np.ndarray]] | None = None  # shipped prompt KV to install
     proposer_name: str = "none"
     rng: np.random.Generator | None = None
@@ -519,6 +521,8 @@ class BatchEngine:
             if s.proposer is not None:
                 s.proposer.observe(len(d), n, verify_ms)
         s.controller.observe(len(d), n, s.draft_ms, verify_ms)
+        s.draft_total_ms += s.draft_ms
+        s.verify_total_ms += verify_ms
         if s.req.report_blocks:
             s.emit(BlockDone(block=s.blocks, k=s.k, drafted=len(d), accepted=n,
                              committed=len(new), draft_ms=s.draft_ms, verify_ms=verify_ms,
@@ -543,5 +547,6 @@ class BatchEngine:
         stats = GenerationStats(
             tokens=len(s.generated), elapsed_s=self.clock() - s.t_start, prefill_ms=s.prefill_ms,
             blocks=s.blocks, drafted=s.drafted, accepted=s.accepted,
+            draft_ms=s.draft_total_ms, verify_ms=s.verify_total_ms,
             proposer=s.proposer_name, finish_reason=reason)
         s.emit(Finished(stats, tuple(s.generated)))
