@@ -35,7 +35,8 @@ from macfleet.engine.text import (MAX_PROMPT_TOKENS, Drafting, PromptError, Text
                                   no_drafts, plan_drafting)
 from macfleet.engine.tree_loop import tree_budget
 from macfleet.engine.verifier import Verifier
-from macfleet.serve.engine import ITERATION_HISTORY
+from macfleet.serve.engine import (ITERATION_HISTORY, BatchEngine, EngineRequest, Overloaded,
+                                   SessionFailed)
 from macfleet.stats import BlockFlows, FleetStats, FlowStats, KVFlow
 
 log = logging.getLogger(__name__)
@@ -223,8 +224,6 @@ class VerifierService:
                                        policy=disagg or DisaggPolicy())
 
     def _start_batch(self) -> None:
-        from macfleet.serve.engine import BatchEngine
-
         lock = threading.Lock()
         try:
             self._batch = BatchEngine(self.lm, proposer="none",
@@ -319,8 +318,6 @@ class VerifierService:
         """Into the continuous batch: its chain drafter (remote proposers, in order of
         preference, or this agent's own) drafts per session, cross-round, while the batch
         verifies every session's block in one forward; events become wire messages here."""
-        from macfleet.serve.engine import EngineRequest, Overloaded, SessionFailed
-
         params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
         if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
             raise ProtocolError(BAD_REQUEST, "prefix ids outside the vocabulary")
@@ -348,13 +345,8 @@ class VerifierService:
             elif isinstance(ev, BlockDone):
                 last = (self._last_flows(remote) if remote is not None and ev.k > 0
                         else None) or BlockFlows()
-                self._publish(BlockMetrics(
-                    node_id=self.node_id, session_id=rid, block=ev.block, k=ev.k,
-                    accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
-                    verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
-                    f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes,
-                    f3_ms=last.f3_ms, probe=bool(self.f3_probe_width),
-                    hidden_size=self.lm.hidden_size, **(kv_once if ev.block == 1 else {})))
+                self._publish_block(rid, ev, last, probe=bool(self.f3_probe_width),
+                                    **(kv_once if ev.block == 1 else {}))
             elif isinstance(ev, Finished):
                 tail = stream.finish()
                 if tail:
@@ -385,6 +377,17 @@ class VerifierService:
                 proposer.close()
             code = BUSY if isinstance(e, Overloaded) else BAD_REQUEST
             raise ProtocolError(code, str(e)) from None
+
+    def _publish_block(self, rid: str, ev: BlockDone, last: BlockFlows, *, probe: bool,
+                       **extra) -> None:
+        """One verified block's metrics on the PUB socket (both paths: batched and alone);
+        extra: the shard flow, and flow KV on a session's first block."""
+        self._publish(BlockMetrics(
+            node_id=self.node_id, session_id=rid, block=ev.block, k=ev.k,
+            accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
+            verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
+            f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes, f3_ms=last.f3_ms,
+            probe=probe, hidden_size=self.lm.hidden_size, **extra))
 
     def _batched_kv_flow(self, staged, tokens: int, prefill_ms: float) -> KVFlow:
         """Flow KV of a batched session: installed (its install time is the session's prefill
@@ -547,15 +550,10 @@ class VerifierService:
                     shard = shard_now()
                     sh_bytes, sh_ms, sh_load = block_delta(shard_prev, shard)
                     shard_prev = shard
-                    self._publish(BlockMetrics(
-                        node_id=self.node_id, session_id=msg.request_id, block=ev.block, k=ev.k,
-                        accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
-                        verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
-                        f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes,
-                        f3_ms=last.f3_ms,
+                    self._publish_block(
+                        msg.request_id, ev, last,
                         probe=bool(self.f3_probe_width) and self._feature_tap is None,
-                        hidden_size=self.lm.hidden_size, shard_bytes=sh_bytes, shard_ms=sh_ms,
-                        rank_load=sh_load, **kv_once))
+                        shard_bytes=sh_bytes, shard_ms=sh_ms, rank_load=sh_load, **kv_once)
                     kv_once = {}
                 elif isinstance(ev, Finished):
                     stats = ev.stats

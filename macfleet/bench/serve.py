@@ -193,6 +193,25 @@ def run_clients(url: str, n: int, max_tokens: int, timeout_s: float) -> dict:
             "errors": sorted({r.error for r in results if r.error})}
 
 
+def client_sweep(url: str, mode: str, clients: list[int], max_tokens: int, deadline: float,
+                 progress: Callable[[str], None]) -> list[dict]:
+    """One server: a warm-up request (first-call costs are not serving), then each client
+    count in turn until the deadline."""
+    run_clients(url, 1, 4, timeout_s=60)
+    rows = []
+    for n in clients:
+        left = deadline - time.monotonic()
+        if left < 10:
+            progress(f"{mode}: time limit reached before {n} clients")
+            break
+        r = run_clients(url, n, max_tokens, timeout_s=left)
+        rows.append(r)
+        progress(f"{mode:26s} {n:3d} clients: {r['tokens_per_s']:7.2f} tok/s, TTFT p50 "
+                 f"{r['ttft_p50_s']:.2f}s, ITL p50/p99 {r['itl_p50_s'] * 1e3:.0f}/"
+                 f"{r['itl_p99_s'] * 1e3:.0f} ms, failed {r['failed']}")
+    return rows
+
+
 MODES = {
     "one_at_a_time": ("--max-active", "1", "--proposer", "none"),
     "batched": ("--proposer", "none"),
@@ -213,18 +232,7 @@ def bench_fleet_throughput(model: str, clients: list[int], max_tokens: int, dead
     for mode, (batch, proposer) in FLEET_MODES.items():
         fleet = FleetServer(model, batch, proposer)
         try:
-            run_clients(fleet.url, 1, 4, timeout_s=60)  # warm-up
-            out[mode] = []
-            for n in clients:
-                left = deadline - time.monotonic()
-                if left < 10:
-                    progress(f"{mode}: time limit reached before {n} clients")
-                    break
-                r = run_clients(fleet.url, n, max_tokens, timeout_s=left)
-                out[mode].append(r)
-                progress(f"{mode:26s} {n:3d} clients: {r['tokens_per_s']:7.2f} tok/s, TTFT p50 "
-                         f"{r['ttft_p50_s']:.2f}s, ITL p50/p99 {r['itl_p50_s'] * 1e3:.0f}/"
-                         f"{r['itl_p99_s'] * 1e3:.0f} ms, failed {r['failed']}")
+            out[mode] = client_sweep(fleet.url, mode, clients, max_tokens, deadline, progress)
         finally:
             fleet.stop()
     return out
@@ -253,18 +261,7 @@ def bench_throughput(model: str, clients: list[int], max_tokens: int, deadline: 
         proc, url = (start_mlx_lm_server(mlx_lm_dir) if mode == "mlx_lm_server"
                      else start_server(model, *extra))
         try:
-            run_clients(url, 1, 4, timeout_s=60)  # warm-up: first-call costs are not serving
-            out[mode] = []
-            for n in clients:
-                left = deadline - time.monotonic()
-                if left < 10:
-                    progress(f"{mode}: time limit reached before {n} clients")
-                    break
-                r = run_clients(url, n, max_tokens, timeout_s=left)
-                out[mode].append(r)
-                progress(f"{mode:14s} {n:3d} clients: {r['tokens_per_s']:7.2f} tok/s, TTFT p50 "
-                         f"{r['ttft_p50_s']:.2f}s, ITL p50/p99 {r['itl_p50_s'] * 1e3:.0f}/"
-                         f"{r['itl_p99_s'] * 1e3:.0f} ms, failed {r['failed']}")
+            out[mode] = client_sweep(url, mode, clients, max_tokens, deadline, progress)
         finally:
             stop_server(proc)
     return out

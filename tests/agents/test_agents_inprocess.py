@@ -12,12 +12,11 @@ from agents.daemon import Agent, AgentConfig
 from agents.draft_stream import DraftStream
 from agents.proposer_service import ProposerLimits
 from bridge.errors import BAD_REQUEST, ProtocolError
-from bridge.messages import GenerateChunk, GenerateDone
 from macfleet.cli.common import UserError, parse_draft_tokens
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers import make_proposer
-from macfleet.fleet.client import generate_remote
+from remote_gen import generate_done
 
 KEY = b"k" * 32
 MODEL = "tiny:3"
@@ -36,15 +35,7 @@ def pair():
 def gen(ver, prop, spec, **kw):
     """prop: an Agent, a list of endpoints, or None (the verifier alone)."""
     eps = prop if isinstance(prop, list) else [prop.card.router_endpoint] if prop else []
-    done, ids = None, []
-    for m in generate_remote(ver.card, KEY, prompt="the cat sat on the mat", chat=False,
-                             proposers=eps, proposer_spec=spec, **kw):
-        if isinstance(m, GenerateChunk):
-            ids += m.token_ids
-        elif isinstance(m, GenerateDone):
-            done = m
-    assert done is not None and ids == done.token_ids
-    return done
+    return generate_done(ver.card, KEY, "the cat sat on the mat", eps, spec, **kw)
 
 
 @pytest.mark.parametrize("spec", ["draft:tiny:3", "layerskip:2", "ngram", "draft:tiny:4"])

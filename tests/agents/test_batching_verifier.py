@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from agents.daemon import Agent, AgentConfig
-from bridge.messages import GenerateChunk, GenerateDone
-from macfleet.fleet.client import batch_status, generate_remote
+from bridge.messages import GenerateDone
+from macfleet.fleet.client import batch_status
+from remote_gen import generate_done
 
 KEY = b"k" * 32
 MODEL = "tiny:3"
@@ -35,15 +36,7 @@ def agents():
 
 
 def run(ver: Agent, prompt: str, eps: list[str], spec: str, **kw) -> GenerateDone:
-    done, ids = None, []
-    for m in generate_remote(ver.card, KEY, prompt=prompt, chat=False, proposers=eps,
-                             proposer_spec=spec, **kw):
-        if isinstance(m, GenerateChunk):
-            ids += m.token_ids
-        elif isinstance(m, GenerateDone):
-            done = m
-    assert done is not None and ids == done.token_ids
-    return done
+    return generate_done(ver.card, KEY, prompt, eps, spec, **kw)
 
 
 def test_concurrent_sessions_share_forwards_and_match_one_at_a_time(agents):
