@@ -133,30 +133,40 @@ class BatchKV:
 
     def install(self, cache: RowCache, kv: Sequence[tuple[np.ndarray | mx.array,
                                                           np.ndarray | mx.array]],
-                dtype: mx.Dtype) -> None:
+                dtype: mx.Dtype, layers: range | None = None) -> None:
         """An empty row takes a shipped prompt KV (flow KV): per layer (keys, values)
         [kv_heads, n, head_dim], written at positions 0..n-1 in the buffers' dtype. A store
         of one row not allocated yet (a long prompt's own) takes the arrays as its buffers,
-        padded to capacity: one copy, no scatter."""
+        padded to capacity: one copy, no scatter.
+
+        layers: only these (a slice of the install, so a long prompt's copy can be spread over
+        several iterations); the row's offset is set once the last layer is in."""
         if len(kv) != self.n_layers:
             raise ValueError(f"{len(kv)} layers of KV for a model of {self.n_layers}")
         if cache.store is not self or cache.offset:
             raise ValueError("a shipped KV goes into an empty row of this store")
+        layers = range(self.n_layers) if layers is None else layers
+        if not 0 <= layers.start <= layers.stop <= self.n_layers:
+            raise ValueError(f"layers {layers} out of 0..{self.n_layers}")
         heads, n, _ = kv[0][0].shape
         self.reserve(cache.row + 1, n)
-        slots = self.slot_index(np.full(n, cache.row), np.arange(n), heads)
-        for i, (k, v) in enumerate(kv):
+        slots = None
+        for i in layers:
+            k, v = kv[i]
             ka, va = (mx.array(a).astype(dtype) for a in (k, v))  # [heads, n, d]
             if self.keys[i] is None and self.rows == 1:
                 pad = ((0, 0), (0, 0), (0, self.capacity - n), (0, 0))
                 self.keys[i], self.values[i] = mx.pad(ka[None], pad), mx.pad(va[None], pad)
-                continue
-            self.keys[i], self.values[i] = self._buffers(i, ka[None], va[None])
-            # one row per (position, head): the order of `slot_index`
-            rk, rv = (a.transpose(1, 0, 2).reshape(-1, a.shape[2]) for a in (ka, va))
-            self._scatter(i, rk, rv, slots)
-        mx.eval(self.state)
-        cache.offset = n
+            else:
+                if slots is None:
+                    slots = self.slot_index(np.full(n, cache.row), np.arange(n), heads)
+                self.keys[i], self.values[i] = self._buffers(i, ka[None], va[None])
+                # one row per (position, head): the order of `slot_index`
+                rk, rv = (a.transpose(1, 0, 2).reshape(-1, a.shape[2]) for a in (ka, va))
+                self._scatter(i, rk, rv, slots)
+            mx.eval(self.keys[i], self.values[i])
+        if layers.stop == self.n_layers:
+            cache.offset = n
 
     def _scatter(self, i: int, k: mx.array, v: mx.array, slots: mx.array) -> None:
         """Layer i's buffers (allocated, reserved size) with rows k, v [n, head_dim] written at

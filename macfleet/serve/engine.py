@@ -49,6 +49,10 @@ ITERATION_HISTORY = 256
 POOL_BLOCKS = 256  # recent drafted blocks whose acceptance every session's estimate leans on
 PROBE_EVERY = 16  # a session tries one draft at least this often, whatever the estimates say
 OWN_STORE_PROMPT = 512  # prompts longer than this keep their KV in a store of their own
+# a shipped KV (flow KV) is copied into the batch a few layers per iteration while others
+# decode: each iteration spends at most this share of a decode-only iteration on it
+DEFAULT_INSTALL_SHARE = 0.25
+DEFAULT_DECODE_MS = 100.0  # the decode iteration assumed before one is measured
 
 
 class Overloaded(RuntimeError):
@@ -101,6 +105,8 @@ class _Session:
     draft_total_ms: float = 0.0
     verify_total_ms: float = 0.0
     kv: Sequence[tuple[np.ndarray, np.ndarray]] | None = None  # shipped prompt KV to install
+    installed: int = 0  # layers of `kv` in the cache so far
+    layer_ms: float = 0.0  # the longest one layer of it took to install
     proposer_name: str = "none"
     rng: np.random.Generator | None = None
     times: TokenTimes = field(default_factory=lambda: TokenTimes(0.0))
@@ -146,12 +152,15 @@ class BatchEngine:
                  max_active: int = DEFAULT_MAX_ACTIVE, max_queue: int = DEFAULT_MAX_QUEUE,
                  chunked: bool = True, invariant: bool = False,
                  stall_ratio: float = DEFAULT_STALL_RATIO,
+                 install_share: float = DEFAULT_INSTALL_SHARE,
                  clock: Callable[[], float] = time.perf_counter,
                  compute_lock: threading.Lock | None = None) -> None:
         """stall_ratio: prefill chunks are sized so an iteration costs at most this many times
         a decode-only one (0: only the token budget bounds them); compute_lock: held around
         each iteration, when another thread runs the same model (the verifier agent's
-        one-session path)."""
+        one-session path); install_share: a shipped prompt KV is copied into the batch a few
+        layers per iteration, at most this share of a decode-only iteration's time each, while
+        other sessions decode (0: all at once)."""
         check_batchable(lm.model)
         if proposer.partition(":")[0] in ("eagle", "eagle2"):
             raise ValueError("EAGLE drafts need each session's hidden states, which the flat "
@@ -166,6 +175,7 @@ class BatchEngine:
         self.chunked, self.invariant, self.clock = chunked, invariant, clock
         self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
         self._stall = StallControl(stall_ratio)
+        self.install_share = install_share
         self._cost = IterationCost()  # iterations' ms vs tokens, for draft lengths
         self._pool: deque[tuple[int, int]] = deque(maxlen=POOL_BLOCKS)  # (trials, accepted)
         # every session's KV is a row of one store (flat batch), or its own caches (invariant)
@@ -299,10 +309,14 @@ class BatchEngine:
                 if idle_wait_s:
                     self._cv.wait(idle_wait_s)
                 return False
-        batch = list(self._active)
+            batch = [s for s in self._active if s.kv is None]
+            installing = [s for s in self._active if s.kv is not None]
         try:
             with self._compute:
-                self._iteration(batch)
+                if installing:
+                    self._install_some(installing, others_decode=bool(batch))
+                if batch:
+                    self._iteration(batch)
         except Exception as e:  # noqa: BLE001 - the engine outlives any one bad iteration
             log.exception("batch iteration failed")
             for s in batch:
@@ -340,27 +354,66 @@ class BatchEngine:
                     s.cache = store.open()
                     store.reserve(s.cache.row + 1, len(s.req.prompt))
                 s.rng = make_rng(s.req.params, stream=0)
-                if s.kv is not None:
-                    self._install(s)
+                if s.kv is not None and not isinstance(s.cache, RowCache):
+                    self._install(s)  # batch-invariant mode: per-session caches, at once
             except Exception as e:  # noqa: BLE001 - one bad session fails alone
                 log.exception("session %d could not start", s.sid)
                 self._finish(s, failed=f"could not start: {type(e).__name__}: {e}")
                 continue
             self._active.append(s)
 
-    def _install(self, s: _Session) -> None:
-        """A shipped prompt KV into the session's fresh cache: it starts decoding at once."""
-        from macfleet.engine.kvship import install, model_layout
+    def _layout_dtype(self) -> mx.Dtype:
+        from macfleet.engine.kvship import model_layout
 
         if self._layout is None:
             self._layout = model_layout(self.lm.model)
-        if isinstance(s.cache, RowCache):
-            s.cache.store.install(s.cache, s.kv, getattr(mx, self._layout.dtype))
-        else:
-            install(s.cache, self._layout, s.kv)
+        return getattr(mx, self._layout.dtype)
+
+    def _install(self, s: _Session) -> None:
+        """A shipped prompt KV into the session's fresh per-layer caches, all at once."""
+        from macfleet.engine.kvship import install
+
+        self._layout_dtype()
+        install(s.cache, self._layout, s.kv)
+        self._installed(s)
+
+    def _installed(self, s: _Session) -> None:
         s.kv = None
         s.prefilled = len(s.req.prompt) - 1
         s.prefill_ms = (self.clock() - s.t_start) * 1e3
+
+    def _install_some(self, installing: list[_Session], others_decode: bool) -> None:
+        """Copy shipped prompt KVs into their batch rows, layer by layer, oldest first. While
+        other sessions decode, one iteration spends at most `install_share` of a decode-only
+        iteration on it (at least one layer, so an install always moves): a long prompt's KV
+        (an 8,000-token one is ~1 s of copying here) never stalls the batch in one piece. A
+        session joins the forward once its last layer is in."""
+        share = self.install_share if others_decode else 0.0
+        budget_ms = share * (self._stall.decode_ms or DEFAULT_DECODE_MS)
+        t0 = self.clock()
+        dtype = self._layout_dtype()
+        moved = False
+        for s in installing:
+            n_layers = len(s.kv)
+            while s.installed < n_layers:
+                spent = (self.clock() - t0) * 1e3
+                if share > 0 and moved and spent + s.layer_ms > budget_ms:
+                    return
+                moved = True
+                t1 = self.clock()
+                try:
+                    s.cache.store.install(s.cache, s.kv, dtype, range(s.installed,
+                                                                       s.installed + 1))
+                except Exception as e:  # noqa: BLE001 - one bad KV fails its session alone
+                    log.exception("session %d: shipped KV could not be installed", s.sid)
+                    with self._cv:
+                        self._finish(s, failed=f"could not install the shipped KV: "
+                                               f"{type(e).__name__}: {e}")
+                    break
+                s.layer_ms = max(s.layer_ms, (self.clock() - t1) * 1e3)
+                s.installed += 1
+                if s.installed == n_layers:
+                    self._installed(s)
 
     def _drop_if_cancelled(self, s: _Session) -> bool:
         if s.cancelled:

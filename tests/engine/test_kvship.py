@@ -147,3 +147,46 @@ def test_shipped_kv_joins_the_batch_with_identical_greedy_ids(tiny, prompt_len):
     computed, _ = run(None)
     assert shipped == computed and len(shipped["long"]) == 24
     assert sum(it.prefill_tokens for it in hist) == len(short) - 1  # the long prompt: none
+
+
+@pytest.mark.parametrize("prompt_len", [300, 700])  # a row of the shared store | its own store
+def test_a_shipped_kv_goes_in_a_layer_per_iteration_while_others_decode(tiny, prompt_len):
+    """With a tiny install share, each iteration copies one layer of the shipped KV and the
+    decoding session keeps committing tokens meanwhile; the long session joins the forward
+    only once every layer is in, and its ids are those of an all-at-once install."""
+    from macfleet.engine.events import Finished as Done
+    from macfleet.engine.events import TokensCommitted
+    from macfleet.engine.sampling import GREEDY
+    from macfleet.serve.engine import BatchEngine, EngineRequest
+
+    ids, short = _ids(tiny, prompt_len, seed=5), _ids(tiny, 12, seed=6)
+    kv = _ship(tiny, ids[:-1], "auto").arrays()
+    layers = len(kv)
+    out, short_tokens = {}, []
+
+    def emit(name):
+        def f(ev):
+            if isinstance(ev, Done):
+                out[name] = ev.token_ids
+            elif isinstance(ev, TokensCommitted) and name == "short":
+                short_tokens.append(len(ev.tokens))
+        return f
+
+    eng = BatchEngine(tiny, proposer="none", install_share=1e-9)
+    eng.submit(EngineRequest(tuple(short), GREEDY, 40), emit("short"))
+    eng.step()  # the short prompt is prefilled; it decodes from here on
+    long = eng.submit(EngineRequest(tuple(ids), GREEDY, 16), emit("long"), kv=kv)
+    for i in range(1, layers + 1):
+        before = len(short_tokens)
+        eng.step()
+        assert long._s.installed == i
+        assert (long._s.cache.offset == 0) == (i < layers)  # not in the forward before
+        assert len(short_tokens) == before + 1  # the short session went on decoding
+    eng.run_until_idle()
+    at_once = BatchEngine(tiny, proposer="none", install_share=0.0)
+    ref = {}
+    at_once.submit(EngineRequest(tuple(ids), GREEDY, 16),
+                   lambda ev: isinstance(ev, Done) and ref.__setitem__("long", ev.token_ids),
+                   kv=kv)
+    at_once.run_until_idle()
+    assert out["long"] == ref["long"] and len(ref["long"]) == 16
