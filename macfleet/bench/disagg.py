@@ -9,16 +9,26 @@ long prompt's KV over flow KV while the batch keeps decoding, installs it in a b
 decodes it with the others. Reported per prompt size and mode: the short sessions' inter-token
 gaps inside the window from the long prompt's arrival to its first token (p50, p99, max; the
 goal: p99 <= 1.5x p50 with a prefill agent), the long prompt's time to first token, the KV flow
-(bytes, ms), and whether its greedy ids equal the verifier-alone ones. Loopback only.
+(bytes, ms), and whether its greedy ids equal the verifier-alone ones.
+
+Links: `loopback` (every agent on 127.0.0.1), and `netns-wifi`: the verifier and the prefill
+agent each in a network namespace of the test bed (tests/testbed/netns.py: one Linux bridge,
+each host's egress a 100 Mbit/s `tbf`, a Wi-Fi-like link), this process on the bridge as the
+clients' host; the agents find each other by Zeroconf multicast across the bridge, the KV
+crosses the rate-limited link. Needs root and a source checkout (skipped, with the reason,
+otherwise).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -125,6 +135,55 @@ def start_pinned(agents: list[tuple[str, int | None, list[str]]], *, model: str,
         raise
 
 
+LINKS = ("loopback", "netns-wifi")
+ROOT_HOST = 254  # this process's address on the test bed's bridge: <subnet>.254
+
+
+@contextlib.contextmanager
+def agents_up(link: str, agents: list[tuple[str, int | None, list[str]]], *, model: str,
+              key: bytes, key_path: Path, run_dir: Path) -> Iterator:
+    """The agents (role, core, extra args) on `link`; yields the first one's (the verifier's)
+    card once every agent is discovered; stops them all on exit."""
+    if link == "loopback":
+        fleet = start_pinned(agents, model=model, key=key, key_path=key_path, run_dir=run_dir)
+        try:
+            yield fleet.card(fleet.agents[0])
+        finally:
+            fleet.stop()
+        return
+    if link != "netns-wifi":
+        raise ValueError(f"unknown link {link!r} (one of {', '.join(LINKS)})")
+    from macfleet.bench.f3 import load_testbed
+
+    netns, why = load_testbed()
+    if why:
+        raise RuntimeError(f"netns-wifi: {why}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with netns.Testbed(len(agents), rate=netns.WIFI_RATE) as tb:
+        root_ip = tb.join_root(ROOT_HOST)
+        names = []
+        for i, (host, (role, cpu, extra)) in enumerate(zip(tb.hosts, agents)):
+            names.append(f"{role}-{i}")
+            cmd = [sys.executable, "-m", "macfleet", "agent", "--role", role, "--model", model,
+                   "--name", names[-1], "--bind", host.ip, "--key", str(key_path),
+                   *(["--cpu", str(cpu)] if cpu is not None else []), *extra]
+            env = dict(os.environ, OPENBLAS_NUM_THREADS="1") if cpu is not None else None
+            with open(run_dir / f"{names[-1]}.log", "ab") as log:
+                tb.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, env=env)
+        with Browser(fleet_id=fleet_id(key), interfaces=[root_ip]) as b:
+            deadline = time.monotonic() + DEFAULT_START_TIMEOUT_S
+            while time.monotonic() < deadline:
+                cards = {c.name: c for c in b.cards() if c.name in names}
+                if len(cards) == len(names):
+                    break
+                time.sleep(0.2)
+            else:
+                raise local.FleetStartError(f"netns agents not all up; logs in {run_dir}")
+        time.sleep(1.0)  # the verifier's own browser sees the prefill agent too
+        yield cards[names[0]]
+
+
 def scenario(card, key: bytes, long_text: str, *, shorts: int, long_tokens: int
              ) -> tuple[list[Timed], tuple[float, float]]:
     """`shorts` sessions start together and decode; once every one of them streams, the long
@@ -211,7 +270,8 @@ def summarize(runs: list[Timed], window: tuple[float, float]) -> dict:
     before = [g for r in shorts for g in window_gaps(r, window)[1]]
     p50, p99 = pct(inside, 0.5), pct(inside, 0.99)
     return {"window_s": round(window[1] - window[0], 3), "gaps_in_window": len(inside),
-            "short_itl_before_s": {"p50": round(pct(before, 0.5), 4)},
+            "short_itl_before_s": {"p50": round(pct(before, 0.5), 4),
+                                   "p99": round(pct(before, 0.99), 4), "gaps": len(before)},
             "short_itl_s": {"p50": round(p50, 4), "p99": round(p99, 4),
                             "max": round(max(inside, default=0.0), 4)},
             "p99_over_p50": round(p99 / p50, 2) if p50 else None,
@@ -221,19 +281,28 @@ def summarize(runs: list[Timed], window: tuple[float, float]) -> dict:
 
 def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (2000, 8000),
                  shorts: int = DEFAULT_SHORT_SESSIONS, long_tokens: int = DEFAULT_LONG_TOKENS,
-                 codecs: tuple[str, ...] = ("auto",),
+                 codecs: tuple[str, ...] = ("auto",), links: tuple[str, ...] = LINKS,
                  progress: Callable[[str], None] = lambda m: None) -> dict:
+    from macfleet.bench.f3 import load_testbed
     from macfleet.engine.models import load_model
 
     tok = load_model(model).tokenizer
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     v_cpu, p_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
-    modes = [("verifier alone", None)] + [(f"prefill agent ({c})", c) for c in codecs]
+    skipped = {}
+    if "netns-wifi" in links:
+        why = load_testbed()[1]
+        if why:
+            skipped["netns-wifi"] = why
+            links = tuple(ln for ln in links if ln != "netns-wifi")
+    modes = [("verifier alone", None, "loopback")] + [
+        (f"prefill agent ({c})" + ("" if ln == "loopback" else f", {ln}"), c, ln)
+        for ln in links for c in codecs]
     sizes = []
     for n in prompt_tokens:
         long_text = long_prompt(tok, n)
         results, ids = [], {}
-        for label, codec in modes:
+        for label, codec, link in modes:
             with tempfile.TemporaryDirectory(prefix="macfleet-disagg-") as tmp:
                 key_path = Path(tmp) / "fleet.key"
                 key = keygen(key_path)
@@ -241,18 +310,15 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
                            ["--kv-codec", codec])]
                 if codec is not None:
                     agents.append(("prefill", p_cpu, []))
-                progress(f"{n} tokens, {label}: starting {len(agents)} agent(s) ({model})")
-                fleet = start_pinned(agents, model=model, key=key, key_path=key_path,
-                                     run_dir=Path(tmp) / "run")
-                try:
-                    card = fleet.card(fleet.agents[0])
+                progress(f"{n} tokens, {label}: starting {len(agents)} agent(s) ({model}, "
+                         f"{link})")
+                with agents_up(link, agents, model=model, key=key, key_path=key_path,
+                               run_dir=Path(tmp) / "run") as card:
                     run_one("warm-up", card, key, "Hi", 4, time.perf_counter())
                     runs, window = scenario(card, key, long_text, shorts=shorts,
                                             long_tokens=long_tokens)
-                finally:
-                    fleet.stop()
             ids[label] = next(r.token_ids for r in runs if r.name == "long")
-            r = {"mode": label, "codec": codec, **summarize(runs, window)}
+            r = {"mode": label, "codec": codec, "link": link, **summarize(runs, window)}
             results.append(r)
             progress(f"{n} tokens, {label}: long TTFT {r['long_ttft_s']} s; short ITL in the "
                      f"window p50 {r['short_itl_s']['p50'] * 1e3:.0f} ms, p99 "
@@ -267,5 +333,49 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
                         f"the long prompt arrives {LONG_AFTER_S} s later; their inter-token gaps "
                         "in the window from its arrival to its first token",
             "goal": "with a prefill agent, short p99 ITL in the window <= 1.5x its p50",
-            "link": "loopback", "cores": {"verifier": v_cpu, "prefill": p_cpu},
+            "links": {"loopback": "every agent on 127.0.0.1",
+                      "netns-wifi": "verifier and prefill agent in two network namespaces on a "
+                                    "Linux bridge, each host's egress a tbf rate 100mbit burst "
+                                    "32kbit latency 50ms (tests/testbed/netns.py WIFI_*); the "
+                                    "clients on the bridge"},
+            "skipped": skipped, "cores": {"verifier": v_cpu, "prefill": p_cpu},
             "sizes": sizes}
+
+
+def plot(res: dict, path: Path) -> Path | None:
+    """Per prompt size, the short sessions' p50/p99 inter-token gap in the window per mode
+    (and the p50 before the long prompt arrived); None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    sizes = res["sizes"]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.8), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        modes = size["modes"]
+        x = range(len(modes))
+        p50 = [m["short_itl_s"]["p50"] * 1e3 for m in modes]
+        p99 = [m["short_itl_s"]["p99"] * 1e3 for m in modes]
+        ax.bar([i - 0.2 for i in x], p50, 0.4, label="p50 in the window", color="tab:blue")
+        ax.bar([i + 0.2 for i in x], p99, 0.4, label="p99 in the window", color="tab:orange")
+        for i, m in enumerate(modes):
+            before = m["short_itl_before_s"]["p50"] * 1e3
+            ax.plot([i - 0.4, i + 0.4], [before] * 2, color="black", lw=1.5,
+                    label="p50 before it arrived" if i == 0 else None)
+            ax.text(i, p99[i], f"{m['p99_over_p50']}x\nTTFT {m['long_ttft_s']:.0f} s",
+                    ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([m["mode"].replace(" (", "\n(") for m in modes], fontsize=7)
+        ax.set_ylabel("short sessions' inter-token gap (ms)")
+        ax.set_title(f"{size['prompt_tokens']:,}-token prompt arrives")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"{res['short_sessions']} decoding sessions while a long prompt is prefilled "
+                 f"(goal: p99 <= 1.5x p50 with a prefill agent)", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

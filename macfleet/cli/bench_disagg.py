@@ -13,11 +13,14 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--sessions", type=int, default=4, help="sessions already decoding")
     s.add_argument("--codecs", default="auto", help="KV codecs to run with a prefill agent, "
                    "comma-separated (auto,float16,int8)")
+    s.add_argument("--links", default="loopback,netns-wifi", help="links to run the prefill "
+                   "agent over, comma-separated (netns-wifi: two network namespaces with a "
+                   "100 Mbit/s tbf; needs root, skipped otherwise)")
     s.set_defaults(func=run_disagg)
 
 
 def run_disagg(args) -> int:
-    from macfleet.bench.disagg import bench_disagg
+    from macfleet.bench.disagg import LINKS, bench_disagg, plot
     from macfleet.bench.record import write_result
     from macfleet.cli.common import UserError
 
@@ -25,8 +28,11 @@ def run_disagg(args) -> int:
         sizes = tuple(int(x) for x in args.prompt_tokens.split(",") if x)
     except ValueError:
         raise UserError("--prompt-tokens: comma-separated token counts") from None
+    links = tuple(x for x in args.links.split(",") if x)
+    if not links or any(x not in LINKS for x in links):
+        raise UserError(f"--links: comma-separated, from {', '.join(LINKS)}")
     res = bench_disagg(model=args.model, prompt_tokens=sizes, shorts=args.sessions,
-                       codecs=tuple(c for c in args.codecs.split(",") if c),
+                       codecs=tuple(c for c in args.codecs.split(",") if c), links=links,
                        progress=lambda m: print(m, file=sys.stderr, flush=True))
     path = write_result("disagg.json", res, args.out)
     print(f"{'prompt':>6s} {'mode':24s} {'long TTFT s':>11s} {'ITL p50/p99 ms':>15s} "
@@ -38,5 +44,8 @@ def run_disagg(args) -> int:
                   f"{itl['p50'] * 1e3:>7.0f}/{itl['p99'] * 1e3:<7.0f} {m['p99_over_p50'] or 0:>7.2f}"
                   f" {kv.get('kv_bytes', 0) / 1e6:>7.1f} {kv.get('kv_ms', 0):>8.0f} "
                   f"{m['long_ids_identical_to_verifier_alone']}")
-    print(f"wrote {path}")
+    for link, why in res["skipped"].items():
+        print(f"skipped {link}: {why}")
+    png = plot(res, path.with_suffix(".png"))
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 0

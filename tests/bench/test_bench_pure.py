@@ -67,3 +67,22 @@ def test_drafter_summary_pools_prompts_and_picks_the_best_by_geometric_mean():
     summary["all"]["b"]["speedup_min"] = 0.94
     assert best_spec(summary, ["none", "a", "b"]) == ("b", 1.1)
     assert summarize([plain], None)["tau"] == 0.0
+
+
+def test_disagg_summary_splits_gaps_at_the_window_and_plots(tmp_path):
+    """Gaps ending before the long prompt's arrival count as 'before', those ending inside
+    the window as the stall figures; a gap after the window counts for neither."""
+    from macfleet.bench.disagg import Timed, plot, summarize
+
+    short = Timed("short-1.0", 0.0, 0.5, (0.1,) * 10 + (0.3,) + (0.1,) * 9 + (5.0,), 21, (), {})
+    long = Timed("long", 1.0, 1.5, (), 1, (), {"where": "remote"})
+    # tokens at 0.5, 0.6, ..., 1.5, 1.8, 1.9, ..., 2.7, 7.7: 21 gaps, 4 after the window
+    s = summarize([long, short], (1.45, 2.45))
+    assert (s["gaps_in_window"], s["short_itl_before_s"]["gaps"]) == (8, 9)
+    assert s["short_itl_s"]["max"] == 0.3 and s["short_itl_s"]["p50"] == 0.1
+    assert s["short_itl_before_s"] == {"p50": 0.1, "p99": 0.1, "gaps": 9}
+    assert s["p99_over_p50"] == 3.0 and s["long_ttft_s"] == 1.5
+    pytest.importorskip("matplotlib")
+    res = {"short_sessions": 1, "sizes": [{"prompt_tokens": 2000, "modes": [
+        {"mode": "prefill agent (auto)", **s}]}]}
+    assert plot(res, tmp_path / "disagg.png").stat().st_size > 0

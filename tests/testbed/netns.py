@@ -59,6 +59,7 @@ class Testbed:
         if not 1 <= n <= 50:
             raise ValueError("1..50 hosts")
         self.tag = tag or f"{os.getpid() % 100000}"
+        self.subnet = subnet
         self.bridge = f"mfbr{self.tag}"[:15]
         self.hosts: list[Host] = []
         self._procs: list[subprocess.Popen] = []
@@ -88,6 +89,13 @@ class Testbed:
                 WIFI_BURST, "latency", WIFI_LATENCY, ns=h.name)
         self.hosts.pop()
         return h
+
+    def join_root(self, host: int = 254) -> str:
+        """Give the bridge an address (<subnet>.host) in the root namespace, so processes here
+        reach the hosts (and browse their Zeroconf) across it; returns the address."""
+        ip = f"{self.subnet}.{host}"
+        _ip("ip", "addr", "add", f"{ip}/24", "dev", self.bridge)
+        return ip
 
     def popen(self, host: Host, cmd: list[str], **kw) -> subprocess.Popen:
         """Start a process inside the host's namespace (killed by close())."""
