@@ -59,6 +59,9 @@ class AgentConfig:
     # verifier: sessions verified together in one forward (continuous batching; 0: one at a
     # time; None: the verifier's default). A sharded verifier runs one session at a time.
     batch_sessions: int | None = None
+    # verifier: prefill chunks sized so a batch iteration costs at most this many decode-only
+    # ones (None: the verifier's default)
+    stall_ratio: float | None = None
 
 
 DEFAULT_FD_TARGET = 65536
@@ -142,6 +145,13 @@ class Agent:
         else:
             self.verifier = self._verifier_service()
 
+    def _verifier_limits(self):
+        from agents.verifier_service import VerifierLimits
+
+        given = {k: v for k, v in (("batch_sessions", self.cfg.batch_sessions),
+                                   ("stall_ratio", self.cfg.stall_ratio)) if v is not None}
+        return VerifierLimits(**given)
+
     def _verifier_service(self, verifier=None, on_fatal=None):
         from agents.specs import SpecPolicy
         from agents.verifier_service import VerifierService
@@ -155,11 +165,9 @@ class Agent:
             self._browser = Browser(fleet_id=fleet_id(self.cfg.key), interfaces=(
                 LOOPBACK_ONLY if self.cfg.loopback_only else ALL_INTERFACES))
             endpoints = self._prefill_endpoints
-        from agents.verifier_service import VerifierLimits
 
         return VerifierService(self.lm, node_id=self.node_id, key=self.cfg.key,
-                               limits=VerifierLimits() if self.cfg.batch_sessions is None
-                               else VerifierLimits(batch_sessions=self.cfg.batch_sessions),
+                               limits=self._verifier_limits(),
                                publish=self.publish, f3_probe=self.cfg.f3_probe,
                                verifier=verifier, on_fatal=on_fatal, f3_codec=self.cfg.f3_codec,
                                policy=policy, prefill_endpoints=endpoints,

@@ -37,6 +37,7 @@ from macfleet.engine.tree_loop import tree_budget
 from macfleet.engine.verifier import Verifier
 from macfleet.serve.engine import (ITERATION_HISTORY, BatchEngine, EngineRequest, Overloaded,
                                    SessionFailed)
+from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
 from macfleet.stats import BlockFlows, FleetStats, FlowStats, KVFlow
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,8 @@ class VerifierLimits:
     max_tokens: int = DEFAULT_MAX_TOKENS_CAP
     batch_sessions: int = DEFAULT_BATCH_SESSIONS  # sessions in one batched forward (0: off)
     batch_queue: int = DEFAULT_BATCH_QUEUE  # requests waiting for a batch slot
+    # prefill chunks sized so a batch iteration costs at most this many decode-only ones
+    stall_ratio: float = DEFAULT_STALL_RATIO
 
 
 def batchable(msg: GenerateRequest) -> bool:
@@ -228,7 +231,8 @@ class VerifierService:
         try:
             self._batch = BatchEngine(self.lm, proposer="none",
                                       max_active=self.limits.batch_sessions,
-                                      max_queue=self.limits.batch_queue, compute_lock=lock)
+                                      max_queue=self.limits.batch_queue,
+                                      stall_ratio=self.limits.stall_ratio, compute_lock=lock)
         except ValueError as e:  # a model the flat forward cannot run: one session at a time
             log.warning("no continuous batching for %s: %s", self.lm.spec, e)
             return

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from agents.specs import PROPOSER_KINDS
+from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
 from macfleet.topology.disagg import DEFAULT_MIN_PROMPT_TOKENS
 from macfleet.cli.common import UserError, add_key_args, fleet_key
 
@@ -48,6 +49,10 @@ def add_parser(sub) -> None:
     a.add_argument("--batch-sessions", type=int, default=None, metavar="N",
                    help="verifier: sessions verified together in one forward (continuous "
                         "batching of speculative blocks; default 16); 0: one at a time")
+    a.add_argument("--stall-ratio", type=float, default=None, metavar="R",
+                   help="verifier: size prefill chunks so a batch iteration costs at most R "
+                        "decode-only ones (default %s; 0: the token budget only)"
+                        % DEFAULT_STALL_RATIO)
     a.add_argument("--f3-probe", action="store_true", help="verifier: send a hidden-state-"
                    "sized probe with each block so the dashboard's F3 row is measured")
     a.add_argument("--kv-codec", choices=KV_CODECS, default="auto", help="verifier: how a "
@@ -67,6 +72,9 @@ def add_parser(sub) -> None:
     u.add_argument("--batch-sessions", type=int, default=None, metavar="N",
                    help="the verifier's continuous batch: sessions per forward (default 16; "
                         "0: one session at a time)")
+    u.add_argument("--stall-ratio", type=float, default=None, metavar="R",
+                   help="the verifier's prefill chunks: a batch iteration costs at most R "
+                        "decode-only ones (default %s)" % DEFAULT_STALL_RATIO)
     u.add_argument("--shard", type=int, default=0, metavar="N",
                    help="shard the verifier over N agents (mlx.distributed ring)")
     u.add_argument("--shard-mode", choices=SHARD_MODES, default="pipeline")
@@ -105,6 +113,8 @@ def run_agent(args) -> int:
                       f3_probe=args.f3_probe, heads_dir=args.heads, f3_codec=args.f3_codec,
                       allow_hub=args.allow_hub, max_conns_per_peer=args.max_conns_per_peer,
                       batch_sessions=args.batch_sessions,
+                      stall_ratio=None if args.stall_ratio is None
+                      else check_stall_ratio(args.stall_ratio),
                       disagg=None if args.no_disagg else DisaggPolicy(
                           codec=args.kv_codec, min_prompt_tokens=args.prefill_min_tokens))
     try:
@@ -132,7 +142,15 @@ def verifier_args(args) -> list[str]:
         if args.batch_sessions < 0:
             raise UserError("--batch-sessions must be >= 0")
         out += ["--batch-sessions", str(args.batch_sessions)]
+    if getattr(args, "stall_ratio", None) is not None:
+        out += ["--stall-ratio", str(check_stall_ratio(args.stall_ratio))]
     return out
+
+
+def check_stall_ratio(r: float) -> float:
+    if not 0 <= r <= 100:
+        raise UserError(f"--stall-ratio must be in 0..100, got {r}")
+    return r
 
 
 def run_up(args) -> int:

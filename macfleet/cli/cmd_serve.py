@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from macfleet.cli.common import UserError, add_key_args, parse_draft_tokens
+from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="sessions waiting for a slot")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="feed each prompt in one iteration (to measure the decode stall)")
-    p.add_argument("--stall-ratio", type=float, default=2.0,
+    p.add_argument("--stall-ratio", type=float, default=DEFAULT_STALL_RATIO,
                    help="size prefill chunks so an iteration costs at most this many times a "
                    "decode-only one (chunks follow measured iteration times; 0: token budget only)")
     p.add_argument("--batch-invariant", action="store_true",

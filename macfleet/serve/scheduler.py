@@ -71,7 +71,7 @@ def plan_iteration(sessions: Sequence[SessionView], budget: int = DEFAULT_TOKEN_
     return tuple(slots)
 
 
-DEFAULT_STALL_RATIO = 2.0
+DEFAULT_STALL_RATIO = 1.5
 MIN_PREFILL_CHUNK = 8
 STALL_EMA = 0.2
 MAX_CHUNK_GROWTH = 1.5

@@ -125,6 +125,31 @@ def test_chunked_prefill_keeps_decoders_going(tiny):
     assert max(r.prefill_tokens for r in eng2.history) == len(long.prompt) - 1
 
 
+def test_a_chat_turn_joining_decoders_is_chunked_by_the_stall_control(tiny):
+    """A prompt shorter than the token budget goes in at once when nobody decodes, but in
+    stall-control chunks (the first one MIN_PREFILL_CHUNK tokens, before any cost is measured)
+    when it joins a decoding session; stall_ratio 0 turns that off. Its ids do not change."""
+    from macfleet.serve.scheduler import MIN_PREFILL_CHUNK
+
+    first, turn = _prompts(tiny.vocab_size, 2, 11, 60, 61)
+
+    def run(**kw):
+        eng, out = BatchEngine(tiny, proposer="none", **kw), {}
+        eng.submit(EngineRequest(first, GREEDY, 30), lambda ev: None)
+        eng.step()
+        eng.step()  # the first session decodes
+        eng.submit(EngineRequest(turn, GREEDY, 8),
+                   lambda ev: isinstance(ev, Finished) and out.__setitem__("ids", ev.token_ids))
+        eng.run_until_idle()
+        return [r.prefill_tokens for r in eng.history if r.prefill_tokens][1:], out["ids"]
+
+    chunks, ids = run()
+    assert chunks[0] == MIN_PREFILL_CHUNK and len(chunks) >= 2 and sum(chunks) == len(turn) - 1
+    assert ids == _alone(tiny, turn, 8)
+    at_once, ids0 = run(stall_ratio=0.0)
+    assert at_once == [len(turn) - 1] and ids0 == ids
+
+
 def test_cancel_frees_the_session_and_others_finish(tiny):
     eng = BatchEngine(tiny, proposer="none")
     events: list = []
