@@ -34,6 +34,7 @@ import mlx.nn as nn
 import numpy as np
 
 from macfleet.engine.layers import head_logits
+from macfleet.engine.tree import ancestor_mask, depths_of
 from macfleet.engine.tree_verify import supports_tree_attention
 
 DEFAULT_KV_STEP = 256  # capacity grows in steps of this many positions (mlx-lm's KVCache step)
@@ -130,6 +131,33 @@ class BatchKV:
             self._scatter(i, pk, pv, dst_slots)
         for _, dst, n in copies:
             dst.offset = n
+
+    def keep_paths(self, kept: Sequence[tuple[RowCache, int, Sequence[int]]]) -> None:
+        """After verifying token trees: for each (cache, base, path), the row keeps the root
+        (slot base) and the accepted nodes `path` (slots base + node), moved right behind the
+        root, and drops the rest (its offset becomes base + 1 + len(path)). Every move of
+        every row is one gather and one scatter per layer."""
+        for c, base, path in kept:
+            if c.store is not self or base + 1 + len(path) > c.offset:
+                raise ValueError(f"row {c.row}: cannot keep {len(path)} nodes past {base}")
+        moves = [(c, base, list(path)) for c, base, path in kept
+                 if list(path) != list(range(1, len(path) + 1))]
+        if moves:
+            rows = np.concatenate([np.full(len(p), c.row) for c, _, p in moves])
+            src = np.concatenate([base + np.array(p) for _, base, p in moves])
+            dst = np.concatenate([base + 1 + np.arange(len(p)) for _, base, p in moves])
+            heads = self.keys[0].shape[1]
+            src_slots = self.slot_index(rows, src, heads)
+            parts = [[b.reshape(-1, b.shape[3])[src_slots] for b in (self.keys[i],
+                                                                     self.values[i])]
+                     for i in range(self.n_layers)]
+            mx.eval(parts)
+            dst_slots = self.slot_index(rows, dst, heads)
+            for i, (pk, pv) in enumerate(parts):
+                self._scatter(i, pk, pv, dst_slots)
+            mx.eval(self.state)
+        for c, base, path in kept:
+            c.offset = base + 1 + len(path)
 
     def install(self, cache: RowCache, kv: Sequence[tuple[np.ndarray | mx.array,
                                                           np.ndarray | mx.array]],
@@ -233,14 +261,29 @@ class Segment:
     cache: that session's `RowCache` (flat batch), or its per-layer mlx-lm caches (each
     segment its own forward: batch-invariant); appended to in place.
     logits_from: rows >= this index get logits (a block: 0; a prefill chunk: None).
+    parents: a token tree (a speculative block of several drafts): token i's parent, -1 for
+    the root (token 0); parents precede children. Token i sits at cache slot offset + i but
+    at position offset + depth(i), and attends to the cached prefix and its own ancestors.
+    None: a chain (each token under the one before).
     """
 
     tokens: tuple[int, ...]
     cache: object
     logits_from: int | None = 0
+    parents: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def rope_offsets(self) -> list[int]:
+        """Each token's position past the cached prefix (its depth, for a tree)."""
+        return list(range(len(self))) if self.parents is None else depths_of(self.parents)
+
+    def own_mask(self) -> np.ndarray:
+        """[L, L] which of the segment's own tokens each one attends to."""
+        L = len(self)
+        return (np.tril(np.ones((L, L), dtype=bool)) if self.parents is None
+                else ancestor_mask(self.parents))
 
 
 def check_batchable(model: nn.Module) -> None:
@@ -267,7 +310,8 @@ class _Plan:
     out_index: mx.array | None
     mask: mx.array | None
     t_max: int
-    long: tuple[tuple[int, int, RowCache], ...]  # (flat start, length, cache)
+    # (flat start, length, cache, a tree's mask [L, offset + L] or None: causal)
+    long: tuple[tuple[int, int, RowCache, mx.array | None], ...]
 
 
 def main_store(segments: Sequence[Segment]) -> BatchKV:
@@ -299,7 +343,11 @@ def _plan(segs: Sequence[Segment], n_batched: int) -> _Plan:
     n_short = sum(len(s) for s in short)
     long, start = [], n_short
     for s in segs[n_batched:]:
-        long.append((start, len(s), s.cache))
+        tree_mask = None
+        if s.parents is not None:
+            tree_mask = mx.array(np.concatenate(
+                [np.ones((len(s), s.cache.offset), dtype=bool), s.own_mask()], axis=1))
+        long.append((start, len(s), s.cache, tree_mask))
         start += len(s)
     if not short:
         return _Plan(0, 0, 0, None, None, None, 0, tuple(long))
@@ -318,6 +366,12 @@ def _plan(segs: Sequence[Segment], n_batched: int) -> _Plan:
         limit[r] = off + np.minimum(np.arange(lq), L - 1)
         n += L
     mask = np.arange(t_max)[None, None, :] <= limit[:, :, None]  # [R, Lq, T]
+    for s in short:  # a tree's own tokens see their ancestors only
+        if s.parents is not None:
+            r, L, off = s.cache.row, len(s), s.cache.offset
+            own = s.own_mask()
+            mask[r, :L, off:off + L] = own
+            mask[r, L:, off:off + L] = own[L - 1]  # padding cells: as the last token
     if n_rows * lq == n_short:  # every row one block of Lq tokens, in row order: no gathers
         return _Plan(n_short, n_rows, lq, None, None, mx.array(mask[:, None]), t_max,
                      tuple(long))
@@ -358,13 +412,13 @@ def _attention(attn, x: mx.array, writes: Sequence[tuple[BatchKV, mx.array | Non
             mask=plan.mask)  # [R, H, Lq, hd]
         o = o.transpose(0, 2, 1, 3).reshape(R * Lq, H * hd)
         outs.append(o if plan.out_index is None else o[plan.out_index])
-    for start, L, c in plan.long:
+    for start, L, c, tree_mask in plan.long:
         row, end = c.row, c.offset + L
         ks, vs = kv[c.store]
         qs = q[start:start + L].transpose(2, 1, 0, 3)  # [1, H, L, hd]
         o = mx.fast.scaled_dot_product_attention(
             qs, ks[row:row + 1, :, :end], vs[row:row + 1, :, :end], scale=attn.scale,
-            mask="causal" if L > 1 else None)
+            mask=tree_mask if tree_mask is not None else "causal" if L > 1 else None)
         outs.append(o.transpose(0, 2, 1, 3).reshape(L, H * hd))
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)  # [N, H * hd]
     return attn.o_proj(o[None])
@@ -383,6 +437,7 @@ def _flat(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None
     toks = [int(t) for s in segs for t in s.tokens]
     rows = np.array([s.cache.row for s in segs for _ in range(len(s))], np.int64)
     pos = np.array([s.cache.offset + i for s in segs for i in range(len(s))], np.int64)
+    rope = np.array([s.cache.offset + d for s in segs for d in s.rope_offsets()], np.int64)
     plan = _plan(segs, sum(batched))
     inner = model.model
     kv_heads = model.layers[0].self_attn.n_kv_heads
@@ -395,7 +450,7 @@ def _flat(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None
         store.reserve(int(rows[mine].max()) + 1, int(pos[mine].max()) + 1)
         idx = None if mine.all() else mx.array(np.flatnonzero(mine), dtype=mx.int32)
         writes.append((store, idx, store.slot_index(rows[mine], pos[mine], kv_heads)))
-    positions = mx.array(pos, dtype=mx.int32)
+    positions = mx.array(rope, dtype=mx.int32)
     h = inner.embed_tokens(mx.array(toks, dtype=mx.uint32)[None])  # [1, N, D]
     for i, layer in enumerate(model.layers):
         h = h + _attention(layer.self_attn, layer.input_layernorm(h), writes, i, positions,

@@ -100,14 +100,20 @@ class TokenTree:
 
     def ancestor_mask(self) -> np.ndarray:
         """[N+1, N+1] bool: node i may attend to node j (j is i or an ancestor of i)."""
-        n = len(self.tokens)
-        m = np.zeros((n, n), dtype=bool)
-        for i in range(n):
-            j = i
-            while j >= 0:
-                m[i, j] = True
-                j = self.parents[j]
-        return m
+        return ancestor_mask(self.parents)
+
+    def first(self, n: int) -> TokenTree:
+        """The tree of nodes 0..n-1 (parents precede children, so it is one), for a block cut
+        to n tokens: candidates, paths and ownership keep only those nodes."""
+        if n >= len(self.tokens):
+            return self
+        if n < 1:
+            raise ValueError("a tree keeps at least its root")
+        return TokenTree(self.tokens[:n], self.parents[:n], self.depths[:n],
+                         [{t: c for t, c in ch.items() if c < n} for ch in self.children[:n]],
+                         [[c for c in cs if c.node < n] for cs in self.candidates[:n]],
+                         [[i for i in p if i < n] for p in self.paths],
+                         [{i for i in o if i < n} for o in self.owned])
 
     def path_tokens(self, path: Sequence[int]) -> list[int]:
         return [self.tokens[i] for i in path]
@@ -116,6 +122,27 @@ class TokenTree:
         """How many of each proposer's draft tokens lie on the accepted path."""
         on = set(path)
         return [len(on & nodes) for nodes in self.owned]
+
+
+def ancestor_mask(parents: Sequence[int]) -> np.ndarray:
+    """[L, L] bool for nodes whose parents precede them (-1: none): node i may attend to
+    node j (j is i or an ancestor of i). A chain (parents i-1) gives the causal mask."""
+    n = len(parents)
+    m = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def depths_of(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (a node without parent: 0)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
 
 
 def accept_tree_greedy(tree: TokenTree, target_ids: Sequence[int]) -> tuple[list[int], int]:

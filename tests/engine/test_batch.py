@@ -125,6 +125,53 @@ def test_chunked_prefill_keeps_decoders_going(tiny):
     assert max(r.prefill_tokens for r in eng2.history) == len(long.prompt) - 1
 
 
+def _tree(rng, vocab: int, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Tokens and parents of a random tree of n nodes (node 0 the root)."""
+    parents = (-1, *(int(rng.integers(0, i)) for i in range(1, n)))
+    return tuple(int(t) for t in rng.integers(0, vocab, n)), parents
+
+
+@pytest.mark.parametrize("tree_nodes", [6, 25])  # attends with the chains | alone (> 16)
+def test_flat_forward_trees_match_the_single_session_tree_forward(tiny, tree_nodes):
+    """A tree segment beside chain segments: its logits are the single-session tree forward's
+    (per-node positions, ancestor mask), and keep_paths leaves the row as compact_cache
+    leaves the verifier: the next block's logits agree too."""
+    from macfleet.engine.tree import TokenTree, depths_of
+    from macfleet.engine.tree_verify import compact_cache, tree_forward
+
+    m = tiny.model
+    rng = np.random.default_rng(7)
+    prompts = _prompts(tiny.vocab_size, 3, seed=8, lo=20, hi=40)
+    store = BatchKV(len(m.layers))
+    caches = [store.open() for _ in prompts]
+    flat_forward(m, [Segment(p[:-1], c, None) for p, c in zip(prompts, caches)])
+    toks, parents = _tree(rng, tiny.vocab_size, tree_nodes)
+    toks = (prompts[1][-1], *toks[1:])
+    segs = [Segment((prompts[0][-1], 3, 4), caches[0]), Segment(toks, caches[1], 0, parents),
+            Segment((prompts[2][-1],), caches[2])]
+    out = flat_forward(m, segs)
+    v = Verifier(m)
+    v.prefill(prompts[1][:-1])
+    tree = TokenTree(list(toks), list(parents), depths_of(parents), [], [], [])
+    ref = np.array(tree_forward(v, tree))
+    np.testing.assert_allclose(np.array(out[1]), ref, rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
+    # keep the path root -> deepest node's ancestors (not nodes 1..m: a real move)
+    leaf = max(range(len(parents)), key=lambda i: (tree.depths[i], i))
+    path = []
+    while leaf > 0:
+        path.append(leaf)
+        leaf = parents[leaf]
+    path = path[::-1]
+    base = len(prompts[1]) - 1
+    store.keep_paths([(caches[1], base, path)])
+    compact_cache(v, base, path)
+    assert caches[1].offset == v.offset == base + 1 + len(path)
+    nxt = (5, 6)
+    out2 = flat_forward(m, [Segment(nxt, caches[1])])
+    np.testing.assert_allclose(np.array(out2[0]), np.array(v.forward(nxt)), rtol=LOGIT_RTOL,
+                               atol=LOGIT_ATOL)
+
+
 def test_a_chat_turn_joining_decoders_is_chunked_by_the_stall_control(tiny):
     """A prompt shorter than the token budget goes in at once when nobody decodes, but in
     stall-control chunks (the first one MIN_PREFILL_CHUNK tokens, before any cost is measured)
