@@ -116,10 +116,13 @@ def test_tree_greedy_on_the_embedded_model():
         if int(y) in lm.eos_ids:
             break
         ref.append(int(y))
-    group = ProposerGroup([make_proposer("ngram", lm), make_proposer("layerskip:12", lm)])
+    # fixed draft lengths: adaptive ones follow measured times, so which drafts are tried
+    # (and whether one is accepted in 24 tokens) would depend on the machine's load
+    group = ProposerGroup([make_proposer("ngram", lm), make_proposer("layerskip:12", lm)],
+                          draft_tokens=3)
     out, st = run(tree_generate(Verifier(lm.model), group, ids, max_tokens=24,
                                 eos_ids=lm.eos_ids))
-    assert out == ref and st.blocks < len(ref) + 1
+    assert out == ref and st.blocks < len(ref) and st.accepted > 0
 
 
 def _first_token_counts(rule, p, qs, trials, seed=0):
