@@ -7,16 +7,12 @@ proposer that fails is pruned from the tree; the others go on.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import fields
 
 from agents.remote_proposer import RemoteProposer
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, ProposerFailed
 from macfleet.engine.tree_loop import ProposerGroup
 from macfleet.stats import FlowStats
-
-log = logging.getLogger(__name__)
 
 
 class RemoteProposerGroup(ProposerGroup):
@@ -25,28 +21,10 @@ class RemoteProposerGroup(ProposerGroup):
         self.failures: list[str] = []
 
     def _fail(self, j: int, e: Exception) -> None:
+        super()._fail(j, e)
         p = self.proposers[j]
-        log.warning("proposer %s failed (%s): pruned from the tree", p.name, e)
         self.failures.append(f"{p.endpoint}: {e}")
-        self.live[j] = False
         p.close()
-
-    def draft_all(self, context, ks) -> list[Draft]:
-        started = []
-        for j, (p, k) in enumerate(zip(self.proposers, ks)):
-            if k > 0 and self.live[j]:
-                try:
-                    p.begin(context, k)
-                    started.append(j)
-                except ProposerFailed as e:
-                    self._fail(j, e)
-        out = [EMPTY_DRAFT] * len(self.proposers)
-        for j in started:
-            try:
-                out[j] = self.proposers[j].finish()
-            except ProposerFailed as e:
-                self._fail(j, e)
-        return out
 
     def flow_stats(self) -> FlowStats:
         """The proposers draft side by side: per block, the worst of them (blocks summed)."""

@@ -27,7 +27,7 @@ from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS, DraftTokens
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.kvship import PrefilledVerifier, model_layout
 from macfleet.engine.models import LoadedModel
-from macfleet.engine.proposers import ProposerSpecError, drafts_tree, parse_proposer_spec
+from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
 from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.text import (MAX_PROMPT_TOKENS, Drafting, PromptError, TextDelta,
@@ -35,9 +35,8 @@ from macfleet.engine.text import (MAX_PROMPT_TOKENS, Drafting, PromptError, Text
                                   no_drafts, plan_drafting)
 from macfleet.engine.tree_loop import tree_budget
 from macfleet.engine.verifier import Verifier
-from macfleet.serve.engine import (ITERATION_HISTORY, BatchEngine, EngineRequest, Overloaded,
-                                   SessionFailed)
-from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
+from macfleet.serve.engine import (DEFAULT_STALL_RATIO, ITERATION_HISTORY, BatchEngine,
+                                   EngineRequest, Overloaded, SessionFailed)
 from macfleet.stats import BlockFlows, FleetStats, FlowStats, KVFlow
 
 log = logging.getLogger(__name__)
@@ -170,11 +169,12 @@ class VerifierLimits:
 
 
 def batchable(msg: GenerateRequest) -> bool:
-    """Whether the continuous batch can run this request: a chain of token drafts or none.
-    Trees (several drafters, dynamic-tree heads) and hidden-state drafters (they read each
-    session's features, which the flat forward does not tap) take the one-session path."""
+    """Whether the continuous batch can run this request: token drafts (a chain, or the tree
+    of several drafters or of a tree drafter) or none. Hidden-state drafters (eagle*: they
+    read each session's features, which the flat forward does not tap) take the one-session
+    path."""
     spec = msg.proposer_spec or "none"
-    return not drafts_tree(spec) and not spec.startswith("eagle")
+    return not any(part.startswith("eagle") for part in spec.split("+"))
 
 
 class VerifierService:
@@ -319,9 +319,10 @@ class VerifierService:
         return True
 
     def _submit_batched(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
-        """Into the continuous batch: its chain drafter (remote proposers, in order of
-        preference, or this agent's own) drafts per session, cross-round, while the batch
-        verifies every session's block in one forward; events become wire messages here."""
+        """Into the continuous batch: its drafter (a chain on remote proposers in order of
+        preference, a tree drafted on all of them at once, or this agent's own) drafts per
+        session, cross-round, while the batch verifies every session's block or tree in one
+        forward; events become wire messages here."""
         params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
         if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
             raise ProtocolError(BAD_REQUEST, "prefix ids outside the vocabulary")
@@ -336,7 +337,8 @@ class VerifierService:
                             eos_ids=self.lm.eos_ids, draft_tokens=draft_tokens_of(msg),
                             report_blocks=True)
         rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
-        remote = proposer if isinstance(proposer, FallbackProposer) else None
+        remote = (proposer if isinstance(proposer, (FallbackProposer, RemoteProposerGroup))
+                  else None)
         kv = staged.kv if staged is not None else None
         kv_once = ({"kv_bytes": staged.flow.kv_bytes, "kv_ms": staged.flow.kv_ms}
                    if kv is not None else {})

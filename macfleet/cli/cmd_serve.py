@@ -29,7 +29,9 @@ def add_parser(sub) -> None:
     key.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     key.add_argument("--api-key-file", type=Path, default=None)
     p.add_argument("--proposer", default="ngram",
-                   help="per-session drafts: ngram[:N] | layerskip:K | draft:MODEL | none")
+                   help="per-session drafts: ngram[:N] | retrieval | layerskip:K | draft:MODEL "
+                   "| none, or several joined by '+' (a token tree per block, verified in the "
+                   "batch like the chains)")
     p.add_argument("--draft-tokens", default="auto", help="K or auto (default: auto)")
     p.add_argument("--token-budget", type=int, default=256,
                    help="tokens per iteration (bounds prefill chunks)")

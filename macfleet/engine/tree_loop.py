@@ -77,20 +77,36 @@ class ProposerGroup:
         return ks
 
     def draft_all(self, context: Sequence[int], ks: Sequence[int]) -> list[Draft]:
-        out = []
+        """Each proposer's draft (EMPTY_DRAFT where k is 0 or it failed: pruned)."""
+        self.begin(context, ks)
+        return self.finish()
+
+    def begin(self, context: Sequence[int], ks: Sequence[int]) -> None:
+        """Every proposer's request first (`Proposer.begin`: drafters on other machines
+        draft at the same time, and a batching verifier begins every session's group before
+        finishing any); `finish` collects them."""
+        self._begun: list[int] = []
         for j, (p, k) in enumerate(zip(self.proposers, ks)):
-            out.append(self._one(j, p, context, k))
+            if k > 0 and self.live[j]:
+                try:
+                    p.begin(context, k)
+                    self._begun.append(j)
+                except ProposerFailed as e:
+                    self._fail(j, e)
+
+    def finish(self) -> list[Draft]:
+        out = [EMPTY_DRAFT] * len(self.proposers)
+        for j in self._begun:
+            try:
+                out[j] = self.proposers[j].finish()
+            except ProposerFailed as e:
+                self._fail(j, e)
+        self._begun = []
         return out
 
-    def _one(self, j: int, p: Proposer, context, k: int) -> Draft:
-        if k <= 0 or not self.live[j]:
-            return EMPTY_DRAFT
-        try:
-            return p.propose(context, k)
-        except ProposerFailed as e:
-            log.warning("proposer %s failed (%s): pruned from the tree", p.name, e)
-            self.live[j] = False
-            return EMPTY_DRAFT
+    def _fail(self, j: int, e: Exception) -> None:
+        log.warning("proposer %s failed (%s): pruned from the tree", self.proposers[j].name, e)
+        self.live[j] = False
 
     def seed_verify_costs(self, costs) -> None:
         for p in self.proposers:

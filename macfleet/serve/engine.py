@@ -32,6 +32,9 @@ from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import SamplingParams, make_rng, probs_from_logits
+from macfleet.engine.text import make_group, no_drafts, plan_drafting
+from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample
+from macfleet.engine.tree_loop import ProposerGroup
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, DraftView,
@@ -85,8 +88,11 @@ class _Session:
     sid: int
     req: EngineRequest
     emit: Callable[[EngineEvent], None]
-    proposer: Proposer | None
+    proposer: Proposer | None  # a chain drafter
     controller: object
+    group: ProposerGroup | None = None  # or drafters whose drafts make a token tree
+    tree: TokenTree | None = None  # this block's tree (a group's session)
+    drafts: list[Draft] = field(default_factory=list)  # the drafts it was made of
     cache: list | None = None
     context: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
@@ -162,15 +168,11 @@ class BatchEngine:
         layers per iteration, at most this share of a decode-only iteration's time each, while
         other sessions decode (0: all at once)."""
         check_batchable(lm.model)
-        if proposer.partition(":")[0] in ("eagle", "eagle2"):
-            raise ValueError("EAGLE drafts need each session's hidden states, which the flat "
-                             "batched forward does not tap yet: use ngram, layerskip:K, "
-                             "draft:MODEL or none")
-        probe = make_proposer(proposer, lm)
-        if probe is not None and probe.drafts_trees:
-            raise ValueError(f"proposer '{proposer}' drafts token trees; the batching engine "
-                             "verifies chains (use ngram, eagle, layerskip:K or none)")
         self.lm, self.proposer_spec, self.draft_tokens = lm, proposer, draft_tokens
+        self.invariant = invariant
+        probe = self._drafting(draft_tokens)  # a spec this engine cannot run fails here
+        if probe is not None:
+            probe.close()
         self.token_budget, self.max_active, self.max_queue = token_budget, max_active, max_queue
         self.chunked, self.invariant, self.clock = chunked, invariant, clock
         self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
@@ -234,13 +236,14 @@ class BatchEngine:
 
     def submit(self, req: EngineRequest, emit: Callable[[EngineEvent], None],
                on_close: Callable[[], None] | None = None, *,
-               proposer: Proposer | None = None,
+               proposer: Proposer | ProposerGroup | None = None,
                kv: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> SessionHandle:
         """Queue a request; `emit` is called from the engine thread with its events, and
         `on_close` once when its session is gone (finished, failed or cancelled).
 
-        proposer: this request's own chain drafter (the verifier agent's remote proposers),
-        started and closed here; None: one made from the engine's `proposer` spec.
+        proposer: this request's own drafter (the verifier agent's remote proposers): a chain
+        drafter, or a group whose drafts make a token tree; started and closed here. None: one
+        made from the engine's `proposer` spec.
         kv: the KV of prompt[:-1] computed elsewhere (a prefill agent's, flow KV): per layer
         (keys, values) [kv_heads, len(prompt) - 1, head_dim]; installed, not computed."""
         if not req.prompt or not all(0 <= int(t) < self._vocab for t in req.prompt):
@@ -250,26 +253,54 @@ class BatchEngine:
         if kv is not None and (len(kv) != len(self.lm.model.layers)
                                or kv[0][0].shape[1] != len(req.prompt) - 1):
             raise ValueError("the shipped KV must cover every layer and prompt[:-1]")
-        if proposer is not None and (proposer.drafts_trees or proposer.wants_features):
-            raise ValueError(f"'{proposer.name}' drafts trees or from hidden states: the "
-                             "batching engine verifies chains from token-only drafters")
-        name = proposer.name if proposer is not None else self.proposer_spec
-        proposer = proposer if proposer is not None else make_proposer(self.proposer_spec,
-                                                                         self.lm)
-        if proposer is not None:
-            proposer.start(req.params)
         draft_tokens = req.draft_tokens if req.draft_tokens is not None else self.draft_tokens
-        controller = make_controller(draft_tokens if proposer is not None else 0)
+        if proposer is not None:
+            self._check_drafting(proposer)
+        drafting = proposer if proposer is not None else self._drafting(draft_tokens)
+        name = drafting.name if drafting is not None else "none"
+        group = drafting if isinstance(drafting, ProposerGroup) else None
+        chain = None if group is not None else drafting
+        if drafting is not None:
+            drafting.start(req.params)
+        controller = make_controller(draft_tokens if chain is not None else 0)
         with self._cv:
             if len(self._waiting) >= self.max_queue:
+                if drafting is not None:
+                    drafting.close()
                 raise Overloaded(f"{len(self._waiting)} requests are already waiting")
-            s = _Session(self._next_sid, req, emit, proposer, controller, on_close=on_close,
-                         times=TokenTimes(self.clock()),
+            s = _Session(self._next_sid, req, emit, chain, controller, group=group,
+                         on_close=on_close, times=TokenTimes(self.clock()),
                          proposer_name=name, kv=kv)
             self._next_sid += 1
             self._waiting.append(s)
             self._cv.notify()
         return SessionHandle(s, self._wake)
+
+    def _drafting(self, draft_tokens: DraftTokens) -> Proposer | ProposerGroup | None:
+        """A new session's drafter from the engine's spec: a chain drafter, a group (several
+        drafters joined by '+', or one that drafts trees), or None."""
+        lm = self.lm
+        drafting = plan_drafting(
+            self.proposer_spec, chain=lambda spec: make_proposer(spec, lm),
+            tree=lambda specs: make_group([make_proposer(x, lm) or no_drafts(x) for x in specs],
+                                          draft_tokens))
+        if drafting is not None:
+            try:
+                self._check_drafting(drafting)
+            except ValueError:
+                drafting.close()
+                raise
+        return drafting
+
+    def _check_drafting(self, drafting: Proposer | ProposerGroup) -> None:
+        members = drafting.proposers if isinstance(drafting, ProposerGroup) else [drafting]
+        if any(p.wants_features for p in members):
+            raise ValueError(f"'{drafting.name}' drafts from the verifier's hidden states, which "
+                             "the flat batched forward does not tap yet: use ngram, retrieval, "
+                             "layerskip:K, draft:MODEL (or several joined by '+') or none")
+        if self.invariant and (isinstance(drafting, ProposerGroup) or drafting.drafts_trees):
+            raise ValueError(f"'{drafting.name}' drafts token trees; the batch-invariant mode "
+                             "verifies chains (each session runs the model's own forward)")
 
     def _wake(self) -> None:
         with self._cv:
@@ -433,6 +464,9 @@ class BatchEngine:
         if s.proposer is not None:
             s.proposer.close()
             s.proposer = None
+        if s.group is not None:
+            s.group.close()
+            s.group = None
 
     def _draft_lengths(self, decoding: list[_Session]) -> dict[int, int]:
         """Each decoding session's draft length: what its controller asks for, cut by
@@ -457,23 +491,38 @@ class BatchEngine:
         replies are collected (`finish`), so drafters on other machines draft at once and the
         batch waits for the slowest, not for the sum."""
         t0 = self.clock()
-        asked = []
+        asked, groups = [], {}
         for s in decoding:
-            s.draft, s.k = EMPTY_DRAFT, ks[s.sid]
-            if s.proposer is not None and s.k > 0:
+            s.draft, s.k, s.tree, s.drafts = EMPTY_DRAFT, ks[s.sid], None, []
+            if s.group is not None:
+                groups[s.sid] = s.group.lengths(s.req.max_tokens - len(s.generated) - 1)
+                s.k = sum(groups[s.sid])
+                s.group.begin(s.context, groups[s.sid])
+            elif s.proposer is not None and s.k > 0:
                 try:
                     s.proposer.begin(s.context, s.k)
                     asked.append(s)
                 except ProposerFailed as e:
                     self._lose_proposer(s, e)
         for s in decoding:
-            if s in asked:
+            if s.group is not None:
+                self._tree_of(s, s.group.finish(), groups[s.sid])
+            elif s in asked:
                 try:
                     d = sanitize_draft(s.proposer.finish(), s.k, self._vocab)
                     s.draft = d if d.parents is None else EMPTY_DRAFT
                 except ProposerFailed as e:
                     self._lose_proposer(s, e)
             s.draft_ms = (self.clock() - t0) * 1e3
+
+    def _tree_of(self, s: _Session, drafts: list[Draft], ks: list[int]) -> None:
+        """A group's drafts merged into this block's token tree (as `tree_generate` does)."""
+        drafts = [sanitize_draft(d, k, self._vocab) for d, k in zip(drafts, ks)]
+        if s.req.params.greedy:
+            drafts = [Draft(d.tokens, None, d.draft_ms, None, d.parents) for d in drafts]
+        s.drafts = drafts
+        s.tree = TokenTree.from_drafts(s.context[-1], [d.tokens for d in drafts],
+                                       [d.probs for d in drafts], [d.parents for d in drafts])
 
     def _lose_proposer(self, s: _Session, e: ProposerFailed) -> None:
         log.warning("session %d: proposer failed (%s), continuing without", s.sid, e)
@@ -505,7 +554,8 @@ class BatchEngine:
         batch = self._share_prefixes(batch)
         decoding = [s for s in batch if s.prefill_left <= 0]
         self._draft_all(decoding, self._draft_lengths(decoding))
-        views = [SessionView(s.sid, s.prefill_left, s.prefilled, 1 + len(s.draft))
+        views = [SessionView(s.sid, s.prefill_left, s.prefilled,
+                             len(s.tree.tokens) if s.tree is not None else 1 + len(s.draft))
                  for s in batch]
         align = DEFAULT_PREFILL_STEP if self.invariant else 0
         budget = self.token_budget
@@ -524,6 +574,9 @@ class BatchEngine:
             if slot.prefill:
                 toks = tuple(s.req.prompt[s.prefilled:s.prefilled + slot.tokens])
                 segs.append(Segment(toks, s.cache, None))
+            elif s.tree is not None:  # cut to the slot: its first nodes are a tree too
+                s.tree = s.tree.first(slot.tokens)
+                segs.append(Segment(tuple(s.tree.tokens), s.cache, 0, tuple(s.tree.parents)))
             else:
                 s.draft = Draft(s.draft.tokens[:slot.tokens - 1], None if s.draft.probs is None
                                 else s.draft.probs[:slot.tokens - 1], s.draft.draft_ms)
@@ -540,13 +593,47 @@ class BatchEngine:
         with self._cv:
             self.history.append(rec)
             self.iterations += 1
+        accepted = self._accept_trees([(s, lg) for (s, sl), lg in zip(run, out)
+                                       if not sl.prefill and s.tree is not None])
         for (s, slot), logits in zip(run, out):
             if slot.prefill:
                 s.prefilled += slot.tokens
                 if s.prefill_left <= 0:
                     s.prefill_ms = (self.clock() - s.t_start) * 1e3
+            elif s.tree is not None:
+                self._commit_tree(s, *accepted[s.sid], ms)
             else:
                 self._commit(s, logits, ms)
+
+    def _accept_trees(self, done: list[tuple[_Session, mx.array]]
+                      ) -> dict[int, tuple[list[int], int]]:
+        """Each verified tree's accepted path and next token (the rules of `tree_generate`);
+        every row then keeps its root and path (one gather and scatter per layer per store)
+        before anything is committed, so a session that ends here leaves a consistent row."""
+        out, kept = {}, {}
+        for s, logits in done:
+            p = s.req.params
+            if p.greedy:
+                path, nxt = accept_tree_greedy(s.tree,
+                                               np.array(mx.argmax(logits, axis=-1)).tolist())
+            else:
+                path, nxt = accept_tree_sample(s.tree, probs_from_logits(logits, p), s.rng)
+            out[s.sid] = (path, nxt)
+            base = s.cache.offset - len(s.tree.tokens)
+            kept.setdefault(s.cache.store, []).append((s.cache, base, path))
+        for store, rows in kept.items():
+            store.keep_paths(rows)
+        return out
+
+    def _commit_tree(self, s: _Session, path: list[int], nxt: int, verify_ms: float) -> None:
+        tree = s.tree
+        new = [*tree.path_tokens(path), nxt]
+        if tree.size:
+            s.drafted += tree.size
+            s.accepted += len(path)
+        s.group.observe(s.drafts, tree.accepted_per_source(path), verify_ms, len(tree.tokens))
+        self._emit_block(s, new, k=s.k, drafted=tree.size, accepted=len(path),
+                         verify_ms=verify_ms)
 
     def _commit(self, s: _Session, logits: mx.array, verify_ms: float) -> None:
         d = s.draft
@@ -559,13 +646,6 @@ class BatchEngine:
                       else accept_exact_sample(d.tokens, probs, s.rng))
         if len(d) - n:
             trim_cache(s.cache, len(d) - n)
-        new = [*d.tokens[:n], nxt]
-        stop_at = next((i for i, t in enumerate(new) if t in s.req.eos_ids), None)
-        if stop_at is not None:
-            new = new[:stop_at]
-        s.context.extend(new)
-        s.generated.extend(new)
-        s.blocks += 1
         if len(d):
             s.drafted += len(d)
             s.accepted += n
@@ -575,10 +655,22 @@ class BatchEngine:
             if s.proposer is not None:
                 s.proposer.observe(len(d), n, verify_ms)
         s.controller.observe(len(d), n, s.draft_ms, verify_ms)
+        self._emit_block(s, [*d.tokens[:n], nxt], k=s.k, drafted=len(d), accepted=n,
+                         verify_ms=verify_ms)
+
+    def _emit_block(self, s: _Session, new: list[int], *, k: int, drafted: int, accepted: int,
+                    verify_ms: float) -> None:
+        """A verified block's committed tokens (cut at a stop token) out to the client."""
+        stop_at = next((i for i, t in enumerate(new) if t in s.req.eos_ids), None)
+        if stop_at is not None:
+            new = new[:stop_at]
+        s.context.extend(new)
+        s.generated.extend(new)
+        s.blocks += 1
         s.draft_total_ms += s.draft_ms
         s.verify_total_ms += verify_ms
         if s.req.report_blocks:
-            s.emit(BlockDone(block=s.blocks, k=s.k, drafted=len(d), accepted=n,
+            s.emit(BlockDone(block=s.blocks, k=k, drafted=drafted, accepted=accepted,
                              committed=len(new), draft_ms=s.draft_ms, verify_ms=verify_ms,
                              block_ms=s.draft_ms + verify_ms))
         if new:
@@ -592,6 +684,7 @@ class BatchEngine:
     def _finish(self, s: _Session, *, reason: str = "", failed: str = "") -> None:
         if s in self._active:
             self._active.remove(s)
+        per_proposer = s.group.per_proposer() if s.group is not None else ()
         self._release(s, "cancelled" if s.cancelled else "failed" if failed else "done")
         if s.cancelled:
             return
@@ -602,5 +695,5 @@ class BatchEngine:
             tokens=len(s.generated), elapsed_s=self.clock() - s.t_start, prefill_ms=s.prefill_ms,
             blocks=s.blocks, drafted=s.drafted, accepted=s.accepted,
             draft_ms=s.draft_total_ms, verify_ms=s.verify_total_ms,
-            proposer=s.proposer_name, finish_reason=reason)
+            proposer=s.proposer_name, finish_reason=reason, per_proposer=per_proposer)
         s.emit(Finished(stats, tuple(s.generated)))

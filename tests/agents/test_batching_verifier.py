@@ -69,12 +69,31 @@ def test_a_dead_proposer_in_the_batch_falls_back_to_the_next(agents):
     assert d.stats.fleet.proposer_failures == 1 and d.stats.fleet.flows.remote_blocks > 0
 
 
-def test_trees_take_the_one_session_path(agents):
-    """Two drafters make a token tree: not batched, still served, still lossless."""
+def test_concurrent_trees_are_verified_in_the_batch(agents):
+    """Two remote drafters per request make a token tree: concurrent tree requests share the
+    batch's forwards (each tree its own ancestor mask), ids equal to one at a time."""
     prop, batched, solo = agents
     before = batched.verifier.batch_view().iterations
-    alone = run(solo, PROMPTS[1], [], "none", max_tokens=16)
+    prompts = PROMPTS[:4]
+    alone = [run(solo, p, [], "none", max_tokens=16) for p in prompts]
     ep = prop.card.router_endpoint
-    d = run(batched, PROMPTS[1], [ep, ep], "ngram+layerskip:2", max_tokens=16)
-    assert d.token_ids == alone.token_ids
-    assert batched.verifier.batch_view().iterations == before
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        got = list(ex.map(lambda p: run(batched, p, [ep, ep], "ngram+layerskip:2",
+                                        max_tokens=16, draft_tokens=2), prompts))
+    assert [g.token_ids for g in got] == [a.token_ids for a in alone]
+    view = batched.verifier.batch_view()
+    assert view.iterations > before
+    assert max(it.sessions for it in view.recent) > 1
+    assert all(len(g.stats.per_proposer) == 2 for g in got)
+    assert all(g.stats.fleet.flows.remote_blocks > 0 for g in got)
+
+
+def test_hidden_state_drafters_take_the_one_session_path():
+    from agents.verifier_service import batchable
+    from bridge.messages import GenerateRequest
+
+    def spec(s):
+        return GenerateRequest("r", "hi", True, 4, 0.0, 1.0, None, 2, [], s, False)
+
+    assert batchable(spec("ngram+layerskip:2")) and batchable(spec("retrieval"))
+    assert not batchable(spec("eagle")) and not batchable(spec("ngram+eagle2"))

@@ -15,7 +15,7 @@ from macfleet.engine.models import load_model
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import Draft, Proposer
 from macfleet.engine.sampling import GREEDY
-from macfleet.engine.tree import Candidate, TokenTree, accept_tree_sample
+from macfleet.engine.tree import Candidate, TokenTree, accept_tree_greedy, accept_tree_sample
 from macfleet.engine.tree_loop import ProposerGroup, tree_generate
 from macfleet.engine.tree_verify import compact_cache, tree_forward
 from macfleet.engine.verifier import Verifier
@@ -198,3 +198,19 @@ def test_eagle_in_a_tree_reads_the_tree_forward_features(tmp_path):
     out, _ = run(tree_generate(Verifier(lm.model), group, prompt, max_tokens=40))
     assert out == plain
     assert eagle.fallback_tokens == 0
+
+
+def test_first_n_nodes_of_a_tree_are_a_tree():
+    """A block cut to n tokens keeps nodes 0..n-1: children, candidates, paths and ownership
+    shrink with it, and greedy acceptance walks only what is left."""
+    t = TokenTree.from_drafts(9, [[1, 2, 3], [1, 4], [5]])  # nodes: 1,2,3 | 4 under 1 | 5
+    assert t.tokens == [9, 1, 2, 3, 4, 5]
+    c = t.first(4)
+    assert c.tokens == [9, 1, 2, 3] and c.parents == [-1, 0, 1, 2]
+    assert c.children[1] == {2: 2} and c.paths == [[1, 2, 3], [1], []]
+    assert c.owned == [{1, 2, 3}, {1}, set()] and c.size == 3
+    assert accept_tree_greedy(c, [1, 4, 3, 7])[0] == [1]  # node 4 (token 4) was cut
+    assert accept_tree_greedy(t, [1, 4, 3, 7, 8, 0])[0] == [1, 4]
+    assert t.first(6) is t
+    with pytest.raises(ValueError):
+        t.first(0)
