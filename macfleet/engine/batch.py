@@ -424,7 +424,8 @@ def _attention(attn, x: mx.array, writes: Sequence[tuple[BatchKV, mx.array | Non
     return attn.o_proj(o[None])
 
 
-def _flat(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None]:
+def _flat(model: nn.Module, segments: Sequence[Segment], hidden: bool = False
+          ) -> list[mx.array | None] | tuple[list[mx.array | None], list[mx.array]]:
     caches = [s.cache for s in segments]
     if not all(isinstance(c, RowCache) for c in caches):
         raise ValueError("a flat batch needs every segment's cache to be a BatchKV row")
@@ -461,19 +462,24 @@ def _flat(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None
     # logits only for the rows that need them (a prefill chunk needs none)
     want: list[int] = []
     spans: dict[int, tuple[int, int]] = {}
+    rows_of: dict[int, tuple[int, int]] = {}  # segment -> its rows of h
     start = 0
     for i, s in zip(order, segs):
+        rows_of[i] = (start, start + len(s))
         if s.logits_from is not None:
             a = len(want)
             want.extend(range(start + s.logits_from, start + len(s)))
             spans[i] = (a, len(want))
         start += len(s)
-    if not want:
-        return [None] * len(segments)
-    sel = h[:, mx.array(want, dtype=mx.int32)] if len(want) < start else h
-    logits = head_logits(model, sel)[0].astype(mx.float32)  # [rows, V]
-    return [logits[spans[i][0]:spans[i][1]] if i in spans else None
-            for i in range(len(segments))]
+    out: list[mx.array | None] = [None] * len(segments)
+    if want:
+        sel = h[:, mx.array(want, dtype=mx.int32)] if len(want) < start else h
+        logits = head_logits(model, sel)[0].astype(mx.float32)  # [rows, V]
+        out = [logits[spans[i][0]:spans[i][1]] if i in spans else None
+               for i in range(len(segments))]
+    if not hidden:
+        return out
+    return out, [h[0, a:b] for a, b in (rows_of[i] for i in range(len(segments)))]
 
 
 def _one_by_one(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None]:
@@ -486,17 +492,26 @@ def _one_by_one(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array 
     return out
 
 
-def flat_forward(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None]:
+def flat_forward(model: nn.Module, segments: Sequence[Segment], *, hidden: bool = False
+                 ) -> list[mx.array | None] | tuple[list[mx.array | None], list[mx.array]]:
     """Logits [len(seg) - logits_from, V] per segment (None for prefill chunks), evaluated;
     every segment's tokens are appended to its cache. Segments whose caches are rows of a
-    `BatchKV` share one forward; per-layer cache lists run one forward each (batch-invariant)."""
+    `BatchKV` share one forward; per-layer cache lists run one forward each (batch-invariant).
+
+    hidden: also return each segment's last-layer pre-norm hidden states [len(seg), H] (the
+    features a hidden-state drafter reads; flat batch only)."""
     if not segments or any(not len(s) for s in segments):
         raise ValueError("flat_forward needs at least one segment, none of them empty")
+    feats: list[mx.array] = []
     if isinstance(segments[0].cache, RowCache):
-        out = _flat(model, segments)
+        out = _flat(model, segments, hidden)
+        if hidden:
+            out, feats = out
         state = [a for st in dict.fromkeys(s.cache.store for s in segments) for a in st.state]
+    elif hidden:
+        raise ValueError("hidden states come from the flat batch (rows of a BatchKV)")
     else:
         out = _one_by_one(model, segments)
         state = [c.state for s in segments for c in s.cache]
-    mx.eval([o for o in out if o is not None] + state)
-    return out
+    mx.eval([o for o in out if o is not None] + state + feats)
+    return (out, feats) if hidden else out

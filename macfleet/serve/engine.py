@@ -93,6 +93,7 @@ class _Session:
     group: ProposerGroup | None = None  # or drafters whose drafts make a token tree
     tree: TokenTree | None = None  # this block's tree (a group's session)
     drafts: list[Draft] = field(default_factory=list)  # the drafts it was made of
+    feeds: list = field(default_factory=list)  # its hidden-state drafters (fed by the engine)
     cache: list | None = None
     context: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
@@ -260,6 +261,10 @@ class BatchEngine:
         name = drafting.name if drafting is not None else "none"
         group = drafting if isinstance(drafting, ProposerGroup) else None
         chain = None if group is not None else drafting
+        feeds = [p for p in (group.proposers if group is not None else [chain])
+                 if p is not None and p.wants_features]
+        for p in feeds:  # the flat forward runs no tap: the engine feeds its features
+            p.use_tap = False  # (as the proposer agent does for features sent over F3)
         if drafting is not None:
             drafting.start(req.params)
         controller = make_controller(draft_tokens if chain is not None else 0)
@@ -268,7 +273,7 @@ class BatchEngine:
                 if drafting is not None:
                     drafting.close()
                 raise Overloaded(f"{len(self._waiting)} requests are already waiting")
-            s = _Session(self._next_sid, req, emit, chain, controller, group=group,
+            s = _Session(self._next_sid, req, emit, chain, controller, group=group, feeds=feeds,
                          on_close=on_close, times=TokenTimes(self.clock()),
                          proposer_name=name, kv=kv)
             self._next_sid += 1
@@ -293,14 +298,11 @@ class BatchEngine:
         return drafting
 
     def _check_drafting(self, drafting: Proposer | ProposerGroup) -> None:
-        members = drafting.proposers if isinstance(drafting, ProposerGroup) else [drafting]
-        if any(p.wants_features for p in members):
-            raise ValueError(f"'{drafting.name}' drafts from the verifier's hidden states, which "
-                             "the flat batched forward does not tap yet: use ngram, retrieval, "
-                             "layerskip:K, draft:MODEL (or several joined by '+') or none")
-        if self.invariant and (isinstance(drafting, ProposerGroup) or drafting.drafts_trees):
-            raise ValueError(f"'{drafting.name}' drafts token trees; the batch-invariant mode "
-                             "verifies chains (each session runs the model's own forward)")
+        if self.invariant and (isinstance(drafting, ProposerGroup) or drafting.drafts_trees
+                               or drafting.wants_features):
+            raise ValueError(f"'{drafting.name}' drafts token trees or from hidden states; the "
+                             "batch-invariant mode verifies chains from token drafters (each "
+                             "session runs the model's own forward)")
 
     def _wake(self) -> None:
         with self._cv:
@@ -534,8 +536,10 @@ class BatchEngine:
         get one from a session ahead of them sit this iteration out (returned: the others)."""
         if self._kv is None or not any(s.prefilled == 0 < s.prefill_left for s in batch):
             return batch
+        # copies stay within a store; a session fed hidden states prefills its own prompt
+        # (copied positions would have no rows: its drafter would compute them again)
         views = [PrefixView(s.sid, tuple(s.context[:s.cache.offset]), s.req.prompt[:-1])
-                 for s in batch if s.cache.store is self._kv]  # copies stay within a store
+                 for s in batch if s.cache.store is self._kv and not s.feeds]
         copies, waiting = plan_prefix_sharing(views)
         by_sid = {s.sid: s for s in batch}
         if copies:
@@ -583,7 +587,11 @@ class BatchEngine:
                 segs.append(Segment((s.context[-1], *s.draft.tokens), s.cache, 0))
             run.append((s, slot))
         t0 = self.clock()
-        out = flat_forward(self.lm.model, segs)
+        hidden = None
+        if any(s.feeds for s, _ in run):
+            out, hidden = flat_forward(self.lm.model, segs, hidden=True)
+        else:
+            out = flat_forward(self.lm.model, segs)
         ms = (self.clock() - t0) * 1e3
         n_dec = sum(sl.tokens for _, sl in run if not sl.prefill)
         rec = IterationView(t0, len(run), n_dec, sum(sl.tokens for _, sl in run) - n_dec,
@@ -595,6 +603,8 @@ class BatchEngine:
             self.iterations += 1
         accepted = self._accept_trees([(s, lg) for (s, sl), lg in zip(run, out)
                                        if not sl.prefill and s.tree is not None])
+        if hidden is not None:
+            self._feed(run, segs, hidden, accepted)
         for (s, slot), logits in zip(run, out):
             if slot.prefill:
                 s.prefilled += slot.tokens
@@ -604,6 +614,26 @@ class BatchEngine:
                 self._commit_tree(s, *accepted[s.sid], ms)
             else:
                 self._commit(s, logits, ms)
+
+    @staticmethod
+    def _feed(run, segs: list[Segment], hidden: list[mx.array],
+              accepted: dict[int, tuple[list[int], int]]) -> None:
+        """Hidden-state drafters get the rows of their session's forward, as a tap on a
+        single-session forward would give them: a prefill chunk's and a chain block's rows at
+        their positions (rejected ones are overwritten later), a tree's root and accepted path
+        moved behind the root as its cache was."""
+        for (s, slot), seg, h in zip(run, segs, hidden):
+            if not s.feeds:
+                continue
+            start = seg.cache.offset - len(seg)  # the offset before this forward
+            toks = seg.tokens
+            if not slot.prefill and s.tree is not None:
+                path = accepted[s.sid][0]
+                start = s.cache.offset - 1 - len(path)  # kept: root + path
+                toks = (s.tree.tokens[0], *s.tree.path_tokens(path))
+                h = h[mx.array([0, *path], dtype=mx.int32)]
+            for p in s.feeds:
+                p.feed_features(start, toks, h)
 
     def _accept_trees(self, done: list[tuple[_Session, mx.array]]
                       ) -> dict[int, tuple[list[int], int]]:

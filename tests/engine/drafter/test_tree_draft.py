@@ -220,3 +220,32 @@ def test_backoff_skips_a_drafter_that_keeps_drafting_nothing_and_probes_again():
         assert b.should_draft()
         b.observe(0, 0)
     assert not b.should_draft()  # skipping 2 again, not 4
+
+
+@pytest.mark.parametrize("tree", [False, True])  # eagle chains | eagle2 trees
+def test_hidden_state_drafters_in_the_continuous_batch(tiny, trained, tree):
+    """Several sessions with their own EAGLE drafter share the flat forward: each drafter is
+    fed its session's rows of it (prefill chunks, blocks, a tree's kept path), computes no
+    feature itself, and every answer is the verifier's greedy one ("greedy margin")."""
+    from macfleet.engine.drafter.proposer import EagleProposer
+    from macfleet.engine.events import Finished as Done
+    from macfleet.engine.sampling import GREEDY
+    from macfleet.serve.engine import BatchEngine, EngineRequest
+
+    prompts = [PROMPT, PROMPT[::-1], [5, 5, 2, 7, 1, 8, 2, 8], [1, 2, 3, 4, 1, 2, 3]]
+    eng = BatchEngine(tiny, proposer="none", max_active=4)
+    drafters, out = [], {}
+    for i, p in enumerate(prompts):
+        d = EagleTreeProposer(trained) if tree else EagleProposer(trained)
+        drafters.append(d)
+        drafting = ProposerGroup([d], node_budget=tree_budget([d])) if tree else d
+        eng.submit(EngineRequest(tuple(p), GREEDY, 32, draft_tokens=3),
+                   lambda ev, i=i: isinstance(ev, Done) and out.__setitem__(i, ev),
+                   proposer=drafting)
+    eng.run_until_idle()
+    for i, p in enumerate(prompts):
+        alone = list(speculative_generate(Verifier(tiny.model), None, p, max_tokens=32))[-1]
+        assert out[i].token_ids == alone.token_ids
+    assert sum(f.stats.accepted for f in out.values()) > 0
+    assert max(r.sessions for r in eng.history) > 1
+    assert all(d.fallback_tokens == 0 for d in drafters)
