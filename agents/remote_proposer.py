@@ -107,6 +107,7 @@ class RemoteProposer(Proposer):
         self.open_timeout_s = open_timeout_s
         self.f3_probe_width = f3_probe_width
         self.features = features  # VerifierFeatures: real F3 for a hidden-state drafter
+        self.wants_features = features is not None
         self._f_sent = 0  # feature rows the remote session has
         self.f3_codec = f3_codec
         self.name = f"{proposer}@{endpoint}"
@@ -230,6 +231,11 @@ class RemoteProposer(Proposer):
                        reply.predraft_hit, b3, f3_ms)
         parents = tuple(reply.parents) if reply.parents is not None else None
         return Draft(tuple(reply.tokens), reply.probs, rtt_ms, None, parents)
+
+    def feed_features(self, start: int, tokens, hidden) -> None:
+        """Rows of this session's batched forward, to send on over F3 (a tapped verifier's
+        features need no feeding)."""
+        self.features.feed(start, tokens, hidden)
 
     def _new_features(self, context_len: int):
         """Rows the remote drafter lacks: positions _f_sent .. context_len - 2."""

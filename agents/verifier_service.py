@@ -75,6 +75,15 @@ class FallbackProposer(Proposer):
     def current(self) -> RemoteProposer | None:
         return self._live[0] if self._live else None
 
+    @property
+    def wants_features(self) -> bool:
+        return any(p.wants_features for p in self._all)
+
+    def feed_features(self, start: int, tokens, hidden) -> None:
+        """The endpoints share one feature source: fed once."""
+        if self._live:
+            self._live[0].feed_features(start, tokens, hidden)
+
     def start(self, params: SamplingParams = GREEDY) -> None:
         self.params = params
         for p in self._live:
@@ -166,15 +175,6 @@ class VerifierLimits:
     batch_queue: int = DEFAULT_BATCH_QUEUE  # requests waiting for a batch slot
     # prefill chunks sized so a batch iteration costs at most this many decode-only ones
     stall_ratio: float = DEFAULT_STALL_RATIO
-
-
-def batchable(msg: GenerateRequest) -> bool:
-    """Whether the continuous batch can run this request: token drafts (a chain, or the tree
-    of several drafters or of a tree drafter) or none. Hidden-state drafters (eagle*: they
-    read each session's features, which the flat forward does not tap) take the one-session
-    path."""
-    spec = msg.proposer_spec or "none"
-    return not any(part.startswith("eagle") for part in spec.split("+"))
 
 
 class VerifierService:
@@ -303,8 +303,7 @@ class VerifierService:
         except ValueError as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
         check_request(msg, self.policy)
-        if (self._batch is not None and batchable(msg)
-                and not (self._stage is not None and self._stage.wants(msg))):
+        if self._batch is not None and not (self._stage is not None and self._stage.wants(msg)):
             self._submit_batched(msg, reply)
             return True
         with self._pending_lock:
@@ -329,7 +328,7 @@ class VerifierService:
         try:
             ids = staged.ids if staged is not None else (
                 encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
-            proposer = self._drafting(msg)
+            proposer = self._drafting(msg, batched=True)
         except (PromptError, ProposerSpecError, ValueError) as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
         req = EngineRequest(prompt=tuple(ids), params=params,
@@ -408,7 +407,7 @@ class VerifierService:
     def _submit(self, msg: GenerateRequest, reply: Reply, staged) -> None:
         """The prefill stage hands a request on: into the batch when it can run there (its
         shipped KV installed in a batch row), else to the one-session queue (waits while full)."""
-        if self._batch is not None and batchable(msg):
+        if self._batch is not None:
             try:
                 self._submit_batched(msg, reply, staged)
             except ProtocolError as e:
@@ -461,14 +460,16 @@ class VerifierService:
         if self._on_fatal is not None:
             self._on_fatal(why)
 
-    def _drafting(self, msg: GenerateRequest) -> Drafting:
+    def _drafting(self, msg: GenerateRequest, batched: bool = False) -> Drafting:
         """What drafts for this request: remote proposer agents when it names endpoints (a
         chain falls back from one to the next, a tree drafts on all at once), else this agent's
-        own drafters; tree or chain is decided as in-process (engine/text.py plan_drafting)."""
+        own drafters; tree or chain is decided as in-process (engine/text.py plan_drafting).
+        batched: for a session of the continuous batch (hidden-state drafters are fed its rows
+        by the batch engine instead of tapping this verifier's forwards)."""
         spec = msg.proposer_spec or "none"
         if msg.proposers:
-            return plan_drafting(spec, chain=lambda s: self._fallback(msg),
-                                 tree=lambda specs: self._tree_group(msg, specs))
+            return plan_drafting(spec, chain=lambda s: self._fallback(msg, batched),
+                                 tree=lambda specs: self._tree_group(msg, specs, batched))
 
         def make(s: str) -> Proposer | None:
             return make_checked_proposer(s, self.lm, self.policy, self.models)
@@ -476,9 +477,9 @@ class VerifierService:
         return plan_drafting(spec, chain=make, tree=lambda specs: make_group(
             [make(s) or no_drafts(s) for s in specs], draft_tokens_of(msg)))
 
-    def _fallback(self, msg: GenerateRequest) -> FallbackProposer:
+    def _fallback(self, msg: GenerateRequest, batched: bool = False) -> FallbackProposer:
         """One chain drafter on the named endpoints, in order of preference."""
-        feats = self._features(msg.proposer_spec)
+        feats = self._features(msg.proposer_spec, batched)
         return FallbackProposer([
             RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec, model=self.lm.spec,
                            cross_round=msg.cross_round,
@@ -486,12 +487,17 @@ class VerifierService:
                            features=feats, f3_codec=self.f3_codec)
             for ep in msg.proposers])
 
-    def _features(self, spec: str):
-        """Real F3 for a remote hidden-state drafter: tap this verifier's own forwards."""
-        if not spec.startswith("eagle") or not hasattr(self._verifier, "cache"):
+    def _features(self, spec: str, batched: bool = False):
+        """Real F3 for a remote hidden-state drafter: tap this verifier's own forwards (one
+        session at a time), or take the rows the batch engine feeds this session."""
+        if not spec.startswith("eagle"):
             return None
         from macfleet.engine.drafter.proposer import VerifierFeatures
 
+        if batched:
+            return VerifierFeatures(self.lm.model, tap=False)
+        if not hasattr(self._verifier, "cache"):
+            return None
         self._feature_tap = VerifierFeatures(self.lm.model)
         return self._feature_tap
 
@@ -510,10 +516,12 @@ class VerifierService:
                            f2_bytes=sum(f.f2_bytes for f in lasts))
         return None
 
-    def _tree_group(self, msg: GenerateRequest, specs: list[str]) -> RemoteProposerGroup:
+    def _tree_group(self, msg: GenerateRequest, specs: list[str],
+                    batched: bool = False) -> RemoteProposerGroup:
         """`a+b+c` with N endpoints: proposer i drafts spec i (the last spec repeats)."""
         spec_of = [specs[min(i, len(specs) - 1)] for i in range(len(msg.proposers))]
-        feats = next((self._features(s) for s in spec_of if s.startswith("eagle")), None)
+        feats = next((self._features(s, batched) for s in spec_of if s.startswith("eagle")),
+                     None)
         remotes = [RemoteProposer(ep, key=self.key, proposer=spec, model=self.lm.spec,
                                   cross_round=msg.cross_round,
                                   f3_probe_width=self.f3_probe_width,

@@ -264,7 +264,7 @@ class BatchEngine:
         feeds = [p for p in (group.proposers if group is not None else [chain])
                  if p is not None and p.wants_features]
         for p in feeds:  # the flat forward runs no tap: the engine feeds its features
-            p.use_tap = False  # (as the proposer agent does for features sent over F3)
+            p.untap()
         if drafting is not None:
             drafting.start(req.params)
         controller = make_controller(draft_tokens if chain is not None else 0)

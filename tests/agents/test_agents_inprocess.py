@@ -111,8 +111,8 @@ def test_remote_tree_of_two_proposer_agents_is_lossless_and_survives_one_dying(p
 
 def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
     """A hidden-state drafter on the proposer agent is fed the verifier's own hidden states
-    (flow F3, riding with each draft request): lossless, and the proposer never recomputes
-    features itself."""
+    (flow F3, riding with each draft request; the rows of its session in the verifier's
+    continuous batch): lossless, and the proposer never recomputes features itself."""
     import mlx.core as mx
 
     from macfleet.engine.drafter.head import EagleConfig, EagleHead
@@ -126,7 +126,10 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
                              heads_dir=str(tmp_path)))
     try:
         alone = gen(ver, None, "none", max_tokens=30)
+        before = ver.verifier.batch_view().iterations
         d = gen(ver, prop, "eagle:head.safetensors", max_tokens=30, draft_tokens=3)
+        # verified in the continuous batch: the engine fed the session's rows to F3
+        assert ver.verifier.batch_view().iterations > before
         ver.verifier.f3_codec = "int8"  # hidden states as int8 + row scales: still lossless
         d8 = gen(ver, prop, "eagle:head.safetensors", max_tokens=30, draft_tokens=3)
         ver.verifier.f3_codec = "float16"

@@ -86,14 +86,3 @@ def test_concurrent_trees_are_verified_in_the_batch(agents):
     assert max(it.sessions for it in view.recent) > 1
     assert all(len(g.stats.per_proposer) == 2 for g in got)
     assert all(g.stats.fleet.flows.remote_blocks > 0 for g in got)
-
-
-def test_hidden_state_drafters_take_the_one_session_path():
-    from agents.verifier_service import batchable
-    from bridge.messages import GenerateRequest
-
-    def spec(s):
-        return GenerateRequest("r", "hi", True, 4, 0.0, 1.0, None, 2, [], s, False)
-
-    assert batchable(spec("ngram+layerskip:2")) and batchable(spec("retrieval"))
-    assert not batchable(spec("eagle")) and not batchable(spec("ngram+eagle2"))

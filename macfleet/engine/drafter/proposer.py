@@ -100,6 +100,9 @@ class EagleProposer(Proposer):
         self._reset_state()
 
     # -- features ----------------------------------------------------------------------
+    def untap(self) -> None:
+        self.use_tap = False
+
     def feed_features(self, start: int, tokens: Sequence[int], h) -> None:
         """Hidden states computed elsewhere (flow F3: the verifier on another Mac sends the
         rows of newly committed positions): rows for positions start.. of `tokens`."""
@@ -196,15 +199,21 @@ class VerifierFeatures:
     """The verifier's side of F3: taps its own forwards and hands out the hidden-state rows of
     committed positions, to send to a remote EAGLE proposer (no extra verifier compute)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, tap: bool = True) -> None:
+        """tap=False: rows come through `feed` (one session of a batched forward, which runs
+        no tap: the batching engine hands each session its rows)."""
         self.model = model
-        self._tap = HiddenTap()
+        self._tap = HiddenTap() if tap else None
         self._store = _FeatureStore()
-        attach_tap(model, self._tap)
+        if self._tap is not None:
+            attach_tap(model, self._tap)
+
+    def feed(self, start: int, tokens: Sequence[int], h: mx.array) -> None:
+        self._store.write(start, [int(t) for t in tokens], h)
 
     def rows(self, a: int, b: int) -> np.ndarray | None:
         """float16 rows for positions a..b-1, or None when the verifier has not computed them."""
-        for start, toks, h in self._tap.drain():
+        for start, toks, h in (self._tap.drain() if self._tap is not None else ()):
             self._store.write(start, toks, h)
         if b <= a:
             return None
@@ -213,7 +222,8 @@ class VerifierFeatures:
         return np.array(self._store.rows(a, b).astype(mx.float16))
 
     def close(self) -> None:
-        detach_tap(self.model, self._tap)
+        if self._tap is not None:
+            detach_tap(self.model, self._tap)
 
 
 SHIPPED_HEADS = {"smollm2": "smollm2-eagle"}

@@ -57,6 +57,10 @@ class Proposer(ABC):
         """Hidden states of committed positions start.. (flow F3); only for wants_features."""
         raise TypeError(f"{self.name} does not draft from hidden states")
 
+    def untap(self) -> None:
+        """Before `start`: the features will all come through `feed_features` (a batched
+        forward runs no tap on the model); only for wants_features."""
+
 
     def start(self, params: SamplingParams) -> None:
         """Begin a new sequence with these sampling parameters (drops all cached state)."""
