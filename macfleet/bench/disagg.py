@@ -352,7 +352,8 @@ def plot(res: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     sizes = res["sizes"]
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(max(7.5, 5.5 * len(sizes)), 5.0),
+                             squeeze=False)
     for ax, size in zip(axes[0], sizes):
         modes = size["modes"]
         x = range(len(modes))
@@ -361,19 +362,23 @@ def plot(res: dict, path: Path) -> Path | None:
         ax.bar([i - 0.2 for i in x], p50, 0.4, label="p50 in the window", color="tab:blue")
         ax.bar([i + 0.2 for i in x], p99, 0.4, label="p99 in the window", color="tab:orange")
         for i, m in enumerate(modes):
-            before = m["short_itl_before_s"]["p50"] * 1e3
-            ax.plot([i - 0.4, i + 0.4], [before] * 2, color="black", lw=1.5,
+            before = m["short_itl_before_s"]
+            ax.plot([i - 0.4, i + 0.4], [before["p50"] * 1e3] * 2, color="black", lw=1.5,
                     label="p50 before it arrived" if i == 0 else None)
+            if "p99" in before:
+                ax.plot([i - 0.4, i + 0.4], [before["p99"] * 1e3] * 2, color="black", lw=1,
+                        ls="--", label="p99 before it arrived" if i == 0 else None)
             ax.text(i, p99[i], f"{m['p99_over_p50']}x\nTTFT {m['long_ttft_s']:.0f} s",
                     ha="center", va="bottom", fontsize=7)
+        ax.margins(y=0.15)
         ax.set_xticks(list(x))
         ax.set_xticklabels([m["mode"].replace(" (", "\n(") for m in modes], fontsize=7)
         ax.set_ylabel("short sessions' inter-token gap (ms)")
         ax.set_title(f"{size['prompt_tokens']:,}-token prompt arrives")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"{res['short_sessions']} decoding sessions while a long prompt is prefilled "
-                 f"(goal: p99 <= 1.5x p50 with a prefill agent)", fontsize=9)
+    fig.suptitle(f"{res['short_sessions']} decoding sessions while a long prompt is prefilled\n"
+                 "(goal: p99 <= 1.5x p50 with a prefill agent)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
