@@ -36,6 +36,7 @@ from macfleet.engine.text import make_group, no_drafts, plan_drafting
 from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample
 from macfleet.engine.tree_loop import ProposerGroup
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
+from macfleet.engine.verify_costs import verify_costs
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, DraftView,
                                       IterationCost, PrefixView, SessionView, StallControl,
@@ -185,6 +186,7 @@ class BatchEngine:
         self._kv = None if invariant else BatchKV(len(lm.model.layers))
         self._vocab = lm.vocab_size
         self._layout = None  # the model's KV layout, read when a shipped KV first arrives
+        self._costs: dict[int, float] | None = None  # verify(L), read when a group joins
         self._waiting: deque[_Session] = deque()
         self._active: list[_Session] = []
         self._next_sid = 0
@@ -387,6 +389,8 @@ class BatchEngine:
                     s.cache = store.open()
                     store.reserve(s.cache.row + 1, len(s.req.prompt))
                 s.rng = make_rng(s.req.params, stream=0)
+                if s.group is not None:  # its drafters size trees against verify(L)
+                    s.group.seed_verify_costs(self._verify_costs())
                 if s.kv is not None and not isinstance(s.cache, RowCache):
                     self._install(s)  # batch-invariant mode: per-session caches, at once
             except Exception as e:  # noqa: BLE001 - one bad session fails alone
@@ -394,6 +398,13 @@ class BatchEngine:
                 self._finish(s, failed=f"could not start: {type(e).__name__}: {e}")
                 continue
             self._active.append(s)
+
+    def _verify_costs(self) -> dict[int, float]:
+        """The model's measured verify(L) table (as `tree_generate` seeds its group with;
+        probed once per machine, on this thread, then cached on disk)."""
+        if self._costs is None:
+            self._costs = verify_costs(self.lm.model)
+        return self._costs
 
     def _layout_dtype(self) -> mx.Dtype:
         from macfleet.engine.kvship import model_layout

@@ -168,7 +168,11 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path, monkeypatch)
     # the tiny verifier costs what its head does, so measured costs would (rightly) stop the
     # remote drafter from drafting at all; verify as if it were a big model's step (the
     # verifier agent sends this table to the drafter, which sizes its trees against it)
-    monkeypatch.setattr(tree_loop, "verify_costs", lambda m: {1: 100.0, 16: 105.0, 32: 120.0})
+    import macfleet.serve.engine as batch_engine
+
+    costly = {1: 100.0, 16: 105.0, 32: 120.0}
+    monkeypatch.setattr(tree_loop, "verify_costs", lambda m: costly)  # one session at a time
+    monkeypatch.setattr(batch_engine, "verify_costs", lambda m: costly)  # the agent's batch
     model = "tiny:1:16"
     lm = load_model(model)
     rng = np.random.default_rng(0)
