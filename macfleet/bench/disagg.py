@@ -40,6 +40,7 @@ from macfleet.bench.sessions import DEFAULT_START_TIMEOUT_S, LocalFleet, _reaped
 from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote
 from macfleet.fleet.keys import keygen
+from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
 
 DEFAULT_SHORT_SESSIONS = 4
 DEFAULT_LONG_TOKENS = 16
@@ -282,6 +283,7 @@ def summarize(runs: list[Timed], window: tuple[float, float]) -> dict:
 def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (2000, 8000),
                  shorts: int = DEFAULT_SHORT_SESSIONS, long_tokens: int = DEFAULT_LONG_TOKENS,
                  codecs: tuple[str, ...] = ("auto",), links: tuple[str, ...] = LINKS,
+                 stall_ratio: float | None = None,
                  progress: Callable[[str], None] = lambda m: None) -> dict:
     from macfleet.bench.f3 import load_testbed
     from macfleet.engine.models import load_model
@@ -306,8 +308,9 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
             with tempfile.TemporaryDirectory(prefix="macfleet-disagg-") as tmp:
                 key_path = Path(tmp) / "fleet.key"
                 key = keygen(key_path)
-                agents = [("verifier", v_cpu, ["--no-disagg"] if codec is None else
-                           ["--kv-codec", codec])]
+                stall = [] if stall_ratio is None else ["--stall-ratio", str(stall_ratio)]
+                agents = [("verifier", v_cpu, stall + (["--no-disagg"] if codec is None else
+                                                        ["--kv-codec", codec]))]
                 if codec is not None:
                     agents.append(("prefill", p_cpu, []))
                 progress(f"{n} tokens, {label}: starting {len(agents)} agent(s) ({model}, "
@@ -338,6 +341,7 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
                                     "Linux bridge, each host's egress a tbf rate 100mbit burst "
                                     "32kbit latency 50ms (tests/testbed/netns.py WIFI_*); the "
                                     "clients on the bridge"},
+            "stall_ratio": stall_ratio if stall_ratio is not None else DEFAULT_STALL_RATIO,
             "skipped": skipped, "cores": {"verifier": v_cpu, "prefill": p_cpu},
             "sizes": sizes}
 

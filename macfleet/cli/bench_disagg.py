@@ -16,6 +16,8 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--links", default="loopback,netns-wifi", help="links to run the prefill "
                    "agent over, comma-separated (netns-wifi: two network namespaces with a "
                    "100 Mbit/s tbf; needs root, skipped otherwise)")
+    s.add_argument("--stall-ratio", type=float, default=None, metavar="R",
+                   help="the verifier agent's --stall-ratio (default: its own)")
     s.set_defaults(func=run_disagg)
 
 
@@ -33,6 +35,7 @@ def run_disagg(args) -> int:
         raise UserError(f"--links: comma-separated, from {', '.join(LINKS)}")
     res = bench_disagg(model=args.model, prompt_tokens=sizes, shorts=args.sessions,
                        codecs=tuple(c for c in args.codecs.split(",") if c), links=links,
+                       stall_ratio=args.stall_ratio,
                        progress=lambda m: print(m, file=sys.stderr, flush=True))
     path = write_result("disagg.json", res, args.out)
     print(f"{'prompt':>6s} {'mode':24s} {'long TTFT s':>11s} {'ITL p50/p99 ms':>15s} "
