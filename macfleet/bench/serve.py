@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
+
 START_TIMEOUT_S = 120.0
 CHAT_PROMPTS = (  # open questions: answers longer than max_tokens, so no early EOS skews tok/s
     "Write a short story about a lighthouse keeper.", "Explain how a CPU works.",
@@ -267,8 +269,8 @@ def bench_throughput(model: str, clients: list[int], max_tokens: int, deadline: 
     return out
 
 
-STALL_MODES = {
-    "chunked, stall ratio 2": ("--stall-ratio", "2"),
+STALL_MODES = {  # the server's default stall ratio, then chunks bounded by the budget alone
+    f"chunked, stall ratio {DEFAULT_STALL_RATIO:g}": ("--stall-ratio", f"{DEFAULT_STALL_RATIO:g}"),
     "chunked, token budget only": ("--stall-ratio", "0"),
     "not chunked": ("--no-chunked-prefill",),
 }
