@@ -374,7 +374,7 @@ def plot(res: dict, path: Path) -> Path | None:
                         ls="--", label="p99 before it arrived" if i == 0 else None)
             ax.text(i, p99[i], f"{m['p99_over_p50']}x\nTTFT {m['long_ttft_s']:.0f} s",
                     ha="center", va="bottom", fontsize=7)
-        ax.margins(y=0.15)
+        ax.margins(y=0.45)  # room for the labels and the legend above the bars
         ax.set_xticks(list(x))
         ax.set_xticklabels([m["mode"].replace(" (", "\n(") for m in modes], fontsize=7)
         ax.set_ylabel("short sessions' inter-token gap (ms)")
