@@ -1,7 +1,8 @@
 """`macfleet bench serve`: many streaming clients against a real `macfleet serve` process.
 
 Each configuration is its own server process (one session at a time: `--max-active 1`;
-batched without drafts: `--proposer none`; batched with n-gram drafts), clients are threads
+batched without drafts: `--proposer none`; batched with n-gram drafts; batched with token
+trees of retrieval + n-gram drafts), clients are threads
 speaking HTTP + server-sent events like any OpenAI client. Measured per client: time to first
 token (TTFT), gaps between streamed chunks (inter-token latency; a chunk can carry several
 tokens when drafts are accepted) and completion tokens from the final usage chunk.
@@ -218,6 +219,8 @@ MODES = {
     "one_at_a_time": ("--max-active", "1", "--proposer", "none"),
     "batched": ("--proposer", "none"),
     "batched_ngram": ("--proposer", "ngram"),
+    # token trees in the batch: the in-process default drafter (retrieval + n-gram)
+    "batched_trees": ("--proposer", "retrieval+ngram"),
 }
 # through a local fleet: the verifier agent's continuous batch (sessions per forward) and the
 # proposer the server names (drafted on the proposer agent, per session)
