@@ -25,7 +25,7 @@ import numpy as np
 from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accept_ratio
 from macfleet.engine.batch import (BatchKV, RowCache, Segment, check_batchable, flat_forward,
                                    trim_cache)
-from macfleet.engine.controller import DraftTokens, make_controller
+from macfleet.engine.controller import AUTO, DraftTokens, make_controller
 from macfleet.engine.events import BlockDone, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
 from macfleet.engine.models import LoadedModel
@@ -57,6 +57,14 @@ OWN_STORE_PROMPT = 512  # prompts longer than this keep their KV in a store of t
 # decode: each iteration spends at most this share of a decode-only iteration on it
 DEFAULT_INSTALL_SHARE = 0.25
 DEFAULT_DECODE_MS = 100.0  # the decode iteration assumed before one is measured
+
+
+def cap_total(ks: list[int], total: int) -> list[int]:
+    """Draft lengths cut (largest first) until they sum to at most `total`."""
+    ks = list(ks)
+    while sum(ks) > max(total, 0):
+        ks[ks.index(max(ks))] -= 1
+    return ks
 
 
 class Overloaded(RuntimeError):
@@ -95,6 +103,7 @@ class _Session:
     tree: TokenTree | None = None  # this block's tree (a group's session)
     drafts: list[Draft] = field(default_factory=list)  # the drafts it was made of
     feeds: list = field(default_factory=list)  # its hidden-state drafters (fed by the engine)
+    auto_tree: bool = False  # a group with automatic draft lengths: its tree size is planned
     cache: list | None = None
     context: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
@@ -276,6 +285,7 @@ class BatchEngine:
                     drafting.close()
                 raise Overloaded(f"{len(self._waiting)} requests are already waiting")
             s = _Session(self._next_sid, req, emit, chain, controller, group=group, feeds=feeds,
+                         auto_tree=group is not None and draft_tokens == AUTO,
                          on_close=on_close, times=TokenTimes(self.clock()),
                          proposer_name=name, kv=kv)
             self._next_sid += 1
@@ -485,11 +495,17 @@ class BatchEngine:
         """Each decoding session's draft length: what its controller asks for, cut by
         `plan_drafts` to the drafts that pay at this batch's measured costs (sessions with a
         fixed length keep it)."""
-        wants = {s.sid: min(s.controller.next_k(), s.req.max_tokens - len(s.generated) - 1)
+        wants = {s.sid: min(s.group.node_budget if s.group is not None else s.controller.next_k(),
+                            s.req.max_tokens - len(s.generated) - 1)
                  for s in decoding}
         base = self._cost.predict(len(decoding))
-        adaptive = [s for s in decoding if s.proposer is not None and wants[s.sid] > 0
-                    and getattr(s.controller, "alpha", None) is not None]
+        # in a batch, a tree session counts as a chain along its accepted path and the planned
+        # drafts cap its tree's nodes; alone, its drafters size the tree against verify(L) as
+        # in one process (a tree's value is not a chain's: measured, the plan cut trees that
+        # paid 1.24x for a single client)
+        adaptive = [s for s in decoding if wants[s.sid] > 0 and (
+            (s.auto_tree and len(decoding) > 1)
+            or (s.proposer is not None and getattr(s.controller, "alpha", None) is not None))]
         if base is None or not adaptive:
             return wants
         pool_n, pool_acc = (sum(x) for x in zip((0, 0), *self._pool))
@@ -508,7 +524,8 @@ class BatchEngine:
         for s in decoding:
             s.draft, s.k, s.tree, s.drafts = EMPTY_DRAFT, ks[s.sid], None, []
             if s.group is not None:
-                groups[s.sid] = s.group.lengths(s.req.max_tokens - len(s.generated) - 1)
+                groups[s.sid] = cap_total(
+                    s.group.lengths(s.req.max_tokens - len(s.generated) - 1), ks[s.sid])
                 s.k = sum(groups[s.sid])
                 s.group.begin(s.context, groups[s.sid])
             elif s.proposer is not None and s.k > 0:
@@ -672,6 +689,11 @@ class BatchEngine:
         if tree.size:
             s.drafted += tree.size
             s.accepted += len(path)
+            # geometric trials along the path: it stopped where the tree had more to offer
+            last = path[-1] if path else 0
+            trials = len(path) + bool(tree.children[last])
+            s.trials += trials
+            self._pool.append((trials, len(path)))
         s.group.observe(s.drafts, tree.accepted_per_source(path), verify_ms, len(tree.tokens))
         self._emit_block(s, new, k=s.k, drafted=tree.size, accepted=len(path),
                          verify_ms=verify_ms)

@@ -343,3 +343,11 @@ def test_a_long_prompt_keeps_its_kv_apart_and_answers_do_not_change(tiny):
         assert f.token_ids == _alone(tiny, r.prompt, r.max_tokens)
     assert max(caps) <= 256  # the shared store never grew for the long prompt
     assert sum(1 for r in eng.history if r.prefill_tokens and r.decode_tokens) >= 3
+
+
+def test_cap_total_cuts_the_largest_draft_lengths_first():
+    from macfleet.serve.engine import cap_total
+
+    assert cap_total([24, 0], 5) == [5, 0]
+    assert cap_total([4, 4, 2], 6) == [2, 2, 2]
+    assert cap_total([3, 1], 10) == [3, 1] and cap_total([3, 1], 0) == [0, 0]
