@@ -116,21 +116,26 @@ class BatchKV:
                 raise ValueError(f"cannot share {n} positions of a row holding {src.offset}")
             self.reserve(max(src.row, dst.row) + 1, n)
         pos = np.concatenate([np.arange(n) for *_, n in copies])
-        src_rows = np.concatenate([np.full(n, src.row) for src, _, n in copies])
-        dst_rows = np.concatenate([np.full(n, dst.row) for _, dst, n in copies])
-        bufs = [self._buffers(i, self.keys[i], self.values[i]) for i in range(self.n_layers)]
-        kv_heads = bufs[0][0].shape[1]
-        src_slots = self.slot_index(src_rows, pos, kv_heads)
-        parts = [[b.reshape(-1, b.shape[3])[src_slots] for b in kb_vb] for kb_vb in bufs]
-        mx.eval(bufs, parts)
-        dst_slots = self.slot_index(dst_rows, pos, kv_heads)
-        self.keys = [b[0] for b in bufs]
-        self.values = [b[1] for b in bufs]
-        del bufs
-        for i, (pk, pv) in enumerate(parts):
-            self._scatter(i, pk, pv, dst_slots)
+        for i in range(self.n_layers):
+            self.keys[i], self.values[i] = self._buffers(i, self.keys[i], self.values[i])
+        self._move(np.concatenate([np.full(n, src.row) for src, _, n in copies]), pos,
+                   np.concatenate([np.full(n, dst.row) for _, dst, n in copies]), pos)
         for _, dst, n in copies:
             dst.offset = n
+
+    def _move(self, src_rows: np.ndarray, src_pos: np.ndarray, dst_rows: np.ndarray,
+              dst_pos: np.ndarray) -> None:
+        """Every layer's keys/values at (src_rows, src_pos) copied to (dst_rows, dst_pos): one
+        gather and one scatter per layer; the gathered rows are evaluated first, so the
+        scatter then updates the buffers in place."""
+        heads = self.keys[0].shape[1]
+        src_slots = self.slot_index(src_rows, src_pos, heads)
+        parts = [[b.reshape(-1, b.shape[3])[src_slots] for b in (self.keys[i], self.values[i])]
+                 for i in range(self.n_layers)]
+        mx.eval(parts, self.state)
+        dst_slots = self.slot_index(dst_rows, dst_pos, heads)
+        for i, (pk, pv) in enumerate(parts):
+            self._scatter(i, pk, pv, dst_slots)
 
     def keep_paths(self, kept: Sequence[tuple[RowCache, int, Sequence[int]]]) -> None:
         """After verifying token trees: for each (cache, base, path), the row keeps the root
@@ -144,17 +149,8 @@ class BatchKV:
                  if list(path) != list(range(1, len(path) + 1))]
         if moves:
             rows = np.concatenate([np.full(len(p), c.row) for c, _, p in moves])
-            src = np.concatenate([base + np.array(p) for _, base, p in moves])
-            dst = np.concatenate([base + 1 + np.arange(len(p)) for _, base, p in moves])
-            heads = self.keys[0].shape[1]
-            src_slots = self.slot_index(rows, src, heads)
-            parts = [[b.reshape(-1, b.shape[3])[src_slots] for b in (self.keys[i],
-                                                                     self.values[i])]
-                     for i in range(self.n_layers)]
-            mx.eval(parts)
-            dst_slots = self.slot_index(rows, dst, heads)
-            for i, (pk, pv) in enumerate(parts):
-                self._scatter(i, pk, pv, dst_slots)
+            self._move(rows, np.concatenate([base + np.array(p) for _, base, p in moves]),
+                       rows, np.concatenate([base + 1 + np.arange(len(p)) for _, base, p in moves]))
             mx.eval(self.state)
         for c, base, path in kept:
             c.offset = base + 1 + len(path)

@@ -38,6 +38,33 @@ DEFAULT_K_MAX = 8
 TREE_DRAFTER_BUDGET = 24  # nodes a dynamic-tree drafter may use (it picks its own size)
 
 
+def cap_total(ks: Sequence[int], total: int) -> list[int]:
+    """Draft lengths cut (largest first) until they sum to at most `total`."""
+    ks = list(ks)
+    while sum(ks) > max(total, 0):
+        ks[ks.index(max(ks))] -= 1
+    return ks
+
+
+def tree_of_drafts(root: int, drafts: Sequence[Draft], ks: Sequence[int], vocab: int,
+                   greedy: bool) -> tuple[list[Draft], TokenTree]:
+    """A block's drafts, sanitized (and without draft probabilities when greedy: acceptance
+    does not read them), merged into its token tree under `root`."""
+    drafts = [sanitize_draft(d, k, vocab) for d, k in zip(drafts, ks)]
+    if greedy:
+        drafts = [Draft(d.tokens, None, d.draft_ms, None, d.parents) for d in drafts]
+    return drafts, TokenTree.from_drafts(root, [d.tokens for d in drafts],
+                                         [d.probs for d in drafts], [d.parents for d in drafts])
+
+
+def accept_tree(tree: TokenTree, logits: mx.array, params: SamplingParams,
+                rng) -> tuple[list[int], int]:
+    """The accepted node path and the next token, from the verifier's logits at every node."""
+    if params.greedy:
+        return accept_tree_greedy(tree, np.array(mx.argmax(logits, axis=-1)).tolist())
+    return accept_tree_sample(tree, probs_from_logits(logits, params), rng)
+
+
 def tree_budget(proposers: Sequence[Proposer]) -> int:
     """The node budget of a group: room for a dynamic tree when one of them drafts trees."""
     return max([DEFAULT_NODE_BUDGET, *(TREE_DRAFTER_BUDGET for p in proposers if p.drafts_trees)])
@@ -72,9 +99,7 @@ class ProposerGroup:
         size within it) and shares it with the others."""
         ks = [0 if not live else min(self.node_budget if p.drafts_trees else c.next_k(), limit)
               for p, c, live in zip(self.proposers, self.controllers, self.live)]
-        while sum(ks) > self.node_budget:
-            ks[ks.index(max(ks))] -= 1
-        return ks
+        return cap_total(ks, self.node_budget)
 
     def draft_all(self, context: Sequence[int], ks: Sequence[int]) -> list[Draft]:
         """Each proposer's draft (EMPTY_DRAFT where k is 0 or it failed: pruned)."""
@@ -135,10 +160,7 @@ def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: Sampling
     base = verifier.offset
     if tree_ok:
         logits, hidden = tree_forward(verifier, tree, return_hidden=True)
-        if params.greedy:
-            path, nxt = accept_tree_greedy(tree, np.array(mx.argmax(logits, axis=-1)).tolist())
-        else:
-            path, nxt = accept_tree_sample(tree, probs_from_logits(logits, params), rng)
+        path, nxt = accept_tree(tree, logits, params, rng)
         compact_cache(verifier, base, path)
         # hidden-state drafters read the verifier's features through a tap on its forward;
         # the tree forward runs the layers itself, so report the kept rows (root + path)
@@ -177,13 +199,8 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
         while len(generated) < max_tokens and finish != "stop":
             t0 = time.perf_counter()
             ks = group.lengths(max_tokens - len(generated) - 1)
-            drafts = [sanitize_draft(d, k, vocab)
-                      for d, k in zip(group.draft_all(context, ks), ks)]
-            if params.greedy:
-                drafts = [Draft(d.tokens, None, d.draft_ms, None, d.parents) for d in drafts]
-            tree = TokenTree.from_drafts(context[-1], [d.tokens for d in drafts],
-                                         [d.probs for d in drafts],
-                                         [d.parents for d in drafts])
+            drafts, tree = tree_of_drafts(context[-1], group.draft_all(context, ks), ks, vocab,
+                                          params.greedy)
             t1 = time.perf_counter()
             path, nxt = _verify(verifier, tree, tree_ok, params, rng)
             t2 = time.perf_counter()

@@ -33,8 +33,8 @@ from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.text import make_group, no_drafts, plan_drafting
-from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample
-from macfleet.engine.tree_loop import ProposerGroup
+from macfleet.engine.tree import TokenTree
+from macfleet.engine.tree_loop import ProposerGroup, accept_tree, cap_total, tree_of_drafts
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 from macfleet.engine.verify_costs import verify_costs
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
@@ -57,14 +57,6 @@ OWN_STORE_PROMPT = 512  # prompts longer than this keep their KV in a store of t
 # decode: each iteration spends at most this share of a decode-only iteration on it
 DEFAULT_INSTALL_SHARE = 0.25
 DEFAULT_DECODE_MS = 100.0  # the decode iteration assumed before one is measured
-
-
-def cap_total(ks: list[int], total: int) -> list[int]:
-    """Draft lengths cut (largest first) until they sum to at most `total`."""
-    ks = list(ks)
-    while sum(ks) > max(total, 0):
-        ks[ks.index(max(ks))] -= 1
-    return ks
 
 
 class Overloaded(RuntimeError):
@@ -185,7 +177,7 @@ class BatchEngine:
         if probe is not None:
             probe.close()
         self.token_budget, self.max_active, self.max_queue = token_budget, max_active, max_queue
-        self.chunked, self.invariant, self.clock = chunked, invariant, clock
+        self.chunked, self.clock = chunked, clock
         self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
         self._stall = StallControl(stall_ratio)
         self.install_share = install_share
@@ -536,7 +528,9 @@ class BatchEngine:
                     self._lose_proposer(s, e)
         for s in decoding:
             if s.group is not None:
-                self._tree_of(s, s.group.finish(), groups[s.sid])
+                s.drafts, s.tree = tree_of_drafts(s.context[-1], s.group.finish(),
+                                                  groups[s.sid], self._vocab,
+                                                  s.req.params.greedy)
             elif s in asked:
                 try:
                     d = sanitize_draft(s.proposer.finish(), s.k, self._vocab)
@@ -544,15 +538,6 @@ class BatchEngine:
                 except ProposerFailed as e:
                     self._lose_proposer(s, e)
             s.draft_ms = (self.clock() - t0) * 1e3
-
-    def _tree_of(self, s: _Session, drafts: list[Draft], ks: list[int]) -> None:
-        """A group's drafts merged into this block's token tree (as `tree_generate` does)."""
-        drafts = [sanitize_draft(d, k, self._vocab) for d, k in zip(drafts, ks)]
-        if s.req.params.greedy:
-            drafts = [Draft(d.tokens, None, d.draft_ms, None, d.parents) for d in drafts]
-        s.drafts = drafts
-        s.tree = TokenTree.from_drafts(s.context[-1], [d.tokens for d in drafts],
-                                       [d.probs for d in drafts], [d.parents for d in drafts])
 
     def _lose_proposer(self, s: _Session, e: ProposerFailed) -> None:
         log.warning("session %d: proposer failed (%s), continuing without", s.sid, e)
@@ -670,13 +655,7 @@ class BatchEngine:
         before anything is committed, so a session that ends here leaves a consistent row."""
         out, kept = {}, {}
         for s, logits in done:
-            p = s.req.params
-            if p.greedy:
-                path, nxt = accept_tree_greedy(s.tree,
-                                               np.array(mx.argmax(logits, axis=-1)).tolist())
-            else:
-                path, nxt = accept_tree_sample(s.tree, probs_from_logits(logits, p), s.rng)
-            out[s.sid] = (path, nxt)
+            path, nxt = out[s.sid] = accept_tree(s.tree, logits, s.req.params, s.rng)
             base = s.cache.offset - len(s.tree.tokens)
             kept.setdefault(s.cache.store, []).append((s.cache, base, path))
         for store, rows in kept.items():
