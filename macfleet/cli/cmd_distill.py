@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--ce-weight", type=float, default=0.5,
                    help="weight of the next-token loss against the feature regression")
+    p.add_argument("--unroll", type=int, default=1, metavar="N",
+                   help="training steps fed the head's own predicted features after the first "
+                   "(the chain a proposer runs; more helps later draft positions)")
     p.add_argument("--gen-prompts", type=int, default=12,
                    help="built-in prompts the verifier answers itself (slow: ~10 tok/s on CPU)")
     p.add_argument("--gen-tokens", type=int, default=96, help="tokens per generated answer")
@@ -71,8 +74,8 @@ def run(args) -> int:
     from macfleet.engine.drafter.train import TrainParams
     from macfleet.engine.models import ModelSpecError, load_model
 
-    if args.steps < 1 or args.batch < 1 or args.seq_len < 8:
-        raise UserError("--steps and --batch must be >= 1, --seq-len >= 8")
+    if args.steps < 1 or args.batch < 1 or args.seq_len < 8 or args.unroll < 0:
+        raise UserError("--steps and --batch must be >= 1, --seq-len >= 8, --unroll >= 0")
     signal.signal(signal.SIGTERM, _stop_on_term)
     for d in args.data:
         if not Path(d).expanduser().exists():
@@ -83,7 +86,8 @@ def run(args) -> int:
         raise UserError(str(e)) from None
     out = Path(args.out or f"{args.model.replace(':', '-').replace('/', '-')}-eagle")
     params = TrainParams(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                         save_every=args.save_every, ce_weight=args.ce_weight)
+                         save_every=args.save_every, ce_weight=args.ce_weight,
+                         unroll_steps=args.unroll)
     if args.tokens > 0 or args.stage != "all":
         return _run_dataset(args, lm, out, params)
     if args.init not in ("verifier", "random") or args.skip_missing_hidden:

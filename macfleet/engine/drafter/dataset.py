@@ -2,7 +2,8 @@
 
 Layout (all numpy `.npy`, so training memory-maps them and never recomputes the verifier):
 
-    manifest.json               verifier spec + fingerprint, hidden size, shards, totals, timing
+    manifest.json               verifier spec + fingerprint and probe, hidden size, shards,
+                                totals, timing
     keys.txt                    one prompt key per line (deduplication and resume)
     shard-00000.tokens.npy      [N] int32     every fed token of every sample, concatenated
     shard-00000.hidden.npy      [N, H] float16 last-layer pre-norm hidden state per token
@@ -36,6 +37,7 @@ import numpy as np
 from macfleet.engine.drafter.batchgen import (DEFAULT_BATCH, DEFAULT_MAX_ANSWER, Sample,
                                               Timing, generate_samples)
 from macfleet.engine.drafter.features import FeatureChunk
+from macfleet.engine.drafter.head import matches_verifier, verifier_probe
 from macfleet.engine.drafter.prompts import iter_prompts
 from macfleet.engine.models import LoadedModel
 
@@ -66,6 +68,7 @@ class Manifest:
     seconds: float = 0.0
     timing: dict[str, float] = field(default_factory=dict)
     format: int = FORMAT
+    probe: tuple[float, ...] = ()  # verifier_probe(); () in manifests written before probes
 
     @property
     def samples(self) -> int:
@@ -87,8 +90,9 @@ class Manifest:
         try:
             d = json.loads((path / MANIFEST).read_text())
             d["shards"] = [ShardInfo(**s) for s in d.get("shards", [])]
+            d["probe"] = tuple(float(v) for v in d.get("probe", ()))  # a JSON list
             m = cls(**d)
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, AttributeError) as e:
             raise DatasetError(f"{path}: not a distillation dataset ({e})") from e
         if m.format != FORMAT:
             raise DatasetError(f"{path}: dataset format {m.format}, this macfleet reads {FORMAT}")
@@ -101,16 +105,26 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def check_verifier(m: Manifest, path: Path, lm: LoadedModel, fingerprint: str) -> None:
+    """Refuse a dataset of another verifier (`fingerprint`: this verifier's); the same
+    checkpoint on another backend is accepted through the manifest's probe."""
+    if not matches_verifier(m.fingerprint, m.probe, lm.model, model_fingerprint=fingerprint):
+        raise DatasetError(f"{path} holds data of verifier '{m.verifier}' (fingerprint "
+                           f"{m.fingerprint}); this verifier's is {fingerprint}")
+
+
 def open_manifest(path: Path, lm: LoadedModel, fingerprint: str) -> Manifest:
-    """The directory's manifest (checked against this verifier), or a new one."""
+    """The directory's manifest (checked against this verifier), or a new one. A manifest
+    without a probe gets this verifier's (written with the next shard)."""
     if (path / MANIFEST).is_file():
         m = Manifest.read(path)
-        if m.fingerprint != fingerprint:
-            raise DatasetError(f"{path} holds data of verifier '{m.verifier}' (fingerprint "
-                               f"{m.fingerprint}); this verifier's is {fingerprint}")
+        check_verifier(m, path, lm, fingerprint)
+        if not m.probe:
+            m.probe = verifier_probe(lm.model)
         return m
     path.mkdir(parents=True, exist_ok=True)
-    return Manifest(verifier=lm.spec, fingerprint=fingerprint, hidden_size=lm.hidden_size)
+    return Manifest(verifier=lm.spec, fingerprint=fingerprint, hidden_size=lm.hidden_size,
+                    probe=verifier_probe(lm.model))
 
 
 def write_shard(path: Path, index: int, samples: Sequence[Sample]) -> ShardInfo:
@@ -243,9 +257,7 @@ def rebuild_hidden(lm: LoadedModel, path: Path, *, fingerprint: str,
     from macfleet.engine.drafter.batchgen import _forward
 
     m = Manifest.read(path)
-    if m.fingerprint != fingerprint:
-        raise DatasetError(f"{path} holds data of verifier '{m.verifier}' (fingerprint "
-                           f"{m.fingerprint}); this verifier's is {fingerprint}")
+    check_verifier(m, path, lm, fingerprint)
     todo = missing_hidden(path)
     total = sum(s.tokens for s in todo)
     prog = Progress(total, 0, report)

@@ -10,13 +10,17 @@ knows how to read, and the predicted feature can be fed back as the next input u
 A learned RMSNorm on the feature input tames the pre-norm scale (outlier dimensions).
 
 Only the head's own weights are saved (`.safetensors`, float16) with a JSON config carrying a
-fingerprint of the verifier; loading a head for another verifier raises `HeadMismatch`.
+fingerprint and a probe of the verifier; loading a head for another verifier raises
+`HeadMismatch`. The fingerprint is an exact hash; the probe (a few dozen of the verifier's own
+values) is compared with a tolerance, so the same checkpoint dequantized by another backend
+(Metal, CUDA, CPU: last-bit float differences) is still recognised.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -32,6 +36,10 @@ FORMAT_VERSION = 1
 FEATURE_KIND = "prenorm_last_layer"
 DEFAULT_DTYPE = "float16"
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
+# same_verifier's tolerance: far above float last-bit noise between backends (~1e-7 relative),
+# far below the differences of another checkpoint or seed (embedding values differ at ~1e-2)
+PROBE_ATOL = 1e-3
+PROBE_RTOL = 1e-3
 
 
 class HeadMismatch(ValueError):
@@ -55,6 +63,41 @@ def verifier_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def verifier_probe(model: nn.Module) -> tuple[float, ...]:
+    """A few dozen of the verifier's values (embedding outputs, final and per-layer norm
+    weights), compared with `same_verifier`'s tolerance: unlike the fingerprint's rounded hash,
+    a value that lands on the other side of a rounding boundary on another backend does not
+    change the verdict. Read through the modules, so dense and quantized loads agree; the
+    per-layer values make the length depend on the depth."""
+    inner = model.model
+    ids = mx.array([0, 1, 2, 3, model.args.vocab_size // 2, model.args.vocab_size - 1])
+    parts = [inner.embed_tokens(ids)[:, :4], inner.norm.weight[:8],
+             *(layer.input_layernorm.weight[:1] for layer in inner.layers)]
+    vals = np.concatenate([np.array(p.astype(mx.float32)).ravel() for p in parts])
+    return tuple(float(f"{v:.6g}") for v in vals.tolist())  # 6 digits: short JSON, << tolerance
+
+
+def same_verifier(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two probes come from the same checkpoint: same length, every value within
+    PROBE_ATOL + PROBE_RTOL * |value|. Empty probes (configs written before probes) never
+    match; NaN never matches."""
+    if not a or len(a) != len(b):
+        return False
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    tol = PROBE_ATOL + PROBE_RTOL * np.maximum(np.abs(x), np.abs(y))
+    return bool(np.all(np.abs(x - y) <= tol))
+
+
+def matches_verifier(fingerprint: str, probe: Sequence[float], model: nn.Module, *,
+                     model_fingerprint: str | None = None) -> bool:
+    """Whether a recorded (fingerprint, probe) identifies this verifier: the exact hash (all
+    records, old ones too) or, where a probe was recorded, the probe within tolerance (the
+    same checkpoint on another backend). model_fingerprint: this verifier's fingerprint when
+    the caller already has it."""
+    fp = verifier_fingerprint(model) if model_fingerprint is None else model_fingerprint
+    return fingerprint == fp or (bool(probe) and same_verifier(probe, verifier_probe(model)))
+
+
 @dataclass(frozen=True)
 class EagleConfig:
     verifier: str  # the verifier's model spec when trained
@@ -75,11 +118,13 @@ class EagleConfig:
     dtype: str = DEFAULT_DTYPE
     steps: int = 0
     version: int = FORMAT_VERSION
+    probe: tuple[float, ...] = ()  # verifier_probe() of that verifier; () in older configs
 
     @classmethod
     def for_verifier(cls, model: nn.Module, spec: str, **kw) -> EagleConfig:
         a = model.args
         return cls(verifier=spec, fingerprint=verifier_fingerprint(model),
+                   probe=verifier_probe(model),
                    hidden_size=a.hidden_size, vocab_size=a.vocab_size,
                    verifier_layers=len(model.layers), num_heads=a.num_attention_heads,
                    num_kv_heads=a.num_key_value_heads, intermediate_size=a.intermediate_size,
@@ -96,7 +141,8 @@ class EagleConfig:
 
     def check_verifier(self, model: nn.Module) -> None:
         fp = verifier_fingerprint(model)
-        if fp != self.fingerprint or model.args.hidden_size != self.hidden_size \
+        if not matches_verifier(self.fingerprint, self.probe, model, model_fingerprint=fp) \
+                or model.args.hidden_size != self.hidden_size \
                 or model.args.vocab_size != self.vocab_size:
             raise HeadMismatch(
                 f"this draft head was trained for verifier '{self.verifier}' (fingerprint "
@@ -116,6 +162,8 @@ class EagleHead(nn.Module):
     def __init__(self, config: EagleConfig, verifier: nn.Module) -> None:
         super().__init__()
         config.check_verifier(verifier)
+        if not config.probe:  # an older config, matched by its exact hash: saved with a probe
+            config = replace(config, probe=verifier_probe(verifier))
         self.config = config
         self._v = _Frozen(verifier)
         h = config.hidden_size
@@ -220,8 +268,9 @@ def read_config(path: str | Path) -> EagleConfig:
         raise HeadMismatch(f"no draft-head config at {cp}")
     try:
         d = json.loads(cp.read_text())
+        d["probe"] = tuple(float(v) for v in d.get("probe", ()))  # a JSON list
         cfg = EagleConfig(**d)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, AttributeError) as e:
         raise HeadMismatch(f"{cp} is not a macfleet draft-head config: {e}") from e
     if cfg.version != FORMAT_VERSION:
         raise HeadMismatch(f"{cp}: head format {cfg.version}, this macfleet reads "

@@ -23,7 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from macfleet.engine.drafter.features import FeatureChunk
-from macfleet.engine.drafter.head import EagleHead
+from macfleet.engine.drafter.head import EagleHead, same_verifier
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ class TrainParams:
     weight_decay: float = 0.01
     ce_weight: float = 0.1
     noise: float = 0.05  # input-feature noise, in units of the feature RMS
-    unroll_weight: float = 0.5  # loss of a second step fed the head's own predicted features
+    unroll_weight: float = 0.5  # loss of each later step fed the head's own predicted features
+    unroll_steps: int = 1  # later steps (EAGLE-3's training-time test): 1 = two steps in all
     gen_fraction: float = 0.5  # share of each batch drawn from the verifier's own answers
     save_every: int = 50
     seed: int = 0
@@ -82,10 +83,11 @@ def sample_batch(chunks: Sequence[FeatureChunk], p: TrainParams,
         s = min(p.seq_len, len(c.tokens))
         o = int(rng.integers(0, len(c.tokens) - s + 1))
         pad = p.seq_len - s
-        f.append(np.pad(c.hidden[o : o + s].astype(np.float32), ((0, pad), (0, 0))))
+        f.append(np.pad(c.hidden[o : o + s], ((0, pad), (0, 0))))  # float16: cast on device
         t.append(np.pad(c.tokens[o : o + s], (0, pad)))
         y.append(np.pad(c.top[o : o + s], (0, pad), constant_values=-1))
-    return mx.array(np.stack(f)), mx.array(np.stack(t)), mx.array(np.stack(y))
+    return (mx.array(np.stack(f)).astype(mx.float32), mx.array(np.stack(t)),
+            mx.array(np.stack(y)))
 
 
 def draft_remap(head: EagleHead) -> mx.array | None:
@@ -120,9 +122,10 @@ def _step_losses(head: EagleHead, h: mx.array, feats: mx.array, top: mx.array,
 
 def loss_fn(head: EagleHead, feats: mx.array, tokens: mx.array, top: mx.array,
             scale: float, ce_weight: float, noise: float,
-            unroll_weight: float = 0.0, remap: mx.array | None = None
-            ) -> tuple[mx.array, mx.array]:
-    """Step 1 on real features; optional step 2 fed the head's own predictions (the chain)."""
+            unroll_weight: float = 0.0, remap: mx.array | None = None,
+            unroll_steps: int = 1) -> tuple[mx.array, mx.array]:
+    """Step 1 on real features; then `unroll_steps` steps each fed the head's own predictions
+    of the step before (the chain the proposer runs: draft j+1 reads draft j's feature)."""
     x = feats[:, :-1]
     if noise > 0:
         x = x + noise * scale * mx.random.normal(x.shape)
@@ -130,9 +133,12 @@ def loss_fn(head: EagleHead, feats: mx.array, tokens: mx.array, top: mx.array,
     reg, ce = _step_losses(head, h, feats[:, 1:], top[:, 1:], scale, remap)
     loss = reg + ce_weight * ce
     if unroll_weight > 0:
-        h2 = head(h[:, :-1], tokens[:, 2:].astype(mx.uint32))
-        reg2, ce2 = _step_losses(head, h2, feats[:, 2:], top[:, 2:], scale, remap)
-        loss = loss + unroll_weight * (reg2 + ce_weight * ce2)
+        for j in range(2, 2 + unroll_steps):
+            if feats.shape[1] <= j:
+                break
+            h = head(h[:, :-1], tokens[:, j:].astype(mx.uint32))
+            reg_j, ce_j = _step_losses(head, h, feats[:, j:], top[:, j:], scale, remap)
+            loss = loss + unroll_weight * (reg_j + ce_weight * ce_j)
     return loss, mx.stack([reg, ce])
 
 
@@ -155,7 +161,9 @@ def load_checkpoint(ckpt: Path, head: EagleHead, opt: optim.Optimizer) -> int:
     if not sp.is_file():
         return 0
     state = json.loads(sp.read_text())
-    if state["config"]["fingerprint"] != head.config.fingerprint:
+    saved = state["config"]
+    if saved["fingerprint"] != head.config.fingerprint and not same_verifier(
+            tuple(saved.get("probe", ())), head.config.probe):
         raise ValueError(f"checkpoint {ckpt} was made for another verifier")
     head.load_weights(list(mx.load(str(hp)).items()), strict=True)
     opt.state = tree_unflatten(list(mx.load(str(op)).items()))
@@ -188,7 +196,8 @@ def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
     remap = draft_remap(head)
     step_fn = nn.value_and_grad(head, lambda h, f, t, y: loss_fn(h, f, t, y, scale,
                                                                    p.ce_weight, p.noise,
-                                                                   p.unroll_weight, remap))
+                                                                   p.unroll_weight, remap,
+                                                                   p.unroll_steps))
     losses: list[float] = []
     t0 = time.perf_counter()
     start = step

@@ -101,8 +101,9 @@ def test_hidden_states_are_a_cache_rebuilt_from_the_tokens(tmp_path, lm_eos):
     assert len(missing_hidden(tmp_path)) == len(m.shards)
     with pytest.raises(DatasetError, match="--stage features"):
         load_chunks(tmp_path)
+    other = load_model("tiny:4:32")  # another verifier: neither its hash nor probe matches
     with pytest.raises(DatasetError, match="verifier"):
-        rebuild_hidden(lm_eos, tmp_path, fingerprint="0" * 16)
+        rebuild_hidden(other, tmp_path, fingerprint=verifier_fingerprint(other.model))
     r = rebuild_hidden(lm_eos, tmp_path, fingerprint=fp, report=lambda s: None)
     assert r.shards == len(m.shards) and r.tokens == m.tokens
     assert r.top_mismatch == 0  # same machine, argmax of the same rows
