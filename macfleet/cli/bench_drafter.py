@@ -73,9 +73,11 @@ def run(args) -> int:
             b.record_best(head, best, speedup, "macfleet " + " ".join(sys.argv[1:]),
                           agents.get("spec"), agents.get("speedup_geomean"))
     # the distill run's learning curve: a curve.jsonl given here, else the one recorded in
-    # the head's eval file
+    # the head's eval file (every warm-started run of it, training tokens added up)
+    from macfleet.engine.drafter.distill import cumulative_curve
+
     curve = ([json.loads(line) for line in Path(args.curve).read_text().splitlines() if line]
-             if args.curve else ((doc.get("head") or {}).get("trained_on") or {}).get("curve"))
+             if args.curve else cumulative_curve(doc.get("head")))
     if curve:
         doc["training_curve"] = curve
         x = curve[-1]["train_tokens"] if curve else 1

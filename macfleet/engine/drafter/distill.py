@@ -181,6 +181,17 @@ def read_curve(path: Path) -> list[dict]:
         return []
 
 
+def cumulative_curve(head_eval: dict | None) -> list[dict]:
+    """A head's whole learning curve, training tokens counted from its first run (pure): a
+    warm-started run records its own points from zero and its init's curve as `prior_curve`,
+    so the plot of tau against training tokens goes on across runs and machines."""
+    t = (head_eval or {}).get("trained_on") or {}
+    prior = list(t.get("prior_curve") or [])
+    done = prior[-1]["train_tokens"] if prior else 0
+    return prior + [{**c, "train_tokens": done + c["train_tokens"]}
+                    for c in t.get("curve") or []]
+
+
 def split_held_out(chunks: Sequence[FeatureChunk], share: float = HELD_OUT_SHARE
                    ) -> tuple[list[FeatureChunk], list[FeatureChunk]]:
     """Hold out a `share` of the prompt groups (a topic, a code task, a problem template, a
@@ -224,10 +235,11 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
                                         held_out_share)
     ntok = sum(len(c.tokens) for c in train_chunks)
     mx.random.seed(params.seed)
-    prior_steps = 0
+    prior_steps, prior_curve = 0, []
     if init_head is not None:
         head = load_head(init_head, lm.model)
         prior_steps = head.config.steps
+        prior_curve = cumulative_curve(read_eval(init_head))
         report(f"going on from {init_head} ({prior_steps} steps)")
     else:
         cfg = EagleConfig.for_verifier(lm.model, lm.spec,
@@ -276,7 +288,7 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
                          else "verifier_last_layer" if init_layer else "random"),
                 "prompt_sources": "topics, code, local text, word problems "
                                   "(macfleet/engine/drafter/prompts.py)",
-                "curve": read_curve(curve)})
+                "curve": read_curve(curve), "prior_curve": prior_curve})
     report(f"held-out greedy chain acceptance (k=4): per position "
            f"{', '.join(f'{x:.2f}' for x in acc.per_position)}; mean accepted "
            f"{acc.mean_accepted:.2f} -> wrote {path}")

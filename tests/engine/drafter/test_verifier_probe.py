@@ -145,3 +145,17 @@ def test_the_shipped_probe_is_the_embedded_models():
     cfg = read_config(Path(head_mod.__file__).parent / "weights" / "smollm2-eagle.json")
     for spec in ("smollm2:dense", "smollm2:q"):
         assert same_verifier(cfg.probe, verifier_probe(load_model(spec).model)), spec
+
+
+def test_learning_curve_adds_up_across_warm_started_runs():
+    """A warm-started head records its own run from zero and its init's curve as prior: the
+    whole curve counts training tokens from the first run."""
+    from macfleet.engine.drafter.distill import cumulative_curve
+
+    first = {"trained_on": {"curve": [{"train_tokens": 10, "mean_accepted": 1.0},
+                                      {"train_tokens": 20, "mean_accepted": 1.2}]}}
+    second = {"trained_on": {"prior_curve": cumulative_curve(first),
+                             "curve": [{"train_tokens": 5, "mean_accepted": 1.5}]}}
+    assert [c["train_tokens"] for c in cumulative_curve(second)] == [10, 20, 25]
+    assert cumulative_curve(second)[-1]["mean_accepted"] == 1.5
+    assert cumulative_curve(None) == [] and cumulative_curve({}) == []
