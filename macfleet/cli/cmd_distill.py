@@ -43,6 +43,10 @@ def add_parser(sub) -> None:
                    help="generate the verifier's own answers in batches until the dataset "
                    "holds N answer tokens (resumable), then train on it")
     p.add_argument("--gen-batch", type=int, default=32, help="rows per generation forward")
+    p.add_argument("--gen-mode", choices=("continuous", "waves"), default="continuous",
+                   help="continuous: finished rows are refilled between steps (a CPU); waves: "
+                   "fixed waves prefilled in one forward and decoded to the end (a GPU, where a "
+                   "step costs about the same at any batch)")
     p.add_argument("--max-answer", type=int, default=256, help="tokens per generated answer")
     p.add_argument("--stage", choices=("all", "data", "features", "train", "store"),
                    default="all",
@@ -116,8 +120,11 @@ def _run_dataset(args, lm, out: Path, params) -> int:
     report = (lambda s: print(s, file=sys.stderr, flush=True))
     try:
         if args.stage in ("all", "data") and args.tokens > 0:
+            from macfleet.engine.drafter.batchgen import generate_samples, generate_waves
+
+            gen = generate_waves if args.gen_mode == "waves" else generate_samples
             m = generate_dataset(lm, ds, args.tokens, fingerprint=verifier_fingerprint(lm.model),
-                                 batch=args.gen_batch, max_answer=args.max_answer)
+                                 batch=args.gen_batch, max_answer=args.max_answer, generator=gen)
             report(f"dataset {ds}: {m.samples} answers, {m.answer_tokens:,} answer tokens, "
                    f"{m.tokens:,} positions with hidden states; {m.seconds / 60:.1f} min "
                    f"generating ({', '.join(f'{k} {v:.0f}' for k, v in m.timing.items())})")

@@ -181,3 +181,80 @@ def _finish(r: _Row, eos: frozenset[int]) -> Sample:
     top = np.concatenate(r.top)[: len(fed)]
     return Sample(prompt=r.prompt, tokens=np.array(fed, dtype=np.int32), hidden=hidden, top=top,
                   n_prompt=len(r.ids), finish="stop" if r.answer[-1] in eos else "length")
+
+
+DEFAULT_WAVE_POOL = 4  # waves' worth of prompts sorted by length together
+
+
+def generate_waves(lm: LoadedModel, prompts: Iterable[Prompt], *,
+                   batch: int = DEFAULT_BATCH, max_answer: int = DEFAULT_MAX_ANSWER,
+                   timing: Timing | None = None,
+                   on_step: Callable[[int], None] | None = None,
+                   pool: int = DEFAULT_WAVE_POOL) -> Iterator[Sample]:
+    """Greedy answers like `generate_samples`, a fixed wave of `batch` rows at a time.
+
+    A wave is prefilled in ONE forward (prompts of similar length, sorted, left-padded in one
+    batch cache) and decoded until every row has stopped; rows are never swapped in or out,
+    so each step is one forward and one copy. Rows that stopped early still ride along (their
+    tokens are cut at EOS): on an accelerator, where a step costs about the same at any batch,
+    that waste is far cheaper than the continuous refill's per-prompt prefills and cache
+    merges (MLX's CUDA build: ~1,000 tok/s continuous at batch 384)."""
+    timing = timing if timing is not None else Timing()
+    eos = lm.eos_ids
+    src = iter(prompts)
+    while True:
+        t0 = time.perf_counter()
+        rows: list[_Row] = []
+        for p in src:
+            ids = encode_prompt(lm.tokenizer, p.text, chat=True)
+            if len(ids) <= MAX_PROMPT_TOKENS:
+                rows.append(_Row(p, list(ids)))
+            if len(rows) >= batch * pool:
+                break
+        timing.encode += time.perf_counter() - t0
+        if not rows:
+            return
+        rows.sort(key=lambda r: len(r.ids))
+        for w in range(0, len(rows), batch):
+            yield from _wave(lm, rows[w : w + batch], eos, max_answer, timing, on_step)
+
+
+def _wave(lm: LoadedModel, rows: list[_Row], eos: frozenset[int], max_answer: int,
+          timing: Timing, on_step: Callable[[int], None] | None) -> Iterator[Sample]:
+    """One wave: a padded prefill, then decode steps until every row has stopped."""
+    t0 = time.perf_counter()
+    width = max(len(r.ids) for r in rows)
+    pad = [width - len(r.ids) for r in rows]
+    x = mx.array([[0] * p + r.ids for p, r in zip(pad, rows)], dtype=mx.uint32)
+    cache = [BatchKVCache(left_padding=pad) for _ in lm.model.layers]
+    h, top = _forward(lm, x, cache)
+    hn, tn = np.array(h.astype(mx.float16)), np.array(top).astype(np.int32)
+    for i, r in enumerate(rows):
+        r.hidden.append(hn[i, pad[i]:])
+        r.top.append(tn[i, pad[i]:])
+        r.answer.append(int(tn[i, -1]))
+    timing.prefill += time.perf_counter() - t0
+
+    def stopped(r: _Row) -> bool:  # a stopped row takes no more tokens: its last one says
+        return r.answer[-1] in eos or len(r.answer) >= max_answer
+
+    while not all(stopped(r) for r in rows):
+        t0 = time.perf_counter()
+        x = mx.array([[r.answer[-1]] for r in rows], dtype=mx.uint32)
+        h, top = _forward(lm, x, cache)
+        mx.eval(h, top)
+        t1 = time.perf_counter()
+        hn, tn = np.array(h[:, 0].astype(mx.float16)), np.array(top[:, 0]).astype(np.int32)
+        for i, r in enumerate(rows):
+            if not stopped(r):
+                r.hidden.append(hn[i : i + 1])
+                r.top.append(tn[i : i + 1])
+                r.answer.append(int(tn[i]))
+        timing.copy += time.perf_counter() - t1
+        timing.decode += t1 - t0
+        timing.steps += 1
+        timing.rows += len(rows)
+        if on_step is not None:
+            on_step(len(rows))
+    for r in rows:
+        yield _finish(r, eos)

@@ -28,7 +28,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -186,8 +186,11 @@ class Progress:
 def generate_dataset(lm: LoadedModel, path: Path, target_tokens: int, *, fingerprint: str,
                      batch: int = DEFAULT_BATCH, max_answer: int = DEFAULT_MAX_ANSWER,
                      seed: int = 0, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                     report: Callable[[str], None] | None = None) -> Manifest:
-    """Add the verifier's answers to `path` until it holds `target_tokens` answer tokens."""
+                     report: Callable[[str], None] | None = None,
+                     generator: Callable[..., Iterator[Sample]] = generate_samples) -> Manifest:
+    """Add the verifier's answers to `path` until it holds `target_tokens` answer tokens.
+    generator: batchgen.generate_samples (continuous refill: the CPU's) or generate_waves
+    (fixed waves: an accelerator's)."""
     m = open_manifest(path, lm, fingerprint)
     if m.answer_tokens >= target_tokens:
         return m
@@ -211,8 +214,8 @@ def generate_dataset(lm: LoadedModel, path: Path, target_tokens: int, *, fingerp
         buf.clear()
 
     prompts = iter_prompts(seed=seed, skip=done_keys(path))
-    gen = generate_samples(lm, prompts, batch=batch, max_answer=max_answer, timing=timing,
-                           on_step=lambda rows: prog.update(done, f"batch {rows}"))
+    gen = generator(lm, prompts, batch=batch, max_answer=max_answer, timing=timing,
+                    on_step=lambda rows: prog.update(done, f"batch {rows}"))
     try:
         for s in gen:
             buf.append(s)

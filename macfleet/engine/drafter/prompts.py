@@ -1,8 +1,10 @@
 """Prompts for self-distillation, from sources that need no download.
 
 The head must predict what THIS verifier says to ordinary requests, so training data is the
-verifier's own answers to many varied prompts. Four offline sources, mixed round-robin:
+verifier's own answers to many varied prompts. Five offline sources, mixed round-robin:
 
+* `chat`: everyday requests (advice, how things work, descriptions, messages to rewrite or
+  write, comparisons, recommendations; engine/drafter/chat_prompts.py);
 * `topics`: questions over a list of topics in many phrasings (chat, explanation, advice);
 * `code`: programming tasks in several languages and styles;
 * `local`: instructions over text already on this machine (explain a stdlib function's code,
@@ -145,7 +147,7 @@ MAX_LOCAL_CHARS = 900
 
 @dataclass(frozen=True)
 class Prompt:
-    source: str  # topics | code | local | problems
+    source: str  # chat | topics | code | local | problems
     text: str
     # prompts made from the same material (a topic, a code task, a problem template, a file):
     # held-out figures hold out whole groups, so no held-out answer shares its material with
@@ -229,8 +231,15 @@ def local_prompts(rng: random.Random, roots: tuple[Path, ...] | None = None) -> 
                              f"file:{f.parent.name}/{f.name}")
 
 
-SOURCES = ("topics", "code", "local", "problems")
-DEFAULT_MIX = {"topics": 5, "code": 4, "local": 1, "problems": 1}
+SOURCES = ("chat", "topics", "code", "local", "problems")
+DEFAULT_MIX = {"chat": 6, "topics": 5, "code": 4, "local": 1, "problems": 1}
+
+
+def everyday_prompts(rng: random.Random) -> Iterator[Prompt]:
+    from macfleet.engine.drafter.chat_prompts import chat_prompts
+
+    for text, group in chat_prompts(rng):
+        yield Prompt("chat", text, group)
 
 
 def iter_prompts(seed: int = 0, mix: dict[str, int] | None = None,
@@ -243,6 +252,8 @@ def iter_prompts(seed: int = 0, mix: dict[str, int] | None = None,
             "code": code_prompts(random.Random(rng.random())),
             "local": local_prompts(random.Random(rng.random())),
             "problems": problem_prompts(random.Random(rng.random()))}
+    gens["chat"] = everyday_prompts(random.Random(rng.random()))  # drawn last: the other
+    # sources keep the order they had before it existed
     live = {s: gens[s] for s in SOURCES if mix.get(s, 0) > 0}
     seen = set(skip) | set(HELD_OUT_KEYS)
     while live:

@@ -33,7 +33,7 @@ def lm_eos():
 def test_prompts_are_varied_deduplicated_and_never_the_held_out_ones():
     ps = list(itertools.islice(iter_prompts(seed=1), 600))
     assert len({p.key for p in ps}) == len(ps)
-    assert {p.source for p in ps} == {"topics", "code", "local", "problems"}
+    assert {p.source for p in ps} == {"chat", "topics", "code", "local", "problems"}
     assert not HELD_OUT_KEYS & {p.key for p in ps}
     assert Prompt("x", "  What IS  a hash table? ").key == Prompt("y", "what is a hash table?").key
     skip = frozenset(p.key for p in ps[:100])
@@ -41,7 +41,7 @@ def test_prompts_are_varied_deduplicated_and_never_the_held_out_ones():
     assert not skip & {p.key for p in again}
     assert all(t for t in HELD_OUT.values())
     # every prompt names its material, and material is shared (groups hold several prompts)
-    assert all(p.group.split(":")[0] in ("topic", "code", "problem", "file") for p in ps)
+    assert all(p.group.split(":")[0] in ("chat", "topic", "code", "problem", "file") for p in ps)
     assert len({p.group for p in ps}) < len(ps)
 
 
@@ -135,8 +135,9 @@ def test_a_head_trains_from_the_dataset_and_records_what_it_saw(tmp_path, lm_eos
     # material it never saw, a random tiny verifier gives a head almost nothing to carry over:
     # 0.04-0.08 vs 0.05 untrained over 300 starts. Unseen-prompt acceptance is measured on the
     # real model by `bench drafter`: head_on_held_out_prompts.)
+    # (0.09-0.2 over 300 starts here, by the prompt mix; untrained 0.0-0.05)
     seen = chain_acceptance(head, tr, max_starts=300)
-    assert seen.mean_accepted > max(res.untrained.mean_accepted, 0.1)
+    assert seen.mean_accepted > res.untrained.mean_accepted + 0.05
     assert head.config.steps == 300
     ev = json.loads(res.path.with_name("head.eval.json").read_text())
     assert ev["train_tokens"] == res.train_tokens
@@ -163,3 +164,23 @@ def test_training_goes_on_from_a_head_and_skips_shards_without_hidden_states(tmp
     a, b = load_head(first.path, lm_eos.model), load_head(again.path, lm_eos.model)
     assert b.config.steps == 8 and b.config.feature_scale == a.config.feature_scale
     assert np.array_equal(np.array(a.draft_ids), np.array(b.draft_ids))
+
+
+def test_wave_generation_gives_the_continuous_refills_answers(lm_eos):
+    """Fixed waves (one padded prefill, decoded to the end, rows cut at EOS) and the
+    continuous refill produce the same greedy answers and features."""
+    from macfleet.engine.drafter.batchgen import generate_samples, generate_waves
+    from macfleet.engine.drafter.prompts import Prompt
+
+    lm = lm_eos  # rows stop at different steps: waves carry the stopped ones along
+    ps = [Prompt("chat", t) for t in ("a b c", "hello there, how are you?", "x", "one two",
+                                      "the quick brown fox jumps over the lazy dog")]
+    waves = {s.prompt.key: s for s in generate_waves(lm, ps, batch=3, max_answer=12)}
+    cont = {s.prompt.key: s for s in generate_samples(lm, ps, batch=3, max_answer=12)}
+    assert set(waves) == set(cont) == {p.key for p in ps}
+    for k, s in waves.items():
+        assert np.array_equal(s.tokens, cont[k].tokens) and s.n_prompt == cont[k].n_prompt
+        assert np.array_equal(s.top, cont[k].top) and s.finish == cont[k].finish
+        # float16 records of two matmul shapes: equal to float16 rounding
+        assert np.allclose(s.hidden.astype(np.float32), cont[k].hidden.astype(np.float32),
+                           rtol=2e-3, atol=1e-2)
