@@ -72,6 +72,21 @@ class _Row:
     answer: list[int] = field(default_factory=list)
 
 
+def _take(lm: LoadedModel, src: Iterator[Prompt], k: int, timing: Timing) -> list[_Row]:
+    """Up to k rows of encoded prompts (prompts over MAX_PROMPT_TOKENS are skipped)."""
+    out: list[_Row] = []
+    t0 = time.perf_counter()
+    while len(out) < k:
+        p = next(src, None)
+        if p is None:
+            break
+        ids = encode_prompt(lm.tokenizer, p.text, chat=True)
+        if len(ids) <= MAX_PROMPT_TOKENS:
+            out.append(_Row(p, list(ids)))
+    timing.encode += time.perf_counter() - t0
+    return out
+
+
 def _forward(lm: LoadedModel, x: mx.array, cache: list) -> tuple[mx.array, mx.array]:
     """x [B, L] -> (pre-norm hidden [B, L, H], argmax [B, L])."""
     inner = lm.model.model
@@ -110,17 +125,7 @@ def generate_samples(lm: LoadedModel, prompts: Iterable[Prompt], *,
     cache: list | None = None
 
     def take(k: int) -> list[_Row]:
-        out = []
-        t0 = time.perf_counter()
-        while len(out) < k:
-            p = next(src, None)
-            if p is None:
-                break
-            ids = encode_prompt(lm.tokenizer, p.text, chat=True)
-            if len(ids) <= MAX_PROMPT_TOKENS:
-                out.append(_Row(p, list(ids)))
-        timing.encode += time.perf_counter() - t0
-        return out
+        return _take(lm, src, k, timing)
 
     while True:
         if len(rows) <= batch // 2:  # refill between steps: keep the batch full
@@ -157,22 +162,31 @@ def generate_samples(lm: LoadedModel, prompts: Iterable[Prompt], *,
                 c.filter(idx)
             if len(rows) <= batch // 2:
                 continue  # refill before the next step
-        t0 = time.perf_counter()
-        x = mx.array([[r.answer[-1]] for r in rows], dtype=mx.uint32)
-        h, top = _forward(lm, x, cache)
-        mx.eval(h, top)
-        t1 = time.perf_counter()
-        hn, tn = np.array(h[:, 0].astype(mx.float16)), np.array(top[:, 0]).astype(np.int32)
-        for i, r in enumerate(rows):
+        _decode_step(lm, rows, cache, timing, on_step)
+
+
+def _decode_step(lm: LoadedModel, rows: Sequence[_Row], cache: list, timing: Timing,
+                 on_step: Callable[[int], None] | None,
+                 stopped: Callable[[_Row], bool] = lambda r: False) -> None:
+    """One decode forward over every row: each row not `stopped` takes its greedy token and
+    the hidden state of the position it fed."""
+    t0 = time.perf_counter()
+    x = mx.array([[r.answer[-1]] for r in rows], dtype=mx.uint32)
+    h, top = _forward(lm, x, cache)
+    mx.eval(h, top)
+    t1 = time.perf_counter()
+    hn, tn = np.array(h[:, 0].astype(mx.float16)), np.array(top[:, 0]).astype(np.int32)
+    for i, r in enumerate(rows):
+        if not stopped(r):
             r.hidden.append(hn[i : i + 1])
             r.top.append(tn[i : i + 1])
             r.answer.append(int(tn[i]))
-        timing.copy += time.perf_counter() - t1
-        timing.decode += t1 - t0
-        timing.steps += 1
-        timing.rows += len(rows)
-        if on_step is not None:
-            on_step(len(rows))
+    timing.copy += time.perf_counter() - t1
+    timing.decode += t1 - t0
+    timing.steps += 1
+    timing.rows += len(rows)
+    if on_step is not None:
+        on_step(len(rows))
 
 
 def _finish(r: _Row, eos: frozenset[int]) -> Sample:
@@ -203,15 +217,7 @@ def generate_waves(lm: LoadedModel, prompts: Iterable[Prompt], *,
     eos = lm.eos_ids
     src = iter(prompts)
     while True:
-        t0 = time.perf_counter()
-        rows: list[_Row] = []
-        for p in src:
-            ids = encode_prompt(lm.tokenizer, p.text, chat=True)
-            if len(ids) <= MAX_PROMPT_TOKENS:
-                rows.append(_Row(p, list(ids)))
-            if len(rows) >= batch * pool:
-                break
-        timing.encode += time.perf_counter() - t0
+        rows = _take(lm, src, batch * pool, timing)
         if not rows:
             return
         rows.sort(key=lambda r: len(r.ids))
@@ -239,22 +245,6 @@ def _wave(lm: LoadedModel, rows: list[_Row], eos: frozenset[int], max_answer: in
         return r.answer[-1] in eos or len(r.answer) >= max_answer
 
     while not all(stopped(r) for r in rows):
-        t0 = time.perf_counter()
-        x = mx.array([[r.answer[-1]] for r in rows], dtype=mx.uint32)
-        h, top = _forward(lm, x, cache)
-        mx.eval(h, top)
-        t1 = time.perf_counter()
-        hn, tn = np.array(h[:, 0].astype(mx.float16)), np.array(top[:, 0]).astype(np.int32)
-        for i, r in enumerate(rows):
-            if not stopped(r):
-                r.hidden.append(hn[i : i + 1])
-                r.top.append(tn[i : i + 1])
-                r.answer.append(int(tn[i]))
-        timing.copy += time.perf_counter() - t1
-        timing.decode += t1 - t0
-        timing.steps += 1
-        timing.rows += len(rows)
-        if on_step is not None:
-            on_step(len(rows))
+        _decode_step(lm, rows, cache, timing, on_step, stopped)
     for r in rows:
         yield _finish(r, eos)

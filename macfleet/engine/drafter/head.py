@@ -98,6 +98,12 @@ def matches_verifier(fingerprint: str, probe: Sequence[float], model: nn.Module,
     return fingerprint == fp or (bool(probe) and same_verifier(probe, verifier_probe(model)))
 
 
+def same_record(a: tuple[str, Sequence[float]], b: tuple[str, Sequence[float]]) -> bool:
+    """Whether two recorded (fingerprint, probe) pairs name the same verifier (pure): the exact
+    hash, or both probes within tolerance."""
+    return a[0] == b[0] or same_verifier(a[1], b[1])
+
+
 @dataclass(frozen=True)
 class EagleConfig:
     verifier: str  # the verifier's model spec when trained

@@ -23,7 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from macfleet.engine.drafter.features import FeatureChunk
-from macfleet.engine.drafter.head import EagleHead, same_verifier
+from macfleet.engine.drafter.head import EagleHead, same_record
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,8 @@ def load_checkpoint(ckpt: Path, head: EagleHead, opt: optim.Optimizer) -> int:
         return 0
     state = json.loads(sp.read_text())
     saved = state["config"]
-    if saved["fingerprint"] != head.config.fingerprint and not same_verifier(
-            tuple(saved.get("probe", ())), head.config.probe):
+    if not same_record((saved["fingerprint"], tuple(saved.get("probe", ()))),
+                       (head.config.fingerprint, head.config.probe)):
         raise ValueError(f"checkpoint {ckpt} was made for another verifier")
     head.load_weights(list(mx.load(str(hp)).items()), strict=True)
     opt.state = tree_unflatten(list(mx.load(str(op)).items()))
