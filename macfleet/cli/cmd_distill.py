@@ -48,9 +48,16 @@ def add_parser(sub) -> None:
                    "fixed waves prefilled in one forward and decoded to the end (a GPU, where a "
                    "step costs about the same at any batch)")
     p.add_argument("--max-answer", type=int, default=256, help="tokens per generated answer")
-    p.add_argument("--stage", choices=("all", "data", "features", "train", "store"),
+    p.add_argument("--questions", type=int, default=0, metavar="N",
+                   help="first have the verifier write lists of questions for N seed requests "
+                   "(sampled, parsed, deduplicated; ~5-9 kept per seed) into "
+                   "<dataset>/questions.jsonl; the data stage answers them first (resumable)")
+    p.add_argument("--features-batch", type=int, default=4096, metavar="TOKENS",
+                   help="padded tokens per forward when rebuilding hidden states (an "
+                   "accelerator takes ~65536)")
+    p.add_argument("--stage", choices=("all", "questions", "data", "features", "train", "store"),
                    default="all",
-                   help="data: only generate; features: only rebuild missing hidden states "
+                   help="questions: only write questions (--questions N); data: only generate; features: only rebuild missing hidden states "
                    "(a dataset copied without them); train: only train on the dataset "
                    "(rebuilding missing hidden states first); store: only write the answer "
                    "store")
@@ -80,6 +87,10 @@ def run(args) -> int:
 
     if args.steps < 1 or args.batch < 1 or args.seq_len < 8 or args.unroll < 0:
         raise UserError("--steps and --batch must be >= 1, --seq-len >= 8, --unroll >= 0")
+    if args.questions < 0 or args.features_batch < 1 or args.gen_batch < 1:
+        raise UserError("--questions must be >= 0, --features-batch and --gen-batch >= 1")
+    if args.stage == "questions" and args.questions < 1:
+        raise UserError("--stage questions needs --questions N (seed requests to ask)")
     signal.signal(signal.SIGTERM, _stop_on_term)
     for d in args.data:
         if not Path(d).expanduser().exists():
@@ -92,7 +103,7 @@ def run(args) -> int:
     params = TrainParams(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                          save_every=args.save_every, ce_weight=args.ce_weight,
                          unroll_steps=args.unroll)
-    if args.tokens > 0 or args.stage != "all":
+    if args.tokens > 0 or args.questions > 0 or args.stage != "all":
         return _run_dataset(args, lm, out, params)
     if args.init not in ("verifier", "random") or args.skip_missing_hidden:
         raise UserError("--init HEAD and --skip-missing-hidden train from a dataset: add "
@@ -119,6 +130,12 @@ def _run_dataset(args, lm, out: Path, params) -> int:
     ds = Path(args.dataset) if args.dataset else work / "dataset"
     report = (lambda s: print(s, file=sys.stderr, flush=True))
     try:
+        if args.stage in ("all", "questions", "data") and args.questions > 0:
+            from macfleet.engine.drafter.self_instruct import generate_questions
+
+            a = generate_questions(lm, ds, args.questions, batch=args.gen_batch, report=report)
+            report(f"questions {ds}: {a.seeds} seed requests asked, {a.questions} questions "
+                   f"kept ({a.total} in all) in {a.seconds:.0f} s")
         if args.stage in ("all", "data") and args.tokens > 0:
             from macfleet.engine.drafter.batchgen import generate_samples, generate_waves
 
@@ -142,7 +159,8 @@ def _run_dataset(args, lm, out: Path, params) -> int:
             raise UserError(f"--init: no draft head at {weights_path(init_head)}")
         if (args.stage == "features" or (args.stage in ("all", "train")
                                          and not args.skip_missing_hidden)) and missing_hidden(ds):
-            r = rebuild_hidden(lm, ds, fingerprint=verifier_fingerprint(lm.model))
+            r = rebuild_hidden(lm, ds, fingerprint=verifier_fingerprint(lm.model),
+                               batch_tokens=args.features_batch)
             report(f"rebuilt hidden states of {r.shards} shard(s): {r.tokens:,} positions in "
                    f"{r.seconds / 60:.1f} min ({r.tokens / max(r.seconds, 1e-9):.0f} tok/s); "
                    f"{r.top_mismatch} positions where this machine's argmax differs from "

@@ -188,7 +188,9 @@ def generate_dataset(lm: LoadedModel, path: Path, target_tokens: int, *, fingerp
                      seed: int = 0, shard_tokens: int = DEFAULT_SHARD_TOKENS,
                      report: Callable[[str], None] | None = None,
                      generator: Callable[..., Iterator[Sample]] = generate_samples) -> Manifest:
-    """Add the verifier's answers to `path` until it holds `target_tokens` answer tokens.
+    """Add the verifier's answers to `path` until it holds `target_tokens` answer tokens,
+    answering the questions the verifier wrote itself first among the sources
+    (`<path>/questions.jsonl`, self_instruct) when there are any.
     generator: batchgen.generate_samples (continuous refill: the CPU's) or generate_waves
     (fixed waves: an accelerator's)."""
     m = open_manifest(path, lm, fingerprint)
@@ -213,7 +215,9 @@ def generate_dataset(lm: LoadedModel, path: Path, target_tokens: int, *, fingerp
         _atomic_write(path / MANIFEST, m.to_json())
         buf.clear()
 
-    prompts = iter_prompts(seed=seed, skip=done_keys(path))
+    from macfleet.engine.drafter.self_instruct import read_questions
+
+    prompts = iter_prompts(seed=seed, skip=done_keys(path), extra=read_questions(path))
     gen = generator(lm, prompts, batch=batch, max_answer=max_answer, timing=timing,
                     on_step=lambda rows: prog.update(done, f"batch {rows}"))
     try:
@@ -248,14 +252,37 @@ class Rebuilt:
     top_mismatch: int  # positions where this machine's argmax differs from the stored one
 
 
+FEATURES_BATCH_TOKENS = 4096  # padded tokens per rebuild forward; an accelerator takes ~64k
+
+
+def length_batches(spans: Sequence[tuple[int, int]], budget: int) -> list[list[int]]:
+    """Indices of `spans` grouped for padded forwards: sorted by length, each group's padded
+    size (rows x its longest) within `budget` tokens (a longer span goes alone)."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0])
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        n = spans[i][1] - spans[i][0]  # the longest so far: sorted ascending
+        if cur and n * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
 def rebuild_hidden(lm: LoadedModel, path: Path, *, fingerprint: str,
-                   report: Callable[[str], None] | None = None) -> Rebuilt:
-    """Recompute the missing hidden-state files: one forward per sample over the tokens the
-    verifier was fed (its prompt and answer), the same rows generation captured. The stored
-    greedy targets (`top`) are kept; where this machine's argmax differs (float paths differ in
-    the last bits between CPUs) the count is reported, not silently rewritten."""
+                   report: Callable[[str], None] | None = None,
+                   batch_tokens: int = FEATURES_BATCH_TOKENS) -> Rebuilt:
+    """Recompute the missing hidden-state files: a forward over the tokens each sample's
+    verifier was fed (its prompt and answer), the same rows generation captured. Samples of
+    similar length share one forward, right-padded: under the causal mask a row's positions
+    never see its padding, so each row's states are its own forward's (up to the last bits of
+    a batched matmul). The stored greedy targets (`top`) are kept; where this machine's argmax
+    differs (float paths differ in the last bits between CPUs) the count is reported, not
+    silently rewritten."""
     import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
 
     from macfleet.engine.drafter.batchgen import _forward
 
@@ -270,17 +297,28 @@ def rebuild_hidden(lm: LoadedModel, path: Path, *, fingerprint: str,
         top = np.load(path / f"{s.name}.top.npy")
         offs = np.load(path / f"{s.name}.offsets.npy")
         hidden = np.empty((len(toks), m.hidden_size), dtype=np.float16)
-        for a, b in zip(offs[:-1].tolist(), offs[1:].tolist()):
-            cache = [KVCache() for _ in lm.model.layers]
-            h, am = _forward(lm, mx.array(toks[a:b].tolist(), dtype=mx.uint32)[None], cache)
+        spans = list(zip(offs[:-1].tolist(), offs[1:].tolist()))
+        for group in length_batches(spans, batch_tokens):
+            width = max(spans[i][1] - spans[i][0] for i in group)
+            x = np.zeros((len(group), width), dtype=np.uint32)
+            for row, i in enumerate(group):
+                a, b = spans[i]
+                x[row, : b - a] = toks[a:b]
+            h, am = _forward(lm, mx.array(x), None)
+            h = h.astype(mx.float16)
             mx.eval(h, am)
-            hidden[a:b] = np.array(h[0].astype(mx.float16))
-            mismatch += int((np.array(am[0]) != top[a:b]).sum())
-            done += b - a
+            hn, an = np.array(h), np.array(am)
+            for row, i in enumerate(group):
+                a, b = spans[i]
+                hidden[a:b] = hn[row, : b - a]
+                mismatch += int((an[row, : b - a] != top[a:b]).sum())
+                done += b - a
             prog.update(done, "rebuilding hidden states", unit="positions")
         tmp = path / f"{s.name}.hidden.tmp.npy"
         np.save(tmp, hidden)
         os.replace(tmp, path / f"{s.name}.hidden.npy")
+    if prog.tty:
+        print(file=sys.stderr)
     return Rebuilt(len(todo), total, time.perf_counter() - t0, mismatch)
 
 

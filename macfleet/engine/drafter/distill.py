@@ -285,8 +285,9 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
                 "held_out_answers": len(held), "params": asdict(params),
                 "init": (f"{init_head} ({prior_steps} steps)" if init_head is not None
                          else "verifier_last_layer" if init_layer else "random"),
-                "prompt_sources": "chat requests, topics, code, local text, word problems "
-                                  "(macfleet/engine/drafter/prompts.py)",
+                "prompt_sources": "the verifier's own questions, chat requests, topics, code, "
+                                  "local text, word problems (macfleet/engine/drafter/"
+                                  "prompts.py, self_instruct.py)",
                 "curve": read_curve(curve), "prior_curve": prior_curve})
     report(f"held-out greedy chain acceptance (k=4): per position "
            f"{', '.join(f'{x:.2f}' for x in acc.per_position)}; mean accepted "

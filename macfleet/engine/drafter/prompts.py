@@ -9,7 +9,9 @@ verifier's own answers to many varied prompts. Five offline sources, mixed round
 * `code`: programming tasks in several languages and styles;
 * `local`: instructions over text already on this machine (explain a stdlib function's code,
   summarize or rewrite a docstring or a README paragraph);
-* `problems`: word problems with varied numbers.
+* `problems`: word problems with varied numbers;
+* `self`: questions the verifier wrote itself (engine/drafter/self_instruct.py), when a
+  dataset holds them.
 
 `HELD_OUT` are the benchmark's prompts: they, and anything equal to them, are never trained
 on (`iter_prompts` drops them), so `macfleet bench drafter` measures unseen requests.
@@ -23,7 +25,7 @@ import inspect
 import itertools
 import random
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,8 @@ HELD_OUT: dict[str, str] = {
     "problem": "A shop sells pencils at 3 for $1. How much do 27 pencils cost? Explain.",
     "describe": "Describe a busy market on a Saturday morning.",
 }
+# Their subjects: a question the verifier writes itself (self_instruct) that names one is dropped
+HELD_OUT_SUBJECTS = ("camping", "refrigerator", "fridge", "market", "pencil", "sorted list")
 CHAT_KINDS = ("chat", "explain", "rewrite", "problem", "describe")
 CODE_KINDS = ("code",)
 
@@ -231,8 +235,8 @@ def local_prompts(rng: random.Random, roots: tuple[Path, ...] | None = None) -> 
                              f"file:{f.parent.name}/{f.name}")
 
 
-SOURCES = ("chat", "topics", "code", "local", "problems")
-DEFAULT_MIX = {"chat": 6, "topics": 5, "code": 4, "local": 1, "problems": 1}
+SOURCES = ("self", "chat", "topics", "code", "local", "problems")
+DEFAULT_MIX = {"self": 8, "chat": 6, "topics": 5, "code": 4, "local": 1, "problems": 1}
 
 
 def everyday_prompts(rng: random.Random) -> Iterator[Prompt]:
@@ -243,9 +247,13 @@ def everyday_prompts(rng: random.Random) -> Iterator[Prompt]:
 
 
 def iter_prompts(seed: int = 0, mix: dict[str, int] | None = None,
-                 skip: frozenset[str] = frozenset()) -> Iterator[Prompt]:
+                 skip: frozenset[str] = frozenset(),
+                 extra: Sequence[Prompt] = ()) -> Iterator[Prompt]:
     """Prompts from every source, interleaved by `mix` weights, deduplicated, held-out and
-    `skip` keys (already generated: resume) dropped. Deterministic for a seed."""
+    `skip` keys (already generated: resume) dropped. `extra`: the verifier's own questions
+    (source `self`; self_instruct.read_questions). Deterministic for a seed."""
+    from macfleet.engine.drafter.self_instruct import question_prompts
+
     rng = random.Random(seed)
     mix = mix or DEFAULT_MIX
     gens = {"topics": topic_prompts(random.Random(rng.random())),
@@ -254,6 +262,7 @@ def iter_prompts(seed: int = 0, mix: dict[str, int] | None = None,
             "problems": problem_prompts(random.Random(rng.random()))}
     gens["chat"] = everyday_prompts(random.Random(rng.random()))  # drawn last: the other
     # sources keep the order they had before it existed
+    gens["self"] = question_prompts(extra, seed)
     live = {s: gens[s] for s in SOURCES if mix.get(s, 0) > 0}
     seen = set(skip) | set(HELD_OUT_KEYS)
     while live:

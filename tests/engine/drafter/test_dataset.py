@@ -12,7 +12,7 @@ from macfleet.engine.drafter.batchgen import Timing, generate_samples
 from macfleet.engine.drafter.data import generate_answers
 from macfleet.engine.drafter.dataset import (DatasetError, Manifest, done_keys,
                                              generate_dataset, load_chunks, missing_hidden,
-                                             rebuild_hidden)
+                                             rebuild_hidden, length_batches)
 from macfleet.engine.drafter.distill import distill_from_dataset, split_held_out
 from macfleet.engine.drafter.head import load_head, verifier_fingerprint
 from macfleet.engine.drafter.prompts import HELD_OUT, HELD_OUT_KEYS, Prompt, iter_prompts
@@ -91,7 +91,7 @@ def test_dataset_resumes_without_duplicates_and_refuses_another_verifier(tmp_pat
 @pytest.mark.slow  # generates a dataset
 def test_hidden_states_are_a_cache_rebuilt_from_the_tokens(tmp_path, lm_eos):
     """A dataset copied without its hidden-state files (the 97% of bytes) is still whole:
-    one forward per sample gives back the rows generation captured."""
+    padded forwards over samples of similar length give back the rows generation captured."""
     fp = verifier_fingerprint(lm_eos.model)
     m = generate_dataset(lm_eos, tmp_path, 300, fingerprint=fp, batch=4, max_answer=16,
                          shard_tokens=256)
@@ -104,7 +104,8 @@ def test_hidden_states_are_a_cache_rebuilt_from_the_tokens(tmp_path, lm_eos):
     other = load_model("tiny:4:32")  # another verifier: neither its hash nor probe matches
     with pytest.raises(DatasetError, match="verifier"):
         rebuild_hidden(other, tmp_path, fingerprint=verifier_fingerprint(other.model))
-    r = rebuild_hidden(lm_eos, tmp_path, fingerprint=fp, report=lambda s: None)
+    r = rebuild_hidden(lm_eos, tmp_path, fingerprint=fp, report=lambda s: None,
+                       batch_tokens=96)  # several rows per forward, right-padded
     assert r.shards == len(m.shards) and r.tokens == m.tokens
     assert r.top_mismatch == 0  # same machine, argmax of the same rows
     assert not missing_hidden(tmp_path)
@@ -114,6 +115,18 @@ def test_hidden_states_are_a_cache_rebuilt_from_the_tokens(tmp_path, lm_eos):
         np.testing.assert_allclose(got.astype(np.float32), h.astype(np.float32),
                                    rtol=2e-2, atol=2e-2 * float(np.abs(h).max()))
     assert sum(len(c.tokens) for c in load_chunks(tmp_path)) == m.tokens
+
+
+def test_rebuild_batches_group_similar_lengths_within_the_padded_budget():
+    spans = [(0, 10), (10, 13), (13, 40), (40, 44), (44, 45), (45, 145)]
+    groups = length_batches(spans, budget=30)
+    assert sorted(i for g in groups for i in g) == list(range(len(spans)))
+    for g in groups:
+        lens = [spans[i][1] - spans[i][0] for i in g]
+        assert lens == sorted(lens)
+        assert len(g) == 1 or max(lens) * len(g) <= 30
+    assert groups[-1] == [5]  # longer than the budget: alone
+    assert length_batches([], 30) == []
 
 
 @pytest.mark.slow  # trains a head
