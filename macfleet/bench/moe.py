@@ -6,10 +6,13 @@ pings (one small all_sum each: the ring's latency as that run sees it), plain gr
 (one token per forward) and speculative decoding with ngram drafts; rank 0 reports wall times
 and its `ShardStats` (exact collective bytes, ms per forward, router load). Each mode runs
 `repeats` times, the modes interleaved (E, T, P, E, T, P, ...) so that a machine whose load
-drifts weighs on all of them; the median wall time counts. The planner
-(topology/moe.py) then predicts each mode's ms per forward from the single-process verify(1)
-measured here and the ring's median ping (a hop taken as one of the all_sum's 2(n-1) ring
-steps), so the ranking can be compared side by side.
+drifts weighs on all of them; the median counts. The planner (topology/moe.py) then predicts
+each mode's ms per decode forward from the single-process verify(1) measured here and the
+ring's median ping (a hop taken as one of the all_sum's 2(n-1) ring steps), and the modes are
+ranked by that same quantity measured (rank 0's median ms per decode forward; a run's tokens/s
+also pays its prefill and start, which the planner does not predict), so the ranking can be
+compared side by side. `unpriced_ms_per_forward` is what the planner leaves out (measured
+minus predicted: the shard loop's own per-forward work in Python).
 
 Bounded: the ranks load a 2 MB model; a run is a few seconds; every process has a deadline.
 """
@@ -35,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = "tiny-moe:1"
 DEFAULT_PROMPT = "one two three, one two three, one two three, four five six"
 DEFAULT_TOKENS = 16
-DEFAULT_REPEATS = 3  # runs per mode, interleaved across modes; the median counts
+DEFAULT_REPEATS = 5  # runs per mode, interleaved across modes; the median counts
 RUN_TIMEOUT_S = 240.0
 LOOPBACK_LINK = Link("rank", "rank", 0.0, 1e6)  # latency comes from the probe; ~1 GB/s bytes
 
@@ -131,10 +134,9 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
             choice = choose_moe_mode(shape, n, [GB] * n, LOOPBACK_LINK, ref["verify1_ms"],
                                      tokens=1, ring=ring)
             pred = {e.mode: e for e in choice.estimates}
-            measured = {}
+            measured = {m: float(np.median(decode_ms[m])) for m in runs}  # what is predicted
             for mode, r in runs.items():
                 plain, spec, pre = r["plain_shard"], r["spec_shard"], r["prefill_shard"]
-                measured[mode] = tokens / r["plain_s"]
                 decode_fw = plain["forwards"] - pre["forwards"]  # one token each
                 e = pred[mode]
                 rows.append({
@@ -154,6 +156,8 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
                     "rank_load": plain["rank_load"], "expert_load": plain["expert_load"],
                     "spec_bytes_per_forward": spec["bytes_per_forward"],
                     "predicted_ms_per_forward": e.forward_ms,
+                    "unpriced_ms_per_forward":
+                        float(np.median(decode_ms[mode])) - e.forward_ms,
                     "predicted_tokens_per_s": 1000.0 / e.forward_ms,
                     "predicted_bytes_per_decode_forward": e.bytes_per_forward,
                     "predicted_mem_per_rank": e.mem_per_rank,
@@ -162,7 +166,7 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
                          f"{1000 / e.forward_ms:7.1f} predicted, "
                          f"{rows[-1]['bytes_per_decode_forward']:.0f} B/forward, ids match "
                          f"{rows[-1]['ids_match']}")
-            m_rank = sorted(measured, key=lambda m: -measured[m])
+            m_rank = sorted(measured, key=lambda m: measured[m])
             p_rank = [e.mode for e in choice.estimates]
             rows.append({"ranks": n, "ring_allreduce_ms": ping, "planner_choice": choice.mode,
                          "planner_reason": choice.reason, "predicted_ranking": p_rank,
