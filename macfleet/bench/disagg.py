@@ -264,6 +264,22 @@ def window_gaps(r: Timed, window: tuple[float, float]) -> tuple[list[float], lis
     return inside, before
 
 
+def largest_gaps(runs: list[Timed], window: tuple[float, float], k: int = 10) -> list[dict]:
+    """The k longest short-session gaps ending in the window: how long, when (s after the
+    long prompt arrived), whose; where the p99 comes from."""
+    out = []
+    for r in runs:
+        if not r.name.startswith("short"):
+            continue
+        t = r.submit_s + r.ttft_s
+        for g in r.gaps_s:
+            t += g
+            if window[0] <= t <= window[1]:
+                out.append({"ms": round(g * 1e3, 1), "at_s": round(t - window[0], 2),
+                            "session": r.name})
+    return sorted(out, key=lambda x: -x["ms"])[:k]
+
+
 def summarize(runs: list[Timed], window: tuple[float, float]) -> dict:
     shorts = [r for r in runs if r.name.startswith("short")]
     long = next(r for r in runs if r.name == "long")
@@ -277,6 +293,7 @@ def summarize(runs: list[Timed], window: tuple[float, float]) -> dict:
                             "max": round(max(inside, default=0.0), 4)},
             "p99_over_p50": round(p99 / p50, 2) if p50 else None,
             "long_ttft_s": long.ttft_s, "kv": long.kv,
+            "largest_gaps": largest_gaps(runs, window),
             "requests": [asdict(r) | {"token_ids": None, "gaps_s": None} for r in runs]}
 
 
