@@ -108,6 +108,7 @@ class _Session:
     drafted: int = 0
     accepted: int = 0
     trials: int = 0  # geometric trials of its drafts (accepted + one per rejected block)
+    hist: list[int] = field(default_factory=list)  # drafted blocks by accepted length
     draft: Draft = EMPTY_DRAFT
     draft_ms: float = 0.0
     k: int = 0  # drafts asked for this block
@@ -668,6 +669,7 @@ class BatchEngine:
         if tree.size:
             s.drafted += tree.size
             s.accepted += len(path)
+            _count(s.hist, len(path))
             # geometric trials along the path: it stopped where the tree had more to offer
             last = path[-1] if path else 0
             trials = len(path) + bool(tree.children[last])
@@ -691,6 +693,7 @@ class BatchEngine:
         if len(d):
             s.drafted += len(d)
             s.accepted += n
+            _count(s.hist, n)
             trials = n + (n < len(d))
             s.trials += trials
             self._pool.append((trials, n))
@@ -737,5 +740,13 @@ class BatchEngine:
             tokens=len(s.generated), elapsed_s=self.clock() - s.t_start, prefill_ms=s.prefill_ms,
             blocks=s.blocks, drafted=s.drafted, accepted=s.accepted,
             draft_ms=s.draft_total_ms, verify_ms=s.verify_total_ms,
-            proposer=s.proposer_name, finish_reason=reason, per_proposer=per_proposer)
+            proposer=s.proposer_name, finish_reason=reason, per_proposer=per_proposer,
+            accepted_hist=tuple(s.hist))
         s.emit(Finished(stats, tuple(s.generated)))
+
+
+def _count(hist: list[int], accepted: int) -> None:
+    """hist[accepted] += 1, growing the histogram as needed (GenerationStats.accepted_hist)."""
+    if accepted >= len(hist):
+        hist.extend([0] * (accepted + 1 - len(hist)))
+    hist[accepted] += 1

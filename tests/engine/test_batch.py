@@ -97,6 +97,10 @@ def test_greedy_batched_equals_alone(tiny, proposer, invariant):
         512 if invariant else 0)
     if proposer != "none":
         assert sum(f.stats.accepted for f in got) > 0
+    for f in got:  # the histogram of accepted lengths agrees with the totals (chains, trees)
+        h = f.stats.accepted_hist
+        assert sum(i * c for i, c in enumerate(h)) == f.stats.accepted
+        assert (sum(h) > 0) == (f.stats.drafted > 0)
     if "+" in proposer:  # token trees verified in the flat batch, per drafter statistics
         assert all(len(f.stats.per_proposer) == 2 for f in got)
         assert sum(f.stats.per_proposer[1].accepted for f in got) > 0
