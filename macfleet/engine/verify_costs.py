@@ -77,17 +77,30 @@ def cache_dir() -> Path:
         "verify-costs"
 
 
-def verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float]:
-    """The measured verify(L) table of `model` on this machine (memoised, cached on disk)."""
+def known_verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float] | None:
+    """The verify(L) table of `model` if this process or this machine already measured it
+    (memoised, or cached on disk); None rather than a probe."""
     got = _memo.get(id(model))
     if got is not None:
         return got
+    if not use_disk:
+        return None
+    try:
+        got = {int(k): float(v) for k, v in
+               json.loads((cache_dir() / f"{_key(model)}.json").read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return None
+    if got:
+        _memo[id(model)] = got
+    return got or None
+
+
+def verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float]:
+    """The measured verify(L) table of `model` on this machine (memoised, cached on disk)."""
+    got = known_verify_costs(model, use_disk=use_disk)
+    if got is not None:
+        return got
     path = cache_dir() / f"{_key(model)}.json" if use_disk else None
-    if path is not None:
-        try:
-            got = {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
-        except (OSError, ValueError, AttributeError):
-            got = None
     if not got:
         busy = machine_busy()
         got = probe_verify_costs(model)

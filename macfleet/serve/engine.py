@@ -26,6 +26,7 @@ from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accep
 from macfleet.engine.batch import (BatchKV, RowCache, Segment, check_batchable, flat_forward,
                                    trim_cache)
 from macfleet.engine.controller import AUTO, DraftTokens, make_controller
+from macfleet.engine.drafter.budget import VerifyCurve
 from macfleet.engine.events import BlockDone, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
 from macfleet.engine.models import LoadedModel
@@ -180,7 +181,8 @@ class BatchEngine:
         self.token_budget, self.max_active, self.max_queue = token_budget, max_active, max_queue
         self.chunked, self.clock = chunked, clock
         self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
-        self._stall = StallControl(stall_ratio)
+        self._stall = StallControl(stall_ratio)  # its cost curve: at the first chunk
+        self._stall_checked = False
         self.install_share = install_share
         self._cost = IterationCost()  # iterations' ms vs tokens, for draft lengths
         self._pool: deque[tuple[int, int]] = deque(maxlen=POOL_BLOCKS)  # (trials, accepted)
@@ -402,11 +404,27 @@ class BatchEngine:
                 continue
             self._active.append(s)
 
+    def _stall_curve(self) -> VerifyCurve | None:
+        """The stall control's cost curve: this machine's verify(L) table when one is already
+        known (a drafter's group probed it, or an earlier run left it on disk), never probed
+        here (a ~2 s probe would stall the sessions the chunks are sized for). None when no
+        table is known: the stall control follows its measurements alone."""
+        from macfleet.engine.verify_costs import known_verify_costs
+
+        costs = self._costs if self._costs is not None else known_verify_costs(self.lm.model)
+        if not costs:
+            return None
+        curve = VerifyCurve()
+        curve.seed(costs)
+        return curve
+
     def _verify_costs(self) -> dict[int, float]:
         """The model's measured verify(L) table (as `tree_generate` seeds its group with;
         probed once per machine, on this thread, then cached on disk)."""
         if self._costs is None:
             self._costs = verify_costs(self.lm.model)
+            if self._stall.curve is None:  # now known: the stall control sizes chunks by it
+                self._stall.curve, self._stall_checked = self._stall_curve(), True
         return self._costs
 
     def _layout_dtype(self) -> mx.Dtype:
@@ -582,6 +600,8 @@ class BatchEngine:
         # largest gap decoding sessions see otherwise (~2x a decode iteration here)
         if (self.chunked and not self.invariant
                 and any(v.prefill_left > 0 for v in views)):
+            if not self._stall_checked:
+                self._stall.curve, self._stall_checked = self._stall_curve(), True
             budget = self._stall.budget(sum(v.want for v in views if v.prefill_left <= 0),
                                         budget)
         slots = plan_iteration(views, budget, chunked=self.chunked, align=align)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 DEFAULT_TOKEN_BUDGET = 256
 
@@ -77,21 +78,44 @@ STALL_EMA = 0.2
 MAX_CHUNK_GROWTH = 1.5
 
 
+MAX_CURVE_CHUNK = 256  # the longest chunk a cost curve is searched for
+
+
+MIN_FIT, MAX_FIT = 0.5, 4.0
+
+
+class CostCurve(Protocol):
+    """A forward's cost by its tokens (engine/drafter/budget.VerifyCurve)."""
+
+    @property
+    def samples(self) -> bool: ...
+
+    def cost(self, length: int) -> float: ...
+
+
 @dataclass
 class StallControl:
     """Sizes prefill chunks so an iteration costs at most `ratio` x a decode-only one.
 
     A prefill chunk makes every decoding session wait for it. How much a chunk token costs
     depends on the machine (on this compute-bound CPU about as much as a decode token, on a
-    bandwidth-bound GPU almost nothing) and grows with the prompt's context (attention), so
-    rather than predict it the chunk follows the measurements: after each iteration with a
+    bandwidth-bound GPU almost nothing) and on the iteration's total length: on a CPU the
+    matmul kernels block the rows, so an iteration of 16 tokens can cost what one of 4 does and
+    one of 12 half as much again (the verify(L) sawtooth, engine/verify_costs.py). With a cost
+    `curve` (the machine's verify(L) probe) the chunk is the largest whose iteration the curve
+    prices within `ratio` x the decode-only one: it lands in the curve's cheap lengths and needs
+    no failed chunk to learn from; `fit` scales the curve's prediction by how far the chunk
+    iterations measured so far missed it (longer contexts than the probe's, other work on the
+    machine). Without one the chunk follows the measurements: after each iteration with a
     chunk, chunk *= target / measured (growth capped at 1.5x), target = ratio x the recent
-    decode-only iteration time; never below `min_chunk`, so a long prompt still moves."""
+    decode-only iteration time. Never below `min_chunk`, so a long prompt still moves."""
 
     ratio: float = DEFAULT_STALL_RATIO
     min_chunk: int = MIN_PREFILL_CHUNK
     decode_ms: float | None = None  # EMA of iterations without prefill
     chunk: int = MIN_PREFILL_CHUNK
+    curve: CostCurve | None = None
+    fit: float = 1.0  # EMA of measured / curve-predicted slowdown of chunk iterations
 
     def observe(self, prefill_tokens: int, decode_tokens: int, ms: float) -> None:
         if prefill_tokens == 0:
@@ -103,12 +127,33 @@ class StallControl:
             return
         scale = min(MAX_CHUNK_GROWTH, self.ratio * self.decode_ms / ms)
         self.chunk = max(self.min_chunk, int(prefill_tokens * scale))
+        if self.curve is not None and self.curve.samples:
+            predicted = (self.curve.cost(decode_tokens + prefill_tokens)
+                         / self.curve.cost(decode_tokens))
+            err = (ms / self.decode_ms) / predicted
+            self.fit = min(MAX_FIT, max(MIN_FIT, (1 - STALL_EMA) * self.fit + STALL_EMA * err))
 
     def budget(self, decode_tokens: int, token_budget: int) -> int:
         """The token budget of the next iteration."""
         if self.ratio <= 0 or decode_tokens == 0:
             return token_budget  # nobody would wait for the prefill
-        return max(1, min(token_budget, decode_tokens + self.chunk))
+        chunk = self.chunk
+        if self.curve is not None and self.curve.samples:
+            chunk = max(self.min_chunk, curve_chunk(self.curve, decode_tokens,
+                                                    self.ratio / self.fit,
+                                                    token_budget - decode_tokens))
+        return max(1, min(token_budget, decode_tokens + chunk))
+
+
+def curve_chunk(curve: CostCurve, decode_tokens: int, ratio: float, room: int) -> int:
+    """The largest chunk c <= room whose iteration (decode_tokens + c) the curve prices within
+    ratio x the decode-only one (0: none does)."""
+    limit = ratio * curve.cost(decode_tokens)
+    best = 0
+    for c in range(1, min(room, MAX_CURVE_CHUNK) + 1):
+        if curve.cost(decode_tokens + c) <= limit:
+            best = c
+    return best
 
 
 MIN_SHARED_PREFIX = 8

@@ -185,11 +185,15 @@ def test_flat_forward_trees_match_the_single_session_tree_forward(tiny, tree_nod
                                atol=LOGIT_ATOL)
 
 
-def test_a_chat_turn_joining_decoders_is_chunked_by_the_stall_control(tiny):
+def test_a_chat_turn_joining_decoders_is_chunked_by_the_stall_control(tiny, monkeypatch):
     """A prompt shorter than the token budget goes in at once when nobody decodes, but in
-    stall-control chunks (the first one MIN_PREFILL_CHUNK tokens, before any cost is measured)
-    when it joins a decoding session; stall_ratio 0 turns that off. Its ids do not change."""
+    stall-control chunks (the first one MIN_PREFILL_CHUNK tokens, when no verify(L) table of
+    this machine is known and nothing is measured yet) when it joins a decoding session;
+    stall_ratio 0 turns that off. Its ids do not change."""
+    import macfleet.engine.verify_costs as vc
     from macfleet.serve.scheduler import MIN_PREFILL_CHUNK
+
+    monkeypatch.setattr(vc, "known_verify_costs", lambda model, **kw: None)
 
     first, turn = _prompts(tiny.vocab_size, 2, 11, 60, 61)
 
@@ -208,6 +212,27 @@ def test_a_chat_turn_joining_decoders_is_chunked_by_the_stall_control(tiny):
     assert ids == _alone(tiny, turn, 8)
     at_once, ids0 = run(stall_ratio=0.0)
     assert at_once == [len(turn) - 1] and ids0 == ids
+
+
+def test_a_known_verify_curve_sizes_the_first_chunk(tiny, monkeypatch):
+    """With this machine's verify(L) table known, the first chunk is read off it: the
+    largest one whose iteration it prices within the stall ratio (here 1 decoder + 17 chunk
+    tokens: 15 ms of the 1.5 x 10 ms allowed). Its ids do not change."""
+    import macfleet.engine.verify_costs as vc
+
+    table = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 40.0}
+    monkeypatch.setattr(vc, "known_verify_costs", lambda model, **kw: table)
+    first, turn = _prompts(tiny.vocab_size, 2, 11, 60, 61)
+    eng, out = BatchEngine(tiny, proposer="none", stall_ratio=1.5), {}
+    eng.submit(EngineRequest(first, GREEDY, 30), lambda ev: None)
+    eng.step()
+    eng.step()
+    eng.submit(EngineRequest(turn, GREEDY, 8),
+               lambda ev: isinstance(ev, Finished) and out.__setitem__("ids", ev.token_ids))
+    eng.run_until_idle()
+    chunks = [r.prefill_tokens for r in eng.history if r.prefill_tokens][1:]
+    assert chunks[0] == 17 and sum(chunks) == len(turn) - 1
+    assert out["ids"] == _alone(tiny, turn, 8)
 
 
 def test_cancel_frees_the_session_and_others_finish(tiny):

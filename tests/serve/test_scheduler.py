@@ -60,6 +60,31 @@ def test_stall_control_follows_the_measured_cost():
     assert off.budget(8, 256) == 256
 
 
+# this CPU's verify(L) (results/verify_l_sweep.json, rounded): a sawtooth, 16 costs what 4 does
+SAWTOOTH = {1: 39.0, 2: 47.0, 3: 56.0, 4: 72.6, 6: 69.0, 8: 73.0, 12: 110.0, 16: 73.5,
+            20: 108.0, 24: 120.0, 32: 103.0}
+
+
+def test_chunks_are_read_off_the_cost_curve_into_its_cheap_lengths():
+    from macfleet.engine.drafter.budget import VerifyCurve
+    from macfleet.serve.scheduler import curve_chunk
+
+    curve = VerifyCurve()
+    curve.seed(SAWTOOTH)
+    # 4 decoders: 5..9 tokens and 15..18 cost at most 1.25x verify(4); 10..14 more
+    assert curve_chunk(curve, 4, 1.25, 512) == 14
+    assert curve_chunk(curve, 4, 1.5, 512) == 29  # 33 tokens: 108 ms past the valley at 32
+    assert curve_chunk(curve, 4, 1.25, 6) == 5  # within the room left
+    assert curve_chunk(curve, 4, 1.0, 512) == 3  # 5..7 tokens are cheaper than 4
+    c = StallControl(ratio=1.25, min_chunk=8, curve=curve)
+    assert c.budget(4, 256) == 4 + 14  # no failed chunk needed to find it
+    assert c.budget(16, 256) == 16 + 8  # nothing fits: min_chunk, so a prompt still moves
+    c.observe(0, 4, 72.6)  # decode-only: as the curve says
+    for _ in range(8):  # chunk iterations measured twice as slow as the curve predicts
+        c.observe(14, 4, 2 * 90.75)
+    assert 1.5 < c.fit <= 2.0 and c.budget(4, 256) == 4 + 8  # nothing fits: min_chunk
+
+
 def test_prefix_sharing_copies_what_a_cache_holds_and_waits_for_a_longer_one():
     sys_turn = tuple(range(100, 124))  # a chat template's system turn: 24 tokens
     a = PrefixView(1, (*sys_turn, 1, 2, 3, 4), (*sys_turn, 1, 2, 3, 4))  # decoding: cached
