@@ -2,7 +2,7 @@
 
 Each configuration is its own server process (one session at a time: `--max-active 1`;
 batched without drafts: `--proposer none`; batched with n-gram drafts; batched with token
-trees of retrieval + n-gram drafts), clients are threads
+trees of retrieval + n-gram drafts; batched with the draft head's chains), clients are threads
 speaking HTTP + server-sent events like any OpenAI client. Measured per client: time to first
 token (TTFT), gaps between streamed chunks (inter-token latency; a chunk can carry several
 tokens when drafts are accepted) and completion tokens from the final usage chunk.
@@ -219,8 +219,11 @@ MODES = {
     "one_at_a_time": ("--max-active", "1", "--proposer", "none"),
     "batched": ("--proposer", "none"),
     "batched_ngram": ("--proposer", "ngram"),
-    # token trees in the batch: the in-process default drafter (retrieval + n-gram)
+    # token trees in the batch (retrieval + n-gram)
     "batched_trees": ("--proposer", "retrieval+ngram"),
+    # the draft head's chains, fed each session's rows of the batched forward (the measured
+    # default drafter, `bench drafter`)
+    "batched_eagle": ("--proposer", "eagle"),
 }
 # through a local fleet: the verifier agent's continuous batch (sessions per forward) and the
 # proposer the server names (drafted on the proposer agent, per session)
