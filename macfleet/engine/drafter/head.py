@@ -201,7 +201,9 @@ class EagleHead(nn.Module):
             self._sub = _Frozen(None)
             return
         idx = mx.array(np.asarray(ids, dtype=np.int32))
-        self._sub = _Frozen((idx, emb.weight[idx]))
+        rows = emb.weight[idx]
+        mx.eval(idx, rows)  # now: MLX streams are per thread, and the head may draft on another
+        self._sub = _Frozen((idx, rows))
 
     @property
     def draft_ids(self) -> mx.array | None:
