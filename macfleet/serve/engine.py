@@ -603,7 +603,9 @@ class BatchEngine:
             if not self._stall_checked:
                 self._stall.curve, self._stall_checked = self._stall_curve(), True
             budget = self._stall.budget(sum(v.want for v in views if v.prefill_left <= 0),
-                                        budget)
+                                        budget,
+                                        waiting=sum(v.prefill_left > 0 for v in views),
+                                        decoding=sum(v.prefill_left <= 0 for v in views))
         slots = plan_iteration(views, budget, chunked=self.chunked, align=align)
         by_sid = {s.sid: s for s in batch}
         segs, run = [], []

@@ -133,14 +133,19 @@ class StallControl:
             err = (ms / self.decode_ms) / predicted
             self.fit = min(MAX_FIT, max(MIN_FIT, (1 - STALL_EMA) * self.fit + STALL_EMA * err))
 
-    def budget(self, decode_tokens: int, token_budget: int) -> int:
-        """The token budget of the next iteration."""
+    def budget(self, decode_tokens: int, token_budget: int, waiting: int = 1,
+               decoding: int = 1) -> int:
+        """The token budget of the next iteration. waiting, decoding: sessions with prompt
+        left to prefill and sessions decoding; when more wait than decode (a burst of
+        requests), the stall allowed grows by waiting / decoding: a longer iteration then
+        serves more sessions (their first tokens) than it delays (their next ones)."""
         if self.ratio <= 0 or decode_tokens == 0:
             return token_budget  # nobody would wait for the prefill
-        chunk = self.chunk
+        scale = max(1.0, waiting / max(decoding, 1))
+        chunk = int(self.chunk * scale)
         if self.curve is not None and self.curve.samples:
             chunk = max(self.min_chunk, curve_chunk(self.curve, decode_tokens,
-                                                    self.ratio / self.fit,
+                                                    self.ratio * scale / self.fit,
                                                     token_budget - decode_tokens))
         return max(1, min(token_budget, decode_tokens + chunk))
 

@@ -79,6 +79,9 @@ def test_chunks_are_read_off_the_cost_curve_into_its_cheap_lengths():
     c = StallControl(ratio=1.25, min_chunk=8, curve=curve)
     assert c.budget(4, 256) == 4 + 14  # no failed chunk needed to find it
     assert c.budget(16, 256) == 16 + 8  # nothing fits: min_chunk, so a prompt still moves
+    # a burst: 12 sessions wait behind 4 decoding ones: 3x the stall serves them sooner
+    assert c.budget(4, 256, waiting=12, decoding=4) == 4 + curve_chunk(curve, 4, 3.75, 252)
+    assert c.budget(4, 256, waiting=1, decoding=4) == 4 + 14  # one prompt: the ratio as set
     c.observe(0, 4, 72.6)  # decode-only: as the curve says
     for _ in range(8):  # chunk iterations measured twice as slow as the curve predicts
         c.observe(14, 4, 2 * 90.75)
