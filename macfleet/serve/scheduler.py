@@ -79,9 +79,7 @@ MAX_CHUNK_GROWTH = 1.5
 
 
 MAX_CURVE_CHUNK = 256  # the longest chunk a cost curve is searched for
-
-
-MIN_FIT, MAX_FIT = 0.5, 4.0
+MIN_FIT, MAX_FIT = 0.5, 4.0  # how far measured chunk iterations may scale the curve
 
 
 class CostCurve(Protocol):
