@@ -51,13 +51,15 @@ def add_parser(sub) -> None:
     p.add_argument("--questions", type=int, default=0, metavar="N",
                    help="first have the verifier write lists of questions for N seed requests "
                    "(sampled, parsed, deduplicated; ~5-9 kept per seed) into "
-                   "<dataset>/questions.jsonl; the data stage answers them first (resumable)")
+                   "<dataset>/questions.jsonl; the data stage answers them among its sources "
+                   "(resumable)")
     p.add_argument("--features-batch", type=int, default=4096, metavar="TOKENS",
                    help="padded tokens per forward when rebuilding hidden states (an "
                    "accelerator takes ~65536)")
     p.add_argument("--stage", choices=("all", "questions", "data", "features", "train", "store"),
                    default="all",
-                   help="questions: only write questions (--questions N); data: only generate; features: only rebuild missing hidden states "
+                   help="questions: only write questions (--questions N); data: only generate; "
+                   "features: only rebuild missing hidden states "
                    "(a dataset copied without them); train: only train on the dataset "
                    "(rebuilding missing hidden states first); store: only write the answer "
                    "store")

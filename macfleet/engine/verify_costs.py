@@ -101,17 +101,16 @@ def verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float]
     if got is not None:
         return got
     path = cache_dir() / f"{_key(model)}.json" if use_disk else None
-    if not got:
-        busy = machine_busy()
-        got = probe_verify_costs(model)
-        if path is not None and not (busy or machine_busy()):  # a loaded machine's table is
-            # flattened (small forwards suffer most): keep it for this process only
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(got))
-                os.replace(tmp, path)
-            except OSError:
-                pass  # a read-only home: the process keeps its own copy
+    busy = machine_busy()
+    got = probe_verify_costs(model)
+    if path is not None and not (busy or machine_busy()):  # a loaded machine's table is
+        # flattened (small forwards suffer most): keep it for this process only
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(got))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only home: the process keeps its own copy
     _memo[id(model)] = got
     return got

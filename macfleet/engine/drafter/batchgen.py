@@ -225,14 +225,21 @@ def generate_waves(lm: LoadedModel, prompts: Iterable[Prompt], *,
             yield from _wave(lm, rows[w : w + batch], eos, max_answer, timing, on_step)
 
 
+def left_padded(lm: LoadedModel, ids: Sequence[Sequence[int]]
+                ) -> tuple[mx.array, list[int], list[BatchKVCache]]:
+    """A wave's prompts as one left-padded batch [B, longest], each row's padding, and the
+    empty batch caches that mask it: what a wave's prefill forward takes."""
+    width = max(len(i) for i in ids)
+    pad = [width - len(i) for i in ids]
+    x = mx.array([[0] * p + list(i) for p, i in zip(pad, ids)], dtype=mx.uint32)
+    return x, pad, [BatchKVCache(left_padding=pad) for _ in lm.model.layers]
+
+
 def _wave(lm: LoadedModel, rows: list[_Row], eos: frozenset[int], max_answer: int,
           timing: Timing, on_step: Callable[[int], None] | None) -> Iterator[Sample]:
     """One wave: a padded prefill, then decode steps until every row has stopped."""
     t0 = time.perf_counter()
-    width = max(len(r.ids) for r in rows)
-    pad = [width - len(r.ids) for r in rows]
-    x = mx.array([[0] * p + r.ids for p, r in zip(pad, rows)], dtype=mx.uint32)
-    cache = [BatchKVCache(left_padding=pad) for _ in lm.model.layers]
+    x, pad, cache = left_padded(lm, [r.ids for r in rows])
     h, top = _forward(lm, x, cache)
     hn, tn = np.array(h.astype(mx.float16)), np.array(top).astype(np.int32)
     for i, r in enumerate(rows):

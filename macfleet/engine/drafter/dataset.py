@@ -188,9 +188,9 @@ def generate_dataset(lm: LoadedModel, path: Path, target_tokens: int, *, fingerp
                      seed: int = 0, shard_tokens: int = DEFAULT_SHARD_TOKENS,
                      report: Callable[[str], None] | None = None,
                      generator: Callable[..., Iterator[Sample]] = generate_samples) -> Manifest:
-    """Add the verifier's answers to `path` until it holds `target_tokens` answer tokens,
-    answering the questions the verifier wrote itself first among the sources
-    (`<path>/questions.jsonl`, self_instruct) when there are any.
+    """Add the verifier's answers to `path` until it holds `target_tokens` answer tokens; the
+    questions the verifier wrote itself (`<path>/questions.jsonl`, self_instruct) are one of
+    the sources when there are any (`prompts.DEFAULT_MIX`).
     generator: batchgen.generate_samples (continuous refill: the CPU's) or generate_waves
     (fixed waves: an accelerator's)."""
     m = open_manifest(path, lm, fingerprint)

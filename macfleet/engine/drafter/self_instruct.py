@@ -101,8 +101,8 @@ def parse_list(text: str) -> list[str]:
     return out
 
 
-def read_questions(path: Path) -> list[Prompt]:
-    """The questions a dataset holds (source `self`), in the order they were written."""
+def _rows(path: Path) -> list[dict]:
+    """The questions file's records (a line cut by a stopped run is skipped)."""
     f = path / QUESTIONS
     if not f.is_file():
         return []
@@ -110,24 +110,17 @@ def read_questions(path: Path) -> list[Prompt]:
     for line in f.read_text().splitlines():
         try:
             r = json.loads(line)
-            if r["text"]:  # "": a seed whose list gave nothing, recorded as asked
-                out.append(Prompt("self", str(r["text"]), str(r.get("group", ""))))
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut by a stopped run
-    return out
-
-
-def _asked(path: Path) -> set[str]:
-    f = path / QUESTIONS
-    if not f.is_file():
-        return set()
-    out = set()
-    for line in f.read_text().splitlines():
-        try:
-            out.add(json.loads(line)["seed"])
-        except (ValueError, KeyError, TypeError):
+        except ValueError:
             continue
+        if isinstance(r, dict) and isinstance(r.get("seed"), str):
+            out.append(r)
     return out
+
+
+def read_questions(path: Path) -> list[Prompt]:
+    """The questions a dataset holds (source `self`), in the order they were written."""
+    return [Prompt("self", str(r["text"]), str(r.get("group", "")))
+            for r in _rows(path) if r.get("text")]  # "": a seed recorded as asked
 
 
 def sample_lists(lm: LoadedModel, texts: Sequence[str], *, max_tokens: int, temperature: float,
@@ -135,16 +128,13 @@ def sample_lists(lm: LoadedModel, texts: Sequence[str], *, max_tokens: int, temp
     """Sampled answers to `texts` in ONE wave: a left-padded prefill, then one forward per
     step until every row has stopped (EOS or `max_tokens`)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache
 
+    from macfleet.engine.drafter.batchgen import left_padded
     from macfleet.engine.layers import head_logits, run_layers
     from macfleet.engine.text import encode_prompt
 
     ids = [encode_prompt(lm.tokenizer, t, chat=True) for t in texts]
-    width = max(len(i) for i in ids)
-    pad = [width - len(i) for i in ids]
-    x = mx.array([[0] * p + i for p, i in zip(pad, ids)], dtype=mx.uint32)
-    cache = [BatchKVCache(left_padding=pad) for _ in lm.model.layers]
+    x, _, cache = left_padded(lm, ids)
     inner = lm.model.model
     key = mx.random.key(rng_seed)
     eos = np.array(sorted(lm.eos_ids), dtype=np.int64)
@@ -175,7 +165,6 @@ class Asked:
     questions: int  # kept this run
     total: int  # questions the dataset now holds
     seconds: float
-    tokens: int  # sampled list tokens (an upper bound: rows ride along after EOS)
 
 
 def generate_questions(lm: LoadedModel, path: Path, n_seeds: int, *, batch: int = 32,
@@ -184,33 +173,33 @@ def generate_questions(lm: LoadedModel, path: Path, n_seeds: int, *, batch: int 
     """Ask the verifier for lists of questions until `n_seeds` seeds are asked in all;
     append the kept questions to `<path>/questions.jsonl` after each wave (resumable)."""
     path.mkdir(parents=True, exist_ok=True)
-    asked = _asked(path)
+    asked = {r["seed"] for r in _rows(path)}
     todo = [s for s in seeds(rounds) if s.key not in asked][: max(0, n_seeds - len(asked))]
     have = {p.key for p in read_questions(path)}
-    t0, kept, toks = time.perf_counter(), 0, 0
+    t0, kept = time.perf_counter(), 0
     for w in range(0, len(todo), batch):
         wave = todo[w : w + batch]
         lists = sample_lists(lm, [s.text for s in wave], max_tokens=max_tokens,
                              temperature=temperature, rng_seed=len(asked) + w)
-        toks += len(wave) * max_tokens
         lines = []
         for s, text in zip(wave, lists):
-            qs = parse_list(text)
-            lines.append(json.dumps({"seed": s.key, "text": "", "group": s.group})
-                         if not qs else "")
-            for q in qs:
+            new = []
+            for q in parse_list(text):
                 p = Prompt("self", q, s.group)
                 if p.key not in have:
                     have.add(p.key)
-                    kept += 1
-                    lines.append(json.dumps({"seed": s.key, "text": q, "group": s.group}))
+                    new.append(q)
+            kept += len(new)
+            # a seed whose list gave nothing new is still recorded as asked
+            lines += [json.dumps({"seed": s.key, "text": q, "group": s.group})
+                      for q in new or [""]]
         with open(path / QUESTIONS, "a") as f:
-            f.write("".join(line + "\n" for line in lines if line))
+            f.write("".join(line + "\n" for line in lines))
         if report:
             el = time.perf_counter() - t0
             report(f"questions: {w + len(wave)}/{len(todo)} seeds, {kept} kept, "
                    f"{el:.0f} s")
-    return Asked(len(todo), kept, len(have), time.perf_counter() - t0, toks)
+    return Asked(len(todo), kept, len(have), time.perf_counter() - t0)
 
 
 def question_prompts(questions: Sequence[Prompt], seed: int = 0) -> Iterator[Prompt]:
