@@ -63,3 +63,15 @@ def test_generate_questions_appends_and_resumes_after_the_seeds_asked(tmp_path):
     with open(tmp_path / QUESTIONS, "a") as f:
         f.write('{"seed": "cut')  # a line cut by a stopped run
     assert len(read_questions(tmp_path)) == more.total
+
+
+def test_a_seed_whose_questions_are_all_known_is_still_recorded_as_asked(tmp_path, monkeypatch):
+    import macfleet.engine.drafter.self_instruct as si
+
+    same = "1. How do I start a vegetable garden?\n2. What should I plant in spring?"
+    monkeypatch.setattr(si, "sample_lists", lambda lm, texts, **kw: [same] * len(texts))
+    a = generate_questions(None, tmp_path, 3, batch=3)
+    assert a.seeds == 3 and a.questions == 2 and a.total == 2  # the 2nd and 3rd add nothing
+    rows = [json.loads(line) for line in (tmp_path / QUESTIONS).read_text().splitlines()]
+    assert len({r["seed"] for r in rows}) == 3
+    assert generate_questions(None, tmp_path, 3, batch=3).seeds == 0  # none asked again
