@@ -420,41 +420,75 @@ def _attention(attn, x: mx.array, writes: Sequence[tuple[BatchKV, mx.array | Non
     return attn.o_proj(o[None])
 
 
+class _Layout:
+    """One flat iteration's order, writes, positions and attention plan (shared by its layers)."""
+
+    def __init__(self, segments: Sequence[Segment], kv_heads: int) -> None:
+        caches = [s.cache for s in segments]
+        if not all(isinstance(c, RowCache) for c in caches):
+            raise ValueError("a flat batch needs every segment's cache to be a BatchKV row")
+        if len({(id(c.store), c.row) for c in caches}) < len(caches):
+            raise ValueError("two segments of one flat batch write the same cache row")
+        # batched segments first, by row (a full batch of one-token blocks then needs no gathers)
+        batched = batched_segments(segments)
+        self.order = sorted(range(len(segments)), key=lambda i: (not batched[i], caches[i].row))
+        self.segs = segs = [segments[i] for i in self.order]
+        rows = np.array([s.cache.row for s in segs for _ in range(len(s))], np.int64)
+        pos = np.array([s.cache.offset + i for s in segs for i in range(len(s))], np.int64)
+        rope = np.array([s.cache.offset + d for s in segs for d in s.rope_offsets()], np.int64)
+        self.plan = _plan(segs, sum(batched))
+        # one scatter per store per layer (the main store first: its rows attend together)
+        of_store = [s.cache.store for s in segs for _ in range(len(s))]
+        self.writes = []
+        for store in dict.fromkeys([main_store(segments), *(c.store for c in caches)]):
+            mine = np.array([st is store for st in of_store])
+            store.reserve(int(rows[mine].max()) + 1, int(pos[mine].max()) + 1)
+            idx = None if mine.all() else mx.array(np.flatnonzero(mine), dtype=mx.int32)
+            self.writes.append((store, idx, store.slot_index(rows[mine], pos[mine], kv_heads)))
+        self.positions = mx.array(rope, dtype=mx.int32)
+
+    def run(self, layers: Sequence[nn.Module], h: mx.array) -> mx.array:
+        """h [1, N, D] in flat order through llama-style `layers`; every segment's cache then
+        holds its tokens."""
+        for i, layer in enumerate(layers):
+            h = h + _attention(layer.self_attn, layer.input_layernorm(h), self.writes, i,
+                               self.positions, self.plan)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for s in self.segs:
+            s.cache.offset += len(s)
+        return h
+
+
+def flat_layers(layers: Sequence[nn.Module], x: mx.array, segments: Sequence[Segment]
+                ) -> list[mx.array]:
+    """Any llama-style decoder layers (a draft head's) over a flat batch: x [1, N, D] holds
+    the segments' inputs in segment order (the tokens of a `Segment` only give its length
+    here); returns each segment's outputs [len(seg), D], in segment order (not evaluated).
+    Every segment's cache (a row of a `BatchKV` with one layer per entry of `layers`) is
+    appended to, as `flat_forward` does for a model's own layers."""
+    if not segments or any(not len(s) for s in segments):
+        raise ValueError("flat_layers needs at least one segment, none of them empty")
+    lay = _Layout(segments, layers[0].self_attn.n_kv_heads)
+    starts = np.cumsum([0] + [len(s) for s in segments])
+    if lay.order != sorted(lay.order):
+        perm = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in lay.order])
+        x = x[:, mx.array(perm, dtype=mx.int32)]
+    h = lay.run(layers, x)
+    out: list[mx.array | None] = [None] * len(segments)
+    start = 0
+    for i, s in zip(lay.order, lay.segs):
+        out[i] = h[0, start:start + len(s)]
+        start += len(s)
+    return out
+
+
 def _flat(model: nn.Module, segments: Sequence[Segment], hidden: bool = False
           ) -> list[mx.array | None] | tuple[list[mx.array | None], list[mx.array]]:
-    caches = [s.cache for s in segments]
-    if not all(isinstance(c, RowCache) for c in caches):
-        raise ValueError("a flat batch needs every segment's cache to be a BatchKV row")
-    if len({(id(c.store), c.row) for c in caches}) < len(caches):
-        raise ValueError("two segments of one flat batch write the same cache row")
-    # batched segments first, by row (a full batch of one-token blocks then needs no gathers)
-    batched = batched_segments(segments)
-    order = sorted(range(len(segments)), key=lambda i: (not batched[i], caches[i].row))
-    segs = [segments[i] for i in order]
+    lay = _Layout(segments, model.layers[0].self_attn.n_kv_heads)
+    order, segs = lay.order, lay.segs
     toks = [int(t) for s in segs for t in s.tokens]
-    rows = np.array([s.cache.row for s in segs for _ in range(len(s))], np.int64)
-    pos = np.array([s.cache.offset + i for s in segs for i in range(len(s))], np.int64)
-    rope = np.array([s.cache.offset + d for s in segs for d in s.rope_offsets()], np.int64)
-    plan = _plan(segs, sum(batched))
-    inner = model.model
-    kv_heads = model.layers[0].self_attn.n_kv_heads
-    # one scatter per store per layer (the main store first: its rows attend together)
-    of_store = [s.cache.store for s in segs for _ in range(len(s))]
-    writes = []
-    main = main_store(segments)
-    for store in dict.fromkeys([main, *(c.store for c in caches)]):
-        mine = np.array([st is store for st in of_store])
-        store.reserve(int(rows[mine].max()) + 1, int(pos[mine].max()) + 1)
-        idx = None if mine.all() else mx.array(np.flatnonzero(mine), dtype=mx.int32)
-        writes.append((store, idx, store.slot_index(rows[mine], pos[mine], kv_heads)))
-    positions = mx.array(rope, dtype=mx.int32)
-    h = inner.embed_tokens(mx.array(toks, dtype=mx.uint32)[None])  # [1, N, D]
-    for i, layer in enumerate(model.layers):
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), writes, i, positions,
-                           plan)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    for s in segs:
-        s.cache.offset += len(s)
+    h = model.model.embed_tokens(mx.array(toks, dtype=mx.uint32)[None])  # [1, N, D]
+    h = lay.run(model.layers, h)
     # logits only for the rows that need them (a prefill chunk needs none)
     want: list[int] = []
     spans: dict[int, tuple[int, int]] = {}

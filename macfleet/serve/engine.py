@@ -26,6 +26,7 @@ from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accep
 from macfleet.engine.batch import (BatchKV, RowCache, Segment, check_batchable, flat_forward,
                                    trim_cache)
 from macfleet.engine.controller import AUTO, DraftTokens, make_controller
+from macfleet.engine.drafter.proposer import EagleProposer, draft_chains
 from macfleet.engine.drafter.budget import VerifyCurve
 from macfleet.engine.events import BlockDone, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
@@ -188,6 +189,7 @@ class BatchEngine:
         self._pool: deque[tuple[int, int]] = deque(maxlen=POOL_BLOCKS)  # (trials, accepted)
         # every session's KV is a row of one store (flat batch), or its own caches (invariant)
         self._kv = None if invariant else BatchKV(len(lm.model.layers))
+        self._head_rows: dict[int, BatchKV] = {}  # local EAGLE heads' caches, one store each
         self._vocab = lm.vocab_size
         self._layout = None  # the model's KV layout, read when a shipped KV first arrives
         self._costs: dict[int, float] | None = None  # verify(L), read when a group joins
@@ -393,6 +395,10 @@ class BatchEngine:
                              else BatchKV(len(self.lm.model.layers), row_step=1))
                     s.cache = store.open()
                     store.reserve(s.cache.row + 1, len(s.req.prompt))
+                    if isinstance(s.proposer, EagleProposer) and not s.proposer.drafts_trees:
+                        # its head's cache: a row too, so its chains are drafted with all
+                        s.proposer.use_rows(self._head_rows.setdefault(
+                            id(s.proposer.head), BatchKV(len(s.proposer.head.layers))))
                 s.rng = make_rng(s.req.params, stream=0)
                 if s.group is not None:  # its drafters size trees against verify(L)
                     s.group.seed_verify_costs(self._verify_costs())
@@ -531,10 +537,12 @@ class BatchEngine:
         replies are collected (`finish`), so drafters on other machines draft at once and the
         batch waits for the slowest, not for the sum."""
         t0 = self.clock()
-        asked, groups = [], {}
+        asked, groups, together = [], {}, {}
         for s in decoding:
             s.draft, s.k, s.tree, s.drafts = EMPTY_DRAFT, ks[s.sid], None, []
-            if s.group is not None:
+            if s.proposer is not None and s.k > 0 and _rows_of(s.proposer) is not None:
+                together.setdefault(id(_rows_of(s.proposer)), []).append(s)
+            elif s.group is not None:
                 groups[s.sid] = cap_total(
                     s.group.lengths(s.req.max_tokens - len(s.generated) - 1), ks[s.sid])
                 s.k = sum(groups[s.sid])
@@ -545,7 +553,14 @@ class BatchEngine:
                     asked.append(s)
                 except ProposerFailed as e:
                     self._lose_proposer(s, e)
+        for sessions in together.values():  # local EAGLE chains: all at once
+            drafts = draft_chains([(s.proposer, s.context, s.k) for s in sessions])
+            for s, d in zip(sessions, drafts):
+                s.draft = sanitize_draft(d, s.k, self._vocab)
+                s.draft_ms = d.draft_ms
         for s in decoding:
+            if any(s in ss for ss in together.values()):
+                continue
             if s.group is not None:
                 s.drafts, s.tree = tree_of_drafts(s.context[-1], s.group.finish(),
                                                   groups[s.sid], self._vocab,
@@ -765,6 +780,11 @@ class BatchEngine:
             proposer=s.proposer_name, finish_reason=reason, per_proposer=per_proposer,
             accepted_hist=tuple(s.hist))
         s.emit(Finished(stats, tuple(s.generated)))
+
+
+def _rows_of(p: Proposer) -> BatchKV | None:
+    """The store a local EAGLE chain drafter's head cache is a row of (drafted together)."""
+    return p.rows if isinstance(p, EagleProposer) else None
 
 
 def _count(hist: list[int], accepted: int) -> None:

@@ -224,8 +224,12 @@ class EagleHead(nn.Module):
 
     def __call__(self, feats: mx.array, next_tokens: mx.array, cache=None) -> mx.array:
         """feats [B, L, H] (f_t), next_tokens [B, L] (x_{t+1}) -> predicted f_{t+1} [B, L, H]."""
-        x = mx.concatenate([self.in_norm(feats), self.embed(next_tokens)], axis=-1)
-        return run_layers(self.layers, self.fuse(x), cache)
+        return run_layers(self.layers, self.inputs(feats, next_tokens), cache)
+
+    def inputs(self, feats: mx.array, next_tokens: mx.array) -> mx.array:
+        """The decoder layers' input for pairs (f_t, x_{t+1}): [B, L, H]."""
+        return self.fuse(mx.concatenate([self.in_norm(feats), self.embed(next_tokens)],
+                                        axis=-1))
 
     def logits(self, h: mx.array) -> mx.array:
         """The verifier's own final norm + LM head on (predicted) features."""

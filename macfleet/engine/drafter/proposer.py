@@ -12,6 +12,12 @@ over the new tokens, i.e. roughly a verify step per block, which is why the tap 
 
 Drafting: the head's one-layer KV cache holds real pairs (f_i, x_{i+1}) for committed
 positions; drafted pairs are appended for the chain and trimmed off afterwards.
+
+Many sessions (a batching verifier's): each proposer's head cache is a row of one shared
+`BatchKV` (`use_rows`), and `draft_chains` drafts all their chains together, one head forward
+and one draft-vocabulary matmul per draft position for every session at once, as the verifier
+runs one forward per iteration (drafted one session after another, 16 sessions' chains cost
+16x one; together, about what two cost).
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from macfleet.engine.batch import BatchKV, RowCache, Segment, flat_layers
 from macfleet.engine.drafter.features import HiddenTap, attach_tap, detach_tap, hidden_states
-from macfleet.engine.drafter.head import EagleHead, HeadMismatch, load_head
+from macfleet.engine.drafter.head import EagleHead, HeadMismatch, load_head, weights_path
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.proposers.model_draft import common_prefix
 from macfleet.engine.sampling import GREEDY, make_rng, probs_from_logits, sample
@@ -75,6 +82,8 @@ class EagleProposer(Proposer):
         self.params = GREEDY
         self._rng = make_rng(GREEDY, stream=1)
         self._tap: HiddenTap | None = None
+        self._rows: BatchKV | None = None  # the store its head cache is a row of (use_rows)
+        self._row: RowCache | None = None
         self._reset_state()
         self.fallback_tokens = 0  # tokens whose features the proposer computed itself
 
@@ -82,8 +91,30 @@ class EagleProposer(Proposer):
         self._store = _FeatureStore()
         self._own_cache: list | None = None
         self._own_tokens: list[int] = []
-        self._head_cache = self.head.make_cache()
+        self._head_cache = self._new_head_cache()
         self._head_ctx: list[int] = []  # x_0..x_m: pairs (f_i, x_{i+1}) i < m are in the cache
+
+    def _new_head_cache(self) -> list:
+        if self._row is not None:
+            self._row.close()
+            self._row = None
+        if self._rows is None:
+            return self.head.make_cache()
+        self._row = self._rows.open()
+        return [self._row]  # one row holds every layer of the head: trimmed once
+
+    def use_rows(self, store: BatchKV) -> None:
+        """Keep the head's cache as a row of `store` (one per head, shared by a batching
+        verifier's sessions): drafts then come from `draft_chains`, all sessions at once."""
+        if len(store.keys) != len(self.head.layers):
+            raise ValueError(f"a head of {len(self.head.layers)} layers needs a store of as "
+                             f"many, not {len(store.keys)}")
+        self._rows = store
+        self._reset_state()
+
+    @property
+    def rows(self) -> BatchKV | None:
+        return self._rows
 
     def start(self, params=GREEDY) -> None:
         self.params = params
@@ -97,6 +128,7 @@ class EagleProposer(Proposer):
         if self._tap is not None:
             detach_tap(self.head.verifier, self._tap)
             self._tap = None
+        self._rows = None
         self._reset_state()
 
     # -- features ----------------------------------------------------------------------
@@ -140,7 +172,11 @@ class EagleProposer(Proposer):
 
     # -- drafting ----------------------------------------------------------------------
     def _pick(self, h: mx.array, rows: list[np.ndarray]) -> int:
-        logits = self.head.draft_logits(h).astype(mx.float32)  # [V] or [V'] (draft vocab)
+        return self._pick_from(self.head.draft_logits(h).astype(mx.float32), rows)
+
+    def _pick_from(self, logits: mx.array, rows: list[np.ndarray]) -> int:
+        """The draft token from the head's logits [V] or [V'] (draft vocabulary); a sampled
+        one's distribution goes to `rows`."""
         ids = self.head.draft_ids
         if self.params.greedy:
             i = int(mx.argmax(logits).item())
@@ -156,6 +192,13 @@ class EagleProposer(Proposer):
     def _root(self, context: list[int]) -> mx.array:
         """Bring the head's cache up to `context` (real pairs only) and return its predicted
         feature for the position after the context, [1, 1, H]: the root of every draft."""
+        feats, nxt = self._root_inputs(context)
+        return self.head(feats, nxt, cache=self._head_cache)[:, -1:]
+
+    def _root_inputs(self, context: list[int]) -> tuple[mx.array, mx.array]:
+        """Roll the head's cache back to the pairs still valid for `context` and return the
+        pairs to run through it, feats [1, n, H] and next tokens [1, n] (n >= 1: the last
+        pair is always run, its output is the root)."""
         self._sync_features(context)
         # roll the head cache back to the pairs still valid for this context
         m = max(len(self._head_ctx) - 1, 0)
@@ -166,13 +209,14 @@ class EagleProposer(Proposer):
                 c.trim(m - valid)
         feats = self._store.rows(valid, T - 1)[None]  # f_valid .. f_{T-2}
         nxt = mx.array(context[valid + 1 : T], dtype=mx.uint32)[None]  # x_{valid+1} .. x_{T-1}
-        h = self.head(feats.astype(mx.float32), nxt, cache=self._head_cache)[:, -1:]
         self._head_ctx = context
-        return h
+        return feats.astype(mx.float32), nxt
 
     def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
         if k <= 0 or len(context) < 2:
             return EMPTY_DRAFT
+        if self._rows is not None:
+            return draft_chains([(self, context, k)], with_guess=with_guess)[0]
         t0 = time.perf_counter()
         context = [int(t) for t in context]
         h = self._root(context)
@@ -193,6 +237,64 @@ class EagleProposer(Proposer):
             rows.pop()
         probs = np.stack(rows) if rows else None
         return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3, guess)
+
+
+def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
+                 with_guess: bool = False) -> list[Draft]:
+    """Every job's chain (proposer, context, k) at once: proposers whose head caches are rows of
+    one store (`use_rows`, one head) run one head forward per draft position over all of them
+    (`batch.flat_layers`: each row attends to its own pairs) and one draft-vocabulary matmul.
+    Each chain is the one `propose` drafts alone, up to float rounding (the batched attention
+    sums in another order), which can only change a draft, never what is verified. Each Draft's
+    `draft_ms` is its share of the whole call."""
+    t0 = time.perf_counter()
+    out = [EMPTY_DRAFT] * len(jobs)
+    live = [(i, p, [int(t) for t in ctx], k + 1 if with_guess else k)
+            for i, (p, ctx, k) in enumerate(jobs) if k > 0 and len(ctx) >= 2]
+    if not live:
+        return out
+    p0 = live[0][1]
+    if any(p.rows is None or p.rows is not p0.rows for _, p, _, _ in live):
+        raise ValueError("draft_chains drafts for proposers whose head caches are rows of "
+                         "one store (use_rows)")
+    head = p0.head
+    inputs = [p._root_inputs(ctx) for _, p, ctx, _ in live]
+    x = head.inputs(mx.concatenate([f for f, _ in inputs], axis=1),
+                    mx.concatenate([t for _, t in inputs], axis=1))
+    outs = flat_layers(head.layers, x, [Segment(tuple(range(t.shape[1])), p._row)
+                                        for (_, p, _, _), (_, t) in zip(live, inputs)])
+    hs = [o[-1] for o in outs]  # each session's root: the predicted feature after its context
+    tokens: list[list[int]] = [[] for _ in live]
+    rows: list[list[np.ndarray]] = [[] for _ in live]
+    ids = None if head.draft_ids is None else np.array(head.draft_ids)
+    for step in range(max(n for *_, n in live)):
+        act = [j for j, (*_, n) in enumerate(live) if step < n]
+        logits = head.draft_logits(mx.stack([hs[j] for j in act])).astype(mx.float32)
+        if all(live[j][1].params.greedy for j in act):
+            best = np.array(mx.argmax(logits, axis=-1)).tolist()
+            for j, b in zip(act, best):
+                tokens[j].append(int(b) if ids is None else int(ids[b]))
+        else:
+            for r, j in enumerate(act):
+                tokens[j].append(live[j][1]._pick_from(logits[r], rows[j]))
+        more = [j for j in act if step + 1 < live[j][3]]
+        if not more:
+            break
+        x = head.inputs(mx.stack([hs[j] for j in more])[None],
+                        mx.array([[tokens[j][-1] for j in more]], dtype=mx.uint32))
+        for j, o in zip(more, flat_layers(head.layers, x, [Segment((0,), live[j][1]._row)
+                                                           for j in more])):
+            hs[j] = o[-1]
+    mx.eval(p0.rows.state)
+    ms = (time.perf_counter() - t0) * 1e3 / len(live)
+    for j, (i, p, _, n) in enumerate(live):
+        p._row.trim(n - 1)  # the drafted pairs: the committed ones stay
+        toks, q = tokens[j], rows[j]
+        guess = toks.pop() if with_guess else None
+        if with_guess and q:
+            q.pop()
+        out[i] = Draft(tuple(toks), np.stack(q) if q else None, ms, guess)
+    return out
 
 
 class VerifierFeatures:
@@ -235,6 +337,24 @@ def default_head_path(verifier_spec: str) -> Path | None:
     return WEIGHTS_DIR / f"{name}.safetensors" if name else None
 
 
+_heads: dict[tuple[str, int, int], EagleHead] = {}
+
+
+def shared_head(path: Path, verifier) -> EagleHead:
+    """The head at `path` for this verifier model, loaded once per process: every session's
+    proposer reads the same weights (a batching verifier drafts for all of them with one head,
+    and a request no longer pays a load). A file rewritten since is loaded again."""
+    try:
+        st = weights_path(path).stat()
+    except OSError:
+        return load_head(path, verifier)  # raises the clear error
+    key = (str(weights_path(path).resolve()), st.st_mtime_ns, id(verifier))
+    head = _heads.get(key)
+    if head is None or head.verifier is not verifier:
+        head = _heads[key] = load_head(path, verifier)
+    return head
+
+
 def make_eagle_proposer(arg: str, verifier, error: type[Exception] = ValueError,
                         tree: bool = False) -> EagleProposer:
     """`eagle[:PATH]` (chains) / `eagle2[:PATH]` (EAGLE-2 dynamic trees): the head at PATH, or
@@ -245,7 +365,7 @@ def make_eagle_proposer(arg: str, verifier, error: type[Exception] = ValueError,
         raise error(f"{kind}: no head is shipped for {verifier.spec}; train one with "
                     f"`macfleet distill --model {verifier.spec} --out PATH` and use {kind}:PATH")
     try:
-        head = load_head(path, verifier.model)
+        head = shared_head(path, verifier.model)
     except HeadMismatch as e:
         raise error(f"{kind}: {e}") from e
     name = f"{kind}:{arg}" if arg else kind

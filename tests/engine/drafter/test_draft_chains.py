@@ -1,0 +1,155 @@
+"""Many sessions' EAGLE chains drafted together (`draft_chains`): one head forward per draft
+position over every session, each session's head cache a row of one `BatchKV`.
+
+The chains must be the ones each proposer drafts alone (the batched attention only sums in
+another order: logits within float tolerance, a different draft only at a near-tie, which a
+random tiny head does not make), rollback of a row must follow the committed context as the
+proposer's own cache does, and a batching engine drafting this way still answers every
+request exactly as the verifier alone."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from macfleet.engine.batch import BatchKV
+from macfleet.engine.drafter.head import EagleConfig, EagleHead
+from macfleet.engine.drafter.proposer import EagleProposer, draft_chains, shared_head
+from macfleet.engine.events import Finished
+from macfleet.engine.loop import speculative_generate
+from macfleet.engine.proposers.base import EMPTY_DRAFT
+from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.engine.verifier import Verifier
+from macfleet.serve.engine import BatchEngine, EngineRequest
+
+
+@pytest.fixture(scope="module")
+def head(tiny):
+    mx.random.seed(5)
+    h = EagleHead(EagleConfig.for_verifier(tiny.model, tiny.spec, feature_scale=1.0),
+                  tiny.model)
+    h.init_from_verifier()
+    h.set_draft_vocab(np.arange(0, tiny.vocab_size, 2))  # drafts map through the subset's ids
+    mx.eval(h.parameters())
+    return h
+
+
+def _contexts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(4)
+    return [rng.integers(0, vocab, size=n).tolist() for n in (5, 23, 11, 40)]
+
+
+def _alone(head, ctxs, ks, params=GREEDY, with_guess=False):
+    out = []
+    for c, k in zip(ctxs, ks):
+        p = EagleProposer(head, tap=False)  # features computed by the proposer itself
+        p.start(params)
+        out.append(p.propose(c, k, with_guess=with_guess))
+        p.close()
+    return out
+
+
+def _together(head, n, params=GREEDY):
+    store = BatchKV(len(head.layers))
+    props = []
+    for _ in range(n):
+        p = EagleProposer(head, tap=False)
+        p.start(params)
+        p.use_rows(store)
+        props.append(p)
+    return props, store
+
+
+def test_chains_drafted_together_are_the_chains_drafted_alone(tiny, head):
+    ctxs, ks = _contexts(tiny.vocab_size), [3, 1, 4, 2]
+    props, store = _together(head, len(ctxs))
+    got = draft_chains(list(zip(props, ctxs, ks)))
+    ref = _alone(head, ctxs, ks)
+    assert [d.tokens for d in got] == [d.tokens for d in ref]
+    assert [len(d) for d in got] == ks
+    assert all(t % 2 == 0 for d in got for t in d.tokens)  # from the draft vocabulary
+    # the next round: each context grew (a block accepted part of its draft, or none) and one
+    # was cut back (another branch): every row rolls back to its committed pairs, as alone
+    rng = np.random.default_rng(9)
+    ctxs = [c + list(d.tokens[:1]) + rng.integers(0, tiny.vocab_size, 2).tolist()
+            for c, d in zip(ctxs, got)]
+    ctxs[2] = ctxs[2][:7]
+    got = draft_chains(list(zip(props, ctxs, ks)), with_guess=True)
+    ref = _alone(head, ctxs, ks, with_guess=True)
+    assert [(d.tokens, d.next_guess) for d in got] == [(d.tokens, d.next_guess) for d in ref]
+    # a row holds the committed pairs only (drafted ones trimmed): len(context) - 1
+    assert [p.rows is store for p in props] == [True] * len(props)
+    assert [p._row.offset for p in props] == [len(c) - 1 for c in ctxs]
+    # one proposer drafting alone in row mode goes the same way
+    assert props[0].propose(ctxs[0], 3).tokens == ref[0].tokens
+    for p in props:
+        p.close()
+    assert store.open_rows == 0  # closed proposers gave their rows back
+
+
+def test_sampled_chains_together_carry_their_distributions(tiny, head):
+    ctxs, ks = _contexts(tiny.vocab_size), [2, 3, 1, 2]
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    props, _ = _together(head, len(ctxs), params)
+    got = draft_chains(list(zip(props, ctxs, ks)))
+    ref = _alone(head, ctxs, ks, params)
+    assert [d.tokens for d in got] == [d.tokens for d in ref]  # same draws from each rng
+    for d, r in zip(got, ref):
+        assert d.probs.shape == (len(d), tiny.vocab_size)
+        np.testing.assert_allclose(d.probs, r.probs, atol=1e-5)
+        assert all(d.probs[i, t] > 0 for i, t in enumerate(d.tokens))
+
+
+def test_rows_of_another_store_are_refused(tiny, head):
+    a, _ = _together(head, 1)
+    b, _ = _together(head, 1)
+    plain = EagleProposer(head, tap=False)
+    ctx = _contexts(tiny.vocab_size)[0]
+    with pytest.raises(ValueError, match="one store"):
+        draft_chains([(a[0], ctx, 2), (b[0], ctx, 2)])
+    with pytest.raises(ValueError, match="one store"):
+        draft_chains([(plain, ctx, 2)])
+    # nothing to draft (k 0, or no pair yet): empty drafts, no forward
+    assert draft_chains([(a[0], ctx, 0), (a[0], ctx[:1], 2)]) == [EMPTY_DRAFT, EMPTY_DRAFT]
+
+
+def test_sessions_share_one_loaded_head(tiny, head, tmp_path):
+    head.save(tmp_path / "h")
+    one, two = shared_head(tmp_path / "h", tiny.model), shared_head(tmp_path / "h", tiny.model)
+    assert one is two
+
+
+def test_batching_engine_drafts_every_eagle_chain_together_and_answers_as_alone(
+        tiny, head, tmp_path):
+    head.save(tmp_path / "h")
+    rng = np.random.default_rng(2)
+    prompts = [tuple(rng.integers(0, tiny.vocab_size, size=n).tolist()) for n in (6, 30, 14,
+                                                                                  50, 9)]
+    eng = BatchEngine(tiny, proposer=f"eagle:{tmp_path / 'h'}", draft_tokens=3, max_active=8)
+    done: dict[int, Finished] = {}
+    calls = []
+    import macfleet.serve.engine as serve_engine
+
+    real = serve_engine.draft_chains
+
+    def counting(jobs, **kw):
+        calls.append(len(jobs))
+        return real(jobs, **kw)
+
+    serve_engine.draft_chains = counting
+    try:
+        for i, p in enumerate(prompts):
+            eng.submit(EngineRequest(p, GREEDY, 12 + 3 * i),
+                       lambda ev, i=i: done.__setitem__(i, ev) if isinstance(ev, Finished)
+                       else None)
+        eng.run_until_idle()
+    finally:
+        serve_engine.draft_chains = real
+    for i, p in enumerate(prompts):
+        alone = list(speculative_generate(Verifier(tiny.model), None, p, params=GREEDY,
+                                          max_tokens=12 + 3 * i, eos_ids=tiny.eos_ids))[-1]
+        assert done[i].token_ids == alone.token_ids
+        assert done[i].stats.drafted > 0
+    assert max(calls) > 1  # several sessions' chains in one call
+    assert all(st.open_rows == 0 for st in eng._head_rows.values())  # rows given back
