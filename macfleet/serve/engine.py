@@ -41,7 +41,8 @@ from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 from macfleet.engine.verify_costs import verify_costs
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, DraftView,
-                                      IterationCost, PrefixView, SessionView, StallControl,
+                                      STALL_EMA, IterationCost, PrefixView, SessionView,
+                                      StallControl,
                                       draft_acceptance, plan_drafts, plan_iteration,
                                       plan_prefix_sharing)
 from macfleet.serve.timing import RECENT_SESSIONS, TokenTimes
@@ -186,6 +187,8 @@ class BatchEngine:
         self._stall_checked = False
         self.install_share = install_share
         self._cost = IterationCost()  # iterations' ms vs tokens, for draft lengths
+        self._batch_curve: VerifyCurve | None = None  # decode iterations' ms by tokens
+        self._step_ms: float | None = None  # one draft position of the chains drafted together
         self._pool: deque[tuple[int, int]] = deque(maxlen=POOL_BLOCKS)  # (trials, accepted)
         # every session's KV is a row of one store (flat batch), or its own caches (invariant)
         self._kv = None if invariant else BatchKV(len(lm.model.layers))
@@ -515,7 +518,6 @@ class BatchEngine:
         wants = {s.sid: min(s.group.node_budget if s.group is not None else s.controller.next_k(),
                             s.req.max_tokens - len(s.generated) - 1)
                  for s in decoding}
-        base = self._cost.predict(len(decoding))
         # in a batch, a tree session counts as a chain along its accepted path and the planned
         # drafts cap its tree's nodes; alone, its drafters size the tree against verify(L) as
         # in one process (a tree's value is not a chain's: measured, the plan cut trees that
@@ -523,14 +525,33 @@ class BatchEngine:
         adaptive = [s for s in decoding if wants[s.sid] > 0 and (
             (s.auto_tree and len(decoding) > 1)
             or (s.proposer is not None and getattr(s.controller, "alpha", None) is not None))]
-        if base is None or not adaptive:
+        cost = self._batch_cost()
+        if cost is None or not adaptive:
             return wants
         pool_n, pool_acc = (sum(x) for x in zip((0, 0), *self._pool))
         views = [DraftView(s.sid, draft_acceptance(s.accepted, s.trials, pool_acc, pool_n),
                            wants[s.sid], getattr(s.controller, "draft_ms", None) or 0.0,
-                           probe=(self.iterations + s.sid) % PROBE_EVERY == 0)
+                           probe=(self.iterations + s.sid) % PROBE_EVERY == 0,
+                           together=_rows_of(s.proposer) is not None)
                  for s in adaptive]
-        return {**wants, **plan_drafts(views, base, self._cost.b)}
+        fixed = sum(1 + wants[s.sid] for s in decoding if s not in adaptive)
+        planned = plan_drafts(views, lambda n: cost(n + fixed), self._step_ms or 0.0)
+        return {**wants, **planned}
+
+    def _curve(self) -> VerifyCurve:
+        if self._batch_curve is None:
+            self._batch_curve = self._stall_curve() or VerifyCurve()
+        return self._batch_curve
+
+    def _batch_cost(self) -> Callable[[int], float] | None:
+        """What a forward over n tokens costs this batch: the curve of its own decode
+        iterations (seeded with this machine's verify(L) table when one is known), or the
+        line through the recent iterations; None before anything is measured."""
+        if self._curve().samples:
+            return self._batch_curve.cost
+        if self._cost.predict(1) is None:
+            return None
+        return lambda n: self._cost.predict(n)
 
     def _draft_all(self, decoding: list[_Session], ks: dict[int, int]) -> None:
         """Every decoding session's draft: all requests go out first (`begin`), then the
@@ -554,7 +575,11 @@ class BatchEngine:
                 except ProposerFailed as e:
                     self._lose_proposer(s, e)
         for sessions in together.values():  # local EAGLE chains: all at once
+            t1 = self.clock()
             drafts = draft_chains([(s.proposer, s.context, s.k) for s in sessions])
+            step = (self.clock() - t1) * 1e3 / max(s.k for s in sessions)
+            self._step_ms = step if self._step_ms is None else (
+                (1 - STALL_EMA) * self._step_ms + STALL_EMA * step)
             for s, d in zip(sessions, drafts):
                 s.draft = sanitize_draft(d, s.k, self._vocab)
                 s.draft_ms = d.draft_ms
@@ -583,12 +608,19 @@ class BatchEngine:
         get one from a session ahead of them sit this iteration out (returned: the others)."""
         if self._kv is None or not any(s.prefilled == 0 < s.prefill_left for s in batch):
             return batch
-        # copies stay within a store; a session fed hidden states prefills its own prompt
-        # (copied positions would have no rows: its drafter would compute them again)
-        views = [PrefixView(s.sid, tuple(s.context[:s.cache.offset]), s.req.prompt[:-1])
-                 for s in batch if s.cache.store is self._kv and not s.feeds]
-        copies, waiting = plan_prefix_sharing(views)
+        # copies stay within a store; sessions fed hidden states copy among themselves, with
+        # the source drafters' rows of the prefix (else their drafters would have none)
+        mine = [s for s in batch if s.cache.store is self._kv]
+        copies, waiting = (), frozenset()
+        for group in ([s for s in mine if not s.feeds],
+                      [s for s in mine if s.feeds and all(hasattr(p, "features")
+                                                          for p in s.feeds)]):
+            c, w = plan_prefix_sharing([PrefixView(s.sid, tuple(s.context[:s.cache.offset]),
+                                                   s.req.prompt[:-1]) for s in group])
+            copies, waiting = (*copies, *c), waiting | w
         by_sid = {s.sid: s for s in batch}
+        copies = [c for c in copies if self._copy_features(by_sid[c.src], by_sid[c.dst],
+                                                           c.tokens)]
         if copies:
             self._kv.copy_prefixes([(by_sid[c.src].cache, by_sid[c.dst].cache, c.tokens)
                                     for c in copies])
@@ -600,6 +632,20 @@ class BatchEngine:
             log.debug("session %d: %d prompt tokens from session %d's cache", c.dst, c.tokens,
                       c.src)
         return [s for s in batch if s.sid not in waiting]
+
+    @staticmethod
+    def _copy_features(src: _Session, dst: _Session, n: int) -> bool:
+        """A copied prefix's hidden-state rows, from the source's drafters to the
+        destination's (pairwise: one engine spec makes the same drafters); False when the
+        source's do not hold them all (the destination then prefills itself)."""
+        if not dst.feeds:
+            return True
+        rows = [p.features(n) for p in src.feeds]
+        if len(rows) != len(dst.feeds) or any(r is None for r in rows):
+            return False
+        for p, h in zip(dst.feeds, rows):
+            p.feed_features(0, dst.req.prompt[:n], h)
+        return True
 
     def _iteration(self, batch: list[_Session]) -> None:
         batch = self._share_prefixes(batch)
@@ -649,6 +695,8 @@ class BatchEngine:
                             len(self._waiting), ms)
         self._stall.observe(rec.prefill_tokens, rec.decode_tokens, ms)
         self._cost.observe(rec.decode_tokens + rec.prefill_tokens, ms)
+        if rec.prefill_tokens == 0:
+            self._curve().observe(rec.decode_tokens, ms)
         with self._cv:
             self.history.append(rec)
             self.iterations += 1

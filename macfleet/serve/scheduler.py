@@ -17,7 +17,7 @@ overrun the budget, so a prompt is never starved by decoding sessions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -224,36 +224,51 @@ class DraftView:
     want: int  # drafts its own controller asks for
     draft_ms: float = 0.0  # drafting cost per token (on the engine thread, before the forward)
     probe: bool = False  # gets one draft whatever it costs, so a low estimate can recover
+    together: bool = False  # drafted with the others in one call: costs step_ms per position
 
 
-def plan_drafts(sessions: Sequence[DraftView], base_ms: float, token_ms: float
-                ) -> dict[int, int]:
+PLAN_MARGIN = 1.02  # more drafts must promise this much more than the best plan so far
+
+
+def plan_drafts(sessions: Sequence[DraftView], cost: Callable[[int], float],
+                step_ms: float = 0.0) -> dict[int, int]:
     """How many drafts each decoding session gets this iteration, from measured costs.
 
-    Alone, verifying k drafts costs little more than one token (decode reads the weights once);
-    in a batch the forward is already wide, each extra row costs `token_ms` (on a CPU that is
-    compute-bound at batch 16, about what a decode token costs), and the iteration without
-    drafts costs `base_ms` for one token per session. The j-th draft of a session is accepted
-    with probability alpha^j, so it adds alpha^j expected tokens for token_ms + draft_ms. Drafts
-    are added best first while each raises the iteration's expected tokens per ms (a fractional
-    knapsack on the ratio): at batch 1 nearly every draft pays, at batch 16 only likely ones.
-    A probing session gets one draft regardless: estimates only move when drafts are tried."""
+    cost(tokens): what a forward over that many tokens costs here (the batch's own measured
+    curve: on a CPU a sawtooth, flat where the matmul kernels have room, ~3 ms a row past 16
+    rows; on a GPU nearly flat); the iteration without drafts runs one token per session.
+    Drafting costs `draft_ms` per token of a session drafted on its own, and `step_ms` per
+    draft position for the sessions drafted `together` (one head forward for all of them).
+    The j-th draft of a session is accepted with probability alpha^j: drafts are taken most
+    likely first, and the plan is the prefix of that order with the most expected tokens per
+    ms of the whole iteration (the curve is not a line: 4 more rows may cost nothing, the next
+    4 a lot, the 4 after that nothing again); a longer plan must beat the best shorter one by
+    `PLAN_MARGIN` (estimates are noisy, drafts that merely break even only add variance). A
+    probing session gets one draft regardless:
+    estimates only move when drafts are tried."""
     ks = {s.sid: min(1, s.want) if s.probe else 0 for s in sessions}
     if not sessions:
         return ks
+
+    def rate(value: float) -> float:
+        n = sum(ks.values())
+        own = sum(s.draft_ms * ks[s.sid] for s in sessions if not s.together)
+        steps = max((ks[s.sid] for s in sessions if s.together), default=0)
+        return value / max(cost(len(sessions) + n) + own + step_ms * steps, 1e-6)
+
     value = len(sessions) + sum(s.alpha for s in sessions if ks[s.sid])
-    cost = max(base_ms, 1e-6) + sum(token_ms + s.draft_ms for s in sessions if ks[s.sid])
-    items = sorted(((s.alpha ** j / max(token_ms + s.draft_ms, 1e-6), s.alpha ** j, j, s)
-                    for s in sessions for j in range(1, s.want + 1)),
-                   key=lambda it: -it[0])
-    for ratio, v, j, s in items:
-        if ratio <= value / cost:
-            break
-        if ks[s.sid] == j - 1:  # a session's drafts are taken in order
-            ks[s.sid] = j
-            value += v
-            cost += token_ms + s.draft_ms
-    return ks
+    best, plan = rate(value), dict(ks)
+    items = sorted(((s.alpha ** j, j, s.sid) for s in sessions for j in range(1, s.want + 1)),
+                   key=lambda it: (-it[0], it[1]))
+    for v, j, sid in items:
+        if v <= 0 or ks[sid] != j - 1:  # a session's drafts are taken in order
+            continue
+        ks[sid] = j
+        value += v
+        r = rate(value)
+        if r > best * PLAN_MARGIN:
+            best, plan = r, dict(ks)
+    return plan
 
 
 POOL_WEIGHT = 4.0

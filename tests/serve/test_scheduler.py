@@ -113,20 +113,48 @@ def test_prefix_sharing_never_blocks_the_first_and_ignores_short_prefixes():
     assert common_prefix((1, 2, 3), (1, 2, 4)) == 2 and common_prefix((), (1,)) == 0
 
 
+def _line(a: float, b: float):
+    return lambda n: a + b * (n - 1)
+
+
 def test_draft_plan_pays_alone_but_only_for_likely_drafts_in_a_wide_batch():
     # alone: verify(1) 50 ms, each extra row 3 ms: likely drafts all pay; at alpha 0.5 the
-    # 4th (accepted 1/16 of the time, 0.02 tokens/ms) no longer beats the block's 0.032
-    assert plan_drafts([DraftView(1, 0.8, 4)], base_ms=50, token_ms=3) == {1: 4}
-    assert plan_drafts([DraftView(1, 0.5, 4)], base_ms=50, token_ms=3) == {1: 3}
+    # 3rd raises the block's tokens per ms by 1.7% (1.875 / 59 against 1.75 / 56), under the
+    # 2% margin, and the 4th lowers it
+    assert plan_drafts([DraftView(1, 0.8, 4)], _line(50, 3)) == {1: 4}
+    assert plan_drafts([DraftView(1, 0.5, 4)], _line(50, 3)) == {1: 2}
     # 16 sessions: the forward costs 100 ms for 16 tokens; a draft row costs 3.5 ms and pays
     # only when accepted more often than ~16/100 * 3.5 = 0.56 of the time
+    wide = _line(100 - 15 * 3.5, 3.5)
     views = [DraftView(i, 0.3, 4) for i in range(15)] + [DraftView(15, 0.9, 4)]
-    ks = plan_drafts(views, base_ms=100, token_ms=3.5)
+    ks = plan_drafts(views, wide)
     assert all(ks[i] == 0 for i in range(15)) and ks[15] >= 3
     # a probing session gets one draft whatever it costs; a fixed want caps everything
-    ks = plan_drafts([DraftView(1, 0.05, 4, probe=True), DraftView(2, 0.99, 2)], 100, 3.5)
+    ks = plan_drafts([DraftView(1, 0.05, 4, probe=True), DraftView(2, 0.99, 2)], wide)
     assert ks == {1: 1, 2: 2}
-    assert plan_drafts([], 100, 3.5) == {}
+    assert plan_drafts([], wide) == {}
+
+
+def test_draft_plan_reads_a_sawtooth_curve_and_shared_drafting_steps():
+    # the CPU's flat batch (measured: 4 rows 84 ms, 8 82, 12 110, 16 102, 24 131): 4 sessions'
+    # first drafts ride free; their third ones would land on the 12-row tooth, and going on
+    # to 16 rows needs drafts too unlikely to pay for it
+    table = {4: 84.0, 8: 82.0, 12: 110.0, 16: 102.0, 24: 131.0}
+
+    def saw(n):
+        return table[min(k for k in table if k >= n)]
+
+    views = [DraftView(i, 0.5, 4) for i in range(4)]
+    assert plan_drafts(views, saw) == {i: 1 for i in range(4)}
+    # a line through the same points would have taken more (or fewer): the curve decides
+    assert sum(plan_drafts(views, _line(80, 2.0)).values()) > 4
+    # drafted together, a position costs step_ms once for all sessions, not per session:
+    # at 30 ms a step, 4 sessions at alpha 0.5 take one draft each (6 tokens in 82 + 30 ms
+    # against 4 in 84); drafted one by one at 30 ms a token, none (4.5 in 82 + 30 is worse)
+    shared = [DraftView(i, 0.5, 1, draft_ms=30.0, together=True) for i in range(4)]
+    alone = [DraftView(i, 0.5, 1, draft_ms=30.0) for i in range(4)]
+    assert plan_drafts(shared, saw, step_ms=30.0) == {i: 1 for i in range(4)}
+    assert plan_drafts(alone, saw) == {i: 0 for i in range(4)}
 
 
 def test_draft_acceptance_leans_on_the_pool_until_a_session_has_its_own_data():

@@ -140,6 +140,13 @@ class EagleProposer(Proposer):
         rows of newly committed positions): rows for positions start.. of `tokens`."""
         self._store.write(start, [int(t) for t in tokens], mx.array(h))
 
+    def features(self, n: int) -> mx.array | None:
+        """Its hidden rows of positions 0..n-1 ([n, H]), None unless it holds them all (a
+        batching verifier copies them with a shared prompt prefix)."""
+        if n <= 0 or len(self._store.tokens) < n:
+            return None
+        return self._store.rows(0, n)
+
     def _sync_features(self, context: Sequence[int]) -> None:
         """Make the store hold f_0..f_{T-2} for this context (T = len(context))."""
         if self._tap is not None:

@@ -153,3 +153,56 @@ def test_batching_engine_drafts_every_eagle_chain_together_and_answers_as_alone(
         assert done[i].stats.drafted > 0
     assert max(calls) > 1  # several sessions' chains in one call
     assert all(st.open_rows == 0 for st in eng._head_rows.values())  # rows given back
+
+
+def test_sessions_fed_hidden_states_share_a_prompt_prefix_with_its_rows(tiny, head, tmp_path,
+                                                                        monkeypatch):
+    """A chat template makes every prompt start alike: a session whose drafter reads hidden
+    states copies the prefix from another's cache with that drafter's rows of it, and both
+    answer as alone (the rows copied are the ones its own prefill would have fed)."""
+    import macfleet.serve.engine as serve_engine
+
+    head.save(tmp_path / "h")
+    rng = np.random.default_rng(3)
+    common = rng.integers(0, tiny.vocab_size, size=24).tolist()
+    prompts = [tuple(common + rng.integers(0, tiny.vocab_size, size=n).tolist())
+               for n in (3, 5, 8, 2)]
+    copied = []
+    real_copy, real_draft = BatchEngine._copy_features, serve_engine.draft_chains
+
+    def spy(src, dst, n):
+        ok = real_copy(src, dst, n)
+        copied.append((n, ok, bool(dst.feeds)))
+        return ok
+
+    def serve(drafts: dict) -> dict[int, Finished]:
+        def recording(jobs, **kw):
+            out = real_draft(jobs, **kw)
+            for (_, ctx, _), d in zip(jobs, out):
+                drafts[tuple(ctx)] = d.tokens
+            return out
+
+        monkeypatch.setattr(serve_engine, "draft_chains", recording)
+        eng = BatchEngine(tiny, proposer=f"eagle:{tmp_path / 'h'}", draft_tokens=2,
+                          max_active=8)
+        done: dict[int, Finished] = {}
+        for i, p in enumerate(prompts):
+            eng.submit(EngineRequest(p, GREEDY, 10),
+                       lambda ev, i=i: done.__setitem__(i, ev) if isinstance(ev, Finished)
+                       else None)
+        eng.run_until_idle()
+        return done
+
+    monkeypatch.setattr(BatchEngine, "_copy_features", staticmethod(spy))
+    shared_drafts: dict = {}
+    done = serve(shared_drafts)
+    assert copied and all(ok and fed and n >= 24 for n, ok, fed in copied)
+    for i, p in enumerate(prompts):
+        alone = list(speculative_generate(Verifier(tiny.model), None, p, params=GREEDY,
+                                          max_tokens=10, eos_ids=tiny.eos_ids))[-1]
+        assert done[i].token_ids == alone.token_ids
+    # the copied rows are the ones a prefill of its own gives: the same drafts
+    monkeypatch.setattr(BatchEngine, "_share_prefixes", lambda self, batch: batch)
+    own_drafts: dict = {}
+    serve(own_drafts)
+    assert shared_drafts == own_drafts and len(own_drafts) >= len(prompts)
