@@ -561,8 +561,9 @@ class BatchEngine:
         asked, groups, together = [], {}, {}
         for s in decoding:
             s.draft, s.k, s.tree, s.drafts = EMPTY_DRAFT, ks[s.sid], None, []
-            if s.proposer is not None and s.k > 0 and _rows_of(s.proposer) is not None:
-                together.setdefault(id(_rows_of(s.proposer)), []).append(s)
+            rows = _rows_of(s.proposer) if s.k > 0 else None
+            if rows is not None:
+                together.setdefault(id(rows), []).append(s)
             elif s.group is not None:
                 groups[s.sid] = cap_total(
                     s.group.lengths(s.req.max_tokens - len(s.generated) - 1), ks[s.sid])
@@ -583,8 +584,9 @@ class BatchEngine:
             for s, d in zip(sessions, drafts):
                 s.draft = sanitize_draft(d, s.k, self._vocab)
                 s.draft_ms = d.draft_ms
+        drafted = {s.sid for ss in together.values() for s in ss}
         for s in decoding:
-            if any(s in ss for ss in together.values()):
+            if s.sid in drafted:
                 continue
             if s.group is not None:
                 s.drafts, s.tree = tree_of_drafts(s.context[-1], s.group.finish(),
@@ -830,7 +832,7 @@ class BatchEngine:
         s.emit(Finished(stats, tuple(s.generated)))
 
 
-def _rows_of(p: Proposer) -> BatchKV | None:
+def _rows_of(p: Proposer | None) -> BatchKV | None:
     """The store a local EAGLE chain drafter's head cache is a row of (drafted together)."""
     return p.rows if isinstance(p, EagleProposer) else None
 

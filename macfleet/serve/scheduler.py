@@ -239,13 +239,13 @@ def plan_drafts(sessions: Sequence[DraftView], cost: Callable[[int], float],
     rows; on a GPU nearly flat); the iteration without drafts runs one token per session.
     Drafting costs `draft_ms` per token of a session drafted on its own, and `step_ms` per
     draft position for the sessions drafted `together` (one head forward for all of them).
-    The j-th draft of a session is accepted with probability alpha^j: drafts are taken most
-    likely first, and the plan is the prefix of that order with the most expected tokens per
-    ms of the whole iteration (the curve is not a line: 4 more rows may cost nothing, the next
-    4 a lot, the 4 after that nothing again); a longer plan must beat the best shorter one by
-    `PLAN_MARGIN` (estimates are noisy, drafts that merely break even only add variance). A
-    probing session gets one draft regardless:
-    estimates only move when drafts are tried."""
+    The j-th draft of a session is accepted with probability alpha^j: drafts are taken best
+    first (alpha^j per ms of a row at the curve's mean slope plus the session's own drafting),
+    and the plan is the prefix of that order with the most expected tokens per ms of the whole
+    iteration (the curve is not a line: 4 more rows may cost nothing, the next 4 a lot, the 4
+    after that nothing again); a longer plan must beat the best shorter one by `PLAN_MARGIN`
+    (estimates are noisy, drafts that merely break even only add variance). A probing session
+    gets one draft regardless: estimates only move when drafts are tried."""
     ks = {s.sid: min(1, s.want) if s.probe else 0 for s in sessions}
     if not sessions:
         return ks
@@ -258,9 +258,13 @@ def plan_drafts(sessions: Sequence[DraftView], cost: Callable[[int], float],
 
     value = len(sessions) + sum(s.alpha for s in sessions if ks[s.sid])
     best, plan = rate(value), dict(ks)
-    items = sorted(((s.alpha ** j, j, s.sid) for s in sessions for j in range(1, s.want + 1)),
-                   key=lambda it: (-it[0], it[1]))
-    for v, j, sid in items:
+    wanted = sum(s.want for s in sessions)
+    row_ms = (cost(len(sessions) + wanted) - cost(len(sessions))) / max(wanted, 1)
+    items = sorted(((s.alpha ** j, j, s.sid,
+                     s.alpha ** j / max(row_ms + (0.0 if s.together else s.draft_ms), 1e-6))
+                    for s in sessions for j in range(1, s.want + 1)),
+                   key=lambda it: (-it[3], it[1]))
+    for v, j, sid, _ in items:
         if v <= 0 or ks[sid] != j - 1:  # a session's drafts are taken in order
             continue
         ks[sid] = j
