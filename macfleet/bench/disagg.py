@@ -44,6 +44,7 @@ from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
 
 DEFAULT_SHORT_SESSIONS = 4
 DEFAULT_LONG_TOKENS = 16
+DEFAULT_CONTROL_S = 60.0  # the control: the same short sessions, no long prompt, this long
 LONG_AFTER_S = 3.0  # the long prompt arrives once the short sessions decode
 SHORT_CAP_TOKENS = 512  # per request; each client asks again until the window closes
 # a verifier busy with a long prefill on a loaded core can miss its 1 s heartbeats for longer
@@ -185,11 +186,13 @@ def agents_up(link: str, agents: list[tuple[str, int | None, list[str]]], *, mod
         yield cards[names[0]]
 
 
-def scenario(card, key: bytes, long_text: str, *, shorts: int, long_tokens: int
-             ) -> tuple[list[Timed], tuple[float, float]]:
+def scenario(card, key: bytes, long_text: str | None, *, shorts: int, long_tokens: int,
+             control_s: float = 0.0) -> tuple[list[Timed], tuple[float, float]]:
     """`shorts` sessions start together and decode; once every one of them streams, the long
     prompt arrives. The short sessions are read until the long one's first token (the window:
-    its prefill, wherever it runs); returns the runs and the window (s from the round's start)."""
+    its prefill, wherever it runs); returns the runs and the window (s from the round's start).
+    Without a long prompt (the control), the window is the `control_s` seconds after the
+    moment it would have arrived: the same workload's own gaps."""
     prompts = list(BENCH_PROMPTS.values())
     out: dict[str, list[Timed] | BaseException] = {}
     first = threading.Event()  # the long prompt's first token: the window ends
@@ -215,6 +218,17 @@ def scenario(card, key: bytes, long_text: str, *, shorts: int, long_tokens: int
         t.start()
     time.sleep(LONG_AFTER_S)  # every short session is past its prompt by then
     window.append(time.perf_counter() - t0)
+    if long_text is None:
+        time.sleep(control_s)
+        window.append(time.perf_counter() - t0)
+        first.set()
+        for t in threads:
+            t.join(SILENCE_S)
+        for r in out.values():
+            if isinstance(r, BaseException):
+                raise r
+        return ([r for i in range(shorts) for r in out[f"short-{i + 1}"]],
+                (window[0], window[1]))
     submit = time.perf_counter()
     stamps: list[float] = []
     done = None
@@ -282,7 +296,7 @@ def largest_gaps(runs: list[Timed], window: tuple[float, float], k: int = 10) ->
 
 def summarize(runs: list[Timed], window: tuple[float, float]) -> dict:
     shorts = [r for r in runs if r.name.startswith("short")]
-    long = next(r for r in runs if r.name == "long")
+    long = next((r for r in runs if r.name == "long"), None)  # None: the control
     inside = [g for r in shorts for g in window_gaps(r, window)[0]]
     before = [g for r in shorts for g in window_gaps(r, window)[1]]
     p50, p99 = pct(inside, 0.5), pct(inside, 0.99)
@@ -292,7 +306,7 @@ def summarize(runs: list[Timed], window: tuple[float, float]) -> dict:
             "short_itl_s": {"p50": round(p50, 4), "p99": round(p99, 4),
                             "max": round(max(inside, default=0.0), 4)},
             "p99_over_p50": round(p99 / p50, 2) if p50 else None,
-            "long_ttft_s": long.ttft_s, "kv": long.kv,
+            "long_ttft_s": long.ttft_s if long else None, "kv": long.kv if long else {},
             "largest_gaps": largest_gaps(runs, window),
             "requests": [asdict(r) | {"token_ids": None, "gaps_s": None} for r in runs]}
 
@@ -300,7 +314,7 @@ def summarize(runs: list[Timed], window: tuple[float, float]) -> dict:
 def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (2000, 8000),
                  shorts: int = DEFAULT_SHORT_SESSIONS, long_tokens: int = DEFAULT_LONG_TOKENS,
                  codecs: tuple[str, ...] = ("auto",), links: tuple[str, ...] = LINKS,
-                 stall_ratio: float | None = None,
+                 stall_ratio: float | None = None, control_s: float = DEFAULT_CONTROL_S,
                  progress: Callable[[str], None] = lambda m: None) -> dict:
     from macfleet.bench.f3 import load_testbed
     from macfleet.engine.models import load_model
@@ -317,6 +331,27 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
     modes = [("verifier alone", None, "loopback")] + [
         (f"prefill agent ({c})" + ("" if ln == "loopback" else f", {ln}"), c, ln)
         for ln in links for c in codecs]
+    stall = [] if stall_ratio is None else ["--stall-ratio", str(stall_ratio)]
+    control = None
+    if control_s > 0 and any(c is not None for _, c, _ in modes):
+        # the goal's yardstick: what the short sessions' gaps spread to on their own (their
+        # speculative blocks, their next prompts' chunks), with the prefill agent up and idle
+        with tempfile.TemporaryDirectory(prefix="macfleet-disagg-") as tmp:
+            key_path = Path(tmp) / "fleet.key"
+            key = keygen(key_path)
+            progress(f"control: {shorts} sessions, no long prompt, {control_s:.0f} s")
+            with agents_up("loopback", [("verifier", v_cpu, stall + ["--kv-codec", "auto"]),
+                                        ("prefill", p_cpu, [])],
+                           model=model, key=key, key_path=key_path,
+                           run_dir=Path(tmp) / "run") as card:
+                run_one("warm-up", card, key, "Hi", 4, time.perf_counter())
+                runs, window = scenario(card, key, None, shorts=shorts, long_tokens=0,
+                                        control_s=control_s)
+        control = {"mode": "no long prompt (control)", "link": "loopback",
+                   **summarize(runs, window)}
+        progress(f"control: short ITL p50 {control['short_itl_s']['p50'] * 1e3:.0f} ms, p99 "
+                 f"{control['short_itl_s']['p99'] * 1e3:.0f} ms ({control['p99_over_p50']}x), "
+                 f"{control['gaps_in_window']} gaps")
     sizes = []
     for n in prompt_tokens:
         long_text = long_prompt(tok, n)
@@ -325,7 +360,6 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
             with tempfile.TemporaryDirectory(prefix="macfleet-disagg-") as tmp:
                 key_path = Path(tmp) / "fleet.key"
                 key = keygen(key_path)
-                stall = [] if stall_ratio is None else ["--stall-ratio", str(stall_ratio)]
                 agents = [("verifier", v_cpu, stall + (["--no-disagg"] if codec is None else
                                                         ["--kv-codec", codec]))]
                 if codec is not None:
@@ -353,6 +387,7 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
                         f"the long prompt arrives {LONG_AFTER_S} s later; their inter-token gaps "
                         "in the window from its arrival to its first token",
             "goal": "with a prefill agent, short p99 ITL in the window <= 1.5x its p50",
+            "control": control,
             "links": {"loopback": "every agent on 127.0.0.1",
                       "netns-wifi": "verifier and prefill agent in two network namespaces on a "
                                     "Linux bridge, each host's egress a tbf rate 100mbit burst "
@@ -391,6 +426,11 @@ def plot(res: dict, path: Path) -> Path | None:
                         ls="--", label="p99 before it arrived" if i == 0 else None)
             ax.text(i, p99[i], f"{m['p99_over_p50']}x\nTTFT {m['long_ttft_s']:.0f} s",
                     ha="center", va="bottom", fontsize=7)
+        control = res.get("control")
+        if control:
+            ax.axhline(control["short_itl_s"]["p99"] * 1e3, color="tab:gray", lw=1, ls=":",
+                       label=f"p99 with no long prompt (control, {control['p99_over_p50']}x "
+                             "its p50)")
         ax.margins(y=0.45)  # room for the labels and the legend above the bars
         ax.set_xticks(list(x))
         ax.set_xticklabels([m["mode"].replace(" (", "\n(") for m in modes], fontsize=7)

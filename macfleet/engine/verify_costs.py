@@ -53,13 +53,16 @@ def probe_verify_costs(model: nn.Module, lengths: Sequence[int] = PROBE_LENGTHS,
 
 
 def _key(model: nn.Module) -> str:
+    """The table's identity: the verifier, its weights' format and the compute it runs on
+    (the cores this process may use: a sawtooth measured on two cores is not one core's)."""
     from macfleet.engine.drafter.head import verifier_fingerprint
+    from macfleet.sysinfo import usable_cores
 
     layer = model.model.layers[0]
     w = getattr(getattr(getattr(layer, "self_attn", None), "q_proj", None), "weight", None)
     fmt = "quantized" if hasattr(getattr(layer.self_attn, "q_proj", None), "scales") else \
         str(getattr(w, "dtype", "?"))
-    machine = f"{platform.system()}-{platform.machine()}-{platform.processor()}-{os.cpu_count()}"
+    machine = f"{platform.system()}-{platform.machine()}-{platform.processor()}-{usable_cores()}"
     raw = f"{verifier_fingerprint(model)}|{fmt}|{machine}|{mx.__version__}|{PROBE_LENGTHS}"
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 

@@ -535,7 +535,8 @@ class BatchEngine:
                            together=_rows_of(s.proposer) is not None)
                  for s in adaptive]
         fixed = sum(1 + wants[s.sid] for s in decoding if s not in adaptive)
-        planned = plan_drafts(views, lambda n: cost(n + fixed), self._step_ms or 0.0)
+        planned = plan_drafts(views, lambda n: cost(n + fixed), self._step_ms or 0.0,
+                              stall_ratio=self._stall.ratio if self.chunked else 0.0)
         return {**wants, **planned}
 
     def _curve(self) -> VerifyCurve:

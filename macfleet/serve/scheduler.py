@@ -231,7 +231,7 @@ PLAN_MARGIN = 1.02  # more drafts must promise this much more than the best plan
 
 
 def plan_drafts(sessions: Sequence[DraftView], cost: Callable[[int], float],
-                step_ms: float = 0.0) -> dict[int, int]:
+                step_ms: float = 0.0, stall_ratio: float = 0.0) -> dict[int, int]:
     """How many drafts each decoding session gets this iteration, from measured costs.
 
     cost(tokens): what a forward over that many tokens costs here (the batch's own measured
@@ -245,16 +245,28 @@ def plan_drafts(sessions: Sequence[DraftView], cost: Callable[[int], float],
     iteration (the curve is not a line: 4 more rows may cost nothing, the next 4 a lot, the 4
     after that nothing again); a longer plan must beat the best shorter one by `PLAN_MARGIN`
     (estimates are noisy, drafts that merely break even only add variance). A probing session
-    gets one draft regardless: estimates only move when drafts are tried."""
+    gets one draft regardless: estimates only move when drafts are tried.
+
+    stall_ratio (> 0, with more than one session): a session's drafts make every other
+    session of the batch wait for them, so the iteration (forward and drafting) may cost at
+    most this many times the one without drafts — the bound the stall control keeps for
+    prefill chunks (`StallControl`): no session's next token waits more than that for work
+    that is not its own. Alone, a session's drafts are its own trade, unbounded."""
     ks = {s.sid: min(1, s.want) if s.probe else 0 for s in sessions}
     if not sessions:
         return ks
 
-    def rate(value: float) -> float:
+    def ms() -> float:
         n = sum(ks.values())
         own = sum(s.draft_ms * ks[s.sid] for s in sessions if not s.together)
         steps = max((ks[s.sid] for s in sessions if s.together), default=0)
-        return value / max(cost(len(sessions) + n) + own + step_ms * steps, 1e-6)
+        return cost(len(sessions) + n) + own + step_ms * steps
+
+    def rate(value: float) -> float:
+        return value / max(ms(), 1e-6)
+
+    limit = (stall_ratio * cost(len(sessions)) if stall_ratio > 0 and len(sessions) > 1
+             else float("inf"))
 
     value = len(sessions) + sum(s.alpha for s in sessions if ks[s.sid])
     best, plan = rate(value), dict(ks)
@@ -270,7 +282,7 @@ def plan_drafts(sessions: Sequence[DraftView], cost: Callable[[int], float],
         ks[sid] = j
         value += v
         r = rate(value)
-        if r > best * PLAN_MARGIN:
+        if r > best * PLAN_MARGIN and ms() <= limit:
             best, plan = r, dict(ks)
     return plan
 

@@ -83,6 +83,9 @@ def test_disagg_summary_splits_gaps_at_the_window_and_plots(tmp_path):
     assert s["short_itl_before_s"] == {"p50": 0.1, "p99": 0.1, "gaps": 9}
     assert s["p99_over_p50"] == 3.0 and s["long_ttft_s"] == 1.5
     pytest.importorskip("matplotlib")
-    res = {"short_sessions": 1, "sizes": [{"prompt_tokens": 2000, "modes": [
-        {"mode": "prefill agent (auto)", **s}]}]}
+    # the control has no long prompt: the same figures over its window
+    c = summarize([short], (1.45, 2.45))
+    assert c["short_itl_s"] == s["short_itl_s"] and c["long_ttft_s"] is None
+    res = {"short_sessions": 1, "control": {"mode": "no long prompt (control)", **c},
+           "sizes": [{"prompt_tokens": 2000, "modes": [{"mode": "prefill agent (auto)", **s}]}]}
     assert plot(res, tmp_path / "disagg.png").stat().st_size > 0

@@ -157,6 +157,24 @@ def test_draft_plan_reads_a_sawtooth_curve_and_shared_drafting_steps():
     assert plan_drafts(alone, saw) == {i: 0 for i in range(4)}
 
 
+def test_draft_plan_keeps_others_waiting_within_the_stall_ratio():
+    # one core, ~5 ms a row: 4 sessions whose drafts are accepted 0.9 of the time would take
+    # 4 each (4 + 16 rows: 180 ms against 100 without drafts); each of them makes the three
+    # others wait, so under a stall ratio of 1.25 the iteration stays within 125 ms
+    line = _line(85, 5.0)
+    views = [DraftView(i, 0.9, 4) for i in range(4)]
+    free = plan_drafts(views, line)
+    assert sum(free.values()) == 16
+    capped = plan_drafts(views, line, stall_ratio=1.25)
+    n = sum(capped.values())
+    assert 0 < n < 16 and line(4 + n) <= 1.25 * line(4) < line(4 + n + 1)
+    # a session alone makes nobody wait: its drafts are its own trade
+    assert plan_drafts([DraftView(1, 0.9, 8)], line, stall_ratio=1.25) == {1: 8}
+    # the bound counts drafting time too (it delays everyone as much as the forward)
+    slow = [DraftView(i, 0.9, 4, draft_ms=4.0) for i in range(4)]
+    assert sum(plan_drafts(slow, line, stall_ratio=1.25).values()) < n
+
+
 def test_draft_acceptance_leans_on_the_pool_until_a_session_has_its_own_data():
     assert draft_acceptance(0, 0, 0, 0) == pytest.approx(0.5)  # nothing known: 1/2
     low_pool = draft_acceptance(0, 0, 2, 100)
