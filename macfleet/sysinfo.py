@@ -32,14 +32,6 @@ def blas_in_use() -> str:
     return "MLX reference BLAS (slow; install libopenblas0-pthread)"
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the OS has one: an agent pinned
-    to one core computes at one core's pace), else the machine's."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def chip() -> str:
     if sys.platform == "darwin":
         try:

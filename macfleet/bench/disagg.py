@@ -9,7 +9,10 @@ long prompt's KV over flow KV while the batch keeps decoding, installs it in a b
 decodes it with the others. Reported per prompt size and mode: the short sessions' inter-token
 gaps inside the window from the long prompt's arrival to its first token (p50, p99, max; the
 goal: p99 <= 1.5x p50 with a prefill agent), the long prompt's time to first token, the KV flow
-(bytes, ms), and whether its greedy ids equal the verifier-alone ones.
+(bytes, ms), and whether its greedy ids equal the verifier-alone ones. A control runs the same
+short sessions with no long prompt (the prefill agent up and idle): the spread of their gaps
+that is the workload's own (speculative blocks, their next prompts' chunks), the yardstick for
+what the long prompt adds.
 
 Links: `loopback` (every agent on 127.0.0.1), and `netns-wifi`: the verifier and the prefill
 agent each in a network namespace of the test bed (tests/testbed/netns.py: one Linux bridge,

@@ -52,11 +52,18 @@ def probe_verify_costs(model: nn.Module, lengths: Sequence[int] = PROBE_LENGTHS,
     return out
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one: an agent pinned
+    to one core computes at one core's pace), else the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _key(model: nn.Module) -> str:
     """The table's identity: the verifier, its weights' format and the compute it runs on
     (the cores this process may use: a sawtooth measured on two cores is not one core's)."""
     from macfleet.engine.drafter.head import verifier_fingerprint
-    from macfleet.sysinfo import usable_cores
 
     layer = model.model.layers[0]
     w = getattr(getattr(getattr(layer, "self_attn", None), "q_proj", None), "weight", None)

@@ -6,8 +6,9 @@ which of them run and with how many tokens, under a per-iteration token budget:
 1. decoding sessions first, oldest first: each gets its speculative block (1 + drafts); when
    the blocks do not fit, drafts are cut (never below the one token a decode step needs), so a
    decoding session is never starved by anyone;
-2. the budget left goes to prefill chunks, oldest first (chunked prefill): a long prompt is fed
-   a chunk per iteration, and the decoding sessions keep their pace while it arrives.
+2. the budget left goes to prefill chunks (chunked prefill): a long prompt is fed a chunk per
+   iteration, and the decoding sessions keep their pace while it arrives; several prompts
+   share it, the oldest at least half and the rest shortest first (`share_prefill`).
 
 `chunked=False` gives a prefill its whole prompt in one iteration (the stall that chunking
 avoids; kept to measure it). `align` makes chunk ends multiples of `align` tokens, the shapes a
@@ -54,6 +55,8 @@ def plan_iteration(sessions: Sequence[SessionView], budget: int = DEFAULT_TOKEN_
         spare -= extra
         slots.append(Slot(s.sid, 1 + extra, False))
     left = budget - sum(s.tokens for s in slots)
+    if chunked and not align and len(prefilling) > 1 and left > 0:
+        return tuple(slots) + share_prefill(prefilling, left)
     for s in prefilling:
         n = s.prefill_left
         if align:
@@ -70,6 +73,24 @@ def plan_iteration(sessions: Sequence[SessionView], budget: int = DEFAULT_TOKEN_
         if left <= 0:
             break
     return tuple(slots)
+
+
+def share_prefill(prefilling: Sequence[SessionView], left: int) -> tuple[Slot, ...]:
+    """`left` prompt tokens among several prefilling sessions: the oldest is owed at least half
+    (it never starves), the rest goes shortest prompt first (a chat turn that arrives behind a
+    long document gets its first token in seconds, not after the document's whole prefill),
+    and whatever they leave returns to the oldest."""
+    first, rest = prefilling[0], sorted(prefilling[1:], key=lambda s: s.prefill_left)
+    give = {first.sid: min(first.prefill_left, (left + 1) // 2)}
+    spare = left - give[first.sid]
+    for s in rest:
+        n = min(s.prefill_left, spare)
+        if n <= 0:
+            break
+        give[s.sid] = n
+        spare -= n
+    give[first.sid] = min(first.prefill_left, give[first.sid] + spare)
+    return tuple(Slot(s.sid, give[s.sid], True) for s in prefilling if give.get(s.sid, 0) > 0)
 
 
 DEFAULT_STALL_RATIO = 1.5

@@ -138,6 +138,36 @@ def test_chunked_prefill_keeps_decoders_going(tiny):
     assert max(r.prefill_tokens for r in eng2.history) == len(long.prompt) - 1
 
 
+def test_a_chat_turn_behind_a_long_prompt_is_answered_before_it_is(tiny):
+    """A short prompt that arrives while a long one is being prefilled in chunks gets its
+    first token long before the long one (it used to wait for the whole long prefill); the
+    long one keeps moving meanwhile, and both answers are the ones served alone."""
+    eng = BatchEngine(tiny, proposer="none", token_budget=16, max_active=4)
+    first_at: dict[str, int] = {}
+    done: dict[str, tuple[int, ...]] = {}
+
+    def watch(name):
+        def emit(ev):
+            if isinstance(ev, TokensCommitted) and ev.tokens:
+                first_at.setdefault(name, eng.iterations)
+            elif isinstance(ev, Finished):
+                done[name] = ev.token_ids
+        return emit
+
+    long = tuple(int(t) for t in np.arange(600) % tiny.vocab_size)
+    chat = _prompts(tiny.vocab_size, 1, 12, 40, 41)[0]
+    eng.submit(EngineRequest(long, GREEDY, 4), watch("long"))
+    for _ in range(5):
+        eng.step()  # 5 chunks of the long prompt
+    long_before = [r.prefill_tokens for r in eng.history]
+    eng.submit(EngineRequest(chat, GREEDY, 4), watch("chat"))
+    eng.run_until_idle()
+    assert first_at["chat"] < first_at["long"] - 10
+    shared = [r for r in list(eng.history)[len(long_before):] if r.prefill_tokens]
+    assert all(r.prefill_tokens <= 16 for r in shared)
+    assert done["chat"] == _alone(tiny, chat, 4) and done["long"] == _alone(tiny, long, 4)
+
+
 def _tree(rng, vocab: int, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Tokens and parents of a random tree of n nodes (node 0 the root)."""
     parents = (-1, *(int(rng.integers(0, i)) for i in range(1, n)))

@@ -44,12 +44,10 @@ def test_a_probe_on_a_loaded_machine_is_not_kept_on_disk(tiny, tmp_path, monkeyp
 def test_a_process_pinned_to_fewer_cores_has_a_table_of_its_own(tiny, monkeypatch):
     # a verifier agent pinned to one core computes at one core's pace: the sawtooth probed
     # with two cores would size its chunks and drafts wrong
-    from macfleet import sysinfo
-
-    monkeypatch.setattr(sysinfo, "usable_cores", lambda: 2)
+    monkeypatch.setattr(vc, "usable_cores", lambda: 2)
     two = vc._key(tiny.model)
-    monkeypatch.setattr(sysinfo, "usable_cores", lambda: 1)
+    monkeypatch.setattr(vc, "usable_cores", lambda: 1)
     assert vc._key(tiny.model) != two
-    monkeypatch.setattr(sysinfo, "usable_cores", lambda: 2)
+    monkeypatch.setattr(vc, "usable_cores", lambda: 2)
     assert vc._key(tiny.model) == two
 

@@ -15,8 +15,34 @@ def test_decoders_first_then_prefill_chunk_under_budget():
              SessionView(4, 50)]
     slots = plan_iteration(views, 64)
     assert slots[:2] == (Slot(1, 5, False), Slot(3, 3, False))
-    assert slots[2] == Slot(2, 56, True) and len(slots) == 3  # budget used up
+    # two prompts share the 56 left: the oldest half, the other the rest
+    assert slots[2:] == (Slot(2, 28, True), Slot(4, 28, True))
     assert sum(s.tokens for s in slots) == 64
+    # one prompt alone takes all that is left
+    slots = plan_iteration([SessionView(1, 0, want=5), SessionView(2, 300)], 64)
+    assert slots == (Slot(1, 5, False), Slot(2, 59, True))
+
+
+def test_a_chat_turn_behind_a_long_prompt_goes_first_but_the_long_one_keeps_moving():
+    # an 8,000-token document prefilling at 16 tokens an iteration; two chat turns arrive
+    long, chat, chat2 = SessionView(1, 7000), SessionView(2, 111), SessionView(3, 40)
+    slots = plan_iteration([SessionView(9, 0), long, chat, chat2], 17)
+    assert slots == (Slot(9, 1, False), Slot(1, 8, True), Slot(3, 8, True))  # shortest first
+    # alone the oldest gets everything; what the others leave returns to it
+    assert plan_iteration([long, SessionView(2, 3)], 16) == (Slot(1, 13, True),
+                                                              Slot(2, 3, True))
+    # a burst of equal prompts with nothing decoding: in arrival order, as many as fit
+    burst = [SessionView(i, 100) for i in range(4)]
+    assert plan_iteration(burst, 256) == (Slot(0, 100, True), Slot(1, 100, True),
+                                          Slot(2, 56, True))
+    # how long the chat turn waits: 111 tokens at 8 an iteration, 14 iterations, not the
+    # document's ~440
+    n, left = 0, 111
+    while left > 0:
+        sl = plan_iteration([SessionView(9, 0), SessionView(1, 7000), SessionView(2, left)], 17)
+        left -= next(x.tokens for x in sl if x.sid == 2)
+        n += 1
+    assert n == 14
 
 
 def test_drafts_are_cut_but_every_decoder_runs():
