@@ -2,7 +2,11 @@
 
 One compute thread owns the model (MLX work is serialised here; two cores cannot run two
 forwards faster than one after the other). It serves, in order:
-1. draft requests, first come first served across sessions (fair: one block each turn);
+1. draft requests, first come first served across sessions (fair: one block each turn); the
+   requests of EAGLE chain sessions that arrive together (a batching verifier asks for every
+   session's block at once) are drafted together: one head forward per draft position for all
+   of them (`draft_chains`; their head caches are rows of one store), not one session after
+   the other while the verifier waits for the last;
 2. in idle time, cross-round lookahead: extending each session's speculative stream one token at
    a time, round-robin, re-checking for requests between tokens so a real request never waits
    for more than one draft step.
@@ -19,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,7 +37,8 @@ from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply,
                              HiddenStatesAck, OpenSession, SessionClosed, SessionOpened)
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import LoadedModel, ModelSpecError
-from macfleet.engine.drafter.proposer import EagleProposer
+from macfleet.engine.batch import BatchKV
+from macfleet.engine.drafter.proposer import EagleProposer, draft_chains
 from macfleet.engine.proposers import ProposerSpecError
 from macfleet.engine.sampling import SamplingParams
 
@@ -45,6 +51,10 @@ DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
 DEFAULT_MAX_K = MAX_DRAFT_TOKENS  # what any verifier may ask for (engine/controller.py)
 DEFAULT_MAX_PROMPT = 32768
 _IDLE_WAIT_S = 0.05
+# a chain request waits at most this long for the other chain sessions' requests of its round
+# (a batching verifier sends them back to back; a verifier of one session never waits: there
+# is no other session to wait for)
+GATHER_S = 0.004
 
 Reply = Callable[[object], int]
 
@@ -103,7 +113,10 @@ class ProposerService:
         self._stop = threading.Event()
         self._on_block = on_block
         self._rr = 0
+        self._head_rows: dict[int, BatchKV] = {}  # chain sessions' head caches, one store a head
+        self._pending: deque = deque()  # jobs taken off the queue while gathering a round
         self.served = 0
+        self.drafted_together = 0  # requests answered by a draft_chains call of several
         self.predraft_hits = 0
         # tokens whose hidden states a hidden-state drafter had to compute itself, because
         # they did not arrive over F3 (closed sessions included)
@@ -191,8 +204,11 @@ class ProposerService:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                job = self._jobs.get(timeout=_IDLE_WAIT_S) if not self._lookahead_pending() \
-                    else self._jobs.get_nowait()
+                if self._pending:
+                    job = self._pending.popleft()
+                else:
+                    job = self._jobs.get(timeout=_IDLE_WAIT_S) if not self._lookahead_pending() \
+                        else self._jobs.get_nowait()
             except queue.Empty:
                 self._lookahead_step()
                 self._evict_idle()
@@ -200,6 +216,9 @@ class ProposerService:
             if job is None:
                 break
             msg, reply, received = job
+            if self._chained(msg):
+                self._serve_together([job, *self._gather(msg.session_id)])
+                continue
             try:
                 reply(self._serve(msg, received, getattr(reply, "peer", b"")))
             except ProtocolError as e:
@@ -209,6 +228,96 @@ class ProposerService:
             except Exception as e:  # the daemon never dies of a request; the error goes back
                 log.exception("proposer job failed")
                 reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
+
+    def _chained(self, msg) -> bool:
+        """A draft request of a session whose chains are drafted with the others'."""
+        s = self._sessions.get(msg.session_id) if isinstance(msg, DraftRequest) else None
+        return s is not None and getattr(s.proposer, "rows", None) is not None
+
+    def _gather(self, first: str) -> list:
+        """The other chain sessions' requests of this round: taken off the queue until every
+        open chain session has one here or `GATHER_S` has passed; other jobs keep their order
+        for after."""
+        want = {sid for sid, s in self._sessions.items()
+                if getattr(s.proposer, "rows", None) is not None} - {first}
+        got, seen = [], {first}
+        deadline = time.perf_counter() + GATHER_S
+        while want - seen:
+            left = deadline - time.perf_counter()
+            try:
+                job = self._jobs.get(timeout=left) if left > 0 else self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and self._chained(job[0]) and job[0].session_id not in seen:
+                got.append(job)
+                seen.add(job[0].session_id)
+            else:
+                self._pending.append(job)
+                if job is None:
+                    break
+        return got
+
+    def _serve_together(self, jobs: list) -> None:
+        """Chain requests of several sessions: each validated and brought up to date alone (a
+        bad one is answered with its error), then all drafted in one `draft_chains` call."""
+        ready = []
+        for msg, reply, received in jobs:
+            try:
+                ready.append((msg, reply, received, self._update(msg)))
+            except ProtocolError as e:
+                reply(ErrorReply(e.code, str(e)))
+            except Exception as e:  # noqa: BLE001 - the daemon never dies of a request
+                log.exception("proposer job failed")
+                reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
+        if not ready:
+            return
+        groups: dict[int, list] = {}  # one draft_chains call per head (its store of rows)
+        for item in ready:
+            groups.setdefault(id(item[3].proposer.rows), []).append(item)
+        for group in groups.values():
+            self._draft_group(group)
+
+    def _draft_group(self, group: list) -> None:
+        t0 = time.perf_counter()
+        try:
+            drafts = draft_chains([(s.proposer, s.context, msg.k) for msg, _, _, s in group])
+        except Exception as e:  # noqa: BLE001 - every session of the call gets the error
+            log.exception("drafting chains together failed")
+            for _, reply, _, _ in group:
+                reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
+            return
+        ms = (time.perf_counter() - t0) * 1e3
+        if len(group) > 1:
+            self.drafted_together += len(group)
+        for (msg, reply, received, s), d in zip(group, drafts):
+            s.last_k, s.last_used = msg.k, time.monotonic()
+            self.served += 1
+            if self._on_block:
+                self._on_block(msg.session_id, msg.block, ms / len(group), False)
+            reply(DraftReply(session_id=msg.session_id, block=msg.block, tokens=list(d.tokens),
+                             probs=None if d.probs is None else d.probs.astype(np.float32),
+                             draft_ms=(time.perf_counter() - received) * 1e3,
+                             predraft_hit=False))
+
+    def _update(self, msg: DraftRequest) -> DraftStream:
+        """A draft request's session, its context and hidden states brought up to date."""
+        s = self._sessions.get(msg.session_id)
+        if s is None:
+            raise ProtocolError(NOT_FOUND, f"no drafting session '{msg.session_id}'")
+        if any(not 0 <= t < self.lm.vocab_size for t in msg.committed):
+            raise ProtocolError(BAD_REQUEST, "committed ids outside the vocabulary")
+        s.commit(msg.committed)
+        if msg.features is not None and s.proposer.wants_features:
+            a = msg.features_start
+            n = min(len(msg.features), len(s.context) - a)  # rows of committed positions only
+            if n > 0:
+                feats = msg.features[:n]
+                if msg.features_scale is not None:
+                    from macfleet.engine.drafter.f3codec import decode_int8
+
+                    feats = decode_int8(feats, msg.features_scale[:n])
+                s.proposer.feed_features(a, s.context[a : a + n], feats)
+        return s
 
     def _serve(self, msg, received: float, peer: bytes = b""):
         """received: when the request reached this agent. The reply's draft_ms counts from
@@ -231,6 +340,11 @@ class ProposerService:
                 raise ProtocolError(BAD_REQUEST, "proposer 'none' drafts nothing")
             params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
             prop.start(params)
+            if isinstance(prop, EagleProposer) and not prop.drafts_trees:
+                # its head's cache: a row of one store, so its chains are drafted with the
+                # other sessions' (`draft_chains`)
+                prop.use_rows(self._head_rows.setdefault(
+                    id(prop.head), BatchKV(len(prop.head.layers))))
             # a hidden-state drafter cannot pre-draft ahead of the verifier's features
             lookahead = msg.cross_round and not prop.wants_features
             self._drop(msg.session_id)  # re-opening a session replaces it
@@ -241,22 +355,7 @@ class ProposerService:
         if isinstance(msg, CloseSession):
             self._drop(msg.session_id)
             return SessionClosed(msg.session_id)
-        s = self._sessions.get(msg.session_id)
-        if s is None:
-            raise ProtocolError(NOT_FOUND, f"no drafting session '{msg.session_id}'")
-        if any(not 0 <= t < self.lm.vocab_size for t in msg.committed):
-            raise ProtocolError(BAD_REQUEST, "committed ids outside the vocabulary")
-        s.commit(msg.committed)
-        if msg.features is not None and s.proposer.wants_features:
-            a = msg.features_start
-            n = min(len(msg.features), len(s.context) - a)  # rows of committed positions only
-            if n > 0:
-                feats = msg.features[:n]
-                if msg.features_scale is not None:
-                    from macfleet.engine.drafter.f3codec import decode_int8
-
-                    feats = decode_int8(feats, msg.features_scale[:n])
-                s.proposer.feed_features(a, s.context[a : a + n], feats)
+        s = self._update(msg)
         if s.proposer.drafts_trees:  # a dynamic tree is drafted fresh for every block
             _learn(s, msg)
             t0 = time.perf_counter()

@@ -231,6 +231,9 @@ FLEET_MODES = {
     "fleet_one_at_a_time_ngram": (0, "ngram"),
     "fleet_batched_ngram": (16, "ngram"),
     "fleet_batched": (16, "none"),
+    # the draft head on the proposer agent, fed each session's rows over F3; the sessions'
+    # chains of a round drafted together there
+    "fleet_batched_eagle": (16, "eagle"),
 }
 
 

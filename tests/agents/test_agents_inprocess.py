@@ -150,6 +150,47 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
     assert served > 0 and fallback == 0  # every feature came over F3
 
 
+def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_path):
+    """Four sessions in the verifier's continuous batch, each drafted by the EAGLE head on the
+    proposer agent: their requests of a round arrive together and are drafted in one
+    `draft_chains` call; every answer equals the verifier alone's."""
+    import threading
+
+    import mlx.core as mx
+
+    from macfleet.engine.drafter.head import EagleConfig, EagleHead
+
+    ver, _ = pair
+    lm = load_model(MODEL)
+    mx.random.seed(1)
+    EagleHead(EagleConfig.for_verifier(lm.model, MODEL, feature_scale=1.0),
+              lm.model).save(tmp_path / "head")
+    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
+                             heads_dir=str(tmp_path)))
+    prompts = ["the cat sat on the mat", "a dog ran in the park", "one two three four",
+               "the sun is hot today"]
+    eps = [prop.card.router_endpoint]
+    try:
+        alone = [generate_done(ver.card, KEY, p, [], "none", max_tokens=24) for p in prompts]
+        got: dict[int, object] = {}
+
+        def one(i):
+            got[i] = generate_done(ver.card, KEY, prompts[i], eps, "eagle:head.safetensors",
+                                   max_tokens=24, draft_tokens=3)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        together = prop.proposer.drafted_together
+    finally:
+        prop.close()
+    assert [got[i].token_ids for i in range(len(prompts))] == [a.token_ids for a in alone]
+    assert all(got[i].stats.fleet.flows.remote_blocks > 0 for i in range(len(prompts)))
+    assert together > 0  # some rounds drafted several sessions in one call
+
+
 @pytest.mark.slow  # trains a head first
 def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path, monkeypatch):
     """An EAGLE-2 drafter on the proposer agent returns a token tree (DraftReply.parents); the
