@@ -232,6 +232,11 @@ class RemoteProposer(Proposer):
         parents = tuple(reply.parents) if reply.parents is not None else None
         return Draft(tuple(reply.tokens), reply.probs, rtt_ms, None, parents)
 
+    def feature_rows(self, n: int):
+        """The hidden rows 0..n-1 its session was fed ([n, H]), None unless it holds them all
+        (a batching verifier copies them with a shared prompt prefix)."""
+        return None if self.features is None else self.features.feature_rows(n)
+
     def feed_features(self, start: int, tokens, hidden) -> None:
         """Rows of this session's batched forward, to send on over F3 (a tapped verifier's
         features need no feeding)."""

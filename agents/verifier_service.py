@@ -79,6 +79,10 @@ class FallbackProposer(Proposer):
     def wants_features(self) -> bool:
         return any(p.wants_features for p in self._all)
 
+    def feature_rows(self, n: int):
+        """The endpoints share one feature source: its rows 0..n-1 (None unless all held)."""
+        return self._live[0].feature_rows(n) if self._live else None
+
     def feed_features(self, start: int, tokens, hidden) -> None:
         """The endpoints share one feature source: fed once."""
         if self._live:

@@ -54,7 +54,7 @@ DEFAULT_MAX_QUEUE = 64
 DEFAULT_IDLE_WAIT_S = 0.05
 ITERATION_HISTORY = 256
 POOL_BLOCKS = 256  # recent drafted blocks whose acceptance every session's estimate leans on
-PROBE_EVERY = 16  # a session tries one draft at least this often, whatever the estimates say
+PROBE_EVERY = 16  # sessions try one draft at least this often, whatever the estimates say
 OWN_STORE_PROMPT = 512  # prompts longer than this keep their KV in a store of their own
 # a shipped KV (flow KV) is copied into the batch a few layers per iteration while others
 # decode: each iteration spends at most this share of a decode-only iteration on it
@@ -529,9 +529,13 @@ class BatchEngine:
         if cost is None or not adaptive:
             return wants
         pool_n, pool_acc = (sum(x) for x in zip((0, 0), *self._pool))
+        # every session probes in the same iteration, one in PROBE_EVERY: one session's probe
+        # in each iteration (they used to take turns) made every iteration pay an extra row
+        # (and, for a remote drafter, a round trip) for a sample the pool rarely needs
+        probe = self.iterations % PROBE_EVERY == 0
         views = [DraftView(s.sid, draft_acceptance(s.accepted, s.trials, pool_acc, pool_n),
                            wants[s.sid], getattr(s.controller, "draft_ms", None) or 0.0,
-                           probe=(self.iterations + s.sid) % PROBE_EVERY == 0,
+                           probe=probe,
                            together=_rows_of(s.proposer) is not None)
                  for s in adaptive]
         fixed = sum(1 + wants[s.sid] for s in decoding if s not in adaptive)
@@ -616,7 +620,7 @@ class BatchEngine:
         mine = [s for s in batch if s.cache.store is self._kv]
         copies, waiting = (), frozenset()
         for group in ([s for s in mine if not s.feeds],
-                      [s for s in mine if s.feeds and all(hasattr(p, "features")
+                      [s for s in mine if s.feeds and all(hasattr(p, "feature_rows")
                                                           for p in s.feeds)]):
             c, w = plan_prefix_sharing([PrefixView(s.sid, tuple(s.context[:s.cache.offset]),
                                                    s.req.prompt[:-1]) for s in group])
@@ -643,7 +647,7 @@ class BatchEngine:
         source's do not hold them all (the destination then prefills itself)."""
         if not dst.feeds:
             return True
-        rows = [p.features(n) for p in src.feeds]
+        rows = [p.feature_rows(n) for p in src.feeds]
         if len(rows) != len(dst.feeds) or any(r is None for r in rows):
             return False
         for p, h in zip(dst.feeds, rows):

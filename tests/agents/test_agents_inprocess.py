@@ -150,15 +150,28 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
     assert served > 0 and fallback == 0  # every feature came over F3
 
 
-def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_path):
+def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_path,
+                                                                     monkeypatch):
     """Four sessions in the verifier's continuous batch, each drafted by the EAGLE head on the
     proposer agent: their requests of a round arrive together and are drafted in one
-    `draft_chains` call; every answer equals the verifier alone's."""
+    `draft_chains` call; the prompts' common prefix is copied between their caches with the
+    hidden rows their F3 feeds need; every answer equals the verifier alone's."""
     import threading
 
     import mlx.core as mx
 
     from macfleet.engine.drafter.head import EagleConfig, EagleHead
+    from macfleet.serve.engine import BatchEngine
+
+    copies = []
+    real_copy = BatchEngine._copy_features
+
+    def spy(src, dst, n):
+        ok = real_copy(src, dst, n)
+        copies.append((n, ok, bool(dst.feeds)))
+        return ok
+
+    monkeypatch.setattr(BatchEngine, "_copy_features", staticmethod(spy))
 
     ver, _ = pair
     lm = load_model(MODEL)
@@ -167,8 +180,9 @@ def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_
               lm.model).save(tmp_path / "head")
     prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
                              heads_dir=str(tmp_path)))
-    prompts = ["the cat sat on the mat", "a dog ran in the park", "one two three four",
-               "the sun is hot today"]
+    preamble = "you are a helpful assistant and you answer in short plain words. "
+    prompts = [preamble + p for p in ("the cat sat on the mat", "a dog ran in the park",
+                                      "one two three four", "the sun is hot today")]
     eps = [prop.card.router_endpoint]
     try:
         alone = [generate_done(ver.card, KEY, p, [], "none", max_tokens=24) for p in prompts]
@@ -189,6 +203,8 @@ def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_
     assert [got[i].token_ids for i in range(len(prompts))] == [a.token_ids for a in alone]
     assert all(got[i].stats.fleet.flows.remote_blocks > 0 for i in range(len(prompts)))
     assert together > 0  # some rounds drafted several sessions in one call
+    # sessions fed over F3 shared the preamble, rows included (they prefilled it each before)
+    assert copies and all(ok and fed for _, ok, fed in copies)
 
 
 @pytest.mark.slow  # trains a head first

@@ -140,7 +140,7 @@ class EagleProposer(Proposer):
         rows of newly committed positions): rows for positions start.. of `tokens`."""
         self._store.write(start, [int(t) for t in tokens], mx.array(h))
 
-    def features(self, n: int) -> mx.array | None:
+    def feature_rows(self, n: int) -> mx.array | None:
         """Its hidden rows of positions 0..n-1 ([n, H]), None unless it holds them all (a
         batching verifier copies them with a shared prompt prefix)."""
         if n <= 0 or len(self._store.tokens) < n:
@@ -320,10 +320,21 @@ class VerifierFeatures:
     def feed(self, start: int, tokens: Sequence[int], h: mx.array) -> None:
         self._store.write(start, [int(t) for t in tokens], h)
 
-    def rows(self, a: int, b: int) -> np.ndarray | None:
-        """float16 rows for positions a..b-1, or None when the verifier has not computed them."""
+    def feature_rows(self, n: int) -> mx.array | None:
+        """The rows of positions 0..n-1 fed so far ([n, H]), None unless it holds them all (a
+        batching verifier copies them with a shared prompt prefix)."""
+        self._drain()
+        if n <= 0 or len(self._store.tokens) < n:
+            return None
+        return self._store.rows(0, n)
+
+    def _drain(self) -> None:
         for start, toks, h in (self._tap.drain() if self._tap is not None else ()):
             self._store.write(start, toks, h)
+
+    def rows(self, a: int, b: int) -> np.ndarray | None:
+        """float16 rows for positions a..b-1, or None when the verifier has not computed them."""
+        self._drain()
         if b <= a:
             return None
         if len(self._store.tokens) < b:
