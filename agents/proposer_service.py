@@ -38,7 +38,7 @@ from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply,
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import LoadedModel, ModelSpecError
 from macfleet.engine.batch import BatchKV
-from macfleet.engine.drafter.proposer import EagleProposer, draft_chains
+from macfleet.engine.drafter.proposer import EagleProposer, draft_chains, share_head_rows
 from macfleet.engine.proposers import ProposerSpecError
 from macfleet.engine.sampling import SamplingParams
 
@@ -340,11 +340,7 @@ class ProposerService:
                 raise ProtocolError(BAD_REQUEST, "proposer 'none' drafts nothing")
             params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
             prop.start(params)
-            if isinstance(prop, EagleProposer) and not prop.drafts_trees:
-                # its head's cache: a row of one store, so its chains are drafted with the
-                # other sessions' (`draft_chains`)
-                prop.use_rows(self._head_rows.setdefault(
-                    id(prop.head), BatchKV(len(prop.head.layers))))
+            share_head_rows(prop, self._head_rows)  # chains drafted with other sessions'
             # a hidden-state drafter cannot pre-draft ahead of the verifier's features
             lookahead = msg.cross_round and not prop.wants_features
             self._drop(msg.session_id)  # re-opening a session replaces it

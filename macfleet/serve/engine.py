@@ -26,7 +26,7 @@ from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accep
 from macfleet.engine.batch import (BatchKV, RowCache, Segment, check_batchable, flat_forward,
                                    trim_cache)
 from macfleet.engine.controller import AUTO, DraftTokens, make_controller
-from macfleet.engine.drafter.proposer import EagleProposer, draft_chains
+from macfleet.engine.drafter.proposer import EagleProposer, draft_chains, share_head_rows
 from macfleet.engine.drafter.budget import VerifyCurve
 from macfleet.engine.events import BlockDone, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
@@ -399,10 +399,7 @@ class BatchEngine:
                              else BatchKV(len(self.lm.model.layers), row_step=1))
                     s.cache = store.open()
                     store.reserve(s.cache.row + 1, len(s.req.prompt))
-                    if isinstance(s.proposer, EagleProposer) and not s.proposer.drafts_trees:
-                        # its head's cache: a row too, so its chains are drafted with all
-                        s.proposer.use_rows(self._head_rows.setdefault(
-                            id(s.proposer.head), BatchKV(len(s.proposer.head.layers))))
+                    share_head_rows(s.proposer, self._head_rows)  # its head's cache: a row
                 s.rng = make_rng(s.req.params, stream=0)
                 if s.group is not None:  # its drafters size trees against verify(L)
                     s.group.seed_verify_costs(self._verify_costs())

@@ -32,6 +32,20 @@ def pair():
     prop.close()
 
 
+def eagle_proposer_agent(tmp_path, seed: int) -> Agent:
+    """A proposer agent whose heads directory holds a random EAGLE head (head.safetensors)."""
+    import mlx.core as mx
+
+    from macfleet.engine.drafter.head import EagleConfig, EagleHead
+
+    lm = load_model(MODEL)
+    mx.random.seed(seed)
+    EagleHead(EagleConfig.for_verifier(lm.model, MODEL, feature_scale=1.0),
+              lm.model).save(tmp_path / "head")
+    return Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
+                             heads_dir=str(tmp_path)))
+
+
 def gen(ver, prop, spec, **kw):
     """prop: an Agent, a list of endpoints, or None (the verifier alone)."""
     eps = prop if isinstance(prop, list) else [prop.card.router_endpoint] if prop else []
@@ -113,17 +127,9 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
     """A hidden-state drafter on the proposer agent is fed the verifier's own hidden states
     (flow F3, riding with each draft request; the rows of its session in the verifier's
     continuous batch): lossless, and the proposer never recomputes features itself."""
-    import mlx.core as mx
-
-    from macfleet.engine.drafter.head import EagleConfig, EagleHead
-
     ver, _ = pair
     lm = load_model(MODEL)
-    mx.random.seed(0)
-    EagleHead(EagleConfig.for_verifier(lm.model, MODEL, feature_scale=1.0),
-              lm.model).save(tmp_path / "head")
-    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
-                             heads_dir=str(tmp_path)))
+    prop = eagle_proposer_agent(tmp_path, seed=0)
     try:
         alone = gen(ver, None, "none", max_tokens=30)
         before = ver.verifier.batch_view().iterations
@@ -158,9 +164,6 @@ def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_
     hidden rows their F3 feeds need; every answer equals the verifier alone's."""
     import threading
 
-    import mlx.core as mx
-
-    from macfleet.engine.drafter.head import EagleConfig, EagleHead
     from macfleet.serve.engine import BatchEngine
 
     copies = []
@@ -174,12 +177,7 @@ def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_
     monkeypatch.setattr(BatchEngine, "_copy_features", staticmethod(spy))
 
     ver, _ = pair
-    lm = load_model(MODEL)
-    mx.random.seed(1)
-    EagleHead(EagleConfig.for_verifier(lm.model, MODEL, feature_scale=1.0),
-              lm.model).save(tmp_path / "head")
-    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
-                             heads_dir=str(tmp_path)))
+    prop = eagle_proposer_agent(tmp_path, seed=1)
     preamble = "you are a helpful assistant and you answer in short plain words. "
     prompts = [preamble + p for p in ("the cat sat on the mat", "a dog ran in the park",
                                       "one two three four", "the sun is hot today")]

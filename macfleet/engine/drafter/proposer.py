@@ -57,6 +57,10 @@ class _FeatureStore:
         kept.append((start, h))
         self.segments = kept
 
+    def first(self, n: int) -> mx.array | None:
+        """Rows of positions 0..n-1 ([n, H]), None unless it holds them all."""
+        return self.rows(0, n) if 0 < n <= len(self.tokens) else None
+
     def rows(self, a: int, b: int) -> mx.array:
         """Hidden rows for positions a..b-1 ([b - a, H])."""
         parts = []
@@ -143,9 +147,7 @@ class EagleProposer(Proposer):
     def feature_rows(self, n: int) -> mx.array | None:
         """Its hidden rows of positions 0..n-1 ([n, H]), None unless it holds them all (a
         batching verifier copies them with a shared prompt prefix)."""
-        if n <= 0 or len(self._store.tokens) < n:
-            return None
-        return self._store.rows(0, n)
+        return self._store.first(n)
 
     def _sync_features(self, context: Sequence[int]) -> None:
         """Make the store hold f_0..f_{T-2} for this context (T = len(context))."""
@@ -246,6 +248,15 @@ class EagleProposer(Proposer):
         return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3, guess)
 
 
+def share_head_rows(proposer, stores: dict[int, BatchKV]) -> None:
+    """An EAGLE chain drafter serving one of many sessions keeps its head's cache as a row of
+    the store `stores` holds for that head (made here on first use), so its chains are drafted
+    with the other sessions' (`draft_chains`); other drafters are left as they are."""
+    if isinstance(proposer, EagleProposer) and not proposer.drafts_trees:
+        head = proposer.head
+        proposer.use_rows(stores.setdefault(id(head), BatchKV(len(head.layers))))
+
+
 def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
                  with_guess: bool = False) -> list[Draft]:
     """Every job's chain (proposer, context, k) at once: proposers whose head caches are rows of
@@ -324,9 +335,7 @@ class VerifierFeatures:
         """The rows of positions 0..n-1 fed so far ([n, H]), None unless it holds them all (a
         batching verifier copies them with a shared prompt prefix)."""
         self._drain()
-        if n <= 0 or len(self._store.tokens) < n:
-            return None
-        return self._store.rows(0, n)
+        return self._store.first(n)
 
     def _drain(self) -> None:
         for start, toks, h in (self._tap.drain() if self._tap is not None else ()):
