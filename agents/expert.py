@@ -1,21 +1,31 @@
 """Expert parallelism for a mixture-of-experts verifier (`--shard-mode expert`).
 
-Placement: rank r of N holds a contiguous range of every MoE layer's experts (the same split
-as pipeline's layer ranges: `layer_range(E, N, r)`; 8 experts over 2 ranks -> 0-3 | 4-7). The
+Placement: rank r of N holds a contiguous range of every MoE layer's experts (`topology.moe.
+expert_range`, the planner's; 8 experts over 2 ranks -> 0-3 | 4-7). The
 attention, the embeddings, the norms, the LM head and each layer's router are replicated:
 every rank runs them on the same input, so every rank picks the same experts for every token.
 
-In a MoE block, each rank finds (on the host: one sync per MoE layer) the (token, slot) pairs
-routed to its own experts, runs only those rows through its experts (non-local experts are
-never computed), scales them by their router weights and scatters them into a [tokens, hidden]
-partial sum; ONE `all_sum` per MoE layer adds the ranks' partials, so every rank continues with
-the full output. Collective payload per forward: MoE layers x tokens x hidden x itemsize.
+In a MoE block each rank computes a [tokens, hidden] partial sum over its own experts, and ONE
+`all_sum` per MoE layer adds the ranks' partials, so every rank continues with the full output.
+Collective payload per forward: MoE layers x tokens x hidden x itemsize. Two ways to route:
+* a few tokens (decode, verify blocks: under `ROUTE_ON_HOST_MIN_TOKENS`): on the device, no
+  host sync. Each of a token's k slots runs through `switch_mlp` (mlx-lm's own gather matmul),
+  a slot routed to another rank's expert pointed at a local one and weighted by an exact zero;
+  the all_sum stays inside the forward's graph, like tensor parallelism's. A forward is one
+  evaluation instead of three host round trips per MoE layer (the router's choice, the
+  partial, the collective); decode is bandwidth-bound, and the extra slots read no expert that
+  the local ones do not (at most one more).
+* many tokens (prefill chunks): on the host, one sync per MoE layer: the (token, slot) pairs
+  routed to local experts are found, and only those rows are computed (non-local experts never
+  are): compute-bound, so the k x (1 - 1/ranks) slots saved pay for the sync. Only this path
+  times the collective (it has to wait for it anyway).
 
 What fits: each rank keeps the replicated part plus E/N of the experts; an MoE's experts are
 most of its weights, so this is close to 1/N.
 
 The router's choices are counted here (`RouterLoad`) on the way: per expert, summed over the
-MoE layers, and so per rank.
+MoE layers, and so per rank (the device path's choices are read after the forward is evaluated:
+`RouterLoad.flush`).
 """
 
 from __future__ import annotations
@@ -27,14 +37,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from macfleet.topology.moe import ROUTE_ON_HOST_MIN_TOKENS, expert_range
+
 _SWITCH = ("gate_proj", "up_proj", "down_proj")
-
-
-def expert_range(experts: int, n: int, r: int) -> tuple[int, int]:
-    """Rank r's experts [start, end) of `experts` over n ranks (contiguous, sizes differ <= 1)."""
-    q, rem = divmod(experts, n)
-    start = r * q + min(r, rem)
-    return start, start + q + (1 if r < rem else 0)
 
 
 class RouterLoad:
@@ -48,10 +53,21 @@ class RouterLoad:
     def reset(self) -> None:
         self.per_expert = np.zeros(self.experts, dtype=np.int64)
         self.collective_bytes = 0
-        self.collective_ms = 0.0
+        self.collective_ms = 0.0  # host-routed forwards only (the device path never waits)
+        self._pending: list[mx.array] = []
 
     def add(self, inds: np.ndarray) -> None:
         self.per_expert += np.bincount(inds.reshape(-1), minlength=self.experts)
+
+    def defer(self, inds: mx.array) -> None:
+        """A device-routed block's choices, counted by `flush` once its forward is evaluated."""
+        self._pending.append(inds)
+
+    def flush(self) -> None:
+        """Count the deferred choices (call after the forward's evaluation: no extra work)."""
+        pending, self._pending = self._pending, []
+        for inds in pending:
+            self.add(np.array(inds))
 
 
 class ExpertParallelMoE(nn.Module):
@@ -88,7 +104,28 @@ class ExpertParallelMoE(nn.Module):
         scores = mx.take_along_axis(gates, inds, axis=-1)
         if self.norm_topk_prob:
             scores /= mx.sum(scores, axis=-1, keepdims=True)
-        host = np.array(inds)  # the one host sync per MoE layer: which rows are ours
+        B, L, D = x.shape
+        if B * L < ROUTE_ON_HOST_MIN_TOKENS:
+            part = self._on_device(x, inds, scores)
+            if self._load is not None:
+                self._load.defer(inds)
+                self._load.collective_bytes += part.nbytes
+            return self._reduce(part)
+        return self._on_host(x, inds, scores).reshape(B, L, D)
+
+    def _on_device(self, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
+        """Every slot through a local expert, the other ranks' slots weighted by 0: no sync."""
+        a, b = self._span
+        mine = (inds >= a) & (inds < b)
+        local = mx.where(mine, inds - a, 0).astype(mx.uint32)
+        y = self.switch_mlp(x, local)  # [B, L, k, D]
+        w = mx.where(mine, scores, mx.zeros_like(scores))
+        return (y * w[..., None]).sum(axis=-2).astype(x.dtype)
+
+    def _on_host(self, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
+        """Only the rows routed here are computed (one host read of the router's choice)."""
+        k = self.top_k
+        host = np.array(inds)
         if self._load is not None:
             self._load.add(host)
         B, L, D = x.shape
@@ -111,7 +148,7 @@ class ExpertParallelMoE(nn.Module):
         if self._load is not None:
             self._load.collective_ms += (self._clock() - t0) * 1e3
             self._load.collective_bytes += part.nbytes
-        return y.reshape(B, L, D)
+        return y
 
 
 def is_moe_block(m: nn.Module) -> bool:

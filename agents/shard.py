@@ -220,6 +220,8 @@ class _Stage:
         if self.mode in ("tensor", "expert"):
             out = self.model(ids, cache=self.cache)[0].astype(mx.float32)
             mx.eval(out)
+            if self.load is not None:
+                self.load.flush()  # the router's choices, evaluated with the forward
             return out if self.rank == 0 else None
         H = self.model.args.hidden_size
         last = self.size - 1

@@ -74,7 +74,8 @@ class ShardStats:
     collective_bytes: int = 0
     control_bytes: int = 0
     forward_ms: float = 0.0  # wall time of the sharded forwards on rank 0
-    collective_ms: float = 0.0  # expert mode: rank 0's time inside the per-layer all_sums
+    collective_ms: float = 0.0  # expert mode: rank 0's time inside the per-layer all_sums of
+    # host-routed forwards (prefill chunks); decode forwards keep them inside the graph, untimed
     expert_load: tuple[int, ...] = ()  # expert mode: tokens routed to each expert, all layers
     rank_load: tuple[int, ...] = ()  # expert mode: the same summed over each rank's experts
 

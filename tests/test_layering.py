@@ -72,9 +72,10 @@ ALLOWED: dict[str, Rule] = {
     "macfleet/cli": Rule(("macfleet", "agents", "tui")),
     "macfleet/__main__.py": Rule(("macfleet.cli",)),
     # the daemon: bridge + engine (+ the networking-free continuous batch the verifier runs,
-    # with its records); the tool plane runs allowlisted benchmarks
+    # with its records; the planner's pure placements it carries out: disagg, MoE experts);
+    # the tool plane runs allowlisted benchmarks
     "agents": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",
-                    "macfleet.topology.disagg", "macfleet.serve.engine",
+                    "macfleet.topology.disagg", "macfleet.topology.moe", "macfleet.serve.engine",
                     "macfleet.fleet.batch", *RECORDS),
                    banned=("starlette", "uvicorn", "httpx", "textual")),
     "agents/presets.py": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",

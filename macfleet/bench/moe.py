@@ -7,8 +7,11 @@ pings (one small all_sum each: the ring's latency as that run sees it), plain gr
 and its `ShardStats` (exact collective bytes, ms per forward, router load). Each mode runs
 `repeats` times, the modes interleaved (E, T, P, E, T, P, ...) so that a machine whose load
 drifts weighs on all of them; the median counts. The planner (topology/moe.py) then predicts
-each mode's ms per decode forward from the single-process verify(1) measured here and the
-ring's median ping (a hop taken as one of the all_sum's 2(n-1) ring steps), and the modes are
+each mode's ms per decode forward from the single-process verify(1) measured here (evaluated),
+the part of it that is op dispatch rather than weight reads (verify(1) less the model's bytes at
+this machine's matrix-vector read rate: `read_bandwidth_gb_s`; a 2 MB model is nearly all
+dispatch, which no mode divides) and the ring's median ping (a hop taken as one of the
+all_sum's 2(n-1) ring steps), and the modes are
 ranked by that same quantity measured (rank 0's median ms per decode forward; a run's tokens/s
 also pays its prefill and start, which the planner does not predict), so the ranking can be
 compared side by side. `unpriced_ms_per_forward` is what the planner leaves out (measured
@@ -26,13 +29,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from macfleet.topology.fleet_spec import GB, Link
 from macfleet.topology.inputs import tiny_moe_shape
-from macfleet.topology.moe import MOE_MODES, RingLatency, choose_moe_mode
+from macfleet.topology.cost import dispatch_floor_ms
+from macfleet.topology.moe import MOE_MODES, RingLatency, bytes_read, choose_moe_mode
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = "tiny-moe:1"
@@ -44,13 +49,18 @@ LOOPBACK_LINK = Link("rank", "rank", 0.0, 1e6)  # latency comes from the probe; 
 
 
 def _ranks(module: str, n: int, tmp: Path, extra: list[str]) -> list[str]:
-    """Run n ranks of `python -m module`; their stderr tails (raises on failure)."""
+    """Run n ranks of `python -m module`; their stderr tails (raises on failure). Rank r is
+    pinned to core r mod the cores (Linux; as `macfleet up` pins its agents): unpinned, two
+    ranks sharing one core for a while made a run's ms per forward 2-4x its median."""
+    from agents.daemon import pin_to_cpu
     from agents.shard import free_ports, rank_env, write_hostfile
 
     hostfile = write_hostfile(str(tmp / "hosts.json"), free_ports(n))
+    cores = os.cpu_count() or 1
     procs = [subprocess.Popen([sys.executable, "-m", module, "--hostfile", hostfile,
                                "--rank", str(r), *extra], cwd=ROOT, env=rank_env(str(ROOT)),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=partial(pin_to_cpu, r % cores))
              for r in range(n)]
     errs = []
     try:
@@ -67,6 +77,8 @@ def _ranks(module: str, n: int, tmp: Path, extra: list[str]) -> list[str]:
 
 def single_process(model: str, prompt: list[int], tokens: int, repeats: int = 30) -> dict:
     """Reference ids and the single-process verify(1) / plain decoding rate."""
+    import mlx.core as mx
+
     from macfleet.engine.models import load_model
     from macfleet.engine.verifier import Verifier
 
@@ -81,11 +93,28 @@ def single_process(model: str, prompt: list[int], tokens: int, repeats: int = 30
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        v.forward([last])
+        mx.eval(v.forward([last]))  # the forward is lazy: time its evaluation too
         times.append((time.perf_counter() - t) * 1e3)
         v.rollback(1)
     return {"ids": ids, "verify1_ms": float(np.median(times)),
             "tokens_per_s": tokens / decode_s}
+
+
+def read_bandwidth_gb_s(mb: int = 256, repeats: int = 7) -> float:
+    """This machine's weight-read rate as a forward sees it: one matrix-vector product over a
+    `mb` MB float32 matrix (decode's own kind of op), median of `repeats`."""
+    import mlx.core as mx
+
+    n = int((mb * 2**20 / 4) ** 0.5)
+    w = mx.random.normal((n, n))
+    x = mx.random.normal((1, n))
+    mx.eval(w, x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(x @ w.T)
+        times.append(time.perf_counter() - t)
+    return w.nbytes / float(np.median(times)) / 1e9
 
 
 def _decode_ms(run: dict) -> float:
@@ -104,8 +133,11 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
     prompt = lm.tokenizer.encode(prompt_text)
     shape = tiny_moe_shape(model)
     ref = single_process(model, prompt, tokens)
+    bw = read_bandwidth_gb_s()
+    floor = dispatch_floor_ms(ref["verify1_ms"], bytes_read(shape, 1), bw)
     progress(f"single process: verify(1) {ref['verify1_ms']:.2f} ms, "
-             f"{ref['tokens_per_s']:.0f} tok/s")
+             f"{ref['tokens_per_s']:.0f} tok/s; weights read at {bw:.1f} GB/s -> "
+             f"dispatch floor {floor:.2f} ms of it")
     rows = []
     load_before = os.getloadavg()[0]
     for n in sizes:
@@ -132,7 +164,7 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
             ring = RingLatency(ping, ping / (2 * (n - 1)))
             progress(f"{n} ranks: all_sum {ring.allreduce_ms:.3f} ms (median ping)")
             choice = choose_moe_mode(shape, n, [GB] * n, LOOPBACK_LINK, ref["verify1_ms"],
-                                     tokens=1, ring=ring)
+                                     tokens=1, ring=ring, floor_ms=floor)
             pred = {e.mode: e for e in choice.estimates}
             measured = {m: float(np.median(decode_ms[m])) for m in runs}  # what is predicted
             for mode, r in runs.items():
@@ -151,8 +183,7 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
                         (plain["collective_bytes"] - pre["collective_bytes"]) / decode_fw,
                     "prefill_bytes": pre["collective_bytes"], "prefill_tokens": pre["tokens"],
                     "control_bytes_per_forward": plain["control_bytes"] / plain["forwards"],
-                    "collective_ms_per_decode_forward":
-                        (plain["collective_ms"] - pre["collective_ms"]) / decode_fw,
+                    "prefill_collective_ms": pre["collective_ms"],
                     "rank_load": plain["rank_load"], "expert_load": plain["expert_load"],
                     "spec_bytes_per_forward": spec["bytes_per_forward"],
                     "predicted_ms_per_forward": e.forward_ms,
@@ -173,10 +204,12 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
                          "measured_ranking": m_rank, "ranking_matches": p_rank == m_rank})
     return {"model": model, "tokens": tokens, "prompt_tokens": len(prompt), "repeats": repeats,
             "cpus": os.cpu_count(), "load_average_1m": [load_before, os.getloadavg()[0]],
-            "note": "every rank is a process on this one machine: the ranks share its cores "
+            "note": "every rank is a process on this one machine, rank r pinned to core r mod "
+                    "the cores (Linux): the ranks share its cores with each other past that and "
                     "with whatever else runs (see load_average_1m); the planner prices ranks "
                     "on separate hosts",
             "single_process": {k: v for k, v in ref.items() if k != "ids"},
+            "read_bandwidth_gb_s": bw, "dispatch_floor_ms": floor,
             "placement": "expert: rank r holds a contiguous range of every MoE layer's "
                          "experts; attention, embeddings and routers replicated",
             "rows": rows}

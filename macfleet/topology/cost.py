@@ -37,6 +37,17 @@ def chip_bandwidth(chip: str) -> float | None:
     return None
 
 
+def dispatch_floor_ms(verify_ms: float, bytes_read: float, bandwidth_gb_s: float | None) -> float:
+    """The part of a forward's time that is not reading weights: dispatching its ops (kernel
+    launches on Metal, op overhead on a CPU). A shard group does not divide it -- every rank
+    of a tensor or expert group runs every layer's ops, a pipeline's stages run theirs in turn
+    -- while the weight reads split across ranks. verify_ms less `bytes_read` at the chip's
+    bandwidth; 0 when the bandwidth is unknown (then the whole forward is taken to split)."""
+    if not bandwidth_gb_s:
+        return 0.0
+    return max(0.0, verify_ms - bytes_read / (bandwidth_gb_s * 1e6))
+
+
 def chip_factor(chip: str, ref_chip: str) -> float:
     """Time multiplier for `chip` relative to the chip the profile was measured on (1 if unknown)."""
     a, b = chip_bandwidth(chip), chip_bandwidth(ref_chip)

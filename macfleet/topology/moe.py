@@ -3,15 +3,18 @@
 Pure. `choose_moe_mode(model, mem_free, link, verify_ms)` prices each mode for one forward of
 `tokens` positions over n ranks and picks the fastest that fits, with the reason in words.
 
-Per mode (n ranks; t = verify(tokens) of the whole model on one host; S = tokens x hidden x 4
-bytes, one [tokens, hidden] float32 activation):
-* tensor (mlx-lm `shard()`): every rank holds 1/n of every matrix; compute t/n; two ring
+Per mode (n ranks; t = verify(tokens) of the whole model on one host, f of it its dispatch floor
+(`cost.dispatch_floor_ms`: the ops' own overhead, which no mode divides; 0 when not known) and
+w = t - f its weight reads; S = tokens x hidden x 4 bytes, one [tokens, hidden] float32
+activation):
+* tensor (mlx-lm `shard()`): every rank holds 1/n of every matrix; compute f + w/n; two ring
   all-reduces of S per layer. Needs heads, kv heads and the experts' width divisible by n.
 * pipeline: rank r holds layers/n; compute t (the stages run in turn); S over each of the n-1
   boundaries and the logits [tokens, vocab] back to rank 0. Fits like tensor.
 * expert (agents/expert.py): whole experts per rank, the rest (attention, embeddings, routers)
-  replicated; compute: the replicated part in full, the experts' part / n; one ring all-reduce
-  of S per MoE layer, plus a host sync per MoE layer (the rank reads the router's choice).
+  replicated; compute: f, the replicated reads in full, the experts' reads / n; one ring all-reduce
+  of S per MoE layer; a forward of `ROUTE_ON_HOST_MIN_TOKENS` positions or more also pays a
+  host sync per MoE layer (the rank reads the router's choice), fewer route on the device.
   Memory: replicated part + experts / n.
 Every mode also pays the leader's command broadcast (one small all-reduce) per forward.
 Compute is split by bytes read (decode is bandwidth-bound): the experts' share of a forward is
@@ -34,6 +37,10 @@ TENSOR = "tensor"
 PIPELINE = "pipeline"
 MOE_MODES = (EXPERT, TENSOR, PIPELINE)
 DEFAULT_SYNC_MS = 0.05  # expert mode: one host read of the router's choice per MoE layer
+# expert mode routes a forward of this many positions or more on the host (one sync per MoE
+# layer, only the local rows computed: prefill is compute-bound), fewer on the device (no sync,
+# every slot through a local expert: decode is bandwidth-bound). agents/expert.py reads it.
+ROUTE_ON_HOST_MIN_TOKENS = 32
 # every forward of a shard group starts with the leader's command broadcast (agents/shard.py:
 # an all_sum of HEADER + MAX_BLOCK int32), whatever the mode
 CONTROL_BYTES = (3 + 512) * 4
@@ -94,11 +101,17 @@ def routed_fraction(model: ModelShape, tokens: int) -> float:
     return 1.0 - (1.0 - k / model.experts) ** max(1, tokens)
 
 
-def expert_time_share(model: ModelShape, tokens: int) -> float:
-    """The experts' share of a forward's compute, by the bytes it reads."""
+def bytes_read(model: ModelShape, tokens: int) -> float:
+    """Weight bytes one forward of `tokens` positions reads: every dense weight, and the
+    experts its tokens are routed to."""
     dense = model.param_bytes - model.expert_bytes
-    read = routed_fraction(model, tokens) * model.expert_bytes
-    return read / (dense + read) if dense + read > 0 else 0.0
+    return dense + routed_fraction(model, tokens) * model.expert_bytes
+
+
+def expert_time_share(model: ModelShape, tokens: int) -> float:
+    """The experts' share of a forward's weight reads."""
+    total = bytes_read(model, tokens)
+    return routed_fraction(model, tokens) * model.expert_bytes / total if total > 0 else 0.0
 
 
 def allreduce_ms(link: Link, nbytes: float, n: int, ring: RingLatency | None = None) -> float:
@@ -158,20 +171,24 @@ def mem_per_rank(model: ModelShape, mode: str, n: int) -> int:
 
 def estimate(model: ModelShape, mode: str, n: int, mem_free: Sequence[int], link: Link,
              verify_ms: float, tokens: int = 1, sync_ms: float = DEFAULT_SYNC_MS,
-             ring: RingLatency | None = None) -> ModeEstimate:
-    """One mode over n ranks (mem_free: each rank host's free bytes, largest first)."""
+             ring: RingLatency | None = None, floor_ms: float = 0.0) -> ModeEstimate:
+    """One mode over n ranks (mem_free: each rank host's free bytes, largest first;
+    floor_ms: the part of verify_ms no mode divides)."""
     why = _why_impossible(model, mode, n)
     mem = mem_per_rank(model, mode, n)
     fits = not why and len(mem_free) >= n and all(m >= mem for m in list(mem_free)[:n])
     if not why and not fits:
         why = f"{_size(mem)} per rank does not fit"
     s = tokens * model.hidden * ACT_BYTES
+    floor = min(floor_ms, verify_ms)
+    reads = verify_ms - floor
     if mode == TENSOR:
-        compute = verify_ms / n
+        compute = floor + reads / n
         comm = 2 * model.layers * allreduce_ms(link, s, n, ring)
     elif mode == EXPERT:
         share = expert_time_share(model, tokens)
-        compute = verify_ms * (1 - share + share / n) + moe_layers(model) * sync_ms
+        syncs = moe_layers(model) if tokens >= ROUTE_ON_HOST_MIN_TOKENS else 0
+        compute = floor + reads * (1 - share + share / n) + syncs * sync_ms
         comm = moe_layers(model) * allreduce_ms(link, s, n, ring)
     else:
         compute = verify_ms
@@ -186,10 +203,11 @@ def estimate(model: ModelShape, mode: str, n: int, mem_free: Sequence[int], link
 
 def choose_moe_mode(model: ModelShape, n: int, mem_free: Sequence[int], link: Link,
                     verify_ms: float, tokens: int = 1, sync_ms: float = DEFAULT_SYNC_MS,
-                    ring: RingLatency | None = None) -> MoeChoice:
+                    ring: RingLatency | None = None, floor_ms: float = 0.0) -> MoeChoice:
     """The fastest mode that fits over n ranks, every mode's estimate, and why in words."""
     mem = sorted(mem_free, reverse=True)
-    est = [estimate(model, m, n, mem, link, verify_ms, tokens, sync_ms, ring) for m in MOE_MODES]
+    est = [estimate(model, m, n, mem, link, verify_ms, tokens, sync_ms, ring, floor_ms)
+           for m in MOE_MODES]
     ranked = sorted(est, key=lambda e: (not e.fits, e.forward_ms, e.bytes_per_forward))
     best = ranked[0]
     if not best.fits:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from macfleet.topology.cost import (BlockCost, best_k, chip_factor, expected_tokens,
-                                    expected_tokens_tree, shard_ms, verify_ms_on, wire_ms)
+from macfleet.topology.cost import (BlockCost, best_k, chip_bandwidth, chip_factor,
+                                    dispatch_floor_ms, expected_tokens, expected_tokens_tree,
+                                    shard_ms, verify_ms_on, wire_ms)
 from macfleet.topology.fleet_spec import Fleet, Host, ModelShape, ProposerProfile
-from macfleet.topology.moe import choose_moe_mode, expert_range, expert_time_share
+from macfleet.topology.moe import bytes_read, choose_moe_mode, expert_range, expert_time_share
 
 SINGLE = "single host"
 ONE_TO_ONE = "1 proposer : 1 verifier"
@@ -276,8 +277,11 @@ def _plan_sharded(fleet: Fleet, p: ProposerProfile, with_probs: bool) -> list[Pl
         if fleet.model.experts:  # a MoE: expert, tensor or pipeline, priced (topology/moe.py)
             ring = max((fleet.link(a.name, b.name) for a, b in
                         zip(hosts, hosts[1:] + hosts[:1])), key=lambda ln: ln.rtt_ms)
-            choice = choose_moe_mode(fleet.model, n, [h.mem_free for h in hosts], ring,
-                                     fleet.profile.verify(MOE_PLAN_TOKENS), MOE_PLAN_TOKENS)
+            vms = fleet.profile.verify(MOE_PLAN_TOKENS)
+            floor = dispatch_floor_ms(vms, bytes_read(fleet.model, MOE_PLAN_TOKENS),
+                                      chip_bandwidth(fleet.profile.ref_chip))
+            choice = choose_moe_mode(fleet.model, n, [h.mem_free for h in hosts], ring, vms,
+                                     MOE_PLAN_TOKENS, floor_ms=floor)
             mode, moe_why = choice.mode or mode, (f"MoE: {choice.reason}",)
         if mode == "expert":
             spans = [expert_range(fleet.model.experts, n, i) for i in range(n)]

@@ -8,10 +8,12 @@ from dataclasses import replace
 import pytest
 
 from macfleet.topology import Fleet, Host, Link, plan
+from macfleet.topology.cost import dispatch_floor_ms
 from macfleet.topology.fleet_spec import GB, ModelShape
 from macfleet.topology.inputs import tiny_moe_shape
-from macfleet.topology.moe import (EXPERT, PIPELINE, TENSOR, RingLatency, choose_moe_mode,
-                                   collective_bytes, estimate, expert_range, expert_time_share)
+from macfleet.topology.moe import (EXPERT, PIPELINE, ROUTE_ON_HOST_MIN_TOKENS, TENSOR,
+                                   RingLatency, choose_moe_mode, collective_bytes, estimate,
+                                   expert_time_share)
 
 TINY = tiny_moe_shape("tiny-moe:1")
 # a Qwen3-30B-A3B-like shape: 48 layers, 128 experts, 8 per token, experts ~ 95% of the bytes
@@ -87,11 +89,33 @@ def test_measured_ring_latency_prices_collectives():
     assert fast.mode == TENSOR, fast.reason
 
 
-@pytest.mark.parametrize("e,n", [(8, 2), (8, 3), (128, 5)])
-def test_expert_range_matches_the_agents(e, n):
-    from agents.expert import expert_range as agents_range
+def test_the_dispatch_floor_is_what_weight_reads_do_not_explain():
+    assert dispatch_floor_ms(2.0, 2e6, 10.0) == pytest.approx(1.8)  # 2 MB at 10 GB/s: 0.2 ms
+    assert dispatch_floor_ms(30.0, 60e9, 400.0) == 0.0  # bandwidth-bound: nothing left over
+    assert dispatch_floor_ms(2.0, 2e6, None) == 0.0  # unknown chip: the whole forward splits
 
-    assert [expert_range(e, n, r) for r in range(n)] == [agents_range(e, n, r) for r in range(n)]
+
+def test_a_dispatch_bound_model_splits_no_compute_so_collectives_rank_the_modes():
+    """Every rank of a tensor or expert group runs every layer's ops: a forward that is all
+    dispatch (a tiny model) is not divided, and the mode with the fewest collectives wins."""
+    link, ring = Link("a", "b", 0.0, 1e6), RingLatency(allreduce_ms=0.12, hop_ms=0.06)
+    bound = {e.mode: e for e in choose_moe_mode(TINY, 2, [GB, GB], link, 2.0, ring=ring,
+                                                floor_ms=2.0).estimates}
+    assert {round(e.compute_ms, 9) for e in bound.values()} == {2.0}
+    assert [m for m in bound] == [PIPELINE, EXPERT, TENSOR]  # 2 hops < 4 < 8 all-reduces
+    split = estimate(TINY, TENSOR, 2, [GB, GB], link, 2.0, ring=ring)  # no floor known
+    assert split.compute_ms == pytest.approx(1.0)
+
+
+def test_host_syncs_are_priced_only_where_expert_mode_routes_on_the_host():
+    """Decode and verify blocks route on the device (no sync); a prefill chunk of
+    ROUTE_ON_HOST_MIN_TOKENS or more reads the router's choice once per MoE layer."""
+    link = Link("a", "b", 0.0, 1e6)
+    n = ROUTE_ON_HOST_MIN_TOKENS
+    for tokens, syncs in ((1, 0), (n - 1, 0), (n, 4)):
+        with_sync = estimate(TINY, EXPERT, 2, [GB, GB], link, 1.0, tokens, sync_ms=0.5)
+        no_sync = estimate(TINY, EXPERT, 2, [GB, GB], link, 1.0, tokens, sync_ms=0.0)
+        assert with_sync.compute_ms - no_sync.compute_ms == pytest.approx(syncs * 0.5)
 
 
 def test_planner_shards_a_moe_with_the_chosen_mode_and_explains():
