@@ -42,9 +42,8 @@ from macfleet.engine.verify_costs import verify_costs
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, DraftView,
                                       STALL_EMA, IterationCost, PrefixView, SessionView,
-                                      StallControl,
-                                      draft_acceptance, plan_drafts, plan_iteration,
-                                      plan_prefix_sharing)
+                                      StallControl, draft_acceptance, draft_room,
+                                      plan_drafts, plan_iteration, plan_prefix_sharing)
 from macfleet.serve.timing import RECENT_SESSIONS, TokenTimes
 
 log = logging.getLogger(__name__)
@@ -509,10 +508,13 @@ class BatchEngine:
             s.group.close()
             s.group = None
 
-    def _draft_lengths(self, decoding: list[_Session]) -> dict[int, int]:
+    def _draft_lengths(self, decoding: list[_Session], room: int | None = None
+                       ) -> tuple[dict[int, int], frozenset[int]]:
         """Each decoding session's draft length: what its controller asks for, cut by
-        `plan_drafts` to the drafts that pay at this batch's measured costs (sessions with a
-        fixed length keep it)."""
+        `plan_drafts` to the drafts that pay at this batch's measured costs, then to `room`
+        (draft tokens the iteration has room for; None: no limit); and the sessions so
+        planned. The others keep their fixed length: their drafts, and so a seeded sample,
+        do not depend on the batch."""
         wants = {s.sid: min(s.group.node_budget if s.group is not None else s.controller.next_k(),
                             s.req.max_tokens - len(s.generated) - 1)
                  for s in decoding}
@@ -524,8 +526,11 @@ class BatchEngine:
             (s.auto_tree and len(decoding) > 1)
             or (s.proposer is not None and getattr(s.controller, "alpha", None) is not None))]
         cost = self._batch_cost()
-        if cost is None or not adaptive:
-            return wants
+        planned_sids = frozenset(s.sid for s in adaptive)
+        if not adaptive:
+            return wants, planned_sids
+        if cost is None:
+            return self._within(wants, adaptive, room), planned_sids
         pool_n, pool_acc = (sum(x) for x in zip((0, 0), *self._pool))
         # sessions probe in PROBE_GROUPS groups, each group together once in PROBE_EVERY
         # iterations: one session's probe in every iteration (they used to take turns) made
@@ -542,7 +547,18 @@ class BatchEngine:
         fixed = sum(1 + wants[s.sid] for s in decoding if s not in adaptive)
         planned = plan_drafts(views, lambda n: cost(n + fixed), self._step_ms or 0.0,
                               stall_ratio=self._stall.ratio if self.chunked else 0.0)
-        return {**wants, **planned}
+        return self._within({**wants, **planned}, adaptive, room), planned_sids
+
+    @staticmethod
+    def _within(ks: dict[int, int], adaptive: list[_Session], room: int | None
+                ) -> dict[int, int]:
+        """The adaptive sessions' lengths cut (largest first) to the room the fixed ones
+        leave."""
+        if room is None:
+            return ks
+        mine = [s.sid for s in adaptive]
+        left = room - sum(k for sid, k in ks.items() if sid not in set(mine))
+        return {**ks, **dict(zip(mine, cap_total([ks[sid] for sid in mine], left)))}
 
     def _curve(self) -> VerifyCurve:
         if self._batch_curve is None:
@@ -658,23 +674,27 @@ class BatchEngine:
     def _iteration(self, batch: list[_Session]) -> None:
         batch = self._share_prefixes(batch)
         decoding = [s for s in batch if s.prefill_left <= 0]
-        self._draft_all(decoding, self._draft_lengths(decoding))
+        prefilling = [s for s in batch if s.prefill_left > 0]
+        budget, room = self.token_budget, None
+        # while others decode, every prompt's chunks follow the stall control: a long one
+        # would stall them for many iterations, and a chat turn joining in one piece is the
+        # largest gap decoding sessions see otherwise (~2x a decode iteration here); the
+        # decoders' drafts share that one allowance, after the prompts
+        if self.chunked and not self.invariant and prefilling:
+            if not self._stall_checked:
+                self._stall.curve, self._stall_checked = self._stall_curve(), True
+            budget = self._stall.budget(len(decoding), budget, waiting=len(prefilling),
+                                        decoding=len(decoding))
+            room = draft_room(budget, len(decoding), sum(s.prefill_left for s in prefilling))
+        lengths, planned = self._draft_lengths(decoding, room)
+        self._draft_all(decoding, lengths)
         views = [SessionView(s.sid, s.prefill_left, s.prefilled,
                              len(s.tree.tokens) if s.tree is not None else 1 + len(s.draft))
                  for s in batch]
+        if room is not None:  # fixed-length drafts ride on top of the allowance, uncut
+            budget = min(self.token_budget, budget + sum(
+                v.want - 1 for v in views if v.prefill_left <= 0 and v.sid not in planned))
         align = DEFAULT_PREFILL_STEP if self.invariant else 0
-        budget = self.token_budget
-        # while others decode, every prompt's chunks follow the stall control: a long one
-        # would stall them for many iterations, and a chat turn joining in one piece is the
-        # largest gap decoding sessions see otherwise (~2x a decode iteration here)
-        if (self.chunked and not self.invariant
-                and any(v.prefill_left > 0 for v in views)):
-            if not self._stall_checked:
-                self._stall.curve, self._stall_checked = self._stall_curve(), True
-            budget = self._stall.budget(sum(v.want for v in views if v.prefill_left <= 0),
-                                        budget,
-                                        waiting=sum(v.prefill_left > 0 for v in views),
-                                        decoding=sum(v.prefill_left <= 0 for v in views))
         slots = plan_iteration(views, budget, chunked=self.chunked, align=align)
         by_sid = {s.sid: s for s in batch}
         segs, run = [], []

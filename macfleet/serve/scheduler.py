@@ -93,6 +93,19 @@ def share_prefill(prefilling: Sequence[SessionView], left: int) -> tuple[Slot, .
     return tuple(Slot(s.sid, give[s.sid], True) for s in prefilling if give.get(s.sid, 0) > 0)
 
 
+def draft_room(budget: int, decoding: int, prefill_left: int) -> int:
+    """The draft tokens an iteration with prompts to prefill leaves the decoding sessions.
+
+    `budget` is the stall control's for this iteration: tokens whose forward costs at most the
+    stall ratio x one token per decoding session. Prefill chunks and drafts both make every
+    decoding session wait; bounded one after the other (drafts against the iteration without
+    them, then the chunk against the iteration with them) the two allowances compound (1.5 x
+    1.5). One allowance, the prompts first: every prompt token is kept and a new session's
+    first token waits on them; drafts get what the prompts cannot use (`prefill_left`: their
+    tokens still to feed)."""
+    return max(0, budget - decoding - prefill_left)
+
+
 DEFAULT_STALL_RATIO = 1.5
 MIN_PREFILL_CHUNK = 8
 STALL_EMA = 0.2
@@ -134,22 +147,25 @@ class StallControl:
     decode_ms: float | None = None  # EMA of iterations without prefill
     chunk: int = MIN_PREFILL_CHUNK
     curve: CostCurve | None = None
-    fit: float = 1.0  # EMA of measured / curve-predicted slowdown of chunk iterations
+    fit: float = 1.0  # EMA of measured / curve-predicted time of chunk iterations
+    scale: float | None = None  # EMA of decode-only iterations' measured / curve-priced time
 
     def observe(self, prefill_tokens: int, decode_tokens: int, ms: float) -> None:
+        curve = self.curve if self.curve is not None and self.curve.samples else None
         if prefill_tokens == 0:
-            if decode_tokens:
-                self.decode_ms = ms if self.decode_ms is None else (
-                    (1 - STALL_EMA) * self.decode_ms + STALL_EMA * ms)
+            if decode_tokens and ms > 0:
+                self.decode_ms = _ema(self.decode_ms, ms)
+                if curve is not None:  # the curve's scale on this batch, at its own lengths
+                    self.scale = _ema(self.scale, ms / curve.cost(decode_tokens))
             return
         if self.decode_ms is None or decode_tokens == 0 or ms <= 0:
             return
-        scale = min(MAX_CHUNK_GROWTH, self.ratio * self.decode_ms / ms)
-        self.chunk = max(self.min_chunk, int(prefill_tokens * scale))
-        if self.curve is not None and self.curve.samples:
-            predicted = (self.curve.cost(decode_tokens + prefill_tokens)
-                         / self.curve.cost(decode_tokens))
-            err = (ms / self.decode_ms) / predicted
+        growth = min(MAX_CHUNK_GROWTH, self.ratio * self.decode_ms / ms)
+        self.chunk = max(self.min_chunk, int(prefill_tokens * growth))
+        if curve is not None and self.scale is not None:
+            # measured against the curve at this iteration's own length: decode-only
+            # iterations carry drafts, so their mean is no yardstick for a chunk's
+            err = ms / (self.scale * curve.cost(decode_tokens + prefill_tokens))
             self.fit = min(MAX_FIT, max(MIN_FIT, (1 - STALL_EMA) * self.fit + STALL_EMA * err))
 
     def budget(self, decode_tokens: int, token_budget: int, waiting: int = 1,
@@ -167,6 +183,10 @@ class StallControl:
                                                     self.ratio * scale / self.fit,
                                                     token_budget - decode_tokens))
         return max(1, min(token_budget, decode_tokens + chunk))
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - STALL_EMA) * old + STALL_EMA * new
 
 
 def curve_chunk(curve: CostCurve, decode_tokens: int, ratio: float, room: int) -> int:

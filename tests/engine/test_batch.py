@@ -265,6 +265,44 @@ def test_a_known_verify_curve_sizes_the_first_chunk(tiny, monkeypatch):
     assert out["ids"] == _alone(tiny, turn, 8)
 
 
+def test_drafts_and_a_prompt_chunk_share_one_stall_allowance(tiny, monkeypatch):
+    """A decoder drafting while a chat turn prefills: the iteration's drafts and chunk together
+    stay within the stall ratio x one token per decoder (here every forward costs what a linear
+    verify(L) table says, 10 + n/2 ms, on the engine's clock: 1 decoder, ratio 1.5 -> 11
+    tokens). Bounded one after the other they compounded: a block of up to 5 tokens, then a
+    chunk priced against the block's cost (up to 17 tokens, 1.75x). The prompt goes first
+    (automatic draft lengths; a fixed `--draft-tokens K` is the user's and rides on top);
+    ids do not change."""
+    import macfleet.engine.verify_costs as vc
+    import macfleet.serve.engine as engine_mod
+
+    table = {n: 10.0 + n / 2 for n in (1, 2, 4, 8, 16, 32, 64, 128)}
+    monkeypatch.setattr(vc, "known_verify_costs", lambda model, **kw: table)
+    monkeypatch.setattr(engine_mod, "verify_costs", lambda model, **kw: table)
+    now = [0.0]
+    real_forward = engine_mod.flat_forward
+
+    def priced_forward(model, segs, **kw):  # the forward takes the table's time
+        now[0] += (10.0 + sum(len(sg) for sg in segs) / 2) / 1e3
+        return real_forward(model, segs, **kw)
+
+    monkeypatch.setattr(engine_mod, "flat_forward", priced_forward)
+    pattern = tuple(range(40, 48))
+    first, turn = pattern * 6, _prompts(tiny.vocab_size, 2, 11, 60, 61)[1]
+    eng = BatchEngine(tiny, proposer="ngram", stall_ratio=1.5, clock=lambda: now[0])
+    out = {}
+    eng.submit(EngineRequest(first, GREEDY, 40), lambda ev: None)
+    for _ in range(3):
+        eng.step()  # the first session decodes, drafting
+    assert any(r.decode_tokens > 1 for r in eng.history)  # it drafts: the test can fail
+    eng.submit(EngineRequest(turn, GREEDY, 8),
+               lambda ev: isinstance(ev, Finished) and out.__setitem__("ids", ev.token_ids))
+    eng.run_until_idle()
+    mixed = [r for r in eng.history if r.prefill_tokens and r.decode_tokens]
+    assert mixed and all(r.decode_tokens + r.prefill_tokens <= 11 for r in mixed), mixed
+    assert out["ids"] == _alone(tiny, turn, 8)
+
+
 def test_cancel_frees_the_session_and_others_finish(tiny):
     eng = BatchEngine(tiny, proposer="none")
     events: list = []

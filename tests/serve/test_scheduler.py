@@ -114,6 +114,14 @@ def test_chunks_are_read_off_the_cost_curve_into_its_cheap_lengths():
     assert 1.5 < c.fit <= 2.0 and c.budget(4, 256) == 4 + 8  # nothing fits: min_chunk
 
 
+def test_drafts_get_what_the_prompts_leave_of_the_stall_budget():
+    from macfleet.serve.scheduler import draft_room
+
+    assert draft_room(budget=20, decoding=4, prefill_left=10) == 6
+    assert draft_room(budget=20, decoding=4, prefill_left=2000) == 0  # a long prompt: none
+    assert draft_room(budget=3, decoding=4, prefill_left=0) == 0
+
+
 def test_prefix_sharing_copies_what_a_cache_holds_and_waits_for_a_longer_one():
     sys_turn = tuple(range(100, 124))  # a chat template's system turn: 24 tokens
     a = PrefixView(1, (*sys_turn, 1, 2, 3, 4), (*sys_turn, 1, 2, 3, 4))  # decoding: cached
