@@ -12,7 +12,9 @@ goal: p99 <= 1.5x p50 with a prefill agent), the long prompt's time to first tok
 (bytes, ms), and whether its greedy ids equal the verifier-alone ones. A control runs the same
 short sessions with no long prompt (the prefill agent up and idle): the spread of their gaps
 that is the workload's own (speculative blocks, their next prompts' chunks), the yardstick for
-what the long prompt adds.
+what the long prompt adds; a busy control runs them again while the prefill agent computes a
+long prompt's KV for the bench itself (`busy_prefill`): its load on this one machine's cores and
+memory bus without any KV reaching the verifier, which on two Macs it would not share.
 
 Links: `loopback` (every agent on 127.0.0.1), and `netns-wifi`: the verifier and the prefill
 agent each in a network namespace of the test bed (tests/testbed/netns.py: one Linux bridge,
@@ -33,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from bridge.auth import fleet_id
@@ -82,6 +85,19 @@ def long_prompt(tokenizer, n: int) -> str:
         text += PARAGRAPH
     ids = tokenizer.encode(text)[:n]
     return tokenizer.decode(ids)
+
+
+def busy_prefill(card, key: bytes, model: str, ids: list[int]) -> None:
+    """The prefill agent at `card` computes the KV of `ids` for this process, which drops it:
+    its load on the machine without the verifier receiving or installing anything (the busy
+    control: two agents on one box share its memory bus, two Macs do not)."""
+    from agents.remote_prefill import fetch_kv, silence_s
+    from macfleet.engine.kvship import model_layout
+    from macfleet.engine.models import load_model
+
+    layout = model_layout(load_model(model).model)
+    fetch_kv(card.router_endpoint, key, ids=ids, model=model, layout=layout, codec="auto",
+             silence=silence_s(512, 0.0), deadline_s=900.0)
 
 
 def run_one(name: str, card, key: bytes, prompt: str, n: int, t0: float,
@@ -147,12 +163,12 @@ ROOT_HOST = 254  # this process's address on the test bed's bridge: <subnet>.254
 @contextlib.contextmanager
 def agents_up(link: str, agents: list[tuple[str, int | None, list[str]]], *, model: str,
               key: bytes, key_path: Path, run_dir: Path) -> Iterator:
-    """The agents (role, core, extra args) on `link`; yields the first one's (the verifier's)
-    card once every agent is discovered; stops them all on exit."""
+    """The agents (role, core, extra args) on `link`; yields their cards, in order (the first:
+    the verifier's), once every agent is discovered; stops them all on exit."""
     if link == "loopback":
         fleet = start_pinned(agents, model=model, key=key, key_path=key_path, run_dir=run_dir)
         try:
-            yield fleet.card(fleet.agents[0])
+            yield [fleet.card(a) for a in fleet.agents]
         finally:
             fleet.stop()
         return
@@ -186,16 +202,17 @@ def agents_up(link: str, agents: list[tuple[str, int | None, list[str]]], *, mod
             else:
                 raise local.FleetStartError(f"netns agents not all up; logs in {run_dir}")
         time.sleep(1.0)  # the verifier's own browser sees the prefill agent too
-        yield cards[names[0]]
+        yield [cards[n] for n in names]
 
 
 def scenario(card, key: bytes, long_text: str | None, *, shorts: int, long_tokens: int,
-             control_s: float = 0.0) -> tuple[list[Timed], tuple[float, float]]:
+             control_s: float = 0.0, hold: Callable[[], None] | None = None
+             ) -> tuple[list[Timed], tuple[float, float]]:
     """`shorts` sessions start together and decode; once every one of them streams, the long
     prompt arrives. The short sessions are read until the long one's first token (the window:
     its prefill, wherever it runs); returns the runs and the window (s from the round's start).
     Without a long prompt (the control), the window is the `control_s` seconds after the
-    moment it would have arrived: the same workload's own gaps."""
+    moment it would have arrived (or as long as `hold()` runs): the same workload's own gaps."""
     prompts = list(BENCH_PROMPTS.values())
     out: dict[str, list[Timed] | BaseException] = {}
     first = threading.Event()  # the long prompt's first token: the window ends
@@ -222,8 +239,10 @@ def scenario(card, key: bytes, long_text: str | None, *, shorts: int, long_token
     time.sleep(LONG_AFTER_S)  # every short session is past its prompt by then
     window.append(time.perf_counter() - t0)
     if long_text is None:
-        time.sleep(control_s)
-        window.append(time.perf_counter() - t0)
+        try:
+            hold() if hold is not None else time.sleep(control_s)
+        finally:
+            window.append(time.perf_counter() - t0)
         first.set()
         for t in threads:
             t.join(SILENCE_S)
@@ -318,6 +337,7 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
                  shorts: int = DEFAULT_SHORT_SESSIONS, long_tokens: int = DEFAULT_LONG_TOKENS,
                  codecs: tuple[str, ...] = ("auto",), links: tuple[str, ...] = LINKS,
                  stall_ratio: float | None = None, control_s: float = DEFAULT_CONTROL_S,
+                 busy_tokens: int = 0,
                  progress: Callable[[str], None] = lambda m: None) -> dict:
     from macfleet.bench.f3 import load_testbed
     from macfleet.engine.models import load_model
@@ -335,7 +355,7 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
         (f"prefill agent ({c})" + ("" if ln == "loopback" else f", {ln}"), c, ln)
         for ln in links for c in codecs]
     stall = [] if stall_ratio is None else ["--stall-ratio", str(stall_ratio)]
-    control = None
+    control = busy = None
     if control_s > 0 and any(c is not None for _, c, _ in modes):
         # the goal's yardstick: what the short sessions' gaps spread to on their own (their
         # speculative blocks, their next prompts' chunks), with the prefill agent up and idle
@@ -346,15 +366,29 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
             with agents_up("loopback", [("verifier", v_cpu, stall + ["--kv-codec", "auto"]),
                                         ("prefill", p_cpu, [])],
                            model=model, key=key, key_path=key_path,
-                           run_dir=Path(tmp) / "run") as card:
+                           run_dir=Path(tmp) / "run") as (card, prefill_card):
                 run_one("warm-up", card, key, "Hi", 4, time.perf_counter())
                 runs, window = scenario(card, key, None, shorts=shorts, long_tokens=0,
                                         control_s=control_s)
-        control = {"mode": "no long prompt (control)", "link": "loopback",
-                   **summarize(runs, window)}
-        progress(f"control: short ITL p50 {control['short_itl_s']['p50'] * 1e3:.0f} ms, p99 "
-                 f"{control['short_itl_s']['p99'] * 1e3:.0f} ms ({control['p99_over_p50']}x), "
-                 f"{control['gaps_in_window']} gaps")
+                control = {"mode": "no long prompt (control)", "link": "loopback",
+                           **summarize(runs, window)}
+                progress(f"control: short ITL p50 {control['short_itl_s']['p50'] * 1e3:.0f} "
+                         f"ms, p99 {control['short_itl_s']['p99'] * 1e3:.0f} ms "
+                         f"({control['p99_over_p50']}x), {control['gaps_in_window']} gaps")
+                if busy_tokens > 0:
+                    progress(f"busy control: the prefill agent computes a {busy_tokens}-token "
+                             "prompt's KV for this bench, not the verifier")
+                    hold = partial(busy_prefill, prefill_card, key, model,
+                                   tok.encode(long_prompt(tok, busy_tokens)))
+                    runs, window = scenario(card, key, None, shorts=shorts, long_tokens=0,
+                                            hold=hold)
+                    busy = {"mode": "no long prompt, prefill agent busy (control)",
+                            "link": "loopback", "busy_tokens": busy_tokens,
+                            **summarize(runs, window)}
+                    progress(f"busy control: short ITL p50 "
+                             f"{busy['short_itl_s']['p50'] * 1e3:.0f} ms, p99 "
+                             f"{busy['short_itl_s']['p99'] * 1e3:.0f} ms "
+                             f"({busy['p99_over_p50']}x), {busy['gaps_in_window']} gaps")
     sizes = []
     for n in prompt_tokens:
         long_text = long_prompt(tok, n)
@@ -370,7 +404,7 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
                 progress(f"{n} tokens, {label}: starting {len(agents)} agent(s) ({model}, "
                          f"{link})")
                 with agents_up(link, agents, model=model, key=key, key_path=key_path,
-                               run_dir=Path(tmp) / "run") as card:
+                               run_dir=Path(tmp) / "run") as (card, *_):
                     run_one("warm-up", card, key, "Hi", 4, time.perf_counter())
                     runs, window = scenario(card, key, long_text, shorts=shorts,
                                             long_tokens=long_tokens)
@@ -390,7 +424,7 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
                         f"the long prompt arrives {LONG_AFTER_S} s later; their inter-token gaps "
                         "in the window from its arrival to its first token",
             "goal": "with a prefill agent, short p99 ITL in the window <= 1.5x its p50",
-            "control": control,
+            "control": control, "busy_control": busy,
             "links": {"loopback": "every agent on 127.0.0.1",
                       "netns-wifi": "verifier and prefill agent in two network namespaces on a "
                                     "Linux bridge, each host's egress a tbf rate 100mbit burst "
@@ -434,6 +468,11 @@ def plot(res: dict, path: Path) -> Path | None:
             ax.axhline(control["short_itl_s"]["p99"] * 1e3, color="tab:gray", lw=1, ls=":",
                        label=f"p99 with no long prompt (control, {control['p99_over_p50']}x "
                              "its p50)")
+        busy = res.get("busy_control")
+        if busy:
+            ax.axhline(busy["short_itl_s"]["p99"] * 1e3, color="tab:red", lw=1, ls=":",
+                       label=f"p99 with the prefill agent busy for the bench (control, "
+                             f"{busy['p99_over_p50']}x its p50)")
         ax.margins(y=0.45)  # room for the labels and the legend above the bars
         ax.set_xticks(list(x))
         ax.set_xticklabels([m["mode"].replace(" (", "\n(") for m in modes], fontsize=7)

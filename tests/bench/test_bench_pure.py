@@ -87,5 +87,6 @@ def test_disagg_summary_splits_gaps_at_the_window_and_plots(tmp_path):
     c = summarize([short], (1.45, 2.45))
     assert c["short_itl_s"] == s["short_itl_s"] and c["long_ttft_s"] is None
     res = {"short_sessions": 1, "control": {"mode": "no long prompt (control)", **c},
+           "busy_control": {"mode": "no long prompt, prefill agent busy (control)", **c},
            "sizes": [{"prompt_tokens": 2000, "modes": [{"mode": "prefill agent (auto)", **s}]}]}
     assert plot(res, tmp_path / "disagg.png").stat().st_size > 0
