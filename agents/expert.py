@@ -10,7 +10,7 @@ In a MoE block each rank computes a [tokens, hidden] partial sum over its own ex
 Collective payload per forward: MoE layers x tokens x hidden x itemsize. Two ways to route:
 * a few tokens (decode, verify blocks: under `ROUTE_ON_HOST_MIN_TOKENS`): on the device, no
   host sync. Each of a token's k slots runs through `switch_mlp` (mlx-lm's own gather matmul),
-  a slot routed to another rank's expert pointed at a local one and weighted by an exact zero;
+  a slot routed to another rank's expert pointed at a local one and its output replaced by 0;
   the all_sum stays inside the forward's graph, like tensor parallelism's. A forward is one
   evaluation instead of three host round trips per MoE layer (the router's choice, the
   partial, the collective); decode is bandwidth-bound, and the extra slots read no expert that
@@ -119,8 +119,10 @@ class ExpertParallelMoE(nn.Module):
         mine = (inds >= a) & (inds < b)
         local = mx.where(mine, inds - a, 0).astype(mx.uint32)
         y = self.switch_mlp(x, local)  # [B, L, k, D]
-        w = mx.where(mine, scores, mx.zeros_like(scores))
-        return (y * w[..., None]).sum(axis=-2).astype(x.dtype)
+        # select, not multiply by 0: another rank's slot is exactly 0 even where the local
+        # expert it ran through overflowed (float16) for a token never routed to it
+        y = mx.where(mine[..., None], y * scores[..., None], mx.zeros_like(y))
+        return y.sum(axis=-2).astype(x.dtype)
 
     def _on_host(self, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
         """Only the rows routed here are computed (one host read of the router's choice)."""
