@@ -488,7 +488,8 @@ class BlockMetrics:
     # hidden-state drafter runs, so the dashboard can show F3's cost as an estimate
     hidden_size: int = 0
     # a sharded verifier: what its ranks moved for this block (exact bytes; ms inside the
-    # collective, measured in expert mode only) and the router's load per rank (expert mode)
+    # collective, measured on expert mode's host-routed forwards only: prefill chunks) and the
+    # router's load per rank (expert mode)
     shard_bytes: int = 0
     shard_ms: float = 0.0
     rank_load: tuple[int, ...] = ()
