@@ -43,8 +43,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from agents.expert import expert_range, shard_experts
-from agents.shard_traffic import ShardTraffic, pipeline_bytes, tensor_bytes
+from agents.expert import ExpertParallelMoE, expert_range, shard_experts
+from agents.shard_traffic import ShardTraffic, pipeline_bytes, ring_rounds, tensor_bytes
 from agents.verifier_service import VerifierLost
 from macfleet.engine.layers import head_logits, run_layers
 
@@ -200,6 +200,12 @@ class _Stage:
             return pipeline_bytes(self.size, tokens, a.hidden_size, a.vocab_size, want_logits)
         return 0
 
+    def ring_rounds(self, want_logits: bool) -> float:
+        """One forward's collectives, in small ring all-reduces (`shard_traffic.ring_rounds`)."""
+        moe = sum(1 for ly in self.layers if isinstance(getattr(ly, "mlp", None),
+                                                        ExpertParallelMoE))
+        return ring_rounds(self.mode, self.size, len(self.layers), moe, want_logits)
+
     @property
     def offset(self) -> int:
         return int(self.cache[0].offset)
@@ -267,10 +273,13 @@ class ShardGroup:
         if self.group.rank() == 0:
             buf[0], buf[1] = cmd, n
             buf[HEADER:HEADER + len(tokens)] = tokens
+        t0 = time.perf_counter()
         with self.watchdog.guard(f"command broadcast (cmd {cmd})"):
             out = mx.distributed.all_sum(mx.array(buf), group=self.group)
             mx.eval(out)
-        self.traffic.command()
+        # rank 0 arrives last (the followers wait in it): its time is the ring's latency
+        self.traffic.command((time.perf_counter() - t0) * 1e3 if self.group.rank() == 0
+                             else None)
         return np.array(out)
 
     def _run(self, cmd: int, n: int, tokens: np.ndarray) -> mx.array | None:
@@ -281,7 +290,8 @@ class ShardGroup:
             t0 = time.perf_counter()
             with self.watchdog.guard(f"{st.mode} forward of {n} tokens"):
                 out = st.forward(ids, want_logits=want)
-            self.traffic.forward(n, st.flow_bytes(n, want), (time.perf_counter() - t0) * 1e3)
+            self.traffic.forward(n, st.flow_bytes(n, want), (time.perf_counter() - t0) * 1e3,
+                                 st.ring_rounds(want))
             return out
         if cmd == CMD_ROLLBACK:
             st.rollback(n)

@@ -8,16 +8,26 @@ The bytes are exact, from the shapes each mode moves (nothing is sampled):
 * pipeline: [tokens, hidden] float32 over each of the N-1 rank boundaries, plus the logits
   [tokens, vocab] float32 from the last rank back to rank 0 when they are wanted.
 The leader's command broadcast (an all_sum of HEADER + MAX_BLOCK int32) is counted apart.
+
+The milliseconds: the collectives run inside each forward's graph (expert mode's prefill chunks
+excepted), where timing them would cost the syncs they avoid. So every mode's are priced: the
+collectives a forward runs, in small ring all-reduces (`ring_rounds`), x the ring's latency,
+which rank 0 measures on every command broadcast (one small all_sum, before every forward; the
+median of the recent ones).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from macfleet.stats import ShardStats
 
 ACT_ITEMSIZE = 4  # pipeline hops and logits travel as float32 (agents/shard.py)
+PINGS = 31  # command broadcasts the ring's latency is the median of
 
 
 def tensor_bytes(layers: int, tokens: int, hidden: int, itemsize: int) -> int:
@@ -28,15 +38,38 @@ def pipeline_bytes(ranks: int, tokens: int, hidden: int, vocab: int, want_logits
     return ((ranks - 1) * tokens * hidden + (tokens * vocab if want_logits else 0)) * ACT_ITEMSIZE
 
 
-def block_delta(prev: ShardStats | None, now: ShardStats | None
-                ) -> tuple[int, float, tuple[int, ...]]:
-    """What one block added to a generation's tally: bytes, collective ms, load per rank."""
+def ring_rounds(mode: str, ranks: int, layers: int, moe_layers: int, want_logits: bool
+                ) -> float:
+    """One forward's collectives on its critical path, in small ring all-reduces: tensor two
+    per layer, expert one per MoE layer; a pipeline's hops (one per boundary, plus the logits
+    back) each one of an all-reduce's 2(ranks - 1) ring steps (as topology/moe.py prices)."""
+    if ranks <= 1:
+        return 0.0
+    if mode == "tensor":
+        return 2.0 * layers
+    if mode == "expert":
+        return float(moe_layers)
+    return ((ranks - 1) + (1 if want_logits else 0)) / (2 * (ranks - 1))
+
+
+@dataclass(frozen=True)
+class BlockShard:
+    """What one block added to a generation's shard flow."""
+
+    bytes: int
+    ms: float  # measured inside the collectives (expert mode's host-routed forwards)
+    priced_ms: float  # every mode: collectives x the ring's measured latency
+    rank_load: tuple[int, ...]
+
+
+def block_delta(prev: ShardStats | None, now: ShardStats | None) -> BlockShard:
     if now is None:
-        return 0, 0.0, ()
+        return BlockShard(0, 0.0, 0.0, ())
     if prev is None:
-        return now.collective_bytes, now.collective_ms, now.rank_load
-    return (now.collective_bytes - prev.collective_bytes, now.collective_ms - prev.collective_ms,
-            tuple(a - b for a, b in zip(now.rank_load, prev.rank_load)))
+        return BlockShard(now.collective_bytes, now.collective_ms, now.priced_ms, now.rank_load)
+    return BlockShard(now.collective_bytes - prev.collective_bytes,
+                      now.collective_ms - prev.collective_ms, now.priced_ms - prev.priced_ms,
+                      tuple(a - b for a, b in zip(now.rank_load, prev.rank_load)))
 
 
 class ShardTraffic:
@@ -47,20 +80,30 @@ class ShardTraffic:
         self.mode, self.ranks = mode, ranks
         self._control = control_bytes_per_command
         self._clock = clock
+        self._pings: deque[float] = deque(maxlen=PINGS)  # kept across generations
         self.reset()
 
     def reset(self) -> None:
         self.forwards = self.tokens = self.collective_bytes = self.control_bytes = 0
-        self.forward_ms = 0.0
+        self.forward_ms = self.priced_ms = 0.0
 
-    def command(self) -> None:
+    def command(self, ms: float | None = None) -> None:
+        """A command broadcast; `ms`: how long it took rank 0 (the ring's latency)."""
         self.control_bytes += self._control
+        if ms is not None:
+            self._pings.append(ms)
 
-    def forward(self, tokens: int, nbytes: int, ms: float) -> None:
+    @property
+    def ring_ms(self) -> float:
+        """The median of the recent command broadcasts' times (0 before any)."""
+        return statistics.median(self._pings) if self._pings else 0.0
+
+    def forward(self, tokens: int, nbytes: int, ms: float, rounds: float = 0.0) -> None:
         self.forwards += 1
         self.tokens += tokens
         self.collective_bytes += nbytes
         self.forward_ms += ms
+        self.priced_ms += rounds * self.ring_ms
 
     def stats(self, *, collective_bytes: int = 0, collective_ms: float = 0.0,
               expert_load: tuple[int, ...] = (), rank_load: tuple[int, ...] = ()) -> ShardStats:
@@ -69,5 +112,6 @@ class ShardTraffic:
                           tokens=self.tokens,
                           collective_bytes=self.collective_bytes + collective_bytes,
                           control_bytes=self.control_bytes, forward_ms=self.forward_ms,
-                          collective_ms=collective_ms, expert_load=expert_load,
+                          collective_ms=collective_ms, priced_ms=self.priced_ms,
+                          expert_load=expert_load,
                           rank_load=rank_load)

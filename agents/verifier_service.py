@@ -566,12 +566,15 @@ class VerifierService:
                     wire_ms += last.wire_ms
                     block_ms += ev.block_ms
                     shard = shard_now()
-                    sh_bytes, sh_ms, sh_load = block_delta(shard_prev, shard)
+                    sh = block_delta(shard_prev, shard)
                     shard_prev = shard
+                    # measured where a collective was timed, else priced (and marked so)
                     self._publish_block(
                         msg.request_id, ev, last,
                         probe=bool(self.f3_probe_width) and self._feature_tap is None,
-                        shard_bytes=sh_bytes, shard_ms=sh_ms, rank_load=sh_load, **kv_once)
+                        shard_bytes=sh.bytes, shard_ms=sh.ms or sh.priced_ms,
+                        shard_priced=not sh.ms and sh.priced_ms > 0, rank_load=sh.rank_load,
+                        **kv_once)
                     kv_once = {}
                 elif isinstance(ev, Finished):
                     stats = ev.stats

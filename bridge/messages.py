@@ -488,10 +488,11 @@ class BlockMetrics:
     # hidden-state drafter runs, so the dashboard can show F3's cost as an estimate
     hidden_size: int = 0
     # a sharded verifier: what its ranks moved for this block (exact bytes; ms inside the
-    # collective, measured on expert mode's host-routed forwards only: prefill chunks) and the
-    # router's load per rank (expert mode)
+    # collectives: timed on expert mode's host-routed forwards (prefill chunks), else priced
+    # from the ring's measured latency) and the router's load per rank (expert mode)
     shard_bytes: int = 0
     shard_ms: float = 0.0
+    shard_priced: bool = False  # shard_ms priced (collectives x the ring's latency), not timed
     rank_load: tuple[int, ...] = ()
     # flow KV, on a session's first block only: its prompt's KV shipped by a prefill agent
     # (bytes, and ms from request to last chunk)

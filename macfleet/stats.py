@@ -76,6 +76,9 @@ class ShardStats:
     forward_ms: float = 0.0  # wall time of the sharded forwards on rank 0
     collective_ms: float = 0.0  # expert mode: rank 0's time inside the per-layer all_sums of
     # host-routed forwards (prefill chunks); decode forwards keep them inside the graph, untimed
+    # every mode: the forwards' collectives priced at the ring's latency as rank 0 measures it
+    # on every command broadcast (one small all_sum): collectives x that latency
+    priced_ms: float = 0.0
     expert_load: tuple[int, ...] = ()  # expert mode: tokens routed to each expert, all layers
     rank_load: tuple[int, ...] = ()  # expert mode: the same summed over each rank's experts
 

@@ -72,6 +72,8 @@ def print_stats(stats: GenerationStats, file=sys.stderr) -> None:
         print(f"   shard flow ({sh.mode} over {sh.ranks}): {sh.bytes_per_forward:.0f} B/forward, "
               f"{sh.ms_per_forward:.1f} ms/forward over {sh.forwards} forwards"
               + (f", collective {sh.collective_ms_per_forward:.2f} ms" if sh.collective_ms else "")
+              + (f", collectives ~{sh.priced_ms / sh.forwards:.2f} ms/forward priced at the "
+                 "ring's latency" if sh.priced_ms and sh.forwards else "")
               + (f" | router load per rank {list(sh.rank_load)}, per expert "
                  f"{list(sh.expert_load)}" if sh.expert_load else ""), file=file)
     kv = fleet.kv

@@ -8,7 +8,7 @@ multi-host overhead per flow (bytes/block, ms/block, share of block time, with h
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from macfleet.fleet.snapshot import BlockSample, FlowView, SessionView
 
@@ -65,7 +65,10 @@ class SessionMetrics:
         elif bl:
             flows.append(f3_estimate(bl, block_ms))
         if any(getattr(b, "shard_bytes", 0) for b in bl):  # a sharded verifier's ranks
-            flows.append(flow("shard", "shard_bytes", "shard_ms", False))
+            sh = flow("shard", "shard_bytes", "shard_ms", False)
+            # priced from the ring's measured latency (the collectives run inside the graph)
+            flows.append(replace(sh, estimate=any(getattr(b, "shard_priced", False)
+                                                  for b in bl)))
         if self.kv is not None:  # flow KV: the prompt's KV, shipped once (not per block)
             flows.append(FlowView(flow="KV", bytes_per_block=float(self.kv[0]),
                                   ms_per_block=self.kv[1], share_of_block=0.0, history=()))

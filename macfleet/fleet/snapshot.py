@@ -117,7 +117,9 @@ class FlowView(_Dictable):
     share_of_block: float
     probe: bool = False
     history: tuple[float, ...] = ()
-    estimate: bool = False  # not measured: what the flow would cost (F3 with no F3 drafter)
+    # not measured: what the flow would cost (F3 with no F3 drafter), or priced from a
+    # measured latency (a shard group's collectives, which run inside the forward's graph)
+    estimate: bool = False
 
     @property
     def label(self) -> str:
