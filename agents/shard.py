@@ -44,12 +44,13 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from agents.expert import ExpertParallelMoE, expert_range, shard_experts
-from agents.shard_traffic import ShardTraffic, pipeline_bytes, ring_rounds, tensor_bytes
+from agents.shard_traffic import ShardTraffic, pipeline_bytes, tensor_bytes
 from agents.verifier_service import VerifierLost
 from macfleet.engine.layers import head_logits, run_layers
 
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, Verifier
 from macfleet.stats import ShardStats
+from macfleet.topology.moe import ring_rounds
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,8 @@ class _Stage:
             self.span = (a, b)
         else:
             raise ValueError(f"unknown shard mode '{mode}': one of {SHARD_MODES}")
+        self.moe_layers = sum(isinstance(getattr(ly, "mlp", None), ExpertParallelMoE)
+                              for ly in self.layers)
         self.reset()
 
     def reset(self) -> None:
@@ -201,10 +204,8 @@ class _Stage:
         return 0
 
     def ring_rounds(self, want_logits: bool) -> float:
-        """One forward's collectives, in small ring all-reduces (`shard_traffic.ring_rounds`)."""
-        moe = sum(1 for ly in self.layers if isinstance(getattr(ly, "mlp", None),
-                                                        ExpertParallelMoE))
-        return ring_rounds(self.mode, self.size, len(self.layers), moe, want_logits)
+        """One forward's collectives, in small ring all-reduces (`topology.moe.ring_rounds`)."""
+        return ring_rounds(self.mode, self.size, len(self.layers), self.moe_layers, want_logits)
 
     @property
     def offset(self) -> int:

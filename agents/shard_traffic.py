@@ -11,7 +11,8 @@ The leader's command broadcast (an all_sum of HEADER + MAX_BLOCK int32) is count
 
 The milliseconds: the collectives run inside each forward's graph (expert mode's prefill chunks
 excepted), where timing them would cost the syncs they avoid. So every mode's are priced: the
-collectives a forward runs, in small ring all-reduces (`ring_rounds`), x the ring's latency,
+collectives a forward runs, in small ring all-reduces (`topology.moe.ring_rounds`, the
+planner's count), x the ring's latency,
 which rank 0 measures on every command broadcast (one small all_sum, before every forward; the
 median of the recent ones).
 """
@@ -36,20 +37,6 @@ def tensor_bytes(layers: int, tokens: int, hidden: int, itemsize: int) -> int:
 
 def pipeline_bytes(ranks: int, tokens: int, hidden: int, vocab: int, want_logits: bool) -> int:
     return ((ranks - 1) * tokens * hidden + (tokens * vocab if want_logits else 0)) * ACT_ITEMSIZE
-
-
-def ring_rounds(mode: str, ranks: int, layers: int, moe_layers: int, want_logits: bool
-                ) -> float:
-    """One forward's collectives on its critical path, in small ring all-reduces: tensor two
-    per layer, expert one per MoE layer; a pipeline's hops (one per boundary, plus the logits
-    back) each one of an all-reduce's 2(ranks - 1) ring steps (as topology/moe.py prices)."""
-    if ranks <= 1:
-        return 0.0
-    if mode == "tensor":
-        return 2.0 * layers
-    if mode == "expert":
-        return float(moe_layers)
-    return ((ranks - 1) + (1 if want_logits else 0)) / (2 * (ranks - 1))
 
 
 @dataclass(frozen=True)

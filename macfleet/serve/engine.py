@@ -557,7 +557,8 @@ class BatchEngine:
         if room is None:
             return ks
         mine = [s.sid for s in adaptive]
-        left = room - sum(k for sid, k in ks.items() if sid not in set(mine))
+        planned = set(mine)
+        left = room - sum(k for sid, k in ks.items() if sid not in planned)
         return {**ks, **dict(zip(mine, cap_total([ks[sid] for sid in mine], left)))}
 
     def _curve(self) -> VerifyCurve:

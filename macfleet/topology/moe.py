@@ -114,6 +114,22 @@ def expert_time_share(model: ModelShape, tokens: int) -> float:
     return routed_fraction(model, tokens) * model.expert_bytes / total if total > 0 else 0.0
 
 
+def ring_rounds(mode: str, n: int, layers: int, moe_layers: int, want_logits: bool = True
+                ) -> float:
+    """One forward's collectives on its critical path over n ranks, in small ring all-reduces:
+    tensor two per layer, expert one per MoE layer; a pipeline's hops (one per boundary, plus
+    the logits back) each one of an all-reduce's 2(n - 1) ring steps. What `estimate` prices
+    per collective, and what a shard group's leader prices its untimed collectives by
+    (agents/shard_traffic.py)."""
+    if n <= 1:
+        return 0.0
+    if mode == TENSOR:
+        return 2.0 * layers
+    if mode == EXPERT:
+        return float(moe_layers)
+    return ((n - 1) + (1 if want_logits else 0)) / (2 * (n - 1))
+
+
 def allreduce_ms(link: Link, nbytes: float, n: int, ring: RingLatency | None = None) -> float:
     if n <= 1:
         return 0.0
@@ -184,12 +200,13 @@ def estimate(model: ModelShape, mode: str, n: int, mem_free: Sequence[int], link
     reads = verify_ms - floor
     if mode == TENSOR:
         compute = floor + reads / n
-        comm = 2 * model.layers * allreduce_ms(link, s, n, ring)
+        comm = ring_rounds(mode, n, model.layers, 0) * allreduce_ms(link, s, n, ring)
     elif mode == EXPERT:
         share = expert_time_share(model, tokens)
         syncs = moe_layers(model) if tokens >= ROUTE_ON_HOST_MIN_TOKENS else 0
         compute = floor + reads * (1 - share + share / n) + syncs * sync_ms
-        comm = moe_layers(model) * allreduce_ms(link, s, n, ring)
+        comm = ring_rounds(mode, n, model.layers, moe_layers(model)) * allreduce_ms(link, s, n,
+                                                                                  ring)
     else:
         compute = verify_ms
         comm = (n - 1) * hop_ms(link, s, ring) + hop_ms(link, tokens * model.vocab * ACT_BYTES,

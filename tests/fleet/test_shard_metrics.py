@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from agents.shard_traffic import BlockShard, ShardTraffic, block_delta, ring_rounds
+from agents.shard_traffic import BlockShard, ShardTraffic, block_delta
 from bridge.messages import BlockMetrics
 from macfleet.fleet.metrics import SessionMetrics
 from macfleet.fleet.snapshot import SessionView
 from macfleet.stats import ShardStats
+from macfleet.topology.moe import ring_rounds
 
 
 def block(i: int, **shard) -> BlockMetrics:
