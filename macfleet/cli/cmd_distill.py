@@ -27,6 +27,17 @@ def add_parser(sub) -> None:
     p.add_argument("--unroll", type=int, default=1, metavar="N",
                    help="training steps fed the head's own predicted features after the first "
                    "(the chain a proposer runs; more helps later draft positions)")
+    p.add_argument("--target", choices=("hard", "soft"), default="hard",
+                   help="token loss against the verifier's greedy token (hard) or its whole "
+                        "next-token distribution, read off the stored hidden states (soft)")
+    p.add_argument("--reg-weight", type=float, default=1.0,
+                   help="weight of the next-feature regression (default: %(default)s)")
+    p.add_argument("--time-limit", type=float, default=0.0, metavar="S",
+                   help="train for at most S seconds: the steps that fit (at most --steps) are "
+                        "measured as it runs and the learning rate decays to them")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="decoder layers of the head (default: --init HEAD's, or 1); more than "
+                        "the init head's grow it, the added layers starting as the identity")
     p.add_argument("--gen-prompts", type=int, default=12,
                    help="built-in prompts the verifier answers itself (slow: ~10 tok/s on CPU)")
     p.add_argument("--gen-tokens", type=int, default=96, help="tokens per generated answer")
@@ -89,6 +100,9 @@ def run(args) -> int:
 
     if args.steps < 1 or args.batch < 1 or args.seq_len < 8 or args.unroll < 0:
         raise UserError("--steps and --batch must be >= 1, --seq-len >= 8, --unroll >= 0")
+    if (args.layers is not None and args.layers < 1) or args.reg_weight < 0 \
+            or args.time_limit < 0:
+        raise UserError("--layers must be >= 1, --reg-weight and --time-limit >= 0")
     if args.questions < 0 or args.features_batch < 1 or args.gen_batch < 1:
         raise UserError("--questions must be >= 0, --features-batch and --gen-batch >= 1")
     if args.stage == "questions" and args.questions < 1:
@@ -104,7 +118,8 @@ def run(args) -> int:
     out = Path(args.out or f"{args.model.replace(':', '-').replace('/', '-')}-eagle")
     params = TrainParams(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                          save_every=args.save_every, ce_weight=args.ce_weight,
-                         unroll_steps=args.unroll)
+                         unroll_steps=args.unroll, target=args.target,
+                         reg_weight=args.reg_weight, time_limit=args.time_limit)
     if args.tokens > 0 or args.questions > 0 or args.stage != "all":
         return _run_dataset(args, lm, out, params)
     if args.init not in ("verifier", "random") or args.skip_missing_hidden:
@@ -114,7 +129,7 @@ def run(args) -> int:
         distill(lm, out, params, paths=args.data, resume=args.resume,
                 work=Path(args.work) if args.work else None, gen_prompts=args.gen_prompts,
                 gen_tokens=args.gen_tokens, text_tokens=args.text_tokens,
-                draft_vocab=args.draft_vocab,
+                draft_vocab=args.draft_vocab, layers=args.layers or 1,
                 report=lambda s: print(s, file=sys.stderr, flush=True))
     except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
@@ -172,7 +187,7 @@ def _run_dataset(args, lm, out: Path, params) -> int:
                                  draft_vocab=args.draft_vocab,
                                  init_layer=args.init == "verifier", follow=args.follow,
                                  init_head=init_head, skip_missing=args.skip_missing_hidden,
-                                 report=report)
+                                 layers=args.layers, report=report)
     except (DatasetError, ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
     return 0

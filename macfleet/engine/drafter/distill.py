@@ -137,14 +137,14 @@ def distill(lm: LoadedModel, out: Path, params: TrainParams, *, paths: Sequence[
             resume: bool = False, work: Path | None = None,
             gen_prompts: int = DEFAULT_GEN_PROMPTS, gen_tokens: int = DEFAULT_GEN_TOKENS,
             text_tokens: int = DEFAULT_TEXT_TOKENS, dtype: str = "float16",
-            draft_vocab: int = DEFAULT_DRAFT_VOCAB,
+            draft_vocab: int = DEFAULT_DRAFT_VOCAB, layers: int = 1,
             report: Callable[[str], None] = log.info) -> DistillResult:
     work = work or default_work_dir(lm)
     train_chunks, held = build_dataset(lm, work, paths, gen_prompts, gen_tokens, text_tokens,
                                        resume, report)
     ntok = sum(len(c.tokens) for c in train_chunks)
     cfg = EagleConfig.for_verifier(lm.model, lm.spec, feature_scale=feature_rms(train_chunks),
-                                   dtype=dtype)
+                                   dtype=dtype, layers=layers)
     mx.random.seed(params.seed)
     head = EagleHead(cfg, lm.model)
     mx.eval(head.parameters())
@@ -219,13 +219,15 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
                          init_layer: bool = True, follow: bool = False,
                          held_out_share: float = HELD_OUT_SHARE,
                          init_head: Path | None = None, skip_missing: bool = False,
+                         layers: int | None = None,
                          report: Callable[[str], None] = log.info) -> DistillResult:
     """Train a head on a dataset directory (memory-mapped; the verifier never runs again).
     init_layer: start the head's layer from the verifier's last layer; follow: re-read the
     dataset at every checkpoint (train while `distill --stage data` is still adding to it;
     the held-out answers stay those of the first read); init_head: go on training this head
     (its draft vocabulary and feature scale kept; steps add up); skip_missing: train on the
-    shards that have hidden states only."""
+    shards that have hidden states only; layers: decoder layers of the head (default: the
+    init head's, or 1; a deeper one than init_head grows from it, see EagleHead.deepened)."""
     from macfleet.engine.drafter.dataset import Manifest, check_verifier, load_chunks
 
     m = Manifest.read(dataset)
@@ -240,9 +242,13 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
         prior_steps = head.config.steps
         prior_curve = cumulative_curve(read_eval(init_head))
         report(f"going on from {init_head} ({prior_steps} steps)")
+        if layers is not None and layers != len(head.layers):
+            head = head.deepened(layers)
+            report(f"deepened to {layers} decoder layers (the added ones start as the identity)")
     else:
         cfg = EagleConfig.for_verifier(lm.model, lm.spec,
-                                       feature_scale=feature_rms(train_chunks), dtype=dtype)
+                                       feature_scale=feature_rms(train_chunks), dtype=dtype,
+                                       layers=layers or 1)
         head = EagleHead(cfg, lm.model)
         if init_layer and not head.init_from_verifier():
             report("the verifier's last layer cannot seed the head (quantized?): random init")
@@ -254,8 +260,11 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
            f"answer tokens in the dataset), held out {len(held)} answers")
     curve = work / CURVE_FILE
 
+    reached = [params.steps]  # the last step: fewer than params.steps under a time limit
+
     def measure(step: int) -> None:
         """A point of the learning curve: held-out acceptance against training tokens."""
+        reached[0] = step
         a = chain_acceptance(head, held, max_starts=150)
         with open(curve, "a") as f:
             f.write(json.dumps({"step": step, "train_tokens": step * params.batch
@@ -277,9 +286,10 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
     losses = train(head, train_chunks, params, ckpt=work / "checkpoint-ds", resume=resume,
                    report=report, on_checkpoint=measure, refresh=reread if follow else None)
     acc = chain_acceptance(head, held, max_starts=300)
-    path = head.save(out, steps=prior_steps + params.steps)
-    write_eval(path, acc, before, params.steps, ntok,
-               {"processed_tokens": params.steps * params.batch * params.seq_len,
+    steps = reached[0]
+    path = head.save(out, steps=prior_steps + steps)
+    write_eval(path, acc, before, steps, ntok,
+               {"processed_tokens": steps * params.batch * params.seq_len,
                 "dataset": str(dataset), "verifier": m.verifier, "answers": m.samples,
                 "answer_tokens": m.answer_tokens, "positions": m.tokens,
                 "held_out_answers": len(held), "params": asdict(params),
@@ -292,6 +302,6 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
     report(f"held-out greedy chain acceptance (k=4): per position "
            f"{', '.join(f'{x:.2f}' for x in acc.per_position)}; mean accepted "
            f"{acc.mean_accepted:.2f} -> wrote {path}")
-    return DistillResult(path=path, steps=params.steps, train_tokens=ntok, held_out=acc,
+    return DistillResult(path=path, steps=steps, train_tokens=ntok, held_out=acc,
                          untrained=before, first_loss=losses[0] if losses else float("nan"),
                          last_loss=losses[-1] if losses else float("nan"))

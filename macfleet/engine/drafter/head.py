@@ -191,6 +191,28 @@ class EagleHead(nn.Module):
         self.layers[0].load_weights([(k, v.astype(mx.float32)) for k, v in theirs.items()])
         return True
 
+    def deepened(self, layers: int) -> EagleHead:
+        """This head with `layers` decoder layers: its own weights kept, each added layer after
+        them starting as the identity (its attention and MLP output projections zero, its
+        other weights the verifier's last layer's, dense models only), so the deeper head
+        drafts exactly what this one does until training moves it."""
+        if layers < len(self.layers):
+            raise ValueError(f"a head of {len(self.layers)} layers cannot shrink to {layers}")
+        head = EagleHead(replace(self.config, layers=layers), self.verifier)
+        head.load_weights(list(tree_flatten(self.parameters())), strict=False)
+        src = dict(tree_flatten(self.verifier.model.layers[-1].parameters()))
+        for layer in head.layers[len(self.layers):]:
+            mine = dict(tree_flatten(layer.parameters()))
+            if set(mine) == set(src) and all(mine[k].shape == src[k].shape for k in mine):
+                layer.load_weights([(k, v.astype(mx.float32)) for k, v in src.items()])
+            layer.load_weights([(k, mx.zeros_like(mine[k])) for k in
+                                ("self_attn.o_proj.weight", "mlp.down_proj.weight")],
+                               strict=False)
+        if self.draft_ids is not None:
+            head.set_draft_vocab(np.array(self.draft_ids))
+        mx.eval(head.parameters())
+        return head
+
     def set_draft_vocab(self, ids: np.ndarray | None) -> None:
         """Draft from a subset of the vocabulary (EAGLE-3's trick): the LM head is most of the
         draft cost, and frequent tokens carry almost all accepted drafts. Needs a dense

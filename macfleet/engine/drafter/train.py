@@ -1,8 +1,12 @@
 """Training the EAGLE head (self-distillation from the verifier), and its acceptance figure.
 
 Loss on each pair (f_t, x_{t+1}) -> f^_{t+1}:
-  smooth-L1((f^_{t+1} - f_{t+1}) / scale)          next-feature regression (EAGLE)
-+ w_ce * CE(LMhead(norm(f^_{t+1})), top_{t+1})     the verifier's own greedy next token
+  w_reg * smooth-L1((f^_{t+1} - f_{t+1}) / scale)  next-feature regression (EAGLE)
++ w_ce * CE(LMhead(norm(f^_{t+1})), target)        the verifier's next token: its greedy token
+                                                   (target "hard"), or its whole distribution
+                                                   (target "soft": LMhead(norm(f_{t+1})), read
+                                                   off the stored feature, so it costs no
+                                                   verifier run and no extra storage)
 Features get small Gaussian noise at the input (EAGLE's trick against its own errors when the
 chain feeds predicted features back). AdamW, cosine decay, resumable checkpoints.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -42,6 +47,9 @@ class TrainParams:
     unroll_weight: float = 0.5  # loss of each later step fed the head's own predicted features
     unroll_steps: int = 1  # later steps (EAGLE-3's training-time test): 1 = two steps in all
     gen_fraction: float = 0.5  # share of each batch drawn from the verifier's own answers
+    target: str = "hard"  # token loss against the verifier's greedy token or its distribution
+    reg_weight: float = 1.0  # weight of the feature regression
+    time_limit: float = 0.0  # seconds: stop by then, the schedule fitted to the steps that fit
     save_every: int = 50
     seed: int = 0
 
@@ -100,9 +108,16 @@ def draft_remap(head: EagleHead) -> mx.array | None:
     return mx.array(remap)
 
 
+TARGETS = ("hard", "soft")
+
+
 def _step_losses(head: EagleHead, h: mx.array, feats: mx.array, top: mx.array,
-                 scale: float, remap: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """h [B, L, H] predicts feats [B, L, H] and the verifier's greedy tokens top [B, L].
+                 scale: float, remap: mx.array | None = None,
+                 target: str = "hard") -> tuple[mx.array, mx.array]:
+    """h [B, L, H] predicts feats [B, L, H] and the verifier's next token: its greedy token
+    top [B, L] (target "hard"; -1 marks padding), or its distribution read off feats through
+    the frozen LM head (target "soft": cross-entropy to it, KL up to a constant -- every
+    position teaches the ranking of all candidates, which is what a token tree drafts from).
 
     With a draft vocabulary (remap), the token loss is over that vocabulary only -- what the
     head drafts from -- which also makes the LM head ~6x cheaper to train."""
@@ -110,6 +125,11 @@ def _step_losses(head: EagleHead, h: mx.array, feats: mx.array, top: mx.array,
     n = mx.maximum(valid.sum(), 1.0)
     reg = nn.losses.smooth_l1_loss((h - feats) / scale, mx.zeros_like(h),
                                    reduction="none").mean(-1)
+    if target == "soft":
+        teacher = mx.stop_gradient(head.draft_logits(feats).astype(mx.float32))
+        student = head.draft_logits(h).astype(mx.float32)
+        ce = -(mx.softmax(teacher, axis=-1) * nn.log_softmax(student, axis=-1)).sum(-1)
+        return (reg * valid).sum() / n, (ce * valid).sum() / n
     if remap is None:
         logits, tgt, ce_valid = head.logits(h), mx.maximum(top, 0), valid
     else:
@@ -123,22 +143,23 @@ def _step_losses(head: EagleHead, h: mx.array, feats: mx.array, top: mx.array,
 def loss_fn(head: EagleHead, feats: mx.array, tokens: mx.array, top: mx.array,
             scale: float, ce_weight: float, noise: float,
             unroll_weight: float = 0.0, remap: mx.array | None = None,
-            unroll_steps: int = 1) -> tuple[mx.array, mx.array]:
+            unroll_steps: int = 1, target: str = "hard",
+            reg_weight: float = 1.0) -> tuple[mx.array, mx.array]:
     """Step 1 on real features; then `unroll_steps` steps each fed the head's own predictions
     of the step before (the chain the proposer runs: draft j+1 reads draft j's feature)."""
     x = feats[:, :-1]
     if noise > 0:
         x = x + noise * scale * mx.random.normal(x.shape)
     h = head(x, tokens[:, 1:].astype(mx.uint32))
-    reg, ce = _step_losses(head, h, feats[:, 1:], top[:, 1:], scale, remap)
-    loss = reg + ce_weight * ce
+    reg, ce = _step_losses(head, h, feats[:, 1:], top[:, 1:], scale, remap, target)
+    loss = reg_weight * reg + ce_weight * ce
     if unroll_weight > 0:
         for j in range(2, 2 + unroll_steps):
             if feats.shape[1] <= j:
                 break
             h = head(h[:, :-1], tokens[:, j:].astype(mx.uint32))
-            reg_j, ce_j = _step_losses(head, h, feats[:, j:], top[:, j:], scale, remap)
-            loss = loss + unroll_weight * (reg_j + ce_weight * ce_j)
+            reg_j, ce_j = _step_losses(head, h, feats[:, j:], top[:, j:], scale, remap, target)
+            loss = loss + unroll_weight * (reg_weight * reg_j + ce_weight * ce_j)
     return loss, mx.stack([reg, ce])
 
 
@@ -170,12 +191,37 @@ def load_checkpoint(ckpt: Path, head: EagleHead, opt: optim.Optimizer) -> int:
     return int(state["step"])
 
 
-def make_optimizer(p: TrainParams) -> optim.Optimizer:
-    warm = max(1, min(20, p.steps // 10))
-    sched = optim.join_schedules(
-        [optim.linear_schedule(p.lr * 0.05, p.lr, warm),
-         optim.cosine_decay(p.lr, max(1, p.steps - warm), p.lr * 0.05)], [warm])
-    return optim.AdamW(learning_rate=sched, weight_decay=p.weight_decay)
+class Horizon:
+    """The step a run ends at, which its learning-rate schedule decays to: p.steps, or fewer
+    when a time limit is measured to allow fewer (`fit`)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def fit(self, step: int, seconds_per_step: float, seconds_left: float,
+            most: int) -> int:
+        """Steps that fit in seconds_left from step (pure arithmetic; never past most, never
+        before the next step)."""
+        fits = step + int(max(seconds_left, 0.0) / max(seconds_per_step, 1e-9))
+        self.steps = max(step + 1, min(most, fits))
+        return self.steps
+
+
+def lr_at(p: TrainParams, step: float, horizon: int) -> float:
+    """Linear warm-up over the first tenth (at most 20 steps), then cosine decay to 5% of the
+    peak at `horizon` (pure)."""
+    warm = max(1, min(20, horizon // 10))
+    lo = p.lr * 0.05
+    if step < warm:
+        return lo + (p.lr - lo) * step / warm
+    frac = min(1.0, (step - warm) / max(1, horizon - warm))
+    return lo + (p.lr - lo) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def make_optimizer(p: TrainParams, horizon: Horizon | None = None) -> optim.Optimizer:
+    h = horizon or Horizon(p.steps)
+    return optim.AdamW(learning_rate=lambda step: mx.array(lr_at(p, int(step), h.steps)),
+                       weight_decay=p.weight_decay)
 
 
 def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
@@ -188,8 +234,11 @@ def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
     training data that grows while it trains -- a dataset still being generated)."""
     if not chunks:
         raise ValueError("no training data")
+    if p.target not in TARGETS:
+        raise ValueError(f"target {p.target!r}: one of {', '.join(TARGETS)}")
     scale = head.config.feature_scale
-    opt = make_optimizer(p)
+    horizon = Horizon(p.steps)
+    opt = make_optimizer(p, horizon)
     step = load_checkpoint(ckpt, head, opt) if (ckpt is not None and resume) else 0
     rng = np.random.default_rng([p.seed, step])
     mx.random.seed(p.seed + step)
@@ -197,24 +246,33 @@ def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
     step_fn = nn.value_and_grad(head, lambda h, f, t, y: loss_fn(h, f, t, y, scale,
                                                                    p.ce_weight, p.noise,
                                                                    p.unroll_weight, remap,
-                                                                   p.unroll_steps))
+                                                                   p.unroll_steps, p.target,
+                                                                   p.reg_weight))
     losses: list[float] = []
     t0 = time.perf_counter()
     start = step
-    while step < p.steps:
+    timed_from: tuple[int, float] | None = None  # (step, time) once past the first slow steps
+    while step < horizon.steps:
         f, t, y = sample_batch(chunks, p, rng)
         (loss, parts), grads = step_fn(head, f, t, y)
         opt.update(head, grads)
         mx.eval(head.parameters(), opt.state, loss, parts)
         step += 1
         losses.append(float(loss))
-        if report is not None and (step % 10 == 0 or step == p.steps):
-            rate = (time.perf_counter() - t0) / (step - start)
+        now = time.perf_counter()
+        if p.time_limit > 0 and step - start == 5:
+            timed_from = (step, now)
+        if timed_from is not None and (step - timed_from[0]) % 10 == 0 and step > timed_from[0]:
+            # the checkpoints' own time counts as training time here: it recurs
+            horizon.fit(step, (now - timed_from[1]) / (step - timed_from[0]),
+                        t0 + p.time_limit - now, p.steps)
+        if report is not None and (step % 10 == 0 or step == horizon.steps):
+            rate = (now - t0) / (step - start)
             reg, ce = (float(v) for v in parts)
-            report(f"step {step}/{p.steps} loss {losses[-1]:.4f} (feature {reg:.4f}, ce "
+            report(f"step {step}/{horizon.steps} loss {losses[-1]:.4f} (feature {reg:.4f}, ce "
                    f"{ce:.3f}) {rate:.2f} s/step, {p.batch * p.seq_len / rate:,.0f} tokens/s, "
-                   f"eta {rate * (p.steps - step) / 60:.1f} min")
-        if step % p.save_every == 0 or step == p.steps:
+                   f"eta {rate * (horizon.steps - step) / 60:.1f} min")
+        if step % p.save_every == 0 or step == horizon.steps:
             if ckpt is not None:
                 save_checkpoint(ckpt, head, opt, step)
             if on_checkpoint is not None:
@@ -278,7 +336,8 @@ def untrained_loss(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainPara
     tot = 0.0
     for _ in range(batches):
         f, t, y = sample_batch(chunks, p, rng)
-        loss, _ = loss_fn(head, f, t, y, head.config.feature_scale, p.ce_weight, 0.0)
+        loss, _ = loss_fn(head, f, t, y, head.config.feature_scale, p.ce_weight, 0.0,
+                          target=p.target, reg_weight=p.reg_weight)
         tot += float(loss)
     return tot / batches
 
