@@ -153,30 +153,107 @@ def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                      "are pinned one core each on this 2-core machine"}
 
 
+def _answer_chunks(lm: LoadedModel, prompts: Sequence[str], max_answer: int) -> list:
+    """The verifier's greedy answers to `prompts` with their true features, from the last
+    prompt position on (the loop never drafts the chat template or the prompt)."""
+    from macfleet.engine.drafter.batchgen import generate_samples
+    from macfleet.engine.drafter.features import FeatureChunk
+    from macfleet.engine.drafter.prompts import Prompt
+
+    samples = list(generate_samples(lm, [Prompt("held_out", t) for t in prompts],
+                                    batch=min(len(prompts), 8), max_answer=max_answer))
+    by_text = {s.prompt.text: s for s in samples}  # rows finish in any order
+    ordered = [by_text[t] for t in prompts if t in by_text]
+    return [FeatureChunk(s.tokens[s.n_prompt - 1:], s.hidden[s.n_prompt - 1:],
+                         s.top[s.n_prompt - 1:], True) for s in ordered]
+
+
 def head_on_held_out(lm: LoadedModel, max_answer: int = 64) -> dict | None:
     """The shipped head's greedy chain acceptance (k=4) on the verifier's answers to the
     held-out prompts, fed the verifier's true features (as `distill` measures its own held-out
     split, whose prompts come from the training templates): what the head is worth on text
     no template produced. Drafts start at answer positions only (the chat template and the
     prompt are easier to guess than an answer, and the loop never drafts them)."""
-    from macfleet.engine.drafter.batchgen import generate_samples
-    from macfleet.engine.drafter.features import FeatureChunk
     from macfleet.engine.drafter.head import load_head
     from macfleet.engine.drafter.proposer import default_head_path
-    from macfleet.engine.drafter.prompts import Prompt
     from macfleet.engine.drafter.train import chain_acceptance
 
     path = default_head_path(lm.spec)
     if path is None or not path.is_file():
         return None
     head = load_head(path, lm.model)
-    samples = list(generate_samples(lm, [Prompt("held_out", t) for t in HELD_OUT.values()],
-                                    batch=len(HELD_OUT), max_answer=max_answer))
-    acc = chain_acceptance(head, [FeatureChunk(s.tokens[s.n_prompt - 1:],
-                                               s.hidden[s.n_prompt - 1:], s.top[s.n_prompt - 1:],
-                                               True) for s in samples], k=4, max_starts=400)
-    return {**acc.to_dict(), "answers": len(samples), "max_answer": max_answer,
+    chunks = _answer_chunks(lm, list(HELD_OUT.values()), max_answer)
+    acc = chain_acceptance(head, chunks, k=4, max_starts=400)
+    return {**acc.to_dict(), "answers": len(chunks), "max_answer": max_answer,
             "positions": "answers only"}
+
+
+TOPK = (1, 2, 4, 8)
+
+
+def first_draft_topk(head, chunks: Sequence) -> dict[str, float]:
+    """Teacher-forced: how often the verifier's greedy token is among the head's k most likely
+    first drafts (from its draft vocabulary, as it drafts), at every answer position -- what a
+    token tree of that width could take."""
+    import mlx.core as mx
+    import numpy as np
+
+    ids = None if head.draft_ids is None else np.array(head.draft_ids)
+    hits, n = np.zeros(len(TOPK)), 0
+    for c in chunks:
+        h = head(mx.array(c.hidden[None, :-1].astype(np.float32)),
+                 mx.array(c.tokens[None, 1:].astype(np.uint32)))
+        order = np.array(mx.argsort(-head.draft_logits(h)[0], axis=-1)[:, :max(TOPK)])
+        if ids is not None:
+            order = ids[order]
+        for j, k in enumerate(TOPK):
+            hits[j] += int((order[:, :k] == c.top[1:, None]).any(1).sum())
+        n += len(c.top) - 1
+    return {str(k): round(float(v), 4) for k, v in zip(TOPK, hits / max(n, 1))}
+
+
+def compare_heads(lm: LoadedModel, paths: Sequence[Path], max_answer: int = 160,
+                  progress: Callable[[str], None] = lambda s: None) -> dict:
+    """Draft heads side by side on the verifier's greedy answers to unseen prompts
+    (HELD_OUT + UNSEEN: requests no training set holds), fed the true features: chain
+    acceptance (k=4) for chat, code and all, and the first draft's top-k. The same answers
+    for every head, so differences are the heads'."""
+    from macfleet.engine.drafter.distill import read_eval
+    from macfleet.engine.drafter.head import load_head
+    from macfleet.engine.drafter.prompts import UNSEEN
+    from macfleet.engine.drafter.train import chain_acceptance
+
+    prompts = {**HELD_OUT, **UNSEEN}
+    kinds = ["code" if k in CODE_KINDS or k.startswith("code:") else "chat" for k in prompts]
+    chunks = _answer_chunks(lm, list(prompts.values()), max_answer)
+    progress(f"{sum(len(c.tokens) - 1 for c in chunks)} answer positions from "
+             f"{len(chunks)} prompts")
+    heads = {}
+    for path in paths:
+        head = load_head(path, lm.model)
+        row: dict = {"layers": head.config.layers, "steps": head.config.steps}
+        for group in ("chat", "code", "all"):
+            cs = [c for c, k in zip(chunks, kinds) if group in ("all", k)]
+            a = chain_acceptance(head, cs, k=4, max_starts=10**6)
+            row[group] = {"starts": a.starts, "mean_accepted": round(a.mean_accepted, 4),
+                          "per_position": [round(x, 4) for x in a.per_position]}
+        row["first_draft_topk"] = first_draft_topk(head, chunks)
+        ev = read_eval(path) or {}
+        trained = ev.get("trained_on", {})
+        row["trained"] = {"params": trained.get("params"), "init": trained.get("init"),
+                          "processed_tokens": trained.get("processed_tokens"),
+                          "dataset_held_out": ev.get("held_out")}
+        heads[str(path)] = row
+        progress(f"{path}: mean accepted (k=4) chat {row['chat']['mean_accepted']:.3f} code "
+                 f"{row['code']['mean_accepted']:.3f} all {row['all']['mean_accepted']:.3f}; "
+                 f"first draft top-1/4/8 {row['first_draft_topk']['1']:.3f}/"
+                 f"{row['first_draft_topk']['4']:.3f}/{row['first_draft_topk']['8']:.3f}")
+    return {"model": lm.spec, "prompts": prompts, "max_answer": max_answer, "greedy": True,
+            "method": "the verifier's greedy answers with their true features; at every answer "
+                      "position the head drafts a chain of 4 (as the proposer does, its own "
+                      "features fed back) scored against the verifier's greedy tokens, and "
+                      "its first draft's top-k is checked teacher-forced",
+            "heads": heads}
 
 
 FLOOR = 0.95  # a default drafter must not cost more than noise on any held-out prompt

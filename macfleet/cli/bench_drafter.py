@@ -18,6 +18,12 @@ def add_bench_parsers(bs) -> None:
     d.add_argument("--record", action="store_true",
                    help="record the measured best drafter as the model's default (auto)")
     d.set_defaults(func=run)
+    h = bs.add_parser("heads", help="draft heads side by side on unseen prompts' answers "
+                      "(chain acceptance, first draft's top-k; results/drafter_heads.json)")
+    h.add_argument("heads", nargs="*", type=Path, metavar="HEAD",
+                   help="head paths (default: the model's shipped head)")
+    h.add_argument("--max-answer", type=int, default=160, help="tokens per answer")
+    h.set_defaults(func=run_heads)
     c = bs.add_parser("data-curve", help="retrieval drafts against the size of the verifier's "
                       "answer store, on the dataset's held-out prompt groups (no model runs)")
     c.add_argument("--dataset", type=Path, default=Path("results/distill-smollm2"),
@@ -99,6 +105,43 @@ def run(args) -> int:
                       f"{r['speedup']:.2f}x (geomean {r['speedup_geomean']:.2f}x, min "
                       f"{r['speedup_min']:.2f}x)  identical {r['all_identical']}")
     print(f"best in one process: {best} ({speedup:.2f}x); wrote {path}")
+    return 0
+
+
+def run_heads(args) -> int:
+    import sys
+
+    from macfleet.bench import drafter as b
+    from macfleet.bench.record import write_result
+    from macfleet.cli.common import UserError
+    from macfleet.engine.drafter.head import HeadMismatch, weights_path
+    from macfleet.engine.drafter.proposer import default_head_path
+    from macfleet.engine.models import ModelSpecError, load_model
+
+    try:
+        lm = load_model(args.model)
+    except ModelSpecError as e:
+        raise UserError(str(e)) from None
+    paths = list(args.heads) or [p for p in [default_head_path(lm.spec)] if p is not None]
+    if not paths:
+        raise UserError(f"no draft head for {lm.spec}: name one (`macfleet distill` trains one)")
+    for p in paths:
+        if not weights_path(p).is_file():
+            raise UserError(f"no draft head at {weights_path(p)}")
+    if args.max_answer < 8:
+        raise UserError("--max-answer must be >= 8")
+    try:
+        doc = b.compare_heads(lm, paths, args.max_answer,
+                              progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except HeadMismatch as e:
+        raise UserError(str(e)) from None
+    path = write_result("drafter_heads.json", doc, args.out)
+    for name, r in doc["heads"].items():
+        print(f"{name}: k=4 chain mean accepted chat {r['chat']['mean_accepted']:.3f} code "
+              f"{r['code']['mean_accepted']:.3f} all {r['all']['mean_accepted']:.3f}; first "
+              f"draft top-1 {r['first_draft_topk']['1']:.3f} top-8 "
+              f"{r['first_draft_topk']['8']:.3f}")
+    print(f"wrote {path}")
     return 0
 
 

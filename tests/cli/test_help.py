@@ -26,7 +26,8 @@ def test_every_command_and_bench_renders_help():
             seen.append(f"{name} {bname}")
     for want in ("generate", "agent", "up", "down", "ls", "keygen", "demo", "dash", "plan",
                  "distill", "doctor", "bench", "bench verify-sweep", "bench local", "bench fleet",
-                 "bench soak", "bench f3", "bench sessions", "bench topologies", "bench drafter"):
+                 "bench soak", "bench f3", "bench sessions", "bench topologies", "bench drafter",
+                 "bench heads"):
         assert want in seen, f"missing command: {want}"
 
 

@@ -164,7 +164,23 @@ class Prompt:
         return hashlib.sha1(" ".join(self.text.lower().split()).encode()).hexdigest()[:16]
 
 
-HELD_OUT_KEYS = frozenset(Prompt("held", t).key for t in HELD_OUT.values())
+# More unseen requests, for scoring draft heads on text no template produced (`bench heads`):
+# ordinary chat and code requests; their exact texts are never generated as training prompts.
+UNSEEN: dict[str, str] = {
+    "chat:tea": "How do I make a good cup of tea?",
+    "chat:sleep": "What are some tips for sleeping better at night?",
+    "chat:email": "Write a short email to a colleague asking to move our meeting to Friday.",
+    "chat:sky": "Why is the sky blue?",
+    "chat:party": "Give me three ideas for a birthday party for a ten year old.",
+    "code:bank": "Write a Python class for a simple bank account with deposit and withdraw "
+                 "methods.",
+    "code:js-max": "Write a JavaScript function that returns the largest number in an array.",
+    "code:tuple": "What is the difference between a list and a tuple in Python?",
+    "chat:romeo": "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "chat:groceries": "How can I save money on groceries?",
+}
+HELD_OUT_KEYS = frozenset(Prompt("held", t).key
+                          for t in (*HELD_OUT.values(), *UNSEEN.values()))
 
 
 def topic_prompts(rng: random.Random) -> Iterator[Prompt]:

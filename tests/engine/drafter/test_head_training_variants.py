@@ -113,3 +113,32 @@ def test_time_limit_ends_training_with_the_schedule_decayed(tiny, chunks):
                                                   time_limit=1.5, save_every=100_000),
                    on_checkpoint=seen.append)
     assert 15 < len(losses) < 100_000 and seen == [len(losses)]
+
+
+@pytest.mark.slow  # generates answers to 16 prompts
+def test_compare_heads_scores_heads_on_the_same_unseen_answers(tiny, chunks, tmp_path):
+    from macfleet.bench.drafter import compare_heads
+    from macfleet.engine.drafter.prompts import HELD_OUT, UNSEEN
+
+    head = _head(tiny, chunks)
+    head.save(tmp_path / "a", steps=3)
+    head.deepened(2).save(tmp_path / "b", steps=3)  # drafts exactly what `a` drafts
+    doc = compare_heads(tiny, [tmp_path / "a", tmp_path / "b"], max_answer=12)
+    assert doc["prompts"] == {**HELD_OUT, **UNSEEN}
+    a, b = (doc["heads"][str(tmp_path / n)] for n in ("a", "b"))
+    assert (a["layers"], b["layers"]) == (1, 2)
+    for group in ("chat", "code", "all"):
+        assert a[group] == b[group] and a[group]["starts"] > 0
+        pp = a[group]["per_position"]
+        assert all(x >= y for x, y in zip(pp, pp[1:]))  # a chain: each needs the one before
+    assert a["chat"]["starts"] + a["code"]["starts"] == a["all"]["starts"]
+    top = [a["first_draft_topk"][k] for k in ("1", "2", "4", "8")]
+    assert top == sorted(top) and 0 <= top[0] and top[-1] <= 1
+
+
+def test_unseen_prompts_are_never_training_prompts():
+    from macfleet.engine.drafter.prompts import HELD_OUT_KEYS, UNSEEN, Prompt, iter_prompts
+
+    assert {Prompt("x", t).key for t in UNSEEN.values()} <= HELD_OUT_KEYS
+    ps = [p for _, p in zip(range(3000), iter_prompts(seed=1))]
+    assert not HELD_OUT_KEYS & {p.key for p in ps}
