@@ -26,6 +26,10 @@ def add_parser(sub) -> None:
     loc.add_argument("--repeats", type=int, default=2)
     loc.add_argument("--layerskip", type=int, default=20)
     loc.set_defaults(func=run_local)
+    fm = bs.add_parser("fastmath", help="the CPU's exp/SiLU/softmax vs MLX's own ops, "
+                       "interleaved (results/fastmath.json)")
+    fm.add_argument("--repeats", type=int, default=12)
+    fm.set_defaults(func=run_fastmath)
     for mod in _extensions():
         mod.add_bench_parsers(bs)
 
@@ -79,6 +83,23 @@ def run_verify_sweep(args) -> int:
         pts = {p["L"]: p["ratio_to_L1"] for p in c["points"]}
         print(f"context {c['context']}: verify(L)/verify(1): L=4 {pts[4]}, L=8 {pts[8]}, "
               f"L=16 {pts[16]}, L=32 {pts[32]} (verify(1) = {c['points'][0]['ms']} ms)")
+    print(f"wrote {path}")
+    return 0
+
+
+def run_fastmath(args) -> int:
+    from macfleet.bench.fastmath import bench_fastmath
+    from macfleet.bench.record import write_result
+    from macfleet.cli.common import UserError
+    from macfleet.engine.models import load_model
+
+    if args.repeats < 3:
+        raise UserError("--repeats must be >= 3 (the first two are warm-up)")
+    try:
+        res = bench_fastmath(load_model(args.model), repeats=args.repeats, progress=progress)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    path = write_result("fastmath.json", res, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from macfleet.engine import fastmath
 from macfleet.engine.layers import head_logits
 from macfleet.engine.tree import ancestor_mask, depths_of
 from macfleet.engine.tree_verify import supports_tree_attention
@@ -403,18 +404,17 @@ def _attention(attn, x: mx.array, writes: Sequence[tuple[BatchKV, mx.array | Non
         if plan.q_index is not None:
             qs = qs[plan.q_index]
         qb = qs.reshape(R, Lq, H, hd).transpose(0, 2, 1, 3)
-        o = mx.fast.scaled_dot_product_attention(
-            qb, keys[:R, :, :plan.t_max], values[:R, :, :plan.t_max], scale=attn.scale,
-            mask=plan.mask)  # [R, H, Lq, hd]
+        o = fastmath.sdpa(
+            qb, keys[:R, :, :plan.t_max], values[:R, :, :plan.t_max], attn.scale, plan.mask)  # [R, H, Lq, hd]
         o = o.transpose(0, 2, 1, 3).reshape(R * Lq, H * hd)
         outs.append(o if plan.out_index is None else o[plan.out_index])
     for start, L, c, tree_mask in plan.long:
         row, end = c.row, c.offset + L
         ks, vs = kv[c.store]
         qs = q[start:start + L].transpose(2, 1, 0, 3)  # [1, H, L, hd]
-        o = mx.fast.scaled_dot_product_attention(
-            qs, ks[row:row + 1, :, :end], vs[row:row + 1, :, :end], scale=attn.scale,
-            mask=tree_mask if tree_mask is not None else "causal" if L > 1 else None)
+        o = fastmath.sdpa(
+            qs, ks[row:row + 1, :, :end], vs[row:row + 1, :, :end], attn.scale,
+            tree_mask if tree_mask is not None else "causal" if L > 1 else None)
         outs.append(o.transpose(0, 2, 1, 3).reshape(L, H * hd))
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)  # [N, H * hd]
     return attn.o_proj(o[None])

@@ -25,6 +25,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from macfleet.engine import fastmath
 from macfleet.engine.gguf import GGUFError, load_gguf
 from macfleet.engine.tiny import (DEFAULT_TINY_VOCAB, TinyTokenizer, build_tiny_model,
                                   build_tiny_moe)
@@ -168,6 +169,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, dense: bool | None = None,
         if cached and key in _cache:
             return _cache[key]
         lm = _load_uncached(spec, dense)
+        fastmath.install(lm.model)  # the CPU's SiLU: MLX's own exp is scalar there
         if cached:
             _cache[key] = lm
         return lm

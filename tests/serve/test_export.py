@@ -29,4 +29,7 @@ def test_export_loads_in_mlx_lm_with_the_same_logits(tmp_path):
     assert list(tok.apply_chat_template(msgs, add_generation_prompt=True)) == ids
     assert set(tok.eos_token_ids) == set(lm.eos_ids)
     x = mx.array(ids)[None]
+    from macfleet.engine import fastmath
+
+    fastmath.install(model)  # the same arithmetic as macfleet's load (the CPU's SiLU): bits
     assert mx.array_equal(lm.model(x), model(x))

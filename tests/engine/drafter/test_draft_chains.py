@@ -97,7 +97,9 @@ def test_sampled_chains_together_carry_their_distributions(tiny, head):
     assert [d.tokens for d in got] == [d.tokens for d in ref]  # same draws from each rng
     for d, r in zip(got, ref):
         assert d.probs.shape == (len(d), tiny.vocab_size)
-        np.testing.assert_allclose(d.probs, r.probs, atol=1e-5)
+        # the rows' attention runs in one batched call (on the CPU with engine/fastmath's
+        # softmax), a proposer alone in MLX's fused kernel: probabilities move by ~2e-5
+        np.testing.assert_allclose(d.probs, r.probs, atol=1e-4)
         assert all(d.probs[i, t] > 0 for i, t in enumerate(d.tokens))
 
 

@@ -1,0 +1,127 @@
+"""exp, SiLU and softmax for MLX's CPU backend, where its own `exp` is scalar.
+
+On x86 MLX's CPU `exp` (and with it `sigmoid`, `silu`, `softmax` and the softmax inside
+`mx.fast.scaled_dot_product_attention` with more than one query) runs one element at a time,
+~80M a second here: a verify block's SiLUs and attention softmaxes grow with its length, and at
+16 decoding sessions they are a sixth of a flat batch's forward. Here exp is 2^(x log2 e)
+split into 2^n (the float's exponent bits) and 2^f, f in [-1/2, 1/2], by its degree-7 Taylor
+polynomial (truncation error < 1e-8 relative: below float32's own rounding), all in
+multiply-adds that one compiled kernel fuses.
+
+Only the CPU uses these (`enabled()`): Metal and CUDA have vectorized transcendentals, and
+there the model keeps mlx-lm's own ops. Every path of one verifier uses the same functions (its
+own decoding, blocks, trees, the flat batch), so "identical to the verifier alone" keeps its
+meaning; against mlx-lm's plain decoding logits move in the last bits, like another BLAS.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama
+
+LOG2E = 1.4426950408889634
+# 2^f = e^(f ln 2) on [-1/2, 1/2]: (ln 2)^k / k!, highest power first
+_EXP2_POLY = tuple(math.log(2) ** k / math.factorial(k) for k in range(7, -1, -1))
+_MIN_EXP2 = -126.0  # 2^-126: the smallest normal float; below it the result is ~0 anyway
+
+
+def _exp2(x: mx.array) -> mx.array:
+    x = mx.maximum(x, _MIN_EXP2)
+    n = mx.floor(x + 0.5)
+    f = x - n
+    p = mx.array(_EXP2_POLY[0], dtype=x.dtype)
+    for c in _EXP2_POLY[1:]:
+        p = p * f + c
+    return p * mx.view((n.astype(mx.int32) + 127) << 23, mx.float32).astype(x.dtype)
+
+
+@mx.compile  # per shape: `view` cannot be shapeless (one cached kernel serves them all)
+def exp(x: mx.array) -> mx.array:
+    """e^x for float32 x <= 88 (above it, where exp overflows anyway, the result is wrong)."""
+    return _exp2(x * LOG2E)
+
+
+@mx.compile  # per shape: `view` cannot be shapeless (one cached kernel serves them all)
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x, as mlx-lm's llama MLP computes it."""
+    return gate * x / (1.0 + _exp2(-gate * LOG2E))
+
+
+@mx.compile  # per shape: `view` cannot be shapeless (one cached kernel serves them all)
+def _shifted_exp(s: mx.array, m: mx.array) -> mx.array:
+    return _exp2((s - m) * LOG2E)
+
+
+def softmax(s: mx.array) -> mx.array:
+    """Softmax over the last axis (float32 in, float32 out)."""
+    e = _shifted_exp(s, s.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+MASKED = -1e30  # a masked score: exp gives 0, and a row with no key left stays finite
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+              mask: mx.array | None) -> mx.array:
+    """Scaled dot-product attention with grouped KV heads: q [B, H, L, d], k, v [B, Hk, T, d],
+    mask None or bool [B | 1, 1, L, T] (True: attend). What `mx.fast.scaled_dot_product_attention`
+    computes, with this module's softmax: the query heads of a KV head are one matrix, so each
+    score and output is one matmul per KV head."""
+    b, h, length, d = q.shape
+    hk = k.shape[1]
+    g = h // hk
+    qg = (q * scale).reshape(b, hk, g * length, d)
+    s = qg @ k.swapaxes(-1, -2)  # [B, Hk, g*L, T]
+    if mask is not None:
+        if g > 1:
+            mask = mx.tile(mask, (1, 1, g, 1))
+        s = mx.where(mask, s, MASKED)
+    return (softmax(s.astype(mx.float32)).astype(v.dtype) @ v).reshape(b, h, length, d)
+
+
+def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
+         mask: mx.array | str | None) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` (mask None, "causal" or bool), with this module's
+    softmax on the CPU wherever MLX's runs its scalar exp: several queries, or a mask. One
+    query without a mask keeps MLX's fused kernel (it is fast there)."""
+    length, t = q.shape[2], k.shape[2]
+    if not enabled() or (length == 1 and mask is None):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    if isinstance(mask, str):  # "causal": query i sees keys up to t - length + i
+        mask = (mx.arange(t)[None] <= mx.arange(t - length, t)[:, None])[None, None]
+    return attention(q, k, v, scale, mask)
+
+
+class MLP(llama.MLP):
+    """mlx-lm's llama MLP with this module's SiLU (same weights, same module tree)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def install(model: nn.Module, on: bool = True) -> int:
+    """On the CPU, give every llama-family MLP of `model` this module's SiLU (the class of the
+    module changes, its weights do not); returns how many. Elsewhere: 0, nothing changes.
+    on=False gives them mlx-lm's back (`bench fastmath` compares the two)."""
+    if on and not enabled():
+        return 0
+    frm, to = (llama.MLP, MLP) if on else (MLP, llama.MLP)
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) is frm:
+            m.__class__ = to
+            n += 1
+    return n
+
+
+EXACT_ENV = "MACFLEET_EXACT_MATH"  # =1: MLX's own ops everywhere (mlx-lm's arithmetic, bit for bit)
+
+
+def enabled() -> bool:
+    """Whether this process computes on the CPU (where MLX's exp is scalar), unless
+    MACFLEET_EXACT_MATH=1 asks for MLX's own ops."""
+    return mx.default_device() == mx.cpu and os.environ.get(EXACT_ENV) != "1"
