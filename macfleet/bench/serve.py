@@ -19,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import statistics
 import tempfile
 import threading
 import time
@@ -276,6 +277,60 @@ def bench_throughput(model: str, clients: list[int], max_tokens: int, deadline: 
         finally:
             stop_server(proc)
     return out
+
+
+def ratio_summary(pairs: list[tuple[float, float]]) -> dict:
+    """Per-round ratios ours/theirs of (ours, theirs) tokens/s (pure): median, min, max and how
+    many rounds reach each threshold a goal might name."""
+    ratios = sorted(a / b for a, b in pairs if b > 0)
+    if not ratios:
+        return {"rounds": 0}
+    return {"rounds": len(ratios), "ratio_median": round(statistics.median(ratios), 3),
+            "ratio_min": round(ratios[0], 3), "ratio_max": round(ratios[-1], 3),
+            "rounds_at_least": {f"{t:g}": sum(r >= t for r in ratios) for t in (1.0, 1.5)}}
+
+
+def head_to_head(model: str, mlx_lm_dir: str, clients: int, max_tokens: int, rounds: int,
+                 deadline: float, progress: Callable[[str], None],
+                 extra: tuple[str, ...] = MODES["batched"]) -> dict:
+    """`macfleet serve --local` (batched) and `mlx_lm.server` both up, the same clients against
+    each in alternating short rounds (the order flips every round): this box drifts 10-20%
+    between runs, and rounds of the two interleaved drift together, so the ratio of each round
+    is the measure, not two runs' totals."""
+    ours, ours_url = start_server(model, *extra)
+    try:
+        theirs, theirs_url = start_mlx_lm_server(mlx_lm_dir)
+    except BaseException:
+        stop_server(ours)
+        raise
+    rows: list[dict] = []
+    try:
+        for url in (ours_url, theirs_url):
+            run_clients(url, 1, 4, timeout_s=60)  # first-call costs are not serving
+        for i in range(rounds):
+            left = deadline - time.monotonic()
+            if left < 30:
+                progress(f"head to head: time limit reached after {i} rounds")
+                break
+            order = [("macfleet", ours_url), ("mlx_lm", theirs_url)]
+            got = {}
+            for name, url in (order if i % 2 == 0 else order[::-1]):
+                got[name] = run_clients(url, clients, max_tokens, timeout_s=left / 2)
+            rows.append({"round": i, "first": order[0][0] if i % 2 == 0 else order[1][0],
+                         **got})
+            a, b = got["macfleet"]["tokens_per_s"], got["mlx_lm"]["tokens_per_s"]
+            progress(f"round {i}: macfleet {a:.1f} tok/s, mlx_lm.server {b:.1f} tok/s "
+                     f"({a / max(b, 1e-9):.2f}x)")
+    finally:
+        stop_server(ours)
+        stop_server(theirs)
+    pairs = [(r["macfleet"]["tokens_per_s"], r["mlx_lm"]["tokens_per_s"]) for r in rows
+             if not r["macfleet"]["failed"] and not r["mlx_lm"]["failed"]]
+    return {"model": model, "clients": clients, "max_tokens": max_tokens,
+            "macfleet": "serve --local " + " ".join(extra), "mlx_lm": "mlx_lm.server (its "
+            "default batching) on `macfleet export` of the same weights",
+            "failed": sum(r[k]["failed"] for r in rows for k in ("macfleet", "mlx_lm")),
+            "summary": ratio_summary(pairs), "rounds": rows}
 
 
 STALL_MODES = {  # the server's default stall ratio, then chunks bounded by the budget alone

@@ -19,6 +19,10 @@ def add_bench_parsers(bs) -> None:
                    help="only the decode-stall measurement (results/serve_stall.json)")
     s.add_argument("--mlx-lm", default=None, metavar="DIR",
                    help="also measure mlx_lm.server on this mlx-lm directory (macfleet export)")
+    s.add_argument("--head-to-head", type=int, default=0, metavar="ROUNDS",
+                   help="with --mlx-lm: both servers up, ROUNDS alternating rounds of the "
+                        "largest --clients count against each; the ratio per round "
+                        "(results/serve_h2h.json)")
     s.set_defaults(func=run_serve)
     b = bs.add_parser("batch-identity", help="greedy answers batched vs alone over many "
                       "requests: divergence rate per mode (results/batch_identity.json)")
@@ -48,6 +52,8 @@ def run_serve(args) -> int:
     if args.stall_only:
         clients = []
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
+    if args.head_to_head:
+        return _run_head_to_head(args, max(clients), progress)
     if args.fleet:
         from macfleet.bench.serve import bench_serve_fleet
 
@@ -62,6 +68,28 @@ def run_serve(args) -> int:
         print(f"wrote {args.out / f'{name}.png'}")
     for line in summary_rows(res):
         print(line)
+    print(f"wrote {path}")
+    return 0
+
+
+def _run_head_to_head(args, clients: int, progress) -> int:
+    import time
+
+    from macfleet.bench.record import write_result
+    from macfleet.bench.serve import head_to_head
+    from macfleet.cli.common import UserError
+
+    if args.head_to_head < 1 or not args.mlx_lm or args.fleet or args.stall_only:
+        raise UserError("--head-to-head ROUNDS (>= 1) needs --mlx-lm DIR, and neither --fleet "
+                        "nor --stall-only")
+    res = head_to_head(args.model, args.mlx_lm, clients, args.max_tokens, args.head_to_head,
+                       time.monotonic() + args.time_limit, progress)
+    path = write_result("serve_h2h.json", res, args.out)
+    sm = res["summary"]
+    if sm.get("rounds"):
+        print(f"{clients} clients, {sm['rounds']} rounds: macfleet / mlx_lm.server median "
+              f"{sm['ratio_median']}x (min {sm['ratio_min']}x, max {sm['ratio_max']}x); "
+              f"failed {res['failed']}")
     print(f"wrote {path}")
     return 0
 

@@ -90,3 +90,13 @@ def test_disagg_summary_splits_gaps_at_the_window_and_plots(tmp_path):
            "busy_control": {"mode": "no long prompt, prefill agent busy (control)", **c},
            "sizes": [{"prompt_tokens": 2000, "modes": [{"mode": "prefill agent (auto)", **s}]}]}
     assert plot(res, tmp_path / "disagg.png").stat().st_size > 0
+
+
+def test_head_to_head_ratio_summary_is_per_round():
+    from macfleet.bench.serve import ratio_summary
+
+    s = ratio_summary([(150.0, 100.0), (120.0, 100.0), (90.0, 60.0), (10.0, 0.0)])
+    assert s["rounds"] == 3  # a round whose baseline made nothing is not a ratio
+    assert s["ratio_median"] == 1.5 and s["ratio_min"] == 1.2 and s["ratio_max"] == 1.5
+    assert s["rounds_at_least"] == {"1": 3, "1.5": 2}
+    assert ratio_summary([]) == {"rounds": 0}
