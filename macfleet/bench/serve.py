@@ -199,9 +199,10 @@ def run_clients(url: str, n: int, max_tokens: int, timeout_s: float) -> dict:
 
 def client_sweep(url: str, mode: str, clients: list[int], max_tokens: int, deadline: float,
                  progress: Callable[[str], None]) -> list[dict]:
-    """One server: a warm-up request (first-call costs are not serving), then each client
-    count in turn until the deadline."""
-    run_clients(url, 1, 4, timeout_s=60)
+    """One server: a warm-up round of the largest client count (first-call costs are not
+    serving: mlx_lm.server's first 16-client round ran at 60% of its later ones), then each
+    client count in turn until the deadline."""
+    run_clients(url, max(clients, default=1), 4, timeout_s=120)
     rows = []
     for n in clients:
         left = deadline - time.monotonic()
@@ -305,8 +306,8 @@ def head_to_head(model: str, mlx_lm_dir: str, clients: int, max_tokens: int, rou
         raise
     rows: list[dict] = []
     try:
-        for url in (ours_url, theirs_url):
-            run_clients(url, 1, 4, timeout_s=60)  # first-call costs are not serving
+        for url in (ours_url, theirs_url):  # first-call costs are not serving
+            run_clients(url, clients, 4, timeout_s=120)
         for i in range(rounds):
             left = deadline - time.monotonic()
             if left < 30:
