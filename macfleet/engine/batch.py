@@ -404,8 +404,8 @@ def _attention(attn, x: mx.array, writes: Sequence[tuple[BatchKV, mx.array | Non
         if plan.q_index is not None:
             qs = qs[plan.q_index]
         qb = qs.reshape(R, Lq, H, hd).transpose(0, 2, 1, 3)
-        o = fastmath.sdpa(
-            qb, keys[:R, :, :plan.t_max], values[:R, :, :plan.t_max], attn.scale, plan.mask)  # [R, H, Lq, hd]
+        o = fastmath.sdpa(qb, keys[:R, :, :plan.t_max], values[:R, :, :plan.t_max], attn.scale,
+                          plan.mask)  # [R, H, Lq, hd]
         o = o.transpose(0, 2, 1, 3).reshape(R * Lq, H * hd)
         outs.append(o if plan.out_index is None else o[plan.out_index])
     for start, L, c, tree_mask in plan.long:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,19 +69,27 @@ MASKED = -1e30  # a masked score: exp gives 0, and a row with no key left stays 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
               mask: mx.array | None) -> mx.array:
     """Scaled dot-product attention with grouped KV heads: q [B, H, L, d], k, v [B, Hk, T, d],
-    mask None or bool [B | 1, 1, L, T] (True: attend). What `mx.fast.scaled_dot_product_attention`
+    mask None or bool, [L, T] or [B | 1, 1, L, T] (True: attend). What `mx.fast.scaled_dot_product_attention`
     computes, with this module's softmax: the query heads of a KV head are one matrix, so each
-    score and output is one matmul per KV head."""
+    score and output is one matmul per KV head; the mask broadcasts over the group (no copy)."""
     b, h, length, d = q.shape
-    hk = k.shape[1]
+    hk, t = k.shape[1], k.shape[2]
     g = h // hk
-    qg = (q * scale).reshape(b, hk, g * length, d)
-    s = qg @ k.swapaxes(-1, -2)  # [B, Hk, g*L, T]
+    s = (q * scale).reshape(b, hk, g * length, d) @ k.swapaxes(-1, -2)  # [B, Hk, g*L, T]
     if mask is not None:
-        if g > 1:
-            mask = mx.tile(mask, (1, 1, g, 1))
-        s = mx.where(mask, s, MASKED)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [B | 1, 1, L, T]
+        s = mx.where(mask[:, :, None], s.reshape(b, hk, g, length, t), MASKED)
+        s = s.reshape(b, hk, g * length, t)
     return (softmax(s.astype(mx.float32)).astype(v.dtype) @ v).reshape(b, h, length, d)
+
+
+@lru_cache(maxsize=8)
+def causal_mask(length: int, t: int) -> mx.array:
+    """[1, 1, length, t] bool: query i sees keys up to t - length + i. Evaluated once per shape
+    (every layer of a forward asks for the same one)."""
+    m = (mx.arange(t)[None] <= mx.arange(t - length, t)[:, None])[None, None]
+    mx.eval(m)
+    return m
 
 
 def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
@@ -91,8 +100,8 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
     length, t = q.shape[2], k.shape[2]
     if not enabled() or (length == 1 and mask is None):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    if isinstance(mask, str):  # "causal": query i sees keys up to t - length + i
-        mask = (mx.arange(t)[None] <= mx.arange(t - length, t)[:, None])[None, None]
+    if isinstance(mask, str):
+        mask = causal_mask(length, t)
     return attention(q, k, v, scale, mask)
 
 
@@ -118,7 +127,8 @@ def install(model: nn.Module, on: bool = True) -> int:
     return n
 
 
-EXACT_ENV = "MACFLEET_EXACT_MATH"  # =1: MLX's own ops everywhere (mlx-lm's arithmetic, bit for bit)
+# =1: MLX's own ops everywhere (mlx-lm's arithmetic, bit for bit)
+EXACT_ENV = "MACFLEET_EXACT_MATH"
 
 
 def enabled() -> bool:

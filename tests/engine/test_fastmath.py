@@ -46,3 +46,14 @@ def test_attention_matches_sdpa_with_grouped_heads_and_a_mask():
     assert np.allclose(np.array(fastmath.attention(q, k, v, 0.125, None)),
                        np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)),
                        rtol=1e-4, atol=1e-5)
+
+
+def test_causal_sdpa_matches_mlx_and_reuses_its_mask():
+    rng = np.random.default_rng(2)
+    q = mx.array(rng.normal(size=(1, 9, 5, 64)).astype(np.float32))
+    k = mx.array(rng.normal(size=(1, 3, 12, 64)).astype(np.float32))
+    v = mx.array(rng.normal(size=(1, 3, 12, 64)).astype(np.float32))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    assert np.allclose(np.array(fastmath.sdpa(q, k, v, 0.125, "causal")), np.array(want),
+                       rtol=1e-4, atol=1e-5)
+    assert fastmath.causal_mask(5, 12) is fastmath.causal_mask(5, 12)
