@@ -32,11 +32,16 @@ def test_swiglu_and_softmax_match_mlx():
                        rtol=1e-5, atol=1e-8)
 
 
+def _qkv(seed: int, b: int, length: int, t: int) -> list[mx.array]:
+    """q [b, 9, length, 64] and k, v [b, 3, t, 64]: SmolLM2's grouped heads."""
+    rng = np.random.default_rng(seed)
+    return [mx.array(rng.normal(size=(b, h, n, 64)).astype(np.float32))
+            for h, n in ((9, length), (3, t), (3, t))]
+
+
 def test_attention_matches_sdpa_with_grouped_heads_and_a_mask():
     rng = np.random.default_rng(1)
-    q = mx.array(rng.normal(size=(4, 9, 3, 64)).astype(np.float32))
-    k = mx.array(rng.normal(size=(4, 3, 40, 64)).astype(np.float32))
-    v = mx.array(rng.normal(size=(4, 3, 40, 64)).astype(np.float32))
+    q, k, v = _qkv(1, 4, 3, 40)
     mask = rng.random((4, 1, 3, 40)) < 0.7
     mask[..., 0] = True  # every query keeps a key
     m = mx.array(mask)
@@ -49,10 +54,7 @@ def test_attention_matches_sdpa_with_grouped_heads_and_a_mask():
 
 
 def test_causal_sdpa_matches_mlx_and_reuses_its_mask():
-    rng = np.random.default_rng(2)
-    q = mx.array(rng.normal(size=(1, 9, 5, 64)).astype(np.float32))
-    k = mx.array(rng.normal(size=(1, 3, 12, 64)).astype(np.float32))
-    v = mx.array(rng.normal(size=(1, 3, 12, 64)).astype(np.float32))
+    q, k, v = _qkv(2, 1, 5, 12)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
     assert np.allclose(np.array(fastmath.sdpa(q, k, v, 0.125, "causal")), np.array(want),
                        rtol=1e-4, atol=1e-5)
