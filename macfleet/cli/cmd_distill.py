@@ -63,7 +63,11 @@ def add_parser(sub) -> None:
                    help="first have the verifier write lists of questions for N seed requests "
                    "(sampled, parsed, deduplicated; ~5-9 kept per seed) into "
                    "<dataset>/questions.jsonl; the data stage answers them among its sources "
-                   "(resumable)")
+                   "(resumable). When the listed subjects' seeds run out, the verifier names "
+                   "subtopics of them (<dataset>/subtopics.jsonl) and is asked about those")
+    p.add_argument("--subtopic-depth", type=int, default=None, metavar="D",
+                   help="how deep subtopics may go below a listed subject (default: 3; 0: the "
+                   "listed subjects only)")
     p.add_argument("--features-batch", type=int, default=4096, metavar="TOKENS",
                    help="padded tokens per forward when rebuilding hidden states (an "
                    "accelerator takes ~65536)")
@@ -103,8 +107,10 @@ def run(args) -> int:
     if (args.layers is not None and args.layers < 1) or args.reg_weight < 0 \
             or args.time_limit < 0:
         raise UserError("--layers must be >= 1, --reg-weight and --time-limit >= 0")
-    if args.questions < 0 or args.features_batch < 1 or args.gen_batch < 1:
-        raise UserError("--questions must be >= 0, --features-batch and --gen-batch >= 1")
+    if args.questions < 0 or args.features_batch < 1 or args.gen_batch < 1 \
+            or (args.subtopic_depth is not None and args.subtopic_depth < 0):
+        raise UserError("--questions and --subtopic-depth must be >= 0, --features-batch and "
+                        "--gen-batch >= 1")
     if args.stage == "questions" and args.questions < 1:
         raise UserError("--stage questions needs --questions N (seed requests to ask)")
     signal.signal(signal.SIGTERM, _stop_on_term)
@@ -148,11 +154,14 @@ def _run_dataset(args, lm, out: Path, params) -> int:
     report = (lambda s: print(s, file=sys.stderr, flush=True))
     try:
         if args.stage in ("all", "questions", "data") and args.questions > 0:
-            from macfleet.engine.drafter.self_instruct import generate_questions
+            from macfleet.engine.drafter.self_instruct import MAX_DEPTH, generate_questions
 
-            a = generate_questions(lm, ds, args.questions, batch=args.gen_batch, report=report)
+            depth = MAX_DEPTH if args.subtopic_depth is None else args.subtopic_depth
+            a = generate_questions(lm, ds, args.questions, batch=args.gen_batch,
+                                   max_depth=depth, report=report)
             report(f"questions {ds}: {a.seeds} seed requests asked, {a.questions} questions "
-                   f"kept ({a.total} in all) in {a.seconds:.0f} s")
+                   f"kept ({a.total} in all), {a.subjects} subtopics named, in "
+                   f"{a.seconds:.0f} s")
         if args.stage in ("all", "data") and args.tokens > 0:
             from macfleet.engine.drafter.batchgen import generate_samples, generate_waves
 

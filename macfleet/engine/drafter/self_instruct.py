@@ -10,6 +10,15 @@ greedily like any other prompt (`prompts.iter_prompts(extra=...)`, source `self`
 
 The questions of a dataset live in `<dataset>/questions.jsonl`, one `{"text", "group", "seed"}`
 per line, appended a wave at a time; a run resumes after the seeds already asked.
+
+The listed subjects (a few hundred) give a few thousand seeds, tens of thousands of questions:
+a few million answer tokens. A drafter wants a hundred times that, so when the seeds run out
+the verifier names the subtopics of a subject ("Write a numbered list of 10 specific
+subtopics of dogs" -> "Dog training", "Dog health", ...), breadth first, down to
+`MAX_DEPTH`; each new subject brings its own seeds. Subtopics live in
+`<dataset>/subtopics.jsonl`, one `{"parent", "subject", "root", "depth"}` per line (a parent
+asked with nothing new to say is recorded with subject ""). A subtopic keeps the group of the
+listed subject it descends from, so held-out figures still hold out whole subjects.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from macfleet.engine.drafter.prompts import HELD_OUT_SUBJECTS, TOPICS, Prompt
 from macfleet.engine.models import LoadedModel
 
 QUESTIONS = "questions.jsonl"
+SUBTOPICS = "subtopics.jsonl"
+MAX_DEPTH = 3  # subtopics of subtopics of subtopics of a listed subject, at most
 
 ASK = "Write a numbered list of 10 different {what}."
 TOPIC_ASKS = ("questions that people ask a helpful assistant about {s}",
@@ -53,20 +64,53 @@ class Seed:
         return Prompt("seed", f"{self.text} #{self.round}").key
 
 
-def seeds(rounds: int = 3, seed: int = 0) -> list[Seed]:
-    """Every seed request (subjects of the topic and chat sources, none naming a held-out
-    subject), each `rounds` times (each round samples another list), shuffled
-    deterministically."""
+@dataclass(frozen=True)
+class Subject:
+    """What seeds ask about: a listed subject (depth 0) or a subtopic the verifier named."""
+
+    name: str
+    root: str  # the listed subject it descends from: its group
+    depth: int = 0
+    asks: tuple[str, ...] = TOPIC_ASKS
+
+    @property
+    def group(self) -> str:
+        return f"self:{self.root}"
+
+
+SUBTOPIC_ASK = "Write a numbered list of 10 specific subtopics of {s}."
+
+
+def _held_out(name: str) -> bool:
+    return any(h in name.lower() for h in HELD_OUT_SUBJECTS)
+
+
+def listed_subjects() -> list[Subject]:
+    """The subjects of the topic and chat sources (none naming a held-out subject), each
+    once."""
     from macfleet.engine.drafter.chat_prompts import SITUATIONS, THINGS
 
-    subjects = [(s, TOPIC_ASKS) for s in TOPICS] + [(s, THING_ASKS) for s in THINGS] + [
-        (s, SITUATION_ASKS) for s in SITUATIONS]
-    out = [Seed(ASK.format(what=a.format(s=s)), f"self:{s}") for s, asks in subjects
-           for a in asks if not any(h in s.lower() for h in HELD_OUT_SUBJECTS)]
-    out = list({s.text: s for s in out}.values())  # a subject in two lists: asked once
-    out = [Seed(s.text, s.group, r) for r in range(rounds) for s in out]
+    subjects = [Subject(s, s, 0, TOPIC_ASKS) for s in TOPICS] + [
+        Subject(s, s, 0, THING_ASKS) for s in THINGS] + [
+        Subject(s, s, 0, SITUATION_ASKS) for s in SITUATIONS]
+    return [s for s in subjects if not _held_out(s.name)]
+
+
+def seeds(rounds: int = 3, seed: int = 0, found: Sequence[Subject] = ()) -> list[Seed]:
+    """Every seed request, each `rounds` times (each round samples another list): the listed
+    subjects' shuffled deterministically, then those of `found` subtopics (in the order they
+    were found, each subject's rounds together). Never one naming a held-out subject."""
+    def of(subjects: Sequence[Subject]) -> list[Seed]:
+        out = [Seed(ASK.format(what=a.format(s=s.name)), s.group) for s in subjects
+               for a in s.asks if not _held_out(s.name)]
+        return list({x.text: x for x in out}.values())  # asked once, whoever names it
+
+    base = of(listed_subjects())
+    out = [Seed(s.text, s.group, r) for r in range(rounds) for s in base]
     random.Random(seed).shuffle(out)
-    return out
+    known = {s.text for s in base}
+    extra = [s for s in of(found) if s.text not in known]
+    return out + [Seed(s.text, s.group, r) for s in extra for r in range(rounds)]
 
 
 _ITEM = re.compile(r"^\s*\d{1,2}\s*[.)]\s+(.*\S)\s*$")
@@ -101,9 +145,44 @@ def parse_list(text: str) -> list[str]:
     return out
 
 
-def _rows(path: Path) -> list[dict]:
-    """The questions file's records (a line cut by a stopped run is skipped)."""
-    f = path / QUESTIONS
+_BULLET = re.compile(r"^\s*(?:\d{1,2}\s*[.)]|[-*•])\s+(.*\S)\s*$")
+_CUT = re.compile(r":|\s[-–—]\s|\(")  # "Key management: the process of ..." -> the name
+
+
+def _plain(name: str) -> str:
+    low = " ".join(name.lower().split())
+    return low[4:] if low.startswith("the ") else low
+
+
+def parse_subjects(text: str, parent: str) -> list[str]:
+    """The subjects a list of subtopics names: each numbered or bulleted item up to its first
+    colon, dash or parenthesis, markdown and quotes stripped, kept when it reads like a name
+    (1-6 words, 3-50 characters, letters only but for spaces, hyphens, apostrophes and '&'),
+    is not the parent itself, and names no held-out subject; each once."""
+    out: list[str] = []
+    seen = {_plain(parent)}
+    for line in text.splitlines():
+        m = _BULLET.match(line)
+        if not m:
+            continue
+        name = _CUT.split(m.group(1).replace("**", ""), maxsplit=1)[0]
+        name = name.strip().strip('"“”\'.,;').strip()
+        words = name.split()
+        if not (1 <= len(words) <= 6 and 3 <= len(name) <= 50):
+            continue
+        if not all(ch.isalpha() or ch in " -'&" for ch in name) or _held_out(name):
+            continue
+        if _plain(name) in seen:
+            continue
+        seen.add(_plain(name))
+        out.append(name)
+    return out
+
+
+def _jsonl(path: Path, name: str, need: str) -> list[dict]:
+    """The records of `<path>/<name>` that carry the string field `need` (a line cut by a
+    stopped run is skipped)."""
+    f = path / name
     if not f.is_file():
         return []
     out = []
@@ -112,9 +191,63 @@ def _rows(path: Path) -> list[dict]:
             r = json.loads(line)
         except ValueError:
             continue
-        if isinstance(r, dict) and isinstance(r.get("seed"), str):
+        if isinstance(r, dict) and isinstance(r.get(need), str):
             out.append(r)
     return out
+
+
+def _rows(path: Path) -> list[dict]:
+    """The questions file's records."""
+    return _jsonl(path, QUESTIONS, "seed")
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """The subtopics a dataset's verifier has named so far, and which subjects it was asked
+    about (read from `<dataset>/subtopics.jsonl`)."""
+
+    found: tuple[Subject, ...]
+    expanded: frozenset[str]  # _plain names of the subjects already asked for subtopics
+
+    def known(self) -> set[str]:
+        return {_plain(s.name) for s in (*listed_subjects(), *self.found)}
+
+    def to_expand(self, max_depth: int = MAX_DEPTH) -> list[Subject]:
+        """Subjects not asked for subtopics yet, shallowest first (breadth first)."""
+        todo = [s for s in (*listed_subjects(), *self.found)
+                if s.depth < max_depth and _plain(s.name) not in self.expanded]
+        return sorted(todo, key=lambda s: s.depth)  # stable: listed, then found order
+
+
+def read_subjects(path: Path) -> Subjects:
+    found: dict[str, Subject] = {}
+    expanded: set[str] = set()
+    for r in _jsonl(path, SUBTOPICS, "parent"):
+        expanded.add(_plain(r["parent"]))
+        name = r.get("subject")
+        if isinstance(name, str) and name and _plain(name) not in found:
+            found[_plain(name)] = Subject(name, str(r.get("root", r["parent"])),
+                                          int(r.get("depth", 1)))
+    return Subjects(tuple(found.values()), frozenset(expanded))
+
+
+def expand_subjects(lm: LoadedModel, path: Path, wave: Sequence[Subject], *, max_tokens: int,
+                    temperature: float, rng_seed: int) -> int:
+    """Ask the verifier for the subtopics of `wave` (one batch); append what is new to
+    `<path>/subtopics.jsonl` (every parent recorded as asked). Returns the subjects added."""
+    known = read_subjects(path).known()
+    lists = sample_lists(lm, [SUBTOPIC_ASK.format(s=s.name) for s in wave],
+                         max_tokens=max_tokens, temperature=temperature, rng_seed=rng_seed)
+    lines, added = [], 0
+    for parent, text in zip(wave, lists):
+        new = [n for n in parse_subjects(text, parent.name) if _plain(n) not in known]
+        known |= {_plain(n) for n in new}
+        added += len(new)
+        lines += [json.dumps({"parent": parent.name, "subject": n, "root": parent.root,
+                              "depth": parent.depth + 1}) for n in new or [""]]
+    with open(path / SUBTOPICS, "a") as f:
+        f.write("".join(line + "\n" for line in lines))
+    return added
 
 
 def read_questions(path: Path) -> list[Prompt]:
@@ -165,24 +298,42 @@ class Asked:
     questions: int  # kept this run
     total: int  # questions the dataset now holds
     seconds: float
+    subjects: int = 0  # subtopics the verifier named this run
 
 
 def generate_questions(lm: LoadedModel, path: Path, n_seeds: int, *, batch: int = 32,
                        max_tokens: int = 220, temperature: float = 0.6, rounds: int = 3,
+                       max_depth: int = MAX_DEPTH,
                        report: Callable[[str], None] | None = None) -> Asked:
     """Ask the verifier for lists of questions until `n_seeds` seeds are asked in all;
-    append the kept questions to `<path>/questions.jsonl` after each wave (resumable)."""
+    append the kept questions to `<path>/questions.jsonl` after each wave (resumable). When
+    the seeds run out, have it name subtopics (`expand_subjects`, breadth first, down to
+    `max_depth`) and ask about those; stops early only when no subject is left to expand."""
     path.mkdir(parents=True, exist_ok=True)
     asked = {r["seed"] for r in _rows(path)}
-    todo = [s for s in seeds(rounds) if s.key not in asked][: max(0, n_seeds - len(asked))]
+    want = max(0, n_seeds - len(asked))
     have = {p.key for p in read_questions(path)}
-    t0, kept = time.perf_counter(), 0
-    for w in range(0, len(todo), batch):
-        wave = todo[w : w + batch]
-        lists = sample_lists(lm, [s.text for s in wave], max_tokens=max_tokens,
-                             temperature=temperature, rng_seed=len(asked) + w)
+    t0, kept, done, found = time.perf_counter(), 0, 0, 0
+    subjects = read_subjects(path)
+    while done < want:
+        todo = [s for s in seeds(rounds, found=subjects.found)
+                if s.key not in asked][: min(batch, want - done)]
+        if not todo:
+            wave_s = subjects.to_expand(max_depth)[:batch]
+            if not wave_s:
+                break  # every subject down to max_depth asked: nothing more to ask about
+            found += expand_subjects(lm, path, wave_s, max_tokens=max_tokens,
+                                     temperature=temperature,
+                                     rng_seed=1_000_003 + len(subjects.expanded))
+            subjects = read_subjects(path)
+            if report:
+                report(f"subtopics: {len(subjects.found)} named "
+                       f"({len(subjects.expanded)} subjects asked)")
+            continue
+        lists = sample_lists(lm, [s.text for s in todo], max_tokens=max_tokens,
+                             temperature=temperature, rng_seed=len(asked))
         lines = []
-        for s, text in zip(wave, lists):
+        for s, text in zip(todo, lists):
             new = []
             for q in parse_list(text):
                 p = Prompt("self", q, s.group)
@@ -195,11 +346,12 @@ def generate_questions(lm: LoadedModel, path: Path, n_seeds: int, *, batch: int 
                       for q in new or [""]]
         with open(path / QUESTIONS, "a") as f:
             f.write("".join(line + "\n" for line in lines))
+        asked |= {s.key for s in todo}
+        done += len(todo)
         if report:
-            el = time.perf_counter() - t0
-            report(f"questions: {w + len(wave)}/{len(todo)} seeds, {kept} kept, "
-                   f"{el:.0f} s")
-    return Asked(len(todo), kept, len(have), time.perf_counter() - t0)
+            report(f"questions: {done}/{want} seeds, {kept} kept, "
+                   f"{time.perf_counter() - t0:.0f} s")
+    return Asked(done, kept, len(have), time.perf_counter() - t0, found)
 
 
 def question_prompts(questions: Sequence[Prompt], seed: int = 0) -> Iterator[Prompt]:

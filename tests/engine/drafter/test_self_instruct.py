@@ -3,8 +3,10 @@
 import json
 
 from macfleet.engine.drafter.prompts import HELD_OUT, HELD_OUT_SUBJECTS, iter_prompts, Prompt
-from macfleet.engine.drafter.self_instruct import (QUESTIONS, generate_questions, parse_list,
-                                                   read_questions, seeds)
+from macfleet.engine.drafter.self_instruct import (QUESTIONS, SUBTOPICS, Subject,
+                                                   generate_questions, parse_list,
+                                                   parse_subjects, read_questions,
+                                                   read_subjects, seeds)
 from macfleet.engine.models import load_model
 
 
@@ -75,3 +77,79 @@ def test_a_seed_whose_questions_are_all_known_is_still_recorded_as_asked(tmp_pat
     rows = [json.loads(line) for line in (tmp_path / QUESTIONS).read_text().splitlines()]
     assert len({r["seed"] for r in rows}) == 3
     assert generate_questions(None, tmp_path, 3, batch=3).seeds == 0  # none asked again
+
+
+def test_parse_subjects_keeps_names_from_what_a_small_verifier_writes():
+    text = """Here's a numbered list of 10 specific subtopics of dogs:
+
+1. Dogs (Canis lupus)
+2. **Dog breeds**
+3. Dog health
+4. dog breeds
+5. Key Management: The process of managing keys.
+6. Leavening agents - what makes bread rise
+7. 1.1.1: Saving for College
+8. The camping gear a dog needs
+- Dog training
+* Pawns in the Game
+9. An extremely long name that goes on far too long to be a subject
+"""
+    assert parse_subjects(text, "dogs") == ["Dog breeds", "Dog health", "Key Management",
+                                            "Leavening agents", "Dog training",
+                                            "Pawns in the Game"]
+    assert parse_subjects("1. The Roman Empire\n2. Pax Romana", "the Roman Empire") == [
+        "Pax Romana"]
+
+
+def _fake_lists(lm, texts, **kw):
+    """A verifier whose subtopic lists name two children and whose question lists hold one
+    question about the subject (so every seed adds exactly one question)."""
+    out = []
+    for t in texts:
+        subject = t.rsplit(" of ", 1)[-1].rstrip(".") if "subtopics" in t \
+            else t.rsplit(" about ", 1)[-1].rstrip(".")
+        if "subtopics" in t:
+            out.append(f"1. {subject} care\n2. {subject} history\n3. {subject}")
+        else:
+            out.append(f"1. What should I know about {subject} #{t.__hash__() % 97}?")
+    return out
+
+
+def test_when_the_seeds_run_out_the_verifier_names_subtopics_breadth_first(tmp_path,
+                                                                            monkeypatch):
+    import macfleet.engine.drafter.self_instruct as si
+
+    monkeypatch.setattr(si, "sample_lists", _fake_lists)
+    monkeypatch.setattr(si, "listed_subjects", lambda: [Subject("dogs", "dogs"),
+                                                        Subject("tea", "tea")])
+    base = len(seeds(rounds=1))
+    assert base == 4  # 2 subjects x 2 asks
+    a = generate_questions(None, tmp_path, base + 3, batch=8, rounds=1)
+    assert a.seeds == base + 3 and a.subjects == 4  # dogs care/history, tea care/history
+    got = read_subjects(tmp_path)
+    assert [s.name for s in got.found] == ["dogs care", "dogs history", "tea care",
+                                           "tea history"]
+    assert {s.group for s in got.found} == {"self:dogs", "self:tea"}  # the listed root's group
+    assert {s.depth for s in got.found} == {1} and got.expanded == {"dogs", "tea"}
+    qs = read_questions(tmp_path)
+    assert len(qs) == base + 3 and {p.group for p in qs} == {"self:dogs", "self:tea"}
+    # resumes: the subtopics already named are not asked again; depth 2 comes after depth 1
+    b = generate_questions(None, tmp_path, base + 8 + 2, batch=8, rounds=1)
+    assert b.seeds == 7 and b.subjects == 8  # one wave asked all four depth-1 subjects
+    assert [s.depth for s in read_subjects(tmp_path).found] == [1] * 4 + [2] * 8
+    # max_depth bounds the tree: with nothing left to expand, it stops short of the ask
+    c = generate_questions(None, tmp_path, 1000, batch=8, rounds=1, max_depth=2)
+    assert c.subjects == 0 and c.seeds == 8 * 2 - 2  # the depth-2 subjects' remaining seeds
+    assert generate_questions(None, tmp_path, 1000, batch=8, rounds=1, max_depth=2).seeds == 0
+
+
+def test_subtopics_file_survives_a_cut_line_and_held_out_subjects_stay_out(tmp_path):
+    (tmp_path / SUBTOPICS).write_text(
+        json.dumps({"parent": "dogs", "subject": "Dog training", "root": "dogs",
+                    "depth": 1}) + "\n"
+        + json.dumps({"parent": "dogs", "subject": "", "root": "dogs", "depth": 1}) + "\n"
+        + '{"parent": "tea", "subj')
+    got = read_subjects(tmp_path)
+    assert [s.name for s in got.found] == ["Dog training"] and got.expanded == {"dogs"}
+    assert parse_subjects("1. Camping stoves\n2. Fridge magnets\n3. Dog food", "dogs") == [
+        "Dog food"]
