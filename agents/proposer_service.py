@@ -123,6 +123,10 @@ class ProposerService:
         self.fallback_tokens = 0
         self._thread = threading.Thread(target=self._run, name="proposer-compute", daemon=True)
         self._thread.start()
+        if "retrieval" in kinds:  # its index takes seconds to build: not on a request's time
+            from macfleet.engine.proposers.retrieval import warm_store
+
+            warm_store(lm.spec)
 
     @property
     def sessions(self) -> int:

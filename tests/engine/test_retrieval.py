@@ -34,6 +34,33 @@ def test_longest_suffix_matches_first_and_the_trie_weights_sum_by_prefix():
     assert SEPARATOR not in toks
 
 
+def test_every_match_is_exact_and_finds_every_occurrence():
+    rng = np.random.default_rng(3)
+    answers = [rng.integers(0, 6, rng.integers(5, 40)).tolist() for _ in range(60)]
+    store = Datastore.build(answers)
+    toks = store.tokens.tolist()
+    for _ in range(100):
+        a = answers[rng.integers(len(answers))]
+        ctx = [7, *a[: rng.integers(2, len(a))]]
+        got = store.matches(ctx, limit=10_000)
+        for n in (8, 6, 4, 3, 2):  # brute force: where does the last-n suffix occur?
+            want = {p + n for p in range(len(toks) - n + 1) if toks[p:p + n] == ctx[-n:]}
+            have = {after for after, m in got if m >= n}
+            assert have <= want  # a match of a longer suffix is one of the shorter too
+            assert {after for after, m in got if m == n} == want - {
+                after for after, m in got if m > n}
+    assert store.matches([70_000, 1, 2], limit=8) == store.matches([1, 2], limit=8)
+
+
+def test_a_crowded_match_is_sampled_evenly_over_its_continuations():
+    # "2 3" is followed by 7 in the first 60 answers and by 9 in the last 20: the matches
+    # kept must keep those shares (the first ones by position would all continue with 7)
+    store = Datastore.build([[1, 2, 3, 7]] * 60 + [[1, 2, 3, 9]] * 20)
+    m = store.matches([5, 2, 3], limit=8)
+    nxt = [int(store.tokens[after]) for after, _ in m]
+    assert len(m) == 8 and nxt.count(7) == 6 and nxt.count(9) == 2
+
+
 def test_no_match_drafts_nothing_and_a_store_round_trips(tmp_path):
     store = Datastore.build([[1, 2, 3], [4, 5, 6]])
     prop = RetrievalProposer(store)
@@ -87,3 +114,20 @@ def test_a_store_grows_across_datasets_without_repeating_an_answer(tmp_path):
     # the merged store's trie weights count each distinct answer once
     assert len(loaded.matches([5, 6, 7], 10)) == 2
     assert Datastore.build([]).answers() == [] and Datastore.build([]).merged([a]).answers()[0].tolist() == a
+
+
+def test_a_warm_up_builds_the_shipped_index_once_in_the_background(tmp_path, monkeypatch):
+    import macfleet.engine.proposers.retrieval as r
+
+    path = Datastore.build([[1, 2, 3, 4], [2, 3, 5]]).save(tmp_path / "answers")
+    monkeypatch.setattr(r, "default_store_path", lambda spec: path if spec == "m" else None)
+    monkeypatch.setattr(r, "_loaded", {})
+    assert r.warm_store("other") is None  # nothing shipped: nothing to build
+    t = r.warm_store("m")
+    t.join(10)
+    built = r._loaded[str(path.resolve())][0]
+
+    class V:
+        spec, vocab_size = "m", 8
+
+    assert r.make_retrieval_proposer("", V()).store is built  # the request found it built

@@ -7,9 +7,14 @@ suffix is what this verifier tends to say next: "Here is a Python function that"
 a list, the closing of a code block. It needs no training and no model: a lookup costs
 microseconds, so it adds nothing to the critical path and runs as well on a proposer agent.
 
-Lookup: rolling hashes of every n-gram of the store (n = 8, 6, 4, 3, 2), sorted once; the
-longest n whose last-n-token hash occurs gives up to `max_matches` positions (shorter n fill up
-when few match); their continuations form a trie weighted by how many matches share each
+Lookup: a suffix array cut at 8 tokens. Every position of the store is sorted once by the 8
+tokens from it (packed 4 to a 64-bit key: two keys, one lexicographic sort), so the positions
+where any n <= 8 tokens occur are one contiguous range, found by two binary searches, for every
+n (8, 6, 4, 3, 2) from one index: exact (no hash collisions), built in one sort, and a quarter
+of the memory of one sorted hash table per n. The longest n that occurs gives up to
+`max_matches` positions (shorter n fill up when few match); a range holding more is sampled
+evenly, and as a range is sorted by what follows the match, an even sample keeps each
+continuation's share. Their continuations form a trie weighted by how many matches share each
 prefix. The weight of a node (matches through it / all matches) is its estimated probability
 of being accepted, and the tree of the best nodes is sized like an EAGLE-2 tree: calibrated
 confidence against the measured verify(L) (`drafter/budget.py`).
@@ -17,6 +22,7 @@ confidence against the measured verify(L) (`drafter/budget.py`).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,32 +35,50 @@ from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 
 SEPARATOR = 0xFFFF  # between answers in the store (never a token id of a <65535 vocabulary)
 NGRAMS = (8, 6, 4, 3, 2)
+KEY_TOKENS = 4  # tokens packed into one 64-bit sort key (16 bits each)
 DEFAULT_MAX_MATCHES = 64
 DEFAULT_DEPTH = 8
 DEFAULT_MAX_NODES = 24
-_MUL = np.uint64(1000003)
 
 
-def _hash_all(tokens: np.ndarray, n: int) -> np.ndarray:
-    """Rolling hash of every n-gram of `tokens` (uint64, wrapping)."""
-    t = tokens.astype(np.uint64)
-    h = np.zeros(len(t) - n + 1, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for j in range(n):
-            h = h * _MUL + t[j : len(t) - n + 1 + j]
-    return h
+def _pack(tokens: Sequence[int]) -> int:
+    """Up to KEY_TOKENS token ids as the high bits of a 64-bit key (a Python int)."""
+    key = 0
+    for t in tokens:
+        key = (key << 16) | int(t)
+    return key << (16 * (KEY_TOKENS - len(tokens)))
 
 
-def _hash_one(ctx: Sequence[int]) -> np.uint64:
-    return _hash_all(np.asarray(ctx, dtype=np.int64), len(ctx))[0]
+def _keys(toks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo) [N] uint64: the tokens at p..p+3 and p+4..p+7 of every position p, packed
+    (past the end: SEPARATOR, which no context holds)."""
+    n = len(toks)
+    pad = np.concatenate([toks.astype(np.uint64),
+                          np.full(2 * KEY_TOKENS, SEPARATOR, dtype=np.uint64)])
+    hi, lo = np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64)
+    for j in range(KEY_TOKENS):
+        hi = (hi << np.uint64(16)) | pad[j:j + n]
+        lo = (lo << np.uint64(16)) | pad[KEY_TOKENS + j:KEY_TOKENS + j + n]
+    return hi, lo
+
+
+def _span(keys: np.ndarray, a: int, b: int, prefix: Sequence[int]) -> tuple[int, int]:
+    """The range of sorted `keys[a:b]` whose packed tokens start with `prefix` (1-4 ids, each
+    below SEPARATOR, so the next prefix's first key still fits in 64 bits)."""
+    low = _pack(prefix)
+    high = low + (1 << (16 * (KEY_TOKENS - len(prefix))))
+    lo, hi = np.searchsorted(keys[a:b], np.array([low, high], np.uint64))
+    return a + int(lo), a + int(hi)
 
 
 @dataclass(frozen=True)
 class Datastore:
-    """The answers, concatenated with separators, and a sorted n-gram index per n."""
+    """The answers, concatenated with separators, and their 8-token suffix array."""
 
     tokens: np.ndarray  # [N] uint16
-    index: dict[int, tuple[np.ndarray, np.ndarray]]  # n -> (sorted hashes, start positions)
+    order: np.ndarray  # [N] int64: positions sorted by their next 8 tokens (then position)
+    hi: np.ndarray  # [N] uint64: the first 4 of those tokens, packed, in `order`
+    lo: np.ndarray  # [N] uint64: the next 4
 
     @classmethod
     def build(cls, answers: Sequence[Sequence[int]]) -> Datastore:
@@ -65,13 +89,9 @@ class Datastore:
 
     @classmethod
     def from_tokens(cls, toks: np.ndarray) -> Datastore:
-        index = {}
-        for n in NGRAMS:
-            if len(toks) >= n:
-                h = _hash_all(toks, n)
-                order = np.argsort(h, kind="stable").astype(np.int64)
-                index[n] = (h[order], order)
-        return cls(toks, index)
+        hi, lo = _keys(toks)
+        order = np.lexsort((lo, hi))  # stable: equal keys stay in position order
+        return cls(toks, order, hi[order], lo[order])
 
     def answers(self) -> list[np.ndarray]:
         """The answers the store holds, in order (split at the separators)."""
@@ -105,18 +125,28 @@ class Datastore:
 
     def matches(self, context: Sequence[int], limit: int) -> list[tuple[int, int]]:
         """(position after the match, n) for up to `limit` occurrences of the context's
-        suffix, longest n first."""
+        suffix, longest n first; a range with more than are still wanted is sampled evenly
+        (it is sorted by what follows, so each continuation keeps its share)."""
         out: list[tuple[int, int]] = []
+        seen: set[int] = set()
         for n in NGRAMS:
-            if len(context) < n or n not in self.index:
+            if len(context) < n or len(self.tokens) < n:
                 continue
-            hs, pos = self.index[n]
-            key = _hash_one(context[-n:])
-            lo, hi = np.searchsorted(hs, key, "left"), np.searchsorted(hs, key, "right")
-            seen = {p for p, _ in out}
-            for s in pos[lo : min(hi, lo + limit)]:
-                after = int(s) + n
+            suffix = [int(t) for t in context[-n:]]
+            if not all(0 <= t < SEPARATOR for t in suffix):
+                continue  # no answer of a uint16 store holds it
+            a, b = _span(self.hi, 0, len(self.hi), suffix[:KEY_TOKENS])
+            if n > KEY_TOKENS and b > a:
+                a, b = _span(self.lo, a, b, suffix[KEY_TOKENS:])
+            if b <= a:
+                continue
+            want = limit - len(out)
+            picks = (np.arange(a, b) if b - a <= want
+                     else a + (np.arange(want) * (b - a)) // want)
+            for s in self.order[picks].tolist():
+                after = s + n
                 if after not in seen:
+                    seen.add(after)
                     out.append((after, n))
             if len(out) >= limit:
                 break
@@ -195,7 +225,8 @@ class RetrievalProposer(Proposer):
 
 
 SHIPPED_STORES = {"smollm2": "smollm2-answers.npy"}
-_loaded: dict[str, Datastore] = {}
+_loaded: dict[str, tuple[Datastore, int]] = {}  # path -> (store, its largest token id)
+_loading = threading.Lock()  # a request during a warm-up waits for it, never builds twice
 
 
 def default_store_path(verifier_spec: str) -> Path | None:
@@ -205,6 +236,35 @@ def default_store_path(verifier_spec: str) -> Path | None:
     return WEIGHTS_DIR / name if name else None
 
 
+def _load(path: Path) -> tuple[Datastore, int]:
+    """The store at `path` and its largest token id, built once per process (~2 s for 5.5M
+    tokens). OSError, ValueError: no store there."""
+    key = str(path.with_suffix(".npy").resolve())
+    with _loading:
+        if key not in _loaded:
+            store = Datastore.load(path)
+            _loaded[key] = store, int(store.tokens[store.tokens != SEPARATOR].max(initial=0))
+        return _loaded[key]
+
+
+def warm_store(verifier_spec: str) -> threading.Thread | None:
+    """Build the shipped store's index on a background thread (a proposer agent at start), so
+    the first request that drafts from it does not wait for it; None when none is shipped."""
+    path = default_store_path(verifier_spec)
+    if path is None or not path.with_suffix(".npy").is_file():
+        return None
+
+    def build() -> None:
+        try:
+            _load(path)
+        except (OSError, ValueError):
+            pass  # the request that asks for it gets the error
+
+    t = threading.Thread(target=build, name="retrieval-index", daemon=True)
+    t.start()
+    return t
+
+
 def make_retrieval_proposer(arg: str, verifier, error: type[Exception] = ValueError
                             ) -> RetrievalProposer:
     """`retrieval[:PATH]`: the answer store at PATH, or the one shipped for this verifier."""
@@ -212,14 +272,10 @@ def make_retrieval_proposer(arg: str, verifier, error: type[Exception] = ValueEr
     if path is None or not path.with_suffix(".npy").is_file():
         raise error(f"retrieval: no answer store for {verifier.spec}; build one with "
                     f"`macfleet distill --model {verifier.spec} --tokens N --store PATH`")
-    key = str(path.with_suffix(".npy").resolve())
-    if key not in _loaded:  # the index is rebuilt once per process (a fraction of a second)
-        try:
-            _loaded[key] = Datastore.load(path)
-        except (OSError, ValueError) as e:
-            raise error(f"retrieval: {e}") from e
-    store = _loaded[key]
-    if store.tokens.size and int(store.tokens[store.tokens != SEPARATOR].max(initial=0)) \
-            >= verifier.vocab_size:
+    try:
+        store, largest = _load(path)
+    except (OSError, ValueError) as e:
+        raise error(f"retrieval: {e}") from e
+    if store.tokens.size and largest >= verifier.vocab_size:
         raise error(f"retrieval: {path} holds token ids outside this verifier's vocabulary")
     return RetrievalProposer(store, name=f"retrieval:{arg}" if arg else "retrieval")
