@@ -123,10 +123,10 @@ class ProposerService:
         self.fallback_tokens = 0
         self._thread = threading.Thread(target=self._run, name="proposer-compute", daemon=True)
         self._thread.start()
-        if "retrieval" in kinds:  # its index takes seconds to build: not on a request's time
-            from macfleet.engine.proposers.retrieval import warm_store
+        if "retrieval" in kinds:  # its index takes ~2 s to build: before the agent is
+            from macfleet.engine.proposers.retrieval import warm_store  # advertised, not
 
-            warm_store(lm.spec)
+            warm_store(lm.spec)  # on the first request's time (it held up a demo by 4 s)
 
     @property
     def sessions(self) -> int:

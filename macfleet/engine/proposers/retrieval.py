@@ -226,7 +226,7 @@ class RetrievalProposer(Proposer):
 
 SHIPPED_STORES = {"smollm2": "smollm2-answers.npy"}
 _loaded: dict[str, tuple[Datastore, int]] = {}  # path -> (store, its largest token id)
-_loading = threading.Lock()  # a request during a warm-up waits for it, never builds twice
+_loading = threading.Lock()  # two sessions asking at once build it once
 
 
 def default_store_path(verifier_spec: str) -> Path | None:
@@ -247,22 +247,18 @@ def _load(path: Path) -> tuple[Datastore, int]:
         return _loaded[key]
 
 
-def warm_store(verifier_spec: str) -> threading.Thread | None:
-    """Build the shipped store's index on a background thread (a proposer agent at start), so
-    the first request that drafts from it does not wait for it; None when none is shipped."""
+def warm_store(verifier_spec: str) -> bool:
+    """Build the shipped store's index now (a proposer agent does at start, before it
+    advertises itself), so no request waits for it; False when none is shipped or it does not
+    load (the request that asks for it then gets the error)."""
     path = default_store_path(verifier_spec)
     if path is None or not path.with_suffix(".npy").is_file():
-        return None
-
-    def build() -> None:
-        try:
-            _load(path)
-        except (OSError, ValueError):
-            pass  # the request that asks for it gets the error
-
-    t = threading.Thread(target=build, name="retrieval-index", daemon=True)
-    t.start()
-    return t
+        return False
+    try:
+        _load(path)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def make_retrieval_proposer(arg: str, verifier, error: type[Exception] = ValueError
