@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from macfleet.engine.cachedir import cache_root
 from macfleet.engine.verifier import Verifier
 
 PROBE_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32)
@@ -83,8 +84,7 @@ def machine_busy(threshold: float = 0.5) -> bool:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MACFLEET_CACHE", Path.home() / ".cache" / "macfleet")) / \
-        "verify-costs"
+    return cache_root() / "verify-costs"
 
 
 def known_verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float] | None:

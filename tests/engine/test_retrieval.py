@@ -130,3 +130,29 @@ def test_a_warm_up_builds_the_shipped_index_once(tmp_path, monkeypatch):
         spec, vocab_size = "m", 8
 
     assert r.make_retrieval_proposer("", V()).store is built  # the request found it built
+
+
+def test_a_loaded_store_keeps_its_index_in_the_cache(tmp_path, monkeypatch):
+    import macfleet.engine.proposers.retrieval as r
+
+    monkeypatch.setenv("MACFLEET_CACHE", str(tmp_path / "cache"))
+    store = Datastore.build([[1, 2, 3, 4, 5], [2, 3, 4, 9], [7, 2, 3]])
+    path = store.save(tmp_path / "answers")
+    first = Datastore.load(path)  # built, then cached
+    cached = sorted(p.name for p in (tmp_path / "cache" / "retrieval").iterdir())
+    assert len(cached) == 1 and not cached[0].startswith(".tmp")
+    calls = []
+    monkeypatch.setattr(r.Datastore, "from_tokens",
+                        classmethod(lambda cls, toks: calls.append(1)))
+    again = Datastore.load(path)  # read back: no sort
+    assert calls == [] and isinstance(again.order, np.memmap)
+    assert again.matches([0, 2, 3], 8) == first.matches([0, 2, 3], 8) == store.matches(
+        [0, 2, 3], 8)
+    # another store's tokens never read this one's index
+    monkeypatch.undo()
+    monkeypatch.setenv("MACFLEET_CACHE", str(tmp_path / "cache"))
+    other = Datastore.build([[5, 6, 7]]).save(tmp_path / "other")
+    assert Datastore.load(other).matches([5, 6], 4) == [(2, 2)]
+    for f in (tmp_path / "cache" / "retrieval").glob("*/hi.npy"):  # a damaged cache: rebuilt
+        f.write_bytes(b"junk")
+    assert Datastore.load(path).matches([0, 2, 3], 8) == store.matches([0, 2, 3], 8)
