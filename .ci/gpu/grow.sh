@@ -10,13 +10,7 @@ T0=$(date +%s); BUDGET=${BUDGET:-540}
 MODEL=${MODEL:-smollm2}; DSTAR=${DSTAR:-results/distill-smollm2-5.6M.tar.xz}
 HEAD=${HEAD:-macfleet/engine/drafter/weights/smollm2-eagle}; B=${B:-64}; SEQ=${SEQ:-256}
 GB=${GB:-512}
-t() { echo "== $1 $(( $(date +%s) - T0 )) s" | tee -a $O/log.txt; }
-[ -n "${LOCAL:-}" ] || [ -f /tmp/site/.ready ] || { echo "no /tmp/site: the setup call did not run on this machine"; exit 3; }
-[ -n "${LOCAL:-}" ] || {
-NV=$(python3 -c "import nvidia; print([p for p in nvidia.__path__ if 'site-packages' in p][0])")
-export LD_LIBRARY_PATH=$(ls -d $NV/*/lib | tr '\n' ':')${LD_LIBRARY_PATH:-}
-export PYTHONPATH=/tmp/site:$R MACFLEET_NO_OPENBLAS=1; }
-export PYTHONUNBUFFERED=1; PY=${PY:-python3}
+. "$R/.ci/gpu/env.sh"
 last() { tr '\r' '\n' < $1 | grep -v '^$' | tail -${2:-2} | tee -a $O/log.txt; }
 t start
 tar xJf $DSTAR -C $J

@@ -1,19 +1,14 @@
 #!/usr/bin/env bash
-# Final call: the 4.2M-token dataset's hidden states rebuilt, then four training variants of
-# the shipped head side by side on the GPU (a 2x2: token target hard|soft x 1|2 layers), each
-# under the same time limit. Results in $OUT (heads, a tar of configs, curves and logs).
+# Final call: the dataset's hidden states rebuilt (DSTAR, default the 5.6M one), then four
+# training variants of the shipped head side by side on the GPU (a 2x2: token target
+# hard|soft x 1|2 layers), each under the same time limit. Results in $OUT (heads, a tar of
+# configs, curves and logs).
 set -u
 R=$PWD; J=${J:-/tmp/job}; O=$OUT; mkdir -p $J
 T0=$(date +%s); BUDGET=${BUDGET:-510}
-MODEL=${MODEL:-smollm2}; DSTAR=${DSTAR:-results/distill-smollm2-4.2M.tar.xz}
+MODEL=${MODEL:-smollm2}; DSTAR=${DSTAR:-results/distill-smollm2-5.6M.tar.xz}
 HEAD=${HEAD:-macfleet/engine/drafter/weights/smollm2-eagle}; B=${B:-64}; SEQ=${SEQ:-256}
-t() { echo "== $1 $(( $(date +%s) - T0 )) s" | tee -a $O/log.txt; }
-[ -n "${LOCAL:-}" ] || [ -f /tmp/site/.ready ] || { echo "no /tmp/site: the setup call did not run on this machine"; exit 3; }
-[ -n "${LOCAL:-}" ] || {
-NV=$(python3 -c "import nvidia; print([p for p in nvidia.__path__ if 'site-packages' in p][0])")
-export LD_LIBRARY_PATH=$(ls -d $NV/*/lib | tr '\n' ':')${LD_LIBRARY_PATH:-}
-export PYTHONPATH=/tmp/site:$R MACFLEET_NO_OPENBLAS=1; }
-export PYTHONUNBUFFERED=1; PY=${PY:-python3}
+. "$R/.ci/gpu/env.sh"
 t start
 tar xJf $DSTAR -C $J
 t features
