@@ -156,3 +156,4 @@ def test_a_loaded_store_keeps_its_index_in_the_cache(tmp_path, monkeypatch):
     for f in (tmp_path / "cache" / "retrieval").glob("*/hi.npy"):  # a damaged cache: rebuilt
         f.write_bytes(b"junk")
     assert Datastore.load(path).matches([0, 2, 3], 8) == store.matches([0, 2, 3], 8)
+
