@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_TIMEOUT_S = 5.0  # a proposer slower than this is useless anyway
 DEFAULT_OPEN_TIMEOUT_S = 30.0  # first contact may load a model
+# the first block waits this long for its session to open (an agent that is ready answers in
+# about a millisecond); after it the verifier decodes without drafts until the session is open
+OPEN_GRACE_S = 0.05
 # a proposer that has not completed the (CURVE) handshake by then is taken as dead: the
 # verifier's compute thread must not wait on it (seconds per dead endpoint, several named)
 DEFAULT_CONNECT_TIMEOUT_S = 0.5
@@ -125,6 +128,11 @@ class RemoteProposer(Proposer):
         self.params = GREEDY
         self._feedback: tuple[int, int, float] = (-1, 0, 0.0)  # for the next request
         self._costs: dict[int, float] | None = None  # the verifier's verify(L), sent once
+        self._opening = ""  # the id of an OpenSession in flight (`_opened` collects it)
+        self._opening_sid = ""
+        self._open_len = 0  # context tokens the session opens with
+        self._open_by = 0.0  # monotonic deadline of the open
+        self._asked = False
 
     def start(self, params: SamplingParams = GREEDY) -> None:
         self.params = params
@@ -134,6 +142,8 @@ class RemoteProposer(Proposer):
         self._block = 0
         self.flows = FlowTotals()
         self._feedback = (-1, 0, 0.0)
+        self._opening = ""  # the id of an OpenSession in flight
+        self._asked = False  # this block's request went out (`begin`): `finish` collects it
 
     def seed_verify_costs(self, costs) -> None:
         self._costs = {int(k): float(v) for k, v in costs.items()}
@@ -144,22 +154,51 @@ class RemoteProposer(Proposer):
         self._feedback = (int(accepted), int(verified or drafted + 1), float(verify_ms))
 
     def _open(self, context: Sequence[int]) -> None:
+        """Send OpenSession without waiting for it: a proposer agent that must load a model
+        first does not hold up the verifier (`_opened` collects the answer)."""
         self._client = self._client or Client(self.endpoint, key=self.key,
                                               connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S,
                                               watch_peer=True)
-        sid = uuid.uuid4().hex[:16]
-        msg = OpenSession(session_id=sid, proposer=self.spec, model=self.model,
+        self._opening_sid = uuid.uuid4().hex[:16]
+        msg = OpenSession(session_id=self._opening_sid, proposer=self.spec, model=self.model,
                           prompt=[int(t) for t in context], temperature=self.params.temperature,
                           top_p=self.params.top_p, seed=self.params.seed,
                           cross_round=self.cross_round)
         try:
-            reply = self._client.request(msg, timeout=self.open_timeout_s)
-        except (ProtocolError, TransportTimeout, PeerUnavailable) as e:
+            self._opening = self._client.send(msg)
+        except PeerUnavailable as e:
             raise ProposerFailed(f"cannot open a drafting session on {self.endpoint}: {e}") from e
+        self._open_len = len(context)
+        self._open_by = time.monotonic() + self.open_timeout_s
+
+    def _opened(self, wait_s: float) -> bool:
+        """Whether the session is open, collecting OpenSession's answer if it came within
+        `wait_s`. ProposerFailed when it was refused, or not answered by the open deadline."""
+        until = time.monotonic() + wait_s
+        while True:
+            try:
+                env = self._client.recv(max(0.0, until - time.monotonic()))
+            except TransportTimeout:
+                if time.monotonic() < self._open_by:
+                    return False
+                self._opening = ""
+                self._client.reset()
+                raise ProposerFailed(f"cannot open a drafting session on {self.endpoint}: no "
+                                     f"answer within {self.open_timeout_s:.0f} s") from None
+            except (ProtocolError, PeerUnavailable) as e:
+                raise ProposerFailed(f"cannot open a drafting session on {self.endpoint}: "
+                                     f"{e}") from e
+            if env.header.reply_to == self._opening:
+                break  # anything else is a stray answer to an earlier request
+        reply, self._opening = env.msg, ""
+        if isinstance(reply, ErrorReply):
+            raise ProposerFailed(f"cannot open a drafting session on {self.endpoint}: "
+                                 f"{reply.code}: {reply.message}")
         if not isinstance(reply, SessionOpened):
             raise ProposerFailed(f"{self.endpoint} answered {type(reply).__name__} to OpenSession")
         self.name = f"{reply.proposer}@{self.endpoint}"
-        self._session, self._sent, self._f_sent = sid, len(context), 0
+        self._session, self._sent, self._f_sent = self._opening_sid, self._open_len, 0
+        return True
 
     def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
         self.begin(context, k)
@@ -167,9 +206,16 @@ class RemoteProposer(Proposer):
 
     def begin(self, context: Sequence[int], k: int) -> None:
         """Send the draft request (F1) without waiting: a tree of remote proposers sends to
-        all of them first, so they draft at the same time."""
+        all of them first, so they draft at the same time. Until its session is open it
+        sends nothing, and `finish` gives an empty draft (the block decodes plainly)."""
         if not self._session:
-            self._open(context)
+            wait = 0.0 if self._opening else OPEN_GRACE_S
+            if not self._opening:
+                self._open(context)
+            self._asked = self._opened(wait)
+            if not self._asked:
+                return
+        self._asked = True
         assert self._client is not None
         delta = [int(t) for t in context[self._sent:]]
         self._block += 1
@@ -200,7 +246,10 @@ class RemoteProposer(Proposer):
         self._sent_bytes = self._client.last_sent_bytes
 
     def finish(self) -> Draft:
-        """Collect the reply (F2) of the request sent by `begin`."""
+        """Collect the reply (F2) of the request sent by `begin` (empty: none went out)."""
+        if not self._asked:
+            return Draft((), None, 0.0)
+        self._asked = False
         assert self._client is not None
         deadline = self._t0 + self.draft_timeout_s
         try:

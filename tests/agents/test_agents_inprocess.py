@@ -319,3 +319,80 @@ def test_a_remote_tree_drafter_learns_what_the_verifier_measured():
     _learn(s, DraftRequest(**req, last_accepted=7, last_verified=9, last_verify_ms=66.0))
     _learn(s, DraftRequest(**req, last_accepted=1, last_verified=9, last_verify_ms=-1.0))
     assert len(p.seen) == 1  # more accepted than drafted, or a negative time: not learnt
+
+
+def test_a_proposer_slow_to_open_its_session_does_not_hold_up_the_verifier(pair):
+    """Until OpenSession is answered (a proposer agent loading a draft model), blocks go out
+    without drafts; the first reply turns drafting on."""
+    import threading
+    import time
+
+    from agents.remote_proposer import RemoteProposer
+    from bridge.messages import OpenSession
+
+    _, prop = pair
+    svc, gate = prop.proposer, threading.Event()
+    real = svc.handle
+
+    def slow(msg, reply):
+        if isinstance(msg, OpenSession):
+            gate.wait(10)  # the agent's loop is busy (a model load) until the gate opens
+        return real(msg, reply)
+
+    svc.handle = slow
+    rp = RemoteProposer(prop.card.router_endpoint, key=KEY, proposer="ngram", model=MODEL)
+    try:
+        rp.start()
+        ctx = [1, 2, 3, 1, 2, 3, 1, 2]
+        t0 = time.monotonic()
+        assert rp.propose(ctx, 3).tokens == ()  # not open yet: an empty draft, at once
+        assert rp.propose(ctx + [3], 3).tokens == ()
+        assert time.monotonic() - t0 < 5
+        gate.set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the next blocks find the session open
+            if rp.propose(ctx + [3, 1, 2], 3).tokens:
+                break
+        assert rp._session and rp.flows.blocks > 0
+    finally:
+        svc.handle = real
+        gate.set()
+        rp.close()
+
+
+def test_a_session_never_opened_or_refused_fails_the_proposer(pair):
+    import threading
+    import time
+
+    from agents.remote_proposer import RemoteProposer
+    from bridge.messages import OpenSession
+    from macfleet.engine.proposers.base import ProposerFailed
+
+    _, prop = pair
+    svc, gate = prop.proposer, threading.Event()
+    real = svc.handle
+    svc.handle = lambda msg, reply: (gate.wait(10) if isinstance(msg, OpenSession)
+                                     else None) or real(msg, reply)
+    rp = RemoteProposer(prop.card.router_endpoint, key=KEY, proposer="ngram", model=MODEL,
+                        open_timeout_s=0.3)
+    try:
+        rp.start()
+        with pytest.raises(ProposerFailed, match="no answer within"):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                assert rp.propose([1, 2, 3, 1, 2], 3).tokens == ()
+                time.sleep(0.05)
+    finally:
+        svc.handle = real
+        gate.set()
+        rp.close()
+    bad = RemoteProposer(prop.card.router_endpoint, key=KEY, proposer="draft:/no/such/model.gguf",
+                         model=MODEL)
+    try:
+        bad.start()
+        with pytest.raises(ProposerFailed, match="cannot open"):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                bad.propose([1, 2, 3], 3)
+    finally:
+        bad.close()
