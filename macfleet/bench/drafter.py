@@ -279,18 +279,27 @@ def best_spec(summary: dict, candidates: Sequence[str], floor: float = FLOOR
     return best, float(allp[best]["speedup_geomean"] or 0.0)
 
 
-def record_best(head_path: Path, best: str, speedup: float, command: str,
-                best_agents: str | None = None, speedup_agents: float | None = None) -> None:
-    """Write the measured best drafters (in one process; across agents) into the head's eval
-    record, which engine/drafter/choice reads."""
+def bench_record(best: str, speedup: float, command: str, best_agents: str | None = None,
+                 speedup_agents: float | None = None) -> dict:
+    """The measured best drafters (in one process; across agents) as engine/drafter/choice
+    reads them, with the machine they were measured on."""
+    from macfleet.engine.cachedir import machine_id
+
+    doc = {"best": best, "speedup": speedup, "command": command, "machine": machine_id(),
+           "prompts": "held-out (macfleet/engine/drafter/prompts.py HELD_OUT)"}
+    if best_agents:
+        doc.update(best_agents=best_agents, speedup_agents=speedup_agents)
+    return doc
+
+
+def record_best(head_path: Path, record: dict) -> None:
+    """Write a `bench_record` into the shipped head's eval file (the default of machines
+    without a record of their own)."""
     from macfleet.engine.drafter.distill import eval_path
 
     p = eval_path(head_path)
     doc = json.loads(p.read_text()) if p.is_file() else {}
-    doc["bench"] = {"best": best, "speedup": speedup, "command": command,
-                    "prompts": "held-out (macfleet/engine/drafter/prompts.py HELD_OUT)"}
-    if best_agents:
-        doc["bench"].update(best_agents=best_agents, speedup_agents=speedup_agents)
+    doc["bench"] = record
     p.write_text(json.dumps(doc, indent=2) + "\n")
 
 

@@ -16,7 +16,11 @@ def add_bench_parsers(bs) -> None:
                    help="a distill run's held-out curve to plot (results/drafter_curve.png; "
                         "default: the curve recorded in the head's eval file)")
     d.add_argument("--record", action="store_true",
-                   help="record the measured best drafter as the model's default (auto)")
+                   help="record the measured best drafters as this machine's default (auto), "
+                   "in its cache")
+    d.add_argument("--record-shipped", action="store_true",
+                   help="also record them in the shipped head's eval file: the default of "
+                   "machines without their own record (the project's reference run)")
     d.set_defaults(func=run)
     h = bs.add_parser("heads", help="draft heads side by side on unseen prompts' answers "
                       "(chain acceptance, first draft's top-k; results/drafter_heads.json)")
@@ -68,16 +72,25 @@ def run(args) -> int:
         doc["agents"] = b.bench_agents(lm, agent_specs, args.max_tokens, say)
         best_a, speedup_a = b.best_spec(doc["agents"]["summary"], agent_specs)
         doc["best_agents"] = {"spec": best_a, "speedup_geomean": speedup_a}
+    agents = doc.get("best_agents") or {}
+    record = b.bench_record(best, speedup, "macfleet " + " ".join(sys.argv[1:]),
+                            agents.get("spec"), agents.get("speedup_geomean"))
+    if args.record or args.record_shipped:
+        from macfleet.engine.drafter.choice import record_machine_choice
+
+        say(f"this machine's default drafter: {best} in one process"
+            + (f", {agents['spec']} across agents" if agents else "")
+            + f" ({record_machine_choice(lm.spec, record)})")
     head = default_head_path(lm.spec)
     if head is not None and head.is_file():
         from macfleet.engine.drafter.distill import read_eval
 
         doc["head"] = read_eval(head)
         doc["head_on_held_out_prompts"] = b.head_on_held_out(lm)
-        if args.record:
-            agents = doc.get("best_agents") or {}
-            b.record_best(head, best, speedup, "macfleet " + " ".join(sys.argv[1:]),
-                          agents.get("spec"), agents.get("speedup_geomean"))
+        if args.record_shipped:
+            b.record_best(head, record)
+    elif args.record_shipped:
+        say(f"no head is shipped for {lm.spec}: only this machine's record was written")
     # the distill run's learning curve: a curve.jsonl given here, else the one recorded in
     # the head's eval file (every warm-started run of it, training tokens added up)
     from macfleet.engine.drafter.distill import cumulative_curve

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from macfleet.engine.cachedir import cache_root
+from macfleet.engine.cachedir import cache_root, machine_id
 from macfleet.engine.verifier import Verifier
 
 PROBE_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32)
@@ -70,7 +69,7 @@ def _key(model: nn.Module) -> str:
     w = getattr(getattr(getattr(layer, "self_attn", None), "q_proj", None), "weight", None)
     fmt = "quantized" if hasattr(getattr(layer.self_attn, "q_proj", None), "scales") else \
         str(getattr(w, "dtype", "?"))
-    machine = f"{platform.system()}-{platform.machine()}-{platform.processor()}-{usable_cores()}"
+    machine = machine_id(usable_cores())
     raw = f"{verifier_fingerprint(model)}|{fmt}|{machine}|{mx.__version__}|{PROBE_LENGTHS}"
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 

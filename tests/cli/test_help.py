@@ -55,3 +55,33 @@ def test_the_default_drafter_is_the_measured_best_and_a_weak_head_is_not_used():
     assert choose_proposer(benched, "fleet")[0] == "eagle2"  # no agents record: the one best
     assert resolve_proposer("ngram", "smollm2") == ("ngram", "asked for")
     assert resolve_proposer("auto", "tiny:1")[0] == "ngram"  # no head shipped for it
+
+
+def test_this_machines_own_drafter_record_wins_over_the_shipped_one(tmp_path, monkeypatch):
+    from macfleet.engine.cachedir import machine_id
+    from macfleet.engine.drafter.choice import (choose_proposer, machine_record,
+                                                machine_record_path, record_machine_choice,
+                                                resolve_proposer)
+
+    monkeypatch.setenv("MACFLEET_CACHE", str(tmp_path))
+    shipped = {"bench": {"best": "eagle", "speedup": 1.5, "machine": "Linux-x86_64--2"}}
+    spec, why = choose_proposer(shipped, here="Darwin-arm64-arm-12")
+    assert spec == "eagle" and "Linux-x86_64--2" in why and "--record" in why
+    spec, why = choose_proposer(shipped, here="Linux-x86_64--2")  # the reference machine
+    assert "this machine" in why and "--record" not in why
+    assert machine_record("smollm2") is None
+    record_machine_choice("smollm2", {"best": "eagle2+retrieval+ngram", "speedup": 2.1,
+                                      "best_agents": "eagle2", "speedup_agents": 1.8})
+    mine = machine_record("smollm2")
+    assert mine["machine"] == machine_id()
+    spec, why = choose_proposer(shipped, mine=mine)
+    assert spec == "eagle2+retrieval+ngram" and "this machine" in why and "2.10x" in why
+    assert resolve_proposer("auto", "smollm2") == (spec, why)
+    assert resolve_proposer("auto", "smollm2", "fleet")[0] == "eagle2"
+    # a record another machine wrote into a shared cache directory is not this machine's
+    path = machine_record_path("smollm2")
+    path.write_text(path.read_text().replace(machine_id(), "Darwin-arm64-arm-12"))
+    assert machine_record("smollm2") is None
+    # a model with no shipped head still gets the drafter measured for it here
+    record_machine_choice("tiny:1", {"best": "retrieval+ngram", "speedup": 1.2})
+    assert resolve_proposer("auto", "tiny:1")[0] == "retrieval+ngram"
