@@ -27,11 +27,11 @@ from macfleet.engine.models import LoadedModel
 from macfleet.engine.text import generate_local
 
 DEFAULT_SPECS = ("none", "ngram", "retrieval", "eagle", "eagle2", "retrieval+ngram",
-                 "eagle2+retrieval", "eagle2+retrieval+ngram")
-# across agents: every kind of drafter (n-gram, answer store, the head's chains and trees, a
-# tree of all three), whatever won in one process, so the agents' default is chosen among them
+                 "eagle+retrieval+ngram", "eagle2+retrieval", "eagle2+retrieval+ngram")
+# across agents: every kind of drafter (n-gram, answer store, the head's chains and trees,
+# trees of them together), whatever won in one process, so the agents' default is chosen among them
 DEFAULT_AGENT_SPECS = ("none", "ngram", "retrieval+ngram", "eagle", "eagle2",
-                       "eagle2+retrieval+ngram")
+                       "eagle+retrieval+ngram", "eagle2+retrieval+ngram")
 
 
 def _row(st: GenerationStats, ids: Sequence[int], ref: Sequence[int] | None) -> dict:
