@@ -315,9 +315,11 @@ def generate_questions(lm: LoadedModel, path: Path, n_seeds: int, *, batch: int 
     have = {p.key for p in read_questions(path)}
     t0, kept, done, found = time.perf_counter(), 0, 0, 0
     subjects = read_subjects(path)
+    pending = None  # the seeds not asked yet, in order (listed again after an expansion)
     while done < want:
-        todo = [s for s in seeds(rounds, found=subjects.found)
-                if s.key not in asked][: min(batch, want - done)]
+        if pending is None:
+            pending = [s for s in seeds(rounds, found=subjects.found) if s.key not in asked]
+        todo, pending = pending[: min(batch, want - done)], pending[min(batch, want - done):]
         if not todo:
             wave_s = subjects.to_expand(max_depth)[:batch]
             if not wave_s:
@@ -325,7 +327,7 @@ def generate_questions(lm: LoadedModel, path: Path, n_seeds: int, *, batch: int 
             found += expand_subjects(lm, path, wave_s, max_tokens=max_tokens,
                                      temperature=temperature,
                                      rng_seed=1_000_003 + len(subjects.expanded))
-            subjects = read_subjects(path)
+            subjects, pending = read_subjects(path), None
             if report:
                 report(f"subtopics: {len(subjects.found)} named "
                        f"({len(subjects.expanded)} subjects asked)")
