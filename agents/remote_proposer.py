@@ -132,7 +132,7 @@ class RemoteProposer(Proposer):
         self._opening_sid = ""
         self._open_len = 0  # context tokens the session opens with
         self._open_by = 0.0  # monotonic deadline of the open
-        self._asked = False
+        self._asked = False  # this block's request went out (`begin`): `finish` collects it
 
     def start(self, params: SamplingParams = GREEDY) -> None:
         self.params = params
@@ -142,8 +142,8 @@ class RemoteProposer(Proposer):
         self._block = 0
         self.flows = FlowTotals()
         self._feedback = (-1, 0, 0.0)
-        self._opening = ""  # the id of an OpenSession in flight
-        self._asked = False  # this block's request went out (`begin`): `finish` collects it
+        self._opening = ""
+        self._asked = False
 
     def seed_verify_costs(self, costs) -> None:
         self._costs = {int(k): float(v) for k, v in costs.items()}
@@ -212,8 +212,8 @@ class RemoteProposer(Proposer):
             wait = 0.0 if self._opening else OPEN_GRACE_S
             if not self._opening:
                 self._open(context)
-            self._asked = self._opened(wait)
-            if not self._asked:
+            if not self._opened(wait):
+                self._asked = False
                 return
         self._asked = True
         assert self._client is not None
