@@ -10,7 +10,7 @@ microseconds, so it adds nothing to the critical path and runs as well on a prop
 Lookup: a suffix array cut at 8 tokens. Every position of the store is sorted once by the 8
 tokens from it (packed 4 to a 64-bit key: two keys, one lexicographic sort), so the positions
 where any n <= 8 tokens occur are one contiguous range, found by two binary searches, for every
-n (8, 6, 4, 3, 2) from one index: exact (no hash collisions), built in one sort, and a quarter
+n (8, 6, 4, 3, 2) from one index: exact (no hash collisions), built in one sort, and under a third
 of the memory of one sorted hash table per n. The longest n that occurs gives up to
 `max_matches` positions (shorter n fill up when few match); a range holding more is sampled
 evenly, and as a range is sorted by what follows the match, an even sample keeps each
