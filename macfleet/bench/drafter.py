@@ -86,28 +86,51 @@ def _groups(runs: dict[str, dict[str, dict]], specs: Sequence[str]) -> dict:
     return out
 
 
+def median_run(rows: Sequence[dict]) -> dict:
+    """Of repeated runs of one drafter on one prompt, the run of median speed (pure; the lower
+    median of an even count), with every run's tokens/s; identical only if every run was."""
+    ranked = sorted(rows, key=lambda r: r["decode_tokens_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2],
+            "identical": all(r["identical"] for r in rows),
+            "repeats_tokens_per_s": [round(r["decode_tokens_per_s"], 2) for r in rows]}
+
+
+def _rounds(repeats: int, kinds: Sequence[str], specs: Sequence[str], run) -> dict:
+    """runs[kind][spec]: `run(kind, spec, ref)` `repeats` times, every spec of every prompt
+    once per round (so the machine's drift falls on all of them alike), the median run kept;
+    ref: the first run's ids on that prompt, which every other run must equal."""
+    got: dict[str, dict[str, list[dict]]] = {k: {s: [] for s in specs} for k in kinds}
+    refs: dict[str, Sequence[int]] = {}
+    for _ in range(repeats):
+        for kind in kinds:
+            for spec in specs:
+                row, ids = run(kind, spec, refs.get(kind))
+                refs.setdefault(kind, ids)
+                got[kind][spec].append(row)
+    return {k: {s: median_run(rows) if repeats > 1 else rows[0] for s, rows in by.items()}
+            for k, by in got.items()}
+
+
 def bench_in_process(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
-                     progress: Callable[[str], None] = lambda s: None) -> dict:
-    runs: dict[str, dict[str, dict]] = {}
-    for kind, prompt in HELD_OUT.items():
-        runs[kind] = {}
-        ref = None
-        for spec in specs:
-            fin = None
-            for ev in generate_local(lm, prompt, proposer=spec, max_tokens=max_tokens):
-                if isinstance(ev, Finished):
-                    fin = ev
-            assert fin is not None
-            ref = fin.token_ids if ref is None else ref
-            runs[kind][spec] = _row(fin.stats, fin.token_ids, ref)
-            progress(f"in-process {kind:8s} {spec:14s} "
-                     f"{runs[kind][spec]['decode_tokens_per_s']:.1f} tok/s, tau "
-                     f"{fin.stats.accepted / max(fin.stats.blocks, 1):.2f}")
-    return {"runs": runs, "summary": _groups(runs, specs)}
+                     progress: Callable[[str], None] = lambda s: None,
+                     repeats: int = 1) -> dict:
+    def run(kind: str, spec: str, ref):
+        fin = None
+        for ev in generate_local(lm, HELD_OUT[kind], proposer=spec, max_tokens=max_tokens):
+            if isinstance(ev, Finished):
+                fin = ev
+        assert fin is not None
+        row = _row(fin.stats, fin.token_ids, ref if ref is not None else fin.token_ids)
+        progress(f"in-process {kind:8s} {spec:14s} {row['decode_tokens_per_s']:.1f} tok/s, "
+                 f"tau {fin.stats.accepted / max(fin.stats.blocks, 1):.2f}")
+        return row, fin.token_ids
+
+    runs = _rounds(repeats, tuple(HELD_OUT), specs, run)
+    return {"runs": runs, "summary": _groups(runs, specs), "repeats": repeats}
 
 
 def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
-                 progress: Callable[[str], None] = lambda s: None) -> dict:
+                 progress: Callable[[str], None] = lambda s: None, repeats: int = 1) -> dict:
     """The same prompts through a local 2-agent fleet (real processes, real sockets)."""
     from macfleet.fleet.keys import keygen
     from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
@@ -130,28 +153,26 @@ def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
             v = next(c for c in cards if ROLE_VERIFIER in c.roles)
             p = next(c for c in cards if ROLE_PROPOSER in c.roles)
             remote(v, key, "Hi", [], "none")  # warm-up
-            runs: dict[str, dict[str, dict]] = {}
-            for kind, prompt in HELD_OUT.items():
-                runs[kind] = {}
-                ref = None
-                for spec in specs:
-                    eps = [] if spec == "none" else [p.router_endpoint] * len(spec.split("+"))
-                    d = remote(v, key, prompt, eps, spec)
-                    st = d.stats
-                    ref = d.token_ids if ref is None else ref
-                    fleet = st.fleet
-                    runs[kind][spec] = {
-                        **_row(st, d.token_ids, ref),
-                        "multihost_overhead": fleet.multihost_overhead if fleet else 0.0,
-                        "f3_bytes_per_block": fleet.flows.f3_bytes_per_block if fleet else 0.0,
-                        # a drafter the proposer agent refused or lost is plain decoding in
-                        # disguise: counted, so the row cannot pass for a measurement of it
-                        "proposer_failures": fleet.proposer_failures if fleet else 0}
-                    progress(f"agents     {kind:8s} {spec:14s} "
-                             f"{runs[kind][spec]['decode_tokens_per_s']:.1f} tok/s")
+
+            def run(kind: str, spec: str, ref):
+                eps = [] if spec == "none" else [p.router_endpoint] * len(spec.split("+"))
+                d = remote(v, key, HELD_OUT[kind], eps, spec)
+                st, fleet = d.stats, d.stats.fleet
+                row = {
+                    **_row(st, d.token_ids, ref if ref is not None else d.token_ids),
+                    "multihost_overhead": fleet.multihost_overhead if fleet else 0.0,
+                    "f3_bytes_per_block": fleet.flows.f3_bytes_per_block if fleet else 0.0,
+                    # a drafter the proposer agent refused or lost is plain decoding in
+                    # disguise: counted, so the row cannot pass for a measurement of it
+                    "proposer_failures": fleet.proposer_failures if fleet else 0}
+                progress(f"agents     {kind:8s} {spec:14s} "
+                         f"{row['decode_tokens_per_s']:.1f} tok/s")
+                return row, d.token_ids
+
+            runs = _rounds(repeats, tuple(HELD_OUT), specs, run)
         finally:
             local.down(Path(tmp) / "run")
-    return {"runs": runs, "summary": _groups(runs, specs),
+    return {"runs": runs, "summary": _groups(runs, specs), "repeats": repeats,
             "notes": "speedup is against the verifier agent decoding alone ('none'); agents "
                      "are pinned one core each on this 2-core machine"}
 

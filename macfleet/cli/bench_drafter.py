@@ -12,6 +12,9 @@ def add_bench_parsers(bs) -> None:
     d.add_argument("--specs", nargs="+", default=None, metavar="SPEC",
                    help="drafters to compare in one process (none first: the baseline)")
     d.add_argument("--no-agents", action="store_true", help="skip the 2-agent fleet part")
+    d.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every drafter on every prompt N times, in interleaved rounds, "
+                   "and keep each one's median run (this box drifts ~10%% between runs)")
     d.add_argument("--curve", default=None, metavar="CURVE.jsonl",
                    help="a distill run's held-out curve to plot (results/drafter_curve.png; "
                         "default: the curve recorded in the head's eval file)")
@@ -49,6 +52,8 @@ def run(args) -> int:
     from macfleet.engine.drafter.proposer import default_head_path
     from macfleet.engine.models import ModelSpecError, load_model
 
+    if args.repeats < 1:
+        raise UserError("--repeats must be >= 1")
     try:
         lm = load_model(args.model)
     except ModelSpecError as e:
@@ -62,14 +67,15 @@ def run(args) -> int:
 
     doc: dict = {"model": lm.spec, "max_tokens": args.max_tokens, "greedy": True,
                  "held_out_prompts": b.HELD_OUT,
-                 "in_process": b.bench_in_process(lm, specs, args.max_tokens, say)}
+                 "in_process": b.bench_in_process(lm, specs, args.max_tokens, say,
+                                                  args.repeats)}
     best, speedup = b.best_spec(doc["in_process"]["summary"], specs)
     doc["best_in_process"] = {"spec": best, "speedup_geomean": speedup}
     if not args.no_agents:
         agent_specs = tuple(s for s in b.DEFAULT_AGENT_SPECS if s in specs)
         if best not in agent_specs:  # the default is measured across agents too
             agent_specs += (best,)
-        doc["agents"] = b.bench_agents(lm, agent_specs, args.max_tokens, say)
+        doc["agents"] = b.bench_agents(lm, agent_specs, args.max_tokens, say, args.repeats)
         best_a, speedup_a = b.best_spec(doc["agents"]["summary"], agent_specs)
         doc["best_agents"] = {"spec": best_a, "speedup_geomean": speedup_a}
     agents = doc.get("best_agents") or {}

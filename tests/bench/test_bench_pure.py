@@ -100,3 +100,14 @@ def test_head_to_head_ratio_summary_is_per_round():
     assert s["ratio_median"] == 1.5 and s["ratio_min"] == 1.2 and s["ratio_max"] == 1.5
     assert s["rounds_at_least"] == {"1": 3, "1.5": 2}
     assert ratio_summary([]) == {"rounds": 0}
+
+
+def test_repeated_drafter_runs_keep_the_median_and_any_difference():
+    from macfleet.bench.drafter import median_run
+
+    rows = [{"decode_tokens_per_s": t, "identical": i} for t, i in
+            ((20.0, True), (14.0, True), (17.0, False))]
+    m = median_run(rows)
+    assert m["decode_tokens_per_s"] == 17.0 and m["repeats_tokens_per_s"] == [20.0, 14.0, 17.0]
+    assert m["identical"] is False  # one run that differed is not hidden by the median
+    assert median_run(rows[:2])["decode_tokens_per_s"] == 14.0  # even count: the lower one
