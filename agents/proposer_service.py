@@ -123,10 +123,12 @@ class ProposerService:
         self.fallback_tokens = 0
         self._thread = threading.Thread(target=self._run, name="proposer-compute", daemon=True)
         self._thread.start()
-        if "retrieval" in kinds:  # its index takes ~2 s to build: before the agent is
-            from macfleet.engine.proposers.retrieval import warm_store  # advertised, not
+        if "retrieval" in kinds:
+            # the answer store's index takes ~2 s to build: before the agent is advertised,
+            # not on the first request's time (it held up the demo's first answer by 4 s)
+            from macfleet.engine.proposers.retrieval import warm_store
 
-            warm_store(lm.spec)  # on the first request's time (it held up a demo by 4 s)
+            warm_store(lm.spec)
 
     @property
     def sessions(self) -> int:

@@ -29,7 +29,7 @@ from macfleet.engine.text import generate_local
 DEFAULT_SPECS = ("none", "ngram", "retrieval", "eagle", "eagle2", "retrieval+ngram",
                  "eagle+retrieval+ngram", "eagle2+retrieval", "eagle2+retrieval+ngram")
 # across agents: every kind of drafter (n-gram, answer store, the head's chains and trees,
-# trees of them together), whatever won in one process, so the agents' default is chosen among them
+# trees of them together) and whatever won in one process: the agents' default is among them
 DEFAULT_AGENT_SPECS = ("none", "ngram", "retrieval+ngram", "eagle", "eagle2",
                        "eagle+retrieval+ngram", "eagle2+retrieval+ngram")
 
@@ -120,7 +120,7 @@ def bench_in_process(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
             if isinstance(ev, Finished):
                 fin = ev
         assert fin is not None
-        row = _row(fin.stats, fin.token_ids, ref if ref is not None else fin.token_ids)
+        row = _row(fin.stats, fin.token_ids, ref)  # the first run on a prompt is the reference
         progress(f"in-process {kind:8s} {spec:14s} {row['decode_tokens_per_s']:.1f} tok/s, "
                  f"tau {fin.stats.accepted / max(fin.stats.blocks, 1):.2f}")
         return row, fin.token_ids
@@ -159,7 +159,7 @@ def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                 d = remote(v, key, HELD_OUT[kind], eps, spec)
                 st, fleet = d.stats, d.stats.fleet
                 row = {
-                    **_row(st, d.token_ids, ref if ref is not None else d.token_ids),
+                    **_row(st, d.token_ids, ref),
                     "multihost_overhead": fleet.multihost_overhead if fleet else 0.0,
                     "f3_bytes_per_block": fleet.flows.f3_bytes_per_block if fleet else 0.0,
                     # a drafter the proposer agent refused or lost is plain decoding in

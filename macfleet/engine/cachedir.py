@@ -1,6 +1,7 @@
 """Where macfleet keeps what it measured or built on this machine (`MACFLEET_CACHE`, else
 ~/.cache/macfleet): verify(L) tables, answer-store indexes, the drafter measured best here.
-Everything there can be deleted. `machine_id` names the machine a measurement belongs to."""
+Everything there can be deleted. `machine_id` names the machine a measurement belongs to;
+`write_atomic` writes a kept file (there or in a dataset) whole or not at all."""
 
 from __future__ import annotations
 
@@ -17,3 +18,11 @@ def machine_id(cores: int | None = None) -> str:
     """This machine as its measurements are keyed: OS, architecture, processor, cores."""
     return (f"{platform.system()}-{platform.machine()}-{platform.processor()}-"
             f"{cores or os.cpu_count() or 1}")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` whole or keeps what it held: written next to it, renamed into place
+    (a stopped run or a reader at the same moment never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

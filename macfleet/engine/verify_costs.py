@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from macfleet.engine.cachedir import cache_root, machine_id
+from macfleet.engine.cachedir import cache_root, machine_id, write_atomic
 from macfleet.engine.verifier import Verifier
 
 PROBE_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32)
@@ -116,9 +116,7 @@ def verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float]
         # flattened (small forwards suffer most): keep it for this process only
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(got))
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps(got))
         except OSError:
             pass  # a read-only home: the process keeps its own copy
     _memo[id(model)] = got

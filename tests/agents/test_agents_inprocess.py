@@ -6,16 +6,22 @@ verifier alone; "same path" for a seeded request asked twice of the same agents.
 
 from __future__ import annotations
 
+import threading
+import time
+from contextlib import contextmanager
+
 import pytest
 
 from agents.daemon import Agent, AgentConfig
 from agents.draft_stream import DraftStream
 from agents.proposer_service import ProposerLimits
+from agents.remote_proposer import RemoteProposer
 from bridge.errors import BAD_REQUEST, ProtocolError
 from macfleet.cli.common import UserError, parse_draft_tokens
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers import make_proposer
+from macfleet.engine.proposers.base import ProposerFailed
 from remote_gen import generate_done
 
 KEY = b"k" * 32
@@ -162,8 +168,6 @@ def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_
     proposer agent: their requests of a round arrive together and are drafted in one
     `draft_chains` call; the prompts' common prefix is copied between their caches with the
     hidden rows their F3 feeds need; every answer equals the verifier alone's."""
-    import threading
-
     from macfleet.serve.engine import BatchEngine
 
     copies = []
@@ -321,73 +325,67 @@ def test_a_remote_tree_drafter_learns_what_the_verifier_measured():
     assert len(p.seen) == 1  # more accepted than drafted, or a negative time: not learnt
 
 
+@contextmanager
+def opens_held(prop: Agent):
+    """The proposer agent answers OpenSession only once the yielded gate is set (its loop busy
+    with a model load meanwhile); everything else as usual."""
+    from bridge.messages import OpenSession
+
+    svc, gate = prop.proposer, threading.Event()
+    real = svc.handle
+
+    def held(msg, reply):
+        if isinstance(msg, OpenSession):
+            gate.wait(10)
+        return real(msg, reply)
+
+    svc.handle = held
+    try:
+        yield gate
+    finally:
+        svc.handle = real
+        gate.set()
+
+
 def test_a_proposer_slow_to_open_its_session_does_not_hold_up_the_verifier(pair):
     """Until OpenSession is answered (a proposer agent loading a draft model), blocks go out
     without drafts; the first reply turns drafting on."""
-    import threading
-    import time
-
-    from agents.remote_proposer import RemoteProposer
-    from bridge.messages import OpenSession
-
     _, prop = pair
-    svc, gate = prop.proposer, threading.Event()
-    real = svc.handle
-
-    def slow(msg, reply):
-        if isinstance(msg, OpenSession):
-            gate.wait(10)  # the agent's loop is busy (a model load) until the gate opens
-        return real(msg, reply)
-
-    svc.handle = slow
     rp = RemoteProposer(prop.card.router_endpoint, key=KEY, proposer="ngram", model=MODEL)
-    try:
-        rp.start()
-        ctx = [1, 2, 3, 1, 2, 3, 1, 2]
-        t0 = time.monotonic()
-        assert rp.propose(ctx, 3).tokens == ()  # not open yet: an empty draft, at once
-        assert rp.propose(ctx + [3], 3).tokens == ()
-        assert time.monotonic() - t0 < 5
-        gate.set()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # the next blocks find the session open
-            if rp.propose(ctx + [3, 1, 2], 3).tokens:
-                break
-        assert rp._session and rp.flows.blocks > 0
-    finally:
-        svc.handle = real
-        gate.set()
-        rp.close()
+    with opens_held(prop) as gate:
+        try:
+            rp.start()
+            ctx = [1, 2, 3, 1, 2, 3, 1, 2]
+            t0 = time.monotonic()
+            assert rp.propose(ctx, 3).tokens == ()  # not open yet: an empty draft, at once
+            assert rp.propose(ctx + [3], 3).tokens == ()
+            assert time.monotonic() - t0 < 5
+            gate.set()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # the next blocks find the session open
+                if rp.propose(ctx + [3, 1, 2], 3).tokens:
+                    break
+            assert rp._session and rp.flows.blocks > 0
+        finally:
+            rp.close()
 
 
 def test_a_session_never_opened_or_refused_fails_the_proposer(pair):
-    import threading
-    import time
-
-    from agents.remote_proposer import RemoteProposer
-    from bridge.messages import OpenSession
-    from macfleet.engine.proposers.base import ProposerFailed
-
     _, prop = pair
-    svc, gate = prop.proposer, threading.Event()
-    real = svc.handle
-    svc.handle = lambda msg, reply: (gate.wait(10) if isinstance(msg, OpenSession)
-                                     else None) or real(msg, reply)
     rp = RemoteProposer(prop.card.router_endpoint, key=KEY, proposer="ngram", model=MODEL,
                         open_timeout_s=0.3)
-    try:
-        rp.start()
-        with pytest.raises(ProposerFailed, match="no answer within"):
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                assert rp.propose([1, 2, 3, 1, 2], 3).tokens == ()
-                time.sleep(0.05)
-    finally:
-        svc.handle = real
-        gate.set()
-        rp.close()
-    bad = RemoteProposer(prop.card.router_endpoint, key=KEY, proposer="draft:/no/such/model.gguf",
-                         model=MODEL)
+    with opens_held(prop):
+        try:
+            rp.start()
+            with pytest.raises(ProposerFailed, match="no answer within"):
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    assert rp.propose([1, 2, 3, 1, 2], 3).tokens == ()
+                    time.sleep(0.05)
+        finally:
+            rp.close()
+    bad = RemoteProposer(prop.card.router_endpoint, key=KEY,
+                         proposer="draft:/no/such/model.gguf", model=MODEL)
     try:
         bad.start()
         with pytest.raises(ProposerFailed, match="cannot open"):

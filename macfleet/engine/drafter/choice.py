@@ -19,7 +19,7 @@ import json
 import re
 from pathlib import Path
 
-from macfleet.engine.cachedir import cache_root, machine_id
+from macfleet.engine.cachedir import cache_root, machine_id, write_atomic
 from macfleet.engine.drafter.distill import read_eval
 from macfleet.engine.drafter.proposer import default_head_path
 
@@ -79,12 +79,10 @@ def machine_record(model: str) -> dict | None:
 
 def record_machine_choice(model: str, bench: dict) -> Path:
     """Keep `bench` (best, speedup, best_agents, speedup_agents, command) as this machine's
-    record for `model`; written whole (a temporary file renamed into place)."""
+    record for `model`."""
     path = machine_record_path(model)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**bench, "machine": machine_id()}, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps({**bench, "machine": machine_id()}, indent=2) + "\n")
     return path
 
 

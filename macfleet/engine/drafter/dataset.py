@@ -36,6 +36,7 @@ import numpy as np
 
 from macfleet.engine.drafter.batchgen import (DEFAULT_BATCH, DEFAULT_MAX_ANSWER, Sample,
                                               Timing, generate_samples)
+from macfleet.engine.cachedir import write_atomic
 from macfleet.engine.drafter.features import FeatureChunk
 from macfleet.engine.drafter.head import matches_verifier, verifier_probe
 from macfleet.engine.drafter.prompts import iter_prompts
@@ -97,12 +98,6 @@ class Manifest:
         if m.format != FORMAT:
             raise DatasetError(f"{path}: dataset format {m.format}, this macfleet reads {FORMAT}")
         return m
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def check_verifier(m: Manifest, path: Path, lm: LoadedModel, fingerprint: str) -> None:
@@ -212,7 +207,7 @@ def generate_dataset(lm: LoadedModel, path: Path, target_tokens: int, *, fingerp
         m.seconds = seconds0 + time.perf_counter() - t_run
         m.timing = {**asdict(timing), "write": m.timing.get("write", 0.0)
                     + time.perf_counter() - t0}
-        _atomic_write(path / MANIFEST, m.to_json())
+        write_atomic(path / MANIFEST, m.to_json())
         buf.clear()
 
     from macfleet.engine.drafter.self_instruct import read_questions

@@ -231,23 +231,25 @@ def read_subjects(path: Path) -> Subjects:
     return Subjects(tuple(found.values()), frozenset(expanded))
 
 
-def expand_subjects(lm: LoadedModel, path: Path, wave: Sequence[Subject], *, max_tokens: int,
-                    temperature: float, rng_seed: int) -> int:
-    """Ask the verifier for the subtopics of `wave` (one batch); append what is new to
-    `<path>/subtopics.jsonl` (every parent recorded as asked). Returns the subjects added."""
-    known = read_subjects(path).known()
+def expand_subjects(lm: LoadedModel, path: Path, subjects: Subjects, wave: Sequence[Subject],
+                    *, max_tokens: int, temperature: float, rng_seed: int) -> Subjects:
+    """Ask the verifier for the subtopics of `wave` (one batch, subjects of `subjects`); append
+    what is new to `<path>/subtopics.jsonl` (every parent recorded as asked). Returns
+    `subjects` with them: what `read_subjects` would now read."""
+    known = subjects.known()
     lists = sample_lists(lm, [SUBTOPIC_ASK.format(s=s.name) for s in wave],
                          max_tokens=max_tokens, temperature=temperature, rng_seed=rng_seed)
-    lines, added = [], 0
+    lines, added = [], []
     for parent, text in zip(wave, lists):
         new = [n for n in parse_subjects(text, parent.name) if _plain(n) not in known]
         known |= {_plain(n) for n in new}
-        added += len(new)
+        added += [Subject(n, parent.root, parent.depth + 1) for n in new]
         lines += [json.dumps({"parent": parent.name, "subject": n, "root": parent.root,
                               "depth": parent.depth + 1}) for n in new or [""]]
     with open(path / SUBTOPICS, "a") as f:
         f.write("".join(line + "\n" for line in lines))
-    return added
+    return Subjects((*subjects.found, *added),
+                    subjects.expanded | {_plain(p.name) for p in wave})
 
 
 def read_questions(path: Path) -> list[Prompt]:
@@ -324,10 +326,11 @@ def generate_questions(lm: LoadedModel, path: Path, n_seeds: int, *, batch: int 
             wave_s = subjects.to_expand(max_depth)[:batch]
             if not wave_s:
                 break  # every subject down to max_depth asked: nothing more to ask about
-            found += expand_subjects(lm, path, wave_s, max_tokens=max_tokens,
-                                     temperature=temperature,
-                                     rng_seed=1_000_003 + len(subjects.expanded))
-            subjects, pending = read_subjects(path), None
+            grown = expand_subjects(lm, path, subjects, wave_s, max_tokens=max_tokens,
+                                    temperature=temperature,
+                                    rng_seed=1_000_003 + len(subjects.expanded))
+            found += len(grown.found) - len(subjects.found)
+            subjects, pending = grown, None
             if report:
                 report(f"subtopics: {len(subjects.found)} named "
                        f"({len(subjects.expanded)} subjects asked)")
