@@ -7,7 +7,7 @@
 set -u
 R=$PWD; J=${J:-/tmp/job}; O=$OUT; mkdir -p $J
 T0=$(date +%s); BUDGET=${BUDGET:-540}
-MODEL=${MODEL:-smollm2}; DSTAR=${DSTAR:-results/distill-smollm2-5.6M.tar.xz}
+MODEL=${MODEL:-smollm2}; DSTAR=${DSTAR:-results/distill-smollm2-7.6M.tar.xz}
 HEAD=${HEAD:-macfleet/engine/drafter/weights/smollm2-eagle}; B=${B:-64}; SEQ=${SEQ:-256}
 GB=${GB:-512}
 . "$R/.ci/gpu/env.sh"

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Final call: the dataset's hidden states rebuilt (DSTAR, default the 5.6M one), then four
+# Final call: the dataset's hidden states rebuilt (DSTAR, default the 7.6M one), then four
 # training variants of the shipped head side by side on the GPU (a 2x2: token target
 # hard|soft x 1|2 layers), each under the same time limit. Results in $OUT (heads, a tar of
 # configs, curves and logs).
 set -u
 R=$PWD; J=${J:-/tmp/job}; O=$OUT; mkdir -p $J
 T0=$(date +%s); BUDGET=${BUDGET:-510}
-MODEL=${MODEL:-smollm2}; DSTAR=${DSTAR:-results/distill-smollm2-5.6M.tar.xz}
+MODEL=${MODEL:-smollm2}; DSTAR=${DSTAR:-results/distill-smollm2-7.6M.tar.xz}
 HEAD=${HEAD:-macfleet/engine/drafter/weights/smollm2-eagle}; B=${B:-64}; SEQ=${SEQ:-256}
 . "$R/.ci/gpu/env.sh"
 t start
