@@ -1,9 +1,11 @@
 """`macfleet demo`: the README's main job.
 
 Starts a 2-agent local fleet on the embedded model (its own key and run directory, so it does
-not touch a fleet you run), asks the verifier agent for a chat answer twice -- alone, then with
-speculative decoding drafted by the proposer agent -- prints the text and the statistics with
-the speedup measured in this run, and shuts the fleet down.
+not touch a fleet you run), asks the verifier agent for a chat answer alone and with
+speculative decoding drafted by the proposer agent, in interleaved rounds (a 64-token answer
+takes ~3 s, and one run of each swings by 10-20% on a shared machine: the faster of each
+side's rounds is compared, as `timeit` does), prints the text and the statistics with the
+speedup measured in this run, and shuts the fleet down.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def add_parser(sub) -> None:
                    "measured best for the model")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of each (alone, "
+                   "with drafts); the faster run of each side is compared")
     p.set_defaults(func=run)
 
 
@@ -63,20 +67,28 @@ def run(args) -> int:
                   f"{p.router_endpoint}", file=sys.stderr)
             common = dict(prompt=args.prompt, max_tokens=args.max_tokens)
             _collect(v, key, prompt="Hi", max_tokens=4)  # warm-up
-            alone = _collect(v, key, proposers=[], proposer_spec="none", **common)
-            # one proposer agent serves every branch of the tree (one session per branch)
-            spec = _collect(v, key, proposers=[p], proposer_spec=args.proposer, **common)
+            alones, specs = [], []
+            for _ in range(max(1, args.rounds)):
+                alones.append(_collect(v, key, proposers=[], proposer_spec="none", **common))
+                # one proposer agent serves every branch of the tree (one session per branch)
+                specs.append(_collect(v, key, proposers=[p], proposer_spec=args.proposer,
+                                      **common))
         except (Refused, VerifierFailed) as e:
             raise UserError(f"fleet request failed: {e}") from None
         finally:
             local.down(Path(tmp) / "run")
+    alone = max(alones, key=lambda d: d.stats.tokens_per_s)
+    spec = max(specs, key=lambda d: d.stats.tokens_per_s)
     print(f"\nprompt: {args.prompt}\n")
     print(spec.text)
     st = spec.stats  # where it ran is filled in by the fleet client
     print_stats(st, file=sys.stdout)
     a = alone.stats
-    same = "identical" if spec.token_ids == alone.token_ids else "DIFFERENT (bug!)"
+    same = all(d.token_ids == alones[0].token_ids for d in alones + specs)
     print(f"   verifier alone: {a.tokens_per_s:.1f} tok/s -> with the proposer agent: "
-          f"{st.tokens_per_s:.1f} tok/s = {st.tokens_per_s / a.tokens_per_s:.2f}x; "
-          f"output {same} to the verifier alone")
-    return 0 if spec.token_ids == alone.token_ids else 1
+          f"{st.tokens_per_s:.1f} tok/s = {st.tokens_per_s / a.tokens_per_s:.2f}x "
+          f"(the faster of {len(alones)} interleaved runs each: alone "
+          f"{', '.join(f'{d.stats.tokens_per_s:.1f}' for d in alones)}, with drafts "
+          f"{', '.join(f'{d.stats.tokens_per_s:.1f}' for d in specs)} tok/s); output "
+          f"{'identical' if same else 'DIFFERENT (bug!)'} to the verifier alone")
+    return 0 if same else 1

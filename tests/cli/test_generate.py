@@ -1,4 +1,4 @@
-"""`macfleet generate` and `macfleet doctor` as a user runs them (subprocesses).
+"""`macfleet generate`, `doctor` and `demo` as a user runs them (subprocesses).
 
 All the commands start at once (one module fixture) so their interpreter and model start-up
 overlap instead of adding up; each test then reads its own result.
@@ -22,6 +22,7 @@ TIMEOUT_S = 150
 COMMANDS = {
     "generate": ["generate", "What is the capital of France?", "--json", "--max-tokens", "20"],
     "doctor": ["doctor", "--json"],
+    "demo": ["demo", "--max-tokens", "12"],  # the README's main job, shortened
     "bad_temp": ["generate", "hi", "--temp", "-1"],
     "bad_draft_tokens": ["generate", "hi", "--draft-tokens", "x"],
     "bad_model": ["generate", "hi", "--model", "nope.gguf"],
@@ -110,3 +111,15 @@ def test_doctor_json(cli):
         assert key in facts, key
     assert facts["embedded_model"].endswith(".gguf")
     assert facts["embedded_model_mb"] > 10
+
+
+def test_demo_runs_a_fleet_and_reports_identical_output(cli):
+    r = cli["demo"]
+    assert r.rc == 0, r.err[-2000:]
+    assert "Traceback" not in r.err
+    assert "discovered over Zeroconf" in r.err
+    last = [ln for ln in r.out.splitlines() if "verifier alone:" in ln]
+    assert len(last) == 1, r.out
+    # both rounds of each side are shown, and every run's tokens were the same
+    assert "the faster of 2 interleaved runs each" in last[0], last[0]
+    assert "output identical to the verifier alone" in last[0], last[0]
