@@ -14,7 +14,9 @@ def add_bench_parsers(bs) -> None:
     d.add_argument("--no-agents", action="store_true", help="skip the 2-agent fleet part")
     d.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run every drafter on every prompt N times, in interleaved rounds, "
-                   "and keep each one's median run (this box drifts ~10%% between runs)")
+                   "and keep each one's median run (this box drifts ~10%% between runs; "
+                   "an odd N: of an even count the slower middle run is kept, so with 2 one "
+                   "stalled run decides)")
     d.add_argument("--curve", default=None, metavar="CURVE.jsonl",
                    help="a distill run's held-out curve to plot (results/drafter_curve.png; "
                         "default: the curve recorded in the head's eval file)")
