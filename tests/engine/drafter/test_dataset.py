@@ -16,7 +16,7 @@ from macfleet.engine.drafter.dataset import (DatasetError, Manifest, done_keys,
 from macfleet.engine.drafter.distill import distill_from_dataset, split_held_out
 from macfleet.engine.drafter.head import load_head, verifier_fingerprint
 from macfleet.engine.drafter.prompts import HELD_OUT, HELD_OUT_KEYS, Prompt, iter_prompts
-from macfleet.engine.drafter.train import TrainParams, chain_acceptance
+from macfleet.engine.drafter.train import TrainParams, chain_acceptance, choose_draft_vocab
 from macfleet.engine.models import load_model
 
 EOS = 5
@@ -157,26 +157,38 @@ def test_a_head_trains_from_the_dataset_and_records_what_it_saw(tmp_path, lm_eos
 
 
 def test_training_goes_on_from_a_head_and_skips_shards_without_hidden_states(tmp_path, lm_eos):
-    """--init HEAD: the head's draft vocabulary and feature scale are kept, steps add up;
-    --skip-missing-hidden: shards whose hidden states are gone are left out, not rebuilt."""
+    """--init HEAD: the head's feature scale is kept, steps add up, and its draft vocabulary
+    is re-chosen from the data at the same size (one chosen on a smaller dataset leaves common
+    tokens out); --skip-missing-hidden: shards whose hidden states are gone are left out, not
+    rebuilt."""
     fp = verifier_fingerprint(lm_eos.model)
     ds = tmp_path / "ds"
     m = generate_dataset(lm_eos, ds, 600, fingerprint=fp, batch=8, max_answer=32,
                          shard_tokens=256)
     p = TrainParams(steps=4, batch=4, seq_len=24, save_every=1000)
     first = distill_from_dataset(lm_eos, ds, tmp_path / "a", p, work=tmp_path / "w1",
-                                 draft_vocab=64, report=lambda s: None)
+                                 draft_vocab=8, report=lambda s: None)
     (ds / f"{m.shards[0].name}.hidden.npy").unlink()
     with pytest.raises(DatasetError):
         load_chunks(ds)
     kept = load_chunks(ds, skip_missing=True)
     assert sum(len(c.tokens) for c in kept) == m.tokens - m.shards[0].tokens
+    # a draft vocabulary of the ids the data uses least: the warm start must replace it
+    a = load_head(first.path, lm_eos.model)
+    vocab = a.config.vocab_size
+    toks = np.concatenate([c.tokens for c in kept])
+    planted = np.sort(np.argsort(np.bincount(toks, minlength=vocab), kind="stable")[:8]
+                      ).astype(np.int32)
+    a.set_draft_vocab(planted)
+    init = a.save(tmp_path / "planted" / "head", steps=a.config.steps).with_suffix("")
     again = distill_from_dataset(lm_eos, ds, tmp_path / "b", p, work=tmp_path / "w2",
-                                 init_head=first.path, skip_missing=True,
-                                 report=lambda s: None)
-    a, b = load_head(first.path, lm_eos.model), load_head(again.path, lm_eos.model)
+                                 init_head=init, skip_missing=True, report=lambda s: None)
+    b = load_head(again.path, lm_eos.model)
     assert b.config.steps == 8 and b.config.feature_scale == a.config.feature_scale
-    assert np.array_equal(np.array(a.draft_ids), np.array(b.draft_ids))
+    ids = np.array(b.draft_ids)
+    assert ids.size == 8
+    assert np.array_equal(ids, choose_draft_vocab(split_held_out(kept)[0], 8, vocab))
+    assert np.isin(toks, ids).mean() > np.isin(toks, planted).mean()
 
 
 def test_wave_generation_gives_the_continuous_refills_answers(lm_eos):
