@@ -226,9 +226,9 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
     dataset at every checkpoint (train while `distill --stage data` is still adding to it;
     the held-out answers stay those of the first read); init_head: go on training this head
     (its feature scale kept, its draft vocabulary re-chosen from this dataset at the same
-    size; steps add up); skip_missing: train on the
-    shards that have hidden states only; layers: decoder layers of the head (default: the
-    init head's, or 1; a deeper one than init_head grows from it, see EagleHead.deepened)."""
+    size; steps add up); skip_missing: train on the shards that have hidden states only;
+    layers: decoder layers of the head (default: the init head's, or 1; a deeper one than
+    init_head grows from it, see EagleHead.deepened)."""
     from macfleet.engine.drafter.dataset import Manifest, check_verifier, load_chunks
 
     m = Manifest.read(dataset)
