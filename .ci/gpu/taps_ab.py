@@ -1,9 +1,14 @@
-"""A/B: does fusing low/mid verifier layers (EAGLE-3) into the shipped head's input help?
+"""An experiment, not part of the product. A/B: does fusing low/mid verifier layers (EAGLE-3) into the shipped head's input help?
 
 Both variants warm-start from the shipped head and train the same steps on the same batches;
 the tap variant adds tap_proj (zero-initialised: at step 0 it drafts exactly what the shipped
 head does) over RMS-normed outputs of verifier layers TAPS, added to the normed last-layer
 feature at the first draft step only (later steps are fed the head's own prediction).
+
+Run (CPU or a lent GPU with MLX's CUDA build; DS: a dataset directory with tokens, e.g.
+results/distill-smollm2-7.6M.tar.xz extracted; its hidden states are recomputed here with the
+tap layers): DS=DIR POSITIONS=150000 STEPS=300 LR=1e-4 VARIANTS=tapsonly,taps,base
+python .ci/gpu/taps_ab.py OUTDIR. Result: OUTDIR/result.json (results/eagle3_taps_ab.json).
 """
 import hashlib
 import json
@@ -18,13 +23,14 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 
+from macfleet.engine.drafter.distill import HELD_OUT_SHARE
 from macfleet.engine.drafter.head import EagleHead, load_head
 from macfleet.engine.drafter.proposer import default_head_path
 from macfleet.engine.drafter.train import draft_remap, _step_losses, lr_at, TrainParams
 from macfleet.engine.layers import run_layers
 from macfleet.engine.models import load_model
 
-DS = "/tmp/exp/ds"
+DS = os.environ.get("DS", "/tmp/exp/ds")
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp/exp/run"
 TAPS = tuple(int(x) for x in os.environ.get("TAPS", "2,15").split(","))
 POSITIONS = int(os.environ.get("POSITIONS", "250000"))
@@ -57,7 +63,10 @@ def multi_features(ids: mx.array):
 
 # -- training data: whole samples of groups the distill split would not hold out ------------
 def held(group: str) -> bool:
-    return bool(group) and int(hashlib.sha1(group.encode()).hexdigest()[:8], 16) % 50 == 25
+    """distill.split_held_out's rule for a grouped sample (its groups stay unseen here too)."""
+    every = max(2, int(round(1 / HELD_OUT_SHARE)))
+    return bool(group) and int(hashlib.sha1(group.encode()).hexdigest()[:8], 16) % every \
+        == every // 2
 
 
 def load_samples():
@@ -102,7 +111,7 @@ def extract(samples, budget):
             out.append((t, y, arrs[-1][j, :n], np.stack([a[j, :n] for a in arrs[:-1]])))
             done += n
         if (i // 8) % 20 == 0:
-            log(f"features {done}/{n_budget} positions, {done / (time.time() - t0):.0f} tok/s")
+            log(f"features {done}/{budget} positions, {done / (time.time() - t0):.0f} tok/s")
     return out
 
 
@@ -244,7 +253,6 @@ def chain(head, chunks, use_taps, k=4):
 
 
 if __name__ == "__main__":
-    n_budget = POSITIONS
     log("held-out answers")
     ev = held_out_chunks()
     log("samples")
