@@ -370,3 +370,15 @@ def answers(path: Path) -> list[np.ndarray]:
         for (a, b), n in zip(zip(offs[:-1], offs[1:]), npr):
             out.append(np.concatenate([toks[a + n : b], top[b - 1 : b]]).astype(np.int64))
     return out
+
+
+def token_counts(path: Path, vocab: int) -> np.ndarray:
+    """How often each id occurs among the dataset's tokens and the verifier's greedy targets
+    (what `choose_draft_vocab` counts over loaded chunks), without the hidden states: to order
+    an existing head's draft vocabulary (`frequency_order(..., among=ids)`)."""
+    counts = np.zeros(vocab, dtype=np.int64)
+    for s in Manifest.read(path).shards:
+        for kind in ("tokens", "top"):
+            a = np.load(path / f"{s.name}.{kind}.npy", mmap_mode="r")
+            counts += np.bincount(np.asarray(a[a >= 0], dtype=np.int64), minlength=vocab)[:vocab]
+    return counts

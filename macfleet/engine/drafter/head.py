@@ -36,6 +36,7 @@ FORMAT_VERSION = 1
 FEATURE_KIND = "prenorm_last_layer"
 DEFAULT_DTYPE = "float16"
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
+DRAFT_ORDERS = ("id", "frequency")
 # same_verifier's tolerance: far above float last-bit noise between backends (~1e-7 relative),
 # far below the differences of another checkpoint or seed (embedding values differ at ~1e-2)
 PROBE_ATOL = 1e-3
@@ -121,6 +122,10 @@ class EagleConfig:
     feature_scale: float = 1.0  # RMS of the features: regression loss is measured in these units
     layers: int = 1
     draft_vocab: int = 0  # >0: drafts use only this many token ids (saved with the weights)
+    # how the saved draft ids are ordered: "frequency" (most frequent first, so any prefix is
+    # the best draft vocabulary of its size: tree levels below the first draft from one) or
+    # "id" (ascending: heads saved before the order was kept)
+    draft_order: str = "id"
     dtype: str = DEFAULT_DTYPE
     steps: int = 0
     version: int = FORMAT_VERSION
@@ -178,6 +183,7 @@ class EagleHead(nn.Module):
         args = config.layer_args()
         self.layers = [llama.TransformerBlock(args) for _ in range(config.layers)]
         self._sub = _Frozen(None)  # (ids [V'], rows [V', H]) of the draft vocabulary
+        self._prefix: dict[int, mx.array] = {}  # n -> rows[:n], contiguous (draft_logits)
 
     def init_from_verifier(self) -> bool:
         """Start the decoder layer from the verifier's last layer (same shapes, dense weights
@@ -209,15 +215,20 @@ class EagleHead(nn.Module):
                                 ("self_attn.o_proj.weight", "mlp.down_proj.weight")],
                                strict=False)
         if self.draft_ids is not None:
-            head.set_draft_vocab(np.array(self.draft_ids))
+            head.set_draft_vocab(np.array(self.draft_ids), self.config.draft_order)
         mx.eval(head.parameters())
         return head
 
-    def set_draft_vocab(self, ids: np.ndarray | None) -> None:
+    def set_draft_vocab(self, ids: np.ndarray | None, order: str = "id") -> None:
         """Draft from a subset of the vocabulary (EAGLE-3's trick): the LM head is most of the
         draft cost, and frequent tokens carry almost all accepted drafts. Needs a dense
-        embedding; with a quantized one the full head is used."""
+        embedding; with a quantized one the full head is used. order: "frequency" when `ids`
+        are most frequent first (`choose_draft_vocab`), so `draft_logits(h, limit)` may
+        draft from a prefix; "id" for any other order."""
+        if order not in DRAFT_ORDERS:
+            raise ValueError(f"draft_order must be one of {DRAFT_ORDERS}, not {order!r}")
         emb = self.verifier.model.embed_tokens
+        self._prefix = {}
         if ids is None or not len(ids) or not isinstance(emb, nn.Embedding) or \
                 not getattr(self.verifier.args, "tie_word_embeddings", True):
             self._sub = _Frozen(None)
@@ -226,16 +237,26 @@ class EagleHead(nn.Module):
         rows = emb.weight[idx]
         mx.eval(idx, rows)  # now: MLX streams are per thread, and the head may draft on another
         self._sub = _Frozen((idx, rows))
+        self.config = replace(self.config, draft_vocab=int(idx.size), draft_order=order)
 
     @property
     def draft_ids(self) -> mx.array | None:
         return None if self._sub.model is None else self._sub.model[0]
 
-    def draft_logits(self, h: mx.array) -> mx.array:
-        """Logits over the draft vocabulary (index into `draft_ids`), or the full one."""
+    def draft_logits(self, h: mx.array, limit: int = 0) -> mx.array:
+        """Logits over the draft vocabulary (index into `draft_ids`), or the full one.
+        limit > 0, on a frequency-ordered draft vocabulary: over its first `limit` ids only
+        (the same indices); otherwise the whole draft vocabulary."""
         if self._sub.model is None:
             return self.logits(h)
-        return self.verifier.model.norm(h) @ self._sub.model[1].T
+        rows = self._sub.model[1]
+        if 0 < limit < rows.shape[0] and self.config.draft_order == "frequency":
+            if limit not in self._prefix:
+                prefix = mx.array(np.array(rows[:limit]))  # contiguous: read once per call
+                mx.eval(prefix)
+                self._prefix[limit] = prefix
+            rows = self._prefix[limit]
+        return self.verifier.model.norm(h) @ rows.T
 
     @property
     def verifier(self) -> nn.Module:
@@ -277,7 +298,10 @@ class EagleHead(nn.Module):
         w = {k: v.astype(dt) for k, v in tree_flatten(self.parameters())}
         if self.draft_ids is not None:
             w[DRAFT_VOCAB_KEY] = self.draft_ids.astype(mx.int32)
-            cfg = replace(cfg, draft_vocab=int(self.draft_ids.size))
+            cfg = replace(cfg, draft_vocab=int(self.draft_ids.size),
+                          draft_order=self.config.draft_order)
+        else:
+            cfg = replace(cfg, draft_vocab=0, draft_order="id")
         tmp = p.with_name(p.stem + ".tmp.safetensors")
         mx.save_safetensors(str(tmp), w, metadata={"format": "macfleet-eagle",
                                                    "version": str(cfg.version)})
@@ -309,6 +333,9 @@ def read_config(path: str | Path) -> EagleConfig:
     if cfg.version != FORMAT_VERSION:
         raise HeadMismatch(f"{cp}: head format {cfg.version}, this macfleet reads "
                            f"{FORMAT_VERSION}")
+    if cfg.draft_order not in DRAFT_ORDERS:
+        raise HeadMismatch(f"{cp}: draft_order {cfg.draft_order!r} is not one of "
+                           f"{DRAFT_ORDERS}")
     return cfg
 
 
@@ -323,7 +350,7 @@ def load_head(path: str | Path, verifier: nn.Module) -> EagleHead:
     ids = w.pop(DRAFT_VOCAB_KEY, None)
     head.load_weights([(k, v.astype(mx.float32)) for k, v in w.items()], strict=True)
     if ids is not None:
-        head.set_draft_vocab(np.array(ids))
+        head.set_draft_vocab(np.array(ids), cfg.draft_order)
     mx.eval(head.parameters())
     head.eval()
     return head

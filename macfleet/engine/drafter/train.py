@@ -345,12 +345,25 @@ def untrained_loss(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainPara
 
 
 def choose_draft_vocab(chunks: Sequence[FeatureChunk], size: int, vocab: int) -> np.ndarray:
-    """The `size` ids drafts may use: tokens seen in the data (most frequent first), then the
-    lowest ids (byte-level BPE numbers merges by frequency, so low ids are common tokens)."""
+    """The `size` ids drafts may use, most frequent first (so any prefix is the best draft
+    vocabulary of its size: `EagleHead.draft_logits(h, limit)`): tokens seen in the data by
+    count, then the lowest unseen ids (byte-level BPE numbers merges by frequency, so low ids
+    are common tokens). Save with draft order "frequency"."""
     if size <= 0 or size >= vocab:
         return np.arange(vocab, dtype=np.int32)
     counts = np.bincount(np.concatenate([np.concatenate([c.tokens, c.top]) for c in chunks]),
                          minlength=vocab)
-    seen = [int(i) for i in np.argsort(-counts, kind="stable") if counts[i] > 0][:size]
-    rest = np.setdiff1d(np.arange(vocab), seen)[: size - len(seen)]
-    return np.sort(np.concatenate([np.array(seen, dtype=np.int64), rest])).astype(np.int32)
+    return frequency_order(counts, size)
+
+
+def frequency_order(counts: np.ndarray, size: int, among: np.ndarray | None = None
+                    ) -> np.ndarray:
+    """`size` token ids by descending count (ties: lower id first), seen ones only, then the
+    lowest unseen ids; among: choose from these ids only (re-order an existing draft
+    vocabulary). Pure."""
+    pool = np.arange(len(counts)) if among is None else np.asarray(among, dtype=np.int64)
+    c = counts[pool]
+    order = np.lexsort((pool, -c))  # by count descending, then id
+    seen = pool[order][c[order] > 0][:size]
+    rest = np.setdiff1d(pool, seen)[: size - len(seen)]  # sorted ascending
+    return np.concatenate([seen, rest]).astype(np.int32)

@@ -86,6 +86,48 @@ def test_draft_vocabulary_subset_round_trips_and_stays_lossless(tiny, chunks, tr
     assert np.all(d.probs[:, outside] == 0)
 
 
+def test_draft_vocabulary_is_most_frequent_first_and_a_prefix_drafts_alone(tiny, chunks,
+                                                                            trained, tmp_path):
+    """choose_draft_vocab orders ids by count, so a prefix is the best smaller draft
+    vocabulary; draft_logits(h, limit) on such a head is the full one's first columns, and the
+    order survives a save; a head saved with ids in another order ignores the limit."""
+    import json
+
+    from macfleet.engine.drafter.train import choose_draft_vocab, frequency_order
+
+    counts = np.bincount(np.concatenate([np.concatenate([c.tokens, c.top]) for c in chunks]),
+                         minlength=tiny.vocab_size)
+    ids = choose_draft_vocab(chunks, 12, tiny.vocab_size)
+    assert np.all(np.diff(counts[ids]) <= 0)
+    assert counts[ids].min() >= np.delete(counts, ids).max()
+    h = mx.random.normal((3, tiny.hidden_size))
+    trained.set_draft_vocab(ids, "frequency")
+    try:
+        full, pre = np.array(trained.draft_logits(h)), np.array(trained.draft_logits(h, 5))
+        trained.save(tmp_path / "freq")
+    finally:
+        trained.set_draft_vocab(None)
+    assert pre.shape == (3, 5) and np.allclose(pre, full[:, :5], rtol=1e-5, atol=1e-5)
+    back = load_head(tmp_path / "freq", tiny.model)
+    assert back.config.draft_order == "frequency"
+    assert np.array(back.draft_ids).tolist() == ids.tolist()
+    back.set_draft_vocab(np.sort(ids))  # ascending ids: no prefix is a frequent subset
+    assert back.draft_logits(h, 5).shape == (3, 12)
+    with pytest.raises(ValueError, match="draft_order"):
+        back.set_draft_vocab(ids, "alphabetical")
+    cfg = tmp_path / "freq.json"
+    d = json.loads(cfg.read_text())
+    del d["draft_order"]  # a head saved before the order was kept: ids ascending
+    cfg.write_text(json.dumps(d))
+    assert load_head(tmp_path / "freq", tiny.model).config.draft_order == "id"
+    cfg.write_text(json.dumps({**d, "draft_order": "sideways"}))
+    with pytest.raises(HeadMismatch, match="draft_order"):
+        load_head(tmp_path / "freq", tiny.model)
+    # re-ordering an existing vocabulary keeps its ids (ties: lower id first)
+    again = frequency_order(np.array([0, 5, 5, 9, 0, 1]), 4, among=np.array([4, 2, 1, 3]))
+    assert again.tolist() == [3, 1, 2, 4]
+
+
 def test_head_for_another_verifier_is_refused(trained, tmp_path):
     trained.save(tmp_path / "head")
     other = load_model("tiny:2:16")

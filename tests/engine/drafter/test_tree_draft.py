@@ -121,6 +121,34 @@ def test_eagle2_greedy_is_bit_identical_and_drafts_branching_trees(tiny, trained
     assert prop.fallback_tokens == 0  # features came from the verifier's tree forwards
 
 
+def test_eagle2_deeper_levels_draft_from_the_frequent_prefix_and_stay_lossless(
+        tiny, chunks, trained, monkeypatch):
+    """A head whose draft ids are most frequent first: levels below the first draft only
+    the first `deep_vocab` of them (the first level all); greedy output is the verifier's."""
+    from macfleet.engine.drafter.train import choose_draft_vocab
+
+    _costly_verifier(monkeypatch)
+    ids = choose_draft_vocab(chunks, 24, tiny.vocab_size)
+    trained.set_draft_vocab(ids, "frequency")
+    try:
+        alone = list(speculative_generate(Verifier(tiny.model), None, PROMPT,
+                                          max_tokens=48))[-1]
+        prop = EagleTreeProposer(trained, deep_vocab=6)
+        seen: list[Draft] = []
+        propose = prop.propose
+        prop.propose = lambda c, k, g=False: seen.append(propose(c, k, g)) or seen[-1]
+        group = ProposerGroup([prop], node_budget=tree_budget([prop]))
+        fin = list(tree_generate(Verifier(tiny.model), group, PROMPT, max_tokens=48))[-1]
+    finally:
+        trained.set_draft_vocab(None)
+    assert isinstance(fin, Finished) and fin.token_ids == alone.token_ids
+    deep = [t for d in seen if len(d) for t, p in zip(d.tokens, d.parents) if p >= 0]
+    assert deep, "no level below the first was drafted"
+    assert set(deep) <= set(ids[:6].tolist())
+    first = {t for d in seen if len(d) for t, p in zip(d.tokens, d.parents) if p < 0}
+    assert first <= set(ids.tolist())
+
+
 def test_eagle2_in_a_chain_loop_still_lossless(tiny, trained):
     """A tree drafter handed to the chain loop: its tokens are checked as a chain; the output
     stays the verifier's (speed is lost, never correctness)."""
