@@ -41,6 +41,19 @@ def add_bench_parsers(bs) -> None:
                    help="held-out answer positions scored per store size")
     c.add_argument("--goal", type=float, default=2.5, help="tau to extrapolate the data to")
     c.set_defaults(func=run_data_curve)
+    t = bs.add_parser("tree-shapes", help="the head's EAGLE-2 tree shapes side by side: "
+                      "acceptance per tree size on unseen prompts' answers, drafting time, "
+                      "and speed in the loop (results/tree_shapes.json)")
+    t.add_argument("shapes", nargs="*", metavar="TOP_K,MAX_DEPTH,DEEP_VOCAB",
+                   help="beam width, deepest level, draft ids of the levels below the first "
+                   "(0: all; default: 4,5,4096 4,5,0 4,5,2048 3,7,4096)")
+    t.add_argument("--head", type=Path, default=None, help="default: the shipped head")
+    t.add_argument("--max-answer", type=int, default=160, help="tokens per answer (offline)")
+    t.add_argument("--step", type=int, default=2, help="draft at every N-th answer position")
+    t.add_argument("--repeats", type=int, default=0, metavar="N",
+                   help="also generate the six held-out prompts with every shape, N "
+                   "interleaved rounds against plain decoding (0: offline only)")
+    t.set_defaults(func=run_tree_shapes)
 
 
 def run(args) -> int:
@@ -190,4 +203,57 @@ def run_data_curve(args) -> int:
               f"tau {args.goal} at ~{t:.2g} answer tokens" if f and t else
               f"tree of {n:>2s} nodes: tau does not grow with the store here")
     print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return 0
+
+
+def run_tree_shapes(args) -> int:
+    import sys
+
+    from macfleet.bench import tree_shapes as ts
+    from macfleet.bench.record import write_result
+    from macfleet.cli.common import UserError
+    from macfleet.engine.drafter.head import HeadMismatch, weights_path
+    from macfleet.engine.drafter.proposer import default_head_path, shared_head
+    from macfleet.engine.models import ModelSpecError, load_model
+
+    try:
+        shapes = [ts.TreeShape.parse(s) for s in args.shapes] or list(ts.DEFAULT_SHAPES)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.step < 1 or args.repeats < 0 or args.max_answer < 8:
+        raise UserError("--step >= 1, --repeats >= 0 and --max-answer >= 8")
+    try:
+        lm = load_model(args.model)
+    except ModelSpecError as e:
+        raise UserError(str(e)) from None
+    path = args.head or default_head_path(lm.spec)
+    if path is None or not weights_path(path).is_file():
+        raise UserError(f"no draft head for {lm.spec}: name one with --head (`macfleet "
+                        f"distill` trains one)")
+    try:
+        head = shared_head(weights_path(path), lm.model)
+    except HeadMismatch as e:
+        raise UserError(str(e)) from None
+
+    def say(s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
+    doc: dict = {"model": lm.spec, "head": str(path),
+                 "head_draft_vocab": {"size": head.config.draft_vocab,
+                                      "order": head.config.draft_order},
+                 "offline": ts.offline(lm, head, shapes, max_answer=args.max_answer,
+                                       step=args.step, progress=say)}
+    if args.repeats:
+        doc["in_loop"] = ts.in_loop(lm, head, shapes, repeats=args.repeats, progress=say)
+    out = write_result("tree_shapes.json", doc, args.out)
+    for name, r in doc["offline"]["shapes"].items():
+        line = (f"{name:26s} full tree {r['draft_ms_median']:5.1f} ms; accepted with 16 nodes "
+                f"chat {r['chat']['16']:.3f} code {r['code']['16']:.3f}")
+        if "in_loop" in doc:
+            s = doc["in_loop"]["summary"]["all"][name]
+            line += (f"; in the loop tau {s['tau']:.2f}, {s['speedup_geomean']:.2f}x geomean "
+                     f"(min {s['speedup_min']:.2f}x), draft {s['draft_ms_per_block']:.1f} "
+                     f"ms/block")
+        print(line)
+    print(f"wrote {out}")
     return 0

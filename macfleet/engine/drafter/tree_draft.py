@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -45,6 +46,32 @@ DEFAULT_MIN_PROB = 0.02  # a frontier node less likely than this is not expanded
 # the 16 unseen prompts (1,159 starts): a full tree 36.7 -> 28.8 ms, mean accepted of its 16
 # best nodes 2.29 -> 2.24 (2,048 ids: 26.4 ms, 2.14; 1,024: 22.8 ms, 1.97).
 DEFAULT_DEEP_VOCAB = 4096
+
+
+@dataclass(frozen=True)
+class TreeCandidates:
+    """The nodes a head drafted for one block, in drafting order: token, cumulative
+    log-probability, parent index (-1: a child of the root) and depth (1 = the first draft)."""
+
+    tokens: tuple[int, ...]
+    scores: tuple[float, ...]
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+
+    def ranked(self) -> list[int]:
+        """Node indices best first: by cumulative probability, then shallower, then earlier
+        (an ancestor always ranks above its descendants, so every prefix is a tree)."""
+        return sorted(range(len(self.tokens)),
+                      key=lambda i: (-self.scores[i], self.depths[i], i))
+
+    def best(self, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The tree of the n best nodes: (tokens, parents) ordered by depth, parents indexing
+        into it (-1: the root)."""
+        keep = sorted(self.ranked()[:n], key=lambda i: (self.depths[i], i))
+        new_index = {old: j for j, old in enumerate(keep)}
+        return (tuple(self.tokens[i] for i in keep),
+                tuple(new_index[self.parents[i]] if self.parents[i] >= 0 else -1
+                      for i in keep))
 
 
 def head_tree_forward(head: EagleHead, feats: mx.array, tokens: mx.array, positions: mx.array,
@@ -133,11 +160,10 @@ class EagleTreeProposer(EagleProposer):
             anc = mx.concatenate([anc[pb], mx.eye(K, dtype=mx.bool_)], axis=1)
         return toks, scores, sel
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
-        k = min(k, self.max_nodes)
-        if k <= 0 or len(context) < 2 or not self.backoff.should_draft():
-            return EMPTY_DRAFT
-        t0 = time.perf_counter()
+    def candidates(self, context: Sequence[int]) -> TreeCandidates:
+        """Every node the head drafts after `context` (the first level's top_k, then each
+        deeper level's top_k x top_k while it pays), before the tree size is chosen; the
+        head's cache is left at the context."""
         context = [int(t) for t in context]
         root = self._root(context)[0]  # [1, H]
         base = int(self._head_cache[0].offset)
@@ -163,21 +189,25 @@ class EagleTreeProposer(EagleProposer):
             if toks:
                 for c in self._head_cache:
                     c.trim(len(toks) * K)
-        order = sorted(range(len(tokens)), key=lambda i: (-score[i], depth[i], i))
-        probs = [float(np.exp(score[i])) for i in order[:k]]
+        return TreeCandidates(tuple(tokens), tuple(score), tuple(parents), tuple(depth))
+
+    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+        k = min(k, self.max_nodes)
+        if k <= 0 or len(context) < 2 or not self.backoff.should_draft():
+            return EMPTY_DRAFT
+        t0 = time.perf_counter()
+        cand = self.candidates(context)
+        order = cand.ranked()
+        probs = [float(np.exp(cand.scores[i])) for i in order[:k]]
         # a tree must pay for its drafting too: charged to every non-empty size, so a head
         # whose trees do not beat plain decoding by their full cost chooses none, and the
         # backoff stops paying for the head at all
         costs = self.curve.block_costs(len(probs), (time.perf_counter() - t0) * 1e3)
         n = choose_tree_size(probs, costs, self.calibration.gain)
-        keep = sorted(order[:n], key=lambda i: (depth[i], i))
-        new_index = {old: j for j, old in enumerate(keep)}
         self._predicted = sum(probs[:n])
         draft_ms = (time.perf_counter() - t0) * 1e3
-        if not keep:
-            return Draft((), None, draft_ms)
-        return Draft(tuple(tokens[i] for i in keep), None, draft_ms, None,
-                     tuple(new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep))
+        tokens, parents = cand.best(n)
+        return Draft(tokens, None, draft_ms, None, parents if tokens else None)
 
     def seed_verify_costs(self, costs) -> None:
         self.curve.seed(costs)

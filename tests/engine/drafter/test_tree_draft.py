@@ -280,3 +280,31 @@ def test_hidden_state_drafters_in_the_continuous_batch(tiny, trained, tree):
     assert sum(f.stats.accepted for f in out.values()) > 0
     assert max(r.sessions for r in eng.history) > 1
     assert all(d.fallback_tokens == 0 for d in drafters)
+
+
+@pytest.mark.slow  # generates answers to 16 prompts and the six held-out ones
+def test_bench_tree_shapes_end_to_end_on_the_tiny_model(tiny, trained, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    trained.save(tmp_path / "head")
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "macfleet", "bench", "--model", tiny.spec, "--out", str(out),
+           "tree-shapes", "2,3,0", "3,2,0", "--head", str(tmp_path / "head"),
+           "--max-answer", "10", "--step", "3", "--repeats", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((out / "tree_shapes.json").read_text())
+    shapes = doc["offline"]["shapes"]
+    assert set(shapes) == {"top2 depth3 deepall", "top3 depth2 deepall"}
+    for row in shapes.values():
+        assert row["starts"] > 0 and row["draft_ms_median"] > 0
+        acc = [row["all"][str(n)] for n in doc["offline"]["nodes"]]
+        assert acc == sorted(acc)  # a bigger tree of the best nodes contains the smaller one
+        assert all(0 <= a <= 3 for a in acc)
+    loop = doc["in_loop"]["summary"]["all"]
+    assert set(loop) == {"none", *shapes} and all(s["all_identical"] for s in loop.values())
+    bad = subprocess.run([*cmd[:cmd.index("tree-shapes") + 1], "4,5"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "TOP_K,MAX_DEPTH,DEEP_VOCAB" in bad.stderr
