@@ -324,8 +324,29 @@ def record_best(head_path: Path, record: dict) -> None:
     p.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def plot_curve(curve: Sequence[dict], out: Path, final: dict | None = None) -> Path | None:
-    """Held-out acceptance against training tokens (results/drafter_curve.png)."""
+GOAL_TAU = 2.5  # the issue's goal for tau (trees, chat and code)
+
+
+def curve_fit(curve: Sequence[dict], goal: float = GOAL_TAU) -> dict | None:
+    """The training curve's trend (pure): held-out chain acceptance = a + b * log2(training
+    tokens processed), least squares over every point, and the training tokens at which that
+    line reaches `goal` (None when it does not rise)."""
+    from macfleet.bench.store_curve import log2_fit, tokens_for
+
+    fit = log2_fit([c["train_tokens"] for c in curve], [c["mean_accepted"] for c in curve])
+    if fit is None:
+        return None
+    return {"model": "held-out chain acceptance (k=4) = a + b * log2(training tokens "
+                     "processed), least squares over every point of the curve",
+            "a": round(fit[0], 4), "b_per_doubling": round(fit[1], 4), "goal": goal,
+            "train_tokens_for_goal": tokens_for(goal, fit),
+            "train_tokens_now": curve[-1]["train_tokens"]}
+
+
+def plot_curve(curve: Sequence[dict], out: Path, final: dict | None = None,
+               fit: dict | None = None) -> Path | None:
+    """Held-out acceptance against training tokens (results/drafter_curve.png), with the
+    trend line of `curve_fit` drawn out to where it reaches the goal."""
     from macfleet.bench.record import pyplot, save_log_x_plot
 
     plt = pyplot()
@@ -338,6 +359,14 @@ def plot_curve(curve: Sequence[dict], out: Path, final: dict | None = None) -> P
     if final:
         for name, (x, y) in final.items():
             ax.plot([x], [y], "s", label=name)
+    if fit:
+        end = fit["train_tokens_for_goal"] or xs[-1]
+        line = [min(xs), max(end, xs[-1])]
+        ax.plot(line, [fit["a"] + fit["b_per_doubling"] * math.log2(x) for x in line], "--",
+                color="gray", label=f"trend: {fit['b_per_doubling']:+.3f} per doubling"
+                + (f"; {fit['goal']} at ~{end:.1e} tokens" if fit["train_tokens_for_goal"]
+                   else ""))
+        ax.axhline(fit["goal"], color="gray", linewidth=0.5)
     ax.set_xscale("log")
     ax.set_xlabel("training tokens processed")
     ax.set_ylabel("mean accepted draft tokens")

@@ -129,19 +129,28 @@ def score(store: Datastore, held: Sequence[Answer], nodes: Sequence[int], *,
 
 def fit_log2(points: Sequence[CurvePoint], n: int) -> tuple[float, float] | None:
     """Least squares tau = a + b * log2(store tokens) for tree size n; None if < 2 points."""
-    xs = [math.log2(p.store_tokens) for p in points if p.store_tokens > 0]
-    ys = [p.tau[n] for p in points if p.store_tokens > 0]
-    if len(xs) < 2 or len(set(xs)) < 2:
+    return log2_fit([p.store_tokens for p in points], [p.tau[n] for p in points])
+
+
+def log2_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float] | None:
+    """Least squares y = a + b * log2(x) over the points with x > 0 (pure): (a, b), b per
+    doubling of x; None with fewer than two distinct x."""
+    pts = [(math.log2(x), y) for x, y in zip(xs, ys) if x > 0]
+    if len({x for x, _ in pts}) < 2:
         return None
-    b, a = np.polyfit(xs, ys, 1)
+    b, a = np.polyfit([x for x, _ in pts], [y for _, y in pts], 1)
     return float(a), float(b)
 
 
 def tokens_for(goal: float, fit: tuple[float, float] | None) -> float | None:
-    """Store tokens at which the fitted line reaches `goal` (None: it never does)."""
-    if fit is None or fit[1] <= 0:
+    """x (store tokens, training tokens) at which the fitted line reaches `goal` (None: it
+    never does)."""
+    if fit is None or fit[1] <= 1e-9:  # flat (float noise of a flat fit included)
         return None
-    return float(2 ** ((goal - fit[0]) / fit[1]))
+    try:
+        return float(2 ** ((goal - fit[0]) / fit[1]))
+    except OverflowError:  # beyond any float: never, for any purpose
+        return None
 
 
 def data_curve(dataset: Path, *, fractions: Sequence[float] = DEFAULT_FRACTIONS,

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from macfleet.bench.store_curve import accepted_in_tree
 from macfleet.engine.drafter.prompts import CODE_KINDS, HELD_OUT
 from macfleet.engine.models import LoadedModel
 
@@ -53,20 +54,6 @@ class TreeShape:
 
 DEFAULT_SHAPES = (TreeShape(4, 5, 4096), TreeShape(4, 5, 0), TreeShape(4, 5, 2048),
                   TreeShape(3, 7, 4096))
-
-
-def accepted_depth(tokens: Sequence[int], parents: Sequence[int], truth: Sequence[int]) -> int:
-    """Tokens of `truth` a tree accepts under greedy verification: its longest root path
-    whose tokens are truth[0], truth[1], ... (pure; parents before children, -1 = root)."""
-    depth = [0] * len(tokens)
-    ok = [False] * len(tokens)
-    best = 0
-    for i, (t, p) in enumerate(zip(tokens, parents)):
-        depth[i] = 1 if p < 0 else depth[p] + 1
-        ok[i] = (p < 0 or ok[p]) and depth[i] <= len(truth) and t == truth[depth[i] - 1]
-        if ok[i]:
-            best = max(best, depth[i])
-    return best
 
 
 def _kind(key: str) -> str:
@@ -102,7 +89,9 @@ def offline(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, max_answer: i
                 cand = prop.candidates(toks[:t])
                 ms.append((time.perf_counter() - t0) * 1e3)
                 for n in nodes:
-                    group[n].append(accepted_depth(*cand.best(n), toks[t:]))
+                    tree, parents = cand.best(n)
+                    group[n].append(accepted_in_tree(tree, parents, range(len(tree)),
+                                                     toks[t:]))
             prop.close()
         row: dict = {**asdict(shape), "draft_ms_median": round(statistics.median(ms), 2),
                      "starts": len(ms)}

@@ -125,8 +125,13 @@ def run(args) -> int:
         final = {f"{s}, {g} prompts: tau in the loop (bench)": (x, summ[g][s]["tau"])
                  for s in dict.fromkeys(("eagle", best)) if s in summ["chat"]
                  for g in ("chat", "code")}
+        doc["training_curve_fit"] = fit = b.curve_fit(curve)
+        if fit and fit["train_tokens_for_goal"]:
+            say(f"training curve: {fit['b_per_doubling']:+.3f} held-out acceptance per "
+                f"doubling of training tokens; {fit['goal']} at ~"
+                f"{fit['train_tokens_for_goal']:.2g} tokens (now {fit['train_tokens_now']:.2g})")
         args.out.mkdir(parents=True, exist_ok=True)  # --out may name a new directory
-        png = b.plot_curve(curve, args.out / "drafter_curve.png", final)
+        png = b.plot_curve(curve, args.out / "drafter_curve.png", final, fit)
         say(f"wrote {png}" if png else "drafter_curve.png not written: matplotlib is missing "
             "(pip install 'macfleet[bench]')")
     path = write_result("drafter.json", doc, args.out)

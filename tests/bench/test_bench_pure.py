@@ -111,3 +111,18 @@ def test_repeated_drafter_runs_keep_the_median_and_any_difference():
     assert m["decode_tokens_per_s"] == 17.0 and m["repeats_tokens_per_s"] == [20.0, 14.0, 17.0]
     assert m["identical"] is False  # one run that differed is not hidden by the median
     assert median_run(rows[:2])["decode_tokens_per_s"] == 14.0  # even count: the lower one
+
+
+def test_training_curve_trend_says_how_many_tokens_reach_the_goal():
+    from macfleet.bench.drafter import curve_fit
+
+    # 1.0 at 2^20 tokens, +0.1 per doubling: 2.5 at 2^35
+    curve = [{"train_tokens": 2 ** e, "mean_accepted": 1.0 + 0.1 * (e - 20)}
+             for e in range(20, 28)]
+    f = curve_fit(curve)
+    assert f["b_per_doubling"] == pytest.approx(0.1)
+    assert f["train_tokens_for_goal"] == pytest.approx(2 ** 35, rel=1e-6)
+    assert f["train_tokens_now"] == 2 ** 27
+    flat = [{"train_tokens": 2 ** e, "mean_accepted": 1.5} for e in range(20, 24)]
+    assert curve_fit(flat)["train_tokens_for_goal"] is None
+    assert curve_fit(curve[:1]) is None

@@ -1,4 +1,4 @@
-"""`bench tree-shapes`, the pure parts: a tree's greedy acceptance, shapes, the best-N tree of a
+"""`bench tree-shapes`, the pure parts: a best-N tree's greedy acceptance, shapes, the best-N tree of a
 head's candidates (the bench end to end: tests/engine/drafter/test_tree_draft.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,14 @@ import math
 
 import pytest
 
-from macfleet.bench.tree_shapes import TreeShape, accepted_depth
+from macfleet.bench.store_curve import accepted_in_tree
+from macfleet.bench.tree_shapes import TreeShape
 from macfleet.engine.drafter.tree_draft import TreeCandidates
+
+
+def accepted_depth(tokens, parents, truth):
+    """A whole tree (a head's best-N, parents before children) as the bench scores it."""
+    return accepted_in_tree(tokens, parents, range(len(tokens)), truth)
 
 
 def test_a_tree_accepts_its_longest_path_of_the_verifiers_tokens():
