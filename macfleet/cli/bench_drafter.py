@@ -123,7 +123,7 @@ def run(args) -> int:
         x = curve[-1]["train_tokens"] if curve else 1
         summ = doc["in_process"]["summary"]
         final = {f"{s}, {g} prompts: tau in the loop (bench)": (x, summ[g][s]["tau"])
-                 for s in dict.fromkeys(("eagle", best)) if s in summ["chat"]
+                 for s in ("eagle", "eagle2") if s in summ["chat"]
                  for g in ("chat", "code")}
         doc["training_curve_fit"] = fit = b.curve_fit(curve)
         if fit and fit["train_tokens_for_goal"]:
