@@ -232,6 +232,7 @@ class EagleHead(nn.Module):
         if ids is None or not len(ids) or not isinstance(emb, nn.Embedding) or \
                 not getattr(self.verifier.args, "tie_word_embeddings", True):
             self._sub = _Frozen(None)
+            self.config = replace(self.config, draft_vocab=0, draft_order="id")
             return
         idx = mx.array(np.asarray(ids, dtype=np.int32))
         rows = emb.weight[idx]

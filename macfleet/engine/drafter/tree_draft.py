@@ -38,13 +38,14 @@ DEFAULT_TOP_K = 4
 DEFAULT_MAX_DEPTH = 5
 DEFAULT_MAX_NODES = 24
 DEFAULT_MIN_PROB = 0.02  # a frontier node less likely than this is not expanded
-# Levels below the first draft from the head's DEEP_VOCAB most frequent draft ids (a head
-# saved with draft order "frequency"; others use their whole draft vocabulary). Each level
+# Levels below the first draft from the head's DEFAULT_DEEP_VOCAB most frequent draft ids (a
+# head saved with draft order "frequency"; others use their whole draft vocabulary). Each level
 # reads the head's layer and its draft LM head: with SmolLM2's 8,192-id one (19 MB float32)
-# that is 36 MB a level, more than this CPU's 32 MB L3; with 4,096 ids the levels run from
-# cache. Offline, SmolLM2's shipped head, 5 levels of 4, on the verifier's greedy answers to
-# the 16 unseen prompts (1,159 starts): a full tree 36.7 -> 28.8 ms, mean accepted of its 16
-# best nodes 2.29 -> 2.24 (2,048 ids: 26.4 ms, 2.14; 1,024: 22.8 ms, 1.97).
+# that is 36 MB a level, more than this CPU's 32 MB L3; with 4,096 ids, 26 MB. `bench
+# tree-shapes` (results/tree_shapes.json), 5 levels of 4 on the verifier's greedy answers to
+# the 16 unseen prompts: a whole tree 33.8 -> 27.9 ms, its 16 best nodes accept 2.29 -> 2.24
+# (2,048 ids: 22.6 ms, 2.14). In the loop drafting per block fell 30.2 -> 26.8 ms; the
+# speed difference stayed within run-to-run noise, and code loses the most (rarer tokens).
 DEFAULT_DEEP_VOCAB = 4096
 
 
