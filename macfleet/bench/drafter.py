@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from macfleet.engine.drafter.prompts import CHAT_KINDS, CODE_KINDS, HELD_OUT
+from macfleet.engine.drafter.prompts import CHAT_KINDS, CODE_KINDS, HELD_OUT, prompt_kind
 from macfleet.engine.events import Finished, GenerationStats
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.text import generate_local
@@ -177,19 +177,26 @@ def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                      "are pinned one core each on this 2-core machine"}
 
 
-def _answer_chunks(lm: LoadedModel, prompts: Sequence[str], max_answer: int) -> list:
-    """The verifier's greedy answers to `prompts` with their true features, from the last
-    prompt position on (the loop never drafts the chat template or the prompt)."""
+def answer_samples(lm: LoadedModel, prompts: Sequence[str], max_answer: int) -> list:
+    """The verifier's greedy answers to `prompts` (batchgen Samples: prompt and answer tokens
+    with their true features), in the order of `prompts`."""
     from macfleet.engine.drafter.batchgen import generate_samples
-    from macfleet.engine.drafter.features import FeatureChunk
     from macfleet.engine.drafter.prompts import Prompt
 
     samples = list(generate_samples(lm, [Prompt("held_out", t) for t in prompts],
                                     batch=min(len(prompts), 8), max_answer=max_answer))
     by_text = {s.prompt.text: s for s in samples}  # rows finish in any order
-    ordered = [by_text[t] for t in prompts if t in by_text]
+    return [by_text[t] for t in prompts if t in by_text]
+
+
+def _answer_chunks(lm: LoadedModel, prompts: Sequence[str], max_answer: int) -> list:
+    """The verifier's greedy answers to `prompts` with their true features, from the last
+    prompt position on (the loop never drafts the chat template or the prompt)."""
+    from macfleet.engine.drafter.features import FeatureChunk
+
     return [FeatureChunk(s.tokens[s.n_prompt - 1:], s.hidden[s.n_prompt - 1:],
-                         s.top[s.n_prompt - 1:], True) for s in ordered]
+                         s.top[s.n_prompt - 1:], True)
+            for s in answer_samples(lm, prompts, max_answer)]
 
 
 def head_on_held_out(lm: LoadedModel, max_answer: int = 64) -> dict | None:
@@ -248,7 +255,7 @@ def compare_heads(lm: LoadedModel, paths: Sequence[Path], max_answer: int = 160,
     from macfleet.engine.drafter.train import chain_acceptance
 
     prompts = {**HELD_OUT, **UNSEEN}
-    kinds = ["code" if k in CODE_KINDS or k.startswith("code:") else "chat" for k in prompts]
+    kinds = [prompt_kind(k) for k in prompts]
     chunks = _answer_chunks(lm, list(prompts.values()), max_answer)
     progress(f"{sum(len(c.tokens) - 1 for c in chunks)} answer positions from "
              f"{len(chunks)} prompts")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from macfleet.bench.store_curve import accepted_in_tree
-from macfleet.engine.drafter.prompts import CODE_KINDS, HELD_OUT
+from macfleet.engine.drafter.prompts import HELD_OUT, prompt_kind
 from macfleet.engine.models import LoadedModel
 
 NODES = (4, 8, 16, 24, 32)
@@ -56,20 +56,17 @@ DEFAULT_SHAPES = (TreeShape(4, 5, 4096), TreeShape(4, 5, 0), TreeShape(4, 5, 204
                   TreeShape(3, 7, 4096))
 
 
-def _kind(key: str) -> str:
-    return "code" if key in CODE_KINDS or key.startswith("code:") else "chat"
-
-
 def offline(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, max_answer: int = 160,
             step: int = 2, nodes: Sequence[int] = NODES,
             progress: Callable[[str], None] = lambda s: None) -> dict:
-    from macfleet.engine.drafter.batchgen import generate_samples
-    from macfleet.engine.drafter.prompts import UNSEEN, Prompt
+    from macfleet.bench.drafter import answer_samples
+    from macfleet.engine.drafter.prompts import UNSEEN
     from macfleet.engine.drafter.tree_draft import EagleTreeProposer
 
     prompts = {**HELD_OUT, **UNSEEN}
-    samples = list(generate_samples(lm, [Prompt(k, t) for k, t in prompts.items()],
-                                    batch=min(len(prompts), 8), max_answer=max_answer))
+    samples = answer_samples(lm, list(prompts.values()), max_answer)
+    kinds = [prompt_kind(k) for k, t in prompts.items()
+             if t in {s.prompt.text for s in samples}]
     progress(f"{sum(len(s.tokens) - s.n_prompt for s in samples)} answer tokens from "
              f"{len(samples)} prompts")
     out = {}
@@ -79,11 +76,11 @@ def offline(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, max_answer: i
         got: dict[str, dict[int, list[int]]] = {g: {n: [] for n in nodes}
                                                 for g in ("chat", "code")}
         ms: list[float] = []
-        for s in samples:
+        for s, kind in zip(samples, kinds):
             toks = [int(t) for t in s.tokens]
             prop.start()
             prop.feed_features(0, toks, s.hidden)
-            group = got[_kind(s.prompt.source)]
+            group = got[kind]
             for t in range(s.n_prompt, len(toks) - 1, step):
                 t0 = time.perf_counter()
                 cand = prop.candidates(toks[:t])

@@ -175,7 +175,8 @@ class EagleHead(nn.Module):
         config.check_verifier(verifier)
         if not config.probe:  # an older config, matched by its exact hash: saved with a probe
             config = replace(config, probe=verifier_probe(verifier))
-        self.config = config
+        # the draft vocabulary's fields describe `_sub`, which set_draft_vocab keeps in step
+        self.config = replace(config, draft_vocab=0, draft_order="id")
         self._v = _Frozen(verifier)
         h = config.hidden_size
         self.in_norm = nn.RMSNorm(h, eps=config.rms_norm_eps)
@@ -297,12 +298,8 @@ class EagleHead(nn.Module):
         cfg = self.config if steps is None else replace(self.config, steps=steps)
         dt = getattr(mx, cfg.dtype)
         w = {k: v.astype(dt) for k, v in tree_flatten(self.parameters())}
-        if self.draft_ids is not None:
+        if self.draft_ids is not None:  # config.draft_vocab/draft_order describe these
             w[DRAFT_VOCAB_KEY] = self.draft_ids.astype(mx.int32)
-            cfg = replace(cfg, draft_vocab=int(self.draft_ids.size),
-                          draft_order=self.config.draft_order)
-        else:
-            cfg = replace(cfg, draft_vocab=0, draft_order="id")
         tmp = p.with_name(p.stem + ".tmp.safetensors")
         mx.save_safetensors(str(tmp), w, metadata={"format": "macfleet-eagle",
                                                    "version": str(cfg.version)})

@@ -44,6 +44,11 @@ HELD_OUT_SUBJECTS = ("camping", "refrigerator", "fridge", "market", "pencil", "s
 CHAT_KINDS = ("chat", "explain", "rewrite", "problem", "describe")
 CODE_KINDS = ("code",)
 
+
+def prompt_kind(key: str) -> str:
+    """"code" or "chat" for a key of HELD_OUT or UNSEEN (unseen code requests are "code:...")."""
+    return "code" if key in CODE_KINDS or key.startswith("code:") else "chat"
+
 TOPICS = (
     "black holes", "photosynthesis", "the water cycle", "volcanoes", "earthquakes", "DNA",
     "vaccines", "the immune system", "climate change", "renewable energy", "solar panels",
