@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -23,9 +24,11 @@ import numpy as np
 from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accept_ratio
 from macfleet.engine.controller import FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
+from macfleet.engine.pipeline import greedy_outcome, padded_length
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.verifier import Verifier
+from macfleet.engine.verify_costs import verify_costs
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,38 @@ def sanitize_draft(draft: Draft, k: int, vocab: int) -> Draft:
     return Draft(tuple(toks), probs, draft.draft_ms, None, parents)
 
 
+@dataclass
+class _Ahead:
+    """A host-side drafter's draft of the next block, made while the device verified this one,
+    from the outcome it expected: every draft accepted and its own guess of the bonus token."""
+
+    context_len: int  # the committed length it assumed (context + every draft + the guess)
+    guess: int
+    draft: Draft  # [guess, next drafts...]
+
+
+def _predraft(proposer: Proposer, context: list[int], drafts: Sequence[int],
+              k: int) -> _Ahead | None:
+    """Draft k tokens past `context + drafts + guess`, where the guess is the drafter's own
+    first token (what it expects the verifier's bonus token to be)."""
+    try:
+        d = proposer.propose([*context, *drafts], k + 1)
+    except ProposerFailed:
+        return None  # the next fresh draft reports it
+    if not d.tokens:
+        return None
+    return _Ahead(len(context) + len(drafts) + 1, int(d.tokens[0]), d)
+
+
+def _use_ahead(ahead: _Ahead | None, context: Sequence[int], k: int, vocab: int) -> Draft | None:
+    """The pre-draft, cut to k, when the block went as it expected; None otherwise."""
+    if ahead is None or len(context) != ahead.context_len or context[-1] != ahead.guess:
+        return None
+    d = ahead.draft
+    probs = d.probs[1 : 1 + k] if d.probs is not None else None
+    return sanitize_draft(Draft(tuple(d.tokens[1 : 1 + k]), probs, 0.0), k, vocab)
+
+
 def speculative_generate(
     verifier: Verifier,
     proposer: Proposer | None,
@@ -80,7 +115,19 @@ def speculative_generate(
     controller=None,
     eos_ids: frozenset[int] = frozenset(),
 ) -> Iterator[Event]:
-    """Yield TokensCommitted and BlockDone events, then one Finished."""
+    """Yield TokensCommitted and BlockDone events, then one Finished.
+
+    Keeping the device busy (DESIGN.md, physics 4), with the same output:
+    * greedy blocks are decided on the device (`pipeline.greedy_outcome`): one
+      synchronisation per block, two integers back;
+    * a run of plain steps is pipelined like mlx-lm's `generate_step`: step n+1's graph is
+      built on step n's lazy argmax and started before step n is read (the price: a step
+      computed past an end-of-sequence token, dropped from the cache);
+    * a host-side drafter (`Proposer.host_side`) drafts the next block while the device
+      verifies this one, from the outcome it expects; a wrong guess costs only that draft;
+    * blocks are verified at the lengths the device runs fastest (`pipeline.padded_length`
+      over its measured verify(L) table); the padding's cache entries are rolled back.
+    """
     if not prompt:
         raise ValueError("empty prompt")
     if max_tokens < 0:
@@ -91,6 +138,8 @@ def speculative_generate(
     controller = controller or FixedDraftLength(4 if proposer else 0)
     rng = make_rng(params, stream=0)
     t_start = time.perf_counter()
+    lazy = params.greedy and getattr(verifier, "pipelines", False)
+    costs = verify_costs(verifier.model) if proposer is not None else None
     verifier.reset()
     proposer_name = proposer.name if proposer is not None else "none"
     if proposer is not None:
@@ -103,31 +152,64 @@ def speculative_generate(
     blocks = drafted_total = accepted_total = 0
     draft_total = verify_total = 0.0
     finish = "length"
+    step: mx.array | None = None  # a plain step already started on the device (lazy token)
+    k_next: int | None = None  # the next block's length, when asked for before this one ended
+    ahead: _Ahead | None = None
+    k_pre = int(getattr(controller, "k_max", None) or getattr(controller, "k", 0) or 0)
     try:
         while len(generated) < max_tokens:
             t0 = time.perf_counter()
-            k = min(controller.next_k(), max_tokens - len(generated) - 1)
             draft = EMPTY_DRAFT
-            if proposer is not None and k > 0:
-                try:
-                    draft = sanitize_draft(proposer.propose(context, k), k, vocab)
-                except ProposerFailed as e:
-                    log.warning("proposer %s failed (%s): continuing without it",
-                                proposer.name, e)
-                    proposer = None
-            t1 = time.perf_counter()
-            block_in = [context[-1], *draft.tokens]
-            logits = verifier.forward(block_in)  # [k + 1, V]
-            if params.greedy:
-                target = np.array(mx.argmax(logits, axis=-1)).tolist()
-                n, nxt = accept_greedy(draft.tokens, target)
+            if step is not None:  # started while the previous plain step ran
+                k, out, L = 0, step, 1
+                step = None
+                t1 = t0
+            else:
+                k = controller.next_k() if k_next is None else k_next
+                k = min(k, max_tokens - len(generated) - 1)
+                if proposer is not None and k > 0:
+                    draft = _use_ahead(ahead, context, k, vocab) or EMPTY_DRAFT
+                    if not draft.tokens:
+                        try:
+                            draft = sanitize_draft(proposer.propose(context, k), k, vocab)
+                        except ProposerFailed as e:
+                            log.warning("proposer %s failed (%s): continuing without it",
+                                        proposer.name, e)
+                            proposer = None
+                ahead = None
+                t1 = time.perf_counter()
+                block_in = [context[-1], *draft.tokens]
+                L = padded_length(len(block_in), costs) if draft.tokens else 1
+                block_in += [block_in[-1]] * (L - len(block_in))
+                if lazy:
+                    logits = verifier.forward_lazy(mx.array(block_in, dtype=mx.uint32))
+                    out = greedy_outcome(logits, draft.tokens)
+                    mx.async_eval(out)
+                else:
+                    logits = verifier.forward(block_in)[: len(draft) + 1]  # [k + 1, V]
+                    mx.async_eval(logits)
+            # while the device verifies: start the next plain step on this one's lazy token,
+            # or draft the next block on the host from the outcome the drafter expects
+            k_next = None
+            if lazy and not draft.tokens and len(generated) + 1 < max_tokens:
+                k_next = controller.next_k()
+                if k_next == 0:
+                    step = greedy_outcome(verifier.forward_lazy(out[1:]), ())
+                    mx.async_eval(step)
+            elif (proposer is not None and proposer.host_side and draft.tokens and k_pre
+                  and len(generated) + len(draft) + 1 < max_tokens):
+                ahead = _predraft(proposer, context, draft.tokens, k_pre)
+            if lazy:
+                n, nxt = (int(v) for v in out.tolist())
+            elif params.greedy:
+                n, nxt = accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)).tolist())
             else:
                 p = probs_from_logits(logits, params)
                 if draft.probs is not None:
                     n, nxt = accept_ratio(draft.tokens, draft.probs, p, rng)
                 else:
                     n, nxt = accept_exact_sample(draft.tokens, p, rng)
-            verifier.rollback(len(draft) - n)
+            verifier.rollback(L - 1 - n)
             t2 = time.perf_counter()
             new = [*draft.tokens[:n], nxt]
             stop_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
@@ -153,6 +235,9 @@ def speculative_generate(
             if finish == "stop":
                 break
     finally:
+        if step is not None:  # a step started past the end: its entry leaves the cache
+            mx.eval(step)
+            verifier.rollback(1)
         if proposer is not None:
             proposer.close()
     while hist and hist[-1] == 0 and len(hist) > 1:
@@ -164,3 +249,5 @@ def speculative_generate(
         finish_reason=finish, accepted_hist=tuple(hist) if drafted_total else (),
     )
     yield Finished(stats, tuple(generated))
+
+

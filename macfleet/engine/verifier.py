@@ -61,6 +61,18 @@ class Verifier:
         x = mx.array([int(t) for t in tokens], dtype=mx.uint32)[None]
         return self.model(x, cache=self.cache)[0].astype(mx.float32)
 
+    def forward_lazy(self, tokens: mx.array) -> mx.array:
+        """tokens: [L] int array, possibly not computed yet (the previous step's argmax) ->
+        logits [L, V] in the model's own dtype, not evaluated; appends L entries to the cache.
+        What lets a loop build step n+1 while the device computes step n."""
+        return self.model(tokens.astype(mx.uint32)[None], cache=self.cache)[0]
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether `forward_lazy` may be used: a verifier that overrides `forward` (a sharded
+        one sends the ids to its ranks) needs them on the host, and gets the plain path."""
+        return type(self).forward is Verifier.forward
+
     def rollback(self, n: int) -> None:
         """Drop the last n cache entries (O(1): moves the offset)."""
         if n < 0 or n > self.offset:

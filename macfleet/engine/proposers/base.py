@@ -52,6 +52,9 @@ class Proposer(ABC):
     drafts_trees: bool = False  # propose() may return a tree (Draft.parents); k = node budget
     wants_features: bool = False  # drafts from the verifier's hidden states (flow F3)
     fallback_tokens: int = 0  # positions whose features it had to compute itself
+    # drafts on the host without the device (lookups): may draft the next block while the
+    # verifier computes this one (engine/loop.py); a model drafter would compete for the device
+    host_side: bool = False
 
     def feed_features(self, start: int, tokens: Sequence[int], hidden) -> None:
         """Hidden states of committed positions start.. (flow F3); only for wants_features."""

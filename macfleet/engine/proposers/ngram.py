@@ -17,6 +17,8 @@ DEFAULT_MIN_NGRAM = 1
 
 
 class NgramProposer(Proposer):
+    host_side = True
+
     def __init__(self, max_n: int = DEFAULT_MAX_NGRAM, min_n: int = DEFAULT_MIN_NGRAM) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
@@ -35,15 +37,28 @@ class NgramProposer(Proposer):
 
     def _extend(self, context: Sequence[int]) -> None:
         if len(context) < len(self._seen) or list(context[: len(self._seen)]) != self._seen:
-            self.start(getattr(self, "params", None))
+            self._truncate(_common_prefix(self._seen, context))
         if not self._index:
             self._index = {n: {} for n in range(self.min_n, self.max_n + 1)}
         start = len(self._seen)
         self._seen.extend(int(t) for t in context[start:])
-        for end in range(max(start, 1), len(self._seen) + 1):
+        for end in range(start + 1, len(self._seen) + 1):  # the ends not indexed yet
             for n, idx in self._index.items():
                 if end >= n:
                     idx.setdefault(tuple(self._seen[end - n : end]), []).append(end)
+
+    def _truncate(self, keep: int) -> None:
+        """Forget the positions past `keep` (a pre-draft's guessed tokens the verifier did not
+        commit): each end's entry is the last of its n-gram's list, so this is O(dropped)."""
+        for end in range(len(self._seen), max(keep, 0), -1):
+            for n, idx in self._index.items():
+                if end >= n:
+                    key = tuple(self._seen[end - n : end])
+                    ends = idx[key]
+                    ends.pop()
+                    if not ends:
+                        del idx[key]
+        del self._seen[keep:]
 
     def _lookup(self, seq: list[int], k: int) -> list[int]:
         for n in range(self.max_n, self.min_n - 1, -1):
@@ -63,3 +78,11 @@ class NgramProposer(Proposer):
         tokens = self._lookup(self._seen, k + (1 if with_guess else 0))
         guess = tokens.pop() if with_guess and len(tokens) > k else None
         return Draft(tuple(tokens[:k]), None, (time.perf_counter() - t0) * 1e3, guess)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

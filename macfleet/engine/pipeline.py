@@ -1,0 +1,57 @@
+"""What keeps the device busy: decisions taken on the device, and the block shapes it likes.
+
+On a GPU one token of a small model takes a few milliseconds, so the loops must not hand the
+device's results to Python and rebuild the next graph while the device waits (DESIGN.md,
+physics 4). The pieces here are the device-side halves the loops share:
+
+* `greedy_outcome`: greedy acceptance as device ops, so a block's one synchronisation carries
+  two integers (accepted count, next token) instead of the block's logits or argmax row;
+* `next_token`: a plain step's argmax, left lazy so the next step's graph can be built on it
+  before it is read (mlx-lm's `generate_step` pipelining);
+* `padded_length`: the block length a block of n tokens is verified at, read off the device's
+  own verify(L) table: the cheapest measured length that holds it, so each length compiles once
+  and a block uses a longer one when the device runs it faster (the table is a sawtooth on
+  this CPU: SmolLM2 L = 12 102 ms, 16 68 ms; MLX CUDA showed 8 cheaper than 4).
+
+The arithmetic is the one the host rules use (engine/acceptance.py): greedy acceptance is
+exact-match of integers, so the device and the host decide the same thing bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import mlx.core as mx
+
+
+def next_token(logits: mx.array) -> mx.array:
+    """logits [L, V] (any float dtype) -> the argmax after the last position, a lazy [1] int32.
+    argmax of the model's own dtype: casting to float32 first is exact, so it changes nothing."""
+    return mx.argmax(logits[-1:], axis=-1).astype(mx.int32)
+
+
+def greedy_outcome(logits: mx.array, drafts: Sequence[int]) -> mx.array:
+    """logits [L >= k + 1, V] of a block [root, d_1 .. d_k, padding...] -> lazy int32 [2]:
+    (accepted n, next token), the verifier's argmax at row n. Row i scores the token after
+    block input i, so draft d_{i+1} is accepted while it equals argmax row i."""
+    k = len(drafts)
+    target = mx.argmax(logits[: k + 1], axis=-1).astype(mx.int32)  # [k + 1]
+    if k == 0:
+        return mx.concatenate([mx.zeros((1,), dtype=mx.int32), target])
+    match = (target[:k] == mx.array([int(t) for t in drafts], dtype=mx.int32)).astype(mx.int32)
+    n = mx.cumprod(match).sum(keepdims=True)  # [1]: the leading run of matches
+    return mx.concatenate([n, mx.take(target, n)])
+
+
+def padded_length(n: int, costs: Mapping[int, float] | None) -> int:
+    """The length a block of n tokens is verified at: the measured length >= n with the lowest
+    cost (ties: the shorter); n itself without a table or beyond its longest length."""
+    if not costs or n <= 0:
+        return n
+    fits = [(c, L) for L, c in costs.items() if L >= n]
+    return min(fits)[1] if fits else n
+
+
+def block_lengths(costs: Mapping[int, float] | None, up_to: int) -> tuple[int, ...]:
+    """Every length a block of 1..up_to tokens is padded to (the shapes the device compiles)."""
+    return tuple(sorted({padded_length(n, costs) for n in range(1, up_to + 1)}))

@@ -1,0 +1,213 @@
+"""The loop keeps the device busy without changing what it commits (engine/pipeline.py and the
+pipelined parts of engine/loop.py): device-side greedy acceptance, plain steps started on the
+previous step's lazy token, host drafters drafting the next block during verification, and
+blocks padded to the lengths the device likes.
+
+Token ids: the "greedy margin" rule of tests/tolerance.py against mlx-lm's plain decoding; the
+pipelined loop against the synchronous one (the same verifier with `pipelines` off): the same
+blocks in the same shapes, so the same ids and the same cache."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_testkit import finished, mlx_lm_greedy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from macfleet.engine import loop
+from macfleet.engine.acceptance import accept_greedy
+from macfleet.engine.controller import make_controller
+from macfleet.engine.events import BlockDone, Finished, TokensCommitted
+from macfleet.engine.loop import speculative_generate
+from macfleet.engine.pipeline import block_lengths, greedy_outcome, next_token, padded_length
+from macfleet.engine.proposers import Draft, Proposer
+from macfleet.engine.proposers.ngram import NgramProposer
+from macfleet.engine.verifier import Verifier
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def ref(tiny) -> list[int]:
+    return mlx_lm_greedy(tiny.model, PROMPT, N)
+
+
+class SyncVerifier(Verifier):
+    """The same verifier with the synchronous path (a subclass that overrides `forward`)."""
+
+    def forward(self, tokens):
+        return super().forward(tokens)
+
+
+class HostOracle(Proposer):
+    """A host-side drafter that knows the verifier's answer: `right` correct tokens, then a
+    wrong one (None: all correct). Records the context length of every call."""
+
+    name = "host-oracle"
+    host_side = True
+
+    def __init__(self, truth, vocab, right=None):
+        self.truth, self.vocab, self.right = list(truth), vocab, right
+        self.lengths: list[int] = []
+
+    def propose(self, context, k, with_guess=False):
+        self.lengths.append(len(context))
+        pos = len(context) - len(PROMPT)
+        good = self.truth[pos : pos + k]
+        if self.right is not None and len(good) > self.right:
+            good = good[: self.right] + [(good[self.right] + 1) % self.vocab]
+        return Draft(tuple(good[:k]))
+
+
+# -- the device-side decisions ------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 6), st.integers(0, 3), st.integers(0, 2**31 - 1))
+def test_greedy_outcome_is_accept_greedy(k, pad, seed):
+    """The device's (accepted, next) is the host rule's, for every draft and any padding."""
+    rng = np.random.default_rng(seed)
+    vocab = 5  # few ids: drafts often match
+    logits = rng.normal(size=(k + 1 + pad, vocab)).astype(np.float32)
+    target = logits.argmax(axis=-1)[: k + 1]
+    drafts = [int(t) if rng.random() < 0.7 else int(rng.integers(vocab)) for t in target[:k]]
+    got = greedy_outcome(mx.array(logits), drafts).tolist()
+    assert tuple(got) == accept_greedy(drafts, target.tolist())
+
+
+def test_next_token_is_the_last_rows_argmax_in_any_dtype():
+    x = mx.array(np.random.default_rng(0).normal(size=(3, 50)).astype(np.float32))
+    want = int(np.array(x[-1]).argmax())
+    assert next_token(x).tolist() == [want]
+    assert next_token(x.astype(mx.bfloat16)).tolist() == [int(np.array(
+        x[-1].astype(mx.bfloat16).astype(mx.float32)).argmax())]
+
+
+def test_padded_length_takes_the_cheapest_length_that_holds_the_block():
+    costs = {1: 4.0, 2: 5.0, 4: 9.6, 8: 9.4, 12: 12.0, 16: 11.4}  # MLX CUDA's shape
+    assert padded_length(1, costs) == 1
+    assert padded_length(2, costs) == 2
+    assert padded_length(3, costs) == 8  # 4 costs more than 8
+    assert padded_length(5, costs) == 8
+    assert padded_length(9, costs) == 16  # 12 costs more than 16
+    assert padded_length(17, costs) == 17  # beyond the table: itself
+    assert padded_length(3, None) == 3 and padded_length(3, {}) == 3
+    assert padded_length(3, {4: 1.0, 8: 1.0}) == 4  # a tie: the shorter
+    assert block_lengths(costs, 16) == (1, 2, 8, 16)
+
+
+# -- plain steps, pipelined -----------------------------------------------------------------
+
+
+def test_plain_pipelined_equals_mlx_lm_and_the_synchronous_loop(tiny, ref):
+    fast = Verifier(tiny.model)
+    assert fast.pipelines and not SyncVerifier(tiny.model).pipelines
+    fin = finished(speculative_generate(fast, None, PROMPT, max_tokens=N))
+    assert list(fin.token_ids) == ref
+    slow = SyncVerifier(tiny.model)
+    fin_s = finished(speculative_generate(slow, None, PROMPT, max_tokens=N))
+    assert fin_s.token_ids == fin.token_ids
+    assert fast.offset == slow.offset == len(PROMPT) + N - 1  # no step left past the end
+
+
+def test_a_plain_step_is_in_flight_at_yields_and_none_after_the_end(tiny, ref):
+    v = Verifier(tiny.model)
+    committed, ahead = 0, 0
+    for ev in speculative_generate(v, None, PROMPT, max_tokens=N):
+        if isinstance(ev, TokensCommitted):
+            committed += len(ev.tokens)
+        elif isinstance(ev, BlockDone):
+            extra = v.offset - (len(PROMPT) + committed - 1)
+            assert extra in (0, 1)  # the next step started on this one's token
+            ahead += extra
+    assert ahead == N - 1  # every step but the last started before the previous was read
+    assert v.offset == len(PROMPT) + N - 1
+
+
+@pytest.mark.parametrize("stop", [0, 1, 7])
+def test_eos_with_a_step_in_flight(tiny, ref, stop):
+    """A step started past an end-of-sequence token leaves nothing: the same ids and the same
+    cache as the synchronous loop."""
+    eos = frozenset({ref[stop]})
+    want = ref[: ref.index(ref[stop])]
+    runs = []
+    for v in (Verifier(tiny.model), SyncVerifier(tiny.model)):
+        fin = finished(speculative_generate(v, None, PROMPT, max_tokens=N, eos_ids=eos))
+        runs.append((list(fin.token_ids), fin.stats.finish_reason, v.offset))
+    assert runs[0] == runs[1]
+    assert runs[0][:2] == (want, "stop")
+
+
+def test_plain_steps_between_drafted_blocks(tiny, ref):
+    """An adaptive controller backing off to plain steps and probing again: pipelined plain
+    runs between drafted blocks commit the same ids."""
+    bad = HostOracle(ref, tiny.vocab_size, right=0)  # every draft wrong: backs off to k = 0
+    fin = finished(speculative_generate(Verifier(tiny.model), bad, PROMPT, max_tokens=N,
+                                        controller=make_controller("auto")))
+    assert list(fin.token_ids) == ref
+    assert fin.stats.drafted > 0 and fin.stats.blocks > N // 2
+
+
+# -- drafting the next block while this one is verified -----------------------------------
+
+
+def test_a_host_drafter_drafts_ahead_and_hits(tiny, ref):
+    o = HostOracle(ref, tiny.vocab_size)
+    fin = finished(speculative_generate(Verifier(tiny.model), o, PROMPT, max_tokens=N,
+                                        controller=make_controller(4)))
+    assert list(fin.token_ids) == ref
+    assert fin.stats.accepted == fin.stats.drafted > 0
+    # one fresh draft at the start; every later block was drafted ahead, past 4 drafts + the
+    # guessed bonus that the committed context had not reached yet
+    assert o.lengths[0] == len(PROMPT)
+    assert len(o.lengths) == fin.stats.blocks
+    assert all(a > b for a, b in zip(o.lengths[1:], o.lengths))
+
+
+@pytest.mark.parametrize("right", [0, 1, 3])
+def test_a_wrong_guess_costs_a_fresh_draft_not_a_token(tiny, ref, right):
+    o = HostOracle(ref, tiny.vocab_size, right=right)
+    fin = finished(speculative_generate(Verifier(tiny.model), o, PROMPT, max_tokens=N,
+                                        controller=make_controller(4)))
+    assert list(fin.token_ids) == ref
+    assert fin.stats.accepted == right * fin.stats.blocks or right == 0 or \
+        fin.stats.accepted <= right * fin.stats.blocks
+
+
+def test_ngram_rolls_back_a_guessed_tail_to_the_same_index():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        common = rng.integers(0, 4, size=rng.integers(1, 30)).tolist()
+        a = common + rng.integers(0, 4, size=rng.integers(0, 8)).tolist()
+        b = common + rng.integers(0, 4, size=rng.integers(0, 8)).tolist()
+        p, q = NgramProposer(), NgramProposer()
+        p.start(None)
+        q.start(None)
+        p.propose(a, 3)
+        p.propose(b, 3)  # diverged: the tail of `a` is forgotten, not the whole index rebuilt
+        q.propose(b, 3)
+        assert p._seen == q._seen
+        assert p._index == q._index
+        assert p.propose(b, 5).tokens == q.propose(b, 5).tokens
+
+
+# -- blocks at the lengths the device likes -------------------------------------------------
+
+
+def test_padded_blocks_commit_the_same_and_leave_no_padding(tiny, ref, monkeypatch):
+    costs = {1: 1.0, 2: 3.0, 8: 2.0, 16: 9.0}  # every block of 2..8 tokens runs at 8
+    monkeypatch.setattr(loop, "verify_costs", lambda model: costs)
+    for v in (Verifier(tiny.model), SyncVerifier(tiny.model)):
+        committed = 0
+        o = HostOracle(ref, tiny.vocab_size, right=2)
+        for ev in speculative_generate(v, o, PROMPT, max_tokens=N,
+                                       controller=make_controller(4)):
+            if isinstance(ev, TokensCommitted):
+                committed += len(ev.tokens)
+            if isinstance(ev, BlockDone):
+                assert v.offset == len(PROMPT) + committed - 1
+            if isinstance(ev, Finished):
+                assert list(ev.token_ids) == ref
