@@ -58,7 +58,8 @@ class HostOracle(Proposer):
         pos = len(context) - len(PROMPT)
         good = self.truth[pos : pos + k]
         if self.right is not None and len(good) > self.right:
-            good = good[: self.right] + [(good[self.right] + 1) % self.vocab]
+            wrong = (good[self.right] + 1) % self.vocab
+            good = good[: self.right] + [wrong] * (k - self.right)
         return Draft(tuple(good[:k]))
 
 
