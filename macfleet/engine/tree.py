@@ -145,6 +145,30 @@ def depths_of(parents: Sequence[int]) -> list[int]:
     return out
 
 
+def reroot(tokens: Sequence[int], parents: Sequence[int] | None, first: int
+           ) -> tuple[list[int], list[int], list[int]]:
+    """A draft made one token early (its top-level nodes guess the token after the context),
+    cut to the subtree under the first top-level node whose token is `first`, as a draft
+    from the context + `first`: (kept tokens, their parents re-indexed, kept source indices).
+    A chain (parents None) is the tree i -> i - 1. Nothing kept when no guess was `first`."""
+    par = list(parents) if parents is not None else list(range(-1, len(tokens) - 1))
+    top = next((i for i, (t, p) in enumerate(zip(tokens, par)) if p < 0 and int(t) == first),
+               None)
+    if top is None:
+        return [], [], []
+    new_index = {top: -1}
+    kept_t: list[int] = []
+    kept_p: list[int] = []
+    kept_i: list[int] = []
+    for i in range(top + 1, len(tokens)):
+        if par[i] in new_index:
+            new_index[i] = len(kept_t)
+            kept_t.append(int(tokens[i]))
+            kept_p.append(new_index[par[i]])
+            kept_i.append(i)
+    return kept_t, kept_p, kept_i
+
+
 def accept_tree_greedy(tree: TokenTree, target_ids: Sequence[int]) -> tuple[list[int], int]:
     """target_ids: argmax at every node. Returns (accepted node path, next token)."""
     cur, path = 0, []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -20,9 +21,10 @@ from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
 from macfleet.engine.drafter.features import record_hidden
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import sanitize_draft
+from macfleet.engine.pipeline import padded_length
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng, probs_from_logits
-from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample
+from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample, reroot
 from macfleet.engine.tree_verify import (compact_cache, supports_tree_attention, tree_forward,
                                          verify_branches)
 from macfleet.engine.verifier import Verifier
@@ -101,10 +103,21 @@ class ProposerGroup:
               for p, c, live in zip(self.proposers, self.controllers, self.live)]
         return cap_total(ks, self.node_budget)
 
-    def draft_all(self, context: Sequence[int], ks: Sequence[int]) -> list[Draft]:
-        """Each proposer's draft (EMPTY_DRAFT where k is 0 or it failed: pruned)."""
-        self.begin(context, ks)
-        return self.finish()
+    def draft_all(self, context: Sequence[int], ks: Sequence[int],
+                  given: Sequence[Draft | None] | None = None) -> list[Draft]:
+        """Each proposer's draft (EMPTY_DRAFT where k is 0 or it failed: pruned); a non-empty
+        `given[j]` (drafted ahead) stands for proposer j's, which is then not asked."""
+        given = list(given) if given is not None else [None] * len(self.proposers)
+        have = [g is not None and bool(g.tokens) and self.live[j] for j, g in enumerate(given)]
+        self.begin(context, [0 if h else k for h, k in zip(have, ks)])
+        out = self.finish()
+        return [given[j] if h else d for j, (h, d) in enumerate(zip(have, out))]
+
+    @property
+    def host_side(self) -> bool:
+        """Every live drafter drafts on the host: the group may draft during verification."""
+        return any(self.live) and all(p.host_side for p, live in zip(self.proposers, self.live)
+                                      if live)
 
     def begin(self, context: Sequence[int], ks: Sequence[int]) -> None:
         """Every proposer's request first (`Proposer.begin`: drafters on other machines
@@ -155,12 +168,72 @@ class ProposerGroup:
                      for p, d, a in zip(self.proposers, self.drafted, self.accepted))
 
 
+@dataclass
+class _TreeAhead:
+    """Every drafter's draft of the next block, made while the device verified this one, one
+    token early: from the context + the tree's longest path, their top-level nodes being
+    their guesses of the verifier's bonus token (`tree.reroot` keeps what follows it)."""
+
+    context_len: int  # the committed length that outcome gives (+ path + bonus)
+    path: tuple[int, ...]  # the path's tokens it assumed accepted
+    drafts: list[Draft | None]
+
+
+def _predraft(group: ProposerGroup, context: Sequence[int], tree: TokenTree,
+              ks: Sequence[int]) -> _TreeAhead | None:
+    main = max(tree.paths, key=len, default=[])
+    if not main:
+        return None
+    base = [*context, *tree.path_tokens(main)]
+    out: list[Draft | None] = []
+    for j, (p, k) in enumerate(zip(group.proposers, ks)):
+        d = None
+        if k > 0 and group.live[j]:
+            try:
+                d = p.propose(base, k + 1)
+            except ProposerFailed:
+                d = None  # the fresh draft reports it
+        out.append(d)
+    return _TreeAhead(len(base) + 1, tuple(tree.path_tokens(main)), out)
+
+
+def _take_ahead(ahead: _TreeAhead | None, context: Sequence[int]) -> list[Draft | None] | None:
+    """The drafts made ahead, re-rooted at the committed bonus token, if the block went as
+    they assumed (its longest path accepted); None otherwise."""
+    if ahead is None or len(context) != ahead.context_len:
+        return None
+    if tuple(context[ahead.context_len - 1 - len(ahead.path) : -1]) != ahead.path:
+        return None  # another path of the same length
+    out: list[Draft | None] = []
+    for d in ahead.drafts:
+        if d is None:
+            out.append(None)
+            continue
+        toks, par, idx = reroot(d.tokens, d.parents, int(context[-1]))
+        probs = d.probs[idx] if d.probs is not None and idx else None
+        out.append(Draft(tuple(toks), probs, 0.0, None,
+                         tuple(par) if d.parents is not None else None) if toks else None)
+    return out
+
+
 def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: SamplingParams,
-            rng) -> tuple[list[int], int]:
+            rng, pad_to: int = 0, during=None) -> tuple[list[int], int]:
+    """Verify the tree, run `during()` while the device computes it, keep the accepted path."""
     base = verifier.offset
     if tree_ok:
-        logits, hidden = tree_forward(verifier, tree, return_hidden=True)
-        path, nxt = accept_tree(tree, logits, params, rng)
+        logits, hidden = tree_forward(verifier, tree, return_hidden=True, pad_to=pad_to)
+        n = len(tree.tokens)
+        if params.greedy:
+            target = mx.argmax(logits[:n], axis=-1)
+            mx.async_eval(target)
+            if during is not None:
+                during()
+            path, nxt = accept_tree_greedy(tree, target.tolist())
+        else:
+            mx.async_eval(logits)
+            if during is not None:
+                during()
+            path, nxt = accept_tree(tree, logits[:n], params, rng)
         compact_cache(verifier, base, path)
         # hidden-state drafters read the verifier's features through a tap on its forward;
         # the tree forward runs the layers itself, so report the kept rows (root + path)
@@ -195,14 +268,24 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
     blocks = drafted = accepted = 0
     draft_total = verify_total = 0.0
     finish = "length"
+    ahead: _TreeAhead | None = None
     try:
         while len(generated) < max_tokens and finish != "stop":
             t0 = time.perf_counter()
             ks = group.lengths(max_tokens - len(generated) - 1)
-            drafts, tree = tree_of_drafts(context[-1], group.draft_all(context, ks), ks, vocab,
-                                          params.greedy)
+            given = _take_ahead(ahead, context)
+            ahead = None
+            drafts, tree = tree_of_drafts(context[-1], group.draft_all(context, ks, given), ks,
+                                          vocab, params.greedy)
             t1 = time.perf_counter()
-            path, nxt = _verify(verifier, tree, tree_ok, params, rng)
+
+            def during(tree=tree, ks=ks, context=context):
+                nonlocal ahead
+                if group.host_side and len(generated) + tree.size + 1 < max_tokens:
+                    ahead = _predraft(group, context, tree, ks)
+
+            path, nxt = _verify(verifier, tree, tree_ok, params, rng,
+                                padded_length(len(tree.tokens), costs), during)
             t2 = time.perf_counter()
             new = [*tree.path_tokens(path), nxt]
             stop_at = next((i for i, t in enumerate(new) if t in eos_ids), None)

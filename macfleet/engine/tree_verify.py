@@ -22,7 +22,7 @@ import numpy as np
 
 from macfleet.engine import fastmath
 from macfleet.engine.layers import head_logits
-from macfleet.engine.tree import TokenTree
+from macfleet.engine.tree import TokenTree, ancestor_mask
 from macfleet.engine.verifier import Verifier
 
 
@@ -54,23 +54,33 @@ def tree_attention(attn, x: mx.array, mask: mx.array, cache, positions: mx.array
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
 
 
-def tree_forward(verifier: Verifier, tree: TokenTree, return_hidden: bool = False):
+def tree_forward(verifier: Verifier, tree: TokenTree, return_hidden: bool = False,
+                 pad_to: int = 0):
     """Logits [N+1, V] for every node, appending N+1 entries to the verifier's cache
-    (with return_hidden: also the last layer's pre-norm hidden states [N+1, H])."""
+    (with return_hidden: also the last layer's pre-norm hidden states [N+1, H]).
+
+    pad_to > N+1 runs the block at that length (a shape the device runs faster, or compiled
+    already): extra nodes under the root that no tree node sees; their rows come back too
+    (the caller reads the first N+1) and their cache entries go with `compact_cache`."""
     model = verifier.model
     inner = model.model
     offset = verifier.offset
-    n = len(tree.tokens)
-    positions = mx.array([offset + d for d in tree.depths], dtype=mx.int32)
-    tree_mask = mx.array(tree.ancestor_mask())
+    n = max(len(tree.tokens), pad_to)
+    pad = n - len(tree.tokens)
+    parents = [*tree.parents, *([0] * pad)]
+    positions = mx.array([offset + d for d in [*tree.depths, *([1] * pad)]], dtype=mx.int32)
+    tree_mask = mx.array(ancestor_mask(parents))
     mask = mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), tree_mask], axis=1)
-    h = inner.embed_tokens(mx.array(tree.tokens, dtype=mx.uint32)[None])
+    toks = [*tree.tokens, *([tree.tokens[-1]] * pad)]
+    h = inner.embed_tokens(mx.array(toks, dtype=mx.uint32)[None])
     for layer, c in zip(model.layers, verifier.cache):
         r = tree_attention(layer.self_attn, layer.input_layernorm(h), mask, c, positions)
         h = h + r
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    logits = head_logits(model, h)[0].astype(mx.float32)
-    return (logits, h[0]) if return_hidden else logits
+    logits = head_logits(model, h)[0]
+    if not return_hidden:
+        return logits.astype(mx.float32)
+    return logits.astype(mx.float32), h[0]
 
 
 def compact_cache(verifier: Verifier, base: int, path: Sequence[int]) -> None:

@@ -16,7 +16,7 @@ from engine_testkit import finished, mlx_lm_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from macfleet.engine import loop
+from macfleet.engine import loop, tree_loop
 from macfleet.engine.acceptance import accept_greedy
 from macfleet.engine.controller import make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
@@ -24,6 +24,8 @@ from macfleet.engine.loop import speculative_generate
 from macfleet.engine.pipeline import block_lengths, greedy_outcome, next_token, padded_length
 from macfleet.engine.proposers import Draft, Proposer
 from macfleet.engine.proposers.ngram import NgramProposer
+from macfleet.engine.tree import reroot
+from macfleet.engine.tree_loop import ProposerGroup, _take_ahead, _TreeAhead, tree_generate
 from macfleet.engine.verifier import Verifier
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
@@ -214,3 +216,79 @@ def test_padded_blocks_commit_the_same_and_leave_no_padding(tiny, ref, monkeypat
                 assert v.offset == len(PROMPT) + committed - 1
             if isinstance(ev, Finished):
                 assert list(ev.token_ids) == ref
+
+
+# -- trees: drafted ahead along the longest path, padded ---------------------------------
+
+
+def test_reroot_keeps_the_subtree_under_the_guessed_token():
+    #        -1: 5 (0) -> 6 (1) -> 7 (2)
+    #        -1: 8 (3) -> 9 (4);  0 -> 10 (5)
+    toks, par = (5, 6, 7, 8, 9, 10), (-1, 0, 1, -1, 3, 0)
+    assert reroot(toks, par, 5) == ([6, 7, 10], [-1, 0, -1], [1, 2, 5])
+    assert reroot(toks, par, 8) == ([9], [-1], [4])
+    assert reroot(toks, par, 6) == ([], [], [])  # 6 is no top-level guess
+    assert reroot((4, 5, 6), None, 4) == ([5, 6], [-1, 0], [1, 2])  # a chain stays a chain
+    assert reroot((4, 5, 6), None, 3) == ([], [], [])
+
+
+class HostTreeOracle(Proposer):
+    """A host-side tree drafter: its first branch is the verifier's answer (`right` tokens of
+    it, then wrong ones), a second branch of the same depth is wrong from its first token."""
+
+    name = "host-tree-oracle"
+    host_side = True
+    drafts_trees = True
+
+    def __init__(self, truth, vocab, right=None):
+        self.truth, self.vocab, self.right = list(truth), vocab, right
+        self.lengths: list[int] = []
+
+    def propose(self, context, k, with_guess=False):
+        self.lengths.append(len(context))
+        pos = len(context) - len(PROMPT)
+        depth = max(1, min(4, k // 2))
+        good = self.truth[pos : pos + depth]
+        if self.right is not None and len(good) > self.right:
+            good = good[: self.right] + [(t + 1) % self.vocab for t in good[self.right :]]
+        bad = [(t + 2) % self.vocab for t in good]
+        toks = [*good, *bad]
+        par = [*range(-1, len(good) - 1), -1, *range(len(good), len(good) + len(bad) - 1)]
+        return Draft(tuple(toks), parents=tuple(par))
+
+
+@pytest.mark.parametrize("right", [None, 0, 2])
+def test_trees_drafted_ahead_commit_the_verifiers_ids(tiny, ref, right):
+    o = HostTreeOracle(ref, tiny.vocab_size, right)
+    group = ProposerGroup([o], draft_tokens=8, node_budget=8)
+    fin = finished(tree_generate(Verifier(tiny.model), group, PROMPT, max_tokens=N))
+    assert list(fin.token_ids) == ref
+    if right is None:  # every block's longest path accepted and its bonus guessed: the
+        # drafts made ahead (depth 4 from one token early) keep 3 under the bonus
+        assert fin.stats.accepted >= 3 * (fin.stats.blocks - 1)
+        assert len(o.lengths) == fin.stats.blocks  # one draft a block: all but the first ahead
+    else:  # every draft made ahead missed: a fresh one too
+        assert len(o.lengths) > fin.stats.blocks + fin.stats.blocks // 2
+
+
+def test_a_tree_drafted_ahead_on_a_path_that_was_not_accepted_is_dropped(tiny, ref):
+    """The same length, other tokens: the check compares the path, not only its length."""
+    ahead = _TreeAhead(context_len=5, path=(1, 2), drafts=[Draft((9, 3), parents=(-1, 0))])
+    assert _take_ahead(ahead, [0, 0, 1, 2, 9])[0].tokens == (3,)
+    assert _take_ahead(ahead, [0, 0, 1, 7, 9]) is None
+    assert _take_ahead(ahead, [0, 0, 1, 2, 8]) == [None]  # the bonus was not its guess
+
+
+def test_padded_trees_commit_the_same(tiny, ref, monkeypatch):
+    monkeypatch.setattr(tree_loop, "verify_costs", lambda model: {1: 1.0, 16: 0.5, 32: 2.0})
+    o = HostTreeOracle(ref, tiny.vocab_size, 1)
+    group = ProposerGroup([o], draft_tokens=8, node_budget=8)
+    v = Verifier(tiny.model)
+    committed = 0
+    for ev in tree_generate(v, group, PROMPT, max_tokens=N):
+        if isinstance(ev, TokensCommitted):
+            committed += len(ev.tokens)
+        if isinstance(ev, BlockDone):
+            assert v.offset == len(PROMPT) + committed - 1  # no padding left behind
+        if isinstance(ev, Finished):
+            assert list(ev.token_ids) == ref
