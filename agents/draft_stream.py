@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from macfleet.engine.proposers.base import Proposer
+from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.tree import longest_branch, reroot
 
 
 MIN_LOOKAHEAD_HIT_RATE = 0.2
@@ -56,6 +57,43 @@ class DraftStream:
     requests: int = 0
     last_drafted: int = 0  # tokens of the last tree drafted (what the verifier reports on)
     _survived: bool = False
+    # A tree drafter's next tree, drafted in idle time one token early: from the context + the
+    # last tree's deepest branch (the outcome it expects), its top-level nodes guessing the
+    # verifier's bonus token; kept as (context length it assumes, that branch, the tree).
+    last_tree: Draft | None = None
+    tree_ahead: tuple[int, tuple[int, ...], Draft] | None = None
+
+    def replied_tree(self, d: Draft) -> None:
+        """The tree just sent for the current context: the next one may be drafted early."""
+        self.last_tree, self.tree_ahead = (d if d.tokens else None), None
+        self.last_used = time.monotonic()
+
+    def predraft_tree(self) -> bool:
+        """Draft the next tree from the outcome the last one expects; False: nothing to do."""
+        d, self.last_tree = self.last_tree, None
+        if d is None:
+            return False
+        parents = d.parents if d.parents is not None else tuple(range(-1, len(d.tokens) - 1))
+        branch = tuple(int(d.tokens[i]) for i in longest_branch(parents))
+        ahead = self.proposer.propose(self.context + list(branch), self.last_k + 1)
+        if ahead.tokens:
+            self.tree_ahead = (len(self.context) + len(branch) + 1, branch, ahead)
+        return True
+
+    def take_tree(self, k: int) -> Draft | None:
+        """The tree drafted early, re-rooted at the committed bonus token and cut to k nodes,
+        when the verifier accepted the branch it assumed; None: draft afresh."""
+        ahead, self.tree_ahead = self.tree_ahead, None
+        self.requests += 1
+        hit = None
+        if ahead is not None:
+            n, branch, d = ahead
+            if len(self.context) == n and tuple(self.context[n - 1 - len(branch) : -1]) == branch:
+                toks, par, _ = reroot(d.tokens, d.parents, int(self.context[-1]))
+                if toks:
+                    hit = Draft(tuple(toks[:k]), None, 0.0, None, tuple(par[:k]))
+        self.hit_rate = 0.8 * self.hit_rate + 0.2 * float(hit is not None)
+        return hit
 
     def commit(self, committed: Sequence[int]) -> bool:
         """Append the verifier's committed tokens; returns whether the stream survived."""
@@ -106,7 +144,11 @@ class DraftStream:
         return StreamReply(toks, probs, (time.perf_counter() - t0) * 1e3, hit)
 
     def wants_lookahead(self) -> bool:
-        """Cross-round: keep one block + the bonus guess + the next block pre-drafted."""
-        if not self.cross_round or self.exhausted or len(self.stream) >= 2 * self.last_k + 1:
+        """Cross-round: keep one block + the bonus guess + the next block pre-drafted (a
+        tree drafter: the next tree, once)."""
+        if self.proposer.drafts_trees:
+            if not self.cross_round or self.last_tree is None:
+                return False
+        elif not self.cross_round or self.exhausted or len(self.stream) >= 2 * self.last_k + 1:
             return False
         return self.hit_rate >= MIN_LOOKAHEAD_HIT_RATE or self.requests % LOOKAHEAD_RETRY == 0

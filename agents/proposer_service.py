@@ -358,18 +358,23 @@ class ProposerService:
             self._drop(msg.session_id)
             return SessionClosed(msg.session_id)
         s = self._update(msg)
-        if s.proposer.drafts_trees:  # a dynamic tree is drafted fresh for every block
+        if s.proposer.drafts_trees:  # a dynamic tree: drafted early in idle time, or now
             _learn(s, msg)
             t0 = time.perf_counter()
-            d = s.proposer.propose(s.context, msg.k)
-            s.last_drafted = len(d.tokens)
+            d = s.take_tree(msg.k) if s.cross_round else None
+            hit = d is not None
+            if d is None:
+                d = s.proposer.propose(s.context, msg.k)
+            s.last_drafted, s.last_k = len(d.tokens), msg.k
+            s.replied_tree(d)
             self.served += 1
+            self.predraft_hits += int(hit)
             if self._on_block:
                 self._on_block(msg.session_id, msg.block, (time.perf_counter() - t0) * 1e3,
-                               False)
+                               hit)
             return DraftReply(session_id=msg.session_id, block=msg.block, tokens=list(d.tokens),
                               probs=None, draft_ms=(time.perf_counter() - received) * 1e3,
-                              predraft_hit=False,
+                              predraft_hit=hit,
                               parents=list(d.parents) if d.parents is not None else None)
         r = s.draft(msg.k)
         self.served += 1
@@ -390,7 +395,8 @@ class ProposerService:
             return
         self._rr = (self._rr + 1) % len(live)
         try:
-            live[self._rr].extend(1)
+            s = live[self._rr]
+            s.predraft_tree() if s.proposer.drafts_trees else s.extend(1)
         except Exception:  # a lookahead failure must not kill the service: drop that stream
             log.exception("lookahead failed; dropping the speculative stream")
             live[self._rr].stream.clear()

@@ -169,6 +169,20 @@ def reroot(tokens: Sequence[int], parents: Sequence[int] | None, first: int
     return kept_t, kept_p, kept_i
 
 
+def longest_branch(parents: Sequence[int]) -> list[int]:
+    """The nodes of a draft tree's deepest root-to-leaf branch (the first of the deepest),
+    for a chain all of it: the outcome a drafter guesses when it drafts the next block early."""
+    depths = depths_of(parents)
+    if not depths:
+        return []
+    i = depths.index(max(depths))
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
+
+
 def accept_tree_greedy(tree: TokenTree, target_ids: Sequence[int]) -> tuple[list[int], int]:
     """target_ids: argmax at every node. Returns (accepted node path, next token)."""
     cur, path = 0, []

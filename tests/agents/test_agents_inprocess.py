@@ -394,3 +394,67 @@ def test_a_session_never_opened_or_refused_fails_the_proposer(pair):
                 bad.propose([1, 2, 3], 3)
     finally:
         bad.close()
+
+
+class _TreeEcho:
+    """A host tree drafter for DraftStream tests: under the context's last token t, a branch
+    t+1, t+2, ... of depth 3 and a one-node branch t+5 (ids mod 64)."""
+
+    drafts_trees, wants_features, host_side, fallback_tokens = True, False, True, 0
+    calls: list[int]
+
+    def __init__(self):
+        self.calls = []
+
+    def propose(self, context, k, with_guess=False):
+        from macfleet.engine.proposers.base import Draft
+
+        self.calls.append(len(context))
+        t = context[-1]
+        return Draft(tuple((t + d) % 64 for d in (1, 2, 3, 5))[:k], parents=(-1, 0, 1, -1)[:k])
+
+
+def test_a_tree_session_drafts_its_next_tree_early_and_answers_from_it():
+    p = _TreeEcho()
+    s = DraftStream(p, [10], want_probs=False, cross_round=True)
+    first = p.propose(s.context, 4)
+    s.replied_tree(first)
+    assert s.wants_lookahead()
+    assert s.predraft_tree() and not s.wants_lookahead()  # once per reply
+    assert p.calls[-1] == 1 + 3  # from the context + the deepest branch 11, 12, 13
+    s.commit([11, 12, 13, 14])  # that branch accepted, bonus 14 = the early tree's guess
+    got = s.take_tree(4)
+    assert got is not None and got.tokens == (15, 16) and got.parents == (-1, 0)
+    # the same length, another branch: no answer from the early tree
+    s.replied_tree(p.propose(s.context, 4))
+    s.predraft_tree()
+    s.commit([15, 16, 99, 17])
+    assert s.take_tree(4) is None
+
+
+def test_remote_retrieval_trees_are_drafted_ahead_and_lossless(tmp_path):
+    """A tree drafter on another agent (the answer store) drafts each next tree while the
+    verifier verifies: answers come from the early tree, the ids are the verifier's."""
+    import numpy as np
+
+    from macfleet.engine.proposers.retrieval import Datastore
+
+    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
+                             heads_dir=str(tmp_path)))
+    ver = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False))
+    try:
+        alone = gen(ver, None, "none", max_tokens=60)
+        prompt_ids = load_model(MODEL).tokenizer.encode("the cat sat on the mat")
+        Datastore.build([list(prompt_ids) + list(alone.token_ids)]).save(tmp_path / "store")
+        assert (tmp_path / "store.npy").is_file() or list(tmp_path.iterdir())
+        done = gen(ver, prop, "retrieval:store", max_tokens=60, cross_round=True)
+        assert done.token_ids == alone.token_ids
+        assert done.stats.acceptance > 0.5
+        assert done.stats.fleet.flows.predraft_hit_rate > 0.3
+        off = gen(ver, prop, "retrieval:store", max_tokens=60, cross_round=False)
+        assert off.token_ids == alone.token_ids
+        assert off.stats.fleet.flows.predraft_hit_rate == 0.0
+        assert np.isfinite(done.stats.acceptance)
+    finally:
+        ver.close()
+        prop.close()
