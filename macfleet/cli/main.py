@@ -14,13 +14,13 @@ def build_parser() -> argparse.ArgumentParser:
     from macfleet.cli import cmd_bench, cmd_dash, cmd_demo, cmd_doctor, cmd_fleet, cmd_generate
     from macfleet.cli import cmd_plan
     from macfleet.cli import cmd_distill
-    from macfleet.cli import cmd_export, cmd_serve
+    from macfleet.cli import cmd_export, cmd_key, cmd_serve
 
     p = argparse.ArgumentParser(prog="macfleet", description=__doc__)
     p.add_argument("-v", "--verbose", action="count", default=0)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in (cmd_generate, cmd_fleet, cmd_demo, cmd_dash, cmd_doctor, cmd_bench,
-                cmd_plan, cmd_distill, cmd_serve, cmd_export):
+                cmd_plan, cmd_distill, cmd_serve, cmd_export, cmd_key):
         mod.add_parser(sub)
     return p
 
