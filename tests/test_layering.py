@@ -41,6 +41,8 @@ ALLOWED: dict[str, Rule] = {
     "macfleet/__init__.py": Rule((), only=()),
     "macfleet/stats.py": Rule((), only=STDLIB),
     "macfleet/sysinfo.py": Rule((), banned=NETWORK),
+    # `doctor`'s checks: host facts and where the embedded model is, nothing of the network
+    "macfleet/doctor.py": Rule(("macfleet.sysinfo", "macfleet.engine.models"), banned=NETWORK),
     # MLX only, no networking
     "macfleet/engine": Rule(("macfleet.engine", *RECORDS), banned=NETWORK),
     # pure planning
