@@ -182,12 +182,25 @@ def test_launchd_boots_out_the_old_agent_then_bootstraps_the_new_one(tmp_path, m
 
 # --- the real CLI on this machine ----------------------------------------------------------
 
-def _cli(args, tmp_path, **env):
-    e = dict(os.environ, HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "cfg"),
-             MACFLEET_HOME=str(tmp_path / "mf"), MACFLEET_NO_OPENBLAS="1", **env)
-    e.pop("MACFLEET_KEY", None)
-    return subprocess.run([sys.executable, "-m", "macfleet", *args], env=e, capture_output=True,
-                          text=True, timeout=90)
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """main(args) -> (rc, stdout, stderr), HOME / XDG_CONFIG_HOME / MACFLEET_HOME in tmp."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    monkeypatch.setenv("MACFLEET_HOME", str(tmp_path / "mf"))
+    monkeypatch.delenv("MACFLEET_KEY", raising=False)
+    from macfleet.cli.main import main
+
+    def run(*args):
+        capsys.readouterr()
+        try:
+            rc = main(list(args))
+        except SystemExit as e:  # argparse
+            rc = e.code
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    return run
 
 
 def _user_systemd() -> str:
@@ -199,36 +212,36 @@ def _user_systemd() -> str:
     return "" if p.returncode == 0 else " ".join(p.stderr.split())
 
 
-def test_install_checks_the_agent_options_and_the_key_before_anything(tmp_path):
+def test_install_checks_the_agent_options_and_the_key_before_anything(cli, tmp_path):
     from macfleet.fleet.keys import keygen
 
-    out = _cli(["service", "install", "--role", "verifier", "--modle", "tiny:1"], tmp_path)
-    assert out.returncode == 2 and "not an option of `macfleet agent`" in out.stderr
-    out = _cli(["service", "install", "--role", "verifier"], tmp_path)
-    assert out.returncode == 2 and "no fleet key" in out.stderr
+    rc, _, err = cli("service", "install", "--role", "verifier", "--modle", "tiny:1")
+    assert rc == 2 and "not an option of `macfleet agent`" in err
+    rc, _, err = cli("service", "install", "--role", "verifier")
+    assert rc == 2 and "no fleet key" in err
     keygen(tmp_path / "mf" / "fleet.key")
     (tmp_path / "mf" / "fleet.key").chmod(0o644)
-    out = _cli(["service", "install", "--role", "verifier"], tmp_path)
-    assert out.returncode == 2 and "chmod 600" in out.stderr
-    out = _cli(["service", "install", "--role", "shard", "--open"], tmp_path)
-    assert out.returncode == 2 and "--group" in out.stderr
-    out = _cli(["ls", "--bogus"], tmp_path)  # other commands still refuse unknown options
-    assert out.returncode == 2 and "unrecognized arguments: --bogus" in out.stderr
+    rc, _, err = cli("service", "install", "--role", "verifier")
+    assert rc == 2 and "chmod 600" in err
+    rc, _, err = cli("service", "install", "--role", "shard", "--open")
+    assert rc == 2 and "--group" in err
+    rc, _, err = cli("ls", "--bogus")  # other commands still refuse unknown options
+    assert rc == 2 and "unrecognized arguments: --bogus" in err
     assert not (tmp_path / "cfg").exists() and not (tmp_path / "home").exists()
 
 
-def test_install_refuses_clearly_where_there_is_no_service_manager(tmp_path):
-    why = _user_systemd() if sys.platform.startswith("linux") else "launchd present"
-    if not why:
-        pytest.skip("a user systemd runs here: the real start/stop test covers install")
+def test_install_refuses_clearly_where_there_is_no_service_manager(cli, tmp_path):
     if sys.platform == "darwin":
         pytest.skip("macOS always has launchd")
-    out = _cli(["service", "install", "--role", "proposer", "--open"], tmp_path)
-    assert out.returncode == 2, out.stdout
-    assert "no service manager" in out.stderr and "macfleet agent --role" in out.stderr
+    if not _user_systemd():
+        pytest.skip("a user systemd runs here: the real start/stop test covers install")
+    rc, out, err = cli("service", "install", "--role", "proposer", "--open")
+    assert rc == 2, out
+    assert "no service manager" in err and "macfleet agent --role" in err
+    assert "no user systemd" in err or "no systemctl" in err
     assert not (tmp_path / "cfg").exists()
-    out = _cli(["service", "status"], tmp_path)
-    assert out.returncode == 2 and "no user systemd" in out.stderr
+    rc, _, err = cli("service", "status")
+    assert rc == 2 and "no service manager" in err
 
 
 def _wait(predicate, timeout_s=60.0):
