@@ -302,3 +302,33 @@ def test_the_generated_definition_really_starts_and_stops_an_agent(tmp_path):
         run("systemctl", "--user", "stop", path.name)
         path.unlink(missing_ok=True)
         run("systemctl", "--user", "daemon-reload")
+
+
+def test_status_shows_the_running_agents_zeroconf_card(cli, tmp_path, monkeypatch):
+    """`service status`: the manager's state, then the card the agent advertises under its
+    name (--name, else host-role), found with one browse for every running role."""
+    from bridge.card import AgentCard
+    from macfleet.fleet import client
+
+    run = Recorded({"systemctl --user show -p": (0, "ActiveState=active\nSubState=running\n"
+                                                    "MainPID=99\n", "")})
+    m = _systemd(tmp_path, run, monkeypatch)
+    monkeypatch.setattr(sh, "manager_for", lambda *a, **k: m)
+    sh.install(m, _spec("proposer", args=("--name", "desk-pro", "--open")))
+    sh.install(m, _spec("verifier", args=("--open",)))
+    cards = [AgentCard("n1", "desk-pro", "open", "10.0.0.2", 5555, 5556, roles=("proposer",),
+                       models=("smollm2",)),
+             AgentCard("n2", "someone-else", "open", "10.0.0.3", 5555, 5556)]
+    browsed = []
+    monkeypatch.setattr(client, "discover",
+                        lambda fid, wait_s: browsed.append(wait_s) or cards)
+    rc, out, err = cli("service", "status", "--wait", "0.5")
+    assert rc == 0, err
+    assert browsed == [0.5]  # one browse for both roles
+    assert "proposer  running pid 99" in out
+    assert "card desk-pro: proposer smollm2 at tcp://10.0.0.2:5555, fleet open" in out
+    assert "no Zeroconf card named" in out  # the verifier's default name is not advertised
+    run.answers["systemctl --user show -p"] = (0, "ActiveState=failed\nSubState=failed\n"
+                                                  "MainPID=0\n", "")
+    rc, out, _ = cli("service", "status", "--role", "verifier", "--wait", "0")
+    assert rc == 3 and "NOT running" in out and "failed (failed)" in out
