@@ -157,6 +157,14 @@ class Bar:
         elif self.mode == "plain":
             self._emit(force=force)
 
+    def rebase(self, done: float) -> None:
+        """Count rate and ETA from `done` now (a resumed run jumps there; its earlier work is
+        not this run's speed)."""
+        self.start = self.done = done
+        self.t0 = self.clock()
+        if self._rich is not None:
+            self._rich.reset(self._task, completed=done, total=self.total)
+
     def advance(self, n: float = 1, note: str | None = None) -> None:
         self.update(self.done + n, note)
 

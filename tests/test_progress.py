@@ -67,6 +67,20 @@ def test_plain_lines_count_from_where_a_resumed_run_started():
                                                       "  ETA 0:30")
 
 
+def test_a_resumed_run_counts_its_rate_from_where_it_resumed():
+    from macfleet.cli.cmd_distill import _steps
+
+    out, clock = io.StringIO(), Clock()
+    b = progress.Bar("train", 1000, unit="steps", stream=out, mode="plain", every_s=0,
+                     clock=clock)
+    on_step = _steps(b)
+    clock.t += 50  # loading the checkpoint
+    on_step(501, 1000)  # resumed at step 500
+    clock.t += 10
+    on_step(511, 1000)
+    assert out.getvalue().splitlines()[-1] == "train: 511/1,000 steps (51%)  1.1 steps/s  ETA 7:25"
+
+
 def test_a_wait_says_what_then_how_long():
     out, clock = io.StringIO(), Clock()
     with progress.waiting("loading smollm2", stream=out, mode="plain", clock=clock):

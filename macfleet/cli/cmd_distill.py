@@ -143,6 +143,16 @@ def run(args) -> int:
     return 0
 
 
+def _steps(b):
+    """train()'s progress(step, steps) onto a bar; a resumed run starts counting where it
+    resumed, so its rate and ETA are this run's."""
+    def update(step: int, steps: int) -> None:
+        if b.done == 0 and step > 1:
+            b.rebase(step - 1)
+        b.update(step, total=steps)
+    return update
+
+
 def _run_dataset(args, lm, out: Path, params) -> int:
     """The scaled pipeline: batched self-distillation data on disk, then training from it."""
     from macfleet import progress
@@ -202,7 +212,7 @@ def _run_dataset(args, lm, out: Path, params) -> int:
                                      init_layer=args.init == "verifier", follow=args.follow,
                                      init_head=init_head, skip_missing=args.skip_missing_hidden,
                                      layers=args.layers, report=b.log,
-                                     progress=lambda step, steps: b.update(step, total=steps))
+                                     progress=_steps(b))
     except (DatasetError, ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
     return 0
