@@ -56,7 +56,15 @@ def run_import(args) -> int:
     from macfleet.fleet.client import fleet_id
     from macfleet.fleet.keys import parse_line, write_key
 
-    line = sys.stdin.read() if args.line == "-" else args.line
+    if args.line != "-":
+        line = args.line
+    elif sys.stdin.isatty():  # typed or pasted: one line, no Ctrl-D needed
+        try:
+            line = input("the line of `macfleet key export`: ")
+        except EOFError:
+            line = ""
+    else:
+        line = sys.stdin.read()
     try:
         key = parse_line(line)
     except ValueError as e:
