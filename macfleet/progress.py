@@ -104,14 +104,14 @@ class Bar:
                                    TimeRemainingColumn)
 
         console = Console(file=self.stream, force_terminal=True)
-        cols = [SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
+        cols = [SpinnerColumn(), TextColumn("{task.description}", style="bold", markup=False), BarColumn(),
                 MofNCompleteColumn() if self.total else TextColumn("{task.completed:,.0f}"),
                 TextColumn(self.unit), TaskProgressColumn(),
                 TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-                TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[note]}")]
+                TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[note]}", markup=False)]
         if not self.total and not self.unit:  # a wait: spinner, what, elapsed
-            cols = [SpinnerColumn(), TextColumn("[bold]{task.description}"),
-                    TimeElapsedColumn(), TextColumn("{task.fields[note]}")]
+            cols = [SpinnerColumn(), TextColumn("{task.description}", style="bold", markup=False),
+                    TimeElapsedColumn(), TextColumn("{task.fields[note]}", markup=False)]
         self._rich = Progress(*cols, console=console, transient=self.transient)
         self._task = self._rich.add_task(self.description, total=self.total,
                                          completed=self.start, rate="", note="")

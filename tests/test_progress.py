@@ -116,14 +116,14 @@ def test_report_takes_the_plain_lines_and_off_prints_nothing():
 def test_a_terminal_gets_a_rich_bar_with_rate_and_eta():
     out = Tty()
     b = progress.Bar("answers", 100, unit="tok", stream=out, mode="bars")
-    b.update(40, note="batch 3")
+    b.update(40, note="batch [3]")  # brackets are text, not rich markup
     b.log("a message that stays")
     b.update(100)
     b.close()
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # colours and cursor moves
     assert "answers" in text and "100/100" in text and "tok" in text
     assert "━" in text  # the bar
-    assert "ETA" in text and "a message that stays" in text
+    assert "ETA" in text and "a message that stays" in text and "batch [3]" in text
     assert "tok/s" in text
 
 
