@@ -41,8 +41,12 @@ ALLOWED: dict[str, Rule] = {
     "macfleet/__init__.py": Rule((), only=()),
     "macfleet/stats.py": Rule((), only=STDLIB),
     "macfleet/sysinfo.py": Rule((), banned=NETWORK),
+    # progress bars / plain progress lines: a leaf any layer may report through
+    "macfleet/progress.py": Rule((), only=(*STDLIB, "rich")),
+    # `doctor`'s checks: host facts and where the embedded model is, nothing of the network
+    "macfleet/doctor.py": Rule(("macfleet.sysinfo", "macfleet.engine.models"), banned=NETWORK),
     # MLX only, no networking
-    "macfleet/engine": Rule(("macfleet.engine", *RECORDS), banned=NETWORK),
+    "macfleet/engine": Rule(("macfleet.engine", "macfleet.progress", *RECORDS), banned=NETWORK),
     # pure planning
     "macfleet/topology": Rule(("macfleet.topology",),
                               only=("__future__", "collections", "dataclasses", "typing")),

@@ -66,6 +66,9 @@ def run_macfleet(lm: LoadedModel, ids: list[int], n: int, proposer: str, k):
     return list(fin.token_ids), st.elapsed_s - st.prefill_ms / 1e3, st
 
 
+N_METHODS = 6  # each prompt is run this many ways per repeat
+
+
 def bench_local(lm: LoadedModel, prompts: dict[str, str], *, max_tokens=DEFAULT_MAX_TOKENS,
                 repeats: int = 2, layerskip: int = DEFAULT_LAYERSKIP, k: int = DEFAULT_FIXED_K,
                 progress=None) -> dict:
@@ -81,6 +84,7 @@ def bench_local(lm: LoadedModel, prompts: dict[str, str], *, max_tokens=DEFAULT_
             lambda ids: run_macfleet(lm, ids, max_tokens, f"layerskip:{layerskip}", "auto"),
         "macfleet[ngram,auto]": lambda ids: run_macfleet(lm, ids, max_tokens, "ngram", "auto"),
     }
+    assert len(methods) == N_METHODS  # the runs `macfleet bench local` counts down
     out = {}
     for pname, text in prompts.items():
         ids = encode_prompt(lm.tokenizer, text, chat=True)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 
 def add_bench_parsers(bs) -> None:
     f = bs.add_parser("fleet", help="one process vs two agent processes (results/fleet_spec.json)")
@@ -18,13 +16,14 @@ def run_fleet(args) -> int:
     from macfleet.bench.fleet import bench_fleet
     from macfleet.bench.prompts import BENCH_PROMPTS, NO_MATCH_PROMPT
     from macfleet.bench.record import write_result
-    from macfleet.engine.models import load_model
+    from macfleet.cli.common import bench_runs, load_model
 
     prompts = dict(BENCH_PROMPTS, no_match=NO_MATCH_PROMPT)
-    res = bench_fleet(load_model(args.model), prompts, max_tokens=args.max_tokens,
-                      repeats=args.repeats, layerskip=args.layerskip,
-                      proposers=tuple(args.proposers.split(",")),
-                      progress=lambda m: print(m, file=sys.stderr, flush=True))
+    lm = load_model(args.model)
+    with bench_runs("fleet") as say:
+        res = bench_fleet(lm, prompts, max_tokens=args.max_tokens,
+                          repeats=args.repeats, layerskip=args.layerskip,
+                          proposers=tuple(args.proposers.split(",")), progress=say)
     path = write_result("fleet_spec.json", res, args.out)
     for pname, r in res["prompts"].items():
         print(f"{pname}:")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 
 def add_bench_parsers(bs) -> None:
     m = bs.add_parser("moe", help="expert vs tensor vs pipeline parallelism of the tiny MoE over "
@@ -20,9 +18,11 @@ def run_moe(args) -> int:
     from macfleet.bench.record import write_result
 
     model = args.model if args.model.startswith("tiny-moe") else "tiny-moe:1"
-    res = bench_moe(model, sizes=tuple(int(n) for n in args.ranks.split(",") if n),
-                    tokens=args.max_tokens, repeats=args.repeats,
-                    progress=lambda m: print(m, file=sys.stderr, flush=True))
+    from macfleet.cli.common import bench_runs
+
+    with bench_runs("moe") as say:
+        res = bench_moe(model, sizes=tuple(int(n) for n in args.ranks.split(",") if n),
+                        tokens=args.max_tokens, repeats=args.repeats, progress=say)
     path = write_result("moe.json", res, args.out)
     print(f"{'ranks':>5s} {'mode':8s} {'tok/s':>7s} {'predicted':>9s} {'B/forward':>9s} "
           f"{'predicted':>9s} {'ms/forward':>10s}  ids")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 
 def add_bench_parsers(bs) -> None:
     s = bs.add_parser("sessions", help="one proposer agent serving N verifier sessions at once "
@@ -18,8 +16,11 @@ def run_sessions(args) -> int:
     from macfleet.bench.record import write_result
     from macfleet.bench.sessions import bench_sessions
 
-    res = bench_sessions(model=args.model, sessions=args.sessions, max_tokens=args.max_tokens,
-                         spec=args.spec, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    from macfleet.cli.common import bench_runs
+
+    with bench_runs("sessions") as say:
+        res = bench_sessions(model=args.model, sessions=args.sessions,
+                             max_tokens=args.max_tokens, spec=args.spec, progress=say)
     path = write_result("sessions.json", res, args.out)
     print(f"{'session':>7s} {'alone tok/s':>12s} {'at once tok/s':>14s} {'slowdown':>9s}")
     for a, c, s in zip(res["alone"], res["concurrent"], res["slowdown_per_session"]):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 
 def add_bench_parsers(bs) -> None:
     s = bs.add_parser("soak", help="N short generations on a local fleet: no failures, RSS "
@@ -19,9 +17,11 @@ def run_soak(args) -> int:
     from macfleet.bench.record import write_result
     from macfleet.bench.soak import soak
 
-    res = soak(model=args.model, requests=args.requests, warmup=args.warmup,
-               max_tokens=args.max_tokens, spec=args.spec,
-               progress=lambda m: print(m, file=sys.stderr, flush=True))
+    from macfleet.cli.common import bench_runs
+
+    with bench_runs("soak") as say:
+        res = soak(model=args.model, requests=args.requests, warmup=args.warmup,
+                   max_tokens=args.max_tokens, spec=args.spec, progress=say)
     path = write_result("soak.json", res, args.out)
     for name, a in res["agents"].items():
         print(f"{name:12s} RSS {a['rss_before'] / 2**20:7.1f} -> {a['rss_after'] / 2**20:7.1f} MiB"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 
 def add_bench_parsers(bs) -> None:
     t = bs.add_parser("topologies", help="planner prediction vs measured tokens/s per runnable "
@@ -19,14 +17,15 @@ def run_topologies(args) -> int:
     from macfleet.bench.prompts import BENCH_PROMPTS
     from macfleet.bench.record import write_result
     from macfleet.bench.topologies import bench_topologies
-    from macfleet.engine.models import load_model
+    from macfleet.cli.common import bench_runs, load_model
     from macfleet.topology.inputs import measured_profile
 
-    res = bench_topologies(load_model(args.model), BENCH_PROMPTS.get(args.prompt, args.prompt),
-                           profile=measured_profile(args.out), results=args.out,
-                           max_tokens=args.max_tokens, layerskip=args.layerskip,
-                           only=[o for o in args.only.split(",") if o],
-                           progress=lambda m: print(m, file=sys.stderr, flush=True))
+    lm = load_model(args.model)
+    with bench_runs("topologies") as say:
+        res = bench_topologies(lm, BENCH_PROMPTS.get(args.prompt, args.prompt),
+                               profile=measured_profile(args.out), results=args.out,
+                               max_tokens=args.max_tokens, layerskip=args.layerskip,
+                               only=[o for o in args.only.split(",") if o], progress=say)
     path = write_result("topologies.json", res, args.out)
     print(f"{'topology':36s} {'predicted':>10s} {'measured':>9s} {'error':>8s}  tok/s")
     for r in res["rows"]:

@@ -74,10 +74,12 @@ def progress(msg: str) -> None:
 
 def run_verify_sweep(args) -> int:
     from macfleet.bench.record import write_result
-    from macfleet.bench.verify_sweep import verify_sweep
-    from macfleet.engine.models import load_model
+    from macfleet.bench.verify_sweep import DEFAULT_CONTEXTS, DEFAULT_LENGTHS, verify_sweep
+    from macfleet.cli.common import bench_runs, load_model
 
-    res = verify_sweep(load_model(args.model), repeats=args.repeats, progress=progress)
+    lm = load_model(args.model)
+    with bench_runs("verify-sweep", len(DEFAULT_CONTEXTS) * len(DEFAULT_LENGTHS)) as say:
+        res = verify_sweep(lm, repeats=args.repeats, progress=say)
     path = write_result("verify_l_sweep.json", res, args.out)
     for c in res["curves"]:
         pts = {p["L"]: p["ratio_to_L1"] for p in c["points"]}
@@ -90,13 +92,14 @@ def run_verify_sweep(args) -> int:
 def run_fastmath(args) -> int:
     from macfleet.bench.fastmath import bench_fastmath
     from macfleet.bench.record import write_result
-    from macfleet.cli.common import UserError
-    from macfleet.engine.models import load_model
+    from macfleet.cli.common import UserError, bench_runs, load_model
 
     if args.repeats < 3:
         raise UserError("--repeats must be >= 3 (the first two are warm-up)")
+    lm = load_model(args.model)
     try:
-        res = bench_fastmath(load_model(args.model), repeats=args.repeats, progress=progress)
+        with bench_runs("fastmath") as say:
+            res = bench_fastmath(lm, repeats=args.repeats, progress=say)
     except ValueError as e:
         raise UserError(str(e)) from None
     path = write_result("fastmath.json", res, args.out)
@@ -105,13 +108,15 @@ def run_fastmath(args) -> int:
 
 
 def run_local(args) -> int:
-    from macfleet.bench.local import bench_local
+    from macfleet.bench.local import N_METHODS, bench_local
     from macfleet.bench.prompts import BENCH_PROMPTS
     from macfleet.bench.record import write_result
-    from macfleet.engine.models import load_model
+    from macfleet.cli.common import bench_runs, load_model
 
-    res = bench_local(load_model(args.model), BENCH_PROMPTS, max_tokens=args.max_tokens,
-                      repeats=args.repeats, layerskip=args.layerskip, progress=progress)
+    lm = load_model(args.model)
+    with bench_runs("local", len(BENCH_PROMPTS) * args.repeats * N_METHODS) as say:
+        res = bench_local(lm, BENCH_PROMPTS, max_tokens=args.max_tokens,
+                          repeats=args.repeats, layerskip=args.layerskip, progress=say)
     path = write_result("local_spec.json", res, args.out)
     for pname, r in res["prompts"].items():
         print(f"{pname}:")

@@ -100,7 +100,8 @@ def _stop_on_term(signum, frame) -> None:
 def run(args) -> int:
     from macfleet.engine.drafter.distill import distill
     from macfleet.engine.drafter.train import TrainParams
-    from macfleet.engine.models import ModelSpecError, load_model
+    from macfleet.cli.common import load_model
+    from macfleet.engine.models import ModelSpecError
 
     if args.steps < 1 or args.batch < 1 or args.seq_len < 8 or args.unroll < 0:
         raise UserError("--steps and --batch must be >= 1, --seq-len >= 8, --unroll >= 0")
@@ -142,8 +143,19 @@ def run(args) -> int:
     return 0
 
 
+def _steps(b):
+    """train()'s progress(step, steps) onto a bar; a resumed run starts counting where it
+    resumed, so its rate and ETA are this run's."""
+    def update(step: int, steps: int) -> None:
+        if b.done == 0 and step > 1:
+            b.rebase(step - 1)
+        b.update(step, total=steps)
+    return update
+
+
 def _run_dataset(args, lm, out: Path, params) -> int:
     """The scaled pipeline: batched self-distillation data on disk, then training from it."""
+    from macfleet import progress
     from macfleet.engine.drafter.dataset import (DatasetError, generate_dataset,
                                                  missing_hidden, rebuild_hidden)
     from macfleet.engine.drafter.distill import default_work_dir, distill_from_dataset
@@ -157,8 +169,10 @@ def _run_dataset(args, lm, out: Path, params) -> int:
             from macfleet.engine.drafter.self_instruct import MAX_DEPTH, generate_questions
 
             depth = MAX_DEPTH if args.subtopic_depth is None else args.subtopic_depth
-            a = generate_questions(lm, ds, args.questions, batch=args.gen_batch,
-                                   max_depth=depth, report=report)
+            with progress.bar("questions", args.questions, unit="seeds") as b:
+                a = generate_questions(lm, ds, args.questions, batch=args.gen_batch,
+                                       max_depth=depth, report=b.log,
+                                       progress=lambda done, want: b.update(done, total=want))
             report(f"questions {ds}: {a.seeds} seed requests asked, {a.questions} questions "
                    f"kept ({a.total} in all), {a.subjects} subtopics named, in "
                    f"{a.seconds:.0f} s")
@@ -192,11 +206,13 @@ def _run_dataset(args, lm, out: Path, params) -> int:
                    f"{r.top_mismatch} positions where this machine's argmax differs from "
                    f"the stored greedy token")
         if args.stage in ("all", "train"):
-            distill_from_dataset(lm, ds, out, params, work=work, resume=args.resume,
-                                 draft_vocab=args.draft_vocab,
-                                 init_layer=args.init == "verifier", follow=args.follow,
-                                 init_head=init_head, skip_missing=args.skip_missing_hidden,
-                                 layers=args.layers, report=report)
+            with progress.bar("train", params.steps, unit="steps") as b:
+                distill_from_dataset(lm, ds, out, params, work=work, resume=args.resume,
+                                     draft_vocab=args.draft_vocab,
+                                     init_layer=args.init == "verifier", follow=args.follow,
+                                     init_head=init_head, skip_missing=args.skip_missing_hidden,
+                                     layers=args.layers, report=b.log,
+                                     progress=_steps(b))
     except (DatasetError, ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
     return 0

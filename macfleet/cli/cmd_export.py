@@ -15,11 +15,15 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from macfleet import progress
+    from macfleet.cli.common import load_model
     from macfleet.engine.export import ExportError, export_mlx_lm
-    from macfleet.engine.models import ModelSpecError, load_model
+    from macfleet.engine.models import ModelSpecError
 
     try:
-        path = export_mlx_lm(load_model(args.model), args.out)
+        lm = load_model(args.model)
+        with progress.waiting(f"writing {args.out} (weights and tokenizer)"):
+            path = export_mlx_lm(lm, args.out)
     except (ModelSpecError, ExportError, OSError) as e:
         raise UserError(str(e)) from None
     print(f"wrote {path} (load it with mlx_lm.load('{path}'))")

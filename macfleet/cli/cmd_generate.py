@@ -87,7 +87,8 @@ def print_stats(stats: GenerationStats, file=sys.stderr) -> None:
 
 def run_local(args) -> int:
     from macfleet.engine.events import Finished
-    from macfleet.engine.models import ModelSpecError, load_model
+    from macfleet.cli.common import load_model
+    from macfleet.engine.models import ModelSpecError
     from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
     from macfleet.engine.text import PromptError, TextDelta, generate_local
 

@@ -128,7 +128,8 @@ def run(args) -> int:
     import uvicorn
 
     from macfleet.engine.batch import BatchUnsupported
-    from macfleet.engine.models import ModelSpecError, load_model
+    from macfleet.cli.common import load_model
+    from macfleet.engine.models import ModelSpecError
     from macfleet.engine.proposers import ProposerSpecError
     from macfleet.serve.app import ServerConfig, create_app
     from macfleet.serve.engine import BatchEngine

@@ -47,3 +47,21 @@ def sampling_params(args):
         return SamplingParams(args.temp, args.top_p, args.seed)
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def load_model(spec: str, **kw):
+    """engine.models.load_model behind a spinner (a terminal) or a start and a done line (a
+    file, CI): loading a model takes seconds to minutes."""
+    from macfleet import progress
+    from macfleet.engine import models
+
+    with progress.waiting(f"loading {spec}"):
+        return models.load_model(spec, **kw)
+
+
+def bench_runs(name: str, total: int | None = None):
+    """The `progress(msg)` a benchmark takes, as a bar of its runs (runs left when `total` is
+    known) on a terminal, its messages as plain lines elsewhere (macfleet/progress.py)."""
+    from macfleet import progress
+
+    return progress.runs(f"bench {name}", total)

@@ -14,13 +14,13 @@ def build_parser() -> argparse.ArgumentParser:
     from macfleet.cli import cmd_bench, cmd_dash, cmd_demo, cmd_doctor, cmd_fleet, cmd_generate
     from macfleet.cli import cmd_plan
     from macfleet.cli import cmd_distill
-    from macfleet.cli import cmd_export, cmd_serve
+    from macfleet.cli import cmd_export, cmd_key, cmd_serve, cmd_service
 
     p = argparse.ArgumentParser(prog="macfleet", description=__doc__)
     p.add_argument("-v", "--verbose", action="count", default=0)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in (cmd_generate, cmd_fleet, cmd_demo, cmd_dash, cmd_doctor, cmd_bench,
-                cmd_plan, cmd_distill, cmd_serve, cmd_export):
+                cmd_plan, cmd_distill, cmd_serve, cmd_export, cmd_key, cmd_service):
         mod.add_parser(sub)
     return p
 
@@ -28,7 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         ensure_openblas()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # `service install --role R [agent options]` passes the options of `agent` on (checked by
+    # the agent's own parser there); every other command refuses what it does not know
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_agent_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.agent_args = extra
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -4,12 +4,19 @@ fleet's run files live.
 MACFLEET_HOME (default ~/.macfleet) holds `fleet.key` (mode 0600) and `run/` (pids and logs of
 agents started by `macfleet up`). MACFLEET_KEY overrides the key path. What the key is used for
 (CURVE keypairs, the public fleet id) is bridge/auth.py's.
+
+A key travels between Macs as one line (`export_line` / `parse_line`): a version tag, the key in
+hex and a checksum, so a typo or a truncated paste is refused instead of silently making a Mac
+join a fleet of its own. A key file others can read is refused (KeyUnsafe), as ssh refuses an
+unprotected private key: anyone holding the key can join the fleet and read its traffic.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
@@ -38,12 +45,28 @@ def keygen(path: str | os.PathLike[str], *, overwrite: bool = False) -> bytes:
     return key
 
 
+class KeyUnsafe(PermissionError):
+    """The key file can be read or changed by every user of this machine."""
+
+
+def check_private(path: Path) -> None:
+    """KeyUnsafe when others (every user) may read or write the key file; a warning for group."""
+    mode = path.stat().st_mode
+    if mode & stat.S_IRWXO:
+        raise KeyUnsafe(f"fleet key {path} is readable by every user of this machine (mode "
+                        f"{mode & 0o777:o}); anyone holding it can join the fleet: run "
+                        f"`chmod 600 {path}` (and replace the key with `macfleet keygen --force` "
+                        "on every Mac if others may have read it)")
+    if mode & stat.S_IRWXG:
+        log.warning("fleet key %s is readable by its group (mode %o); chmod 600 it", path,
+                    mode & 0o777)
+
+
 def load_key(path: str | os.PathLike[str]) -> bytes:
-    """Read a key written by keygen; ValueError when the file does not hold one."""
+    """Read a key written by keygen; ValueError when the file does not hold one, KeyUnsafe when
+    every user of the machine may read it."""
     p = Path(path)
-    mode = p.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("fleet key %s is readable by others (mode %o); chmod 600 it", p, mode & 0o777)
+    check_private(p)
     text = p.read_text(encoding="ascii").strip()
     try:
         key = bytes.fromhex(text)
@@ -83,3 +106,71 @@ def resolve_key(path: str | os.PathLike | None = None, *, open_fleet: bool = Fal
         p.parent.mkdir(parents=True, exist_ok=True)
         return keygen(p)
     return load_key(p)
+
+
+LINE_TAG = "macfleet-key-v1"
+_CHECKSUM_DOMAIN = b"macfleet-key-line-v1\0"
+_HEX_RE = re.compile(r"^[0-9a-f]*$")
+
+
+def _checksum(key: bytes) -> str:
+    return hashlib.sha256(_CHECKSUM_DOMAIN + key).hexdigest()[:8]
+
+
+def export_line(key: bytes) -> str:
+    """The key as one copyable line: `macfleet-key-v1:<64 hex>:<8 hex checksum>`."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a fleet key is {KEY_BYTES} bytes, got {len(key)}")
+    return f"{LINE_TAG}:{key.hex()}:{_checksum(key)}"
+
+
+def parse_line(line: str) -> bytes:
+    """The key of an `export_line`; ValueError that says what is wrong with a bad paste."""
+    text = "".join(line.split()).lower()  # a line wrapped or indented by a terminal
+    tag, _, rest = text.partition(":")
+    if tag != LINE_TAG:
+        raise ValueError(f"not a fleet key line (expected {LINE_TAG}:<64 hex digits>:<8 hex "
+                         "digits>, as `macfleet key export` prints it)")
+    hexkey, _, check = rest.partition(":")
+    if not _HEX_RE.match(hexkey) or not _HEX_RE.match(check):
+        raise ValueError("the key line holds characters other than hex digits after "
+                         f"'{LINE_TAG}:'; copy it again from `macfleet key export`")
+    if len(hexkey) != 2 * KEY_BYTES or len(check) != 8:
+        raise ValueError(f"the key line is truncated or has extra characters ({len(hexkey)} of "
+                         f"{2 * KEY_BYTES} key digits, {len(check)} of 8 checksum digits)")
+    key = bytes.fromhex(hexkey)
+    if _checksum(key) != check:
+        raise ValueError("the key line's checksum does not match: a character was mistyped; "
+                         "copy the line again from `macfleet key export`")
+    return key
+
+
+def write_key(path: str | os.PathLike[str], key: bytes, *, overwrite: bool = False) -> bool:
+    """Write `key` to `path` (mode 0600, parent 0700, atomically); False when the file already
+    holds this key. FileExistsError when it holds another (or something unreadable) and
+    overwrite is False: replacing it moves this Mac to another fleet."""
+    p = Path(path).expanduser()
+    if p.exists():
+        try:
+            same = bytes.fromhex(p.read_text(encoding="ascii").strip()) == key
+        except (ValueError, UnicodeDecodeError):
+            same = False
+        if same:
+            os.chmod(p, 0o600)
+            return False
+        if not overwrite:
+            raise FileExistsError(f"{p} holds another fleet key")
+    p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, key.hex().encode() + b"\n")
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, p)
+    return True

@@ -27,7 +27,8 @@ def test_every_command_and_bench_renders_help():
     for want in ("generate", "agent", "up", "down", "ls", "keygen", "demo", "dash", "plan",
                  "distill", "doctor", "bench", "bench verify-sweep", "bench local", "bench fleet",
                  "bench soak", "bench f3", "bench sessions", "bench topologies", "bench drafter",
-                 "bench heads", "bench tree-shapes"):
+                 "bench heads", "bench tree-shapes", "key export", "key import",
+                 "service install", "service uninstall", "service status", "service logs"):
         assert want in seen, f"missing command: {want}"
 
 
@@ -85,3 +86,24 @@ def test_this_machines_own_drafter_record_wins_over_the_shipped_one(tmp_path, mo
     # a model with no shipped head still gets the drafter measured for it here
     record_machine_choice("tiny:1", {"best": "retrieval+ngram", "speedup": 1.2})
     assert resolve_proposer("auto", "tiny:1")[0] == "retrieval+ngram"
+
+
+def test_the_readme_install_commands_parse():
+    """Each `macfleet` command of the README's "Install on each Mac" block is one the CLI
+    takes (a renamed option would leave the README's first steps broken)."""
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("## Install on each Mac", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    parser = build_parser()
+    seen = 0
+    for line in block.splitlines():
+        words = shlex.split(line.split("#", 1)[0])
+        if words[:1] != ["macfleet"]:
+            continue
+        args, extra = parser.parse_known_args(words[1:])
+        assert not extra or getattr(args, "accepts_agent_args", False), line
+        seen += 1
+    assert seen == 3

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -146,36 +145,22 @@ def done_keys(path: Path) -> frozenset[str]:
 
 
 class Progress:
-    """A progress line with rate and ETA: rewritten in place on a terminal, else every 30 s."""
+    """Rate and ETA of a dataset stage: a rich bar on a terminal, else a plain line every 30 s
+    (macfleet/progress.py); `report` takes the plain lines instead of stderr."""
 
     def __init__(self, target: int, start: int, report: Callable[[str], None] | None = None,
-                 every_s: float = 30.0) -> None:
-        self.target, self.start, self.t0 = target, start, time.perf_counter()
-        self.tty = report is None and sys.stderr.isatty()
-        self.report = report or (lambda s: print(s, file=sys.stderr, flush=True))
-        self.every_s = 0.5 if self.tty else every_s
-        self._last = 0.0
+                 every_s: float = 30.0, description: str = "answers",
+                 unit: str = "tokens") -> None:
+        from macfleet.progress import Bar
 
-    def line(self, done: int, extra: str = "", unit: str = "answer tokens") -> str:
-        el = time.perf_counter() - self.t0
-        rate = (done - self.start) / el if el > 0 else 0.0
-        eta = (self.target - done) / rate if rate > 0 else float("inf")
-        frac = min(done / self.target, 1.0) if self.target else 1.0
-        bar = "#" * int(frac * 24)
-        eta_s = f"{eta / 60:.0f} min" if eta != float("inf") else "?"
-        return (f"[{bar:<24}] {done:,}/{self.target:,} {unit}  {rate:.0f} tok/s  "
-                f"ETA {eta_s}  {extra}")
+        self.bar = Bar(description, target, unit=unit, completed=start, report=report,
+                       every_s=every_s)
 
-    def update(self, done: int, extra: str = "", force: bool = False,
-               unit: str = "answer tokens") -> None:
-        now = time.perf_counter()
-        if force or now - self._last >= self.every_s:
-            self._last = now
-            s = self.line(done, extra, unit)
-            if self.tty:
-                print("\r" + s, end="", file=sys.stderr, flush=True)
-            else:
-                self.report(s)
+    def update(self, done: int, extra: str = "", force: bool = False) -> None:
+        self.bar.update(done, extra, force=force)
+
+    def close(self, done: int | None = None) -> None:
+        self.bar.close(done)
 
 
 def generate_dataset(lm: LoadedModel, path: Path, target_tokens: int, *, fingerprint: str,
@@ -228,8 +213,7 @@ def generate_dataset(lm: LoadedModel, path: Path, target_tokens: int, *, fingerp
         gen.close()
         if buf:
             flush()
-    if prog.tty:
-        print(file=sys.stderr)
+        prog.close(done)
     return m
 
 
@@ -285,7 +269,7 @@ def rebuild_hidden(lm: LoadedModel, path: Path, *, fingerprint: str,
     check_verifier(m, path, lm, fingerprint)
     todo = missing_hidden(path)
     total = sum(s.tokens for s in todo)
-    prog = Progress(total, 0, report)
+    prog = Progress(total, 0, report, description="hidden states", unit="positions")
     t0, done, mismatch = time.perf_counter(), 0, 0
     for s in todo:
         toks = np.load(path / f"{s.name}.tokens.npy")
@@ -308,12 +292,11 @@ def rebuild_hidden(lm: LoadedModel, path: Path, *, fingerprint: str,
                 hidden[a:b] = hn[row, : b - a]
                 mismatch += int((an[row, : b - a] != top[a:b]).sum())
                 done += b - a
-            prog.update(done, "rebuilding hidden states", unit="positions")
+            prog.update(done, f"shard {s.name}")
         tmp = path / f"{s.name}.hidden.tmp.npy"
         np.save(tmp, hidden)
         os.replace(tmp, path / f"{s.name}.hidden.npy")
-    if prog.tty:
-        print(file=sys.stderr)
+    prog.close(done)
     return Rebuilt(len(todo), total, time.perf_counter() - t0, mismatch)
 
 

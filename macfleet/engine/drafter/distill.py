@@ -221,7 +221,8 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
                          held_out_share: float = HELD_OUT_SHARE,
                          init_head: Path | None = None, skip_missing: bool = False,
                          layers: int | None = None,
-                         report: Callable[[str], None] = log.info) -> DistillResult:
+                         report: Callable[[str], None] = log.info,
+                         progress: Callable[[int, int], None] | None = None) -> DistillResult:
     """Train a head on a dataset directory (memory-mapped; the verifier never runs again).
     init_layer: start the head's layer from the verifier's last layer; follow: re-read the
     dataset at every checkpoint (train while `distill --stage data` is still adding to it;
@@ -296,7 +297,8 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
                               held_out_share)[0]
 
     losses = train(head, train_chunks, params, ckpt=work / "checkpoint-ds", resume=resume,
-                   report=report, on_checkpoint=measure, refresh=reread if follow else None)
+                   report=report, on_checkpoint=measure, refresh=reread if follow else None,
+                   progress=progress)
     acc = chain_acceptance(head, held, max_starts=300)
     steps = reached[0]
     path = head.save(out, steps=prior_steps + steps)

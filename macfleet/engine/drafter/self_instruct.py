@@ -306,11 +306,13 @@ class Asked:
 def generate_questions(lm: LoadedModel, path: Path, n_seeds: int, *, batch: int = 32,
                        max_tokens: int = 220, temperature: float = 0.6, rounds: int = 3,
                        max_depth: int = MAX_DEPTH,
-                       report: Callable[[str], None] | None = None) -> Asked:
+                       report: Callable[[str], None] | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> Asked:
     """Ask the verifier for lists of questions until `n_seeds` seeds are asked in all;
     append the kept questions to `<path>/questions.jsonl` after each wave (resumable). When
     the seeds run out, have it name subtopics (`expand_subjects`, breadth first, down to
-    `max_depth`) and ask about those; stops early only when no subject is left to expand."""
+    `max_depth`) and ask about those; stops early only when no subject is left to expand.
+    progress(seeds asked, seeds to ask) after each wave."""
     path.mkdir(parents=True, exist_ok=True)
     asked = {r["seed"] for r in _rows(path)}
     want = max(0, n_seeds - len(asked))
@@ -353,6 +355,8 @@ def generate_questions(lm: LoadedModel, path: Path, n_seeds: int, *, batch: int 
             f.write("".join(line + "\n" for line in lines))
         asked |= {s.key for s in todo}
         done += len(todo)
+        if progress:
+            progress(done, want)
         if report:
             report(f"questions: {done}/{want} seeds, {kept} kept, "
                    f"{time.perf_counter() - t0:.0f} s")

@@ -228,10 +228,12 @@ def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
           ckpt: Path | None = None, resume: bool = False,
           report: Callable[[str], None] | None = None,
           on_checkpoint: Callable[[int], None] | None = None,
-          refresh: Callable[[], Sequence[FeatureChunk]] | None = None) -> list[float]:
+          refresh: Callable[[], Sequence[FeatureChunk]] | None = None,
+          progress: Callable[[int, int], None] | None = None) -> list[float]:
     """Train in place; returns the loss per step run. Checkpoints every p.save_every steps
     (then calls on_checkpoint(step): the held-out curve is measured there, and refresh():
-    training data that grows while it trains -- a dataset still being generated)."""
+    training data that grows while it trains -- a dataset still being generated).
+    progress(step, steps) after every step (steps moves when --time-limit refits it)."""
     if not chunks:
         raise ValueError("no training data")
     if p.target not in TARGETS:
@@ -266,6 +268,8 @@ def train(head: EagleHead, chunks: Sequence[FeatureChunk], p: TrainParams,
             # the checkpoints' own time counts as training time here: it recurs
             horizon.fit(step, (now - timed_from[1]) / (step - timed_from[0]),
                         t0 + p.time_limit - now, p.steps)
+        if progress is not None:
+            progress(step, horizon.steps)
         if report is not None and (step % 10 == 0 or step == horizon.steps):
             rate = (now - t0) / (step - start)
             reg, ce = (float(v) for v in parts)
