@@ -13,6 +13,8 @@ forwards faster than one after the other). It serves, in order:
 Sessions idle longer than `idle_evict_s` are evicted; when every slot is taken, a new session
 reclaims the one idle longest if it has been idle `reclaim_idle_s` (a live verifier asks for a
 block every few hundred ms), and one client connection holds at most `max_sessions_per_client`.
+A session belongs to the client connection that opened it: any other connection's draft,
+re-open or close on it gets `not_found`.
 Every request is validated (drafter specs by `agents.specs.check_spec`); a bad one gets a typed
 error and the service keeps serving.
 """
@@ -147,13 +149,13 @@ class ProposerService:
             # thread, not behind drafting work) so the verifier measures the wire cost only.
             reply(HiddenStatesAck(msg.session_id, msg.block, int(msg.states.nbytes)))
             return True
+        peer = getattr(reply, "peer", b"")
         if isinstance(msg, OpenSession):
-            self._validate_open(msg, getattr(reply, "peer", b""))
+            self._validate_open(msg, peer)
         elif isinstance(msg, DraftRequest):
             if not 0 <= msg.k <= self.limits.max_k:
                 raise ProtocolError(BAD_REQUEST, f"k must be 0..{self.limits.max_k}, got {msg.k}")
-            if msg.session_id not in self._sessions:
-                raise ProtocolError(NOT_FOUND, f"no drafting session '{msg.session_id}'")
+            self._owned(msg.session_id, peer)
             f, sc = msg.features, msg.features_scale
             if f is not None and (f.ndim != 2 or f.shape[1] != self.lm.hidden_size
                                   or msg.features_start < 0):
@@ -161,10 +163,20 @@ class ProposerService:
                                                f"from a position >= 0, got {f.shape}")
             if sc is not None and (f is None or f.dtype != np.int8 or sc.shape != (len(f),)):
                 raise ProtocolError(BAD_SHAPE, "features_scale needs int8 features, one per row")
-        elif not isinstance(msg, CloseSession):
+        elif isinstance(msg, CloseSession):
+            if msg.session_id in self._sessions:
+                self._owned(msg.session_id, peer)
+        else:
             return False
         self._jobs.put((msg, reply, time.perf_counter()))
         return True
+
+    def _owned(self, sid: str, peer: bytes) -> None:
+        """NOT_FOUND unless session `sid` exists and was opened by this client connection:
+        another connection that learnt (or guessed) the id can neither draft on it, re-open
+        it nor close it, and cannot even tell it exists."""
+        if sid not in self._sessions or self._owner.get(sid) != peer:
+            raise ProtocolError(NOT_FOUND, f"no drafting session '{sid}'")
 
     def _validate_open(self, msg: OpenSession, peer: bytes) -> None:
         if not isinstance(msg.proposer, str) or "+" in msg.proposer:
@@ -177,6 +189,8 @@ class ProposerService:
             raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} tokens")
         if msg.session_id not in self._sessions:
             self._check_quota(peer)
+        else:
+            self._owned(msg.session_id, peer)  # re-opening replaces only one's own session
         vocab = self.lm.vocab_size
         if any(not 0 <= t < vocab for t in msg.prompt):
             raise ProtocolError(BAD_REQUEST, f"prompt ids must be in 0..{vocab - 1}")
@@ -269,7 +283,8 @@ class ProposerService:
         ready = []
         for msg, reply, received in jobs:
             try:
-                ready.append((msg, reply, received, self._update(msg)))
+                ready.append((msg, reply, received,
+                              self._update(msg, getattr(reply, "peer", b""))))
             except ProtocolError as e:
                 reply(ErrorReply(e.code, str(e)))
             except Exception as e:  # noqa: BLE001 - the daemon never dies of a request
@@ -305,11 +320,11 @@ class ProposerService:
                              draft_ms=(time.perf_counter() - received) * 1e3,
                              predraft_hit=False))
 
-    def _update(self, msg: DraftRequest) -> DraftStream:
-        """A draft request's session, its context and hidden states brought up to date."""
-        s = self._sessions.get(msg.session_id)
-        if s is None:
-            raise ProtocolError(NOT_FOUND, f"no drafting session '{msg.session_id}'")
+    def _update(self, msg: DraftRequest, peer: bytes) -> DraftStream:
+        """A draft request's session (its opener's only), its context and hidden states
+        brought up to date."""
+        self._owned(msg.session_id, peer)
+        s = self._sessions[msg.session_id]
         if any(not 0 <= t < self.lm.vocab_size for t in msg.committed):
             raise ProtocolError(BAD_REQUEST, "committed ids outside the vocabulary")
         s.commit(msg.committed)
@@ -330,7 +345,9 @@ class ProposerService:
         then, so time a request waits here (behind a lookahead step, or other sessions'
         blocks) is the proposer's time, not the wire's."""
         if isinstance(msg, OpenSession):
-            if msg.session_id not in self._sessions:
+            if msg.session_id in self._sessions:
+                self._owned(msg.session_id, peer)  # again: it may have changed hands meanwhile
+            else:
                 self._check_quota(peer)  # again: other opens may have been queued meanwhile
                 if len(self._sessions) >= self.limits.max_sessions:
                     sid = reclaimable(self._last_used(), time.monotonic(),
@@ -355,9 +372,11 @@ class ProposerService:
             self._owner[msg.session_id] = peer
             return SessionOpened(msg.session_id, prop.name, self.lm.vocab_size)
         if isinstance(msg, CloseSession):
-            self._drop(msg.session_id)
+            if msg.session_id in self._sessions:
+                self._owned(msg.session_id, peer)
+                self._drop(msg.session_id)
             return SessionClosed(msg.session_id)
-        s = self._update(msg)
+        s = self._update(msg, peer)
         if s.proposer.drafts_trees:  # a dynamic tree is drafted fresh for every block
             _learn(s, msg)
             t0 = time.perf_counter()

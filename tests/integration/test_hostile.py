@@ -13,9 +13,10 @@ from dataclasses import replace
 import pytest
 
 from agents.proposer_service import ProposerLimits
-from bridge.errors import BAD_REQUEST, BUSY, ProtocolError, TransportTimeout
-from bridge.messages import (CloseSession, GenerateChunk, GenerateDone, GenerateRequest,
-                             OpenSession, Ping, Pong, RunPreset, SessionOpened)
+from bridge.errors import BAD_REQUEST, BUSY, NOT_FOUND, ProtocolError, TransportTimeout
+from bridge.messages import (CloseSession, DraftReply, DraftRequest, GenerateChunk,
+                             GenerateDone, GenerateRequest, OpenSession, Ping, Pong, RunPreset,
+                             SessionClosed, SessionOpened)
 from bridge.transport import Client, Server
 from macfleet import sysinfo
 from macfleet.engine import models
@@ -120,6 +121,25 @@ def test_sessions_per_client_are_capped(agents):
         b.request(CloseSession("b0"), timeout=10)
 
 
+def test_a_session_belongs_to_the_connection_that_opened_it(agents):
+    """Another connection that knows the id can neither draft on it, re-open it nor close it
+    (each gets not_found); the owner drafts on undisturbed."""
+    p = agents["proposer"]
+    with Client(p.card.router_endpoint, key=KEY) as owner, \
+            Client(p.card.router_endpoint, key=KEY) as thief:
+        assert isinstance(open_session(owner, "mine"), SessionOpened)
+        for msg in (DraftRequest("mine", 1, [4], 2, False), CloseSession("mine")):
+            with pytest.raises(ProtocolError) as e:
+                thief.request(msg, timeout=10)
+            assert e.value.code == NOT_FOUND
+        with pytest.raises(ProtocolError) as e:
+            open_session(thief, "mine")
+        assert e.value.code == NOT_FOUND
+        assert isinstance(owner.request(DraftRequest("mine", 1, [4], 2, False), timeout=10),
+                          DraftReply)
+        assert isinstance(owner.request(CloseSession("mine"), timeout=10), SessionClosed)
+
+
 def test_idle_sessions_are_reclaimed_when_full(agents):
     svc = agents["proposer"].proposer
     old = svc.limits
@@ -135,8 +155,9 @@ def test_idle_sessions_are_reclaimed_when_full(agents):
             time.sleep(0.7)
             assert isinstance(open_session(b, "new"), SessionOpened)  # an idle one gave way
             assert svc.sessions == 2
-            for sid in ("idle1", "idle2", "new"):
+            for sid in ("idle1", "idle2"):
                 a.request(CloseSession(sid), timeout=10)
+            b.request(CloseSession("new"), timeout=10)
     finally:
         svc.limits = old
 
