@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from agents.proposer_service import ProposerLimits
-from bridge.errors import BAD_REQUEST, BUSY, NOT_FOUND, ProtocolError, TransportTimeout
+from bridge.errors import BAD_REQUEST, BUSY, FORBIDDEN, NOT_FOUND, ProtocolError, TransportTimeout
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, GenerateChunk,
                              GenerateDone, GenerateRequest, OpenSession, Ping, Pong, RunPreset,
                              SessionClosed, SessionOpened)
@@ -25,6 +25,7 @@ from macfleet.engine.sampling import MIN_TEMPERATURE, SamplingParams
 pytestmark = [pytest.mark.timeout(90)]
 
 KEY = b"H" * 32
+LOCAL = ("tcp://127.0.0.1:*",)  # in-process agents do not advertise: their peers are allowed
 OTHER = b"h" * 32
 
 
@@ -32,7 +33,8 @@ OTHER = b"h" * 32
 def agents():
     from agents.daemon import Agent, AgentConfig
 
-    made = {role: Agent(AgentConfig(role=role, model="tiny:1", key=KEY, advertise=False))
+    made = {role: Agent(AgentConfig(role=role, model="tiny:1", key=KEY, advertise=False,
+                                    allow_peers=LOCAL))
             for role in ("proposer", "verifier")}
     yield made
     for a in made.values():
@@ -81,6 +83,45 @@ def test_proposer_endpoints_are_capped_and_dead_ones_cost_little(agents):
     done = generate(agents["verifier"], req(spec="ngram", proposers=dead))
     assert time.monotonic() - t0 < 4.0  # 4 dead proposers held the compute thread 20 s before
     assert done.token_ids == alone.token_ids and done.stats.fleet.proposer_failures == 4
+
+
+class Listener:
+    """A plain TCP listener on another loopback address: did anyone connect to it?"""
+
+    def __init__(self, host: str = "127.0.0.2") -> None:
+        self.sock = socket.create_server((host, 0))
+        self.sock.setblocking(False)
+        self.endpoint = f"tcp://{host}:{self.sock.getsockname()[1]}"
+
+    def connected(self, wait_s: float = 0.5) -> bool:
+        time.sleep(wait_s)
+        try:
+            self.sock.accept()[0].close()
+            return True
+        except BlockingIOError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("door", ["proposers", "link_probe"])
+def test_requests_cannot_make_an_agent_connect_outside_its_fleet(agents, door):
+    """A proposer endpoint or a link probe's peer that is neither a discovered fleet member
+    nor operator-allowed is refused (forbidden) and never connected to (no SSRF)."""
+    target = Listener()
+    try:
+        if door == "proposers":
+            e = refusal(agents["verifier"], req(spec="ngram", proposers=[target.endpoint]))
+        else:
+            with Client(agents["proposer"].card.router_endpoint, key=KEY) as c, \
+                    pytest.raises(ProtocolError) as err:
+                c.request(RunPreset("link_probe", {"peer": target.endpoint, "repeats": 1}), 10)
+            e = err.value
+        assert e.code == FORBIDDEN and "fleet" in e.message
+        assert not target.connected()
+    finally:
+        target.close()
 
 
 def test_oversized_prompt_is_refused_before_it_costs_memory(agents):
