@@ -12,7 +12,8 @@ forwards faster than one after the other). It serves, in order:
    for more than one draft step.
 Sessions idle longer than `idle_evict_s` are evicted; when every slot is taken, a new session
 reclaims the one idle longest if it has been idle `reclaim_idle_s` (a live verifier asks for a
-block every few hundred ms), and one client connection holds at most `max_sessions_per_client`.
+block every few hundred ms), else the least recently used one of the client holding the most
+(fair share: `slot_for`), and one client connection holds at most `max_sessions_per_client`.
 A session belongs to the client connection that opened it: any other connection's draft,
 re-open or close on it gets `not_found`.
 Every request is validated (drafter specs by `agents.specs.check_spec`); a bad one gets a typed
@@ -77,6 +78,42 @@ def reclaimable(last_used: dict[str, float], now: float, min_idle_s: float) -> s
         return None
     sid = min(last_used, key=last_used.__getitem__)
     return sid if now - last_used[sid] >= min_idle_s else None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Whether a client may open one more session, and which session gives way for it."""
+
+    ok: bool
+    evict: str | None = None
+    why: str = ""
+
+
+def slot_for(peer: bytes, owners: dict[str, bytes], last_used: dict[str, float], now: float,
+             limits: ProposerLimits) -> Slot:
+    """A new session for client `peer` (pure). Under the per-client cap and below the total
+    it is admitted; when every slot is taken, the session idle longest gives way if it has been
+    idle `reclaim_idle_s`, else -- fair share -- the least recently used session of the client
+    holding the most, when that client holds more than `peer` would with this one. So a few
+    connections keeping all slots busy (keep-alive drafts) cannot keep a verifier out: it
+    always holds one session, they hold at least two each."""
+    mine = sum(1 for o in owners.values() if o == peer)
+    if mine >= limits.max_sessions_per_client:
+        return Slot(False, why=f"this client holds {mine} drafting sessions (the limit per "
+                               "client); close one first")
+    if len(owners) < limits.max_sessions:
+        return Slot(True)
+    idle = reclaimable(last_used, now, limits.reclaim_idle_s)
+    if idle is not None:
+        return Slot(True, idle)
+    held: dict[bytes, list[str]] = {}
+    for sid, o in owners.items():
+        held.setdefault(o, []).append(sid)
+    top = max(held.values(), key=len)
+    if len(top) > mine + 1:
+        return Slot(True, min(top, key=lambda sid: last_used.get(sid, 0.0)))
+    return Slot(False, why=f"{len(owners)} sessions open (the limit), all of them active and "
+                           "shared fairly")
 
 
 def _learn(s: DraftStream, msg: DraftRequest) -> None:
@@ -199,16 +236,13 @@ class ProposerService:
         except ValueError as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
 
-    def _check_quota(self, peer: bytes) -> None:
-        """BUSY when this client holds its share, or every slot is taken and none is idle."""
-        mine = sum(1 for o in list(self._owner.values()) if o == peer)
-        if mine >= self.limits.max_sessions_per_client:
-            raise ProtocolError(BUSY, f"this client holds {mine} drafting sessions (the limit "
-                                      f"per client); close one first")
-        if len(self._sessions) >= self.limits.max_sessions and reclaimable(
-                self._last_used(), time.monotonic(), self.limits.reclaim_idle_s) is None:
-            raise ProtocolError(BUSY, f"{len(self._sessions)} sessions open (the limit), "
-                                      "all of them active")
+    def _check_quota(self, peer: bytes) -> Slot:
+        """The slot for a new session of `peer` (slot_for); BUSY when there is none."""
+        slot = slot_for(peer, dict(self._owner), self._last_used(), time.monotonic(),
+                        self.limits)
+        if not slot.ok:
+            raise ProtocolError(BUSY, slot.why)
+        return slot
 
     def _last_used(self) -> dict[str, float]:
         return {sid: s.last_used for sid, s in list(self._sessions.items())}
@@ -348,12 +382,11 @@ class ProposerService:
             if msg.session_id in self._sessions:
                 self._owned(msg.session_id, peer)  # again: it may have changed hands meanwhile
             else:
-                self._check_quota(peer)  # again: other opens may have been queued meanwhile
-                if len(self._sessions) >= self.limits.max_sessions:
-                    sid = reclaimable(self._last_used(), time.monotonic(),
-                                      self.limits.reclaim_idle_s)
-                    log.info("reclaiming idle drafting session %s for a new one", sid)
-                    self._drop(sid)
+                # again: other opens may have been queued meanwhile
+                evict = self._check_quota(peer).evict
+                if evict is not None:
+                    log.info("drafting session %s gives way to a new one", evict)
+                    self._drop(evict)
             prop = make_checked_proposer(msg.proposer, self.lm, self.policy, self.models)
             if isinstance(prop, EagleProposer):
                 # features arrive over F3; never tap this process's model (agents sharing a

@@ -186,20 +186,64 @@ def test_idle_sessions_are_reclaimed_when_full(agents):
     old = svc.limits
     svc.limits = ProposerLimits(max_sessions=2, reclaim_idle_s=0.5)
     try:
-        with Client(agents["proposer"].card.router_endpoint, key=KEY) as a, \
-                Client(agents["proposer"].card.router_endpoint, key=KEY) as b:
+        ep = agents["proposer"].card.router_endpoint
+        with Client(ep, key=KEY) as a, Client(ep, key=KEY) as a2, Client(ep, key=KEY) as b:
             open_session(a, "idle1")
-            open_session(a, "idle2")
-            with pytest.raises(ProtocolError) as e:  # full, and both were just used
+            open_session(a2, "idle2")
+            with pytest.raises(ProtocolError) as e:  # full, both just used, shared fairly
                 open_session(b, "new")
             assert e.value.code == BUSY
             time.sleep(0.7)
             assert isinstance(open_session(b, "new"), SessionOpened)  # an idle one gave way
             assert svc.sessions == 2
-            for sid in ("idle1", "idle2"):
-                a.request(CloseSession(sid), timeout=10)
+            a.request(CloseSession("idle1"), timeout=10)
+            a2.request(CloseSession("idle2"), timeout=10)
             b.request(CloseSession("new"), timeout=10)
     finally:
+        svc.limits = old
+
+
+def test_a_few_busy_connections_cannot_keep_a_verifier_from_drafts(agents):
+    """Every slot opened by a few connections and kept busy with keep-alive drafts: a
+    generation through that proposer still gets a session (fair share) and remote drafts."""
+    import threading
+
+    p, svc = agents["proposer"], agents["proposer"].proposer
+    old = svc.limits
+    svc.limits = ProposerLimits(max_sessions=6, max_sessions_per_client=3)
+    stop = threading.Event()
+    opened = []
+
+    def hog(name: str) -> None:
+        with Client(p.card.router_endpoint, key=KEY) as c:
+            for i in range(3):
+                opened.append(isinstance(open_session(c, f"{name}{i}"), SessionOpened))
+            block = 0
+            while not stop.is_set():  # keep-alive drafts on every session
+                block += 1
+                for i in range(3):
+                    try:
+                        c.request(DraftRequest(f"{name}{i}", block, [], 1, False), timeout=5)
+                    except ProtocolError:
+                        pass  # a session that gave way
+                time.sleep(0.02)
+
+    hogs = [threading.Thread(target=hog, args=(n,), daemon=True) for n in ("h", "g")]
+    try:
+        for t in hogs:
+            t.start()
+        deadline = time.monotonic() + 20
+        while len(opened) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert opened == [True] * 6 and svc.sessions == 6
+        done = generate(agents["verifier"], req(spec="ngram", max_tokens=24,
+                                                proposers=[p.card.router_endpoint]))
+        assert done.stats.fleet.proposer_failures == 0, done.stats.fleet
+        assert done.stats.fleet.flows.remote_blocks > 0
+    finally:
+        stop.set()
+        for t in hogs:
+            t.join(10)
         svc.limits = old
 
 
