@@ -54,8 +54,8 @@ class AgentConfig:
     # verifier: ship long prompts' prefill to prefill agents found on Zeroconf when it pays
     # (None: never); an agents.remote_prefill.DisaggPolicy
     disagg: object | None = None
-    # connections one peer address may hold to the ROUTER and to the PUB (None: the default of
-    # bridge.peercap, 0: no cap)
+    # connections one peer address may hold to the ROUTER and to the PUB before they complete
+    # the handshake (None: the default of bridge.peercap, 0: no caps)
     max_conns_per_peer: int | None = None
     # verifier: sessions verified together in one forward (continuous batching; 0: one at a
     # time; None: the verifier's default). A sharded verifier runs one session at a time.

@@ -42,8 +42,9 @@ def add_parser(sub) -> None:
                    "--loopback, else 0.0.0.0)")
     a.add_argument("--loopback", action="store_true", help="advertise on 127.0.0.1 only")
     a.add_argument("--max-conns-per-peer", type=int, default=None, metavar="N",
-                   help="connections one address may hold to each of the agent's ports; over "
-                   "it new ones are closed (default 64; 0: no cap)")
+                   help="connections one address may hold to each of the agent's ports before "
+                   "they complete the handshake; over it the oldest are closed (default 64; all "
+                   "connections stay within a budget of the descriptor limit; 0: no caps)")
     a.add_argument("--allow-peer", action="append", default=[], metavar="tcp://HOST:PORT",
                    help="an endpoint requests may make this agent connect to (a proposer, a "
                    "link probe's peer) besides the fleet members it discovers; tcp://HOST:* "
