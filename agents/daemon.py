@@ -169,7 +169,7 @@ class Agent:
         from agents.verifier_service import VerifierService
 
         policy = SpecPolicy(heads_dir=self.cfg.heads_dir, own_model=self.lm.spec,
-                            allow_hub=self.cfg.allow_hub)
+                            allow_hub=self.cfg.allow_hub, vocab_size=self.lm.vocab_size)
         endpoints = None
         if self.cfg.disagg is not None and verifier is None:
             endpoints = self._prefill_endpoints

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.draft_stream import DraftStream
-from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_spec,
+from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_id, check_spec,
                           make_checked_proposer)
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, INTERNAL, NOT_FOUND, ProtocolError
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
@@ -144,7 +144,7 @@ class ProposerService:
         self.limits = limits
         self.heads_dir = heads_dir
         self.policy = SpecPolicy(kinds=kinds, heads_dir=heads_dir, own_model=lm.spec,
-                                 allow_hub=allow_hub)
+                                 allow_hub=allow_hub, vocab_size=lm.vocab_size)
         self.models = DraftModels()
         self._sessions: dict[str, DraftStream] = {}
         self._owner: dict[str, bytes] = {}  # session -> the client connection that opened it
@@ -187,6 +187,8 @@ class ProposerService:
             reply(HiddenStatesAck(msg.session_id, msg.block, int(msg.states.nbytes)))
             return True
         peer = getattr(reply, "peer", b"")
+        if isinstance(msg, (OpenSession, DraftRequest, CloseSession)):
+            check_id(msg.session_id, "session_id")
         if isinstance(msg, OpenSession):
             self._validate_open(msg, peer)
         elif isinstance(msg, DraftRequest):

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from agents.remote_proposer import FlowTotals, RemoteProposer
 from agents.remote_tree import RemoteProposerGroup
 from agents.shard_traffic import block_delta
-from agents.specs import DraftModels, SpecPolicy, check_spec, make_checked_proposer
+from agents.specs import (MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_spec,
+                          make_checked_proposer)
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
 from bridge.peers import PeerAllowlist
 from bridge.messages import (AUTO_DRAFT_TOKENS, BatchStatus, BlockMetrics, ErrorReply,
@@ -155,6 +156,12 @@ def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:
     if not isinstance(msg.prompt, str) or len(msg.prompt) > MAX_PROMPT_CHARS:
         raise ProtocolError(BAD_REQUEST, f"prompt longer than {MAX_PROMPT_CHARS} characters "
                                          f"(the limit is {MAX_PROMPT_TOKENS} tokens)")
+    check_id(msg.request_id, "request_id")
+    if len(msg.prefix_ids) > msg.max_tokens:
+        raise ProtocolError(BAD_REQUEST, "prefix_ids are counted in max_tokens: at most "
+                                         f"{msg.max_tokens} of them")
+    if not isinstance(msg.proposer_spec, str) or len(msg.proposer_spec) > MAX_SPEC_CHARS:
+        raise ProtocolError(BAD_REQUEST, f"proposer_spec: at most {MAX_SPEC_CHARS} characters")
     eps = msg.proposers
     if len(eps) > MAX_PROPOSERS:
         raise ProtocolError(BAD_REQUEST, f"at most {MAX_PROPOSERS} proposer endpoints")

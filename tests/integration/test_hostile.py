@@ -247,6 +247,29 @@ def test_a_few_busy_connections_cannot_keep_a_verifier_from_drafts(agents):
         svc.limits = old
 
 
+@pytest.mark.parametrize("field", ["session_id", "tiny_vocab"])
+def test_proposer_request_fields_are_bounded(agents, field):
+    p = agents["proposer"]
+    loaded = len(p.proposer.models)
+    with Client(p.card.router_endpoint, key=KEY) as c, pytest.raises(ProtocolError) as e:
+        if field == "session_id":
+            open_session(c, "s" * 100_000)
+        else:  # a vocabulary the verifier does not share: refused before it is built
+            open_session(c, "big", "draft:tiny:7:65536")
+    assert e.value.code == BAD_REQUEST
+    assert len(p.proposer.models) == loaded
+    assert not any(k[0] == "tiny:7:65536" for k in models._cache)
+
+
+@pytest.mark.parametrize("over", [{"request_id": "r" * 100_000},
+                                  {"prefix_ids": tuple(range(9)), "max_tokens": 8},
+                                  {"proposer_spec": "ngram+" * 2000 + "ngram",
+                                   "proposers": ["tcp://127.0.0.1:9"]}])
+def test_generate_request_fields_are_bounded(agents, over):
+    e = refusal(agents["verifier"], req(**over))
+    assert e.code == BAD_REQUEST
+
+
 def test_draft_models_from_requests_are_bounded(agents):
     p = agents["proposer"]
     with Client(p.card.router_endpoint, key=KEY) as c:
