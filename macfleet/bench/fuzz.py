@@ -132,11 +132,20 @@ class Probe:
     """A DEALER for hand-made frames (CURVE with `curve_key`, none, or a wrong one); counts
     typed replies."""
 
-    def __init__(self, endpoint: str, curve_key: bytes | None) -> None:
+    def __init__(self, endpoint: str, curve_key: bytes | None, *,
+                 server_public: bytes | None = None) -> None:
+        """server_public: CURVE with the server public key given and a client keypair of the
+        probe's own (a peer that learnt the server key but holds no fleet client key)."""
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, 2000)
-        auth.apply_curve(self.sock, curve_key, server=False)
+        if server_public is not None:
+            public, secret = zmq.curve_keypair()
+            self.sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            self.sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            self.sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+        else:
+            auth.apply_curve(self.sock, curve_key, server=False)
         self.sock.connect(endpoint)
         self.replies: Counter[str] = Counter()
         self.untyped = 0
