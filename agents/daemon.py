@@ -127,8 +127,10 @@ class Agent:
 
             self._browser = Browser(fleet_id=fleet_id(cfg.key), interfaces=(
                 LOOPBACK_ONLY if cfg.loopback_only else ALL_INTERFACES))
+        b = self._browser
         self.peers = PeerAllowlist(cfg.key, cfg.allow_peers,
-                                   cards=self._browser.cards if self._browser else lambda: ())
+                                   cards=b.cards if b else lambda: (),
+                                   wait_for=b.wait_for if b else None)
         self._start_services()
         self.server = Server(self._handle, key=cfg.key, max_per_peer=cfg.max_conns_per_peer,
                              bind=f"tcp://{cfg.bind_host}:{cfg.port or '*'}").start()

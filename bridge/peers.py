@@ -16,8 +16,10 @@ anything else is refused with `ProtocolError(forbidden)` before any connection i
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import re
+import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from bridge.auth import CARD_SIG, OPEN_FLEET_ID, card_tag, fleet_id
@@ -88,17 +90,28 @@ def signed_endpoints(cards: Iterable[AgentCard], key: bytes | None) -> set[str]:
     return {c.router_endpoint for c in cards if signed(c, key)}
 
 
+DEFAULT_SETTLE_S = 5.0  # a browser this young may not have heard every member yet
+
+
 class PeerAllowlist:
-    """The operator's rules and a live source of discovered cards (a Browser's `cards`)."""
+    """The operator's rules and a live source of discovered cards (a Browser's `cards`).
+
+    wait_for: a Browser's `wait_for`; while the browser is younger than `settle_s`, an endpoint
+    not yet discovered is waited for until then (a fleet started together: a client may see a
+    proposer's card a moment before this agent does). Afterwards a miss is refused at once."""
 
     def __init__(self, key: bytes | None, operator: Sequence[str] = (),
-                 cards: Callable[[], Iterable[AgentCard]] = lambda: ()) -> None:
+                 cards: Callable[[], Iterable[AgentCard]] = lambda: (),
+                 wait_for: Callable[..., object] | None = None,
+                 settle_s: float = DEFAULT_SETTLE_S) -> None:
         bad = [r for r in operator if parse(r) is None]
         if bad:
             raise ValueError(f"--allow-peer takes tcp://HOST:PORT or tcp://HOST:*, got {bad}")
         self.key = key
         self.operator = tuple(operator)
         self._cards = cards
+        self._wait_for = wait_for
+        self._settle_until = time.monotonic() + settle_s
 
     def discovered(self) -> set[str]:
         return signed_endpoints(self._cards(), self.key)
@@ -106,4 +119,14 @@ class PeerAllowlist:
     def check(self, endpoints: Sequence[str]) -> None:
         if not endpoints:
             return
-        check(endpoints, self.operator, self.discovered())
+        try:
+            check(endpoints, self.operator, self.discovered())
+        except ProtocolError:
+            left = self._settle_until - time.monotonic()
+            if self._wait_for is None or left <= 0:
+                raise
+            with contextlib.suppress(TimeoutError):
+                self._wait_for(lambda cards: all(
+                    allowed(e, self.operator, signed_endpoints(cards, self.key))
+                    for e in endpoints), left)
+            check(endpoints, self.operator, self.discovered())

@@ -58,3 +58,24 @@ def test_only_members_and_operator_rules_are_allowed():
         peers.PeerAllowlist(KEY).check(["tcp://127.0.0.1:1"])  # nothing allowed by default
     with pytest.raises(ValueError):
         peers.PeerAllowlist(KEY, ("127.0.0.1:80",))
+
+
+def test_a_young_browser_is_waited_for_then_misses_are_refused_at_once():
+    import time
+
+    members: list[AgentCard] = []
+    waited = []
+
+    def wait_for(pred, timeout):
+        waited.append(timeout)
+        members.append(peers.sign(card(), KEY))  # the card arrives meanwhile
+        assert pred(members)
+
+    allow = peers.PeerAllowlist(KEY, cards=lambda: members, wait_for=wait_for, settle_s=5.0)
+    allow.check(["tcp://10.0.0.5:5555"])
+    assert len(waited) == 1 and 0 < waited[0] <= 5.0
+    late = peers.PeerAllowlist(KEY, cards=lambda: [], wait_for=wait_for, settle_s=0.0)
+    t = time.monotonic()
+    with pytest.raises(ProtocolError):
+        late.check(["tcp://10.0.0.7:5555"])
+    assert len(waited) == 1 and time.monotonic() - t < 0.1
