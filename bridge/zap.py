@@ -66,8 +66,8 @@ class _Handler:
                     continue
                 msg = self._sock.recv_multipart()
                 self._sock.send_multipart(self._answer(msg))
-        except zmq.ContextTerminated:
-            pass
+        except zmq.ContextTerminated:  # the context's term() waits for this socket
+            self._sock.close(linger=0)
         except zmq.ZMQError as e:  # the context was destroyed under us
             log.debug("zap handler stopped: %s", e)
 
