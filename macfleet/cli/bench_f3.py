@@ -71,7 +71,8 @@ def _run_part(args, part: str) -> int:
             fuzz["totals"] = {**fuzz["totals"],
                               "crashes": sum(d["crashes"] for d in doors) + res["crash"],
                               "hangs": sum(d["hangs"] for d in doors) + res["hang"]}
-        print(f"{res['summary']} (cap {res['cap_per_address']}); a key holder from "
+        print(f"{res['summary']} (cap {res['cap_per_address']} per address while past their "
+              f"handshake's time, budget {res.get('pending_budget')}); a key holder from "
               f"{res['ping_from']} answered in {res['ping_ms_during']} ms; "
               f"{res['shed_after_handshake_deadline']} closed after the handshake deadline")
     path = _update_security(args.out, {"fuzz": fuzz}, (f"fuzz.{part}",))
