@@ -20,6 +20,7 @@ from bridge.auth import fleet_id
 from bridge.card import ROLE_PREFILL, ROLE_PROPOSER, ROLE_SHARD, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Advertiser
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError
+from bridge.peers import PeerAllowlist, signed
 from bridge.messages import (AgentEvent, BatchStatusRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, Ping, Pong, PresetResult, RunPreset, StatusReply,
                              StatusRequest)
@@ -53,8 +54,8 @@ class AgentConfig:
     # verifier: ship long prompts' prefill to prefill agents found on Zeroconf when it pays
     # (None: never); an agents.remote_prefill.DisaggPolicy
     disagg: object | None = None
-    # connections one peer address may hold to the ROUTER and to the PUB (None: the default of
-    # bridge.peercap, 0: no cap)
+    # connections one peer address may hold to the ROUTER and to the PUB before they complete
+    # the handshake (None: the default of bridge.peercap, 0: no caps)
     max_conns_per_peer: int | None = None
     # verifier: sessions verified together in one forward (continuous batching; 0: one at a
     # time; None: the verifier's default). A sharded verifier runs one session at a time.
@@ -62,6 +63,9 @@ class AgentConfig:
     # verifier: prefill chunks sized so a batch iteration costs at most this many decode-only
     # ones (None: the verifier's default)
     stall_ratio: float | None = None
+    # endpoints a request may make this agent connect to besides the fleet members it
+    # discovered (bridge.peers): tcp://HOST:PORT or tcp://HOST:* (--allow-peer)
+    allow_peers: tuple[str, ...] = ()
 
 
 DEFAULT_FD_TARGET = 65536
@@ -118,6 +122,15 @@ class Agent:
         self.publisher = Publisher(key=cfg.key, bind=f"tcp://{cfg.bind_host}:{cfg.pub_port or '*'}",
                                    max_per_peer=cfg.max_conns_per_peer)
         self.proposer = self.verifier = self.prefill = self._browser = None
+        if cfg.advertise or cfg.disagg is not None:  # fleet members, for bridge.peers
+            from bridge.discovery import Browser
+
+            self._browser = Browser(fleet_id=fleet_id(cfg.key), interfaces=(
+                LOOPBACK_ONLY if cfg.loopback_only else ALL_INTERFACES))
+        b = self._browser
+        self.peers = PeerAllowlist(cfg.key, cfg.allow_peers,
+                                   cards=b.cards if b else lambda: (),
+                                   wait_for=b.wait_for if b else None)
         self._start_services()
         self.server = Server(self._handle, key=cfg.key, max_per_peer=cfg.max_conns_per_peer,
                              bind=f"tcp://{cfg.bind_host}:{cfg.port or '*'}").start()
@@ -125,7 +138,8 @@ class Agent:
         self.advertiser = None
         if cfg.advertise:
             self.advertiser = Advertiser(
-                self.card, interfaces=LOOPBACK_ONLY if cfg.loopback_only else ALL_INTERFACES)
+                self.card, interfaces=LOOPBACK_ONLY if cfg.loopback_only else ALL_INTERFACES,
+                key=cfg.key)
             self.card = self.advertiser.card
         self._after_advertise()
         self.publish(AgentEvent(self.node_id, "join", f"{self.name} up ({cfg.role})", time.time()))
@@ -157,13 +171,9 @@ class Agent:
         from agents.verifier_service import VerifierService
 
         policy = SpecPolicy(heads_dir=self.cfg.heads_dir, own_model=self.lm.spec,
-                            allow_hub=self.cfg.allow_hub)
+                            allow_hub=self.cfg.allow_hub, vocab_size=self.lm.vocab_size)
         endpoints = None
         if self.cfg.disagg is not None and verifier is None:
-            from bridge.discovery import Browser
-
-            self._browser = Browser(fleet_id=fleet_id(self.cfg.key), interfaces=(
-                LOOPBACK_ONLY if self.cfg.loopback_only else ALL_INTERFACES))
             endpoints = self._prefill_endpoints
 
         return VerifierService(self.lm, node_id=self.node_id, key=self.cfg.key,
@@ -171,13 +181,14 @@ class Agent:
                                publish=self.publish, f3_probe=self.cfg.f3_probe,
                                verifier=verifier, on_fatal=on_fatal, f3_codec=self.cfg.f3_codec,
                                policy=policy, prefill_endpoints=endpoints,
-                               disagg=self.cfg.disagg)
+                               disagg=self.cfg.disagg, peers=self.peers.check)
 
     def _prefill_endpoints(self) -> list[str]:
-        """Prefill agents of this fleet serving this model, as Zeroconf shows them now (CURVE
-        decides whether a card's endpoint is really one of ours)."""
+        """Prefill agents of this fleet serving this model, as Zeroconf shows them now (only
+        cards whose tag checks under the fleet key: bridge.peers)."""
         return [c.router_endpoint for c in self._browser.cards()
-                if ROLE_PREFILL in c.roles and self.lm.spec in c.models]
+                if ROLE_PREFILL in c.roles and self.lm.spec in c.models
+                and signed(c, self.cfg.key)]
 
     def _after_advertise(self) -> None:
         """A hook run once the agent is discoverable."""
@@ -240,9 +251,10 @@ class Agent:
 
     def _run_preset(self, msg, reply) -> None:
         """Validate now (typed error at once), measure on a worker thread, one at a time."""
-        from agents.presets import validate
+        from agents.presets import peers_named, validate
 
         preset, params = validate(msg.preset, dict(msg.params))
+        self.peers.check(peers_named(preset, params))  # forbidden before any connection
         if self.sessions:
             raise ProtocolError(BUSY, "sessions are running: a benchmark now would measure "
                                       "both badly; try again when idle")

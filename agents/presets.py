@@ -65,6 +65,11 @@ def validate(preset: str, params: dict) -> tuple[Preset, dict]:
     return p, out
 
 
+def peers_named(preset: Preset, params: dict) -> list[str]:
+    """Endpoints a checked preset would connect to (each must pass bridge.peers first)."""
+    return [params["peer"]] if preset.name == "link_probe" else []
+
+
 def _verify_sweep(agent, prm: dict) -> dict:
     from macfleet.bench.verify_sweep import verify_sweep
 

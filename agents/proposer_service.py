@@ -12,7 +12,10 @@ forwards faster than one after the other). It serves, in order:
    for more than one draft step.
 Sessions idle longer than `idle_evict_s` are evicted; when every slot is taken, a new session
 reclaims the one idle longest if it has been idle `reclaim_idle_s` (a live verifier asks for a
-block every few hundred ms), and one client connection holds at most `max_sessions_per_client`.
+block every few hundred ms), else the least recently used one of the client holding the most
+(fair share: `slot_for`), and one client connection holds at most `max_sessions_per_client`.
+A session belongs to the client connection that opened it: any other connection's draft,
+re-open or close on it gets `not_found`.
 Every request is validated (drafter specs by `agents.specs.check_spec`); a bad one gets a typed
 error and the service keeps serving.
 """
@@ -30,7 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.draft_stream import DraftStream
-from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_spec,
+from agents.slots import Slot, reclaimable, slot_for  # noqa: F401 - part of this interface
+from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_id, check_spec,
                           make_checked_proposer)
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, INTERNAL, NOT_FOUND, ProtocolError
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
@@ -69,14 +73,6 @@ class ProposerLimits:
     reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S
 
 
-def reclaimable(last_used: dict[str, float], now: float, min_idle_s: float) -> str | None:
-    """The session idle longest, when it has been idle at least min_idle_s (pure)."""
-    if not last_used:
-        return None
-    sid = min(last_used, key=last_used.__getitem__)
-    return sid if now - last_used[sid] >= min_idle_s else None
-
-
 def _learn(s: DraftStream, msg: DraftRequest) -> None:
     """Give a tree drafter what the verifier measured: its verify(L) table (first request)
     and what became of the previous draft, as the local loop does (tree_loop)."""
@@ -105,7 +101,7 @@ class ProposerService:
         self.limits = limits
         self.heads_dir = heads_dir
         self.policy = SpecPolicy(kinds=kinds, heads_dir=heads_dir, own_model=lm.spec,
-                                 allow_hub=allow_hub)
+                                 allow_hub=allow_hub, vocab_size=lm.vocab_size)
         self.models = DraftModels()
         self._sessions: dict[str, DraftStream] = {}
         self._owner: dict[str, bytes] = {}  # session -> the client connection that opened it
@@ -147,13 +143,15 @@ class ProposerService:
             # thread, not behind drafting work) so the verifier measures the wire cost only.
             reply(HiddenStatesAck(msg.session_id, msg.block, int(msg.states.nbytes)))
             return True
+        peer = getattr(reply, "peer", b"")
+        if isinstance(msg, (OpenSession, DraftRequest, CloseSession)):
+            check_id(msg.session_id, "session_id")
         if isinstance(msg, OpenSession):
-            self._validate_open(msg, getattr(reply, "peer", b""))
+            self._validate_open(msg, peer)
         elif isinstance(msg, DraftRequest):
             if not 0 <= msg.k <= self.limits.max_k:
                 raise ProtocolError(BAD_REQUEST, f"k must be 0..{self.limits.max_k}, got {msg.k}")
-            if msg.session_id not in self._sessions:
-                raise ProtocolError(NOT_FOUND, f"no drafting session '{msg.session_id}'")
+            self._owned(msg.session_id, peer)
             f, sc = msg.features, msg.features_scale
             if f is not None and (f.ndim != 2 or f.shape[1] != self.lm.hidden_size
                                   or msg.features_start < 0):
@@ -161,10 +159,20 @@ class ProposerService:
                                                f"from a position >= 0, got {f.shape}")
             if sc is not None and (f is None or f.dtype != np.int8 or sc.shape != (len(f),)):
                 raise ProtocolError(BAD_SHAPE, "features_scale needs int8 features, one per row")
-        elif not isinstance(msg, CloseSession):
+        elif isinstance(msg, CloseSession):
+            if msg.session_id in self._sessions:
+                self._owned(msg.session_id, peer)
+        else:
             return False
         self._jobs.put((msg, reply, time.perf_counter()))
         return True
+
+    def _owned(self, sid: str, peer: bytes) -> None:
+        """NOT_FOUND unless session `sid` exists and was opened by this client connection:
+        another connection that learnt (or guessed) the id can neither draft on it, re-open
+        it nor close it, and cannot even tell it exists."""
+        if sid not in self._sessions or self._owner.get(sid) != peer:
+            raise ProtocolError(NOT_FOUND, f"no drafting session '{sid}'")
 
     def _validate_open(self, msg: OpenSession, peer: bytes) -> None:
         if not isinstance(msg.proposer, str) or "+" in msg.proposer:
@@ -177,6 +185,8 @@ class ProposerService:
             raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} tokens")
         if msg.session_id not in self._sessions:
             self._check_quota(peer)
+        else:
+            self._owned(msg.session_id, peer)  # re-opening replaces only one's own session
         vocab = self.lm.vocab_size
         if any(not 0 <= t < vocab for t in msg.prompt):
             raise ProtocolError(BAD_REQUEST, f"prompt ids must be in 0..{vocab - 1}")
@@ -185,16 +195,13 @@ class ProposerService:
         except ValueError as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
 
-    def _check_quota(self, peer: bytes) -> None:
-        """BUSY when this client holds its share, or every slot is taken and none is idle."""
-        mine = sum(1 for o in list(self._owner.values()) if o == peer)
-        if mine >= self.limits.max_sessions_per_client:
-            raise ProtocolError(BUSY, f"this client holds {mine} drafting sessions (the limit "
-                                      f"per client); close one first")
-        if len(self._sessions) >= self.limits.max_sessions and reclaimable(
-                self._last_used(), time.monotonic(), self.limits.reclaim_idle_s) is None:
-            raise ProtocolError(BUSY, f"{len(self._sessions)} sessions open (the limit), "
-                                      "all of them active")
+    def _check_quota(self, peer: bytes) -> Slot:
+        """The slot for a new session of `peer` (slot_for); BUSY when there is none."""
+        slot = slot_for(peer, dict(self._owner), self._last_used(), time.monotonic(),
+                        self.limits)
+        if not slot.ok:
+            raise ProtocolError(BUSY, slot.why)
+        return slot
 
     def _last_used(self) -> dict[str, float]:
         return {sid: s.last_used for sid, s in list(self._sessions.items())}
@@ -269,7 +276,8 @@ class ProposerService:
         ready = []
         for msg, reply, received in jobs:
             try:
-                ready.append((msg, reply, received, self._update(msg)))
+                ready.append((msg, reply, received,
+                              self._update(msg, getattr(reply, "peer", b""))))
             except ProtocolError as e:
                 reply(ErrorReply(e.code, str(e)))
             except Exception as e:  # noqa: BLE001 - the daemon never dies of a request
@@ -305,11 +313,11 @@ class ProposerService:
                              draft_ms=(time.perf_counter() - received) * 1e3,
                              predraft_hit=False))
 
-    def _update(self, msg: DraftRequest) -> DraftStream:
-        """A draft request's session, its context and hidden states brought up to date."""
-        s = self._sessions.get(msg.session_id)
-        if s is None:
-            raise ProtocolError(NOT_FOUND, f"no drafting session '{msg.session_id}'")
+    def _update(self, msg: DraftRequest, peer: bytes) -> DraftStream:
+        """A draft request's session (its opener's only), its context and hidden states
+        brought up to date."""
+        self._owned(msg.session_id, peer)
+        s = self._sessions[msg.session_id]
         if any(not 0 <= t < self.lm.vocab_size for t in msg.committed):
             raise ProtocolError(BAD_REQUEST, "committed ids outside the vocabulary")
         s.commit(msg.committed)
@@ -330,13 +338,14 @@ class ProposerService:
         then, so time a request waits here (behind a lookahead step, or other sessions'
         blocks) is the proposer's time, not the wire's."""
         if isinstance(msg, OpenSession):
-            if msg.session_id not in self._sessions:
-                self._check_quota(peer)  # again: other opens may have been queued meanwhile
-                if len(self._sessions) >= self.limits.max_sessions:
-                    sid = reclaimable(self._last_used(), time.monotonic(),
-                                      self.limits.reclaim_idle_s)
-                    log.info("reclaiming idle drafting session %s for a new one", sid)
-                    self._drop(sid)
+            if msg.session_id in self._sessions:
+                self._owned(msg.session_id, peer)  # again: it may have changed hands meanwhile
+            else:
+                # again: other opens may have been queued meanwhile
+                evict = self._check_quota(peer).evict
+                if evict is not None:
+                    log.info("drafting session %s gives way to a new one", evict)
+                    self._drop(evict)
             prop = make_checked_proposer(msg.proposer, self.lm, self.policy, self.models)
             if isinstance(prop, EagleProposer):
                 # features arrive over F3; never tap this process's model (agents sharing a
@@ -355,9 +364,11 @@ class ProposerService:
             self._owner[msg.session_id] = peer
             return SessionOpened(msg.session_id, prop.name, self.lm.vocab_size)
         if isinstance(msg, CloseSession):
-            self._drop(msg.session_id)
+            if msg.session_id in self._sessions:
+                self._owned(msg.session_id, peer)
+                self._drop(msg.session_id)
             return SessionClosed(msg.session_id)
-        s = self._update(msg)
+        s = self._update(msg, peer)
         if s.proposer.drafts_trees:  # a dynamic tree: drafted early in idle time, or now
             _learn(s, msg)
             t0 = time.perf_counter()

@@ -34,6 +34,13 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,95}")
 DEFAULT_MAX_DRAFT_MODELS = 2
 MAX_SPEC_CHARS = 512
 MAX_SPEC_PARTS = 8
+MAX_ID_CHARS = 128  # a session or request id a request names
+
+
+def check_id(value: object, what: str) -> None:
+    """ProtocolError(bad_request) unless `value` is an id string of 1..MAX_ID_CHARS."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+        raise _refuse(f"{what} must be a string of 1..{MAX_ID_CHARS} characters")
 
 
 # Every drafter kind a proposer agent serves unless started with fewer (`--proposers`): the
@@ -47,6 +54,7 @@ class SpecPolicy:
     heads_dir: str | None = None  # the agent's own directory of heads, stores, draft models
     own_model: str = ""  # the agent's model spec, always allowed as a draft
     allow_hub: bool = False  # Hugging Face ids for draft: (downloads) from remote requests
+    vocab_size: int = 0  # the agent's model's vocabulary (0: unknown): a draft model must share it
 
 
 def _refuse(why: str) -> ProtocolError:
@@ -95,7 +103,15 @@ def _plain(name: str) -> bool:
 
 
 def _check_draft_model(arg: str, policy: SpecPolicy) -> None:
-    if arg in ALLOWED_MODELS or arg == policy.own_model or _TINY.fullmatch(arg):
+    if _TINY.fullmatch(arg):
+        from macfleet.engine.tiny import DEFAULT_TINY_VOCAB
+
+        vocab = int(arg.split(":")[2]) if arg.count(":") == 2 else DEFAULT_TINY_VOCAB
+        if policy.vocab_size and vocab != policy.vocab_size:  # refused before it is built
+            raise _refuse(f"draft model '{arg}' has vocabulary {vocab}, this agent's model "
+                          f"{policy.vocab_size}: it must share the tokenizer")
+        return
+    if arg in ALLOWED_MODELS or arg == policy.own_model:
         return
     if policy.heads_dir is not None and _plain(arg) and _inside(policy.heads_dir, arg,
                                                                 "draft model").exists():

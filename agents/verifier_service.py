@@ -19,8 +19,10 @@ from dataclasses import dataclass, replace
 from agents.remote_proposer import FlowTotals, RemoteProposer
 from agents.remote_tree import RemoteProposerGroup
 from agents.shard_traffic import block_delta
-from agents.specs import DraftModels, SpecPolicy, check_spec, make_checked_proposer
+from agents.specs import (MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_spec,
+                          make_checked_proposer)
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
+from bridge.peers import PeerAllowlist
 from bridge.messages import (AUTO_DRAFT_TOKENS, BatchStatus, BlockMetrics, ErrorReply,
                              GenerateChunk, GenerateDone, GenerateRequest)
 from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS, DraftTokens
@@ -154,6 +156,12 @@ def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:
     if not isinstance(msg.prompt, str) or len(msg.prompt) > MAX_PROMPT_CHARS:
         raise ProtocolError(BAD_REQUEST, f"prompt longer than {MAX_PROMPT_CHARS} characters "
                                          f"(the limit is {MAX_PROMPT_TOKENS} tokens)")
+    check_id(msg.request_id, "request_id")
+    if len(msg.prefix_ids) > msg.max_tokens:
+        raise ProtocolError(BAD_REQUEST, "prefix_ids are counted in max_tokens: at most "
+                                         f"{msg.max_tokens} of them")
+    if not isinstance(msg.proposer_spec, str) or len(msg.proposer_spec) > MAX_SPEC_CHARS:
+        raise ProtocolError(BAD_REQUEST, f"proposer_spec: at most {MAX_SPEC_CHARS} characters")
     eps = msg.proposers
     if len(eps) > MAX_PROPOSERS:
         raise ProtocolError(BAD_REQUEST, f"at most {MAX_PROPOSERS} proposer endpoints")
@@ -188,12 +196,15 @@ class VerifierService:
                  verifier=None, on_fatal: Callable[[str], None] | None = None,
                  f3_codec: str = "float16", policy: SpecPolicy | None = None,
                  prefill_endpoints: Callable[[], list[str]] | None = None,
-                 disagg=None) -> None:
+                 disagg=None, peers: Callable[[Sequence[str]], None] | None = None) -> None:
         """verifier: a Verifier-like object (a ShardedVerifier on a shard group's rank 0);
         on_fatal: called when the verifier itself is lost (a shard died): the agent stops;
         prefill_endpoints: live prefill agents for this model (flow KV, agents/remote_prefill),
-        with `disagg` (a DisaggPolicy) saying when to use them."""
+        with `disagg` (a DisaggPolicy) saying when to use them; peers: raises
+        ProtocolError(forbidden) for proposer endpoints this agent may not connect to
+        (bridge.peers; None: every endpoint is refused)."""
         self.lm = lm
+        self._peers = peers or PeerAllowlist(key).check
         self.node_id = node_id
         self.key = key
         self.limits = limits
@@ -307,6 +318,7 @@ class VerifierService:
         except ValueError as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
         check_request(msg, self.policy)
+        self._peers(msg.proposers)  # before any connection: fleet members only (no SSRF)
         if self._batch is not None and not (self._stage is not None and self._stage.wants(msg)):
             self._submit_batched(msg, reply)
             return True

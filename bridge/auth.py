@@ -3,10 +3,14 @@
 One 32-byte fleet key, copied to every Mac, is the only secret. `curve_keys` derives from it a
 server keypair (ROUTER and PUB sockets) and a client keypair (DEALER and SUB sockets): each
 secret is HMAC-SHA256(fleet key, label) taken as a Curve25519 scalar (libsodium clamps it), the
-public half computed by `zmq.curve_public`. The server *public* key is never published (Zeroconf
-TXT carries only `fleet_id`, a hash), so it acts as a second secret: a peer that does not hold
-the fleet key cannot build a HELLO the server can open, the handshake fails and libzmq closes the
-connection before one byte reaches the application. An unauthenticated peer gets nothing back:
+public half computed by `zmq.curve_public`. What each key proves:
+- the server keypair: a client that completes the handshake knows it talks to a holder of the
+  fleet key (only a holder can derive the server secret and open the client's HELLO);
+- the client keypair: `bridge.zap` admits to a server socket only the client public key the
+  fleet key derives, and CURVE's INITIATE proves the client holds its secret half. So the server
+  *public* key is not a password: a peer that learnt it (it is never published: Zeroconf TXT
+  carries only `fleet_id`, a hash) but holds another client keypair is refused at the
+  handshake, and libzmq closes the connection before one byte reaches the application. An unauthenticated peer gets nothing back:
 no typed error, no echo. Connections that never finish the handshake are dropped after
 `DEFAULT_HANDSHAKE_S` (`zmq.HANDSHAKE_IVL`), so idle floods cannot hold file descriptors, and
 `bridge.peercap` caps how many connections one address holds meanwhile (key holders too).
@@ -86,6 +90,11 @@ def apply_curve(sock: zmq.Socket, key: bytes | None, *, server: bool,
     ck = curve_keys(key)
     sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake_s * 1000)))
     if server:
+        from bridge import zap  # not at the top: bridge.zap imports nothing of ours, but keep
+        # the handler thread out of processes that never serve
+
+        zap.admit(sock.context, zap_domain(key), frozenset({z85.decode(ck.client_public)}))
+        sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain(key).encode())
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, ck.server_secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, ck.server_public)
@@ -95,8 +104,26 @@ def apply_curve(sock: zmq.Socket, key: bytes | None, *, server: bool,
         sock.setsockopt(zmq.CURVE_SERVERKEY, ck.server_public)
 
 
+def zap_domain(key: bytes) -> str:
+    """The ZAP domain of a fleet's server sockets (public, like the fleet id it is made of)."""
+    return f"macfleet-{fleet_id(key)}"
+
+
 def fleet_id(key: bytes | None) -> str:
     """A short public name of the fleet (safe for Zeroconf TXT): it reveals nothing of the key."""
     if key is None:
         return OPEN_FLEET_ID
     return hashlib.sha256(_FLEET_ID_DOMAIN + key).hexdigest()[:16]
+
+
+_CARD_DOMAIN = b"macfleet-card-v1\0"
+CARD_SIG = "sig"  # the AgentCard.extra entry (TXT "x-sig") carrying the card's tag
+
+
+def card_tag(key: bytes, fleet: str, node_id: str, host: str, router_port: int,
+             pub_port: int) -> str:
+    """An HMAC of where an agent says it listens, under the fleet key (pure): a card whose tag
+    checks was advertised by a key holder for exactly that address, so an agent may connect to
+    it on a request's word. 128 bits, hex: public, it proves and reveals nothing else."""
+    msg = "\0".join((fleet, node_id, host.lower(), str(int(router_port)), str(int(pub_port))))
+    return hmac.new(key, _CARD_DOMAIN + msg.encode(), hashlib.sha256).hexdigest()[:32]

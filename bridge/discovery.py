@@ -38,6 +38,7 @@ from zeroconf import InterfaceChoice, IPVersion, ServiceInfo, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo
 
 from bridge.card import SERVICE_TYPE, AgentCard
+from bridge.peers import sign
 from bridge.roster import (CardAdded, CardRemoved, CardUpdated, DiscoveryEvent, Roster,
                            Sighting, nodes_present)
 from bridge.txt import (
@@ -158,11 +159,15 @@ class Advertiser:
         register_timeout_s: float = DEFAULT_REGISTER_TIMEOUT_S,
         update_timeout_s: float = DEFAULT_UPDATE_TIMEOUT_S,
         close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+        key: bytes | None = None,
     ) -> None:
+        """key: the fleet key; the card is advertised with its tag (`bridge.peers.sign`) for
+        the host it is advertised at, so other agents may connect to it on a request's word."""
         self._interfaces = interfaces
         self._update_timeout_s = update_timeout_s
         self._close_timeout_s = close_timeout_s
-        self._card = replace(card, host=advertised_host(card, interfaces))
+        self._key = key
+        self._card = sign(replace(card, host=advertised_host(card, interfaces)), key)
         self._info = self._service_info(self._card, f"{instance_name(card)}.{SERVICE_TYPE}")
         self._announce: asyncio.Future[None] | None = None
         self._closed = False
@@ -213,7 +218,7 @@ class Advertiser:
             raise RuntimeError("advertiser is closed")
         if card.node_id != self._card.node_id:
             raise ValueError(f"update changes node id {self._card.node_id} -> {card.node_id}")
-        card = replace(card, host=advertised_host(card, self._interfaces))
+        card = sign(replace(card, host=advertised_host(card, self._interfaces)), self._key)
         info = self._service_info(card, self._info.name)
         if (info.text, info.port, info.addresses) == (self._info.text, self._info.port,
                                                       self._info.addresses):

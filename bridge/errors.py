@@ -21,6 +21,7 @@ BUSY = "busy"
 INTERNAL = "internal"
 TIMEOUT = "timeout"
 UNAVAILABLE = "unavailable"
+FORBIDDEN = "forbidden"  # a request named something this agent may not reach (an endpoint)
 
 CODES = frozenset(
     {
@@ -37,6 +38,7 @@ CODES = frozenset(
         INTERNAL,
         TIMEOUT,
         UNAVAILABLE,
+        FORBIDDEN,
     }
 )
 

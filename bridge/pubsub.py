@@ -36,7 +36,7 @@ class Publisher(_Shell):
         0: no cap); `peers` is the bridge.peercap.PeerGuard applying it."""
         self._key = key
         self._sock: zmq.Socket | None = _socket(context or zmq.Context.instance(), zmq.PUB, key=key)
-        self.peers = _guard(self._sock, max_per_peer, bind)
+        self.peers = _guard(self._sock, max_per_peer, bind, key=key)
         self.endpoint = _bind(self._sock, bind)
         self._lock = threading.Lock()
 

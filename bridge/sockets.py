@@ -6,17 +6,18 @@ from __future__ import annotations
 import os
 import time
 from itertools import count
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 import zmq
 
 from bridge import peercap
-from bridge.auth import apply_curve
+from bridge.auth import DEFAULT_HANDSHAKE_S, apply_curve
 from bridge.codec import Envelope, Limits
 from bridge.errors import OVERSIZE, ProtocolError, TransportTimeout
 
 DEFAULT_BIND = "tcp://127.0.0.1:*"
 DEFAULT_RECV_TIMEOUT_S = 10.0
+PROMOTE_MARGIN_S = 0.5
 
 _S = TypeVar("_S", bound="_Shell")
 
@@ -54,13 +55,18 @@ def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
     return mon
 
 
-def _guard(sock: zmq.Socket, max_per_peer: int | None, name: str) -> peercap.PeerGuard | None:
-    """Cap the connections per peer address of a listening socket (call before bind); None:
-    `peercap.DEFAULT_MAX_PER_PEER`, 0: no cap."""
+def _guard(sock: zmq.Socket, max_per_peer: int | None, name: str, *,
+           key: bytes | None) -> peercap.PeerGuard | None:
+    """Cap the connections of a listening socket (call before bind): pending ones per peer
+    address (None: `peercap.DEFAULT_MAX_PER_PEER`, 0: no caps at all), pending and all ones
+    within a budget of this process's descriptor limit (`peercap.caps_for`)."""
     cap = peercap.DEFAULT_MAX_PER_PEER if max_per_peer is None else max_per_peer
     if not cap:
         return None
-    return peercap.PeerGuard(sock, cap, _monitor(sock, peercap.EVENTS), name=name)
+    # in a closed fleet a connection still open after the handshake deadline has the key
+    promote = None if key is None else DEFAULT_HANDSHAKE_S + PROMOTE_MARGIN_S
+    caps = peercap.caps_for(peercap.fd_limit(), cap, promote)
+    return peercap.PeerGuard(sock, caps, _monitor(sock, peercap.EVENTS), name=name)
 
 
 def _bind(sock: zmq.Socket, bind: str) -> str:
@@ -77,13 +83,17 @@ def port_of(endpoint: str) -> int:
     return int(endpoint.rsplit(":", 1)[1])
 
 
-def _recv_capped(sock: zmq.Socket, cap: int) -> tuple[list[memoryview], int]:
+def _recv_capped(sock: zmq.Socket, cap: int,
+                 on_fd: Callable[[int], None] | None = None) -> tuple[list[memoryview], int]:
     """One multipart message (already waiting: poll first), keeping at most `cap` frames so a
-    peer cannot make us hold a million of them; returns (kept frames, frames received)."""
+    peer cannot make us hold a million of them; returns (kept frames, frames received).
+    on_fd: told the fd of the connection the message came on."""
     kept: list[memoryview] = []
     count = 0
     while True:
         frame = sock.recv(zmq.NOBLOCK, copy=False)  # multipart delivery is atomic
+        if on_fd is not None and not count:
+            on_fd(frame.get(zmq.SRCFD))
         count += 1
         if count <= cap:
             kept.append(frame.buffer)

@@ -53,14 +53,17 @@ class Server(_Shell):
     def __init__(self, handler: Handler, *, key: bytes | None, bind: str = DEFAULT_BIND,
                  context: zmq.Context | None = None, limits: Limits = Limits(),
                  poll_s: float = DEFAULT_POLL_S, max_per_peer: int | None = None) -> None:
-        """max_per_peer: connections one address may hold (None: bridge.peercap's default,
-        0: no cap); `peers` is the bridge.peercap.PeerGuard applying it."""
+        """max_per_peer: pending (not yet authenticated) connections one address may hold
+        (None: bridge.peercap's default, 0: no caps); `peers` is the bridge.peercap.PeerGuard
+        applying it with a budget of this process's descriptors."""
         self._handler = handler
         self._key = key
         self._limits = limits
         self._poll_ms = max(1, int(poll_s * 1000))
         self._sock = _socket(context or zmq.Context.instance(), zmq.ROUTER, limits, key=key)
-        self.peers = _guard(self._sock, max_per_peer, bind)
+        self.peers = _guard(self._sock, max_per_peer, bind, key=key)
+        # a message on a connection proves its handshake: out of the pending caps at once
+        self._on_fd = self.peers.authenticated if self.peers is not None else None
         self.endpoint = _bind(self._sock, bind)
         self._wake_r, self._wake_w = socket.socketpair()  # workers' replies wake the loop
         for end in (self._wake_r, self._wake_w):
@@ -132,7 +135,8 @@ class Server(_Shell):
                     for _ in range(SERVE_BATCH):
                         if self._stop.is_set() or not self._sock.poll(0, zmq.POLLIN):
                             break
-                        self._serve(*_recv_capped(self._sock, self._limits.max_frames + 1))
+                        self._serve(*_recv_capped(self._sock, self._limits.max_frames + 1,
+                                                  self._on_fd))
                         self._flush()
         except zmq.ContextTerminated:
             log.info("server %s: context terminated", self.endpoint)

@@ -132,11 +132,20 @@ class Probe:
     """A DEALER for hand-made frames (CURVE with `curve_key`, none, or a wrong one); counts
     typed replies."""
 
-    def __init__(self, endpoint: str, curve_key: bytes | None) -> None:
+    def __init__(self, endpoint: str, curve_key: bytes | None, *,
+                 server_public: bytes | None = None) -> None:
+        """server_public: CURVE with the server public key given and a client keypair of the
+        probe's own (a peer that learnt the server key but holds no fleet client key)."""
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, 2000)
-        auth.apply_curve(self.sock, curve_key, server=False)
+        if server_public is not None:
+            public, secret = zmq.curve_keypair()
+            self.sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            self.sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            self.sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+        else:
+            auth.apply_curve(self.sock, curve_key, server=False)
         self.sock.connect(endpoint)
         self.replies: Counter[str] = Counter()
         self.untyped = 0
@@ -264,11 +273,13 @@ def _still_open(s: socket.socket) -> bool:
 
 
 def idle_flood(endpoint: str, key: bytes, proc: subprocess.Popen, n: int) -> dict:
-    """n idle TCP connections at once from one address: the agent keeps its per-address cap
-    (bridge.peercap) and closes the rest as they arrive, keeps serving a key holder (from
-    another address when there is one), then sheds the kept ones at CURVE's handshake
-    deadline."""
-    from bridge.peercap import DEFAULT_MAX_PER_PEER
+    """n idle TCP connections at once from one address: the agent keeps at most its pending
+    budget (bridge.peercap: connections within their handshake's time are kept past the
+    per-address cap, within the budget of its descriptor limit) and closes the rest as they
+    arrive, keeps serving a key holder (from another address when there is one), then sheds
+    the kept ones at CURVE's handshake deadline."""
+    from bridge.peercap import DEFAULT_MAX_PER_PEER, caps_for
+    from macfleet.bench.closed_fleet import _fd_limit
 
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     conns = []
@@ -294,6 +305,8 @@ def idle_flood(endpoint: str, key: bytes, proc: subprocess.Popen, n: int) -> dic
         s.close()
     return {"connections": len(conns), "open_error": opened_err, "open_s": round(open_s, 2),
             "cap_per_address": DEFAULT_MAX_PER_PEER, "kept_from_one_address": kept,
+            "agent_fd_limit": _fd_limit(proc.pid),
+            "pending_budget": caps_for(_fd_limit(proc.pid)).pending,
             "closed_at_once": len(conns) - kept,
             "summary": f"{len(conns)} connections from one address -> {kept} kept",
             "crash": crashed, "hang": hung, "ping_from": other or host,

@@ -21,10 +21,13 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--messages", type=int, default=3000, help="fuzz messages in all")
     s.add_argument("--skip-encryption", action="store_true")
     s.add_argument("--skip-fuzz", action="store_true")
-    s.add_argument("--only", choices=("encryption", "fuzz", "faults", "flood"), default=None,
+    s.add_argument("--only", choices=("encryption", "fuzz", "faults", "flood", "closed"),
+                   default=None,
                    help="re-run one part; the file's other figures are kept (faults: the "
                    "fault cases incl. the ring cut in the netns test bed; flood: idle "
-                   "connections from one address)")
+                   "connections from one address; closed: five attacks on a fresh local "
+                   "fleet -- SSRF, session slots, session ownership, keyless churn, a rogue "
+                   "client key)")
     s.set_defaults(func=run_security)
 
 
@@ -43,7 +46,8 @@ def _update_security(out, section: dict, parts: tuple[str, ...] = ()):
     from macfleet.bench.record import write_result
 
     old = _read_security(out)
-    keep = {k: v for k, v in old.items() if k in ("encryption", "fuzz") and k not in section}
+    keep = {k: v for k, v in old.items()
+            if k in ("encryption", "fuzz", "closed_fleet") and k not in section}
     commands = {**old.get("commands", {}), **{k: " ".join(["macfleet", *sys.argv[1:]])
                                                 for k in parts or section}}
     return write_result("security.json", {**keep, **section, "commands": commands}, out)
@@ -67,10 +71,26 @@ def _run_part(args, part: str) -> int:
             fuzz["totals"] = {**fuzz["totals"],
                               "crashes": sum(d["crashes"] for d in doors) + res["crash"],
                               "hangs": sum(d["hangs"] for d in doors) + res["hang"]}
-        print(f"{res['summary']} (cap {res['cap_per_address']}); a key holder from "
+        print(f"{res['summary']} (cap {res['cap_per_address']} per address while past their "
+              f"handshake's time, budget {res.get('pending_budget')}); a key holder from "
               f"{res['ping_from']} answered in {res['ping_ms_during']} ms; "
               f"{res['shed_after_handshake_deadline']} closed after the handshake deadline")
     path = _update_security(args.out, {"fuzz": fuzz}, (f"fuzz.{part}",))
+    print(f"wrote {path}")
+    return 0
+
+
+def _run_closed(args) -> int:
+    from macfleet.bench.closed_fleet import closed_fleet
+
+    res = closed_fleet(progress=_progress)
+    for case, r in res.items():
+        if isinstance(r, dict):
+            pings = (f"  pings {100 * r['ping_success']:.0f}% ok, median {r['ping_ms_median']} "
+                     f"ms, max {r['ping_ms_max']} ms" if "ping_success" in r else "")
+            rest = {k: v for k, v in r.items() if not k.startswith("ping")}
+            print(f"{case}: {rest}{pings}")
+    path = _update_security(args.out, {"closed_fleet": res}, ("closed_fleet",))
     print(f"wrote {path}")
     return 0
 
@@ -87,6 +107,8 @@ def run_security(args, *, fuzz: bool | None = None, encryption: bool | None = No
     only = getattr(args, "only", None)
     if only in ("faults", "flood"):
         return _run_part(args, only)
+    if only == "closed":
+        return _run_closed(args)
     if only == "encryption":
         fuzz = False
     elif only == "fuzz":

@@ -42,8 +42,13 @@ def add_parser(sub) -> None:
                    "--loopback, else 0.0.0.0)")
     a.add_argument("--loopback", action="store_true", help="advertise on 127.0.0.1 only")
     a.add_argument("--max-conns-per-peer", type=int, default=None, metavar="N",
-                   help="connections one address may hold to each of the agent's ports; over "
-                   "it new ones are closed (default 64; 0: no cap)")
+                   help="connections one address may hold to each of the agent's ports before "
+                   "they complete the handshake; over it the oldest are closed (default 64; all "
+                   "connections stay within a budget of the descriptor limit; 0: no caps)")
+    a.add_argument("--allow-peer", action="append", default=[], metavar="tcp://HOST:PORT",
+                   help="an endpoint requests may make this agent connect to (a proposer, a "
+                   "link probe's peer) besides the fleet members it discovers; tcp://HOST:* "
+                   "allows every port of HOST; repeatable")
     add_key_args(a)
     a.add_argument("--cpu", type=int, default=None, help="pin to this core (Linux)")
     a.add_argument("--batch-sessions", type=int, default=None, metavar="N",
@@ -112,7 +117,7 @@ def run_agent(args) -> int:
                       proposer_kinds=tuple(k for k in args.proposers.split(",") if k),
                       f3_probe=args.f3_probe, heads_dir=args.heads, f3_codec=args.f3_codec,
                       allow_hub=args.allow_hub, max_conns_per_peer=args.max_conns_per_peer,
-                      batch_sessions=args.batch_sessions,
+                      batch_sessions=args.batch_sessions, allow_peers=tuple(args.allow_peer),
                       stall_ratio=None if args.stall_ratio is None
                       else check_stall_ratio(args.stall_ratio),
                       disagg=None if args.no_disagg else DisaggPolicy(

@@ -25,13 +25,16 @@ from macfleet.engine.proposers.base import ProposerFailed
 from remote_gen import generate_done
 
 KEY = b"k" * 32
+LOCAL = ("tcp://127.0.0.1:*",)  # in-process agents do not advertise: their peers are allowed
 MODEL = "tiny:3"
 
 
 @pytest.fixture(scope="module")
 def pair():
-    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False))
+    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
+                             allow_peers=LOCAL))
     ver = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False,
+                            allow_peers=LOCAL,
                             f3_probe=True))
     yield ver, prop
     ver.close()
@@ -49,6 +52,7 @@ def eagle_proposer_agent(tmp_path, seed: int) -> Agent:
     EagleHead(EagleConfig.for_verifier(lm.model, MODEL, feature_scale=1.0),
               lm.model).save(tmp_path / "head")
     return Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
+                             allow_peers=LOCAL,
                              heads_dir=str(tmp_path)))
 
 
@@ -115,7 +119,8 @@ def test_draft_stream_keeps_only_a_surviving_prefix():
 
 def test_remote_tree_of_two_proposer_agents_is_lossless_and_survives_one_dying(pair):
     ver, prop = pair
-    prop2 = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False))
+    prop2 = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
+                              allow_peers=LOCAL))
     try:
         alone = gen(ver, None, "none", max_tokens=40)
         eps = [prop.card.router_endpoint, prop2.card.router_endpoint]
@@ -246,8 +251,10 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path, monkeypatch)
                                               feature_scale=feature_rms(chunks)), lm.model)
     train(head, chunks, TrainParams(steps=200, batch=8, seq_len=64, lr=3e-3, save_every=10**6))
     head.save(tmp_path / "head")
-    ver = Agent(AgentConfig(role="verifier", model=model, key=KEY, advertise=False))
+    ver = Agent(AgentConfig(role="verifier", model=model, key=KEY, advertise=False,
+                            allow_peers=LOCAL))
     prop = Agent(AgentConfig(role="proposer", model=model, key=KEY, advertise=False,
+                             allow_peers=LOCAL,
                              heads_dir=str(tmp_path)))
     try:
         alone = gen(ver, None, "none", max_tokens=40)

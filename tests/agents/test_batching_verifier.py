@@ -18,6 +18,7 @@ from macfleet.fleet.client import batch_status
 from remote_gen import generate_done
 
 KEY = b"k" * 32
+LOCAL = ("tcp://127.0.0.1:*",)  # in-process agents do not advertise: their peers are allowed
 MODEL = "tiny:3"
 PROMPTS = ["the cat sat on the mat", "one two three four", "hello hello hello",
            "a b a b a b", "the quick brown fox", "def f(x): return x", "lorem ipsum dolor",
@@ -26,9 +27,12 @@ PROMPTS = ["the cat sat on the mat", "one two three four", "hello hello hello",
 
 @pytest.fixture(scope="module")
 def agents():
-    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False))
-    batched = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False))
+    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
+                             allow_peers=LOCAL))
+    batched = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False,
+                                allow_peers=LOCAL))
     solo = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False,
+                             allow_peers=LOCAL,
                              batch_sessions=0))
     yield prop, batched, solo
     for a in (batched, solo, prop):

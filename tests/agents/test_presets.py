@@ -14,6 +14,7 @@ from bridge.transport import Client
 from macfleet.fleet.profile import plan_requests, profile_fleet
 
 KEY = b"t" * 32
+LOCAL = ("tcp://127.0.0.1:*",)  # in-process agents do not advertise: their peers are allowed
 
 
 @pytest.mark.parametrize("preset,params,why", [
@@ -37,8 +38,10 @@ def test_validate_fills_defaults_and_accepts_integral_floats():
 
 def test_agents_measure_themselves_and_results_land_per_host(tmp_path):
     a = Agent(AgentConfig(role="proposer", model="tiny:1", key=KEY, advertise=False,
+                          allow_peers=LOCAL,
                           name="mac-a", proposer_kinds=("ngram", "layerskip")))
     b = Agent(AgentConfig(role="verifier", model="tiny:1", key=KEY, advertise=False,
+                          allow_peers=LOCAL,
                           name="mac-b"))
     try:
         with Client(a.card.router_endpoint, key=KEY) as c:

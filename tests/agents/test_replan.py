@@ -16,6 +16,7 @@ from macfleet.engine.verifier import Verifier
 from macfleet.fleet import client
 
 KEY = b"r" * 32
+LOCAL = ("tcp://127.0.0.1:*",)  # in-process agents do not advertise: their peers are allowed
 MODEL = "tiny:8"
 
 
@@ -35,11 +36,14 @@ class BreaksAfter(Verifier):
 
 def test_replan_continues_after_committed_tokens(monkeypatch, capsys):
     lm = load_model(MODEL)
-    bad = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False))
+    bad = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False,
+                            allow_peers=LOCAL))
     bad.verifier.close()
     bad.verifier = bad._verifier_service(BreaksAfter(lm.model, 12))
-    good = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False))
-    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False))
+    good = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False,
+                             allow_peers=LOCAL))
+    prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
+                             allow_peers=LOCAL))
     try:
         cards = [bad.card, good.card, prop.card]
         monkeypatch.setattr(client, "discover", lambda *a, **k: list(cards))

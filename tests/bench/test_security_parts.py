@@ -51,3 +51,24 @@ def test_only_flood_replaces_the_flood_and_its_share_of_the_totals(tmp_path, mon
 def test_ring_cut_says_why_it_was_skipped(monkeypatch):
     monkeypatch.setattr(f3, "load_testbed", lambda: (None, "needs root"))
     assert faults.ring_cut() == {"skipped": "multi-host test bed unavailable: needs root"}
+
+
+def test_only_closed_adds_the_closed_fleet_cases_and_keeps_the_rest(tmp_path, monkeypatch):
+    from macfleet.bench import closed_fleet
+
+    (tmp_path / "security.json").write_text(json.dumps(OLD))
+    res = {"what": "w", "ssrf": {"generate_reply": "forbidden", "ping_success": 1.0,
+                                 "ping_ms_median": 1.0, "ping_ms_max": 2.0}}
+    monkeypatch.setattr(closed_fleet, "closed_fleet", lambda progress=None: res)
+    args = SimpleNamespace(only="closed", out=tmp_path, max_mib=1, repeats=1, messages=1)
+    assert run_security(args) == 0
+    doc = json.loads((tmp_path / "security.json").read_text())
+    assert doc["closed_fleet"] == res
+    assert doc["encryption"] == OLD["encryption"] and doc["fuzz"] == OLD["fuzz"]
+    assert "closed_fleet" in doc["commands"]
+    (tmp_path / "security.json").write_text(json.dumps({**doc, "commands": {}}))
+    args.only = "encryption"  # re-running another part keeps these figures
+    monkeypatch.setattr("macfleet.bench.security.encryption_cost", lambda **kw: {
+        "by_size": [], "block_ms": 1, "block_ms_source": "x", "smollm2_flows": []})
+    assert run_security(args) == 0
+    assert json.loads((tmp_path / "security.json").read_text())["closed_fleet"] == res

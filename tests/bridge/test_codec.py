@@ -288,7 +288,8 @@ def test_error_reply_is_addressed():
     env = codec.decode(codec.encode_error(exc, request=req))
     assert env.header.reply_to == "r2" and env.header.session == "s"
     assert {"unknown_type", "bad_version", "malformed", "bad_shape", "bad_dtype", "oversize", "auth",
-            "bad_request", "not_found", "busy", "internal", "timeout", "unavailable"} == CODES
+            "bad_request", "not_found", "busy", "internal", "timeout", "unavailable",
+            "forbidden"} == CODES
 
 
 def test_generation_stats_travel_nested_and_are_validated_field_by_field():

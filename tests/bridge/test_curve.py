@@ -74,8 +74,56 @@ def test_no_module_builds_zeromq_sockets_but_bridge_sockets():
     offenders = [str(p.relative_to(root)) for d in ("bridge", "agents", "macfleet", "tui")
                  for p in (root / d).rglob("*.py")
                  if pattern.search(p.read_text())]
-    # the fuzz campaign's hostile probe builds raw sockets on purpose (no CURVE, wrong keys)
-    assert sorted(offenders) == ["bridge/sockets.py", "macfleet/bench/fuzz.py"]
+    # the fuzz campaign's hostile probe builds raw sockets on purpose (no CURVE, wrong keys);
+    # the ZAP handler's socket is inproc only
+    assert sorted(offenders) == ["bridge/sockets.py", "bridge/zap.py", "macfleet/bench/fuzz.py"]
+
+
+def rogue_client(endpoint: str, server_public: bytes) -> zmq.Socket:
+    """A DEALER that knows the server's public key but holds a keypair of its own."""
+    public, secret = zmq.curve_keypair()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_the_server_public_key_alone_admits_nobody():
+    """ZAP admits only the fleet's client key: a peer that learnt the server public key but
+    holds another client keypair completes no handshake and gets nothing."""
+    from bridge import zap
+
+    with Server(echo, key=KEY, poll_s=0.02) as srv:
+        before = zap.denied(zmq.Context.instance())
+        sock = rogue_client(srv.endpoint, auth.curve_keys(KEY).server_public)
+        try:
+            if sock.poll(1000, zmq.POLLOUT):
+                sock.send_multipart([bytes(f) for f in codec.encode(Ping(1, 0))],
+                                    flags=zmq.NOBLOCK)
+            assert not sock.poll(1500, zmq.POLLIN)
+        finally:
+            sock.close(linger=0)
+        assert srv.requests == 0 and zap.denied(zmq.Context.instance()) > before
+        with Client(srv.endpoint, key=KEY) as c:  # the fleet's client key is admitted
+            assert c.request(Ping(9, 0), 5).seq == 9
+
+
+def test_zap_rule_is_the_fleet_client_key_in_its_domain():
+    from bridge import zap
+    from zmq.utils import z85
+
+    client = z85.decode(auth.curve_keys(KEY).client_public)
+    other = z85.decode(auth.curve_keys(OTHER).client_public)
+    table = {auth.zap_domain(KEY): frozenset({client})}
+    assert zap.decide(table, auth.zap_domain(KEY), b"CURVE", [client])[0] == b"200"
+    for domain, mech, creds in [(auth.zap_domain(KEY), b"CURVE", [other]),
+                                (auth.zap_domain(OTHER), b"CURVE", [client]),
+                                (auth.zap_domain(KEY), b"NULL", []),
+                                (auth.zap_domain(KEY), b"CURVE", [])]:
+        assert zap.decide(table, domain, mech, creds)[0] == b"400"
 
 
 def test_metrics_pub_only_reaches_key_holders():

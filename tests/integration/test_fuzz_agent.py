@@ -30,6 +30,7 @@ from bridge.transport import Client
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # slow: >= 10,000 messages to live agents
 
 KEY = b"k" * 32
+LOCAL = ("tcp://127.0.0.1:*",)  # in-process agents do not advertise: their peers are allowed
 BATCH = 100
 BATCHES = 50  # per agent: 5,000 messages each, 10,000 in all
 DRAIN_QUIET_S = 0.25
@@ -115,7 +116,8 @@ FUZZ = settings(max_examples=BATCHES, deadline=None, database=None, derandomize=
 def agents():
     from agents.daemon import Agent, AgentConfig
 
-    made = {role: Agent(AgentConfig(role=role, model="tiny:1", key=KEY, advertise=False))
+    made = {role: Agent(AgentConfig(role=role, model="tiny:1", key=KEY, advertise=False,
+                                    allow_peers=LOCAL))
             for role in ("proposer", "verifier")}
     yield made
     for a in made.values():

@@ -13,9 +13,10 @@ from dataclasses import replace
 import pytest
 
 from agents.proposer_service import ProposerLimits
-from bridge.errors import BAD_REQUEST, BUSY, ProtocolError, TransportTimeout
-from bridge.messages import (CloseSession, GenerateChunk, GenerateDone, GenerateRequest,
-                             OpenSession, Ping, Pong, RunPreset, SessionOpened)
+from bridge.errors import BAD_REQUEST, BUSY, FORBIDDEN, NOT_FOUND, ProtocolError, TransportTimeout
+from bridge.messages import (CloseSession, DraftReply, DraftRequest, GenerateChunk,
+                             GenerateDone, GenerateRequest, OpenSession, Ping, Pong, RunPreset,
+                             SessionClosed, SessionOpened)
 from bridge.transport import Client, Server
 from macfleet import sysinfo
 from macfleet.engine import models
@@ -24,6 +25,7 @@ from macfleet.engine.sampling import MIN_TEMPERATURE, SamplingParams
 pytestmark = [pytest.mark.timeout(90)]
 
 KEY = b"H" * 32
+LOCAL = ("tcp://127.0.0.1:*",)  # in-process agents do not advertise: their peers are allowed
 OTHER = b"h" * 32
 
 
@@ -31,7 +33,8 @@ OTHER = b"h" * 32
 def agents():
     from agents.daemon import Agent, AgentConfig
 
-    made = {role: Agent(AgentConfig(role=role, model="tiny:1", key=KEY, advertise=False))
+    made = {role: Agent(AgentConfig(role=role, model="tiny:1", key=KEY, advertise=False,
+                                    allow_peers=LOCAL))
             for role in ("proposer", "verifier")}
     yield made
     for a in made.values():
@@ -82,6 +85,45 @@ def test_proposer_endpoints_are_capped_and_dead_ones_cost_little(agents):
     assert done.token_ids == alone.token_ids and done.stats.fleet.proposer_failures == 4
 
 
+class Listener:
+    """A plain TCP listener on another loopback address: did anyone connect to it?"""
+
+    def __init__(self, host: str = "127.0.0.2") -> None:
+        self.sock = socket.create_server((host, 0))
+        self.sock.setblocking(False)
+        self.endpoint = f"tcp://{host}:{self.sock.getsockname()[1]}"
+
+    def connected(self, wait_s: float = 0.5) -> bool:
+        time.sleep(wait_s)
+        try:
+            self.sock.accept()[0].close()
+            return True
+        except BlockingIOError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("door", ["proposers", "link_probe"])
+def test_requests_cannot_make_an_agent_connect_outside_its_fleet(agents, door):
+    """A proposer endpoint or a link probe's peer that is neither a discovered fleet member
+    nor operator-allowed is refused (forbidden) and never connected to (no SSRF)."""
+    target = Listener()
+    try:
+        if door == "proposers":
+            e = refusal(agents["verifier"], req(spec="ngram", proposers=[target.endpoint]))
+        else:
+            with Client(agents["proposer"].card.router_endpoint, key=KEY) as c, \
+                    pytest.raises(ProtocolError) as err:
+                c.request(RunPreset("link_probe", {"peer": target.endpoint, "repeats": 1}), 10)
+            e = err.value
+        assert e.code == FORBIDDEN and "fleet" in e.message
+        assert not target.connected()
+    finally:
+        target.close()
+
+
 def test_oversized_prompt_is_refused_before_it_costs_memory(agents):
     v = agents["verifier"]
     refusal(v, req(prompt="word " * 200_000))  # warm the path once
@@ -120,25 +162,112 @@ def test_sessions_per_client_are_capped(agents):
         b.request(CloseSession("b0"), timeout=10)
 
 
+def test_a_session_belongs_to_the_connection_that_opened_it(agents):
+    """Another connection that knows the id can neither draft on it, re-open it nor close it
+    (each gets not_found); the owner drafts on undisturbed."""
+    p = agents["proposer"]
+    with Client(p.card.router_endpoint, key=KEY) as owner, \
+            Client(p.card.router_endpoint, key=KEY) as thief:
+        assert isinstance(open_session(owner, "mine"), SessionOpened)
+        for msg in (DraftRequest("mine", 1, [4], 2, False), CloseSession("mine")):
+            with pytest.raises(ProtocolError) as e:
+                thief.request(msg, timeout=10)
+            assert e.value.code == NOT_FOUND
+        with pytest.raises(ProtocolError) as e:
+            open_session(thief, "mine")
+        assert e.value.code == NOT_FOUND
+        assert isinstance(owner.request(DraftRequest("mine", 1, [4], 2, False), timeout=10),
+                          DraftReply)
+        assert isinstance(owner.request(CloseSession("mine"), timeout=10), SessionClosed)
+
+
 def test_idle_sessions_are_reclaimed_when_full(agents):
     svc = agents["proposer"].proposer
     old = svc.limits
     svc.limits = ProposerLimits(max_sessions=2, reclaim_idle_s=0.5)
     try:
-        with Client(agents["proposer"].card.router_endpoint, key=KEY) as a, \
-                Client(agents["proposer"].card.router_endpoint, key=KEY) as b:
+        ep = agents["proposer"].card.router_endpoint
+        with Client(ep, key=KEY) as a, Client(ep, key=KEY) as a2, Client(ep, key=KEY) as b:
             open_session(a, "idle1")
-            open_session(a, "idle2")
-            with pytest.raises(ProtocolError) as e:  # full, and both were just used
+            open_session(a2, "idle2")
+            with pytest.raises(ProtocolError) as e:  # full, both just used, shared fairly
                 open_session(b, "new")
             assert e.value.code == BUSY
             time.sleep(0.7)
             assert isinstance(open_session(b, "new"), SessionOpened)  # an idle one gave way
             assert svc.sessions == 2
-            for sid in ("idle1", "idle2", "new"):
-                a.request(CloseSession(sid), timeout=10)
+            a.request(CloseSession("idle1"), timeout=10)
+            a2.request(CloseSession("idle2"), timeout=10)
+            b.request(CloseSession("new"), timeout=10)
     finally:
         svc.limits = old
+
+
+def test_a_few_busy_connections_cannot_keep_a_verifier_from_drafts(agents):
+    """Every slot opened by a few connections and kept busy with keep-alive drafts: a
+    generation through that proposer still gets a session (fair share) and remote drafts."""
+    import threading
+
+    p, svc = agents["proposer"], agents["proposer"].proposer
+    old = svc.limits
+    svc.limits = ProposerLimits(max_sessions=6, max_sessions_per_client=3)
+    stop = threading.Event()
+    opened = []
+
+    def hog(name: str) -> None:
+        with Client(p.card.router_endpoint, key=KEY) as c:
+            for i in range(3):
+                opened.append(isinstance(open_session(c, f"{name}{i}"), SessionOpened))
+            block = 0
+            while not stop.is_set():  # keep-alive drafts on every session
+                block += 1
+                for i in range(3):
+                    try:
+                        c.request(DraftRequest(f"{name}{i}", block, [], 1, False), timeout=5)
+                    except ProtocolError:
+                        pass  # a session that gave way
+                time.sleep(0.02)
+
+    hogs = [threading.Thread(target=hog, args=(n,), daemon=True) for n in ("h", "g")]
+    try:
+        for t in hogs:
+            t.start()
+        deadline = time.monotonic() + 20
+        while len(opened) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert opened == [True] * 6 and svc.sessions == 6
+        done = generate(agents["verifier"], req(spec="ngram", max_tokens=24,
+                                                proposers=[p.card.router_endpoint]))
+        assert done.stats.fleet.proposer_failures == 0, done.stats.fleet
+        assert done.stats.fleet.flows.remote_blocks > 0
+    finally:
+        stop.set()
+        for t in hogs:
+            t.join(10)
+        svc.limits = old
+
+
+@pytest.mark.parametrize("field", ["session_id", "tiny_vocab"])
+def test_proposer_request_fields_are_bounded(agents, field):
+    p = agents["proposer"]
+    loaded = len(p.proposer.models)
+    with Client(p.card.router_endpoint, key=KEY) as c, pytest.raises(ProtocolError) as e:
+        if field == "session_id":
+            open_session(c, "s" * 100_000)
+        else:  # a vocabulary the verifier does not share: refused before it is built
+            open_session(c, "big", "draft:tiny:7:65536")
+    assert e.value.code == BAD_REQUEST
+    assert len(p.proposer.models) == loaded
+    assert not any(k[0] == "tiny:7:65536" for k in models._cache)
+
+
+@pytest.mark.parametrize("over", [{"request_id": "r" * 100_000},
+                                  {"prefix_ids": tuple(range(9)), "max_tokens": 8},
+                                  {"proposer_spec": "ngram+" * 2000 + "ngram",
+                                   "proposers": ["tcp://127.0.0.1:9"]}])
+def test_generate_request_fields_are_bounded(agents, over):
+    e = refusal(agents["verifier"], req(**over))
+    assert e.code == BAD_REQUEST
 
 
 def test_draft_models_from_requests_are_bounded(agents):

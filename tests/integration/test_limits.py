@@ -20,13 +20,15 @@ from macfleet.engine.text import MAX_PROMPT_TOKENS
 pytestmark = [pytest.mark.timeout(60)]
 
 KEY = b"L" * 32
+LOCAL = ("tcp://127.0.0.1:*",)  # in-process agents do not advertise: their peers are allowed
 
 
 @pytest.fixture(scope="module")
 def agents():
     from agents.daemon import Agent, AgentConfig
 
-    made = {role: Agent(AgentConfig(role=role, model="tiny:1", key=KEY, advertise=False))
+    made = {role: Agent(AgentConfig(role=role, model="tiny:1", key=KEY, advertise=False,
+                                    allow_peers=LOCAL))
             for role in ("proposer", "verifier")}
     made["proposer"].proposer.limits = ProposerLimits(max_sessions=2, max_k=8, max_prompt=64)
     yield made

@@ -1,6 +1,6 @@
-"""A live agent caps the connections one address holds on each of its ports (ROUTER and the
-metrics PUB): raw TCP connections over the cap are closed at once, a key holder is still
-served, and the counts go back to zero once the connections close."""
+"""A live agent caps the pending connections one address holds on each of its ports (ROUTER
+and the metrics PUB): over the cap the oldest raw TCP connections are closed at once, a key
+holder is still served, and the counts go back to zero once the connections close."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from bridge import peercap
 from bridge.messages import Ping, Pong
 from bridge.transport import Client
 
@@ -64,11 +65,15 @@ def test_extra_connections_are_dropped_and_key_holders_served(agent, port):
     with Client(agent.card.router_endpoint, key=KEY) as c:
         assert isinstance(c.request(Ping(1, 0), 5), Pong)
         taken = 1 if port == "router" else 0  # the key holder's own connection
-        conns = flood(shell.port, CAP + EXTRA)
+        conns = flood(shell.port, EXTRA)
+        time.sleep(peercap.DEFAULT_MIN_LIFE_S + 0.2)  # past their handshake's time
+        conns += flood(shell.port, CAP)
         try:
-            # the extras go at once, well before CURVE's 3 s handshake deadline
-            assert closed_by_peer(conns, 1.5) == EXTRA + taken
-            assert shell.peers.counts() == {"127.0.0.1": CAP}
+            # the oldest give way at once, well before CURVE's 3 s handshake deadline; the
+            # key holder's authenticated connection never does
+            assert closed_by_peer(conns, 1.5) == EXTRA
+            assert shell.peers.pending_counts() == {"127.0.0.1": CAP}
+            assert shell.peers.counts() == {"127.0.0.1": CAP + taken}
             assert isinstance(c.request(Ping(2, 0), 5), Pong)  # its connection was kept
         finally:
             for s in conns:
