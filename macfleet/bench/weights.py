@@ -1,0 +1,136 @@
+"""Verifiers for `bench overhead`: the project's model in a chosen dtype, and random-weight
+llamas in the shape of the models users bring.
+
+A random-weight llama of 1-8B costs what a real one costs per forward (the same matmuls over
+the same bytes), so it measures the bandwidth-bound regime where a block of L tokens costs
+about one token, without any real big model. Its answers are noise, which is fine: the oracle
+drafts the run's own answer (engine/proposers/oracle.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama
+
+from macfleet.engine import fastmath
+from macfleet.engine.models import LoadedModel, load_model
+
+# native: as the project loads it (dense on Linux, its own 4-bit on macOS); q: the model's own
+# quantized format (the GGUF's 4-bit for smollm2); 4bit: the dense weights through nn.quantize
+DTYPES = ("native", "float32", "bfloat16", "float16", "4bit", "q")
+FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+QUANT_GROUP, QUANT_BITS = 64, 4
+
+# Llama 3.x shapes (1b, 3b: Llama-3.2; 8b: Llama-3.1) and a miniature for tests.
+BIG_SHAPES: dict[str, dict] = {
+    "mini": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+    "3b": dict(hidden_size=3072, num_hidden_layers=28, intermediate_size=8192,
+               num_attention_heads=24, num_key_value_heads=8, vocab_size=128256),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+               tie_word_embeddings=False),
+}
+
+
+def parse_dtypes(text: str) -> tuple[str, ...]:
+    """'float32,bfloat16' -> ('float32', 'bfloat16'); ValueError naming the choices."""
+    out = tuple(d.strip() for d in text.split(",") if d.strip())
+    bad = [d for d in out if d not in DTYPES]
+    if not out or bad:
+        raise ValueError(f"dtype must be among {', '.join(DTYPES)} (comma-separated), "
+                         f"got {text!r}")
+    return out
+
+
+def parse_shapes(text: str) -> tuple[str, ...]:
+    """'1b,3b' -> ('1b', '3b'); '' or 'none' -> ()."""
+    if text.strip() in ("", "none"):
+        return ()
+    out = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [s for s in out if s not in BIG_SHAPES]
+    if bad:
+        raise ValueError(f"big shape must be among {', '.join(BIG_SHAPES)}, got {bad}")
+    return out
+
+
+def big_args(shape: str) -> llama.ModelArgs:
+    kw = {"tie_word_embeddings": True, **BIG_SHAPES[shape]}
+    return llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+                           max_position_embeddings=8192, **kw)
+
+
+def param_count(args: llama.ModelArgs) -> int:
+    """Parameters of a llama of these args (pure: the size printed beside a measurement)."""
+    h, n, i = args.hidden_size, args.num_hidden_layers, args.intermediate_size
+    hd = args.head_dim or h // args.num_attention_heads
+    kv = (args.num_key_value_heads or args.num_attention_heads) * hd
+    attn = h * args.num_attention_heads * hd * 2 + h * kv * 2
+    layer = attn + 3 * h * i + 2 * h
+    emb = args.vocab_size * h
+    return emb * (1 if args.tie_word_embeddings else 2) + n * layer + h
+
+
+def convert(model: nn.Module, dtype: str) -> nn.Module:
+    """Cast the floating weights to `dtype` or quantize them (4bit), in place, layer by layer
+    so a big model never holds two copies."""
+    if dtype in FLOAT_DTYPES:
+        model.set_dtype(FLOAT_DTYPES[dtype])
+    elif dtype == "4bit":
+        nn.quantize(model, group_size=QUANT_GROUP, bits=QUANT_BITS,
+                    class_predicate=lambda _p, m: hasattr(m, "to_quantized")
+                    and m.weight.shape[-1] % QUANT_GROUP == 0)
+    elif dtype not in ("native", "q"):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    for layer in getattr(getattr(model, "model", model), "layers", []):
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    return model
+
+
+def weights_format(model: nn.Module) -> str:
+    """What the weights are now: 'quantized' or the dtype of the first layer's q_proj."""
+    q = model.model.layers[0].self_attn.q_proj
+    return "quantized" if hasattr(q, "scales") else str(q.weight.dtype).replace("mlx.core.", "")
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A verifier to measure: its weights, the tokenizer when it has one, how it was made."""
+
+    label: str  # e.g. "smollm2 bfloat16", "random llama 1b bfloat16"
+    model: nn.Module
+    lm: LoadedModel | None  # None: random weights, no tokenizer
+    weights: str  # what the weights are now (weights_format)
+    params: int
+
+
+def project_model(spec: str, dtype: str) -> BenchModel:
+    """The project's model `spec` in `dtype` (a fresh copy unless native: the process-wide
+    cached one stays as loaded)."""
+    if dtype == "native":
+        lm = load_model(spec)
+    else:
+        lm = load_model(spec, dense=dtype != "q", cached=False)
+        convert(lm.model, dtype)
+    from mlx.utils import tree_flatten
+
+    n = sum(v.size for _, v in tree_flatten(lm.model.parameters()))
+    return BenchModel(f"{spec} {dtype}", lm.model, lm, weights_format(lm.model), n)
+
+
+def random_llama(shape: str, dtype: str, seed: int = 0) -> BenchModel:
+    """A llama of `shape` with random weights in `dtype` (float32 when native)."""
+    args = big_args(shape)
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    convert(model, "float32" if dtype in ("native", "q") else dtype)
+    model.eval()
+    fastmath.install(model)
+    return BenchModel(f"random llama {shape} {dtype}", model, None, weights_format(model),
+                      param_count(args))
