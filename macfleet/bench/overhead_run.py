@@ -28,6 +28,7 @@ from macfleet.engine.verify_costs import PROBE_LENGTHS, probe_verify_costs
 
 PLAIN, MLX, TEXT_PLAIN = "plain", "mlx_generate_step", "plain (generate_local)"
 RANDOM_PROMPT_TOKENS = 16
+BIG_CURVE_LENGTHS = (1, 2, 4, 8, 16, 32)  # a big model's forwards are dear: fewer lengths
 VERIFY_REPS = 3
 
 
@@ -84,12 +85,13 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
                   oracle: bool = True, texts: Mapping[str, str] | None = None,
                   default_spec: str | None = None,
                   max_runs: int = DEFAULT_MAX_ITERATIONS,
+                  curve_lengths: Sequence[int] = PROBE_LENGTHS,
                   progress: Callable[[str], None] = lambda s: None) -> dict:
     """One model's section of results/overhead-<device>.json."""
     say = (lambda s: progress(f"[{bm.label}] {s}"))
     verifier = Verifier(bm.model)
     eos = bm.lm.eos_ids if bm.lm is not None else frozenset()
-    lengths = sorted({1, *PROBE_LENGTHS, *(k + 1 for k in ks)})
+    lengths = sorted({1, *curve_lengths, *(k + 1 for k in ks)})
     verify_ms = probe_verify_costs(bm.model, lengths, reps=VERIFY_REPS)
     say("verify(L) ms: " + ", ".join(f"{L}:{verify_ms[L]:.1f}" for L in lengths))
     plain = {p: run_loop(verifier, None, ids, tokens, 0, eos) for p, ids in prompts.items()}

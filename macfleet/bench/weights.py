@@ -9,10 +9,13 @@ drafts the run's own answer (engine/proposers/oracle.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 
 from macfleet.engine import fastmath
@@ -87,7 +90,7 @@ def convert(model: nn.Module, dtype: str) -> nn.Module:
                     and m.weight.shape[-1] % QUANT_GROUP == 0)
     elif dtype not in ("native", "q"):
         raise ValueError(f"unknown dtype {dtype!r}")
-    for layer in getattr(getattr(model, "model", model), "layers", []):
+    for layer in getattr(getattr(model, "model", None), "layers", []):
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
     return model
@@ -118,18 +121,55 @@ def project_model(spec: str, dtype: str) -> BenchModel:
     else:
         lm = load_model(spec, dense=dtype != "q", cached=False)
         convert(lm.model, dtype)
-    from mlx.utils import tree_flatten
-
     n = sum(v.size for _, v in tree_flatten(lm.model.parameters()))
     return BenchModel(f"{spec} {dtype}", lm.model, lm, weights_format(lm.model), n)
+
+
+RANDOM_POOL = (1 << 22) + 7  # not a multiple of any width: tiled rows never repeat exactly
+
+
+def fill_random(model: nn.Module, dtype: str, seed: int = 0, tile: bool | None = None) -> None:
+    """Give every weight of `model` values uniform in +-1/sqrt(fan_in) (norms: ones), layer by
+    layer in `dtype` (4bit: quantized from bfloat16), never holding a float32 copy of the
+    model. An accelerator draws them itself; a CPU tiles a random pool from a random offset
+    per tensor (drawing billions of numbers costs it minutes; a forward costs the same).
+    tile: force one way (default: tile on a CPU)."""
+    rng = np.random.default_rng(seed)
+    on_cpu = mx.default_device() == mx.cpu if tile is None else tile
+    pool = rng.random(RANDOM_POOL, dtype=np.float32) * 2.0 - 1.0 if on_cpu else None
+    fdt = FLOAT_DTYPES.get(dtype, mx.bfloat16 if dtype == "4bit" else mx.float32)
+    key = mx.random.key(seed)
+
+    def tensor(shape: tuple[int, ...]) -> mx.array:
+        nonlocal key
+        if len(shape) == 1:
+            return mx.ones(shape, dtype=fdt)
+        if not on_cpu:
+            key, sub = mx.random.split(key)
+            return mx.random.uniform(-1.0, 1.0, shape, dtype=fdt, key=sub) * \
+                (1.0 / math.sqrt(shape[-1]))
+        o = int(rng.integers(RANDOM_POOL))
+        flat = np.resize(np.concatenate([pool[o:], pool[:o]]), int(np.prod(shape)))
+        return (mx.array(flat.reshape(shape)) * (1.0 / math.sqrt(shape[-1]))).astype(fdt)
+
+    def fill(module: nn.Module, skip: str | None = None) -> None:
+        new = [(name, tensor(tuple(p.shape))) for name, p in
+               tree_flatten(module.parameters()) if not (skip and name.startswith(skip))]
+        module.update(tree_unflatten(new))
+        if dtype == "4bit":
+            convert(module, "4bit")
+        mx.eval(module.parameters())
+
+    for layer in model.model.layers:
+        fill(layer)
+    fill(model, skip="model.layers.")
 
 
 def random_llama(shape: str, dtype: str, seed: int = 0) -> BenchModel:
     """A llama of `shape` with random weights in `dtype` (float32 when native)."""
     args = big_args(shape)
-    mx.random.seed(seed)
-    model = llama.Model(args)
-    convert(model, "float32" if dtype in ("native", "q") else dtype)
+    model = llama.Model(args)  # its own initial weights stay lazy: never computed
+    fill_random(model, "float32" if dtype in ("native", "q") else dtype, seed)
     model.eval()
     fastmath.install(model)
     return BenchModel(f"random llama {shape} {dtype}", model, None, weights_format(model),

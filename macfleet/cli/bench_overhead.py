@@ -22,8 +22,10 @@ def add_bench_parsers(bs) -> None:
                    help="the first N held-out prompts of bench drafter")
     o.add_argument("--ks", default="1,3,7,15", help="the oracle's block lengths (drafts)")
     o.add_argument("--spec", default="auto", help="part (c)'s drafter (default: auto)")
-    o.add_argument("--big-shape", default="1b",
-                   help="random-weight llamas of part (d): mini, 1b, 3b, 8b (comma-separated)")
+    o.add_argument("--big-shape", default=None,
+                   help="random-weight llamas of part (d): mini, 1b, 3b, 8b (comma-separated; "
+                   "default: 1b on a GPU, none on a CPU, where building a 1b takes minutes "
+                   "and its forward seconds)")
     o.add_argument("--big-dtype", default=None,
                    help="their dtype(s): float32, bfloat16, float16, 4bit (default: bfloat16 "
                    "on a GPU, float32 on a CPU)")
@@ -62,7 +64,6 @@ def run(args) -> int:
         dtypes = w.parse_dtypes(args.dtype)
         ks = ov.parse_ks(args.ks)
         skip = ov.parse_skip(args.skip)
-        shapes = () if "d" in skip else w.parse_shapes(args.big_shape)
     except ValueError as e:
         raise UserError(str(e)) from None
     if min(args.tokens, args.rounds, args.prompts, args.max_runs, args.big_prompts) < 1:
@@ -71,7 +72,7 @@ def run(args) -> int:
     import mlx.core as mx
 
     from macfleet import sysinfo
-    from macfleet.bench.overhead_run import measure_model, random_prompts
+    from macfleet.bench.overhead_run import BIG_CURVE_LENGTHS, measure_model, random_prompts
     from macfleet.bench.record import write_result
     from macfleet.engine.drafter.choice import resolve_proposer
     from macfleet.engine.drafter.prompts import HELD_OUT
@@ -82,6 +83,8 @@ def run(args) -> int:
     try:
         big_dtypes = w.parse_dtypes(args.big_dtype or ("bfloat16" if gpu else "float32"))
         big_ks = ov.parse_ks(args.big_ks) if args.big_ks else (ks if gpu else (3, 7))
+        shapes = () if "d" in skip else w.parse_shapes(
+            args.big_shape if args.big_shape is not None else ("1b" if gpu else "none"))
     except ValueError as e:
         raise UserError(str(e)) from None
     big_tokens = args.big_tokens or (args.tokens if gpu else 16)
@@ -117,7 +120,7 @@ def run(args) -> int:
             doc["sections"].append(measure_model(
                 bm, random_prompts(int(bm.model.args.vocab_size), args.big_prompts),
                 tokens=big_tokens, rounds=args.rounds, ks=big_ks, max_runs=args.max_runs,
-                progress=say))
+                curve_lengths=BIG_CURVE_LENGTHS, progress=say))
             _done(doc["sections"][-1], ov)
             del bm
             mx.clear_cache()

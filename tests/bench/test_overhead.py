@@ -7,6 +7,7 @@ import json
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
@@ -118,6 +119,19 @@ def test_a_random_llama_is_built_in_the_asked_dtype_and_counted(dtype, weights):
         assert bm.params == sum(v.size for _, v in tree_flatten(bm.model.parameters()))
     logits = bm.model(mx.array([[1, 2, 3]]))
     assert logits.shape == (1, 3, w.BIG_SHAPES["mini"]["vocab_size"])
+
+
+@pytest.mark.parametrize("tile", [True, False])
+def test_random_weights_are_drawn_or_tiled_at_the_scale_of_the_fan_in(tile):
+    from mlx_lm.models import llama
+
+    model = llama.Model(w.big_args("mini"))
+    w.fill_random(model, "float32", seed=1, tile=tile)
+    q = np.array(model.model.layers[0].self_attn.q_proj.weight)
+    bound = 1 / math.sqrt(q.shape[-1])
+    assert np.abs(q).max() <= bound * 1.0001 and q.std() > bound / 3
+    assert len({tuple(r) for r in q.round(6)}) == q.shape[0]  # no two rows alike
+    assert np.all(np.array(model.model.norm.weight) == 1)
 
 
 def test_the_projects_model_in_another_dtype_leaves_the_cached_one_alone():
