@@ -86,8 +86,10 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
                   default_spec: str | None = None,
                   max_runs: int = DEFAULT_MAX_ITERATIONS,
                   curve_lengths: Sequence[int] = PROBE_LENGTHS,
+                  deadline: float | None = None,
                   progress: Callable[[str], None] = lambda s: None) -> dict:
-    """One model's section of results/overhead-<device>.json."""
+    """One model's section of results/overhead-<device>.json. Past `deadline` (monotonic
+    seconds) no further timed round starts (one always runs)."""
     say = (lambda s: progress(f"[{bm.label}] {s}"))
     verifier = Verifier(bm.model)
     eos = bm.lm.eos_ids if bm.lm is not None else frozenset()
@@ -126,6 +128,10 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
                     runs[p][m].append(run)
                 say(f"round {r}{' (warm-up)' if not r else ''} {p} {m}: "
                     f"{run.decode_tps:.1f} tok/s (stream {run.stream_tps:.1f})")
+        if r and r < rounds and deadline is not None and time.monotonic() > deadline:
+            say(f"time limit: {r} of {rounds} timed rounds")
+            rounds = r
+            break
     section = {"label": bm.label, "weights": bm.weights, "params": bm.params,
                "tokens": tokens, "rounds": rounds,
                "verify_ms": {int(L): v for L, v in verify_ms.items()},

@@ -37,6 +37,9 @@ def add_bench_parsers(bs) -> None:
     o.add_argument("--max-runs", type=int, default=4,
                    help="oracle runs per prompt and k while block decoding departs")
     o.add_argument("--skip", default="", help="parts to skip, among a,b,c,d (comma-separated)")
+    o.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="no model or timed round starts after S seconds (at least one timed "
+                   "round per model that starts); what ran is written")
     o.add_argument("--device-name", default=None,
                    help="the file's tag (default: cpu, or the accelerator's short name)")
     o.set_defaults(func=run)
@@ -79,7 +82,13 @@ def run(args) -> int:
     from macfleet.engine.models import ModelSpecError
     from macfleet.engine.text import encode_prompt
 
+    import time
+
     gpu = mx.default_device() != mx.cpu
+    deadline = time.monotonic() + args.time_limit if args.time_limit else None
+
+    def over() -> bool:
+        return deadline is not None and time.monotonic() > deadline
     try:
         big_dtypes = w.parse_dtypes(args.big_dtype or ("bfloat16" if gpu else "float32"))
         big_ks = ov.parse_ks(args.big_ks) if args.big_ks else (ks if gpu else (3, 7))
@@ -101,6 +110,9 @@ def run(args) -> int:
                  "default_drafter": {"asked": args.spec, "spec": spec, "why": why},
                  "sections": []}
     for dtype in dtypes if {"a", "b", "c"} - skip else ():
+        if over():
+            doc.setdefault("not_measured", []).append(f"{args.model} {dtype}: time limit")
+            continue
         try:
             bm = w.project_model(args.model, dtype)
         except ModelSpecError as e:
@@ -110,17 +122,20 @@ def run(args) -> int:
             bm, ids, tokens=args.tokens, rounds=args.rounds, ks=ks, mlx="a" not in skip,
             oracle="b" not in skip, texts=None if "c" in skip else texts,
             default_spec=None if "c" in skip or spec == "none" else spec,
-            max_runs=args.max_runs, progress=say))
+            max_runs=args.max_runs, deadline=deadline, progress=say))
         _done(doc["sections"][-1], ov)
         del bm
     for shape in shapes:
         for dtype in big_dtypes:
+            if over():
+                doc.setdefault("not_measured", []).append(f"random {shape} {dtype}: time limit")
+                continue
             say(f"building a random llama {shape} in {dtype} ...")
             bm = w.random_llama(shape, dtype)
             doc["sections"].append(measure_model(
                 bm, random_prompts(int(bm.model.args.vocab_size), args.big_prompts),
                 tokens=big_tokens, rounds=args.rounds, ks=big_ks, max_runs=args.max_runs,
-                curve_lengths=BIG_CURVE_LENGTHS, progress=say))
+                curve_lengths=BIG_CURVE_LENGTHS, deadline=deadline, progress=say))
             _done(doc["sections"][-1], ov)
             del bm
             mx.clear_cache()

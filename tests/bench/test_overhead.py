@@ -144,19 +144,39 @@ def test_the_projects_model_in_another_dtype_leaves_the_cached_one_alone():
     assert w.project_model("tiny:3", "native").model is cached.model
 
 
-def test_headline_and_plot_read_a_section_back_from_json(tmp_path):
-    section = {"label": "m", "weights": "float32", "params": 135e6,
+def _section() -> dict:
+    return {"label": "m", "weights": "float32", "params": 135e6,
                "verify_ms": {"1": 4.0, "2": 4.0, "4": 5.0},
                "plain_vs_mlx": {"geomean": 0.9, "min": 0.8},
                "oracle": [ov.oracle_summary({"p": 3.0}, {1: 4.0, 4: 5.0}, 3, True)],
                "departures": ov.departure_summary({"p:k3": ov.OracleTrace((), (5,), True)})}
-    lines = ov.headline(json.loads(json.dumps(section)))
+
+
+def test_headline_reads_a_section_back_from_json():
+    lines = ov.headline(json.loads(json.dumps(_section())))
     assert "verify(1) 4.0 ms" in lines[0] and "135.0M" in lines[0]
     assert any(f"efficiency {round(3.0 / 3.2, 3)}" in s for s in lines)  # ideal 4 * 4.0 / 5.0
     assert any("1 of 1 runs" in s for s in lines)
-    doc = {"device": "cpu", "sections": [json.loads(json.dumps(section))]}
-    if ov.plot(doc, tmp_path / "o.png"):
-        assert (tmp_path / "o.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_plot_reads_sections_back_from_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    doc = {"device": "cpu", "sections": [json.loads(json.dumps(_section()))]}
+    assert ov.plot(doc, tmp_path / "o.png") and (tmp_path / "o.png").stat().st_size > 0
+
+
+def test_past_the_deadline_no_further_round_starts_and_the_section_says_how_many_ran():
+    import time
+
+    from macfleet.bench.overhead_run import measure_model
+
+    bm = w.project_model("tiny:1", "native")
+    s = measure_model(bm, {"p": [1, 2, 3]}, tokens=4, rounds=3, ks=(1,), mlx=False,
+                      curve_lengths=(1, 2), deadline=time.monotonic() - 1)
+    assert s["rounds"] == 1
+    assert len(s["prompts"]["p"]["methods"]["oracle k=1"]["decode_tps"]) == 1
+    assert "plain_vs_mlx" not in s and s["oracle"][0]["all_accepted"]
 
 
 @pytest.mark.slow
