@@ -43,7 +43,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memo
   --format=csv,noheader | tee -a "$O/log.txt"
 stage overhead "$S_OVERHEAD" $PY -m macfleet bench --out "$O/results" --model "$MODEL" overhead \
   --dtype "$DTYPES" --tokens "$TOKENS" --rounds "$ROUNDS" --prompts "$PROMPTS" --ks "$KS" \
-  --big-shape "$BIG" --big-dtype "$BIG_DTYPE" --time-limit $(( S_OVERHEAD * 2 / 3 ))
+  --big-shape "$BIG" --big-dtype "$BIG_DTYPE" --time-limit $(( S_OVERHEAD - 60 ))
 # shellcheck disable=SC2086
 stage drafter "$S_DRAFTER" $PY -m macfleet bench --out "$O/results" --model "$MODEL" drafter \
   --no-agents $DRAFTER_ARGS

@@ -3,7 +3,7 @@
 # staged in /tmp/stage/w (.gpu/w) that the machine's Python lacks; check MLX runs.
 set -e
 R=$PWD; S=/tmp/stage; cd $S; cat $(ls part.* | sort -V) > pack.tar
-echo "sha256 $(sha256sum pack.tar | cut -c1-16) (want ${PACK_SHA:-$(cat $R/.gpu/pack.sha 2>/dev/null || echo f252e4871dd2c06f)})"
+echo "sha256 $(sha256sum pack.tar | cut -c1-16) (want $(cat pack.sha 2>/dev/null || echo f252e4871dd2c06f))"
 tar xf pack.tar && rm -f pack.tar part.*
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   mlx-0.32.4-*.whl mlx_lm-0.32.2-*.whl
