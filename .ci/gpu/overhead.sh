@@ -50,7 +50,7 @@ stage drafter "$S_DRAFTER" $PY -m macfleet bench --out "$O/results" --model "$MO
 stage export 60 $PY -m macfleet export --model "$EXPORT_MODEL" "$J/mlx"
 stage serve "$S_SERVE" $PY -m macfleet bench --out "$O/results" --model "$SERVE_MODEL" serve \
   --clients "$CLIENTS" --max-tokens "$SERVE_TOKENS" --mlx-lm "$J/mlx" --no-stall \
-  --time-limit $(( S_SERVE - 15 ))
+  --time-limit $(( S_SERVE - 40 ))
 H=$(( $(left) - 15 ))
 [ "$H" -ge 45 ] && stage h2h "$H" $PY -m macfleet bench --out "$O/results" --model \
   "$SERVE_MODEL" serve --clients "${CLIENTS##*,}" --max-tokens "$SERVE_TOKENS" --mlx-lm "$J/mlx" \
