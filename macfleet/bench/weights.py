@@ -121,8 +121,22 @@ def project_model(spec: str, dtype: str) -> BenchModel:
     else:
         lm = load_model(spec, dense=dtype != "q", cached=False)
         convert(lm.model, dtype)
-    n = sum(v.size for _, v in tree_flatten(lm.model.parameters()))
-    return BenchModel(f"{spec} {dtype}", lm.model, lm, weights_format(lm.model), n)
+    return BenchModel(f"{spec} {dtype}", lm.model, lm, weights_format(lm.model),
+                      count_params(lm.model))
+
+
+def count_params(model: nn.Module) -> int:
+    """Parameters of `model` as its dense form has them (a quantized layer's packed weight
+    counts 32 / bits values a word; its scales and biases do not count)."""
+    n = 0
+    for _, m in model.named_modules():
+        own = {k: v for k, v in m.items() if isinstance(v, mx.array)}
+        bits = getattr(m, "bits", None)
+        if "scales" in own and bits:
+            n += own["weight"].size * 32 // bits
+            own = {k: v for k, v in own.items() if k not in ("weight", "scales", "biases")}
+        n += sum(v.size for v in own.values())
+    return n
 
 
 RANDOM_POOL = (1 << 22) + 7  # not a multiple of any width: tiled rows never repeat exactly

@@ -115,8 +115,9 @@ def test_big_shapes_have_the_size_of_the_models_they_stand_for(shape):
 def test_a_random_llama_is_built_in_the_asked_dtype_and_counted(dtype, weights):
     bm = w.random_llama("mini", dtype)
     assert bm.weights == weights and bm.lm is None
-    if dtype == "float32":
-        assert bm.params == sum(v.size for _, v in tree_flatten(bm.model.parameters()))
+    dense = w.random_llama("mini", "float32").model
+    assert bm.params == w.count_params(bm.model) == w.count_params(dense) \
+        == sum(v.size for _, v in tree_flatten(dense.parameters()))
     logits = bm.model(mx.array([[1, 2, 3]]))
     assert logits.shape == (1, 3, w.BIG_SHAPES["mini"]["vocab_size"])
 
@@ -140,6 +141,8 @@ def test_the_projects_model_in_another_dtype_leaves_the_cached_one_alone():
     cached = load_model("tiny:3")
     bm = w.project_model("tiny:3", "bfloat16")
     assert bm.weights == "bfloat16" and bm.lm.tokenizer is not None
+    q = w.project_model("tiny:3", "4bit")
+    assert q.weights == "quantized" and q.params == bm.params
     assert w.weights_format(cached.model) == "float32"
     assert w.project_model("tiny:3", "native").model is cached.model
 
