@@ -42,7 +42,8 @@ def _extensions() -> list:
     for name in ("macfleet.cli.bench_fleet", "macfleet.cli.bench_soak", "macfleet.cli.bench_f3",
                  "macfleet.cli.bench_sessions", "macfleet.cli.bench_topologies",
                  "macfleet.cli.bench_drafter", "macfleet.cli.bench_serve",
-                 "macfleet.cli.bench_moe", "macfleet.cli.bench_disagg"):
+                 "macfleet.cli.bench_moe", "macfleet.cli.bench_disagg",
+                 "macfleet.cli.bench_overhead"):
         try:
             mods.append(importlib.import_module(name))
         except ModuleNotFoundError as e:

@@ -27,8 +27,9 @@ def test_every_command_and_bench_renders_help():
     for want in ("generate", "agent", "up", "down", "ls", "keygen", "demo", "dash", "plan",
                  "distill", "doctor", "bench", "bench verify-sweep", "bench local", "bench fleet",
                  "bench soak", "bench f3", "bench sessions", "bench topologies", "bench drafter",
-                 "bench heads", "bench tree-shapes", "key export", "key import",
-                 "service install", "service uninstall", "service status", "service logs"):
+                 "bench heads", "bench tree-shapes", "bench overhead", "key export",
+                 "key import", "service install", "service uninstall", "service status",
+                 "service logs"):
         assert want in seen, f"missing command: {want}"
 
 
