@@ -447,8 +447,9 @@ def test_remote_retrieval_trees_are_drafted_ahead_and_lossless(tmp_path):
     from macfleet.engine.proposers.retrieval import Datastore
 
     prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
-                             heads_dir=str(tmp_path)))
-    ver = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False))
+                             heads_dir=str(tmp_path), allow_peers=LOCAL))
+    ver = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False,
+                            allow_peers=LOCAL))
     try:
         alone = gen(ver, None, "none", max_tokens=60)
         prompt_ids = load_model(MODEL).tokenizer.encode("the cat sat on the mat")
