@@ -27,6 +27,8 @@ from starlette.routing import Route
 
 from macfleet.fleet.batch import BATCH_PATH
 from macfleet.serve.engine import EngineRequest, Overloaded
+from macfleet.serve.logprobs import (TokenLogprob, TokenText, chat_content, completion_logprobs,
+                                     token_text)
 from macfleet.serve.schemas import GenerationRequest, Limits, RequestError, parse_request
 from macfleet.serve.session import GenerationFailed, Outcome, Piece, open_session, run_session
 
@@ -53,6 +55,7 @@ class Api:
         self.engine, self.tok, self.cfg = engine, tokenizer, config
         self.sessions: Counter[str] = Counter()
         self.created = int(time.time())
+        self.token_text = token_text(tokenizer)  # a token's text alone, for logprobs
 
     # -- checks ---------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
@@ -152,15 +155,20 @@ class Api:
         if not self.engine.alive:
             raise RequestError("no verifier is available", status=503, kind="server_error",
                                code="unavailable")
+        if req.logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
+            raise RequestError("logprobs are not available when serving through a fleet's "
+                               "verifier agent (serve --local has them)", param="logprobs")
         ids, prompt_text = self._prompt(req)
         client = f"{request.client.host if request.client else '?'}"
         if self.sessions[client] >= self.cfg.limits.max_sessions_per_client:
             raise RequestError(f"{self.sessions[client]} sessions already open for this client",
                                status=429, kind="rate_limit_error", code="too_many_sessions")
         eos = frozenset(getattr(self.tok, "eos_token_ids", ()) or ())
-        ereq = EngineRequest(tuple(ids), req.params, req.max_tokens, eos, prompt_text)
+        ereq = EngineRequest(tuple(ids), req.params, req.max_tokens, eos, prompt_text,
+                             logprobs=req.logprobs)
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
-                     int(time.time()), self.cfg.model_id, chat, len(ids))
+                     int(time.time()), self.cfg.model_id, chat, len(ids), req.logprobs,
+                     self.token_text)
         self.sessions[client] += 1  # released when the engine drops the session
         try:
             handle, q = open_session(self.engine, ereq, lambda: self._release(client))
@@ -175,14 +183,16 @@ class Api:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            text = await _collect(request, pieces)
+            got = await _collect(request, pieces)
         except GenerationFailed as e:
             raise RequestError(str(e), status=500, kind="server_error") from None
         finally:
             handle.cancel()
         if not outcome:  # the client left; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(meta.full(text, outcome[0]))
+        text = "".join(p.text for p in got)
+        lps = tuple(e for p in got for e in p.logprobs)
+        return JSONResponse(meta.full(text, outcome[0], lps))
 
     def _release(self, client: str) -> None:
         self.sessions[client] -= 1
@@ -194,10 +204,13 @@ class Api:
         try:
             if meta.chat:
                 yield _event(meta.chunk(None, {"role": "assistant", "content": ""}))
+            sent = 0  # characters so far (a completion's logprobs text_offset)
             async for p in pieces:
-                if p.text:
+                if p.text or p.logprobs:
                     yield _event(meta.chunk(None, p.text if not meta.chat
-                                            else {"content": p.text}))
+                                            else {"content": p.text},
+                                            meta.logprobs(p.logprobs, sent)))
+                    sent += len(p.text)
             o = outcome[0]
             yield _event(meta.chunk(o.finish_reason, "" if not meta.chat else {}))
             if req.include_usage:
@@ -216,6 +229,16 @@ class _Meta:
     model: str
     chat: bool
     prompt_tokens: int
+    top: int | None  # logprobs asked for (alternatives per token), or None
+    token_text: TokenText
+
+    def logprobs(self, entries: tuple[TokenLogprob, ...], offset: int = 0) -> dict | None:
+        """A choice's `logprobs` (chat or completion shape), None when not asked for."""
+        if self.top is None:
+            return None
+        if self.chat:
+            return {"content": chat_content(entries, self.token_text), "refusal": None}
+        return completion_logprobs(entries, self.token_text, self.top, offset)
 
     def usage(self, o: Outcome) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": o.completion_tokens,
@@ -224,19 +247,20 @@ class _Meta:
                     "accepted_prediction_tokens": o.accepted,
                     "rejected_prediction_tokens": o.drafted - o.accepted}}
 
-    def full(self, text: str, o: Outcome) -> dict:
+    def full(self, text: str, o: Outcome, lps: tuple[TokenLogprob, ...] = ()) -> dict:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                   "finish_reason": o.finish_reason, "logprobs": None} if self.chat else
+                   "finish_reason": o.finish_reason, "logprobs": self.logprobs(lps)}
+                  if self.chat else
                   {"index": 0, "text": text, "finish_reason": o.finish_reason,
-                   "logprobs": None})
+                   "logprobs": self.logprobs(lps)})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice],
                 "usage": self.usage(o)}
 
-    def chunk(self, finish: str | None, delta) -> dict:
-        choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    def chunk(self, finish: str | None, delta, logprobs: dict | None = None) -> dict:
+        choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
                   if self.chat else
-                  {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None})
+                  {"index": 0, "text": delta, "finish_reason": finish, "logprobs": logprobs})
         return {"id": self.id, "created": self.created, "model": self.model,
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "choices": [choice]}
@@ -246,10 +270,10 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _collect(request: Request, pieces: AsyncIterator[Piece]) -> str:
-    """All the text; stops early (freeing the session) when the client disconnects."""
-    async def gather() -> str:
-        return "".join([p.text async for p in pieces])
+async def _collect(request: Request, pieces: AsyncIterator[Piece]) -> list[Piece]:
+    """All the pieces; stops early (freeing the session) when the client disconnects."""
+    async def gather() -> list[Piece]:
+        return [p async for p in pieces]
 
     task = asyncio.ensure_future(gather())
     try:
@@ -260,7 +284,7 @@ async def _collect(request: Request, pieces: AsyncIterator[Piece]) -> str:
             if await request.is_disconnected():
                 log.debug("client left before its answer was complete")
                 task.cancel()
-                return ""
+                return []
     finally:
         if not task.done():
             task.cancel()

@@ -40,6 +40,8 @@ from macfleet.engine.tree_loop import ProposerGroup, accept_tree, cap_total, tre
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 from macfleet.engine.verify_costs import verify_costs
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
+from macfleet.serve.logprobs import (LogprobsCommitted, TokenLogprob, block_logprobs,
+                                      chain_rows, tree_rows)
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, DraftView,
                                       STALL_EMA, IterationCost, PrefixView, SessionView,
                                       StallControl, draft_acceptance, draft_room,
@@ -75,6 +77,8 @@ class EngineRequest:
     text: str | None = None  # the prompt as text (chat template applied), for fleet backends
     draft_tokens: DraftTokens | None = None  # this request's draft length (None: the engine's)
     report_blocks: bool = False  # also emit a BlockDone per verified block (agent metrics)
+    logprobs: int | None = None  # also emit each committed token's logprob and this many
+    # alternatives (LogprobsCommitted, serve/logprobs.py); None: not asked
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class SessionFailed:
     message: str
 
 
-EngineEvent = TokensCommitted | Finished | SessionFailed | BlockDone
+EngineEvent = TokensCommitted | Finished | SessionFailed | BlockDone | LogprobsCommitted
 
 
 @dataclass
@@ -159,6 +163,8 @@ class SessionHandle:
 
 class BatchEngine:
     """Runs every active session's blocks and prefill chunks in one forward per iteration."""
+
+    supports_logprobs = True  # EngineRequest.logprobs honoured (the HTTP layer asks)
 
     def __init__(self, lm: LoadedModel, *, proposer: str = "ngram",
                  draft_tokens: int | str = "auto", token_budget: int = DEFAULT_TOKEN_BUDGET,
@@ -739,7 +745,7 @@ class BatchEngine:
                 if s.prefill_left <= 0:
                     s.prefill_ms = (self.clock() - s.t_start) * 1e3
             elif s.tree is not None:
-                self._commit_tree(s, *accepted[s.sid], ms)
+                self._commit_tree(s, *accepted[s.sid], ms, logits)
             else:
                 self._commit(s, logits, ms)
 
@@ -777,9 +783,11 @@ class BatchEngine:
             store.keep_paths(rows)
         return out
 
-    def _commit_tree(self, s: _Session, path: list[int], nxt: int, verify_ms: float) -> None:
+    def _commit_tree(self, s: _Session, path: list[int], nxt: int, verify_ms: float,
+                     logits: mx.array) -> None:
         tree = s.tree
         new = [*tree.path_tokens(path), nxt]
+        lps = _logprobs(s, logits, tree_rows(path, len(new)), new)
         if tree.size:
             s.drafted += tree.size
             s.accepted += len(path)
@@ -791,7 +799,7 @@ class BatchEngine:
             self._pool.append((trials, len(path)))
         s.group.observe(s.drafts, tree.accepted_per_source(path), verify_ms, len(tree.tokens))
         self._emit_block(s, new, k=s.k, drafted=tree.size, accepted=len(path),
-                         verify_ms=verify_ms)
+                         verify_ms=verify_ms, logprobs=lps)
 
     def _commit(self, s: _Session, logits: mx.array, verify_ms: float) -> None:
         d = s.draft
@@ -802,6 +810,8 @@ class BatchEngine:
             probs = probs_from_logits(logits, p)
             n, nxt = (accept_ratio(d.tokens, d.probs, probs, s.rng) if d.probs is not None
                       else accept_exact_sample(d.tokens, probs, s.rng))
+        new = [*d.tokens[:n], nxt]
+        lps = _logprobs(s, logits, chain_rows(len(new)), new)
         if len(d) - n:
             trim_cache(s.cache, len(d) - n)
         if len(d):
@@ -814,11 +824,11 @@ class BatchEngine:
             if s.proposer is not None:
                 s.proposer.observe(len(d), n, verify_ms)
         s.controller.observe(len(d), n, s.draft_ms, verify_ms)
-        self._emit_block(s, [*d.tokens[:n], nxt], k=s.k, drafted=len(d), accepted=n,
-                         verify_ms=verify_ms)
+        self._emit_block(s, new, k=s.k, drafted=len(d), accepted=n, verify_ms=verify_ms,
+                         logprobs=lps)
 
     def _emit_block(self, s: _Session, new: list[int], *, k: int, drafted: int, accepted: int,
-                    verify_ms: float) -> None:
+                    verify_ms: float, logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         """A verified block's committed tokens (cut at a stop token) out to the client."""
         stop_at = next((i for i, t in enumerate(new) if t in s.req.eos_ids), None)
         if stop_at is not None:
@@ -834,6 +844,8 @@ class BatchEngine:
                              block_ms=s.draft_ms + verify_ms))
         if new:
             s.times.commit(self.clock())
+            if logprobs:
+                s.emit(LogprobsCommitted(logprobs[:len(new)]))
             s.emit(TokensCommitted(s.blocks, tuple(new)))
         if stop_at is not None:
             self._finish(s, reason="stop")
@@ -857,6 +869,14 @@ class BatchEngine:
             proposer=s.proposer_name, finish_reason=reason, per_proposer=per_proposer,
             accepted_hist=tuple(s.hist))
         s.emit(Finished(stats, tuple(s.generated)))
+
+
+def _logprobs(s: _Session, logits: mx.array, rows: list[int], new: list[int]
+              ) -> tuple[TokenLogprob, ...] | None:
+    """The committed tokens' logprobs when the request asked for them (else None)."""
+    if s.req.logprobs is None:
+        return None
+    return block_logprobs(logits, rows, new, s.req.logprobs)
 
 
 def _rows_of(p: Proposer | None) -> BatchKV | None:

@@ -3,7 +3,7 @@
 Only what macfleet honours is accepted; a field with a wrong type or range is a 400 that names
 the field (`param`), like OpenAI's own errors. Unknown fields are ignored (clients send many:
 `user`, `logit_bias`, ...), except those that would change the answer silently (`n` > 1,
-`logprobs`, `tools`), which are refused.
+`functions`, `echo`, ...), which are refused.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from macfleet.engine.sampling import MAX_SEED, SamplingParams
+from macfleet.serve.logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 64
@@ -59,6 +60,7 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # alternatives per token when logprobs are asked for, else None
 
     @property
     def chat(self) -> bool:
@@ -134,7 +136,7 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
     n = _typed(body, "n", (int,), 1)
     if n != 1:
         raise RequestError("only n=1 is supported", param="n")
-    for name in ("logprobs", "tools", "functions", "echo", "best_of", "suffix"):
+    for name in ("tools", "functions", "echo", "best_of", "suffix"):
         if body.get(name) not in (None, False, 0, 1) or (name in ("tools", "functions")
                                                           and body.get(name)):
             raise RequestError(f"'{name}' is not supported", param=name)
@@ -155,7 +157,31 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
     stream = _typed(body, "stream", (bool,), False)
     opts = _typed(body, "stream_options", (dict,), {})
     include_usage = bool(opts.get("include_usage", False))
+    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
     return GenerationRequest(model=model, messages=messages, prompt=prompt,
                              max_tokens=max_tokens, params=SamplingParams(temperature, top_p, seed),
                              stop=_stop(body.get("stop")), stream=stream,
-                             include_usage=include_usage)
+                             include_usage=include_usage, logprobs=logprobs)
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat: `logprobs` a boolean, `top_logprobs` 0..20 (only with logprobs true)."""
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise RequestError(f"'logprobs' must be a boolean, got {type(on).__name__}",
+                           param="logprobs")
+    top = _typed(body, "top_logprobs", (int,), None)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"'top_logprobs' must be 0..{MAX_TOP_LOGPROBS}",
+                           param="top_logprobs")
+    if top is not None and not on:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if on else None
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Completions: `logprobs` an integer 0..20, the alternatives per token."""
+    top = _typed(body, "logprobs", (int,), None)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"'logprobs' must be 0..{MAX_TOP_LOGPROBS}", param="logprobs")
+    return top
