@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="each session's rows in the shapes it would have alone: bit-identical "
                    "to serving it alone, slower")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="a Jinja chat template replacing the model's own (e.g. one with tool "
+                   "support: tools are rendered by it and its tool-call format is parsed)")
     p.add_argument("--max-tokens-cap", type=int, default=1024)
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
@@ -116,6 +119,12 @@ def serve_fleet(up_args) -> int:
 def run(args) -> int:
     _validate(args)
     key = _api_key(args)
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = args.chat_template.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read --chat-template: {e}") from None
     k = parse_draft_tokens(args.draft_tokens)
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -146,7 +155,8 @@ def run(args) -> int:
         raise UserError(str(e)) from None
     limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_cap,
                     args.max_sessions_per_client)
-    app = create_app(engine.start(), lm.tokenizer, ServerConfig(args.model, key, limits))
+    app = create_app(engine.start(), lm.tokenizer, ServerConfig(args.model, key, limits,
+                                                                    template))
     host, port = sock.getsockname()[:2]
     where = (f"in-process, budget {args.token_budget} tokens/iteration"
              if isinstance(engine, BatchEngine) else
