@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
 SOCKET_BACKLOG = 2048  # uvicorn's default
+DEFAULT_PROMPT_CACHE_MB = 512  # finished requests' KV kept for later prompts (serve/prompt_cache.py)
 
 
 def add_parser(sub) -> None:
@@ -48,6 +49,9 @@ def add_parser(sub) -> None:
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="a Jinja chat template replacing the model's own (e.g. one with tool "
                    "support: tools are rendered by it and its tool-call format is parsed)")
+    p.add_argument("--prompt-cache-mb", type=int, default=DEFAULT_PROMPT_CACHE_MB,
+                   help="keep finished requests' KV (LRU, this many MB) so a prompt that starts "
+                   "the same (the next turn of a chat) prefills only what is new; 0: off")
     p.add_argument("--max-tokens-cap", type=int, default=1024)
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
@@ -97,6 +101,8 @@ def _validate(args) -> None:
                  "max_prompt_tokens", "max_body_bytes", "max_sessions_per_client"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prompt_cache_mb < 0:
+        raise UserError("--prompt-cache-mb must be >= 0")
     if not 0 <= args.stall_ratio <= 100:
         raise UserError("--stall-ratio must be 0..100")
     if not 0 <= args.port <= 65535:
@@ -150,7 +156,7 @@ def run(args) -> int:
             lm, proposer=args.proposer, draft_tokens=k, token_budget=args.token_budget,
             max_active=args.max_active, max_queue=args.max_queue,
             chunked=not args.no_chunked_prefill, invariant=args.batch_invariant,
-            stall_ratio=args.stall_ratio)
+            stall_ratio=args.stall_ratio, prompt_cache_bytes=args.prompt_cache_mb << 20)
     except (ModelSpecError, ProposerSpecError, BatchUnsupported, ValueError) as e:
         raise UserError(str(e)) from None
     limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_cap,

@@ -245,6 +245,7 @@ class _Meta:
     def usage(self, o: Outcome) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": o.completion_tokens,
                 "total_tokens": self.prompt_tokens + o.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
                 "completion_tokens_details": {
                     "accepted_prediction_tokens": o.accepted,
                     "rejected_prediction_tokens": o.drafted - o.accepted}}

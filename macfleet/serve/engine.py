@@ -42,6 +42,7 @@ from macfleet.engine.verify_costs import verify_costs
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
 from macfleet.serve.logprobs import (LogprobsCommitted, TokenLogprob, block_logprobs,
                                       chain_rows, tree_rows)
+from macfleet.serve.prompt_cache import PromptCache, PromptReused, row_kv
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, DraftView,
                                       STALL_EMA, IterationCost, PrefixView, SessionView,
                                       StallControl, draft_acceptance, draft_room,
@@ -88,7 +89,8 @@ class SessionFailed:
     message: str
 
 
-EngineEvent = TokensCommitted | Finished | SessionFailed | BlockDone | LogprobsCommitted
+EngineEvent = (TokensCommitted | Finished | SessionFailed | BlockDone | LogprobsCommitted
+               | PromptReused)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class _Session:
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0
     shared: int = 0  # prompt tokens copied from another session's cache
+    cached: int = 0  # prompt tokens installed from the prompt cache
     cancelled: bool = False
     t_start: float = 0.0
     prefill_ms: float = 0.0
@@ -173,13 +176,16 @@ class BatchEngine:
                  stall_ratio: float = DEFAULT_STALL_RATIO,
                  install_share: float = DEFAULT_INSTALL_SHARE,
                  clock: Callable[[], float] = time.perf_counter,
-                 compute_lock: threading.Lock | None = None) -> None:
+                 compute_lock: threading.Lock | None = None,
+                 prompt_cache_bytes: int = 0) -> None:
         """stall_ratio: prefill chunks are sized so an iteration costs at most this many times
         a decode-only one (0: only the token budget bounds them); compute_lock: held around
         each iteration, when another thread runs the same model (the verifier agent's
         one-session path); install_share: a shipped prompt KV is copied into the batch a few
         layers per iteration, at most this share of a decode-only iteration's time each, while
-        other sessions decode (0: all at once)."""
+        other sessions decode (0: all at once); prompt_cache_bytes: keep finished requests' KV
+        within this many bytes for later prompts that start the same (0: no prompt cache;
+        serve/prompt_cache.py)."""
         check_batchable(lm.model)
         self.lm, self.proposer_spec, self.draft_tokens = lm, proposer, draft_tokens
         self.invariant = invariant
@@ -198,6 +204,8 @@ class BatchEngine:
         self._pool: deque[tuple[int, int]] = deque(maxlen=POOL_BLOCKS)  # (trials, accepted)
         # every session's KV is a row of one store (flat batch), or its own caches (invariant)
         self._kv = None if invariant else BatchKV(len(lm.model.layers))
+        self.prompt_cache = (PromptCache(prompt_cache_bytes)
+                             if prompt_cache_bytes > 0 and not invariant else None)
         self._head_rows: dict[int, BatchKV] = {}  # local EAGLE heads' caches, one store each
         self._vocab = lm.vocab_size
         self._layout = None  # the model's KV layout, read when a shipped KV first arrives
@@ -248,9 +256,11 @@ class BatchEngine:
     def batch_view(self, model: str, n: int = 32) -> BatchView:
         """Load, the last n iterations and the sessions, for GET /v1/macfleet/batch."""
         active, waiting = self.load()
+        pc = self.prompt_cache
         return BatchView(model=model, mode="batched", alive=self.alive, active=active,
                          waiting=waiting, iterations=self.iterations,
-                         recent=tuple(self.recent(n)), sessions=tuple(self.sessions()))
+                         recent=tuple(self.recent(n)), sessions=tuple(self.sessions()),
+                         prompt_cache=pc.stats() if pc is not None else None)
 
     def submit(self, req: EngineRequest, emit: Callable[[EngineEvent], None],
                on_close: Callable[[], None] | None = None, *,
@@ -408,6 +418,9 @@ class BatchEngine:
                 s.rng = make_rng(s.req.params, stream=0)
                 if s.group is not None:  # its drafters size trees against verify(L)
                     s.group.seed_verify_costs(self._verify_costs())
+                if self.prompt_cache is not None and s.kv is None and not s.feeds:
+                    s.cached, s.kv = self.prompt_cache.lookup(s.req.prompt)  # installed as
+                    # a shipped KV is, over iterations
                 if s.kv is not None and not isinstance(s.cache, RowCache):
                     self._install(s)  # batch-invariant mode: per-session caches, at once
             except Exception as e:  # noqa: BLE001 - one bad session fails alone
@@ -455,9 +468,10 @@ class BatchEngine:
         self._installed(s)
 
     def _installed(self, s: _Session) -> None:
+        s.prefilled = s.kv[0][0].shape[1]  # prompt[:-1] shipped; a prompt cache's prefix
         s.kv = None
-        s.prefilled = len(s.req.prompt) - 1
-        s.prefill_ms = (self.clock() - s.t_start) * 1e3
+        if s.prefill_left <= 0:
+            s.prefill_ms = (self.clock() - s.t_start) * 1e3
 
     def _install_some(self, installing: list[_Session], others_decode: bool) -> None:
         """Copy shipped prompt KVs into their batch rows, layer by layer, oldest first. While
@@ -502,6 +516,8 @@ class BatchEngine:
         with self._cv:  # an RLock: some callers hold it already
             self._ended.append(s.view(state))
         if isinstance(s.cache, RowCache):
+            if state == "done" and self.prompt_cache is not None:
+                self._retain(s)
             s.cache.close()
         s.cache = None
         if s.on_close is not None:
@@ -513,6 +529,13 @@ class BatchEngine:
         if s.group is not None:
             s.group.close()
             s.group = None
+
+    def _retain(self, s: _Session) -> None:
+        """A finished session's KV (prompt and answer) into the prompt cache: the positions
+        whose tokens are its context (not a cut-off stop token's)."""
+        n = min(s.cache.offset, len(s.context) - 1)
+        if n >= self.prompt_cache.min_tokens and s.cache.store.keys[0] is not None:
+            self.prompt_cache.insert(s.context[:n], row_kv(s.cache.store, s.cache.row, n))
 
     def _draft_lengths(self, decoding: list[_Session], room: int | None = None
                        ) -> tuple[dict[int, int], frozenset[int]]:
@@ -836,6 +859,8 @@ class BatchEngine:
         s.context.extend(new)
         s.generated.extend(new)
         s.blocks += 1
+        if s.blocks == 1 and (s.cached or s.shared):
+            s.emit(PromptReused(s.cached + s.shared))
         s.draft_total_ms += s.draft_ms
         s.verify_total_ms += verify_ms
         if s.req.report_blocks:

@@ -17,6 +17,7 @@ from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.engine.text import TextStream
 from macfleet.serve.engine import EngineEvent, EngineRequest, SessionFailed, SessionHandle
 from macfleet.serve.logprobs import LogprobsCommitted, TokenLogprob
+from macfleet.serve.prompt_cache import PromptReused
 
 DEFAULT_TOKEN_TIMEOUT_S = 120.0
 
@@ -39,6 +40,7 @@ class Outcome:
     drafted: int
     accepted: int
     ttft_s: float
+    cached_tokens: int = 0  # prompt tokens not prefilled (prompt cache, shared prefixes)
 
 
 class StopMatcher:
@@ -100,6 +102,7 @@ async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops:
     stop = StopMatcher(stops)
     n = 0
     lps: tuple[TokenLogprob, ...] = ()  # not yet sent: their text is held back
+    cached = 0
     try:
         while True:
             try:
@@ -108,7 +111,9 @@ async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops:
                 raise GenerationFailed(f"no token for {token_timeout_s:.0f} s") from None
             if isinstance(ev, SessionFailed):
                 raise GenerationFailed(ev.message)
-            if isinstance(ev, LogprobsCommitted):
+            if isinstance(ev, PromptReused):
+                cached = ev.tokens
+            elif isinstance(ev, LogprobsCommitted):
                 lps += ev.entries
             elif isinstance(ev, TokensCommitted):
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
@@ -118,7 +123,7 @@ async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops:
                     yield Piece(out, len(ev.tokens), lps)
                     lps = ()
                 if stop.stopped:
-                    outcome.append(Outcome("stop", n, 0, 0, ttft))
+                    outcome.append(Outcome("stop", n, 0, 0, ttft, cached))
                     return
             elif isinstance(ev, Finished):
                 tail = stop.feed(text.finish())
@@ -128,7 +133,8 @@ async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops:
                 st = ev.stats
                 reason = "stop" if stop.stopped or st.finish_reason == "stop" else "length"
                 outcome.append(Outcome(reason, st.tokens, st.drafted, st.accepted,
-                                       ttft if ttft is not None else time.perf_counter() - t0))
+                                       ttft if ttft is not None else time.perf_counter() - t0,
+                                       cached))
                 return
     finally:
         handle.cancel()  # client gone, stop sequence or error: free the KV cache now (no-op
