@@ -534,8 +534,12 @@ class BatchEngine:
         """A finished session's KV (prompt and answer) into the prompt cache: the positions
         whose tokens are its context (not a cut-off stop token's)."""
         n = min(s.cache.offset, len(s.context) - 1)
-        if n >= self.prompt_cache.min_tokens and s.cache.store.keys[0] is not None:
+        if n < self.prompt_cache.min_tokens or s.cache.store.keys[0] is None:
+            return
+        try:
             self.prompt_cache.insert(s.context[:n], row_kv(s.cache.store, s.cache.row, n))
+        except (RuntimeError, ValueError, MemoryError) as e:  # not kept: later prompts prefill
+            log.warning("session %d: KV not kept in the prompt cache: %s", s.sid, e)
 
     def _draft_lengths(self, decoding: list[_Session], room: int | None = None
                        ) -> tuple[dict[int, int], frozenset[int]]:
