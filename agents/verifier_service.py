@@ -187,6 +187,8 @@ class VerifierLimits:
     batch_queue: int = DEFAULT_BATCH_QUEUE  # requests waiting for a batch slot
     # prefill chunks sized so a batch iteration costs at most this many decode-only ones
     stall_ratio: float = DEFAULT_STALL_RATIO
+    # finished sessions' KV kept for later prompts that start the same (serve/prompt_cache.py)
+    prompt_cache_mb: int = 512
 
 
 class VerifierService:
@@ -247,7 +249,8 @@ class VerifierService:
             self._batch = BatchEngine(self.lm, proposer="none",
                                       max_active=self.limits.batch_sessions,
                                       max_queue=self.limits.batch_queue,
-                                      stall_ratio=self.limits.stall_ratio, compute_lock=lock)
+                                      stall_ratio=self.limits.stall_ratio, compute_lock=lock,
+                                      prompt_cache_bytes=self.limits.prompt_cache_mb << 20)
         except ValueError as e:  # a model the flat forward cannot run: one session at a time
             log.warning("no continuous batching for %s: %s", self.lm.spec, e)
             return

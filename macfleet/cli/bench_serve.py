@@ -23,6 +23,11 @@ def add_bench_parsers(bs) -> None:
                    help="with --mlx-lm: both servers up, ROUNDS alternating rounds of the "
                         "largest --clients count against each; the ratio per round "
                         "(results/serve_h2h.json)")
+    s.add_argument("--multi-turn", action="store_true",
+                   help="one chat of --turns turns with a growing history through the openai "
+                   "package: time to first token per turn with the prompt cache and without "
+                   "(results/serve_chat.json)")
+    s.add_argument("--turns", type=int, default=8, help="with --multi-turn")
     s.set_defaults(func=run_serve)
     b = bs.add_parser("batch-identity", help="greedy answers batched vs alone over many "
                       "requests: divergence rate per mode (results/batch_identity.json)")
@@ -52,6 +57,8 @@ def run_serve(args) -> int:
     if args.stall_only:
         clients = []
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
+    if args.multi_turn:
+        return _run_multi_turn(args, progress)
     if args.head_to_head:
         return _run_head_to_head(args, max(clients), progress)
     if args.fleet:
@@ -67,6 +74,21 @@ def run_serve(args) -> int:
     if clients and plot(res, args.out / f"{name}.png"):
         print(f"wrote {args.out / f'{name}.png'}")
     for line in summary_rows(res):
+        print(line)
+    print(f"wrote {path}")
+    return 0
+
+
+def _run_multi_turn(args, progress) -> int:
+    from macfleet.bench.record import write_result
+    from macfleet.bench.serve_chat import bench_multi_turn, chat_rows
+    from macfleet.cli.common import UserError
+
+    if args.turns < 1:
+        raise UserError("--turns must be >= 1")
+    res = bench_multi_turn(args.model, args.turns, args.max_tokens, progress)
+    path = write_result("serve_chat.json", res, args.out)
+    for line in chat_rows(res):
         print(line)
     print(f"wrote {path}")
     return 0

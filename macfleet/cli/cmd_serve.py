@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
 SOCKET_BACKLOG = 2048  # uvicorn's default
+DEFAULT_PROMPT_CACHE_MB = 512  # finished requests' KV kept for later prompts (serve/prompt_cache.py)
 
 
 def add_parser(sub) -> None:
@@ -45,6 +46,12 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="each session's rows in the shapes it would have alone: bit-identical "
                    "to serving it alone, slower")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="a Jinja chat template replacing the model's own (e.g. one with tool "
+                   "support: tools are rendered by it and its tool-call format is parsed)")
+    p.add_argument("--prompt-cache-mb", type=int, default=DEFAULT_PROMPT_CACHE_MB,
+                   help="keep finished requests' KV (LRU, this many MB) so a prompt that starts "
+                   "the same (the next turn of a chat) prefills only what is new; 0: off")
     p.add_argument("--max-tokens-cap", type=int, default=1024)
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
@@ -94,6 +101,8 @@ def _validate(args) -> None:
                  "max_prompt_tokens", "max_body_bytes", "max_sessions_per_client"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prompt_cache_mb < 0:
+        raise UserError("--prompt-cache-mb must be >= 0")
     if not 0 <= args.stall_ratio <= 100:
         raise UserError("--stall-ratio must be 0..100")
     if not 0 <= args.port <= 65535:
@@ -116,6 +125,12 @@ def serve_fleet(up_args) -> int:
 def run(args) -> int:
     _validate(args)
     key = _api_key(args)
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = args.chat_template.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read --chat-template: {e}") from None
     k = parse_draft_tokens(args.draft_tokens)
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -142,12 +157,13 @@ def run(args) -> int:
             lm, proposer=args.proposer, draft_tokens=k, token_budget=args.token_budget,
             max_active=args.max_active, max_queue=args.max_queue,
             chunked=not args.no_chunked_prefill, invariant=args.batch_invariant,
-            stall_ratio=args.stall_ratio)
+            stall_ratio=args.stall_ratio, prompt_cache_bytes=args.prompt_cache_mb << 20)
     except (ModelSpecError, ProposerSpecError, BatchUnsupported, ValueError) as e:
         raise UserError(str(e)) from None
     limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_cap,
                     args.max_sessions_per_client)
-    app = create_app(engine.start(), lm.tokenizer, ServerConfig(args.model, key, limits))
+    app = create_app(engine.start(), lm.tokenizer, ServerConfig(args.model, key, limits,
+                                                                    template))
     host, port = sock.getsockname()[:2]
     where = (f"in-process, budget {args.token_budget} tokens/iteration"
              if isinstance(engine, BatchEngine) else

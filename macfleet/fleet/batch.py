@@ -34,6 +34,18 @@ def percentile(xs: Sequence[float], q: float) -> float | None:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptCacheView:
+    """A server's prompt cache: its entries and bytes, and the prefill tokens it saved."""
+
+    entries: int
+    bytes: int
+    max_bytes: int
+    lookups: int
+    hits: int
+    saved_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class BatchView:
     """A server's batch at one instant: load, recent iterations, live and recent sessions."""
 
@@ -45,6 +57,7 @@ class BatchView:
     iterations: int  # since the server started
     recent: tuple[IterationView, ...] = ()  # oldest first
     sessions: tuple[ServedSession, ...] = ()  # live ones, then recently ended ones
+    prompt_cache: PromptCacheView | None = None  # serve --local's prompt cache, when on
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,7 +70,10 @@ class BatchView:
                    active=int(d["active"]), waiting=int(d["waiting"]),
                    iterations=int(d["iterations"]),
                    recent=tuple(IterationView.from_dict(r) for r in d.get("recent", ())),
-                   sessions=tuple(ServedSession.from_dict(s) for s in d.get("sessions", ())))
+                   sessions=tuple(ServedSession.from_dict(s) for s in d.get("sessions", ())),
+                   prompt_cache=(PromptCacheView(**{k: int(d["prompt_cache"][k]) for k in
+                                                    PromptCacheView.__dataclass_fields__})
+                                 if d.get("prompt_cache") else None))
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,8 +27,12 @@ from starlette.routing import Route
 
 from macfleet.fleet.batch import BATCH_PATH
 from macfleet.serve.engine import EngineRequest, Overloaded
+from macfleet.serve.logprobs import (TokenLogprob, TokenText, chat_content, completion_logprobs,
+                                     token_text)
+from macfleet.serve.prompt import Prompt, render_prompt
 from macfleet.serve.schemas import GenerationRequest, Limits, RequestError, parse_request
 from macfleet.serve.session import GenerationFailed, Outcome, Piece, open_session, run_session
+from macfleet.serve.tools import ToolCall, ToolStream, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,7 @@ class ServerConfig:
     model_id: str
     api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
+    chat_template: str | None = None  # replaces the model's own (serve --chat-template)
 
 
 def error_response(e: RequestError) -> JSONResponse:
@@ -53,6 +58,7 @@ class Api:
         self.engine, self.tok, self.cfg = engine, tokenizer, config
         self.sessions: Counter[str] = Counter()
         self.created = int(time.time())
+        self.token_text = token_text(tokenizer)  # a token's text alone, for logprobs
 
     # -- checks ---------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
@@ -82,30 +88,6 @@ class Api:
             raise RequestError(f"the body is not valid JSON: {e}") from None
         except RecursionError:  # [[[[...]]]] deeper than the parser's stack
             raise RequestError("the body's JSON is nested too deeply") from None
-
-    def _prompt(self, req: GenerationRequest) -> tuple[list[int], str]:
-        """Token ids and text of the prompt (chat template applied for chat requests)."""
-        tok = self.tok
-        if req.chat:
-            msgs = [{"role": m.role, "content": m.content} for m in req.messages]
-            if getattr(tok, "has_chat_template", False):
-                ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
-                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            else:
-                text = "\n".join(m.content for m in req.messages)
-                ids = tok.encode(text)
-        else:
-            text = req.prompt
-            ids = tok.encode(text)
-        ids = [int(t) for t in ids]
-        lim = self.cfg.limits.max_prompt_tokens
-        if not ids:
-            raise RequestError("the prompt encodes to no tokens", param="prompt")
-        if len(ids) > lim:
-            raise RequestError(f"the prompt is {len(ids)} tokens; this server's limit is {lim}",
-                               param="messages" if req.chat else "prompt",
-                               code="context_length_exceeded")
-        return ids, text
 
     # -- routes ---------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -152,15 +134,21 @@ class Api:
         if not self.engine.alive:
             raise RequestError("no verifier is available", status=503, kind="server_error",
                                code="unavailable")
-        ids, prompt_text = self._prompt(req)
+        if req.logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
+            raise RequestError("logprobs are not available when serving through a fleet's "
+                               "verifier agent (serve --local has them)", param="logprobs")
+        prompt = render_prompt(self.tok, req, self.cfg.limits, self.cfg.chat_template)
+        ids, prompt_text = prompt.ids, prompt.text
         client = f"{request.client.host if request.client else '?'}"
         if self.sessions[client] >= self.cfg.limits.max_sessions_per_client:
             raise RequestError(f"{self.sessions[client]} sessions already open for this client",
                                status=429, kind="rate_limit_error", code="too_many_sessions")
         eos = frozenset(getattr(self.tok, "eos_token_ids", ()) or ())
-        ereq = EngineRequest(tuple(ids), req.params, req.max_tokens, eos, prompt_text)
+        ereq = EngineRequest(tuple(ids), req.params, req.max_tokens, eos, prompt_text,
+                             logprobs=req.logprobs)
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
-                     int(time.time()), self.cfg.model_id, chat, len(ids))
+                     int(time.time()), self.cfg.model_id, chat, len(ids), req.logprobs,
+                     self.token_text, prompt)
         self.sessions[client] += 1  # released when the engine drops the session
         try:
             handle, q = open_session(self.engine, ereq, lambda: self._release(client))
@@ -175,14 +163,19 @@ class Api:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            text = await _collect(request, pieces)
+            got = await _collect(request, pieces)
         except GenerationFailed as e:
             raise RequestError(str(e), status=500, kind="server_error") from None
         finally:
             handle.cancel()
         if not outcome:  # the client left; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(meta.full(text, outcome[0]))
+        text = "".join(p.text for p in got)
+        lps = tuple(e for p in got for e in p.logprobs)
+        calls: tuple[ToolCall, ...] = ()
+        if meta.prompt.tool_format is not None:
+            text, calls = parse_tool_calls(meta.prompt.tool_format, meta.prompt.prefix + text)
+        return JSONResponse(meta.full(text, outcome[0], lps, calls))
 
     def _release(self, client: str) -> None:
         self.sessions[client] -= 1
@@ -194,12 +187,26 @@ class Api:
         try:
             if meta.chat:
                 yield _event(meta.chunk(None, {"role": "assistant", "content": ""}))
+            sent = 0  # characters so far (a completion's logprobs text_offset)
+            tools = meta.tool_stream() if meta.prompt.tool_format is not None else None
             async for p in pieces:
-                if p.text:
-                    yield _event(meta.chunk(None, p.text if not meta.chat
-                                            else {"content": p.text}))
+                text, calls = tools.feed(p.text) if tools is not None else (p.text, [])
+                if text or p.logprobs:
+                    yield _event(meta.chunk(None, text if not meta.chat
+                                            else {"content": text},
+                                            meta.logprobs(p.logprobs, sent)))
+                    sent += len(text)
+                for c in calls:
+                    yield _event(meta.call_chunk(c, tools))
+            if tools is not None:
+                text, calls = tools.finish()
+                if text:
+                    yield _event(meta.chunk(None, {"content": text}))
+                for c in calls:
+                    yield _event(meta.call_chunk(c, tools))
             o = outcome[0]
-            yield _event(meta.chunk(o.finish_reason, "" if not meta.chat else {}))
+            finish = "tool_calls" if tools is not None and tools.calls else o.finish_reason
+            yield _event(meta.chunk(finish, "" if not meta.chat else {}))
             if req.include_usage:
                 yield _event({**meta.chunk(None, {}), "choices": [], "usage": meta.usage(o)})
         except GenerationFailed as e:  # the status line is gone: an error event, then [DONE]
@@ -216,27 +223,53 @@ class _Meta:
     model: str
     chat: bool
     prompt_tokens: int
+    top: int | None  # logprobs asked for (alternatives per token), or None
+    token_text: TokenText
+    prompt: Prompt
+
+    def tool_stream(self) -> ToolStream:
+        return ToolStream(self.prompt.tool_format, self.prompt.prefix)
+
+    def call_chunk(self, call: ToolCall, tools: ToolStream) -> dict:
+        """A streamed tool call, whole (its name and all its arguments in one delta)."""
+        return self.chunk(None, {"tool_calls": [call.to_dict(tools.calls.index(call))]})
+
+    def logprobs(self, entries: tuple[TokenLogprob, ...], offset: int = 0) -> dict | None:
+        """A choice's `logprobs` (chat or completion shape), None when not asked for."""
+        if self.top is None:
+            return None
+        if self.chat:
+            return {"content": chat_content(entries, self.token_text), "refusal": None}
+        return completion_logprobs(entries, self.token_text, self.top, offset)
 
     def usage(self, o: Outcome) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": o.completion_tokens,
                 "total_tokens": self.prompt_tokens + o.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
                 "completion_tokens_details": {
                     "accepted_prediction_tokens": o.accepted,
                     "rejected_prediction_tokens": o.drafted - o.accepted}}
 
-    def full(self, text: str, o: Outcome) -> dict:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                   "finish_reason": o.finish_reason, "logprobs": None} if self.chat else
+    def full(self, text: str, o: Outcome, lps: tuple[TokenLogprob, ...] = (),
+             calls: tuple[ToolCall, ...] = ()) -> dict:
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message = {"role": "assistant", "content": text or None,
+                       "tool_calls": [c.to_dict() for c in calls]}
+        choice = ({"index": 0, "message": message,
+                   "finish_reason": "tool_calls" if calls else o.finish_reason,
+                   "logprobs": self.logprobs(lps)}
+                  if self.chat else
                   {"index": 0, "text": text, "finish_reason": o.finish_reason,
-                   "logprobs": None})
+                   "logprobs": self.logprobs(lps)})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice],
                 "usage": self.usage(o)}
 
-    def chunk(self, finish: str | None, delta) -> dict:
-        choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    def chunk(self, finish: str | None, delta, logprobs: dict | None = None) -> dict:
+        choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
                   if self.chat else
-                  {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None})
+                  {"index": 0, "text": delta, "finish_reason": finish, "logprobs": logprobs})
         return {"id": self.id, "created": self.created, "model": self.model,
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "choices": [choice]}
@@ -246,10 +279,10 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _collect(request: Request, pieces: AsyncIterator[Piece]) -> str:
-    """All the text; stops early (freeing the session) when the client disconnects."""
-    async def gather() -> str:
-        return "".join([p.text async for p in pieces])
+async def _collect(request: Request, pieces: AsyncIterator[Piece]) -> list[Piece]:
+    """All the pieces; stops early (freeing the session) when the client disconnects."""
+    async def gather() -> list[Piece]:
+        return [p async for p in pieces]
 
     task = asyncio.ensure_future(gather())
     try:
@@ -260,7 +293,7 @@ async def _collect(request: Request, pieces: AsyncIterator[Piece]) -> str:
             if await request.is_disconnected():
                 log.debug("client left before its answer was complete")
                 task.cancel()
-                return ""
+                return []
     finally:
         if not task.done():
             task.cancel()

@@ -40,6 +40,9 @@ from macfleet.engine.tree_loop import ProposerGroup, accept_tree, cap_total, tre
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 from macfleet.engine.verify_costs import verify_costs
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
+from macfleet.serve.logprobs import (LogprobsCommitted, TokenLogprob, block_logprobs,
+                                      chain_rows, tree_rows)
+from macfleet.serve.prompt_cache import PromptCache, PromptReused, row_kv
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, DraftView,
                                       STALL_EMA, IterationCost, PrefixView, SessionView,
                                       StallControl, draft_acceptance, draft_room,
@@ -75,6 +78,8 @@ class EngineRequest:
     text: str | None = None  # the prompt as text (chat template applied), for fleet backends
     draft_tokens: DraftTokens | None = None  # this request's draft length (None: the engine's)
     report_blocks: bool = False  # also emit a BlockDone per verified block (agent metrics)
+    logprobs: int | None = None  # also emit each committed token's logprob and this many
+    # alternatives (LogprobsCommitted, serve/logprobs.py); None: not asked
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,8 @@ class SessionFailed:
     message: str
 
 
-EngineEvent = TokensCommitted | Finished | SessionFailed | BlockDone
+EngineEvent = (TokensCommitted | Finished | SessionFailed | BlockDone | LogprobsCommitted
+               | PromptReused)
 
 
 @dataclass
@@ -104,6 +110,7 @@ class _Session:
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0
     shared: int = 0  # prompt tokens copied from another session's cache
+    cached: int = 0  # prompt tokens installed from the prompt cache
     cancelled: bool = False
     t_start: float = 0.0
     prefill_ms: float = 0.0
@@ -160,6 +167,8 @@ class SessionHandle:
 class BatchEngine:
     """Runs every active session's blocks and prefill chunks in one forward per iteration."""
 
+    supports_logprobs = True  # EngineRequest.logprobs honoured (the HTTP layer asks)
+
     def __init__(self, lm: LoadedModel, *, proposer: str = "ngram",
                  draft_tokens: int | str = "auto", token_budget: int = DEFAULT_TOKEN_BUDGET,
                  max_active: int = DEFAULT_MAX_ACTIVE, max_queue: int = DEFAULT_MAX_QUEUE,
@@ -167,13 +176,16 @@ class BatchEngine:
                  stall_ratio: float = DEFAULT_STALL_RATIO,
                  install_share: float = DEFAULT_INSTALL_SHARE,
                  clock: Callable[[], float] = time.perf_counter,
-                 compute_lock: threading.Lock | None = None) -> None:
+                 compute_lock: threading.Lock | None = None,
+                 prompt_cache_bytes: int = 0) -> None:
         """stall_ratio: prefill chunks are sized so an iteration costs at most this many times
         a decode-only one (0: only the token budget bounds them); compute_lock: held around
         each iteration, when another thread runs the same model (the verifier agent's
         one-session path); install_share: a shipped prompt KV is copied into the batch a few
         layers per iteration, at most this share of a decode-only iteration's time each, while
-        other sessions decode (0: all at once)."""
+        other sessions decode (0: all at once); prompt_cache_bytes: keep finished requests' KV
+        within this many bytes for later prompts that start the same (0: no prompt cache;
+        serve/prompt_cache.py)."""
         check_batchable(lm.model)
         self.lm, self.proposer_spec, self.draft_tokens = lm, proposer, draft_tokens
         self.invariant = invariant
@@ -192,6 +204,8 @@ class BatchEngine:
         self._pool: deque[tuple[int, int]] = deque(maxlen=POOL_BLOCKS)  # (trials, accepted)
         # every session's KV is a row of one store (flat batch), or its own caches (invariant)
         self._kv = None if invariant else BatchKV(len(lm.model.layers))
+        self.prompt_cache = (PromptCache(prompt_cache_bytes)
+                             if prompt_cache_bytes > 0 and not invariant else None)
         self._head_rows: dict[int, BatchKV] = {}  # local EAGLE heads' caches, one store each
         self._vocab = lm.vocab_size
         self._layout = None  # the model's KV layout, read when a shipped KV first arrives
@@ -242,9 +256,11 @@ class BatchEngine:
     def batch_view(self, model: str, n: int = 32) -> BatchView:
         """Load, the last n iterations and the sessions, for GET /v1/macfleet/batch."""
         active, waiting = self.load()
+        pc = self.prompt_cache
         return BatchView(model=model, mode="batched", alive=self.alive, active=active,
                          waiting=waiting, iterations=self.iterations,
-                         recent=tuple(self.recent(n)), sessions=tuple(self.sessions()))
+                         recent=tuple(self.recent(n)), sessions=tuple(self.sessions()),
+                         prompt_cache=pc.stats() if pc is not None else None)
 
     def submit(self, req: EngineRequest, emit: Callable[[EngineEvent], None],
                on_close: Callable[[], None] | None = None, *,
@@ -402,6 +418,9 @@ class BatchEngine:
                 s.rng = make_rng(s.req.params, stream=0)
                 if s.group is not None:  # its drafters size trees against verify(L)
                     s.group.seed_verify_costs(self._verify_costs())
+                if self.prompt_cache is not None and s.kv is None and not s.feeds:
+                    s.cached, s.kv = self.prompt_cache.lookup(s.req.prompt)  # installed as
+                    # a shipped KV is, over iterations
                 if s.kv is not None and not isinstance(s.cache, RowCache):
                     self._install(s)  # batch-invariant mode: per-session caches, at once
             except Exception as e:  # noqa: BLE001 - one bad session fails alone
@@ -449,9 +468,10 @@ class BatchEngine:
         self._installed(s)
 
     def _installed(self, s: _Session) -> None:
+        s.prefilled = s.kv[0][0].shape[1]  # prompt[:-1] shipped; a prompt cache's prefix
         s.kv = None
-        s.prefilled = len(s.req.prompt) - 1
-        s.prefill_ms = (self.clock() - s.t_start) * 1e3
+        if s.prefill_left <= 0:
+            s.prefill_ms = (self.clock() - s.t_start) * 1e3
 
     def _install_some(self, installing: list[_Session], others_decode: bool) -> None:
         """Copy shipped prompt KVs into their batch rows, layer by layer, oldest first. While
@@ -496,6 +516,8 @@ class BatchEngine:
         with self._cv:  # an RLock: some callers hold it already
             self._ended.append(s.view(state))
         if isinstance(s.cache, RowCache):
+            if state == "done" and self.prompt_cache is not None:
+                self._retain(s)
             s.cache.close()
         s.cache = None
         if s.on_close is not None:
@@ -507,6 +529,17 @@ class BatchEngine:
         if s.group is not None:
             s.group.close()
             s.group = None
+
+    def _retain(self, s: _Session) -> None:
+        """A finished session's KV (prompt and answer) into the prompt cache: the positions
+        whose tokens are its context (not a cut-off stop token's)."""
+        n = min(s.cache.offset, len(s.context) - 1)
+        if n < self.prompt_cache.min_tokens or s.cache.store.keys[0] is None:
+            return
+        try:
+            self.prompt_cache.insert(s.context[:n], row_kv(s.cache.store, s.cache.row, n))
+        except (RuntimeError, ValueError, MemoryError) as e:  # not kept: later prompts prefill
+            log.warning("session %d: KV not kept in the prompt cache: %s", s.sid, e)
 
     def _draft_lengths(self, decoding: list[_Session], room: int | None = None
                        ) -> tuple[dict[int, int], frozenset[int]]:
@@ -739,7 +772,7 @@ class BatchEngine:
                 if s.prefill_left <= 0:
                     s.prefill_ms = (self.clock() - s.t_start) * 1e3
             elif s.tree is not None:
-                self._commit_tree(s, *accepted[s.sid], ms)
+                self._commit_tree(s, *accepted[s.sid], ms, logits)
             else:
                 self._commit(s, logits, ms)
 
@@ -777,9 +810,11 @@ class BatchEngine:
             store.keep_paths(rows)
         return out
 
-    def _commit_tree(self, s: _Session, path: list[int], nxt: int, verify_ms: float) -> None:
+    def _commit_tree(self, s: _Session, path: list[int], nxt: int, verify_ms: float,
+                     logits: mx.array) -> None:
         tree = s.tree
         new = [*tree.path_tokens(path), nxt]
+        lps = _logprobs(s, logits, tree_rows(path, len(new)), new)
         if tree.size:
             s.drafted += tree.size
             s.accepted += len(path)
@@ -791,7 +826,7 @@ class BatchEngine:
             self._pool.append((trials, len(path)))
         s.group.observe(s.drafts, tree.accepted_per_source(path), verify_ms, len(tree.tokens))
         self._emit_block(s, new, k=s.k, drafted=tree.size, accepted=len(path),
-                         verify_ms=verify_ms)
+                         verify_ms=verify_ms, logprobs=lps)
 
     def _commit(self, s: _Session, logits: mx.array, verify_ms: float) -> None:
         d = s.draft
@@ -802,6 +837,8 @@ class BatchEngine:
             probs = probs_from_logits(logits, p)
             n, nxt = (accept_ratio(d.tokens, d.probs, probs, s.rng) if d.probs is not None
                       else accept_exact_sample(d.tokens, probs, s.rng))
+        new = [*d.tokens[:n], nxt]
+        lps = _logprobs(s, logits, chain_rows(len(new)), new)
         if len(d) - n:
             trim_cache(s.cache, len(d) - n)
         if len(d):
@@ -814,11 +851,11 @@ class BatchEngine:
             if s.proposer is not None:
                 s.proposer.observe(len(d), n, verify_ms)
         s.controller.observe(len(d), n, s.draft_ms, verify_ms)
-        self._emit_block(s, [*d.tokens[:n], nxt], k=s.k, drafted=len(d), accepted=n,
-                         verify_ms=verify_ms)
+        self._emit_block(s, new, k=s.k, drafted=len(d), accepted=n, verify_ms=verify_ms,
+                         logprobs=lps)
 
     def _emit_block(self, s: _Session, new: list[int], *, k: int, drafted: int, accepted: int,
-                    verify_ms: float) -> None:
+                    verify_ms: float, logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         """A verified block's committed tokens (cut at a stop token) out to the client."""
         stop_at = next((i for i, t in enumerate(new) if t in s.req.eos_ids), None)
         if stop_at is not None:
@@ -826,6 +863,8 @@ class BatchEngine:
         s.context.extend(new)
         s.generated.extend(new)
         s.blocks += 1
+        if s.blocks == 1 and (s.cached or s.shared):
+            s.emit(PromptReused(s.cached + s.shared))
         s.draft_total_ms += s.draft_ms
         s.verify_total_ms += verify_ms
         if s.req.report_blocks:
@@ -834,6 +873,8 @@ class BatchEngine:
                              block_ms=s.draft_ms + verify_ms))
         if new:
             s.times.commit(self.clock())
+            if logprobs:
+                s.emit(LogprobsCommitted(logprobs[:len(new)]))
             s.emit(TokensCommitted(s.blocks, tuple(new)))
         if stop_at is not None:
             self._finish(s, reason="stop")
@@ -857,6 +898,14 @@ class BatchEngine:
             proposer=s.proposer_name, finish_reason=reason, per_proposer=per_proposer,
             accepted_hist=tuple(s.hist))
         s.emit(Finished(stats, tuple(s.generated)))
+
+
+def _logprobs(s: _Session, logits: mx.array, rows: list[int], new: list[int]
+              ) -> tuple[TokenLogprob, ...] | None:
+    """The committed tokens' logprobs when the request asked for them (else None)."""
+    if s.req.logprobs is None:
+        return None
+    return block_logprobs(logits, rows, new, s.req.logprobs)
 
 
 def _rows_of(p: Proposer | None) -> BatchKV | None:

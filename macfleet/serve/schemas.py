@@ -3,20 +3,26 @@
 Only what macfleet honours is accepted; a field with a wrong type or range is a 400 that names
 the field (`param`), like OpenAI's own errors. Unknown fields are ignored (clients send many:
 `user`, `logit_bias`, ...), except those that would change the answer silently (`n` > 1,
-`logprobs`, `tools`), which are refused.
+`functions`, `echo`, ...), which are refused.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from macfleet.engine.sampling import MAX_SEED, SamplingParams
+from macfleet.serve.logprobs import MAX_TOP_LOGPROBS
+from macfleet.serve.tools import AUTO, FUNCTION, NONE, REQUIRED, ToolCall, ToolChoice
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 64
 ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class RequestError(ValueError):
@@ -45,6 +51,30 @@ class Limits:
 class Message:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def to_template(self) -> dict:
+        """The message as chat templates read it (arguments as objects, as HF documents)."""
+        d: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": json.loads(c.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: str  # the JSON schema, as JSON text
+
+    def to_template(self) -> dict:
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description,
+            "parameters": json.loads(self.parameters)}}
 
 
 @dataclass(frozen=True)
@@ -59,6 +89,9 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # alternatives per token when logprobs are asked for, else None
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice(NONE)  # auto when tools are given
 
     @property
     def chat(self) -> bool:
@@ -102,8 +135,94 @@ def _messages(v: Any) -> tuple[Message, ...]:
         if role not in ROLES:
             raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}",
                                param=f"messages[{i}].role")
-        out.append(Message(role, _content(m.get("content"), f"messages[{i}].content")))
+        calls = _message_calls(m.get("tool_calls"), f"messages[{i}].tool_calls") \
+            if role == "assistant" else ()
+        content = m.get("content")
+        content = "" if content is None and calls else _content(content,
+                                                                f"messages[{i}].content")
+        call_id = m.get("tool_call_id") if role == "tool" else None
+        if call_id is not None and not isinstance(call_id, str):
+            raise RequestError(f"messages[{i}].tool_call_id must be a string",
+                               param=f"messages[{i}].tool_call_id")
+        out.append(Message(role, content, calls, call_id))
     return tuple(out)
+
+
+def _message_calls(v: Any, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's earlier `tool_calls`, handed back by the client."""
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise RequestError(f"'{where}' must be a list", param=where)
+    out = []
+    for j, c in enumerate(v):
+        fn = c.get("function") if isinstance(c, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        args = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not isinstance(args, str):
+            raise RequestError(f"{where}[{j}] must be {{id, type: function, function: {{name, "
+                               "arguments}}}} with string name and arguments",
+                               param=f"{where}[{j}]")
+        try:
+            parsed = json.loads(args)
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise RequestError(f"{where}[{j}].function.arguments must be a JSON object's text",
+                               param=f"{where}[{j}].function.arguments")
+        cid = c.get("id")
+        out.append(ToolCall(cid if isinstance(cid, str) else f"call_{j}", name, args))
+    return tuple(out)
+
+
+def _tools(v: Any) -> tuple[Tool, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or len(v) > MAX_TOOLS:
+        raise RequestError(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
+    out = []
+    for i, t in enumerate(v):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(
+                t.get("function"), dict):
+            raise RequestError(f"{where} must be {{type: function, function: {{...}}}}",
+                               param=where)
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise RequestError(f"{where}.function.name must be 1-64 letters, digits, _ or -",
+                               param=f"{where}.function.name")
+        desc = fn.get("description", "")
+        if not isinstance(desc, str):
+            raise RequestError(f"{where}.function.description must be a string",
+                               param=f"{where}.function.description")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise RequestError(f"{where}.function.parameters must be a JSON schema object",
+                               param=f"{where}.function.parameters")
+        out.append(Tool(name, desc, json.dumps(params)))
+    if len({t.name for t in out}) != len(out):
+        raise RequestError("tool names must be unique", param="tools")
+    return tuple(out)
+
+
+def _tool_choice(v: Any, tools: tuple[Tool, ...]) -> ToolChoice:
+    if v is None:
+        return ToolChoice(AUTO if tools else NONE)
+    if v in (AUTO, NONE, REQUIRED):
+        choice = ToolChoice(v)
+    elif isinstance(v, dict) and v.get("type") == "function" and isinstance(
+            v.get("function"), dict) and isinstance(v["function"].get("name"), str):
+        choice = ToolChoice(FUNCTION, v["function"]["name"])
+        if choice.name not in {t.name for t in tools}:
+            raise RequestError(f"tool_choice names '{choice.name}', which is not in 'tools'",
+                               param="tool_choice")
+    else:
+        raise RequestError("'tool_choice' must be 'auto', 'none', 'required' or "
+                           "{type: function, function: {name}}", param="tool_choice")
+    if choice.mode != NONE and not tools:
+        raise RequestError(f"tool_choice '{choice.mode}' needs 'tools'", param="tool_choice")
+    return choice
 
 
 def _stop(v: Any) -> tuple[str, ...]:
@@ -134,9 +253,13 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
     n = _typed(body, "n", (int,), 1)
     if n != 1:
         raise RequestError("only n=1 is supported", param="n")
-    for name in ("logprobs", "tools", "functions", "echo", "best_of", "suffix"):
-        if body.get(name) not in (None, False, 0, 1) or (name in ("tools", "functions")
-                                                          and body.get(name)):
+    tools = _tools(body.get("tools")) if chat else ()
+    choice = _tool_choice(body.get("tool_choice"), tools) if chat else ToolChoice(NONE)
+    for name in ("functions", "function_call", "echo", "best_of", "suffix",
+                 *(() if chat else ("tools", "tool_choice"))):
+        if body.get(name) not in (None, False, 0, 1) or (
+                name in ("tools", "functions", "function_call", "tool_choice")
+                and body.get(name)):
             raise RequestError(f"'{name}' is not supported", param=name)
     mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
@@ -155,7 +278,32 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
     stream = _typed(body, "stream", (bool,), False)
     opts = _typed(body, "stream_options", (dict,), {})
     include_usage = bool(opts.get("include_usage", False))
+    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
     return GenerationRequest(model=model, messages=messages, prompt=prompt,
                              max_tokens=max_tokens, params=SamplingParams(temperature, top_p, seed),
                              stop=_stop(body.get("stop")), stream=stream,
-                             include_usage=include_usage)
+                             include_usage=include_usage, logprobs=logprobs, tools=tools,
+                             tool_choice=choice)
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat: `logprobs` a boolean, `top_logprobs` 0..20 (only with logprobs true)."""
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise RequestError(f"'logprobs' must be a boolean, got {type(on).__name__}",
+                           param="logprobs")
+    top = _typed(body, "top_logprobs", (int,), None)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"'top_logprobs' must be 0..{MAX_TOP_LOGPROBS}",
+                           param="top_logprobs")
+    if top is not None and not on:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if on else None
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Completions: `logprobs` an integer 0..20, the alternatives per token."""
+    top = _typed(body, "logprobs", (int,), None)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"'logprobs' must be 0..{MAX_TOP_LOGPROBS}", param="logprobs")
+    return top

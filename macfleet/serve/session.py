@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.engine.text import TextStream
 from macfleet.serve.engine import EngineEvent, EngineRequest, SessionFailed, SessionHandle
+from macfleet.serve.logprobs import LogprobsCommitted, TokenLogprob
+from macfleet.serve.prompt_cache import PromptReused
 
 DEFAULT_TOKEN_TIMEOUT_S = 120.0
 
@@ -28,6 +30,7 @@ class GenerationFailed(RuntimeError):
 class Piece:
     text: str
     tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens since the last piece (if asked)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Outcome:
     drafted: int
     accepted: int
     ttft_s: float
+    cached_tokens: int = 0  # prompt tokens not prefilled (prompt cache, shared prefixes)
 
 
 class StopMatcher:
@@ -97,6 +101,8 @@ async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops:
     text = TextStream(tokenizer)
     stop = StopMatcher(stops)
     n = 0
+    lps: tuple[TokenLogprob, ...] = ()  # not yet sent: their text is held back
+    cached = 0
     try:
         while True:
             try:
@@ -105,24 +111,30 @@ async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops:
                 raise GenerationFailed(f"no token for {token_timeout_s:.0f} s") from None
             if isinstance(ev, SessionFailed):
                 raise GenerationFailed(ev.message)
-            if isinstance(ev, TokensCommitted):
+            if isinstance(ev, PromptReused):
+                cached = ev.tokens
+            elif isinstance(ev, LogprobsCommitted):
+                lps += ev.entries
+            elif isinstance(ev, TokensCommitted):
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
                 n += len(ev.tokens)
                 out = stop.feed(text.add(ev.tokens))
                 if out or stop.stopped:
-                    yield Piece(out, len(ev.tokens))
+                    yield Piece(out, len(ev.tokens), lps)
+                    lps = ()
                 if stop.stopped:
-                    outcome.append(Outcome("stop", n, 0, 0, ttft))
+                    outcome.append(Outcome("stop", n, 0, 0, ttft, cached))
                     return
             elif isinstance(ev, Finished):
                 tail = stop.feed(text.finish())
                 tail += stop.flush()
-                if tail:
-                    yield Piece(tail, 0)
+                if tail or lps:
+                    yield Piece(tail, 0, lps)
                 st = ev.stats
                 reason = "stop" if stop.stopped or st.finish_reason == "stop" else "length"
                 outcome.append(Outcome(reason, st.tokens, st.drafted, st.accepted,
-                                       ttft if ttft is not None else time.perf_counter() - t0))
+                                       ttft if ttft is not None else time.perf_counter() - t0,
+                                       cached))
                 return
     finally:
         handle.cancel()  # client gone, stop sequence or error: free the KV cache now (no-op

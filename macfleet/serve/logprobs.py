@@ -1,0 +1,123 @@
+"""Log-probabilities of committed tokens, read from the verifier's own logits.
+
+A verified block's logits row i is the verifier's distribution for the token after position i of
+the block, the same row plain decoding computes one token at a time; so each committed token's
+log-probability is taken at the row that decided it (a chain: rows 0..n for drafts[:n] + the
+next token; a tree: the root and the accepted path's nodes). Drafts never enter these numbers:
+they are exact under speculation and batching up to the float noise of a different forward shape
+(tests/tolerance.py). Values are the model's distribution at temperature 1, before top_p (what
+vLLM calls raw logprobs): a request's sampling settings do not change them.
+
+The engine calls `block_logprobs` (MLX, one small gather per session and block); the HTTP layer
+formats the entries with `chat_content` / `completion_logprobs` (pure, token text from the
+tokenizer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One committed token: its log-probability and the `top` most likely alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class LogprobsCommitted:
+    """Engine event, emitted right before the TokensCommitted of the same tokens."""
+
+    entries: tuple[TokenLogprob, ...]
+
+
+def block_logprobs(logits: mx.array, rows: Sequence[int], tokens: Sequence[int],
+                   top: int) -> tuple[TokenLogprob, ...]:
+    """logits: [L, V] of one verified block; tokens[i] was decided at logits row rows[i].
+    top: alternatives per token (0..MAX_TOP_LOGPROBS; at most the vocabulary)."""
+    if not tokens:
+        return ()
+    if len(rows) != len(tokens):
+        raise ValueError(f"{len(rows)} rows for {len(tokens)} tokens")
+    sel = logits[mx.array(list(rows), dtype=mx.int32)].astype(mx.float32)  # [n, V]
+    lp = sel - mx.logsumexp(sel, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, mx.array(list(tokens), dtype=mx.int32)[:, None], axis=-1)
+    top = max(0, min(top, lp.shape[-1]))
+    if top:
+        idx = mx.argpartition(-lp, kth=top - 1, axis=-1)[:, :top]
+        vals = mx.take_along_axis(lp, idx, axis=-1)
+        mx.eval(chosen, idx, vals)
+        idx_np, vals_np = np.array(idx), np.array(vals)
+    else:
+        mx.eval(chosen)
+    chosen_np = np.array(chosen)[:, 0]
+    out = []
+    for i, t in enumerate(tokens):
+        alts: tuple[tuple[int, float], ...] = ()
+        if top:
+            order = np.lexsort((idx_np[i], -vals_np[i]))  # most likely first, ties by id
+            alts = tuple((int(idx_np[i][j]), float(vals_np[i][j])) for j in order)
+        out.append(TokenLogprob(int(t), float(chosen_np[i]), alts))
+    return tuple(out)
+
+
+def chain_rows(committed: int) -> list[int]:
+    """A chain block [last, d1..dk] that committed d1..d(n) + next: rows 0..n."""
+    return list(range(committed))
+
+
+def tree_rows(path: Sequence[int], committed: int) -> list[int]:
+    """A tree block that committed path tokens + next: each token at its parent's row (the root,
+    then the path's nodes)."""
+    return [0, *path][:committed]
+
+
+# -- the API's shapes -----------------------------------------------------------------------
+TokenText = Callable[[int], str]
+
+
+def token_text(tokenizer) -> TokenText:
+    """The text of one token alone (a memo over the tokenizer's decode)."""
+    memo: dict[int, str] = {}
+
+    def text(t: int) -> str:
+        s = memo.get(t)
+        if s is None:
+            s = memo[t] = tokenizer.decode([t])
+        return s
+
+    return text
+
+
+def chat_content(entries: Sequence[TokenLogprob], text: TokenText) -> list[dict]:
+    """Chat completions' `choices[].logprobs.content` (also a streamed chunk's)."""
+    def one(t: int, lp: float) -> dict:
+        s = text(t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries]
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, top: int,
+                        offset: int = 0) -> dict:
+    """Completions' `choices[].logprobs` ({tokens, token_logprobs, top_logprobs, text_offset});
+    offset: the text already sent before these tokens (a streamed chunk's)."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        s = text(e.token)
+        tokens.append(s)
+        offset += len(s)
+    tops = [{text(t): lp for t, lp in e.top} for e in entries] if top else None
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}

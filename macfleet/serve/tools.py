@@ -1,0 +1,251 @@
+"""Tool calls: the model's own tool-call text <-> OpenAI `tool_calls` (pure; no I/O, no MLX).
+
+The request's `tools` are rendered by the model's chat template (`tools=`), so the model sees
+them the way it was trained to; what it writes back is parsed by the parser of its family,
+chosen from the template's text (`detect_format`):
+
+- hermes (Hermes, Qwen 2/2.5/3, SmolLM3...): `<tool_call>{"name": .., "arguments": {..}}</tool_call>`,
+  one block per call, free text around them;
+- llama3 (Llama 3.1+): the whole answer is `{"name": .., "parameters": {..}}` (several joined by
+  ';'), optionally after `<|python_tag|>`;
+- mistral: `[TOOL_CALLS]` then a JSON list of {"name", "arguments"} (or, newer templates,
+  `name[ARGS]{..}` per call).
+
+Text that does not parse stays content: a malformed call is shown, never dropped. A template
+without any of these markers has no tool support (the server answers 400).
+`tool_choice` "required" or a named function is honoured by starting the answer with the
+format's opening (`forced_prefix`), as if the model had written it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+FORMATS = (HERMES, LLAMA3, MISTRAL)
+AUTO, NONE, REQUIRED, FUNCTION = "auto", "none", "required", "function"
+
+_H_OPEN, _H_CLOSE = "<tool_call>", "</tool_call>"
+_PY_TAG = "<|python_tag|>"
+_M_OPEN, _M_ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def to_dict(self, index: int | None = None) -> dict:
+        """The API's shape (with `index` in a streamed delta)."""
+        d = {"id": self.id, "type": "function",
+             "function": {"name": self.name, "arguments": self.arguments}}
+        return d if index is None else {"index": index, **d}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str  # auto | none | required | function
+    name: str | None = None  # the function, for mode "function"
+
+
+def detect_format(template: str | None) -> str | None:
+    """The tool-call format a chat template teaches its model; None: no tool support."""
+    if not template:
+        return None
+    if _M_OPEN in template:
+        return MISTRAL
+    if _H_OPEN in template:
+        return HERMES
+    if _PY_TAG in template or ("tools" in template and "ipython" in template):
+        return LLAMA3
+    return None
+
+
+def forced_prefix(fmt: str, choice: ToolChoice) -> str:
+    """Text the answer starts with so the model must call a tool ('' for auto / none)."""
+    if choice.mode == REQUIRED:
+        return {HERMES: _H_OPEN + "\n", LLAMA3: '{"name": "', MISTRAL: _M_OPEN + '[{"name": "'}[fmt]
+    if choice.mode == FUNCTION:
+        name = json.dumps(choice.name)
+        return {HERMES: f'{_H_OPEN}\n{{"name": {name}, "arguments": ',
+                LLAMA3: f'{{"name": {name}, "parameters": ',
+                MISTRAL: f'{_M_OPEN}[{{"name": {name}, "arguments": '}[fmt]
+    return ""
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+NewId = Callable[[], str]
+
+
+def _call(obj, new_id: NewId, args_key: str = "arguments") -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(new_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _calls(text: str, new_id: NewId, args_key: str = "arguments") -> list[ToolCall] | None:
+    """A JSON object or list of objects -> calls; None when it is not that."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    objs = obj if isinstance(obj, list) else [obj]
+    calls = [_call(o, new_id, args_key) for o in objs]
+    return None if not calls or any(c is None for c in calls) else calls
+
+
+def _hermes(text: str, new_id: NewId) -> tuple[str, list[ToolCall]]:
+    content, calls, pos = [], [], 0
+    for m in re.finditer(re.escape(_H_OPEN) + r"(.*?)(?:" + re.escape(_H_CLOSE) + r"|\Z)", text,
+                         re.S):
+        got = _calls(m.group(1).strip(), new_id)
+        if got is None:
+            continue  # not a call: it stays in the content
+        content.append(text[pos:m.start()])
+        calls.extend(got)
+        pos = m.end()
+    content.append(text[pos:])
+    return "".join(content).strip() if calls else text, calls
+
+
+def _llama3(text: str, new_id: NewId) -> tuple[str, list[ToolCall]]:
+    body = text.strip()
+    body = body[len(_PY_TAG):].strip() if body.startswith(_PY_TAG) else body
+    if not body.startswith("{"):
+        return text, []
+    calls = _calls(body, new_id, "parameters")
+    if calls is None:  # several calls joined by ';'
+        parts = [_calls(p.strip(), new_id, "parameters") for p in body.split(";") if p.strip()]
+        if not parts or any(p is None for p in parts):
+            return text, []
+        calls = [c for p in parts for c in p]
+    return "", calls
+
+
+def _mistral(text: str, new_id: NewId) -> tuple[str, list[ToolCall]]:
+    i = text.find(_M_OPEN)
+    if i < 0:
+        return text, []
+    rest = text[i + len(_M_OPEN):].strip()
+    calls = _calls(rest, new_id)
+    if calls is None and _M_ARGS in rest:  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
+        calls = []
+        for part in rest.split(_M_OPEN):
+            name, _, args = part.partition(_M_ARGS)
+            c = _call({"name": name.strip(), "arguments": _json_or_none(args.strip())}, new_id)
+            if c is None:
+                return text, []
+            calls.append(c)
+    if not calls:
+        return text, []
+    return text[:i].strip(), calls
+
+
+def _json_or_none(s: str):
+    try:
+        return json.loads(s)
+    except json.JSONDecodeError:
+        return None
+
+
+_PARSERS = {HERMES: _hermes, LLAMA3: _llama3, MISTRAL: _mistral}
+
+
+def parse_tool_calls(fmt: str, text: str, new_id: NewId = new_call_id
+                     ) -> tuple[str, tuple[ToolCall, ...]]:
+    """A whole answer -> (content, tool calls)."""
+    content, calls = _PARSERS[fmt](text, new_id)
+    return content, tuple(calls)
+
+
+class ToolStream:
+    """Streaming: content out as soon as it cannot be part of a call, each call once it is
+    complete (hermes: at its closing tag; llama3 and mistral: at the end of the answer).
+
+    prefix: the forced start of the answer (`forced_prefix`): parsed, never sent as content."""
+
+    def __init__(self, fmt: str, prefix: str = "", new_id: NewId = new_call_id) -> None:
+        self.fmt, self._new_id = fmt, new_id
+        self._buf = prefix
+        self._in_call = False
+        self._decided = fmt != LLAMA3  # llama3: a call only when the answer starts with one
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buf += text
+        out, new = [], []
+        while True:
+            if not self._in_call:
+                self._scan_content(out)
+                if not self._in_call:
+                    break
+            if self.fmt != HERMES:
+                break  # the call runs to the end of the answer
+            j = self._buf.find(_H_CLOSE)
+            if j < 0:
+                break
+            block, self._buf = self._buf[:j + len(_H_CLOSE)], self._buf[j + len(_H_CLOSE):]
+            self._in_call = False
+            content, calls = _hermes(block, self._new_id)
+            out.append(content if not calls else "")
+            new.extend(calls)
+        self.calls.extend(new)
+        return "".join(out), new
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        buf, self._buf = self._buf, ""
+        if not self._in_call:
+            return buf, []
+        content, calls = parse_tool_calls(self.fmt, buf, self._new_id)
+        self.calls.extend(calls)
+        return content, list(calls)
+
+    def _scan_content(self, out: list[str]) -> None:
+        """Move content out of the buffer up to a call's start (then in a call), holding back a
+        tail that could still become one."""
+        if not self._decided:  # llama3: the first characters decide
+            head = self._buf.lstrip()
+            if not head or _PY_TAG.startswith(head):  # nothing yet, or the tag being written
+                return
+            self._decided = True
+            self._in_call = head.startswith("{") or head.startswith(_PY_TAG)
+            if self._in_call:
+                return
+        if self.fmt == LLAMA3:
+            out.append(self._buf)
+            self._buf = ""
+            return
+        marker = _H_OPEN if self.fmt == HERMES else _M_OPEN
+        i = self._buf.find(marker)
+        if i >= 0:
+            out.append(self._buf[:i])
+            self._buf = self._buf[i:]
+            self._in_call = True
+            return
+        keep = _partial_suffix(self._buf, marker)
+        out.append(self._buf[:len(self._buf) - keep])
+        self._buf = self._buf[len(self._buf) - keep:]
+
+
+def _partial_suffix(s: str, marker: str) -> int:
+    """The length of the longest end of `s` that is a proper start of `marker`."""
+    for n in range(min(len(s), len(marker) - 1), 0, -1):
+        if marker.startswith(s[-n:]):
+            return n
+    return 0

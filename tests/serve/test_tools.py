@@ -1,0 +1,311 @@
+"""Tool calls: the parsers of each family (whole answers and streamed), format detection from
+real templates, request validation, and the server end to end with the `openai` client."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import openai
+import pytest
+from serve_testkit import start_server, stop_server
+
+from macfleet.serve.schemas import Limits, RequestError, parse_request
+from macfleet.serve.tools import (FUNCTION, HERMES, LLAMA3, MISTRAL, REQUIRED, ToolChoice,
+                                  ToolStream, detect_format, forced_prefix, parse_tool_calls)
+
+TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def _ids():
+    n = itertools.count()
+    return lambda: f"call_{next(n)}"
+
+
+# -- parsers ----------------------------------------------------------------------------------
+ANSWERS = {
+    HERMES: 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    LLAMA3: '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+            '{"name": "get_time", "parameters": {}}',
+    MISTRAL: 'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+             '{"name": "get_time", "arguments": {}}]',
+}
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL])
+def test_each_format_parses_whole_and_streamed_alike(fmt):
+    text = ANSWERS[fmt]
+    content, calls = parse_tool_calls(fmt, text, _ids())
+    assert content == ("" if fmt == LLAMA3 else "Let me look.")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert [c.id for c in calls] == ["call_0", "call_1"]
+    for step in (1, 3, 7):  # any split of the stream: the same content and calls
+        s = ToolStream(fmt, new_id=_ids())
+        got, streamed = "", []
+        for i in range(0, len(text), step):
+            c, new = s.feed(text[i:i + step])
+            got += c
+            streamed += new
+        c, new = s.finish()
+        assert (got + c).strip() == content and streamed + new == list(calls) == s.calls
+
+
+def test_hermes_streams_content_before_and_between_calls_and_holds_a_partial_tag():
+    s = ToolStream(HERMES, new_id=_ids())
+    assert s.feed("Hello <tool") == ("Hello ", [])  # '<tool' may become a tag: held
+    c, new = s.feed('_call>{"name": "f", "arguments": {"x": 1}}</tool_call> and')
+    assert c == " and" and [x.name for x in new] == ["f"]  # the call at its closing tag
+    assert s.feed(" more <b>") == (" more <b>", [])
+    assert s.finish() == ("", [])
+
+
+def test_malformed_calls_stay_content_and_non_calls_are_content():
+    bad = '<tool_call>{"name": "f", "arguments": {"x": </tool_call>'
+    assert parse_tool_calls(HERMES, bad) == (bad, ())
+    assert parse_tool_calls(LLAMA3, "The answer is {42}.") == ("The answer is {42}.", ())
+    assert parse_tool_calls(LLAMA3, '{"no_name": 1}') == ('{"no_name": 1}', ())
+    assert parse_tool_calls(MISTRAL, "[TOOL_CALLS] nope") == ("[TOOL_CALLS] nope", ())
+    s = ToolStream(LLAMA3)
+    assert s.feed("  Sure") == ("  Sure", []) and s.feed(" {x}") == (" {x}", [])
+    # an unterminated last hermes call (the model stopped at its end-of-turn token) still counts
+    content, calls = parse_tool_calls(HERMES, '<tool_call>{"name": "f", "arguments": {}}')
+    assert content == "" and calls[0].name == "f"
+    # arguments written as a JSON string are taken as the object they encode
+    _, calls = parse_tool_calls(HERMES, '<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}'
+                                        '</tool_call>')
+    assert json.loads(calls[0].arguments) == {"a": 2}
+    # mistral's newer per-call form
+    _, calls = parse_tool_calls(MISTRAL, '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}')
+    assert [c.name for c in calls] == ["f", "g"]
+
+
+def test_forced_prefix_then_the_models_rest_parses():
+    prefix = forced_prefix(HERMES, ToolChoice(FUNCTION, "get_weather"))
+    s = ToolStream(HERMES, prefix, new_id=_ids())
+    c, new = s.feed('{"city": "Oslo"}}\n</tool_call>')
+    assert c == "" and new[0].name == "get_weather" and json.loads(new[0].arguments) == {
+        "city": "Oslo"}
+    assert forced_prefix(LLAMA3, ToolChoice(REQUIRED)).startswith('{"name"')
+    assert forced_prefix(MISTRAL, ToolChoice("auto")) == ""
+
+
+def test_format_detected_from_real_templates():
+    from macfleet.engine.models import embedded_model_path, load_model
+
+    assert detect_format(TEMPLATE.read_text()) == HERMES
+    assert detect_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert detect_format(None) is None
+    assert detect_format("{%- if tools %}<|start_header_id|>ipython ...<|python_tag|>") == LLAMA3
+    assert detect_format("[AVAILABLE_TOOLS] ... [TOOL_CALLS]") == MISTRAL
+    if embedded_model_path() is not None:  # SmolLM2's template: no tool support
+        assert detect_format(load_model("smollm2").tokenizer.chat_template) is None
+
+
+# -- validation ---------------------------------------------------------------------------------
+def _parse(**kw):
+    body = {"messages": [{"role": "user", "content": "hi"}], **kw}
+    return parse_request(body, chat=True, limits=Limits())
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(tools="x"), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]),
+     "tools[0].function.name"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": 3}}]),
+     "tools[0].function.parameters"),
+    (dict(tools=[WEATHER, WEATHER]), "tools"),
+    (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(functions=[{"name": "f"}]), "functions"),
+    (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),
+     "messages[0].tool_calls[0].function.arguments"),
+    (dict(messages=[{"role": "tool", "content": "x", "tool_call_id": 5}]),
+     "messages[0].tool_call_id"),
+])
+def test_bad_tool_fields_name_the_field(kw, param):
+    with pytest.raises(RequestError) as e:
+        _parse(**kw)
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_tool_requests_parse():
+    r = _parse(tools=[WEATHER])
+    assert r.tool_choice.mode == "auto" and r.tools[0].name == "get_weather"
+    assert _parse().tool_choice.mode == "none"
+    r = _parse(messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.tool_choice == ToolChoice(FUNCTION, "get_weather")
+    m = r.messages[1].to_template()
+    assert m["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert r.messages[2].to_template()["tool_call_id"] == "c1"
+
+
+# -- end to end: a real server, the `openai` client -------------------------------------------
+@pytest.fixture(scope="module")
+def servers():
+    a = start_server("--chat-template", str(TEMPLATE), model="tiny:1")
+    try:
+        b = start_server(model="tiny:1")  # no template at all
+    except Exception:
+        stop_server(a)
+        raise
+    try:
+        yield a, b
+    finally:
+        stop_server(a)
+        stop_server(b)
+
+
+def _client(s):
+    return openai.OpenAI(base_url=s.v1, api_key=s.key, timeout=60, max_retries=0)
+
+
+CONVERSATION = [
+    {"role": "user", "content": "what is the weather in paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 c"}]
+
+
+@pytest.mark.slow
+def test_openai_tools_rendered_by_the_template_and_tool_messages_accepted(servers):
+    c = _client(servers[0])
+
+    def ask(**kw):
+        return c.chat.completions.create(model="tiny:1", messages=CONVERSATION, max_tokens=12,
+                                         temperature=0, **kw)
+
+    plain, with_tools = ask(), ask(tools=[WEATHER])
+    none = ask(tools=[WEATHER], tool_choice="none")
+    # the tools' JSON is in the prompt (the template's <tools> block); "none" leaves it out
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 100
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    # a named function: the answer starts with the call's opening, forced; this random model's
+    # arguments never parse (its alphabet has no braces): the text comes back as content
+    named = ask(tools=[WEATHER], tool_choice={"type": "function",
+                                              "function": {"name": "get_weather"}})
+    assert named.usage.prompt_tokens > with_tools.usage.prompt_tokens
+    stream = list(c.chat.completions.create(
+        model="tiny:1", messages=CONVERSATION, max_tokens=12, temperature=0, tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert streamed == named.choices[0].message.content
+    assert named.choices[0].message.content.startswith("<tool_call>")
+    assert named.choices[0].finish_reason == "length" and not named.choices[0].message.tool_calls
+
+
+@pytest.mark.slow
+def test_openai_tools_on_a_model_without_tool_support_is_a_400(servers):
+    c = _client(servers[1])
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny:1", messages=CONVERSATION, tools=[WEATHER])
+    assert e.value.body["param"] == "tools" and "--chat-template" in e.value.body["message"]
+    r = c.chat.completions.create(model="tiny:1", messages=CONVERSATION, max_tokens=3,
+                                  tools=[WEATHER], tool_choice="none")  # nothing to render
+    assert r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny:1", messages=CONVERSATION, tools=[WEATHER],
+                                  tool_choice="always")
+    assert e.value.body["param"] == "tool_choice"
+
+
+# -- the HTTP path of a model that does call: a scripted engine, the real app and client --------
+class _CharTokenizer:
+    """Characters as token ids (any text round-trips), with the test template's support."""
+
+    has_chat_template = False
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+class _ScriptedEngine:
+    """Answers every request with one text, a few tokens per block, as the engine emits them:
+    what a model that writes tool calls would send through the HTTP layer."""
+
+    alive, iterations, supports_logprobs = True, 0, False
+
+    def __init__(self, answer: str) -> None:
+        self.answer, self.prompts = answer, []
+
+    def load(self):
+        return 0, 0
+
+    def submit(self, req, emit, on_close=None):
+        from macfleet.engine.events import Finished, GenerationStats, TokensCommitted
+
+        self.prompts.append(req.text)
+        ids = [ord(c) for c in self.answer]
+        for b, i in enumerate(range(0, len(ids), 3)):
+            emit(TokensCommitted(b, tuple(ids[i:i + 3])))
+        emit(Finished(GenerationStats(tokens=len(ids), finish_reason="stop"), tuple(ids)))
+        if on_close is not None:
+            on_close()
+
+        class Handle:
+            sid = 0
+
+            def cancel(self):
+                pass
+        return Handle()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_tool_calls_through_the_openai_client(stream):
+    import asyncio
+
+    import httpx
+
+    from macfleet.serve.app import ServerConfig, create_app
+
+    answer = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+              '\n</tool_call>')
+    engine = _ScriptedEngine(answer)
+    app = create_app(engine, _CharTokenizer(),
+                     ServerConfig("m", chat_template=TEMPLATE.read_text()))
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as http:
+            c = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http)
+            kw = dict(model="m", messages=CONVERSATION, tools=[WEATHER])
+            if not stream:
+                return await c.chat.completions.create(**kw)
+            return [ch async for ch in await c.chat.completions.create(**kw, stream=True)]
+
+    got = asyncio.run(run())
+    assert '"name": "get_weather"' in engine.prompts[0]  # rendered by the template
+    assert "sunny, 21 c" in engine.prompts[0]  # the tool's answer handed back
+    if not stream:
+        choice = got.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Checking."
+        (call,) = choice.message.tool_calls
+    else:
+        deltas = [ch.choices[0].delta for ch in got if ch.choices]
+        assert "".join(d.content or "" for d in deltas).strip() == "Checking."
+        calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+        assert len(calls) == 1 and calls[0].index == 0
+        call = calls[0]
+        assert [ch.choices[0].finish_reason for ch in got if ch.choices][-1] == "tool_calls"
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
