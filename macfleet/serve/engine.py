@@ -35,7 +35,7 @@ from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.text import make_group, no_drafts, plan_drafting
-from macfleet.engine.tree import TokenTree
+from macfleet.engine.tree import TokenTree, accept_tree_greedy
 from macfleet.engine.tree_loop import ProposerGroup, accept_tree, cap_total, tree_of_drafts
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 from macfleet.engine.verify_costs import verify_costs
@@ -762,8 +762,14 @@ class BatchEngine:
         with self._cv:
             self.history.append(rec)
             self.iterations += 1
+        # every greedy block's argmax rows in one evaluation (one host synchronisation for
+        # the batch, not one per session: on a GPU each costs a launch and a round trip)
+        ids = {s.sid: mx.argmax(lg, axis=-1) for (s, sl), lg in zip(run, out)
+               if not sl.prefill and s.req.params.greedy}
+        mx.eval(list(ids.values()))
+        ids = {sid: a.tolist() for sid, a in ids.items()}
         accepted = self._accept_trees([(s, lg) for (s, sl), lg in zip(run, out)
-                                       if not sl.prefill and s.tree is not None])
+                                       if not sl.prefill and s.tree is not None], ids)
         if hidden is not None:
             self._feed(run, segs, hidden, accepted)
         for (s, slot), logits in zip(run, out):
@@ -774,7 +780,7 @@ class BatchEngine:
             elif s.tree is not None:
                 self._commit_tree(s, *accepted[s.sid], ms, logits)
             else:
-                self._commit(s, logits, ms)
+                self._commit(s, logits, ms, ids.get(s.sid))
 
     @staticmethod
     def _feed(run, segs: list[Segment], hidden: list[mx.array],
@@ -796,14 +802,15 @@ class BatchEngine:
             for p in s.feeds:
                 p.feed_features(start, toks, h)
 
-    def _accept_trees(self, done: list[tuple[_Session, mx.array]]
-                      ) -> dict[int, tuple[list[int], int]]:
+    def _accept_trees(self, done: list[tuple[_Session, mx.array]],
+                      ids: dict[int, list[int]]) -> dict[int, tuple[list[int], int]]:
         """Each verified tree's accepted path and next token (the rules of `tree_generate`);
         every row then keeps its root and path (one gather and scatter per layer per store)
         before anything is committed, so a session that ends here leaves a consistent row."""
         out, kept = {}, {}
         for s, logits in done:
-            path, nxt = out[s.sid] = accept_tree(s.tree, logits, s.req.params, s.rng)
+            path, nxt = out[s.sid] = (accept_tree_greedy(s.tree, ids[s.sid]) if s.sid in ids
+                                      else accept_tree(s.tree, logits, s.req.params, s.rng))
             base = s.cache.offset - len(s.tree.tokens)
             kept.setdefault(s.cache.store, []).append((s.cache, base, path))
         for store, rows in kept.items():
@@ -828,11 +835,14 @@ class BatchEngine:
         self._emit_block(s, new, k=s.k, drafted=tree.size, accepted=len(path),
                          verify_ms=verify_ms, logprobs=lps)
 
-    def _commit(self, s: _Session, logits: mx.array, verify_ms: float) -> None:
+    def _commit(self, s: _Session, logits: mx.array, verify_ms: float,
+                target: list[int] | None = None) -> None:
+        """target: the block's argmax ids (greedy), computed with the batch's."""
         d = s.draft
         p = s.req.params
         if p.greedy:
-            n, nxt = accept_greedy(d.tokens, np.array(mx.argmax(logits, axis=-1)).tolist())
+            n, nxt = accept_greedy(d.tokens, target if target is not None else
+                                   np.array(mx.argmax(logits, axis=-1)).tolist())
         else:
             probs = probs_from_logits(logits, p)
             n, nxt = (accept_ratio(d.tokens, d.probs, probs, s.rng) if d.probs is not None
