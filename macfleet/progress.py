@@ -73,7 +73,7 @@ class Bar:
                  completed: float = 0, stream: TextIO | None = None, mode: str = "auto",
                  every_s: float = DEFAULT_PLAIN_EVERY_S,
                  report: Callable[[str], None] | None = None, transient: bool = False,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, announce: bool = True):
         self.stream = sys.stderr if stream is None else stream
         if report is not None and mode == "auto":
             mode = "plain"  # a caller that takes the lines itself gets plain ones
@@ -93,7 +93,7 @@ class Bar:
         self._rich = None
         if self.mode == "bars":
             self._start_rich()
-        elif self.mode == "plain":
+        elif self.mode == "plain" and announce:
             self._emit(force=True)
 
     # -- rich -------------------------------------------------------------------------------
@@ -215,6 +215,14 @@ def runs(description: str, total: int | None = None, **kw) -> Iterator[Callable[
 @contextmanager
 def waiting(what: str, **kw) -> Iterator[Bar]:
     """Work of unknown length (loading a model): a spinner with the time elapsed that goes
-    away when done, or a plain line when it starts and one with the time it took."""
-    with bar(what, None, transient=True, **kw) as b:
+    away when done, or one plain line with the time it took (none when it failed: the error
+    is the line)."""
+    b = Bar(what, None, transient=True, announce=False, **kw)
+    try:
         yield b
+    except BaseException:
+        if b.mode == "plain":
+            b._closed = True  # failed: the error says so, not a "done" line
+        b.close()
+        raise
+    b.close()

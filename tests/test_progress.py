@@ -85,8 +85,17 @@ def test_a_wait_says_what_then_how_long():
     out, clock = io.StringIO(), Clock()
     with progress.waiting("loading smollm2", stream=out, mode="plain", clock=clock):
         clock.t += 2.4
-    assert out.getvalue().splitlines() == ["loading smollm2 ...",
-                                           "loading smollm2: done in 0:02"]
+    assert out.getvalue().splitlines() == ["loading smollm2: done in 0:02"]
+
+
+def test_a_failed_wait_prints_nothing_the_error_is_the_line():
+    """A CLI error stays one line (tests/cli/test_generate.py): no "done" for a load that
+    failed, no start line before it."""
+    out = io.StringIO()
+    with pytest.raises(ValueError):
+        with progress.waiting("loading nope.gguf", stream=out, mode="plain"):
+            raise ValueError("no GGUF file at nope.gguf")
+    assert out.getvalue() == ""
 
 
 def test_benchmark_runs_are_counted_and_their_messages_kept():
@@ -179,6 +188,6 @@ def test_distill_data_shows_a_bar_on_a_terminal_and_plain_lines_in_a_log(tmp_pat
     assert "━" in bars and "answers" in bars and "ETA" in bars and "tokens/s" in bars
     plain = out["auto"][1]  # stderr is a pipe here: plain lines
     assert "\r" not in plain and "━" not in plain
-    assert "loading tiny:1 ..." in plain and "loading tiny:1: done in" in plain
+    assert "loading tiny:1 ..." not in plain and "loading tiny:1: done in" in plain
     assert re.search(r"^answers: \d+/64 tokens \(100%\)  [\d.,]+ tokens/s  in \d+:\d\d", plain,
                      re.M), plain
