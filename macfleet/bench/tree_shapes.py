@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from macfleet.bench.store_curve import accepted_in_tree
-from macfleet.engine.drafter.prompts import HELD_OUT, prompt_kind
+from macfleet.engine.drafter.prompts import HELD_OUT, prompt_kind, prompt_text
 from macfleet.engine.models import LoadedModel
 
 NODES = (4, 8, 16, 24, 32)
@@ -66,7 +66,7 @@ def offline(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, max_answer: i
     prompts = {**HELD_OUT, **UNSEEN}
     samples = answer_samples(lm, list(prompts.values()), max_answer)
     kinds = [prompt_kind(k) for k, t in prompts.items()
-             if t in {s.prompt.text for s in samples}]
+             if prompt_text(t) in {s.prompt.text for s in samples}]
     progress(f"{sum(len(s.tokens) - s.n_prompt for s in samples)} answer tokens from "
              f"{len(samples)} prompts")
     out = {}
