@@ -161,11 +161,13 @@ class PromptIndex:
         best = np.argpartition(-d, top)[:top] if len(d) > top else np.arange(len(d))
         return np.union1d(best, np.flatnonzero(d >= floor))
 
-    def nearest(self, query: str, threshold: float = NEAR_COPY) -> Nearest:
+    def nearest(self, query: str, threshold: float = NEAR_COPY,
+                max_near: int | None = None) -> Nearest:
         """The nearest training prompt to `query` by `similarity`, and every one above
         `threshold`, among the `candidates` (a ratio above 0.8 shares far more trigrams than
         DICE_FLOOR): exact ratios, computed in order of their upper bound until none left
-        can beat the best or pass the threshold."""
+        can beat the best or pass the threshold. max_near: stop after that many near-copies
+        (a contaminated prompt can have thousands; its best is then the best of those)."""
         q = normalise(query)
         if not self.texts or not q:
             return Nearest(q, None, (), threshold)
@@ -190,6 +192,8 @@ class PromptIndex:
                 best = m
             if r > threshold:
                 near.append(m)
+                if max_near is not None and len(near) >= max_near:
+                    break
         near.sort(key=lambda m: -m.ratio)
         return Nearest(q, best, tuple(near), threshold, n)
 
