@@ -177,3 +177,38 @@ def test_a_rendered_conversation_encodes_to_the_templates_ids():
     ids = encode_prompt(lm.tokenizer, conv, chat=True)
     assert list(lm.tokenizer.encode(render(lm.tokenizer, conv))) == ids
     assert lm.tokenizer.decode(ids).count("<|im_start|>user") == 2
+
+
+@pytest.mark.slow  # generates a small dataset and runs the bench on every held-out prompt
+def test_bench_drafter_records_each_prompts_contamination_and_what_changed(tmp_path):
+    import subprocess
+    import sys
+
+    from macfleet.engine.drafter.dataset import generate_dataset
+    from macfleet.engine.drafter.head import verifier_fingerprint
+    from macfleet.engine.models import load_model
+
+    lm = load_model("tiny:1")
+    ds = tmp_path / "ds"
+    generate_dataset(lm, ds, 300, fingerprint=verifier_fingerprint(lm.model), batch=4,
+                     max_answer=12, shard_tokens=100_000)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "macfleet", "bench", "--model", "tiny:1", "--out", str(out),
+           "drafter", "--specs", "ngram", "--no-agents", "--max-tokens", "12",
+           "--dataset", str(ds)]
+    subprocess.run(cmd, check=True, timeout=600, capture_output=True)
+    doc = json.loads((out / "drafter.json").read_text())
+    assert doc["held_out_changes"] == HELD_OUT_CHANGES
+    assert doc["held_out_prompts"]["followup"][1]["role"] == "assistant"
+    c = doc["contamination"]
+    # the shards' user turns were read (most decode, through the tiny tokenizer, to a
+    # templated prompt already indexed: each text is indexed once)
+    assert c["dataset"] == str(ds) and c["training_prompts"].get("shards", 0) >= 1
+    assert set(c["prompts"]) == set(HELD_OUT)
+    for kind, r in c["prompts"].items():
+        assert 0 < r["nearest_ratio"] <= C.NEAR_COPY and r["near_copies"] == 0
+        assert r["answer_in_store"] is None  # a tiny model ships no answer store
+        share = r["answer_in_training_data"]
+        assert share["ngrams"] == 12 - C.NGRAM + 1 or share["ngrams"] <= 5  # distinct grams
+        assert 0 <= share["best_answer_share"] <= share["share"] <= 1
+        assert r["changed"] == HELD_OUT_CHANGES.get(kind)
