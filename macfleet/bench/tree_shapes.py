@@ -10,7 +10,7 @@ measures, side by side in one run:
   verifier's greedy ones (exact under greedy: the answer *is* the verifier's continuation).
   Mean accepted per tree size N, and the median time to draft the whole tree. Deterministic
   in its acceptance, so shapes compare without the loop's timing noise.
-* in the loop (`repeats` > 0): the six held-out prompts generated with each shape, interleaved
+* in the loop (`repeats` > 0): the held-out prompts generated with each shape, interleaved
   rounds against plain decoding, as `bench drafter` does; the tree size is then chosen by the
   loop's own cost model from the measured verify(L) and drafting time.
 """
@@ -59,7 +59,7 @@ DEFAULT_SHAPES = (TreeShape(4, 5, 4096), TreeShape(4, 5, 0), TreeShape(4, 5, 204
 def offline(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, max_answer: int = 160,
             step: int = 2, nodes: Sequence[int] = NODES,
             progress: Callable[[str], None] = lambda s: None) -> dict:
-    from macfleet.bench.drafter import answer_samples
+    from macfleet.bench.drafter import answer_samples, prompts_json
     from macfleet.engine.drafter.prompts import UNSEEN
     from macfleet.engine.drafter.tree_draft import EagleTreeProposer
 
@@ -99,7 +99,7 @@ def offline(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, max_answer: i
         out[shape.name] = row
         progress(f"{shape.name}: full tree {row['draft_ms_median']:.1f} ms; mean accepted "
                  + ", ".join(f"{n} nodes {row['all'][str(n)]:.3f}" for n in nodes))
-    return {"prompts": prompts, "max_answer": max_answer, "step": step, "nodes": list(nodes),
+    return {"prompts": prompts_json(prompts), "max_answer": max_answer, "step": step, "nodes": list(nodes),
             "method": "the verifier's greedy answers with their true features; every step-th "
                       "answer position the head drafts all levels of its tree; the tree of "
                       "its N best nodes accepts its longest path of the verifier's greedy "

@@ -58,7 +58,7 @@ def add_bench_parsers(bs) -> None:
     t.add_argument("--max-answer", type=int, default=160, help="tokens per answer (offline)")
     t.add_argument("--step", type=int, default=2, help="draft at every N-th answer position")
     t.add_argument("--repeats", type=int, default=0, metavar="N",
-                   help="also generate the six held-out prompts with every shape, N "
+                   help="also generate the held-out prompts with every shape, N "
                    "interleaved rounds against plain decoding (0: offline only)")
     t.set_defaults(func=run_tree_shapes)
 
