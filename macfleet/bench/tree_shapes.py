@@ -99,7 +99,8 @@ def offline(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, max_answer: i
         out[shape.name] = row
         progress(f"{shape.name}: full tree {row['draft_ms_median']:.1f} ms; mean accepted "
                  + ", ".join(f"{n} nodes {row['all'][str(n)]:.3f}" for n in nodes))
-    return {"prompts": prompts_json(prompts), "max_answer": max_answer, "step": step, "nodes": list(nodes),
+    return {"prompts": prompts_json(prompts), "max_answer": max_answer, "step": step,
+            "nodes": list(nodes),
             "method": "the verifier's greedy answers with their true features; every step-th "
                       "answer position the head drafts all levels of its tree; the tree of "
                       "its N best nodes accepts its longest path of the verifier's greedy "
