@@ -41,9 +41,8 @@ HELD_OUT: dict[str, str | tuple[Turn, ...]] = {
     "chat": "What should I pack for a weekend camping trip in the mountains?",
     "code": "Write a Python function that merges two sorted lists into one sorted list.",
     "explain": "Explain how a refrigerator keeps food cold.",
-    "rewrite": "Rewrite this note to my neighbours so it sounds friendly instead of angry: "
-               "Stop leaving your bikes in the hallway. They block the stairs and I almost "
-               "fell over one yesterday.",
+    "rewrite": "Rewrite this recipe step so a beginner can follow it: Cream the butter and "
+               "sugar, fold in the flour, then bake blind for 15 minutes.",
     "problem": "A shop sells pencils at 3 for $1. How much do 27 pencils cost? Explain.",
     "describe": "Describe a busy market on a Saturday morning.",
     "followup": (
@@ -66,9 +65,12 @@ HELD_OUT_CHANGES: dict[str, str] = {
     "rewrite": "replaced (issue 35): the old prompt, 'Rewrite this sentence to sound more "
                "formal: hey, can u send me the report by tomorrow? thanks!', had 37 "
                "near-copies (difflib ratio > 0.8, best 0.87) among the 7.6M dataset's "
-               "training prompts, all from the chat_prompts.REWRITE template family, and its "
-               "greedy answer's first 24 tokens were verbatim in the answer store; measured "
-               "at 2.06x, it lifted the recorded geomean from about 1.46x to 1.55x",
+               "training prompts, all from the chat_prompts.REWRITE template family (3,627, "
+               "best 0.90, among every prompt that family can write), and its greedy "
+               "answer's first 24 tokens were verbatim in the answer store; measured at "
+               "2.06x, it lifted the recorded geomean from about 1.46x to 1.55x. The new one "
+               "(nearest training prompt 0.47; none of its greedy answer's 8-grams in the "
+               "store) asks for a real rewrite no template family writes",
     "followup": "added (issue 35): a multi-turn follow-up (an earlier answer in the context), "
                 "a kind the data factory never writes",
     "paragraph": "added (issue 35): a question about a pasted paragraph, answered from it, "
@@ -76,7 +78,7 @@ HELD_OUT_CHANGES: dict[str, str] = {
 }
 # Their subjects: a question the verifier writes itself (self_instruct) that names one is dropped
 HELD_OUT_SUBJECTS = ("camping", "refrigerator", "fridge", "market", "pencil", "sorted list",
-                     "sourdough", "ferry", "hallway")
+                     "sourdough", "ferry", "bake blind")
 CHAT_KINDS = ("chat", "explain", "rewrite", "problem", "describe", "followup", "paragraph")
 CODE_KINDS = ("code",)
 

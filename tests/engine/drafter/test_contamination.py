@@ -89,9 +89,9 @@ def test_ngram_shares_count_distinct_answer_8grams_in_the_corpus_and_its_richest
 
 def test_distill_drops_near_copies_of_held_out_prompts():
     near = [Prompt("self", "Describe a busy market on a Saturday morning!", "self:a"),
-            Prompt("self", "Rewrite this note to my neighbors so it sounds friendly, not angry: "
-                           "Stop leaving your bikes in the hallway. They block the stairs and "
-                           "I almost fell over one yesterday.", "self:b"),
+            Prompt("self", "Rewrite this recipe step so a beginner can follow it: cream the "
+                           "butter and the sugar, fold in flour, then bake for 15 minutes.",
+                   "self:b"),
             Prompt("self", "How often should I feed it if I keep it on the kitchen table?",
                    "self:c")]
     fine = [Prompt("self", f"How do I look after plant number {i}?", "self:p") for i in range(5)]
