@@ -208,14 +208,14 @@ def train(head, data, use_taps):
 def held_out_chunks():
     from macfleet.bench.drafter import HELD_OUT, CODE_KINDS
     from macfleet.engine.drafter.batchgen import generate_samples
-    from macfleet.engine.drafter.prompts import Prompt, UNSEEN
+    from macfleet.engine.drafter.prompts import Prompt, UNSEEN, prompt_text
     prompts = {**HELD_OUT, **UNSEEN}
-    samples = list(generate_samples(lm, [Prompt("held_out", t) for t in prompts.values()],
+    samples = list(generate_samples(lm, [Prompt.of("held_out", t) for t in prompts.values()],
                                     batch=8, max_answer=160))
     by = {s.prompt.text: s for s in samples}
     out = []
     for k, text in prompts.items():
-        s = by[text]
+        s = by[prompt_text(text)]
         taps, last = multi_features(mx.array(np.asarray(s.tokens, np.int32))[None])
         a = s.n_prompt - 1
         kind = "code" if k in CODE_KINDS or k.startswith("code:") else "chat"

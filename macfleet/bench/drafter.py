@@ -1,14 +1,19 @@
 """`macfleet bench drafter`: every drafter on held-out prompts, in one process and across agents.
 
 Prompts: `drafter.prompts.HELD_OUT` (a chat question, a code task, an explanation, a rewrite,
-a word problem, a description), excluded from every training set by construction. Greedy,
+a word problem, a description, a multi-turn follow-up, a question about a pasted paragraph),
+excluded from every training set by construction, near-copies included (engine/drafter/
+contamination.py; how near the nearest training prompt is, and how much of each greedy answer
+the answer store and the head's training answers hold, are in the results: bench/
+contamination.py). Greedy,
 interleaved per prompt (a busy machine slows every method alike), each run checked identical to
 plain decoding. Per drafter:
   tau                  mean accepted draft tokens per verify block (the bonus token excluded);
                        tokens per block = tau + 1
   accept_at_position   P(block accepts >= j draft tokens), j = 1.. (chains and trees alike)
   speedup              decode tokens/s over plain decoding in the same run
-Chat (chat, explain, rewrite, problem, describe) and code are aggregated separately.
+Chat (chat, explain, rewrite, problem, describe, followup, paragraph) and code are aggregated
+separately.
 Across agents: a local 2-agent fleet; each drafter on the proposer agent against the verifier
 agent decoding alone (agents are pinned one core each on this 2-core machine).
 """
@@ -21,7 +26,9 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from macfleet.engine.drafter.prompts import CHAT_KINDS, CODE_KINDS, HELD_OUT, prompt_kind
+from macfleet.engine.conversation import ChatInput, render
+from macfleet.engine.drafter.prompts import (CHAT_KINDS, CODE_KINDS, HELD_OUT, Prompt,
+                                             prompt_kind, prompt_text)
 from macfleet.engine.events import Finished, GenerationStats
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.text import generate_local
@@ -111,9 +118,16 @@ def _rounds(repeats: int, kinds: Sequence[str], specs: Sequence[str], run) -> di
             for k, by in got.items()}
 
 
+def prompts_json(prompts: dict[str, ChatInput]) -> dict[str, str | list[dict]]:
+    """The prompts as JSON: a text, or a conversation's turns as {"role", "content"}."""
+    return {k: p if isinstance(p, str) else [{"role": t.role, "content": t.content} for t in p]
+            for k, p in prompts.items()}
+
+
 def bench_in_process(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                      progress: Callable[[str], None] = lambda s: None,
-                     repeats: int = 1) -> dict:
+                     repeats: int = 1, answers: dict[str, list[int]] | None = None) -> dict:
+    """answers: filled with each prompt's plain greedy answer (token ids), when given."""
     def run(kind: str, spec: str, ref):
         fin = None
         for ev in generate_local(lm, HELD_OUT[kind], proposer=spec, max_tokens=max_tokens):
@@ -121,6 +135,8 @@ def bench_in_process(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                 fin = ev
         assert fin is not None
         row = _row(fin.stats, fin.token_ids, ref)  # the first run on a prompt is the reference
+        if answers is not None and spec == "none":
+            answers.setdefault(kind, list(fin.token_ids))
         progress(f"in-process {kind:8s} {spec:14s} {row['decode_tokens_per_s']:.1f} tok/s, "
                  f"tau {fin.stats.accepted / max(fin.stats.blocks, 1):.2f}")
         return row, fin.token_ids
@@ -138,8 +154,11 @@ def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
     from macfleet.fleet import local
     from macfleet.fleet.client import generate_remote
 
-    def remote(card, key, prompt, eps, spec) -> GenerateDone:
-        for msg in generate_remote(card, key, prompt=prompt, max_tokens=max_tokens,
+    def remote(card, key, prompt: ChatInput, eps, spec) -> GenerateDone:
+        # a conversation travels as its chat-template text (encoding it gives the same ids)
+        text, chat = (prompt, True) if isinstance(prompt, str) else (
+            render(lm.tokenizer, prompt), False)
+        for msg in generate_remote(card, key, prompt=text, chat=chat, max_tokens=max_tokens,
                                    proposers=eps, proposer_spec=spec):
             if isinstance(msg, GenerateDone):
                 return msg
@@ -177,19 +196,18 @@ def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                      "are pinned one core each on this 2-core machine"}
 
 
-def answer_samples(lm: LoadedModel, prompts: Sequence[str], max_answer: int) -> list:
-    """The verifier's greedy answers to `prompts` (batchgen Samples: prompt and answer tokens
-    with their true features), in the order of `prompts`."""
+def answer_samples(lm: LoadedModel, prompts: Sequence[ChatInput], max_answer: int) -> list:
+    """The verifier's greedy answers to `prompts` (texts or conversations; batchgen Samples:
+    prompt and answer tokens with their true features), in the order of `prompts`."""
     from macfleet.engine.drafter.batchgen import generate_samples
-    from macfleet.engine.drafter.prompts import Prompt
 
-    samples = list(generate_samples(lm, [Prompt("held_out", t) for t in prompts],
+    samples = list(generate_samples(lm, [Prompt.of("held_out", t) for t in prompts],
                                     batch=min(len(prompts), 8), max_answer=max_answer))
     by_text = {s.prompt.text: s for s in samples}  # rows finish in any order
-    return [by_text[t] for t in prompts if t in by_text]
+    return [by_text[prompt_text(t)] for t in prompts if prompt_text(t) in by_text]
 
 
-def _answer_chunks(lm: LoadedModel, prompts: Sequence[str], max_answer: int) -> list:
+def _answer_chunks(lm: LoadedModel, prompts: Sequence[ChatInput], max_answer: int) -> list:
     """The verifier's greedy answers to `prompts` with their true features, from the last
     prompt position on (the loop never drafts the chat template or the prompt)."""
     from macfleet.engine.drafter.features import FeatureChunk
@@ -279,7 +297,8 @@ def compare_heads(lm: LoadedModel, paths: Sequence[Path], max_answer: int = 160,
                  f"{row['code']['mean_accepted']:.3f} all {row['all']['mean_accepted']:.3f}; "
                  f"first draft top-1/4/8 {row['first_draft_topk']['1']:.3f}/"
                  f"{row['first_draft_topk']['4']:.3f}/{row['first_draft_topk']['8']:.3f}")
-    return {"model": lm.spec, "prompts": prompts, "max_answer": max_answer, "greedy": True,
+    return {"model": lm.spec, "prompts": prompts_json(prompts), "max_answer": max_answer,
+            "greedy": True,
             "method": "the verifier's greedy answers with their true features; at every answer "
                       "position the head drafts a chain of 4 (as the proposer does, its own "
                       "features fed back) scored against the verifier's greedy tokens, and "

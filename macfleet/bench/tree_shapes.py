@@ -10,7 +10,7 @@ measures, side by side in one run:
   verifier's greedy ones (exact under greedy: the answer *is* the verifier's continuation).
   Mean accepted per tree size N, and the median time to draft the whole tree. Deterministic
   in its acceptance, so shapes compare without the loop's timing noise.
-* in the loop (`repeats` > 0): the six held-out prompts generated with each shape, interleaved
+* in the loop (`repeats` > 0): the held-out prompts generated with each shape, interleaved
   rounds against plain decoding, as `bench drafter` does; the tree size is then chosen by the
   loop's own cost model from the measured verify(L) and drafting time.
 """
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from macfleet.bench.store_curve import accepted_in_tree
-from macfleet.engine.drafter.prompts import HELD_OUT, prompt_kind
+from macfleet.engine.drafter.prompts import HELD_OUT, prompt_kind, prompt_text
 from macfleet.engine.models import LoadedModel
 
 NODES = (4, 8, 16, 24, 32)
@@ -59,14 +59,14 @@ DEFAULT_SHAPES = (TreeShape(4, 5, 4096), TreeShape(4, 5, 0), TreeShape(4, 5, 204
 def offline(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, max_answer: int = 160,
             step: int = 2, nodes: Sequence[int] = NODES,
             progress: Callable[[str], None] = lambda s: None) -> dict:
-    from macfleet.bench.drafter import answer_samples
+    from macfleet.bench.drafter import answer_samples, prompts_json
     from macfleet.engine.drafter.prompts import UNSEEN
     from macfleet.engine.drafter.tree_draft import EagleTreeProposer
 
     prompts = {**HELD_OUT, **UNSEEN}
     samples = answer_samples(lm, list(prompts.values()), max_answer)
     kinds = [prompt_kind(k) for k, t in prompts.items()
-             if t in {s.prompt.text for s in samples}]
+             if prompt_text(t) in {s.prompt.text for s in samples}]
     progress(f"{sum(len(s.tokens) - s.n_prompt for s in samples)} answer tokens from "
              f"{len(samples)} prompts")
     out = {}
@@ -99,7 +99,8 @@ def offline(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, max_answer: i
         out[shape.name] = row
         progress(f"{shape.name}: full tree {row['draft_ms_median']:.1f} ms; mean accepted "
                  + ", ".join(f"{n} nodes {row['all'][str(n)]:.3f}" for n in nodes))
-    return {"prompts": prompts, "max_answer": max_answer, "step": step, "nodes": list(nodes),
+    return {"prompts": prompts_json(prompts), "max_answer": max_answer, "step": step,
+            "nodes": list(nodes),
             "method": "the verifier's greedy answers with their true features; every step-th "
                       "answer position the head drafts all levels of its tree; the tree of "
                       "its N best nodes accepts its longest path of the verifier's greedy "

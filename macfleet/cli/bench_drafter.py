@@ -20,6 +20,13 @@ def add_bench_parsers(bs) -> None:
     d.add_argument("--curve", default=None, metavar="CURVE.jsonl",
                    help="a distill run's held-out curve to plot (results/drafter_curve.png; "
                         "default: the curve recorded in the head's eval file)")
+    d.add_argument("--dataset", type=Path, default=None, metavar="DIR|ARCHIVE",
+                   help="the head's training dataset (a directory or a tar archive of one), "
+                   "for the contamination figures: its prompts near the held-out ones, and "
+                   "its answers' 8-grams in theirs (default: "
+                   "results/distill-smollm2-7.6M.tar.xz when present)")
+    d.add_argument("--no-contamination", action="store_true",
+                   help="skip the held-out prompts' contamination figures")
     d.add_argument("--record", action="store_true",
                    help="record the measured best drafters as this machine's default (auto), "
                    "in its cache")
@@ -51,7 +58,7 @@ def add_bench_parsers(bs) -> None:
     t.add_argument("--max-answer", type=int, default=160, help="tokens per answer (offline)")
     t.add_argument("--step", type=int, default=2, help="draft at every N-th answer position")
     t.add_argument("--repeats", type=int, default=0, metavar="N",
-                   help="also generate the six held-out prompts with every shape, N "
+                   help="also generate the held-out prompts with every shape, N "
                    "interleaved rounds against plain decoding (0: offline only)")
     t.set_defaults(func=run_tree_shapes)
 
@@ -80,10 +87,25 @@ def run(args) -> int:
     def say(s: str) -> None:
         print(s, file=sys.stderr, flush=True)
 
+    from macfleet.engine.drafter.prompts import HELD_OUT_CHANGES
+
+    answers: dict[str, list[int]] = {}
     doc: dict = {"model": lm.spec, "max_tokens": args.max_tokens, "greedy": True,
-                 "held_out_prompts": b.HELD_OUT,
+                 "held_out_prompts": b.prompts_json(b.HELD_OUT),
+                 # which prompts changed since the previous recorded set, and why
+                 "held_out_changes": HELD_OUT_CHANGES,
                  "in_process": b.bench_in_process(lm, specs, args.max_tokens, say,
-                                                  args.repeats)}
+                                                  args.repeats, answers)}
+    if not args.no_contamination:
+        from macfleet.bench.contamination import DEFAULT_DATASET, contamination
+
+        if args.dataset is not None and not args.dataset.exists():
+            raise UserError(f"--dataset {args.dataset}: no such directory or archive")
+        try:
+            doc["contamination"] = contamination(lm, answers, args.dataset or DEFAULT_DATASET,
+                                                 say)
+        except ValueError as e:
+            raise UserError(str(e)) from None
     best, speedup = b.best_spec(doc["in_process"]["summary"], specs)
     doc["best_in_process"] = {"spec": best, "speedup_geomean": speedup}
     if not args.no_agents:

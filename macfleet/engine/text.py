@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from macfleet.engine.controller import AUTO, DraftTokens, make_controller
+from macfleet.engine.conversation import ChatInput, check_conversation, messages, render
 from macfleet.engine.events import Event, Finished, TokensCommitted
 from macfleet.engine.loop import DEFAULT_MAX_TOKENS, speculative_generate
 from macfleet.engine.models import LoadedModel
@@ -23,14 +24,21 @@ class PromptError(ValueError):
     """A prompt that cannot be run (empty, or longer than the limit)."""
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+def encode_prompt(tokenizer, prompt: ChatInput, chat: bool) -> list[int]:
+    """Token ids of a text (chat template applied when `chat`) or of a conversation (always
+    through the chat template when the tokenizer has one; its contents joined otherwise)."""
     if not prompt:
         raise PromptError("empty prompt")
+    if not isinstance(prompt, str):
+        try:
+            check_conversation(prompt)
+        except ValueError as e:
+            raise PromptError(str(e)) from None
+        chat = True
     if chat and getattr(tokenizer, "has_chat_template", False):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(messages(prompt), add_generation_prompt=True)
     else:
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt if isinstance(prompt, str) else render(tokenizer, prompt))
     ids = list(ids)
     if len(ids) > MAX_PROMPT_TOKENS:
         raise PromptError(f"prompt is {len(ids)} tokens; the limit is {MAX_PROMPT_TOKENS}")
@@ -117,7 +125,7 @@ def generate_from_ids(lm: LoadedModel, verifier, drafting: Drafting, ids: Sequen
 
 def generate_local(
     lm: LoadedModel,
-    prompt: str,
+    prompt: ChatInput,
     *,
     chat: bool = True,
     proposer: str = "ngram",
@@ -126,7 +134,8 @@ def generate_local(
     params: SamplingParams = GREEDY,
     verifier: Verifier | None = None,
 ) -> Iterator[TextDelta | Event]:
-    """In-process speculative generation: TextDelta for each commit, BlockDone, then Finished."""
+    """In-process speculative generation: TextDelta for each commit, BlockDone, then Finished.
+    prompt: a text, or a conversation (conversation.Turn, ...) ending on a user turn."""
     ids = encode_prompt(lm.tokenizer, prompt, chat)
 
     def make(spec: str) -> Proposer | None:

@@ -80,7 +80,7 @@ def _take(lm: LoadedModel, src: Iterator[Prompt], k: int, timing: Timing) -> lis
         p = next(src, None)
         if p is None:
             break
-        ids = encode_prompt(lm.tokenizer, p.text, chat=True)
+        ids = encode_prompt(lm.tokenizer, p.chat_input, chat=True)
         if len(ids) <= MAX_PROMPT_TOKENS:
             out.append(_Row(p, list(ids)))
     timing.encode += time.perf_counter() - t0

@@ -181,3 +181,20 @@ def chat_prompts(rng: random.Random) -> Iterator[tuple[str, str]]:
     figures hold out whole groups)."""
     for kind, text, subject in _pairs(rng):
         yield text, f"chat:{kind}:{subject}"
+
+
+def every_chat_prompt() -> Iterator[tuple[str, str]]:
+    """(kind, text) of every request these lists can make, whatever the seed (the rewrite
+    family's every message in every phrasing, where `chat_prompts` samples 5% of them): what a
+    held-out request must not near-copy (contamination_sources)."""
+    yield from (("advice", t.format(x=s)) for s in SITUATIONS for t in ADVICE)
+    yield from (("explain", t.format(x=s)) for s in THINGS for t in EXPLAIN)
+    yield from (("describe", t.format(x=s)) for s in SCENES for t in DESCRIBE)
+    for o, a, i, w, c in itertools.product(OPENERS, ASKS, ITEMS, WHENS, CLOSERS):
+        msg = f"{o}, {a} {i} {w}? {c}".strip()
+        yield from (("rewrite", t.format(x=msg)) for t in REWRITE)
+    yield from (("write", t.format(r=r, p=p)) for r in RECIPIENTS for p in PURPOSES
+                for t in WRITE)
+    yield from (("compare", t.format(a=a, b=b)) for a, b in PAIRS for t in COMPARE)
+    yield from (("recommend", t.format(g=g, w=w)) for g in GENRES for w in FOR_WHOM
+                for t in RECOMMEND)

@@ -13,13 +13,15 @@ verifier's own answers to many varied prompts. Five offline sources, mixed round
 * `self`: questions the verifier wrote itself (engine/drafter/self_instruct.py), when a
   dataset holds them.
 
-`HELD_OUT` are the benchmark's prompts: they, and anything equal to them, are never trained
-on (`iter_prompts` drops them), so `macfleet bench drafter` measures unseen requests.
+`HELD_OUT` are the benchmark's prompts: they, anything equal to them and any near-copy of
+them (contamination.NEAR_COPY) are never trained on (`iter_prompts` drops them), so
+`macfleet bench drafter` measures unseen requests.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import inspect
 import itertools
@@ -29,20 +31,70 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-# The benchmark's held-out requests (what a new user types), by kind. Never trained on.
-HELD_OUT: dict[str, str] = {
+from macfleet.engine.conversation import Turn
+
+# The benchmark's held-out requests (what a new user types), by kind. Never trained on, and no
+# training prompt is a near-copy of one (contamination.NEAR_COPY; tests/engine/drafter/
+# test_contamination.py checks every template family and the committed dataset's questions). A
+# request is a text, or a conversation (a tuple of Turns: earlier turns, then the user's last).
+HELD_OUT: dict[str, str | tuple[Turn, ...]] = {
     "chat": "What should I pack for a weekend camping trip in the mountains?",
     "code": "Write a Python function that merges two sorted lists into one sorted list.",
     "explain": "Explain how a refrigerator keeps food cold.",
-    "rewrite": "Rewrite this sentence to sound more formal: hey, can u send me the report "
-               "by tomorrow? thanks!",
+    "rewrite": "Rewrite this recipe step so a beginner can follow it: Cream the butter and "
+               "sugar, fold in the flour, then bake blind for 15 minutes.",
     "problem": "A shop sells pencils at 3 for $1. How much do 27 pencils cost? Explain.",
     "describe": "Describe a busy market on a Saturday morning.",
+    "followup": (
+        Turn("user", "My sourdough starter smells like nail polish remover. Is it ruined?"),
+        Turn("assistant", "No, it is just hungry. That sharp smell comes from the yeast and "
+                          "bacteria running out of food. Pour off most of it, feed it fresh "
+                          "flour and water, and the smell should fade within a day or two."),
+        Turn("user", "How often should I feed it if I keep it on the kitchen counter?")),
+    "paragraph": "Read this paragraph and answer the question after it.\n\n"
+                 "The island ferry leaves the north harbour every 40 minutes from 6:20 a.m. "
+                 "until 9:40 p.m. On Sundays the first crossing is at 8:00 a.m. and the "
+                 "ferry runs once an hour. Bicycles travel free, cars pay 12 euros each way, "
+                 "and foot passengers pay 3 euros, or 1.50 euros with a student card. The "
+                 "crossing takes 25 minutes.\n\n"
+                 "Question: I am a student and want to bring my bike on the first Sunday "
+                 "ferry. When do I arrive on the island, and how much do I pay?",
+}
+# Why the set is what it is: the prompts that changed, and why (`bench drafter` records it)
+HELD_OUT_CHANGES: dict[str, str] = {
+    "rewrite": "replaced (issue 35): the old prompt, 'Rewrite this sentence to sound more "
+               "formal: hey, can u send me the report by tomorrow? thanks!', had 37 "
+               "near-copies (difflib ratio > 0.8, best 0.87) among the 7.6M dataset's "
+               "training prompts, all from the chat_prompts.REWRITE template family (3,627, "
+               "best 0.90, among every prompt that family can write), and its greedy "
+               "answer's first 24 tokens were verbatim in the answer store; measured at "
+               "2.06x, it lifted the recorded geomean from about 1.46x to 1.55x. The new one "
+               "(nearest training prompt 0.47; none of its greedy answer's 8-grams in the "
+               "store) asks for a real rewrite no template family writes",
+    "followup": "added (issue 35): a multi-turn follow-up (an earlier answer in the context), "
+                "a kind the data factory never writes",
+    "paragraph": "added (issue 35): a question about a pasted paragraph, answered from it, "
+                 "a kind the data factory never writes",
 }
 # Their subjects: a question the verifier writes itself (self_instruct) that names one is dropped
-HELD_OUT_SUBJECTS = ("camping", "refrigerator", "fridge", "market", "pencil", "sorted list")
-CHAT_KINDS = ("chat", "explain", "rewrite", "problem", "describe")
+HELD_OUT_SUBJECTS = ("camping", "refrigerator", "fridge", "market", "pencil", "sorted list",
+                     "sourdough", "ferry", "bake blind")
+CHAT_KINDS = ("chat", "explain", "rewrite", "problem", "describe", "followup", "paragraph")
 CODE_KINDS = ("code",)
+
+
+def prompt_text(prompt: str | tuple[Turn, ...]) -> str:
+    """A request as one text (a conversation's turns joined by blank lines): what keys and
+    near-copy checks compare."""
+    return prompt if isinstance(prompt, str) else "\n\n".join(t.content for t in prompt)
+
+
+def user_texts(prompt: str | tuple[Turn, ...]) -> tuple[str, ...]:
+    """What a user typed in a request: the text, or every user turn of a conversation (and
+    the whole conversation): a training prompt near any of them is a near-copy."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    return (*(t.content for t in prompt if t.role == "user"), prompt_text(prompt))
 
 
 def prompt_kind(key: str) -> str:
@@ -162,6 +214,20 @@ class Prompt:
     # held-out figures hold out whole groups, so no held-out answer shares its material with
     # a trained one
     group: str = ""
+    # a conversation (earlier turns before the user's last) when the request is one; `text`
+    # is then its prompt_text. Encoded instead of `text` (batchgen)
+    turns: tuple[Turn, ...] = ()
+
+    @property
+    def chat_input(self) -> str | tuple[Turn, ...]:
+        return self.turns or self.text
+
+    @classmethod
+    def of(cls, source: str, prompt: str | tuple[Turn, ...], group: str = "") -> Prompt:
+        """A Prompt for a text or a conversation."""
+        if isinstance(prompt, str):
+            return cls(source, prompt, group)
+        return cls(source, prompt_text(prompt), group, tuple(prompt))
 
     @property
     def key(self) -> str:
@@ -184,8 +250,19 @@ UNSEEN: dict[str, str] = {
     "chat:romeo": "Summarize the plot of Romeo and Juliet in a few sentences.",
     "chat:groceries": "How can I save money on groceries?",
 }
-HELD_OUT_KEYS = frozenset(Prompt("held", t).key
+HELD_OUT_KEYS = frozenset(Prompt.of("held", t).key
                           for t in (*HELD_OUT.values(), *UNSEEN.values()))
+
+
+@functools.cache
+def held_out_index():
+    """The held-out and unseen requests (every user turn, and each whole) as a
+    contamination.PromptIndex: a training prompt near-copying one (`near_copy_of`) is never
+    trained on (iter_prompts, self_instruct.parse_list drop it)."""
+    from macfleet.engine.drafter.contamination import PromptIndex
+
+    return PromptIndex((t, key) for key, p in (*HELD_OUT.items(), *UNSEEN.items())
+                       for t in user_texts(p))
 
 
 def topic_prompts(rng: random.Random) -> Iterator[Prompt]:
@@ -286,6 +363,7 @@ def iter_prompts(seed: int = 0, mix: dict[str, int] | None = None,
     gens["self"] = question_prompts(extra, seed)
     live = {s: gens[s] for s in SOURCES if mix.get(s, 0) > 0}
     seen = set(skip) | set(HELD_OUT_KEYS)
+    held = held_out_index()
     while live:
         for s in list(live):
             for _ in range(mix[s]):
@@ -295,4 +373,5 @@ def iter_prompts(seed: int = 0, mix: dict[str, int] | None = None,
                     break
                 if p.key not in seen:
                     seen.add(p.key)
-                    yield p
+                    if held.near_copy_of(p.text) is None:
+                        yield p

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from macfleet.engine.drafter.prompts import HELD_OUT_SUBJECTS, TOPICS, Prompt
+from macfleet.engine.drafter.prompts import HELD_OUT_SUBJECTS, TOPICS, Prompt, held_out_index
 from macfleet.engine.models import LoadedModel
 
 QUESTIONS = "questions.jsonl"
@@ -122,8 +122,9 @@ VERBS = ("write", "explain", "describe", "give", "tell", "help", "suggest", "cre
 def parse_list(text: str) -> list[str]:
     """The items of a numbered list, cleaned (markdown emphasis and quotes stripped), kept when
     they read like a request (a question, or an instruction opening with a verb; 4-40 words,
-    15-240 characters, mostly letters; no heading), never one about a held-out subject or a
-    list request like the seed, each once."""
+    15-240 characters, mostly letters; no heading), never one about a held-out subject, a
+    near-copy of a held-out request (prompts.held_out_index) or a list request like the seed,
+    each once."""
     out: list[str] = []
     seen: set[str] = set()
     for line in text.splitlines():
@@ -139,6 +140,8 @@ def parse_list(text: str) -> list[str]:
         if not (q.endswith("?") or words[0].lower().strip(",:") in VERBS) or _LABEL.match(q):
             continue
         if "list of" in low or any(h in low for h in HELD_OUT_SUBJECTS) or low in seen:
+            continue
+        if held_out_index().near_copy_of(q) is not None:  # a near-copy of a held-out request
             continue
         seen.add(low)
         out.append(q)

@@ -117,14 +117,14 @@ def test_time_limit_ends_training_with_the_schedule_decayed(tiny, chunks):
 
 @pytest.mark.slow  # generates answers to 16 prompts
 def test_compare_heads_scores_heads_on_the_same_unseen_answers(tiny, chunks, tmp_path):
-    from macfleet.bench.drafter import compare_heads
+    from macfleet.bench.drafter import compare_heads, prompts_json
     from macfleet.engine.drafter.prompts import HELD_OUT, UNSEEN
 
     head = _head(tiny, chunks)
     head.save(tmp_path / "a", steps=3)
     head.deepened(2).save(tmp_path / "b", steps=3)  # drafts exactly what `a` drafts
     doc = compare_heads(tiny, [tmp_path / "a", tmp_path / "b"], max_answer=12)
-    assert doc["prompts"] == {**HELD_OUT, **UNSEEN}
+    assert doc["prompts"] == prompts_json({**HELD_OUT, **UNSEEN})
     a, b = (doc["heads"][str(tmp_path / n)] for n in ("a", "b"))
     assert (a["layers"], b["layers"]) == (1, 2)
     for group in ("chat", "code", "all"):

@@ -282,7 +282,7 @@ def test_hidden_state_drafters_in_the_continuous_batch(tiny, trained, tree):
     assert all(d.fallback_tokens == 0 for d in drafters)
 
 
-@pytest.mark.slow  # generates answers to 16 prompts and the six held-out ones
+@pytest.mark.slow  # generates answers to the unseen prompts and the held-out ones
 def test_bench_tree_shapes_end_to_end_on_the_tiny_model(tiny, trained, tmp_path):
     import json
     import subprocess
