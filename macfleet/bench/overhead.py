@@ -171,6 +171,9 @@ def headline(section: Mapping) -> list[str]:
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n:,}"
     out = [f"{section['label']} ({section['weights']}, {size} params): "
            f"verify(1) {curve(section).get(1, float('nan')):.1f} ms"]
+    ps = section.get("pipelined_vs_synchronous")
+    if ps:
+        out.append(f"  plain pipelined / synchronous: {ps['geomean']}x geomean (min {ps['min']}x)")
     a = section.get("plain_vs_mlx")
     if a:
         out.append(f"  (a) plain macfleet / mlx-lm generate_step: {a['geomean']}x geomean "

@@ -23,10 +23,11 @@ from macfleet.engine.events import Finished
 from macfleet.engine.loop import speculative_generate
 from macfleet.engine.proposers.base import Proposer
 from macfleet.engine.proposers.oracle import OracleProposer
-from macfleet.engine.verifier import Verifier
+from macfleet.engine.verifier import SynchronousVerifier, Verifier
 from macfleet.engine.verify_costs import PROBE_LENGTHS, probe_verify_costs
 
 PLAIN, MLX, TEXT_PLAIN = "plain", "mlx_generate_step", "plain (generate_local)"
+SYNC = "plain (synchronous)"  # the same loop, each step read back before the next is built
 RANDOM_PROMPT_TOKENS = 16
 BIG_CURVE_LENGTHS = (1, 2, 4, 8, 16, 32)  # a big model's forwards are dear: fewer lengths
 VERIFY_REPS = 3
@@ -108,8 +109,10 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
                 t = traces[p, k]
                 say(f"{p} oracle k={k}: {t.runs} run(s), departures at {list(t.departures)}"
                     + ("" if t.converged else " (not converged)"))
-    methods: dict[str, Callable[[str], Run]] = {PLAIN: lambda p: run_loop(
-        verifier, None, prompts[p], tokens, 0, eos)}
+    sync = SynchronousVerifier(bm.model)
+    methods: dict[str, Callable[[str], Run]] = {
+        PLAIN: lambda p: run_loop(verifier, None, prompts[p], tokens, 0, eos),
+        SYNC: lambda p: run_loop(sync, None, prompts[p], tokens, 0, eos)}
     if mlx:
         methods[MLX] = lambda p: run_mlx(bm.model, prompts[p], tokens, eos)
     for k in ks if oracle else ():
@@ -137,9 +140,13 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
                "verify_ms": {int(L): v for L, v in verify_ms.items()},
                "prompts": {p: _prompt_doc(ids, plain[p], runs[p], traces, p, ks)
                            for p, ids in prompts.items()}}
-    best_of = {m: {p: best(runs[p][m], "stream_tps" if m in (PLAIN, MLX) else "decode_tps")
+    best_of = {m: {p: best(runs[p][m], "stream_tps" if m in (PLAIN, SYNC, MLX) else
+                           "decode_tps")
                    for p in prompts} for m in methods}
     plain_decode = {p: best(runs[p][PLAIN]) for p in prompts}
+    # what pipelining buys: the same loop with every step read back before the next is built
+    section["pipelined_vs_synchronous"] = ratio_summary(
+        {p: best(runs[p][PLAIN], "stream_tps") for p in prompts}, best_of[SYNC])
     if mlx:
         section["plain_vs_mlx"] = ratio_summary({p: best(runs[p][PLAIN], "stream_tps")
                                                  for p in prompts}, best_of[MLX])

@@ -88,3 +88,12 @@ class Verifier:
 
     def keepalive(self) -> None:
         """Called at least every keepalive period while idle, only when needs_keepalive."""
+
+
+class SynchronousVerifier(Verifier):
+    """The same verifier on the synchronous path: each block is read back before the next is
+    built (what a verifier that overrides `forward` gets). For side-by-side measurements of
+    what pipelining buys (`macfleet bench overhead`); the output is the same."""
+
+    def forward(self, tokens: Sequence[int]) -> mx.array:
+        return super().forward(tokens)

@@ -196,11 +196,13 @@ def test_bench_overhead_end_to_end_on_a_tiny_model(tmp_path, capsys):
     assert tiny["label"] == "tiny:1 native" and big["label"] == "random llama mini float32"
     for s in (tiny, big):
         assert s["plain_vs_mlx"]["geomean"] > 0
+        assert s["pipelined_vs_synchronous"]["geomean"] > 0
         assert all(o["all_accepted"] and o["ideal_speedup"] > 0 for o in s["oracle"])
         assert s["departures"]["runs"] == len(s["oracle"]) * len(s["prompts"])
         for p in s["prompts"].values():
             assert p["methods"]["plain"]["identical_to_plain"]
             assert p["methods"]["mlx_generate_step"]["identical_to_plain"]
+            assert p["methods"]["plain (synchronous)"]["identical_to_plain"]
     assert [o["k"] for o in tiny["oracle"]] == [1, 3] and [o["k"] for o in big["oracle"]] == [3]
     c = tiny["default_drafter"]
     assert c["error"] is None and c["speedup"]["geomean"] > 0
