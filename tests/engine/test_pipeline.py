@@ -26,7 +26,7 @@ from macfleet.engine.proposers import Draft, Proposer
 from macfleet.engine.proposers.ngram import NgramProposer
 from macfleet.engine.tree import reroot
 from macfleet.engine.tree_loop import ProposerGroup, _take_ahead, _TreeAhead, tree_generate
-from macfleet.engine.verifier import Verifier
+from macfleet.engine.verifier import SynchronousVerifier, Verifier
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 N = 40
@@ -35,13 +35,6 @@ N = 40
 @pytest.fixture(scope="module")
 def ref(tiny) -> list[int]:
     return mlx_lm_greedy(tiny.model, PROMPT, N)
-
-
-class SyncVerifier(Verifier):
-    """The same verifier with the synchronous path (a subclass that overrides `forward`)."""
-
-    def forward(self, tokens):
-        return super().forward(tokens)
 
 
 class HostOracle(Proposer):
@@ -107,10 +100,10 @@ def test_padded_length_takes_the_cheapest_length_that_holds_the_block():
 
 def test_plain_pipelined_equals_mlx_lm_and_the_synchronous_loop(tiny, ref):
     fast = Verifier(tiny.model)
-    assert fast.pipelines and not SyncVerifier(tiny.model).pipelines
+    assert fast.pipelines and not SynchronousVerifier(tiny.model).pipelines
     fin = finished(speculative_generate(fast, None, PROMPT, max_tokens=N))
     assert list(fin.token_ids) == ref
-    slow = SyncVerifier(tiny.model)
+    slow = SynchronousVerifier(tiny.model)
     fin_s = finished(speculative_generate(slow, None, PROMPT, max_tokens=N))
     assert fin_s.token_ids == fin.token_ids
     assert fast.offset == slow.offset == len(PROMPT) + N - 1  # no step left past the end
@@ -137,7 +130,7 @@ def test_eos_with_a_step_in_flight(tiny, ref, stop):
     eos = frozenset({ref[stop]})
     want = ref[: ref.index(ref[stop])]
     runs = []
-    for v in (Verifier(tiny.model), SyncVerifier(tiny.model)):
+    for v in (Verifier(tiny.model), SynchronousVerifier(tiny.model)):
         fin = finished(speculative_generate(v, None, PROMPT, max_tokens=N, eos_ids=eos))
         runs.append((list(fin.token_ids), fin.stats.finish_reason, v.offset))
     assert runs[0] == runs[1]
@@ -205,7 +198,7 @@ def test_ngram_rolls_back_a_guessed_tail_to_the_same_index():
 def test_padded_blocks_commit_the_same_and_leave_no_padding(tiny, ref, monkeypatch):
     costs = {1: 1.0, 2: 3.0, 8: 2.0, 16: 9.0}  # every block of 2..8 tokens runs at 8
     monkeypatch.setattr(loop, "verify_costs", lambda model: costs)
-    for v in (Verifier(tiny.model), SyncVerifier(tiny.model)):
+    for v in (Verifier(tiny.model), SynchronousVerifier(tiny.model)):
         committed = 0
         o = HostOracle(ref, tiny.vocab_size, right=2)
         for ev in speculative_generate(v, o, PROMPT, max_tokens=N,
