@@ -198,6 +198,28 @@ def test_accept_ratio_certain_cases():
     assert accept_ratio([1], q0, p, rng) == (0, 1)
 
 
+class Draws:
+    """An rng whose uniform draws are given: the rules' boundaries, exactly."""
+
+    def __init__(self, *u: float) -> None:
+        self.u = list(u)
+
+    def random(self) -> float:
+        return self.u.pop(0)
+
+
+def test_accept_ratio_at_its_boundaries():
+    """Accept x iff u < p(x)/q(x) for u in [0, 1): a token the verifier gives no mass (outside
+    its top-p nucleus) is rejected even on the draw u = 0.0, and u equal to the ratio rejects."""
+    q = np.array([[0.25, 0.5, 0.25]])
+    p = np.array([[0.75, 0.0, 0.25], [0.0, 0.0, 1.0]])
+    # p(1) = 0: rejected on u = 0.0; the correction from the residual [0.5, 0, 0] / 0.5
+    assert accept_ratio([1], q, p, Draws(0.0, 0.9)) == (0, 0)
+    p = np.array([[0.5, 0.25, 0.25], [0.0, 0.0, 1.0]])  # p(1)/q(1) = 0.5, exactly
+    assert accept_ratio([1], q, p, Draws(0.5 - 2**-53, 0.1)) == (1, 2)  # just below: kept
+    assert accept_ratio([1], q, p, Draws(0.5, 0.1)) == (0, 0)  # at the ratio: rejected
+
+
 def test_accept_greedy():
     from macfleet.engine.acceptance import accept_greedy
 
