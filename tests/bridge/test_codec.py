@@ -238,6 +238,26 @@ def test_nested_field_errors():
     expect("malformed", [header(), msgpack.packb({"seq": msgpack.ExtType(1, b"x"), "sent_ns": 1})])
 
 
+def test_field_errors_say_where_what_was_expected_and_what_came():
+    """A peer's bug report is the message: the field's path, the kind it should be and the
+    type that came (each part checked, so a message that loses one fails)."""
+    good = msgpack.unpackb(codec.encode(example(GenerateDone))[1])
+    for field, value, message in [
+            ("token_ids", [1, "2"], "generate_done.token_ids[1]: expected int, got str"),
+            ("text", b"x", "generate_done.text: expected str, got bytes"),
+            ("stats", [1], "generate_done.stats: expected struct, got list")]:
+        bad = msgpack.packb(dict(good, **{field: value}))
+        assert expect("malformed", [header(type="generate_done"), bad]).message == message
+
+
+def test_error_replies_are_cut_to_1000_characters_and_carry_no_invented_session():
+    env = codec.decode(codec.encode_error(ProtocolError("internal", "x" * 5000, msg_id="q")))
+    assert env.msg == ErrorReply("internal", "x" * 1000)
+    assert env.header.reply_to == "q" and env.header.session == ""
+    short = codec.decode(codec.encode_error(ProtocolError("busy", "y" * 1000))).msg
+    assert short.message == "y" * 1000
+
+
 def hidden(desc, frames, **kw):
     b = msgpack.packb({"session_id": "s", "block": 0, "positions": [], "states": desc})
     return [header(type="hidden_states"), b, *frames]
