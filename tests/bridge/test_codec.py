@@ -258,6 +258,41 @@ def test_error_replies_are_cut_to_1000_characters_and_carry_no_invented_session(
     assert short.message == "y" * 1000
 
 
+def test_encoding_checks_ints_and_floats_at_their_edges():
+    """What msgpack carries, exactly: ints in [-2**63, 2**64 - 1] (both ends included), no bool
+    for an int or a float, no string for a float; the error names the field and the type."""
+    for seq, ns in [(2**64 - 1, -(2**63)), (-(2**63), 2**64 - 1)]:
+        assert codec.decode(codec.encode(Ping(seq, ns))).msg == Ping(seq, ns)
+    for bad in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError) as e:
+            codec.encode(Ping(bad, 0))
+        assert str(e.value) == f"ping.seq: {bad} does not fit in 64 bits"
+    with pytest.raises(TypeError) as e:
+        codec.encode(Ping(True, 1))
+    assert str(e.value) == "ping.seq: expected int, got bool"
+    for value, kind in [("1.5", "str"), (True, "bool"), (None, "NoneType")]:
+        with pytest.raises(TypeError) as e:
+            codec.encode(DraftReply("s", 1, [1], None, value, False))
+        assert str(e.value) == f"draft_reply.draft_ms: expected float, got {kind}"
+    ok = codec.decode(codec.encode(DraftReply("s", 1, [1], None, np.float32(1.5), False))).msg
+    assert ok.draft_ms == 1.5 and type(ok.draft_ms) is float
+
+
+def test_array_frames_over_the_limit_are_oversize_whichever_side_says_so():
+    """max_frame_bytes bounds both what a descriptor declares and what a frame holds: each is
+    refused as oversize on its own (a descriptor over the limit is not left to be found later
+    as a shape mismatch), and a bad descriptor or frame index says which."""
+    desc = {"__frame__": 0, "dtype": "float32", "shape": [4]}  # declares 16 bytes
+    e = expect("oversize", hidden(desc, [b"\0" * 4]), max_frame_bytes=8)
+    assert e.message == "shape [4] exceeds 8 bytes"
+    e = expect("oversize", hidden(dict(desc, shape=[1]), [b"\0" * 16]), max_frame_bytes=8)
+    assert e.message == "frame of 16 bytes exceeds 8"
+    e = expect("malformed", hidden({"dtype": "float32", "shape": [1]}, [b"\0" * 4]))
+    assert e.message == "hidden_states.states: expected an array descriptor"
+    e = expect("malformed", hidden(dict(desc, __frame__=1), [b"\0" * 16]))
+    assert e.message == "hidden_states.states: bad or reused frame index"
+
+
 def hidden(desc, frames, **kw):
     b = msgpack.packb({"session_id": "s", "block": 0, "positions": [], "states": desc})
     return [header(type="hidden_states"), b, *frames]

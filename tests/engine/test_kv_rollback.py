@@ -81,6 +81,22 @@ def test_rollback_beyond_offset_raises(tiny, n):
     assert v.offset == 0
 
 
+def test_rollback_of_nothing_is_a_no_op(tiny):
+    """A block whose drafts were all accepted rolls back 0 entries: allowed, and the cache
+    (offset and the next logits) is as if it had not been called."""
+    import mlx.core as mx
+
+    v, ref = Verifier(tiny.model), Verifier(tiny.model)
+    v.prefill(PROMPT)
+    ref.prefill(PROMPT)
+    v.rollback(0)
+    assert v.offset == len(PROMPT)
+    assert mx.array_equal(v.forward([3, 4]), ref.forward([3, 4]))
+    empty = Verifier(tiny.model)
+    empty.rollback(0)  # even on an empty cache
+    assert empty.offset == 0
+
+
 def test_prefill_chunks_match_one_shot(tiny):
     """Chunked prefill (the prompt path) equals one forward over the whole prompt."""
     a = Verifier(tiny.model, prefill_step=2)
