@@ -14,7 +14,7 @@ from bridge import arrays, codec, messages
 from bridge.card import PROTOCOL_VERSION, AgentCard
 from bridge.errors import CODES, ProtocolError
 from bridge.messages import (DraftReply, ErrorReply, GenerateChunk, GenerateDone, HiddenStates,
-                             Ping, equal, example, message, registry)
+                             Ping, StatusReply, equal, example, message, registry)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -291,6 +291,39 @@ def test_array_frames_over_the_limit_are_oversize_whichever_side_says_so():
     assert e.message == "hidden_states.states: expected an array descriptor"
     e = expect("malformed", hidden(dict(desc, __frame__=1), [b"\0" * 16]))
     assert e.message == "hidden_states.states: bad or reused frame index"
+
+
+def _decoded(tag: str, fields: dict):
+    return codec.decode([header(type=tag), msgpack.packb(fields)]).msg
+
+
+def test_decoding_follows_each_kind_of_field():
+    """What another msgpack writer may send, kind by kind: a float packed as an int becomes a
+    float; a union keeps each member's own type and refuses anything else (bool is no int, and
+    no float is made of it); a fixed-size tuple refuses another length; an optional field's
+    error names its path."""
+    dr = msgpack.unpackb(codec.encode(DraftReply("s", 1, [1], None, 1.5, False))[1])
+    got = _decoded("draft_reply", dict(dr, draft_ms=1)).draft_ms
+    assert got == 1.0 and type(got) is float
+    e = expect("malformed", [header(type="draft_reply"), msgpack.packb(dict(dr, parents="x"))])
+    assert e.message == "draft_reply.parents: expected list, got str"
+    params = _decoded("run_preset", {"preset": "p", "params": {"a": 1, "b": 1.5, "c": "s"}}).params
+    assert params == {"a": 1, "b": 1.5, "c": "s"} and [type(v) for v in params.values()] == [
+        int, float, str]
+    for value, kind in [(True, "bool"), (b"x", "bytes"), ([1], "list")]:
+        bad = msgpack.packb({"preset": "p", "params": {"a": value}})
+        e = expect("malformed", [header(type="run_preset"), bad])
+        assert e.message == f"run_preset.params['a']: expected union, got {kind}"
+    st = msgpack.unpackb(codec.encode(example(StatusReply))[1])
+    assert _decoded("status", {**st, "card": {**st["card"], "extra": [["a", "b"]]}}
+                    ).card.extra == (("a", "b"),)
+    for pair in (["a", "b", "c"], ["a"]):
+        bad = msgpack.packb({**st, "card": {**st["card"], "extra": [pair]}})
+        e = expect("malformed", [header(type="status"), bad])
+        assert e.message == "status.card.extra[0]: expected tuple, got list"
+    e = expect("malformed", [header(type="generate_done"), msgpack.packb(
+        dict(msgpack.unpackb(codec.encode(example(GenerateDone))[1]), token_ids=5))])
+    assert e.message == "generate_done.token_ids: expected list, got int"
 
 
 def hidden(desc, frames, **kw):
