@@ -93,6 +93,32 @@ def test_int8_round_trip_bound(tiny):
             assert np.all(np.abs(a - b) <= row * (0.5 + 127 * 2 ** -11) + 1e-6)
 
 
+def test_int8_edges_zero_rows_and_tiny_rows():
+    """An all-zero row encodes as zeros with a scale of 1 (no 0/0 on the way); a row so small
+    that its float16 scale rounds DOWN (subnormal: max/127 = 2.0e-7 -> 1.79e-7) would need
+    |q| ~ 142, and is clipped to the symmetric int8 range [-127, 127], never wrapped around."""
+    x = np.array([[0.0, 0.0, 0.0, 0.0], [2.54e-5, -2.54e-5, 1e-5, 0.0]], dtype=np.float32)
+    with np.errstate(divide="raise", invalid="raise"):  # (float16 underflow is expected)
+        q, s = encode_int8(x)
+        back = decode_int8(q, s)
+    assert q[0].tolist() == [0, 0, 0, 0] and s[0] == np.float16(1.0) and not back[0].any()
+    assert q[1, 0] == 127 and q[1, 1] == -127 and int(q.min()) >= -127
+    assert np.array_equal(np.sign(back[1]), np.sign(x[1]))
+    assert back.dtype == np.float32
+
+
+def test_install_refuses_another_depth(tiny):
+    from macfleet.engine.kvship import install
+
+    ids = _ids(tiny, 8)
+    asm = _ship(tiny, ids, "auto")
+    v = Verifier(tiny.model)
+    with pytest.raises(KVShipError) as e:
+        install(v.cache, asm.layout, asm.arrays()[:-1])
+    n = len(v.cache)
+    assert str(e.value) == f"{n - 1} layers received, the model has {n}"
+
+
 def test_int8_and_float16_sizes(tiny):
     ids = _ids(tiny, 100)
     auto, f16, i8 = (_ship(tiny, ids, c).nbytes for c in ("auto", "float16", "int8"))
