@@ -331,6 +331,37 @@ def hidden(desc, frames, **kw):
     return [header(type="hidden_states"), b, *frames]
 
 
+def test_limits_decode_applies_each_of_its_caps():
+    """A socket's Limits: each cap refuses one past it and lets the limit itself through."""
+    desc = {"__frame__": 0, "dtype": "float32", "shape": [2]}
+    msg = hidden(desc, [b"\0" * 8])  # 3 frames, an 8-byte buffer
+    body_bytes = len(msg[1])
+    assert codec.Limits(max_frame_bytes=8, max_frames=3, max_body_bytes=body_bytes).decode(msg)
+    for limits in (codec.Limits(max_frame_bytes=7), codec.Limits(max_frames=2),
+                   codec.Limits(max_body_bytes=body_bytes - 1)):
+        with pytest.raises(ProtocolError) as e:
+            limits.decode(msg)
+        assert e.value.code == "oversize", limits
+    assert expect("oversize", msg, max_frames=2).message == "3 frames exceed 2"
+
+
+def test_any_buffer_is_a_frame_read_as_its_bytes():
+    """Frames may be any buffer (a numpy array of floats, a 2-D one): read as their bytes."""
+    x = np.array([1.5, -2.5], dtype=np.float32)
+    desc = {"__frame__": 0, "dtype": "float32", "shape": [2]}
+    for frame in (x, x.view(np.uint8).reshape(2, 4), x.view(np.uint16)):
+        got = codec.decode(hidden(desc, [frame])).msg.states
+        assert got.tolist() == [1.5, -2.5]
+    with pytest.raises(ProtocolError) as e:
+        codec.decode(iter(()))
+    assert (e.value.code, e.value.message) == ("malformed", "need at least 2 frames, got 0")
+    with pytest.raises(ProtocolError) as e:
+        codec.decode(5)
+    assert (e.value.code, e.value.message) == ("malformed", "frames must be a sequence")
+    e = expect("malformed", [header(), msgpack.packb({"seq": msgpack.ExtType(1, b"x")})])
+    assert e.message.startswith("not msgpack: ")
+
+
 def test_array_descriptor_errors():
     ok = {"__frame__": 0, "dtype": "float32", "shape": [2]}
     codec.decode(hidden(ok, [b"\0" * 8]))
