@@ -362,6 +362,45 @@ def test_any_buffer_is_a_frame_read_as_its_bytes():
     assert e.message.startswith("not msgpack: ")
 
 
+def test_header_limits_are_inclusive_and_errors_stay_addressed():
+    """Each header size limit admits exactly its value and refuses one more; errors found
+    after the id was read carry it (so the refusal reaches the sender); peek_id reads it."""
+    def dh(frame, **kw):
+        return codec.decode_header(frame, **kw)
+
+    h = header()
+    assert dh(h, max_bytes=len(h)).id == "abc"
+    with pytest.raises(ProtocolError) as e:
+        dh(h, max_bytes=len(h) - 1)
+    assert (e.value.code, e.value.message) == ("oversize",
+                                               f"header of {len(h)} bytes exceeds {len(h) - 1}")
+    for field, limit in (("id", codec.MAX_ID_LEN), ("type", codec.MAX_TAG_LEN),
+                         ("session", codec.MAX_SESSION_LEN), ("reply_to", codec.MAX_ID_LEN)):
+        assert getattr(dh(header(**{field: "x" * limit})), field) == "x" * limit
+        with pytest.raises(ProtocolError) as e:
+            dh(header(**{field: "x" * (limit + 1)}))
+        assert e.value.code == "malformed"
+        assert e.value.msg_id == (None if field == "id" else "abc")
+    assert dh(header(type="p")).type == "p"
+    for bad, message in [(dict(v="1"), "header has no int version"),
+                         (dict(extra=1), "header keys differ from " + ",".join(
+                             sorted(["v", "type", "id", "session", "reply_to", "t_ns"]))),
+                         (dict(type=""), "header field of the wrong type or size")]:
+        with pytest.raises(ProtocolError) as e:
+            dh(header(**bad))
+        assert (e.value.code, e.value.message, e.value.msg_id) == ("malformed", message, "abc")
+    with pytest.raises(ProtocolError) as e:
+        dh(header(v=PROTOCOL_VERSION + 1))
+    assert (e.value.code, e.value.msg_id) == ("bad_version", "abc")
+    assert e.value.message == f"protocol {PROTOCOL_VERSION + 1}, expected {PROTOCOL_VERSION}"
+    for frame, message in [("text", "header must be bytes-like"),
+                           (msgpack.packb([1]), "header is not a map")]:
+        with pytest.raises(ProtocolError) as e:
+            dh(frame)
+        assert (e.value.code, e.value.message) == ("malformed", message)
+    assert codec.peek_id(header(id="r9")) == "r9" and codec.peek_id(b"\xc1") is None
+
+
 def test_array_descriptor_errors():
     ok = {"__frame__": 0, "dtype": "float32", "shape": [2]}
     codec.decode(hidden(ok, [b"\0" * 8]))
