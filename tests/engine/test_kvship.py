@@ -141,6 +141,12 @@ def test_assembler_refuses_gaps_overlaps_and_wrong_shapes(tiny):
         asm.add(KVSlice(1, 0, k[:, :, :, :1], k[:, :, :, :1]))
     with pytest.raises(KVShipError, match="scales"):
         asm.add(KVSlice(1, 0, k.astype(np.int8), k.astype(np.int8)))
+    with pytest.raises(KVShipError) as e:  # runs past the prompt's end
+        asm.add(KVSlice(1, 6, k, k))
+    assert str(e.value) == "slice layers 1+1 at 6+4 out of range"
+    for kk, vv in ((k, k[:, :, :3]), (k[0], k[0])):  # K and V differ; not [layers, H, T, D]
+        with pytest.raises(KVShipError, match="differ"):
+            asm.add(KVSlice(1, 0, kk, vv))
     assert not asm.complete
     with pytest.raises(KVShipError, match="never arrived"):
         asm.arrays()
