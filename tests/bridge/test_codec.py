@@ -14,7 +14,7 @@ from bridge import arrays, codec, messages
 from bridge.card import PROTOCOL_VERSION, AgentCard
 from bridge.errors import CODES, ProtocolError
 from bridge.messages import (DraftReply, ErrorReply, GenerateChunk, GenerateDone, HiddenStates,
-                             Ping, equal, example, message, registry)
+                             Ping, StatusReply, equal, example, message, registry)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -238,9 +238,167 @@ def test_nested_field_errors():
     expect("malformed", [header(), msgpack.packb({"seq": msgpack.ExtType(1, b"x"), "sent_ns": 1})])
 
 
+def test_field_errors_say_where_what_was_expected_and_what_came():
+    """A peer's bug report is the message: the field's path, the kind it should be and the
+    type that came (each part checked, so a message that loses one fails)."""
+    good = msgpack.unpackb(codec.encode(example(GenerateDone))[1])
+    for field, value, message in [
+            ("token_ids", [1, "2"], "generate_done.token_ids[1]: expected int, got str"),
+            ("text", b"x", "generate_done.text: expected str, got bytes"),
+            ("stats", [1], "generate_done.stats: expected struct, got list")]:
+        bad = msgpack.packb(dict(good, **{field: value}))
+        assert expect("malformed", [header(type="generate_done"), bad]).message == message
+
+
+def test_error_replies_are_cut_to_1000_characters_and_carry_no_invented_session():
+    env = codec.decode(codec.encode_error(ProtocolError("internal", "x" * 5000, msg_id="q")))
+    assert env.msg == ErrorReply("internal", "x" * 1000)
+    assert env.header.reply_to == "q" and env.header.session == ""
+    short = codec.decode(codec.encode_error(ProtocolError("busy", "y" * 1000))).msg
+    assert short.message == "y" * 1000
+
+
+def test_encoding_checks_ints_and_floats_at_their_edges():
+    """What msgpack carries, exactly: ints in [-2**63, 2**64 - 1] (both ends included), no bool
+    for an int or a float, no string for a float; the error names the field and the type."""
+    for seq, ns in [(2**64 - 1, -(2**63)), (-(2**63), 2**64 - 1)]:
+        assert codec.decode(codec.encode(Ping(seq, ns))).msg == Ping(seq, ns)
+    for bad in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError) as e:
+            codec.encode(Ping(bad, 0))
+        assert str(e.value) == f"ping.seq: {bad} does not fit in 64 bits"
+    with pytest.raises(TypeError) as e:
+        codec.encode(Ping(True, 1))
+    assert str(e.value) == "ping.seq: expected int, got bool"
+    for value, kind in [("1.5", "str"), (True, "bool"), (None, "NoneType")]:
+        with pytest.raises(TypeError) as e:
+            codec.encode(DraftReply("s", 1, [1], None, value, False))
+        assert str(e.value) == f"draft_reply.draft_ms: expected float, got {kind}"
+    ok = codec.decode(codec.encode(DraftReply("s", 1, [1], None, np.float32(1.5), False))).msg
+    assert ok.draft_ms == 1.5 and type(ok.draft_ms) is float
+
+
+def test_array_frames_over_the_limit_are_oversize_whichever_side_says_so():
+    """max_frame_bytes bounds both what a descriptor declares and what a frame holds: each is
+    refused as oversize on its own (a descriptor over the limit is not left to be found later
+    as a shape mismatch), and a bad descriptor or frame index says which."""
+    desc = {"__frame__": 0, "dtype": "float32", "shape": [4]}  # declares 16 bytes
+    e = expect("oversize", hidden(desc, [b"\0" * 4]), max_frame_bytes=8)
+    assert e.message == "shape [4] exceeds 8 bytes"
+    e = expect("oversize", hidden(dict(desc, shape=[1]), [b"\0" * 16]), max_frame_bytes=8)
+    assert e.message == "frame of 16 bytes exceeds 8"
+    e = expect("malformed", hidden({"dtype": "float32", "shape": [1]}, [b"\0" * 4]))
+    assert e.message == "hidden_states.states: expected an array descriptor"
+    e = expect("malformed", hidden(dict(desc, __frame__=1), [b"\0" * 16]))
+    assert e.message == "hidden_states.states: bad or reused frame index"
+
+
+def _decoded(tag: str, fields: dict):
+    return codec.decode([header(type=tag), msgpack.packb(fields)]).msg
+
+
+def test_decoding_follows_each_kind_of_field():
+    """What another msgpack writer may send, kind by kind: a float packed as an int becomes a
+    float; a union keeps each member's own type and refuses anything else (bool is no int, and
+    no float is made of it); a fixed-size tuple refuses another length; an optional field's
+    error names its path."""
+    dr = msgpack.unpackb(codec.encode(DraftReply("s", 1, [1], None, 1.5, False))[1])
+    got = _decoded("draft_reply", dict(dr, draft_ms=1)).draft_ms
+    assert got == 1.0 and type(got) is float
+    e = expect("malformed", [header(type="draft_reply"), msgpack.packb(dict(dr, parents="x"))])
+    assert e.message == "draft_reply.parents: expected list, got str"
+    params = _decoded("run_preset", {"preset": "p", "params": {"a": 1, "b": 1.5, "c": "s"}}).params
+    assert params == {"a": 1, "b": 1.5, "c": "s"} and [type(v) for v in params.values()] == [
+        int, float, str]
+    for value, kind in [(True, "bool"), (b"x", "bytes"), ([1], "list")]:
+        bad = msgpack.packb({"preset": "p", "params": {"a": value}})
+        e = expect("malformed", [header(type="run_preset"), bad])
+        assert e.message == f"run_preset.params['a']: expected union, got {kind}"
+    st = msgpack.unpackb(codec.encode(example(StatusReply))[1])
+    assert _decoded("status", {**st, "card": {**st["card"], "extra": [["a", "b"]]}}
+                    ).card.extra == (("a", "b"),)
+    for pair in (["a", "b", "c"], ["a"]):
+        bad = msgpack.packb({**st, "card": {**st["card"], "extra": [pair]}})
+        e = expect("malformed", [header(type="status"), bad])
+        assert e.message == "status.card.extra[0]: expected tuple, got list"
+    e = expect("malformed", [header(type="generate_done"), msgpack.packb(
+        dict(msgpack.unpackb(codec.encode(example(GenerateDone))[1]), token_ids=5))])
+    assert e.message == "generate_done.token_ids: expected list, got int"
+
+
 def hidden(desc, frames, **kw):
     b = msgpack.packb({"session_id": "s", "block": 0, "positions": [], "states": desc})
     return [header(type="hidden_states"), b, *frames]
+
+
+def test_limits_decode_applies_each_of_its_caps():
+    """A socket's Limits: each cap refuses one past it and lets the limit itself through."""
+    desc = {"__frame__": 0, "dtype": "float32", "shape": [2]}
+    msg = hidden(desc, [b"\0" * 8])  # 3 frames, an 8-byte buffer
+    body_bytes = len(msg[1])
+    assert codec.Limits(max_frame_bytes=8, max_frames=3, max_body_bytes=body_bytes).decode(msg)
+    for limits in (codec.Limits(max_frame_bytes=7), codec.Limits(max_frames=2),
+                   codec.Limits(max_body_bytes=body_bytes - 1)):
+        with pytest.raises(ProtocolError) as e:
+            limits.decode(msg)
+        assert e.value.code == "oversize", limits
+    assert expect("oversize", msg, max_frames=2).message == "3 frames exceed 2"
+
+
+def test_any_buffer_is_a_frame_read_as_its_bytes():
+    """Frames may be any buffer (a numpy array of floats, a 2-D one): read as their bytes."""
+    x = np.array([1.5, -2.5], dtype=np.float32)
+    desc = {"__frame__": 0, "dtype": "float32", "shape": [2]}
+    for frame in (x, x.view(np.uint8).reshape(2, 4), x.view(np.uint16)):
+        got = codec.decode(hidden(desc, [frame])).msg.states
+        assert got.tolist() == [1.5, -2.5]
+    with pytest.raises(ProtocolError) as e:
+        codec.decode(iter(()))
+    assert (e.value.code, e.value.message) == ("malformed", "need at least 2 frames, got 0")
+    with pytest.raises(ProtocolError) as e:
+        codec.decode(5)
+    assert (e.value.code, e.value.message) == ("malformed", "frames must be a sequence")
+    e = expect("malformed", [header(), msgpack.packb({"seq": msgpack.ExtType(1, b"x")})])
+    assert e.message.startswith("not msgpack: ")
+
+
+def test_header_limits_are_inclusive_and_errors_stay_addressed():
+    """Each header size limit admits exactly its value and refuses one more; errors found
+    after the id was read carry it (so the refusal reaches the sender); peek_id reads it."""
+    def dh(frame, **kw):
+        return codec.decode_header(frame, **kw)
+
+    h = header()
+    assert dh(h, max_bytes=len(h)).id == "abc"
+    with pytest.raises(ProtocolError) as e:
+        dh(h, max_bytes=len(h) - 1)
+    assert (e.value.code, e.value.message) == ("oversize",
+                                               f"header of {len(h)} bytes exceeds {len(h) - 1}")
+    for field, limit in (("id", codec.MAX_ID_LEN), ("type", codec.MAX_TAG_LEN),
+                         ("session", codec.MAX_SESSION_LEN), ("reply_to", codec.MAX_ID_LEN)):
+        assert getattr(dh(header(**{field: "x" * limit})), field) == "x" * limit
+        with pytest.raises(ProtocolError) as e:
+            dh(header(**{field: "x" * (limit + 1)}))
+        assert e.value.code == "malformed"
+        assert e.value.msg_id == (None if field == "id" else "abc")
+    assert dh(header(type="p")).type == "p"
+    for bad, message in [(dict(v="1"), "header has no int version"),
+                         (dict(extra=1), "header keys differ from " + ",".join(
+                             sorted(["v", "type", "id", "session", "reply_to", "t_ns"]))),
+                         (dict(type=""), "header field of the wrong type or size")]:
+        with pytest.raises(ProtocolError) as e:
+            dh(header(**bad))
+        assert (e.value.code, e.value.message, e.value.msg_id) == ("malformed", message, "abc")
+    with pytest.raises(ProtocolError) as e:
+        dh(header(v=PROTOCOL_VERSION + 1))
+    assert (e.value.code, e.value.msg_id) == ("bad_version", "abc")
+    assert e.value.message == f"protocol {PROTOCOL_VERSION + 1}, expected {PROTOCOL_VERSION}"
+    for frame, message in [("text", "header must be bytes-like"),
+                           (msgpack.packb([1]), "header is not a map")]:
+        with pytest.raises(ProtocolError) as e:
+            dh(frame)
+        assert (e.value.code, e.value.message) == ("malformed", message)
+    assert codec.peek_id(header(id="r9")) == "r9" and codec.peek_id(b"\xc1") is None
 
 
 def test_array_descriptor_errors():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -9,8 +10,8 @@ import numpy as np
 
 from macfleet.engine.events import Finished
 
-# Chi-square critical values need the normal quantile at 1 - alpha (alpha = 0.001).
-Z_999 = 3.090232306167813
+# The chi-square tests reject at p < 0.001.
+ALPHA = 0.001
 
 
 def mlx_lm_greedy(model, prompt: Sequence[int], max_tokens: int,
@@ -39,10 +40,57 @@ def finished(events) -> Finished:
     return evs[-1]
 
 
-def chi2_critical(df: int, z: float = Z_999) -> float:
-    """Upper chi-square quantile by the Wilson-Hilferty approximation (good for df >= 2)."""
-    c = 2.0 / (9.0 * df)
-    return df * (1.0 - c + z * np.sqrt(c)) ** 3
+def chi2_sf(x: float, df: int) -> float:
+    """P(X > x) for X ~ chi-square(df): the regularized upper incomplete gamma Q(df/2, x/2),
+    by its power series below a + 1 and its continued fraction (modified Lentz) above, both
+    to double precision (Numerical Recipes 6.2). No scipy: the test extras stay small."""
+    a, y = df / 2.0, x / 2.0
+    if y <= 0:
+        return 1.0
+    log_front = a * math.log(y) - y - math.lgamma(a)
+    if y < a + 1.0:  # P(a, y) = e^-y y^a / Gamma(a+1) * sum y^n / ((a+1)...(a+n))
+        term = total = 1.0 / a
+        n = 0
+        while abs(term) > abs(total) * 1e-17:
+            n += 1
+            term *= y / (a + n)
+            total += term
+        return 1.0 - total * math.exp(log_front)
+    tiny = 1e-300
+    b = y + 1.0 - a
+    c, d = 1.0 / tiny, 1.0 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2.0
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1.0 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-16:
+            break
+    return math.exp(log_front) * h
+
+
+def chi2_critical(df: int, alpha: float = ALPHA) -> float:
+    """The upper alpha quantile of chi-square(df): x with chi2_sf(x, df) == alpha, by bisection
+    on the exact tail (monotone in x) to a relative 1e-12. Checked against published tables in
+    test_sampling_lossless.py::test_chi_square_helper."""
+    if df < 1 or not 0.0 < alpha < 1.0:
+        raise ValueError(f"chi2_critical needs df >= 1 and 0 < alpha < 1, got {df}, {alpha}")
+    lo, hi = 0.0, max(1.0, 2.0 * df)
+    while chi2_sf(hi, df) > alpha:
+        lo, hi = hi, 2.0 * hi
+    while hi - lo > 1e-12 * hi:
+        mid = 0.5 * (lo + hi)
+        if chi2_sf(mid, df) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
 
 
 def chi2_test(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0

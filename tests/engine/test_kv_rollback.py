@@ -81,6 +81,51 @@ def test_rollback_beyond_offset_raises(tiny, n):
     assert v.offset == 0
 
 
+def test_rollback_of_nothing_is_a_no_op(tiny):
+    """A block whose drafts were all accepted rolls back 0 entries: allowed, and the cache
+    (offset and the next logits) is as if it had not been called."""
+    import mlx.core as mx
+
+    v, ref = Verifier(tiny.model), Verifier(tiny.model)
+    v.prefill(PROMPT)
+    ref.prefill(PROMPT)
+    v.rollback(0)
+    assert v.offset == len(PROMPT)
+    assert mx.array_equal(v.forward([3, 4]), ref.forward([3, 4]))
+    empty = Verifier(tiny.model)
+    empty.rollback(0)  # even on an empty cache
+    assert empty.offset == 0
+
+
+def test_an_untrimmable_cache_is_refused_by_name(tiny):
+    """A model whose cache cannot roll back (a recurrent state, say) would keep rejected
+    drafts: the verifier refuses it up front, naming the cache types that cannot."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    from macfleet.engine.verifier import CacheError
+
+    class Recurrent:
+        args = tiny.model.args
+
+        def make_cache(self):
+            return [KVCache(), ArraysCache(1), ArraysCache(1)]
+
+    with pytest.raises(CacheError) as e:
+        Verifier(Recurrent())
+    assert str(e.value) == ("speculative decoding needs a trimmable KV cache; this model uses "
+                            "['ArraysCache']")
+
+
+def test_reset_forgets_everything(tiny):
+    import mlx.core as mx
+
+    v, fresh = Verifier(tiny.model), Verifier(tiny.model)
+    v.prefill(PROMPT)
+    v.reset()
+    assert v.offset == 0
+    assert mx.array_equal(v.forward([3, 4]), fresh.forward([3, 4]))
+
+
 def test_prefill_chunks_match_one_shot(tiny):
     """Chunked prefill (the prompt path) equals one forward over the whole prompt."""
     a = Verifier(tiny.model, prefill_step=2)

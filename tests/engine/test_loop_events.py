@@ -113,9 +113,21 @@ def check_consistent(events) -> Finished:
             s.accepted / sum(1 for b in blocks if b.drafted > 0))
     else:
         assert s.accepted_hist == ()
-    for e in events:  # each TokensCommitted precedes its BlockDone
+    # the order: per block, its TokensCommitted (only when it committed something, never
+    # empty) immediately followed by its BlockDone, blocks in order, Finished last
+    expect = 1
+    pending: TokensCommitted | None = None
+    for e in events[:-1]:
+        assert not isinstance(e, Finished)
         if isinstance(e, TokensCommitted):
-            assert e.tokens
+            assert pending is None, f"two TokensCommitted without a BlockDone between: {e}"
+            assert e.tokens and e.block == expect, (e, expect)
+            pending = e
+        else:
+            assert isinstance(e, BlockDone) and e.block == expect, (e, expect)
+            assert e.committed == (len(pending.tokens) if pending is not None else 0), e
+            pending, expect = None, expect + 1
+    assert pending is None, "a TokensCommitted without its BlockDone"
     d = s.to_dict()
     assert d["tokens"] == s.tokens and d["acceptance"] == s.acceptance
     assert isinstance(d["accepted_hist"], list)

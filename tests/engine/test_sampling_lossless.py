@@ -13,6 +13,7 @@ costs ~1 ms, which is what makes thousands of full generations affordable.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -197,6 +198,28 @@ def test_accept_ratio_certain_cases():
     assert accept_ratio([1], q0, p, rng) == (0, 1)
 
 
+class Draws:
+    """An rng whose uniform draws are given: the rules' boundaries, exactly."""
+
+    def __init__(self, *u: float) -> None:
+        self.u = list(u)
+
+    def random(self) -> float:
+        return self.u.pop(0)
+
+
+def test_accept_ratio_at_its_boundaries():
+    """Accept x iff u < p(x)/q(x) for u in [0, 1): a token the verifier gives no mass (outside
+    its top-p nucleus) is rejected even on the draw u = 0.0, and u equal to the ratio rejects."""
+    q = np.array([[0.25, 0.5, 0.25]])
+    p = np.array([[0.75, 0.0, 0.25], [0.0, 0.0, 1.0]])
+    # p(1) = 0: rejected on u = 0.0; the correction from the residual [0.5, 0, 0] / 0.5
+    assert accept_ratio([1], q, p, Draws(0.0, 0.9)) == (0, 0)
+    p = np.array([[0.5, 0.25, 0.25], [0.0, 0.0, 1.0]])  # p(1)/q(1) = 0.5, exactly
+    assert accept_ratio([1], q, p, Draws(0.5 - 2**-53, 0.1)) == (1, 2)  # just below: kept
+    assert accept_ratio([1], q, p, Draws(0.5, 0.1)) == (0, 0)  # at the ratio: rejected
+
+
 def test_accept_greedy():
     from macfleet.engine.acceptance import accept_greedy
 
@@ -344,13 +367,35 @@ def test_acceptance_module_is_pure():
     assert a[0] == a[1] == a[2]
 
 
-def test_chi_square_helper():
-    """The critical values agree with scipy (when it is installed); the test has its size."""
-    from engine_testkit import chi2_critical
+# Upper quantiles of chi-square(df), from published tables (NIST/SEMATECH e-Handbook of
+# Statistical Methods, 1.3.6.7.4, "Critical values of the chi-square distribution", upper tail;
+# the same three decimals as scipy.stats.chi2.isf). alpha -> {df: critical value}.
+CHI2_TABLE = {
+    0.001: {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
+            8: 26.124, 9: 27.877, 10: 29.588, 15: 37.697, 20: 45.315, 25: 52.620,
+            30: 59.703, 40: 73.402, 50: 86.661, 60: 99.607, 70: 112.317, 80: 124.839,
+            90: 137.208, 100: 149.449},
+    0.05: {1: 3.841, 2: 5.991, 3: 7.815, 10: 18.307, 30: 43.773, 100: 124.342},
+}
 
-    stats = pytest.importorskip("scipy.stats")
-    for df in (2, 5, 7, 19, 63):
-        assert chi2_critical(df) == pytest.approx(stats.chi2.ppf(0.999, df), rel=0.03)
+
+def test_chi_square_helper():
+    """The critical values are the tabulated ones (to the table's three decimals), computed
+    without scipy so this runs in CI; and the test built on them rejects at its intended rate."""
+    from engine_testkit import ALPHA, chi2_critical, chi2_sf
+
+    for alpha, table in CHI2_TABLE.items():
+        for df, want in table.items():
+            assert abs(chi2_critical(df, alpha) - want) <= 0.0005 + 1e-9, (alpha, df)
+            assert chi2_sf(want, df) == pytest.approx(alpha, rel=2e-3)
+    assert chi2_sf(0.0, 3) == 1.0 and 0.0 <= chi2_sf(1e4, 3) < 1e-300
+    # closed forms: df=2 is exponential (sf = e^-x/2), df=1 is a squared normal (sf = erfc)
+    for x in (0.01, 0.5, 3.0, 12.0, 40.0):
+        assert chi2_sf(x, 2) == pytest.approx(np.exp(-x / 2), rel=1e-12)
+        assert chi2_sf(x, 1) == pytest.approx(math.erfc(math.sqrt(x / 2)), rel=1e-10)
+    assert ALPHA == 0.001
+    with pytest.raises(ValueError):
+        chi2_critical(0)
     p = np.array([0.4, 0.3, 0.2, 0.1])
     rng = np.random.default_rng(3)
     rejections = sum(

@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_testkit import chi2_critical
 
 from macfleet.engine.events import Finished
 from macfleet.engine.loop import speculative_generate
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import Draft, Proposer
-from macfleet.engine.sampling import GREEDY
+from macfleet.engine.proposers.model_draft import ModelProposer
+from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng
 from macfleet.engine.tree import Candidate, TokenTree, accept_tree_greedy, accept_tree_sample
 from macfleet.engine.tree_loop import ProposerGroup, tree_generate
 from macfleet.engine.tree_verify import compact_cache, tree_forward
 from macfleet.engine.verifier import Verifier
 from tolerance import LOGIT_ATOL, LOGIT_RTOL
-
-
-def chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (z=3.09: p = 0.001)."""
-    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
 def chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
@@ -161,22 +158,68 @@ def test_multi_draft_sampling_keeps_the_verifier_distribution():
     assert stat_bad > chi2_critical(df_bad), "the test cannot tell a wrong rule from a right one"
 
 
-@pytest.mark.slow  # several sampled tree generations
-def test_tree_sampling_loop_runs_and_is_seeded():
-    from macfleet.engine.sampling import SamplingParams
+class _OwnStream(ModelProposer):
+    """A draft model sampling from its own rng stream: SpecInfer's multi-draft rule is lossless
+    for INDEPENDENT candidates, so two drafters of one tree must not share their draws."""
 
-    lm = load_model("tiny:6:32")
-    params = SamplingParams(1.0, 1.0, 11)
-    outs = []
-    for _ in range(2):
-        # fixed lengths: adaptive ones follow measured times, which differ between runs
-        group = ProposerGroup([make_proposer("draft:tiny:7:32", lm), make_proposer("ngram", lm)],
-                              draft_tokens=3)
-        outs.append(run(tree_generate(Verifier(lm.model), group, [1, 2, 3, 1, 2, 3], params=params,
-                                      max_tokens=30))[0])
-    assert outs[0] == outs[1] and len(outs[0]) == 30
-    assert GREEDY.greedy
-    assert Candidate(1, 0).q is None
+    def __init__(self, model, name: str, stream: int) -> None:
+        super().__init__(model, name)
+        self.stream = stream
+
+    def start(self, params=GREEDY) -> None:
+        super().start(params)
+        self._rng = make_rng(params, stream=self.stream)
+
+
+TREE_LOOP_SAMPLES = 1_200
+
+
+def _tree_sample(verifier, drafts, seed: int, max_tokens: int):
+    """One seeded tree generation after the prompt [1], k=2 per draft model: (ids, stats)."""
+    group = ProposerGroup([_OwnStream(m, f"draft{j}", 1 + j) for j, m in enumerate(drafts)],
+                          draft_tokens=2)
+    return run(tree_generate(verifier, group, [1], params=SamplingParams(1.0, seed=seed),
+                             max_tokens=max_tokens))
+
+
+def _tree_loop_joint(verifier_model, drafts, n: int, seed0: int):
+    """Histogram of the first two committed tokens of n seeded tree generations (max_tokens=3:
+    both tokens pass the first block's multi-draft acceptance), and the accepted and drafted
+    totals."""
+    vocab = int(verifier_model.args.vocab_size)
+    counts = np.zeros((vocab, vocab), dtype=np.int64)
+    verifier = Verifier(verifier_model)
+    accepted = drafted = 0
+    for i in range(n):
+        ids, st = _tree_sample(verifier, drafts, seed0 + i, 3)
+        counts[ids[0], ids[1]] += 1
+        accepted, drafted = accepted + st.accepted, drafted + st.drafted
+    return counts, accepted, drafted
+
+
+@pytest.mark.slow  # 1,200 sampled tree generations (1-layer models, ~3 ms each)
+def test_tree_sampling_loop_keeps_the_verifier_distribution_and_is_seeded():
+    """The whole tree loop (two draft models with probabilities, so every node runs the
+    multi-draft ratio test and its residual updates) commits its first two tokens with the
+    verifier's exact joint p(t1) p(t2 | t1); a seed fixes the output."""
+    from engine_testkit import chi2_test
+    from test_sampling_lossless import exact_joint
+
+    from macfleet.engine.tiny import build_tiny_model
+
+    target_model = build_tiny_model(1, 8, layers=1, weight_scale=1.0)
+    drafts = [build_tiny_model(s, 8, layers=1, weight_scale=1.0) for s in (3, 4)]
+    counts, accepted, drafted = _tree_loop_joint(target_model, drafts, TREE_LOOP_SAMPLES,
+                                                 seed0=20_000)
+    stat, df, crit = chi2_test(counts, exact_joint(target_model))
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"
+    # the drafts were verified and often, not always, accepted: the rules above really ran
+    assert 0.2 * drafted < accepted < 0.8 * drafted, (accepted, drafted)
+    # seeded: the same seed twice gives the same tokens, another seed other tokens
+    v = Verifier(target_model)
+    a = _tree_sample(v, drafts, 7, 30)[0]
+    assert a == _tree_sample(v, drafts, 7, 30)[0] and len(a) == 30
+    assert a != _tree_sample(v, drafts, 8, 30)[0]
 
 
 def test_eagle_in_a_tree_reads_the_tree_forward_features(tmp_path):

@@ -7,9 +7,31 @@ import json
 from macfleet.engine import verify_costs as vc
 
 
-def test_probe_times_every_length_and_leaves_no_trace(tiny):
+def test_probe_times_every_length_and_leaves_no_trace(tiny, tmp_path, monkeypatch):
+    """Every length is timed after the same `context` cached tokens (the probe rolls each
+    forward back; without it L=4 would be timed after 8 + 3 * 1 + 3 * 2 tokens), and the probe
+    itself writes nothing: no cost table on disk, none memoised (that is verify_costs' job)."""
+    monkeypatch.setenv("MACFLEET_CACHE", str(tmp_path))
+    monkeypatch.setattr(vc, "_memo", {})
+    seen: list[tuple[int, int]] = []  # (offset before the forward, tokens)
+    made: list[vc.Verifier] = []
+
+    class Spy(vc.Verifier):
+        def __init__(self, model):
+            super().__init__(model)
+            made.append(self)
+
+        def forward(self, tokens, *a, **kw):
+            seen.append((self.offset, len(tokens)))
+            return super().forward(tokens, *a, **kw)
+
+    monkeypatch.setattr(vc, "Verifier", Spy)
     costs = vc.probe_verify_costs(tiny.model, lengths=(1, 2, 4), context=8, reps=1)
     assert sorted(costs) == [1, 2, 4] and all(ms > 0 for ms in costs.values())
+    # a warm-up and `reps` runs per length, each after exactly the context
+    assert seen == [(8, 1), (8, 1), (8, 2), (8, 2), (8, 4), (8, 4)], seen
+    assert len(made) == 1 and made[0].offset == 8  # its own verifier, rolled back at the end
+    assert list(tmp_path.rglob("*")) == [] and vc._memo == {}
 
 
 def test_the_table_is_measured_once_per_machine_and_model(tiny, tmp_path, monkeypatch):

@@ -21,6 +21,32 @@ def _chat(client, content: str, **kw):
         model="tiny:1", messages=[{"role": "user", "content": content}], **kw)
 
 
+def test_usage_reports_the_servers_own_draft_accounting():
+    """accepted/rejected_prediction_tokens are this request's drafts as the engine counted them
+    (its session in GET /v1/macfleet/batch). The drafter is the verifier's own model, so its
+    greedy drafts are accepted (nearly) always: a count stuck at 0, or swapped with the
+    rejected one, fails."""
+    from serve_testkit import start_server, stop_server
+
+    from macfleet.fleet.serve_watch import fetch_batch
+
+    server = start_server("--proposer", "draft:tiny:1", "--draft-tokens", "4")
+    try:
+        client = openai.OpenAI(base_url=server.v1, api_key=server.key, timeout=60,
+                               max_retries=0)
+        u = _chat(client, "the cat sat on the mat", max_tokens=40, temperature=0).usage
+        batch = fetch_batch(server.v1, api_key=server.key, timeout_s=5).batch
+    finally:
+        stop_server(server)
+    (mine,) = [s for s in batch.sessions if s.state == "done"]
+    d = u.completion_tokens_details
+    assert u.completion_tokens == mine.generated == 40
+    assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (
+        mine.accepted, mine.drafted - mine.accepted)
+    assert 20 <= d.accepted_prediction_tokens < 40  # a bonus token ends every block
+    assert d.rejected_prediction_tokens <= d.accepted_prediction_tokens // 4
+
+
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == ["tiny:1"]
 
@@ -32,7 +58,9 @@ def test_chat_non_streaming_and_streaming_agree(client):
     u = r.usage
     assert (u.prompt_tokens, u.completion_tokens) == (22, 20)
     assert u.total_tokens == 42
-    assert u.completion_tokens_details.accepted_prediction_tokens >= 0
+    d = u.completion_tokens_details
+    assert 0 <= d.accepted_prediction_tokens <= u.completion_tokens
+    assert d.rejected_prediction_tokens >= 0
     chunks = list(_chat(client, "the cat sat on the mat", max_tokens=20, temperature=0,
                         stream=True, stream_options={"include_usage": True}))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -1,0 +1,155 @@
+"""Mutation testing of the core (see docs/testing.md): mutmut over one module at a time, each
+against only the fast tests that exercise it.
+
+mutmut reads its settings from [tool.mutmut] of the pyproject.toml in its working directory and
+writes its mutants there, so each module gets a scratch directory (.mutation/<name>/) holding
+links to the packages and tests, and a pyproject.toml with that module's own settings. A
+module's surviving mutants (with their diffs) are written to .mutation/<name>.json; triage them
+into results/mutation.json.
+
+    .venv/bin/python .ci/mutation.py [--fresh] [NAME ...]
+
+NAME: a key of MODULES (none: all, in priority order); --fresh: forget earlier results;
+--export: only write .mutation/<name>.json from the results so far (of a run that was stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / ".mutation"
+
+# name -> (file to mutate, the fast tests that exercise it). Priority order: the acceptance
+# rules, the codec, the KV rollback, KV shipping, token trees, then the rest.
+MODULES: dict[str, tuple[str, list[str]]] = {
+    "acceptance": ("macfleet/engine/acceptance.py", ["tests/engine/test_sampling_lossless.py"]),
+    "codec": ("bridge/codec.py", ["tests/bridge/test_codec.py", "tests/bridge/test_fuzz_codec.py"]),
+    "verifier": ("macfleet/engine/verifier.py", ["tests/engine/test_kv_rollback.py",
+                                                  "tests/engine/test_verify_costs.py"]),
+    "kvship": ("macfleet/engine/kvship.py", ["tests/engine/test_kvship.py"]),
+    "tree": ("macfleet/engine/tree.py", ["tests/engine/test_tree.py"]),
+    "sampling": ("macfleet/engine/sampling.py", ["tests/engine/test_sampling_lossless.py"]),
+    "loop": ("macfleet/engine/loop.py", ["tests/engine/test_loop_events.py",
+                                         "tests/engine/test_greedy_identity.py"]),
+    "tree_loop": ("macfleet/engine/tree_loop.py", ["tests/engine/test_tree.py"]),
+    "batch": ("macfleet/engine/batch.py", ["tests/engine/test_batch.py"]),
+}
+LINKED = ("macfleet", "bridge", "agents", "tui", "tests", "README.md")
+PYTEST_ARGS = ["-m", "not slow", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly"]
+
+
+def settings(path: str, tests: list[str]) -> str:
+    """[tool.mutmut] for one module: only that file mutated, only its tests run."""
+    def arr(xs):
+        return "[" + ", ".join(json.dumps(x) for x in xs) + "]"
+    return (f"\n[tool.mutmut]\nsource_paths = {arr([path.split('/')[0]])}\n"
+            f"only_mutate = {arr([path])}\n"
+            f"pytest_add_cli_args = {arr(PYTEST_ARGS)}\n"
+            f"pytest_add_cli_args_test_selection = {arr(tests)}\n"
+            # a server that has imported and collected the tests forks each mutant's run (no
+            # MLX computation before the fork); generous timeouts: the box is shared
+            "process_isolation = \"forkserver\"\nforkserver_warmup = \"collect\"\n"
+            "use_git_change_detection = false\ntimeout_multiplier = 10.0\n"
+            "timeout_constant = 30.0\n")
+
+
+def prepare(name: str) -> Path:
+    path, tests = MODULES[name]
+    d = WORK / name
+    d.mkdir(parents=True, exist_ok=True)
+    for item in LINKED:
+        link = d / item
+        if not link.exists():
+            link.symlink_to(ROOT / item)
+    text = (ROOT / "pyproject.toml").read_text()
+    text = re.sub(r"\n\[tool\.mutmut\][^\[]*", "\n", text)
+    (d / "pyproject.toml").write_text(text + settings(path, tests))
+    return d
+
+
+def mutmut(d: Path, *args: str, check: bool = True) -> str:
+    exe = Path(sys.executable).with_name("mutmut")
+    env = dict(os.environ)
+    for lib in ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+                "/usr/lib/aarch64-linux-gnu/libopenblas.so.0"):
+        if os.path.exists(lib):
+            env.setdefault("LD_PRELOAD", lib)
+    out = subprocess.run([str(exe), *args], cwd=d, env=env, capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise SystemExit(f"mutmut {' '.join(args)} failed in {d}:\n{out.stdout[-3000:]}"
+                         f"\n{out.stderr[-3000:]}")
+    return out.stdout
+
+
+DIFFS = """
+import json, sys
+from mutmut.mutation.diff_apply import find_mutant, get_diff_for_mutant
+out = {}
+for name in json.load(sys.stdin):
+    try:
+        out[name] = get_diff_for_mutant(name, path=find_mutant(name).path)
+    except Exception as e:  # a mutant whose source changed since the run
+        out[name] = f"(no diff: {e})"
+print(json.dumps(out))
+"""
+
+
+def survivors(d: Path) -> list[dict]:
+    """Every mutant that was run and not killed: (id, status, diff). Mutants not run yet
+    (a stopped run) are only counted."""
+    rows = []
+    for line in mutmut(d, "results", "--all", "true").splitlines():
+        m = re.match(r"\s*([\w.\u01c1]+__mutmut_\d+): (.+)$", line)
+        if m and m.group(2).strip() not in ("killed", "not checked"):
+            rows.append({"id": m.group(1), "status": m.group(2).strip()})
+    if rows:  # one process for all the diffs (a `mutmut show` each takes seconds)
+        out = subprocess.run([sys.executable, "-c", DIFFS], cwd=d, capture_output=True,
+                             text=True, input=json.dumps([r["id"] for r in rows]))
+        diffs = json.loads(out.stdout) if out.returncode == 0 else {}
+        for r in rows:
+            r["diff"] = diffs.get(r["id"], out.stderr[-300:]).strip()
+    return rows
+
+
+def run(name: str, fresh: bool, export_only: bool = False) -> dict:
+    d = prepare(name)
+    t0 = time.monotonic()
+    if fresh and (d / "mutants").exists():  # else mutmut resumes (and re-runs what changed)
+        shutil.rmtree(d / "mutants")
+    if not export_only:
+        mutmut(d, "run", "--max-children", os.environ.get("MUTATION_JOBS", "1"), check=False)
+    counts: dict[str, int] = {}
+    for line in mutmut(d, "results", "--all", "true").splitlines():
+        m = re.match(r"\s*[\w.\u01c1]+__mutmut_\d+: (.+)$", line)
+        if m:
+            counts[m.group(1).strip()] = counts.get(m.group(1).strip(), 0) + 1
+    out = {"module": MODULES[name][0], "tests": MODULES[name][1], "counts": counts,
+           "minutes": round((time.monotonic() - t0) / 60, 1), "survivors": survivors(d)}
+    (WORK / f"{name}.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    fresh, export_only = "--fresh" in argv, "--export" in argv
+    names = [a for a in argv if a not in ("--fresh", "--export")] or list(MODULES)
+    unknown = [n for n in names if n not in MODULES]
+    if unknown:
+        print(f"unknown module(s) {unknown}; known: {', '.join(MODULES)}", file=sys.stderr)
+        return 2
+    for name in names:
+        r = run(name, fresh and not export_only, export_only)
+        print(f"{name}: {r['counts']} in {r['minutes']} min; "
+              f"{len(r['survivors'])} not killed -> .mutation/{name}.json", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
