@@ -139,7 +139,10 @@ def speculative_generate(
     rng = make_rng(params, stream=0)
     t_start = time.perf_counter()
     lazy = params.greedy and getattr(verifier, "pipelines", False)
-    costs = verify_costs(verifier.model) if proposer is not None else None
+    # blocks padded to the device's cheap lengths: a local verifier's own table (a sharded
+    # one, whose forward involves its peers, is not probed from here)
+    costs = (verify_costs(verifier.model)
+             if proposer is not None and getattr(verifier, "pipelines", False) else None)
     verifier.reset()
     proposer_name = proposer.name if proposer is not None else "none"
     if proposer is not None:
