@@ -24,7 +24,7 @@ import numpy as np
 from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accept_ratio
 from macfleet.engine.controller import FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
-from macfleet.engine.pipeline import greedy_outcome, padded_length
+from macfleet.engine.pipeline import drafts_ahead, greedy_outcome, padded_length, pads_blocks
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.verifier import Verifier
@@ -141,8 +141,8 @@ def speculative_generate(
     lazy = params.greedy and getattr(verifier, "pipelines", False)
     # blocks padded to the device's cheap lengths: a local verifier's own table (a sharded
     # one, whose forward involves its peers, is not probed from here)
-    costs = (verify_costs(verifier.model)
-             if proposer is not None and getattr(verifier, "pipelines", False) else None)
+    costs = (verify_costs(verifier.model) if proposer is not None and pads_blocks()
+             and getattr(verifier, "pipelines", False) else None)
     verifier.reset()
     proposer_name = proposer.name if proposer is not None else "none"
     if proposer is not None:
@@ -159,6 +159,7 @@ def speculative_generate(
     k_next: int | None = None  # the next block's length, when asked for before this one ended
     ahead: _Ahead | None = None
     k_pre = int(getattr(controller, "k_max", None) or getattr(controller, "k", 0) or 0)
+    ahead_ok = drafts_ahead()
     try:
         while len(generated) < max_tokens:
             t0 = time.perf_counter()
@@ -199,8 +200,8 @@ def speculative_generate(
                 if k_next == 0:
                     step = greedy_outcome(verifier.forward_lazy(out[1:]), ())
                     mx.async_eval(step)
-            elif (proposer is not None and proposer.host_side and draft.tokens and k_pre
-                  and len(generated) + len(draft) + 1 < max_tokens):
+            elif (ahead_ok and proposer is not None and proposer.host_side and draft.tokens
+                  and k_pre and len(generated) + len(draft) + 1 < max_tokens):
                 ahead = _predraft(proposer, context, draft.tokens, k_pre)
             if lazy:
                 n, nxt = (int(v) for v in out.tolist())

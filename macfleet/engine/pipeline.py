@@ -19,9 +19,39 @@ exact-match of integers, so the device and the host decide the same thing bit fo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
+
+# =1 / =0: pad blocks to the verify(L) table's lengths everywhere / nowhere (default: on an
+# accelerator, where each new length compiles kernels and the curve is flat and erratic; not
+# on a CPU, which compiles nothing and whose probed sawtooth did not hold in the loop: blocks
+# of 2-8 padded to the probe's cheap L = 8 (84 ms) ran at ~280 ms a block, SmolLM2, this box)
+PAD_ENV = "MACFLEET_PAD_BLOCKS"
+
+
+# =1 / =0: host-side drafters draft the next block while the device verifies, everywhere /
+# nowhere (default: on an accelerator; on a CPU the host is the device's own cores, and
+# drafting beside the forward takes them from its BLAS threads)
+AHEAD_ENV = "MACFLEET_DRAFT_AHEAD"
+
+
+def _forced(env: str) -> bool | None:
+    v = os.environ.get(env)
+    return v == "1" if v in ("0", "1") else None
+
+
+def drafts_ahead() -> bool:
+    """Whether host-side drafters draft during verification (engine/loop.py, tree_loop.py)."""
+    forced = _forced(AHEAD_ENV)
+    return mx.default_device() != mx.cpu if forced is None else forced
+
+
+def pads_blocks() -> bool:
+    """Whether blocks are padded to the device's cheap lengths (`padded_length`)."""
+    forced = _forced(PAD_ENV)
+    return mx.default_device() != mx.cpu if forced is None else forced
 
 
 def next_token(logits: mx.array) -> mx.array:

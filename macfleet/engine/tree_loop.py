@@ -21,7 +21,7 @@ from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
 from macfleet.engine.drafter.features import record_hidden
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import sanitize_draft
-from macfleet.engine.pipeline import padded_length
+from macfleet.engine.pipeline import drafts_ahead, padded_length, pads_blocks
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng, probs_from_logits
 from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample, reroot
@@ -256,6 +256,8 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
         raise ValueError("sampling with several proposers needs tree attention (llama family)")
     rng = make_rng(params, stream=0)
     costs = verify_costs(verifier.model)  # measured once per machine (cached), not timed here
+    pad_costs = costs if pads_blocks() else None
+    ahead_ok = drafts_ahead()
     t_start = time.perf_counter()
     verifier.reset()
     group.start(params)
@@ -281,11 +283,11 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
 
             def during(tree=tree, ks=ks, context=context):
                 nonlocal ahead
-                if group.host_side and len(generated) + tree.size + 1 < max_tokens:
+                if ahead_ok and group.host_side and len(generated) + tree.size + 1 < max_tokens:
                     ahead = _predraft(group, context, tree, ks)
 
             path, nxt = _verify(verifier, tree, tree_ok, params, rng,
-                                padded_length(len(tree.tokens), costs), during)
+                                padded_length(len(tree.tokens), pad_costs), during)
             t2 = time.perf_counter()
             new = [*tree.path_tokens(path), nxt]
             stop_at = next((i for i, t in enumerate(new) if t in eos_ids), None)

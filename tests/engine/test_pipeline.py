@@ -32,6 +32,14 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 N = 40
 
 
+@pytest.fixture(autouse=True)
+def on_an_accelerator_path(monkeypatch):
+    """Drafting ahead and padding are on by default only off the CPU: here they are forced on,
+    so these tests exercise them on any machine."""
+    monkeypatch.setenv("MACFLEET_DRAFT_AHEAD", "1")
+    monkeypatch.setenv("MACFLEET_PAD_BLOCKS", "1")
+
+
 @pytest.fixture(scope="module")
 def ref(tiny) -> list[int]:
     return mlx_lm_greedy(tiny.model, PROMPT, N)
@@ -193,6 +201,21 @@ def test_ngram_rolls_back_a_guessed_tail_to_the_same_index():
 
 
 # -- blocks at the lengths the device likes -------------------------------------------------
+
+
+def test_blocks_are_padded_on_an_accelerator_only_unless_asked(monkeypatch):
+    from macfleet.engine import pipeline
+
+    monkeypatch.setenv(pipeline.PAD_ENV, "1")
+    assert pipeline.pads_blocks()
+    monkeypatch.setenv(pipeline.PAD_ENV, "0")
+    assert not pipeline.pads_blocks()
+    monkeypatch.delenv(pipeline.PAD_ENV)
+    assert pipeline.pads_blocks() == (mx.default_device() != mx.cpu)
+    monkeypatch.delenv(pipeline.AHEAD_ENV)
+    assert pipeline.drafts_ahead() == (mx.default_device() != mx.cpu)
+    monkeypatch.setenv(pipeline.AHEAD_ENV, "0")
+    assert not pipeline.drafts_ahead()
 
 
 def test_padded_blocks_commit_the_same_and_leave_no_padding(tiny, ref, monkeypatch):
