@@ -24,7 +24,8 @@ from macfleet.engine.loop import sanitize_draft
 from macfleet.engine.pipeline import drafts_ahead, padded_length, pads_blocks
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng, probs_from_logits
-from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample, reroot
+from macfleet.engine.tree import (TokenTree, accept_tree_greedy, accept_tree_sample,
+                                  longest_branch, reroot)
 from macfleet.engine.tree_verify import (compact_cache, supports_tree_attention, tree_forward,
                                          verify_branches)
 from macfleet.engine.verifier import Verifier
@@ -181,7 +182,7 @@ class _TreeAhead:
 
 def _predraft(group: ProposerGroup, context: Sequence[int], tree: TokenTree,
               ks: Sequence[int]) -> _TreeAhead | None:
-    main = max(tree.paths, key=len, default=[])
+    main = longest_branch(tree.parents)[1:]  # the deepest branch, without the root
     if not main:
         return None
     base = [*context, *tree.path_tokens(main)]
