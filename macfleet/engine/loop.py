@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accept_ratio
 from macfleet.engine.controller import FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
-from macfleet.engine.pipeline import drafts_ahead, greedy_outcome, padded_length, pads_blocks
+from macfleet.engine.pipeline import (drafts_ahead, greedy_outcome, padded_length, pads_blocks,
+                                      sampled_outcome)
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
-from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng, probs_from_logits
+from macfleet.engine.sampling import GREEDY, SamplingParams, generation_seed
 from macfleet.engine.verifier import Verifier
 from macfleet.engine.verify_costs import verify_costs
 
@@ -118,7 +118,7 @@ def speculative_generate(
     """Yield TokensCommitted and BlockDone events, then one Finished.
 
     Keeping the device busy (DESIGN.md, physics 4), with the same output:
-    * greedy blocks are decided on the device (`pipeline.greedy_outcome`): one
+    * blocks are decided on the device (`pipeline.greedy_outcome`, `sampled_outcome`): one
       synchronisation per block, two integers back;
     * a run of plain steps is pipelined like mlx-lm's `generate_step`: step n+1's graph is
       built on step n's lazy argmax and started before step n is read (the price: a step
@@ -136,9 +136,16 @@ def speculative_generate(
     if any(not 0 <= int(t) < vocab for t in prompt):
         raise ValueError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
     controller = controller or FixedDraftLength(4 if proposer else 0)
-    rng = make_rng(params, stream=0)
+    seed = 0 if params.greedy else generation_seed(params)
+
+    def outcome(logits: mx.array, draft: Draft, start: int) -> mx.array:
+        """The block's (accepted, next token), lazy: decided on the device."""
+        if params.greedy:
+            return greedy_outcome(logits, draft.tokens)
+        return sampled_outcome(logits, draft.tokens, draft.probs, params, seed, start)
+
     t_start = time.perf_counter()
-    lazy = params.greedy and getattr(verifier, "pipelines", False)
+    lazy = getattr(verifier, "pipelines", False)
     # blocks padded to the device's cheap lengths: a local verifier's own table (a sharded
     # one, whose forward involves its peers, is not probed from here)
     costs = (verify_costs(verifier.model) if proposer is not None and pads_blocks()
@@ -187,32 +194,23 @@ def speculative_generate(
                 block_in += [block_in[-1]] * (L - len(block_in))
                 if lazy:
                     logits = verifier.forward_lazy(mx.array(block_in, dtype=mx.uint32))
-                    out = greedy_outcome(logits, draft.tokens)
-                    mx.async_eval(out)
                 else:
                     logits = verifier.forward(block_in)[: len(draft) + 1]  # [k + 1, V]
-                    mx.async_eval(logits)
+                out = outcome(logits, draft, len(generated))
+                mx.async_eval(out)
             # while the device verifies: start the next plain step on this one's lazy token,
             # or draft the next block on the host from the outcome the drafter expects
             k_next = None
             if lazy and not draft.tokens and len(generated) + 1 < max_tokens:
                 k_next = controller.next_k()
                 if k_next == 0:
-                    step = greedy_outcome(verifier.forward_lazy(out[1:]), ())
+                    step = outcome(verifier.forward_lazy(out[1:]), EMPTY_DRAFT,
+                                   len(generated) + 1)
                     mx.async_eval(step)
             elif (ahead_ok and proposer is not None and proposer.host_side and draft.tokens
                   and k_pre and len(generated) + len(draft) + 1 < max_tokens):
                 ahead = _predraft(proposer, context, draft.tokens, k_pre)
-            if lazy:
-                n, nxt = (int(v) for v in out.tolist())
-            elif params.greedy:
-                n, nxt = accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)).tolist())
-            else:
-                p = probs_from_logits(logits, params)
-                if draft.probs is not None:
-                    n, nxt = accept_ratio(draft.tokens, draft.probs, p, rng)
-                else:
-                    n, nxt = accept_exact_sample(draft.tokens, p, rng)
+            n, nxt = (int(v) for v in out.tolist())
             verifier.rollback(L - 1 - n)
             t2 = time.perf_counter()
             new = [*draft.tokens[:n], nxt]

@@ -8,13 +8,19 @@ physics 4). The pieces here are the device-side halves the loops share:
   two integers (accepted count, next token) instead of the block's logits or argmax row;
 * `next_token`: a plain step's argmax, left lazy so the next step's graph can be built on it
   before it is read (mlx-lm's `generate_step` pipelining);
+* `sampled_outcome`: sampled acceptance (the ratio test, or exact-match sampling for drafts
+  without probabilities) as device ops, with the same two integers back; its randomness is
+  keyed by output position (`sampling.position_keys`), so no host generator is needed;
 * `padded_length`: the block length a block of n tokens is verified at, read off the device's
   own verify(L) table: the cheapest measured length that holds it, so each length compiles once
   and a block uses a longer one when the device runs it faster (the table is a sawtooth on
   this CPU: SmolLM2 L = 12 102 ms, 16 68 ms; MLX CUDA showed 8 cheaper than 4).
 
 The arithmetic is the one the host rules use (engine/acceptance.py): greedy acceptance is
-exact-match of integers, so the device and the host decide the same thing bit for bit.
+exact-match of integers, so the device and the host decide the same thing bit for bit. Sampled
+acceptance follows the same rules (acceptance.py's docstring) in float32 with Gumbel-max draws
+(exact categorical sampling); it decides what the host rules would in distribution, not draw for
+draw (the host rules use a numpy generator).
 """
 
 from __future__ import annotations
@@ -23,6 +29,12 @@ import os
 from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
+import numpy as np
+
+from macfleet.engine.sampling import SamplingParams, device_probs, position_keys
+
+SAMPLE, ACCEPT = 0, 1  # the two purposes a position's randomness serves (position_keys)
+VERIFIER_STREAM = 0
 
 # =1 / =0: pad blocks to the verify(L) table's lengths everywhere / nowhere (default: on an
 # accelerator, where each new length compiles kernels and the curve is flat and erratic; not
@@ -71,6 +83,56 @@ def greedy_outcome(logits: mx.array, drafts: Sequence[int]) -> mx.array:
     match = (target[:k] == mx.array([int(t) for t in drafts], dtype=mx.int32)).astype(mx.int32)
     n = mx.cumprod(match).sum(keepdims=True)  # [1]: the leading run of matches
     return mx.concatenate([n, mx.take(target, n)])
+
+
+def _leading_run(ok: mx.array) -> mx.array:
+    """bool/int [k] -> [1] int32: how many leading entries are true."""
+    return mx.cumprod(ok.astype(mx.int32)).sum(keepdims=True).astype(mx.int32)
+
+
+def gumbel_pick(rows: mx.array, keys: mx.array) -> mx.array:
+    """rows [n, V] of non-negative weights (need not sum to 1) -> [n] int32, row i's token
+    drawn with key i: argmax(log w + Gumbel noise), an exact draw from the normalised row."""
+    noise = mx.stack([mx.random.gumbel(shape=(rows.shape[-1],), key=keys[i])
+                      for i in range(rows.shape[0])])
+    return mx.argmax(mx.log(rows) + noise, axis=-1).astype(mx.int32)
+
+
+def rejection_rows(p: mx.array, q: mx.array) -> mx.array:
+    """What a rejected draft's position samples from: max(p - q, 0) per row, p where that is
+    zero everywhere (the measure-zero case; acceptance.residual on the host)."""
+    r = mx.maximum(p - q, 0.0)
+    return mx.where(r.sum(axis=-1, keepdims=True) > 0, r, p)
+
+
+def sampled_outcome(logits: mx.array, drafts: Sequence[int], q: np.ndarray | None,
+                    params: SamplingParams, seed: int, start: int) -> mx.array:
+    """logits [L >= k + 1, V] of a block [root, d_1 .. d_k, padding...] -> lazy int32 [2]:
+    (accepted n, next token), the sampled counterpart of `greedy_outcome`.
+
+    `start` is the output position of the block's first new token: position start + i draws
+    with keys (seed, start + i), so a plain step and a block commit position t alike.
+    * q None (exact-match): y_i ~ p_i; draft i + 1 kept while it equals y_i; next = y_n.
+    * q [k, V] (the ratio test): keep d_{i+1} while u_i * q_i(d) < p_i(d); on rejection at n
+      draw from rejection_rows(p_n, q_n); after k acceptances draw the bonus from p_k."""
+    k = len(drafts)
+    p = device_probs(logits[: k + 1], params)  # [k + 1, V]
+    sample_keys = position_keys(seed, VERIFIER_STREAM, start, k + 1, SAMPLE)
+    if k == 0:
+        return mx.concatenate([mx.zeros((1,), dtype=mx.int32), gumbel_pick(p, sample_keys)])
+    d = mx.array([int(t) for t in drafts], dtype=mx.int32)
+    if q is None:
+        y = gumbel_pick(p, sample_keys)
+        n = _leading_run(y[:k] == d)
+        return mx.concatenate([n, mx.take(y, n)])
+    qk = mx.array(np.asarray(q[:k], dtype=np.float32))
+    accept_keys = position_keys(seed, VERIFIER_STREAM, start, k, ACCEPT)
+    u = mx.stack([mx.random.uniform(key=accept_keys[i]) for i in range(k)])
+    p_d = mx.take_along_axis(p[:k], d[:, None], axis=-1)[:, 0]
+    q_d = mx.take_along_axis(qk, d[:, None], axis=-1)[:, 0]
+    n = _leading_run((q_d > 0) & (u * q_d < p_d))
+    rows = mx.concatenate([rejection_rows(p[:k], qk), p[k:]])
+    return mx.concatenate([n, mx.take(gumbel_pick(rows, sample_keys), n)])
 
 
 def padded_length(n: int, costs: Mapping[int, float] | None) -> int:

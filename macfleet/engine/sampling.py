@@ -74,6 +74,53 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), len(p) - 1))
 
 
+def device_probs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """`probs_from_logits` on the device: logits [L, V] -> lazy float32 probabilities [L, V].
+
+    The same transform in float32 (the loops' sampled acceptance runs on the device,
+    engine/pipeline.py); plain decoding and speculative decoding both use it, so "the
+    verifier's own distribution" is one thing for both."""
+    if params.greedy:
+        raise ValueError("greedy decoding has no sampling distribution; use argmax")
+    p = mx.softmax(logits.astype(mx.float32) / params.temperature, axis=-1)
+    if params.top_p < 1.0:
+        order = mx.argsort(-p, axis=-1)
+        sorted_p = mx.take_along_axis(p, order, axis=-1)
+        keep_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) < params.top_p
+        keep = mx.put_along_axis(mx.zeros(p.shape, dtype=mx.bool_), order, keep_sorted, axis=-1)
+        p = mx.where(keep, p, 0.0)
+        p = p / p.sum(axis=-1, keepdims=True)
+    return p
+
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def generation_seed(params: SamplingParams) -> int:
+    """The seed a sampled generation draws its positions' keys from: the request's, or fresh."""
+    if params.seed is not None:
+        return params.seed
+    return int(np.random.default_rng().integers(MAX_SEED))
+
+
+def position_keys(seed: int, stream: int, start: int, n: int, purpose: int) -> mx.array:
+    """n mx.random keys [n, 2] uint32, one per output position start .. start + n - 1.
+
+    Counter-based: the randomness of the token at position t depends on (seed, stream, t,
+    purpose) only, not on how the positions were grouped into blocks, so a seeded run draws
+    position t's token with the same key whether it was drafted, corrected or decoded plainly."""
+    base = _splitmix(_splitmix(_splitmix(seed & _M64) ^ stream) ^ purpose)
+    hs = [_splitmix(base ^ (start + i)) for i in range(n)]
+    return mx.array([[h >> 32, h & 0xFFFFFFFF] for h in hs], dtype=mx.uint32).reshape(n, 2)
+
+
 def make_rng(params: SamplingParams, stream: int = 0) -> np.random.Generator:
     """A generator per (seed, stream): the verifier and each proposer draw from their own."""
     seed = params.seed

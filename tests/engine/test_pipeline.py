@@ -26,6 +26,7 @@ from macfleet.engine.proposers import Draft, Proposer
 from macfleet.engine.proposers.ngram import NgramProposer
 from macfleet.engine.tree import reroot
 from macfleet.engine.tree_loop import ProposerGroup, _take_ahead, _TreeAhead, tree_generate
+from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.verifier import SynchronousVerifier, Verifier
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
@@ -129,6 +130,26 @@ def test_a_plain_step_is_in_flight_at_yields_and_none_after_the_end(tiny, ref):
             ahead += extra
     assert ahead == N - 1  # every step but the last started before the previous was read
     assert v.offset == len(PROMPT) + N - 1
+
+
+def test_sampled_plain_steps_are_pipelined_and_equal_the_synchronous_loop(tiny):
+    """Sampling pipelines like greedy: the token is drawn on the device (keyed by position),
+    the next step starts on it before it is read, and the synchronous loop draws the same."""
+    hot = SamplingParams(1.3, top_p=0.9, seed=21)
+    v = Verifier(tiny.model)
+    committed, ahead = 0, 0
+    for ev in speculative_generate(v, None, PROMPT, params=hot, max_tokens=N):
+        if isinstance(ev, TokensCommitted):
+            committed += len(ev.tokens)
+        elif isinstance(ev, BlockDone):
+            ahead += v.offset - (len(PROMPT) + committed - 1)
+    assert ahead == N - 1 and v.offset == len(PROMPT) + N - 1
+    runs = [finished(speculative_generate(w, None, PROMPT, params=hot, max_tokens=N)).token_ids
+            for w in (Verifier(tiny.model), SynchronousVerifier(tiny.model))]
+    assert runs[0] == runs[1]
+    other = finished(speculative_generate(Verifier(tiny.model), None, PROMPT, max_tokens=N,
+                                          params=SamplingParams(1.3, top_p=0.9, seed=22)))
+    assert other.token_ids != runs[0]
 
 
 @pytest.mark.parametrize("stop", [0, 1, 7])

@@ -329,7 +329,7 @@ def test_loop_first_two_tokens_match_verifier_joint(models):
 def test_loop_check_catches_a_broken_rule(models, monkeypatch):
     """The same loop check fails when the loop's ratio rule resamples from p on rejection
     (with a quarter of the samples: the bias is large, so this stays cheap)."""
-    monkeypatch.setattr("macfleet.engine.loop.accept_ratio", broken_resample_from_p)
+    monkeypatch.setattr("macfleet.engine.pipeline.rejection_rows", lambda p_, q_: p_)
     target = exact_joint(models[0])
     proposer = ModelProposer(models[1], "draft:tiny")
     counts = loop_joint_counts(models[0], proposer, LOOP_SAMPLES // 4, seed0=10_000)
@@ -402,3 +402,96 @@ def test_chi_square_helper():
         not passes(np.bincount(rng.choice(4, size=2000, p=p), minlength=4), p)
         for _ in range(200))
     assert rejections <= 3  # about 0.001 * 200 expected
+
+
+# -- the same rules on the device (engine/pipeline.py: what the loops run) -------------------
+
+DEVICE_TRIALS = 6_000  # each trial is a small graph: fewer trials, still power to fail
+
+
+def device_rule(with_q: bool) -> Rule:
+    """`sampled_outcome` as a Rule: logits log p at temperature 1 give back p; each call is one
+    seeded block (seed from the trial's rng), so trials are independent draws."""
+    from macfleet.engine.pipeline import sampled_outcome
+
+    def rule(draft, q, p, rng):
+        logits = mx.array(np.log(np.maximum(p, 1e-30)).astype(np.float32))
+        seed = int(rng.integers(2**62))
+        out = sampled_outcome(logits, draft, q if with_q else None, T1, seed, start=0)
+        n, nxt = (int(v) for v in out.tolist())
+        return n, nxt
+
+    return rule
+
+
+def device_counts(rule: Rule, p, q, k) -> np.ndarray:
+    global TRIALS
+    saved, TRIALS = TRIALS, DEVICE_TRIALS
+    try:
+        return first_token_counts(rule, p, q, k)
+    finally:
+        TRIALS = saved
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_device_ratio_test_first_token_is_distributed_as_p(pq, k):
+    p, q = pq
+    counts = device_counts(device_rule(with_q=True), p, q, k)
+    stat, df, crit = chi2_test(counts, p)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df}): {counts} vs {p * counts.sum()}"
+    assert not passes(counts, q)
+
+
+def test_device_exact_match_first_token_is_distributed_as_p(pq):
+    p, q = pq
+    counts = device_counts(device_rule(with_q=False), p, q, 2)
+    stat, df, crit = chi2_test(counts, p)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"
+
+
+def test_device_check_catches_a_broken_rejection_row(pq, monkeypatch):
+    """The device check has power: resampling from p on rejection is caught."""
+    p, q = pq
+    monkeypatch.setattr("macfleet.engine.pipeline.rejection_rows", lambda p_, q_: p_)
+    counts = device_counts(device_rule(with_q=True), p, q, 1)
+    stat, df, crit = chi2_test(counts, p)
+    assert stat > crit, f"the broken device rule was not caught: chi2 {stat:.1f} < {crit:.1f}"
+
+
+def test_device_ratio_test_at_its_boundaries():
+    """p(x) = 0 rejects on any draw; p(x) >= q(x) always accepts, then a bonus from p_k."""
+    from macfleet.engine.pipeline import sampled_outcome
+
+    q = np.array([[0.0, 1.0, 0.0]])
+    sure = mx.array(np.log(np.array([[1e-30, 1.0, 1e-30], [1e-30, 1e-30, 1.0]])), dtype=mx.float32)
+    never = mx.array(np.log(np.array([[1.0, 1e-30, 1e-30], [1e-30, 1e-30, 1.0]])), dtype=mx.float32)
+    for seed in range(30):
+        assert sampled_outcome(sure, [1], q, T1, seed, 0).tolist() == [1, 2]
+        assert sampled_outcome(never, [1], q, T1, seed, 0).tolist() == [0, 0]
+    q0 = np.array([[1.0, 0.0, 0.0]])  # the draft's own q gave its token no mass: rejected
+    assert sampled_outcome(sure, [1], q0, T1, 3, 0).tolist()[0] == 0
+
+
+def test_device_draws_are_keyed_by_position_not_by_block():
+    """A position's draw depends on (seed, position) only: an exact-match block that drafts
+    the tokens plain steps would sample commits exactly those tokens (same logits rows)."""
+    from macfleet.engine.pipeline import sampled_outcome
+
+    rng = np.random.default_rng(0)
+    rows = mx.array(rng.normal(size=(4, 50)).astype(np.float32))
+    plain = [sampled_outcome(rows[i : i + 1], (), None, T1, 77, start=5 + i).tolist()[1]
+             for i in range(4)]
+    block = sampled_outcome(rows, plain[:3], None, T1, 77, start=5).tolist()
+    assert block == [3, plain[3]]
+    other = [sampled_outcome(rows[i : i + 1], (), None, T1, 78, start=5 + i).tolist()[1]
+             for i in range(4)]
+    assert other != plain  # another seed, other draws (4 tokens of 50: a tie is ~1e-7)
+
+
+def test_device_probs_match_the_host_transform():
+    from macfleet.engine.sampling import device_probs
+
+    logits = mx.array(np.random.default_rng(1).normal(size=(3, 40)).astype(np.float32))
+    for params in (SamplingParams(0.7), SamplingParams(1.3, top_p=0.6)):
+        np.testing.assert_allclose(np.array(device_probs(logits, params)),
+                                   probs_from_logits(logits, params), atol=2e-6)
