@@ -178,6 +178,10 @@ def headline(section: Mapping) -> list[str]:
     if a:
         out.append(f"  (a) plain macfleet / mlx-lm generate_step: {a['geomean']}x geomean "
                    f"(min {a['min']}x)")
+    a = section.get("sampled_plain_vs_mlx")
+    if a:
+        out.append(f"      sampled (device draw) / mlx-lm's sampler: {a['geomean']}x geomean "
+                   f"(min {a['min']}x)")
     for o in section.get("oracle", []):
         out.append(f"  (b) oracle k={o['k']}: {o['speedup_geomean']}x of plain, ideal "
                    f"{o['ideal_speedup']}x, efficiency {o['efficiency']}"

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
 
 from macfleet.bench.overhead import (DEFAULT_KS, DEFAULT_MAX_ITERATIONS, OracleTrace, Run, best,
                                      departure_summary, follow_reference, oracle_summary,
@@ -23,10 +24,13 @@ from macfleet.engine.events import Finished
 from macfleet.engine.loop import speculative_generate
 from macfleet.engine.proposers.base import Proposer
 from macfleet.engine.proposers.oracle import OracleProposer
+from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.verifier import SynchronousVerifier, Verifier
 from macfleet.engine.verify_costs import PROBE_LENGTHS, probe_verify_costs
 
 PLAIN, MLX, TEXT_PLAIN = "plain", "mlx_generate_step", "plain (generate_local)"
+SAMPLED, MLX_SAMPLED = "plain sampled", "mlx_generate_step sampled"
+SAMPLED_T = 0.8  # sampled plain decoding: the draw on the device against mlx-lm's sampler
 SYNC = "plain (synchronous)"  # the same loop, each step read back before the next is built
 RANDOM_PROMPT_TOKENS = 16
 BIG_CURVE_LENGTHS = (1, 2, 4, 8, 16, 32)  # a big model's forwards are dear: fewer lengths
@@ -54,17 +58,19 @@ def timed(events: Iterable) -> Run:
 
 
 def run_loop(verifier: Verifier, proposer: Proposer | None, ids: Sequence[int], tokens: int,
-             k: int, eos: frozenset[int]) -> Run:
+             k: int, eos: frozenset[int], params: SamplingParams = GREEDY) -> Run:
     return timed(speculative_generate(verifier, proposer, ids, max_tokens=tokens,
                                       controller=FixedDraftLength(k if proposer else 0),
-                                      eos_ids=eos))
+                                      eos_ids=eos, params=params))
 
 
-def run_mlx(model, ids: Sequence[int], tokens: int, eos: frozenset[int]) -> Run:
+def run_mlx(model, ids: Sequence[int], tokens: int, eos: frozenset[int],
+            temperature: float = 0.0) -> Run:
     """mlx-lm's plain decoding; its rate after the first token (prompt processing excluded)."""
     out: list[int] = []
     t_first = t_last = None
-    for y, _ in generate_step(mx.array(list(ids)), model, max_tokens=tokens):
+    sampler = make_sampler(temp=temperature) if temperature else None
+    for y, _ in generate_step(mx.array(list(ids)), model, max_tokens=tokens, sampler=sampler):
         t_last = time.perf_counter()
         if t_first is None:
             t_first = t_last
@@ -114,7 +120,10 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
         PLAIN: lambda p: run_loop(verifier, None, prompts[p], tokens, 0, eos),
         SYNC: lambda p: run_loop(sync, None, prompts[p], tokens, 0, eos)}
     if mlx:
+        hot = SamplingParams(SAMPLED_T, seed=0)
         methods[MLX] = lambda p: run_mlx(bm.model, prompts[p], tokens, eos)
+        methods[SAMPLED] = lambda p: run_loop(verifier, None, prompts[p], tokens, 0, eos, hot)
+        methods[MLX_SAMPLED] = lambda p: run_mlx(bm.model, prompts[p], tokens, eos, SAMPLED_T)
     for k in ks if oracle else ():
         methods[f"oracle k={k}"] = (lambda p, k=k: run_loop(
             verifier, OracleProposer([*prompts[p], *traces[p, k].reference]), prompts[p],
@@ -140,7 +149,7 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
                "verify_ms": {int(L): v for L, v in verify_ms.items()},
                "prompts": {p: _prompt_doc(ids, plain[p], runs[p], traces, p, ks)
                            for p, ids in prompts.items()}}
-    best_of = {m: {p: best(runs[p][m], "stream_tps" if m in (PLAIN, SYNC, MLX) else
+    best_of = {m: {p: best(runs[p][m], "stream_tps" if m in (PLAIN, SYNC, MLX, SAMPLED, MLX_SAMPLED) else
                            "decode_tps")
                    for p in prompts} for m in methods}
     plain_decode = {p: best(runs[p][PLAIN]) for p in prompts}
@@ -150,6 +159,8 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
     if mlx:
         section["plain_vs_mlx"] = ratio_summary({p: best(runs[p][PLAIN], "stream_tps")
                                                  for p in prompts}, best_of[MLX])
+        # sampled answers differ in length (EOS): tokens/s after the first token, each its own
+        section["sampled_plain_vs_mlx"] = ratio_summary(best_of[SAMPLED], best_of[MLX_SAMPLED])
     if oracle:
         section["oracle"] = [oracle_summary(
             ratio_summary(best_of[f"oracle k={k}"], plain_decode)["per_prompt"], verify_ms, k,
@@ -191,7 +202,8 @@ def _prompt_doc(ids: Sequence[int], plain: Run, runs: Mapping[str, Sequence[Run]
             "decode_tps": [round(r.decode_tps, 2) for r in rs],
             "stream_tps": [round(r.stream_tps, 2) for r in rs],
             "drafted": [r.drafted for r in rs], "accepted": [r.accepted for r in rs],
-            "identical_to_plain": all(r.tokens == plain.tokens for r in rs)}
+            "identical_to_plain": (None if m in (SAMPLED, MLX_SAMPLED)  # sampled: n/a
+                                   else all(r.tokens == plain.tokens for r in rs))}
     doc["oracle_runs"] = {f"k={k}": {"runs": traces[p, k].runs,
                                      "departures": list(traces[p, k].departures),
                                      "converged": traces[p, k].converged}

@@ -197,6 +197,7 @@ def test_bench_overhead_end_to_end_on_a_tiny_model(tmp_path, capsys):
     for s in (tiny, big):
         assert s["plain_vs_mlx"]["geomean"] > 0
         assert s["pipelined_vs_synchronous"]["geomean"] > 0
+        assert s["sampled_plain_vs_mlx"]["geomean"] > 0
         assert all(o["all_accepted"] and o["ideal_speedup"] > 0 for o in s["oracle"])
         assert s["departures"]["runs"] == len(s["oracle"]) * len(s["prompts"])
         for p in s["prompts"].values():
