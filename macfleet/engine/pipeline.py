@@ -11,6 +11,8 @@ physics 4). The pieces here are the device-side halves the loops share:
 * `sampled_outcome`: sampled acceptance (the ratio test, or exact-match sampling for drafts
   without probabilities) as device ops, with the same two integers back; its randomness is
   keyed by output position (`sampling.position_keys`), so no host generator is needed;
+* `sampled_tree_outcome`: exact-match tree sampling (drafts without probabilities, the default
+  drafter's kind) as device ops: (deepest accepted node, next token) back;
 * `padded_length`: the block length a block of n tokens is verified at, read off the device's
   own verify(L) table: the cheapest measured length that holds it, so each length compiles once
   and a block uses a longer one when the device runs it faster (the table is a sawtooth on
@@ -133,6 +135,36 @@ def sampled_outcome(logits: mx.array, drafts: Sequence[int], q: np.ndarray | Non
     n = _leading_run((q_d > 0) & (u * q_d < p_d))
     rows = mx.concatenate([rejection_rows(p[:k], qk), p[k:]])
     return mx.concatenate([n, mx.take(gumbel_pick(rows, sample_keys), n)])
+
+
+def sampled_tree_outcome(logits: mx.array, tokens: Sequence[int], parents: Sequence[int],
+                         depths: Sequence[int], params: SamplingParams, seed: int,
+                         start: int) -> mx.array:
+    """logits [>= N, V] at a token tree's N nodes (node 0 the root; parents precede children;
+    siblings' tokens distinct) -> lazy int32 [2]: (the deepest accepted node, 0 for none; the
+    next token). engine/tree.py's exact-match rule: y ~ p at a node; follow the child whose
+    token is y, else commit y. Every node draws with the key of its output position
+    (start + depth): only one node per depth is ever on the walked path."""
+    n = len(tokens)
+    p = device_probs(logits[:n], params)
+    keys = position_keys(seed, VERIFIER_STREAM, start, max(depths) + 1, SAMPLE)
+    y = gumbel_pick(p, keys[mx.array(list(depths), dtype=mx.int32)])  # [n]
+    if n == 1:
+        return mx.concatenate([mx.zeros((1,), dtype=mx.int32), y[:1]])
+    toks = mx.array([int(t) for t in tokens[1:]], dtype=mx.int32)
+    missed = (mx.take(y, mx.array([int(q) for q in parents[1:]], dtype=mx.int32)) != toks)
+    # a node is reached when no node on its chain up to the root missed: ancestors [n-1, n-1]
+    anc = np.zeros((n - 1, n - 1), dtype=np.float32)
+    for i in range(1, n):
+        j = i
+        while j > 0:
+            anc[i - 1, j - 1] = 1.0
+            j = parents[j]
+    reached = (mx.array(anc) @ missed.astype(mx.float32)) == 0  # [n - 1]
+    depth = mx.array([int(d) for d in depths[1:]], dtype=mx.int32)
+    score = mx.where(reached, depth, 0)
+    node = mx.where(score.max() > 0, mx.argmax(score) + 1, 0).astype(mx.int32).reshape(1)
+    return mx.concatenate([node, mx.take(y, node)])
 
 
 def padded_length(n: int, costs: Mapping[int, float] | None) -> int:

@@ -21,9 +21,11 @@ from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
 from macfleet.engine.drafter.features import record_hidden
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import sanitize_draft
-from macfleet.engine.pipeline import drafts_ahead, padded_length, pads_blocks
+from macfleet.engine.pipeline import (drafts_ahead, padded_length, pads_blocks,
+                                      sampled_tree_outcome)
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
-from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng, probs_from_logits
+from macfleet.engine.sampling import (GREEDY, SamplingParams, generation_seed, make_rng,
+                                      probs_from_logits)
 from macfleet.engine.tree import (TokenTree, accept_tree_greedy, accept_tree_sample,
                                   longest_branch, reroot)
 from macfleet.engine.tree_verify import (compact_cache, supports_tree_attention, tree_forward,
@@ -217,9 +219,21 @@ def _take_ahead(ahead: _TreeAhead | None, context: Sequence[int]) -> list[Draft 
     return out
 
 
+def _node_path(tree: TokenTree, node: int) -> list[int]:
+    """The drafted nodes from the root's child down to `node` (none for the root)."""
+    out = []
+    while node > 0:
+        out.append(node)
+        node = tree.parents[node]
+    return out[::-1]
+
+
 def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: SamplingParams,
-            rng, pad_to: int = 0, during=None) -> tuple[list[int], int]:
-    """Verify the tree, run `during()` while the device computes it, keep the accepted path."""
+            rng, pad_to: int = 0, during=None, seed: int = 0,
+            start: int = 0) -> tuple[list[int], int]:
+    """Verify the tree, run `during()` while the device computes it, keep the accepted path.
+    Greedy and exact-match sampling decide on the device (sampling draws keyed by output
+    position from `start`); drafts with probabilities take SpecInfer's rule on the host."""
     base = verifier.offset
     if tree_ok:
         logits, hidden = tree_forward(verifier, tree, return_hidden=True, pad_to=pad_to)
@@ -230,6 +244,14 @@ def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: Sampling
             if during is not None:
                 during()
             path, nxt = accept_tree_greedy(tree, target.tolist())
+        elif not any(c.q is not None for cands in tree.candidates for c in cands):
+            out = sampled_tree_outcome(logits, tree.tokens, tree.parents, tree.depths, params,
+                                       seed, start)
+            mx.async_eval(out)
+            if during is not None:
+                during()
+            node, nxt = (int(v) for v in out.tolist())
+            path = _node_path(tree, node)
         else:
             mx.async_eval(logits)
             if during is not None:
@@ -256,6 +278,7 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
     if not tree_ok and not params.greedy:
         raise ValueError("sampling with several proposers needs tree attention (llama family)")
     rng = make_rng(params, stream=0)
+    seed = 0 if params.greedy else generation_seed(params)
     costs = verify_costs(verifier.model)  # measured once per machine (cached), not timed here
     pad_costs = costs if pads_blocks() else None
     ahead_ok = drafts_ahead()
@@ -288,7 +311,8 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
                     ahead = _predraft(group, context, tree, ks)
 
             path, nxt = _verify(verifier, tree, tree_ok, params, rng,
-                                padded_length(len(tree.tokens), pad_costs), during)
+                                padded_length(len(tree.tokens), pad_costs), during, seed,
+                                len(generated))
             t2 = time.perf_counter()
             new = [*tree.path_tokens(path), nxt]
             stop_at = next((i for i, t in enumerate(new) if t in eos_ids), None)

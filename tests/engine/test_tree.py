@@ -222,6 +222,69 @@ def test_tree_sampling_loop_keeps_the_verifier_distribution_and_is_seeded():
     assert a != _tree_sample(v, drafts, 8, 30)[0]
 
 
+class _FixedChain(Proposer):
+    """Drafts without probabilities (like the answer store or n-gram): the same tokens."""
+
+    def __init__(self, tokens, name: str) -> None:
+        self.tokens, self.name = tuple(tokens), name
+
+    def propose(self, context, k, with_guess=False):
+        return Draft(self.tokens[:k])
+
+
+def test_device_tree_sampling_walks_the_drawn_children():
+    """Near-deterministic rows: the device outcome follows the child whose token each node
+    draws, stops where no child has it, and reports the deepest node and the drawn token."""
+    import mlx.core as mx
+
+    from macfleet.engine.pipeline import sampled_tree_outcome
+
+    t = TokenTree.from_drafts(9, [[1, 2, 3], [1, 4], [5]])  # nodes 1,2,3 | 4 under 1 | 5
+    V = 10
+
+    def rows(*want):
+        x = np.full((len(want), V), -60.0, dtype=np.float32)
+        x[np.arange(len(want)), want] = 0.0
+        return mx.array(x)
+
+    hot = SamplingParams(1.0, seed=3)
+    out = lambda lg: sampled_tree_outcome(lg, t.tokens, t.parents, t.depths, hot, 3, 0).tolist()
+    # root draws 1 -> node 1; node 1 draws 4 -> node 4; node 4 draws 7 (no child): commit 7
+    assert out(rows(1, 4, 0, 0, 7, 0)) == [4, 7]
+    assert out(rows(1, 2, 3, 8, 0, 0)) == [3, 8]  # the whole first chain, then a bonus
+    assert out(rows(5, 0, 0, 0, 0, 6)) == [5, 6]
+    assert out(rows(7, 2, 3, 0, 0, 0)) == [0, 7]  # the root's draw has no child: nothing kept
+
+
+@pytest.mark.slow  # 1,200 sampled tree generations (1-layer models)
+def test_device_tree_exact_match_sampling_keeps_the_verifier_joint():
+    """Trees of drafts without probabilities (the default drafter's kind) are accepted on the
+    device: the first two committed tokens follow the verifier's exact p(t1) p(t2 | t1)."""
+    from engine_testkit import chi2_test
+    from test_sampling_lossless import exact_joint
+
+    from macfleet.engine.tiny import build_tiny_model
+
+    target_model = build_tiny_model(1, 8, layers=1, weight_scale=1.0)
+    joint = exact_joint(target_model)
+    first = np.argsort(-joint.sum(axis=1))
+    a, b = int(first[0]), int(first[1])
+    second = int(np.argmax(joint[a]))
+    verifier = Verifier(target_model)
+    counts = np.zeros((8, 8), dtype=np.int64)
+    accepted = 0
+    for i in range(TREE_LOOP_SAMPLES):
+        group = ProposerGroup([_FixedChain([a, second], "x"), _FixedChain([b, a], "y")],
+                              draft_tokens=2)
+        ids, st = run(tree_generate(verifier, group, [1], max_tokens=3,
+                                    params=SamplingParams(1.0, seed=30_000 + i)))
+        counts[ids[0], ids[1]] += 1
+        accepted += st.accepted
+    stat, df, crit = chi2_test(counts, joint)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"
+    assert accepted > TREE_LOOP_SAMPLES // 4  # the drafted branches were really walked
+
+
 def test_eagle_in_a_tree_reads_the_tree_forward_features(tmp_path):
     """Tree verification runs the layers itself; it must still hand the kept rows to a
     hidden-state drafter, or the drafter would recompute every feature (fallback)."""
