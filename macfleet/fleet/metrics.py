@@ -45,7 +45,7 @@ class SessionMetrics:
         for flow, ms in (("F1", m.f1_ms), ("F2", m.f2_ms), ("F3", m.f3_ms),
                          ("shard", getattr(m, "shard_ms", 0.0))):
             h = self.history.setdefault(flow, deque(maxlen=DEFAULT_HISTORY))
-            h.append(ms / m.block_ms if m.block_ms > 0 else 0.0)
+            h.append(multihost_overhead(ms, m.block_ms))  # this flow's share of this block
 
     def view(self, now: float) -> SessionView:
         bl = list(self.blocks)
