@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.draft_stream import DraftStream
+from agents.proposer_chains import GATHER_S, ChainRounds  # noqa: F401 - part of this interface
 from agents.slots import Slot, reclaimable, slot_for  # noqa: F401 - part of this interface
 from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_id, check_spec,
                           make_checked_proposer)
@@ -42,7 +43,7 @@ from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply,
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import LoadedModel, ModelSpecError
 from macfleet.engine.batch import BatchKV
-from macfleet.engine.drafter.proposer import EagleProposer, draft_chains, share_head_rows
+from macfleet.engine.drafter.proposer import EagleProposer, share_head_rows
 from macfleet.engine.proposers import ProposerSpecError
 from macfleet.engine.sampling import SamplingParams
 
@@ -55,10 +56,6 @@ DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
 DEFAULT_MAX_K = MAX_DRAFT_TOKENS  # what any verifier may ask for (engine/controller.py)
 DEFAULT_MAX_PROMPT = 32768
 _IDLE_WAIT_S = 0.05
-# a chain request waits at most this long for the other chain sessions' requests of its round
-# (a batching verifier sends them back to back; a verifier of one session never waits: there
-# is no other session to wait for)
-GATHER_S = 0.004
 
 Reply = Callable[[object], int]
 
@@ -90,7 +87,31 @@ def _learn(s: DraftStream, msg: DraftRequest) -> None:
 MAX_VERIFY_LENGTH = 4096  # a verified block larger than this is a lie, not a measurement
 
 
-class ProposerService:
+def check_features(msg: DraftRequest, hidden_size: int) -> None:
+    """A draft request's F3 rows (shape, int8 scales); ProtocolError otherwise."""
+    f, sc = msg.features, msg.features_scale
+    if f is not None and (f.ndim != 2 or f.shape[1] != hidden_size or msg.features_start < 0):
+        raise ProtocolError(BAD_SHAPE, f"features must be [n, {hidden_size}] "
+                                       f"from a position >= 0, got {f.shape}")
+    if sc is not None and (f is None or f.dtype != np.int8 or sc.shape != (len(f),)):
+        raise ProtocolError(BAD_SHAPE, "features_scale needs int8 features, one per row")
+
+
+def check_prompt(msg: OpenSession, vocab: int) -> None:
+    """An opening session's prompt ids and sampling parameters; ProtocolError otherwise."""
+    if any(not 0 <= t < vocab for t in msg.prompt):
+        raise ProtocolError(BAD_REQUEST, f"prompt ids must be in 0..{vocab - 1}")
+    try:
+        SamplingParams(msg.temperature, msg.top_p, msg.seed)
+    except ValueError as e:
+        raise ProtocolError(BAD_REQUEST, str(e)) from None
+
+
+class ProposerService(ChainRounds):
+    """The proposer role: request checks on the server's loop thread (`handle`), then drafting
+    on one compute thread: sessions opened and closed, draft requests served (chain sessions of
+    one round together: agents/proposer_chains.py), lookahead in idle time, idle eviction."""
+
     def __init__(self, lm: LoadedModel, *,
                  kinds: tuple[str, ...] = PROPOSER_KINDS,
                  limits: ProposerLimits = ProposerLimits(), heads_dir: str | None = None,
@@ -152,13 +173,7 @@ class ProposerService:
             if not 0 <= msg.k <= self.limits.max_k:
                 raise ProtocolError(BAD_REQUEST, f"k must be 0..{self.limits.max_k}, got {msg.k}")
             self._owned(msg.session_id, peer)
-            f, sc = msg.features, msg.features_scale
-            if f is not None and (f.ndim != 2 or f.shape[1] != self.lm.hidden_size
-                                  or msg.features_start < 0):
-                raise ProtocolError(BAD_SHAPE, f"features must be [n, {self.lm.hidden_size}] "
-                                               f"from a position >= 0, got {f.shape}")
-            if sc is not None and (f is None or f.dtype != np.int8 or sc.shape != (len(f),)):
-                raise ProtocolError(BAD_SHAPE, "features_scale needs int8 features, one per row")
+            check_features(msg, self.lm.hidden_size)
         elif isinstance(msg, CloseSession):
             if msg.session_id in self._sessions:
                 self._owned(msg.session_id, peer)
@@ -187,13 +202,7 @@ class ProposerService:
             self._check_quota(peer)
         else:
             self._owned(msg.session_id, peer)  # re-opening replaces only one's own session
-        vocab = self.lm.vocab_size
-        if any(not 0 <= t < vocab for t in msg.prompt):
-            raise ProtocolError(BAD_REQUEST, f"prompt ids must be in 0..{vocab - 1}")
-        try:
-            SamplingParams(msg.temperature, msg.top_p, msg.seed)
-        except ValueError as e:
-            raise ProtocolError(BAD_REQUEST, str(e)) from None
+        check_prompt(msg, self.lm.vocab_size)
 
     def _check_quota(self, peer: bytes) -> Slot:
         """The slot for a new session of `peer` (slot_for); BUSY when there is none."""
@@ -241,77 +250,6 @@ class ProposerService:
             except Exception as e:  # the daemon never dies of a request; the error goes back
                 log.exception("proposer job failed")
                 reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
-
-    def _chained(self, msg) -> bool:
-        """A draft request of a session whose chains are drafted with the others'."""
-        s = self._sessions.get(msg.session_id) if isinstance(msg, DraftRequest) else None
-        return s is not None and getattr(s.proposer, "rows", None) is not None
-
-    def _gather(self, first: str) -> list:
-        """The other chain sessions' requests of this round: taken off the queue until every
-        open chain session has one here or `GATHER_S` has passed; other jobs keep their order
-        for after."""
-        want = {sid for sid, s in self._sessions.items()
-                if getattr(s.proposer, "rows", None) is not None} - {first}
-        got, seen = [], {first}
-        deadline = time.perf_counter() + GATHER_S
-        while want - seen:
-            left = deadline - time.perf_counter()
-            try:
-                job = self._jobs.get(timeout=left) if left > 0 else self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None and self._chained(job[0]) and job[0].session_id not in seen:
-                got.append(job)
-                seen.add(job[0].session_id)
-            else:
-                self._pending.append(job)
-                if job is None:
-                    break
-        return got
-
-    def _serve_together(self, jobs: list) -> None:
-        """Chain requests of several sessions: each validated and brought up to date alone (a
-        bad one is answered with its error), then all drafted in one `draft_chains` call."""
-        ready = []
-        for msg, reply, received in jobs:
-            try:
-                ready.append((msg, reply, received,
-                              self._update(msg, getattr(reply, "peer", b""))))
-            except ProtocolError as e:
-                reply(ErrorReply(e.code, str(e)))
-            except Exception as e:  # noqa: BLE001 - the daemon never dies of a request
-                log.exception("proposer job failed")
-                reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
-        if not ready:
-            return
-        groups: dict[int, list] = {}  # one draft_chains call per head (its store of rows)
-        for item in ready:
-            groups.setdefault(id(item[3].proposer.rows), []).append(item)
-        for group in groups.values():
-            self._draft_group(group)
-
-    def _draft_group(self, group: list) -> None:
-        t0 = time.perf_counter()
-        try:
-            drafts = draft_chains([(s.proposer, s.context, msg.k) for msg, _, _, s in group])
-        except Exception as e:  # noqa: BLE001 - every session of the call gets the error
-            log.exception("drafting chains together failed")
-            for _, reply, _, _ in group:
-                reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
-            return
-        ms = (time.perf_counter() - t0) * 1e3
-        if len(group) > 1:
-            self.drafted_together += len(group)
-        for (msg, reply, received, s), d in zip(group, drafts):
-            s.last_k, s.last_used = msg.k, time.monotonic()
-            self.served += 1
-            if self._on_block:
-                self._on_block(msg.session_id, msg.block, ms / len(group), False)
-            reply(DraftReply(session_id=msg.session_id, block=msg.block, tokens=list(d.tokens),
-                             probs=None if d.probs is None else d.probs.astype(np.float32),
-                             draft_ms=(time.perf_counter() - received) * 1e3,
-                             predraft_hit=False))
 
     def _update(self, msg: DraftRequest, peer: bytes) -> DraftStream:
         """A draft request's session (its opener's only), its context and hidden states

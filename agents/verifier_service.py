@@ -14,32 +14,23 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from agents.remote_proposer import FlowTotals, RemoteProposer
-from agents.remote_tree import RemoteProposerGroup
-from agents.shard_traffic import block_delta
-from agents.specs import (MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_spec,
-                          make_checked_proposer)
+from agents.specs import MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_spec
+from agents.verifier_drafting import (FallbackProposer, RequestDrafting,  # noqa: F401 (API)
+                                      draft_tokens_of)
+from agents.verifier_generate import Reply, VerifierGenerations
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
+from bridge.messages import AUTO_DRAFT_TOKENS, BatchStatus, ErrorReply, GenerateChunk, GenerateRequest
 from bridge.peers import PeerAllowlist
-from bridge.messages import (AUTO_DRAFT_TOKENS, BatchStatus, BlockMetrics, ErrorReply,
-                             GenerateChunk, GenerateDone, GenerateRequest)
-from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS, DraftTokens
-from macfleet.engine.events import BlockDone, Finished, TokensCommitted
-from macfleet.engine.kvship import PrefilledVerifier, model_layout
+from macfleet.engine.controller import MAX_DRAFT_TOKENS
+from macfleet.engine.kvship import model_layout
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
-from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
-from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.engine.text import (MAX_PROMPT_TOKENS, Drafting, PromptError, TextDelta,
-                                  TextStream, encode_prompt, generate_from_ids, make_group,
-                                  no_drafts, plan_drafting)
-from macfleet.engine.tree_loop import tree_budget
+from macfleet.engine.sampling import SamplingParams
+from macfleet.engine.text import MAX_PROMPT_TOKENS, PromptError
 from macfleet.engine.verifier import Verifier
-from macfleet.serve.engine import (DEFAULT_STALL_RATIO, ITERATION_HISTORY, BatchEngine,
-                                   EngineRequest, Overloaded, SessionFailed)
-from macfleet.stats import BlockFlows, FleetStats, FlowStats, KVFlow
+from macfleet.serve.engine import DEFAULT_STALL_RATIO, ITERATION_HISTORY, BatchEngine
 
 log = logging.getLogger(__name__)
 
@@ -60,95 +51,6 @@ KEEPALIVE_S = 1.0  # idle period after which a shard group's leader pings its fo
 class VerifierLost(RuntimeError):
     """The verifier itself is gone (a shard rank died): no request can be served any more."""
 DEFAULT_MAX_TOKENS_CAP = 4096
-
-Reply = Callable[[object], int]
-
-
-class FallbackProposer(Proposer):
-    """Remote proposers in order of preference; the first that fails is dropped for the next."""
-
-    def __init__(self, proposers: Sequence[RemoteProposer]) -> None:
-        self._all = list(proposers)
-        self._live = list(proposers)
-        self.failures: list[str] = []
-        self.name = self._live[0].spec if self._live else "none"
-
-    @property
-    def current(self) -> RemoteProposer | None:
-        return self._live[0] if self._live else None
-
-    @property
-    def wants_features(self) -> bool:
-        return any(p.wants_features for p in self._all)
-
-    def feature_rows(self, n: int):
-        """The endpoints share one feature source: its rows 0..n-1 (None unless all held)."""
-        return self._live[0].feature_rows(n) if self._live else None
-
-    def feed_features(self, start: int, tokens, hidden) -> None:
-        """The endpoints share one feature source: fed once."""
-        if self._live:
-            self._live[0].feed_features(start, tokens, hidden)
-
-    def start(self, params: SamplingParams = GREEDY) -> None:
-        self.params = params
-        for p in self._live:
-            p.start(params)
-
-    def propose(self, context, k: int, with_guess: bool = False) -> Draft:
-        while self._live:
-            p = self._live[0]
-            try:
-                return p.propose(context, k)
-            except ProposerFailed as e:
-                self._drop(e)
-        raise ProposerFailed("no proposer left; continuing with plain decoding")
-
-    def observe(self, drafted: int, accepted: int, verify_ms: float,
-                verified: int | None = None) -> None:
-        if self._live:  # the drafter on the other Mac learns from what became of its draft
-            self._live[0].observe(drafted, accepted, verify_ms, verified)
-
-    def begin(self, context, k: int) -> None:
-        """Send the request to the first live proposer (dropping those that cannot take it)."""
-        self._begun = (list(context), k)
-        while self._live:
-            try:
-                self._live[0].begin(context, k)
-                return
-            except ProposerFailed as e:
-                self._drop(e)
-        raise ProposerFailed("no proposer left; continuing with plain decoding")
-
-    def finish(self) -> Draft:
-        """Its reply; when that proposer fails now, the next ones are asked in turn."""
-        try:
-            return self._live[0].finish()
-        except ProposerFailed as e:
-            self._drop(e)
-        return self.propose(*self._begun)
-
-    def _drop(self, e: ProposerFailed) -> None:
-        p = self._live.pop(0)
-        log.warning("proposer %s failed: %s", p.endpoint, e)
-        self.failures.append(f"{p.endpoint}: {e}")
-        p.close()
-
-    def close(self) -> None:
-        for p in self._live:
-            p.close()
-
-    def flow_stats(self) -> FlowStats:
-        """Per-block flows over every remote block, whichever proposer drafted it."""
-        totals = FlowTotals()
-        for p in self._all:
-            totals += p.flows
-        return totals.summary(f3_probe=any(p.f3_probe_width for p in self._all))
-
-
-def draft_tokens_of(msg: GenerateRequest) -> DraftTokens:
-    """The engine's draft length named by a request (its wire form is an int)."""
-    return AUTO if msg.draft_tokens == AUTO_DRAFT_TOKENS else msg.draft_tokens
 
 
 def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:
@@ -191,7 +93,12 @@ class VerifierLimits:
     prompt_cache_mb: int = 512
 
 
-class VerifierService:
+class VerifierService(VerifierGenerations):
+    """The verifier role's plumbing: checks a request, queues it into the continuous batch or
+    onto the one-session compute thread, heartbeats whatever it holds, keeps a shard group
+    alive while idle. Its generations (agents/verifier_generate.py) and where their drafts come
+    from (agents/verifier_drafting.py) live beside it."""
+
     def __init__(self, lm: LoadedModel, *, node_id: str, key: bytes | None,
                  publish: Callable[[object], None] | None = None,
                  limits: VerifierLimits = VerifierLimits(), f3_probe: bool = False,
@@ -218,8 +125,9 @@ class VerifierService:
         self._jobs: queue.Queue = queue.Queue(maxsize=limits.max_queued)
         self._verifier = verifier if verifier is not None else Verifier(lm.model)
         self._on_fatal = on_fatal
-        self._feature_tap = None
-        self.f3_codec = f3_codec
+        self._drafts = RequestDrafting(lm, key=key, policy=self.policy, models=self.models,
+                                       verifier=self._verifier,
+                                       f3_probe_width=self.f3_probe_width, f3_codec=f3_codec)
         self._keepalive = self._verifier.keepalive if self._verifier.needs_keepalive else None
         self._solo = 0  # one-session generations running (0 or 1)
         self.completed = 0
@@ -242,6 +150,15 @@ class VerifierService:
             self._stage = PrefillStage(lm, key=key, layout=model_layout(lm.model),
                                        endpoints=prefill_endpoints, submit=self._submit,
                                        policy=disagg or DisaggPolicy())
+
+    @property
+    def f3_codec(self) -> str:
+        """How hidden states travel to remote hidden-state drafters (float16 | int8)."""
+        return self._drafts.f3_codec
+
+    @f3_codec.setter
+    def f3_codec(self, codec: str) -> None:
+        self._drafts.f3_codec = codec
 
     def _start_batch(self) -> None:
         lock = threading.Lock()
@@ -336,93 +253,6 @@ class VerifierService:
             self._pending[id(reply)] = (msg.request_id, reply)
         return True
 
-    def _submit_batched(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
-        """Into the continuous batch: its drafter (a chain on remote proposers in order of
-        preference, a tree drafted on all of them at once, or this agent's own) drafts per
-        session, cross-round, while the batch verifies every session's block or tree in one
-        forward; events become wire messages here."""
-        params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
-        if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
-            raise ProtocolError(BAD_REQUEST, "prefix ids outside the vocabulary")
-        try:
-            ids = staged.ids if staged is not None else (
-                encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
-            proposer = self._drafting(msg, batched=True)
-        except (PromptError, ProposerSpecError, ValueError) as e:
-            raise ProtocolError(BAD_REQUEST, str(e)) from None
-        req = EngineRequest(prompt=tuple(ids), params=params,
-                            max_tokens=max(0, msg.max_tokens - len(msg.prefix_ids)),
-                            eos_ids=self.lm.eos_ids, draft_tokens=draft_tokens_of(msg),
-                            report_blocks=True)
-        rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
-        remote = (proposer if isinstance(proposer, (FallbackProposer, RemoteProposerGroup))
-                  else None)
-        kv = staged.kv if staged is not None else None
-        kv_once = ({"kv_bytes": staged.flow.kv_bytes, "kv_ms": staged.flow.kv_ms}
-                   if kv is not None else {})
-
-        def emit(ev) -> None:
-            if isinstance(ev, TokensCommitted):
-                text = stream.add(ev.tokens)
-                parts.append(text)
-                reply(GenerateChunk(rid, list(ev.tokens), text))
-            elif isinstance(ev, BlockDone):
-                last = (self._last_flows(remote) if remote is not None and ev.k > 0
-                        else None) or BlockFlows()
-                self._publish_block(rid, ev, last, probe=bool(self.f3_probe_width),
-                                    **(kv_once if ev.block == 1 else {}))
-            elif isinstance(ev, Finished):
-                tail = stream.finish()
-                if tail:
-                    parts.append(tail)
-                    reply(GenerateChunk(rid, [], tail))
-                flows, failures = ((remote.flow_stats(), remote.failures) if remote is not None
-                                   else (FlowStats(), []))
-                fleet = FleetStats(verifier=self.node_id, flows=flows,
-                                   proposer_failures=len(failures),
-                                   kv=self._batched_kv_flow(staged, len(ids), ev.stats.prefill_ms))
-                self.completed += 1
-                reply(GenerateDone(rid, "".join(parts), list(ev.token_ids),
-                                   replace(ev.stats, fleet=fleet)))
-            elif isinstance(ev, SessionFailed):
-                reply(ErrorReply(INTERNAL, ev.message))
-
-        def on_close() -> None:
-            with self._pending_lock:
-                self._pending.pop(id(reply), None)
-
-        with self._pending_lock:  # heartbeats while queued; the engine's on_close ends them
-            self._pending[id(reply)] = (rid, reply)
-        try:
-            self._batch.submit(req, emit, on_close, proposer=proposer, kv=kv)
-        except (Overloaded, ValueError) as e:
-            on_close()
-            if proposer is not None:
-                proposer.close()
-            code = BUSY if isinstance(e, Overloaded) else BAD_REQUEST
-            raise ProtocolError(code, str(e)) from None
-
-    def _publish_block(self, rid: str, ev: BlockDone, last: BlockFlows, *, probe: bool,
-                       **extra) -> None:
-        """One verified block's metrics on the PUB socket (both paths: batched and alone);
-        extra: the shard flow, and flow KV on a session's first block."""
-        self._publish(BlockMetrics(
-            node_id=self.node_id, session_id=rid, block=ev.block, k=ev.k,
-            accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
-            verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
-            f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes, f3_ms=last.f3_ms,
-            probe=probe, hidden_size=self.lm.hidden_size, **extra))
-
-    def _batched_kv_flow(self, staged, tokens: int, prefill_ms: float) -> KVFlow:
-        """Flow KV of a batched session: installed (its install time is the session's prefill
-        time), or prefilled here after all (which teaches the stage's meter)."""
-        if staged is None:
-            return KVFlow()
-        if staged.kv is not None:
-            return replace(staged.flow, install_ms=prefill_ms)
-        self._stage.meter.local(tokens - 1, prefill_ms)
-        return staged.flow
-
     def _submit(self, msg: GenerateRequest, reply: Reply, staged) -> None:
         """The prefill stage hands a request on: into the batch when it can run there (its
         shipped KV installed in a batch row), else to the one-session queue (waits while full)."""
@@ -479,146 +309,3 @@ class VerifierService:
         if self._on_fatal is not None:
             self._on_fatal(why)
 
-    def _drafting(self, msg: GenerateRequest, batched: bool = False) -> Drafting:
-        """What drafts for this request: remote proposer agents when it names endpoints (a
-        chain falls back from one to the next, a tree drafts on all at once), else this agent's
-        own drafters; tree or chain is decided as in-process (engine/text.py plan_drafting).
-        batched: for a session of the continuous batch (hidden-state drafters are fed its rows
-        by the batch engine instead of tapping this verifier's forwards)."""
-        spec = msg.proposer_spec or "none"
-        if msg.proposers:
-            return plan_drafting(spec, chain=lambda s: self._fallback(msg, batched),
-                                 tree=lambda specs: self._tree_group(msg, specs, batched))
-
-        def make(s: str) -> Proposer | None:
-            return make_checked_proposer(s, self.lm, self.policy, self.models)
-
-        return plan_drafting(spec, chain=make, tree=lambda specs: make_group(
-            [make(s) or no_drafts(s) for s in specs], draft_tokens_of(msg)))
-
-    def _fallback(self, msg: GenerateRequest, batched: bool = False) -> FallbackProposer:
-        """One chain drafter on the named endpoints, in order of preference."""
-        feats = self._features(msg.proposer_spec, batched)
-        return FallbackProposer([
-            RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec, model=self.lm.spec,
-                           cross_round=msg.cross_round,
-                           f3_probe_width=0 if feats else self.f3_probe_width,
-                           features=feats, f3_codec=self.f3_codec)
-            for ep in msg.proposers])
-
-    def _features(self, spec: str, batched: bool = False):
-        """Real F3 for a remote hidden-state drafter: tap this verifier's own forwards (one
-        session at a time), or take the rows the batch engine feeds this session."""
-        if not spec.startswith("eagle"):
-            return None
-        from macfleet.engine.drafter.proposer import VerifierFeatures
-
-        if batched:
-            return VerifierFeatures(self.lm.model, tap=False)
-        if not hasattr(self._verifier, "cache"):
-            return None
-        self._feature_tap = VerifierFeatures(self.lm.model)
-        return self._feature_tap
-
-    @staticmethod
-    def _last_flows(proposer) -> BlockFlows | None:
-        """Flow figures of the block just verified (the slowest proposer's, for a tree)."""
-        if isinstance(proposer, FallbackProposer):
-            return proposer.current.flows.last if proposer.current else None
-        if isinstance(proposer, RemoteProposerGroup):
-            lasts = [p.flows.last for p, live in zip(proposer.proposers, proposer.live)
-                     if live and p.flows.last]
-            if not lasts:
-                return None
-            worst = max(lasts, key=lambda f: f.wire_ms)
-            return replace(worst, f1_bytes=sum(f.f1_bytes for f in lasts),
-                           f2_bytes=sum(f.f2_bytes for f in lasts))
-        return None
-
-    def _tree_group(self, msg: GenerateRequest, specs: list[str],
-                    batched: bool = False) -> RemoteProposerGroup:
-        """`a+b+c` with N endpoints: proposer i drafts spec i (the last spec repeats)."""
-        spec_of = [specs[min(i, len(specs) - 1)] for i in range(len(msg.proposers))]
-        feats = next((self._features(s, batched) for s in spec_of if s.startswith("eagle")),
-                     None)
-        remotes = [RemoteProposer(ep, key=self.key, proposer=spec, model=self.lm.spec,
-                                  cross_round=msg.cross_round,
-                                  f3_probe_width=self.f3_probe_width,
-                                  features=feats if spec.startswith("eagle") else None,
-                                  f3_codec=self.f3_codec)
-                   for ep, spec in zip(msg.proposers, spec_of)]
-        return RemoteProposerGroup(remotes, draft_tokens=draft_tokens_of(msg),
-                                   node_budget=tree_budget(remotes))
-
-    def _generate(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
-        params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
-        if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
-            raise ValueError("prefix ids outside the vocabulary")
-        ids = staged.ids if staged is not None else (
-            encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
-        verifier, kv_once = self._verifier, {}
-        if staged is not None and staged.kv is not None:  # flow KV: installed, not computed
-            verifier = PrefilledVerifier(self._verifier, ids[:-1], self._stage.layout, staged.kv)
-            kv_once = {"kv_bytes": staged.flow.kv_bytes, "kv_ms": staged.flow.kv_ms}
-        proposer = self._drafting(msg)
-        max_new = max(0, msg.max_tokens - len(msg.prefix_ids))
-        parts: list[str] = []
-        block_ms = wire_ms = 0.0
-        stats = None
-        remote = proposer if isinstance(proposer, FallbackProposer) else None
-        shard_now = self._verifier.shard_stats  # a sharded verifier's shard flow, else None
-        shard_prev = None
-        events = generate_from_ids(self.lm, verifier, proposer, ids,
-                                   draft_tokens=draft_tokens_of(msg), max_tokens=max_new,
-                                   params=params)
-        try:
-            for ev in events:
-                if isinstance(ev, TextDelta):  # the last one: the detokenizer's flush, no ids
-                    parts.append(ev.text)
-                    reply(GenerateChunk(msg.request_id, list(ev.tokens), ev.text))
-                elif isinstance(ev, BlockDone):
-                    last = (self._last_flows(proposer) if ev.k > 0 else None) or BlockFlows()
-                    wire_ms += last.wire_ms
-                    block_ms += ev.block_ms
-                    shard = shard_now()
-                    sh = block_delta(shard_prev, shard)
-                    shard_prev = shard
-                    # measured where a collective was timed, else priced (and marked so)
-                    self._publish_block(
-                        msg.request_id, ev, last,
-                        probe=bool(self.f3_probe_width) and self._feature_tap is None,
-                        shard_bytes=sh.bytes, shard_ms=sh.ms or sh.priced_ms,
-                        shard_priced=not sh.ms and sh.priced_ms > 0, rank_load=sh.rank_load,
-                        **kv_once)
-                    kv_once = {}
-                elif isinstance(ev, Finished):
-                    stats = ev.stats
-                    token_ids = list(ev.token_ids)
-        finally:
-            if proposer is not None:
-                proposer.close()
-            if self._feature_tap is not None:
-                self._feature_tap.close()
-                self._feature_tap = None
-        flows, failures = FlowStats(), []
-        if remote is not None:
-            flows, failures = remote.flow_stats(), remote.failures
-        elif isinstance(proposer, RemoteProposerGroup):
-            flows, failures = proposer.flow_stats(), proposer.failures
-        kv = self._kv_flow(staged, verifier, len(ids), stats.prefill_ms)
-        fleet = FleetStats(verifier=self.node_id, flows=flows, proposer_failures=len(failures),
-                           wire_ms=wire_ms, kv=kv,
-                           multihost_overhead=wire_ms / block_ms if block_ms else 0.0,
-                           shard=shard_now())
-        self.completed += 1
-        reply(GenerateDone(msg.request_id, "".join(parts), token_ids,
-                           replace(stats, fleet=fleet)))
-
-    def _kv_flow(self, staged, verifier, tokens: int, prefill_ms: float) -> KVFlow:
-        """Flow KV of a finished generation; a local prefill also teaches the stage's meter."""
-        if staged is None:
-            return KVFlow()
-        if isinstance(verifier, PrefilledVerifier) and verifier.installed:
-            return replace(staged.flow, install_ms=verifier.install_ms)
-        self._stage.meter.local(tokens - 1, prefill_ms)
-        return staged.flow

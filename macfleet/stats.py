@@ -6,6 +6,11 @@ ran, what each flow to the proposer agents moved) and sends the same object in
 CLI prints it with one formatter (cli/cmd_generate.py `print_stats`) whether it ran in-process or
 through agents, and `to_dict()` is its JSON form.
 
+The multi-host overhead has one definition and one computation, `multihost_overhead` below: the
+verifier agent fills `FleetStats.multihost_overhead` with it (what `generate` prints and `bench`
+records), and the dashboard's session view (fleet/metrics.py) applies it to the same blocks'
+BlockMetrics, so the two agree for the same blocks.
+
 Plain dataclasses of the standard library only: the one project module that both `bridge` (which
 imports no other project package) and `macfleet.engine` (which imports no networking) import.
 Records wider than five fields are keyword-only.
@@ -38,6 +43,21 @@ class BlockFlows:
     @property
     def wire_ms(self) -> float:
         return self.f1_ms + self.f2_ms + self.f3_ms
+
+
+def multihost_overhead(wire_ms: float, block_ms: float) -> float:
+    """The multi-host overhead of a run of blocks (DESIGN.md, "The flows between hosts").
+
+    wire_ms: the critical-path time spent moving F1, F2 and F3 bytes (serialize + wire +
+    deserialize while the verifier waits: a remote proposer's round trip minus its own drafting
+    time, plus F3's), summed over the blocks; block_ms: the wall time of the same blocks,
+    summed. The overhead is their ratio, a share of block time: every verified block counts,
+    and one drafted locally or plainly moves nothing, so it adds to block time only. Summing
+    before dividing weighs each block by its length (a mean of per-block shares would not).
+    The shard flow (collectives inside a sharded verifier's forward, reported per forward) and
+    flow KV (once per prompt, not per block) are shown beside it, not in it. 0 without blocks.
+    """
+    return wire_ms / block_ms if block_ms > 0 else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,8 +147,8 @@ class FleetStats:
     verifier: str  # node id of the verifier agent
     flows: FlowStats = FlowStats()
     proposer_failures: int = 0  # proposers dropped (the rest, or plain decoding, went on)
-    wire_ms: float = 0.0  # critical-path time spent moving F1/F2/F3 bytes
-    multihost_overhead: float = 0.0  # wire_ms as a share of block time
+    wire_ms: float = 0.0  # critical-path time spent moving F1/F2/F3 bytes, all blocks
+    multihost_overhead: float = 0.0  # `multihost_overhead(wire_ms, the blocks' time)`
     kv: KVFlow = KVFlow()  # flow KV: a long prompt prefilled on a prefill agent
     # names for people, filled in by the client that chose the agents
     verifier_agent: str = ""
@@ -276,5 +296,5 @@ class ServedSession:
                    accepted=int(d["accepted"]), drafted=int(d["drafted"]))
 
 
-__all__ = ["BlockFlows", "FlowStats", "ShardStats", "FleetStats", "ProposerStats",
-           "GenerationStats", "SESSION_STATES", "IterationView", "ServedSession"]
+__all__ = ["multihost_overhead", "BlockFlows", "FlowStats", "ShardStats", "FleetStats",
+           "ProposerStats", "GenerationStats", "SESSION_STATES", "IterationView", "ServedSession"]

@@ -84,8 +84,8 @@ ALLOWED: dict[str, Rule] = {
                    banned=("starlette", "uvicorn", "httpx", "textual")),
     "agents/presets.py": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",
                                "macfleet.bench", *RECORDS)),
-    # the dashboard observes the fleet's records; no sockets, no MLX
-    "tui": Rule(("tui", "macfleet.fleet.snapshot", "macfleet.fleet.batch"),
+    # the dashboard observes the fleet's records (and computes as stats does); no sockets, no MLX
+    "tui": Rule(("tui", "macfleet.fleet.snapshot", "macfleet.fleet.batch", *RECORDS),
                 banned=("zmq", "mlx", "zeroconf", "socket")),
 }
 

@@ -21,29 +21,25 @@ agent each in a network namespace of the test bed (tests/testbed/netns.py: one L
 each host's egress a 100 Mbit/s `tbf`, a Wi-Fi-like link), this process on the bridge as the
 clients' host; the agents find each other by Zeroconf multicast across the bridge, the KV
 crosses the rate-limited link. Needs root and a source checkout (skipped, with the reason,
-otherwise).
+otherwise). The agents on a link: bench/disagg_agents.py; the reduction and the plot:
+bench/disagg_report.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
-from bridge.auth import fleet_id
-from bridge.discovery import LOOPBACK_ONLY, Browser
 from bridge.messages import GenerateChunk, GenerateDone
+from macfleet.bench.disagg_agents import LINKS, agents_up
+from macfleet.bench.disagg_report import Timed, plot, summarize  # noqa: F401 (API)
 from macfleet.bench.prompts import BENCH_PROMPTS
-from macfleet.bench.sessions import DEFAULT_START_TIMEOUT_S, LocalFleet, _reaped
-from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote
 from macfleet.fleet.keys import keygen
 from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
@@ -63,19 +59,6 @@ PARAGRAPH = ("The history of computing is a history of moving data closer to whe
              "since has added a layer of cache to hide that gap, and every generation of "
              "software has learned to batch its work so that each byte fetched is used many "
              "times before it is evicted. ")
-
-
-@dataclass(frozen=True)
-class Timed:
-    """One request as its client saw it."""
-
-    name: str
-    submit_s: float  # relative to the round's start
-    ttft_s: float  # submit -> first token
-    gaps_s: tuple[float, ...]  # between token-carrying chunks
-    tokens: int
-    token_ids: tuple[int, ...]
-    kv: dict
 
 
 def long_prompt(tokenizer, n: int) -> str:
@@ -126,83 +109,6 @@ def run_one(name: str, card, key: bytes, prompt: str, n: int, t0: float,
                  tuple(round(b - a, 4) for a, b in zip(stamps, stamps[1:])),
                  len(ids), tuple(done.token_ids if done is not None else ids),
                  asdict(kv) if kv else {})
-
-
-def start_pinned(agents: list[tuple[str, int | None, list[str]]], *, model: str, key: bytes,
-                 key_path: Path, run_dir: Path) -> LocalFleet:
-    """One agent per (role, core, extra args); return once all are discovered."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    started: list[local.LocalAgent] = []
-    try:
-        with Browser(fleet_id=fleet_id(key), interfaces=LOOPBACK_ONLY) as b:
-            for i, (role, cpu, extra) in enumerate(agents):
-                started.append(local.start_agent(role, name=f"{role}-{i}", model=model,
-                                                 key_path=key_path, run_dir=run_dir, cpu=cpu,
-                                                 extra=extra))
-            fleet = LocalFleet(started, {})
-            want = {a.node_id for a in started}
-            deadline = time.monotonic() + DEFAULT_START_TIMEOUT_S
-            while time.monotonic() < deadline:
-                fleet.cards = {c.node_id: c for c in b.cards() if c.node_id in want}
-                if len(fleet.cards) == len(want):
-                    time.sleep(1.0)  # the verifier's own browser sees the prefill agent too
-                    return fleet
-                if any(_reaped(a.pid) for a in started):
-                    break
-                time.sleep(0.2)
-        raise local.FleetStartError(f"agents not all up; logs in {run_dir}")
-    except BaseException:
-        LocalFleet(started, {}).stop()
-        raise
-
-
-LINKS = ("loopback", "netns-wifi")
-ROOT_HOST = 254  # this process's address on the test bed's bridge: <subnet>.254
-
-
-@contextlib.contextmanager
-def agents_up(link: str, agents: list[tuple[str, int | None, list[str]]], *, model: str,
-              key: bytes, key_path: Path, run_dir: Path) -> Iterator:
-    """The agents (role, core, extra args) on `link`; yields their cards, in order (the first:
-    the verifier's), once every agent is discovered; stops them all on exit."""
-    if link == "loopback":
-        fleet = start_pinned(agents, model=model, key=key, key_path=key_path, run_dir=run_dir)
-        try:
-            yield [fleet.card(a) for a in fleet.agents]
-        finally:
-            fleet.stop()
-        return
-    if link != "netns-wifi":
-        raise ValueError(f"unknown link {link!r} (one of {', '.join(LINKS)})")
-    from macfleet.bench.f3 import load_testbed
-
-    netns, why = load_testbed()
-    if why:
-        raise RuntimeError(f"netns-wifi: {why}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with netns.Testbed(len(agents), rate=netns.WIFI_RATE) as tb:
-        root_ip = tb.join_root(ROOT_HOST)
-        names = []
-        for i, (host, (role, cpu, extra)) in enumerate(zip(tb.hosts, agents)):
-            names.append(f"{role}-{i}")
-            cmd = [sys.executable, "-m", "macfleet", "agent", "--role", role, "--model", model,
-                   "--name", names[-1], "--bind", host.ip, "--key", str(key_path),
-                   *(["--cpu", str(cpu)] if cpu is not None else []), *extra]
-            env = dict(os.environ, OPENBLAS_NUM_THREADS="1") if cpu is not None else None
-            with open(run_dir / f"{names[-1]}.log", "ab") as log:
-                tb.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, env=env)
-        with Browser(fleet_id=fleet_id(key), interfaces=[root_ip]) as b:
-            deadline = time.monotonic() + DEFAULT_START_TIMEOUT_S
-            while time.monotonic() < deadline:
-                cards = {c.name: c for c in b.cards() if c.name in names}
-                if len(cards) == len(names):
-                    break
-                time.sleep(0.2)
-            else:
-                raise local.FleetStartError(f"netns agents not all up; logs in {run_dir}")
-        time.sleep(1.0)  # the verifier's own browser sees the prefill agent too
-        yield [cards[n] for n in names]
 
 
 def scenario(card, key: bytes, long_text: str | None, *, shorts: int, long_tokens: int,
@@ -278,59 +184,6 @@ def scenario(card, key: bytes, long_text: str | None, *, shorts: int, long_token
             raise r
     return ([long, *(r for i in range(shorts) for r in out[f"short-{i + 1}"])],
             (window[0], window[1]))
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-def window_gaps(r: Timed, window: tuple[float, float]) -> tuple[list[float], list[float]]:
-    """A short session's inter-token gaps that end inside the window, and those before it."""
-    t = r.submit_s + r.ttft_s
-    inside, before = [], []
-    for g in r.gaps_s:
-        t += g
-        if window[0] <= t <= window[1]:
-            inside.append(g)
-        elif t < window[0]:
-            before.append(g)
-    return inside, before
-
-
-def largest_gaps(runs: list[Timed], window: tuple[float, float], k: int = 10) -> list[dict]:
-    """The k longest short-session gaps ending in the window: how long, when (s after the
-    long prompt arrived), whose; where the p99 comes from."""
-    out = []
-    for r in runs:
-        if not r.name.startswith("short"):
-            continue
-        t = r.submit_s + r.ttft_s
-        for g in r.gaps_s:
-            t += g
-            if window[0] <= t <= window[1]:
-                out.append({"ms": round(g * 1e3, 1), "at_s": round(t - window[0], 2),
-                            "session": r.name})
-    return sorted(out, key=lambda x: -x["ms"])[:k]
-
-
-def summarize(runs: list[Timed], window: tuple[float, float]) -> dict:
-    shorts = [r for r in runs if r.name.startswith("short")]
-    long = next((r for r in runs if r.name == "long"), None)  # None: the control
-    inside = [g for r in shorts for g in window_gaps(r, window)[0]]
-    before = [g for r in shorts for g in window_gaps(r, window)[1]]
-    p50, p99 = pct(inside, 0.5), pct(inside, 0.99)
-    return {"window_s": round(window[1] - window[0], 3), "gaps_in_window": len(inside),
-            "short_itl_before_s": {"p50": round(pct(before, 0.5), 4),
-                                   "p99": round(pct(before, 0.99), 4), "gaps": len(before)},
-            "short_itl_s": {"p50": round(p50, 4), "p99": round(p99, 4),
-                            "max": round(max(inside, default=0.0), 4)},
-            "p99_over_p50": round(p99 / p50, 2) if p50 else None,
-            "long_ttft_s": long.ttft_s if long else None, "kv": long.kv if long else {},
-            "largest_gaps": largest_gaps(runs, window),
-            "requests": [asdict(r) | {"token_ids": None, "gaps_s": None} for r in runs]}
 
 
 def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (2000, 8000),
@@ -433,57 +286,3 @@ def bench_disagg(*, model: str = "smollm2", prompt_tokens: tuple[int, ...] = (20
             "stall_ratio": stall_ratio if stall_ratio is not None else DEFAULT_STALL_RATIO,
             "skipped": skipped, "cores": {"verifier": v_cpu, "prefill": p_cpu},
             "sizes": sizes}
-
-
-def plot(res: dict, path: Path) -> Path | None:
-    """Per prompt size, the short sessions' p50/p99 inter-token gap in the window per mode
-    (and the p50 before the long prompt arrived); None without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    sizes = res["sizes"]
-    fig, axes = plt.subplots(1, len(sizes), figsize=(max(7.5, 5.5 * len(sizes)), 5.0),
-                             squeeze=False)
-    for ax, size in zip(axes[0], sizes):
-        modes = size["modes"]
-        x = range(len(modes))
-        p50 = [m["short_itl_s"]["p50"] * 1e3 for m in modes]
-        p99 = [m["short_itl_s"]["p99"] * 1e3 for m in modes]
-        ax.bar([i - 0.2 for i in x], p50, 0.4, label="p50 in the window", color="tab:blue")
-        ax.bar([i + 0.2 for i in x], p99, 0.4, label="p99 in the window", color="tab:orange")
-        for i, m in enumerate(modes):
-            before = m["short_itl_before_s"]
-            ax.plot([i - 0.4, i + 0.4], [before["p50"] * 1e3] * 2, color="black", lw=1.5,
-                    label="p50 before it arrived" if i == 0 else None)
-            if "p99" in before:
-                ax.plot([i - 0.4, i + 0.4], [before["p99"] * 1e3] * 2, color="black", lw=1,
-                        ls="--", label="p99 before it arrived" if i == 0 else None)
-            ax.text(i, p99[i], f"{m['p99_over_p50']}x\nTTFT {m['long_ttft_s']:.0f} s",
-                    ha="center", va="bottom", fontsize=7)
-        control = res.get("control")
-        if control:
-            ax.axhline(control["short_itl_s"]["p99"] * 1e3, color="tab:gray", lw=1, ls=":",
-                       label=f"p99 with no long prompt (control, {control['p99_over_p50']}x "
-                             "its p50)")
-        busy = res.get("busy_control")
-        if busy:
-            ax.axhline(busy["short_itl_s"]["p99"] * 1e3, color="tab:red", lw=1, ls=":",
-                       label=f"p99 with the prefill agent busy for the bench (control, "
-                             f"{busy['p99_over_p50']}x its p50)")
-        ax.margins(y=0.45)  # room for the labels and the legend above the bars
-        ax.set_xticks(list(x))
-        ax.set_xticklabels([m["mode"].replace(" (", "\n(") for m in modes], fontsize=7)
-        ax.set_ylabel("short sessions' inter-token gap (ms)")
-        ax.set_title(f"{size['prompt_tokens']:,}-token prompt arrives")
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"{res['short_sessions']} decoding sessions while a long prompt is prefilled\n"
-                 "(goal: p99 <= 1.5x p50 with a prefill agent)", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

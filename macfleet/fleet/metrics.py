@@ -3,6 +3,8 @@
 `SessionMetrics.apply(block_metrics)` folds one BlockMetrics message in; `view()` reduces the
 recent window to a SessionView: tokens/s, acceptance, the accepted-length histogram, and the
 multi-host overhead per flow (bytes/block, ms/block, share of block time, with history).
+The overhead and each flow's share of it are `macfleet.stats.multihost_overhead` of the window's
+blocks, the figure `macfleet generate` prints for the same blocks.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from macfleet.fleet.snapshot import BlockSample, FlowView, SessionView
+from macfleet.stats import multihost_overhead
 
 DEFAULT_WINDOW = 32
 DEFAULT_HISTORY = 40
@@ -42,7 +45,7 @@ class SessionMetrics:
         for flow, ms in (("F1", m.f1_ms), ("F2", m.f2_ms), ("F3", m.f3_ms),
                          ("shard", getattr(m, "shard_ms", 0.0))):
             h = self.history.setdefault(flow, deque(maxlen=DEFAULT_HISTORY))
-            h.append(ms / m.block_ms if m.block_ms > 0 else 0.0)
+            h.append(multihost_overhead(ms, m.block_ms))  # this flow's share of this block
 
     def view(self, now: float) -> SessionView:
         bl = list(self.blocks)
@@ -53,11 +56,10 @@ class SessionMetrics:
         spec_blocks = [b for b in bl if b.k > 0]
 
         def flow(name: str, bytes_attr: str, ms_attr: str, probe: bool) -> FlowView:
-            ms = sum(getattr(b, ms_attr) for b in bl) / n
+            ms = sum(getattr(b, ms_attr) for b in bl)
             return FlowView(flow=name, bytes_per_block=sum(getattr(b, bytes_attr) for b in bl) / n,
-                            ms_per_block=ms,
-                            share_of_block=ms / (block_ms / n) if block_ms else 0.0, probe=probe,
-                            history=tuple(self.history.get(name, ())))
+                            ms_per_block=ms / n, share_of_block=multihost_overhead(ms, block_ms),
+                            probe=probe, history=tuple(self.history.get(name, ())))
 
         flows = [flow("F1", "f1_bytes", "f1_ms", False), flow("F2", "f2_bytes", "f2_ms", False)]
         if any(b.f3_bytes for b in bl):
@@ -76,7 +78,7 @@ class SessionMetrics:
         hist = list(self.hist)
         while len(hist) > 1 and hist[-1] == 0:
             hist.pop()
-        wire = sum(b.f1_ms + b.f2_ms + b.f3_ms for b in bl)
+        wire = sum(wire_ms(b) for b in bl)
         remote = any(b.f1_bytes for b in bl)
         return SessionView(
             session_id=self.session_id, verifier=self.verifier, proposers=self.proposers,
@@ -91,11 +93,16 @@ class SessionMetrics:
             timeline=tuple(BlockSample(block=b.block, k=b.k, accepted=b.accepted,
                                        block_ms=b.block_ms, draft_ms=b.draft_ms,
                                        verify_ms=b.verify_ms,
-                                       wire_ms=b.f1_ms + b.f2_ms + b.f3_ms) for b in bl),
-            overhead_share=wire / block_ms if block_ms else 0.0,
+                                       wire_ms=wire_ms(b)) for b in bl),
+            overhead_share=multihost_overhead(wire, block_ms),
             active=now - self.last_seen < ACTIVE_S,
             rank_load=tuple(map(sum, zip(*loads))) if loads else (),
         )
+
+
+def wire_ms(m) -> float:
+    """A BlockMetrics' critical-path wire time: F1 + F2 + F3 (stats.BlockFlows.wire_ms)."""
+    return m.f1_ms + m.f2_ms + m.f3_ms
 
 
 F3_BYTES_PER_VALUE = 2  # float16 hidden states
@@ -112,5 +119,5 @@ def f3_estimate(bl, block_ms: float) -> FlowView:
     f12_ms = sum(b.f1_ms + b.f2_ms for b in bl) / n
     ms = f12_ms * nbytes / (f12_bytes + nbytes) if f12_bytes and nbytes else 0.0
     return FlowView(flow="F3", bytes_per_block=nbytes if f12_bytes else 0.0, ms_per_block=ms,
-                    share_of_block=ms / (block_ms / n) if block_ms else 0.0, probe=False,
+                    share_of_block=multihost_overhead(ms * n, block_ms), probe=False,
                     history=(), estimate=True)

@@ -89,7 +89,9 @@ class BlockCost:
 
     @property
     def overhead_share(self) -> float:
-        """Share of the block spent moving bytes between hosts (the dashboard's number)."""
+        """Share of the block spent moving bytes between hosts: the prediction of the measured
+        multi-host overhead (`macfleet.stats.multihost_overhead`: F1-F3 over block time) plus a
+        sharded verifier's collectives, which measured runs show as a flow of their own."""
         return (self.wire_ms + self.shard_ms) / self.block_ms
 
 

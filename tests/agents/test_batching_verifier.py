@@ -90,3 +90,43 @@ def test_concurrent_trees_are_verified_in_the_batch(agents):
     assert max(it.sessions for it in view.recent) > 1
     assert all(len(g.stats.per_proposer) == 2 for g in got)
     assert all(g.stats.fleet.flows.remote_blocks > 0 for g in got)
+
+
+@pytest.mark.parametrize("which", ["batched", "solo"])
+def test_generate_and_the_dashboard_show_the_same_multihost_overhead(agents, which):
+    """One definition (macfleet.stats.multihost_overhead): for the same blocks, the figure
+    `macfleet generate` prints from the run's stats record and the one the dashboard shows from
+    the agent's BlockMetrics are the same, and not 0 when proposers on another agent drafted
+    (the batched path used to leave it at 0.0% while the dashboard showed ~2%)."""
+    import io
+    import re
+
+    from bridge.messages import BlockMetrics
+    from macfleet.cli.cmd_generate import print_stats
+    from macfleet.fleet.metrics import SessionMetrics
+    from tui.widgets.flows import compute_summary
+
+    prop, batched, solo = agents
+    ver = batched if which == "batched" else solo
+    seen, publish = [], ver.verifier._publish
+    ver.verifier._publish = lambda m: (seen.append(m), publish(m))
+    try:
+        d = run(ver, PROMPTS[0], [prop.card.router_endpoint], "ngram", max_tokens=24,
+                draft_tokens=3)
+    finally:
+        ver.verifier._publish = publish
+    fleet = d.stats.fleet
+    assert fleet.flows.remote_blocks > 0 and fleet.wire_ms > 0
+    blocks = [m for m in seen if isinstance(m, BlockMetrics) and m.session_id == d.request_id]
+    sm = SessionMetrics(d.request_id, "v")
+    assert 0 < len(blocks) <= sm.window  # every block of the run in the dashboard's window
+    for m in blocks:
+        sm.apply(m, now=0.0)
+    view = sm.view(now=0.0)
+    assert view.overhead_share == pytest.approx(fleet.multihost_overhead, rel=1e-9)
+    assert 0 < fleet.multihost_overhead < 1
+    out = io.StringIO()
+    print_stats(d.stats, file=out)
+    cli = re.search(r"multi-host overhead ([\d.]+%)", out.getvalue()).group(1)
+    dash = re.search(r"\(overhead ([\d.]+%)\)", compute_summary(view)).group(1)
+    assert cli == dash

@@ -83,7 +83,7 @@ def test_greedy_across_agents_is_bit_identical_to_verifier_alone(fleet, spec):
         st = spec_done.stats
         assert st.fleet.flows.remote_blocks > 0, "the remote proposer was never asked"
         assert st.fleet.flows.f1_bytes_per_block > 0 and st.fleet.flows.f2_bytes_per_block > 0
-        assert 0 <= st.fleet.multihost_overhead < 1
+        assert 0 < st.fleet.multihost_overhead < 1  # remote blocks moved bytes
 
 
 def test_sampling_across_agents_is_reproducible_with_a_seed(fleet):

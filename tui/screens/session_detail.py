@@ -10,6 +10,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from macfleet.fleet.snapshot import BlockSample, FleetSnapshot, SessionView
+from macfleet.stats import multihost_overhead
 from tui.format import fmt_ms, fmt_pct
 from tui.widgets.histogram import AcceptHistogram
 from tui.widgets.table import sync_rows
@@ -30,7 +31,7 @@ def summary_text(s: SessionView) -> Text:
 
 
 def block_cells(b: BlockSample) -> list[str]:
-    wire = b.wire_ms / b.block_ms if b.block_ms > 0 else 0.0
+    wire = multihost_overhead(b.wire_ms, b.block_ms)  # this one block's
     return [str(b.block), f"{b.accepted}/{b.k}", fmt_ms(b.block_ms), fmt_ms(b.draft_ms),
             fmt_ms(b.verify_ms), fmt_ms(b.wire_ms), fmt_pct(wire)]
 

@@ -1,0 +1,209 @@
+"""Where a verifier agent's drafts come from, request by request.
+
+A GenerateRequest that names proposer endpoints is drafted on those agents: a chain on the
+first that answers (`FallbackProposer`: when one dies or stalls, the next takes over; when none
+is left, decoding goes on plainly), a tree of `a+b` specs on all of them at once
+(`RemoteProposerGroup`). One that names none is drafted by this agent's own drafters, checked by
+agents/specs.py. Hidden-state drafters on another agent get flow F3: this verifier's own hidden
+states, tapped from its forwards or fed by the continuous batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+
+from agents.remote_proposer import FlowTotals, RemoteProposer
+from agents.remote_tree import RemoteProposerGroup
+from agents.specs import DraftModels, SpecPolicy, make_checked_proposer
+from bridge.messages import AUTO_DRAFT_TOKENS, GenerateRequest
+from macfleet.engine.controller import AUTO, DraftTokens
+from macfleet.engine.models import LoadedModel
+from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
+from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.engine.text import Drafting, make_group, no_drafts, plan_drafting
+from macfleet.engine.tree_loop import tree_budget
+from macfleet.stats import BlockFlows, FlowStats
+
+log = logging.getLogger(__name__)
+
+
+class FallbackProposer(Proposer):
+    """Remote proposers in order of preference; the first that fails is dropped for the next."""
+
+    def __init__(self, proposers: Sequence[RemoteProposer]) -> None:
+        self._all = list(proposers)
+        self._live = list(proposers)
+        self.failures: list[str] = []
+        self.name = self._live[0].spec if self._live else "none"
+
+    @property
+    def current(self) -> RemoteProposer | None:
+        return self._live[0] if self._live else None
+
+    @property
+    def wants_features(self) -> bool:
+        return any(p.wants_features for p in self._all)
+
+    def feature_rows(self, n: int):
+        """The endpoints share one feature source: its rows 0..n-1 (None unless all held)."""
+        return self._live[0].feature_rows(n) if self._live else None
+
+    def feed_features(self, start: int, tokens, hidden) -> None:
+        """The endpoints share one feature source: fed once."""
+        if self._live:
+            self._live[0].feed_features(start, tokens, hidden)
+
+    def start(self, params: SamplingParams = GREEDY) -> None:
+        self.params = params
+        for p in self._live:
+            p.start(params)
+
+    def propose(self, context, k: int, with_guess: bool = False) -> Draft:
+        while self._live:
+            p = self._live[0]
+            try:
+                return p.propose(context, k)
+            except ProposerFailed as e:
+                self._drop(e)
+        raise ProposerFailed("no proposer left; continuing with plain decoding")
+
+    def observe(self, drafted: int, accepted: int, verify_ms: float,
+                verified: int | None = None) -> None:
+        if self._live:  # the drafter on the other Mac learns from what became of its draft
+            self._live[0].observe(drafted, accepted, verify_ms, verified)
+
+    def begin(self, context, k: int) -> None:
+        """Send the request to the first live proposer (dropping those that cannot take it)."""
+        self._begun = (list(context), k)
+        while self._live:
+            try:
+                self._live[0].begin(context, k)
+                return
+            except ProposerFailed as e:
+                self._drop(e)
+        raise ProposerFailed("no proposer left; continuing with plain decoding")
+
+    def finish(self) -> Draft:
+        """Its reply; when that proposer fails now, the next ones are asked in turn."""
+        try:
+            return self._live[0].finish()
+        except ProposerFailed as e:
+            self._drop(e)
+        return self.propose(*self._begun)
+
+    def _drop(self, e: ProposerFailed) -> None:
+        p = self._live.pop(0)
+        log.warning("proposer %s failed: %s", p.endpoint, e)
+        self.failures.append(f"{p.endpoint}: {e}")
+        p.close()
+
+    def close(self) -> None:
+        for p in self._live:
+            p.close()
+
+    def flow_stats(self) -> FlowStats:
+        """Per-block flows over every remote block, whichever proposer drafted it."""
+        totals = FlowTotals()
+        for p in self._all:
+            totals += p.flows
+        return totals.summary(f3_probe=any(p.f3_probe_width for p in self._all))
+
+
+def draft_tokens_of(msg: GenerateRequest) -> DraftTokens:
+    """The engine's draft length named by a request (its wire form is an int)."""
+    return AUTO if msg.draft_tokens == AUTO_DRAFT_TOKENS else msg.draft_tokens
+
+
+def last_flows(proposer) -> BlockFlows | None:
+    """Flow figures of the block just verified (the slowest proposer's, for a tree)."""
+    if isinstance(proposer, FallbackProposer):
+        return proposer.current.flows.last if proposer.current else None
+    if isinstance(proposer, RemoteProposerGroup):
+        lasts = [p.flows.last for p, live in zip(proposer.proposers, proposer.live)
+                 if live and p.flows.last]
+        if not lasts:
+            return None
+        worst = max(lasts, key=lambda f: f.wire_ms)
+        return replace(worst, f1_bytes=sum(f.f1_bytes for f in lasts),
+                       f2_bytes=sum(f.f2_bytes for f in lasts))
+    return None
+
+
+class RequestDrafting:
+    """Builds each request's drafter for one verifier (its model, key, spec policy and F3
+    settings); `feature_tap` is the hidden-state tap of the one-session generation running."""
+
+    def __init__(self, lm: LoadedModel, *, key: bytes | None, policy: SpecPolicy,
+                 models: DraftModels, verifier, f3_probe_width: int = 0,
+                 f3_codec: str = "float16") -> None:
+        self.lm = lm
+        self.key = key
+        self.policy = policy
+        self.models = models
+        self._verifier = verifier
+        self.f3_probe_width = f3_probe_width
+        self.f3_codec = f3_codec
+        self.feature_tap = None
+
+    def close_tap(self) -> None:
+        if self.feature_tap is not None:
+            self.feature_tap.close()
+            self.feature_tap = None
+
+    def drafting(self, msg: GenerateRequest, batched: bool = False) -> Drafting:
+        """What drafts for this request: remote proposer agents when it names endpoints (a
+        chain falls back from one to the next, a tree drafts on all at once), else this agent's
+        own drafters; tree or chain is decided as in-process (engine/text.py plan_drafting).
+        batched: for a session of the continuous batch (hidden-state drafters are fed its rows
+        by the batch engine instead of tapping this verifier's forwards)."""
+        spec = msg.proposer_spec or "none"
+        if msg.proposers:
+            return plan_drafting(spec, chain=lambda s: self.fallback(msg, batched),
+                                 tree=lambda specs: self.tree_group(msg, specs, batched))
+
+        def make(s: str) -> Proposer | None:
+            return make_checked_proposer(s, self.lm, self.policy, self.models)
+
+        return plan_drafting(spec, chain=make, tree=lambda specs: make_group(
+            [make(s) or no_drafts(s) for s in specs], draft_tokens_of(msg)))
+
+    def fallback(self, msg: GenerateRequest, batched: bool = False) -> FallbackProposer:
+        """One chain drafter on the named endpoints, in order of preference."""
+        feats = self.features(msg.proposer_spec, batched)
+        return FallbackProposer([
+            RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec, model=self.lm.spec,
+                           cross_round=msg.cross_round,
+                           f3_probe_width=0 if feats else self.f3_probe_width,
+                           features=feats, f3_codec=self.f3_codec)
+            for ep in msg.proposers])
+
+    def features(self, spec: str, batched: bool = False):
+        """Real F3 for a remote hidden-state drafter: tap this verifier's own forwards (one
+        session at a time), or take the rows the batch engine feeds this session."""
+        if not spec.startswith("eagle"):
+            return None
+        from macfleet.engine.drafter.proposer import VerifierFeatures
+
+        if batched:
+            return VerifierFeatures(self.lm.model, tap=False)
+        if not hasattr(self._verifier, "cache"):
+            return None
+        self.feature_tap = VerifierFeatures(self.lm.model)
+        return self.feature_tap
+
+    def tree_group(self, msg: GenerateRequest, specs: list[str],
+                    batched: bool = False) -> RemoteProposerGroup:
+        """`a+b+c` with N endpoints: proposer i drafts spec i (the last spec repeats)."""
+        spec_of = [specs[min(i, len(specs) - 1)] for i in range(len(msg.proposers))]
+        feats = next((self.features(s, batched) for s in spec_of if s.startswith("eagle")),
+                     None)
+        remotes = [RemoteProposer(ep, key=self.key, proposer=spec, model=self.lm.spec,
+                                  cross_round=msg.cross_round,
+                                  f3_probe_width=self.f3_probe_width,
+                                  features=feats if spec.startswith("eagle") else None,
+                                  f3_codec=self.f3_codec)
+                   for ep, spec in zip(msg.proposers, spec_of)]
+        return RemoteProposerGroup(remotes, draft_tokens=draft_tokens_of(msg),
+                                   node_budget=tree_budget(remotes))
