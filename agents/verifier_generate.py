@@ -27,6 +27,8 @@ from macfleet.engine.proposers import ProposerSpecError
 from macfleet.engine.text import (PromptError, TextDelta, TextStream, encode_prompt,
                                   generate_from_ids)
 from macfleet.serve.engine import EngineRequest, Overloaded, SessionFailed
+from macfleet.serve.logprobs import LogprobsCommitted
+from macfleet.serve.prompt_cache import PromptReused
 from macfleet.stats import BlockFlows, FleetStats, FlowStats, KVFlow, multihost_overhead
 
 
@@ -53,8 +55,10 @@ class VerifierGenerations:
         req = EngineRequest(prompt=tuple(ids), params=params,
                             max_tokens=max(0, msg.max_tokens - len(msg.prefix_ids)),
                             eos_ids=self.lm.eos_ids, draft_tokens=draft_tokens_of(msg),
-                            report_blocks=True)
+                            report_blocks=True, logprobs=msg.top_logprobs)
         rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
+        lps: tuple = ()  # LogprobsCommitted comes right before the TokensCommitted it scores
+        cached = 0
         remote = (proposer if isinstance(proposer, (FallbackProposer, RemoteProposerGroup))
                   else None)
         kv = staged.kv if staged is not None else None
@@ -63,11 +67,17 @@ class VerifierGenerations:
         wire_ms = block_ms = 0.0  # over every block, as the dashboard sums its BlockMetrics
 
         def emit(ev) -> None:
-            nonlocal wire_ms, block_ms
-            if isinstance(ev, TokensCommitted):
+            nonlocal wire_ms, block_ms, lps, cached
+            if isinstance(ev, LogprobsCommitted):
+                lps = ev.entries
+            elif isinstance(ev, PromptReused):
+                cached = ev.tokens
+            elif isinstance(ev, TokensCommitted):
                 text = stream.add(ev.tokens)
                 parts.append(text)
-                reply(GenerateChunk(rid, list(ev.tokens), text))
+                reply(GenerateChunk(rid, list(ev.tokens), text,
+                                    tuple(e.logprob for e in lps), tuple(e.top for e in lps)))
+                lps = ()
             elif isinstance(ev, BlockDone):
                 last = (last_flows(remote) if remote is not None and ev.k > 0
                         else None) or BlockFlows()
@@ -88,7 +98,7 @@ class VerifierGenerations:
                                    kv=self._batched_kv_flow(staged, len(ids), ev.stats.prefill_ms))
                 self.completed += 1
                 reply(GenerateDone(rid, "".join(parts), list(ev.token_ids),
-                                   replace(ev.stats, fleet=fleet)))
+                                   replace(ev.stats, fleet=fleet), cached))
             elif isinstance(ev, SessionFailed):
                 reply(ErrorReply(INTERNAL, ev.message))
 

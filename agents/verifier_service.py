@@ -21,7 +21,8 @@ from agents.verifier_drafting import (FallbackProposer, RequestDrafting,  # noqa
                                       draft_tokens_of)
 from agents.verifier_generate import Reply, VerifierGenerations
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
-from bridge.messages import AUTO_DRAFT_TOKENS, BatchStatus, ErrorReply, GenerateChunk, GenerateRequest
+from bridge.messages import (AUTO_DRAFT_TOKENS, MAX_TOP_LOGPROBS, BatchStatus, ErrorReply,
+                             GenerateChunk, GenerateRequest)
 from bridge.peers import PeerAllowlist
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.kvship import model_layout
@@ -237,6 +238,13 @@ class VerifierService(VerifierGenerations):
             SamplingParams(msg.temperature, msg.top_p, msg.seed)
         except ValueError as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
+        if msg.top_logprobs is not None:
+            if not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise ProtocolError(BAD_REQUEST, f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}")
+            if self._batch is None:
+                raise ProtocolError(BAD_REQUEST, "logprobs need the verifier's continuous batch; "
+                                    "this verifier decodes one session at a time (sharded, or "
+                                    "--batch-sessions 0)")
         check_request(msg, self.policy)
         self._peers(msg.proposers)  # before any connection: fleet members only (no SSRF)
         if self._batch is not None and not (self._stage is not None and self._stage.wants(msg)):

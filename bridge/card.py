@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # 2: GenerateDone.stats is a typed GenerationStats (was a flat dict); 3: the prefill role
-# (PrefillRequest, KVChunk, PrefillDone) and FleetStats.kv
-PROTOCOL_VERSION = 3
+# (PrefillRequest, KVChunk, PrefillDone) and FleetStats.kv; 4: logprobs through a fleet
+# (GenerateRequest.top_logprobs, GenerateChunk.logprobs / top, GenerateDone.cached_tokens)
+PROTOCOL_VERSION = 4
 SERVICE_TYPE = "_macfleet._tcp.local."
 
 ROLE_PROPOSER = "proposer"

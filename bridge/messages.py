@@ -212,6 +212,12 @@ class GenerateRequest:
     # continues after them (greedy: the same ids), so a re-planned session loses and repeats
     # nothing. max_tokens counts them.
     prefix_ids: tuple[int, ...] = ()
+    # each committed token's log-probability under the verifier, and this many alternatives
+    # (0..MAX_TOP_LOGPROBS) in GenerateChunk; None: not asked (the OpenAI `logprobs` fields)
+    top_logprobs: int | None = None
+
+
+MAX_TOP_LOGPROBS = 20  # what the OpenAI API allows for top_logprobs
 
 
 @message("generate_chunk", terminal=False)
@@ -219,6 +225,9 @@ class GenerateChunk:
     request_id: str
     token_ids: list[int]
     text: str
+    # with GenerateRequest.top_logprobs: one entry per token of token_ids, in order
+    logprobs: tuple[float, ...] = ()
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()  # (token, logprob) alternatives
 
 
 @message("generate_done")
@@ -227,6 +236,7 @@ class GenerateDone:
     text: str
     token_ids: list[int]
     stats: GenerationStats  # the engine's record, with the verifier agent's `fleet` figures
+    cached_tokens: int = 0  # prompt tokens not prefilled: the verifier's prompt cache
 
 
 # --- prefill/decode disaggregation (verifier -> prefill agent): flow KV ----------------------

@@ -76,10 +76,11 @@ ALLOWED: dict[str, Rule] = {
     "macfleet/cli": Rule(("macfleet", "agents", "tui")),
     "macfleet/__main__.py": Rule(("macfleet.cli",)),
     # the daemon: bridge + engine (+ the networking-free continuous batch the verifier runs,
-    # with its records; the planner's pure placements it carries out: disagg, MoE experts);
+    # with its records and events: logprobs, the prompt cache's reuse; the planner's pure placements it carries out: disagg, MoE experts);
     # the tool plane runs allowlisted benchmarks
     "agents": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",
                     "macfleet.topology.disagg", "macfleet.topology.moe", "macfleet.serve.engine",
+                    "macfleet.serve.logprobs", "macfleet.serve.prompt_cache",
                     "macfleet.fleet.batch", *RECORDS),
                    banned=("starlette", "uvicorn", "httpx", "textual")),
     "agents/presets.py": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",

@@ -4,7 +4,8 @@ The batching happens on the agent: concurrent requests join its continuous batch
 per iteration over every session's speculative block, agents/verifier_service.py), and each
 session's drafts come from the proposer agents, per session, cross-round. This engine keeps the
 client-side view (queue, TTFT and inter-token latency as the HTTP clients see them) and reads
-the agent's iterations for the dashboard (a BatchStatus request).
+the agent's iterations for the dashboard (a BatchStatus request). Logprobs and the prompt cache's saved tokens come back
+on the wire (GenerateChunk.logprobs, GenerateDone.cached_tokens).
 Same interface as `BatchEngine` (submit / alive / load / recent), so the HTTP layer is one.
 The prompt travels as text (the chat template already applied here), since the wire request
 carries text; a request stopped by its client stops reading, and the agent finishes the
@@ -26,6 +27,8 @@ from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.fleet.batch import BatchView, ServedSession
 from macfleet.fleet.client import batch_status, generate_remote
 from macfleet.serve.engine import EngineEvent, EngineRequest, Overloaded, SessionFailed
+from macfleet.serve.logprobs import LogprobsCommitted, TokenLogprob
+from macfleet.serve.prompt_cache import PromptReused
 from macfleet.serve.timing import RECENT_SESSIONS, TokenTimes
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,17 @@ log = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 1.0  # the dashboard's poll must not hang on a busy agent
 BUSY_RETRY_S = 0.25  # a full verifier queue: ask again this often ...
 BUSY_WAIT_S = 600.0  # ... for at most this long (the HTTP client's own timeout may be shorter)
+
+
+def chunk_logprobs(msg: GenerateChunk) -> tuple[TokenLogprob, ...]:
+    """A chunk's logprobs as the serving layer's records; a chunk that lacks them (or whose
+    lists do not match its tokens) is a protocol error, not silently empty logprobs."""
+    n = len(msg.token_ids)
+    if len(msg.logprobs) != n or len(msg.top) != n:
+        raise ProtocolError(INTERNAL, f"a chunk of {n} tokens carried {len(msg.logprobs)} "
+                                      f"logprobs and {len(msg.top)} alternatives")
+    return tuple(TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
+                 for t, lp, top in zip(msg.token_ids, msg.logprobs, msg.top))
 
 
 @dataclass
@@ -59,6 +73,8 @@ class _Handle:
 
 class RemoteEngine:
     """Forwards every request to one verifier agent (chosen by `choose_roles`)."""
+
+    supports_logprobs = True  # the agent's batch scores them; the wire carries them (protocol 4)
 
     def __init__(self, verifier, proposers, key: bytes | None, *, proposer: str = "ngram",
                  draft_tokens: int | str = "auto", max_active: int = 16,
@@ -177,16 +193,21 @@ class RemoteEngine:
                                    max_tokens=req.max_tokens, temperature=p.temperature,
                                    top_p=p.top_p, seed=p.seed,
                                    draft_tokens=self.draft_tokens,
-                                   proposers=remote, proposer_spec=self.proposer_spec):
+                                   proposers=remote, proposer_spec=self.proposer_spec,
+                                   top_logprobs=req.logprobs):
             if h.cancelled:
                 return "cancelled"  # closes the client; the agent finishes on its own
             if isinstance(msg, GenerateChunk) and msg.token_ids:
                 n += 1
                 h.times.commit(time.perf_counter())
                 h.generated += len(msg.token_ids)
+                if req.logprobs is not None:
+                    emit(LogprobsCommitted(chunk_logprobs(msg)))
                 emit(TokensCommitted(n, tuple(msg.token_ids)))
             elif isinstance(msg, GenerateDone):
                 h.drafted, h.accepted = msg.stats.drafted, msg.stats.accepted
+                if msg.cached_tokens:
+                    emit(PromptReused(msg.cached_tokens))
                 emit(Finished(msg.stats, tuple(msg.token_ids)))
                 return "done"
         raise ProtocolError(INTERNAL, "the stream ended without GenerateDone")

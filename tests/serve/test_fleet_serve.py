@@ -83,3 +83,50 @@ def test_a_full_one_at_a_time_verifier_makes_requests_wait_not_fail(tmp_path, mo
     finally:
         stop_server(s)
         _cli("down", env=env, timeout=30)
+
+
+def test_logprobs_and_cached_tokens_through_the_fleet(fleet_env, monkeypatch):
+    """Protocol 4: the verifier agent's batch scores each committed token and the wire carries
+    the logprobs and the prompt cache's saved tokens back. The same greedy request through the
+    fleet and through `serve --local` gives the same tokens and logprobs ("greedy margin":
+    another process with its own BLAS threads, so logprobs within the logit bounds)."""
+    from tolerance import LOGPROB_ATOL
+
+    monkeypatch.setenv("MACFLEET_HOME", fleet_env["MACFLEET_HOME"])
+    history = [{"role": "user", "content": "one two three four five six seven"}]
+
+    def ask(s):
+        c = openai.OpenAI(base_url=s.v1, api_key="none", timeout=60, max_retries=0)
+        first = c.chat.completions.create(model="tiny:1", max_tokens=10, temperature=0,
+                                          logprobs=True, top_logprobs=3, messages=history)
+        turn2 = [*history, {"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and then?"}]
+        second = c.chat.completions.create(model="tiny:1", max_tokens=4, temperature=0,
+                                           messages=turn2)
+        streamed = [ch for ch in c.chat.completions.create(
+            model="tiny:1", max_tokens=10, temperature=0, logprobs=True, top_logprobs=3,
+            stream=True, messages=history) if ch.choices]
+        return first, second, streamed
+
+    fleet = start_server("--proposer", "ngram", key=None, local=False)
+    try:
+        first, second, streamed = ask(fleet)
+    finally:
+        stop_server(fleet)
+    local = start_server("--proposer", "none", key=None)
+    try:
+        want = ask(local)[0]
+    finally:
+        stop_server(local)
+    got, ref = first.choices[0].logprobs.content, want.choices[0].logprobs.content
+    assert [x.token for x in got] == [x.token for x in ref] and len(got) == 10
+    for a, b in zip(got, ref):
+        assert abs(a.logprob - b.logprob) < LOGPROB_ATOL and a.logprob <= 0
+        assert len(a.top_logprobs) == 3
+        assert [t.token for t in a.top_logprobs][:1] == [a.token]  # greedy: the top one
+    flat = [x for ch in streamed if ch.choices[0].logprobs is not None
+            for x in ch.choices[0].logprobs.content or []]
+    assert [x.token for x in flat] == [x.token for x in got]  # streamed: the same entries
+    assert all(abs(x.logprob - y.logprob) < LOGPROB_ATOL for x, y in zip(flat, got))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > len(history[0]["content"]) // 4

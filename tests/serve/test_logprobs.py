@@ -254,13 +254,11 @@ def test_bad_logprob_fields_are_400s_and_do_not_break_the_batch(servers):
 
 
 def test_an_engine_without_logprobs_refuses_them_with_a_400():
-    """Serving through a fleet (RemoteEngine: the wire carries no logprobs): a clear 400."""
+    """An engine that cannot score logprobs (a backend without them): a clear 400."""
     import httpx
 
     from macfleet.serve.app import ServerConfig, create_app
-    from macfleet.serve.remote import RemoteEngine
 
-    assert not getattr(RemoteEngine, "supports_logprobs", False)
     assert BatchEngine.supports_logprobs
 
     class NoLogprobs:
