@@ -18,6 +18,7 @@ import re
 import numpy as np
 import openai
 import pytest
+import serve_testkit
 from serve_testkit import start_server, stop_server
 
 from macfleet.engine.constraint import (JSON_SCHEMA, LARK, REGEX, Constraint, Grammar,
@@ -243,8 +244,9 @@ def test_json_schema_on_smollm2_drafts_equal_plain_batched_equal_alone_and_valid
 
 
 @pytest.mark.slow  # a smollm2 server; json_schema and json_object through the openai client
-def test_json_answers_over_http_are_all_valid():
+def test_json_answers_over_http_are_all_valid(monkeypatch):
     jsonschema = pytest.importorskip("jsonschema")
+    monkeypatch.setattr(serve_testkit, "START_TIMEOUT_S", 300.0)  # smollm2 loads in ~50 s here
     s = start_server(model="smollm2", key=None)
     try:
         c = openai.OpenAI(base_url=s.v1, api_key="none", max_retries=0, timeout=300)
