@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accept_ratio
+from macfleet.engine.constraint import Constraint, constrained_draft, masked_logits
 from macfleet.engine.controller import FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.pipeline import drafts_ahead, greedy_outcome, padded_length, pads_blocks
@@ -114,8 +115,13 @@ def speculative_generate(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     controller=None,
     eos_ids: frozenset[int] = frozenset(),
+    constraint: Constraint | None = None,
 ) -> Iterator[Event]:
     """Yield TokensCommitted and BlockDone events, then one Finished.
+
+    constraint: the answer must match its grammar (issue 32, engine/constraint.py): the
+    verifier's rows are masked, drafts cut to the grammar and its forced tokens drafted first;
+    blocks are then read on the host, one at a time (no pipelined steps, no drafting ahead).
 
     Keeping the device busy (DESIGN.md, physics 4), with the same output:
     * greedy blocks are decided on the device (`pipeline.greedy_outcome`): one
@@ -138,7 +144,7 @@ def speculative_generate(
     controller = controller or FixedDraftLength(4 if proposer else 0)
     rng = make_rng(params, stream=0)
     t_start = time.perf_counter()
-    lazy = params.greedy and getattr(verifier, "pipelines", False)
+    lazy = params.greedy and getattr(verifier, "pipelines", False) and constraint is None
     # blocks padded to the device's cheap lengths: a local verifier's own table (a sharded
     # one, whose forward involves its peers, is not probed from here)
     costs = (verify_costs(verifier.model) if proposer is not None and pads_blocks()
@@ -159,7 +165,7 @@ def speculative_generate(
     k_next: int | None = None  # the next block's length, when asked for before this one ended
     ahead: _Ahead | None = None
     k_pre = int(getattr(controller, "k_max", None) or getattr(controller, "k", 0) or 0)
-    ahead_ok = drafts_ahead()
+    ahead_ok = drafts_ahead() and constraint is None
     try:
         while len(generated) < max_tokens:
             t0 = time.perf_counter()
@@ -181,6 +187,9 @@ def speculative_generate(
                                         proposer.name, e)
                             proposer = None
                 ahead = None
+                if constraint is not None:  # forced tokens first, cut to the grammar
+                    draft = Draft(constrained_draft(constraint, draft.tokens,
+                                                    max_tokens - len(generated) - 1))
                 t1 = time.perf_counter()
                 block_in = [context[-1], *draft.tokens]
                 L = padded_length(len(block_in), costs) if draft.tokens else 1
@@ -206,9 +215,10 @@ def speculative_generate(
             if lazy:
                 n, nxt = (int(v) for v in out.tolist())
             elif params.greedy:
+                logits = masked_logits(constraint, logits, draft.tokens)
                 n, nxt = accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)).tolist())
             else:
-                p = probs_from_logits(logits, params)
+                p = probs_from_logits(masked_logits(constraint, logits, draft.tokens), params)
                 if draft.probs is not None:
                     n, nxt = accept_ratio(draft.tokens, draft.probs, p, rng)
                 else:
@@ -217,6 +227,9 @@ def speculative_generate(
             t2 = time.perf_counter()
             new = [*draft.tokens[:n], nxt]
             stop_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
+            if constraint is not None:  # the grammar's end is a stop too
+                end = constraint.commit(new[:stop_at])
+                stop_at = end if end is not None else stop_at
             if stop_at is not None:
                 new = new[:stop_at]
                 finish = "stop"

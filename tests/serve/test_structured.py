@@ -128,6 +128,49 @@ def test_constrained_sampling_always_matches_the_grammar(tiny):
         assert f.stats.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("proposer", ["draft:tiny:1:64", "ngram", "ngram+draft:tiny:1:64"])
+def test_in_process_loop_follows_the_grammar_as_the_serving_engine_does(tiny, proposer):
+    """generate_local's loop: with drafts (a group falls back to forced tokens alone) the same
+    ids as constrained plain decoding in-process and as the serving engine."""
+    from macfleet.engine.text import TextDelta, generate_local
+
+    g = Grammar(REGEX, PATTERN)
+
+    def local(spec):
+        out = list(generate_local(tiny, "some prompt here", chat=False, proposer=spec,
+                                  draft_tokens=4, max_tokens=40, grammar=g))
+        fin = out[-1]
+        assert isinstance(fin, Finished) and fin.stats.finish_reason == "stop"
+        assert "".join(e.text for e in out if isinstance(e, TextDelta)) == \
+            tiny.tokenizer.decode(fin.token_ids)
+        return list(fin.token_ids), fin.stats
+
+    plain, st0 = local("none")
+    drafted, _ = local(proposer)
+    ids = tuple(tiny.tokenizer.encode("some prompt here"))
+    (served, _), = _serve(BatchEngine(tiny, proposer="none"),
+                          [EngineRequest(ids, GREEDY, 40, grammar=g)])
+    assert plain == drafted == served
+    assert re.fullmatch(PATTERN, tiny.tokenizer.decode(plain))
+    assert st0.accepted >= 6  # forced tokens drafted without a drafter
+
+
+def test_generate_cli_response_format(tmp_path):
+    import subprocess
+    import sys
+
+    fmt = json.dumps({"type": "regex", "regex": PATTERN})
+    r = subprocess.run([sys.executable, "-m", "macfleet", "generate", "hello", "--model",
+                        "tiny:1", "--local", "--json", "--max-tokens", "40",
+                        "--response-format", fmt], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.fullmatch(PATTERN, json.loads(r.stdout)["text"])
+    bad = subprocess.run([sys.executable, "-m", "macfleet", "generate", "hello", "--model",
+                          "tiny:1", "--response-format", '{"type": "regex", "regex": "(("}'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "response_format.regex" in bad.stderr, bad.stderr
+
+
 # -- HTTP, the real `openai` client, a tiny model -------------------------------------------
 @pytest.fixture(scope="module")
 def client(server):
