@@ -15,6 +15,10 @@ committed tokens; the engine asks it four things, each a pure decision over the 
 * `commit(tokens)`: advance over a verified block; where the answer ends (the grammar is
   complete, or the model chose end-of-sequence where the grammar allowed it).
 
+Sampling stays distribution-identical to constrained sampling: a constrained block's drafts
+carry no draft probabilities (cutting a sampled draft to the grammar would change the
+distribution it came from), so the exact-match rule accepts them (engine/acceptance.py).
+
 The grammar engine's tokenizer is built once per model tokenizer (`bridge`, ~1-3 s for a 49k
 vocabulary: callers build it off their event loop) and shared by every request.
 """
