@@ -118,14 +118,20 @@ def test_constrained_greedy_with_drafts_equals_plain_and_batched_equals_alone(ti
     assert len(plain[2][0]) == 40
 
 
-def test_constrained_sampling_always_matches_the_grammar(tiny):
+def test_constrained_sampling_matches_the_grammar_and_plain_constrained_sampling(tiny):
     hot = [SamplingParams(1.5, 1.0, seed=s) for s in range(4)]
     reqs = [EngineRequest(p, h, 40, grammar=Grammar(REGEX, PATTERN))
             for p, h in zip(_prompts(tiny.vocab_size), hot)]
-    out = _serve(BatchEngine(tiny, proposer="ngram", draft_tokens=3, max_active=8), reqs)
+    out = _serve(BatchEngine(tiny, proposer="draft:tiny:1:64", draft_tokens=3, max_active=8),
+                 reqs)
     for toks, f in out:
         assert re.fullmatch(PATTERN, tiny.tokenizer.decode(toks)), tiny.tokenizer.decode(toks)
         assert f.stats.finish_reason == "stop"
+    # exact-match acceptance draws one number per committed token, as plain sampling does:
+    # with the same seed, the same answer as constrained plain sampling
+    plain = [_serve(BatchEngine(tiny, proposer="none"), [r])[0] for r in reqs]
+    assert [t for t, _ in out] == [t for t, _ in plain]
+    assert sum(f.stats.accepted for _, f in out) > sum(f.stats.accepted for _, f in plain)
 
 
 @pytest.mark.parametrize("proposer", ["draft:tiny:1:64", "ngram", "ngram+draft:tiny:1:64"])
