@@ -1,13 +1,16 @@
 """`macfleet bench serve --json-schema`: structured output through the `openai` package against
 `serve --local` (results/serve_json.json; issue 32).
 
-For each question the same request is sent free (no `response_format`) and bound to a JSON
-schema, greedy, on two servers: the default drafter (n-gram) and none (`--proposer none`: the
-grammar's forced tokens are the only drafts). Per answer: completion tokens, verifier steps
-(`usage.verify_steps`, macfleet's), tokens per step, drafts accepted (forced tokens included),
-wall time, whether it is valid against the schema, and whether the free answer is the same
-text (the questions show the wanted JSON's shape, so the free answer often is the same JSON:
-then the steps compare decoding of the same answer, constrained and not).
+For each question, greedy, on two servers (the default drafter, n-gram, and none:
+`--proposer none`, the grammar's forced tokens the only drafts): the answer bound to a JSON
+schema (llguidance's flexible whitespace: the model's own layout), bound to the same schema
+with compact JSON (`x-guidance: {whitespace_flexible: false}`: no whitespace, so every key
+and its punctuation is forced), and free (no `response_format`) with max_tokens set to the
+schema-bound answer's length. The questions show the wanted JSON's shape, so the free answer
+mostly starts with the same JSON: then it IS the same answer, token for token, and the steps
+compare decoding of the same text constrained and not (`same_answer`). Per answer:
+completion tokens, verifier steps (`usage.verify_steps`, macfleet's), tokens per step, drafts
+accepted (forced tokens included), wall time, validity against the schema.
 """
 
 from __future__ import annotations
@@ -57,13 +60,16 @@ def _valid(text: str) -> bool:
         return False
 
 
-def ask(url: str, model: str, question: str, max_tokens: int, schema: bool) -> dict:
+COMPACT = {**SCHEMA, "x-guidance": {"whitespace_flexible": False}}
+
+
+def ask(url: str, model: str, question: str, max_tokens: int, schema: dict | None) -> dict:
     """One greedy answer through the openai package: its text and what it cost."""
     import openai
 
     client = openai.OpenAI(base_url=url, api_key="none", timeout=600, max_retries=0)
     extra = ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "person", "schema": SCHEMA, "strict": True}}} if schema else {})
+        "name": "person", "schema": schema, "strict": True}}} if schema else {})
     t0 = time.perf_counter()
     r = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0,
                                        messages=[{"role": "user", "content": question}],
@@ -88,16 +94,19 @@ def bench_json_schema(model: str, questions: int = len(PEOPLE), max_tokens: int 
     for proposer in ("ngram", "none"):
         proc, url = start_server(model, "--proposer", proposer)
         try:
-            ask(url, model, "Say hello.", 2, schema=False)  # warm-up (first forward)
-            ask(url, model, qs[0], 4, schema=True)  # and the grammar engine's tokenizer
+            ask(url, model, "Say hello.", 2, None)  # warm-up (first forward)
+            ask(url, model, qs[0], 4, SCHEMA)  # and the grammar engine's tokenizer
             rows = []
             for i, q in enumerate(qs):
-                free, bound = (ask(url, model, q, max_tokens, s) for s in (False, True))
-                rows.append({"question": i, "free": free, "schema": bound,
-                             "same_answer": free["text"].strip() == bound["text"].strip()})
+                bound = ask(url, model, q, max_tokens, SCHEMA)
+                compact = ask(url, model, q, max_tokens, COMPACT)
+                free = ask(url, model, q, max(1, bound["tokens"]), None)
+                rows.append({"question": i, "free": free, "schema": bound, "compact": compact,
+                             "same_answer": free["text"] == bound["text"]})
                 progress(f"{proposer} q{i}: tokens/step free {free['tokens_per_step']}, "
-                         f"schema {bound['tokens_per_step']} (valid {bound['valid']}, "
-                         f"same answer {rows[-1]['same_answer']})")
+                         f"schema {bound['tokens_per_step']}, compact "
+                         f"{compact['tokens_per_step']} (valid {bound['valid']}/"
+                         f"{compact['valid']}, same answer {rows[-1]['same_answer']})")
             servers[proposer] = rows
         finally:
             stop_server(proc)
@@ -112,6 +121,8 @@ def _summary(rows: list[dict]) -> dict:
         return round(sum(x["tokens"] for x in pick) / steps, 3) if steps else None
 
     return {"answers": len(rows), "schema_valid": sum(r["schema"]["valid"] for r in rows),
+            "compact_valid": sum(r["compact"]["valid"] for r in rows),
+            "tokens_per_step_compact": per_step("compact"),
             "free_valid": sum(r["free"]["valid"] for r in rows),
             "same_answers": sum(r["same_answer"] for r in rows),
             "tokens_per_step_free": per_step("free"),
@@ -119,15 +130,16 @@ def _summary(rows: list[dict]) -> dict:
             "tokens_per_step_free_same": per_step("free", True),
             "tokens_per_step_schema_same": per_step("schema", True),
             "ms_free": round(sum(r["free"]["ms"] for r in rows), 1),
-            "ms_schema": round(sum(r["schema"]["ms"] for r in rows), 1)}
+            "ms_schema": round(sum(r["schema"]["ms"] for r in rows), 1),
+            "ms_compact": round(sum(r["compact"]["ms"] for r in rows), 1)}
 
 
 def json_rows(res: dict) -> list[str]:
-    out = ["drafter  answers  schema-valid  free-valid  same  tok/step free  tok/step schema  "
+    out = ["drafter  answers  valid schema/compact  same  tok/step free  schema  compact  "
            "(same answers: free, schema)"]
     for p, s in res["summary"].items():
-        out.append(f"{p:7s}  {s['answers']:>7}  {s['schema_valid']:>12}  {s['free_valid']:>10}  "
+        out.append(f"{p:7s}  {s['answers']:>7}  {s['schema_valid']:>12}/{s['compact_valid']:<7}  "
                    f"{s['same_answers']:>4}  {s['tokens_per_step_free']!s:>13}  "
-                   f"{s['tokens_per_step_schema']!s:>15}  ({s['tokens_per_step_free_same']}, "
-                   f"{s['tokens_per_step_schema_same']})")
+                   f"{s['tokens_per_step_schema']!s:>6}  {s['tokens_per_step_compact']!s:>7}  "
+                   f"({s['tokens_per_step_free_same']}, {s['tokens_per_step_schema_same']})")
     return out
