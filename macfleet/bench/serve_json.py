@@ -102,7 +102,8 @@ def bench_json_schema(model: str, questions: int = len(PEOPLE), max_tokens: int 
                 compact = ask(url, model, q, max_tokens, COMPACT)
                 free = ask(url, model, q, max(1, bound["tokens"]), None)
                 rows.append({"question": i, "free": free, "schema": bound, "compact": compact,
-                             "same_answer": free["text"] == bound["text"]})
+                             "same_answer": free["text"] == bound["text"],
+                             "shared_prefix": _shared(free["text"], bound["text"])})
                 progress(f"{proposer} q{i}: tokens/step free {free['tokens_per_step']}, "
                          f"schema {bound['tokens_per_step']}, compact "
                          f"{compact['tokens_per_step']} (valid {bound['valid']}/"
@@ -112,6 +113,12 @@ def bench_json_schema(model: str, questions: int = len(PEOPLE), max_tokens: int 
             stop_server(proc)
     return {"model": model, "max_tokens": max_tokens, "schema": SCHEMA, "runs": servers,
             "summary": {p: _summary(rows) for p, rows in servers.items()}}
+
+
+def _shared(a: str, b: str) -> float:
+    """The share of b's characters that a starts with (1.0: a begins with all of b)."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return round(n / len(b), 3) if b else 1.0
 
 
 def _summary(rows: list[dict]) -> dict:

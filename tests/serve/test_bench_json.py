@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from macfleet.bench.serve_json import SCHEMA, _summary, _valid
+from macfleet.bench.serve_json import SCHEMA, _shared, _summary, _valid
 
 
 def test_validity_and_summary_count_tokens_per_step_of_same_answers():
@@ -28,6 +28,7 @@ def test_validity_and_summary_count_tokens_per_step_of_same_answers():
     assert s["tokens_per_step_free_same"] == 1.0 and s["tokens_per_step_schema_same"] == 2.0
     assert s["schema_valid"] == 2 and s["same_answers"] == 1 and s["compact_valid"] == 1
     assert s["tokens_per_step_compact"] == 2.0
+    assert _shared("abcd", "abxy") == 0.5 and _shared("ab", "ab") == 1.0 and _shared("", "") == 1
     assert SCHEMA["required"] == ["name", "age", "city", "skills"]
 
 
