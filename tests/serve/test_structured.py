@@ -208,6 +208,13 @@ def test_bad_response_format_is_a_400_naming_the_field(client, fmt, param):
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
 
 
+def test_response_format_text_is_free_text(client):
+    r = client.chat.completions.create(model="tiny:1", max_tokens=5, temperature=0,
+                                       response_format={"type": "text"},
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+
+
 def test_response_format_with_tools_is_refused(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
