@@ -9,7 +9,8 @@ def add_bench_parsers(bs) -> None:
     s = bs.add_parser("serve", help="streaming clients against `macfleet serve`: tokens/s, TTFT, "
                       "inter-token latency; decode stall under a long prompt (results/serve.json)")
     s.add_argument("--clients", default="1,4,8,16", help="comma-separated client counts")
-    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="per answer (default 32; 96 with --json-schema)")
     s.add_argument("--time-limit", type=float, default=900.0, help="seconds for everything")
     s.add_argument("--no-stall", action="store_true", help="skip the decode-stall measurement")
     s.add_argument("--fleet", action="store_true", help="through a local fleet instead "
@@ -28,6 +29,12 @@ def add_bench_parsers(bs) -> None:
                    "package: time to first token per turn with the prompt cache and without "
                    "(results/serve_chat.json)")
     s.add_argument("--turns", type=int, default=8, help="with --multi-turn")
+    s.add_argument("--json-schema", action="store_true",
+                   help="structured output through the openai package: the same questions "
+                   "free and bound to a JSON schema, with the n-gram drafter and none; tokens "
+                   "per verifier step (forced tokens counted), validity "
+                   "(results/serve_json.json)")
+    s.add_argument("--questions", type=int, default=6, help="with --json-schema (1-6)")
     s.set_defaults(func=run_serve)
     b = bs.add_parser("batch-identity", help="greedy answers batched vs alone over many "
                       "requests: divergence rate per mode (results/batch_identity.json)")
@@ -48,6 +55,8 @@ def run_serve(args) -> int:
     from macfleet.bench.serve import bench_serve, plot, summary_rows
     from macfleet.cli.common import UserError
 
+    if args.max_tokens is None:
+        args.max_tokens = 96 if args.json_schema else 32
     try:
         clients = [int(c) for c in args.clients.split(",") if c.strip()]
     except ValueError:
@@ -59,6 +68,8 @@ def run_serve(args) -> int:
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
     if args.multi_turn:
         return _run_multi_turn(args, progress)
+    if args.json_schema:
+        return _run_json_schema(args, progress)
     if args.head_to_head:
         return _run_head_to_head(args, max(clients), progress)
     if args.fleet:
@@ -89,6 +100,21 @@ def _run_multi_turn(args, progress) -> int:
     res = bench_multi_turn(args.model, args.turns, args.max_tokens, progress)
     path = write_result("serve_chat.json", res, args.out)
     for line in chat_rows(res):
+        print(line)
+    print(f"wrote {path}")
+    return 0
+
+
+def _run_json_schema(args, progress) -> int:
+    from macfleet.bench.record import write_result
+    from macfleet.bench.serve_json import PEOPLE, bench_json_schema, json_rows
+    from macfleet.cli.common import UserError
+
+    if not 1 <= args.questions <= len(PEOPLE):
+        raise UserError(f"--questions must be 1..{len(PEOPLE)}")
+    res = bench_json_schema(args.model, args.questions, args.max_tokens, progress)
+    path = write_result("serve_json.json", res, args.out)
+    for line in json_rows(res):
         print(line)
     print(f"wrote {path}")
     return 0

@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--local", action="store_true", help="in-process (no fleet)")
+    p.add_argument("--response-format", default=None, metavar="JSON",
+                   help="the answer must match it: the API's response_format, e.g. "
+                   "'{\"type\": \"json_object\"}', json_schema, or regex / grammar (Lark) "
+                   "(issue 32; in-process)")
     p.add_argument("--no-cross-round", action="store_true",
                    help="fleet: the proposer does not pre-draft the next block")
     add_key_args(p, open_help="talk to an unauthenticated fleet")
@@ -102,7 +106,8 @@ def run_local(args) -> int:
         lm = load_model(args.model)
         parts: list[str] = []
         for ev in generate_local(lm, args.prompt, chat=not args.no_chat, proposer=args.proposer,
-                                 draft_tokens=k, max_tokens=args.max_tokens, params=params):
+                                 draft_tokens=k, max_tokens=args.max_tokens, params=params,
+                                 grammar=response_grammar(args)):
             if isinstance(ev, TextDelta):
                 parts.append(ev.text)
                 if not args.json:
@@ -126,9 +131,24 @@ class Progress:
     text: list[str] = field(default_factory=list)
 
 
+def response_grammar(args):
+    """--response-format as a Grammar (None without it); a UserError naming what is wrong."""
+    if args.response_format is None:
+        return None
+    from macfleet.serve.schemas import RequestError, response_format
+
+    try:
+        return response_format(json.loads(args.response_format))
+    except json.JSONDecodeError as e:
+        raise UserError(f"--response-format is not JSON: {e}") from None
+    except RequestError as e:
+        raise UserError(f"--response-format: {e.message}") from None
+
+
 def validate(args) -> None:
     """Cheap argument checks first, so a typo costs no model import (or fleet discovery)."""
     sampling_params(args)
+    response_grammar(args)
     parse_draft_tokens(args.draft_tokens)
     if args.max_tokens < 0:
         raise UserError("--max-tokens must be >= 0")
@@ -140,7 +160,7 @@ def run(args) -> int:
 
     asked = args.proposer
     args.proposer, _ = resolve_proposer(asked, args.model)
-    if args.local:
+    if args.local or args.response_format is not None:  # a grammar: in-process only
         return run_local(args)
     from macfleet.fleet.keys import KeyMissing, resolve_key
 

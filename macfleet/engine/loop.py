@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from macfleet.engine.constraint import Constraint, constrained_draft, masked_logits
 from macfleet.engine.controller import FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.pipeline import (drafts_ahead, greedy_outcome, padded_length, pads_blocks,
@@ -114,8 +115,13 @@ def speculative_generate(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     controller=None,
     eos_ids: frozenset[int] = frozenset(),
+    constraint: Constraint | None = None,
 ) -> Iterator[Event]:
     """Yield TokensCommitted and BlockDone events, then one Finished.
+
+    constraint: the answer must match its grammar (issue 32, engine/constraint.py): the
+    verifier's rows are masked, drafts cut to the grammar and its forced tokens drafted first;
+    blocks are then read on the host, one at a time (no pipelined steps, no drafting ahead).
 
     Keeping the device busy (DESIGN.md, physics 4), with the same output:
     * blocks are decided on the device (`pipeline.greedy_outcome`, `sampled_outcome`): one
@@ -145,7 +151,7 @@ def speculative_generate(
         return sampled_outcome(logits, draft.tokens, draft.probs, params, seed, start)
 
     t_start = time.perf_counter()
-    lazy = getattr(verifier, "pipelines", False)
+    lazy = getattr(verifier, "pipelines", False) and constraint is None
     # blocks padded to the device's cheap lengths: a local verifier's own table (a sharded
     # one, whose forward involves its peers, is not probed from here)
     costs = (verify_costs(verifier.model) if proposer is not None and pads_blocks()
@@ -166,7 +172,7 @@ def speculative_generate(
     k_next: int | None = None  # the next block's length, when asked for before this one ended
     ahead: _Ahead | None = None
     k_pre = int(getattr(controller, "k_max", None) or getattr(controller, "k", 0) or 0)
-    ahead_ok = drafts_ahead()
+    ahead_ok = drafts_ahead() and constraint is None
     try:
         while len(generated) < max_tokens:
             t0 = time.perf_counter()
@@ -188,6 +194,9 @@ def speculative_generate(
                                         proposer.name, e)
                             proposer = None
                 ahead = None
+                if constraint is not None:  # forced tokens first, cut to the grammar
+                    draft = Draft(constrained_draft(constraint, draft.tokens,
+                                                    max_tokens - len(generated) - 1))
                 t1 = time.perf_counter()
                 block_in = [context[-1], *draft.tokens]
                 L = padded_length(len(block_in), costs) if draft.tokens else 1
@@ -196,7 +205,9 @@ def speculative_generate(
                     logits = verifier.forward_lazy(mx.array(block_in, dtype=mx.uint32))
                 else:
                     logits = verifier.forward(block_in)[: len(draft) + 1]  # [k + 1, V]
-                out = outcome(logits, draft, len(generated))
+                # a grammar masks the rows (on the host's masks; blocks are then synchronous)
+                out = outcome(masked_logits(constraint, logits, draft.tokens), draft,
+                              len(generated))
                 mx.async_eval(out)
             # while the device verifies: start the next plain step on this one's lazy token,
             # or draft the next block on the host from the outcome the drafter expects
@@ -215,6 +226,9 @@ def speculative_generate(
             t2 = time.perf_counter()
             new = [*draft.tokens[:n], nxt]
             stop_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
+            if constraint is not None:  # the grammar's end is a stop too
+                end = constraint.commit(new[:stop_at])
+                stop_at = end if end is not None else stop_at
             if stop_at is not None:
                 new = new[:stop_at]
                 finish = "stop"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from macfleet.engine.constraint import Constraint, Grammar
 from macfleet.engine.controller import AUTO, DraftTokens, make_controller
 from macfleet.engine.conversation import ChatInput, check_conversation, messages, render
 from macfleet.engine.events import Event, Finished, TokensCommitted
@@ -98,11 +99,17 @@ def make_group(proposers: Sequence[Proposer], draft_tokens: DraftTokens,
 
 def generate_from_ids(lm: LoadedModel, verifier, drafting: Drafting, ids: Sequence[int], *,
                       draft_tokens: DraftTokens = AUTO, max_tokens: int = DEFAULT_MAX_TOKENS,
-                      params: SamplingParams = GREEDY) -> Iterator[TextDelta | Event]:
+                      params: SamplingParams = GREEDY, grammar: Grammar | None = None
+                      ) -> Iterator[TextDelta | Event]:
     """The one generation driver (in-process and in the verifier agent): the tree loop for a
     group of drafters, the chain loop otherwise; TextDelta for each commit, BlockDone per block,
-    the detokenizer's flush as a last TextDelta, then Finished."""
+    the detokenizer's flush as a last TextDelta, then Finished. grammar: the answer must match
+    it (issue 32; the chain loop: a group of drafters is dropped, forced tokens still draft)."""
     stream = TextStream(lm.tokenizer)
+    constraint = Constraint(grammar, lm.tokenizer, lm.vocab_size) if grammar else None
+    if constraint is not None and isinstance(drafting, ProposerGroup):
+        drafting.close()
+        drafting = None
     if isinstance(drafting, ProposerGroup):
         events = tree_generate(verifier, drafting, ids, params=params, max_tokens=max_tokens,
                                eos_ids=lm.eos_ids)
@@ -110,7 +117,7 @@ def generate_from_ids(lm: LoadedModel, verifier, drafting: Drafting, ids: Sequen
         controller = make_controller(draft_tokens if drafting is not None else 0)
         events = speculative_generate(verifier, drafting, ids, params=params,
                                       max_tokens=max_tokens, controller=controller,
-                                      eos_ids=lm.eos_ids)
+                                      eos_ids=lm.eos_ids, constraint=constraint)
     for ev in events:
         if isinstance(ev, TokensCommitted):
             yield TextDelta(stream.add(ev.tokens), ev.tokens)
@@ -133,6 +140,7 @@ def generate_local(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     params: SamplingParams = GREEDY,
     verifier: Verifier | None = None,
+    grammar: Grammar | None = None,
 ) -> Iterator[TextDelta | Event]:
     """In-process speculative generation: TextDelta for each commit, BlockDone, then Finished.
     prompt: a text, or a conversation (conversation.Turn, ...) ending on a user turn."""
@@ -144,4 +152,5 @@ def generate_local(
     drafting = plan_drafting(proposer, chain=make, tree=lambda specs: make_group(
         [make(s) or no_drafts(s) for s in specs], draft_tokens))
     yield from generate_from_ids(lm, verifier or Verifier(lm.model), drafting, ids,
-                                 draft_tokens=draft_tokens, max_tokens=max_tokens, params=params)
+                                 draft_tokens=draft_tokens, max_tokens=max_tokens, params=params,
+                                 grammar=grammar)

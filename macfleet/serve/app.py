@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from macfleet.engine.constraint import GrammarError
 from macfleet.fleet.batch import BATCH_PATH
 from macfleet.serve.engine import EngineRequest, Overloaded
 from macfleet.serve.logprobs import (TokenLogprob, TokenText, chat_content, completion_logprobs,
@@ -137,6 +138,8 @@ class Api:
         if req.logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
             raise RequestError("logprobs are not available when serving through a fleet's "
                                "verifier agent (serve --local has them)", param="logprobs")
+        if req.grammar is not None:
+            await self._check_grammar(req)
         prompt = render_prompt(self.tok, req, self.cfg.limits, self.cfg.chat_template)
         ids, prompt_text = prompt.ids, prompt.text
         client = f"{request.client.host if request.client else '?'}"
@@ -145,7 +148,7 @@ class Api:
                                status=429, kind="rate_limit_error", code="too_many_sessions")
         eos = frozenset(getattr(self.tok, "eos_token_ids", ()) or ())
         ereq = EngineRequest(tuple(ids), req.params, req.max_tokens, eos, prompt_text,
-                             logprobs=req.logprobs)
+                             logprobs=req.logprobs, grammar=req.grammar)
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      int(time.time()), self.cfg.model_id, chat, len(ids), req.logprobs,
                      self.token_text, prompt)
@@ -156,6 +159,10 @@ class Api:
             self._release(client)
             raise RequestError(f"server busy: {e}", status=503, kind="server_error",
                                code="overloaded") from None
+        except GrammarError as e:  # compiled with the model's tokenizer: refused there
+            self._release(client)
+            raise RequestError(f"'response_format' cannot be followed: {e}",
+                               param="response_format") from None
         outcome: list[Outcome] = []
         pieces = run_session(handle, q, self.tok, req.stop, outcome=outcome)
         if req.stream:
@@ -176,6 +183,18 @@ class Api:
         if meta.prompt.tool_format is not None:
             text, calls = parse_tool_calls(meta.prompt.tool_format, meta.prompt.prefix + text)
         return JSONResponse(meta.full(text, outcome[0], lps, calls))
+
+    async def _check_grammar(self, req: GenerationRequest) -> None:
+        """response_format against this model (issue 32), off the event loop: the grammar
+        engine's tokenizer is built on first use (1-3 s)."""
+        if not getattr(self.engine, "supports_grammar", False):
+            raise RequestError("response_format is not available when serving through a "
+                               "fleet's verifier agent (serve --local has it)",
+                               param="response_format")
+        err = await asyncio.to_thread(self.engine.grammar_error, req.grammar)
+        if err is not None:
+            raise RequestError(f"'response_format' cannot be followed by this model: "
+                               f"{err.strip()[:500]}", param="response_format")
 
     def _release(self, client: str) -> None:
         self.sessions[client] -= 1
@@ -248,7 +267,8 @@ class _Meta:
                 "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
                 "completion_tokens_details": {
                     "accepted_prediction_tokens": o.accepted,
-                    "rejected_prediction_tokens": o.drafted - o.accepted}}
+                    "rejected_prediction_tokens": o.drafted - o.accepted},
+                "verify_steps": o.blocks}  # macfleet's: verifier forwards for this answer
 
     def full(self, text: str, o: Outcome, lps: tuple[TokenLogprob, ...] = (),
              calls: tuple[ToolCall, ...] = ()) -> dict:

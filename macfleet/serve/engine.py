@@ -23,6 +23,8 @@ import mlx.core as mx
 import numpy as np
 
 from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accept_ratio
+from macfleet.engine.constraint import (Constraint, Grammar, bridge, constrained_draft,
+                                         grammar_error, masked_logits)
 from macfleet.engine.batch import (BatchKV, RowCache, Segment, check_batchable, flat_forward,
                                    trim_cache)
 from macfleet.engine.controller import AUTO, DraftTokens, make_controller
@@ -80,6 +82,7 @@ class EngineRequest:
     report_blocks: bool = False  # also emit a BlockDone per verified block (agent metrics)
     logprobs: int | None = None  # also emit each committed token's logprob and this many
     # alternatives (LogprobsCommitted, serve/logprobs.py); None: not asked
+    grammar: Grammar | None = None  # issue 32: the answer must match it (engine/constraint.py)
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class _Session:
     times: TokenTimes = field(default_factory=lambda: TokenTimes(0.0))
     admitted: bool = False
     on_close: Callable[[], None] | None = None
+    constraint: Constraint | None = None  # issue 32: the request's grammar state
 
     @property
     def prefill_left(self) -> int:
@@ -168,6 +172,7 @@ class BatchEngine:
     """Runs every active session's blocks and prefill chunks in one forward per iteration."""
 
     supports_logprobs = True  # EngineRequest.logprobs honoured (the HTTP layer asks)
+    supports_grammar = True  # EngineRequest.grammar honoured (issue 32)
 
     def __init__(self, lm: LoadedModel, *, proposer: str = "ngram",
                  draft_tokens: int | str = "auto", token_budget: int = DEFAULT_TOKEN_BUDGET,
@@ -282,6 +287,9 @@ class BatchEngine:
                                or kv[0][0].shape[1] != len(req.prompt) - 1):
             raise ValueError("the shipped KV must cover every layer and prompt[:-1]")
         draft_tokens = req.draft_tokens if req.draft_tokens is not None else self.draft_tokens
+        # issue 32: structured output (GrammarError, a ValueError, for a grammar it refuses)
+        constraint = (Constraint(req.grammar, self.lm.tokenizer, self._vocab)
+                      if req.grammar is not None else None)
         if proposer is not None:
             self._check_drafting(proposer)
         drafting = proposer if proposer is not None else self._drafting(draft_tokens)
@@ -303,11 +311,16 @@ class BatchEngine:
             s = _Session(self._next_sid, req, emit, chain, controller, group=group, feeds=feeds,
                          auto_tree=group is not None and draft_tokens == AUTO,
                          on_close=on_close, times=TokenTimes(self.clock()),
-                         proposer_name=name, kv=kv)
+                         proposer_name=name, kv=kv, constraint=constraint)
             self._next_sid += 1
             self._waiting.append(s)
             self._cv.notify()
         return SessionHandle(s, self._wake)
+
+    def grammar_error(self, grammar: Grammar) -> str | None:
+        """Issue 32: why this model cannot follow `grammar` (None: it can). Builds the grammar
+        engine's tokenizer on first use (1-3 s): callers run it off their event loop."""
+        return grammar_error(grammar, bridge(self.lm.tokenizer, self._vocab))
 
     def _drafting(self, draft_tokens: DraftTokens) -> Proposer | ProposerGroup | None:
         """A new session's drafter from the engine's spec: a chain drafter, a group (several
@@ -655,6 +668,10 @@ class BatchEngine:
                 except ProposerFailed as e:
                     self._lose_proposer(s, e)
             s.draft_ms = (self.clock() - t0) * 1e3
+            if s.constraint is not None:  # issue 32: forced tokens first, cut to the grammar
+                s.tree, s.draft = None, Draft(constrained_draft(
+                    s.constraint, s.draft.tokens, s.req.max_tokens - len(s.generated) - 1),
+                    None, s.draft_ms)
 
     def _lose_proposer(self, s: _Session, e: ProposerFailed) -> None:
         log.warning("session %d: proposer failed (%s), continuing without", s.sid, e)
@@ -764,7 +781,8 @@ class BatchEngine:
             self.iterations += 1
         # every greedy block's argmax rows in one evaluation (one host synchronisation for
         # the batch, not one per session: on a GPU each costs a launch and a round trip)
-        ids = {s.sid: mx.argmax(lg, axis=-1) for (s, sl), lg in zip(run, out)
+        ids = {s.sid: mx.argmax(masked_logits(s.constraint, lg, s.draft.tokens), axis=-1)
+               for (s, sl), lg in zip(run, out)
                if not sl.prefill and s.req.params.greedy}
         mx.eval(list(ids.values()))
         ids = {sid: a.tolist() for sid, a in ids.items()}
@@ -841,10 +859,10 @@ class BatchEngine:
         d = s.draft
         p = s.req.params
         if p.greedy:
-            n, nxt = accept_greedy(d.tokens, target if target is not None else
-                                   np.array(mx.argmax(logits, axis=-1)).tolist())
-        else:
-            probs = probs_from_logits(logits, p)
+            n, nxt = accept_greedy(d.tokens, target if target is not None else np.array(
+                mx.argmax(masked_logits(s.constraint, logits, d.tokens), axis=-1)).tolist())
+        else:  # issue 32: the grammar's mask first
+            probs = probs_from_logits(masked_logits(s.constraint, logits, d.tokens), p)
             n, nxt = (accept_ratio(d.tokens, d.probs, probs, s.rng) if d.probs is not None
                       else accept_exact_sample(d.tokens, probs, s.rng))
         new = [*d.tokens[:n], nxt]
@@ -868,6 +886,9 @@ class BatchEngine:
                     verify_ms: float, logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         """A verified block's committed tokens (cut at a stop token) out to the client."""
         stop_at = next((i for i, t in enumerate(new) if t in s.req.eos_ids), None)
+        if s.constraint is not None:  # issue 32: the grammar's end is a stop too
+            end = s.constraint.commit(new[:stop_at])
+            stop_at = end if end is not None else stop_at
         if stop_at is not None:
             new = new[:stop_at]
         s.context.extend(new)

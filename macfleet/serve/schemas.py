@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from macfleet.engine.constraint import (JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Grammar,
+                                         grammar_error, schema_text)
 from macfleet.engine.sampling import MAX_SEED, SamplingParams
 from macfleet.serve.logprobs import MAX_TOP_LOGPROBS
 from macfleet.serve.tools import AUTO, FUNCTION, NONE, REQUIRED, ToolCall, ToolChoice
@@ -92,6 +94,7 @@ class GenerationRequest:
     logprobs: int | None = None  # alternatives per token when logprobs are asked for, else None
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice(NONE)  # auto when tools are given
+    grammar: Grammar | None = None  # response_format (issue 32); None: free text
 
     @property
     def chat(self) -> bool:
@@ -279,11 +282,16 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
     opts = _typed(body, "stream_options", (dict,), {})
     include_usage = bool(opts.get("include_usage", False))
     logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
+    grammar = response_format(body.get("response_format"))
+    if grammar is not None and choice.mode != NONE:
+        raise RequestError("'response_format' cannot be combined with 'tools' (the tool-call "
+                           "text would have to match it); send tool_choice 'none'",
+                           param="response_format")
     return GenerationRequest(model=model, messages=messages, prompt=prompt,
                              max_tokens=max_tokens, params=SamplingParams(temperature, top_p, seed),
                              stop=_stop(body.get("stop")), stream=stream,
                              include_usage=include_usage, logprobs=logprobs, tools=tools,
-                             tool_choice=choice)
+                             tool_choice=choice, grammar=grammar)
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -307,3 +315,56 @@ def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise RequestError(f"'logprobs' must be 0..{MAX_TOP_LOGPROBS}", param="logprobs")
     return top
+
+
+MAX_GRAMMAR_CHARS = 64_000
+
+
+def response_format(v: Any) -> Grammar | None:
+    """`response_format`: `{type: text}` (None), `{type: json_object}`, `{type: json_schema,
+    json_schema: {name, schema, strict?, description?}}`, and macfleet's extensions
+    `{type: regex, regex: "..."}` and `{type: grammar, grammar: "<Lark>"}` (llguidance's Lark
+    dialect). The grammar is compiled here, so a bad one is a 400 naming its field."""
+    if v is None:
+        return None
+    where = "response_format"
+    if not isinstance(v, dict) or not isinstance(v.get("type"), str):
+        raise RequestError(f"'{where}' must be an object with a 'type'", param=where)
+    kind = v["type"]
+    if kind == "text":
+        return None
+    if kind == JSON_OBJECT:
+        return Grammar(JSON_OBJECT)
+    if kind == JSON_SCHEMA:
+        js = v.get("json_schema")
+        if not isinstance(js, dict):
+            raise RequestError(f"'{where}.json_schema' must be an object {{name, schema}}",
+                               param=f"{where}.json_schema")
+        name = js.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise RequestError(f"'{where}.json_schema.name' must be 1-64 letters, digits, _ or "
+                               "-", param=f"{where}.json_schema.name")
+        if not isinstance(js.get("strict", False), (bool, type(None))):
+            raise RequestError(f"'{where}.json_schema.strict' must be a boolean",
+                               param=f"{where}.json_schema.strict")
+        schema = js.get("schema", {"type": "object"})
+        field = f"{where}.json_schema.schema"
+        if not isinstance(schema, dict):
+            raise RequestError(f"'{field}' must be a JSON schema object", param=field)
+        grammar = Grammar(JSON_SCHEMA, schema_text(schema))
+    elif kind in (REGEX, LARK):
+        src = v.get(kind)
+        field = f"{where}.{kind}"
+        if not isinstance(src, str) or not src or len(src) > MAX_GRAMMAR_CHARS:
+            raise RequestError(f"'{field}' must be a non-empty string of at most "
+                               f"{MAX_GRAMMAR_CHARS} characters", param=field)
+        grammar = Grammar(kind, src)
+    else:
+        raise RequestError(f"'{where}.type' must be one of text, json_object, json_schema, "
+                           f"regex, grammar; got '{kind}'", param=f"{where}.type")
+    if len(grammar.source) > MAX_GRAMMAR_CHARS:
+        raise RequestError(f"'{field}' is over {MAX_GRAMMAR_CHARS} characters", param=field)
+    err = grammar_error(grammar)
+    if err is not None:
+        raise RequestError(f"'{field}' cannot be compiled: {err.strip()[:500]}", param=field)
+    return grammar

@@ -41,6 +41,7 @@ class Outcome:
     accepted: int
     ttft_s: float
     cached_tokens: int = 0  # prompt tokens not prefilled (prompt cache, shared prefixes)
+    blocks: int = 0  # verifier steps (verify blocks) this answer took (issue 32's bench)
 
 
 class StopMatcher:
@@ -134,7 +135,7 @@ async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops:
                 reason = "stop" if stop.stopped or st.finish_reason == "stop" else "length"
                 outcome.append(Outcome(reason, st.tokens, st.drafted, st.accepted,
                                        ttft if ttft is not None else time.perf_counter() - t0,
-                                       cached))
+                                       cached, st.blocks))
                 return
     finally:
         handle.cancel()  # client gone, stop sequence or error: free the KV cache now (no-op
