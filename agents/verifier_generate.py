@@ -20,6 +20,7 @@ from agents.shard_traffic import block_delta
 from agents.verifier_drafting import FallbackProposer, draft_tokens_of, last_flows
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError
 from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDone, GenerateRequest
+from macfleet.engine.constraint import Grammar
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.kvship import PrefilledVerifier
 from macfleet.engine.sampling import SamplingParams
@@ -55,7 +56,9 @@ class VerifierGenerations:
         req = EngineRequest(prompt=tuple(ids), params=params,
                             max_tokens=max(0, msg.max_tokens - len(msg.prefix_ids)),
                             eos_ids=self.lm.eos_ids, draft_tokens=draft_tokens_of(msg),
-                            report_blocks=True, logprobs=msg.top_logprobs)
+                            report_blocks=True, logprobs=msg.top_logprobs,
+                            grammar=(Grammar(msg.grammar_kind, msg.grammar_source)
+                                     if msg.grammar_kind else None))
         rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
         lps: tuple = ()  # LogprobsCommitted comes right before the TokensCommitted it scores
         cached = 0

@@ -24,6 +24,7 @@ from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolErro
 from bridge.messages import (AUTO_DRAFT_TOKENS, MAX_TOP_LOGPROBS, BatchStatus, ErrorReply,
                              GenerateChunk, GenerateRequest)
 from bridge.peers import PeerAllowlist
+from macfleet.engine.constraint import Grammar, grammar_error
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.kvship import model_layout
 from macfleet.engine.models import LoadedModel
@@ -245,6 +246,12 @@ class VerifierService(VerifierGenerations):
                 raise ProtocolError(BAD_REQUEST, "logprobs need the verifier's continuous batch; "
                                     "this verifier decodes one session at a time (sharded, or "
                                     "--batch-sessions 0)")
+        if msg.grammar_kind:
+            err = ("response_format needs the verifier's continuous batch; this verifier "
+                   "decodes one session at a time" if self._batch is None else
+                   grammar_error(Grammar(msg.grammar_kind, msg.grammar_source)))
+            if err is not None:
+                raise ProtocolError(BAD_REQUEST, f"response_format: {err.strip()[:500]}")
         check_request(msg, self.policy)
         self._peers(msg.proposers)  # before any connection: fleet members only (no SSRF)
         if self._batch is not None and not (self._stage is not None and self._stage.wants(msg)):

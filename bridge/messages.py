@@ -215,6 +215,10 @@ class GenerateRequest:
     # each committed token's log-probability under the verifier, and this many alternatives
     # (0..MAX_TOP_LOGPROBS) in GenerateChunk; None: not asked (the OpenAI `logprobs` fields)
     top_logprobs: int | None = None
+    # the answer must match a grammar (response_format): kind "" (none), "json_object",
+    # "json_schema" (source: the schema's JSON), "regex" or "grammar" (source: Lark)
+    grammar_kind: str = ""
+    grammar_source: str = ""
 
 
 MAX_TOP_LOGPROBS = 20  # what the OpenAI API allows for top_logprobs

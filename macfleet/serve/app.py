@@ -188,8 +188,7 @@ class Api:
         """response_format against this model (issue 32), off the event loop: the grammar
         engine's tokenizer is built on first use (1-3 s)."""
         if not getattr(self.engine, "supports_grammar", False):
-            raise RequestError("response_format is not available when serving through a "
-                               "fleet's verifier agent (serve --local has it)",
+            raise RequestError("response_format is not available from this backend",
                                param="response_format")
         err = await asyncio.to_thread(self.engine.grammar_error, req.grammar)
         if err is not None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from bridge.errors import BUSY, INTERNAL, PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateChunk, GenerateDone
+from macfleet.engine.constraint import Grammar, grammar_error
 from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.fleet.batch import BatchView, ServedSession
 from macfleet.fleet.client import batch_status, generate_remote
@@ -75,6 +76,7 @@ class RemoteEngine:
     """Forwards every request to one verifier agent (chosen by `choose_roles`)."""
 
     supports_logprobs = True  # the agent's batch scores them; the wire carries them (protocol 4)
+    supports_grammar = True  # response_format: the agent's batch masks its rows (protocol 4)
 
     def __init__(self, verifier, proposers, key: bytes | None, *, proposer: str = "ngram",
                  draft_tokens: int | str = "auto", max_active: int = 16,
@@ -120,6 +122,11 @@ class RemoteEngine:
                          waiting=waiting, iterations=st.iterations if st is not None else 0,
                          recent=st.recent if st is not None else (),
                          sessions=tuple(self.sessions()))
+
+    def grammar_error(self, grammar: Grammar) -> str | None:
+        """The grammar checked alone here (the agent checks it against its model's tokenizer
+        and refuses with a clear error)."""
+        return grammar_error(grammar)
 
     def load(self) -> tuple[int, int]:
         with self._lock:
@@ -194,7 +201,9 @@ class RemoteEngine:
                                    top_p=p.top_p, seed=p.seed,
                                    draft_tokens=self.draft_tokens,
                                    proposers=remote, proposer_spec=self.proposer_spec,
-                                   top_logprobs=req.logprobs):
+                                   top_logprobs=req.logprobs,
+                                   grammar=((req.grammar.kind, req.grammar.source)
+                                            if req.grammar is not None else ("", ""))):
             if h.cancelled:
                 return "cancelled"  # closes the client; the agent finishes on its own
             if isinstance(msg, GenerateChunk) and msg.token_ids:

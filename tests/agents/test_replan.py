@@ -58,7 +58,8 @@ def test_replan_continues_after_committed_tokens(monkeypatch, capsys):
         args = argparse.Namespace(
             prompt="the cat sat on the mat", model=MODEL, proposer="ngram", draft_tokens="2",
             max_tokens=60, temp=0.0, top_p=1.0, seed=None, no_chat=True, json=True,
-            local=False, no_cross_round=False, key=None, open=False, wait=0.1)
+            local=False, no_cross_round=False, key=None, open=False, wait=0.1,
+            response_format=None)
         monkeypatch.setattr("macfleet.fleet.keys.resolve_key", lambda *a, **k: KEY)
         assert cmd_generate.run(args) == 0
         captured = capsys.readouterr()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -85,9 +86,10 @@ def test_a_full_one_at_a_time_verifier_makes_requests_wait_not_fail(tmp_path, mo
         _cli("down", env=env, timeout=30)
 
 
-def test_logprobs_and_cached_tokens_through_the_fleet(fleet_env, monkeypatch):
-    """Protocol 4: the verifier agent's batch scores each committed token and the wire carries
-    the logprobs and the prompt cache's saved tokens back. The same greedy request through the
+def test_logprobs_cached_tokens_and_response_format_through_the_fleet(fleet_env, monkeypatch):
+    """Protocol 4: the verifier agent's batch scores each committed token and masks its rows
+    with a request's grammar; the wire carries the logprobs and the prompt cache's saved
+    tokens back. The same greedy request through the
     fleet and through `serve --local` gives the same tokens and logprobs ("greedy margin":
     another process with its own BLAS threads, so logprobs within the logit bounds)."""
     from tolerance import LOGPROB_ATOL
@@ -108,16 +110,35 @@ def test_logprobs_and_cached_tokens_through_the_fleet(fleet_env, monkeypatch):
             stream=True, messages=history) if ch.choices]
         return first, second, streamed
 
+    regex = {"type": "regex", "regex": "(one|two)( (one|two)){3,5}"}
+
+    def constrained(s):
+        c = openai.OpenAI(base_url=s.v1, api_key="none", timeout=60, max_retries=0)
+        good = c.chat.completions.create(model="tiny:1", max_tokens=30, temperature=0,
+                                         messages=history, extra_body={"response_format": regex})
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.chat.completions.create(model="tiny:1", max_tokens=5, messages=history,
+                                      extra_body={"response_format": {"type": "regex",
+                                                                      "regex": "(unclosed"}})
+        return good.choices[0], bad.value
+
     fleet = start_server("--proposer", "ngram", key=None, local=False)
     try:
         first, second, streamed = ask(fleet)
+        fleet_json, fleet_bad = constrained(fleet)
     finally:
         stop_server(fleet)
     local = start_server("--proposer", "none", key=None)
     try:
         want = ask(local)[0]
+        local_json = constrained(local)[0]
     finally:
         stop_server(local)
+    # response_format through the fleet: the agent's batch masks its rows (greedy margin)
+    assert re.fullmatch(regex["regex"], fleet_json.message.content)
+    assert fleet_json.message.content == local_json.message.content
+    assert fleet_json.finish_reason == "stop"
+    assert "response_format" in str(fleet_bad)
     got, ref = first.choices[0].logprobs.content, want.choices[0].logprobs.content
     assert [x.token for x in got] == [x.token for x in ref] and len(got) == 10
     for a, b in zip(got, ref):
