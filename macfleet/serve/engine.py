@@ -26,8 +26,8 @@ from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accep
 from macfleet.engine.batch import (BatchKV, RowCache, Segment, check_batchable, flat_forward,
                                    trim_cache)
 from macfleet.engine.controller import AUTO, DraftTokens, make_controller
-from macfleet.engine.drafter.proposer import EagleProposer, draft_chains, share_head_rows
-from macfleet.engine.drafter.budget import VerifyCurve
+from macfleet.engine.proposers.eagle.chain import EagleProposer, draft_chains, share_head_rows
+from macfleet.engine.tree_budget import VerifyCurve
 from macfleet.engine.events import BlockDone, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
 from macfleet.engine.models import LoadedModel

@@ -31,10 +31,12 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from macfleet.engine.batch import BatchKV, RowCache, Segment, flat_layers
-from macfleet.engine.drafter.features import HiddenTap, attach_tap, detach_tap, hidden_states
-from macfleet.engine.drafter.head import EagleHead, HeadMismatch, load_head, weights_path
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.eagle.features import (HiddenTap, attach_tap, detach_tap,
+                                                      hidden_states)
+from macfleet.engine.proposers.eagle.head import EagleHead, HeadMismatch, load_head, weights_path
 from macfleet.engine.proposers.model_draft import common_prefix
+from macfleet.engine.proposers.shipped import default_head_path
 from macfleet.engine.sampling import GREEDY, make_rng, probs_from_logits, sample
 
 
@@ -154,7 +156,7 @@ class EagleProposer(Proposer):
         if self._tap is not None:
             for start, toks, h in self._tap.drain():
                 if self.f3_codec is not None:
-                    from macfleet.engine.drafter.f3codec import roundtrip
+                    from macfleet.engine.proposers.eagle.f3codec import roundtrip
 
                     h = mx.array(roundtrip(np.array(h.astype(mx.float32)), self.f3_codec))
                 self._store.write(start, toks, h)
@@ -355,15 +357,6 @@ class VerifierFeatures:
             detach_tap(self.model, self._tap)
 
 
-SHIPPED_HEADS = {"smollm2": "smollm2-eagle"}
-WEIGHTS_DIR = Path(__file__).parent / "weights"
-
-
-def default_head_path(verifier_spec: str) -> Path | None:
-    name = SHIPPED_HEADS.get(verifier_spec.partition(":")[0])
-    return WEIGHTS_DIR / f"{name}.safetensors" if name else None
-
-
 _heads: dict[tuple[str, int, int], EagleHead] = {}
 
 
@@ -397,7 +390,7 @@ def make_eagle_proposer(arg: str, verifier, error: type[Exception] = ValueError,
         raise error(f"{kind}: {e}") from e
     name = f"{kind}:{arg}" if arg else kind
     if tree:
-        from macfleet.engine.drafter.tree_draft import EagleTreeProposer
+        from macfleet.engine.proposers.eagle.tree import EagleTreeProposer
 
         return EagleTreeProposer(head, name=name)
     return EagleProposer(head, name=name)

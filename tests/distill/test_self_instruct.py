@@ -2,11 +2,11 @@
 
 import json
 
-from macfleet.engine.drafter.prompts import HELD_OUT, HELD_OUT_SUBJECTS, iter_prompts, Prompt
-from macfleet.engine.drafter.self_instruct import (QUESTIONS, SUBTOPICS, Subject,
-                                                   generate_questions, parse_list,
-                                                   parse_subjects, read_questions,
-                                                   read_subjects, seeds)
+from macfleet.distill.prompts import HELD_OUT, HELD_OUT_SUBJECTS, iter_prompts, Prompt
+from macfleet.distill.self_instruct import (QUESTIONS, SUBTOPICS, Subject,
+                                            generate_questions, parse_list,
+                                            parse_subjects, read_questions,
+                                            read_subjects, seeds)
 from macfleet.engine.models import load_model
 
 
@@ -68,7 +68,7 @@ def test_generate_questions_appends_and_resumes_after_the_seeds_asked(tmp_path):
 
 
 def test_a_seed_whose_questions_are_all_known_is_still_recorded_as_asked(tmp_path, monkeypatch):
-    import macfleet.engine.drafter.self_instruct as si
+    import macfleet.distill.self_instruct as si
 
     same = "1. How do I start a vegetable garden?\n2. What should I plant in spring?"
     monkeypatch.setattr(si, "sample_lists", lambda lm, texts, **kw: [same] * len(texts))
@@ -117,7 +117,7 @@ def _fake_lists(lm, texts, **kw):
 
 def test_when_the_seeds_run_out_the_verifier_names_subtopics_breadth_first(tmp_path,
                                                                             monkeypatch):
-    import macfleet.engine.drafter.self_instruct as si
+    import macfleet.distill.self_instruct as si
 
     monkeypatch.setattr(si, "sample_lists", _fake_lists)
     monkeypatch.setattr(si, "listed_subjects", lambda: [Subject("dogs", "dogs"),
