@@ -240,7 +240,7 @@ def run_tree_shapes(args) -> int:
     from macfleet.bench.record import write_result
     from macfleet.cli.common import UserError
     from macfleet.engine.proposers.eagle.head import HeadMismatch, weights_path
-    from macfleet.engine.proposers.eagle.chain import shared_head
+    from macfleet.engine.proposers.eagle.load import shared_head
     from macfleet.engine.proposers.shipped import default_head_path
     from macfleet.engine.models import ModelSpecError, load_model
 

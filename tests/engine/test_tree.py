@@ -228,7 +228,7 @@ def test_eagle_in_a_tree_reads_the_tree_forward_features(tmp_path):
     import mlx.core as mx
 
     from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
-    from macfleet.engine.proposers.eagle.chain import make_eagle_proposer
+    from macfleet.engine.proposers.eagle.load import make_eagle_proposer
 
     lm = load_model("tiny:9")
     mx.random.seed(1)

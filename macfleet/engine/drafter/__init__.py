@@ -28,7 +28,7 @@ _EAGLE = "macfleet.engine.proposers.eagle"
 MOVED: dict[str, tuple[str, ...]] = {
     "head": (f"{_EAGLE}.head",),
     "features": (f"{_EAGLE}.features",),
-    "proposer": (f"{_EAGLE}.chain", "macfleet.engine.proposers.shipped"),
+    "proposer": (f"{_EAGLE}.chain", f"{_EAGLE}.load", "macfleet.engine.proposers.shipped"),
     "tree_draft": (f"{_EAGLE}.tree",),
     "f3codec": (f"{_EAGLE}.f3codec",),
     "choice": ("macfleet.engine.proposers.choice",),
