@@ -1,6 +1,7 @@
 """Self-instruct: the verifier's own questions as distillation prompts."""
 
 import json
+import zlib
 
 from macfleet.distill.prompts import HELD_OUT, HELD_OUT_SUBJECTS, iter_prompts, Prompt
 from macfleet.distill.self_instruct import (QUESTIONS, SUBTOPICS, Subject,
@@ -103,7 +104,9 @@ def test_parse_subjects_keeps_names_from_what_a_small_verifier_writes():
 
 def _fake_lists(lm, texts, **kw):
     """A verifier whose subtopic lists name two children and whose question lists hold one
-    question about the subject (so every seed adds exactly one question)."""
+    question about the subject (so every seed adds exactly one question; numbered by a hash that
+    is the same in every process: str.__hash__ is salted per process, and when two seeds drew
+    the same number their questions were one, and the test failed now and then)."""
     out = []
     for t in texts:
         subject = t.rsplit(" of ", 1)[-1].rstrip(".") if "subtopics" in t \
@@ -111,7 +114,7 @@ def _fake_lists(lm, texts, **kw):
         if "subtopics" in t:
             out.append(f"1. {subject} care\n2. {subject} history\n3. {subject}")
         else:
-            out.append(f"1. What should I know about {subject} #{t.__hash__() % 97}?")
+            out.append(f"1. What should I know about {subject} #{zlib.crc32(t.encode()) % 97}?")
     return out
 
 
