@@ -31,6 +31,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from macfleet.distill.chat_prompts import chat_prompts
+from macfleet.distill.contamination import PromptIndex
 from macfleet.engine.conversation import Turn
 
 # The benchmark's held-out requests (what a new user types), by kind. Never trained on, and no
@@ -259,8 +261,6 @@ def held_out_index():
     """The held-out and unseen requests (every user turn, and each whole) as a
     contamination.PromptIndex: a training prompt near-copying one (`near_copy_of`) is never
     trained on (iter_prompts, self_instruct.parse_list drop it)."""
-    from macfleet.distill.contamination import PromptIndex
-
     return PromptIndex((t, key) for key, p in (*HELD_OUT.items(), *UNSEEN.items())
                        for t in user_texts(p))
 
@@ -338,10 +338,16 @@ DEFAULT_MIX = {"self": 8, "chat": 6, "topics": 5, "code": 4, "local": 1, "proble
 
 
 def everyday_prompts(rng: random.Random) -> Iterator[Prompt]:
-    from macfleet.distill.chat_prompts import chat_prompts
-
     for text, group in chat_prompts(rng):
         yield Prompt("chat", text, group)
+
+
+def question_prompts(questions: Sequence[Prompt], seed: int = 0) -> Iterator[Prompt]:
+    """The `self` source: the verifier's own questions (self_instruct.read_questions) in a
+    deterministic shuffled order."""
+    qs = list(questions)
+    random.Random(seed).shuffle(qs)
+    yield from qs
 
 
 def iter_prompts(seed: int = 0, mix: dict[str, int] | None = None,
@@ -350,8 +356,6 @@ def iter_prompts(seed: int = 0, mix: dict[str, int] | None = None,
     """Prompts from every source, interleaved by `mix` weights, deduplicated, held-out and
     `skip` keys (already generated: resume) dropped. `extra`: the verifier's own questions
     (source `self`; self_instruct.read_questions). Deterministic for a seed."""
-    from macfleet.distill.self_instruct import question_prompts
-
     rng = random.Random(seed)
     mix = mix or DEFAULT_MIX
     gens = {"topics": topic_prompts(random.Random(rng.random())),

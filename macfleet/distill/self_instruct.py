@@ -27,7 +27,7 @@ import json
 import random
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -364,10 +364,3 @@ def generate_questions(lm: LoadedModel, path: Path, n_seeds: int, *, batch: int 
             report(f"questions: {done}/{want} seeds, {kept} kept, "
                    f"{time.perf_counter() - t0:.0f} s")
     return Asked(done, kept, len(have), time.perf_counter() - t0, found)
-
-
-def question_prompts(questions: Sequence[Prompt], seed: int = 0) -> Iterator[Prompt]:
-    """The dataset's questions in a deterministic shuffled order."""
-    qs = list(questions)
-    random.Random(seed).shuffle(qs)
-    yield from qs

@@ -61,12 +61,15 @@ def test_names_that_moved_to_another_module_still_resolve():
         warnings.simplefilter("ignore", DeprecationWarning)
         from macfleet.engine.drafter.distill import read_eval
         from macfleet.engine.drafter.proposer import default_head_path, shared_head
+        from macfleet.engine.drafter.self_instruct import question_prompts
         from macfleet.engine.drafter.train import _step_losses  # private names too
     from macfleet.distill.train import _step_losses as new_step_losses
     from macfleet.engine.proposers.eagle.head import read_eval as new_read_eval
     assert read_eval is new_read_eval and _step_losses is new_step_losses
     assert default_head_path("smollm2").name == "smollm2-eagle.safetensors"
     assert callable(shared_head)
+    from macfleet.distill.prompts import question_prompts as new_question_prompts
+    assert question_prompts is new_question_prompts
 
 
 def test_a_head_saved_now_loads_through_the_old_path(tiny, tmp_path):
