@@ -20,7 +20,7 @@ import numpy as np
 
 from bridge.errors import INTERNAL, ProtocolError
 from bridge.messages import DraftReply, DraftRequest, ErrorReply
-from macfleet.engine.drafter.proposer import draft_chains
+from macfleet.engine.proposers.eagle.chain import draft_chains
 
 log = logging.getLogger(__name__)
 

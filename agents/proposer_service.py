@@ -43,7 +43,7 @@ from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply,
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import LoadedModel, ModelSpecError
 from macfleet.engine.batch import BatchKV
-from macfleet.engine.drafter.proposer import EagleProposer, share_head_rows
+from macfleet.engine.proposers.eagle.chain import EagleProposer, share_head_rows
 from macfleet.engine.proposers import ProposerSpecError
 from macfleet.engine.sampling import SamplingParams
 
@@ -265,7 +265,7 @@ class ProposerService(ChainRounds):
             if n > 0:
                 feats = msg.features[:n]
                 if msg.features_scale is not None:
-                    from macfleet.engine.drafter.f3codec import decode_int8
+                    from macfleet.engine.proposers.eagle.f3codec import decode_int8
 
                     feats = decode_int8(feats, msg.features_scale[:n])
                 s.proposer.feed_features(a, s.context[a : a + n], feats)

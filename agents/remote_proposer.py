@@ -223,7 +223,7 @@ class RemoteProposer(Proposer):
         feats, f_start = self._new_features(len(context))
         scale = None
         if feats is not None and self.f3_codec == "int8":
-            from macfleet.engine.drafter.f3codec import encode_int8
+            from macfleet.engine.proposers.eagle.f3codec import encode_int8
 
             feats, scale = encode_int8(feats)
         acc, verified, vms = self._feedback

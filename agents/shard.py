@@ -374,11 +374,3 @@ class ShardedVerifier(Verifier):
     def stop(self) -> None:
         self.shards.command(CMD_STOP)
 
-
-# --- process entry: `python -m agents.shard` (agents/shard_run.py) -----------------------------
-
-
-if __name__ == "__main__":
-    from agents.shard_run import main
-
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m agents.shard`: one rank of a sharded verifier as a plain process, given a ring
+"""`python -m agents.shard_run`: one rank of a sharded verifier as a plain process, given a ring
 hostfile (no agents, no Zeroconf): what the shard tests and `macfleet bench moe` run. Rank 0
 pings the ring, decodes greedily (each step's logits kept), then runs the spec-decode loop on
 top of the sharded verifier, and writes ids, wall times and the shard flow (`ShardStats`).

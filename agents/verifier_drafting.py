@@ -184,7 +184,7 @@ class RequestDrafting:
         session at a time), or take the rows the batch engine feeds this session."""
         if not spec.startswith("eagle"):
             return None
-        from macfleet.engine.drafter.proposer import VerifierFeatures
+        from macfleet.engine.proposers.eagle.chain import VerifierFeatures
 
         if batched:
             return VerifierFeatures(self.lm.model, tap=False)

@@ -6,12 +6,14 @@ must not (`banned`) import. The rows say, among others: `bridge` imports no othe
 but the plain records of macfleet/stats.py, and no pickle; `macfleet.engine` imports no
 networking and nothing of the fleet, the CLI or the agents; topology is pure; the dashboard reads
 only the fleet's records; benchmarks are imported by nothing but the CLI (and the agents' tool
-plane).
+plane); the training package (macfleet/distill) only by the CLI and the benchmarks. And no
+import circle anywhere: imports inside functions count too.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,10 @@ ALLOWED: dict[str, Rule] = {
     "macfleet/doctor.py": Rule(("macfleet.sysinfo", "macfleet.engine.models"), banned=NETWORK),
     # MLX only, no networking
     "macfleet/engine": Rule(("macfleet.engine", "macfleet.progress", *RECORDS), banned=NETWORK),
+    # the offline data factory that trains drafters: on top of the engine, no networking; only
+    # the CLI and the benchmarks import it (test_the_data_factory_is_imported_only_from_above)
+    "macfleet/distill": Rule(("macfleet.distill", "macfleet.engine", "macfleet.progress",
+                              *RECORDS), banned=NETWORK),
     # pure planning
     "macfleet/topology": Rule(("macfleet.topology",),
                               only=("__future__", "collections", "dataclasses", "typing")),
@@ -155,3 +161,154 @@ def test_the_cli_never_imports_the_wire():
 
 def test_every_source_file_has_a_row():
     assert all(_rule(rel) for rel in _sources())
+
+
+def test_the_data_factory_is_imported_only_from_above():
+    """macfleet/distill trains drafters offline: the CLI and the benchmarks use it; the engine,
+    the agents, the server, the fleet client, the wire and the dashboard never import it (an
+    import inside a function counts)."""
+    above = ("macfleet/distill/", "macfleet/cli/", "macfleet/bench/")
+    bad = {rel: sorted(n for n in _imports(ROOT / rel) if _allowed(n, ("macfleet.distill",)))
+           for rel in _sources() if not rel.startswith(above)}
+    assert not {rel: names for rel, names in bad.items() if names}
+    for row in ("macfleet/engine", "agents", "macfleet/serve", "macfleet/fleet", "bridge", "tui"):
+        assert not _allowed("macfleet.distill", ALLOWED[row].project), row
+
+
+def test_importing_the_serving_side_loads_no_training_code():
+    """At run time too (the old macfleet.engine.drafter paths are lazy aliases): importing every
+    module of the engine, the agents, the server and the dashboard loads no macfleet.distill."""
+    skip = ("macfleet.engine.drafter",)  # the aliases load their new homes only when asked
+    mods = [_module(rel) for rel in _sources()
+            if rel.startswith(("macfleet/engine/", "macfleet/serve/", "agents/", "tui/"))]
+    code = ("import importlib, sys\n"
+            f"for m in {[m for m in mods if m not in skip]!r}:\n"
+            "    importlib.import_module(m)\n"
+            "import macfleet.engine.drafter\n"
+            "print(sorted(m for m in sys.modules if m.startswith('macfleet.distill')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+# --- import circles ---------------------------------------------------------------------------
+
+
+def _module(rel: str) -> str:
+    parts = rel.removesuffix(".py").split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Project module -> the project modules it imports, at module level or inside a function
+    (a function-level import is still a circle, only a deferred one). `from pkg import name`
+    points at pkg.name when that is a module, else at pkg; a name that is no module points at
+    the nearest enclosing one."""
+    files = {_module(str(p.relative_to(root))): p for pkg in PROJECT
+             for p in (root / pkg).rglob("*.py") if "__pycache__" not in p.parts}
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package `level - 1` folders up
+                    up = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
+                         for a in node.names]
+            else:
+                continue
+            out |= {t for t in map(known, names) if t and t != mod}
+        graph[mod] = out
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle (a -> b -> ... -> a) per strongly connected group of modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(graph) + 100))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_cycle_in(graph, g) for g in groups]
+
+
+def _cycle_in(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """The shortest circle through the group's first module (breadth first, inside the group)."""
+    start = min(group)
+    came: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & group):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(came[path[-1]])
+                    return [*reversed(path), start]
+                if w not in came:
+                    came[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no circle in {group}")
+
+
+def test_no_import_circles():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_circle_finder_finds_module_and_function_level_circles(tmp_path):
+    """The check above can fail: a circle closed by an import inside a function, a
+    `from pkg import module` and a relative import are all found, and a chain is not one."""
+    pkg = tmp_path / "macfleet" / "demo"
+    pkg.mkdir(parents=True)
+    (tmp_path / "macfleet" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from macfleet.demo.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from macfleet.demo import c\n")
+    (pkg / "c.py").write_text("from . import a\n")
+    (pkg / "d.py").write_text("import macfleet.demo.a\n")
+    for top in ("bridge", "agents", "tui"):
+        (tmp_path / top).mkdir()
+    graph = import_graph(tmp_path)
+    assert graph["macfleet.demo.c"] == {"macfleet.demo.a"}
+    assert import_cycles(graph) == [["macfleet.demo.a", "macfleet.demo.b", "macfleet.demo.c",
+                                     "macfleet.demo.a"]]
+    (pkg / "c.py").write_text("import json\n")  # a -> b -> c, d -> a: chains only
+    assert import_cycles(import_graph(tmp_path)) == []

@@ -8,7 +8,7 @@ set -u
 R=$PWD; J=${J:-/tmp/job}; O=$OUT; mkdir -p $J
 T0=$(date +%s); BUDGET=${BUDGET:-540}
 MODEL=${MODEL:-smollm2}; DSTAR=${DSTAR:-results/distill-smollm2-7.6M.tar.xz}
-HEAD=${HEAD:-macfleet/engine/drafter/weights/smollm2-eagle}; B=${B:-64}; SEQ=${SEQ:-256}
+HEAD=${HEAD:-macfleet/engine/proposers/weights/smollm2-eagle}; B=${B:-64}; SEQ=${SEQ:-256}
 GB=${GB:-512}
 . "$R/.ci/gpu/env.sh"
 last() { tr '\r' '\n' < $1 | grep -v '^$' | tail -${2:-2} | tee -a $O/log.txt; }

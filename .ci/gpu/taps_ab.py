@@ -23,10 +23,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 
-from macfleet.engine.drafter.distill import HELD_OUT_SHARE
-from macfleet.engine.drafter.head import EagleHead, load_head
-from macfleet.engine.drafter.proposer import default_head_path
-from macfleet.engine.drafter.train import draft_remap, _step_losses, lr_at, TrainParams
+from macfleet.distill.pipeline import HELD_OUT_SHARE
+from macfleet.engine.proposers.eagle.head import EagleHead, load_head
+from macfleet.engine.proposers.shipped import default_head_path
+from macfleet.distill.train import draft_remap, _step_losses, lr_at, TrainParams
 from macfleet.engine.layers import run_layers
 from macfleet.engine.models import load_model
 
@@ -207,8 +207,8 @@ def train(head, data, use_taps):
 
 def held_out_chunks():
     from macfleet.bench.drafter import HELD_OUT, CODE_KINDS
-    from macfleet.engine.drafter.batchgen import generate_samples
-    from macfleet.engine.drafter.prompts import Prompt, UNSEEN, prompt_text
+    from macfleet.distill.batchgen import generate_samples
+    from macfleet.distill.prompts import Prompt, UNSEEN, prompt_text
     prompts = {**HELD_OUT, **UNSEEN}
     samples = list(generate_samples(lm, [Prompt.of("held_out", t) for t in prompts.values()],
                                     batch=8, max_answer=160))

@@ -19,7 +19,6 @@ and ends with a generation through the proposer (does it still get remote drafts
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import statistics
 import tempfile
@@ -35,6 +34,7 @@ from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import (CloseSession, DraftRequest, OpenSession, Ping, RunPreset,
                              SessionOpened, StatusReply, StatusRequest)
 from bridge.transport import Client
+from macfleet.bench.watch import fd_limit, open_fds
 from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote
 from macfleet.fleet.keys import keygen
@@ -95,23 +95,6 @@ def _generate(verifier: AgentCard, key: bytes, proposer: str) -> dict:
     f = done.stats.fleet
     return {"generate": "ok", "tokens": len(done.token_ids),
             "remote_blocks": f.flows.remote_blocks, "proposer_failures": f.proposer_failures}
-
-
-def _fds(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return -1
-
-
-def _fd_limit(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
-            if line.startswith("Max open files"):
-                return int(line.split()[3])
-    except (OSError, ValueError, IndexError):
-        pass
-    return -1
 
 
 def _code(fn: Callable[[], object]) -> str:
@@ -225,7 +208,7 @@ def _churn(port: int, sources: list[str], hold: int, stop: threading.Event,
 def churn(v: AgentCard, key: bytes, pid: int, sources: list[str], hold: int) -> dict:
     stop = threading.Event()
     stats: Counter[str] = Counter()
-    fds_before = _fds(pid)
+    fds_before = open_fds(pid)
     t = threading.Thread(target=_churn, args=(v.router_port, sources, hold, stop, stats),
                          daemon=True)
     with _pinging(v.router_endpoint, key) as pings:
@@ -233,13 +216,13 @@ def churn(v: AgentCard, key: bytes, pid: int, sources: list[str], hold: int) -> 
         peak = fds_before
         deadline = time.monotonic() + FLOOD_S
         while time.monotonic() < deadline:
-            peak = max(peak, _fds(pid))
+            peak = max(peak, open_fds(pid))
             time.sleep(0.05)
         stop.set()
         t.join(10)
     return {"addresses": len(sources), "held_by_flood": hold, "opened": stats["opened"],
             "open_failed": stats["open_failed"], "agent_fds_before": fds_before,
-            "agent_fds_peak": peak, "agent_fd_limit": _fd_limit(pid), **pings}
+            "agent_fds_peak": peak, "agent_fd_limit": fd_limit(pid), **pings}
 
 
 def rogue_client(v: AgentCard, key: bytes) -> dict:

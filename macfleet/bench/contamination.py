@@ -1,6 +1,6 @@
 """How held out the held-out prompts are, for `bench drafter`'s results (issue 35).
 
-Per held-out prompt: the nearest training prompt (difflib ratio, engine/drafter/contamination)
+Per held-out prompt: the nearest training prompt (difflib ratio, distill/contamination)
 among every templated prompt and, when the head's dataset is at hand, its questions, subtopics
 and the user turns of its shards; and the share of the prompt's greedy answer 8-grams found in
 the answer store (the retrieval drafter's) and in the head's training answers.
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from macfleet.engine.drafter import contamination as C
-from macfleet.engine.drafter import contamination_sources as S
-from macfleet.engine.drafter.prompts import HELD_OUT, HELD_OUT_CHANGES
+from macfleet.distill import contamination as C
+from macfleet.distill import contamination_sources as S
+from macfleet.distill.prompts import HELD_OUT, HELD_OUT_CHANGES
 from macfleet.engine.models import LoadedModel
 
 # the dataset the shipped head was trained on (its eval file says so); read when present

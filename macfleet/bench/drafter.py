@@ -1,8 +1,8 @@
 """`macfleet bench drafter`: every drafter on held-out prompts, in one process and across agents.
 
-Prompts: `drafter.prompts.HELD_OUT` (a chat question, a code task, an explanation, a rewrite,
+Prompts: `distill.prompts.HELD_OUT` (a chat question, a code task, an explanation, a rewrite,
 a word problem, a description, a multi-turn follow-up, a question about a pasted paragraph),
-excluded from every training set by construction, near-copies included (engine/drafter/
+excluded from every training set by construction, near-copies included (distill/
 contamination.py; how near the nearest training prompt is, and how much of each greedy answer
 the answer store and the head's training answers hold, are in the results: bench/
 contamination.py). Greedy,
@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from macfleet.engine.conversation import ChatInput, render
-from macfleet.engine.drafter.prompts import (CHAT_KINDS, CODE_KINDS, HELD_OUT, Prompt,
-                                             prompt_kind, prompt_text)
+from macfleet.distill.prompts import (CHAT_KINDS, CODE_KINDS, HELD_OUT, Prompt,
+                                      prompt_kind, prompt_text)
 from macfleet.engine.events import Finished, GenerationStats
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.text import generate_local
@@ -199,7 +199,7 @@ def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
 def answer_samples(lm: LoadedModel, prompts: Sequence[ChatInput], max_answer: int) -> list:
     """The verifier's greedy answers to `prompts` (texts or conversations; batchgen Samples:
     prompt and answer tokens with their true features), in the order of `prompts`."""
-    from macfleet.engine.drafter.batchgen import generate_samples
+    from macfleet.distill.batchgen import generate_samples
 
     samples = list(generate_samples(lm, [Prompt.of("held_out", t) for t in prompts],
                                     batch=min(len(prompts), 8), max_answer=max_answer))
@@ -210,7 +210,7 @@ def answer_samples(lm: LoadedModel, prompts: Sequence[ChatInput], max_answer: in
 def _answer_chunks(lm: LoadedModel, prompts: Sequence[ChatInput], max_answer: int) -> list:
     """The verifier's greedy answers to `prompts` with their true features, from the last
     prompt position on (the loop never drafts the chat template or the prompt)."""
-    from macfleet.engine.drafter.features import FeatureChunk
+    from macfleet.engine.proposers.eagle.features import FeatureChunk
 
     return [FeatureChunk(s.tokens[s.n_prompt - 1:], s.hidden[s.n_prompt - 1:],
                          s.top[s.n_prompt - 1:], True)
@@ -223,9 +223,9 @@ def head_on_held_out(lm: LoadedModel, max_answer: int = 64) -> dict | None:
     split, whose prompts come from the training templates): what the head is worth on text
     no template produced. Drafts start at answer positions only (the chat template and the
     prompt are easier to guess than an answer, and the loop never drafts them)."""
-    from macfleet.engine.drafter.head import load_head
-    from macfleet.engine.drafter.proposer import default_head_path
-    from macfleet.engine.drafter.train import chain_acceptance
+    from macfleet.engine.proposers.eagle.head import load_head
+    from macfleet.engine.proposers.shipped import default_head_path
+    from macfleet.distill.train import chain_acceptance
 
     path = default_head_path(lm.spec)
     if path is None or not path.is_file():
@@ -267,10 +267,10 @@ def compare_heads(lm: LoadedModel, paths: Sequence[Path], max_answer: int = 160,
     (HELD_OUT + UNSEEN: requests no training set holds), fed the true features: chain
     acceptance (k=4) for chat, code and all, and the first draft's top-k. The same answers
     for every head, so differences are the heads'."""
-    from macfleet.engine.drafter.distill import read_eval
-    from macfleet.engine.drafter.head import load_head
-    from macfleet.engine.drafter.prompts import UNSEEN
-    from macfleet.engine.drafter.train import chain_acceptance
+    from macfleet.engine.proposers.eagle.head import read_eval
+    from macfleet.engine.proposers.eagle.head import load_head
+    from macfleet.distill.prompts import UNSEEN
+    from macfleet.distill.train import chain_acceptance
 
     prompts = {**HELD_OUT, **UNSEEN}
     kinds = [prompt_kind(k) for k in prompts]
@@ -328,12 +328,12 @@ def best_spec(summary: dict, candidates: Sequence[str], floor: float = FLOOR
 
 def bench_record(best: str, speedup: float, command: str, best_agents: str | None = None,
                  speedup_agents: float | None = None) -> dict:
-    """The measured best drafters (in one process; across agents) as engine/drafter/choice
+    """The measured best drafters (in one process; across agents) as engine/proposers/choice
     reads them, with the machine they were measured on."""
     from macfleet.engine.cachedir import machine_id
 
     doc = {"best": best, "speedup": speedup, "command": command, "machine": machine_id(),
-           "prompts": "held-out (macfleet/engine/drafter/prompts.py HELD_OUT)"}
+           "prompts": "held-out (macfleet/distill/prompts.py HELD_OUT)"}
     if best_agents:
         doc.update(best_agents=best_agents, speedup_agents=speedup_agents)
     return doc
@@ -342,7 +342,7 @@ def bench_record(best: str, speedup: float, command: str, best_agents: str | Non
 def record_best(head_path: Path, record: dict) -> None:
     """Write a `bench_record` into the shipped head's eval file (the default of machines
     without a record of their own)."""
-    from macfleet.engine.drafter.distill import eval_path
+    from macfleet.engine.proposers.eagle.head import eval_path
 
     p = eval_path(head_path)
     doc = json.loads(p.read_text()) if p.is_file() else {}

@@ -30,22 +30,12 @@ from bridge.card import PROTOCOL_VERSION
 from bridge.errors import CODES, BUSY
 from bridge.messages import ErrorReply, OpenSession, Ping, Pong, SessionOpened, example, registry
 from bridge.transport import Client
+from macfleet.bench.watch import HANG_S, fd_limit, rss_mib
 from macfleet.fleet.keys import keygen
 
-HANG_S = 5.0
 DRAIN_QUIET_S = 0.3
 IDLE_CONNECTIONS = 2000
 TAGS = sorted(registry())
-
-
-def _rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return -1.0
 
 
 def _free_port() -> int:
@@ -189,7 +179,7 @@ def fuzz_door(endpoint: str, proc: subprocess.Popen, key: bytes, per_category: i
               rng: random.Random, progress: Callable[[str], None]) -> dict:
     cats: dict[str, dict] = {}
     crashes = hangs = sent = 0
-    rss0 = _rss_mib(proc.pid)
+    rss0 = rss_mib(proc.pid)
     for name, build in CATEGORIES.items():
         p = Probe(endpoint, key)
         n = 0
@@ -210,7 +200,7 @@ def fuzz_door(endpoint: str, proc: subprocess.Popen, key: bytes, per_category: i
     sent += cats["no_key_peers"]["messages"]
     progress(f"  {endpoint}: {sent} messages, crashes {crashes}, hangs {hangs}")
     return {"messages": sent, "crashes": crashes, "hangs": hangs, "rss_before_mib": rss0,
-            "rss_after_mib": _rss_mib(proc.pid), "categories": cats,
+            "rss_after_mib": rss_mib(proc.pid), "categories": cats,
             "refusals": dict(sum((Counter(v.get("replies", {})) for v in cats.values()),
                                  Counter()))}
 
@@ -279,7 +269,6 @@ def idle_flood(endpoint: str, key: bytes, proc: subprocess.Popen, n: int) -> dic
     arrive, keeps serving a key holder (from another address when there is one), then sheds
     the kept ones at CURVE's handshake deadline."""
     from bridge.peercap import DEFAULT_MAX_PER_PEER, caps_for
-    from macfleet.bench.closed_fleet import _fd_limit
 
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     conns = []
@@ -305,8 +294,8 @@ def idle_flood(endpoint: str, key: bytes, proc: subprocess.Popen, n: int) -> dic
         s.close()
     return {"connections": len(conns), "open_error": opened_err, "open_s": round(open_s, 2),
             "cap_per_address": DEFAULT_MAX_PER_PEER, "kept_from_one_address": kept,
-            "agent_fd_limit": _fd_limit(proc.pid),
-            "pending_budget": caps_for(_fd_limit(proc.pid)).pending,
+            "agent_fd_limit": fd_limit(proc.pid),
+            "pending_budget": caps_for(fd_limit(proc.pid)).pending,
             "closed_at_once": len(conns) - kept,
             "summary": f"{len(conns)} connections from one address -> {kept} kept",
             "crash": crashed, "hang": hung, "ping_from": other or host,
@@ -378,7 +367,7 @@ def campaign(*, messages: int = 3000, seed: int = 0,
             progress("session exhaustion on the proposer")
             exhaustion = session_exhaustion(p_ep, key, 500)
             for role, (endpoint, proc) in agents.items():
-                doors[role]["rss_end_mib"] = _rss_mib(proc.pid)
+                doors[role]["rss_end_mib"] = rss_mib(proc.pid)
             from macfleet.bench.fuzz_http import CATEGORIES as HTTP_CATEGORIES, http_door
 
             progress(f"fuzzing the HTTP API ({per} requests per category)")

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import httpx
 
-from macfleet.bench.fuzz import HANG_S, _rss_mib
 from macfleet.bench.serve import start_server, stop_server
+from macfleet.bench.watch import HANG_S, rss_mib
 
 API_KEY = "fuzz-key"
 MODEL = "tiny:1"
@@ -112,7 +112,7 @@ def typed(cat: str, r: httpx.Response) -> bool:
 def http_door(per_category: int, rng: random.Random,
               progress: Callable[[str], None] = lambda m: None) -> dict:
     proc, url = start_server(MODEL, "--api-key", API_KEY)
-    rss0 = _rss_mib(proc.pid)
+    rss0 = rss_mib(proc.pid)
     cats: dict[str, dict] = {}
     crashes = hangs = 0
     alive = False
@@ -148,7 +148,7 @@ def http_door(per_category: int, rng: random.Random,
             alive = proc.poll() is None and client.get(
                 url.removesuffix("/v1") + "/health").status_code == 200
     finally:
-        rss1 = _rss_mib(proc.pid) if proc.poll() is None else float("nan")
+        rss1 = rss_mib(proc.pid) if proc.poll() is None else float("nan")
         stop_server(proc)
     refusals: Counter[str] = Counter()
     for c in cats.values():

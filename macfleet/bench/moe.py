@@ -1,7 +1,7 @@
 """`macfleet bench moe`: expert, tensor and pipeline parallelism of the tiny MoE over 2 and 4
 shard ranks (real processes, mlx.distributed ring on loopback), measured and predicted.
 
-Per ring size, each mode runs `python -m agents.shard` (the shard agents' own ShardGroup): 30
+Per ring size, each mode runs `python -m agents.shard_run` (the shard agents' own ShardGroup): 30
 pings (one small all_sum each: the ring's latency as that run sees it), plain greedy decoding
 (one token per forward) and speculative decoding with ngram drafts; rank 0 reports wall times
 and its `ShardStats` (exact collective bytes, ms per forward, router load). Each mode runs
@@ -150,7 +150,7 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
             for _ in range(repeats):  # modes interleaved, so the machine's load drifts on all
                 for mode in MOE_MODES:
                     out = tmp / f"{mode}.json"
-                    _ranks("agents.shard", n, tmp, [
+                    _ranks("agents.shard_run", n, tmp, [
                         "--mode", mode, "--model", model, "--prompt-ids", json.dumps(prompt),
                         "--max-tokens", str(tokens), "--spec", "ngram", "--out", str(out),
                         "--deadline", "60"])

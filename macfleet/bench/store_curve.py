@@ -52,7 +52,7 @@ class CurvePoint:
 def read_answers(dataset: Path) -> list[Answer]:
     """Every sample of a dataset record (tokens, top, offsets, nprompt, meta groups); the
     hidden states are not needed."""
-    from macfleet.engine.drafter.dataset import Manifest, _groups
+    from macfleet.distill.dataset import Manifest, _groups
 
     m = Manifest.read(dataset)
     out: list[Answer] = []
@@ -71,7 +71,7 @@ def read_answers(dataset: Path) -> list[Answer]:
 
 def split(answers: Sequence[Answer], share: float) -> tuple[list[Answer], list[Answer]]:
     """The head's held-out split (whole prompt groups by hash), applied to answers."""
-    from macfleet.engine.drafter.distill import split_held_out
+    from macfleet.distill.pipeline import split_held_out
 
     class _C:  # split_held_out reads only .group
         def __init__(self, a: Answer) -> None:
@@ -158,7 +158,7 @@ def data_curve(dataset: Path, *, fractions: Sequence[float] = DEFAULT_FRACTIONS,
                max_starts: int = DEFAULT_MAX_STARTS, goal: float = 2.5,
                progress=None) -> dict:
     """The curve over growing prefixes of the training answers (in generation order)."""
-    from macfleet.engine.drafter.distill import HELD_OUT_SHARE
+    from macfleet.distill.pipeline import HELD_OUT_SHARE
 
     answers = read_answers(dataset)
     train, held = split(answers, held_share or HELD_OUT_SHARE)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from macfleet.bench.store_curve import accepted_in_tree
-from macfleet.engine.drafter.prompts import HELD_OUT, prompt_kind, prompt_text
+from macfleet.distill.prompts import HELD_OUT, prompt_kind, prompt_text
 from macfleet.engine.models import LoadedModel
 
 NODES = (4, 8, 16, 24, 32)
@@ -60,8 +60,8 @@ def offline(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, max_answer: i
             step: int = 2, nodes: Sequence[int] = NODES,
             progress: Callable[[str], None] = lambda s: None) -> dict:
     from macfleet.bench.drafter import answer_samples, prompts_json
-    from macfleet.engine.drafter.prompts import UNSEEN
-    from macfleet.engine.drafter.tree_draft import EagleTreeProposer
+    from macfleet.distill.prompts import UNSEEN
+    from macfleet.engine.proposers.eagle.tree import EagleTreeProposer
 
     prompts = {**HELD_OUT, **UNSEEN}
     samples = answer_samples(lm, list(prompts.values()), max_answer)
@@ -112,7 +112,7 @@ def in_loop(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, repeats: int,
             max_tokens: int = 64, progress: Callable[[str], None] = lambda s: None) -> dict:
     from macfleet.bench.drafter import _groups, _rounds, _row
     from macfleet.engine.controller import AUTO
-    from macfleet.engine.drafter.tree_draft import EagleTreeProposer
+    from macfleet.engine.proposers.eagle.tree import EagleTreeProposer
     from macfleet.engine.events import Finished
     from macfleet.engine.text import encode_prompt, generate_from_ids, make_group
     from macfleet.engine.verifier import Verifier

@@ -71,7 +71,7 @@ def run(args) -> int:
     from macfleet.bench import drafter as b
     from macfleet.bench.record import write_result
     from macfleet.cli.common import UserError
-    from macfleet.engine.drafter.proposer import default_head_path
+    from macfleet.engine.proposers.shipped import default_head_path
     from macfleet.engine.models import ModelSpecError, load_model
 
     if args.repeats < 1:
@@ -87,7 +87,7 @@ def run(args) -> int:
     def say(s: str) -> None:
         print(s, file=sys.stderr, flush=True)
 
-    from macfleet.engine.drafter.prompts import HELD_OUT_CHANGES
+    from macfleet.distill.prompts import HELD_OUT_CHANGES
 
     answers: dict[str, list[int]] = {}
     doc: dict = {"model": lm.spec, "max_tokens": args.max_tokens, "greedy": True,
@@ -119,14 +119,14 @@ def run(args) -> int:
     record = b.bench_record(best, speedup, "macfleet " + " ".join(sys.argv[1:]),
                             agents.get("spec"), agents.get("speedup_geomean"))
     if args.record or args.record_shipped:
-        from macfleet.engine.drafter.choice import record_machine_choice
+        from macfleet.engine.proposers.choice import record_machine_choice
 
         say(f"this machine's default drafter: {best} in one process"
             + (f", {agents['spec']} across agents" if agents else "")
             + f" ({record_machine_choice(lm.spec, record)})")
     head = default_head_path(lm.spec)
     if head is not None and head.is_file():
-        from macfleet.engine.drafter.distill import read_eval
+        from macfleet.engine.proposers.eagle.head import read_eval
 
         doc["head"] = read_eval(head)
         doc["head_on_held_out_prompts"] = b.head_on_held_out(lm)
@@ -136,7 +136,7 @@ def run(args) -> int:
         say(f"no head is shipped for {lm.spec}: only this machine's record was written")
     # the distill run's learning curve: a curve.jsonl given here, else the one recorded in
     # the head's eval file (every warm-started run of it, training tokens added up)
-    from macfleet.engine.drafter.distill import cumulative_curve
+    from macfleet.distill.pipeline import cumulative_curve
 
     curve = ([json.loads(line) for line in Path(args.curve).read_text().splitlines() if line]
              if args.curve else cumulative_curve(doc.get("head")))
@@ -175,8 +175,8 @@ def run_heads(args) -> int:
     from macfleet.bench import drafter as b
     from macfleet.bench.record import write_result
     from macfleet.cli.common import UserError
-    from macfleet.engine.drafter.head import HeadMismatch, weights_path
-    from macfleet.engine.drafter.proposer import default_head_path
+    from macfleet.engine.proposers.eagle.head import HeadMismatch, weights_path
+    from macfleet.engine.proposers.shipped import default_head_path
     from macfleet.engine.models import ModelSpecError, load_model
 
     try:
@@ -212,7 +212,7 @@ def run_data_curve(args) -> int:
     from macfleet.bench import store_curve
     from macfleet.bench.record import write_result
     from macfleet.cli.common import UserError
-    from macfleet.engine.drafter.dataset import DatasetError
+    from macfleet.distill.dataset import DatasetError
 
     if not (args.dataset / "manifest.json").is_file():
         raise UserError(f"{args.dataset}: not a distillation dataset (no manifest.json); make "
@@ -239,8 +239,9 @@ def run_tree_shapes(args) -> int:
     from macfleet.bench import tree_shapes as ts
     from macfleet.bench.record import write_result
     from macfleet.cli.common import UserError
-    from macfleet.engine.drafter.head import HeadMismatch, weights_path
-    from macfleet.engine.drafter.proposer import default_head_path, shared_head
+    from macfleet.engine.proposers.eagle.head import HeadMismatch, weights_path
+    from macfleet.engine.proposers.eagle.load import shared_head
+    from macfleet.engine.proposers.shipped import default_head_path
     from macfleet.engine.models import ModelSpecError, load_model
 
     try:

@@ -77,8 +77,8 @@ def run(args) -> int:
     from macfleet import sysinfo
     from macfleet.bench.overhead_run import BIG_CURVE_LENGTHS, measure_model, random_prompts
     from macfleet.bench.record import write_result
-    from macfleet.engine.drafter.choice import resolve_proposer
-    from macfleet.engine.drafter.prompts import HELD_OUT
+    from macfleet.engine.proposers.choice import resolve_proposer
+    from macfleet.distill.prompts import HELD_OUT
     from macfleet.engine.models import ModelSpecError
     from macfleet.engine.text import encode_prompt
 

@@ -48,7 +48,7 @@ def run(args) -> int:
     from macfleet.fleet.client import Refused, VerifierFailed, verifier_and_proposer
     from macfleet.fleet.keys import keygen
 
-    from macfleet.engine.drafter.choice import FLEET, resolve_proposer
+    from macfleet.engine.proposers.choice import FLEET, resolve_proposer
 
     args.proposer, why = resolve_proposer(args.proposer, args.model, FLEET)
     print(f"drafter: {args.proposer} ({why})", file=sys.stderr)

@@ -98,8 +98,8 @@ def _stop_on_term(signum, frame) -> None:
 
 
 def run(args) -> int:
-    from macfleet.engine.drafter.distill import distill
-    from macfleet.engine.drafter.train import TrainParams
+    from macfleet.distill.pipeline import distill
+    from macfleet.distill.train import TrainParams
     from macfleet.cli.common import load_model
     from macfleet.engine.models import ModelSpecError
 
@@ -156,17 +156,17 @@ def _steps(b):
 def _run_dataset(args, lm, out: Path, params) -> int:
     """The scaled pipeline: batched self-distillation data on disk, then training from it."""
     from macfleet import progress
-    from macfleet.engine.drafter.dataset import (DatasetError, generate_dataset,
-                                                 missing_hidden, rebuild_hidden)
-    from macfleet.engine.drafter.distill import default_work_dir, distill_from_dataset
-    from macfleet.engine.drafter.head import verifier_fingerprint, weights_path
+    from macfleet.distill.dataset import (DatasetError, generate_dataset,
+                                          missing_hidden, rebuild_hidden)
+    from macfleet.distill.pipeline import default_work_dir, distill_from_dataset
+    from macfleet.engine.proposers.eagle.head import verifier_fingerprint, weights_path
 
     work = Path(args.work) if args.work else default_work_dir(lm)
     ds = Path(args.dataset) if args.dataset else work / "dataset"
     report = (lambda s: print(s, file=sys.stderr, flush=True))
     try:
         if args.stage in ("all", "questions", "data") and args.questions > 0:
-            from macfleet.engine.drafter.self_instruct import MAX_DEPTH, generate_questions
+            from macfleet.distill.self_instruct import MAX_DEPTH, generate_questions
 
             depth = MAX_DEPTH if args.subtopic_depth is None else args.subtopic_depth
             with progress.bar("questions", args.questions, unit="seeds") as b:
@@ -177,7 +177,7 @@ def _run_dataset(args, lm, out: Path, params) -> int:
                    f"kept ({a.total} in all), {a.subjects} subtopics named, in "
                    f"{a.seconds:.0f} s")
         if args.stage in ("all", "data") and args.tokens > 0:
-            from macfleet.engine.drafter.batchgen import generate_samples, generate_waves
+            from macfleet.distill.batchgen import generate_samples, generate_waves
 
             gen = generate_waves if args.gen_mode == "waves" else generate_samples
             m = generate_dataset(lm, ds, args.tokens, fingerprint=verifier_fingerprint(lm.model),
@@ -186,7 +186,7 @@ def _run_dataset(args, lm, out: Path, params) -> int:
                    f"{m.tokens:,} positions with hidden states; {m.seconds / 60:.1f} min "
                    f"generating ({', '.join(f'{k} {v:.0f}' for k, v in m.timing.items())})")
         if args.store and args.stage in ("all", "data", "store"):
-            from macfleet.engine.drafter.dataset import answers
+            from macfleet.distill.dataset import answers
             from macfleet.engine.proposers.retrieval import Datastore
 
             sp = Path(args.store).with_suffix(".npy")

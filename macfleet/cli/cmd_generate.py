@@ -11,7 +11,7 @@ from macfleet.cli.common import (UserError, add_key_args, parse_draft_tokens,
 from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS
 from macfleet.stats import GenerationStats
 
-DEFAULT_PROPOSER = "auto"  # the drafter measured best for the model (engine/drafter/choice)
+DEFAULT_PROPOSER = "auto"  # the drafter measured best for the model (engine/proposers/choice)
 
 
 def add_parser(sub) -> None:
@@ -156,7 +156,7 @@ def validate(args) -> None:
 
 def run(args) -> int:
     validate(args)
-    from macfleet.engine.drafter.choice import FLEET, resolve_proposer
+    from macfleet.engine.proposers.choice import FLEET, resolve_proposer
 
     asked = args.proposer
     args.proposer, _ = resolve_proposer(asked, args.model)

@@ -7,6 +7,7 @@ them (and the fleet key) before writing anything, so a service never crash-loops
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -69,12 +70,13 @@ def _checked(fn, *a):
 def check_agent_args(role: str, agent_args: list[str]):
     """The agent's own parser on the options (a typo is refused now, not in a crash loop), and
     the fleet key they name (missing or unsafe: refused now, with the fix)."""
+    from macfleet.cli import cmd_fleet  # where `macfleet agent` and its options are defined
     from macfleet.cli.common import fleet_key
-    from macfleet.cli.main import build_parser
 
     if "--role" in agent_args or any(a.startswith("--role=") for a in agent_args):
         raise UserError("give the role once, as `service install --role R`")
-    parser = build_parser()
+    parser = argparse.ArgumentParser(prog="macfleet")
+    cmd_fleet.add_parser(parser.add_subparsers(dest="command", required=True))
     try:
         ns = parser.parse_args(["agent", "--role", role, *agent_args])
     except SystemExit:

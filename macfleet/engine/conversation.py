@@ -41,7 +41,7 @@ def render(tokenizer, prompt: ChatInput) -> str:
     added) when the tokenizer has one, else the turns' contents joined by newlines. A verifier
     that takes plain text (the agents' GenerateRequest) runs a conversation from it: encoded,
     it gives `text.encode_prompt`'s ids (checked for the embedded model:
-    tests/engine/drafter/test_contamination.py)."""
+    tests/distill/test_contamination.py)."""
     if not isinstance(prompt, str):
         check_conversation(prompt)
     if getattr(tokenizer, "has_chat_template", False):

@@ -18,12 +18,12 @@ import mlx.core as mx
 import numpy as np
 
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
-from macfleet.engine.drafter.features import record_hidden
 from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import sanitize_draft
 from macfleet.engine.pipeline import (drafts_ahead, padded_length, pads_blocks,
                                       sampled_tree_outcome)
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
+from macfleet.engine.proposers.eagle.features import record_hidden
 from macfleet.engine.sampling import (GREEDY, SamplingParams, generation_seed, make_rng,
                                       probs_from_logits)
 from macfleet.engine.tree import (TokenTree, accept_tree_greedy, accept_tree_sample,

@@ -1,6 +1,6 @@
 """verify(L): what one verifier forward over L tokens costs on this machine, measured.
 
-A draft tree's size is chosen against this table (engine/drafter/budget.py), so it must be
+A draft tree's size is chosen against this table (macfleet/engine/tree_budget.py), so it must be
 what the verifier really costs here, not a model of it: on a Mac GPU the curve is nearly flat
 up to dozens of tokens; on a CPU the matmul kernels block the rows and the curve is a sawtooth
 (SmolLM2 on the 2-core x86 box: L=1 39 ms, 4 64, 12 102, 16 68, 28 141, 32 103). The probe
@@ -63,7 +63,7 @@ def usable_cores() -> int:
 def _key(model: nn.Module) -> str:
     """The table's identity: the verifier, its weights' format and the compute it runs on
     (the cores this process may use: a sawtooth measured on two cores is not one core's)."""
-    from macfleet.engine.drafter.head import verifier_fingerprint
+    from macfleet.engine.proposers.eagle.head import verifier_fingerprint
 
     layer = model.model.layers[0]
     w = getattr(getattr(getattr(layer, "self_attn", None), "q_proj", None), "weight", None)

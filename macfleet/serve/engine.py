@@ -28,8 +28,8 @@ from macfleet.engine.constraint import (Constraint, Grammar, bridge, constrained
 from macfleet.engine.batch import (BatchKV, RowCache, Segment, check_batchable, flat_forward,
                                    trim_cache)
 from macfleet.engine.controller import AUTO, DraftTokens, make_controller
-from macfleet.engine.drafter.proposer import EagleProposer, draft_chains, share_head_rows
-from macfleet.engine.drafter.budget import VerifyCurve
+from macfleet.engine.proposers.eagle.chain import EagleProposer, draft_chains, share_head_rows
+from macfleet.engine.tree_budget import VerifyCurve
 from macfleet.engine.events import BlockDone, Finished, GenerationStats, TokensCommitted
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
 from macfleet.engine.models import LoadedModel

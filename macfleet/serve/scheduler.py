@@ -117,7 +117,7 @@ MIN_FIT, MAX_FIT = 0.5, 4.0  # how far measured chunk iterations may scale the c
 
 
 class CostCurve(Protocol):
-    """A forward's cost by its tokens (engine/drafter/budget.VerifyCurve)."""
+    """A forward's cost by its tokens (engine/tree_budget.VerifyCurve)."""
 
     @property
     def samples(self) -> bool: ...

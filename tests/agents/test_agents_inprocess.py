@@ -45,7 +45,7 @@ def eagle_proposer_agent(tmp_path, seed: int) -> Agent:
     """A proposer agent whose heads directory holds a random EAGLE head (head.safetensors)."""
     import mlx.core as mx
 
-    from macfleet.engine.drafter.head import EagleConfig, EagleHead
+    from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
 
     lm = load_model(MODEL)
     mx.random.seed(seed)
@@ -223,9 +223,9 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path, monkeypatch)
     import numpy as np
     from mlx_lm.generate import generate_step
 
-    from macfleet.engine.drafter.features import extract_features
-    from macfleet.engine.drafter.head import EagleConfig, EagleHead
-    from macfleet.engine.drafter.train import TrainParams, feature_rms, train
+    from macfleet.engine.proposers.eagle.features import extract_features
+    from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
+    from macfleet.distill.train import TrainParams, feature_rms, train
 
     import macfleet.engine.tree_loop as tree_loop
 

@@ -10,8 +10,8 @@ import pytest
 
 from macfleet.bench.store_curve import (CurvePoint, accepted_in_tree, data_curve, fit_log2,
                                         read_answers, score, tokens_for)
-from macfleet.engine.drafter.dataset import generate_dataset
-from macfleet.engine.drafter.head import verifier_fingerprint
+from macfleet.distill.dataset import generate_dataset
+from macfleet.engine.proposers.eagle.head import verifier_fingerprint
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers.retrieval import Datastore
 

@@ -1,5 +1,5 @@
-"""`bench tree-shapes`, the pure parts: a best-N tree's greedy acceptance, shapes, the best-N tree of a
-head's candidates (the bench end to end: tests/engine/drafter/test_tree_draft.py)."""
+"""`bench tree-shapes`, the pure parts: a best-N tree's greedy acceptance, shapes, the best-N tree
+of a head's candidates (the bench end to end: tests/engine/proposers/eagle/test_tree_draft.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from macfleet.bench.store_curve import accepted_in_tree
 from macfleet.bench.tree_shapes import TreeShape
-from macfleet.engine.drafter.tree_draft import TreeCandidates
+from macfleet.engine.proposers.eagle.tree import TreeCandidates
 
 
 def accepted_depth(tokens, parents, truth):

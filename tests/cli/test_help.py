@@ -34,8 +34,8 @@ def test_every_command_and_bench_renders_help():
 
 
 def test_the_default_drafter_is_the_measured_best_and_a_weak_head_is_not_used():
-    from macfleet.engine.drafter.choice import (MIN_HEAD_MEAN_ACCEPTED, choose_proposer,
-                                                resolve_proposer)
+    from macfleet.engine.proposers.choice import (MIN_HEAD_MEAN_ACCEPTED, choose_proposer,
+                                                  resolve_proposer)
 
     assert choose_proposer(None)[0] == "ngram"
     good = {"held_out": {"mean_accepted": MIN_HEAD_MEAN_ACCEPTED + 0.1}}
@@ -61,9 +61,9 @@ def test_the_default_drafter_is_the_measured_best_and_a_weak_head_is_not_used():
 
 def test_this_machines_own_drafter_record_wins_over_the_shipped_one(tmp_path, monkeypatch):
     from macfleet.engine.cachedir import machine_id
-    from macfleet.engine.drafter.choice import (choose_proposer, machine_record,
-                                                machine_record_path, record_machine_choice,
-                                                resolve_proposer)
+    from macfleet.engine.proposers.choice import (choose_proposer, machine_record,
+                                                  machine_record_path, record_machine_choice,
+                                                  resolve_proposer)
 
     monkeypatch.setenv("MACFLEET_CACHE", str(tmp_path))
     shipped = {"bench": {"best": "eagle", "speedup": 1.5, "machine": "Linux-x86_64--2"}}

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ("macfleet/engine/drafter/weights/smollm2-eagle.safetensors",
-           "macfleet/engine/drafter/weights/smollm2-eagle.json",
-           "macfleet/engine/drafter/weights/smollm2-answers.npy",
+SHIPPED = ("macfleet/engine/proposers/weights/smollm2-eagle.safetensors",
+           "macfleet/engine/proposers/weights/smollm2-eagle.json",
+           "macfleet/engine/proposers/weights/smollm2-answers.npy",
            "tui/dashboard.tcss")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]

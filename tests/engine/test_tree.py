@@ -290,8 +290,8 @@ def test_eagle_in_a_tree_reads_the_tree_forward_features(tmp_path):
     hidden-state drafter, or the drafter would recompute every feature (fallback)."""
     import mlx.core as mx
 
-    from macfleet.engine.drafter.head import EagleConfig, EagleHead
-    from macfleet.engine.drafter.proposer import make_eagle_proposer
+    from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
+    from macfleet.engine.proposers.eagle.load import make_eagle_proposer
 
     lm = load_model("tiny:9")
     mx.random.seed(1)

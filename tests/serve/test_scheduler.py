@@ -92,7 +92,7 @@ SAWTOOTH = {1: 39.0, 2: 47.0, 3: 56.0, 4: 72.6, 6: 69.0, 8: 73.0, 12: 110.0, 16:
 
 
 def test_chunks_are_read_off_the_cost_curve_into_its_cheap_lengths():
-    from macfleet.engine.drafter.budget import VerifyCurve
+    from macfleet.engine.tree_budget import VerifyCurve
     from macfleet.serve.scheduler import curve_chunk
 
     curve = VerifyCurve()

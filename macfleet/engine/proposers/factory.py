@@ -66,7 +66,7 @@ def make_proposer(spec: str, verifier: LoadedModel) -> Proposer | None:
 
         return make_retrieval_proposer(ps.arg, verifier, ProposerSpecError)
     if ps.kind in ("eagle", "eagle2"):
-        from macfleet.engine.drafter.proposer import make_eagle_proposer
+        from macfleet.engine.proposers.eagle.load import make_eagle_proposer
 
         return make_eagle_proposer(ps.arg, verifier, ProposerSpecError,
                                    tree=ps.kind == "eagle2")

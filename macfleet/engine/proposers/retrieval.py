@@ -17,7 +17,7 @@ evenly, and as a range is sorted by what follows the match, an even sample keeps
 continuation's share. Their continuations form a trie weighted by how many matches share each
 prefix. The weight of a node (matches through it / all matches) is its estimated probability
 of being accepted, and the tree of the best nodes is sized like an EAGLE-2 tree: calibrated
-confidence against the measured verify(L) (`drafter/budget.py`).
+confidence against the measured verify(L) (`engine/tree_budget.py`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from macfleet.engine.cachedir import cache_root
-from macfleet.engine.drafter.budget import Calibration, VerifyCurve, choose_tree_size
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.shipped import default_store_path
+from macfleet.engine.tree_budget import Calibration, VerifyCurve, choose_tree_size
 
 SEPARATOR = 0xFFFF  # between answers in the store (never a token id of a <65535 vocabulary)
 NGRAMS = (8, 6, 4, 3, 2)
@@ -267,16 +268,8 @@ class RetrievalProposer(Proposer):
             self.calibration.observe(self._predicted, accepted)
 
 
-SHIPPED_STORES = {"smollm2": "smollm2-answers.npy"}
 _loaded: dict[str, tuple[Datastore, int]] = {}  # path -> (store, its largest token id)
 _loading = threading.Lock()  # two sessions asking at once build it once
-
-
-def default_store_path(verifier_spec: str) -> Path | None:
-    from macfleet.engine.drafter.proposer import WEIGHTS_DIR
-
-    name = SHIPPED_STORES.get(verifier_spec.partition(":")[0])
-    return WEIGHTS_DIR / name if name else None
 
 
 def _load(path: Path) -> tuple[Datastore, int]:

@@ -8,11 +8,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from macfleet.engine.drafter.head import load_head
-from macfleet.engine.drafter.train import (TrainParams, _step_losses, chain_acceptance, loss_fn,
-                                           train, untrained_loss)
+from macfleet.engine.proposers.eagle.head import load_head
+from macfleet.distill.train import (TrainParams, _step_losses, chain_acceptance, loss_fn,
+                                    train, untrained_loss)
 
-from drafter_fixtures import _head  # noqa: E402  (fixtures: conftest.py)
+from eagle_fixtures import _head  # noqa: E402  (fixtures: conftest.py)
 
 
 def test_soft_target_is_the_cross_entropy_to_the_verifiers_distribution(tiny, chunks):
@@ -92,7 +92,7 @@ def test_deepened_head_drafts_what_it_did_then_trains_and_round_trips(tiny, chun
 
 
 def test_horizon_fits_the_steps_a_time_limit_allows():
-    from macfleet.engine.drafter.train import Horizon, lr_at
+    from macfleet.distill.train import Horizon, lr_at
 
     h = Horizon(1000)
     assert h.fit(step=10, seconds_per_step=0.5, seconds_left=100.0, most=1000) == 210
@@ -118,7 +118,7 @@ def test_time_limit_ends_training_with_the_schedule_decayed(tiny, chunks):
 @pytest.mark.slow  # generates answers to 16 prompts
 def test_compare_heads_scores_heads_on_the_same_unseen_answers(tiny, chunks, tmp_path):
     from macfleet.bench.drafter import compare_heads, prompts_json
-    from macfleet.engine.drafter.prompts import HELD_OUT, UNSEEN
+    from macfleet.distill.prompts import HELD_OUT, UNSEEN
 
     head = _head(tiny, chunks)
     head.save(tmp_path / "a", steps=3)
@@ -137,7 +137,7 @@ def test_compare_heads_scores_heads_on_the_same_unseen_answers(tiny, chunks, tmp
 
 
 def test_unseen_prompts_are_never_training_prompts():
-    from macfleet.engine.drafter.prompts import HELD_OUT_KEYS, UNSEEN, Prompt, iter_prompts
+    from macfleet.distill.prompts import HELD_OUT_KEYS, UNSEEN, Prompt, iter_prompts
 
     assert {Prompt("x", t).key for t in UNSEEN.values()} <= HELD_OUT_KEYS
     ps = [p for _, p in zip(range(3000), iter_prompts(seed=1))]

@@ -10,7 +10,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.drafter.head import EagleConfig, EagleHead, load_head
+from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead, load_head
 from macfleet.engine.models import load_model
 
 

@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 
 from macfleet.engine.cachedir import cache_root, machine_id, write_atomic
-from macfleet.engine.drafter.distill import read_eval
-from macfleet.engine.drafter.proposer import default_head_path
+from macfleet.engine.proposers.eagle.head import read_eval
+from macfleet.engine.proposers.shipped import default_head_path
 
 AUTO = "auto"
 FALLBACK = "ngram"

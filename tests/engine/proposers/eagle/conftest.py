@@ -1,19 +1,14 @@
-"""Shared fixtures for the drafter tests: a tiny verifier, its features, a trained head."""
+"""Shared fixtures for the EAGLE tests: a tiny verifier, its features, a trained head
+(helpers: tests/eagle_fixtures.py, shared with tests/distill)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from eagle_fixtures import SPEC, _greedy_text, _head
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from drafter_fixtures import SPEC, _greedy_text, _head  # noqa: E402
-
-from macfleet.engine.drafter.features import extract_features  # noqa: E402
-from macfleet.engine.drafter.train import TrainParams, train  # noqa: E402
-from macfleet.engine.models import load_model  # noqa: E402
+from macfleet.distill.train import TrainParams, train
+from macfleet.engine.models import load_model
+from macfleet.engine.proposers.eagle.features import extract_features
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from macfleet.engine.drafter.budget import (Calibration, VerifyCurve, choose_tree_size,
-                                            worth_expanding)
-from macfleet.engine.drafter.tree_draft import EagleTreeProposer
+from macfleet.engine.tree_budget import (Calibration, VerifyCurve, choose_tree_size,
+                                         worth_expanding)
+from macfleet.engine.proposers.eagle.tree import EagleTreeProposer
 from macfleet.engine.events import Finished
 import macfleet.engine.tree_loop as tree_loop
 from macfleet.engine.loop import sanitize_draft, speculative_generate
@@ -125,7 +125,7 @@ def test_eagle2_deeper_levels_draft_from_the_frequent_prefix_and_stay_lossless(
         tiny, chunks, trained, monkeypatch):
     """A head whose draft ids are most frequent first: levels below the first draft only
     the first `deep_vocab` of them (the first level all); greedy output is the verifier's."""
-    from macfleet.engine.drafter.train import choose_draft_vocab
+    from macfleet.distill.train import choose_draft_vocab
 
     _costly_verifier(monkeypatch)
     ids = choose_draft_vocab(chunks, 24, tiny.vocab_size)
@@ -162,7 +162,7 @@ def _chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/engine: engine_testkit
+    sys.path.insert(0, str(Path(__file__).parents[2]))  # tests/engine: engine_testkit
     from engine_testkit import chi2_test
 
     stat, _, crit = chi2_test(counts, probs)
@@ -229,7 +229,7 @@ def test_eagle2_sampling_loop_is_seeded(tiny, trained):
 
 
 def test_backoff_skips_a_drafter_that_keeps_drafting_nothing_and_probes_again():
-    from macfleet.engine.drafter.budget import Backoff
+    from macfleet.engine.tree_budget import Backoff
 
     b = Backoff(patience=2, max_skip=4)
     pattern = []
@@ -255,7 +255,7 @@ def test_hidden_state_drafters_in_the_continuous_batch(tiny, trained, tree):
     """Several sessions with their own EAGLE drafter share the flat forward: each drafter is
     fed its session's rows of it (prefill chunks, blocks, a tree's kept path), computes no
     feature itself, and every answer is the verifier's greedy one ("greedy margin")."""
-    from macfleet.engine.drafter.proposer import EagleProposer
+    from macfleet.engine.proposers.eagle.chain import EagleProposer
     from macfleet.engine.events import Finished as Done
     from macfleet.engine.sampling import GREEDY
     from macfleet.serve.engine import BatchEngine, EngineRequest

@@ -1,4 +1,5 @@
-"""Helpers behind the drafter fixtures (importable by the tests that need them)."""
+"""Helpers behind the EAGLE fixtures of tests/engine/proposers/eagle and tests/distill (tests/ is
+on sys.path: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from macfleet.engine.drafter.head import EagleConfig, EagleHead
-from macfleet.engine.drafter.train import feature_rms
+from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
+from macfleet.distill.train import feature_rms
 
 SPEC = "tiny:1:16"
 

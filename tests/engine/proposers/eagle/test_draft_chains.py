@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from macfleet.engine.batch import BatchKV
-from macfleet.engine.drafter.head import EagleConfig, EagleHead
-from macfleet.engine.drafter.proposer import EagleProposer, draft_chains, shared_head
+from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
+from macfleet.engine.proposers.eagle.chain import EagleProposer, draft_chains
+from macfleet.engine.proposers.eagle.load import shared_head
 from macfleet.engine.events import Finished
 from macfleet.engine.loop import speculative_generate
 from macfleet.engine.proposers.base import EMPTY_DRAFT

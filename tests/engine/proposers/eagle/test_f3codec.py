@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from macfleet.engine.drafter.f3codec import decode_int8, encode_int8, roundtrip
+from macfleet.engine.proposers.eagle.f3codec import decode_int8, encode_int8, roundtrip
 
 
 def test_int8_roundtrip_is_close_and_half_the_bytes():

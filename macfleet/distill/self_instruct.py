@@ -27,13 +27,13 @@ import json
 import random
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from macfleet.engine.drafter.prompts import HELD_OUT_SUBJECTS, TOPICS, Prompt, held_out_index
+from macfleet.distill.prompts import HELD_OUT_SUBJECTS, TOPICS, Prompt, held_out_index
 from macfleet.engine.models import LoadedModel
 
 QUESTIONS = "questions.jsonl"
@@ -88,7 +88,7 @@ def _held_out(name: str) -> bool:
 def listed_subjects() -> list[Subject]:
     """The subjects of the topic and chat sources (none naming a held-out subject), each
     once."""
-    from macfleet.engine.drafter.chat_prompts import SITUATIONS, THINGS
+    from macfleet.distill.chat_prompts import SITUATIONS, THINGS
 
     subjects = [Subject(s, s, 0, TOPIC_ASKS) for s in TOPICS] + [
         Subject(s, s, 0, THING_ASKS) for s in THINGS] + [
@@ -267,7 +267,7 @@ def sample_lists(lm: LoadedModel, texts: Sequence[str], *, max_tokens: int, temp
     step until every row has stopped (EOS or `max_tokens`)."""
     import mlx.core as mx
 
-    from macfleet.engine.drafter.batchgen import left_padded
+    from macfleet.distill.batchgen import left_padded
     from macfleet.engine.layers import head_logits, run_layers
     from macfleet.engine.text import encode_prompt
 
@@ -364,10 +364,3 @@ def generate_questions(lm: LoadedModel, path: Path, n_seeds: int, *, batch: int 
             report(f"questions: {done}/{want} seeds, {kept} kept, "
                    f"{time.perf_counter() - t0:.0f} s")
     return Asked(done, kept, len(have), time.perf_counter() - t0, found)
-
-
-def question_prompts(questions: Sequence[Prompt], seed: int = 0) -> Iterator[Prompt]:
-    """The dataset's questions in a deterministic shuffled order."""
-    qs = list(questions)
-    random.Random(seed).shuffle(qs)
-    yield from qs

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from macfleet.engine.batch import BatchKV, RowCache, Segment, flat_layers
-from macfleet.engine.drafter.features import HiddenTap, attach_tap, detach_tap, hidden_states
-from macfleet.engine.drafter.head import EagleHead, HeadMismatch, load_head, weights_path
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.eagle.features import (HiddenTap, attach_tap, detach_tap,
+                                                      hidden_states)
+from macfleet.engine.proposers.eagle.head import EagleHead
 from macfleet.engine.proposers.model_draft import common_prefix
 from macfleet.engine.sampling import GREEDY, make_rng, probs_from_logits, sample
 
@@ -154,7 +154,7 @@ class EagleProposer(Proposer):
         if self._tap is not None:
             for start, toks, h in self._tap.drain():
                 if self.f3_codec is not None:
-                    from macfleet.engine.drafter.f3codec import roundtrip
+                    from macfleet.engine.proposers.eagle.f3codec import roundtrip
 
                     h = mx.array(roundtrip(np.array(h.astype(mx.float32)), self.f3_codec))
                 self._store.write(start, toks, h)
@@ -353,51 +353,3 @@ class VerifierFeatures:
     def close(self) -> None:
         if self._tap is not None:
             detach_tap(self.model, self._tap)
-
-
-SHIPPED_HEADS = {"smollm2": "smollm2-eagle"}
-WEIGHTS_DIR = Path(__file__).parent / "weights"
-
-
-def default_head_path(verifier_spec: str) -> Path | None:
-    name = SHIPPED_HEADS.get(verifier_spec.partition(":")[0])
-    return WEIGHTS_DIR / f"{name}.safetensors" if name else None
-
-
-_heads: dict[tuple[str, int, int], EagleHead] = {}
-
-
-def shared_head(path: Path, verifier) -> EagleHead:
-    """The head at `path` for this verifier model, loaded once per process: every session's
-    proposer reads the same weights (a batching verifier drafts for all of them with one head,
-    and a request no longer pays a load). A file rewritten since is loaded again."""
-    try:
-        st = weights_path(path).stat()
-    except OSError:
-        return load_head(path, verifier)  # raises the clear error
-    key = (str(weights_path(path).resolve()), st.st_mtime_ns, id(verifier))
-    head = _heads.get(key)
-    if head is None or head.verifier is not verifier:
-        head = _heads[key] = load_head(path, verifier)
-    return head
-
-
-def make_eagle_proposer(arg: str, verifier, error: type[Exception] = ValueError,
-                        tree: bool = False) -> EagleProposer:
-    """`eagle[:PATH]` (chains) / `eagle2[:PATH]` (EAGLE-2 dynamic trees): the head at PATH, or
-    the one shipped for this verifier."""
-    kind = "eagle2" if tree else "eagle"
-    path = Path(arg).expanduser() if arg else default_head_path(verifier.spec)
-    if path is None:
-        raise error(f"{kind}: no head is shipped for {verifier.spec}; train one with "
-                    f"`macfleet distill --model {verifier.spec} --out PATH` and use {kind}:PATH")
-    try:
-        head = shared_head(path, verifier.model)
-    except HeadMismatch as e:
-        raise error(f"{kind}: {e}") from e
-    name = f"{kind}:{arg}" if arg else kind
-    if tree:
-        from macfleet.engine.drafter.tree_draft import EagleTreeProposer
-
-        return EagleTreeProposer(head, name=name)
-    return EagleProposer(head, name=name)

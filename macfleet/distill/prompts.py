@@ -4,13 +4,13 @@ The head must predict what THIS verifier says to ordinary requests, so training 
 verifier's own answers to many varied prompts. Five offline sources, mixed round-robin:
 
 * `chat`: everyday requests (advice, how things work, descriptions, messages to rewrite or
-  write, comparisons, recommendations; engine/drafter/chat_prompts.py);
+  write, comparisons, recommendations; macfleet/distill/chat_prompts.py);
 * `topics`: questions over a list of topics in many phrasings (chat, explanation, advice);
 * `code`: programming tasks in several languages and styles;
 * `local`: instructions over text already on this machine (explain a stdlib function's code,
   summarize or rewrite a docstring or a README paragraph);
 * `problems`: word problems with varied numbers;
-* `self`: questions the verifier wrote itself (engine/drafter/self_instruct.py), when a
+* `self`: questions the verifier wrote itself (macfleet/distill/self_instruct.py), when a
   dataset holds them.
 
 `HELD_OUT` are the benchmark's prompts: they, anything equal to them and any near-copy of
@@ -31,10 +31,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from macfleet.distill.chat_prompts import chat_prompts
+from macfleet.distill.contamination import PromptIndex
 from macfleet.engine.conversation import Turn
 
 # The benchmark's held-out requests (what a new user types), by kind. Never trained on, and no
-# training prompt is a near-copy of one (contamination.NEAR_COPY; tests/engine/drafter/
+# training prompt is a near-copy of one (contamination.NEAR_COPY; tests/distill/
 # test_contamination.py checks every template family and the committed dataset's questions). A
 # request is a text, or a conversation (a tuple of Turns: earlier turns, then the user's last).
 HELD_OUT: dict[str, str | tuple[Turn, ...]] = {
@@ -259,8 +261,6 @@ def held_out_index():
     """The held-out and unseen requests (every user turn, and each whole) as a
     contamination.PromptIndex: a training prompt near-copying one (`near_copy_of`) is never
     trained on (iter_prompts, self_instruct.parse_list drop it)."""
-    from macfleet.engine.drafter.contamination import PromptIndex
-
     return PromptIndex((t, key) for key, p in (*HELD_OUT.items(), *UNSEEN.items())
                        for t in user_texts(p))
 
@@ -338,10 +338,16 @@ DEFAULT_MIX = {"self": 8, "chat": 6, "topics": 5, "code": 4, "local": 1, "proble
 
 
 def everyday_prompts(rng: random.Random) -> Iterator[Prompt]:
-    from macfleet.engine.drafter.chat_prompts import chat_prompts
-
     for text, group in chat_prompts(rng):
         yield Prompt("chat", text, group)
+
+
+def question_prompts(questions: Sequence[Prompt], seed: int = 0) -> Iterator[Prompt]:
+    """The `self` source: the verifier's own questions (self_instruct.read_questions) in a
+    deterministic shuffled order."""
+    qs = list(questions)
+    random.Random(seed).shuffle(qs)
+    yield from qs
 
 
 def iter_prompts(seed: int = 0, mix: dict[str, int] | None = None,
@@ -350,8 +356,6 @@ def iter_prompts(seed: int = 0, mix: dict[str, int] | None = None,
     """Prompts from every source, interleaved by `mix` weights, deduplicated, held-out and
     `skip` keys (already generated: resume) dropped. `extra`: the verifier's own questions
     (source `self`; self_instruct.read_questions). Deterministic for a seed."""
-    from macfleet.engine.drafter.self_instruct import question_prompts
-
     rng = random.Random(seed)
     mix = mix or DEFAULT_MIX
     gens = {"topics": topic_prompts(random.Random(rng.random())),

@@ -27,8 +27,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from macfleet.engine.drafter.features import FeatureChunk
-from macfleet.engine.drafter.head import EagleHead, same_record
+from macfleet.engine.proposers.eagle.features import FeatureChunk
+from macfleet.engine.proposers.eagle.head import EagleHead, same_record
 
 log = logging.getLogger(__name__)
 

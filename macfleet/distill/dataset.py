@@ -33,13 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-from macfleet.engine.drafter.batchgen import (DEFAULT_BATCH, DEFAULT_MAX_ANSWER, Sample,
-                                              Timing, generate_samples)
+from macfleet.distill.batchgen import (DEFAULT_BATCH, DEFAULT_MAX_ANSWER, Sample, Timing,
+                                       generate_samples)
+from macfleet.distill.prompts import iter_prompts
 from macfleet.engine.cachedir import write_atomic
-from macfleet.engine.drafter.features import FeatureChunk
-from macfleet.engine.drafter.head import matches_verifier, verifier_probe
-from macfleet.engine.drafter.prompts import iter_prompts
 from macfleet.engine.models import LoadedModel
+from macfleet.engine.proposers.eagle.features import FeatureChunk
+from macfleet.engine.proposers.eagle.head import matches_verifier, verifier_probe
 
 MANIFEST = "manifest.json"
 KEYS = "keys.txt"
@@ -195,7 +195,7 @@ def generate_dataset(lm: LoadedModel, path: Path, target_tokens: int, *, fingerp
         write_atomic(path / MANIFEST, m.to_json())
         buf.clear()
 
-    from macfleet.engine.drafter.self_instruct import read_questions
+    from macfleet.distill.self_instruct import read_questions
 
     prompts = iter_prompts(seed=seed, skip=done_keys(path), extra=read_questions(path))
     gen = generator(lm, prompts, batch=batch, max_answer=max_answer, timing=timing,
@@ -263,7 +263,7 @@ def rebuild_hidden(lm: LoadedModel, path: Path, *, fingerprint: str,
     silently rewritten."""
     import mlx.core as mx
 
-    from macfleet.engine.drafter.batchgen import _forward
+    from macfleet.distill.batchgen import _forward
 
     m = Manifest.read(path)
     check_verifier(m, path, lm, fingerprint)

@@ -18,13 +18,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.drafter import data
-from macfleet.engine.drafter.features import FeatureChunk, extract_features
-from macfleet.engine.drafter.head import (EagleConfig, EagleHead, load_head,
-                                          verifier_fingerprint)
-from macfleet.engine.drafter.train import (Acceptance, TrainParams, chain_acceptance,
-                                           choose_draft_vocab, feature_rms, train)
+from macfleet.distill import data
+from macfleet.distill.train import (Acceptance, TrainParams, chain_acceptance, choose_draft_vocab,
+                                    feature_rms, train)
 from macfleet.engine.models import LoadedModel
+from macfleet.engine.proposers.eagle.features import FeatureChunk, extract_features
+from macfleet.engine.proposers.eagle.head import (EagleConfig, EagleHead, eval_path, load_head,
+                                                  read_eval, verifier_fingerprint)
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,6 @@ def build_dataset(lm: LoadedModel, work: Path, paths: Sequence[str], gen_prompts
     return chunks[:-n_held], chunks[-n_held:]
 
 
-def eval_path(head_path: str | Path) -> Path:
-    p = Path(head_path)
-    return p.with_name(p.name.removesuffix(".safetensors") + ".eval.json")
-
-
 def write_eval(head_path, acc: Acceptance, before: Acceptance, steps: int, ntok: int,
                trained_on: dict | None = None) -> Path:
     """The held-out figure next to the weights: what the head is worth, measured by distill,
@@ -124,13 +119,6 @@ def write_eval(head_path, acc: Acceptance, before: Acceptance, steps: int, ntok:
         doc["trained_on"] = trained_on
     out.write_text(json.dumps(doc, indent=2) + "\n")
     return out
-
-
-def read_eval(head_path) -> dict | None:
-    try:
-        return json.loads(eval_path(head_path).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def distill(lm: LoadedModel, out: Path, params: TrainParams, *, paths: Sequence[str] = (),
@@ -231,7 +219,7 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
     size; steps add up); skip_missing: train on the shards that have hidden states only;
     layers: decoder layers of the head (default: the init head's, or 1; a deeper one than
     init_head grows from it, see EagleHead.deepened)."""
-    from macfleet.engine.drafter.dataset import Manifest, check_verifier, load_chunks
+    from macfleet.distill.dataset import Manifest, check_verifier, load_chunks
 
     m = Manifest.read(dataset)
     check_verifier(m, dataset, lm, verifier_fingerprint(lm.model))
@@ -310,7 +298,7 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
                 "init": (f"{init_head} ({prior_steps} steps)" if init_head is not None
                          else "verifier_last_layer" if init_layer else "random"),
                 "prompt_sources": "the verifier's own questions, chat requests, topics, code, "
-                                  "local text, word problems (macfleet/engine/drafter/"
+                                  "local text, word problems (macfleet/distill/"
                                   "prompts.py, self_instruct.py)",
                 "curve": read_curve(curve), "prior_curve": prior_curve})
     report(f"held-out greedy chain acceptance (k=4): per position "

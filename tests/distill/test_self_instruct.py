@@ -1,12 +1,13 @@
 """Self-instruct: the verifier's own questions as distillation prompts."""
 
 import json
+import zlib
 
-from macfleet.engine.drafter.prompts import HELD_OUT, HELD_OUT_SUBJECTS, iter_prompts, Prompt
-from macfleet.engine.drafter.self_instruct import (QUESTIONS, SUBTOPICS, Subject,
-                                                   generate_questions, parse_list,
-                                                   parse_subjects, read_questions,
-                                                   read_subjects, seeds)
+from macfleet.distill.prompts import HELD_OUT, HELD_OUT_SUBJECTS, iter_prompts, Prompt
+from macfleet.distill.self_instruct import (QUESTIONS, SUBTOPICS, Subject,
+                                            generate_questions, parse_list,
+                                            parse_subjects, read_questions,
+                                            read_subjects, seeds)
 from macfleet.engine.models import load_model
 
 
@@ -68,7 +69,7 @@ def test_generate_questions_appends_and_resumes_after_the_seeds_asked(tmp_path):
 
 
 def test_a_seed_whose_questions_are_all_known_is_still_recorded_as_asked(tmp_path, monkeypatch):
-    import macfleet.engine.drafter.self_instruct as si
+    import macfleet.distill.self_instruct as si
 
     same = "1. How do I start a vegetable garden?\n2. What should I plant in spring?"
     monkeypatch.setattr(si, "sample_lists", lambda lm, texts, **kw: [same] * len(texts))
@@ -103,7 +104,9 @@ def test_parse_subjects_keeps_names_from_what_a_small_verifier_writes():
 
 def _fake_lists(lm, texts, **kw):
     """A verifier whose subtopic lists name two children and whose question lists hold one
-    question about the subject (so every seed adds exactly one question)."""
+    question about the subject (so every seed adds exactly one question; numbered by a hash that
+    is the same in every process: str.__hash__ is salted per process, and when two seeds drew
+    the same number their questions were one, and the test failed now and then)."""
     out = []
     for t in texts:
         subject = t.rsplit(" of ", 1)[-1].rstrip(".") if "subtopics" in t \
@@ -111,13 +114,13 @@ def _fake_lists(lm, texts, **kw):
         if "subtopics" in t:
             out.append(f"1. {subject} care\n2. {subject} history\n3. {subject}")
         else:
-            out.append(f"1. What should I know about {subject} #{t.__hash__() % 97}?")
+            out.append(f"1. What should I know about {subject} #{zlib.crc32(t.encode()) % 97}?")
     return out
 
 
 def test_when_the_seeds_run_out_the_verifier_names_subtopics_breadth_first(tmp_path,
                                                                             monkeypatch):
-    import macfleet.engine.drafter.self_instruct as si
+    import macfleet.distill.self_instruct as si
 
     monkeypatch.setattr(si, "sample_lists", _fake_lists)
     monkeypatch.setattr(si, "listed_subjects", lambda: [Subject("dogs", "dogs"),

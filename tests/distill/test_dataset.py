@@ -8,15 +8,15 @@ import json
 import numpy as np
 import pytest
 
-from macfleet.engine.drafter.batchgen import Timing, generate_samples
-from macfleet.engine.drafter.data import generate_answers
-from macfleet.engine.drafter.dataset import (DatasetError, Manifest, done_keys,
-                                             generate_dataset, load_chunks, missing_hidden,
-                                             rebuild_hidden, length_batches)
-from macfleet.engine.drafter.distill import distill_from_dataset, split_held_out
-from macfleet.engine.drafter.head import load_head, verifier_fingerprint
-from macfleet.engine.drafter.prompts import HELD_OUT, HELD_OUT_KEYS, Prompt, iter_prompts
-from macfleet.engine.drafter.train import TrainParams, chain_acceptance, choose_draft_vocab
+from macfleet.distill.batchgen import Timing, generate_samples
+from macfleet.distill.data import generate_answers
+from macfleet.distill.dataset import (DatasetError, Manifest, done_keys,
+                                      generate_dataset, load_chunks, missing_hidden,
+                                      rebuild_hidden, length_batches)
+from macfleet.distill.pipeline import distill_from_dataset, split_held_out
+from macfleet.engine.proposers.eagle.head import load_head, verifier_fingerprint
+from macfleet.distill.prompts import HELD_OUT, HELD_OUT_KEYS, Prompt, iter_prompts
+from macfleet.distill.train import TrainParams, chain_acceptance, choose_draft_vocab
 from macfleet.engine.models import load_model
 
 EOS = 5
@@ -194,8 +194,8 @@ def test_training_goes_on_from_a_head_and_skips_shards_without_hidden_states(tmp
 def test_wave_generation_gives_the_continuous_refills_answers(lm_eos):
     """Fixed waves (one padded prefill, decoded to the end, rows cut at EOS) and the
     continuous refill produce the same greedy answers and features."""
-    from macfleet.engine.drafter.batchgen import generate_samples, generate_waves
-    from macfleet.engine.drafter.prompts import Prompt
+    from macfleet.distill.batchgen import generate_samples, generate_waves
+    from macfleet.distill.prompts import Prompt
 
     lm = lm_eos  # rows stop at different steps: waves carry the stopped ones along
     ps = [Prompt("chat", t) for t in ("a b c", "hello there, how are you?", "x", "one two",

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from macfleet.engine.conversation import Turn
-from macfleet.engine.drafter import contamination as C
-from macfleet.engine.drafter import contamination_sources as S
-from macfleet.engine.drafter.prompts import (HELD_OUT, HELD_OUT_CHANGES, HELD_OUT_KEYS, Prompt,
-                                             iter_prompts, prompt_text, user_texts)
+from macfleet.distill import contamination as C
+from macfleet.distill import contamination_sources as S
+from macfleet.distill.prompts import (HELD_OUT, HELD_OUT_CHANGES, HELD_OUT_KEYS, Prompt,
+                                      iter_prompts, prompt_text, user_texts)
 
 ROOT = Path(__file__).resolve().parents[3]
 ARCHIVE = ROOT / "results" / "distill-smollm2-7.6M.tar.xz"  # the shipped head's dataset
@@ -103,7 +103,7 @@ def test_distill_drops_near_copies_of_held_out_prompts():
 
 
 def test_self_instruct_never_keeps_a_near_copy_of_a_held_out_request():
-    from macfleet.engine.drafter.self_instruct import parse_list
+    from macfleet.distill.self_instruct import parse_list
 
     got = parse_list("1. Explain how a refrigerator keeps the food cold?\n"
                      "2. What should I pack for a weekend hiking trip in the mountains?\n"
@@ -112,8 +112,8 @@ def test_self_instruct_never_keeps_a_near_copy_of_a_held_out_request():
 
 
 def test_distill_adds_no_near_copy_to_a_dataset(tmp_path):
-    from macfleet.engine.drafter.dataset import done_keys, generate_dataset
-    from macfleet.engine.drafter.head import verifier_fingerprint
+    from macfleet.distill.dataset import done_keys, generate_dataset
+    from macfleet.engine.proposers.eagle.head import verifier_fingerprint
     from macfleet.engine.models import load_model
 
     lm = load_model("tiny:3:32")
@@ -184,8 +184,8 @@ def test_bench_drafter_records_each_prompts_contamination_and_what_changed(tmp_p
     import subprocess
     import sys
 
-    from macfleet.engine.drafter.dataset import generate_dataset
-    from macfleet.engine.drafter.head import verifier_fingerprint
+    from macfleet.distill.dataset import generate_dataset
+    from macfleet.engine.proposers.eagle.head import verifier_fingerprint
     from macfleet.engine.models import load_model
 
     lm = load_model("tiny:1")

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from macfleet.engine.drafter.prompts import Prompt
+from macfleet.distill.prompts import Prompt
 from macfleet.engine.layers import head_logits, run_layers
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.text import encode_prompt

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from macfleet.engine.drafter import prompts as P
+from macfleet.distill import prompts as P
 
 PROBLEMS = 5000  # word problems drawn (their numbers are random; the dataset holds ~1,400)
 
@@ -36,7 +36,7 @@ def template_prompts(*, problems: int = PROBLEMS, local: bool = False
     (source "chat:<kind>"), every topic phrasing with every second topic ("topics"), every
     code request ("code"), `problems` word problems of the dataset's seed ("problems") and,
     when `local`, this machine's local-text prompts ("local": stdlib code and docstrings)."""
-    from macfleet.engine.drafter.chat_prompts import every_chat_prompt
+    from macfleet.distill.chat_prompts import every_chat_prompt
 
     yield from ((text, f"chat:{kind}") for kind, text in every_chat_prompt())
     for t in P.TOPICS:
@@ -75,7 +75,7 @@ def user_turn(text: str) -> str:
 
 def shard_prompts(path: Path) -> Iterator[np.ndarray]:
     """The prompt tokens (chat template included) of every sample of a dataset's shards."""
-    from macfleet.engine.drafter.dataset import Manifest
+    from macfleet.distill.dataset import Manifest
 
     for s in Manifest.read(path).shards:
         toks = np.load(path / f"{s.name}.tokens.npy", mmap_mode="r")
@@ -111,7 +111,7 @@ def dataset_verifier(path: Path) -> str | None:
 
 def dataset_answers(path: Path) -> list[np.ndarray]:
     """The verifier's answers a dataset holds (what a head trained on it learnt from)."""
-    from macfleet.engine.drafter.dataset import answers
+    from macfleet.distill.dataset import answers
 
     return answers(path)
 

@@ -318,6 +318,21 @@ def config_path(path: str | Path) -> Path:
     return weights_path(path).with_suffix(".json")
 
 
+def eval_path(head_path: str | Path) -> Path:
+    """Where a head's held-out figures live: `<head>.eval.json` beside its weights (written by
+    `macfleet distill`, read by the `auto` drafter choice and the benchmarks)."""
+    p = Path(head_path)
+    return p.with_name(p.name.removesuffix(".safetensors") + ".eval.json")
+
+
+def read_eval(head_path: str | Path) -> dict | None:
+    """A head's `.eval.json`, or None when it has none (or an unreadable one)."""
+    try:
+        return json.loads(eval_path(head_path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def read_config(path: str | Path) -> EagleConfig:
     cp = config_path(path)
     if not cp.is_file():

@@ -13,11 +13,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from macfleet.engine.drafter.dataset import (MANIFEST, DatasetError, Manifest, open_manifest,
-                                             rebuild_hidden)
-from macfleet.engine.drafter.head import (EagleConfig, EagleHead, HeadMismatch, config_path,
-                                          load_head, matches_verifier, read_config,
-                                          same_verifier, verifier_fingerprint, verifier_probe)
+from macfleet.distill.dataset import (MANIFEST, DatasetError, Manifest, open_manifest,
+                                      rebuild_hidden)
+from macfleet.engine.proposers.eagle.head import (EagleConfig, EagleHead, HeadMismatch,
+                                                  config_path, load_head, matches_verifier,
+                                                  read_config, same_verifier,
+                                                  verifier_fingerprint, verifier_probe)
 from macfleet.engine.models import LoadedModel, load_model
 from macfleet.engine.tiny import TinyTokenizer, build_tiny_model
 
@@ -125,10 +126,10 @@ def test_the_shipped_head_and_dataset_record_the_embedded_models_probe():
     """Both carry a probe, so they load where the embedded model's fingerprint differs."""
     from pathlib import Path
 
-    import macfleet.engine.drafter.head as head_mod
+    from macfleet.engine.proposers.shipped import default_head_path
 
-    cfg = read_config(Path(head_mod.__file__).parent / "weights" / "smollm2-eagle.json")
-    man = Manifest.read(Path(__file__).parents[3] / "results" / "distill-smollm2")
+    cfg = read_config(default_head_path("smollm2"))
+    man = Manifest.read(Path(__file__).parents[4] / "results" / "distill-smollm2")
     assert cfg.probe and cfg.probe == man.probe
     # the head and its dataset name one verifier (whether it is the embedded model's is
     # checked against the model itself below, not against a hash copied from these files)
@@ -137,14 +138,12 @@ def test_the_shipped_head_and_dataset_record_the_embedded_models_probe():
 
 @pytest.mark.slow  # loads the real model
 def test_the_shipped_probe_is_the_embedded_models():
-    from pathlib import Path
-
-    import macfleet.engine.drafter.head as head_mod
     from macfleet.engine.models import embedded_model_path
+    from macfleet.engine.proposers.shipped import default_head_path
 
     if embedded_model_path() is None:
         pytest.skip("the embedded model is not installed")
-    cfg = read_config(Path(head_mod.__file__).parent / "weights" / "smollm2-eagle.json")
+    cfg = read_config(default_head_path("smollm2"))
     for spec in ("smollm2:dense", "smollm2:q"):
         model = load_model(spec).model
         assert same_verifier(cfg.probe, verifier_probe(model)), spec
@@ -158,7 +157,7 @@ def test_the_shipped_probe_is_the_embedded_models():
 def test_learning_curve_adds_up_across_warm_started_runs():
     """A warm-started head records its own run from zero and its init's curve as prior: the
     whole curve counts training tokens from the first run."""
-    from macfleet.engine.drafter.distill import cumulative_curve
+    from macfleet.distill.pipeline import cumulative_curve
 
     first = {"trained_on": {"curve": [{"train_tokens": 10, "mean_accepted": 1.0},
                                       {"train_tokens": 20, "mean_accepted": 1.2}]}}

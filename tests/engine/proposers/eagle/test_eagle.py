@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from macfleet.engine.drafter.features import extract_features
-from macfleet.engine.drafter.head import EagleConfig, EagleHead, HeadMismatch, load_head
-from macfleet.engine.drafter.proposer import EagleProposer, default_head_path
-from macfleet.engine.drafter.train import (TrainParams, chain_acceptance, feature_rms, train,
-                                           untrained_loss)
+from macfleet.engine.proposers.eagle.features import extract_features
+from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead, HeadMismatch, load_head
+from macfleet.engine.proposers.eagle.chain import EagleProposer
+from macfleet.engine.proposers.shipped import default_head_path
+from macfleet.distill.train import (TrainParams, chain_acceptance, feature_rms, train,
+                                    untrained_loss)
 from macfleet.engine.events import Finished
 from macfleet.engine.loop import speculative_generate
 from macfleet.engine.models import load_model
@@ -23,7 +24,7 @@ from macfleet.engine.proposers.factory import ProposerSpecError, make_proposer
 from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.verifier import Verifier
 
-from drafter_fixtures import SPEC, _head  # noqa: E402  (fixtures: conftest.py)
+from eagle_fixtures import SPEC, _head  # noqa: E402  (fixtures: conftest.py)
 
 
 def test_training_lowers_loss_and_raises_held_out_acceptance(tiny, chunks, trained):
@@ -60,7 +61,7 @@ def test_weights_round_trip(tiny, trained, tmp_path):
 
 def test_draft_vocabulary_subset_round_trips_and_stays_lossless(tiny, chunks, trained,
                                                                  tmp_path):
-    from macfleet.engine.drafter.train import choose_draft_vocab
+    from macfleet.distill.train import choose_draft_vocab
 
     ids = choose_draft_vocab(chunks, 10, tiny.vocab_size)
     assert len(ids) == 10 and len(set(ids.tolist())) == 10
@@ -93,7 +94,7 @@ def test_draft_vocabulary_is_most_frequent_first_and_a_prefix_drafts_alone(tiny,
     order survives a save; a head saved with ids in another order ignores the limit."""
     import json
 
-    from macfleet.engine.drafter.train import choose_draft_vocab, frequency_order
+    from macfleet.distill.train import choose_draft_vocab, frequency_order
 
     counts = np.bincount(np.concatenate([np.concatenate([c.tokens, c.top]) for c in chunks]),
                          minlength=tiny.vocab_size)

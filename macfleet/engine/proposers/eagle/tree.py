@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.drafter.budget import (Backoff, Calibration, VerifyCurve, choose_tree_size,
-                                            worth_expanding)
-from macfleet.engine.drafter.head import EagleHead
-from macfleet.engine.drafter.proposer import EagleProposer
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft
+from macfleet.engine.proposers.eagle.chain import EagleProposer
+from macfleet.engine.proposers.eagle.head import EagleHead
+from macfleet.engine.tree_budget import (Backoff, Calibration, VerifyCurve, choose_tree_size,
+                                         worth_expanding)
 from macfleet.engine.tree_verify import tree_attention
 
 DEFAULT_TOP_K = 4

@@ -1,0 +1,48 @@
+"""Where an EAGLE proposer comes from: `eagle[:PATH]` / `eagle2[:PATH]` name a head file (or the
+one shipped for the verifier: proposers/shipped.py); each file is loaded once per process and
+shared by every session's proposer. The one place that knows both the chain (chain.py) and the
+tree (tree.py) drafter, so neither imports the other's module to be built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from macfleet.engine.proposers.eagle.chain import EagleProposer
+from macfleet.engine.proposers.eagle.head import EagleHead, HeadMismatch, load_head, weights_path
+from macfleet.engine.proposers.eagle.tree import EagleTreeProposer
+from macfleet.engine.proposers.shipped import default_head_path
+
+_heads: dict[tuple[str, int, int], EagleHead] = {}
+
+
+def shared_head(path: Path, verifier) -> EagleHead:
+    """The head at `path` for this verifier model, loaded once per process: every session's
+    proposer reads the same weights (a batching verifier drafts for all of them with one head,
+    and a request no longer pays a load). A file rewritten since is loaded again."""
+    try:
+        st = weights_path(path).stat()
+    except OSError:
+        return load_head(path, verifier)  # raises the clear error
+    key = (str(weights_path(path).resolve()), st.st_mtime_ns, id(verifier))
+    head = _heads.get(key)
+    if head is None or head.verifier is not verifier:
+        head = _heads[key] = load_head(path, verifier)
+    return head
+
+
+def make_eagle_proposer(arg: str, verifier, error: type[Exception] = ValueError,
+                        tree: bool = False) -> EagleProposer:
+    """`eagle[:PATH]` (chains) / `eagle2[:PATH]` (EAGLE-2 dynamic trees): the head at PATH, or
+    the one shipped for this verifier."""
+    kind = "eagle2" if tree else "eagle"
+    path = Path(arg).expanduser() if arg else default_head_path(verifier.spec)
+    if path is None:
+        raise error(f"{kind}: no head is shipped for {verifier.spec}; train one with "
+                    f"`macfleet distill --model {verifier.spec} --out PATH` and use {kind}:PATH")
+    try:
+        head = shared_head(path, verifier.model)
+    except HeadMismatch as e:
+        raise error(f"{kind}: {e}") from e
+    name = f"{kind}:{arg}" if arg else kind
+    return EagleTreeProposer(head, name=name) if tree else EagleProposer(head, name=name)
