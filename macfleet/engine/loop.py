@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.acceptance import accept_exact_sample, accept_greedy, accept_ratio
+from macfleet.engine.block import BlockTally, accept_chain, cut_at_stop
 from macfleet.engine.controller import FixedDraftLength
-from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
+from macfleet.engine.events import BlockDone, Event, Finished, TokensCommitted
 from macfleet.engine.pipeline import drafts_ahead, greedy_outcome, padded_length, pads_blocks
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
-from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng, probs_from_logits
+from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng
 from macfleet.engine.verifier import Verifier
 from macfleet.engine.verify_costs import verify_costs
 
@@ -151,9 +151,7 @@ def speculative_generate(
     verifier.prefill(context[:-1])
     prefill_ms = (time.perf_counter() - t_start) * 1e3
     generated: list[int] = []
-    hist = [0] * 65
-    blocks = drafted_total = accepted_total = 0
-    draft_total = verify_total = 0.0
+    tally = BlockTally()
     finish = "length"
     step: mx.array | None = None  # a plain step already started on the device (lazy token)
     k_next: int | None = None  # the next block's length, when asked for before this one ended
@@ -205,35 +203,21 @@ def speculative_generate(
                 ahead = _predraft(proposer, context, draft.tokens, k_pre)
             if lazy:
                 n, nxt = (int(v) for v in out.tolist())
-            elif params.greedy:
-                n, nxt = accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)).tolist())
             else:
-                p = probs_from_logits(logits, params)
-                if draft.probs is not None:
-                    n, nxt = accept_ratio(draft.tokens, draft.probs, p, rng)
-                else:
-                    n, nxt = accept_exact_sample(draft.tokens, p, rng)
+                n, nxt = accept_chain(draft, logits, params, rng)
             verifier.rollback(L - 1 - n)
             t2 = time.perf_counter()
-            new = [*draft.tokens[:n], nxt]
-            stop_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
-            if stop_at is not None:
-                new = new[:stop_at]
+            new, stopped = cut_at_stop([*draft.tokens[:n], nxt], eos_ids)
+            if stopped:
                 finish = "stop"
             context.extend(new)
             generated.extend(new)
-            blocks += 1
-            if len(draft):
-                hist[n] += 1
-                drafted_total += len(draft)
-                accepted_total += n
             dms, vms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-            draft_total += dms
-            verify_total += vms
+            tally.record(len(draft), n, dms, vms)
             controller.observe(len(draft), n, dms, vms)
             if new:
-                yield TokensCommitted(blocks, tuple(new))
-            yield BlockDone(block=blocks, k=k, drafted=len(draft), accepted=n,
+                yield TokensCommitted(tally.blocks, tuple(new))
+            yield BlockDone(block=tally.blocks, k=k, drafted=len(draft), accepted=n,
                             committed=len(new), draft_ms=dms, verify_ms=vms,
                             block_ms=(time.perf_counter() - t0) * 1e3)
             if finish == "stop":
@@ -244,14 +228,8 @@ def speculative_generate(
             verifier.rollback(1)
         if proposer is not None:
             proposer.close()
-    while hist and hist[-1] == 0 and len(hist) > 1:
-        hist.pop()
-    stats = GenerationStats(
-        tokens=len(generated), elapsed_s=time.perf_counter() - t_start, prefill_ms=prefill_ms,
-        blocks=blocks, drafted=drafted_total, accepted=accepted_total, draft_ms=draft_total,
-        verify_ms=verify_total, proposer=proposer_name,
-        finish_reason=finish, accepted_hist=tuple(hist) if drafted_total else (),
-    )
+    stats = tally.stats(tokens=len(generated), elapsed_s=time.perf_counter() - t_start,
+                        prefill_ms=prefill_ms, proposer=proposer_name, finish_reason=finish)
     yield Finished(stats, tuple(generated))
 
 
