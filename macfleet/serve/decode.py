@@ -45,24 +45,30 @@ class BlockStep:
                  out: Sequence[mx.array | None], hidden: Sequence[mx.array] | None,
                  verify_ms: float) -> None:
         """One forward's results: prefill chunks counted, every block accepted and committed."""
-        blocks = [(s, lg) for (s, sl), lg in zip(run, out) if not sl.prefill]
+        # (1) each decoding session's verified rows [block, V]: what its acceptance reads
+        # below (a per-session constraint on the tokens, such as a grammar, masks them here)
+        rows = {s.sid: lg for (s, sl), lg in zip(run, out) if not sl.prefill}
         # every greedy block's argmax rows in one evaluation (one host synchronisation for
         # the batch, not one per session: on a GPU each costs a launch and a round trip)
-        ids = {s.sid: mx.argmax(lg, axis=-1) for s, lg in blocks if s.req.params.greedy}
+        ids = {s.sid: mx.argmax(rows[s.sid], axis=-1) for s, sl in run
+               if not sl.prefill and s.req.params.greedy}
         mx.eval(list(ids.values()))
         ids = {sid: a.tolist() for sid, a in ids.items()}
-        accepted = self.accept_trees([(s, lg) for s, lg in blocks if s.tree is not None], ids)
+        # (2) accept: trees first, so every row keeps its path before anything is committed
+        accepted = self.accept_trees([(s, rows[s.sid]) for s, sl in run
+                                      if not sl.prefill and s.tree is not None], ids)
         if hidden is not None:
             feed(run, segs, hidden, accepted)
-        for (s, slot), logits in zip(run, out):
+        # (3) commit, session by session
+        for s, slot in run:
             if slot.prefill:
                 s.prefilled += slot.tokens
                 if s.prefill_left <= 0:
                     s.prefill_ms = (self.clock() - s.t_start) * 1e3
             elif s.tree is not None:
-                self.commit_tree(s, *accepted[s.sid], verify_ms, logits)
+                self.commit_tree(s, *accepted[s.sid], verify_ms, rows[s.sid])
             else:
-                self.commit_chain(s, logits, verify_ms, ids.get(s.sid))
+                self.commit_chain(s, rows[s.sid], verify_ms, ids.get(s.sid))
 
     @staticmethod
     def accept_trees(done: Sequence[tuple[BatchSession, mx.array]],
@@ -116,7 +122,9 @@ class BlockStep:
     def commit(self, s: BatchSession, new: list[int], *, drafted: int, accepted: int,
                verify_ms: float, logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         """A verified block's committed tokens (cut at a stop token) into the session's
-        context and out to the client; the session finished at a stop token or its length."""
+        context and out to the client; the session finished at a stop token or its length.
+        Every token a session commits passes here, once (a per-session constraint advances
+        on them here)."""
         new, stopped = cut_at_stop(new, s.req.eos_ids)
         s.context.extend(new)
         s.generated.extend(new)

@@ -6,7 +6,8 @@ room the iteration has; `draft_all` then drafts them: every drafter's request go
 and the replies are collected after, so drafters on other machines draft at once; local EAGLE
 chain drafters whose head caches are rows of one store draft together (`draft_chains`).
 When `draft_all` returns, a session's block is final: `s.draft` (a chain) or `s.tree` made of
-`s.drafts` (a token tree), cut to its slot only by the scheduler.
+`s.drafts` (a token tree), cut to its slot only by the scheduler (a per-session constraint on
+the tokens cuts the drafts it forbids, or adds the tokens it forces, at the end of `draft_all`).
 """
 
 from __future__ import annotations

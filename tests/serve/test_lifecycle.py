@@ -90,3 +90,12 @@ def test_shutdown_fails_every_session_left():
     t.admit(lambda s: None)
     t.shutdown("stopping")
     assert all(isinstance(s.events[-1], SessionFailed) for s in ss)
+
+
+def test_a_session_cancelled_while_its_block_ran_ends_without_a_word():
+    t = _sessions()
+    s = t.enqueue(lambda sid: session(sid))
+    t.admit(lambda s: None)
+    s.cancelled = True  # the client left during the iteration that finished it
+    t.finish(s, reason="length")
+    assert s.events == [] and [v.state for v in t.views()] == ["cancelled"]
