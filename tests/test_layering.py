@@ -72,6 +72,10 @@ ALLOWED: dict[str, Rule] = {
                             *RECORDS)),
     "macfleet/serve/engine.py": Rule(("macfleet.serve", "macfleet.engine",
                                       "macfleet.fleet.batch", *RECORDS), banned=NETWORK),
+    # ... and so are the parts it is made of (the verifier agent runs them too)
+    **{f"macfleet/serve/{part}.py": Rule(("macfleet.serve", "macfleet.engine",
+                                          "macfleet.fleet.batch", *RECORDS), banned=NETWORK)
+       for part in ("batch_session", "costs", "decode", "drafting", "lifecycle", "session_kv")},
     "macfleet/serve/scheduler.py": Rule(("macfleet.serve",), banned=(*NETWORK, "mlx", "numpy")),
     "macfleet/serve/schemas.py": Rule(("macfleet.serve", "macfleet.engine", *RECORDS),
                                       banned=(*NETWORK, "mlx")),

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from macfleet.engine.block import BlockTally, chain_outcome, cut_at_stop
 from macfleet.engine.constraint import Constraint, constrained_draft, masked_logits
 from macfleet.engine.controller import FixedDraftLength
-from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
-from macfleet.engine.pipeline import (drafts_ahead, greedy_outcome, padded_length, pads_blocks,
-                                      sampled_outcome)
+from macfleet.engine.events import BlockDone, Event, Finished, TokensCommitted
+from macfleet.engine.pipeline import drafts_ahead, padded_length, pads_blocks
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams, generation_seed
 from macfleet.engine.verifier import Verifier
@@ -146,9 +146,7 @@ def speculative_generate(
 
     def outcome(logits: mx.array, draft: Draft, start: int) -> mx.array:
         """The block's (accepted, next token), lazy: decided on the device."""
-        if params.greedy:
-            return greedy_outcome(logits, draft.tokens)
-        return sampled_outcome(logits, draft.tokens, draft.probs, params, seed, start)
+        return chain_outcome(draft, logits, params, seed, start)
 
     t_start = time.perf_counter()
     lazy = getattr(verifier, "pipelines", False) and constraint is None
@@ -164,9 +162,7 @@ def speculative_generate(
     verifier.prefill(context[:-1])
     prefill_ms = (time.perf_counter() - t_start) * 1e3
     generated: list[int] = []
-    hist = [0] * 65
-    blocks = drafted_total = accepted_total = 0
-    draft_total = verify_total = 0.0
+    tally = BlockTally()
     finish = "length"
     step: mx.array | None = None  # a plain step already started on the device (lazy token)
     k_next: int | None = None  # the next block's length, when asked for before this one ended
@@ -224,28 +220,21 @@ def speculative_generate(
             n, nxt = (int(v) for v in out.tolist())
             verifier.rollback(L - 1 - n)
             t2 = time.perf_counter()
-            new = [*draft.tokens[:n], nxt]
-            stop_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
+            new, stopped = cut_at_stop([*draft.tokens[:n], nxt], eos_ids)
             if constraint is not None:  # the grammar's end is a stop too
-                end = constraint.commit(new[:stop_at])
-                stop_at = end if end is not None else stop_at
-            if stop_at is not None:
-                new = new[:stop_at]
+                end = constraint.commit(new)
+                if end is not None:
+                    new, stopped = new[:end], True
+            if stopped:
                 finish = "stop"
             context.extend(new)
             generated.extend(new)
-            blocks += 1
-            if len(draft):
-                hist[n] += 1
-                drafted_total += len(draft)
-                accepted_total += n
             dms, vms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-            draft_total += dms
-            verify_total += vms
+            tally.record(len(draft), n, dms, vms)
             controller.observe(len(draft), n, dms, vms)
             if new:
-                yield TokensCommitted(blocks, tuple(new))
-            yield BlockDone(block=blocks, k=k, drafted=len(draft), accepted=n,
+                yield TokensCommitted(tally.blocks, tuple(new))
+            yield BlockDone(block=tally.blocks, k=k, drafted=len(draft), accepted=n,
                             committed=len(new), draft_ms=dms, verify_ms=vms,
                             block_ms=(time.perf_counter() - t0) * 1e3)
             if finish == "stop":
@@ -256,14 +245,8 @@ def speculative_generate(
             verifier.rollback(1)
         if proposer is not None:
             proposer.close()
-    while hist and hist[-1] == 0 and len(hist) > 1:
-        hist.pop()
-    stats = GenerationStats(
-        tokens=len(generated), elapsed_s=time.perf_counter() - t_start, prefill_ms=prefill_ms,
-        blocks=blocks, drafted=drafted_total, accepted=accepted_total, draft_ms=draft_total,
-        verify_ms=verify_total, proposer=proposer_name,
-        finish_reason=finish, accepted_hist=tuple(hist) if drafted_total else (),
-    )
+    stats = tally.stats(tokens=len(generated), elapsed_s=time.perf_counter() - t_start,
+                        prefill_ms=prefill_ms, proposer=proposer_name, finish_reason=finish)
     yield Finished(stats, tuple(generated))
 
 

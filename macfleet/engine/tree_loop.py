@@ -15,19 +15,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
+from macfleet.engine.block import BlockTally, accept_tree, cut_at_stop, node_path, tree_outcome
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
-from macfleet.engine.events import BlockDone, Event, Finished, GenerationStats, TokensCommitted
+from macfleet.engine.events import BlockDone, Event, Finished, TokensCommitted
 from macfleet.engine.loop import sanitize_draft
-from macfleet.engine.pipeline import (drafts_ahead, padded_length, pads_blocks,
-                                      sampled_tree_outcome)
+from macfleet.engine.pipeline import drafts_ahead, padded_length, pads_blocks
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.proposers.eagle.features import record_hidden
-from macfleet.engine.sampling import (GREEDY, SamplingParams, generation_seed, make_rng,
-                                      probs_from_logits)
-from macfleet.engine.tree import (TokenTree, accept_tree_greedy, accept_tree_sample,
-                                  longest_branch, reroot)
+from macfleet.engine.sampling import GREEDY, SamplingParams, generation_seed, make_rng
+from macfleet.engine.tree import TokenTree, accept_tree_greedy, longest_branch, reroot
 from macfleet.engine.tree_verify import (compact_cache, supports_tree_attention, tree_forward,
                                          verify_branches)
 from macfleet.engine.verifier import Verifier
@@ -60,14 +57,6 @@ def tree_of_drafts(root: int, drafts: Sequence[Draft], ks: Sequence[int], vocab:
         drafts = [Draft(d.tokens, None, d.draft_ms, None, d.parents) for d in drafts]
     return drafts, TokenTree.from_drafts(root, [d.tokens for d in drafts],
                                          [d.probs for d in drafts], [d.parents for d in drafts])
-
-
-def accept_tree(tree: TokenTree, logits: mx.array, params: SamplingParams,
-                rng) -> tuple[list[int], int]:
-    """The accepted node path and the next token, from the verifier's logits at every node."""
-    if params.greedy:
-        return accept_tree_greedy(tree, np.array(mx.argmax(logits, axis=-1)).tolist())
-    return accept_tree_sample(tree, probs_from_logits(logits, params), rng)
 
 
 def tree_budget(proposers: Sequence[Proposer]) -> int:
@@ -219,15 +208,6 @@ def _take_ahead(ahead: _TreeAhead | None, context: Sequence[int]) -> list[Draft 
     return out
 
 
-def _node_path(tree: TokenTree, node: int) -> list[int]:
-    """The drafted nodes from the root's child down to `node` (none for the root)."""
-    out = []
-    while node > 0:
-        out.append(node)
-        node = tree.parents[node]
-    return out[::-1]
-
-
 def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: SamplingParams,
             rng, pad_to: int = 0, during=None, seed: int = 0,
             start: int = 0) -> tuple[list[int], int]:
@@ -244,19 +224,17 @@ def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: Sampling
             if during is not None:
                 during()
             path, nxt = accept_tree_greedy(tree, target.tolist())
-        elif not any(c.q is not None for cands in tree.candidates for c in cands):
-            out = sampled_tree_outcome(logits, tree.tokens, tree.parents, tree.depths, params,
-                                       seed, start)
+        elif (out := tree_outcome(tree, logits, params, seed, start)) is not None:
             mx.async_eval(out)
             if during is not None:
                 during()
             node, nxt = (int(v) for v in out.tolist())
-            path = _node_path(tree, node)
+            path = node_path(tree, node)
         else:
             mx.async_eval(logits)
             if during is not None:
                 during()
-            path, nxt = accept_tree(tree, logits[:n], params, rng)
+            path, nxt = accept_tree(tree, logits[:n], params, rng, seed, start)
         compact_cache(verifier, base, path)
         # hidden-state drafters read the verifier's features through a tap on its forward;
         # the tree forward runs the layers itself, so report the kept rows (root + path)
@@ -290,9 +268,7 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
     verifier.prefill(context[:-1])
     prefill_ms = (time.perf_counter() - t_start) * 1e3
     generated: list[int] = []
-    hist = [0] * (group.node_budget + 2)
-    blocks = drafted = accepted = 0
-    draft_total = verify_total = 0.0
+    tally = BlockTally()
     finish = "length"
     ahead: _TreeAhead | None = None
     try:
@@ -314,33 +290,22 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
                                 padded_length(len(tree.tokens), pad_costs), during, seed,
                                 len(generated))
             t2 = time.perf_counter()
-            new = [*tree.path_tokens(path), nxt]
-            stop_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
-            if stop_at is not None:
-                new, finish = new[:stop_at], "stop"
+            new, stopped = cut_at_stop([*tree.path_tokens(path), nxt], eos_ids)
+            if stopped:
+                finish = "stop"
             context.extend(new)
             generated.extend(new)
-            blocks += 1
-            if tree.size:
-                hist[min(len(path), len(hist) - 1)] += 1
-                drafted += tree.size
-                accepted += len(path)
             dms, vms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-            draft_total += dms
-            verify_total += vms
+            tally.record(tree.size, len(path), dms, vms)
             group.observe(drafts, tree.accepted_per_source(path), vms, len(tree.tokens))
             if new:
-                yield TokensCommitted(blocks, tuple(new))
-            yield BlockDone(block=blocks, k=sum(ks), drafted=tree.size, accepted=len(path),
+                yield TokensCommitted(tally.blocks, tuple(new))
+            yield BlockDone(block=tally.blocks, k=sum(ks), drafted=tree.size, accepted=len(path),
                             committed=len(new), draft_ms=dms, verify_ms=vms,
                             block_ms=(time.perf_counter() - t0) * 1e3)
     finally:
         group.close()
-    while len(hist) > 1 and hist[-1] == 0:
-        hist.pop()
-    stats = GenerationStats(
-        tokens=len(generated), elapsed_s=time.perf_counter() - t_start, prefill_ms=prefill_ms,
-        blocks=blocks, drafted=drafted, accepted=accepted, draft_ms=draft_total,
-        verify_ms=verify_total, proposer=group.name, finish_reason=finish,
-        accepted_hist=tuple(hist) if drafted else (), per_proposer=group.per_proposer())
+    stats = tally.stats(tokens=len(generated), elapsed_s=time.perf_counter() - t_start,
+                        prefill_ms=prefill_ms, proposer=group.name, finish_reason=finish,
+                        per_proposer=group.per_proposer())
     yield Finished(stats, tuple(generated))

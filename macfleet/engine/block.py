@@ -1,0 +1,130 @@
+"""One speculative block's host-side decisions, shared by every loop that verifies blocks.
+
+    draft -> verify (the caller's forward) -> accept -> cut at a stop token -> tally
+
+The single-session loops (`loop.speculative_generate`, `tree_loop.tree_generate`) and the
+serving engine (`serve/decode.py`, one block per session per iteration) differ in how they run
+the forward; what they decide from its logits is written once, here:
+
+* `accept_chain` / `accept_tree`: the acceptance rule of a chain or a token tree for the
+  request's sampling parameters (greedy exact match, the ratio test, exact-match sampling);
+  a greedy caller may pass the argmax ids it already has (one host synchronisation for many).
+  Sampling decides on the device (`chain_outcome`, `tree_outcome`: engine/pipeline.py, draws
+  keyed by the request's seed and each token's output position), so a seeded request draws
+  the same in every loop; only SpecInfer's rule for trees of drafts with probabilities runs
+  on the host (with the request's generator);
+* `cut_at_stop`: a block's committed tokens end before the first stop token;
+* `BlockTally`: a generation's block statistics, reduced to its `GenerationStats`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from macfleet.engine.acceptance import accept_greedy
+from macfleet.engine.pipeline import greedy_outcome, sampled_outcome, sampled_tree_outcome
+from macfleet.engine.proposers.base import Draft
+from macfleet.engine.sampling import SamplingParams, probs_from_logits
+from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample
+from macfleet.stats import GenerationStats, ProposerStats
+
+
+def chain_outcome(draft: Draft, logits: mx.array, params: SamplingParams, seed: int,
+                  start: int) -> mx.array:
+    """A chain block's decision as a lazy int32 [2] (accepted, next token), on the device.
+    start: the output position of the block's first new token (sampled draws are keyed by it)."""
+    if params.greedy:
+        return greedy_outcome(logits, draft.tokens)
+    return sampled_outcome(logits, draft.tokens, draft.probs, params, seed, start)
+
+
+def accept_chain(draft: Draft, logits: mx.array, params: SamplingParams, seed: int, start: int,
+                 target: Sequence[int] | None = None) -> tuple[int, int]:
+    """(accepted drafts, next token) of a chain block [root, d_1 .. d_k] from the verifier's
+    logits [k + 1, V]. target: the block's argmax ids when the caller computed them already
+    (greedy only)."""
+    if params.greedy and target is not None:
+        return accept_greedy(draft.tokens, target)
+    n, nxt = chain_outcome(draft, logits, params, seed, start).tolist()
+    return int(n), int(nxt)
+
+
+def tree_outcome(tree: TokenTree, logits: mx.array, params: SamplingParams, seed: int,
+                 start: int) -> mx.array | None:
+    """A sampled tree's decision as a lazy int32 [2] (deepest accepted node, next token) when
+    its drafts carry no probabilities; None when they do (SpecInfer's rule, on the host)."""
+    if any(c.q is not None for cands in tree.candidates for c in cands):
+        return None
+    return sampled_tree_outcome(logits, tree.tokens, tree.parents, tree.depths, params, seed,
+                                start)
+
+
+def node_path(tree: TokenTree, node: int) -> list[int]:
+    """The drafted nodes from the root's child down to `node` (none for the root)."""
+    out = []
+    while node > 0:
+        out.append(node)
+        node = tree.parents[node]
+    return out[::-1]
+
+
+def accept_tree(tree: TokenTree, logits: mx.array, params: SamplingParams, rng, seed: int,
+                start: int, target: Sequence[int] | None = None) -> tuple[list[int], int]:
+    """The accepted node path and the next token, from the verifier's logits at every node;
+    target: the argmax ids at every node when the caller computed them already (greedy);
+    rng: for SpecInfer's rule (drafts with probabilities) only."""
+    if params.greedy:
+        return accept_tree_greedy(tree, target if target is not None else
+                                  np.array(mx.argmax(logits, axis=-1)).tolist())
+    out = tree_outcome(tree, logits, params, seed, start)
+    if out is None:
+        return accept_tree_sample(tree, probs_from_logits(logits, params), rng)
+    node, nxt = out.tolist()
+    return node_path(tree, int(node)), int(nxt)
+
+
+def cut_at_stop(new: Sequence[int], eos_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """A block's committed tokens up to (not including) the first stop token, and whether
+    one was there."""
+    stop_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
+    if stop_at is None:
+        return list(new), False
+    return list(new[:stop_at]), True
+
+
+@dataclass
+class BlockTally:
+    """One generation's blocks: how many, drafts verified and accepted, the histogram of
+    accepted lengths of the blocks that drafted, and the time spent drafting and verifying."""
+
+    blocks: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    hist: list[int] = field(default_factory=list)  # drafted blocks by accepted length
+
+    def record(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        """One verified block (drafted: its draft tokens; 0 for a plain step)."""
+        self.blocks += 1
+        if drafted:
+            self.drafted += drafted
+            self.accepted += accepted
+            if accepted >= len(self.hist):
+                self.hist.extend([0] * (accepted + 1 - len(self.hist)))
+            self.hist[accepted] += 1
+        self.draft_ms += draft_ms
+        self.verify_ms += verify_ms
+
+    def stats(self, *, tokens: int, elapsed_s: float, prefill_ms: float, proposer: str,
+              finish_reason: str, per_proposer: tuple[ProposerStats, ...] = ()
+              ) -> GenerationStats:
+        return GenerationStats(
+            tokens=tokens, elapsed_s=elapsed_s, prefill_ms=prefill_ms, blocks=self.blocks,
+            drafted=self.drafted, accepted=self.accepted, draft_ms=self.draft_ms,
+            verify_ms=self.verify_ms, proposer=proposer, finish_reason=finish_reason,
+            accepted_hist=tuple(self.hist), per_proposer=per_proposer)

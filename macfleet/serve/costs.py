@@ -1,0 +1,101 @@
+"""What the batch's forwards cost, measured as they run: the numbers its plans are priced by.
+
+The scheduler's plans (serve/scheduler.py) are pure; they take costs as arguments. This keeps
+them: the stall control that sizes prefill chunks, the line through recent iterations, the
+curve of decode-only iterations by tokens (seeded with this machine's verify(L) table when one
+is known), the step time of chains drafted together, and the pool of recent drafted blocks
+whose acceptance every session's estimate leans on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from macfleet.engine.tree_budget import VerifyCurve
+from macfleet.fleet.batch import IterationView
+from macfleet.serve.scheduler import STALL_EMA, IterationCost, StallControl
+
+POOL_BLOCKS = 256  # recent drafted blocks whose acceptance every session's estimate leans on
+
+
+class BatchCosts:
+    """probe: the model's verify(L) table, measured once per machine (engine/verify_costs.py);
+    called the first time a tree drafter's session joins, never to size chunks (a ~2 s probe
+    would stall the sessions the chunks are sized for)."""
+
+    def __init__(self, model, stall_ratio: float,
+                 probe: Callable[[object], dict[int, float]]) -> None:
+        self.model, self._probe = model, probe
+        self.stall = StallControl(stall_ratio)  # its cost curve: at the first chunk
+        self._stall_checked = False
+        self.line = IterationCost()  # iterations' ms vs tokens, for draft lengths
+        self._curve: VerifyCurve | None = None  # decode iterations' ms by tokens
+        self.step_ms: float | None = None  # one draft position of the chains drafted together
+        self.pool: deque[tuple[int, int]] = deque(maxlen=POOL_BLOCKS)  # (trials, accepted)
+        self.table: dict[int, float] | None = None  # verify(L), read when a group joins
+
+    def chunk_budget(self, decoding: int, prefilling: int, token_budget: int) -> int:
+        """The token budget of an iteration where `prefilling` prompts arrive while
+        `decoding` sessions decode (the stall control's)."""
+        if not self._stall_checked:
+            self.stall.curve, self._stall_checked = self.stall_curve(), True
+        return self.stall.budget(decoding, token_budget, waiting=prefilling, decoding=decoding)
+
+    def stall_curve(self) -> VerifyCurve | None:
+        """The stall control's cost curve: this machine's verify(L) table when one is already
+        known (a drafter's group probed it, or an earlier run left it on disk), never probed
+        here. None when no table is known: the stall control follows its measurements alone."""
+        from macfleet.engine.verify_costs import known_verify_costs
+
+        costs = self.table if self.table is not None else known_verify_costs(self.model)
+        if not costs:
+            return None
+        curve = VerifyCurve()
+        curve.seed(costs)
+        return curve
+
+    def verify_costs(self) -> dict[int, float]:
+        """The model's measured verify(L) table (as `tree_generate` seeds its group with;
+        probed once per machine, on this thread, then cached on disk)."""
+        if self.table is None:
+            self.table = self._probe(self.model)
+            if self.stall.curve is None:  # now known: the stall control sizes chunks by it
+                self.stall.curve, self._stall_checked = self.stall_curve(), True
+        return self.table
+
+    def curve(self) -> VerifyCurve:
+        if self._curve is None:
+            self._curve = self.stall_curve() or VerifyCurve()
+        return self._curve
+
+    def batch_cost(self) -> Callable[[int], float] | None:
+        """What a forward over n tokens costs this batch: the curve of its own decode
+        iterations (seeded with this machine's verify(L) table when one is known), or the
+        line through the recent iterations; None before anything is measured."""
+        if self.curve().samples:
+            return self._curve.cost
+        if self.line.predict(1) is None:
+            return None
+        return lambda n: self.line.predict(n)
+
+    def observe(self, rec: IterationView) -> None:
+        """One iteration's forward, measured."""
+        self.stall.observe(rec.prefill_tokens, rec.decode_tokens, rec.ms)
+        self.line.observe(rec.decode_tokens + rec.prefill_tokens, rec.ms)
+        if rec.prefill_tokens == 0:
+            self.curve().observe(rec.decode_tokens, rec.ms)
+
+    def observe_step(self, step_ms: float) -> None:
+        """One draft position of the chains drafted together took `step_ms`."""
+        self.step_ms = step_ms if self.step_ms is None else (
+            (1 - STALL_EMA) * self.step_ms + STALL_EMA * step_ms)
+
+    def observe_block(self, trials: int, accepted: int) -> None:
+        """A drafted block's geometric trials and accepted drafts, for the pool."""
+        self.pool.append((trials, accepted))
+
+    def pool_totals(self) -> tuple[int, int]:
+        """(trials, accepted) of the recent drafted blocks of every session."""
+        n, acc = (sum(x) for x in zip((0, 0), *self.pool))
+        return n, acc

@@ -1,0 +1,184 @@
+"""Each session's share of an iteration's forward: verified rows -> accept -> commit.
+
+The engine runs one forward over every session's segment; what follows is per session and is
+the single-session loops' own step (engine/block.py: the same acceptance rules, the same cut at
+a stop token, the same statistics), written once for a chain block and once for a token tree:
+
+1. rows: a decoding session's logits rows of the forward (`BlockStep.verified`); the greedy
+   ones' argmax ids are computed together, one host synchronisation for the batch;
+2. accept: its acceptance rule (`block.accept_chain` / `block.accept_tree`); every tree's row
+   keeps its root and accepted path before anything is committed;
+3. commit: its cache rolled back past the rejected drafts, its drafters and statistics told,
+   its committed tokens cut at a stop token and emitted (`BlockStep.commit`), its session
+   finished at a stop token or its length.
+
+Hidden-state drafters get their session's rows of the forward here too (`feed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+
+from macfleet.engine.batch import Segment, trim_cache
+from macfleet.engine.block import accept_chain, accept_tree, cut_at_stop
+from macfleet.engine.constraint import masked_logits
+from macfleet.engine.events import BlockDone, TokensCommitted
+from macfleet.serve.batch_session import BatchSession
+from macfleet.serve.costs import BatchCosts
+from macfleet.serve.logprobs import (LogprobsCommitted, TokenLogprob, block_logprobs,
+                                      chain_rows, tree_rows)
+from macfleet.serve.prompt_cache import PromptReused
+from macfleet.serve.scheduler import Slot
+
+Finish = Callable[[BatchSession, str], None]  # (session, finish reason: stop | length)
+
+
+class BlockStep:
+    """costs: told each drafted block's outcome (the pool of acceptance); finish: ends a
+    session whose block hit a stop token or its length."""
+
+    def __init__(self, clock: Callable[[], float], costs: BatchCosts, finish: Finish) -> None:
+        self.clock, self.costs, self.finish = clock, costs, finish
+
+    def verified(self, run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],
+                 out: Sequence[mx.array | None], hidden: Sequence[mx.array] | None,
+                 verify_ms: float) -> None:
+        """One forward's results: prefill chunks counted, every block accepted and committed."""
+        # (1) each decoding session's verified rows [block, V]: what its acceptance reads
+        # below (a per-session constraint on the tokens, such as a grammar, masks them here)
+        rows = {s.sid: lg for (s, sl), lg in zip(run, out) if not sl.prefill}
+        # every greedy block's argmax rows in one evaluation (one host synchronisation for
+        # the batch, not one per session: on a GPU each costs a launch and a round trip)
+        # (a grammar masks what acceptance reads; logprobs stay the model's own)
+        ids = {s.sid: mx.argmax(masked_logits(s.constraint, rows[s.sid], s.draft.tokens),
+                                axis=-1)
+               for s, sl in run if not sl.prefill and s.req.params.greedy}
+        mx.eval(list(ids.values()))
+        ids = {sid: a.tolist() for sid, a in ids.items()}
+        # (2) accept: trees first, so every row keeps its path before anything is committed
+        accepted = self.accept_trees([(s, rows[s.sid]) for s, sl in run
+                                      if not sl.prefill and s.tree is not None], ids)
+        if hidden is not None:
+            feed(run, segs, hidden, accepted)
+        # (3) commit, session by session
+        for s, slot in run:
+            if slot.prefill:
+                s.prefilled += slot.tokens
+                if s.prefill_left <= 0:
+                    s.prefill_ms = (self.clock() - s.t_start) * 1e3
+            elif s.tree is not None:
+                self.commit_tree(s, *accepted[s.sid], verify_ms, rows[s.sid])
+            else:
+                self.commit_chain(s, rows[s.sid], verify_ms, ids.get(s.sid))
+
+    @staticmethod
+    def accept_trees(done: Sequence[tuple[BatchSession, mx.array]],
+                     ids: dict[int, list[int]]) -> dict[int, tuple[list[int], int]]:
+        """Each verified tree's accepted path and next token (the rules of `tree_generate`);
+        every row then keeps its root and path (one gather and scatter per layer per store)
+        before anything is committed, so a session that ends here leaves a consistent row."""
+        out, kept = {}, {}
+        for s, logits in done:
+            path, nxt = out[s.sid] = accept_tree(s.tree, logits, s.req.params, s.rng, s.seed,
+                                                 len(s.generated), ids.get(s.sid))
+            base = s.cache.offset - len(s.tree.tokens)
+            kept.setdefault(s.cache.store, []).append((s.cache, base, path))
+        for store, rows in kept.items():
+            store.keep_paths(rows)
+        return out
+
+    def commit_tree(self, s: BatchSession, path: list[int], nxt: int, verify_ms: float,
+                    logits: mx.array) -> None:
+        tree = s.tree
+        new = [*tree.path_tokens(path), nxt]
+        lps = _logprobs(s, logits, tree_rows(path, len(new)), new)
+        if tree.size:
+            # geometric trials along the path: it stopped where the tree had more to offer
+            last = path[-1] if path else 0
+            self._trials(s, len(path) + bool(tree.children[last]), len(path))
+        s.group.observe(s.drafts, tree.accepted_per_source(path), verify_ms, len(tree.tokens))
+        self.commit(s, new, drafted=tree.size, accepted=len(path), verify_ms=verify_ms,
+                    logprobs=lps)
+
+    def commit_chain(self, s: BatchSession, logits: mx.array, verify_ms: float,
+                     target: list[int] | None = None) -> None:
+        """target: the block's argmax ids (greedy), computed with the batch's."""
+        d = s.draft
+        n, nxt = accept_chain(d, masked_logits(s.constraint, logits, d.tokens)
+                              if target is None else logits, s.req.params, s.seed,
+                              len(s.generated), target)
+        new = [*d.tokens[:n], nxt]
+        lps = _logprobs(s, logits, chain_rows(len(new)), new)
+        if len(d) - n:
+            trim_cache(s.cache, len(d) - n)
+        if len(d):
+            self._trials(s, n + (n < len(d)), n)
+            if s.proposer is not None:
+                s.proposer.observe(len(d), n, verify_ms)
+        s.controller.observe(len(d), n, s.draft_ms, verify_ms)
+        self.commit(s, new, drafted=len(d), accepted=n, verify_ms=verify_ms, logprobs=lps)
+
+    def _trials(self, s: BatchSession, trials: int, accepted: int) -> None:
+        s.trials += trials
+        self.costs.observe_block(trials, accepted)
+
+    def commit(self, s: BatchSession, new: list[int], *, drafted: int, accepted: int,
+               verify_ms: float, logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
+        """A verified block's committed tokens (cut at a stop token) into the session's
+        context and out to the client; the session finished at a stop token or its length.
+        Every token a session commits passes here, once (a per-session constraint advances
+        on them here)."""
+        new, stopped = cut_at_stop(new, s.req.eos_ids)
+        if s.constraint is not None:  # the grammar's end is a stop too
+            end = s.constraint.commit(new)
+            if end is not None:
+                new, stopped = new[:end], True
+        s.context.extend(new)
+        s.generated.extend(new)
+        s.tally.record(drafted, accepted, s.draft_ms, verify_ms)
+        blocks = s.tally.blocks
+        if blocks == 1 and (s.cached or s.shared):
+            s.emit(PromptReused(s.cached + s.shared))
+        if s.req.report_blocks:
+            s.emit(BlockDone(block=blocks, k=s.k, drafted=drafted, accepted=accepted,
+                             committed=len(new), draft_ms=s.draft_ms, verify_ms=verify_ms,
+                             block_ms=s.draft_ms + verify_ms))
+        if new:
+            s.times.commit(self.clock())
+            if logprobs:
+                s.emit(LogprobsCommitted(logprobs[:len(new)]))
+            s.emit(TokensCommitted(blocks, tuple(new)))
+        if stopped:
+            self.finish(s, "stop")
+        elif len(s.generated) >= s.req.max_tokens:
+            self.finish(s, "length")
+
+
+def feed(run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],
+         hidden: Sequence[mx.array], accepted: dict[int, tuple[list[int], int]]) -> None:
+    """Hidden-state drafters get the rows of their session's forward, as a tap on a
+    single-session forward would give them: a prefill chunk's and a chain block's rows at
+    their positions (rejected ones are overwritten later), a tree's root and accepted path
+    moved behind the root as its cache was."""
+    for (s, slot), seg, h in zip(run, segs, hidden):
+        if not s.feeds:
+            continue
+        start = seg.cache.offset - len(seg)  # the offset before this forward
+        toks = seg.tokens
+        if not slot.prefill and s.tree is not None:
+            path = accepted[s.sid][0]
+            start = s.cache.offset - 1 - len(path)  # kept: root + path
+            toks = (s.tree.tokens[0], *s.tree.path_tokens(path))
+            h = h[mx.array([0, *path], dtype=mx.int32)]
+        for p in s.feeds:
+            p.feed_features(start, toks, h)
+
+
+def _logprobs(s: BatchSession, logits: mx.array, rows: list[int], new: list[int]
+              ) -> tuple[TokenLogprob, ...] | None:
+    """The committed tokens' logprobs when the request asked for them (else None)."""
+    if s.req.logprobs is None:
+        return None
+    return block_logprobs(logits, rows, new, s.req.logprobs)

@@ -1,0 +1,183 @@
+"""Every decoding session's draft for the next iteration: how long, then the drafts themselves.
+
+`lengths` asks each session's controller (or tree group) for its draft length and cuts the
+adaptive ones to what pays at this batch's measured costs (`scheduler.plan_drafts`) and to the
+room the iteration has; `draft_all` then drafts them: every drafter's request goes out first
+and the replies are collected after, so drafters on other machines draft at once; local EAGLE
+chain drafters whose head caches are rows of one store draft together (`draft_chains`).
+When `draft_all` returns, a session's block is final: `s.draft` (a chain) or `s.tree` made of
+`s.drafts` (a token tree), cut to its slot only by the scheduler (a per-session constraint on
+the tokens cuts the drafts it forbids, or adds the tokens it forces, at the end of `draft_all`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from macfleet.engine.controller import DraftTokens
+from macfleet.engine.constraint import constrained_draft
+from macfleet.engine.loop import ProposerFailed, sanitize_draft
+from macfleet.engine.models import LoadedModel
+from macfleet.engine.proposers import make_proposer
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.eagle.chain import EagleProposer
+from macfleet.engine.text import Drafting, make_group, no_drafts, plan_drafting
+from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_of_drafts
+from macfleet.serve.batch_session import BatchSession
+from macfleet.serve.costs import BatchCosts
+from macfleet.serve.scheduler import DraftView, draft_acceptance, plan_drafts
+
+log = logging.getLogger(__name__)
+
+PROBE_EVERY = 16  # sessions try one draft at least this often, whatever the estimates say
+PROBE_GROUPS = 4  # ... in this many groups, spread over those iterations
+
+Chains = Callable[[Sequence[tuple[EagleProposer, Sequence[int], int]]], list[Draft]]
+
+
+def make_drafting(spec: str, lm: LoadedModel, draft_tokens: DraftTokens,
+                  invariant: bool) -> Drafting:
+    """A new session's drafter from an engine's proposer spec: a chain drafter, a group
+    (several drafters joined by '+', or one that drafts trees), or None."""
+    drafting = plan_drafting(
+        spec, chain=lambda one: make_proposer(one, lm),
+        tree=lambda specs: make_group([make_proposer(x, lm) or no_drafts(x) for x in specs],
+                                      draft_tokens))
+    if drafting is not None:
+        try:
+            check_drafting(drafting, invariant)
+        except ValueError:
+            drafting.close()
+            raise
+    return drafting
+
+
+def check_drafting(drafting: Proposer | ProposerGroup, invariant: bool) -> None:
+    """Refuse what the batch-invariant mode cannot run (it verifies chains of token drafts)."""
+    if invariant and (isinstance(drafting, ProposerGroup) or drafting.drafts_trees
+                      or drafting.wants_features):
+        raise ValueError(f"'{drafting.name}' drafts token trees or from hidden states; the "
+                         "batch-invariant mode verifies chains from token drafters (each "
+                         "session runs the model's own forward)")
+
+
+def rows_of(p: Proposer | None):
+    """The store a local EAGLE chain drafter's head cache is a row of (drafted together)."""
+    return p.rows if isinstance(p, EagleProposer) else None
+
+
+def within(ks: dict[int, int], adaptive: Sequence[int], room: int | None) -> dict[int, int]:
+    """The adaptive sessions' lengths (sids `adaptive`) cut, largest first, to the room the
+    fixed ones leave (None: no limit)."""
+    if room is None:
+        return ks
+    planned = set(adaptive)
+    left = room - sum(k for sid, k in ks.items() if sid not in planned)
+    return {**ks, **dict(zip(adaptive, cap_total([ks[sid] for sid in adaptive], left)))}
+
+
+class BatchDrafting:
+    """chains: drafts local EAGLE chains together (`draft_chains`; passed in so a caller
+    can count or replace it)."""
+
+    def __init__(self, vocab: int, clock: Callable[[], float], costs: BatchCosts,
+                 chains: Chains) -> None:
+        self.vocab, self.clock, self.costs, self._chains = vocab, clock, costs, chains
+
+    def lengths(self, decoding: list[BatchSession], room: int | None, *, iteration: int,
+                stall_ratio: float) -> tuple[dict[int, int], frozenset[int]]:
+        """Each decoding session's draft length: what its controller asks for, cut by
+        `plan_drafts` to the drafts that pay at this batch's measured costs, then to `room`
+        (draft tokens the iteration has room for; None: no limit); and the sessions so
+        planned. The others keep their fixed length: their drafts, and so a seeded sample,
+        do not depend on the batch."""
+        wants = {s.sid: min(s.group.node_budget if s.group is not None else s.controller.next_k(),
+                            s.left)
+                 for s in decoding}
+        # in a batch, a tree session counts as a chain along its accepted path and the planned
+        # drafts cap its tree's nodes; alone, its drafters size the tree against verify(L) as
+        # in one process (a tree's value is not a chain's: measured, the plan cut trees that
+        # paid 1.24x for a single client)
+        adaptive = [s for s in decoding if wants[s.sid] > 0 and (
+            (s.auto_tree and len(decoding) > 1)
+            or (s.proposer is not None and getattr(s.controller, "alpha", None) is not None))]
+        cost = self.costs.batch_cost()
+        planned_sids = frozenset(s.sid for s in adaptive)
+        mine = [s.sid for s in adaptive]
+        if not adaptive:
+            return wants, planned_sids
+        if cost is None:
+            return within(wants, mine, room), planned_sids
+        pool_n, pool_acc = self.costs.pool_totals()
+        # sessions probe in PROBE_GROUPS groups, each group together once in PROBE_EVERY
+        # iterations: one session's probe in every iteration (they used to take turns) made
+        # every iteration pay an extra row (on a CPU often a kernel block) and, for a remote
+        # drafter, a round trip; all of them at once made one iteration in PROBE_EVERY a spike
+        # (a remote head catching up on every session: inter-token p99 0.5 s at 16 clients)
+        phase = iteration % PROBE_EVERY
+        step = PROBE_EVERY // PROBE_GROUPS
+        views = [DraftView(s.sid, draft_acceptance(s.tally.accepted, s.trials, pool_acc, pool_n),
+                           wants[s.sid], getattr(s.controller, "draft_ms", None) or 0.0,
+                           probe=phase == (s.sid % PROBE_GROUPS) * step,
+                           together=rows_of(s.proposer) is not None)
+                 for s in adaptive]
+        fixed = sum(1 + wants[s.sid] for s in decoding if s not in adaptive)
+        planned = plan_drafts(views, lambda n: cost(n + fixed), self.costs.step_ms or 0.0,
+                              stall_ratio=stall_ratio)
+        return within({**wants, **planned}, mine, room), planned_sids
+
+    def draft_all(self, decoding: list[BatchSession], ks: dict[int, int]) -> None:
+        """Every decoding session's draft: all requests go out first (`begin`), then the
+        replies are collected (`finish`), so drafters on other machines draft at once and the
+        batch waits for the slowest, not for the sum."""
+        t0 = self.clock()
+        asked, groups, together = [], {}, {}
+        for s in decoding:
+            s.draft, s.k, s.tree, s.drafts = EMPTY_DRAFT, ks[s.sid], None, []
+            rows = rows_of(s.proposer) if s.k > 0 else None
+            if rows is not None:
+                together.setdefault(id(rows), []).append(s)
+            elif s.group is not None:
+                groups[s.sid] = cap_total(s.group.lengths(s.left), ks[s.sid])
+                s.k = sum(groups[s.sid])
+                s.group.begin(s.context, groups[s.sid])
+            elif s.proposer is not None and s.k > 0:
+                try:
+                    s.proposer.begin(s.context, s.k)
+                    asked.append(s)
+                except ProposerFailed as e:
+                    self._lose_proposer(s, e)
+        for sessions in together.values():  # local EAGLE chains: all at once
+            t1 = self.clock()
+            drafts = self._chains([(s.proposer, s.context, s.k) for s in sessions])
+            self.costs.observe_step((self.clock() - t1) * 1e3 / max(s.k for s in sessions))
+            for s, d in zip(sessions, drafts):
+                s.draft = sanitize_draft(d, s.k, self.vocab)
+                s.draft_ms = d.draft_ms
+        drafted = {s.sid for ss in together.values() for s in ss}
+        for s in decoding:
+            if s.sid in drafted:
+                continue
+            if s.group is not None:
+                s.drafts, s.tree = tree_of_drafts(s.context[-1], s.group.finish(),
+                                                  groups[s.sid], self.vocab,
+                                                  s.req.params.greedy)
+            elif s in asked:
+                try:
+                    d = sanitize_draft(s.proposer.finish(), s.k, self.vocab)
+                    s.draft = d if d.parents is None else EMPTY_DRAFT
+                except ProposerFailed as e:
+                    self._lose_proposer(s, e)
+            s.draft_ms = (self.clock() - t0) * 1e3
+        for s in decoding:  # structured output: forced tokens first, drafts cut to the grammar
+            if s.constraint is not None:
+                s.tree, s.draft = None, Draft(constrained_draft(
+                    s.constraint, s.draft.tokens, s.req.max_tokens - len(s.generated) - 1),
+                    None, s.draft_ms)
+
+    @staticmethod
+    def _lose_proposer(s: BatchSession, e: ProposerFailed) -> None:
+        log.warning("session %d: proposer failed (%s), continuing without", s.sid, e)
+        s.proposer.close()
+        s.proposer = None

@@ -1,0 +1,180 @@
+"""Where each session's KV cache comes from and where it goes.
+
+A session's keys and values are a row of the engine's shared `BatchKV` store (a long prompt
+gets a store of its own), or its own per-layer caches in the batch-invariant mode. Its prompt
+prefix may come without a prefill: copied from another session's row that holds the same
+prefix (`share_prefixes`), installed from the prompt cache or from a KV shipped by a prefill
+agent (flow KV) a few layers per iteration (`install_some`); a finished session's row goes into
+the prompt cache (`retain`) before it is freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from macfleet.engine.batch import BatchKV, RowCache
+from macfleet.engine.proposers.eagle.chain import share_head_rows
+from macfleet.engine.verifier import make_trimmable_cache
+from macfleet.serve.batch_session import BatchSession
+from macfleet.serve.prompt_cache import PromptCache, row_kv
+from macfleet.serve.scheduler import PrefixView, plan_prefix_sharing
+
+log = logging.getLogger(__name__)
+
+OWN_STORE_PROMPT = 512  # prompts longer than this keep their KV in a store of their own
+DEFAULT_DECODE_MS = 100.0  # the decode iteration assumed before one is measured
+
+CopyFeatures = Callable[[BatchSession, BatchSession, int], bool]
+
+
+def copy_features(src: BatchSession, dst: BatchSession, n: int) -> bool:
+    """A copied prefix's hidden-state rows, from the source's drafters to the destination's
+    (pairwise: one engine spec makes the same drafters); False when the source's do not hold
+    them all (the destination then prefills itself)."""
+    if not dst.feeds:
+        return True
+    rows = [p.feature_rows(n) for p in src.feeds]
+    if len(rows) != len(dst.feeds) or any(r is None for r in rows):
+        return False
+    for p, h in zip(dst.feeds, rows):
+        p.feed_features(0, dst.req.prompt[:n], h)
+    return True
+
+
+class SessionKV:
+    """kv: the shared store (None: per-session caches, the batch-invariant mode);
+    prompt_cache: finished requests' KV for later prompts that start the same (or None)."""
+
+    def __init__(self, model, kv: BatchKV | None, prompt_cache: PromptCache | None,
+                 clock: Callable[[], float]) -> None:
+        self.model, self.kv, self.prompt_cache, self.clock = model, kv, prompt_cache, clock
+        self.head_rows: dict[int, BatchKV] = {}  # local EAGLE heads' caches, one store each
+        self._layout = None  # the model's KV layout, read when a shipped KV first arrives
+
+    def open(self, s: BatchSession) -> None:
+        """An admitted session's empty cache (and its EAGLE head's row)."""
+        if self.kv is None:
+            s.cache = make_trimmable_cache(self.model)
+            return
+        # a long prompt gets a store of its own: growing the shared one to its length would
+        # copy every row's keys (a ~1 s stall for a 2,000-token prompt beside 8 decoders);
+        # room for the whole prompt now, one growth
+        store = (self.kv if len(s.req.prompt) <= OWN_STORE_PROMPT
+                 else BatchKV(len(self.model.layers), row_step=1))
+        s.cache = store.open()
+        store.reserve(s.cache.row + 1, len(s.req.prompt))
+        share_head_rows(s.proposer, self.head_rows)  # its head's cache: a row
+
+    def reuse(self, s: BatchSession) -> None:
+        """Its prompt's KV from the prompt cache, when one is there (installed as a shipped
+        KV is, over iterations); a shipped KV into per-session caches at once."""
+        if self.prompt_cache is not None and s.kv is None and not s.feeds:
+            s.cached, s.kv = self.prompt_cache.lookup(s.req.prompt)
+        if s.kv is not None and not isinstance(s.cache, RowCache):
+            self._install(s)  # batch-invariant mode: per-session caches, at once
+
+    def close(self, s: BatchSession, done: bool) -> None:
+        """Free its cache; a session that finished leaves its KV in the prompt cache."""
+        if isinstance(s.cache, RowCache):
+            if done and self.prompt_cache is not None:
+                self._retain(s)
+            s.cache.close()
+        s.cache = None
+
+    def _retain(self, s: BatchSession) -> None:
+        """A finished session's KV (prompt and answer) into the prompt cache: the positions
+        whose tokens are its context (not a cut-off stop token's)."""
+        n = min(s.cache.offset, len(s.context) - 1)
+        if n < self.prompt_cache.min_tokens or s.cache.store.keys[0] is None:
+            return
+        try:
+            self.prompt_cache.insert(s.context[:n], row_kv(s.cache.store, s.cache.row, n))
+        except (RuntimeError, ValueError, MemoryError) as e:  # not kept: later prompts prefill
+            log.warning("session %d: KV not kept in the prompt cache: %s", s.sid, e)
+
+    # -- shipped and cached prompt KVs ----------------------------------------------------
+    def _layout_dtype(self) -> mx.Dtype:
+        from macfleet.engine.kvship import model_layout
+
+        if self._layout is None:
+            self._layout = model_layout(self.model)
+        return getattr(mx, self._layout.dtype)
+
+    def _install(self, s: BatchSession) -> None:
+        """A shipped prompt KV into the session's fresh per-layer caches, all at once."""
+        from macfleet.engine.kvship import install
+
+        self._layout_dtype()
+        install(s.cache, self._layout, s.kv)
+        self._installed(s)
+
+    def _installed(self, s: BatchSession) -> None:
+        s.prefilled = s.kv[0][0].shape[1]  # prompt[:-1] shipped; a prompt cache's prefix
+        s.kv = None
+        if s.prefill_left <= 0:
+            s.prefill_ms = (self.clock() - s.t_start) * 1e3
+
+    def install_some(self, installing: list[BatchSession], budget_ms: float,
+                     fail: Callable[[BatchSession, str], None]) -> None:
+        """Copy shipped prompt KVs into their batch rows, layer by layer, oldest first, for at
+        most `budget_ms` (0: all of them; at least one layer, so an install always moves): a
+        long prompt's KV (an 8,000-token one is ~1 s of copying here) never stalls the batch
+        in one piece. A session joins the forward once its last layer is in; one whose KV
+        cannot be installed is failed alone (`fail(s, message)`)."""
+        t0 = self.clock()
+        dtype = self._layout_dtype()
+        moved = False
+        for s in installing:
+            n_layers = len(s.kv)
+            while s.installed < n_layers:
+                spent = (self.clock() - t0) * 1e3
+                if budget_ms > 0 and moved and spent + s.layer_ms > budget_ms:
+                    return
+                moved = True
+                t1 = self.clock()
+                try:
+                    s.cache.store.install(s.cache, s.kv, dtype, range(s.installed,
+                                                                       s.installed + 1))
+                except Exception as e:  # noqa: BLE001 - one bad KV fails its session alone
+                    log.exception("session %d: shipped KV could not be installed", s.sid)
+                    fail(s, f"could not install the shipped KV: {type(e).__name__}: {e}")
+                    break
+                s.layer_ms = max(s.layer_ms, (self.clock() - t1) * 1e3)
+                s.installed += 1
+                if s.installed == n_layers:
+                    self._installed(s)
+
+    # -- prompt prefixes shared between sessions ------------------------------------------
+    def share_prefixes(self, batch: list[BatchSession], copy: CopyFeatures = copy_features
+                       ) -> list[BatchSession]:
+        """New sessions copy the prompt prefix another session's cache holds; those about to
+        get one from a session ahead of them sit this iteration out (returned: the others).
+        copy: moves the prefix's hidden-state rows between their drafters (`copy_features`)."""
+        if self.kv is None or not any(s.prefilled == 0 < s.prefill_left for s in batch):
+            return batch
+        # copies stay within a store; sessions fed hidden states copy among themselves, with
+        # the source drafters' rows of the prefix (else their drafters would have none)
+        mine = [s for s in batch if s.cache.store is self.kv]
+        copies, waiting = (), frozenset()
+        for group in ([s for s in mine if not s.feeds],
+                      [s for s in mine if s.feeds and all(hasattr(p, "feature_rows")
+                                                          for p in s.feeds)]):
+            c, w = plan_prefix_sharing([PrefixView(s.sid, tuple(s.context[:s.cache.offset]),
+                                                   s.req.prompt[:-1]) for s in group])
+            copies, waiting = (*copies, *c), waiting | w
+        by_sid = {s.sid: s for s in batch}
+        copies = [c for c in copies if copy(by_sid[c.src], by_sid[c.dst], c.tokens)]
+        if copies:
+            self.kv.copy_prefixes([(by_sid[c.src].cache, by_sid[c.dst].cache, c.tokens)
+                                   for c in copies])
+        for c in copies:
+            dst = by_sid[c.dst]
+            dst.prefilled = dst.shared = c.tokens
+            if dst.prefill_left <= 0:
+                dst.prefill_ms = (self.clock() - dst.t_start) * 1e3
+            log.debug("session %d: %d prompt tokens from session %d's cache", c.dst, c.tokens,
+                      c.src)
+        return [s for s in batch if s.sid not in waiting]

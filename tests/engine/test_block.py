@@ -1,0 +1,75 @@
+"""The block step every loop shares (engine/block.py): acceptance, stop cut, statistics."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from macfleet.engine.block import BlockTally, accept_chain, accept_tree, cut_at_stop
+from macfleet.engine.proposers.base import Draft
+from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.engine.tree import TokenTree
+
+V = 8
+
+
+def _logits(argmax: list[int]) -> mx.array:
+    """[len, V] logits whose row i peaks at argmax[i]."""
+    a = np.full((len(argmax), V), -5.0, np.float32)
+    a[np.arange(len(argmax)), argmax] = 5.0
+    return mx.array(a)
+
+
+def test_greedy_chain_accepts_the_leading_matches_and_takes_the_argmax_after():
+    logits = _logits([3, 4, 7, 1])
+    assert accept_chain(Draft((3, 4, 5)), logits, GREEDY, 0, 0) == (2, 7)
+    assert accept_chain(Draft((3, 4, 7)), logits, GREEDY, 0, 0) == (3, 1)  # bonus
+    assert accept_chain(Draft(()), logits[:1], GREEDY, 0, 0) == (0, 3)  # a plain step
+
+
+def test_greedy_chain_decides_on_the_given_target_not_the_logits():
+    """A batch computes every greedy block's argmax in one evaluation and passes it in."""
+    assert accept_chain(Draft((3, 4)), _logits([3, 4, 7]), GREEDY, 0, 0, [3, 0, 6]) == (1, 0)
+
+
+def test_sampled_chain_uses_the_ratio_test_with_probabilities_and_exact_match_without():
+    params = SamplingParams(1.0, 1.0, 5)
+    logits = _logits([2, 2, 2])  # nearly all mass on 2
+    q = np.full((2, V), 1.0 / V)
+    n, nxt = accept_chain(Draft((2, 2), q), logits, params, 5, 0)
+    assert (n, nxt) == (2, 2)
+    n, nxt = accept_chain(Draft((5, 2)), logits, params, 5, 0)
+    assert (n, nxt) == (0, 2)  # exact match: y ~ p is 2, not the draft's 5
+
+
+def test_tree_acceptance_follows_the_matching_branch():
+    # root, then two children of the root: 4 (node 1) and 6 (node 2); node 3 = 5 under 6
+    tree = TokenTree.from_drafts(0, [(4,), (6, 5)], [None, None], [None, None])
+    logits = _logits([6, 1, 5, 2])  # rows by node: root -> 6, node 2 (6) -> 5, node 3 -> 2
+    path, nxt = accept_tree(tree, logits, GREEDY, None, 0, 0)
+    assert tree.path_tokens(path) == [6, 5] and nxt == 2
+    path, nxt = accept_tree(tree, logits, GREEDY, None, 0, 0, [4, 0, 0, 0])  # a given target
+    assert tree.path_tokens(path) == [4] and nxt == 0
+    hot = SamplingParams(1.0, seed=2)  # sampled, no draft probabilities: decided on the device
+    path, nxt = accept_tree(tree, logits * 4, hot, None, 2, 0)
+    assert tree.path_tokens(path) == [6, 5] and nxt == 2
+
+
+def test_cut_at_stop():
+    assert cut_at_stop([1, 2, 3], frozenset({9})) == ([1, 2, 3], False)
+    assert cut_at_stop([1, 9, 3], frozenset({9, 3})) == ([1], True)
+    assert cut_at_stop([9], frozenset({9})) == ([], True)
+
+
+def test_tally_counts_drafted_blocks_in_the_histogram_and_every_block_in_time():
+    t = BlockTally()
+    t.record(0, 0, 1.0, 10.0)  # a plain step: a block, no draft
+    t.record(4, 2, 2.0, 20.0)
+    t.record(3, 0, 3.0, 30.0)
+    st = t.stats(tokens=6, elapsed_s=1.0, prefill_ms=5.0, proposer="ngram",
+                 finish_reason="length")
+    assert (st.blocks, st.drafted, st.accepted) == (3, 7, 2)
+    assert st.accepted_hist == (1, 0, 1)  # grown to the longest accepted length, no further
+    assert (st.draft_ms, st.verify_ms) == (6.0, 60.0)
+    assert BlockTally(blocks=2).stats(tokens=2, elapsed_s=1.0, prefill_ms=0.0, proposer="none",
+                                      finish_reason="stop").accepted_hist == ()

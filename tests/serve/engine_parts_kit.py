@@ -1,0 +1,45 @@
+"""Sessions and fakes for the serving engine's parts' own tests (no model unless named)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from macfleet.engine.controller import make_controller
+from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
+from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.serve.batch_session import BatchSession, EngineRequest
+
+
+def session(sid: int = 0, prompt: Sequence[int] = (1, 2, 3), max_tokens: int = 8, *,
+            params: SamplingParams = GREEDY, eos: frozenset[int] = frozenset(),
+            proposer: Proposer | None = None, draft_tokens=0, **kw) -> BatchSession:
+    """A session whose events go to its `.events` list."""
+    events: list = []
+    s = BatchSession(sid, EngineRequest(tuple(prompt), params, max_tokens, eos), events.append,
+                     proposer, make_controller(draft_tokens), **kw)
+    s.events = events
+    s.context = list(prompt)
+    return s
+
+
+class Scripted(Proposer):
+    """Drafts what it is told; fails when told to."""
+
+    name = "scripted"
+
+    def __init__(self, drafts: Sequence[tuple[int, ...]] = (), fail: bool = False) -> None:
+        self.drafts, self.fail, self.closed = list(drafts), fail, False
+        self.seen: list[int] = []  # the k of each draft asked for
+        self.observed: list[tuple[int, int]] = []  # (drafted, accepted) of each block
+
+    def propose(self, context, k, with_guess=False) -> Draft:
+        if self.fail:
+            raise ProposerFailed("gone")
+        self.seen.append(k)
+        return Draft(tuple(self.drafts.pop(0)) if self.drafts else ())
+
+    def observe(self, drafted, accepted, verify_ms, verified=None) -> None:
+        self.observed.append((drafted, accepted))
+
+    def close(self) -> None:
+        self.closed = True
