@@ -31,7 +31,8 @@ WORK = ROOT / ".mutation"
 # rules, the codec, the KV rollback, KV shipping, token trees, then the rest.
 MODULES: dict[str, tuple[str, list[str]]] = {
     "acceptance": ("macfleet/engine/acceptance.py", ["tests/engine/test_sampling_lossless.py"]),
-    "codec": ("bridge/codec.py", ["tests/bridge/test_codec.py", "tests/bridge/test_fuzz_codec.py"]),
+    "codec": ("bridge/codec.py", ["tests/bridge/test_codec.py", "tests/bridge/test_codec_paths.py",
+                                    "tests/bridge/test_fuzz_codec.py"]),
     "verifier": ("macfleet/engine/verifier.py", ["tests/engine/test_kv_rollback.py",
                                                   "tests/engine/test_verify_costs.py"]),
     "kvship": ("macfleet/engine/kvship.py", ["tests/engine/test_kvship.py"]),
