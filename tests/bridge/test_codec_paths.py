@@ -30,13 +30,15 @@ class _Holder:
 
 @message("test.codec.paths")
 class Paths:
-    """Arrays wherever a field may hold one, a field typed None, and a check of its own."""
+    """Arrays wherever a field may hold one, a field typed None, a union of float and str, and
+    a check of its own."""
 
     pair: tuple[np.ndarray, int]
     by_name: dict[str, np.ndarray]
     holder: _Holder
     nothing: None
     count: int = 0
+    ratio: float | str = 0.5  # a union without int
 
     def __post_init__(self) -> None:
         if self.count > 1000:
@@ -90,6 +92,19 @@ def test_a_field_typed_none_carries_only_none():
     bad = msgpack.packb(dict(body, nothing=0))
     assert refusal([header(type="test.codec.paths"), bad, *frames[2:]]) == (
         "malformed", "test.codec.paths.nothing: expected none, got int", "abc")
+
+
+def test_an_int_for_a_union_with_float_but_no_int_becomes_a_float():
+    msg = Paths((np.zeros(1, np.float32), 1), {}, _Holder(np.zeros(1, np.float32)), None)
+    frames = codec.encode(msg)
+    body = msgpack.unpackb(frames[1])
+    for wire, want in ((2, 2.0), (2.5, 2.5), ("x", "x")):
+        got = codec.decode([header(type="test.codec.paths"), msgpack.packb(dict(body, ratio=wire)),
+                            *frames[2:]]).msg.ratio
+        assert got == want and type(got) is type(want)
+    bad = msgpack.packb(dict(body, ratio=True))
+    assert refusal([header(type="test.codec.paths"), bad, *frames[2:]]) == (
+        "malformed", "test.codec.paths.ratio: expected union, got bool", "abc")
 
 
 def test_a_class_refusing_its_fields_is_malformed_and_the_message_is_cut_to_200():
@@ -192,3 +207,18 @@ def test_a_header_value_holding_more_than_16_items_is_refused_by_msgpack(field):
     for ok in (list(range(16)), {str(i): 0 for i in range(16)}):
         assert refusal([header(**{field: ok}), PING]) == (
             "malformed", "header field of the wrong type or size", "abc")
+
+
+def test_header_and_body_may_come_as_any_buffer():
+    """Frames are read as their bytes, header and body included: msgpack refuses a buffer of
+    multi-byte items (BufferError), so decode casts such views to bytes first."""
+    for i in range(4):  # a header and a body of an even number of bytes, as uint16 items
+        h = header(id="a" * (3 + i))
+        if len(h) % 2 == 0:
+            break
+    body = next(b for b in (msgpack.packb({"seq": s, "sent_ns": 2}) for s in (1, 200, 300, 70000))
+                if len(b) % 2 == 0)
+    want = codec.decode([h, body]).msg
+    for shape in ((-1,), (1, -1)):
+        frames = [np.frombuffer(f, np.uint16).reshape(shape) for f in (h, body)]
+        assert codec.decode(frames).msg == want
