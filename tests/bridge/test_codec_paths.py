@@ -30,8 +30,8 @@ class _Holder:
 
 @message("test.codec.paths")
 class Paths:
-    """Arrays wherever a field may hold one, a field typed None, a union of float and str, and
-    a check of its own."""
+    """Arrays wherever a field may hold one, a field typed None, unions without int, and a
+    check of its own."""
 
     pair: tuple[np.ndarray, int]
     by_name: dict[str, np.ndarray]
@@ -39,6 +39,7 @@ class Paths:
     nothing: None
     count: int = 0
     ratio: float | str = 0.5  # a union without int
+    label: str | bytes = ""  # a union without int or float
 
     def __post_init__(self) -> None:
         if self.count > 1000:
@@ -94,7 +95,7 @@ def test_a_field_typed_none_carries_only_none():
         "malformed", "test.codec.paths.nothing: expected none, got int", "abc")
 
 
-def test_an_int_for_a_union_with_float_but_no_int_becomes_a_float():
+def test_an_int_for_a_union_without_int_becomes_a_float_if_float_is_a_member():
     msg = Paths((np.zeros(1, np.float32), 1), {}, _Holder(np.zeros(1, np.float32)), None)
     frames = codec.encode(msg)
     body = msgpack.unpackb(frames[1])
@@ -105,6 +106,9 @@ def test_an_int_for_a_union_with_float_but_no_int_becomes_a_float():
     bad = msgpack.packb(dict(body, ratio=True))
     assert refusal([header(type="test.codec.paths"), bad, *frames[2:]]) == (
         "malformed", "test.codec.paths.ratio: expected union, got bool", "abc")
+    bad = msgpack.packb(dict(body, label=2))
+    assert refusal([header(type="test.codec.paths"), bad, *frames[2:]]) == (
+        "malformed", "test.codec.paths.label: expected union, got int", "abc")
 
 
 def test_a_class_refusing_its_fields_is_malformed_and_the_message_is_cut_to_200():
