@@ -292,8 +292,9 @@ def test_assembler_checks_int8_scales_and_reports_what_is_missing(tiny):
     q = np.zeros((1, lay.heads, 4, lay.head_dim), np.int8)
     s = np.ones((1, lay.heads, 4), np.float16)
     for ks, vs in ((s, s[:, :, :3]), (s[:, :, :3], s), (s, None), (None, s)):
-        with pytest.raises(KVShipError, match="scales"):
+        with pytest.raises(KVShipError) as e:
             asm.add(KVSlice(0, 0, q, q, ks, vs))
+        assert str(e.value) == "int8 slices need scales of shape [layers, heads, tokens]"
     with pytest.raises(KVShipError, match="scales"):  # float slices carry no scales
         asm.add(KVSlice(0, 0, q.astype(np.float32), q.astype(np.float32), s, s))
     asm.add(KVSlice(0, 0, q, q, s, s))
