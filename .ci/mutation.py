@@ -37,9 +37,15 @@ MODULES: dict[str, tuple] = {
                                     "tests/bridge/test_fuzz_codec.py"]),
     "verifier": ("macfleet/engine/verifier.py", ["tests/engine/test_kv_rollback.py",
                                                   "tests/engine/test_verify_costs.py"]),
-    # the batch's KV rollback (a row's trim, a tree's kept path), not the whole of batch.py
-    "batch_rollback": ("macfleet/engine/batch.py", ["tests/engine/test_batch.py"],
-                       ["RowCache.trim", "trim_cache", "BatchKV.keep_paths", "BatchKV._move"]),
+    # the batch's KV rollback (a row's trim, a tree's kept path), not the whole of batch.py,
+    # against the tests of the rollback itself (the batched-equals-alone runs take minutes each)
+    "batch_rollback": ("macfleet/engine/batch.py", [
+        f"tests/engine/test_batch.py::{t}" for t in (
+            "test_keep_paths_moves_each_rows_kept_nodes_behind_its_root_in_one_call",
+            "test_a_row_rolls_back_at_most_what_it_holds_and_says_how_much",
+            "test_batch_kv_rows_copy_and_roll_back",
+            "test_flat_forward_trees_match_the_single_session_tree_forward")],
+        ["RowCache.trim", "trim_cache", "BatchKV.keep_paths", "BatchKV._move"]),
     "kvship": ("macfleet/engine/kvship.py", ["tests/engine/test_kvship.py"]),
     "tree": ("macfleet/engine/tree.py", ["tests/engine/test_tree.py"]),
     "sampling": ("macfleet/engine/sampling.py", ["tests/engine/test_sampling_lossless.py"]),

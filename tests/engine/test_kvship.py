@@ -297,15 +297,21 @@ def test_assembler_checks_int8_scales_and_reports_what_is_missing(tiny):
         assert str(e.value) == "int8 slices need scales of shape [layers, heads, tokens]"
     with pytest.raises(KVShipError, match="scales"):  # float slices carry no scales
         asm.add(KVSlice(0, 0, q.astype(np.float32), q.astype(np.float32), s, s))
-    asm.add(KVSlice(0, 0, q, q, s, s))
+    with pytest.raises(KVShipError) as e:
+        asm.add(KVSlice(0, 0, q.astype(np.float64), q.astype(np.float64)))
+    assert str(e.value) == "slice dtype float64 is not a KV codec's"
+    sent = [KVSlice(0, 0, q, q, s, s)]
+    asm.add(sent[0])
     with pytest.raises(KVShipError) as e:
         asm.arrays()
     assert str(e.value) == f"{lay.layers * 8 - 4} (layer, position) entries never arrived"
-    asm.add(KVSlice(0, 4, q, q, s, s))
+    sent.append(KVSlice(0, 4, q, q, s, s))
     for layer in range(1, lay.layers):
-        asm.add(KVSlice(layer, 0, q[:, :, :1].repeat(8, 2), q[:, :, :1].repeat(8, 2),
-                        s[:, :, :1].repeat(8, 2), s[:, :, :1].repeat(8, 2)))
-    assert asm.complete
+        sent.append(KVSlice(layer, 0, q[:, :, :1].repeat(8, 2), q[:, :, :1].repeat(8, 2),
+                            s[:, :, :1].repeat(8, 2), s[:, :, :1].repeat(8, 2)))
+    for piece in sent[1:]:
+        asm.add(piece)
+    assert asm.complete and asm.nbytes == sum(piece.nbytes for piece in sent)
     assert all(k.dtype == v.dtype == np.float32 for k, v in asm.arrays())
 
 
