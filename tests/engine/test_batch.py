@@ -491,6 +491,11 @@ def test_keep_paths_moves_each_rows_kept_nodes_behind_its_root_in_one_call():
     with pytest.raises(ValueError, match="row 0: cannot keep 1 nodes past 2"):
         store.keep_paths([(d, 2, [1])])  # another store's row
     assert d.offset == 8
+    one, (r,) = _filled_store(1, 8, layers=1)  # a one-layer model's store
+    k0 = np.array(one.keys[0])
+    r.offset = 4
+    one.keep_paths([(r, 0, [2])])
+    assert r.offset == 2 and np.array_equal(np.array(one.keys[0])[0, :, 1], k0[0, :, 2])
 
 
 def test_a_row_rolls_back_at_most_what_it_holds_and_says_how_much(tiny):
