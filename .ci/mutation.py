@@ -11,10 +11,12 @@ into results/mutation.json.
 
 NAME: a key of MODULES (none: all, in priority order); --fresh: forget earlier results;
 --export: only write .mutation/<name>.json from the results so far (of a run that was stopped).
+A MODULES entry may name functions (`f`, `Class.method`): only their mutants run and count.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -27,13 +29,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".mutation"
 
-# name -> (file to mutate, the fast tests that exercise it). Priority order: the acceptance
-# rules, the codec, the KV rollback, KV shipping, token trees, then the rest.
-MODULES: dict[str, tuple[str, list[str]]] = {
+# name -> (file to mutate, the fast tests that exercise it[, only these functions]). Priority
+# order: the acceptance rules, the codec, the KV rollback, KV shipping, token trees, the rest.
+MODULES: dict[str, tuple] = {
     "acceptance": ("macfleet/engine/acceptance.py", ["tests/engine/test_sampling_lossless.py"]),
-    "codec": ("bridge/codec.py", ["tests/bridge/test_codec.py", "tests/bridge/test_fuzz_codec.py"]),
+    "codec": ("bridge/codec.py", ["tests/bridge/test_codec.py", "tests/bridge/test_codec_paths.py",
+                                    "tests/bridge/test_fuzz_codec.py"]),
     "verifier": ("macfleet/engine/verifier.py", ["tests/engine/test_kv_rollback.py",
                                                   "tests/engine/test_verify_costs.py"]),
+    # the batch's KV rollback (a row's trim, a tree's kept path), not the whole of batch.py,
+    # against the tests of the rollback itself (the batched-equals-alone runs take minutes each)
+    "batch_rollback": ("macfleet/engine/batch.py", [
+        f"tests/engine/test_batch.py::{t}" for t in (
+            "test_keep_paths_moves_each_rows_kept_nodes_behind_its_root_in_one_call",
+            "test_a_row_rolls_back_at_most_what_it_holds_and_says_how_much",
+            "test_batch_kv_rows_copy_and_roll_back",
+            "test_flat_forward_trees_match_the_single_session_tree_forward")],
+        ["RowCache.trim", "trim_cache", "BatchKV.keep_paths", "BatchKV._move"]),
     "kvship": ("macfleet/engine/kvship.py", ["tests/engine/test_kvship.py"]),
     "tree": ("macfleet/engine/tree.py", ["tests/engine/test_tree.py"]),
     "sampling": ("macfleet/engine/sampling.py", ["tests/engine/test_sampling_lossless.py"]),
@@ -61,8 +73,20 @@ def settings(path: str, tests: list[str]) -> str:
             "timeout_constant = 30.0\n")
 
 
+def patterns(name: str) -> list[str]:
+    """mutmut's names of the mutants of the entry's functions (none: every mutant)."""
+    path, _, *functions = MODULES[name]
+    module = path[:-3].replace("/", ".")
+    return [f"{module}." + ("x\u01c1" + f.replace(".", "\u01c1") if "." in f else "x_" + f)
+            + "__mutmut_*" for f in (functions[0] if functions else [])]
+
+
+def selected(mutant: str, pats: list[str]) -> bool:
+    return not pats or any(fnmatch.fnmatchcase(mutant, p) for p in pats)
+
+
 def prepare(name: str) -> Path:
-    path, tests = MODULES[name]
+    path, tests = MODULES[name][:2]
     d = WORK / name
     d.mkdir(parents=True, exist_ok=True)
     for item in LINKED:
@@ -106,9 +130,10 @@ def survivors(d: Path) -> list[dict]:
     """Every mutant that was run and not killed: (id, status, diff). Mutants not run yet
     (a stopped run) are only counted."""
     rows = []
+    pats = patterns(d.name)
     for line in mutmut(d, "results", "--all", "true").splitlines():
         m = re.match(r"\s*([\w.\u01c1]+__mutmut_\d+): (.+)$", line)
-        if m and m.group(2).strip() not in ("killed", "not checked"):
+        if m and m.group(2).strip() not in ("killed", "not checked") and selected(m.group(1), pats):
             rows.append({"id": m.group(1), "status": m.group(2).strip()})
     if rows:  # one process for all the diffs (a `mutmut show` each takes seconds)
         out = subprocess.run([sys.executable, "-c", DIFFS], cwd=d, capture_output=True,
@@ -125,13 +150,15 @@ def run(name: str, fresh: bool, export_only: bool = False) -> dict:
     if fresh and (d / "mutants").exists():  # else mutmut resumes (and re-runs what changed)
         shutil.rmtree(d / "mutants")
     if not export_only:
-        mutmut(d, "run", "--max-children", os.environ.get("MUTATION_JOBS", "1"), check=False)
+        mutmut(d, "run", "--max-children", os.environ.get("MUTATION_JOBS", "1"), *patterns(name),
+               check=False)
     counts: dict[str, int] = {}
     for line in mutmut(d, "results", "--all", "true").splitlines():
-        m = re.match(r"\s*[\w.\u01c1]+__mutmut_\d+: (.+)$", line)
-        if m:
-            counts[m.group(1).strip()] = counts.get(m.group(1).strip(), 0) + 1
-    out = {"module": MODULES[name][0], "tests": MODULES[name][1], "counts": counts,
+        m = re.match(r"\s*([\w.\u01c1]+__mutmut_\d+): (.+)$", line)
+        if m and selected(m.group(1), patterns(name)):
+            counts[m.group(2).strip()] = counts.get(m.group(2).strip(), 0) + 1
+    out = {"module": MODULES[name][0], "tests": MODULES[name][1],
+           "functions": MODULES[name][2] if len(MODULES[name]) > 2 else "all", "counts": counts,
            "minutes": round((time.monotonic() - t0) / 60, 1), "survivors": survivors(d)}
     (WORK / f"{name}.json").write_text(json.dumps(out, indent=1))
     return out

@@ -102,7 +102,10 @@ def encode(msg: Message, *, msg_id: str | None = None, session: str = "",
 def _int(v: Any, path: str) -> int:
     if isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{path}: expected int, got bool")
-    i = operator.index(v)
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{path}: expected int, got {type(v).__name__}") from None
     if not _INT_MIN <= i <= _INT_MAX:
         raise ValueError(f"{path}: {i} does not fit in 64 bits")
     return i

@@ -448,3 +448,68 @@ def test_cap_total_cuts_the_largest_draft_lengths_first():
     assert cap_total([24, 0], 5) == [5, 0]
     assert cap_total([4, 4, 2], 6) == [2, 2, 2]
     assert cap_total([3, 1], 10) == [3, 1] and cap_total([3, 1], 0) == [0, 0]
+
+
+# --- issue 36: the batch's KV rollback, pinned without a model (mutation testing) ---------------
+
+
+def _filled_store(rows: int, capacity: int, layers: int = 2, heads: int = 2, dim: int = 3):
+    """A BatchKV whose key at (layer, row, head, position) is 1000*layer + 100*row + 10*head +
+    position (+ 0.5 for each dim index) and whose value is its negative."""
+    import mlx.core as mx
+
+    store = BatchKV(layers, step=8)
+    caches = [store.open() for _ in range(rows)]
+    store.rows, store.capacity = rows, capacity
+    grid = np.meshgrid(np.arange(rows), np.arange(heads), np.arange(capacity), np.arange(dim),
+                       indexing="ij")
+    for i in range(layers):
+        k = 1000.0 * i + 100 * grid[0] + 10 * grid[1] + grid[2] + 0.5 * grid[3]
+        store.keys[i], store.values[i] = mx.array(k, dtype=mx.float32), mx.array(-k, mx.float32)
+    return store, caches
+
+
+def test_keep_paths_moves_each_rows_kept_nodes_behind_its_root_in_one_call():
+    store, (a, b, c) = _filled_store(3, 16)
+    before = [(np.array(k), np.array(v)) for k, v in zip(store.keys, store.values)]
+    a.offset, b.offset, c.offset = 10, 12, 5
+    # a: nodes 1, 2 are already behind the root (no move); b: nodes 2 and 5 move to 4, 5;
+    # c: nothing kept past its root
+    store.keep_paths([(a, 4, [1, 2]), (b, 3, [2, 5]), (c, 0, [])])
+    assert (a.offset, b.offset, c.offset) == (7, 6, 1)
+    for (k0, v0), k, v in zip(before, store.keys, store.values):
+        k, v = np.array(k), np.array(v)
+        want = k0.copy()
+        want[1, :, 4], want[1, :, 5] = k0[1, :, 5], k0[1, :, 8]
+        assert np.array_equal(k, want) and np.array_equal(v, -want)
+    with pytest.raises(ValueError, match="cannot keep 2 nodes past 4"):
+        store.keep_paths([(b, 4, [1, 2])])  # b holds 6: 4 + 1 + 2 > 6
+    store.keep_paths([(b, 3, [1, 2])])  # exactly what it holds
+    assert b.offset == 6
+    other, (d,) = _filled_store(1, 16)
+    d.offset = 8
+    with pytest.raises(ValueError, match="row 0: cannot keep 1 nodes past 2"):
+        store.keep_paths([(d, 2, [1])])  # another store's row
+    assert d.offset == 8
+    one, (r,) = _filled_store(1, 8, layers=1)  # a one-layer model's store
+    k0 = np.array(one.keys[0])
+    r.offset = 4
+    one.keep_paths([(r, 0, [2])])
+    assert r.offset == 2 and np.array_equal(np.array(one.keys[0])[0, :, 1], k0[0, :, 2])
+
+
+def test_a_row_rolls_back_at_most_what_it_holds_and_says_how_much(tiny):
+    from macfleet.engine.batch import trim_cache
+
+    store, (a,) = _filled_store(1, 16)
+    a.offset = 10
+    assert a.trim(3) == 3 and a.offset == 7
+    assert a.trim(0) == 0 and a.offset == 7
+    assert a.trim(100) == 7 and a.offset == 0
+    a.offset = 9
+    trim_cache(a, 4)
+    assert a.offset == 5
+    v = Verifier(tiny.model)
+    v.prefill(list(range(1, 13)))
+    trim_cache(v.cache, 5)
+    assert [c.offset for c in v.cache] == [7] * len(v.cache)

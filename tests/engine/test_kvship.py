@@ -157,7 +157,7 @@ def test_a_different_prefill_is_computed_not_installed(tiny):
     asm = _ship(tiny, ids, "auto")
     v = PrefilledVerifier(Verifier(tiny.model), ids, asm.layout, asm.arrays())
     v.prefill(ids[:-1])  # not what was shipped
-    assert not v.installed and v.offset == len(ids) - 1
+    assert v.installed is False and v.install_ms == 0.0 and v.offset == len(ids) - 1
 
 
 @pytest.mark.parametrize("prompt_len", [300, 700])  # a row of the shared store | its own store
@@ -226,3 +226,108 @@ def test_a_shipped_kv_goes_in_a_layer_per_iteration_while_others_decode(tiny, pr
                    kv=kv)
     at_once.run_until_idle()
     assert out["long"] == ref["long"] and len(ref["long"]) == 16
+
+
+# --- issue 36: what the mutants of kvship.py that survived the tests above showed --------------
+
+
+def test_slices_hold_as_many_whole_layers_as_max_bytes_allows(tiny):
+    """Each slice holds max_bytes // (bytes of one layer over the range) layers, at least one;
+    whatever the cut, the slices carry the same K, V and scales. Checked for a range not
+    starting at 0 and for int8's own price per token."""
+    src = _prefilled(tiny, _ids(tiny, 24))
+    lay = layout_of(src.cache)
+    assert lay.layers == 4
+    start, end = 5, 21
+    for codec in ("auto", "int8"):
+        per_layer = (end - start) * lay.bytes_per_token(codec) // lay.layers
+        (one,) = export_slices(src.cache, start, end, codec, 4 * per_layer)
+        for max_bytes, layers in [(1, [0, 1, 2, 3]), (per_layer - 1, [0, 1, 2, 3]),
+                                  (per_layer, [0, 1, 2, 3]), (2 * per_layer, [0, 2]),
+                                  (3 * per_layer, [0, 3]), (4 * per_layer, [0])]:
+            got = list(export_slices(src.cache, start, end, codec, max_bytes))
+            assert [s.layer for s in got] == layers, (codec, max_bytes)
+            assert all(s.start == start and s.keys.shape[2] == end - start for s in got)
+            if max_bytes >= per_layer:
+                assert all(s.nbytes <= max_bytes for s in got)
+            for field in ("keys", "values", "keys_scale", "values_scale"):
+                parts = [getattr(s, field) for s in got]
+                whole = getattr(one, field)
+                assert (whole is None and parts == [None] * len(got)) or np.array_equal(
+                    np.concatenate(parts), whole)
+
+
+def test_export_refuses_a_range_outside_the_cache_and_an_unknown_codec(tiny):
+    src = _prefilled(tiny, _ids(tiny, 10))
+    assert [s.keys.shape[2] for s in export_slices(src.cache, 4, 4)] == [0]  # empty is a range
+    for start, end in ((-1, 3), (5, 4), (0, 11)):
+        with pytest.raises(KVShipError) as e:
+            list(export_slices(src.cache, start, end))
+        assert str(e.value) == f"positions {start}..{end} outside the cache's 10"
+    with pytest.raises(KVShipError) as e:
+        list(export_slices(src.cache, 0, 10, "zstd"))
+    assert str(e.value) == "unknown KV codec 'zstd' (use auto, float16, int8)"
+
+
+def test_a_bfloat16_cache_ships_exactly_as_float32(tiny):
+    import mlx.core as mx
+
+    src = _prefilled(tiny, _ids(tiny, 12))
+    for c in src.cache:
+        c.keys, c.values = c.keys.astype(mx.bfloat16), c.values.astype(mx.bfloat16)
+    lay = layout_of(src.cache)
+    assert lay.dtype == "bfloat16" and lay.bytes_per_token("auto") == lay.bytes_per_token(
+        "float16") * 2
+    (s,) = export_slices(src.cache, 0, 12)
+    assert s.keys.dtype == np.float32 and s.values.dtype == np.float32
+    want = np.stack([np.array(c.keys[0, :, :12, :].astype(mx.float32)) for c in src.cache])
+    assert np.array_equal(s.keys, want) and not np.array_equal(s.keys, s.values)
+    (q,) = export_slices(src.cache, 0, 12, "int8")
+    assert q.keys.dtype == np.int8 and q.keys_scale.shape == want.shape[:3]
+
+
+def test_assembler_checks_int8_scales_and_reports_what_is_missing(tiny):
+    lay = model_layout(tiny.model)
+    asm = KVAssembler(lay, 8)
+    q = np.zeros((1, lay.heads, 4, lay.head_dim), np.int8)
+    s = np.ones((1, lay.heads, 4), np.float16)
+    for ks, vs in ((s, s[:, :, :3]), (s[:, :, :3], s), (s, None), (None, s)):
+        with pytest.raises(KVShipError) as e:
+            asm.add(KVSlice(0, 0, q, q, ks, vs))
+        assert str(e.value) == "int8 slices need scales of shape [layers, heads, tokens]"
+    with pytest.raises(KVShipError, match="scales"):  # float slices carry no scales
+        asm.add(KVSlice(0, 0, q.astype(np.float32), q.astype(np.float32), s, s))
+    with pytest.raises(KVShipError) as e:
+        asm.add(KVSlice(0, 0, q.astype(np.float64), q.astype(np.float64)))
+    assert str(e.value) == "slice dtype float64 is not a KV codec's"
+    sent = [KVSlice(0, 0, q, q, s, s)]
+    asm.add(sent[0])
+    with pytest.raises(KVShipError) as e:
+        asm.arrays()
+    assert str(e.value) == f"{lay.layers * 8 - 4} (layer, position) entries never arrived"
+    sent.append(KVSlice(0, 4, q, q, s, s))
+    for layer in range(1, lay.layers):
+        sent.append(KVSlice(layer, 0, q[:, :, :1].repeat(8, 2), q[:, :, :1].repeat(8, 2),
+                            s[:, :, :1].repeat(8, 2), s[:, :, :1].repeat(8, 2)))
+    for piece in sent[1:]:
+        asm.add(piece)
+    assert asm.complete and asm.nbytes == sum(piece.nbytes for piece in sent)
+    assert all(k.dtype == v.dtype == np.float32 for k, v in asm.arrays())
+
+
+def test_a_prefilled_verifier_installs_once_and_says_so(tiny):
+    """installed/install_ms are False/0.0 until the install, then True and the install's own
+    time; after a reset the same prompt is computed (the shipped KV is used once)."""
+    import time
+
+    ids = _ids(tiny, 300, seed=7)
+    asm = _ship(tiny, ids, "auto")
+    v = PrefilledVerifier(Verifier(tiny.model), ids, asm.layout, asm.arrays())
+    assert v.installed is False and v.install_ms == 0.0
+    t0 = time.perf_counter()
+    v.prefill(ids)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    assert v.installed is True and 0.01 < v.install_ms <= wall_ms
+    v.reset()
+    v.prefill(ids)  # computed this time
+    assert v.offset == len(ids) and v.installed is True
