@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.generate import generate_step
 
+from macfleet.engine.models import load_model
+from macfleet.engine.proposers.eagle.features import extract_features
 from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
 from macfleet.distill.train import feature_rms
 
@@ -30,3 +33,14 @@ def _head(lm, chunks, seed: int = 0) -> EagleHead:
     head = EagleHead(cfg, lm.model)
     mx.eval(head.parameters())
     return head
+
+
+# the fixtures both folders use (their conftests import them: one definition)
+@pytest.fixture(scope="session")
+def tiny():
+    return load_model(SPEC)
+
+
+@pytest.fixture(scope="session")
+def chunks(tiny):
+    return extract_features(tiny.model, _greedy_text(tiny, 40, 120), chunk=128)

@@ -4,21 +4,9 @@
 from __future__ import annotations
 
 import pytest
-from eagle_fixtures import SPEC, _greedy_text, _head
+from eagle_fixtures import _head, chunks, tiny  # noqa: F401  (fixtures)
 
 from macfleet.distill.train import TrainParams, train
-from macfleet.engine.models import load_model
-from macfleet.engine.proposers.eagle.features import extract_features
-
-
-@pytest.fixture(scope="session")
-def tiny():
-    return load_model(SPEC)
-
-
-@pytest.fixture(scope="session")
-def chunks(tiny):
-    return extract_features(tiny.model, _greedy_text(tiny, 40, 120), chunk=128)
 
 
 @pytest.fixture(scope="session")
