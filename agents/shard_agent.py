@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FORM_TIMEOUT_S = 90.0
 DEFAULT_CONFIRM_TIMEOUT_S = 3.0
+READY_REBROWSE_S = 1.5  # phase 2: a group not all ready this long is browsed afresh
+# after the whole group is seen ready, each rank stays answering (Zeroconf, CURVE) this long
+# before the ring's connect, which holds its process: a slower rank still learns it is ready
+RING_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,8 @@ class ShardAgent(Agent):
         ring gives up connecting after ~30 s, and a second init in one process is broken):
         1. wait until every rank's card is seen, have each confirmed by its agent over CURVE
            (`confirm_cards`: Zeroconf itself is unauthenticated), then announce `ready`;
-        2. wait until every rank is `ready` (with the card it had when confirmed)."""
+        2. wait until every rank is `ready` (with the card it had when confirmed), then stay
+           responsive RING_GRACE_S more, so a slower rank sees this one ready too."""
         interfaces = LOOPBACK_ONLY if self.cfg.loopback_only else ALL_INTERFACES
         with Browser(fleet_id=fleet_id(self.cfg.key), interfaces=interfaces) as b:
             deadline = time.monotonic() + self.form_timeout_s
@@ -181,12 +186,39 @@ class ShardAgent(Agent):
             if self.advertiser is not None:
                 self.advertiser.update(replace(self.advertiser.card,
                                                extra=self._card_extra("ready")))
-            ready = self._wait_group(b, deadline, need_ready=True)
+            ready = self._wait_ready(b, deadline, interfaces)
         for a, c in zip(seen, ready):
             if _ring_identity(a) != _ring_identity(c):
                 raise LookupError(f"card of rank {shard_extra(c).get('rank')} changed after it "
                                   "was confirmed: not building a ring from it")
+        time.sleep(RING_GRACE_S)  # (measured: without it a rank that saw the group ready first
+        # blocked in the ring's connect before a slower rank's browser had its `ready` card,
+        # and the slower rank never left phase 2; the ring gives up after ~31 s)
         return [[f"{c.host}:{shard_extra(c)['ring_port']}"] for c in ready]
+
+    def _wait_ready(self, browser: Browser, deadline: float, interfaces) -> list[AgentCard]:
+        """Phase 2. A peer that is `ready` may stay `forming` in this browser (seen: a rank
+        that started browsing as the peer turned ready never saw the update, while the peer,
+        seeing this rank ready, waited in the ring's connect until it gave up after ~30 s):
+        after READY_REBROWSE_S without the whole group ready, look again with a fresh browser
+        (its own cache, a new query answered with the peers' current records)."""
+        look = browser
+        try:
+            while True:
+                try:
+                    return self._wait_group(
+                        look, min(deadline, time.monotonic() + READY_REBROWSE_S), need_ready=True)
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
+                if look is not browser:
+                    look.close()
+                log.info("shard rank %d: the group is not all ready yet: browsing again",
+                         self.spec.rank)
+                look = Browser(fleet_id=fleet_id(self.cfg.key), interfaces=interfaces)
+        finally:
+            if look is not browser:
+                look.close()
 
     def _wait_group(self, browser: Browser, deadline: float, need_ready: bool):
         while True:
