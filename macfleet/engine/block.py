@@ -9,6 +9,8 @@ the forward; what they decide from its logits is written once, here:
 * `accept_chain` / `accept_tree`: the acceptance rule of a chain or a token tree for the
   request's sampling parameters (greedy exact match, the ratio test, exact-match sampling);
   a greedy caller may pass the argmax ids it already has (one host synchronisation for many).
+  `tree_decision` / `tree_decided` split a tree's rule into its lazy device half and its host
+  walk, so a caller deciding many blocks evaluates all of them at once (serve/decode.py).
   Sampling decides on the device (`chain_outcome`, `tree_outcome`: engine/pipeline.py, draws
   keyed by the request's seed and each token's output position), so a seeded request draws
   the same in every loop; only SpecInfer's rule for trees of drafts with probabilities runs
@@ -61,6 +63,25 @@ def tree_outcome(tree: TokenTree, logits: mx.array, params: SamplingParams, seed
         return None
     return sampled_tree_outcome(logits, tree.tokens, tree.parents, tree.depths, params, seed,
                                 start)
+
+
+def tree_decision(tree: TokenTree, logits: mx.array, params: SamplingParams, seed: int,
+                  start: int) -> mx.array | None:
+    """A tree block's decision left lazy, to be evaluated with other blocks' (one host
+    synchronisation for many): greedy, the argmax at every node [N] (the walk is a host
+    loop over integers); sampled, `tree_outcome`'s [2]; None for SpecInfer's host rule."""
+    if params.greedy:
+        return mx.argmax(logits[: len(tree.tokens)], axis=-1)
+    return tree_outcome(tree, logits, params, seed, start)
+
+
+def tree_decided(tree: TokenTree, params: SamplingParams, values: Sequence[int]
+                 ) -> tuple[list[int], int]:
+    """The accepted node path and next token from `tree_decision`'s evaluated values."""
+    if params.greedy:
+        return accept_tree_greedy(tree, values)
+    node, nxt = values
+    return node_path(tree, int(node)), int(nxt)
 
 
 def node_path(tree: TokenTree, node: int) -> list[int]:

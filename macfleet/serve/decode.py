@@ -4,10 +4,14 @@ The engine runs one forward over every session's segment; what follows is per se
 the single-session loops' own step (engine/block.py: the same acceptance rules, the same cut at
 a stop token, the same statistics), written once for a chain block and once for a token tree:
 
-1. rows: a decoding session's logits rows of the forward (`BlockStep.verified`); the greedy
-   ones' argmax ids are computed together, one host synchronisation for the batch;
-2. accept: its acceptance rule (`block.accept_chain` / `block.accept_tree`); every tree's row
-   keeps its root and accepted path before anything is committed;
+1. rows: a decoding session's logits rows of the forward (`BlockStep.verified`); every
+   session's decision (greedy or sampled, chain or tree: `decision`) is built lazily on the
+   device and all are read in one evaluation (`to_host`): one host synchronisation for the
+   iteration, whatever the mix of sessions;
+2. accept: its acceptance rule applied to that decision (`block.chain_outcome`,
+   `block.tree_decided`; SpecInfer's rule for trees of drafts with probabilities on the host,
+   `block.accept_tree`); every tree's row keeps its root and accepted path before anything
+   is committed;
 3. commit: its cache rolled back past the rejected drafts, its drafters and statistics told,
    its committed tokens cut at a stop token and emitted (`BlockStep.commit`), its session
    finished at a stop token or its length.
@@ -22,7 +26,8 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from macfleet.engine.batch import Segment, trim_cache
-from macfleet.engine.block import accept_chain, accept_tree, cut_at_stop
+from macfleet.engine.block import (accept_chain, accept_tree, chain_outcome, cut_at_stop,
+                                   tree_decided, tree_decision)
 from macfleet.engine.constraint import masked_logits
 from macfleet.engine.events import BlockDone, TokensCommitted
 from macfleet.serve.batch_session import BatchSession
@@ -49,17 +54,16 @@ class BlockStep:
         # (1) each decoding session's verified rows [block, V]: what its acceptance reads
         # below (a per-session constraint on the tokens, such as a grammar, masks them here)
         rows = {s.sid: lg for (s, sl), lg in zip(run, out) if not sl.prefill}
-        # every greedy block's argmax rows in one evaluation (one host synchronisation for
-        # the batch, not one per session: on a GPU each costs a launch and a round trip)
-        # (a grammar masks what acceptance reads; logprobs stay the model's own)
-        ids = {s.sid: mx.argmax(masked_logits(s.constraint, rows[s.sid], s.draft.tokens),
-                                axis=-1)
-               for s, sl in run if not sl.prefill and s.req.params.greedy}
-        mx.eval(list(ids.values()))
-        ids = {sid: a.tolist() for sid, a in ids.items()}
+        decoding = [s for s, sl in run if not sl.prefill]
+        # every block's decision built lazily on the device (greedy and sampled, chains and
+        # trees) and read in ONE evaluation: one host synchronisation for the iteration, not
+        # one per session (on a GPU each costs a launch and a round trip); only SpecInfer's
+        # rule (trees of drafts with probabilities) is left to the host below
+        decided = to_host({s.sid: d for s in decoding
+                           if (d := decision(s, rows[s.sid])) is not None})
         # (2) accept: trees first, so every row keeps its path before anything is committed
-        accepted = self.accept_trees([(s, rows[s.sid]) for s, sl in run
-                                      if not sl.prefill and s.tree is not None], ids)
+        accepted = self.accept_trees([(s, rows[s.sid]) for s in decoding if s.tree is not None],
+                                     decided)
         if hidden is not None:
             feed(run, segs, hidden, accepted)
         # (3) commit, session by session
@@ -71,18 +75,23 @@ class BlockStep:
             elif s.tree is not None:
                 self.commit_tree(s, *accepted[s.sid], verify_ms, rows[s.sid])
             else:
-                self.commit_chain(s, rows[s.sid], verify_ms, ids.get(s.sid))
+                n, nxt = decided[s.sid]
+                self.commit_chain(s, rows[s.sid], verify_ms, (n, nxt))
 
     @staticmethod
     def accept_trees(done: Sequence[tuple[BatchSession, mx.array]],
-                     ids: dict[int, list[int]]) -> dict[int, tuple[list[int], int]]:
-        """Each verified tree's accepted path and next token (the rules of `tree_generate`);
+                     decided: dict[int, list[int]]) -> dict[int, tuple[list[int], int]]:
+        """Each verified tree's accepted path and next token (the rules of `tree_generate`)
+        from its evaluated decision (`decision`), or SpecInfer's host rule where it has none;
         every row then keeps its root and path (one gather and scatter per layer per store)
         before anything is committed, so a session that ends here leaves a consistent row."""
         out, kept = {}, {}
         for s, logits in done:
-            path, nxt = out[s.sid] = accept_tree(s.tree, logits, s.req.params, s.rng, s.seed,
-                                                 len(s.generated), ids.get(s.sid))
+            if s.sid in decided:
+                path, nxt = out[s.sid] = tree_decided(s.tree, s.req.params, decided[s.sid])
+            else:
+                path, nxt = out[s.sid] = accept_tree(s.tree, logits, s.req.params, s.rng,
+                                                     s.seed, len(s.generated))
             base = s.cache.offset - len(s.tree.tokens)
             kept.setdefault(s.cache.store, []).append((s.cache, base, path))
         for store, rows in kept.items():
@@ -103,12 +112,13 @@ class BlockStep:
                     logprobs=lps)
 
     def commit_chain(self, s: BatchSession, logits: mx.array, verify_ms: float,
-                     target: list[int] | None = None) -> None:
-        """target: the block's argmax ids (greedy), computed with the batch's."""
+                     outcome: tuple[int, int] | None = None) -> None:
+        """outcome: the block's (accepted, next token), decided with the batch's
+        (`decision`); None: decided here."""
         d = s.draft
-        n, nxt = accept_chain(d, masked_logits(s.constraint, logits, d.tokens)
-                              if target is None else logits, s.req.params, s.seed,
-                              len(s.generated), target)
+        n, nxt = outcome if outcome is not None else accept_chain(
+            d, masked_logits(s.constraint, logits, d.tokens), s.req.params, s.seed,
+            len(s.generated))
         new = [*d.tokens[:n], nxt]
         lps = _logprobs(s, logits, chain_rows(len(new)), new)
         if len(d) - n:
@@ -154,6 +164,35 @@ class BlockStep:
             self.finish(s, "stop")
         elif len(s.generated) >= s.req.max_tokens:
             self.finish(s, "length")
+
+
+def decision(s: BatchSession, logits: mx.array) -> mx.array | None:
+    """A decoding session's block decision, lazy (evaluated with the batch's by `to_host`):
+    a chain's (accepted, next token) [2] (`block.chain_outcome`: its rows masked by its
+    grammar); a tree's argmax ids (greedy) or (deepest node, next token) (sampled:
+    `block.tree_decision`); None for a tree whose drafts carry probabilities (SpecInfer's
+    rule, on the host)."""
+    params, start = s.req.params, len(s.generated)
+    if s.tree is not None:
+        return tree_decision(s.tree, masked_logits(s.constraint, logits, s.draft.tokens)
+                             if params.greedy else logits, params, s.seed, start)
+    return chain_outcome(s.draft, masked_logits(s.constraint, logits, s.draft.tokens),
+                         params, s.seed, start)
+
+
+def to_host(lazy: dict[int, mx.array]) -> dict[int, list[int]]:
+    """Lazy integer arrays -> their values, in ONE evaluation: every array flattened into one
+    int32 vector, evaluated and read at once (one host synchronisation)."""
+    if not lazy:
+        return {}
+    flat = mx.concatenate([a.reshape(-1).astype(mx.int32) for a in lazy.values()])
+    mx.eval(flat)
+    vals = flat.tolist()
+    out, i = {}, 0
+    for sid, a in lazy.items():
+        out[sid] = vals[i : i + a.size]
+        i += a.size
+    return out
 
 
 def feed(run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],

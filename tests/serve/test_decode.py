@@ -8,6 +8,7 @@ from engine_parts_kit import Scripted, session
 
 from macfleet.engine.events import BlockDone, TokensCommitted
 from macfleet.engine.proposers.base import Draft
+from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.tree import TokenTree
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.decode import BlockStep
@@ -57,10 +58,10 @@ def test_a_chain_commits_its_accepted_drafts_and_the_next_token_and_rolls_back_t
     assert (s.tally.blocks, s.tally.drafted, s.tally.accepted) == (1, 3, 2) and not ended
 
 
-def test_the_greedy_target_given_decides():
+def test_the_outcome_given_decides():
     step, _ = _step()
     s = _chain()
-    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0, target=[3, 4, 5, 6])
+    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0, outcome=(3, 6))
     assert s.generated == [3, 4, 5, 6]
 
 
@@ -124,3 +125,72 @@ def test_verified_counts_prefill_chunks_and_commits_chains_and_trees():
     assert store.kept == [(tree_s.cache, 10, [2, 3])] and tree_s.cache.offset == 13
     step.verified([(pre, Slot(1, 1, True))], [None], [None], None, 9.0)
     assert pre.prefill_left == 0 and pre.prefill_ms == 1e3  # clock 1.0 s after t_start
+
+
+def _mixed_batch():
+    """Greedy and sampled chains and trees (drafts without probabilities), one store: the
+    run, its logits, and the sessions."""
+    rng = np.random.default_rng(5)
+    store = Store()
+    run, out = [], []
+    for i in range(6):
+        params = GREEDY if i % 2 == 0 else SamplingParams(0.9, seed=40 + i)
+        if i < 4:
+            s = _chain(draft=(3, 4, 5), sid=i, params=params)
+        else:
+            s = session(i, proposer=None, params=params)
+            s.tree = TokenTree.from_drafts(3, [(4, 2), (6, 5)], [None, None], [None, None])
+            s.cache = Row(store, 10 + len(s.tree.tokens))
+            s.group = type("G", (), {"observe": lambda *a: None})()
+        s.seed = 1000 + i
+        n = len(s.tree.tokens) if s.tree is not None else 4
+        lg = (_logits([3, 4, 5, 6] if s.tree is None else [4, 2, 7, 1, 1]) if params.greedy else
+              mx.array(rng.normal(size=(n, V)).astype(np.float32)))
+        run.append((s, Slot(i, n, False)))
+        out.append(lg)
+    return run, out
+
+
+def test_an_iteration_reads_every_block_decision_in_one_synchronisation(monkeypatch):
+    """Greedy and sampled chains and trees in one iteration: every block's decision is read in
+    ONE host synchronisation (an mx.eval, or a read of an array no mx.eval evaluated), not one
+    per sampled session; and each session commits what it commits decided alone."""
+    alone = []
+    for s_sl, lg in zip(*_mixed_batch()):
+        step, _ = _step()
+        step.verified([s_sl], [None], [lg], None, 9.0)
+        alone.append(s_sl[0].generated)
+    syncs, evaluated = [], []
+    real_eval, real_tolist, real_item = mx.eval, mx.array.tolist, mx.array.item
+
+    def flat(args):
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                yield from flat(a)
+            elif isinstance(a, dict):
+                yield from flat(list(a.values()))
+            else:
+                yield a
+
+    def counting_eval(*args):
+        syncs.append("eval")
+        evaluated.extend(flat(args))
+        return real_eval(*args)
+
+    def reading(real):
+        def read(a, *args):
+            if not any(a is e for e in evaluated):  # evaluated here: a synchronisation
+                syncs.append(real.__name__)
+            return real(a, *args)
+        return read
+
+    run, out = _mixed_batch()
+    step, _ = _step()
+    monkeypatch.setattr(mx, "eval", counting_eval)
+    monkeypatch.setattr(mx.array, "tolist", reading(real_tolist))
+    monkeypatch.setattr(mx.array, "item", reading(real_item))
+    step.verified(run, [None] * len(run), out, None, 9.0)
+    monkeypatch.undo()
+    assert syncs == ["eval"], syncs
+    assert [s.generated for s, _ in run] == alone
+    assert all(len(g) >= 1 for g in alone) and len({tuple(g) for g in alone}) > 1
