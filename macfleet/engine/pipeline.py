@@ -92,11 +92,14 @@ def _leading_run(ok: mx.array) -> mx.array:
     return mx.cumprod(ok.astype(mx.int32)).sum(keepdims=True).astype(mx.int32)
 
 
-def gumbel_pick(rows: mx.array, keys: mx.array) -> mx.array:
+def gumbel_pick(rows: mx.array, keys: mx.array, index: mx.array | None = None) -> mx.array:
     """rows [n, V] of non-negative weights (need not sum to 1) -> [n] int32, row i's token
-    drawn with key i: argmax(log w + Gumbel noise), an exact draw from the normalised row."""
-    noise = mx.stack([mx.random.gumbel(shape=(rows.shape[-1],), key=keys[i])
-                      for i in range(rows.shape[0])])
+    drawn with key i (with `index` [n]: key index[i]; rows sharing a key share its noise, drawn
+    once): argmax(log w + Gumbel noise), an exact draw from the normalised row."""
+    n = rows.shape[0] if index is None else keys.shape[0]
+    noise = mx.stack([mx.random.gumbel(shape=(rows.shape[-1],), key=keys[i]) for i in range(n)])
+    if index is not None:
+        noise = noise[index]
     return mx.argmax(mx.log(rows) + noise, axis=-1).astype(mx.int32)
 
 
@@ -148,7 +151,8 @@ def sampled_tree_outcome(logits: mx.array, tokens: Sequence[int], parents: Seque
     n = len(tokens)
     p = device_probs(logits[:n], params)
     keys = position_keys(seed, VERIFIER_STREAM, start, max(depths) + 1, SAMPLE)
-    y = gumbel_pick(p, keys[mx.array(list(depths), dtype=mx.int32)])  # [n]
+    # one noise vector per depth (a tree of 33 nodes draws ~6, not 33: a CPU draws slowly)
+    y = gumbel_pick(p, keys, mx.array(list(depths), dtype=mx.int32))  # [n]
     if n == 1:
         return mx.concatenate([mx.zeros((1,), dtype=mx.int32), y[:1]])
     toks = mx.array([int(t) for t in tokens[1:]], dtype=mx.int32)
