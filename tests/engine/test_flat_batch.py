@@ -1,0 +1,153 @@
+"""The flat batch's decisions and plumbing on their own (engine/batch.py): which segments attend
+together and in which store, the refusals, each segment's hidden rows and logits across two
+stores, and a draft head's layers over a flat batch. Written for the mutants of batch.py that
+the batched-equals-alone tests let survive (issue 36, docs/testing.md)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tolerance import LOGIT_ATOL, LOGIT_RTOL
+
+from macfleet.engine.batch import (BATCHED_CONTEXT_SLACK, MAX_BATCHED_SEGMENT, BatchKV,
+                                   BatchUnsupported, Segment, batched_segments, check_batchable,
+                                   flat_forward, flat_layers, main_store)
+from macfleet.engine.layers import head_logits
+from macfleet.engine.verifier import Verifier, make_trimmable_cache
+
+
+def _rows(store: BatchKV, offsets) -> list:
+    rows = [store.open() for _ in offsets]
+    for r, o in zip(rows, offsets):
+        r.offset = o
+    return rows
+
+
+def test_decode_blocks_of_the_main_store_attend_together_unless_their_context_is_far_longer():
+    main, other = BatchKV(1), BatchKV(1)
+    a, b, c, d, e = _rows(main, [10, 20, 30, 40, 0])
+    (f,) = _rows(other, [5])
+    segs = [Segment((1, 2), a), Segment((1,) * MAX_BATCHED_SEGMENT, b),
+            Segment((1,) * (MAX_BATCHED_SEGMENT + 1), c),  # too long a block
+            Segment((1, 2, 3), d, None),  # a prefill chunk
+            Segment((1,), f),  # another store's row
+            Segment((1,), e)]
+    assert main_store(segs) is main
+    assert batched_segments(segs) == [True, True, False, False, False, True]
+    assert batched_segments([]) == [] and batched_segments([Segment((1,), a, None)]) == [False]
+    # a row whose context ends past twice the median end + the slack attends alone
+    rows = _rows(BatchKV(1), [10, 20, 30, 0])
+    limit = 2 * 31 + BATCHED_CONTEXT_SLACK  # the ends: 11, 21, 31 and the far one's
+    for far, want in ((limit - 1, True), (limit, False)):
+        rows[3].offset = far
+        assert batched_segments([Segment((1,), r) for r in rows]) == [True, True, True, want]
+    # the main store: the one most segments write to (a tie: the first segment's)
+    x, y = _rows(other, [1, 1])
+    assert main_store([Segment((1,), a), Segment((1,), x), Segment((1,), y)]) is other
+    assert main_store([Segment((1,), a), Segment((1,), x)]) is main
+
+
+def test_a_model_without_llama_attention_cannot_run_a_flat_batch(tiny):
+    check_batchable(tiny.model)
+
+    class Odd:
+        pass
+
+    with pytest.raises(BatchUnsupported) as e:
+        check_batchable(Odd())
+    assert str(e.value) == (f"{Odd.__module__}.Odd has no llama-style attention (q/k/v/o "
+                            "projections, rope): continuous batching supports the llama family")
+
+
+def test_flat_batches_refuse_what_they_cannot_run(tiny):
+    m = tiny.model
+    store = BatchKV(len(m.layers))
+    a, b = store.open(), store.open()
+    for bad in ([], [Segment((), a)], [Segment((1,), a), Segment((), b)]):
+        with pytest.raises(ValueError) as e:
+            flat_forward(m, bad)
+        assert str(e.value) == "flat_forward needs at least one segment, none of them empty"
+        with pytest.raises(ValueError) as e:
+            flat_layers(m.layers, mx.zeros((1, 1, 64)), bad)
+        assert str(e.value) == "flat_layers needs at least one segment, none of them empty"
+    with pytest.raises(ValueError) as e:
+        flat_forward(m, [Segment((1,), a), Segment((2,), a)])
+    assert str(e.value) == "two segments of one flat batch write the same cache row"
+    with pytest.raises(ValueError) as e:
+        flat_forward(m, [Segment((1,), a), Segment((2,), make_trimmable_cache(m))])
+    assert str(e.value) == "a flat batch needs every segment's cache to be a BatchKV row"
+    with pytest.raises(ValueError) as e:
+        flat_forward(m, [Segment((1,), make_trimmable_cache(m))], hidden=True)
+    assert str(e.value) == "hidden states come from the flat batch (rows of a BatchKV)"
+    assert a.offset == b.offset == 0
+
+
+def test_hidden_rows_and_logits_follow_each_segment_across_two_stores(tiny):
+    """Rows 0 of two stores in one forward (a long prompt's own store beside the shared one):
+    each segment's logits are its own alone, from `logits_from` on, and its hidden rows are
+    the ones its logits come from."""
+    m = tiny.model
+    rng = np.random.default_rng(11)
+    prompts = [tuple(rng.integers(0, tiny.vocab_size, n).tolist()) for n in (30, 9, 14)]
+    shared, own = BatchKV(len(m.layers)), BatchKV(len(m.layers), row_step=1)
+    rows = [own.open(), shared.open(), shared.open()]
+    out, feats = flat_forward(m, [Segment(p[:-1], r, None) for p, r in zip(prompts, rows)],
+                              hidden=True)
+    assert out == [None] * 3 and [f.shape for f in feats] == [(29, 64), (8, 64), (13, 64)]
+    blocks = [(prompts[0][-1], 4), (prompts[1][-1],), (prompts[2][-1], 7)]  # 2: causal alone
+    segs = [Segment(blocks[0], rows[0], 0), Segment(blocks[1], rows[1], 0),
+            Segment(blocks[2], rows[2], 1)]
+    out, feats = flat_forward(m, segs, hidden=True)
+    for p, s, lg, f in zip(prompts, segs, out, feats):
+        v = Verifier(m)
+        v.prefill(p[:-1])
+        ref = np.array(v.forward(s.tokens))[s.logits_from:]
+        assert lg.shape == ref.shape and f.shape == (len(s), 64)
+        np.testing.assert_allclose(np.array(lg), ref, rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
+        own_logits = head_logits(m, f[None])[0].astype(mx.float32)[s.logits_from:]
+        np.testing.assert_allclose(np.array(own_logits), np.array(lg), rtol=1e-5, atol=1e-5)
+    assert [r.offset for r in rows] == [31, 9, 15]
+
+
+def test_a_draft_heads_layers_run_a_flat_batch_in_segment_order(tiny):
+    """flat_layers over the model's own layers: each segment's outputs are the hidden rows
+    flat_forward gives it (a long segment attends alone, after the others: reordered)."""
+    m = tiny.model
+    rng = np.random.default_rng(12)
+    toks = [tuple(rng.integers(0, tiny.vocab_size, n).tolist()) for n in (20, 3, 1)]
+    stores = [BatchKV(len(m.layers)) for _ in range(2)]
+    rows = [[st.open() for _ in toks] for st in stores]
+    froms = (None, 0, 0)
+    _, want = flat_forward(m, [Segment(t, r, lf) for t, r, lf in zip(toks, rows[0], froms)],
+                           hidden=True)
+    x = m.model.embed_tokens(mx.array([t for ts in toks for t in ts], dtype=mx.uint32)[None])
+    got = flat_layers(m.layers, x, [Segment(t, r, lf) for t, r, lf in zip(toks, rows[1], froms)])
+    assert [g.shape for g in got] == [(20, 64), (3, 64), (1, 64)]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-6, atol=1e-6)
+    assert [r.offset for r in rows[1]] == [20, 3, 1]
+
+
+def test_blocks_of_one_length_in_every_row_attend_without_gathers(tiny):
+    """Every row 0..R-1 holding one block of the same length (the plan's no-gather case):
+    each row's logits are its session's alone."""
+    m = tiny.model
+    rng = np.random.default_rng(13)
+    prompts = [tuple(rng.integers(0, tiny.vocab_size, n).tolist()) for n in (6, 17, 11)]
+    store = BatchKV(len(m.layers))
+    rows = [store.open() for _ in prompts]
+    hist = [list(p[:-1]) for p in prompts]
+    flat_forward(m, [Segment(tuple(h), r, None) for h, r in zip(hist, rows)])
+    for blocks in ([(p[-1],) for p in prompts], [(3, 4), (5, 6), (7, 8)]):
+        refs = []
+        for h, b in zip(hist, blocks):
+            v = Verifier(m)
+            v.prefill(h)
+            refs.append(np.array(v.forward(b)))
+        out = flat_forward(m, [Segment(b, r) for b, r in zip(blocks, rows)])
+        for lg, ref in zip(out, refs):
+            np.testing.assert_allclose(np.array(lg), ref, rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
+        for h, b in zip(hist, blocks):
+            h.extend(b)
+    assert [r.offset for r in rows] == [8, 19, 13]
