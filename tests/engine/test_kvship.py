@@ -341,8 +341,11 @@ def test_a_layout_reads_heads_head_dim_and_dtype_and_prices_each_codec(tiny):
 
     from macfleet.engine.kvship import KV_CODECS, KVLayout
 
+    from macfleet.engine.tiny import build_tiny_model
+
     lay = model_layout(tiny.model)  # the tiny llama: 4 layers, 2 kv heads of 64 / 4
     assert lay == KVLayout(4, 2, 16, "float32")
+    assert model_layout(build_tiny_model(3, 64, layers=1)) == KVLayout(1, 2, 16, "float32")
     with pytest.raises(KVShipError) as e:
         layout_of(make_prompt_cache(tiny.model))
     assert str(e.value) == "the cache is empty"

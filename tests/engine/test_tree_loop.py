@@ -159,6 +159,8 @@ def test_drafts_made_ahead_follow_the_longest_branch_and_reroot_with_their_rows(
     assert ahead.context_len == 6 and ahead.path == (1, 2)
     assert ahead.drafts[0].tokens == (9, 3, 4) and ahead.drafts[1:] == [None, None]
     assert g.live[2]  # a failure ahead is not a verdict: the fresh request reports it
+    _predraft(g, [0, 0, 5], tree, [1, 0, 0])
+    assert a.asked == [(5, 3), (5, 2)]  # a length of 1 is drafted ahead too
     assert _predraft(g, [0, 5], TokenTree.from_drafts(5, []), [2, 0, 0]) is None
     p = np.eye(4)[[1, 2, 3]]
     ahead = _TreeAhead(5, (1, 2), [Draft((9, 3, 4), p, parents=(-1, 0, 1)), None,
