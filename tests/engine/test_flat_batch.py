@@ -151,3 +151,43 @@ def test_blocks_of_one_length_in_every_row_attend_without_gathers(tiny):
         for h, b in zip(hist, blocks):
             h.extend(b)
     assert [r.offset for r in rows] == [8, 19, 13]
+
+
+def test_a_segment_attends_causally_or_to_its_ancestors():
+    """A chain's own tokens see the ones before them at positions 0..L-1; a tree's see their
+    ancestors, at their depths."""
+    from macfleet.engine.tree import ancestor_mask
+
+    chain = Segment((5, 6, 7), None)
+    assert chain.rope_offsets() == [0, 1, 2] and chain.own_mask().dtype == bool
+    assert np.array_equal(chain.own_mask(), np.tril(np.ones((3, 3), dtype=bool)))
+    tree = Segment((5, 6, 7, 8), None, 0, (-1, 0, 0, 1))
+    assert tree.rope_offsets() == [0, 1, 1, 2]
+    assert np.array_equal(tree.own_mask(), ancestor_mask((-1, 0, 0, 1)))
+
+
+def test_the_batch_invariant_mode_returns_logits_only_where_asked(tiny):
+    """Per-session caches: a prefill chunk gets no logits, a block its rows from logits_from,
+    as float32, the single-session forward's own bits."""
+    m = tiny.model
+    caches = [make_trimmable_cache(m) for _ in range(2)]
+    out = flat_forward(m, [Segment((1, 2, 3), caches[0], None), Segment((4, 5, 6), caches[1], 1)])
+    v = Verifier(m)
+    ref = np.array(v.forward((4, 5, 6)))[1:]
+    assert out[0] is None and out[1].dtype == mx.float32
+    assert np.array_equal(np.array(out[1]), ref)
+
+
+def test_a_one_layer_model_runs_a_flat_batch():
+    from macfleet.engine.tiny import build_tiny_model
+
+    m = build_tiny_model(3, 64, layers=1)
+    store = BatchKV(1)
+    a, b = store.open(), store.open()
+    flat_forward(m, [Segment((1, 2, 3), a, None), Segment((4,), b, None)])
+    out = flat_forward(m, [Segment((5, 6), a), Segment((7,), b)])
+    for prefix, blk, lg in (((1, 2, 3), (5, 6), out[0]), ((4,), (7,), out[1])):
+        v = Verifier(m)
+        v.prefill(prefix)
+        np.testing.assert_allclose(np.array(lg), np.array(v.forward(blk)), rtol=LOGIT_RTOL,
+                                   atol=LOGIT_ATOL)

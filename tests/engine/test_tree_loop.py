@@ -334,3 +334,8 @@ def test_the_kept_tree_rows_reach_a_hidden_state_drafter(tiny, ref_ids, monkeypa
 @pytest.fixture(scope="module")
 def ref_ids(tiny) -> list[int]:
     return mlx_lm_greedy(tiny.model, PROMPT, N)
+
+
+def test_a_tree_generation_is_256_tokens_unless_told(tiny):
+    fin = finished(tree_generate(Verifier(tiny.model), ProposerGroup([Said("none")]), PROMPT))
+    assert len(fin.token_ids) == 256 and fin.stats.finish_reason == "length"
