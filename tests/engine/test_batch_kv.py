@@ -117,6 +117,15 @@ def test_a_one_row_store_takes_a_shipped_kv_as_its_buffers():
     assert np.array(store.values[1][0, 1, :, 2]).tolist() == [-6.0] * 3 + [0.0] * 5
     _write(store, c, [7])
     assert _row(store, c) == [5, 5, 5, 7]
+    one = BatchKV(1, step=8, row_step=1)  # a one-layer model's
+    r = one.open()
+    one.install(r, kv[:1], mx.float32)
+    assert r.offset == 3 and _row(one, r) == [5, 5, 5]
+    two = BatchKV(1, step=8, row_step=2)  # two rows, none allocated: row 1 by a scatter
+    two.open()
+    r = two.open()
+    two.install(r, kv[:1], mx.float32)
+    assert tuple(two.keys[0].shape) == (2, HEADS, 8, DIM) and _row(two, r) == [5, 5, 5]
 
 
 def test_an_install_refuses_what_does_not_fit():
@@ -126,6 +135,8 @@ def test_an_install_refuses_what_does_not_fit():
     cases = [((kv[:1], mx.float32), "1 layers of KV for a model of 2"),
              ((kv, mx.float32, range(1, 3)), "layers range(1, 3) out of 0..2"),
              ((kv, mx.float32, range(-1, 1)), "layers range(-1, 1) out of 0..2")]
+    store.install(c, kv, mx.float32, range(1, 1))  # no layer: nothing to do
+    assert c.offset == 0
     for args, msg in cases:
         with pytest.raises(ValueError) as e:
             store.install(c, *args)

@@ -83,10 +83,12 @@ def test_flat_batches_refuse_what_they_cannot_run(tiny):
     assert a.offset == b.offset == 0
 
 
-def test_hidden_rows_and_logits_follow_each_segment_across_two_stores(tiny):
+@pytest.mark.parametrize("exact", ["0", "1"])  # engine/fastmath's attention | MLX's own
+def test_hidden_rows_and_logits_follow_each_segment_across_two_stores(tiny, monkeypatch, exact):
     """Rows 0 of two stores in one forward (a long prompt's own store beside the shared one):
     each segment's logits are its own alone, from `logits_from` on, and its hidden rows are
     the ones its logits come from."""
+    monkeypatch.setenv("MACFLEET_EXACT_MATH", exact)
     m = tiny.model
     rng = np.random.default_rng(11)
     prompts = [tuple(rng.integers(0, tiny.vocab_size, n).tolist()) for n in (30, 9, 14)]
