@@ -102,6 +102,14 @@ def test_several_prefixes_copy_in_one_call_and_bad_copies_are_refused():
             store.copy_prefixes([bad])
         assert str(e.value) == f"cannot share {n} positions of a row holding {bad[0].offset}"
     assert b.offset == 3
+    store.copy_prefixes([(a, b, 1)])  # one position is a prefix too
+    assert b.offset == 1 and _row(store, b) == [1]
+    lean = BatchKV(1, step=4, row_step=1)  # the copy's row is past the allocated ones
+    x = lean.open()
+    _write(lean, x, [1, 2])
+    y = lean.open()
+    lean.copy_prefixes([(x, y, 2)])
+    assert lean.rows == 2 and _row(lean, y) == [1, 2]
 
 
 def test_a_one_row_store_takes_a_shipped_kv_as_its_buffers():

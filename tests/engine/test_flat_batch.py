@@ -193,3 +193,26 @@ def test_a_one_layer_model_runs_a_flat_batch():
         v.prefill(prefix)
         np.testing.assert_allclose(np.array(lg), np.array(v.forward(blk)), rtol=LOGIT_RTOL,
                                    atol=LOGIT_ATOL)
+
+
+def test_a_long_tree_attends_alone_to_its_ancestors_under_mlx_attention(tiny, monkeypatch):
+    """A tree of more than MAX_BATCHED_SEGMENT nodes attends alone with its boolean ancestor
+    mask, under MLX's own attention too (which would add a float mask, not select with it)."""
+    from macfleet.engine.tree import TokenTree, depths_of
+    from macfleet.engine.tree_verify import tree_forward
+
+    monkeypatch.setenv("MACFLEET_EXACT_MATH", "1")
+    m = tiny.model
+    rng = np.random.default_rng(14)
+    n = MAX_BATCHED_SEGMENT + 4
+    parents = (-1, *(int(rng.integers(0, i)) for i in range(1, n)))
+    toks = tuple(int(t) for t in rng.integers(0, tiny.vocab_size, n))
+    prompt = tuple(rng.integers(0, tiny.vocab_size, 12).tolist())
+    store = BatchKV(len(m.layers))
+    c = store.open()
+    flat_forward(m, [Segment(prompt, c, None)])
+    (out,) = flat_forward(m, [Segment(toks, c, 0, parents)])
+    v = Verifier(m)
+    v.prefill(prompt)
+    ref = tree_forward(v, TokenTree(list(toks), list(parents), depths_of(parents), [], [], []))
+    np.testing.assert_allclose(np.array(out), np.array(ref), rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
