@@ -177,3 +177,17 @@ def test_rows_and_positions_grow_in_steps_and_keep_what_they_hold():
     assert store.open_rows == 3 and store.open().row == 1  # the lowest free row again
     old.close()  # a second close of the old handle frees nothing (row 1 has a new owner)
     assert store.open_rows == 4 and store.open().row == 4
+
+
+def test_a_row_that_closes_leaves_the_others_their_kv():
+    store = BatchKV(1, step=4)
+    a, b = store.open(), store.open()
+    _write(store, a, [1, 2])
+    _write(store, b, [3, 4, 5])
+    a.close()
+    assert _row(store, b) == [3, 4, 5] and (store.rows, store.capacity) == (4, 4)
+    b.close()
+    assert store.state == [] and (store.rows, store.capacity) == (0, 0)  # idle: freed
+    c = store.open()
+    _write(store, c, [6])  # and usable again
+    assert _row(store, c) == [6] and (store.rows, store.capacity) == (4, 4)
