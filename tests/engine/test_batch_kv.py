@@ -191,3 +191,16 @@ def test_a_row_that_closes_leaves_the_others_their_kv():
     c = store.open()
     _write(store, c, [6])  # and usable again
     assert _row(store, c) == [6] and (store.rows, store.capacity) == (4, 4)
+
+
+def test_a_half_precision_store_stays_in_its_dtype_as_it_grows():
+    store = BatchKV(1, step=4, row_step=1)
+    a = store.open()
+    for n, row in ((3, a), (3, a), (1, store.open())):  # allocate, grow positions, grow rows
+        k = mx.ones((n, HEADS, 1, DIM), mx.float16)
+        store.reserve(row.row + 1, row.offset + n)
+        store.write(0, k, k, store.slot_index(np.full(n, row.row),
+                                              np.arange(row.offset, row.offset + n), HEADS))
+        row.offset += n
+        assert store.keys[0].dtype == store.values[0].dtype == mx.float16
+    assert tuple(store.keys[0].shape) == (2, HEADS, 8, DIM)

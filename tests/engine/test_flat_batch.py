@@ -216,3 +216,17 @@ def test_a_long_tree_attends_alone_to_its_ancestors_under_mlx_attention(tiny, mo
     v.prefill(prompt)
     ref = tree_forward(v, TokenTree(list(toks), list(parents), depths_of(parents), [], [], []))
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
+
+
+def test_a_block_alone_in_a_high_row_attends_through_the_gathers(tiny):
+    """One 2-token block in row 3 (rows 0-2 idle this iteration): R = 4 rows of Lq = 2 cells
+    for 2 tokens, so the plan gathers; the logits are the session's alone."""
+    m = tiny.model
+    store = BatchKV(len(m.layers))
+    rows = [store.open() for _ in range(4)]
+    flat_forward(m, [Segment((1, 2, 3), r, None) for r in rows])
+    (out,) = flat_forward(m, [Segment((4, 5), rows[3])])
+    v = Verifier(m)
+    v.prefill((1, 2, 3))
+    np.testing.assert_allclose(np.array(out), np.array(v.forward((4, 5))), rtol=LOGIT_RTOL,
+                               atol=LOGIT_ATOL)
