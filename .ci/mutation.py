@@ -37,22 +37,72 @@ MODULES: dict[str, tuple] = {
                                     "tests/bridge/test_fuzz_codec.py"]),
     "verifier": ("macfleet/engine/verifier.py", ["tests/engine/test_kv_rollback.py",
                                                   "tests/engine/test_verify_costs.py"]),
-    # the batch's KV rollback (a row's trim, a tree's kept path), not the whole of batch.py,
-    # against the tests of the rollback itself (the batched-equals-alone runs take minutes each)
-    "batch_rollback": ("macfleet/engine/batch.py", [
-        f"tests/engine/test_batch.py::{t}" for t in (
+    # the batch's KV rollback (a row's trim, a tree's kept path; engine/batch_kv.py since the
+    # store left batch.py), not the whole of the store, against the tests of the rollback itself
+    # (the batched-equals-alone runs take minutes each)
+    "batch_rollback": ("macfleet/engine/batch_kv.py", [
+        *(f"tests/engine/test_batch.py::{t}" for t in (
             "test_keep_paths_moves_each_rows_kept_nodes_behind_its_root_in_one_call",
             "test_a_row_rolls_back_at_most_what_it_holds_and_says_how_much",
             "test_batch_kv_rows_copy_and_roll_back",
-            "test_flat_forward_trees_match_the_single_session_tree_forward")],
+            "test_flat_forward_trees_match_the_single_session_tree_forward")),
+        *(f"tests/engine/test_batch_kv.py::{t}" for t in (
+            "test_a_row_keeps_its_tree_path_behind_the_root",
+            "test_a_prefix_copies_between_rows_and_rolls_back_in_o1",
+            "test_trim_cache_rolls_back_layer_lists_too"))],
         ["RowCache.trim", "trim_cache", "BatchKV.keep_paths", "BatchKV._move"]),
     "kvship": ("macfleet/engine/kvship.py", ["tests/engine/test_kvship.py"]),
+    # kvship's layout helpers alone (their mutants each ran every test of the file), against
+    # the fast tests that read a layout or price a codec
+    "kvship_layout": ("macfleet/engine/kvship.py", [
+        f"tests/engine/test_kvship.py::{t}" for t in (
+            "test_a_layout_reads_heads_head_dim_and_dtype_and_prices_each_codec",
+            "test_layout_and_bytes", "test_int8_and_float16_sizes",
+            "test_a_bfloat16_cache_ships_exactly_as_float32",
+            "test_slices_hold_as_many_whole_layers_as_max_bytes_allows",
+            "test_assembler_refuses_gaps_overlaps_and_wrong_shapes",
+            "test_assembler_checks_int8_scales_and_reports_what_is_missing",
+            "test_installed_cache_equals_computed_bitwise",
+            "test_install_refuses_another_depth")],
+        ["KVLayout.bytes_per_token", "layout_of", "_itemsize", "_dtype_name"]),
     "tree": ("macfleet/engine/tree.py", ["tests/engine/test_tree.py"]),
     "sampling": ("macfleet/engine/sampling.py", ["tests/engine/test_sampling_lossless.py"]),
     "loop": ("macfleet/engine/loop.py", ["tests/engine/test_loop_events.py",
                                          "tests/engine/test_greedy_identity.py"]),
-    "tree_loop": ("macfleet/engine/tree_loop.py", ["tests/engine/test_tree.py"]),
-    "batch": ("macfleet/engine/batch.py", ["tests/engine/test_batch.py"]),
+    # the fast tests that run tree_loop (its chi-square tests are slow)
+    "tree_loop": ("macfleet/engine/tree_loop.py", [
+        "tests/engine/test_tree_loop.py",
+        "tests/engine/test_tree.py::test_tree_greedy_is_bit_identical_to_plain_decoding_and_"
+        "prunes_useless_proposers",
+        "tests/engine/test_tree.py::test_eagle_in_a_tree_reads_the_tree_forward_features",
+        "tests/engine/test_pipeline.py::test_trees_drafted_ahead_commit_the_verifiers_ids",
+        "tests/engine/test_pipeline.py::test_a_tree_drafted_ahead_on_a_path_that_was_not_"
+        "accepted_is_dropped",
+        "tests/engine/test_pipeline.py::test_padded_trees_commit_the_same",
+        "tests/engine/test_batch.py::test_cap_total_cuts_the_largest_draft_lengths_first"]),
+    # the flat forward against its direct tests (flat_forward/flat_layers beside each session
+    # alone), not the serving engine's batched-equals-alone runs (minutes each)
+    "batch": ("macfleet/engine/batch.py", [
+        "tests/engine/test_flat_batch.py",
+        *(f"tests/engine/test_batch.py::{t}" for t in (
+            "test_flat_forward_rows_match_each_session_alone",
+            "test_flat_forward_trees_match_the_single_session_tree_forward",
+            "test_batch_kv_rows_copy_and_roll_back")),
+        "tests/engine/proposers/eagle/test_draft_chains.py::test_chains_drafted_together_are_"
+        "the_chains_drafted_alone"]),
+    # the rest of the store (rows, growth, writes, prefix copies, installs): batch_rollback
+    # has its rollback
+    "batch_kv": ("macfleet/engine/batch_kv.py", [
+        "tests/engine/test_batch_kv.py",
+        "tests/engine/test_flat_batch.py::test_hidden_rows_and_logits_follow_each_segment_"
+        "across_two_stores",
+        *(f"tests/engine/test_batch.py::{t}" for t in (
+            "test_flat_forward_rows_match_each_session_alone",
+            "test_batch_kv_rows_copy_and_roll_back"))],
+        ["BatchKV.__init__", "BatchKV.open", "BatchKV.close", "BatchKV.open_rows",
+         "BatchKV.reserve", "BatchKV._buffers", "BatchKV.copy_prefixes", "BatchKV.install",
+         "BatchKV._scatter", "BatchKV.write", "BatchKV.slot_index", "BatchKV.state",
+         "RowCache.__init__", "RowCache.close"]),
 }
 LINKED = ("macfleet", "bridge", "agents", "tui", "tests", "README.md")
 PYTEST_ARGS = ["-m", "not slow", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly"]

@@ -331,3 +331,28 @@ def test_a_prefilled_verifier_installs_once_and_says_so(tiny):
     v.reset()
     v.prefill(ids)  # computed this time
     assert v.offset == len(ids) and v.installed is True
+
+
+def test_a_layout_reads_heads_head_dim_and_dtype_and_prices_each_codec(tiny):
+    """The layout helpers (issue 36's run of their 42 mutants): what layout_of reads off a
+    cache, its refusal of an empty one, and the wire price per token of every codec for every
+    cache dtype (a float16 cache ships as itself under auto; bfloat16 as float32)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from macfleet.engine.kvship import KV_CODECS, KVLayout
+
+    from macfleet.engine.tiny import build_tiny_model
+
+    lay = model_layout(tiny.model)  # the tiny llama: 4 layers, 2 kv heads of 64 / 4
+    assert lay == KVLayout(4, 2, 16, "float32")
+    assert model_layout(build_tiny_model(3, 64, layers=1)) == KVLayout(1, 2, 16, "float32")
+    with pytest.raises(KVShipError) as e:
+        layout_of(make_prompt_cache(tiny.model))
+    assert str(e.value) == "the cache is empty"
+    L, H, D = 3, 2, 8
+    per_row = {"float32": {"auto": 4 * D, "float16": 2 * D, "int8": D + 2},
+               "float16": {"auto": 2 * D, "float16": 2 * D, "int8": D + 2},
+               "bfloat16": {"auto": 4 * D, "float16": 2 * D, "int8": D + 2}}
+    for dtype, want in per_row.items():
+        got = {c: KVLayout(L, H, D, dtype).bytes_per_token(c) for c in KV_CODECS}
+        assert got == {c: 2 * L * H * n for c, n in want.items()}, dtype
