@@ -239,6 +239,8 @@ def test_blocks_are_padded_on_an_accelerator_only_unless_asked(monkeypatch):
     assert pipeline.drafts_ahead() == (mx.default_device() != mx.cpu)
     monkeypatch.setenv(pipeline.AHEAD_ENV, "0")
     assert not pipeline.drafts_ahead()
+    monkeypatch.setenv(pipeline.AHEAD_ENV, "1")  # honoured on a CPU too
+    assert pipeline.drafts_ahead()
 
 
 def test_padded_blocks_commit_the_same_and_leave_no_padding(tiny, ref, monkeypatch):
