@@ -33,6 +33,35 @@ WORK = ROOT / ".mutation"
 # order: the acceptance rules, the codec, the KV rollback, KV shipping, token trees, the rest.
 MODULES: dict[str, tuple] = {
     "acceptance": ("macfleet/engine/acceptance.py", ["tests/engine/test_sampling_lossless.py"]),
+    # a block's accept decisions (every loop's and the serving engine's), against their own
+    # tests (the loops that call them are covered by the greedy-identity and chi-square runs)
+    "block": ("macfleet/engine/block.py", ["tests/engine/test_block.py"]),
+    # the device-side acceptance, against its fast unit tests: not the loops' generations
+    # (seconds each) nor the 6,000-trial device chi-square tests (test_sampling_lossless.py,
+    # ~10 s each), which the piecewise tests here stand in for (gumbel_pick's own chi-square)
+    "pipeline": ("macfleet/engine/pipeline.py", [
+        *(f"tests/engine/test_pipeline.py::{t}" for t in (
+            "test_greedy_outcome_is_accept_greedy",
+            "test_next_token_is_the_last_rows_argmax_in_any_dtype",
+            "test_padded_length_takes_the_cheapest_length_that_holds_the_block",
+            "test_blocks_are_padded_on_an_accelerator_only_unless_asked",
+            "test_forced_reads_exactly_0_and_1",
+            "test_padded_length_of_nothing_and_of_one_token",
+            "test_every_outcome_is_int32",
+            "test_rejection_rows_are_the_residual_or_p_where_it_is_empty",
+            "test_gumbel_pick_draws_each_row_from_its_normalised_weights",
+            "test_device_ratio_test_keeps_drafts_the_verifier_likes_more_and_corrects_the_"
+            "first_miss",
+            "test_device_ratio_correction_comes_from_the_residual",
+            "test_device_ratio_test_is_seeded_per_position",
+            "test_device_ratio_test_at_its_exact_boundaries",
+            "test_padding_rows_change_no_device_decision",
+            "test_device_tree_draws_are_keyed_by_depth_like_plain_steps",
+            "test_device_tree_of_a_root_alone_and_of_one_draft")),
+        "tests/engine/test_sampling_lossless.py::test_device_ratio_test_at_its_boundaries",
+        "tests/engine/test_sampling_lossless.py::"
+        "test_device_draws_are_keyed_by_position_not_by_block",
+        "tests/engine/test_tree.py::test_device_tree_sampling_walks_the_drawn_children"]),
     "codec": ("bridge/codec.py", ["tests/bridge/test_codec.py", "tests/bridge/test_codec_paths.py",
                                     "tests/bridge/test_fuzz_codec.py"]),
     "verifier": ("macfleet/engine/verifier.py", ["tests/engine/test_kv_rollback.py",
@@ -65,7 +94,20 @@ MODULES: dict[str, tuple] = {
             "test_installed_cache_equals_computed_bitwise",
             "test_install_refuses_another_depth")],
         ["KVLayout.bytes_per_token", "layout_of", "_itemsize", "_dtype_name"]),
-    "tree": ("macfleet/engine/tree.py", ["tests/engine/test_tree.py"]),
+    # the tree's data and rules, against test_tree.py's unit tests (not its tree forwards and
+    # tree loops: seconds each) and the rerooting test of test_pipeline.py
+    "tree": ("macfleet/engine/tree.py", [
+        *(f"tests/engine/test_tree.py::{t}" for t in (
+            "test_merge_shares_prefixes_and_masks_ancestors",
+            "test_multi_draft_sampling_keeps_the_verifier_distribution",
+            "test_device_tree_sampling_walks_the_drawn_children",
+            "test_first_n_nodes_of_a_tree_are_a_tree",
+            "test_tree_drafts_merge_with_chains_paths_per_leaf_and_candidates_with_their_rows",
+            "test_the_first_node_of_a_tree_is_the_root_alone_and_candidates_are_cut_too",
+            "test_depths_and_the_longest_branch_of_a_draft_tree",
+            "test_specinfer_at_its_boundaries",
+            "test_tree_sampling_without_probabilities_follows_the_drawn_child")),
+        "tests/engine/test_pipeline.py::test_reroot_keeps_the_subtree_under_the_guessed_token"]),
     "sampling": ("macfleet/engine/sampling.py", ["tests/engine/test_sampling_lossless.py"]),
     "loop": ("macfleet/engine/loop.py", ["tests/engine/test_loop_events.py",
                                          "tests/engine/test_greedy_identity.py"]),

@@ -5,10 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.block import BlockTally, accept_chain, accept_tree, cut_at_stop
+from macfleet.engine.block import BlockTally, accept_chain, accept_tree, cut_at_stop, node_path
 from macfleet.engine.proposers.base import Draft
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.tree import TokenTree
+from macfleet.stats import GenerationStats, ProposerStats
 
 V = 8
 
@@ -73,3 +74,68 @@ def test_tally_counts_drafted_blocks_in_the_histogram_and_every_block_in_time():
     assert (st.draft_ms, st.verify_ms) == (6.0, 60.0)
     assert BlockTally(blocks=2).stats(tokens=2, elapsed_s=1.0, prefill_ms=0.0, proposer="none",
                                       finish_reason="stop").accepted_hist == ()
+
+
+# -- what mutation testing of block.py found untested (issue 36) ---------------------------
+
+
+def _uniform_logits(rows: int) -> mx.array:
+    """[rows, V] equal logits: p = 1/V everywhere at temperature 1."""
+    return mx.zeros((rows, V), dtype=mx.float32)
+
+
+def test_a_sampled_chain_with_probabilities_takes_the_ratio_test_not_exact_match():
+    """p(d) = 1/8 >= q(d) = 0.1: the ratio test keeps every draft on every draw, where
+    exact-match sampling (y ~ p equal to d) would keep a draft one time in eight."""
+    q = np.full((2, V), 0.9 / (V - 1))
+    q[:, 0] = 0.1
+    for seed in range(12):
+        params = SamplingParams(1.0, seed=seed)
+        n, nxt = accept_chain(Draft((0, 0), q), _uniform_logits(3), params, seed, 0)
+        assert n == 2 and 0 <= nxt < V
+
+
+def test_a_sampled_tree_with_probabilities_takes_specinfers_rule_on_the_host():
+    """Candidates with q rows: SpecInfer's rule (p(x) >= q(x) keeps x on every draw), with the
+    caller's generator; exact-match on the device would keep token 3 one time in eight."""
+    q = np.full((1, V), 0.9 / (V - 1))
+    q[0, 3] = 0.1
+    tree = TokenTree.from_drafts(0, [(3,)], [q])
+    hot = SamplingParams(1.0, seed=1)
+    for seed in range(12):
+        path, nxt = accept_tree(tree, _uniform_logits(2), hot, np.random.default_rng(seed),
+                                seed, 0)
+        assert tree.path_tokens(path) == [3] and 0 <= nxt < V
+
+
+def test_node_path_is_the_chain_below_the_root():
+    tree = TokenTree.from_drafts(0, [(4,), (6, 5)], [None, None], [None, None])
+    assert node_path(tree, 0) == []
+    assert node_path(tree, 1) == [1]
+    assert node_path(tree, 3) == [2, 3]
+    hot = SamplingParams(1.0, seed=2)  # the device walk ends at node 1: its path is [1]
+    path, nxt = accept_tree(tree, _logits([4, 7, 1, 2]) * 4, hot, None, 2, 0)
+    assert path == [1] and nxt == 7
+
+
+def test_tally_histogram_grows_by_exactly_what_a_longer_block_needs_and_counts_repeats():
+    t = BlockTally()
+    t.record(2, 0, 0.0, 0.0)
+    t.record(2, 1, 0.0, 0.0)  # accepted == len(hist): grows by one
+    t.record(2, 1, 0.0, 0.0)  # the same length again: counted, not overwritten
+    assert t.hist == [1, 2]
+    t.record(5, 4, 0.0, 0.0)  # from two entries to five, no further
+    assert t.hist == [1, 2, 0, 0, 1]
+    assert (t.blocks, t.drafted, t.accepted) == (4, 11, 6)
+
+
+def test_tally_stats_carry_every_field_given():
+    t = BlockTally()
+    t.record(3, 2, 1.5, 7.0)
+    per = (ProposerStats("ngram", 3, 2),)
+    st = t.stats(tokens=3, elapsed_s=0.25, prefill_ms=4.0, proposer="ngram",
+                 finish_reason="stop", per_proposer=per)
+    assert st == GenerationStats(tokens=3, elapsed_s=0.25, prefill_ms=4.0, blocks=1,
+                                 drafted=3, accepted=2, draft_ms=1.5, verify_ms=7.0,
+                                 proposer="ngram", finish_reason="stop", accepted_hist=(0, 0, 1),
+                                 per_proposer=per)

@@ -21,7 +21,9 @@ from macfleet.engine.acceptance import accept_greedy
 from macfleet.engine.controller import make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.loop import speculative_generate
-from macfleet.engine.pipeline import block_lengths, greedy_outcome, next_token, padded_length
+from macfleet.engine.pipeline import (block_lengths, greedy_outcome, gumbel_pick, next_token,
+                                      padded_length, rejection_rows, sampled_outcome,
+                                      sampled_tree_outcome)
 from macfleet.engine.proposers import Draft, Proposer
 from macfleet.engine.proposers.ngram import NgramProposer
 from macfleet.engine.tree import reroot
@@ -237,6 +239,8 @@ def test_blocks_are_padded_on_an_accelerator_only_unless_asked(monkeypatch):
     assert pipeline.drafts_ahead() == (mx.default_device() != mx.cpu)
     monkeypatch.setenv(pipeline.AHEAD_ENV, "0")
     assert not pipeline.drafts_ahead()
+    monkeypatch.setenv(pipeline.AHEAD_ENV, "1")  # honoured on a CPU too
+    assert pipeline.drafts_ahead()
 
 
 def test_padded_blocks_commit_the_same_and_leave_no_padding(tiny, ref, monkeypatch):
@@ -329,3 +333,168 @@ def test_padded_trees_commit_the_same(tiny, ref, monkeypatch):
             assert v.offset == len(PROMPT) + committed - 1  # no padding left behind
         if isinstance(ev, Finished):
             assert list(ev.token_ids) == ref
+
+
+# -- the device-side rules, piece by piece (mutation testing of pipeline.py, issue 36) -------
+
+T1 = SamplingParams(1.0)
+
+
+def _log(p) -> mx.array:
+    """Logits whose softmax at temperature 1 is p (a zero stays a zero: exp(-1e9) is 0)."""
+    p = np.asarray(p, dtype=np.float64)
+    return mx.array(np.where(p > 0, np.log(np.maximum(p, 1e-300)), -1e9).astype(np.float32))
+
+
+def test_forced_reads_exactly_0_and_1(monkeypatch):
+    from macfleet.engine import pipeline
+
+    for env in (pipeline.PAD_ENV, pipeline.AHEAD_ENV):
+        for value, want in (("1", True), ("0", False), ("yes", None), ("", None)):
+            monkeypatch.setenv(env, value)
+            assert pipeline._forced(env) is want, (env, value)
+        monkeypatch.delenv(env)
+        assert pipeline._forced(env) is None
+
+
+def test_padded_length_of_nothing_and_of_one_token():
+    assert padded_length(0, {1: 2.0, 4: 1.0}) == 0  # no block: nothing to pad
+    assert padded_length(1, {1: 5.0, 2: 3.0}) == 2  # even one token goes where it is cheaper
+    assert block_lengths({1: 5.0, 2: 3.0, 4: 4.0}, 2) == (2,)
+    assert block_lengths({1: 1.0, 2: 3.0, 4: 2.0}, 2) == (1, 4)
+    assert block_lengths({1: 1.0, 2: 3.0, 4: 2.0}, 5) == (1, 4, 5)  # beyond the table
+
+
+def test_every_outcome_is_int32():
+    """The outcome's next token feeds the next step's forward as a token id (loop.py)."""
+    logits = mx.array(np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32))
+    q = np.full((2, 6), 1 / 6)
+    outs = [greedy_outcome(logits, []), greedy_outcome(logits, [1, 2]),
+            sampled_outcome(logits, [], None, T1, 1, 0),
+            sampled_outcome(logits, [1, 2], None, T1, 1, 0),
+            sampled_outcome(logits, [1, 2], q, T1, 1, 0),
+            sampled_tree_outcome(logits, [0], [-1], [0], T1, 1, 0),
+            sampled_tree_outcome(logits, [0, 1, 2], [-1, 0, 0], [0, 1, 1], T1, 1, 0)]
+    for out in outs:
+        assert out.dtype == mx.int32 and out.shape == (2,)
+
+
+def test_rejection_rows_are_the_residual_or_p_where_it_is_empty():
+    p = mx.array([[0.5, 0.3, 0.2], [0.2, 0.3, 0.5]])
+    q = mx.array([[0.2, 0.5, 0.3], [0.2, 0.3, 0.5]])  # the second row: p == q, no residual
+    np.testing.assert_allclose(np.array(rejection_rows(p, q)),
+                               [[0.3, 0.0, 0.0], [0.2, 0.3, 0.5]], atol=1e-7)
+
+
+def test_gumbel_pick_draws_each_row_from_its_normalised_weights():
+    """An exact categorical draw: one row repeated 4000 times under 4000 keys follows the row
+    (chi-square at p = 0.001)."""
+    from engine_testkit import chi2_test
+
+    from macfleet.engine.sampling import position_keys
+
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    n = 4000
+    keys = position_keys(11, 0, 0, n, 0)
+    rows = mx.array(np.tile(p, (n, 1)).astype(np.float32))
+    got = gumbel_pick(rows, keys)
+    assert got.shape == (n,) and got.dtype == mx.int32
+    counts = np.bincount(np.array(got), minlength=len(p))
+    stat, df, crit = chi2_test(counts, p)
+    assert stat < crit, (counts, stat, crit)
+    # and rows differ: each row draws from its own weights (here: certain ones)
+    certain = mx.array(np.eye(4, dtype=np.float32)[[2, 0, 3]])
+    assert gumbel_pick(certain, keys[:3]).tolist() == [2, 0, 3]
+
+
+def test_device_ratio_test_keeps_drafts_the_verifier_likes_more_and_corrects_the_first_miss():
+    """p(d) >= q(d) at every position keeps the whole block (any draw; each row's own d, its
+    own p and q); a position where the verifier gives its draft no mass rejects it, and the
+    correction comes from that position's residual (here all of it on token 1)."""
+    d = [1, 2, 1]
+    p = np.array([[0.0, 0.5, 0.5, 0.0]] * 3 + [[0.25] * 4])
+    q = np.array([[0.7, 0.1, 0.1, 0.1]] * 3)  # q(d) = 0.1 < p(d) = 0.5; q(0) > p(0)
+    for seed in range(10):
+        n, nxt = sampled_outcome(_log(p), d, q, T1, seed, 7).tolist()
+        assert n == 3 and 0 <= nxt < 4
+    p_miss = p.copy()
+    p_miss[1] = [0.5, 0.5, 0.0, 0.0]  # the second draft (2) has no mass at its position
+    for seed in range(10):  # residual max(p - q, 0) = (0, 0.4, 0, 0)
+        assert sampled_outcome(_log(p_miss), d, q, T1, seed, 7).tolist() == [1, 1]
+
+
+def test_device_ratio_correction_comes_from_the_residual():
+    """p = (0.5, 0.5, 0), q = (0, 1, 0), d = 1: kept half the time; when not, the residual
+    max(p - q, 0) has all its mass on 0 (p itself would give 1 half the time)."""
+    q = np.array([[0.0, 1.0, 0.0]])
+    logits = _log([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+    outs = [tuple(sampled_outcome(logits, [1], q, T1, seed, 0).tolist()) for seed in range(40)]
+    assert set(outs) == {(1, 2), (0, 0)}
+
+
+def test_device_ratio_test_is_seeded_per_position():
+    """The accept draws come from the request's seed and the positions: the same seed decides
+    the same (the keep rate here is one half, so unseeded draws would differ)."""
+    q = np.array([[0.0, 1.0, 0.0]] * 2)
+    logits = _log([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+    a = [sampled_outcome(logits, [1, 1], q, T1, seed, 3).tolist() for seed in range(24)]
+    b = [sampled_outcome(logits, [1, 1], q, T1, seed, 3).tolist() for seed in range(24)]
+    assert a == b and len({tuple(x) for x in a}) > 1
+
+
+def test_device_ratio_test_at_its_exact_boundaries(monkeypatch):
+    """Keep d iff u * q(d) < p(d), u in [0, 1): u = 0 rejects a token outside the verifier's
+    nucleus (p = 0), u * q(d) == p(d) rejects, u < p(d) / q(d) keeps even when q(d) < 1."""
+    u_now = [0.0]
+    monkeypatch.setattr(mx.random, "uniform",
+                        lambda *a, **kw: mx.array(u_now[0], dtype=mx.float32))
+    nucleus = SamplingParams(1.0, top_p=0.5)
+    logits = mx.array([[2.0, 0.0, -2.0], [0.0, 0.0, 0.0]])  # top-p 0.5 keeps token 0 only
+    q = np.array([[0.5, 0.0, 0.5]])
+    assert sampled_outcome(logits, [2], q, nucleus, 1, 0).tolist()[0] == 0
+    half = _log([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+    u_now[0] = 0.5  # u * q(1) = 0.5 = p(1): rejected
+    assert sampled_outcome(half, [1], np.array([[0.0, 1.0, 0.0]]), T1, 1, 0).tolist() == [0, 0]
+    # p(1) / q(1) = 2: kept for any u (u / q would be 2 > p)
+    assert sampled_outcome(half, [1], np.array([[0.5, 0.25, 0.25]]), T1, 1,
+                           0).tolist() == [1, 2]
+
+
+def test_padding_rows_change_no_device_decision():
+    """Blocks are verified at padded lengths (padded_length): rows past the block are noise."""
+    rng = np.random.default_rng(4)
+    base = rng.normal(size=(3, 6)).astype(np.float32)
+    padded = mx.array(np.concatenate([base, rng.normal(size=(5, 6)).astype(np.float32)]))
+    q = np.full((2, 6), 1 / 6)
+    for seed in range(6):
+        for qq in (None, q):
+            assert (sampled_outcome(mx.array(base), [1, 4], qq, T1, seed, 2).tolist()
+                    == sampled_outcome(padded, [1, 4], qq, T1, seed, 2).tolist())
+        tree = ([0, 1, 4], [-1, 0, 1], [0, 1, 2])
+        assert (sampled_tree_outcome(mx.array(base), *tree, T1, seed, 2).tolist()
+                == sampled_tree_outcome(padded, *tree, T1, seed, 2).tolist())
+
+
+def test_device_tree_draws_are_keyed_by_depth_like_plain_steps():
+    """A chain-shaped tree of the tokens plain steps would draw commits exactly those tokens
+    (node at depth t draws with position start + t's key), and then the plain step's draw."""
+    rng = np.random.default_rng(0)
+    rows = mx.array(rng.normal(size=(4, 50)).astype(np.float32))
+    plain = [sampled_outcome(rows[i : i + 1], (), None, T1, 77, start=5 + i).tolist()[1]
+             for i in range(4)]
+    tree = sampled_tree_outcome(rows, [9, *plain[:3]], [-1, 0, 1, 2], [0, 1, 2, 3], T1, 77, 5)
+    assert tree.tolist() == [3, plain[3]]
+
+
+def test_device_tree_of_a_root_alone_and_of_one_draft():
+    V = 5
+
+    def rows(*want):
+        x = np.full((len(want), V), -60.0, dtype=np.float32)
+        x[np.arange(len(want)), want] = 0.0
+        return mx.array(x)
+
+    assert sampled_tree_outcome(rows(3), [9], [-1], [0], T1, 1, 0).tolist() == [0, 3]
+    one = ([9, 1], [-1, 0], [0, 1])
+    assert sampled_tree_outcome(rows(1, 4), *one, T1, 1, 0).tolist() == [1, 4]
+    assert sampled_tree_outcome(rows(2, 4), *one, T1, 1, 0).tolist() == [0, 2]

@@ -320,3 +320,79 @@ def test_first_n_nodes_of_a_tree_are_a_tree():
     assert t.first(6) is t
     with pytest.raises(ValueError):
         t.first(0)
+
+
+# -- what mutation testing of tree.py found untested (issue 36) ----------------------------
+
+class Draws:
+    """A generator whose uniform draws are given: the rules' outcomes, exactly."""
+
+    def __init__(self, *u: float) -> None:
+        self.u = list(u)
+
+    def random(self) -> float:
+        return self.u.pop(0)
+
+
+def test_tree_drafts_merge_with_chains_paths_per_leaf_and_candidates_with_their_rows():
+    #  draft 0, a tree:  5 (0) -> 6 (1) -> 7 (2);  8 (3) -> 9 (4);  5 (0) -> 10 (5)
+    #  draft 1, a chain: 5 -> 6 -> 11
+    q = np.eye(12)[[5, 6, 11]]
+    t = TokenTree.from_drafts(0, [[5, 6, 7, 8, 9, 10], [5, 6, 11]], [None, q],
+                              [[-1, 0, 1, -1, 3, 0], None])
+    assert t.tokens == [0, 5, 6, 7, 8, 9, 10, 11]
+    assert t.parents == [-1, 0, 1, 2, 0, 4, 1, 2]
+    assert t.depths == [0, 1, 2, 3, 1, 2, 2, 3]
+    assert t.paths == [[1, 2, 3], [4, 5], [1, 6], [1, 2, 7]]  # one per leaf, then the chain
+    assert t.owned == [{1, 2, 3, 4, 5, 6}, {1, 2, 7}]
+    assert t.candidates[0] == [Candidate(1, 0), Candidate(4, 0), Candidate(1, 1)]
+    assert t.candidates[2] == [Candidate(3, 0), Candidate(7, 1)]
+    assert t.candidates[0][0].q is None and np.array_equal(t.candidates[0][2].q, q[0])
+    assert np.array_equal(t.candidates[2][1].q, q[2])
+    assert t.ancestor_mask().dtype == bool
+
+
+def test_the_first_node_of_a_tree_is_the_root_alone_and_candidates_are_cut_too():
+    t = TokenTree.from_drafts(9, [[1, 2, 3], [1, 4], [5]])
+    c = t.first(4)
+    assert c.candidates == [[Candidate(1, 0), Candidate(1, 1)], [Candidate(2, 0)],
+                            [Candidate(3, 0)], []]
+    r = t.first(1)
+    assert (r.tokens, r.parents, r.depths, r.children) == ([9], [-1], [0], [{}])
+    assert r.candidates == [[]] and r.paths == [[], [], []] and r.owned == [set()] * 3
+    with pytest.raises(ValueError, match="^a tree keeps at least its root$"):
+        t.first(0)
+
+
+def test_depths_and_the_longest_branch_of_a_draft_tree():
+    from macfleet.engine.tree import depths_of, longest_branch
+
+    par = [-1, 0, 1, -1, 3, 0]
+    assert depths_of(par) == [0, 1, 2, 0, 1, 1]
+    assert longest_branch(par) == [0, 1, 2]
+    assert longest_branch([-1, -1, 1, 0]) == [1, 2]  # the first of the deepest
+    assert longest_branch([-1, 0, 1]) == [0, 1, 2]  # a chain: all of it
+    assert longest_branch([-1]) == [0] and longest_branch([]) == []
+
+
+def test_specinfer_at_its_boundaries():
+    """One candidate x = 2 drafted with q: kept iff u < p(x) / q(x) (u in [0, 1)), and only
+    when q(x) > 0; on rejection the next token comes from the residual, from the draw after."""
+    q = np.array([0.25, 0.25, 0.5])
+    tree = TokenTree.from_drafts(0, [[2]], [q[None]])
+    like = np.array([[0.2, 0.2, 0.6]] * 2)  # p(x) / q(x) = 1.2: kept on any draw
+    assert accept_tree_sample(tree, like, Draws(0.1, 0.5)) == ([1], 2)
+    assert accept_tree_sample(tree, like, Draws(0.9, 0.5)) == ([1], 2)
+    none = np.array([[0.5, 0.5, 0.0]] * 2)  # p(x) = 0: rejected even on u = 0.0
+    assert accept_tree_sample(tree, none, Draws(0.0, 0.6)) == ([], 1)  # residual (.5, .5, 0)
+    q0 = np.array([0.5, 0.5, 0.0])  # the draft's own q gave x no mass: rejected
+    tree0 = TokenTree.from_drafts(0, [[2]], [q0[None]])
+    assert accept_tree_sample(tree0, like, Draws(0.0, 0.5)) == ([], 2)
+
+
+def test_tree_sampling_without_probabilities_follows_the_drawn_child():
+    tree = TokenTree.from_drafts(0, [[2, 1]])
+    p = np.eye(3)[[2, 1, 0]]  # the root draws 2, node 1 draws 1, node 2 draws 0
+    assert accept_tree_sample(tree, p, np.random.default_rng(0)) == ([1, 2], 0)
+    p = np.eye(3)[[1, 1, 0]]  # the root draws 1: no such child, 1 is committed
+    assert accept_tree_sample(tree, p, np.random.default_rng(0)) == ([], 1)
