@@ -48,9 +48,16 @@ MODULES: dict[str, tuple] = {
         ["RowCache.trim", "trim_cache", "BatchKV.keep_paths", "BatchKV._move"]),
     "kvship": ("macfleet/engine/kvship.py", ["tests/engine/test_kvship.py"]),
     "tree": ("macfleet/engine/tree.py", ["tests/engine/test_tree.py"]),
-    "sampling": ("macfleet/engine/sampling.py", ["tests/engine/test_sampling_lossless.py"]),
-    "loop": ("macfleet/engine/loop.py", ["tests/engine/test_loop_events.py",
-                                         "tests/engine/test_greedy_identity.py"]),
+    "sampling": ("macfleet/engine/sampling.py", ["tests/engine/test_sampling_lossless.py",
+                                                 "tests/engine/test_sampling_params.py"]),
+    # the loop's fast tests: events, limits, greedy identity against garbage drafts, the
+    # pipelined and drafted-ahead paths (test_pipeline.py), the reported timings, draft
+    # lengths and the sanitizer (test_loop_contract.py), and the argument checks
+    "loop": ("macfleet/engine/loop.py", [
+        "tests/engine/test_loop_events.py", "tests/engine/test_greedy_identity.py",
+        "tests/engine/test_pipeline.py", "tests/engine/test_loop_contract.py",
+        *(f"tests/engine/test_specs_and_args.py::{t}" for t in (
+            "test_empty_prompt", "test_out_of_vocab_prompt_ids", "test_negative_max_tokens"))]),
     "tree_loop": ("macfleet/engine/tree_loop.py", ["tests/engine/test_tree.py"]),
     "batch": ("macfleet/engine/batch.py", ["tests/engine/test_batch.py"]),
 }
