@@ -11,6 +11,7 @@ time.perf_counter), advanced by the verifier and the proposer, so every reported
 
 from __future__ import annotations
 
+import logging
 import re
 
 import numpy as np
@@ -223,11 +224,20 @@ def test_k0_never_asks_the_proposer_and_k1_drafts_one_token(tiny, ref):
 # -- the lengths the verifier runs ----------------------------------------------------------
 
 
-def recorded(v: Verifier, lengths: list[int]) -> Verifier:
+def recorded(v: Verifier, lengths: list[int], lazy: list[int]) -> Verifier:
+    """Record the length of every forward (`lengths`) and of those that ran lazily (`lazy`)."""
     forward, forward_lazy = v.forward, v.forward_lazy
-    v.forward = lambda tokens: (lengths.append(len(tokens)), forward(tokens))[1]
-    v.forward_lazy = lambda tokens: (lengths.append(int(tokens.shape[0])),
-                                     forward_lazy(tokens))[1]
+
+    def eager(tokens):
+        lengths.append(len(tokens))
+        return forward(tokens)
+
+    def lazily(tokens):
+        lengths.append(int(tokens.shape[0]))
+        lazy.append(int(tokens.shape[0]))
+        return forward_lazy(tokens)
+
+    v.forward, v.forward_lazy = eager, lazily
     return v
 
 
@@ -242,26 +252,35 @@ def test_unpadded_blocks_verify_exactly_the_block(tiny, ref, monkeypatch):
     monkeypatch.setattr(loop, "verify_costs", no_probe)
     for make in (Verifier, SynchronousVerifier):
         lengths: list[int] = []
-        events = list(speculative_generate(recorded(make(tiny.model), lengths),
+        lazy: list[int] = []
+        events = list(speculative_generate(recorded(make(tiny.model), lengths, lazy),
                                            Truth(ref, tiny.vocab_size, right=2), PROMPT,
                                            max_tokens=N, controller=make_controller(4)))
         assert list(finished(events).token_ids) == ref
         # blocks of 3 committed: 4 drafts while 5 tokens fit, then 3, then a plain step
         assert lengths == [b.drafted + 1 for b in blocks_of(events)]
         assert lengths == [5] * 12 + [4, 1]
-        lengths = []
-        finished(speculative_generate(recorded(make(tiny.model), lengths), None, PROMPT,
+        # only the plain verifier runs lazily (a verifier that overrides forward, a sharded
+        # one, must get every block through its forward)
+        assert lazy == (lengths if make is Verifier else [])
+        lengths, lazy = [], []
+        finished(speculative_generate(recorded(make(tiny.model), lengths, lazy), None, PROMPT,
                                       max_tokens=N))
-        assert lengths == [1] * N
+        assert lengths == [1] * N and lazy == (lengths if make is Verifier else [])
 
 
 def test_padded_blocks_run_at_the_tables_length_on_the_pipelined_verifier_only(
         tiny, ref, monkeypatch):
     paths(monkeypatch, ahead=False, pad=True)
-    monkeypatch.setattr(loop, "verify_costs", lambda model: {1: 1.0, 2: 3.0, 8: 2.0, 16: 9.0})
+
+    def costs(model):
+        assert model is tiny.model
+        return {1: 1.0, 2: 3.0, 8: 2.0, 16: 9.0}
+
+    monkeypatch.setattr(loop, "verify_costs", costs)
     for make, want in ((Verifier, [8] * 13 + [1]), (SynchronousVerifier, [5] * 12 + [4, 1])):
         lengths: list[int] = []
-        v = recorded(make(tiny.model), lengths)
+        v = recorded(make(tiny.model), lengths, [])
         fin = finished(speculative_generate(v, Truth(ref, tiny.vocab_size, right=2), PROMPT,
                                             max_tokens=N, controller=make_controller(4)))
         assert list(fin.token_ids) == ref
@@ -386,6 +405,31 @@ def test_a_grammar_answer_stops_at_max_tokens_even_inside_forced_tokens(tiny):
     assert answer(40, "ngram") == (full, "stop")
     for m in (1, 2, 3, 4, 6):
         assert answer(m) == (full[:m], "length"), m
+    # max_tokens 5: the whole literal and the verifier's token, in one block
+    fin = list(generate_local(tiny, "some prompt here", chat=False, proposer="none",
+                              max_tokens=5, grammar=g))[-1]
+    assert (fin.stats.blocks, fin.stats.drafted, fin.stats.accepted) == (1, 4, 4)
+
+
+# -- arguments and a proposer that fails -------------------------------------------------
+
+
+def test_a_prompt_may_hold_any_id_of_the_vocabulary_and_an_empty_one_is_refused(tiny):
+    last = tiny.vocab_size - 1
+    fin = finished(speculative_generate(Verifier(tiny.model), None, [0, last, 0], max_tokens=3))
+    assert list(fin.token_ids) == mlx_lm_greedy(tiny.model, [0, last, 0], 3)
+    with pytest.raises(ValueError, match="^empty prompt$"):
+        next(speculative_generate(Verifier(tiny.model), None, []))
+
+
+def test_a_failing_proposer_is_named_in_the_log(tiny, ref, caplog):
+    truth = Truth(ref, tiny.vocab_size, dies_at=1)
+    with caplog.at_level(logging.WARNING, logger=loop.__name__):
+        fin = finished(speculative_generate(Verifier(tiny.model), truth, PROMPT, max_tokens=N,
+                                            controller=make_controller(4)))
+    assert list(fin.token_ids) == ref and len(truth.calls) == 1
+    assert [r.getMessage() for r in caplog.records if r.name == loop.__name__] == [
+        "proposer truth failed (gone): continuing without it"]
 
 
 # -- the draft sanitizer --------------------------------------------------------------------
