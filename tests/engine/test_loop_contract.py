@@ -385,9 +385,10 @@ def test_drafts_made_ahead_carry_their_own_tokens_probabilities(tiny, ref, monke
 # -- a grammar's blocks ---------------------------------------------------------------------
 
 
-def test_a_grammar_answer_stops_at_max_tokens_even_inside_forced_tokens(tiny):
+def test_a_grammar_answer_stops_at_max_tokens_even_inside_forced_tokens(tiny, monkeypatch):
     """The forced literal "id: " is drafted for free, but never past max_tokens; the answer
-    matches the grammar, ends where it completes, and drafts do not change it."""
+    matches the grammar, ends where it completes, and drafts (padded ones too: a grammar's
+    blocks are read on the host, from their own rows only) do not change it."""
     from macfleet.engine.constraint import REGEX, Grammar
     from macfleet.engine.text import generate_local
 
@@ -403,6 +404,10 @@ def test_a_grammar_answer_stops_at_max_tokens_even_inside_forced_tokens(tiny):
     full, reason = answer(40)
     assert reason == "stop" and re.fullmatch(pattern, tiny.tokenizer.decode(full))
     assert answer(40, "ngram") == (full, "stop")
+    paths(monkeypatch, ahead=False, pad=True)
+    monkeypatch.setattr(loop, "verify_costs", lambda model: {1: 1.0, 2: 3.0, 8: 2.0, 16: 9.0})
+    assert answer(40, "ngram") == (full, "stop")
+    paths(monkeypatch, ahead=False, pad=False)
     for m in (1, 2, 3, 4, 6):
         assert answer(m) == (full[:m], "length"), m
     # max_tokens 5: the whole literal and the verifier's token, in one block
