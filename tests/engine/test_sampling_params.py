@@ -81,7 +81,7 @@ def test_rows_are_transformed_and_normalised_one_by_one():
             want = probs_from_logits(mx.array(logits[i : i + 1]), params)[0]
             np.testing.assert_allclose(host[i], want, rtol=1e-12)
             np.testing.assert_allclose(dev[i], want, atol=2e-6)
-        np.testing.assert_allclose(host.sum(axis=1), 1.0, rtol=1e-12)
+        np.testing.assert_allclose(host.sum(axis=1), 1.0, rtol=1e-6)
     p = top_p_filter(np.array([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7],
                                [0.4, 0.4, 0.1, 0.1]]), 0.75)
     np.testing.assert_allclose(p, [[0.625, 0.375, 0.0, 0.0], [0.125, 0.0, 0.0, 0.875],
