@@ -102,10 +102,17 @@ def test_top_p_1_truncates_nothing_and_a_nucleus_may_reach_top_p_exactly():
 
 
 def test_top_p_ties_are_kept_by_index_on_the_host():
-    """Equal probabilities enter the nucleus in vocabulary order (a stable sort), also past the
-    lengths a sort handles by insertion."""
+    """Equal probabilities enter the nucleus in vocabulary order (a stable sort: numpy's default
+    sort reorders ties in rows of more than 16 tokens), so the nucleus is one set."""
     out = top_p_filter(np.full((1, 40), 1 / 40), 0.49)[0]
     assert np.flatnonzero(out).tolist() == list(range(20))
+    p = np.random.default_rng(0).integers(1, 4, size=64).astype(np.float64)
+    p /= p.sum()
+    order = sorted(range(64), key=lambda i: (-p[i], i))  # by probability, ties by index
+    cum = np.cumsum(p[order])
+    want = sorted(i for i, c, q in zip(order, cum, p[order]) if c - q < 0.6)
+    assert 0 < (p[want] == p[want].min()).sum() < (p == p[want].min()).sum()  # a tie is cut
+    assert np.flatnonzero(top_p_filter(p[None], 0.6)[0]).tolist() == want
 
 
 def test_the_device_transform_refuses_greedy_like_the_host():
