@@ -122,3 +122,14 @@ def chi2_test(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0
     if counts[probs == 0].sum() > 0:
         stat = float("inf")
     return stat, df, chi2_critical(df)
+
+
+class Draws:
+    """A generator whose uniform draws are given (`random()` pops them in order): an acceptance
+    rule's outcome at its boundaries, exactly."""
+
+    def __init__(self, *u: float) -> None:
+        self.u = list(u)
+
+    def random(self) -> float:
+        return self.u.pop(0)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_testkit import chi2_test
+from engine_testkit import Draws, chi2_test
 
 from macfleet.engine import acceptance
 from macfleet.engine.acceptance import accept_exact_sample, accept_ratio, residual
@@ -196,16 +196,6 @@ def test_accept_ratio_certain_cases():
     q0 = np.array([[1.0, 0.0, 0.0]])
     p = np.array([[0.2, 0.8, 0.0], [1.0, 0.0, 0.0]])
     assert accept_ratio([1], q0, p, rng) == (0, 1)
-
-
-class Draws:
-    """An rng whose uniform draws are given: the rules' boundaries, exactly."""
-
-    def __init__(self, *u: float) -> None:
-        self.u = list(u)
-
-    def random(self) -> float:
-        return self.u.pop(0)
 
 
 def test_accept_ratio_at_its_boundaries():

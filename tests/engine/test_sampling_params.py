@@ -14,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from engine_testkit import Draws
 
 from macfleet.engine import sampling
 from macfleet.engine.sampling import (GREEDY, MAX_SEED, MIN_TEMPERATURE, SamplingParams,
@@ -124,16 +125,6 @@ def test_the_device_transform_refuses_greedy_like_the_host():
 
 
 # -- the host draw --------------------------------------------------------------------------
-
-
-class Draws:
-    """An rng whose uniform draws are given."""
-
-    def __init__(self, *u: float) -> None:
-        self.u = list(u)
-
-    def random(self) -> float:
-        return self.u.pop(0)
 
 
 def test_sample_at_its_boundaries():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_testkit import chi2_critical
+from engine_testkit import Draws, chi2_critical
 
 from macfleet.engine.events import Finished
 from macfleet.engine.loop import speculative_generate
@@ -323,16 +323,6 @@ def test_first_n_nodes_of_a_tree_are_a_tree():
 
 
 # -- what mutation testing of tree.py found untested (issue 36) ----------------------------
-
-class Draws:
-    """A generator whose uniform draws are given: the rules' outcomes, exactly."""
-
-    def __init__(self, *u: float) -> None:
-        self.u = list(u)
-
-    def random(self) -> float:
-        return self.u.pop(0)
-
 
 def test_tree_drafts_merge_with_chains_paths_per_leaf_and_candidates_with_their_rows():
     #  draft 0, a tree:  5 (0) -> 6 (1) -> 7 (2);  8 (3) -> 9 (4);  5 (0) -> 10 (5)
