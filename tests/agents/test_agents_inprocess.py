@@ -94,8 +94,12 @@ def test_f3_probe_is_measured_per_block(pair):
 
 def test_sampling_remote_is_seeded_and_lossless_path_runs(pair):
     ver, prop = pair
-    a = gen(ver, prop, "draft:tiny:4", max_tokens=20, temperature=1.0, seed=5, draft_tokens=3)
-    b = gen(ver, prop, "draft:tiny:4", max_tokens=20, temperature=1.0, seed=5, draft_tokens=3)
+    # without cross-round pre-drafts: a pre-draft is used or dropped by timing, and the ratio
+    # test's draws depend on the drafts it is given (the output's distribution does not), so a
+    # seed reproduces a sampled answer where the drafts are reproducible (2 of 4 runs differed
+    # with pre-drafts on, at this session's start commit too)
+    a, b = (gen(ver, prop, "draft:tiny:4", max_tokens=20, temperature=1.0, seed=5,
+                draft_tokens=3, cross_round=False) for _ in range(2))
     assert a.token_ids == b.token_ids
     # draft probabilities travelled as frames
     assert a.stats.fleet.flows.f2_bytes_per_block > 64 * 4
