@@ -139,6 +139,13 @@ def timed_verifier(tiny, clock: Clock, counts: list[int]) -> Verifier:
     return v
 
 
+def _timed_run(tiny, clock, forwards, proposer, ctl):
+    """N tokens through the loop on the fake clock: (Finished, its BlockDone events)."""
+    events = list(speculative_generate(timed_verifier(tiny, clock, forwards), proposer, PROMPT,
+                                       max_tokens=N, controller=ctl))
+    return finished(events), blocks_of(events)
+
+
 def test_drafted_blocks_report_exact_timings_and_tell_the_controller(tiny, ref, monkeypatch):
     paths(monkeypatch, ahead=False, pad=False)
     clock = Clock()
@@ -153,11 +160,8 @@ def test_drafted_blocks_report_exact_timings_and_tell_the_controller(tiny, ref, 
 
     truth.propose = timed_propose
     ctl = Recording(4)
-    events = list(speculative_generate(timed_verifier(tiny, clock, forwards), truth, PROMPT,
-                                       max_tokens=N, controller=ctl))
-    fin = finished(events)
+    fin, blocks = _timed_run(tiny, clock, forwards, truth, ctl)
     assert list(fin.token_ids) == ref
-    blocks = blocks_of(events)
     assert len(blocks) == N // 5 and forwards == [5] * (N // 5)
     for b in blocks:
         assert (b.k, b.drafted, b.accepted, b.committed) == (4, 4, 4, 5)
@@ -179,11 +183,8 @@ def test_pipelined_plain_steps_report_exact_timings(tiny, ref, monkeypatch):
     monkeypatch.setattr(loop, "time", clock)
     forwards: list[int] = []
     ctl = Recording(0)
-    events = list(speculative_generate(timed_verifier(tiny, clock, forwards), None, PROMPT,
-                                       max_tokens=N, controller=ctl))
-    fin = finished(events)
+    fin, blocks = _timed_run(tiny, clock, forwards, None, ctl)
     assert list(fin.token_ids) == ref
-    blocks = blocks_of(events)
     assert forwards == [1] * N and len(blocks) == N
     # the first block runs its own step and starts the second; the last starts none
     assert [b.verify_ms for b in blocks] == [62.5] + [31.25] * (N - 2) + [0.0]
