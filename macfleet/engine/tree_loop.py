@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from macfleet.engine.block import BlockTally, accept_tree, cut_at_stop, node_path, tree_outcome
+from macfleet.engine.block import (BlockTally, accept_tree, cut_at_stop, tree_decided,
+                                   tree_decision)
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, TokensCommitted
 from macfleet.engine.loop import sanitize_draft
@@ -218,22 +219,15 @@ def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: Sampling
     if tree_ok:
         logits, hidden = tree_forward(verifier, tree, return_hidden=True, pad_to=pad_to)
         n = len(tree.tokens)
-        if params.greedy:
-            target = mx.argmax(logits[:n], axis=-1)
-            mx.async_eval(target)
-            if during is not None:
-                during()
-            path, nxt = accept_tree_greedy(tree, target.tolist())
-        elif (out := tree_outcome(tree, logits, params, seed, start)) is not None:
-            mx.async_eval(out)
-            if during is not None:
-                during()
-            node, nxt = (int(v) for v in out.tolist())
-            path = node_path(tree, node)
+        # the decision left lazy (block.tree_decision: the serving engine's too), or the
+        # logits for SpecInfer's host rule; `during` runs while the device computes it
+        out = tree_decision(tree, logits, params, seed, start)
+        mx.async_eval(out if out is not None else logits)
+        if during is not None:
+            during()
+        if out is not None:
+            path, nxt = tree_decided(tree, params, out.tolist())
         else:
-            mx.async_eval(logits)
-            if during is not None:
-                during()
             path, nxt = accept_tree(tree, logits[:n], params, rng, seed, start)
         compact_cache(verifier, base, path)
         # hidden-state drafters read the verifier's features through a tap on its forward;
