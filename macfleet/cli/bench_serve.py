@@ -29,6 +29,9 @@ def add_bench_parsers(bs) -> None:
                    "package: time to first token per turn with the prompt cache and without "
                    "(results/serve_chat.json)")
     s.add_argument("--turns", type=int, default=8, help="with --multi-turn")
+    s.add_argument("--repeats", type=int, default=1,
+                   help="with --multi-turn: chats per server, each on a fresh one (the ratio "
+                   "is the median of theirs); with --mlx-lm also mlx_lm.server's")
     s.add_argument("--json-schema", action="store_true",
                    help="structured output through the openai package: the same questions "
                    "free and bound to a JSON schema, with the n-gram drafter and none; tokens "
@@ -95,9 +98,10 @@ def _run_multi_turn(args, progress) -> int:
     from macfleet.bench.serve_chat import bench_multi_turn, chat_rows
     from macfleet.cli.common import UserError
 
-    if args.turns < 1:
-        raise UserError("--turns must be >= 1")
-    res = bench_multi_turn(args.model, args.turns, args.max_tokens, progress)
+    if args.turns < 1 or args.repeats < 1:
+        raise UserError("--turns and --repeats must be >= 1")
+    res = bench_multi_turn(args.model, args.turns, args.max_tokens, progress,
+                           repeats=args.repeats, mlx_lm_dir=args.mlx_lm)
     path = write_result("serve_chat.json", res, args.out)
     for line in chat_rows(res):
         print(line)
