@@ -15,6 +15,9 @@ committed tokens; the engine asks it four things, each a pure decision over the 
 * `commit(tokens)`: advance over a verified block; where the answer ends (the grammar is
   complete, or the model chose end-of-sequence where the grammar allowed it).
 
+`resume(tokens)` advances a new constraint over tokens an earlier verifier already committed
+(a re-planned request), before any decoding.
+
 Sampling stays distribution-identical to constrained sampling: a constrained block's drafts
 carry no draft probabilities (cutting a sampled draft to the grammar would change the
 distribution it came from), so the exact-match rule accepts them (engine/acceptance.py).
@@ -198,6 +201,20 @@ class Constraint:
                 self.done = True
                 return i + 1
         return None
+
+    def resume(self, tokens: Sequence[int]) -> None:
+        """Advance over an answer's tokens committed before this constraint existed (a request
+        re-planned onto another verifier resumes after them): the grammar goes on from where
+        they left it, not from its beginning. GrammarError, naming the token, when they do not
+        follow the grammar or run past its end; the grammar may be complete after them."""
+        tokens = [int(t) for t in tokens]
+        end = self.commit(tokens)
+        if end is None or end == len(tokens):  # goes on, or complete right after them
+            return
+        why = self.failed or ("an end-of-sequence token" if tokens[end] in self.eos
+                              else "past the grammar's end")
+        raise GrammarError(f"the answer's {len(tokens)} committed tokens do not follow the "
+                           f"grammar: token {end} (id {tokens[end]}): {why}")
 
     def _fail(self) -> None:
         if not self.failed:
