@@ -60,9 +60,9 @@ def test_tree_cut_drops_exactly_the_grammar_breaking_branches(tiny):
     assert _leaves(cut, tok) == ["id: ab; n 4", "id: c"]
     assert cut.tokens[1:5] == e("id: ")  # the forced chain first
     assert cut.size == len("id: ab; n 4") + 1
-    assert all(c.q is None for cands in cut.candidates for c in cands)  # exact match
-    assert [len(o) for o in cut.owned] == [11, 5, 0]  # drafters keep what they drafted
-    assert cut.accepted_per_source([1, 2, 3, 4, 5]) == [5, 4, 0]
+    assert all(x.q is None for cands in cut.candidates for x in cands)  # exact match
+    assert [len(o) for o in cut.owned] == [11, 5, 1]  # drafters keep what they drafted
+    assert cut.accepted_per_source([1, 2, 3, 4, 5]) == [5, 4, 1]
     assert _leaves(constrained_tree(c, tree, room=6), tok) == ["id: ab", "id: c"]
     assert _leaves(constrained_tree(c, TokenTree.from_drafts(7, []), 20), tok) == ["id: "]
     assert constrained_tree(c, tree, room=0).size == 0
@@ -125,18 +125,18 @@ def verified_trees(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("grammar", [Grammar(REGEX, PATTERN), Grammar(REGEX, WORDS),
-                                     Grammar(LARK, 'start: "ok " WORD " " WORD "."\n'
-                                                   'WORD: /[a-f]{1,5}/')])
-def test_one_process_trees_under_a_grammar_equal_constrained_plain(tiny, grammar,
-                                                                   verified_trees):
+GRAMMARS = [Grammar(REGEX, PATTERN), Grammar(REGEX, WORDS),
+            Grammar(LARK, 'start: "ok " WORD " " WORD "."\nWORD: /[a-f]{1,5}/')]
+
+
+def test_one_process_trees_under_a_grammar_equal_constrained_plain(tiny, verified_trees):
     prompts = ["some prompt here", "ab ab ab ab ab ab", "id: xy; n 1. id: xy; n 1. id:"]
-    for p in prompts:
+    for grammar, p in [(g, p) for g in GRAMMARS for p in prompts]:
         plain, st0, _ = _local(tiny, p, "none", grammar)
         treed, st1, blocks = _local(tiny, p, TREES, grammar)
         assert treed == plain, p
         assert st1.finish_reason == st0.finish_reason == "stop"
-        assert st1.proposer == TREES  # the old code dropped the group: proposer none
+        assert "+" in st1.proposer  # the old code dropped the group: proposer none
         assert st1.accepted >= st0.accepted
     assert any(_branches(t) for t in verified_trees)  # trees, not chains, were verified
     # the drafters' tokens past the forced ones were accepted somewhere
@@ -255,7 +255,7 @@ def test_json_on_smollm2_with_retrieval_trees_equals_constrained_plain():
                                            max_tokens=n, grammar=g)]
         fin = local[-1]
         assert served == plain == list(fin.token_ids), (tok.decode(plain), tok.decode(served))
-        assert fin.stats.proposer == spec and seen and all(t is not None for t in seen)
+        assert "+" in fin.stats.proposer and seen and all(t is not None for t in seen)
         text = tok.decode(plain)
         if f0.stats.finish_reason == "stop":
             obj = json.loads(text)
