@@ -143,6 +143,18 @@ def test_one_process_trees_under_a_grammar_equal_constrained_plain(tiny, verifie
     assert any(t.size > 0 for t in verified_trees)
 
 
+def test_one_process_without_tree_attention_each_branch_is_masked(tiny, verified_trees,
+                                                                  monkeypatch):
+    """A model without llama-style attention verifies each branch as a chain
+    (`verify_branches`): its rows are masked per node too, and greedy ids are unchanged."""
+    monkeypatch.setattr(tree_loop, "supports_tree_attention", lambda model: False)
+    for p in ["some prompt here", "ab ab ab ab ab ab"]:
+        plain, _, _ = _local(tiny, p, "none", GRAMMARS[1])
+        treed, st, _ = _local(tiny, p, TREES, GRAMMARS[1])
+        assert treed == plain and st.finish_reason == "stop" and "+" in st.proposer
+    assert any(_branches(t) for t in verified_trees)
+
+
 def test_one_process_seeded_tree_sampling_equals_constrained_plain_sampling(tiny,
                                                                            verified_trees):
     g = Grammar(REGEX, PATTERN)
