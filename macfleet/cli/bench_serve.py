@@ -38,6 +38,9 @@ def add_bench_parsers(bs) -> None:
                    "per verifier step (forced tokens counted), validity "
                    "(results/serve_json.json)")
     s.add_argument("--questions", type=int, default=6, help="with --json-schema (1-6)")
+    s.add_argument("--drafters", default="ngram,none",
+                   help="with --json-schema: comma-separated proposer specs, one server each "
+                   "(e.g. retrieval+ngram,ngram,none: token trees against chains)")
     s.set_defaults(func=run_serve)
     b = bs.add_parser("batch-identity", help="greedy answers batched vs alone over many "
                       "requests: divergence rate per mode (results/batch_identity.json)")
@@ -116,7 +119,10 @@ def _run_json_schema(args, progress) -> int:
 
     if not 1 <= args.questions <= len(PEOPLE):
         raise UserError(f"--questions must be 1..{len(PEOPLE)}")
-    res = bench_json_schema(args.model, args.questions, args.max_tokens, progress)
+    drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
+    if not drafters:
+        raise UserError("--drafters needs at least one proposer spec")
+    res = bench_json_schema(args.model, args.questions, args.max_tokens, progress, drafters)
     path = write_result("serve_json.json", res, args.out)
     for line in json_rows(res):
         print(line)

@@ -2,7 +2,7 @@
 verifier's rows (engine/constraint.py).
 
 Invariants checked on real models: greedy constrained output with drafts (chains, forced
-tokens, trees dropped to chains) equals constrained plain decoding, batched equals alone, and a
+tokens, trees: tests/serve/test_structured_trees.py) equals constrained plain decoding, batched equals alone, and a
 constrained request beside free ones changes none of theirs; every answer matches its grammar;
 a bad grammar is a 400 naming the field, and never breaks other clients' requests. The tiny
 models' character tokenizer has no braces, so JSON is checked on the embedded smollm2 (slow)
@@ -181,8 +181,8 @@ def test_constrained_sampling_matches_the_grammar_and_plain_constrained_sampling
 
 @pytest.mark.parametrize("proposer", ["draft:tiny:1:64", "ngram", "ngram+draft:tiny:1:64"])
 def test_in_process_loop_follows_the_grammar_as_the_serving_engine_does(tiny, proposer):
-    """generate_local's loop: with drafts (a group falls back to forced tokens alone) the same
-    ids as constrained plain decoding in-process and as the serving engine."""
+    """generate_local's loop: with drafts (chains, or a group's trees cut to the grammar) the
+    same ids as constrained plain decoding in-process and as the serving engine."""
     from macfleet.engine.text import TextDelta, generate_local
 
     g = Grammar(REGEX, PATTERN)
