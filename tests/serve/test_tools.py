@@ -12,8 +12,8 @@ import pytest
 from serve_testkit import start_server, stop_server
 
 from macfleet.serve.schemas import Limits, RequestError, parse_request
-from macfleet.serve.tools import (FUNCTION, HERMES, LLAMA3, MISTRAL, REQUIRED, ToolChoice,
-                                  ToolStream, detect_format, forced_prefix, parse_tool_calls)
+from macfleet.serve.tools import (FUNCTION, HERMES, LLAMA3, MISTRAL, ToolChoice, ToolStream,
+                                  detect_format, parse_tool_calls)
 
 TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {
@@ -83,16 +83,6 @@ def test_malformed_calls_stay_content_and_non_calls_are_content():
     # mistral's newer per-call form
     _, calls = parse_tool_calls(MISTRAL, '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}')
     assert [c.name for c in calls] == ["f", "g"]
-
-
-def test_forced_prefix_then_the_models_rest_parses():
-    prefix = forced_prefix(HERMES, ToolChoice(FUNCTION, "get_weather"))
-    s = ToolStream(HERMES, prefix, new_id=_ids())
-    c, new = s.feed('{"city": "Oslo"}}\n</tool_call>')
-    assert c == "" and new[0].name == "get_weather" and json.loads(new[0].arguments) == {
-        "city": "Oslo"}
-    assert forced_prefix(LLAMA3, ToolChoice(REQUIRED)).startswith('{"name"')
-    assert forced_prefix(MISTRAL, ToolChoice("auto")) == ""
 
 
 def test_format_detected_from_real_templates():
