@@ -23,10 +23,12 @@ from macfleet.serve.tools import (AUTO, FUNCTION, HERMES, LLAMA3, MISTRAL, REQUI
 
 TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 FORECAST = {"type": "object", "additionalProperties": False,
-            "required": ["city", "days", "unit"],
-            "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Rome"]},
+            "required": ["city", "start", "days", "unit"],
+            "properties": {"city": {"type": "string", "enum": ["PAR", "LON", "ROM"],
+                                    "description": "the city's airport code"},
+                           "start": {"type": "string", "pattern": "^2[0-9]{3}-[01][0-9]-[0-3][0-9]$"},
                            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
+                           "unit": {"type": "string", "enum": ["C", "F"]}}}
 CLOCK = {"type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}},
          "required": ["zone"], "additionalProperties": False,
          "$defs": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}
@@ -78,7 +80,7 @@ def _calls(fmt, *calls):
     return f"[TOOL_CALLS][{body}]" if fmt == MISTRAL else body
 
 
-PARIS = ("get_forecast", {"city": "Paris", "days": 3, "unit": "celsius"})
+PARIS = ("get_forecast", {"city": "PAR", "start": "2026-11-28", "days": 3, "unit": "C"})
 UTC = ("get_time", {"zone": "UTC"})
 
 
@@ -90,15 +92,19 @@ def test_required_grammar_takes_valid_calls_in_the_family_format_and_nothing_els
     assert c.cut(ids) == len(ids)  # two calls, as the template writes them
     _, calls = parse_tool_calls(fmt, text)
     assert [(x.name, json.loads(x.arguments)) for x in calls] == [PARIS, UTC]
-    for bad in (_calls(fmt, ("get_forecast", {"city": "Oslo", "days": 3, "unit": "celsius"})),
-                _calls(fmt, ("get_forecast", {"city": "Paris", "days": 9, "unit": "celsius"})),
-                _calls(fmt, ("get_forecast", {"city": "Paris", "unit": "celsius"})),
+    for bad in (_calls(fmt, ("get_forecast", {**PARIS[1], "city": "Paris"})),
+                _calls(fmt, ("get_forecast", {**PARIS[1], "days": 9})),
+                _calls(fmt, ("get_forecast", {**PARIS[1], "start": "tomorrow"})),
+                _calls(fmt, ("get_forecast", {"city": "PAR", "start": "2026-11-28", "unit": "C"})),
                 _calls(fmt, ("get_weather", {})),  # no such function
                 _calls(fmt, ("get_time", {"zone": "PST"})),  # a $ref'd enum
                 "Sure, the weather in Paris is"):  # free text: no call
         bad_ids = ASCII.encode(bad)
         assert c.cut(bad_ids) < len(bad_ids), bad
-    # the grammar ends where the calls do: end-of-sequence allowed, not forced
+    if fmt == MISTRAL:  # the list's "]" closes it: the answer ends there
+        assert c.commit(ids) == len(ids) and c.done
+        return
+    # another call may follow: end-of-sequence allowed, not forced
     assert c.commit(ids) is None and not c.done
     assert c.masks([])[0][next(iter(ASCII.eos_token_ids))]
 
@@ -183,8 +189,8 @@ def smollm2():
         stop_server(s)
 
 
-def _ask(c, choice, stream=False, **kw):
-    args = dict(model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice=choice,
+def _ask(c, choice, stream=False, messages=QUESTION, **kw):
+    args = dict(model="smollm2", messages=messages, tools=TOOLS, tool_choice=choice,
                 temperature=0, max_tokens=80, **kw)
     if not stream:
         ch = c.chat.completions.create(**args).choices[0]
@@ -213,14 +219,23 @@ def _valid(calls, names=tuple(SCHEMAS)) -> None:
 @pytest.mark.slow  # smollm2 on the CPU
 def test_required_and_named_tool_choice_always_call_with_schema_valid_arguments(smollm2):
     """Fails on the old code: asked through the template alone (with the call's opening
-    forced), smollm2 writes arguments that miss the schema."""
+    forced), smollm2 wrote a function that does not exist ("2+2") or the schema itself as the
+    arguments, or ran on to max_tokens with no call at all."""
     _, c = smollm2
+    off_topic = [{"role": "user", "content": "What is 2+2?"}]
     for choice, names in (("required", tuple(SCHEMAS)), (NAMED, ("get_time",))):
-        finish, calls = _ask(c, choice)
-        assert finish == "tool_calls", calls
-        _valid(calls, names)
-        assert _ask(c, choice, stream=True) == (finish, calls)  # deltas assemble to the same
-    assert len(_ask(c, "required", parallel_tool_calls=False)[1]) == 1
+        for messages in (QUESTION, off_topic):
+            finish, calls = _ask(c, choice, messages=messages)
+            assert finish == "tool_calls", calls
+            _valid(calls, names)
+            # streamed deltas assemble to the same calls
+            assert _ask(c, choice, stream=True, messages=messages) == (finish, calls)
+    # one call and nothing else (a small model repeats calls when several are allowed)
+    r = c.chat.completions.create(model="smollm2", messages=QUESTION, tools=TOOLS,
+                                  tool_choice="required", parallel_tool_calls=False,
+                                  temperature=0, max_tokens=80).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    assert len(r.message.tool_calls) == 1
 
 
 @pytest.mark.slow
