@@ -206,6 +206,11 @@ def test_openai_tools_on_a_model_without_tool_support_is_a_400(servers):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny:1", messages=CONVERSATION, tools=[WEATHER])
     assert e.value.body["param"] == "tools" and "--chat-template" in e.value.body["message"]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as e:  # no format to enforce calls in
+            c.chat.completions.create(model="tiny:1", messages=CONVERSATION, tools=[WEATHER],
+                                      tool_choice=choice)
+        assert e.value.body["param"] == "tools", e.value.body
     r = c.chat.completions.create(model="tiny:1", messages=CONVERSATION, max_tokens=3,
                                   tools=[WEATHER], tool_choice="none")  # nothing to render
     assert r.choices[0].finish_reason == "length"
