@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from macfleet.engine.constraint import GrammarError
+from macfleet.engine.constraint import Grammar, GrammarError
 from macfleet.fleet.batch import BATCH_PATH
 from macfleet.serve.engine import EngineRequest, Overloaded
 from macfleet.serve.logprobs import (TokenLogprob, TokenText, chat_content, completion_logprobs,
@@ -33,7 +33,8 @@ from macfleet.serve.logprobs import (TokenLogprob, TokenText, chat_content, comp
 from macfleet.serve.prompt import Prompt, render_prompt
 from macfleet.serve.schemas import GenerationRequest, Limits, RequestError, parse_request
 from macfleet.serve.session import GenerationFailed, Outcome, Piece, open_session, run_session
-from macfleet.serve.tools import ToolCall, ToolStream, parse_tool_calls
+from macfleet.serve.tools import (ToolCall, ToolGrammarError, ToolStream, parse_tool_calls,
+                                   tool_grammar)
 
 log = logging.getLogger(__name__)
 
@@ -138,17 +139,18 @@ class Api:
         if req.logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
             raise RequestError("logprobs are not available when serving through a fleet's "
                                "verifier agent (serve --local has them)", param="logprobs")
-        if req.grammar is not None:
-            await self._check_grammar(req)
         prompt = render_prompt(self.tok, req, self.cfg.limits, self.cfg.chat_template)
         ids, prompt_text = prompt.ids, prompt.text
+        grammar, where = _grammar(req, prompt)
+        if grammar is not None:
+            await self._check_grammar(grammar, where)
         client = f"{request.client.host if request.client else '?'}"
         if self.sessions[client] >= self.cfg.limits.max_sessions_per_client:
             raise RequestError(f"{self.sessions[client]} sessions already open for this client",
                                status=429, kind="rate_limit_error", code="too_many_sessions")
         eos = frozenset(getattr(self.tok, "eos_token_ids", ()) or ())
         ereq = EngineRequest(tuple(ids), req.params, req.max_tokens, eos, prompt_text,
-                             logprobs=req.logprobs, grammar=req.grammar)
+                             logprobs=req.logprobs, grammar=grammar)
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      int(time.time()), self.cfg.model_id, chat, len(ids), req.logprobs,
                      self.token_text, prompt)
@@ -161,8 +163,7 @@ class Api:
                                code="overloaded") from None
         except GrammarError as e:  # compiled with the model's tokenizer: refused there
             self._release(client)
-            raise RequestError(f"'response_format' cannot be followed: {e}",
-                               param="response_format") from None
+            raise RequestError(f"'{where}' cannot be followed: {e}", param=where) from None
         outcome: list[Outcome] = []
         pieces = run_session(handle, q, self.tok, req.stop, outcome=outcome)
         if req.stream:
@@ -181,19 +182,20 @@ class Api:
         lps = tuple(e for p in got for e in p.logprobs)
         calls: tuple[ToolCall, ...] = ()
         if meta.prompt.tool_format is not None:
-            text, calls = parse_tool_calls(meta.prompt.tool_format, meta.prompt.prefix + text)
+            text, calls = parse_tool_calls(meta.prompt.tool_format, text)
         return JSONResponse(meta.full(text, outcome[0], lps, calls))
 
-    async def _check_grammar(self, req: GenerationRequest) -> None:
-        """response_format against this model (issue 32), off the event loop: the grammar
-        engine's tokenizer is built on first use (1-3 s)."""
+    async def _check_grammar(self, grammar: Grammar, where: str) -> None:
+        """A grammar (response_format, or the enforced tool calls: `where` names the field)
+        against this model (issue 32), off the event loop: the grammar engine's tokenizer is
+        built on first use (1-3 s)."""
         if not getattr(self.engine, "supports_grammar", False):
-            raise RequestError("response_format is not available from this backend",
-                               param="response_format")
-        err = await asyncio.to_thread(self.engine.grammar_error, req.grammar)
+            raise RequestError(f"'{where}' needs a grammar, which this backend does not have",
+                               param=where)
+        err = await asyncio.to_thread(self.engine.grammar_error, grammar)
         if err is not None:
-            raise RequestError(f"'response_format' cannot be followed by this model: "
-                               f"{err.strip()[:500]}", param="response_format")
+            raise RequestError(f"'{where}' cannot be followed by this model: "
+                               f"{err.strip()[:500]}", param=where)
 
     def _release(self, client: str) -> None:
         self.sessions[client] -= 1
@@ -246,7 +248,7 @@ class _Meta:
     prompt: Prompt
 
     def tool_stream(self) -> ToolStream:
-        return ToolStream(self.prompt.tool_format, self.prompt.prefix)
+        return ToolStream(self.prompt.tool_format)
 
     def call_chunk(self, call: ToolCall, tools: ToolStream) -> dict:
         """A streamed tool call, whole (its name and all its arguments in one delta)."""
@@ -292,6 +294,20 @@ class _Meta:
         return {"id": self.id, "created": self.created, "model": self.model,
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "choices": [choice]}
+
+
+def _grammar(req: GenerationRequest, prompt: Prompt) -> tuple[Grammar | None, str]:
+    """The grammar the answer must match and the field it comes from: the enforced tool calls
+    in the template's format (tool_choice required or named, or auto beside a
+    response_format), else the response_format."""
+    if prompt.tool_format is None:
+        return req.grammar, "response_format"
+    try:
+        g = tool_grammar(prompt.tool_format, req.tools, req.tool_choice, req.grammar,
+                         req.parallel_tool_calls)
+    except ToolGrammarError as e:  # parse_request checked it already, for any format
+        raise RequestError(str(e), param=e.param) from None
+    return (g, "tool_choice") if g is not None else (req.grammar, "response_format")
 
 
 def _event(obj: dict) -> str:

@@ -2,7 +2,8 @@
 
 Tools are rendered by the template itself (`apply_chat_template(..., tools=)`), so the model
 reads them as it was trained to; the template also tells which tool-call format to parse
-(`tools.detect_format`). `serve --chat-template FILE` replaces a model's template (a model
+(`tools.detect_format`) and the grammar that enforces a required or named call
+(`tools.tool_grammar`). `serve --chat-template FILE` replaces a model's template (a model
 shipped without tool support, or the tiny test models, which have none).
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import jinja2
 
 from macfleet.serve.schemas import GenerationRequest, Limits, RequestError
-from macfleet.serve.tools import NONE, detect_format, forced_prefix
+from macfleet.serve.tools import NONE, detect_format
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,6 @@ class Prompt:
     ids: tuple[int, ...]
     text: str
     tool_format: str | None = None  # parse the answer's tool calls in this format (None: don't)
-    prefix: str = ""  # the forced start of the answer (in ids and text): the parser reads it
 
 
 def template_text(tokenizer, override: str | None) -> str | None:
@@ -36,7 +36,7 @@ def render_prompt(tok, req: GenerationRequest, limits: Limits,
                   chat_template: str | None = None) -> Prompt:
     """Token ids and text of the prompt; 400 for tools on a template without tool support, a
     template that refuses the conversation, or a prompt over the limit."""
-    fmt, prefix = None, ""
+    fmt = None
     if req.chat:
         if req.tools and req.tool_choice.mode != NONE:
             fmt = detect_format(template_text(tok, chat_template))
@@ -46,11 +46,7 @@ def render_prompt(tok, req: GenerationRequest, limits: Limits,
                     "formats macfleet parses: Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral "
                     "[TOOL_CALLS]); serve it with --chat-template FILE to give it one",
                     param="tools", code="tools_unsupported")
-            prefix = forced_prefix(fmt, req.tool_choice)
         text, ids = _chat(tok, req, chat_template, fmt)
-        if prefix:
-            text += prefix
-            ids = [*ids, *tok.encode(prefix, add_special_tokens=False)]
     else:
         text = req.prompt
         ids = tok.encode(text)
@@ -62,7 +58,7 @@ def render_prompt(tok, req: GenerationRequest, limits: Limits,
         raise RequestError(f"the prompt is {len(ids)} tokens; this server's limit is {lim}",
                            param="messages" if req.chat else "prompt",
                            code="context_length_exceeded")
-    return Prompt(ids, text, fmt, prefix)
+    return Prompt(ids, text, fmt)
 
 
 def _chat(tok, req: GenerationRequest, override: str | None, fmt: str | None

@@ -18,7 +18,8 @@ from macfleet.engine.constraint import (JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, G
                                          grammar_error, schema_text)
 from macfleet.engine.sampling import MAX_SEED, SamplingParams
 from macfleet.serve.logprobs import MAX_TOP_LOGPROBS
-from macfleet.serve.tools import AUTO, FUNCTION, NONE, REQUIRED, ToolCall, ToolChoice
+from macfleet.serve.tools import (AUTO, FUNCTION, HERMES, NONE, REQUIRED, ToolCall, ToolChoice,
+                                   ToolGrammarError, call_schema, tool_grammar)
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 64
@@ -95,6 +96,7 @@ class GenerationRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice(NONE)  # auto when tools are given
     grammar: Grammar | None = None  # response_format (issue 32); None: free text
+    parallel_tool_calls: bool = True  # tool_choice "required": several calls allowed
 
     @property
     def chat(self) -> bool:
@@ -283,15 +285,35 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
     include_usage = bool(opts.get("include_usage", False))
     logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
     grammar = response_format(body.get("response_format"))
-    if grammar is not None and choice.mode != NONE:
-        raise RequestError("'response_format' cannot be combined with 'tools' (the tool-call "
-                           "text would have to match it); send tool_choice 'none'",
-                           param="response_format")
+    parallel = _typed(body, "parallel_tool_calls", (bool,), True)
+    _check_tool_grammar(tools, choice, grammar, parallel)
     return GenerationRequest(model=model, messages=messages, prompt=prompt,
                              max_tokens=max_tokens, params=SamplingParams(temperature, top_p, seed),
                              stop=_stop(body.get("stop")), stream=stream,
                              include_usage=include_usage, logprobs=logprobs, tools=tools,
-                             tool_choice=choice, grammar=grammar)
+                             tool_choice=choice, grammar=grammar, parallel_tool_calls=parallel)
+
+
+def _check_tool_grammar(tools: tuple[Tool, ...], choice: ToolChoice, grammar: Grammar | None,
+                        parallel: bool) -> None:
+    """A required or named tool call (or auto beside a response_format) is enforced by a
+    grammar (tools.tool_grammar): a combination it cannot express, or a function's
+    `parameters` llguidance cannot compile, is a 400 naming the field. The family's own
+    grammar is built once the template is known (app.py); the checks here do not depend on
+    it."""
+    try:
+        if tool_grammar(HERMES, tools, choice, grammar, parallel) is None:
+            return
+    except ToolGrammarError as e:
+        raise RequestError(str(e), param=e.param) from None
+    for i, t in enumerate(tools):
+        if choice.mode == FUNCTION and t.name != choice.name:
+            continue
+        err = grammar_error(Grammar(JSON_SCHEMA, schema_text(call_schema(t.name, t.parameters))))
+        if err is not None:
+            field = f"tools[{i}].function.parameters"
+            raise RequestError(f"'{field}' cannot be enforced (tool_choice "
+                               f"'{choice.mode}'): {err.strip()[:500]}", param=field)
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:

@@ -13,8 +13,14 @@ chosen from the template's text (`detect_format`):
 
 Text that does not parse stays content: a malformed call is shown, never dropped. A template
 without any of these markers has no tool support (the server answers 400).
-`tool_choice` "required" or a named function is honoured by starting the answer with the
-format's opening (`forced_prefix`), as if the model had written it.
+
+`tool_choice` "required" or a named function is enforced, not asked for: `tool_grammar` builds
+a grammar (llguidance Lark, each call object a `%json` schema whose `arguments` are the
+function's `parameters`) in the family's format, applied as a mask on the verifier's
+distribution like `response_format` (engine/constraint.py). The answer then is one call or more
+("required"; one with `parallel_tool_calls: false`) or exactly one call to the named function,
+its arguments valid against the schema. "auto" with a `response_format`: either an answer that
+matches the format or tool calls (an alternation of the two).
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+from macfleet.engine.constraint import JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Grammar
 
 HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
 FORMATS = (HERMES, LLAMA3, MISTRAL)
@@ -32,6 +41,7 @@ AUTO, NONE, REQUIRED, FUNCTION = "auto", "none", "required", "function"
 _H_OPEN, _H_CLOSE = "<tool_call>", "</tool_call>"
 _PY_TAG = "<|python_tag|>"
 _M_OPEN, _M_ARGS = "[TOOL_CALLS]", "[ARGS]"
+NL = "\n"
 
 
 @dataclass(frozen=True)
@@ -64,18 +74,6 @@ def detect_format(template: str | None) -> str | None:
     if _PY_TAG in template or ("tools" in template and "ipython" in template):
         return LLAMA3
     return None
-
-
-def forced_prefix(fmt: str, choice: ToolChoice) -> str:
-    """Text the answer starts with so the model must call a tool ('' for auto / none)."""
-    if choice.mode == REQUIRED:
-        return {HERMES: _H_OPEN + "\n", LLAMA3: '{"name": "', MISTRAL: _M_OPEN + '[{"name": "'}[fmt]
-    if choice.mode == FUNCTION:
-        name = json.dumps(choice.name)
-        return {HERMES: f'{_H_OPEN}\n{{"name": {name}, "arguments": ',
-                LLAMA3: f'{{"name": {name}, "parameters": ',
-                MISTRAL: f'{_M_OPEN}[{{"name": {name}, "arguments": '}[fmt]
-    return ""
 
 
 def new_call_id() -> str:
@@ -176,13 +174,11 @@ def parse_tool_calls(fmt: str, text: str, new_id: NewId = new_call_id
 
 class ToolStream:
     """Streaming: content out as soon as it cannot be part of a call, each call once it is
-    complete (hermes: at its closing tag; llama3 and mistral: at the end of the answer).
+    complete (hermes: at its closing tag; llama3 and mistral: at the end of the answer)."""
 
-    prefix: the forced start of the answer (`forced_prefix`): parsed, never sent as content."""
-
-    def __init__(self, fmt: str, prefix: str = "", new_id: NewId = new_call_id) -> None:
+    def __init__(self, fmt: str, new_id: NewId = new_call_id) -> None:
         self.fmt, self._new_id = fmt, new_id
-        self._buf = prefix
+        self._buf = ""
         self._in_call = False
         self._decided = fmt != LLAMA3  # llama3: a call only when the answer starts with one
         self.calls: list[ToolCall] = []
@@ -249,3 +245,86 @@ def _partial_suffix(s: str, marker: str) -> int:
         if marker.startswith(s[-n:]):
             return n
     return 0
+
+
+# -- enforced tool calls: the grammar of a family's tool-call text --------------------------
+class ToolSpec(Protocol):
+    name: str
+    parameters: str  # the function's parameters, a JSON schema's text
+
+
+class ToolGrammarError(ValueError):
+    """A combination the grammar cannot express; `param` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# the call objects' JSON as the templates write it (`tojson`): ", " and ": ", no other
+# whitespace, so the keys and punctuation are forced tokens
+CALL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_DEFS = ("$defs", "definitions")
+ANSWER_KINDS = (JSON_OBJECT, JSON_SCHEMA, REGEX)  # response_format kinds "auto" can embed
+
+
+def call_schema(name: str, parameters: str, args_key: str = "arguments") -> dict:
+    """The JSON schema of one call object `{"name": NAME, args_key: ARGS}`, ARGS valid against
+    `parameters`. Its `$defs`/`definitions` move to the top (where `#/$defs/..` refs point)
+    and its `x-guidance` options apply to the whole call."""
+    params = json.loads(parameters)
+    params = dict(params) if isinstance(params, dict) else {}
+    lifted = {k: params.pop(k) for k in _DEFS if k in params}
+    options = {**CALL_JSON_OPTIONS, **(params.pop("x-guidance", None) or {})}
+    return {"type": "object", "properties": {"name": {"const": name}, args_key: params},
+            "required": ["name", args_key], "additionalProperties": False,
+            "x-guidance": options, **lifted}
+
+
+def _answer_rule(answer: Grammar) -> str:
+    """A response_format as one Lark rule's body."""
+    from llguidance import regex_to_lark
+
+    if answer.kind == JSON_OBJECT:
+        return '%json {"type": "object"}'
+    if answer.kind == JSON_SCHEMA:
+        return "%json " + answer.source
+    if answer.kind == REGEX:
+        return "/" + regex_to_lark(answer.source, "") + "/"
+    raise ToolGrammarError(f"a response_format of type '{answer.kind}' cannot be combined with "
+                           f"tools (one of {', '.join(ANSWER_KINDS)} can)", "response_format")
+
+
+def tool_grammar(fmt: str, tools: Sequence[ToolSpec], choice: ToolChoice,
+                 answer: Grammar | None = None, parallel: bool = True) -> Grammar | None:
+    """The grammar that enforces `choice` in format `fmt` (None: nothing to enforce, the
+    template asks and the parser reads). required: one call to any of `tools` or several
+    (`parallel`); function: one call to that one; auto with `answer` (a response_format):
+    an answer matching it or calls, as required."""
+    if choice.mode == NONE or (choice.mode == AUTO and answer is None):
+        return None
+    if answer is not None and choice.mode != AUTO:
+        raise ToolGrammarError(f"'response_format' cannot be combined with tool_choice "
+                               f"'{choice.mode}' (the answer is a tool call); send "
+                               "tool_choice 'auto' for an answer or a call",
+                               "response_format")
+    pick = [t for t in tools if choice.mode != FUNCTION or t.name == choice.name]
+    if not pick:
+        raise ToolGrammarError(f"tool_choice names '{choice.name}', which is not in 'tools'",
+                               "tool_choice")
+    key = "parameters" if fmt == LLAMA3 else "arguments"
+    many = parallel and choice.mode != FUNCTION
+    q = json.dumps  # a Lark string literal
+    call = f"{q(_H_OPEN + NL)} fn {q(NL + _H_CLOSE)}" if fmt == HERMES else "fn"
+    sep = q({HERMES: NL, LLAMA3: "; ", MISTRAL: ", "}[fmt])
+    calls = f"call ({sep} call)*" if many else "call"
+    if fmt == MISTRAL:
+        calls = f'{q(_M_OPEN + "[")} {calls} {q("]")}'
+    lines = ["start: " + ("answer | calls" if answer is not None else "calls"),
+             "calls: " + calls, "call: " + call,
+             "fn: " + " | ".join(f"fn_{i}" for i in range(len(pick)))]
+    lines += [f"fn_{i}: %json {q(call_schema(t.name, t.parameters, key))}"
+              for i, t in enumerate(pick)]
+    if answer is not None:
+        lines.append("answer: " + _answer_rule(answer))
+    return Grammar(LARK, NL.join(lines) + NL)

@@ -260,13 +260,18 @@ def test_response_format_text_is_free_text(client):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
 
 
-def test_response_format_with_tools_is_refused(client):
+@pytest.mark.parametrize("fmt, choice", [
+    ({"type": "grammar", "grammar": 'start: "a"'}, "auto"),  # no Lark inside the tools' grammar
+    (_regex_format("a+"), "required"),  # the answer is a call: no format to follow
+    (_regex_format("a+"), {"type": "function", "function": {"name": "f"}}),
+])
+def test_response_format_with_tools_it_cannot_combine_with_is_refused(client, fmt, choice):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
-            model="tiny:1", max_tokens=4, response_format=_regex_format("a+"),
+            model="tiny:1", max_tokens=4, response_format=fmt, tool_choice=choice,
             tools=[{"type": "function", "function": {"name": "f"}}],
             messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["param"] == "response_format"
+    assert e.value.body["param"] == "response_format", e.value.body
 
 
 def test_regex_answers_over_http_streamed_and_whole_bad_requests_beside(client, server):

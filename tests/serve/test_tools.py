@@ -12,8 +12,8 @@ import pytest
 from serve_testkit import start_server, stop_server
 
 from macfleet.serve.schemas import Limits, RequestError, parse_request
-from macfleet.serve.tools import (FUNCTION, HERMES, LLAMA3, MISTRAL, REQUIRED, ToolChoice,
-                                  ToolStream, detect_format, forced_prefix, parse_tool_calls)
+from macfleet.serve.tools import (FUNCTION, HERMES, LLAMA3, MISTRAL, ToolChoice, ToolStream,
+                                  detect_format, parse_tool_calls)
 
 TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {
@@ -83,16 +83,6 @@ def test_malformed_calls_stay_content_and_non_calls_are_content():
     # mistral's newer per-call form
     _, calls = parse_tool_calls(MISTRAL, '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}')
     assert [c.name for c in calls] == ["f", "g"]
-
-
-def test_forced_prefix_then_the_models_rest_parses():
-    prefix = forced_prefix(HERMES, ToolChoice(FUNCTION, "get_weather"))
-    s = ToolStream(HERMES, prefix, new_id=_ids())
-    c, new = s.feed('{"city": "Oslo"}}\n</tool_call>')
-    assert c == "" and new[0].name == "get_weather" and json.loads(new[0].arguments) == {
-        "city": "Oslo"}
-    assert forced_prefix(LLAMA3, ToolChoice(REQUIRED)).startswith('{"name"')
-    assert forced_prefix(MISTRAL, ToolChoice("auto")) == ""
 
 
 def test_format_detected_from_real_templates():
@@ -195,18 +185,19 @@ def test_openai_tools_rendered_by_the_template_and_tool_messages_accepted(server
     # the tools' JSON is in the prompt (the template's <tools> block); "none" leaves it out
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 100
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens
-    # a named function: the answer starts with the call's opening, forced; this random model's
-    # arguments never parse (its alphabet has no braces): the text comes back as content
+    # a named function: the prompt is the same (the call is enforced by a grammar, not
+    # started in the prompt); this random model's alphabet has no '<' or braces, so the grammar
+    # allows it nothing but the end: an empty answer, whole and streamed alike, no call
     named = ask(tools=[WEATHER], tool_choice={"type": "function",
                                               "function": {"name": "get_weather"}})
-    assert named.usage.prompt_tokens > with_tools.usage.prompt_tokens
+    assert named.usage.prompt_tokens == with_tools.usage.prompt_tokens
     stream = list(c.chat.completions.create(
         model="tiny:1", messages=CONVERSATION, max_tokens=12, temperature=0, tools=[WEATHER],
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
     streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
-    assert streamed == named.choices[0].message.content
-    assert named.choices[0].message.content.startswith("<tool_call>")
-    assert named.choices[0].finish_reason == "length" and not named.choices[0].message.tool_calls
+    assert streamed == named.choices[0].message.content == ""
+    assert named.choices[0].finish_reason == "stop" and not named.choices[0].message.tool_calls
+    assert with_tools.choices[0].finish_reason == "length"  # unconstrained, it writes on
 
 
 @pytest.mark.slow
@@ -215,6 +206,11 @@ def test_openai_tools_on_a_model_without_tool_support_is_a_400(servers):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny:1", messages=CONVERSATION, tools=[WEATHER])
     assert e.value.body["param"] == "tools" and "--chat-template" in e.value.body["message"]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as e:  # no format to enforce calls in
+            c.chat.completions.create(model="tiny:1", messages=CONVERSATION, tools=[WEATHER],
+                                      tool_choice=choice)
+        assert e.value.body["param"] == "tools", e.value.body
     r = c.chat.completions.create(model="tiny:1", messages=CONVERSATION, max_tokens=3,
                                   tools=[WEATHER], tool_choice="none")  # nothing to render
     assert r.choices[0].finish_reason == "length"
@@ -245,7 +241,7 @@ class _ScriptedEngine:
     alive, iterations, supports_logprobs = True, 0, False
 
     def __init__(self, answer: str) -> None:
-        self.answer, self.prompts = answer, []
+        self.answer, self.prompts, self.grammars = answer, [], []
 
     def load(self):
         return 0, 0
@@ -254,6 +250,7 @@ class _ScriptedEngine:
         from macfleet.engine.events import Finished, GenerationStats, TokensCommitted
 
         self.prompts.append(req.text)
+        self.grammars.append(req.grammar)
         ids = [ord(c) for c in self.answer]
         for b, i in enumerate(range(0, len(ids), 3)):
             emit(TokensCommitted(b, tuple(ids[i:i + 3])))
@@ -309,3 +306,36 @@ def test_http_tool_calls_through_the_openai_client(stream):
         assert [ch.choices[0].finish_reason for ch in got if ch.choices][-1] == "tool_calls"
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_http_enforced_calls_need_a_grammar_backend_and_the_engine_gets_the_tools_grammar():
+    import asyncio
+
+    import httpx
+
+    from macfleet.serve.app import ServerConfig, create_app
+
+    answer = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    engine = _ScriptedEngine(answer)
+    app = create_app(engine, _CharTokenizer(),
+                     ServerConfig("m", chat_template=TEMPLATE.read_text()))
+
+    async def ask(choice):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as http:
+            c = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http,
+                                   max_retries=0)
+            return await c.chat.completions.create(model="m", messages=CONVERSATION,
+                                                   tools=[WEATHER], tool_choice=choice)
+
+    with pytest.raises(openai.BadRequestError) as e:  # a backend without grammars: refused
+        asyncio.run(ask("required"))
+    assert e.value.body["param"] == "tool_choice" and not engine.grammars
+    engine.supports_grammar, engine.grammar_error = True, lambda g: None
+    asyncio.run(ask("auto"))
+    r = asyncio.run(ask({"type": "function", "function": {"name": "get_weather"}}))
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    auto, named = engine.grammars
+    assert auto is None  # auto: asked through the template, parsed afterwards
+    assert named.kind == "grammar" and '"const": "get_weather"' in named.source
+    assert "<tool_call>" not in engine.prompts[1].split("<|im_start|>assistant")[-1]

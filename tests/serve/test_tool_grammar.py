@@ -1,0 +1,311 @@
+"""Enforced tool calls (issue 32): tool_choice "required" or a named function is a grammar on
+the verifier's distribution in the template family's tool-call format, each call's arguments a
+`%json` of the function's `parameters`; "auto" beside a response_format is an alternation of
+the answer and calls. Grammars checked token by token with an ASCII tokenizer (no model), then
+the real server with the embedded smollm2 through the `openai` client (slow)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+from pathlib import Path
+
+import openai
+import pytest
+import serve_testkit
+from serve_testkit import start_server, stop_server
+
+from macfleet.engine.constraint import (JSON_SCHEMA, MAX_FORCED, REGEX, Constraint, Grammar,
+                                        schema_text)
+from macfleet.serve.schemas import Limits, RequestError, parse_request
+from macfleet.serve.tools import (AUTO, FUNCTION, HERMES, LLAMA3, MISTRAL, REQUIRED, ToolChoice,
+                                  parse_tool_calls, tool_grammar)
+
+TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
+FORECAST = {"type": "object", "additionalProperties": False,
+            "required": ["city", "start", "days", "unit"],
+            "properties": {"city": {"type": "string", "enum": ["PAR", "LON", "ROM"],
+                                    "description": "the city's airport code"},
+                           "start": {"type": "string",
+                                     "pattern": "^2[0-9]{3}-[01][0-9]-[0-3][0-9]$"},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                           "unit": {"type": "string", "enum": ["C", "F"]}}}
+CLOCK = {"type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}},
+         "required": ["zone"], "additionalProperties": False,
+         "$defs": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_forecast", "parameters": FORECAST,
+                                           "description": "Weather forecast for a city"}},
+         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK,
+                                           "description": "The time in a time zone"}}]
+SCHEMAS = {"get_forecast": FORECAST, "get_time": CLOCK}
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+ANSWER = {"type": "object", "required": ["answer"], "additionalProperties": False,
+          "properties": {"answer": {"type": "string", "maxLength": 40}}}
+
+
+class _Ascii:
+    """Printable ASCII and newline, a token each; end-of-sequence last."""
+
+    chars = "\n" + "".join(chr(i) for i in range(32, 127))
+    eos_token_ids = frozenset({len(chars)})
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.chars.index(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] for i in ids if i < len(self.chars))
+
+
+ASCII = _Ascii()
+VOCAB = len(ASCII.chars) + 1
+
+
+def _req(**kw):
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **kw}
+    return parse_request(body, chat=True, limits=Limits())
+
+
+def _constraint(fmt, choice, answer=None, parallel=True):
+    r = _req()
+    return Constraint(tool_grammar(fmt, r.tools, choice, answer, parallel), ASCII, VOCAB)
+
+
+def _call(fmt, name, args):
+    key = "parameters" if fmt == LLAMA3 else "arguments"
+    obj = json.dumps({"name": name, key: args})
+    return f"<tool_call>\n{obj}\n</tool_call>" if fmt == HERMES else obj
+
+
+def _calls(fmt, *calls):
+    body = {HERMES: "\n", LLAMA3: "; ", MISTRAL: ", "}[fmt].join(_call(fmt, *c) for c in calls)
+    return f"[TOOL_CALLS][{body}]" if fmt == MISTRAL else body
+
+
+PARIS = ("get_forecast", {"city": "PAR", "start": "2026-11-28", "days": 3, "unit": "C"})
+UTC = ("get_time", {"zone": "UTC"})
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL])
+def test_required_grammar_takes_valid_calls_in_the_family_format_and_nothing_else(fmt):
+    text = _calls(fmt, PARIS, UTC)
+    c = _constraint(fmt, ToolChoice(REQUIRED))
+    ids = ASCII.encode(text)
+    assert c.cut(ids) == len(ids)  # two calls, as the template writes them
+    _, calls = parse_tool_calls(fmt, text)
+    assert [(x.name, json.loads(x.arguments)) for x in calls] == [PARIS, UTC]
+    for bad in (_calls(fmt, ("get_forecast", {**PARIS[1], "city": "Paris"})),
+                _calls(fmt, ("get_forecast", {**PARIS[1], "days": 9})),
+                _calls(fmt, ("get_forecast", {**PARIS[1], "start": "tomorrow"})),
+                _calls(fmt, ("get_forecast", {"city": "PAR", "start": "2026-11-28", "unit": "C"})),
+                _calls(fmt, ("get_weather", {})),  # no such function
+                _calls(fmt, ("get_time", {"zone": "PST"})),  # a $ref'd enum
+                "Sure, the weather in Paris is"):  # free text: no call
+        bad_ids = ASCII.encode(bad)
+        assert c.cut(bad_ids) < len(bad_ids), bad
+    if fmt == MISTRAL:  # the list's "]" closes it: the answer ends there
+        assert c.commit(ids) == len(ids) and c.done
+        return
+    # another call may follow: end-of-sequence allowed, not forced
+    assert c.commit(ids) is None and not c.done
+    assert c.masks([])[0][next(iter(ASCII.eos_token_ids))]
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL])
+def test_named_grammar_is_one_call_to_that_function_its_opening_forced(fmt):
+    c = _constraint(fmt, ToolChoice(FUNCTION, "get_time"))
+    text = _calls(fmt, UTC)
+    opening = text[:text.index("UTC")]  # the markers, the name, the keys: drafted for free
+    assert ASCII.decode(c.forced()) == opening[:MAX_FORCED]
+    one = ASCII.encode(_calls(fmt, UTC))
+    assert c.cut(ASCII.encode(_calls(fmt, PARIS))) < len(ASCII.encode(_calls(fmt, PARIS)))
+    two = ASCII.encode(_calls(fmt, UTC, UTC))
+    assert c.cut(two) < len(two)  # exactly one call
+    assert c.commit(one) == len(one) and c.done  # complete: the answer ends there
+    # parallel_tool_calls false: "required" is one call too
+    c = _constraint(fmt, ToolChoice(REQUIRED), parallel=False)
+    assert c.cut(two) < len(two) and c.commit(one) == len(one)
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL])
+def test_auto_beside_a_response_format_is_the_answer_or_calls(fmt):
+    for answer, good, bad in (
+            (Grammar(JSON_SCHEMA, schema_text(ANSWER)), '{"answer": "sunny"}',
+             '{"answer": 3}'),
+            (Grammar(REGEX, r"(yes|no)/[0-9]+"), "no/42", "maybe")):
+        c = _constraint(fmt, ToolChoice(AUTO), answer)
+        for text in (good, _calls(fmt, PARIS)):
+            assert c.cut(ASCII.encode(text)) == len(text), text
+        assert c.cut(ASCII.encode(bad)) < len(bad)
+        _, calls = parse_tool_calls(fmt, good)
+        assert calls == ()  # the answer is content
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    (dict(tool_choice=NAMED, response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "grammar", "grammar": 'start: "a"'}), "response_format"),
+    (dict(tool_choice="required", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "foo"}}}}}]),
+     "tools[0].function.parameters"),
+    (dict(tool_choice="required", parallel_tool_calls="no"), "parallel_tool_calls"),
+])
+def test_combinations_the_grammar_cannot_honour_are_a_400_naming_the_field(kw, param):
+    with pytest.raises(RequestError) as e:
+        _req(**kw)
+    assert e.value.param == param and e.value.status == 400, e.value.message
+
+
+def test_what_the_grammar_does_not_enforce_is_not_refused():
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "foo"}}}}}, *TOOLS]
+    assert _req(tools=odd).tool_choice.mode == AUTO  # auto: the template asks, nothing checks
+    r = _req(tools=odd, tool_choice=NAMED)  # only the named function's schema is compiled
+    assert r.tool_choice == ToolChoice(FUNCTION, "get_time")
+    r = _req(response_format={"type": "json_schema", "json_schema": {"name": "a",
+                                                                      "schema": ANSWER}})
+    assert r.tool_choice.mode == AUTO and r.grammar.kind == JSON_SCHEMA
+
+
+# -- the real server: smollm2 with a Hermes template, the `openai` client ---------------------
+QUESTION = [{"role": "system", "content": "You are a weather assistant."},
+            {"role": "user", "content": "Will it rain in Paris this week?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    pytest.importorskip("jsonschema")
+    from macfleet.engine.models import embedded_model_path
+
+    if embedded_model_path() is None:
+        pytest.skip("the embedded smollm2 is not installed")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(serve_testkit, "START_TIMEOUT_S", 300.0)  # smollm2 loads in ~50 s here
+    try:
+        s = start_server("--chat-template", str(TEMPLATE), model="smollm2", key=None)
+    finally:
+        mp.undo()
+    try:
+        yield s, openai.OpenAI(base_url=s.v1, api_key="none", max_retries=0, timeout=300)
+    finally:
+        stop_server(s)
+
+
+def _ask(c, choice, stream=False, messages=QUESTION, **kw):
+    args = dict(model="smollm2", messages=messages, tools=TOOLS, tool_choice=choice,
+                temperature=0, max_tokens=80, **kw)
+    if not stream:
+        ch = c.chat.completions.create(**args).choices[0]
+        calls = ch.message.tool_calls or []
+        return ch.finish_reason, [(x.function.name, x.function.arguments) for x in calls]
+    parts, finish = {}, None
+    for chunk in c.chat.completions.create(**args, stream=True):
+        if not chunk.choices:
+            continue
+        for d in chunk.choices[0].delta.tool_calls or []:
+            name, args_ = parts.get(d.index, ("", ""))
+            parts[d.index] = (name + (d.function.name or ""), args_ + (d.function.arguments or ""))
+        finish = chunk.choices[0].finish_reason or finish
+    return finish, [parts[i] for i in sorted(parts)]
+
+
+def _valid(calls, names=tuple(SCHEMAS)) -> None:
+    import jsonschema
+
+    assert calls
+    for name, args in calls:
+        assert name in names
+        jsonschema.validate(json.loads(args), SCHEMAS[name])
+
+
+@pytest.mark.slow  # smollm2 on the CPU
+def test_required_and_named_tool_choice_always_call_with_schema_valid_arguments(smollm2):
+    """Fails on the old code: asked through the template alone (with the call's opening
+    forced), smollm2 wrote a function that does not exist ("2+2") or the schema itself as the
+    arguments, or ran on to max_tokens with no call at all."""
+    _, c = smollm2
+    off_topic = [{"role": "user", "content": "What is 2+2?"}]
+    for choice, names in (("required", tuple(SCHEMAS)), (NAMED, ("get_time",))):
+        for messages in (QUESTION, off_topic):
+            finish, calls = _ask(c, choice, messages=messages)
+            assert finish == "tool_calls", calls
+            _valid(calls, names)
+            # streamed deltas assemble to the same calls
+            assert _ask(c, choice, stream=True, messages=messages) == (finish, calls)
+    # one call and nothing else (a small model repeats calls when several are allowed)
+    r = c.chat.completions.create(model="smollm2", messages=QUESTION, tools=TOOLS,
+                                  tool_choice="required", parallel_tool_calls=False,
+                                  temperature=0, max_tokens=80).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    assert len(r.message.tool_calls) == 1
+
+
+@pytest.mark.slow
+def test_auto_with_response_format_answers_to_the_schema_or_calls(smollm2):
+    import jsonschema
+
+    _, c = smollm2
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
+    for q in ("Will it rain in Paris this week?", "Say hello to me."):
+        r = c.chat.completions.create(model="smollm2", tools=TOOLS, response_format=fmt,
+                                      messages=[{"role": "user", "content": q}],
+                                      temperature=0, max_tokens=80).choices[0]
+        if r.message.tool_calls:
+            assert r.finish_reason == "tool_calls"
+            _valid([(x.function.name, x.function.arguments) for x in r.message.tool_calls])
+        else:
+            assert r.finish_reason == "stop", r.message.content
+            jsonschema.validate(json.loads(r.message.content), ANSWER)
+
+
+@pytest.mark.slow
+def test_enforced_greedy_calls_equal_constrained_plain_decoding_and_bad_combos_beside(smollm2):
+    """The server (n-gram drafts, batched with others) gives the calls constrained plain
+    decoding gives for the same request; 400s fired meanwhile name the field and change
+    nobody's answer."""
+    from macfleet.engine.events import Finished, TokensCommitted
+    from macfleet.engine.models import load_model
+    from macfleet.serve.app import _grammar
+    from macfleet.serve.engine import BatchEngine, EngineRequest
+    from macfleet.serve.prompt import render_prompt
+
+    s, c = smollm2
+    bad = [dict(response_format={"type": "json_object"}),
+           dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+               "type": "object", "properties": {"x": {"type": "foo"}}}}}])]
+
+    def refused(kw):
+        try:
+            c.chat.completions.create(**{**dict(model="smollm2", messages=QUESTION, tools=TOOLS,
+                                                tool_choice="required", max_tokens=8), **kw})
+        except openai.BadRequestError as e:
+            return e.body["param"]
+        return None
+
+    with cf.ThreadPoolExecutor(6) as ex:
+        served = [ex.submit(_ask, c, ch) for ch in ("required", NAMED)]
+        bads = [ex.submit(refused, kw) for kw in bad * 2]
+        served = [f.result() for f in served]
+        assert [f.result() for f in bads] == ["response_format",
+                                              "tools[0].function.parameters"] * 2
+    assert s.health()["status"] == "ok"
+
+    lm = load_model("smollm2")
+    tok = lm.tokenizer
+    for choice, (finish, calls) in zip(("required", NAMED), served):
+        req = _req(messages=QUESTION, tool_choice=choice, temperature=0, max_tokens=80)
+        prompt = render_prompt(tok, req, Limits(), TEMPLATE.read_text())
+        grammar, where = _grammar(req, prompt)
+        assert where == "tool_choice"
+        ereq = EngineRequest(prompt.ids, req.params, 80, frozenset(tok.eos_token_ids),
+                             grammar=grammar)
+        got = {}
+        for proposer in ("none", "ngram"):
+            toks = []
+            eng = BatchEngine(lm, proposer=proposer)
+            eng.submit(ereq, lambda ev: toks.extend(ev.tokens)
+                       if isinstance(ev, TokensCommitted) else isinstance(ev, Finished))
+            eng.run_until_idle()
+            got[proposer] = toks
+        assert got["none"] == got["ngram"]
+        _, plain = parse_tool_calls(HERMES, tok.decode(got["none"]))
+        assert [(x.name, x.arguments) for x in plain] == calls
