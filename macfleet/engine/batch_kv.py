@@ -98,15 +98,22 @@ class BatchKV:
             dst.offset = n
 
     def _move(self, src_rows: np.ndarray, src_pos: np.ndarray, dst_rows: np.ndarray,
-              dst_pos: np.ndarray) -> None:
+              dst_pos: np.ndarray, evaluate: bool = True) -> None:
         """Every layer's keys/values at (src_rows, src_pos) copied to (dst_rows, dst_pos): one
         gather and one scatter per layer; the gathered rows are evaluated first, so the
-        scatter then updates the buffers in place."""
+        scatter then updates the buffers in place. evaluate=False: no wait: the gathers are
+        launched (`mx.async_eval`) and the scatter left to the next evaluation; by then the
+        gathers have run and released the buffers, so it still updates them in place (a
+        gather left lazy with its scatter made MLX copy every buffer; were a gather still
+        running on a GPU when the scatter runs, MLX would copy too: correct, dearer)."""
         heads = self.keys[0].shape[1]
         src_slots = self.slot_index(src_rows, src_pos, heads)
         parts = [[b.reshape(-1, b.shape[3])[src_slots] for b in (self.keys[i], self.values[i])]
                  for i in range(self.n_layers)]
-        mx.eval(parts, self.state)
+        if evaluate:
+            mx.eval(parts, self.state)
+        else:
+            mx.async_eval(parts)
         dst_slots = self.slot_index(dst_rows, dst_pos, heads)
         for i, (pk, pv) in enumerate(parts):
             self._scatter(i, pk, pv, dst_slots)
@@ -115,7 +122,8 @@ class BatchKV:
         """After verifying token trees: for each (cache, base, path), the row keeps the root
         (slot base) and the accepted nodes `path` (slots base + node), moved right behind the
         root, and drops the rest (its offset becomes base + 1 + len(path)). Every move of
-        every row is one gather and one scatter per layer."""
+        every row is one gather and one scatter per layer, not waited for: the next forward's
+        evaluation carries them (the serving engine's one synchronisation per iteration)."""
         for c, base, path in kept:
             if c.store is not self or base + 1 + len(path) > c.offset:
                 raise ValueError(f"row {c.row}: cannot keep {len(path)} nodes past {base}")
@@ -124,8 +132,8 @@ class BatchKV:
         if moves:
             rows = np.concatenate([np.full(len(p), c.row) for c, _, p in moves])
             self._move(rows, np.concatenate([base + np.array(p) for _, base, p in moves]),
-                       rows, np.concatenate([base + 1 + np.arange(len(p)) for _, base, p in moves]))
-            mx.eval(self.state)
+                       rows, np.concatenate([base + 1 + np.arange(len(p)) for _, base, p in moves]),
+                       evaluate=False)
         for c, base, path in kept:
             c.offset = base + 1 + len(path)
 
