@@ -25,11 +25,11 @@ Hidden-state drafters get their session's rows of the forward here too (`feed`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from macfleet.engine.batch import Segment, trim_cache
+from macfleet.engine.batch import RowCache, Segment, trim_cache
 from macfleet.engine.block import (accept_chain, accept_tree, chain_outcome, cut_at_stop,
                                    tree_decided, tree_decision)
 from macfleet.engine.constraint import masked_logits
@@ -52,11 +52,14 @@ class IterationRead:
 
     decided: each decoding session's `decision`, as integers; probs: the verifier's
     probabilities [N, V] of each tree left to SpecInfer's host rule (evaluated, on the device
-    until `host_probs` reads them); logprobs: each block's rows of a request that asked."""
+    until `host_probs` reads them); logprobs: each block's rows of a request that asked;
+    fetched: per store, its trees' nodes' keys and values (`BatchKV.fetch`), so keeping the
+    accepted paths waits for nothing."""
 
     decided: dict[int, list[int]]
     probs: dict[int, mx.array]
     logprobs: dict[int, RowLogprobs]
+    fetched: dict = field(default_factory=dict)
 
 
 class BlockStep:
@@ -120,7 +123,7 @@ class BlockStep:
             base = s.cache.offset - len(s.tree.tokens)
             kept.setdefault(s.cache.store, []).append((s.cache, base, path))
         for store, rows in kept.items():
-            store.keep_paths(rows)
+            store.keep_paths(rows, read.fetched.get(store))
         return out
 
     def commit_tree(self, s: BatchSession, path: list[int], nxt: int, verify_ms: float,
@@ -213,11 +216,15 @@ def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.ar
     """Everything the host reads of a forward, built on its lazy logits `out` and evaluated
     with `also` (the forward's cache buffers and hidden features: `FlatOutputs.pending`) in
     ONE `mx.eval`: every decoding session's decision, SpecInfer trees' probabilities (their
-    rule walks them on the host, after this one evaluation), requested logprobs."""
-    lazy, probs, lps = {}, {}, {}
+    rule walks them on the host, after this one evaluation), requested logprobs, and the
+    trees' nodes' keys and values (their accepted paths move without a wait)."""
+    lazy, probs, lps, spans = {}, {}, {}, {}
     for (s, sl), lg in zip(run, out):
         if sl.prefill:
             continue
+        if s.tree is not None and len(s.tree.tokens) > 1 and isinstance(s.cache, RowCache):
+            n = len(s.tree.tokens)  # its drafted nodes, past the root: what a path moves
+            spans.setdefault(s.cache.store, []).append((s.cache, s.cache.offset - n + 1, n - 1))
         d = decision(s, lg)
         if d is not None:
             lazy[s.sid] = d
@@ -225,8 +232,10 @@ def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.ar
             probs[s.sid] = softmax_probs(lg, s.req.params)
         if s.req.logprobs is not None:
             lps[s.sid] = row_logprobs(lg, s.req.logprobs)
-    extra = [*probs.values(), *(a for r in lps.values() for a in r.arrays()), *also]
-    return IterationRead(to_host(lazy, extra), probs, lps)
+    fetched = {store: store.fetch(sp) for store, sp in spans.items()}
+    extra = [*probs.values(), *(a for r in lps.values() for a in r.arrays()),
+             *(a for f in fetched.values() for a in f.arrays()), *also]
+    return IterationRead(to_host(lazy, extra), probs, lps, fetched)
 
 
 def to_host(lazy: dict[int, mx.array], also: Sequence[mx.array] = ()

@@ -206,10 +206,12 @@ def test_a_half_precision_store_stays_in_its_dtype_as_it_grows():
     assert tuple(store.keys[0].shape) == (2, HEADS, 8, DIM)
 
 
-def test_keeping_tree_paths_waits_for_nothing_and_moves_in_place(monkeypatch):
-    """keep_paths runs no mx.eval (the serving engine's iteration has one synchronisation,
-    the next forward's evaluation carries the moves), yet every buffer is updated in place:
-    a gather left lazy beside its scatter made MLX copy every layer's buffers."""
+def test_keeping_tree_paths_from_fetched_nodes_waits_for_nothing_and_moves_in_place(
+        monkeypatch):
+    """With the tree nodes fetched (and evaluated) with the forward, keep_paths runs no
+    mx.eval (the serving engine's iteration keeps one synchronisation; the next forward's
+    evaluation carries the moves), yet every buffer is updated in place and right. A gather
+    from the buffers left lazy beside its scatter made MLX copy every layer's buffers."""
     layers, rows, cap = 2, 4, 2048
     store = BatchKV(layers)
     caches = [store.open() for _ in range(rows)]
@@ -222,13 +224,15 @@ def test_keeping_tree_paths_waits_for_nothing_and_moves_in_place(monkeypatch):
     mx.eval(store.state)
     want = [np.array(b) for b in store.keys]
     for c in caches:
-        c.offset = 100
+        c.offset = 100  # a tree of 50 nodes at 50..99, its root at 50
+    fetched = store.fetch([(c, 51, 49) for c in caches])
+    mx.eval(fetched.arrays(), store.state)
     evals = []
     real = mx.eval
     monkeypatch.setattr(mx, "eval", lambda *a: (evals.append(1), real(*a))[1])
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    store.keep_paths([(c, 50, [3, 7]) for c in caches])
+    store.keep_paths([(c, 50, [3, 7]) for c in caches], fetched)
     monkeypatch.undo()
     assert evals == []
     mx.eval(store.state)

@@ -96,7 +96,7 @@ class Store:
     def __init__(self) -> None:
         self.kept = []
 
-    def keep_paths(self, rows) -> None:
+    def keep_paths(self, rows, fetched=None) -> None:
         self.kept.extend(rows)
         for c, base, path in rows:
             c.offset = base + 1 + len(path)
@@ -236,6 +236,28 @@ class WithProbs(Scripted):
         return Draft(d.tokens, q)
 
 
+class Oracle(Scripted):
+    """Drafts the answer it is given (a greedy answer served alone): in a tree beside a wrong
+    branch, its accepted path is not the first nodes, so the row's kept nodes move."""
+
+    def __init__(self, answer, prompt_len: int) -> None:
+        super().__init__()
+        self.answer, self.prompt_len = list(answer), prompt_len
+
+    def propose(self, context, k, with_guess=False) -> Draft:
+        t = len(context) - self.prompt_len
+        return Draft(tuple(self.answer[t:t + 2]))
+
+
+def _greedy_answer(lm, prompt, n):
+    from macfleet.serve.engine import BatchEngine, EngineRequest
+
+    eng, out = BatchEngine(lm, proposer="none"), []
+    eng.submit(EngineRequest(prompt, GREEDY, n), out.append)
+    eng.run_until_idle()
+    return [t for e in out if isinstance(e, TokensCommitted) for t in e.tokens]
+
+
 def _mixed_engine(lm, keep=range(6)):
     """An engine decoding greedy and sampled chains and trees at once: a chain whose drafter
     reads hidden states, a request with logprobs, a SpecInfer tree, a plain session."""
@@ -251,7 +273,8 @@ def _mixed_engine(lm, keep=range(6)):
         (EngineRequest((1, 2, 3, 4), GREEDY, 40), feeding),
         (EngineRequest((9, 8, 7, 6), hot, 40), Scripted([(5, 6, 7)] * many)),
         (EngineRequest((11, 12, 13), GREEDY, 40, logprobs=2),
-         ProposerGroup([Scripted([(5, 6)] * many), Scripted([(5, 9)] * many)], draft_tokens=2)),
+         ProposerGroup([Scripted([(60, 61)] * many),
+                        Oracle(_greedy_answer(lm, (11, 12, 13), 40), 3)], draft_tokens=2)),
         (EngineRequest((21, 22, 23), hot, 40),
          ProposerGroup([Scripted([(5, 6)] * many), Scripted([(3, 9)] * many)], draft_tokens=2)),
         (EngineRequest((31, 32, 33), SamplingParams(0.8, seed=3), 40, logprobs=0),
@@ -276,11 +299,21 @@ def test_a_whole_iteration_forward_included_is_one_synchronisation(monkeypatch):
     eng, got, feeding = _mixed_engine(lm)
     eng.step()  # admission and every prompt's prefill (and the drafters' verify(L) probe)
     assert all(s.prefill_left <= 0 for s in eng.table.active) and len(eng.table.active) == 6
+    from macfleet.engine.batch_kv import BatchKV
+
+    real_keep, moved = BatchKV.keep_paths, []
+
+    def keep_paths(store, kept, fetched=None):
+        moved.extend(list(p) != list(range(1, len(p) + 1)) for _, _, p in kept)
+        return real_keep(store, kept, fetched)
+
     for _ in range(3):
+        monkeypatch.setattr(BatchKV, "keep_paths", keep_paths)
         syncs = _counting(monkeypatch)
         assert eng.step()
         monkeypatch.undo()
         assert syncs == ["eval"], syncs
+    assert any(moved)  # a tree's accepted path moved in the store: no wait for it either
     committed = [sum(len(e.tokens) for e in evs if isinstance(e, TokensCommitted))
                  for evs in got.values()]
     assert all(n >= 3 for n in committed), committed  # every session decoded each iteration
