@@ -13,8 +13,9 @@ a stop token, the same statistics), written once for a chain block and once for 
    whatever the mix of sessions;
 2. accept: its acceptance rule applied to that decision (`block.chain_outcome`,
    `block.tree_decided`; SpecInfer's rule for trees of drafts with probabilities on the host,
-   `tree.accept_tree_sample`, on probabilities evaluated in that one evaluation); every tree's row keeps its root and accepted path before anything
-   is committed;
+   `tree.accept_tree_sample`, on probabilities evaluated in that one evaluation); every
+   tree's row keeps its root and accepted path before anything is committed (its nodes'
+   keys and values were read out in that evaluation too: the move waits for nothing);
 3. commit: its cache rolled back past the rejected drafts, its drafters and statistics told,
    its committed tokens cut at a stop token and emitted (`BlockStep.commit`), its session
    finished at a stop token or its length.
