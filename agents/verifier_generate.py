@@ -58,7 +58,8 @@ class VerifierGenerations:
                             eos_ids=self.lm.eos_ids, draft_tokens=draft_tokens_of(msg),
                             report_blocks=True, logprobs=msg.top_logprobs,
                             grammar=(Grammar(msg.grammar_kind, msg.grammar_source)
-                                     if msg.grammar_kind else None))
+                                     if msg.grammar_kind else None),
+                            committed=tuple(msg.prefix_ids))
         rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
         lps: tuple = ()  # LogprobsCommitted comes right before the TokensCommitted it scores
         cached = 0

@@ -1,8 +1,9 @@
 """`macfleet bench serve --json-schema`: structured output through the `openai` package against
 `serve --local` (results/serve_json.json; issue 32).
 
-For each question, greedy, on two servers (the default drafter, n-gram, and none:
-`--proposer none`, the grammar's forced tokens the only drafts): the answer bound to a JSON
+For each question, greedy, on one server per drafter (`--drafters`; by default the n-gram
+drafter and none: `--proposer none`, the grammar's forced tokens the only drafts; a tree
+drafter such as `retrieval+ngram` keeps its trees under the grammar): the answer bound to a JSON
 schema (llguidance's flexible whitespace: the model's own layout), bound to the same schema
 with compact JSON (`x-guidance: {whitespace_flexible: false}`: no whitespace, so every key
 and its punctuation is forced), and free (no `response_format`) with max_tokens set to the
@@ -87,11 +88,12 @@ def ask(url: str, model: str, question: str, max_tokens: int, schema: dict | Non
 
 
 def bench_json_schema(model: str, questions: int = len(PEOPLE), max_tokens: int = 96,
-                      progress: Callable[[str], None] = lambda m: None) -> dict:
-    """Every question free and schema-bound, on the n-gram server and the drafter-less one."""
+                      progress: Callable[[str], None] = lambda m: None,
+                      drafters: tuple[str, ...] = ("ngram", "none")) -> dict:
+    """Every question free and schema-bound, on one server per drafter (proposer spec)."""
     qs = [_question(p) for p in PEOPLE[:questions]]
     servers = {}
-    for proposer in ("ngram", "none"):
+    for proposer in drafters:
         proc, url = start_server(model, "--proposer", proposer)
         try:
             ask(url, model, "Say hello.", 2, None)  # warm-up (first forward)

@@ -29,12 +29,18 @@ def add_bench_parsers(bs) -> None:
                    "package: time to first token per turn with the prompt cache and without "
                    "(results/serve_chat.json)")
     s.add_argument("--turns", type=int, default=8, help="with --multi-turn")
+    s.add_argument("--repeats", type=int, default=1,
+                   help="with --multi-turn: chats per server, each on a fresh one (the ratio "
+                   "is the median of theirs); with --mlx-lm also mlx_lm.server's")
     s.add_argument("--json-schema", action="store_true",
                    help="structured output through the openai package: the same questions "
                    "free and bound to a JSON schema, with the n-gram drafter and none; tokens "
                    "per verifier step (forced tokens counted), validity "
                    "(results/serve_json.json)")
     s.add_argument("--questions", type=int, default=6, help="with --json-schema (1-6)")
+    s.add_argument("--drafters", default="ngram,none",
+                   help="with --json-schema: comma-separated proposer specs, one server each "
+                   "(e.g. retrieval+ngram,ngram,none: token trees against chains)")
     s.set_defaults(func=run_serve)
     b = bs.add_parser("batch-identity", help="greedy answers batched vs alone over many "
                       "requests: divergence rate per mode (results/batch_identity.json)")
@@ -95,9 +101,10 @@ def _run_multi_turn(args, progress) -> int:
     from macfleet.bench.serve_chat import bench_multi_turn, chat_rows
     from macfleet.cli.common import UserError
 
-    if args.turns < 1:
-        raise UserError("--turns must be >= 1")
-    res = bench_multi_turn(args.model, args.turns, args.max_tokens, progress)
+    if args.turns < 1 or args.repeats < 1:
+        raise UserError("--turns and --repeats must be >= 1")
+    res = bench_multi_turn(args.model, args.turns, args.max_tokens, progress,
+                           repeats=args.repeats, mlx_lm_dir=args.mlx_lm)
     path = write_result("serve_chat.json", res, args.out)
     for line in chat_rows(res):
         print(line)
@@ -112,7 +119,10 @@ def _run_json_schema(args, progress) -> int:
 
     if not 1 <= args.questions <= len(PEOPLE):
         raise UserError(f"--questions must be 1..{len(PEOPLE)}")
-    res = bench_json_schema(args.model, args.questions, args.max_tokens, progress)
+    drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
+    if not drafters:
+        raise UserError("--drafters needs at least one proposer spec")
+    res = bench_json_schema(args.model, args.questions, args.max_tokens, progress, drafters)
     path = write_result("serve_json.json", res, args.out)
     for line in json_rows(res):
         print(line)

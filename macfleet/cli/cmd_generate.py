@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--response-format", default=None, metavar="JSON",
                    help="the answer must match it: the API's response_format, e.g. "
                    "'{\"type\": \"json_object\"}', json_schema, or regex / grammar (Lark) "
-                   "(issue 32; in-process)")
+                   "(issue 32; through the fleet's verifier, in-process without one)")
     p.add_argument("--no-cross-round", action="store_true",
                    help="fleet: the proposer does not pre-draft the next block")
     add_key_args(p, open_help="talk to an unauthenticated fleet")
@@ -160,7 +160,7 @@ def run(args) -> int:
 
     asked = args.proposer
     args.proposer, _ = resolve_proposer(asked, args.model)
-    if args.local or args.response_format is not None:  # a grammar: in-process only
+    if args.local:
         return run_local(args)
     from macfleet.fleet.keys import KeyMissing, resolve_key
 
@@ -187,13 +187,17 @@ def _replanning(args, key, committed: Progress) -> int:
                                        generate_fleet)
 
     params = sampling_params(args)
+    grammar = response_grammar(args)
     try:
         for ev in generate_fleet(
                 key, args.model, wait_s=args.wait, proposer_spec=args.fleet_proposer,
                 prompt=args.prompt, chat=not args.no_chat, max_tokens=args.max_tokens,
                 temperature=params.temperature, top_p=params.top_p, seed=params.seed,
                 draft_tokens=parse_draft_tokens(args.draft_tokens),
-                cross_round=not args.no_cross_round):
+                cross_round=not args.no_cross_round,
+                # a re-plan resumes the grammar after the tokens already committed (the new
+                # verifier's constraint advances over them: engine/constraint.py `resume`)
+                grammar=(grammar.kind, grammar.source) if grammar is not None else ("", "")):
             if isinstance(ev, Text):
                 committed.ids.extend(ev.token_ids)
                 committed.text.append(ev.text)

@@ -15,6 +15,15 @@ committed tokens; the engine asks it four things, each a pure decision over the 
 * `commit(tokens)`: advance over a verified block; where the answer ends (the grammar is
   complete, or the model chose end-of-sequence where the grammar allowed it).
 
+`resume(tokens)` advances a new constraint over tokens an earlier verifier already committed
+(a re-planned request), before any decoding.
+
+Token trees keep their shape under a grammar: `constrained_tree` puts the forced tokens first
+and drops every node the grammar refuses on its path from the root, with its subtree
+(`tree_accepts`: one depth-first walk of the matcher, rolled back between branches), and
+`tree_masks` gives each node's row the mask after its own path, so a tree's greedy walk and
+exact-match sampling commit what constrained plain decoding commits, as a chain's do.
+
 Sampling stays distribution-identical to constrained sampling: a constrained block's drafts
 carry no draft probabilities (cutting a sampled draft to the grammar would change the
 distribution it came from), so the exact-match rule accepts them (engine/acceptance.py).
@@ -32,6 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from macfleet.engine.tree import TokenTree, graft
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +187,60 @@ class Constraint:
         end = next((i for i, t in enumerate(drafts) if t in self.eos), len(drafts))
         return self._m.validate_tokens(drafts[:end]) if end else 0
 
+    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """`masks` for a token tree (node 0 the root; parents precede children): row i the
+        tokens allowed after node i's path from the root [len(tokens), V] bool. A node the
+        grammar refuses (none after `constrained_tree`) gets the end row, as its subtree does:
+        no masked row lets a walk reach it. The state is left as it was."""
+        rows = np.zeros((len(tokens), self.vocab), dtype=bool)
+
+        def at(i: int) -> None:
+            rows[i] = self._mask()
+
+        self._walk(tokens, parents, at)
+        if not rows.any(axis=1).all():
+            rows[~rows.any(axis=1)] = self._end_row()
+        return rows
+
+    def tree_accepts(self, tokens: Sequence[int], parents: Sequence[int]) -> list[bool]:
+        """Which nodes of a token tree the grammar accepts along their path from the root
+        (the root always; a refused node's subtree never; end-of-sequence never drafted)."""
+        return self._walk(tokens, parents, lambda i: None)
+
+    def _walk(self, tokens: Sequence[int], parents: Sequence[int], at) -> list[bool]:
+        """Depth-first over a token tree with the grammar's state at each node (the root: the
+        current state; a node: after its path's tokens), rolled back between branches;
+        `at(i)` at every accepted node; a refused node is skipped with its subtree. The state
+        is left as it was. Each node costs one token check (and `at`), whatever its depth."""
+        n = len(tokens)
+        kids: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            kids[int(parents[i])].append(i)
+        ok = [False] * n
+        if not n:
+            return ok
+        ok[0] = True
+        at(0)
+        stack = [(c, 1) for c in reversed(kids[0])]
+        depth = 0  # tokens consumed: the path of the last accepted node
+        while stack:
+            i, d = stack.pop()
+            if depth >= d:  # back up to its parent (on the path: depth-first order)
+                self._m.rollback(depth - d + 1)
+                depth = d - 1
+            t = int(tokens[i])
+            if t in self.eos or self._m.validate_tokens([t]) != 1:
+                continue
+            if not self._m.consume_token(t):  # validated: an engine error
+                self._fail()
+                break
+            depth = d
+            ok[i] = True
+            at(i)
+            stack.extend((c, d + 1) for c in reversed(kids[i]))
+        self._m.rollback(depth)
+        return ok
+
     def forced(self) -> tuple[int, ...]:
         """The tokens the grammar forces next (none once it is complete)."""
         if self.done or self._m.is_stopped():
@@ -199,6 +264,20 @@ class Constraint:
                 return i + 1
         return None
 
+    def resume(self, tokens: Sequence[int]) -> None:
+        """Advance over an answer's tokens committed before this constraint existed (a request
+        re-planned onto another verifier resumes after them): the grammar goes on from where
+        they left it, not from its beginning. GrammarError, naming the token, when they do not
+        follow the grammar or run past its end; the grammar may be complete after them."""
+        tokens = [int(t) for t in tokens]
+        end = self.commit(tokens)
+        if end is None or end == len(tokens):  # goes on, or complete right after them
+            return
+        why = self.failed or ("an end-of-sequence token" if tokens[end] in self.eos
+                              else "past the grammar's end")
+        raise GrammarError(f"the answer's {len(tokens)} committed tokens do not follow the "
+                           f"grammar: token {end} (id {tokens[end]}): {why}")
+
     def _fail(self) -> None:
         if not self.failed:
             self.failed = self._m.get_error() or "grammar engine error"
@@ -220,6 +299,20 @@ def constrained_draft(c: Constraint, tokens: Sequence[int], room: int) -> tuple[
     return tokens[:min(room, c.cut(tokens))]
 
 
+def constrained_tree(c: Constraint, tree: TokenTree, room: int) -> TokenTree:
+    """A constrained session's token tree, as `constrained_draft` for a chain: the forced
+    tokens first (a chain from the root), the drafted subtree past them hanging off their end
+    (`tree.graft`), every node the grammar refuses on its path from the root dropped with its
+    subtree, nodes deeper than `room` too, and the drafts' probabilities (exact-match
+    acceptance: module docstring)."""
+    if room <= 0:
+        return tree.keep([], probs=False)
+    g = graft(tree, c.forced())
+    ok = c.tree_accepts(g.tokens, g.parents)
+    return g.keep([i for i in range(1, len(g.tokens)) if ok[i] and g.depths[i] <= room],
+                  probs=False)
+
+
 def schema_text(schema: dict) -> str:
     """A JSON schema as the text `Grammar.source` holds."""
     return json.dumps(schema, separators=(",", ":"))  # key order kept: properties' order
@@ -234,3 +327,17 @@ def masked_logits(c: Constraint | None, logits, drafts: Sequence[int]):
     import mlx.core as mx
 
     return mx.where(mx.array(c.masks(drafts)), logits, float("-inf"))
+
+
+def masked_tree_logits(c: Constraint | None, logits, tree: TokenTree):
+    """A token tree's verify rows (the first len(tree.tokens) of `logits`) with what the
+    grammar forbids after each node's path at -inf (`Constraint.tree_masks`); unchanged
+    without a constraint. Greedy walks and exact-match sampling over them commit what
+    constrained plain decoding commits."""
+    if c is None:
+        return logits
+    import mlx.core as mx
+
+    n = len(tree.tokens)
+    return mx.where(mx.array(c.tree_masks(tree.tokens, tree.parents)), logits[:n],
+                    float("-inf"))

@@ -104,15 +104,12 @@ def generate_from_ids(lm: LoadedModel, verifier, drafting: Drafting, ids: Sequen
     """The one generation driver (in-process and in the verifier agent): the tree loop for a
     group of drafters, the chain loop otherwise; TextDelta for each commit, BlockDone per block,
     the detokenizer's flush as a last TextDelta, then Finished. grammar: the answer must match
-    it (issue 32; the chain loop: a group of drafters is dropped, forced tokens still draft)."""
+    it (issue 32: chains and trees cut to it, forced tokens drafted first, rows masked)."""
     stream = TextStream(lm.tokenizer)
     constraint = Constraint(grammar, lm.tokenizer, lm.vocab_size) if grammar else None
-    if constraint is not None and isinstance(drafting, ProposerGroup):
-        drafting.close()
-        drafting = None
     if isinstance(drafting, ProposerGroup):
         events = tree_generate(verifier, drafting, ids, params=params, max_tokens=max_tokens,
-                               eos_ids=lm.eos_ids)
+                               eos_ids=lm.eos_ids, constraint=constraint)
     else:
         controller = make_controller(draft_tokens if drafting is not None else 0)
         events = speculative_generate(verifier, drafting, ids, params=params,

@@ -115,6 +115,44 @@ class TokenTree:
                          [[i for i in p if i < n] for p in self.paths],
                          [{i for i in o if i < n} for o in self.owned])
 
+    def keep(self, nodes: Sequence[int], probs: bool = True) -> TokenTree:
+        """The tree of `nodes` (the root always; a node whose parent is left out goes too),
+        renumbered in their order; candidates and ownership follow their nodes, one path per
+        leaf. probs=False drops the drafts' probabilities (exact-match acceptance then)."""
+        want, new_of, entries = set(nodes), {0: 0}, []
+        for i in range(1, len(self.tokens)):
+            if i in want and self.parents[i] in new_of:
+                new_of[i] = len(entries) + 1
+                entries.append((self.tokens[i], new_of[self.parents[i]], i))
+        return self._rebuild(entries, probs)
+
+    def _rebuild(self, entries: Sequence[tuple[int, int, int | None]],
+                 probs: bool = True) -> TokenTree:
+        """A tree under the same root from entries[k] = (token, parent's new index, the node
+        of this tree new node k + 1 stands for, or None): candidates and ownership carried
+        over where both ends stand for nodes of this tree (a node with no candidate gets
+        one of no proposer, source -1); one path per leaf."""
+        t = TokenTree([self.tokens[0]], [-1], [0], [{}], [[]], [], [set() for _ in self.owned])
+        new_of = {0: 0}
+        for tok, parent, old in entries:
+            child = t._child(parent, int(tok))
+            if old is not None:
+                new_of[old] = child
+        for old_parent, cands in enumerate(self.candidates):
+            for c in cands:
+                p, n = new_of.get(old_parent), new_of.get(c.node)
+                if p is not None and n is not None and t.parents[n] == p:
+                    t.candidates[p].append(Candidate(n, c.source, c.q if probs else None))
+        for child in range(1, len(t.tokens)):
+            p = t.parents[child]
+            if all(c.node != child for c in t.candidates[p]):
+                t.candidates[p].append(Candidate(child, -1))
+        t.owned = [{new_of[i] for i in nodes if i in new_of} for nodes in self.owned]
+        for leaf in range(1, len(t.tokens)):
+            if not t.children[leaf]:
+                t.paths.append(_nodes_to(t.parents, leaf))
+        return t
+
     def path_tokens(self, path: Sequence[int]) -> list[int]:
         return [self.tokens[i] for i in path]
 
@@ -122,6 +160,36 @@ class TokenTree:
         """How many of each proposer's draft tokens lie on the accepted path."""
         on = set(path)
         return [len(on & nodes) for nodes in self.owned]
+
+
+def graft(tree: TokenTree, forced: Sequence[int]) -> TokenTree:
+    """`forced` tokens (a grammar's: the only ones it allows next) as a chain from the root,
+    then what the drafts put under the node the same tokens lead to in `tree` (nothing when
+    the drafts did not draft all of them): a draft that agrees with the forced tokens keeps
+    what it drafted past them, as `constraint.constrained_draft` does for a chain."""
+    if not forced:
+        return tree
+    entries: list[tuple[int, int, int | None]] = []
+    old: int | None = 0
+    for k, tok in enumerate(forced):
+        old = tree.children[old].get(int(tok)) if old is not None else None
+        entries.append((int(tok), k, old))
+    if old is not None:
+        new_of = {old: len(entries)}
+        for i in range(old + 1, len(tree.tokens)):
+            if tree.parents[i] in new_of:
+                new_of[i] = len(entries) + 1
+                entries.append((tree.tokens[i], new_of[tree.parents[i]], i))
+    return tree._rebuild(entries)
+
+
+def _nodes_to(parents: Sequence[int], node: int) -> list[int]:
+    """The nodes from the root's child down to `node` (none for the root)."""
+    out = []
+    while node > 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
 
 
 def ancestor_mask(parents: Sequence[int]) -> np.ndarray:

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from macfleet.engine.block import (BlockTally, accept_tree, cut_at_stop, tree_decided,
                                    tree_decision)
+from macfleet.engine.constraint import Constraint, constrained_tree, masked_tree_logits
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, TokensCommitted
 from macfleet.engine.loop import sanitize_draft
@@ -211,14 +212,16 @@ def _take_ahead(ahead: _TreeAhead | None, context: Sequence[int]) -> list[Draft 
 
 def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: SamplingParams,
             rng, pad_to: int = 0, during=None, seed: int = 0,
-            start: int = 0) -> tuple[list[int], int]:
+            start: int = 0, constraint: Constraint | None = None) -> tuple[list[int], int]:
     """Verify the tree, run `during()` while the device computes it, keep the accepted path.
     Greedy and exact-match sampling decide on the device (sampling draws keyed by output
-    position from `start`); drafts with probabilities take SpecInfer's rule on the host."""
+    position from `start`); drafts with probabilities take SpecInfer's rule on the host.
+    constraint: every node's row masked by the grammar after its path."""
     base = verifier.offset
     if tree_ok:
         logits, hidden = tree_forward(verifier, tree, return_hidden=True, pad_to=pad_to)
         n = len(tree.tokens)
+        logits = masked_tree_logits(constraint, logits, tree)
         # the decision left lazy (block.tree_decision: the serving engine's too), or the
         # logits for SpecInfer's host rule; `during` runs while the device computes it
         out = tree_decision(tree, logits, params, seed, start)
@@ -235,14 +238,21 @@ def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: Sampling
         record_hidden(verifier.model, base, [tree.tokens[0], *tree.path_tokens(path)],
                       hidden[mx.array([0, *path], dtype=mx.int32)])
         return path, nxt
-    path, nxt = accept_tree_greedy(tree, verify_branches(verifier, tree).tolist())
+    masks = constraint.tree_masks(tree.tokens, tree.parents) if constraint else None
+    path, nxt = accept_tree_greedy(tree, verify_branches(verifier, tree, masks).tolist())
     verifier.forward([tree.tokens[0], *tree.path_tokens(path)])  # refill the accepted entries
     return path, nxt
 
 
 def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int], *,
                   params: SamplingParams = GREEDY, max_tokens: int = 256,
-                  eos_ids: frozenset[int] = frozenset()) -> Iterator[Event]:
+                  eos_ids: frozenset[int] = frozenset(),
+                  constraint: Constraint | None = None) -> Iterator[Event]:
+    """Yield TokensCommitted and BlockDone events, then one Finished (the chain loop's).
+
+    constraint: the answer must match its grammar (issue 32), as in `speculative_generate`:
+    each block's tree is cut to it with its forced tokens first (`constrained_tree`), every
+    node's row masked after its path, and its end is a stop."""
     if not prompt:
         raise ValueError("empty prompt")
     vocab = int(verifier.model.args.vocab_size)
@@ -273,6 +283,8 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
             ahead = None
             drafts, tree = tree_of_drafts(context[-1], group.draft_all(context, ks, given), ks,
                                           vocab, params.greedy)
+            if constraint is not None:  # forced tokens first, the tree cut to the grammar
+                tree = constrained_tree(constraint, tree, max_tokens - len(generated) - 1)
             t1 = time.perf_counter()
 
             def during(tree=tree, ks=ks, context=context):
@@ -282,9 +294,13 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
 
             path, nxt = _verify(verifier, tree, tree_ok, params, rng,
                                 padded_length(len(tree.tokens), pad_costs), during, seed,
-                                len(generated))
+                                len(generated), constraint)
             t2 = time.perf_counter()
             new, stopped = cut_at_stop([*tree.path_tokens(path), nxt], eos_ids)
+            if constraint is not None:  # the grammar's end is a stop too
+                end = constraint.commit(new)
+                if end is not None:
+                    new, stopped = new[:end], True
             if stopped:
                 finish = "stop"
             context.extend(new)

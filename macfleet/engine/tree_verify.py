@@ -94,17 +94,21 @@ def compact_cache(verifier: Verifier, base: int, path: Sequence[int]) -> None:
     verifier.rollback(verifier.offset - (base + 1 + m))
 
 
-def verify_branches(verifier: Verifier, tree: TokenTree) -> np.ndarray:
+def verify_branches(verifier: Verifier, tree: TokenTree,
+                    masks: np.ndarray | None = None) -> np.ndarray:
     """Fallback for other architectures: each proposer's chain verified on its own.
 
     Returns argmax ids per node (greedy only): the shared root row comes from the first
     branch; every node's row is computed with exactly its ancestors in the cache.
+    masks: [N+1, V] bool, the tokens allowed at each node (a grammar's); None: all.
     """
     base = verifier.offset
     ids = np.full(len(tree.tokens), -1, dtype=np.int64)
     chains = tree.paths or [[]]
     for chain in chains:
         logits = verifier.forward([tree.tokens[0], *(tree.tokens[i] for i in chain)])
+        if masks is not None:
+            logits = mx.where(mx.array(masks[[0, *chain]]), logits, float("-inf"))
         am = np.array(mx.argmax(logits, axis=-1))
         for row, node in enumerate([0, *chain]):
             ids[node] = am[row]

@@ -213,7 +213,7 @@ def generate(verifier: AgentCard, key: bytes | None, *, proposers: Sequence[Agen
     """`generate_remote` as fleet-level events; one proposer agent drafts several `+` branches
     (a session each) when there are fewer agents than branches. request: generate_remote's
     keywords (prompt, chat, max_tokens, temperature, top_p, seed, draft_tokens, cross_round,
-    prefix_ids)."""
+    prefix_ids, top_logprobs, grammar)."""
     remote = [p.router_endpoint for p in proposers] if proposer_spec != "none" else []
     n_specs = len(proposer_spec.split("+"))
     if remote and len(remote) < n_specs:
@@ -241,7 +241,9 @@ def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFA
                    replans: int = DEFAULT_REPLANS, **request) -> Iterator[Text | Done | Replanned]:
     """One generation through the fleet: discover, pick the verifier and its proposers
     (`choose_roles`), stream; when the verifier is lost, re-plan without it and continue after
-    the tokens already received. `Done` carries the whole answer across verifiers.
+    the tokens already received (a grammar, `grammar=(kind, source)`, resumes after them too:
+    the new verifier's constraint advances over them before decoding). `Done` carries the
+    whole answer across verifiers.
 
     Raises NoFleet when no verifier is found at first (the caller may generate in-process),
     VerifierFailed when none could finish, Refused when the request itself is refused.

@@ -43,6 +43,9 @@ class EngineRequest:
     logprobs: int | None = None  # also emit each committed token's logprob and this many
     # alternatives (LogprobsCommitted, serve/logprobs.py); None: not asked
     grammar: Grammar | None = None  # the answer must match it (engine/constraint.py)
+    # the answer's tokens committed before (by a verifier that failed: a re-planned
+    # request), the end of `prompt`: the grammar advances over them before decoding
+    committed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import mlx.core as mx
 from macfleet.engine.batch import RowCache, Segment, trim_cache
 from macfleet.engine.block import (accept_chain, accept_tree, chain_outcome, cut_at_stop,
                                    tree_decided, tree_decision)
-from macfleet.engine.constraint import masked_logits
+from macfleet.engine.constraint import masked_logits, masked_tree_logits
 from macfleet.engine.events import BlockDone, TokensCommitted
 from macfleet.engine.sampling import host_probs, softmax_probs
 from macfleet.engine.tree import accept_tree_sample
@@ -200,14 +200,14 @@ class BlockStep:
 
 def decision(s: BatchSession, logits: mx.array) -> mx.array | None:
     """A decoding session's block decision, lazy (evaluated with the batch's by `to_host`):
-    a chain's (accepted, next token) [2] (`block.chain_outcome`: its rows masked by its
-    grammar); a tree's argmax ids (greedy) or (deepest node, next token) (sampled:
-    `block.tree_decision`); None for a tree whose drafts carry probabilities (SpecInfer's
-    rule, on the host)."""
+    a chain's (accepted, next token) [2] (`block.chain_outcome`); a tree's argmax ids (greedy)
+    or (deepest node, next token) (sampled: `block.tree_decision`); None for a tree whose
+    drafts carry probabilities (SpecInfer's rule, on the host; a grammar's trees carry none).
+    A grammar masks the rows: a chain's, and each tree node's after its own path."""
     params, start = s.req.params, len(s.generated)
     if s.tree is not None:
-        return tree_decision(s.tree, masked_logits(s.constraint, logits, s.draft.tokens)
-                             if params.greedy else logits, params, s.seed, start)
+        return tree_decision(s.tree, masked_tree_logits(s.constraint, logits, s.tree),
+                             params, s.seed, start)
     return chain_outcome(s.draft, masked_logits(s.constraint, logits, s.draft.tokens),
                          params, s.seed, start)
 

@@ -7,7 +7,8 @@ and the replies are collected after, so drafters on other machines draft at once
 chain drafters whose head caches are rows of one store draft together (`draft_chains`).
 When `draft_all` returns, a session's block is final: `s.draft` (a chain) or `s.tree` made of
 `s.drafts` (a token tree), cut to its slot only by the scheduler (a per-session constraint on
-the tokens cuts the drafts it forbids, or adds the tokens it forces, at the end of `draft_all`).
+the tokens cuts the drafts it forbids, a tree's node by node, or adds the tokens it forces, at
+the end of `draft_all`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from macfleet.engine.controller import DraftTokens
-from macfleet.engine.constraint import constrained_draft
+from macfleet.engine.constraint import constrained_draft, constrained_tree
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
@@ -171,10 +172,14 @@ class BatchDrafting:
                     self._lose_proposer(s, e)
             s.draft_ms = (self.clock() - t0) * 1e3
         for s in decoding:  # structured output: forced tokens first, drafts cut to the grammar
-            if s.constraint is not None:
-                s.tree, s.draft = None, Draft(constrained_draft(
-                    s.constraint, s.draft.tokens, s.req.max_tokens - len(s.generated) - 1),
-                    None, s.draft_ms)
+            if s.constraint is None:
+                continue
+            room = s.req.max_tokens - len(s.generated) - 1
+            if s.tree is not None:  # a tree keeps its shape: each node cut on its own path
+                s.tree = constrained_tree(s.constraint, s.tree, room)
+            else:
+                s.draft = Draft(constrained_draft(s.constraint, s.draft.tokens, room), None,
+                                s.draft_ms)
 
     @staticmethod
     def _lose_proposer(s: BatchSession, e: ProposerFailed) -> None:

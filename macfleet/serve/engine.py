@@ -181,9 +181,14 @@ class BatchEngine:
                                or kv[0][0].shape[1] != len(req.prompt) - 1):
             raise ValueError("the shipped KV must cover every layer and prompt[:-1]")
         draft_tokens = req.draft_tokens if req.draft_tokens is not None else self.draft_tokens
-        # structured output (GrammarError, a ValueError, for a grammar it refuses)
+        if tuple(req.prompt[len(req.prompt) - len(req.committed):]) != tuple(req.committed):
+            raise ValueError("the committed answer tokens must end the prompt")
+        # structured output (GrammarError, a ValueError, for a grammar it refuses, or for
+        # committed tokens that break it)
         constraint = (Constraint(req.grammar, self.lm.tokenizer, self._vocab)
                       if req.grammar is not None else None)
+        if constraint is not None and req.committed:
+            constraint.resume(req.committed)
         if proposer is not None:
             check_drafting(proposer, self.invariant)
         drafting = (proposer if proposer is not None else

@@ -2,7 +2,7 @@
 verifier's rows (engine/constraint.py).
 
 Invariants checked on real models: greedy constrained output with drafts (chains, forced
-tokens, trees dropped to chains) equals constrained plain decoding, batched equals alone, and a
+tokens, trees: tests/serve/test_structured_trees.py) equals constrained plain decoding, batched equals alone, and a
 constrained request beside free ones changes none of theirs; every answer matches its grammar;
 a bad grammar is a 400 naming the field, and never breaks other clients' requests. The tiny
 models' character tokenizer has no braces, so JSON is checked on the embedded smollm2 (slow)
@@ -21,8 +21,8 @@ import pytest
 import serve_testkit
 from serve_testkit import start_server, stop_server
 
-from macfleet.engine.constraint import (JSON_SCHEMA, LARK, REGEX, Constraint, Grammar,
-                                        constrained_draft, schema_text)
+from macfleet.engine.constraint import (JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Constraint,
+                                        Grammar, GrammarError, constrained_draft, schema_text)
 from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.engine.models import load_model
 from macfleet.engine.sampling import GREEDY, SamplingParams
@@ -93,6 +93,51 @@ def test_a_grammar_engine_error_ends_the_answer_instead_of_raising(tiny):
     assert c.commit([5]) == 0 and c.done and c.failed  # 'f' is no 'a'
 
 
+def test_resume_goes_on_from_the_committed_tokens_or_names_the_one_that_breaks_it(tiny):
+    tok = tiny.tokenizer
+    c = Constraint(Grammar(REGEX, PATTERN), tok, tiny.vocab_size)
+    c.resume(tok.encode("id: ab"))  # a re-planned request's committed answer
+    assert not c.done and c.forced() == ()  # inside [a-z]{2,6}: a letter or ';' next
+    assert c.cut(tok.encode("c; n 4.")) == 7 and c.cut(tok.encode("id: ")) == 2  # not restarted
+    done = Constraint(Grammar(REGEX, PATTERN), tok, tiny.vocab_size)
+    done.resume(tok.encode("id: ab; n 4."))  # complete right after them: nothing left
+    assert done.done and done.forced() == ()
+    for text, why in [("id: a9", "token 5 (id "), ("xid: ", "token 0 (id "),
+                      ("id: ab; n 4.x", "token 12 (id "), ("id: ab; n 4.", None)]:
+        c = Constraint(Grammar(REGEX, PATTERN), tok, tiny.vocab_size)
+        if why is None:
+            c.resume(tok.encode(text))
+            continue
+        with pytest.raises(GrammarError, match=re.escape(why)) as e:
+            c.resume(tok.encode(text))
+        assert "committed tokens do not follow the grammar" in str(e.value)
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram", "ngram+draft:tiny:1:64"])
+def test_a_resumed_request_ends_the_answer_constrained_plain_decoding_gives(tiny, proposer):
+    """A re-planned request (the verifier agent's batch): the prompt ends with the answer's
+    committed tokens and the grammar advances over them first, so what follows is the rest of
+    the answer the verifier alone gives -- after any number of committed tokens, even all."""
+    g = Grammar(REGEX, PATTERN)
+    ids = tuple(tiny.tokenizer.encode("some prompt here"))
+    (full, _), = _serve(BatchEngine(tiny, proposer="none"), [EngineRequest(ids, GREEDY, 40,
+                                                                           grammar=g)])
+    assert re.fullmatch(PATTERN, tiny.tokenizer.decode(full))
+    for n in (1, 4, 6, len(full) - 1, len(full)):
+        done = tuple(full[:n])
+        (rest, fin), = _serve(BatchEngine(tiny, proposer=proposer, draft_tokens=4),
+                              [EngineRequest(ids + done, GREEDY, 40 - n, grammar=g,
+                                             committed=done)])
+        assert list(done) + rest == full, (n, tiny.tokenizer.decode(rest))
+        assert fin.stats.finish_reason == "stop"
+    engine = BatchEngine(tiny, proposer="none")
+    bad = tuple(tiny.tokenizer.encode("id: a9"))
+    with pytest.raises(GrammarError, match="token 5"):
+        engine.submit(EngineRequest(ids + bad, GREEDY, 40, grammar=g, committed=bad), print)
+    with pytest.raises(ValueError, match="must end the prompt"):
+        engine.submit(EngineRequest(ids, GREEDY, 40, grammar=g, committed=bad), print)
+
+
 @pytest.mark.parametrize("proposer", ["draft:tiny:1:64", "ngram", "ngram+draft:tiny:1:64"])
 def test_constrained_greedy_with_drafts_equals_plain_and_batched_equals_alone(tiny, proposer):
     grammars = [Grammar(REGEX, PATTERN), Grammar(LARK, 'start: "ok " WORD " " WORD "."\n'
@@ -136,8 +181,8 @@ def test_constrained_sampling_matches_the_grammar_and_plain_constrained_sampling
 
 @pytest.mark.parametrize("proposer", ["draft:tiny:1:64", "ngram", "ngram+draft:tiny:1:64"])
 def test_in_process_loop_follows_the_grammar_as_the_serving_engine_does(tiny, proposer):
-    """generate_local's loop: with drafts (a group falls back to forced tokens alone) the same
-    ids as constrained plain decoding in-process and as the serving engine."""
+    """generate_local's loop: with drafts (chains, or a group's trees cut to the grammar) the
+    same ids as constrained plain decoding in-process and as the serving engine."""
     from macfleet.engine.text import TextDelta, generate_local
 
     g = Grammar(REGEX, PATTERN)
