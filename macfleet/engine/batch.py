@@ -315,6 +315,57 @@ def _one_by_one(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array 
     return out
 
 
+@dataclass(frozen=True)
+class FlatOutputs:
+    """One iteration's forward, not evaluated (`flat_outputs`): a caller builds its decisions
+    on these lazy arrays and evaluates them with `pending()` in ONE `mx.eval` (one host
+    synchronisation for the forward and everything read from it).
+
+    logits: [len(seg) - logits_from, V] per segment (None for prefill chunks); hidden: each
+    segment's last-layer pre-norm hidden states [len(seg), H] (asked for; else None); state:
+    the caches' buffers, which must be evaluated with them (the next forward writes into
+    them in place)."""
+
+    logits: tuple[mx.array | None, ...]
+    hidden: tuple[mx.array, ...] | None
+    state: tuple[mx.array, ...]
+
+    def pending(self) -> list[mx.array]:
+        """Every array the caller must evaluate (with its own) before the next forward."""
+        return ([o for o in self.logits if o is not None] + list(self.state)
+                + list(self.hidden or ()))
+
+
+def flat_outputs(model: nn.Module, segments: Sequence[Segment], *, hidden: bool = False
+                 ) -> FlatOutputs:
+    """`flat_forward` left lazy: every segment's tokens are appended to its cache (offsets
+    move now; the buffers' writes are part of `state`), nothing is evaluated."""
+    if not segments or any(not len(s) for s in segments):
+        raise ValueError("flat_forward needs at least one segment, none of them empty")
+    feats = None
+    if isinstance(segments[0].cache, RowCache):
+        out = _flat(model, segments, hidden)
+        if hidden:
+            out, feats = out
+            feats = tuple(feats)
+        state = [a for st in dict.fromkeys(s.cache.store for s in segments) for a in st.state]
+    elif hidden:
+        raise ValueError("hidden states come from the flat batch (rows of a BatchKV)")
+    else:
+        out = _one_by_one(model, segments)
+        state = [a for s in segments for c in s.cache for a in _flat_state(c.state)]
+    return FlatOutputs(tuple(out), feats, tuple(state))
+
+
+def _flat_state(state) -> list[mx.array]:
+    """An mlx-lm cache's `state` (an array, or a tuple/list of them) as a list of arrays."""
+    if isinstance(state, mx.array):
+        return [state]
+    if isinstance(state, (list, tuple)):
+        return [a for x in state for a in _flat_state(x)]
+    return []
+
+
 def flat_forward(model: nn.Module, segments: Sequence[Segment], *, hidden: bool = False
                  ) -> list[mx.array | None] | tuple[list[mx.array | None], list[mx.array]]:
     """Logits [len(seg) - logits_from, V] per segment (None for prefill chunks), evaluated;
@@ -322,19 +373,8 @@ def flat_forward(model: nn.Module, segments: Sequence[Segment], *, hidden: bool 
     `BatchKV` share one forward; per-layer cache lists run one forward each (batch-invariant).
 
     hidden: also return each segment's last-layer pre-norm hidden states [len(seg), H] (the
-    features a hidden-state drafter reads; flat batch only)."""
-    if not segments or any(not len(s) for s in segments):
-        raise ValueError("flat_forward needs at least one segment, none of them empty")
-    feats: list[mx.array] = []
-    if isinstance(segments[0].cache, RowCache):
-        out = _flat(model, segments, hidden)
-        if hidden:
-            out, feats = out
-        state = [a for st in dict.fromkeys(s.cache.store for s in segments) for a in st.state]
-    elif hidden:
-        raise ValueError("hidden states come from the flat batch (rows of a BatchKV)")
-    else:
-        out = _one_by_one(model, segments)
-        state = [c.state for s in segments for c in s.cache]
-    mx.eval([o for o in out if o is not None] + state + feats)
-    return (out, feats) if hidden else out
+    features a hidden-state drafter reads; flat batch only). `flat_outputs` is the same
+    forward left lazy (the serving engine evaluates it with its decisions)."""
+    f = flat_outputs(model, segments, hidden=hidden)
+    mx.eval(f.pending())
+    return (list(f.logits), list(f.hidden)) if hidden else list(f.logits)

@@ -13,12 +13,28 @@ prompts), keep a verified tree's accepted path, or take a KV computed elsewhere 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 DEFAULT_KV_STEP = 256  # capacity grows in steps of this many positions (mlx-lm's KVCache step)
 ROW_STEP = 4  # rows grow in steps of this many sessions
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Some rows' positions read out lazily with an iteration's outputs (`BatchKV.fetch`): the
+    tree nodes a forward wrote, evaluated in the iteration's one synchronisation, so keeping
+    a verified path afterwards (`BatchKV.keep_paths`) moves them without reading the buffers:
+    no wait, and the scatter still updates the buffers in place."""
+
+    entry: dict[tuple[int, int], int]  # (row, position) -> its index among the fetched
+    heads: int
+    layers: tuple[tuple[mx.array, mx.array], ...]  # per layer (keys, values) [n * heads, hd]
+
+    def arrays(self) -> list[mx.array]:
+        return [a for kv in self.layers for a in kv]
 
 
 class BatchKV:
@@ -101,7 +117,8 @@ class BatchKV:
               dst_pos: np.ndarray) -> None:
         """Every layer's keys/values at (src_rows, src_pos) copied to (dst_rows, dst_pos): one
         gather and one scatter per layer; the gathered rows are evaluated first, so the
-        scatter then updates the buffers in place."""
+        scatter then updates the buffers in place (a gather left lazy beside its scatter, or
+        still running when the scatter runs, makes MLX copy every buffer)."""
         heads = self.keys[0].shape[1]
         src_slots = self.slot_index(src_rows, src_pos, heads)
         parts = [[b.reshape(-1, b.shape[3])[src_slots] for b in (self.keys[i], self.values[i])]
@@ -111,11 +128,27 @@ class BatchKV:
         for i, (pk, pv) in enumerate(parts):
             self._scatter(i, pk, pv, dst_slots)
 
-    def keep_paths(self, kept: Sequence[tuple[RowCache, int, Sequence[int]]]) -> None:
+    def fetch(self, spans: Sequence[tuple[RowCache, int, int]]) -> Fetched:
+        """Every layer's keys/values at positions start .. start + n - 1 of each (cache,
+        start, n)'s row, lazy: one gather per layer (the caller evaluates `arrays()`)."""
+        rows = np.concatenate([np.full(n, c.row) for c, _, n in spans])
+        pos = np.concatenate([start + np.arange(n) for _, start, n in spans])
+        heads = self.keys[0].shape[1]
+        slots = self.slot_index(rows, pos, heads)
+        layers = tuple((k.reshape(-1, k.shape[3])[slots], v.reshape(-1, v.shape[3])[slots])
+                       for k, v in zip(self.keys, self.values))
+        return Fetched({(int(r), int(p)): j for j, (r, p) in enumerate(zip(rows, pos))},
+                       heads, layers)
+
+    def keep_paths(self, kept: Sequence[tuple[RowCache, int, Sequence[int]]],
+                   fetched: Fetched | None = None) -> None:
         """After verifying token trees: for each (cache, base, path), the row keeps the root
         (slot base) and the accepted nodes `path` (slots base + node), moved right behind the
         root, and drops the rest (its offset becomes base + 1 + len(path)). Every move of
-        every row is one gather and one scatter per layer."""
+        every row is one gather and one scatter per layer.
+        fetched: the nodes, read out with the forward (`fetch`, evaluated): the moves then
+        wait for nothing (the next forward's evaluation carries their scatters, still in
+        place); None: gathered here (one evaluation)."""
         for c, base, path in kept:
             if c.store is not self or base + 1 + len(path) > c.offset:
                 raise ValueError(f"row {c.row}: cannot keep {len(path)} nodes past {base}")
@@ -123,9 +156,18 @@ class BatchKV:
                  if list(path) != list(range(1, len(path) + 1))]
         if moves:
             rows = np.concatenate([np.full(len(p), c.row) for c, _, p in moves])
-            self._move(rows, np.concatenate([base + np.array(p) for _, base, p in moves]),
-                       rows, np.concatenate([base + 1 + np.arange(len(p)) for _, base, p in moves]))
-            mx.eval(self.state)
+            src = np.concatenate([base + np.array(p) for _, base, p in moves])
+            dst = np.concatenate([base + 1 + np.arange(len(p)) for _, base, p in moves])
+            if fetched is None:
+                self._move(rows, src, rows, dst)
+                mx.eval(self.state)
+            else:
+                h = fetched.heads
+                idx = np.array([fetched.entry[(int(r), int(p))] for r, p in zip(rows, src)])
+                sel = mx.array((idx[:, None] * h + np.arange(h)).reshape(-1), dtype=mx.int32)
+                dst_slots = self.slot_index(rows, dst, h)
+                for i, (k, v) in enumerate(fetched.layers):
+                    self._scatter(i, k[sel], v[sel], dst_slots)
         for c, base, path in kept:
             c.offset = base + 1 + len(path)
 

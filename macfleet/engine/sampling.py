@@ -47,13 +47,21 @@ GREEDY = SamplingParams()
 
 def probs_from_logits(logits: mx.array, params: SamplingParams) -> np.ndarray:
     """logits: [L, V] -> probabilities [L, V] float64 (numpy), after temperature and top-p."""
+    return host_probs(softmax_probs(logits, params), params)
+
+
+def softmax_probs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """`probs_from_logits`' device half, lazy: the tempered softmax [L, V] float32 (a caller
+    evaluates it with other arrays, then hands it to `host_probs`)."""
     if params.greedy:
         raise ValueError("greedy decoding has no sampling distribution; use argmax")
-    scaled = logits.astype(mx.float32) / params.temperature
-    p = np.array(mx.softmax(scaled, axis=-1), dtype=np.float64)
-    if params.top_p < 1.0:
-        p = top_p_filter(p, params.top_p)
-    return p
+    return mx.softmax(logits.astype(mx.float32) / params.temperature, axis=-1)
+
+
+def host_probs(p: mx.array, params: SamplingParams) -> np.ndarray:
+    """`probs_from_logits`' host half: `softmax_probs`' output -> float64 numpy, after top-p."""
+    out = np.array(p, dtype=np.float64)
+    return top_p_filter(out, params.top_p) if params.top_p < 1.0 else out
 
 
 def top_p_filter(p: np.ndarray, top_p: float) -> np.ndarray:

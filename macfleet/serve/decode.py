@@ -4,14 +4,18 @@ The engine runs one forward over every session's segment; what follows is per se
 the single-session loops' own step (engine/block.py: the same acceptance rules, the same cut at
 a stop token, the same statistics), written once for a chain block and once for a token tree:
 
-1. rows: a decoding session's logits rows of the forward (`BlockStep.verified`); every
-   session's decision (greedy or sampled, chain or tree: `decision`) is built lazily on the
-   device and all are read in one evaluation (`to_host`): one host synchronisation for the
-   iteration, whatever the mix of sessions;
+1. rows: a decoding session's logits rows of the forward (`BlockStep.verified`), left lazy
+   by the forward (`engine.batch.flat_outputs`); every session's decision (greedy or sampled,
+   chain or tree: `decision`) is built on them on the device, and the decisions, the caches'
+   buffers, the hidden features a drafter reads, the probabilities SpecInfer's host rule
+   reads and the logprobs a request asked for are all evaluated in ONE `mx.eval`
+   (`read_iteration`): one host synchronisation for the iteration, forward included,
+   whatever the mix of sessions;
 2. accept: its acceptance rule applied to that decision (`block.chain_outcome`,
    `block.tree_decided`; SpecInfer's rule for trees of drafts with probabilities on the host,
-   `block.accept_tree`); every tree's row keeps its root and accepted path before anything
-   is committed;
+   `tree.accept_tree_sample`, on probabilities evaluated in that one evaluation); every
+   tree's row keeps its root and accepted path before anything is committed (its nodes'
+   keys and values were read out in that evaluation too: the move waits for nothing);
 3. commit: its cache rolled back past the rejected drafts, its drafters and statistics told,
    its committed tokens cut at a stop token and emitted (`BlockStep.commit`), its session
    finished at a stop token or its length.
@@ -22,22 +26,41 @@ Hidden-state drafters get their session's rows of the forward here too (`feed`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from macfleet.engine.batch import Segment, trim_cache
+from macfleet.engine.batch import RowCache, Segment, trim_cache
 from macfleet.engine.block import (accept_chain, accept_tree, chain_outcome, cut_at_stop,
                                    tree_decided, tree_decision)
 from macfleet.engine.constraint import masked_logits, masked_tree_logits
 from macfleet.engine.events import BlockDone, TokensCommitted
+from macfleet.engine.sampling import host_probs, softmax_probs
+from macfleet.engine.tree import accept_tree_sample
 from macfleet.serve.batch_session import BatchSession
 from macfleet.serve.costs import BatchCosts
-from macfleet.serve.logprobs import (LogprobsCommitted, TokenLogprob, block_logprobs,
-                                      chain_rows, tree_rows)
+from macfleet.serve.logprobs import (LogprobsCommitted, RowLogprobs, TokenLogprob,
+                                      block_logprobs, chain_rows, row_logprobs, tree_rows)
 from macfleet.serve.prompt_cache import PromptReused
 from macfleet.serve.scheduler import Slot
 
 Finish = Callable[[BatchSession, str], None]  # (session, finish reason: stop | length)
+
+
+@dataclass(frozen=True)
+class IterationRead:
+    """What the host reads of one iteration's forward, evaluated at once (`read_iteration`).
+
+    decided: each decoding session's `decision`, as integers; probs: the verifier's
+    probabilities [N, V] of each tree left to SpecInfer's host rule (evaluated, on the device
+    until `host_probs` reads them); logprobs: each block's rows of a request that asked;
+    fetched: per store, its trees' nodes' keys and values (`BatchKV.fetch`), so keeping the
+    accepted paths waits for nothing."""
+
+    decided: dict[int, list[int]]
+    probs: dict[int, mx.array]
+    logprobs: dict[int, RowLogprobs]
+    fetched: dict = field(default_factory=dict)
 
 
 class BlockStep:
@@ -49,21 +72,20 @@ class BlockStep:
 
     def verified(self, run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],
                  out: Sequence[mx.array | None], hidden: Sequence[mx.array] | None,
-                 verify_ms: float) -> None:
-        """One forward's results: prefill chunks counted, every block accepted and committed."""
+                 verify_ms: float, read: IterationRead | None = None) -> None:
+        """One forward's results: prefill chunks counted, every block accepted and committed.
+        read: `read_iteration` of this forward, when the caller evaluated it already (the
+        engine, to time the forward's one synchronisation); None: read here."""
         # (1) each decoding session's verified rows [block, V]: what its acceptance reads
         # below (a per-session constraint on the tokens, such as a grammar, masks them here)
         rows = {s.sid: lg for (s, sl), lg in zip(run, out) if not sl.prefill}
         decoding = [s for s, sl in run if not sl.prefill]
-        # every block's decision built lazily on the device (greedy and sampled, chains and
-        # trees) and read in ONE evaluation: one host synchronisation for the iteration, not
-        # one per session (on a GPU each costs a launch and a round trip); only SpecInfer's
-        # rule (trees of drafts with probabilities) is left to the host below
-        decided = to_host({s.sid: d for s in decoding
-                           if (d := decision(s, rows[s.sid])) is not None})
+        if read is None:
+            read = read_iteration(run, out, list(hidden or ()))
+        decided = read.decided
         # (2) accept: trees first, so every row keeps its path before anything is committed
         accepted = self.accept_trees([(s, rows[s.sid]) for s in decoding if s.tree is not None],
-                                     decided)
+                                     read)
         if hidden is not None:
             feed(run, segs, hidden, accepted)
         # (3) commit, session by session
@@ -73,36 +95,45 @@ class BlockStep:
                 if s.prefill_left <= 0:
                     s.prefill_ms = (self.clock() - s.t_start) * 1e3
             elif s.tree is not None:
-                self.commit_tree(s, *accepted[s.sid], verify_ms, rows[s.sid])
+                self.commit_tree(s, *accepted[s.sid], verify_ms, rows[s.sid],
+                                 read.logprobs.get(s.sid))
             else:
                 n, nxt = decided[s.sid]
-                self.commit_chain(s, rows[s.sid], verify_ms, (n, nxt))
+                self.commit_chain(s, rows[s.sid], verify_ms, (n, nxt),
+                                  read.logprobs.get(s.sid))
 
     @staticmethod
     def accept_trees(done: Sequence[tuple[BatchSession, mx.array]],
-                     decided: dict[int, list[int]]) -> dict[int, tuple[list[int], int]]:
+                     read: IterationRead) -> dict[int, tuple[list[int], int]]:
         """Each verified tree's accepted path and next token (the rules of `tree_generate`)
-        from its evaluated decision (`decision`), or SpecInfer's host rule where it has none;
+        from its evaluated decision (`decision`), or SpecInfer's host rule on its evaluated
+        probabilities where it has none;
         every row then keeps its root and path (one gather and scatter per layer per store)
         before anything is committed, so a session that ends here leaves a consistent row."""
         out, kept = {}, {}
         for s, logits in done:
-            if s.sid in decided:
-                path, nxt = out[s.sid] = tree_decided(s.tree, s.req.params, decided[s.sid])
+            if s.sid in read.decided:
+                path, nxt = out[s.sid] = tree_decided(s.tree, s.req.params,
+                                                      read.decided[s.sid])
+            elif s.sid in read.probs:
+                path, nxt = out[s.sid] = accept_tree_sample(
+                    s.tree, host_probs(read.probs[s.sid], s.req.params), s.rng)
             else:
                 path, nxt = out[s.sid] = accept_tree(s.tree, logits, s.req.params, s.rng,
                                                      s.seed, len(s.generated))
             base = s.cache.offset - len(s.tree.tokens)
             kept.setdefault(s.cache.store, []).append((s.cache, base, path))
         for store, rows in kept.items():
-            store.keep_paths(rows)
+            store.keep_paths(rows, read.fetched.get(store))
         return out
 
     def commit_tree(self, s: BatchSession, path: list[int], nxt: int, verify_ms: float,
-                    logits: mx.array) -> None:
+                    logits: mx.array, rows: RowLogprobs | None = None) -> None:
+        """rows: the block's logprobs, evaluated with the batch's decisions (None: read here
+        when the request asked for them)."""
         tree = s.tree
         new = [*tree.path_tokens(path), nxt]
-        lps = _logprobs(s, logits, tree_rows(path, len(new)), new)
+        lps = _logprobs(s, logits, tree_rows(path, len(new)), new, rows)
         if tree.size:
             # geometric trials along the path: it stopped where the tree had more to offer
             last = path[-1] if path else 0
@@ -112,15 +143,16 @@ class BlockStep:
                     logprobs=lps)
 
     def commit_chain(self, s: BatchSession, logits: mx.array, verify_ms: float,
-                     outcome: tuple[int, int] | None = None) -> None:
+                     outcome: tuple[int, int] | None = None,
+                     rows: RowLogprobs | None = None) -> None:
         """outcome: the block's (accepted, next token), decided with the batch's
-        (`decision`); None: decided here."""
+        (`decision`); None: decided here. rows: as `commit_tree`'s."""
         d = s.draft
         n, nxt = outcome if outcome is not None else accept_chain(
             d, masked_logits(s.constraint, logits, d.tokens), s.req.params, s.seed,
             len(s.generated))
         new = [*d.tokens[:n], nxt]
-        lps = _logprobs(s, logits, chain_rows(len(new)), new)
+        lps = _logprobs(s, logits, chain_rows(len(new)), new, rows)
         if len(d) - n:
             trim_cache(s.cache, len(d) - n)
         if len(d):
@@ -180,13 +212,44 @@ def decision(s: BatchSession, logits: mx.array) -> mx.array | None:
                          params, s.seed, start)
 
 
-def to_host(lazy: dict[int, mx.array]) -> dict[int, list[int]]:
+def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array | None],
+                   also: Sequence[mx.array] = ()) -> IterationRead:
+    """Everything the host reads of a forward, built on its lazy logits `out` and evaluated
+    with `also` (the forward's cache buffers and hidden features: `FlatOutputs.pending`) in
+    ONE `mx.eval`: every decoding session's decision, SpecInfer trees' probabilities (their
+    rule walks them on the host, after this one evaluation), requested logprobs, and the
+    trees' nodes' keys and values (their accepted paths move without a wait)."""
+    lazy, probs, lps, spans = {}, {}, {}, {}
+    for (s, sl), lg in zip(run, out):
+        if sl.prefill:
+            continue
+        if s.tree is not None and len(s.tree.tokens) > 1 and isinstance(s.cache, RowCache):
+            n = len(s.tree.tokens)  # its drafted nodes, past the root: what a path moves
+            spans.setdefault(s.cache.store, []).append((s.cache, s.cache.offset - n + 1, n - 1))
+        d = decision(s, lg)
+        if d is not None:
+            lazy[s.sid] = d
+        else:  # a tree whose drafts carry probabilities: SpecInfer's host rule
+            probs[s.sid] = softmax_probs(lg, s.req.params)
+        if s.req.logprobs is not None:
+            lps[s.sid] = row_logprobs(lg, s.req.logprobs)
+    fetched = {store: store.fetch(sp) for store, sp in spans.items()}
+    extra = [*probs.values(), *(a for r in lps.values() for a in r.arrays()),
+             *(a for f in fetched.values() for a in f.arrays()), *also]
+    return IterationRead(to_host(lazy, extra), probs, lps, fetched)
+
+
+def to_host(lazy: dict[int, mx.array], also: Sequence[mx.array] = ()
+            ) -> dict[int, list[int]]:
     """Lazy integer arrays -> their values, in ONE evaluation: every array flattened into one
-    int32 vector, evaluated and read at once (one host synchronisation)."""
+    int32 vector, evaluated (with `also`, which stays on the device) and read at once (one
+    host synchronisation)."""
     if not lazy:
+        if also:
+            mx.eval(list(also))
         return {}
     flat = mx.concatenate([a.reshape(-1).astype(mx.int32) for a in lazy.values()])
-    mx.eval(flat)
+    mx.eval(flat, list(also))
     vals = flat.tolist()
     out, i = {}, 0
     for sid, a in lazy.items():
@@ -215,9 +278,12 @@ def feed(run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],
             p.feed_features(start, toks, h)
 
 
-def _logprobs(s: BatchSession, logits: mx.array, rows: list[int], new: list[int]
-              ) -> tuple[TokenLogprob, ...] | None:
-    """The committed tokens' logprobs when the request asked for them (else None)."""
+def _logprobs(s: BatchSession, logits: mx.array, rows: list[int], new: list[int],
+              evaluated: RowLogprobs | None = None) -> tuple[TokenLogprob, ...] | None:
+    """The committed tokens' logprobs when the request asked for them (else None), from the
+    block's `evaluated` rows when the batch read them (else read here)."""
     if s.req.logprobs is None:
         return None
+    if evaluated is not None:
+        return evaluated.entries(rows, new)
     return block_logprobs(logits, rows, new, s.req.logprobs)

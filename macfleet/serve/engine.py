@@ -2,8 +2,10 @@
 
 Each iteration (1) drops sessions whose client left, admits waiting ones, (2) asks every
 decoding session's proposer for its draft, (3) lets the pure scheduler pick slots under the
-token budget, (4) runs ONE forward over every slot (`engine.batch.flat_forward`) and (5) applies
-each session's own acceptance rule, rolls back its own cache and emits its committed tokens.
+token budget, (4) runs ONE forward over every slot (`engine.batch.flat_outputs`, lazy) and (5)
+applies each session's own acceptance rule, rolls back its own cache and emits its committed
+tokens. (4) and (5) meet in one host synchronisation: the decisions are built on the forward's
+lazy logits and evaluated with it (`serve.decode.read_iteration`).
 A session follows `engine.loop.speculative_generate` step for step (prefill prompt[:-1], then
 blocks [last token, drafts...], the same per-request rng), so a request's greedy ids and seeded
 samples are what the single-session loop gives; only the forward is shared.
@@ -32,7 +34,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.batch import BatchKV, Segment, check_batchable, flat_forward
+from macfleet.engine.batch import BatchKV, Segment, check_batchable, flat_outputs
 from macfleet.engine.constraint import Constraint, Grammar, bridge, grammar_error
 from macfleet.engine.controller import AUTO, make_controller
 from macfleet.engine.proposers.eagle.chain import draft_chains
@@ -46,7 +48,7 @@ from macfleet.fleet.batch import BatchView, IterationView, ServedSession
 from macfleet.serve.batch_session import (BatchSession, EngineEvent, EngineRequest,  # noqa: F401
                                           Overloaded, SessionFailed, SessionHandle)
 from macfleet.serve.costs import BatchCosts
-from macfleet.serve.decode import BlockStep
+from macfleet.serve.decode import BlockStep, read_iteration
 from macfleet.serve.drafting import BatchDrafting, check_drafting, make_drafting
 from macfleet.serve.lifecycle import Sessions
 from macfleet.serve.prompt_cache import PromptCache
@@ -100,7 +102,7 @@ class BatchEngine:
         self.chunked, self.clock = chunked, clock
         self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
         self.install_share = install_share
-        # the functions on this module's names (verify_costs, draft_chains, flat_forward,
+        # the functions on this module's names (verify_costs, draft_chains, flat_outputs,
         # make_rng) are looked up at each call: a test or a bench may replace them here
         self.costs = BatchCosts(lm.model, stall_ratio, lambda m: verify_costs(m))
         # every session's KV is a row of one store (flat batch), or its own caches (invariant)
@@ -319,11 +321,14 @@ class BatchEngine:
                                   chunked=self.chunked,
                                   align=DEFAULT_PREFILL_STEP if self.invariant else 0)
         t0 = self.clock()
-        hidden = None
-        if any(s.feeds for s, _ in run):
-            out, hidden = flat_forward(self.lm.model, segs, hidden=True)
-        else:
-            out = flat_forward(self.lm.model, segs)
+        fwd = flat_outputs(self.lm.model, segs, hidden=any(s.feeds for s, _ in run))
+        # the device starts the forward now, while the host builds every session's decision
+        # on its lazy logits (a launch, not a wait: mlx-lm's generate_step does the same)
+        mx.async_eval(fwd.pending())
+        # ONE host synchronisation for the iteration: the decisions, the caches' buffers,
+        # the drafters' features, SpecInfer's probabilities and requested logprobs are
+        # evaluated and read together (serve/decode.py)
+        read = read_iteration(run, fwd.logits, fwd.pending())
         ms = (self.clock() - t0) * 1e3
         n_dec = sum(sl.tokens for _, sl in run if not sl.prefill)
         rec = IterationView(t0, len(run), n_dec, sum(sl.tokens for _, sl in run) - n_dec,
@@ -332,7 +337,7 @@ class BatchEngine:
         with self._cv:
             self.history.append(rec)
             self.iterations += 1
-        self.decode.verified(run, segs, out, hidden, ms)
+        self.decode.verified(run, segs, fwd.logits, fwd.hidden, ms, read)
 
 
 def plan_segments(batch: list[BatchSession], budget: int, room: int | None,

@@ -8,7 +8,8 @@ they are exact under speculation and batching up to the float noise of a differe
 (tests/tolerance.py). Values are the model's distribution at temperature 1, before top_p (what
 vLLM calls raw logprobs): a request's sampling settings do not change them.
 
-The engine calls `block_logprobs` (MLX, one small gather per session and block); the HTTP layer
+The engine builds `row_logprobs` lazily with its decisions and reads `RowLogprobs.entries` after
+its one synchronisation (`block_logprobs`: both halves at once, for one block); the HTTP layer
 formats the entries with `chat_content` / `completion_logprobs` (pure, token text from the
 tokenizer).
 """
@@ -40,34 +41,65 @@ class LogprobsCommitted:
     entries: tuple[TokenLogprob, ...]
 
 
+@dataclass(frozen=True)
+class RowLogprobs:
+    """Every row's log-probabilities of one verified block, built lazily on the device
+    (`row_logprobs`) so the serving engine evaluates them with the iteration's decisions, in
+    its one synchronisation, before it knows which rows commit; `entries` then reads the
+    committed tokens' values on the host (the rows' [L, V] values cross to the host: 4 L V
+    bytes per block of a request that asked for logprobs)."""
+
+    lp: mx.array  # [L, V] float32
+    idx: mx.array | None  # [L, top] each row's most likely ids (None: top 0)
+    vals: mx.array | None  # [L, top] their log-probabilities
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.lp, self.idx, self.vals) if a is not None]
+
+    def entries(self, rows: Sequence[int], tokens: Sequence[int]) -> tuple[TokenLogprob, ...]:
+        """Evaluated: tokens[i] was decided at row rows[i]."""
+        if len(rows) != len(tokens):
+            raise ValueError(f"{len(rows)} rows for {len(tokens)} tokens")
+        if not tokens:
+            return ()
+        lp = np.array(self.lp)
+        top = self.idx is not None
+        if top:
+            idx_np, vals_np = np.array(self.idx), np.array(self.vals)
+        out = []
+        for r, t in zip(rows, tokens):
+            alts: tuple[tuple[int, float], ...] = ()
+            if top:
+                order = np.lexsort((idx_np[r], -vals_np[r]))  # most likely first, ties by id
+                alts = tuple((int(idx_np[r][j]), float(vals_np[r][j])) for j in order)
+            out.append(TokenLogprob(int(t), float(lp[r, int(t)]), alts))
+        return tuple(out)
+
+
+def row_logprobs(logits: mx.array, top: int) -> RowLogprobs:
+    """logits [L, V] -> every row's log-probabilities and `top` alternatives, lazy.
+    top: alternatives per token (0..MAX_TOP_LOGPROBS; at most the vocabulary)."""
+    sel = logits.astype(mx.float32)
+    lp = sel - mx.logsumexp(sel, axis=-1, keepdims=True)
+    top = max(0, min(top, lp.shape[-1]))
+    if not top:
+        return RowLogprobs(lp, None, None)
+    idx = mx.argpartition(-lp, kth=top - 1, axis=-1)[:, :top]
+    return RowLogprobs(lp, idx, mx.take_along_axis(lp, idx, axis=-1))
+
+
 def block_logprobs(logits: mx.array, rows: Sequence[int], tokens: Sequence[int],
                    top: int) -> tuple[TokenLogprob, ...]:
     """logits: [L, V] of one verified block; tokens[i] was decided at logits row rows[i].
-    top: alternatives per token (0..MAX_TOP_LOGPROBS; at most the vocabulary)."""
+    top: alternatives per token (0..MAX_TOP_LOGPROBS; at most the vocabulary). Evaluates
+    (a synchronisation of its own; `row_logprobs` is the lazy half)."""
     if not tokens:
         return ()
     if len(rows) != len(tokens):
         raise ValueError(f"{len(rows)} rows for {len(tokens)} tokens")
-    sel = logits[mx.array(list(rows), dtype=mx.int32)].astype(mx.float32)  # [n, V]
-    lp = sel - mx.logsumexp(sel, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(lp, mx.array(list(tokens), dtype=mx.int32)[:, None], axis=-1)
-    top = max(0, min(top, lp.shape[-1]))
-    if top:
-        idx = mx.argpartition(-lp, kth=top - 1, axis=-1)[:, :top]
-        vals = mx.take_along_axis(lp, idx, axis=-1)
-        mx.eval(chosen, idx, vals)
-        idx_np, vals_np = np.array(idx), np.array(vals)
-    else:
-        mx.eval(chosen)
-    chosen_np = np.array(chosen)[:, 0]
-    out = []
-    for i, t in enumerate(tokens):
-        alts: tuple[tuple[int, float], ...] = ()
-        if top:
-            order = np.lexsort((idx_np[i], -vals_np[i]))  # most likely first, ties by id
-            alts = tuple((int(idx_np[i][j]), float(vals_np[i][j])) for j in order)
-        out.append(TokenLogprob(int(t), float(chosen_np[i]), alts))
-    return tuple(out)
+    parts = row_logprobs(logits[mx.array(list(rows), dtype=mx.int32)], top)
+    mx.eval(parts.arrays())
+    return parts.entries(range(len(rows)), tokens)
 
 
 def chain_rows(committed: int) -> list[int]:

@@ -280,13 +280,13 @@ def test_drafts_and_a_prompt_chunk_share_one_stall_allowance(tiny, monkeypatch):
     monkeypatch.setattr(vc, "known_verify_costs", lambda model, **kw: table)
     monkeypatch.setattr(engine_mod, "verify_costs", lambda model, **kw: table)
     now = [0.0]
-    real_forward = engine_mod.flat_forward
+    real_forward = engine_mod.flat_outputs
 
     def priced_forward(model, segs, **kw):  # the forward takes the table's time
         now[0] += (10.0 + sum(len(sg) for sg in segs) / 2) / 1e3
         return real_forward(model, segs, **kw)
 
-    monkeypatch.setattr(engine_mod, "flat_forward", priced_forward)
+    monkeypatch.setattr(engine_mod, "flat_outputs", priced_forward)
     pattern = tuple(range(40, 48))
     first, turn = pattern * 6, _prompts(tiny.vocab_size, 2, 11, 60, 61)[1]
     eng = BatchEngine(tiny, proposer="ngram", stall_ratio=1.5, clock=lambda: now[0])

@@ -204,3 +204,41 @@ def test_a_half_precision_store_stays_in_its_dtype_as_it_grows():
         row.offset += n
         assert store.keys[0].dtype == store.values[0].dtype == mx.float16
     assert tuple(store.keys[0].shape) == (2, HEADS, 8, DIM)
+
+
+def test_keeping_tree_paths_from_fetched_nodes_waits_for_nothing_and_moves_in_place(
+        monkeypatch):
+    """With the tree nodes fetched (and evaluated) with the forward, keep_paths runs no
+    mx.eval (the serving engine's iteration keeps one synchronisation; the next forward's
+    evaluation carries the moves), yet every buffer is updated in place and right. A gather
+    from the buffers left lazy beside its scatter made MLX copy every layer's buffers."""
+    layers, rows, cap = 2, 4, 2048
+    store = BatchKV(layers)
+    caches = [store.open() for _ in range(rows)]
+    store.reserve(rows, cap)
+    slots = store.slot_index(np.repeat(np.arange(rows), cap), np.tile(np.arange(cap), rows),
+                             HEADS)
+    for i in range(layers):
+        k = mx.random.normal((rows * cap, HEADS, 1, DIM), key=mx.random.key(i))
+        store.write(i, k, -k, slots)
+    mx.eval(store.state)
+    want = [np.array(b) for b in store.keys]
+    for c in caches:
+        c.offset = 100  # a tree of 50 nodes at 50..99, its root at 50
+    fetched = store.fetch([(c, 51, 49) for c in caches])
+    mx.eval(fetched.arrays(), store.state)
+    evals = []
+    real = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (evals.append(1), real(*a))[1])
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    store.keep_paths([(c, 50, [3, 7]) for c in caches], fetched)
+    monkeypatch.undo()
+    assert evals == []
+    mx.eval(store.state)
+    grew = mx.get_peak_memory() - base
+    assert grew < store.keys[0].nbytes / 4, grew  # no buffer copied
+    for w, b in zip(want, store.keys):
+        w[:, :, 51], w[:, :, 52] = w[:, :, 53].copy(), w[:, :, 57].copy()
+        assert np.array_equal(np.array(b), w)
+    assert all(c.offset == 53 for c in caches)

@@ -96,7 +96,7 @@ class Store:
     def __init__(self) -> None:
         self.kept = []
 
-    def keep_paths(self, rows) -> None:
+    def keep_paths(self, rows, fetched=None) -> None:
         self.kept.extend(rows)
         for c, base, path in rows:
             c.offset = base + 1 + len(path)
@@ -151,17 +151,13 @@ def _mixed_batch():
     return run, out
 
 
-def test_an_iteration_reads_every_block_decision_in_one_synchronisation(monkeypatch):
-    """Greedy and sampled chains and trees in one iteration: every block's decision is read in
-    ONE host synchronisation (an mx.eval, or a read of an array no mx.eval evaluated), not one
-    per sampled session; and each session commits what it commits decided alone."""
-    alone = []
-    for s_sl, lg in zip(*_mixed_batch()):
-        step, _ = _step()
-        step.verified([s_sl], [None], [lg], None, 9.0)
-        alone.append(s_sl[0].generated)
+def _counting(monkeypatch):
+    """Patch MLX so every host synchronisation is recorded: an mx.eval, or a read (tolist,
+    item) of an array no mx.eval evaluated. Returns the record. (numpy conversions go
+    through the buffer protocol, which cannot be patched: the code under test reads with
+    numpy only arrays it evaluated.)"""
     syncs, evaluated = [], []
-    real_eval, real_tolist, real_item = mx.eval, mx.array.tolist, mx.array.item
+    real_eval = mx.eval
 
     def flat(args):
         for a in args:
@@ -177,20 +173,169 @@ def test_an_iteration_reads_every_block_decision_in_one_synchronisation(monkeypa
         evaluated.extend(flat(args))
         return real_eval(*args)
 
-    def reading(real):
-        def read(a, *args):
+    def reading(real, name):
+        def read(a, *args, **kw):
             if not any(a is e for e in evaluated):  # evaluated here: a synchronisation
-                syncs.append(real.__name__)
-            return real(a, *args)
+                syncs.append(name)
+            return real(a, *args, **kw)
         return read
 
+    monkeypatch.setattr(mx, "eval", counting_eval)
+    for name in ("tolist", "item"):
+        monkeypatch.setattr(mx.array, name, reading(getattr(mx.array, name), name))
+    return syncs
+
+
+def test_an_iteration_reads_every_block_decision_in_one_synchronisation(monkeypatch):
+    """Greedy and sampled chains and trees in one iteration: every block's decision is read in
+    ONE host synchronisation (an mx.eval, or a read of an array no mx.eval evaluated), not one
+    per sampled session; and each session commits what it commits decided alone."""
+    alone = []
+    for s_sl, lg in zip(*_mixed_batch()):
+        step, _ = _step()
+        step.verified([s_sl], [None], [lg], None, 9.0)
+        alone.append(s_sl[0].generated)
     run, out = _mixed_batch()
     step, _ = _step()
-    monkeypatch.setattr(mx, "eval", counting_eval)
-    monkeypatch.setattr(mx.array, "tolist", reading(real_tolist))
-    monkeypatch.setattr(mx.array, "item", reading(real_item))
+    syncs = _counting(monkeypatch)
     step.verified(run, [None] * len(run), out, None, 9.0)
     monkeypatch.undo()
     assert syncs == ["eval"], syncs
     assert [s.generated for s, _ in run] == alone
     assert all(len(g) >= 1 for g in alone) and len({tuple(g) for g in alone}) > 1
+
+
+# -- the whole iteration, forward included (a real model) -------------------------------
+class Feeding(Scripted):
+    """A host-side drafter that also reads the verifier's hidden states (as EAGLE does)."""
+
+    wants_features = True
+
+    def __init__(self, drafts) -> None:
+        super().__init__(drafts)
+        self.fed: list[tuple[int, tuple[int, ...]]] = []
+
+    def untap(self) -> None:
+        pass
+
+    def feed_features(self, start, tokens, hidden) -> None:
+        self.fed.append((start, tuple(tokens)))
+
+
+class WithProbs(Scripted):
+    """Drafts with the distributions they came from: a tree of them is SpecInfer's."""
+
+    def __init__(self, drafts, vocab: int) -> None:
+        super().__init__(drafts)
+        self.vocab = vocab
+
+    def propose(self, context, k, with_guess=False) -> Draft:
+        d = super().propose(context, k, with_guess)
+        q = np.full((len(d.tokens), self.vocab), 0.5 / (self.vocab - 1))
+        q[np.arange(len(d.tokens)), list(d.tokens)] = 0.5
+        return Draft(d.tokens, q)
+
+
+class Oracle(Scripted):
+    """Drafts the answer it is given (a greedy answer served alone): in a tree beside a wrong
+    branch, its accepted path is not the first nodes, so the row's kept nodes move."""
+
+    def __init__(self, answer, prompt_len: int) -> None:
+        super().__init__()
+        self.answer, self.prompt_len = list(answer), prompt_len
+
+    def propose(self, context, k, with_guess=False) -> Draft:
+        t = len(context) - self.prompt_len
+        return Draft(tuple(self.answer[t:t + 2]))
+
+
+def _greedy_answer(lm, prompt, n):
+    from macfleet.serve.engine import BatchEngine, EngineRequest
+
+    eng, out = BatchEngine(lm, proposer="none"), []
+    eng.submit(EngineRequest(prompt, GREEDY, n), out.append)
+    eng.run_until_idle()
+    return [t for e in out if isinstance(e, TokensCommitted) for t in e.tokens]
+
+
+def _mixed_engine(lm, keep=range(6)):
+    """An engine decoding greedy and sampled chains and trees at once: a chain whose drafter
+    reads hidden states, a request with logprobs, a SpecInfer tree, a plain session."""
+    from macfleet.engine.tree_loop import ProposerGroup
+    from macfleet.serve.engine import BatchEngine, EngineRequest
+
+    V = lm.vocab_size
+    eng = BatchEngine(lm, proposer="none", draft_tokens=3)
+    hot = SamplingParams(0.9, seed=7)
+    many = 200
+    feeding = Feeding([(5, 6, 7)] * many)
+    reqs = [
+        (EngineRequest((1, 2, 3, 4), GREEDY, 40), feeding),
+        (EngineRequest((9, 8, 7, 6), hot, 40), Scripted([(5, 6, 7)] * many)),
+        (EngineRequest((11, 12, 13), GREEDY, 40, logprobs=2),
+         ProposerGroup([Scripted([(60, 61)] * many),
+                        Oracle(_greedy_answer(lm, (11, 12, 13), 40), 3)], draft_tokens=2)),
+        (EngineRequest((21, 22, 23), hot, 40),
+         ProposerGroup([Scripted([(5, 6)] * many), Scripted([(3, 9)] * many)], draft_tokens=2)),
+        (EngineRequest((31, 32, 33), SamplingParams(0.8, seed=3), 40, logprobs=0),
+         ProposerGroup([WithProbs([(5, 6)] * many, V), WithProbs([(3, 9)] * many, V)],
+                       draft_tokens=2)),
+        (EngineRequest((41, 42, 43), GREEDY, 40), None),
+    ]
+    got: dict[int, list] = {i: [] for i in keep}
+    for i in keep:
+        eng.submit(reqs[i][0], got[i].append, proposer=reqs[i][1])
+    return eng, got, feeding
+
+
+def test_a_whole_iteration_forward_included_is_one_synchronisation(monkeypatch):
+    """The serving engine's iteration, forward included, over greedy and sampled chains and
+    trees (SpecInfer's too), a hidden-state drafter and a logprobs request: ONE host
+    synchronisation per iteration (the forward left lazy, the decisions built on its logits,
+    all evaluated together), not the forward's evaluation and then the decisions' read."""
+    from macfleet.engine.models import load_model
+
+    lm = load_model("tiny:1:64")
+    eng, got, feeding = _mixed_engine(lm)
+    eng.step()  # admission and every prompt's prefill (and the drafters' verify(L) probe)
+    assert all(s.prefill_left <= 0 for s in eng.table.active) and len(eng.table.active) == 6
+    from macfleet.engine.batch_kv import BatchKV
+
+    real_keep, moved = BatchKV.keep_paths, []
+
+    def keep_paths(store, kept, fetched=None):
+        moved.extend(list(p) != list(range(1, len(p) + 1)) for _, _, p in kept)
+        return real_keep(store, kept, fetched)
+
+    for _ in range(3):
+        monkeypatch.setattr(BatchKV, "keep_paths", keep_paths)
+        syncs = _counting(monkeypatch)
+        assert eng.step()
+        monkeypatch.undo()
+        assert syncs == ["eval"], syncs
+    assert any(moved)  # a tree's accepted path moved in the store: no wait for it either
+    committed = [sum(len(e.tokens) for e in evs if isinstance(e, TokensCommitted))
+                 for evs in got.values()]
+    assert all(n >= 3 for n in committed), committed  # every session decoded each iteration
+    assert any(isinstance(e, LogprobsCommitted) for e in got[2])
+    assert any(isinstance(e, LogprobsCommitted) for e in got[4])
+    assert len(feeding.fed) >= 4  # the prompt's rows, then each block's
+
+
+def test_a_mixed_batch_commits_what_each_request_commits_alone():
+    """The one-synchronisation iteration changes no answer: each request of the mixed batch
+    (seeded samples included) gets what it gets served alone."""
+    from macfleet.engine.models import load_model
+
+    lm = load_model("tiny:1:64")
+
+    def answers(keep=range(6)):
+        eng, got, _ = _mixed_engine(lm, keep)
+        eng.run_until_idle()
+        return {i: [t for e in evs if isinstance(e, TokensCommitted) for t in e.tokens]
+                for i, evs in got.items()}
+
+    batched = answers()
+    assert all(batched.values()) and len({tuple(v) for v in batched.values()}) == 6
+    for i in range(6):
+        assert answers([i])[i] == batched[i], i
