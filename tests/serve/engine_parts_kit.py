@@ -43,3 +43,21 @@ class Scripted(Proposer):
 
     def close(self) -> None:
         self.closed = True
+
+
+def serve_all(engine, reqs: Sequence[EngineRequest]) -> list[tuple[list[int], object]]:
+    """Submit every request to a BatchEngine, run it until idle: each request's committed
+    tokens and its Finished event, in request order."""
+    from macfleet.engine.events import Finished, TokensCommitted
+
+    toks = {i: [] for i in range(len(reqs))}
+    done = {}
+    for i, r in enumerate(reqs):
+        def emit(ev, i=i):
+            if isinstance(ev, TokensCommitted):
+                toks[i].extend(ev.tokens)
+            elif isinstance(ev, Finished):
+                done[i] = ev
+        engine.submit(r, emit)
+    engine.run_until_idle()
+    return [(toks[i], done[i]) for i in range(len(reqs))]

@@ -19,11 +19,12 @@ import numpy as np
 import openai
 import pytest
 import serve_testkit
+from engine_parts_kit import serve_all
 from serve_testkit import start_server, stop_server
 
-from macfleet.engine.constraint import (JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Constraint,
+from macfleet.engine.constraint import (JSON_SCHEMA, LARK, REGEX, Constraint,
                                         Grammar, GrammarError, constrained_draft, schema_text)
-from macfleet.engine.events import Finished, TokensCommitted
+from macfleet.engine.events import Finished
 from macfleet.engine.models import load_model
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.serve.engine import BatchEngine, EngineRequest
@@ -40,20 +41,6 @@ PERSON = {"type": "object", "additionalProperties": False,
 @pytest.fixture(scope="module")
 def tiny():
     return load_model("tiny:1:64")
-
-
-def _serve(engine: BatchEngine, reqs: list[EngineRequest]) -> list[tuple[list[int], Finished]]:
-    toks = {i: [] for i in range(len(reqs))}
-    done = {}
-    for i, r in enumerate(reqs):
-        def emit(ev, i=i):
-            if isinstance(ev, TokensCommitted):
-                toks[i].extend(ev.tokens)
-            elif isinstance(ev, Finished):
-                done[i] = ev
-        engine.submit(r, emit)
-    engine.run_until_idle()
-    return [(toks[i], done[i]) for i in range(len(reqs))]
 
 
 def _prompts(vocab: int) -> list[tuple[int, ...]]:
@@ -120,12 +107,12 @@ def test_a_resumed_request_ends_the_answer_constrained_plain_decoding_gives(tiny
     the answer the verifier alone gives -- after any number of committed tokens, even all."""
     g = Grammar(REGEX, PATTERN)
     ids = tuple(tiny.tokenizer.encode("some prompt here"))
-    (full, _), = _serve(BatchEngine(tiny, proposer="none"), [EngineRequest(ids, GREEDY, 40,
+    (full, _), = serve_all(BatchEngine(tiny, proposer="none"), [EngineRequest(ids, GREEDY, 40,
                                                                            grammar=g)])
     assert re.fullmatch(PATTERN, tiny.tokenizer.decode(full))
     for n in (1, 4, 6, len(full) - 1, len(full)):
         done = tuple(full[:n])
-        (rest, fin), = _serve(BatchEngine(tiny, proposer=proposer, draft_tokens=4),
+        (rest, fin), = serve_all(BatchEngine(tiny, proposer=proposer, draft_tokens=4),
                               [EngineRequest(ids + done, GREEDY, 40 - n, grammar=g,
                                              committed=done)])
         assert list(done) + rest == full, (n, tiny.tokenizer.decode(rest))
@@ -145,10 +132,10 @@ def test_constrained_greedy_with_drafts_equals_plain_and_batched_equals_alone(ti
                 None, Grammar(REGEX, r"([a-z]{1,6} ){3}[0-9]{1,3}!")]
     reqs = [EngineRequest(p, GREEDY, 40, grammar=g)
             for p, g in zip(_prompts(tiny.vocab_size), grammars)]
-    plain = [_serve(BatchEngine(tiny, proposer="none"), [r])[0] for r in reqs]
-    alone = [_serve(BatchEngine(tiny, proposer=proposer, draft_tokens=4), [r])[0]
+    plain = [serve_all(BatchEngine(tiny, proposer="none"), [r])[0] for r in reqs]
+    alone = [serve_all(BatchEngine(tiny, proposer=proposer, draft_tokens=4), [r])[0]
              for r in reqs]
-    batched = _serve(BatchEngine(tiny, proposer=proposer, draft_tokens=4, max_active=8), reqs)
+    batched = serve_all(BatchEngine(tiny, proposer=proposer, draft_tokens=4, max_active=8), reqs)
     for r, (t0, f0), (t1, f1), (t2, f2) in zip(reqs, plain, alone, batched):
         assert t0 == t1 == t2
         if r.grammar is not None:
@@ -167,14 +154,14 @@ def test_constrained_sampling_matches_the_grammar_and_plain_constrained_sampling
     hot = [SamplingParams(1.5, 1.0, seed=s) for s in range(4)]
     reqs = [EngineRequest(p, h, 40, grammar=Grammar(REGEX, PATTERN))
             for p, h in zip(_prompts(tiny.vocab_size), hot)]
-    out = _serve(BatchEngine(tiny, proposer="draft:tiny:1:64", draft_tokens=3, max_active=8),
+    out = serve_all(BatchEngine(tiny, proposer="draft:tiny:1:64", draft_tokens=3, max_active=8),
                  reqs)
     for toks, f in out:
         assert re.fullmatch(PATTERN, tiny.tokenizer.decode(toks)), tiny.tokenizer.decode(toks)
         assert f.stats.finish_reason == "stop"
     # exact-match acceptance draws one number per committed token, as plain sampling does:
     # with the same seed, the same answer as constrained plain sampling
-    plain = [_serve(BatchEngine(tiny, proposer="none"), [r])[0] for r in reqs]
+    plain = [serve_all(BatchEngine(tiny, proposer="none"), [r])[0] for r in reqs]
     assert [t for t, _ in out] == [t for t, _ in plain]
     assert sum(f.stats.accepted for _, f in out) > sum(f.stats.accepted for _, f in plain)
 
@@ -199,7 +186,7 @@ def test_in_process_loop_follows_the_grammar_as_the_serving_engine_does(tiny, pr
     plain, st0 = local("none")
     drafted, _ = local(proposer)
     ids = tuple(tiny.tokenizer.encode("some prompt here"))
-    (served, _), = _serve(BatchEngine(tiny, proposer="none"),
+    (served, _), = serve_all(BatchEngine(tiny, proposer="none"),
                           [EngineRequest(ids, GREEDY, 40, grammar=g)])
     assert plain == drafted == served
     assert re.fullmatch(PATTERN, tiny.tokenizer.decode(plain))
@@ -340,8 +327,8 @@ def test_json_schema_on_smollm2_drafts_equal_plain_batched_equal_alone_and_valid
                                                         add_generation_prompt=True)),
                           GREEDY, 60, frozenset(tok.eos_token_ids), grammar=g)
             for q in QUESTIONS[:2]]
-    plain = [_serve(BatchEngine(lm, proposer="none"), [r])[0] for r in reqs]
-    batched = _serve(BatchEngine(lm, proposer="ngram", draft_tokens=4, max_active=8), reqs)
+    plain = [serve_all(BatchEngine(lm, proposer="none"), [r])[0] for r in reqs]
+    batched = serve_all(BatchEngine(lm, proposer="ngram", draft_tokens=4, max_active=8), reqs)
     for (t0, f0), (t1, f1) in zip(plain, batched):
         assert t0 == t1
         jsonschema.validate(json.loads(tok.decode(t0)), PERSON)

@@ -18,11 +18,12 @@ import re
 
 import numpy as np
 import pytest
+from engine_parts_kit import serve_all
 
 from macfleet.engine import tree_loop
 from macfleet.engine.constraint import (JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Constraint,
                                         Grammar, constrained_tree, schema_text)
-from macfleet.engine.events import BlockDone, Finished, TokensCommitted
+from macfleet.engine.events import BlockDone, Finished
 from macfleet.engine.models import load_model
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.tree import TokenTree
@@ -168,20 +169,6 @@ def test_one_process_seeded_tree_sampling_equals_constrained_plain_sampling(tiny
 
 
 # -- the serving engine (serve --local's) ---------------------------------------------------
-def _serve(engine: BatchEngine, reqs: list[EngineRequest]) -> list[tuple[list[int], Finished]]:
-    toks = {i: [] for i in range(len(reqs))}
-    done = {}
-    for i, r in enumerate(reqs):
-        def emit(ev, i=i):
-            if isinstance(ev, TokensCommitted):
-                toks[i].extend(ev.tokens)
-            elif isinstance(ev, Finished):
-                done[i] = ev
-        engine.submit(r, emit)
-    engine.run_until_idle()
-    return [(toks[i], done[i]) for i in range(len(reqs))]
-
-
 def _spy_trees(engine: BatchEngine) -> list[TokenTree | None]:
     """Every constrained session's block after drafting (None: a chain)."""
     seen: list[TokenTree | None] = []
@@ -206,11 +193,11 @@ def test_serving_engine_keeps_constrained_trees_and_equals_constrained_plain(tin
     grammars = [Grammar(REGEX, PATTERN), Grammar(REGEX, WORDS), None, Grammar(REGEX, PATTERN)]
     reqs = [EngineRequest(p, GREEDY, 40, grammar=g)
             for p, g in zip(_prompts(tiny.vocab_size), grammars)]
-    plain = [_serve(BatchEngine(tiny, proposer="none"), [r])[0] for r in reqs]
+    plain = [serve_all(BatchEngine(tiny, proposer="none"), [r])[0] for r in reqs]
     alone_engines = [BatchEngine(tiny, proposer=TREES, draft_tokens=4) for _ in reqs]
     seen = [_spy_trees(e) for e in alone_engines]
-    alone = [_serve(e, [r])[0] for e, r in zip(alone_engines, reqs)]
-    batched = _serve(BatchEngine(tiny, proposer=TREES, draft_tokens=4, max_active=8), reqs)
+    alone = [serve_all(e, [r])[0] for e, r in zip(alone_engines, reqs)]
+    batched = serve_all(BatchEngine(tiny, proposer=TREES, draft_tokens=4, max_active=8), reqs)
     for r, (t0, f0), (t1, f1), (t2, _) in zip(reqs, plain, alone, batched):
         assert t0 == t1 == t2
         if r.grammar is not None:
@@ -227,8 +214,8 @@ def test_serving_engine_seeded_tree_sampling_equals_constrained_plain_sampling(t
             for p, h in zip(_prompts(tiny.vocab_size), hot)]
     engine = BatchEngine(tiny, proposer=TREES, draft_tokens=3, max_active=8)
     seen = _spy_trees(engine)
-    out = _serve(engine, reqs)
-    plain = [_serve(BatchEngine(tiny, proposer="none"), [r])[0] for r in reqs]
+    out = serve_all(engine, reqs)
+    plain = [serve_all(BatchEngine(tiny, proposer="none"), [r])[0] for r in reqs]
     for (toks, f), (t0, _) in zip(out, plain):
         assert re.fullmatch(PATTERN, tiny.tokenizer.decode(toks)), tiny.tokenizer.decode(toks)
         assert f.stats.finish_reason == "stop" and toks == t0
@@ -259,10 +246,10 @@ def test_json_on_smollm2_with_retrieval_trees_equals_constrained_plain():
         ids = tuple(tok.apply_chat_template([{"role": "user", "content": q}],
                                             add_generation_prompt=True))
         req = EngineRequest(ids, GREEDY, n, frozenset(tok.eos_token_ids), grammar=g)
-        (plain, f0), = _serve(BatchEngine(lm, proposer="none"), [req])
+        (plain, f0), = serve_all(BatchEngine(lm, proposer="none"), [req])
         engine = BatchEngine(lm, proposer=spec)
         seen = _spy_trees(engine)
-        (served, f1), = _serve(engine, [req])
+        (served, f1), = serve_all(engine, [req])
         local = [e for e in generate_local(lm, q, proposer=spec,
                                            max_tokens=n, grammar=g)]
         fin = local[-1]
