@@ -309,3 +309,39 @@ def test_enforced_greedy_calls_equal_constrained_plain_decoding_and_bad_combos_b
         assert got["none"] == got["ngram"]
         _, plain = parse_tool_calls(HERMES, tok.decode(got["none"]))
         assert [(x.name, x.arguments) for x in plain] == calls
+
+
+@pytest.mark.slow  # a local fleet of smollm2 agents and two servers
+def test_enforced_tool_calls_through_a_fleet_equal_serve_local(smollm2, tmp_path, monkeypatch):
+    """The tool grammar travels as any grammar does (protocol 4's grammar fields) to a fleet's
+    verifier agent, whose batch masks its rows: a named call through `macfleet up` + `serve`
+    is the one `serve --local` gives (greedy), with schema-valid arguments."""
+    import os
+    import subprocess
+    import sys
+
+    local, c_local = smollm2
+    want = _ask(c_local, NAMED, parallel_tool_calls=False)
+    env = {**os.environ, "MACFLEET_HOME": str(tmp_path / "home")}
+    up = subprocess.run([sys.executable, "-m", "macfleet", "up", "--model", "smollm2", "--agents",
+                         "2", "--no-pin"], capture_output=True, text=True, timeout=300, env=env)
+    assert up.returncode == 0, up.stderr[-2000:]
+    monkeypatch.setenv("MACFLEET_HOME", env["MACFLEET_HOME"])
+    mp = pytest.MonkeyPatch()
+    mp.setattr(serve_testkit, "START_TIMEOUT_S", 300.0)
+    try:
+        s = start_server("--chat-template", str(TEMPLATE), "--proposer", "ngram", model="smollm2",
+                         key=None, local=False)
+        try:
+            assert "verifier agent" in s.banner
+            c = openai.OpenAI(base_url=s.v1, api_key="none", max_retries=0, timeout=300)
+            got = _ask(c, NAMED, parallel_tool_calls=False)
+        finally:
+            stop_server(s)
+    finally:
+        mp.undo()
+        subprocess.run([sys.executable, "-m", "macfleet", "down"], capture_output=True,
+                       timeout=60, env=env)
+    assert got[0] == "tool_calls" and len(got[1]) == 1
+    _valid(got[1], ("get_time",))
+    assert got == want
