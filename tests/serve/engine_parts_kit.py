@@ -45,19 +45,30 @@ class Scripted(Proposer):
         self.closed = True
 
 
-def serve_all(engine, reqs: Sequence[EngineRequest]) -> list[tuple[list[int], object]]:
-    """Submit every request to a BatchEngine, run it until idle: each request's committed
-    tokens and its Finished event, in request order."""
+def serve_collect(engine, reqs: Sequence[EngineRequest]) -> list[tuple[list[int], list, object]]:
+    """Submit every request to a BatchEngine and run it until idle: per request, in request
+    order, its committed tokens, its logprob entries (each batch of entries checked to arrive
+    right before its tokens) and its Finished event."""
     from macfleet.engine.events import Finished, TokensCommitted
+    from macfleet.serve.logprobs import LogprobsCommitted
 
     toks = {i: [] for i in range(len(reqs))}
+    lps = {i: [] for i in range(len(reqs))}
     done = {}
     for i, r in enumerate(reqs):
         def emit(ev, i=i):
-            if isinstance(ev, TokensCommitted):
+            if isinstance(ev, LogprobsCommitted):
+                assert len(lps[i]) == len(toks[i])  # right before its tokens
+                lps[i].extend(ev.entries)
+            elif isinstance(ev, TokensCommitted):
                 toks[i].extend(ev.tokens)
             elif isinstance(ev, Finished):
                 done[i] = ev
         engine.submit(r, emit)
     engine.run_until_idle()
-    return [(toks[i], done[i]) for i in range(len(reqs))]
+    return [(toks[i], lps[i], done[i]) for i in range(len(reqs))]
+
+
+def serve_all(engine, reqs: Sequence[EngineRequest]) -> list[tuple[list[int], object]]:
+    """`serve_collect` without the logprobs: per request its tokens and its Finished event."""
+    return [(t, fin) for t, _, fin in serve_collect(engine, reqs)]

@@ -17,14 +17,14 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
+from engine_parts_kit import serve_collect
 from serve_testkit import start_server, stop_server
 from tolerance import LOGPROB_ATOL, LOGPROB_RTOL
 
-from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.engine.models import load_model
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.serve.engine import BatchEngine, EngineRequest
-from macfleet.serve.logprobs import (LogprobsCommitted, block_logprobs, chain_rows,
+from macfleet.serve.logprobs import (block_logprobs, chain_rows,
                                      completion_logprobs, tree_rows)
 
 
@@ -66,24 +66,11 @@ def test_completion_shape_offsets():
 
 
 def _serve(engine: BatchEngine, reqs: list[EngineRequest]):
-    """Per request: (token ids, logprob entries); checks the entries follow the tokens."""
-    toks = {i: [] for i in range(len(reqs))}
-    lps = {i: [] for i in range(len(reqs))}
-    done = {}
-    for i, r in enumerate(reqs):
-        def emit(ev, i=i):
-            if isinstance(ev, LogprobsCommitted):
-                assert len(lps[i]) == len(toks[i])  # right before its tokens
-                lps[i].extend(ev.entries)
-            elif isinstance(ev, TokensCommitted):
-                toks[i].extend(ev.tokens)
-            elif isinstance(ev, Finished):
-                done[i] = ev
-        engine.submit(r, emit)
-    engine.run_until_idle()
-    for i, r in enumerate(reqs):
-        assert [e.token for e in lps[i]] == (toks[i] if r.logprobs is not None else [])
-    return [(toks[i], lps[i], done[i]) for i in range(len(reqs))]
+    """Per request: (token ids, logprob entries, Finished); the entries follow the tokens."""
+    out = serve_collect(engine, reqs)
+    for (toks, lps, _), r in zip(out, reqs):
+        assert [e.token for e in lps] == (toks if r.logprobs is not None else [])
+    return out
 
 
 def _prompts(vocab: int) -> list[tuple[int, ...]]:
