@@ -27,6 +27,14 @@ from macfleet.engine.proposers.base import Draft, Proposer
 from macfleet.engine.tree import longest_branch, reroot
 
 
+def survives(stream: Sequence[int], committed: Sequence[int]) -> bool:
+    """Whether a draft stream outlives a commit: every stream token at a committed position is
+    the committed token (a stream shorter than the commit is checked as far as it goes). The
+    one rule both ends of a draft-ahead session apply (agents/draft_service.py, remote_stream.py),
+    so they agree on which drafts are current without a round trip."""
+    return all(int(a) == int(b) for a, b in zip(stream, committed))
+
+
 MIN_LOOKAHEAD_HIT_RATE = 0.2
 LOOKAHEAD_RETRY = 8  # with a low hit rate, still pre-draft before every 8th request
 
@@ -96,16 +104,19 @@ class DraftStream:
         return hit
 
     def commit(self, committed: Sequence[int]) -> bool:
-        """Append the verifier's committed tokens; returns whether the stream survived."""
+        """Append the verifier's committed tokens; returns whether the stream survived: its
+        tokens at the committed positions are the committed ones (`survives`). What is left
+        of it then continues the new context; otherwise it is dropped."""
         committed = [int(t) for t in committed]
         self.context.extend(committed)
         n = len(committed)
-        if self.stream[:n] == committed:
+        self._survived = survives(self.stream, committed)
+        if self._survived:
             del self.stream[:n]
             del self.rows[:n]
-            self._survived = True
+            if not self.stream:  # the context grew past the stream: a lookup may find more
+                self.exhausted = False
             return True
-        self._survived = False
         self.stream.clear()
         self.rows.clear()
         self.exhausted = False

@@ -74,6 +74,12 @@ class FlowStats:
     proposer_compute_ms_per_block: float = 0.0
     predraft_hit_rate: float = 0.0
     f3_probe: bool = False  # F3 was measured with probe payloads (no hidden-state drafter ran)
+    # a draft-model agent drafting ahead (agents/remote_stream.py): drafts already waiting when
+    # a block began (its lead), the share of its pushed drafts thrown away, and the verifier's
+    # wait for drafts per block
+    ahead_lead: float = 0.0
+    ahead_waste: float = 0.0
+    ahead_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
