@@ -64,7 +64,8 @@ def add_parser(sub) -> None:
 
 def fleet_engine(args, draft_tokens):
     """A RemoteEngine on the fleet's verifier agent, or None (no key, no live verifier)."""
-    from macfleet.fleet.client import NoFleet, choose_roles, discover, fleet_id, probe
+    from macfleet.fleet.client import (NoFleet, choose_roles, discover, drafting_for, fleet_id,
+                                       probe)
     from macfleet.fleet.keys import KeyMissing, resolve_key
     from macfleet.serve.remote import RemoteEngine
 
@@ -79,7 +80,9 @@ def fleet_engine(args, draft_tokens):
         if cards:
             print(f"macfleet serve: {e}; serving in-process", file=sys.stderr)
         return None
-    return RemoteEngine(verifier, proposers, key, proposer=args.proposer,
+    spec, proposers = drafting_for(args.proposer, proposers,
+                                   draft_agents=args.proposer in ("auto", "draft"))
+    return RemoteEngine(verifier, proposers, key, proposer=spec,
                         draft_tokens=draft_tokens, max_active=args.max_active,
                         max_queue=args.max_queue)
 
