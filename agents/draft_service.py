@@ -84,6 +84,34 @@ class _Session:
         s = self.stream
         return not s.exhausted and len(s.stream) < self.max_lead
 
+    def apply(self, msg: StreamCommit) -> None:
+        """The verifier's commit: the stream goes on if it holds the committed tokens
+        (`draft_stream.survives`), else it is re-rooted at this commit (its `basis`)."""
+        st = self.stream
+        if msg.seq != self.seq + 1 or msg.start != len(st.context):
+            raise ProtocolError(BAD_REQUEST, f"commit {msg.seq} at {msg.start}: expected "
+                                             f"{self.seq + 1} at {len(st.context)}")
+        self.seq = msg.seq
+        before = len(st.stream)
+        if not st.commit(msg.tokens):
+            self.basis = msg.seq
+            self.tally.reroots += 1
+            self.tally.wasted += before
+        st.last_used = time.monotonic()
+
+    def draft(self, sid: str) -> DraftChunk | None:
+        """One more token on the stream, as the chunk that carries it (None: nothing new)."""
+        st = self.stream
+        start = len(st.context) + len(st.stream)
+        t0 = time.perf_counter()
+        n = st.extend(1)
+        if not n:
+            return None
+        self.tally.drafted += n
+        probs = np.stack(st.rows[-n:]).astype(np.float32) if st.want_probs and st.rows else None
+        return DraftChunk(sid, self.basis, start, [int(t) for t in st.stream[-n:]], probs,
+                          (time.perf_counter() - t0) * 1e3)
+
 
 class DraftAheadService:
     """Draft-ahead sessions on one draft model: checks on the server's loop thread (`handle`),
@@ -214,21 +242,10 @@ class DraftAheadService:
         return None  # one-way
 
     def _commit(self, s: _Session, msg: StreamCommit) -> None:
-        st = s.stream
-        if msg.seq != s.seq + 1 or msg.start != len(st.context):
-            # a lost or reordered commit: the verifier's view and ours differ; re-root on what
-            # it says is committed up to here (its next commit will be checked against it)
-            raise ProtocolError(BAD_REQUEST, f"commit {msg.seq} at {msg.start}: expected "
-                                             f"{s.seq + 1} at {len(st.context)}")
-        s.seq = msg.seq
-        before = len(st.stream)
-        if not st.commit(msg.tokens):
-            s.basis = msg.seq
-            s.tally.reroots += 1
-            s.tally.wasted += before
-            self.totals.reroots += 1
-            self.totals.wasted += before
-        st.last_used = time.monotonic()
+        reroots, wasted = s.tally.reroots, s.tally.wasted
+        s.apply(msg)
+        self.totals.reroots += s.tally.reroots - reroots
+        self.totals.wasted += s.tally.wasted - wasted
 
     def _draft_one(self) -> None:
         """One more token on one session's stream (round-robin), pushed at once."""
@@ -237,23 +254,15 @@ class DraftAheadService:
             return
         self._rr = (self._rr + 1) % len(live)
         sid, s = live[self._rr]
-        st = s.stream
-        start = len(st.context) + len(st.stream)
-        t0 = time.perf_counter()
         try:
-            n = st.extend(1)
+            chunk = s.draft(sid)
         except Exception:  # a drafting failure ends this stream, never the service
             log.exception("draft-ahead session %s failed; its stream stops", sid)
-            st.exhausted = True
+            s.stream.exhausted = True
             return
-        if not n:
-            return
-        toks = st.stream[-n:]
-        probs = np.stack(st.rows[-n:]).astype(np.float32) if st.want_probs and st.rows else None
-        s.tally.drafted += n
-        self.totals.drafted += n
-        s.reply(DraftChunk(sid, s.basis, start, [int(t) for t in toks], probs,
-                           (time.perf_counter() - t0) * 1e3))
+        if chunk is not None:
+            self.totals.drafted += len(chunk.tokens)
+            s.reply(chunk)
 
     def _drop(self, sid: str) -> None:
         s = self._sessions.pop(sid, None)

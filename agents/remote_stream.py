@@ -67,16 +67,20 @@ class AheadMirror:
     def commit(self, tokens: Sequence[int]) -> int:
         """The verifier committed `tokens` after the context; returns the commit's seq."""
         tokens = [int(t) for t in tokens]
-        if self.basis >= self.min_basis and survives(self.toks, tokens):
+        self.seq += 1
+        if self.basis < self.min_basis:
+            pass  # awaiting a re-rooted stream: its chunks are checked against these as they come
+        elif survives(self.toks, tokens):
             n = min(len(tokens), len(self.toks))
             del self.toks[:n]
             del self.rows[:n]
-        else:
-            self.wasted += len(self.toks)
+        else:  # refuted by what it showed: the agent re-roots at this commit when it sees it
+            agreed = next(i for i, (a, b) in enumerate(zip(self.toks, tokens)) if a != b)
+            self.wasted += len(self.toks) - agreed
             self.toks.clear()
             self.rows.clear()
+            self.min_basis = self.seq
         self.ctx.extend(tokens)
-        self.seq += 1
         self._ends.append(len(self.ctx))
         return self.seq
 
@@ -94,7 +98,14 @@ class AheadMirror:
         if chunk.basis > self.basis:  # the agent re-rooted (at a commit we saw refute it)
             self.wasted += len(self.toks)
             self.basis, self.toks, self.rows, self.end = chunk.basis, [], [], chunk.start
+        if self.end < chunk.start <= len(self.ctx):
+            # the agent's stream was shorter than a commit: it went on from the commit's end,
+            # past positions this side already holds as committed
+            self.end = chunk.start
         if chunk.start != self.end:  # not the continuation of what we hold: ignore it
+            log.debug("chunk at %d (basis %d) is not the continuation (at %d, basis %d, "
+                      "context %d)", chunk.start, chunk.basis, self.end, self.basis,
+                      len(self.ctx))
             self.wasted += n
             return
         self.end = chunk.start + n
@@ -235,6 +246,8 @@ class StreamingProposer(Proposer):
                 break
         toks, probs = m.drafts(k)
         wait_ms = (time.perf_counter() - t0) * 1e3
+        log.debug("block: k %d, %d drafts there (basis %d/%d, %d received, %d wasted), waited "
+                  "%.1f ms", k, m.have, m.basis, m.min_basis, m.received, m.wasted, wait_ms)
         self._wait_ms += wait_ms
         if not self.params.greedy and toks and probs is None:
             toks = []  # sampled drafts without their distribution cannot be accepted exactly
