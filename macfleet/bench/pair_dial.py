@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator
 
 from macfleet.bench.pair_model import (DEFAULT_EXTRA_LAYERS, DRAFT_SPEC, RMS_TEXT, model_from,
                                        pair_weights)
@@ -55,6 +56,22 @@ def greedy_answer(model: nn.Module, prompt: Sequence[int], tokens: int,
     return out
 
 
+def greedy_answers(model: nn.Module, prompts: Sequence[Sequence[int]], tokens: int,
+                   eos: frozenset[int] = frozenset()) -> list[list[int]]:
+    """Every prompt's greedy answer (end token included), decoded as one batch by mlx-lm's
+    BatchGenerator (left-padded; RoPE is relative, so the same answers but for near-ties)."""
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos)] or None)
+    try:
+        uids = gen.insert([list(p) for p in prompts], [tokens] * len(prompts))
+        got: dict[int, list[int]] = {u: [] for u in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                got[r.uid].append(int(r.token))
+    finally:
+        gen.close()
+    return [got[u][:tokens] for u in uids]
+
+
 def teacher_forced_argmax(model: nn.Module, seqs: Sequence[Sequence[int]]) -> list[list[int]]:
     """argmax of the next token at every position, one batched forward (right-padded: causal
     attention keeps the padding out of every real position)."""
@@ -68,7 +85,7 @@ def agreement_models(verifier: nn.Module, draft: nn.Module, prompts: Sequence[Se
                      tokens: int = DEFAULT_TOKENS, eos: frozenset[int] = frozenset()) -> float:
     """Per-token greedy acceptance: the share of the verifier's own greedy answer positions
     where argmax(draft) == argmax(verifier), both teacher-forced over prompt + answer."""
-    seqs = [list(p) + greedy_answer(verifier, p, tokens, eos) for p in prompts]
+    seqs = [list(p) + a for p, a in zip(prompts, greedy_answers(verifier, prompts, tokens, eos))]
     va, da = teacher_forced_argmax(verifier, seqs), teacher_forced_argmax(draft, seqs)
     hit = total = 0
     for s, p, v, d in zip(seqs, prompts, va, da):
