@@ -111,3 +111,82 @@ def ratios(num: Sequence[float], den: Sequence[float]) -> dict:
     rs = [a / b for a, b in zip(num, den) if a > 0 and b > 0]
     return {"geomean": geomean(rs), "min": min(rs, default=0.0), "max": max(rs, default=0.0),
             "each": rs}
+
+
+def _rates(runs: Sequence[dict], name: str) -> list[float]:
+    return [r[name]["tok_s"] for r in runs]
+
+
+def _strip(ids: Sequence[int], eos: Sequence[int]) -> list[int]:
+    ids = list(ids)
+    while ids and ids[-1] in eos:
+        ids.pop()
+    return ids
+
+
+def identical(one: dict | None, two: dict | None, eos: Sequence[int] = ()) -> bool:
+    """Greedy ids of every run of each prompt are the same (mlx-lm's answers keep their end
+    token, macfleet's do not)."""
+    by_prompt: dict[str, list[list[int]]] = {}
+    for part in (one, two):
+        for r in (part or {}).get("runs", []):
+            for name, v in r.items():
+                if name != "prompt":
+                    by_prompt.setdefault(r["prompt"], []).append(_strip(v["ids"], eos))
+    return all(all(x == xs[0] for x in xs) for xs in by_prompt.values())
+
+
+def summarize(*, width: int, target: float, dial: Mapping, k: int, one: dict | None,
+              two: dict | None, eos: Sequence[int] = ()) -> dict:
+    """One setting's row of results/pair.json: the figures of issue 42 with their ceilings."""
+    eos = eos or (one or {}).get("eos", ())
+    out: dict = {"width": width, "target": target, "eps": dial.get("eps"),
+                 "extra_layers": dial.get("extra_layers"), "identical": identical(one, two, eos),
+                 "figures": {}}
+    fig = out["figures"]
+    costs = None
+    if one is not None:
+        c = one["costs"]
+        costs = Costs({int(L): float(v) for L, v in c["verify_ms"].items()}, c["draft_ms"])
+        runs = one["runs"]
+        drafted = sum(r["spec"]["drafted"] for r in runs)
+        accepted = sum(r["spec"]["accepted"] for r in runs)
+        alpha = alpha_from_mean(accepted / max(drafted / k, 1), k)
+        out.update(c=costs.c, alpha=alpha, verify_ms={str(L): v for L, v in
+                                                      costs.verify_ms.items()},
+                   draft_ms=costs.draft_ms)
+        fig["plain macfleet / mlx-lm plain"] = ratios(_rates(runs, "plain"),
+                                                      _rates(runs, "mlx_plain"))
+        fig["in-process draft model / mlx-lm speculative"] = ratios(
+            _rates(runs, "spec"), _rates(runs, "mlx_spec"))
+        fig["in-process draft model / plain"] = {
+            **ratios(_rates(runs, "spec"), _rates(runs, "plain")),
+            "ceiling": one_process_speedup(alpha, k, costs)}
+        fig["mlx-lm speculative / mlx-lm plain"] = {
+            **ratios(_rates(runs, "mlx_spec"), _rates(runs, "mlx_plain")),
+            "ceiling": one_process_speedup(alpha, k, costs)}
+    if two is not None:
+        runs2 = two["runs"]
+        pair = _rates(runs2, "pair")
+        ceiling_k, ceiling = best_two_agent(out.get("alpha", target), costs) if costs \
+            else (None, None)
+        fig["two agents / verifier agent alone"] = ratios(pair, _rates(runs2, "agent_alone"))
+        if one is not None:
+            by = {r["prompt"]: r for r in one["runs"]}
+            plain = [by[r["prompt"]]["plain"]["tok_s"] for r in runs2]
+            spec = [by[r["prompt"]]["spec"]["tok_s"] for r in runs2]
+            fig["two agents / plain"] = {**ratios(pair, plain), "ceiling": ceiling,
+                                         "ceiling_k": ceiling_k}
+            fig["two agents / in-process draft model"] = {
+                **ratios(pair, spec),
+                "ceiling": ceiling / one_process_speedup(out["alpha"], k, costs)}
+        n = len(runs2)
+        out["pair_agents"] = {
+            "lead": sum(r["pair"]["lead"] for r in runs2) / n,
+            "waste": sum(r["pair"]["waste"] for r in runs2) / n,
+            "wait_ms": sum(r["pair"]["wait_ms"] for r in runs2) / n,
+            "mean_accepted": sum(r["pair"]["accepted"] for r in runs2)
+            / max(sum(r["pair"]["blocks"] for r in runs2), 1),
+            "failures": sum(r["pair"]["failures"] for r in runs2)}
+    out["one"], out["two"] = one, two
+    return out

@@ -118,7 +118,7 @@ def one_process(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int) 
         runs.append({name: (v if name == "prompt" else
                             {"ids": v[0], "tok_s": v[1], **(v[2] if len(v) > 2 else {})})
                      for name, v in row.items()})
-    return {"costs": costs, "runs": runs}
+    return {"costs": costs, "runs": runs, "eos": sorted(eos)}
 
 
 def _verifier(lm):
