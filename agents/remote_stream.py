@@ -254,6 +254,8 @@ class StreamingProposer(Proposer):
         # the wire is off the critical path (chunks arrive while the verifier verifies); what
         # the verifier spends on drafting is this wait for the agent's compute
         self.flows.add(self._sent_bytes, self._recv_bytes, 0.0, wait_ms, self._lead > 0)
+        self.flows.last = replace(self.flows.last, ahead_lead=self._lead,
+                                  ahead_waste=self.waste)
         self._sent_bytes = self._recv_bytes = 0
         return Draft(tuple(toks), probs, (time.perf_counter() - self._t_begin) * 1e3)
 

@@ -367,6 +367,10 @@ class BlockMetrics:
     # (bytes, and ms from request to last chunk)
     kv_bytes: int = 0
     kv_ms: float = 0.0
+    # a draft-model agent drafting ahead: drafts waiting when the block began (its lead) and
+    # the share of its drafts thrown away so far (-1: no such agent)
+    ahead_lead: int = 0
+    ahead_waste: float = -1.0
 
 
 @message("agent_event", terminal=False)

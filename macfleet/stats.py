@@ -39,6 +39,10 @@ class BlockFlows:
     f3_ms: float = 0.0
     compute_ms: float = 0.0  # the proposer's own drafting time, off the wire
     predraft_hit: bool = False  # the block was drafted ahead (cross-round) and its guess held
+    # a draft-model agent drafting ahead: drafts already here when the block began, and the
+    # share of its drafts thrown away so far in the session
+    ahead_lead: int = 0
+    ahead_waste: float = 0.0
 
     @property
     def wire_ms(self) -> float:

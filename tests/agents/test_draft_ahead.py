@@ -200,6 +200,7 @@ def test_a_self_drafting_agent_runs_ahead_and_its_drafts_are_taken():
         assert d.token_ids == alone.token_ids
         assert d.stats.drafted > 16 and d.stats.accepted > 0.5 * d.stats.drafted
         assert prop.proposer.totals.drafted >= d.stats.drafted
+        assert d.stats.fleet.flows.ahead_lead > 0  # drafts were there before blocks began
     finally:
         ver.close()
         prop.close()
@@ -259,3 +260,28 @@ def test_the_draft_service_refuses_bad_messages_and_keeps_serving():
             assert isinstance(again, SessionOpened)
     finally:
         prop.close()
+
+
+def test_the_dashboard_shows_the_draft_agents_lead_and_waste():
+    from bridge.messages import BlockMetrics
+    from macfleet.fleet.metrics import SessionMetrics
+    from tui.widgets.flows import compute_summary
+
+    def block(i: int, lead: int, waste: float) -> BlockMetrics:
+        return BlockMetrics(node_id="v", session_id="s", block=i, k=4, accepted=3,
+                            block_ms=100.0, draft_ms=2.0, verify_ms=95.0, f1_bytes=60,
+                            f1_ms=0.0, f2_bytes=200, f2_ms=0.0, f3_bytes=0, f3_ms=0.0,
+                            probe=False, ahead_lead=lead, ahead_waste=waste)
+
+    m = SessionMetrics("s", "v")
+    m.apply(block(1, 2, 0.0), 0.0)
+    m.apply(block(2, 4, 0.25), 0.1)
+    v = m.view(0.2)
+    assert v.ahead == (3.0, 0.25)
+    assert "draft agent ahead by 3.0 drafts" in compute_summary(v)
+    assert type(v).from_dict(v.to_dict()).ahead == v.ahead
+    plain = SessionMetrics("t", "v")
+    plain.apply(BlockMetrics(node_id="v", session_id="t", block=1, k=0, accepted=0,
+                             block_ms=90.0, draft_ms=0.0, verify_ms=90.0, f1_bytes=0, f1_ms=0.0,
+                             f2_bytes=0, f2_ms=0.0, f3_bytes=0, f3_ms=0.0, probe=False), 0.0)
+    assert plain.view(0.1).ahead is None and "draft agent" not in compute_summary(plain.view(0.1))
