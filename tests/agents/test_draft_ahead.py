@@ -191,7 +191,22 @@ def test_drafted_ahead_greedy_equals_the_verifier_alone(fleet, prompt):
 
 
 @pytest.mark.slow
-def test_a_self_drafting_agent_runs_ahead_and_its_drafts_are_taken():
+def test_a_self_drafting_agent_runs_ahead_and_its_drafts_are_taken(monkeypatch):
+    """A verifier slower than its drafter (each forward held 20 ms, as a big model's would
+    be: the tiny models alone cost the same, and a loaded box decides who is ahead) finds
+    its drafts waiting when its blocks begin."""
+    import time as _time
+
+    from macfleet.engine.verifier import Verifier
+
+    for name in ("forward", "forward_lazy"):
+        real = getattr(Verifier, name)
+
+        def slow(self, *a, _real=real, **kw):
+            _time.sleep(0.02)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(Verifier, name, slow)
     prop, ver = agents("tiny:3", batch_sessions=0)
     try:
         alone = generate_done(ver.card, KEY, "a b c d", [], "none", max_tokens=64)
