@@ -6,7 +6,9 @@
 #   2. bench drafter --no-agents (every drafter on the held-out prompts, one process);
 #   3. bench serve: `serve --local` modes and mlx_lm.server (on `macfleet export`'s copy of the
 #      same weights) at 1 and 16 clients;
-#   4. with the time left, bench serve --head-to-head (both servers up, alternating rounds).
+#   4. with the time left, bench serve --head-to-head (both servers up, alternating rounds);
+#   5. bench pair (issue 42) at a wider verifier, when time is left (S_SERVE/S_DRAFTER smaller
+#      to make room: PAIR_SETTINGS, PAIR_PROMPTS, PAIR_TOKENS).
 # Each stage runs under its share of BUDGET seconds (the call's limit is 600); results, logs
 # and a summary come back in $OUT (results/ holds the bench files as they would be committed).
 # Dry run on a CPU: see README.md (LOCAL=1 with a tiny model).
@@ -55,4 +57,12 @@ H=$(( $(left) - 15 ))
 [ "$H" -ge 45 ] && stage h2h "$H" $PY -m macfleet bench --out "$O/results" --model \
   "$SERVE_MODEL" serve --clients "${CLIENTS##*,}" --max-tokens "$SERVE_TOKENS" --mlx-lm "$J/mlx" \
   --head-to-head "$H2H_ROUNDS" --time-limit $(( H - 10 ))
+# issue 42: a wide SmolLM2 verifier beside the real SmolLM2 as its draft model (the dial of the
+# committed results/pair_dial.json). On one GPU the two agents share the device, so the
+# one-process figures (draft model in series vs mlx-lm's speculative decoding) are the ones that
+# transfer; the two-agent figures say what the loop costs, not what a second Mac buys.
+P=$(( $(left) - 10 ))
+[ "$P" -ge 60 ] && stage pair "$P" $PY -m macfleet bench --out "$O/results" pair \
+  --dial "$R/results/pair_dial.json" --settings "${PAIR_SETTINGS:-24576:0.95,24576:0.8}" \
+  --prompts "${PAIR_PROMPTS:-3}" --max-tokens "${PAIR_TOKENS:-64}"
 ls -la "$O/results" | tee -a "$O/log.txt"; t done

@@ -29,6 +29,8 @@ def add_bench_parsers(bs) -> None:
     p.add_argument("--batch-sessions", type=int, default=None, metavar="N",
                    help="the verifier agent's continuous batch (0: one session at a time; "
                    "default: the agent's)")
+    p.add_argument("--dial", type=Path, default=None,
+                   help="the dial record (default: OUT/pair_dial.json)")
     p.add_argument("--skip", default="", help="parts to skip: one (the one-process runs), "
                    "two (the agents)")
     p.set_defaults(func=run)
@@ -40,7 +42,7 @@ def _log(msg: str) -> None:
 
 def _settings(args) -> list[tuple[int, float, dict]]:
     """(width, target acceptance, dial entry) to run, from results/pair_dial.json."""
-    path = args.out / "pair_dial.json"
+    path = args.dial or args.out / "pair_dial.json"
     if not path.is_file():
         raise SystemExit(f"{path} is missing: run `macfleet bench pair-dial` first")
     doc = json.loads(path.read_text())
