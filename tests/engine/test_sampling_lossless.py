@@ -485,3 +485,35 @@ def test_device_probs_match_the_host_transform():
     for params in (SamplingParams(0.7), SamplingParams(1.3, top_p=0.6)):
         np.testing.assert_allclose(np.array(device_probs(logits, params)),
                                    probs_from_logits(logits, params), atol=2e-6)
+
+
+@pytest.mark.slow  # 1,600 whole-loop samples, each drafted by a draft-model agent's stream
+def test_drafted_ahead_by_a_draft_agent_the_first_two_tokens_match_verifier_joint(models):
+    """The draft model on the other end of a real socket (agents/draft_service.py), drafting
+    ahead and pushing its tokens with their probabilities: the loop's committed tokens keep the
+    verifier's joint distribution, and the drafts really were used (and sometimes rejected)."""
+    from types import SimpleNamespace
+
+    from agents.draft_service import DraftAheadService
+    from agents.remote_stream import StreamingProposer
+    from bridge.transport import Server
+
+    key = b"s" * 32
+    svc = DraftAheadService(SimpleNamespace(model=models[1], vocab_size=VOCAB, spec="q"),
+                            serves="p")
+    server = Server(lambda env, reply: svc.handle(env.msg, reply), key=key,
+                    bind="tcp://127.0.0.1:*").start()
+    try:
+        proposer = StreamingProposer(f"tcp://127.0.0.1:{server.port}", key=key, model="p")
+        drafted = []
+        real_finish = proposer.finish
+        proposer.finish = lambda: drafted.append(len(d := real_finish())) or d
+        counts = loop_joint_counts(models[0], proposer, LOOP_SAMPLES, seed0=30_000)
+        stat, df, crit = chi2_test(counts, exact_joint(models[0]))
+        assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"
+        assert sum(drafted) > LOOP_SAMPLES  # most first blocks were drafted remotely
+        assert not passes(counts.sum(axis=1), next_probs(models[1], PROMPT))
+    finally:
+        proposer.close()
+        server.close()
+        svc.close()
