@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agents.draft_stream import DraftStream
-from agents.proposer_service import check_prompt
+from agents.proposer_service import ProposerLimits, check_prompt
 from agents.slots import Slot, slot_for
 from agents.specs import check_id
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, NOT_FOUND, ProtocolError
@@ -40,24 +40,10 @@ from macfleet.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_SESSIONS = 8
-DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
-DEFAULT_IDLE_EVICT_S = 30.0
-DEFAULT_RECLAIM_IDLE_S = 3.0
-DEFAULT_MAX_PROMPT = 32768
 MAX_LEAD = 2 * MAX_DRAFT_TOKENS + 2  # a lead the verifier may ask for
 _IDLE_WAIT_S = 0.05
 
 Reply = Callable[[object], int]
-
-
-@dataclass(frozen=True)
-class DraftLimits:
-    max_sessions: int = DEFAULT_MAX_SESSIONS
-    max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT
-    idle_evict_s: float = DEFAULT_IDLE_EVICT_S
-    reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S
-    max_prompt: int = DEFAULT_MAX_PROMPT
 
 
 @dataclass
@@ -118,7 +104,7 @@ class DraftAheadService:
     drafting on one compute thread (MLX work is serialised there)."""
 
     def __init__(self, draft: LoadedModel, *, serves: str,
-                 limits: DraftLimits = DraftLimits()) -> None:
+                 limits: ProposerLimits = ProposerLimits()) -> None:
         """draft: the loaded draft model; serves: the verifier model spec it drafts for."""
         self.lm = draft
         self.serves = serves

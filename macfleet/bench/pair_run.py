@@ -37,26 +37,12 @@ def _stream_rate(times: Sequence[tuple[float, int]]) -> float:
 
 
 def _measure_costs(model, draft, context: int = 96, reps: int = 5) -> dict:
-    """verify(L) of the verifier and one token of the draft model, min of reps, after a
-    prefill of `context` tokens (the KV length of a short chat's answer)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+    """verify(L) of the verifier and one token of the draft model (engine/verify_costs.py's
+    probe: fastest of reps, after `context` cached tokens: a short chat's answer)."""
+    from macfleet.engine.verify_costs import probe_verify_costs
 
-    def timed(m, L: int) -> float:
-        cache = make_prompt_cache(m)
-        mx.eval(m(mx.array([[1 + i % 500 for i in range(context)]]), cache=cache))
-        best = float("inf")
-        for _ in range(reps):
-            x = mx.array([[7 + i for i in range(L)]])
-            t0 = time.perf_counter()
-            mx.eval(m(x, cache=cache))
-            best = min(best, (time.perf_counter() - t0) * 1e3)
-            for c in cache:
-                c.trim(L)
-        return best
-
-    verify = {L: timed(model, L) for L in VERIFY_LENGTHS}
-    return {"verify_ms": verify, "draft_ms": timed(draft, 1)}
+    return {"verify_ms": probe_verify_costs(model, VERIFY_LENGTHS, context, reps),
+            "draft_ms": probe_verify_costs(draft, (1,), context, reps)[1]}
 
 
 def _mlx_run(gen, eos: frozenset[int]) -> tuple[list[int], float]:
