@@ -131,7 +131,7 @@ def identical(one: dict | None, two: dict | None, eos: Sequence[int] = ()) -> bo
     for part in (one, two):
         for r in (part or {}).get("runs", []):
             for name, v in r.items():
-                if name != "prompt":
+                if name != "prompt" and v.get("ids") is not None:
                     by_prompt.setdefault(r["prompt"], []).append(_strip(v["ids"], eos))
     return all(all(x == xs[0] for x in xs) for xs in by_prompt.values())
 
@@ -190,3 +190,16 @@ def summarize(*, width: int, target: float, dial: Mapping, k: int, one: dict | N
             "failures": sum(r["pair"]["failures"] for r in runs2)}
     out["one"], out["two"] = one, two
     return out
+
+
+def with_plain(one: dict, plain: Mapping[str, Mapping]) -> dict:
+    """One-process runs with the plain runs of another setting of the same width filled in
+    where they were not measured (their speed is the shapes', not the weights'; their ids are
+    the other verifier's, so they are kept apart from the identity check: `plain_from`)."""
+    runs = []
+    for r in one["runs"]:
+        if "plain" in r:
+            runs.append(r)
+        else:
+            runs.append({**r, **{n: {**v, "ids": None} for n, v in plain[r["prompt"]].items()}})
+    return {**one, "runs": runs}

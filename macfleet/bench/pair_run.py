@@ -71,8 +71,11 @@ def _macfleet_run(events) -> tuple[list[int], float, dict]:
         "drafted": st.drafted, "accepted": st.accepted, "blocks": st.blocks}
 
 
-def one_process(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int) -> dict:
-    """Plain and drafting-in-series runs of every prompt, macfleet and mlx-lm, this process."""
+def one_process(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
+                plain: bool = True) -> dict:
+    """Plain and drafting-in-series runs of every prompt, macfleet and mlx-lm, this process
+    (plain: also the plain runs; their speed depends on the verifier's shapes, not on the
+    dial's weights, so one setting of a width measures them for all)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
@@ -91,10 +94,11 @@ def one_process(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int) 
         ids = encode_prompt(lm.tokenizer, text, True)
         row = {"prompt": text}
         # mlx-lm first then macfleet, plain then drafting (each pair back to back)
-        row["mlx_plain"] = _mlx_run(generate_step(mx.array(ids), lm.model, max_tokens=tokens,
-                                                  sampler=greedy), eos)
-        row["plain"] = _macfleet_run(generate_from_ids(
-            lm, _verifier(lm), None, ids, draft_tokens=0, max_tokens=tokens))
+        if plain:
+            row["mlx_plain"] = _mlx_run(generate_step(mx.array(ids), lm.model,
+                                                      max_tokens=tokens, sampler=greedy), eos)
+            row["plain"] = _macfleet_run(generate_from_ids(
+                lm, _verifier(lm), None, ids, draft_tokens=0, max_tokens=tokens))
         row["mlx_spec"] = _mlx_run(speculative_generate_step(
             mx.array(ids), lm.model, draft.model, num_draft_tokens=k, max_tokens=tokens,
             sampler=greedy), eos)
@@ -114,11 +118,11 @@ def _verifier(lm):
 
 
 def run_pinned(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
-               core: int = 0) -> dict:
+               core: int = 0, plain: bool = True) -> dict:
     """`one_process` in a child pinned to `core` (one BLAS thread)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     args = json.dumps({"dir": verifier_dir, "prompts": list(prompts), "tokens": tokens, "k": k,
-                       "core": core})
+                       "core": core, "plain": plain})
     out = subprocess.run([sys.executable, "-m", "macfleet.bench.pair_run", args], env=env,
                          capture_output=True, text=True, timeout=_WORKER_TIMEOUT_S)
     if out.returncode != 0:
@@ -186,7 +190,7 @@ def main(argv: Sequence[str]) -> None:
     a = json.loads(argv[0])
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {a["core"]})
-    print(json.dumps(one_process(a["dir"], a["prompts"], a["tokens"], a["k"])))
+    print(json.dumps(one_process(a["dir"], a["prompts"], a["tokens"], a["k"], a["plain"])))
 
 
 if __name__ == "__main__":

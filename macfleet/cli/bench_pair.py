@@ -68,7 +68,7 @@ def _settings(args) -> list[tuple[int, float, dict]]:
 
 
 def run(args) -> int:
-    from macfleet.bench.pair import PAIR_PROMPTS, summarize
+    from macfleet.bench.pair import PAIR_PROMPTS, summarize, with_plain
     from macfleet.bench.pair_model import build_pair_verifier
     from macfleet.bench.pair_run import run_pinned, two_agents
     from macfleet.bench.record import write_result
@@ -76,10 +76,15 @@ def run(args) -> int:
     prompts = PAIR_PROMPTS[: max(1, min(args.prompts, len(PAIR_PROMPTS)))]
     skip = set(args.skip.split(",")) - {""}
     rows = []
+    plain_of: dict[int, dict] = {}  # width -> its plain runs by prompt (shapes, not weights)
     for width, target, dial in _settings(args):
         _log(f"width {width}, acceptance ~{target}: building the verifier")
         vdir = str(build_pair_verifier(width, dial["extra_layers"], dial["eps"], dial["seed"]))
-        one = None if "one" in skip else run_pinned(vdir, prompts, args.max_tokens, args.k)
+        one = None if "one" in skip else run_pinned(vdir, prompts, args.max_tokens, args.k,
+                                                    plain=width not in plain_of)
+        if one is not None:
+            one = with_plain(one, plain_of.setdefault(width, {
+                r["prompt"]: {n: r[n] for n in ("plain", "mlx_plain")} for r in one["runs"]}))
         _log(f"width {width}, acceptance ~{target}: one process done")
         two = None if "two" in skip else two_agents(vdir, prompts, args.max_tokens, _log,
                                                     batch_sessions=args.batch_sessions)
