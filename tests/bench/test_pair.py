@@ -1,0 +1,65 @@
+"""bench pair's arithmetic (macfleet/bench/pair.py): ceilings, acceptance, the summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from macfleet.bench.pair import (Costs, alpha_from_mean, best_two_agent, identical,
+                                 one_process_speedup, summarize, two_agent_speedup, with_plain)
+from macfleet.engine.controller import expected_tokens
+
+COSTS = Costs({1: 160.0, 5: 200.0, 9: 240.0}, 64.0)
+
+
+def test_costs_interpolate_and_extrapolate_verify():
+    assert COSTS.verify(3) == pytest.approx(180.0)
+    assert COSTS.verify(13) == pytest.approx(280.0)
+    assert COSTS.c == pytest.approx(0.4)
+
+
+def test_alpha_from_mean_inverts_the_expected_accepted_drafts():
+    for a in (0.3, 0.6, 0.9):
+        mean = expected_tokens(a, 4) - 1  # accepted drafts of a 4-block
+        assert alpha_from_mean(mean, 4) == pytest.approx(a, abs=1e-6)
+    assert alpha_from_mean(4.0, 4) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_ceilings():
+    # in series: k draft steps + verify(k+1)
+    assert one_process_speedup(1.0, 4, COSTS) == pytest.approx(5 * 160 / (4 * 64 + 200))
+    # ahead: the longer of verify(k+1) and the k+1 draft steps
+    assert two_agent_speedup(1.0, 4, COSTS) == pytest.approx(5 * 160 / (5 * 64))
+    assert two_agent_speedup(1.0, 1, COSTS) == pytest.approx(2 * 160 / 170)
+    k, best = best_two_agent(0.95, COSTS)
+    assert best == max(two_agent_speedup(0.95, j, COSTS) for j in range(1, 17))
+    assert best > one_process_speedup(0.95, k, COSTS)
+
+
+def run(ids, rate=10.0):
+    return {"ids": ids, "tok_s": rate, "drafted": 8, "accepted": 6, "blocks": 3}
+
+
+def test_summary_figures_and_identity():
+    one = {"costs": {"verify_ms": {"1": 160.0, "5": 200.0}, "draft_ms": 64.0}, "eos": [2],
+           "runs": [{"prompt": "p", "plain": run([5, 6], 10.0), "mlx_plain": run([5, 6, 2], 9.0),
+                     "spec": run([5, 6], 15.0), "mlx_spec": run([5, 6, 2], 14.0)}]}
+    two = {"runs": [{"prompt": "p", "agent_alone": run([5, 6], 9.5),
+                     "pair": {**run([5, 6], 24.0), "lead": 2.0, "waste": 0.1, "wait_ms": 3.0,
+                              "failures": 0}}]}
+    r = summarize(width=6144, target=0.95, dial={"eps": 0.1}, k=4, one=one, two=two)
+    assert r["identical"]
+    f = r["figures"]
+    assert f["two agents / plain"]["geomean"] == pytest.approx(2.4)
+    assert f["two agents / in-process draft model"]["geomean"] == pytest.approx(1.6)
+    assert f["plain macfleet / mlx-lm plain"]["geomean"] == pytest.approx(10 / 9)
+    assert f["two agents / plain"]["ceiling"] > 1
+    bad = {**two, "runs": [{**two["runs"][0], "pair": {**two["runs"][0]["pair"],
+                                                        "ids": [5, 7]}}]}
+    assert not summarize(width=6144, target=0.95, dial={}, k=4, one=one, two=bad)["identical"]
+
+
+def test_plain_runs_of_another_setting_fill_in_without_their_ids():
+    one = {"runs": [{"prompt": "p", "spec": run([1]), "mlx_spec": run([1])}]}
+    got = with_plain(one, {"p": {"plain": run([9], 3.0), "mlx_plain": run([9], 2.0)}})
+    assert got["runs"][0]["plain"]["tok_s"] == 3.0 and got["runs"][0]["plain"]["ids"] is None
+    assert identical(got, None)  # the other verifier's ids are not compared
