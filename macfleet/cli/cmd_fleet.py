@@ -213,6 +213,7 @@ def run_ls(args) -> int:
         c = s.card
         rows.append({
             "name": c.name, "node_id": c.node_id, "roles": list(c.roles), "models": list(c.models),
+            "draft_model": c.draft_model or None,  # a draft-model agent's own model
             "endpoint": c.router_endpoint, "chip": c.chip, "alive": s.alive,
             "mem_total_gb": round(c.mem_total / 2**30, 1),
             "mem_free_gb": round(c.mem_free / 2**30, 1),
@@ -232,7 +233,8 @@ def run_ls(args) -> int:
           f"{'SESS':>4s} {'RTT ms':>7s}  STATE")
     for r in rows:
         rtt = f"{r['rtt_p50_ms']:.2f}" if r["rtt_p50_ms"] is not None else "-"
-        print(f"{r['name'][:14]:14s} {'/'.join(r['roles']):9s} {','.join(r['models'])[:10]:10s} "
+        role = "draft" if r["draft_model"] else "/".join(r["roles"])  # drafts with its own
+        print(f"{r['name'][:14]:14s} {role:9s} {','.join(r['models'])[:10]:10s} "
               f"{r['endpoint']:24s} {r['mem_free_gb']:>7.1f}GB {r['sessions'] or 0:>4d} "
               f"{rtt:>7s}  {'up' if r['alive'] else 'DOWN ' + r['error'][:40]}")
     return 0
