@@ -201,6 +201,8 @@ def speculative_generate(
             dms, vms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
             tally.record(len(draft), n, dms, vms)
             controller.observe(len(draft), n, dms, vms)
+            if proposer is not None and draft.tokens:  # a drafter that paces itself learns
+                proposer.observe(len(draft), n, vms, L)
             if new:
                 yield TokensCommitted(tally.blocks, tuple(new))
             yield BlockDone(block=tally.blocks, k=k, drafted=len(draft), accepted=n,
