@@ -144,6 +144,8 @@ class StreamingProposer(Proposer):
     """Drafts from a draft-model agent's pushed stream (`begin` sends the commit and takes what
     arrived; `finish` waits for what pays)."""
 
+    paced = True
+
     def __init__(self, endpoint: str, *, key: bytes | None, model: str,
                  lead: int = DEFAULT_LEAD, open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
                  silence_s: float = DEFAULT_SILENCE_S) -> None:

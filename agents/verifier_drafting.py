@@ -37,6 +37,7 @@ class FallbackProposer(Proposer):
     def __init__(self, proposers: Sequence[RemoteProposer]) -> None:
         self._all = list(proposers)
         self._live = list(proposers)
+        self.paced = bool(self._all) and all(p.paced for p in self._all)
         self.failures: list[str] = []
         self.name = self._live[0].spec if self._live else "none"
 

@@ -137,6 +137,7 @@ def speculative_generate(
     ahead: Ahead | None = None
     k_pre = int(getattr(controller, "k_max", None) or getattr(controller, "k", 0) or 0)
     ahead_ok = drafts_ahead() and constraint is None
+    paced = proposer is not None and proposer.paced
     try:
         while len(generated) < max_tokens:
             t0 = time.perf_counter()
@@ -200,7 +201,8 @@ def speculative_generate(
             generated.extend(new)
             dms, vms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
             tally.record(len(draft), n, dms, vms)
-            controller.observe(len(draft), n, dms, vms)
+            # a paced drafter's wait is its own decision, not a per-token drafting cost
+            controller.observe(len(draft), n, 0.0 if paced else dms, vms)
             if proposer is not None and draft.tokens:  # a drafter that paces itself learns
                 proposer.observe(len(draft), n, vms, L)
             if new:

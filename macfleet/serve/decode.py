@@ -159,7 +159,9 @@ class BlockStep:
             self._trials(s, n + (n < len(d)), n)
             if s.proposer is not None:
                 s.proposer.observe(len(d), n, verify_ms)
-        s.controller.observe(len(d), n, s.draft_ms, verify_ms)
+        # a paced drafter's wait is its own decision, not a per-token drafting cost
+        s.controller.observe(len(d), n, 0.0 if s.proposer is not None and s.proposer.paced
+                             else s.draft_ms, verify_ms)
         self.commit(s, new, drafted=len(d), accepted=n, verify_ms=verify_ms, logprobs=lps)
 
     def _trials(self, s: BatchSession, trials: int, accepted: int) -> None:

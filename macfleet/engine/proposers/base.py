@@ -55,6 +55,11 @@ class Proposer(ABC):
     # drafts on the host without the device (lookups): may draft the next block while the
     # verifier computes this one (engine/loop.py); a model drafter would compete for the device
     host_side: bool = False
+    # drafts arrive on their own schedule (a draft-model agent drafting ahead on another
+    # machine) and the proposer itself decides how long a block waits for them
+    # (controller.tokens_to_wait): that wait is not a per-token drafting cost, so the block
+    # length is chosen as if drafts were free and the proposer cuts it to what is there
+    paced: bool = False
 
     def feed_features(self, start: int, tokens: Sequence[int], hidden) -> None:
         """Hidden states of committed positions start.. (flow F3); only for wants_features."""
