@@ -187,7 +187,10 @@ def summarize(*, width: int, target: float, dial: Mapping, k: int, one: dict | N
             "wait_ms": sum(r["pair"]["wait_ms"] for r in runs2) / n,
             "mean_accepted": sum(r["pair"]["accepted"] for r in runs2)
             / max(sum(r["pair"]["blocks"] for r in runs2), 1),
-            "failures": sum(r["pair"]["failures"] for r in runs2)}
+            "failures": sum(r["pair"]["failures"] for r in runs2),
+            "verify_ms_per_block": sum(r["pair"].get("verify_ms_per_block", 0.0)
+                                       for r in runs2) / n,
+            "block_ms": sum(r["pair"].get("block_ms", 0.0) for r in runs2) / n}
     out["one"], out["two"] = one, two
     return out
 

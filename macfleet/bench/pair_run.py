@@ -173,7 +173,11 @@ def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
                         "lead": fl.ahead_lead if fl else 0.0,
                         "waste": fl.ahead_waste if fl else 0.0,
                         "wait_ms": fl.ahead_wait_ms if fl else 0.0,
-                        "failures": st.fleet.proposer_failures if st.fleet else 0}
+                        "failures": st.fleet.proposer_failures if st.fleet else 0,
+                        # where a block's time went, on the verifier: verifying, and waiting
+                        # for drafts (the rest is the loop's own)
+                        "verify_ms_per_block": st.verify_ms / max(st.blocks, 1),
+                        "block_ms": (st.elapsed_s * 1e3 - st.prefill_ms) / max(st.blocks, 1)}
 
             ask(prompts[0], "draft")  # first contact: sessions opened, shapes compiled
             runs = []
