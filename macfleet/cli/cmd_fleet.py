@@ -9,7 +9,7 @@ from pathlib import Path
 from agents.specs import PROPOSER_KINDS
 from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
 from macfleet.topology.disagg import DEFAULT_MIN_PROMPT_TOKENS
-from macfleet.cli.common import UserError, add_key_args, fleet_key
+from macfleet.cli.common import UserError, add_key_args, ensure_model, fleet_key
 
 SHARD_MODES = ("tensor", "pipeline", "expert")  # agents/shard.py SHARD_MODES
 KV_CODECS = ("auto", "float16", "int8")  # engine/kvship.py KV_CODECS (no MLX import here)
@@ -117,6 +117,7 @@ def run_agent(args) -> int:
     from agents.remote_prefill import DisaggPolicy
     from macfleet.engine.models import ModelSpecError
 
+    ensure_model(args.model)
     key = fleet_key(args)
     bind = args.bind or ("127.0.0.1" if args.loopback else "0.0.0.0")
     cfg = AgentConfig(role=args.role, model=args.model, name=args.name, bind_host=bind,
@@ -171,6 +172,7 @@ def run_up(args) -> int:
     from macfleet.fleet import local
     from macfleet.fleet.keys import default_key_path, run_dir
 
+    ensure_model(args.model)  # once here, not in each agent
     key = fleet_key(args, create=True)
     key_path = None if args.open else Path(args.key or default_key_path())
     try:
