@@ -175,12 +175,17 @@ def run_up(args) -> int:
     ensure_model(args.model)  # once here, not in each agent
     key = fleet_key(args, create=True)
     key_path = None if args.open else Path(args.key or default_key_path())
+    from macfleet import progress
+
     try:
-        cards = local.up(args.agents, model=args.model, key=key, key_path=key_path,
-                         run_dir=run_dir(), pin=not args.no_pin,
-                         extra_args={"verifier": verifier_args(args),
-                                     "proposer": ["--draft", args.draft] if args.draft else []},
-                         shard=args.shard, shard_mode=args.shard_mode, prefill=args.prefill)
+        with progress.waiting("starting the agents (each advertises itself once warm)"):
+            cards = local.up(args.agents, model=args.model, key=key, key_path=key_path,
+                             run_dir=run_dir(), pin=not args.no_pin,
+                             extra_args={"verifier": verifier_args(args),
+                                         "proposer": ["--draft", args.draft] if args.draft
+                                         else []},
+                             shard=args.shard, shard_mode=args.shard_mode,
+                             prefill=args.prefill)
     except (local.FleetStartError, ValueError) as e:
         raise UserError(str(e)) from None
     for c in sorted(cards, key=lambda c: c.name):
