@@ -103,12 +103,17 @@ def first_request(v, p, key, spec: str, *, prompt: str = FIRST_PROMPT, max_token
     eps = [p.router_endpoint] * len(spec.split("+")) if spec != "none" else []
     first = _timed(v, key, prompt, max_tokens, eps, spec)
     warm = [_timed(v, key, prompt, max_tokens, eps, spec) for _ in range(warm_repeats)]
+    return {"proposer": spec, "prompt": prompt, **first_vs_warm(first, warm)}
+
+
+def first_vs_warm(first: dict, warm: list[dict]) -> dict:
+    """Pure: the first run's figures against the median of the warm ones (`_timed` records)."""
     warm_tps = median([w["tokens_per_s"] for w in warm])
-    return {"proposer": spec, "prompt": prompt, "first": first, "warm": warm,
-            "warm_tokens_per_s": warm_tps,
-            "first_over_warm": round(first["tokens_per_s"] / warm_tps, 3),
-            "prefill_ms_first_over_warm": round(
-                first["prefill_ms"] / max(1e-9, median([w["prefill_ms"] for w in warm])), 3)}
+    warm_prefill = median([w["prefill_ms"] for w in warm])
+    return {"first": first, "warm": warm, "warm_tokens_per_s": warm_tps,
+            "first_over_warm": round(first["tokens_per_s"] / warm_tps, 3) if warm_tps else 0.0,
+            "prefill_ms_first_over_warm": round(first["prefill_ms"] / warm_prefill, 3)
+            if warm_prefill else 0.0}
 
 
 def bench_fleet(lm: LoadedModel, prompts: dict[str, str], *, max_tokens: int = 48,
