@@ -209,7 +209,8 @@ class Agent:
 
         if self.verifier is not None and self.cfg.role == ROLE_VERIFIER:
             w = warmup.warm_verifier(self.lm)
-        elif self.proposer is not None:
+        elif self.proposer is not None and not self.cfg.draft:  # a draft-model agent's own
+            # service keeps its model busy from its first stream
             w = warmup.warm_proposer(self.lm, self.cfg.proposer_kinds)
         else:
             return None

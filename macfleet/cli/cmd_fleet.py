@@ -117,7 +117,7 @@ def run_agent(args) -> int:
     from agents.remote_prefill import DisaggPolicy
     from macfleet.engine.models import ModelSpecError
 
-    ensure_model(args.model)
+    ensure_model(args.draft or args.model)  # a draft-model agent loads only its draft model
     key = fleet_key(args)
     bind = args.bind or ("127.0.0.1" if args.loopback else "0.0.0.0")
     cfg = AgentConfig(role=args.role, model=args.model, name=args.name, bind_host=bind,
@@ -172,10 +172,12 @@ def run_up(args) -> int:
     from macfleet.fleet import local
     from macfleet.fleet.keys import default_key_path, run_dir
 
-    ensure_model(args.model)  # once here, not in each agent
+    from macfleet import progress
+
+    for spec in (args.model, args.draft or ""):  # once here, not in each agent
+        ensure_model(spec)
     key = fleet_key(args, create=True)
     key_path = None if args.open else Path(args.key or default_key_path())
-    from macfleet import progress
 
     try:
         with progress.waiting("starting the agents (each advertises itself once warm)"):
