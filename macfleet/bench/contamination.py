@@ -1,4 +1,5 @@
-"""How held out the held-out prompts are, for `bench drafter`'s results (issue 35).
+"""How held out the held-out prompts are, for `bench drafter`'s results (issue 35), and every
+prompt set a bench calls held out or unseen, for `bench unseen` (issue 45).
 
 Per held-out prompt: the nearest training prompt (difflib ratio, distill/contamination)
 among every templated prompt and, when the head's dataset is at hand, its questions, subtopics
@@ -104,3 +105,50 @@ def contamination(lm: LoadedModel, answers: Mapping[str, Sequence[int]],
                  + (f"{r['answer_in_training_data']['share']:.0%}"
                     if r["answer_in_training_data"] else "-"))
     return doc
+
+
+def greedy_answers(lm: LoadedModel, prompts: Mapping[str, object], max_tokens: int = 64,
+                   progress: Callable[[str], None] = lambda s: None) -> dict[str, list[int]]:
+    """key -> the verifier's greedy answer (plain decoding) to that request."""
+    from macfleet.engine.events import Finished
+    from macfleet.engine.text import generate_local
+
+    out = {}
+    for k, p in prompts.items():
+        for ev in generate_local(lm, p, proposer="none", max_tokens=max_tokens):
+            if isinstance(ev, Finished):
+                out[k] = list(ev.token_ids)
+        progress(f"answer {k}: {len(out.get(k, ()))} tokens")
+    return out
+
+
+def unseen_sets(lm: LoadedModel, dataset: Path | None = DEFAULT_DATASET, max_tokens: int = 64,
+                progress: Callable[[str], None] = lambda s: None) -> dict:
+    """Every prompt of every set a bench calls held out or unseen (prompts.UNSEEN_SETS): its
+    nearest training prompt (templates, and the dataset's questions when at hand) and the
+    share of its greedy answer's 8-grams in the answer store and the dataset's answers."""
+    from macfleet.distill.prompts import UNSEEN_CHANGES, UNSEEN_SETS
+
+    prompts = list(S.template_prompts())
+    ds_answers = None
+    if dataset is not None and dataset.exists():
+        progress(f"reading {dataset}")
+        with S.open_dataset(dataset) as root:
+            same = S.dataset_verifier(root) == lm.spec
+            prompts += list(S.dataset_prompts(root, lm.tokenizer if same else None))
+            if same:
+                ds_answers = C.corpus(S.dataset_answers(root))
+    progress(f"indexing {len(prompts)} training prompts")
+    index = C.PromptIndex(prompts)
+    texts = S.unseen_texts()
+    near = nearest_per_prompt(index, texts)
+    requests = {f"{name}/{k}": p for name, ps in UNSEEN_SETS.items() for k, p in ps.items()}
+    answers = greedy_answers(lm, requests, max_tokens, progress)
+    _, store = store_tokens(lm)
+    in_store = shares_per_prompt(answers, store) if store is not None else {}
+    in_data = shares_per_prompt(answers, ds_answers) if ds_answers is not None else {}
+    return {"threshold": C.NEAR_COPY, "ngram": C.NGRAM, "max_tokens": max_tokens,
+            "dataset": str(dataset) if dataset is not None and dataset.exists() else None,
+            "training_prompts": index.source_counts(), "changes": UNSEEN_CHANGES,
+            "prompts": {k: {**near[k], "answer_in_store": in_store.get(k),
+                            "answer_in_training_data": in_data.get(k)} for k in texts}}

@@ -264,7 +264,8 @@ def first_draft_topk(head, chunks: Sequence) -> dict[str, float]:
 def compare_heads(lm: LoadedModel, paths: Sequence[Path], max_answer: int = 160,
                   progress: Callable[[str], None] = lambda s: None) -> dict:
     """Draft heads side by side on the verifier's greedy answers to unseen prompts
-    (HELD_OUT + UNSEEN: requests no training set holds), fed the true features: chain
+    (HELD_OUT + UNSEEN: no training prompt is a near-copy of one, tests/distill/
+    test_contamination.py), fed the true features: chain
     acceptance (k=4) for chat, code and all, and the first draft's top-k. The same answers
     for every head, so differences are the heads'."""
     from macfleet.engine.proposers.eagle.head import read_eval

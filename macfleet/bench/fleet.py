@@ -9,11 +9,20 @@ Methods, interleaved per repeat:
   agents[P, no cross-round]         verifier agent + proposer agent, proposer P
   agents[P, cross-round]            same, the proposer pre-drafting the next block
 Tokens/s is decode throughput (prompt processing excluded), median of the repeats.
+
+First contact (`first_request`, before anything else runs): the agents start on an empty
+macfleet cache directory (a machine macfleet never ran on), and the first request with the
+fleet's default drafter is timed end to end on the client (prompt included) against the same
+request asked again, warm. Agents warm up before they advertise (agents/warmup.py), so the
+ratio should be ~1.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
@@ -56,20 +65,84 @@ def _remote(card, key, prompt, n, proposers, spec, cross_round, k=AUTO) -> Gener
     raise RuntimeError("no result from the verifier agent")
 
 
+FIRST_PROMPT = "Explain in two sentences why the sky is blue."
+DEFAULT_WARM_REPEATS = 3
+
+
+@contextmanager
+def empty_cache():
+    """MACFLEET_CACHE pointing at a new empty directory while the block runs (the agents
+    started in it inherit it): what a machine that never ran macfleet has."""
+    old = os.environ.get("MACFLEET_CACHE")
+    with tempfile.TemporaryDirectory(prefix="macfleet-empty-cache-") as d:
+        os.environ["MACFLEET_CACHE"] = d
+        try:
+            yield d
+        finally:
+            if old is None:
+                os.environ.pop("MACFLEET_CACHE", None)
+            else:
+                os.environ["MACFLEET_CACHE"] = old
+
+
+def _timed(card, key, prompt, n, proposers, spec) -> dict:
+    t0 = time.perf_counter()
+    d = _remote(card, key, prompt, n, proposers, spec, False)
+    wall = time.perf_counter() - t0
+    st = d.stats
+    return {"wall_s": round(wall, 4), "tokens": len(d.token_ids),
+            "tokens_per_s": round(len(d.token_ids) / wall, 3),
+            "decode_tokens_per_s": round(st.decode_tokens_per_s, 3),
+            "prefill_ms": round(st.prefill_ms, 2)}
+
+
+def first_request(v, p, key, spec: str, *, prompt: str = FIRST_PROMPT, max_tokens: int = 48,
+                  warm_repeats: int = DEFAULT_WARM_REPEATS) -> dict:
+    """The first request a fresh fleet gets (default drafter `spec`), then the same request
+    `warm_repeats` times: client-side tokens/s of each (prompt included), and first / warm."""
+    eps = [p.router_endpoint] * len(spec.split("+")) if spec != "none" else []
+    first = _timed(v, key, prompt, max_tokens, eps, spec)
+    warm = [_timed(v, key, prompt, max_tokens, eps, spec) for _ in range(warm_repeats)]
+    return {"proposer": spec, "prompt": prompt, **first_vs_warm(first, warm)}
+
+
+def first_vs_warm(first: dict, warm: list[dict]) -> dict:
+    """Pure: the first run's figures against the median of the warm ones (`_timed` records)."""
+    warm_tps = median([w["tokens_per_s"] for w in warm])
+    warm_prefill = median([w["prefill_ms"] for w in warm])
+    return {"first": first, "warm": warm, "warm_tokens_per_s": warm_tps,
+            "first_over_warm": round(first["tokens_per_s"] / warm_tps, 3) if warm_tps else 0.0,
+            "prefill_ms_first_over_warm": round(first["prefill_ms"] / warm_prefill, 3)
+            if warm_prefill else 0.0}
+
+
 def bench_fleet(lm: LoadedModel, prompts: dict[str, str], *, max_tokens: int = 48,
                 repeats: int = 2, layerskip: int = 20, k: int = 4,
-                proposers=DEFAULT_PROPOSERS, progress=None) -> dict:
+                proposers=DEFAULT_PROPOSERS, progress=None, first_only: bool = False) -> dict:
+    """first_only: measure the first request and the same one warm, nothing else."""
+    from macfleet.engine.proposers.choice import FLEET, resolve_proposer
+
     draft = LayerSkipModel(lm.model, layerskip)
-    with tempfile.TemporaryDirectory(prefix="macfleet-bench-") as tmp:
+    spec, _ = resolve_proposer("auto", lm.spec, FLEET)
+    with tempfile.TemporaryDirectory(prefix="macfleet-bench-") as tmp, empty_cache():
         key_path = Path(tmp) / "fleet.key"
         key = keygen(key_path)
+        t0 = time.perf_counter()
         cards = local.up(2, model=lm.spec, key=key, key_path=key_path, run_dir=Path(tmp) / "run")
+        up_s = time.perf_counter() - t0
         try:
             v = next(c for c in cards if ROLE_VERIFIER in c.roles)
             p = next(c for c in cards if ROLE_PROPOSER in c.roles)
-            _remote(v, key, "Hi", 4, [], "none", False)  # warm-up
-            return _run(lm, prompts, draft, v, p, key, max_tokens, repeats, layerskip, k,
-                        proposers, progress)
+            first = dict(first_request(v, p, key, spec, max_tokens=max_tokens), up_s=round(up_s, 2),
+                         cache="empty at start (MACFLEET_CACHE: a new directory)")
+            if progress:
+                progress(f"first request {first['first']['tokens_per_s']:.1f} tok/s, warm "
+                         f"{first['warm_tokens_per_s']:.1f}: x{first['first_over_warm']:.2f}")
+            if first_only:
+                return {"model": lm.spec, "max_tokens": max_tokens, "first_request": first}
+            res = _run(lm, prompts, draft, v, p, key, max_tokens, repeats, layerskip, k,
+                       proposers, progress)
+            return {**res, "first_request": first}
         finally:
             local.down(Path(tmp) / "run")
 

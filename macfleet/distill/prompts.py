@@ -237,21 +237,46 @@ class Prompt:
         return hashlib.sha1(" ".join(self.text.lower().split()).encode()).hexdigest()[:16]
 
 
-# More unseen requests, for scoring draft heads on text no template produced (`bench heads`):
-# ordinary chat and code requests; their exact texts are never generated as training prompts.
+# More unseen requests, for scoring draft heads on text no template produced (`bench heads`,
+# `bench tree-shapes`): ordinary chat and code requests; no training prompt is a near-copy of
+# one (tests/distill/test_contamination.py checks every set in `UNSEEN_SETS`).
 UNSEEN: dict[str, str] = {
-    "chat:tea": "How do I make a good cup of tea?",
+    "chat:green-tea": "My green tea always tastes bitter. What am I doing wrong when I brew it?",
     "chat:sleep": "What are some tips for sleeping better at night?",
     "chat:email": "Write a short email to a colleague asking to move our meeting to Friday.",
     "chat:sky": "Why is the sky blue?",
-    "chat:party": "Give me three ideas for a birthday party for a ten year old.",
+    "chat:rainy-day": "Plan an indoor scavenger hunt for two kids, aged seven and nine, on a "
+                      "rainy afternoon.",
     "code:bank": "Write a Python class for a simple bank account with deposit and withdraw "
                  "methods.",
-    "code:js-max": "Write a JavaScript function that returns the largest number in an array.",
-    "code:tuple": "What is the difference between a list and a tuple in Python?",
+    "code:js-dedupe": "Write a JavaScript function that removes repeated words from a sentence, "
+                      "keeping the first of each.",
+    "code:with": "What does Python's with statement do when I open a file? Show a short example.",
     "chat:romeo": "Summarize the plot of Romeo and Juliet in a few sentences.",
-    "chat:groceries": "How can I save money on groceries?",
+    "chat:heating": "My electricity bill doubled this winter. What should I check first?",
 }
+_SEEN = ("replaced (issue 45): a near-copy of a training prompt (difflib ratio > 0.8 at "
+         "contamination.NEAR_COPY)")
+# The unseen requests that changed, and why: figures `bench heads` and `bench tree-shapes`
+# recorded before on the old ones were measured on seen prompts (results/*.json say so)
+UNSEEN_CHANGES: dict[str, str] = {
+    "chat:tea": f"{_SEEN}: 'How do I make a good cup of tea?' 0.84 to the dataset question "
+                "'how to make a cup of tea?'; now chat:green-tea",
+    "chat:party": f"{_SEEN}: 'Give me three ideas for a birthday party for a ten year old.' "
+                  "0.81 to chat:advice's 'give me some tips for a birthday party for a "
+                  "six-year-old.'; now chat:rainy-day",
+    "code:js-max": f"{_SEEN}: 'Write a JavaScript function that returns the largest number in "
+                   "an array.' 0.83 to a code template's 'write a javascript function that "
+                   "finds the second largest number in a list.', and 56% of its answer's "
+                   "8-grams in one answer of the store; now code:js-dedupe",
+    "code:tuple": f"{_SEEN}: 'What is the difference between a list and a tuple in Python?' "
+                  "verbatim (1.00) among the dataset's questions; now code:with",
+    "chat:groceries": f"{_SEEN}: 'How can I save money on groceries?' 0.81 to chat:advice's "
+                      "'how can i save money on a job interview?'; now chat:heating",
+}
+# Every prompt set a benchmark calls held out or unseen: none may have a training prompt
+# above contamination.NEAR_COPY (tests/distill/test_contamination.py)
+UNSEEN_SETS: dict[str, dict] = {"HELD_OUT": HELD_OUT, "UNSEEN": UNSEEN}
 HELD_OUT_KEYS = frozenset(Prompt.of("held", t).key
                           for t in (*HELD_OUT.values(), *UNSEEN.values()))
 

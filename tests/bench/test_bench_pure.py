@@ -126,3 +126,15 @@ def test_training_curve_trend_says_how_many_tokens_reach_the_goal():
     flat = [{"train_tokens": 2 ** e, "mean_accepted": 1.5} for e in range(20, 24)]
     assert curve_fit(flat)["train_tokens_for_goal"] is None
     assert curve_fit(curve[:1]) is None
+
+
+def test_bench_fleet_sets_the_first_request_against_the_median_warm_one():
+    from macfleet.bench.fleet import first_vs_warm
+
+    def run(tps, prefill):
+        return {"tokens_per_s": tps, "prefill_ms": prefill}
+
+    got = first_vs_warm(run(5.0, 3000.0), [run(10.0, 100.0), run(8.0, 150.0), run(12.0, 120.0)])
+    assert got["warm_tokens_per_s"] == 10.0
+    assert got["first_over_warm"] == 0.5 and got["prefill_ms_first_over_warm"] == 25.0
+    assert first_vs_warm(run(5.0, 1.0), [run(0.0, 0.0)])["first_over_warm"] == 0.0

@@ -94,3 +94,24 @@ def test_doctor_exits_1_and_prints_the_fix_when_the_model_is_missing(monkeypatch
     monkeypatch.setattr(doctor, "gather", lambda: LINUX)
     assert main(["doctor"]) == 0
     assert "missing            nothing" in capsys.readouterr().out
+
+
+def test_doctor_warm_measures_this_machines_verify_table_once(tmp_path, monkeypatch, capsys):
+    """`doctor --warm`: the machine's one-time work, kept in macfleet's cache; a second run
+    finds it there and measures nothing."""
+    import macfleet.engine.verify_costs as vc
+    from macfleet.cli.cmd_doctor import warm
+    from macfleet.engine.models import load_model
+
+    monkeypatch.setenv("MACFLEET_CACHE", str(tmp_path))
+    monkeypatch.setattr(vc, "_memo", {})
+    monkeypatch.setattr(vc, "machine_busy", lambda threshold=0.5: False)  # kept even if loaded
+    probes = []
+    real = vc.probe_verify_costs
+    monkeypatch.setattr(vc, "probe_verify_costs", lambda m: probes.append(1) or real(m))
+    warm("tiny:46")
+    assert "measured now" in capsys.readouterr().out and probes == [1]
+    assert vc.table_path(load_model("tiny:46").model).is_file()
+    monkeypatch.setattr(vc, "_memo", {})  # a new process: the table is read from the cache
+    warm("tiny:46")
+    assert "already measured" in capsys.readouterr().out and probes == [1]

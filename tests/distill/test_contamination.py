@@ -1,5 +1,6 @@
-"""Held out means held out (issue 35): no training prompt is a near-copy of a benchmark prompt,
-the check's figures are the ones they claim to be, and distillation never adds a near-copy."""
+"""Held out means held out (issues 35, 45): no training prompt is a near-copy of a prompt any
+benchmark calls held out or unseen, the check's figures are the ones they claim to be, and
+distillation never adds a near-copy."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import pytest
 from macfleet.engine.conversation import Turn
 from macfleet.distill import contamination as C
 from macfleet.distill import contamination_sources as S
-from macfleet.distill.prompts import (HELD_OUT, HELD_OUT_CHANGES, HELD_OUT_KEYS, Prompt,
-                                      iter_prompts, prompt_text, user_texts)
+from macfleet.distill.prompts import (HELD_OUT, HELD_OUT_CHANGES, HELD_OUT_KEYS, UNSEEN,
+                                      UNSEEN_CHANGES, UNSEEN_SETS, Prompt, iter_prompts,
+                                      prompt_text, user_texts)
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 ARCHIVE = ROOT / "results" / "distill-smollm2-7.6M.tar.xz"  # the shipped head's dataset
 OLD_REWRITE = ("Rewrite this sentence to sound more formal: hey, can u send me the report by "
                "tomorrow? thanks!")
@@ -31,12 +33,14 @@ def training() -> C.PromptIndex:
     return C.PromptIndex(itertools.chain(S.template_prompts(), qs))
 
 
-def test_no_held_out_prompt_has_a_near_copy_among_the_training_prompts(training):
+def test_no_held_out_or_unseen_prompt_has_a_near_copy_among_the_training_prompts(training):
     counts = training.source_counts()
     assert counts["chat:rewrite"] > 100_000 and counts["topics"] > 20_000 and counts["code"]
     if ARCHIVE.is_file():
         assert counts["questions"] > 15_000
-    for kind, texts in S.held_out_texts().items():
+    checked = S.unseen_texts()
+    assert len(checked) == sum(len(p) for p in UNSEEN_SETS.values()) >= len(HELD_OUT) + 10
+    for kind, texts in checked.items():
         for text in texts:
             n = training.nearest(text, max_near=3)
             assert not n.near_copies, (kind, n.to_dict())
@@ -45,6 +49,34 @@ def test_no_held_out_prompt_has_a_near_copy_among_the_training_prompts(training)
     old = training.nearest(OLD_REWRITE, max_near=3)
     assert len(old.near_copies) == 3 and old.best.source == "chat:rewrite"
     assert "rewrite" in HELD_OUT_CHANGES and HELD_OUT["rewrite"] != OLD_REWRITE
+
+
+def test_every_set_a_bench_calls_held_out_or_unseen_is_checked():
+    """A bench module that names a prompt set held out or unseen reads it from UNSEEN_SETS."""
+    import re
+
+    paths = [*(ROOT / "macfleet" / "bench").glob("*.py"),
+             *(ROOT / "macfleet" / "cli").glob("bench*.py")]
+    assert len(paths) > 20
+    for path in paths:
+        src = path.read_text()
+        for name in set(re.findall(r"\b(HELD_OUT|UNSEEN)\b", src)):
+            assert name in UNSEEN_SETS, (path.name, name)
+    assert UNSEEN_SETS["UNSEEN"] is UNSEEN and UNSEEN_SETS["HELD_OUT"] is HELD_OUT
+
+
+@pytest.mark.skipif(not ARCHIVE.is_file(), reason="the shipped head's dataset is not here")
+def test_the_unseen_prompts_the_issue_found_seen_were_replaced(training):
+    """Issue 45: five unseen prompts had training near-copies (one verbatim); the check sees
+    them, and none is in the set any more."""
+    old = {"chat:tea": "How do I make a good cup of tea?",
+           "code:tuple": "What is the difference between a list and a tuple in Python?",
+           "code:js-max": "Write a JavaScript function that returns the largest number in an "
+                          "array."}
+    for key, text in old.items():
+        assert training.nearest(text, max_near=1).near_copies, key
+        assert key not in UNSEEN and text not in UNSEEN.values() and key in UNSEEN_CHANGES
+    assert set(UNSEEN_CHANGES).isdisjoint(UNSEEN)
 
 
 def test_the_set_holds_a_multi_turn_follow_up_and_a_pasted_paragraph():

@@ -1,0 +1,84 @@
+"""Warm before advertising: what an agent does before its Zeroconf card goes out, so that the
+first request pays for nothing a later one would not.
+
+A new user judges macfleet by the first answer after `macfleet up`; before this, that answer
+measured the machine's verify(L) table (engine/verify_costs.py) inside its own prefill, loaded
+the default drafter's head and ran every block shape's first forward. Now a verifier agent
+measures (or reads) the table and runs one forward of each of its lengths, and a proposer agent
+builds every part of the fleet's default drafter that it serves (engine/proposers/choice.py
+`resolve_proposer`: the head, the answer store's index) and drafts once with each. `up`
+returns when every agent's card is seen, so it returns when the fleet is warm.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+WARM_CONTEXT = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)  # token ids a warm-up draft starts from
+WARM_DRAFT = 4
+
+
+@dataclass(frozen=True)
+class Warmed:
+    """What an agent did before advertising itself."""
+
+    probed: bool  # measured the verify(L) table now (this machine had none)
+    lengths: tuple[int, ...]  # block lengths whose first forward ran
+    drafters: tuple[str, ...]  # drafters built and run once
+    seconds: float
+
+
+def warm_verifier(lm) -> Warmed:
+    """This machine's verify(L) table for `lm` (probed when none is cached: the probe runs each
+    length's first forward; read from the cache otherwise, then each length is run once)."""
+    from macfleet.engine import verify_costs as vc
+
+    t0 = time.perf_counter()
+    had = vc.known_verify_costs(lm.model) is not None
+    table = vc.verify_costs(lm.model)
+    if had:  # the table came from disk: its shapes have not run in this process yet
+        vc.probe_verify_costs(lm.model, sorted(table), reps=0)
+    return Warmed(probed=not had, lengths=tuple(sorted(table)), drafters=(),
+                  seconds=time.perf_counter() - t0)
+
+
+def default_parts(lm, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """The parts of the fleet's default drafter for `lm` that a proposer serving `kinds`
+    builds (`eagle+retrieval+ngram` -> the ones whose kind it serves)."""
+    from macfleet.engine.proposers.choice import FLEET, resolve_proposer
+    from macfleet.engine.proposers.factory import parse_proposer_spec
+
+    spec, _ = resolve_proposer("auto", lm.spec, FLEET)
+    return tuple(p for p in spec.split("+") if parse_proposer_spec(p).kind in kinds)
+
+
+def warm_proposer(lm, kinds: tuple[str, ...]) -> Warmed:
+    """Build and run once each part of the default drafter this proposer serves (its head,
+    its store's index, the head's first forward). A part that does not build is logged and
+    skipped: the request that asks for it gets the error."""
+    from macfleet.engine.proposers import ProposerSpecError, make_proposer
+    from macfleet.engine.sampling import GREEDY
+
+    t0 = time.perf_counter()
+    done = []
+    for part in default_parts(lm, kinds):
+        try:
+            p = make_proposer(part, lm)
+        except ProposerSpecError as e:
+            log.warning("warm-up: %s does not build here: %s", part, e)
+            continue
+        if p is None:
+            continue
+        ctx = [t % lm.vocab_size for t in WARM_CONTEXT]
+        try:
+            p.start(GREEDY)
+            p.propose(ctx, WARM_DRAFT)
+        finally:
+            p.close()
+        done.append(part)
+    return Warmed(probed=False, lengths=(), drafters=tuple(done),
+                  seconds=time.perf_counter() - t0)
