@@ -209,8 +209,9 @@ class Agent:
 
         if self.verifier is not None and self.cfg.role == ROLE_VERIFIER:
             w = warmup.warm_verifier(self.lm)
-        elif self.proposer is not None and not self.cfg.draft:  # a draft-model agent's own
-            # service keeps its model busy from its first stream
+        elif self.proposer is not None and self.cfg.draft:  # the draft model's first steps
+            w = warmup.warm_draft(self.lm)
+        elif self.proposer is not None:
             w = warmup.warm_proposer(self.lm, self.cfg.proposer_kinds)
         else:
             return None

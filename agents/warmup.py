@@ -82,3 +82,22 @@ def warm_proposer(lm, kinds: tuple[str, ...]) -> Warmed:
         done.append(part)
     return Warmed(probed=False, lengths=(), drafters=tuple(done),
                   seconds=time.perf_counter() - t0)
+
+
+def warm_draft(lm) -> Warmed:
+    """A draft-model agent's model (agents/draft_service.py): a prompt's prefill and a few
+    draft steps, the shapes its first stream runs."""
+    from macfleet.engine.proposers.model_draft import ModelProposer
+    from macfleet.engine.sampling import GREEDY
+
+    t0 = time.perf_counter()
+    p = ModelProposer(lm.model, name="draft")
+    try:
+        p.start(GREEDY)
+        ctx = [t % lm.vocab_size for t in WARM_CONTEXT]
+        for i in range(WARM_DRAFT):  # one token at a time, as the stream drafts
+            ctx.append(p.propose(ctx, 1).tokens[0])
+    finally:
+        p.close()
+    return Warmed(probed=False, lengths=(), drafters=(f"draft:{lm.spec}",),
+                  seconds=time.perf_counter() - t0)
