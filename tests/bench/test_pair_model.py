@@ -117,8 +117,11 @@ def test_bisection_on_log_eps_finds_the_target():
     assert len(calls) == n  # the memo answers a second target's repeat points
 
 
-def test_width_for_bytes_inverts_param_bytes():
-    cfg = pm.weights_and_config(_tiny())[1]
+def test_param_bytes_counts_the_weights_and_width_for_bytes_inverts_it():
+    w, cfg = pm.weights_and_config(_tiny())
+    assert pm.param_bytes(cfg) == sum(v.nbytes for v in w.values())
+    w, cfg2 = pm.pad_mlp(*pm.append_layers(w, cfg, 2, 0.1, 0, 1.0), 1024)
+    assert pm.param_bytes(cfg2) == sum(v.nbytes for v in w.values())
     wide = {**cfg, "intermediate_size": 4096}
     assert pm.width_for_bytes(cfg, pm.param_bytes(wide)) == 4096
 
@@ -140,3 +143,28 @@ def test_the_wide_verifier_is_smollm2_and_mlx_lm_reads_it(tmp_path: Path):
     model, tok = mlx_lm.load(str(path))
     assert model.args.num_hidden_layers == 31 and tok.encode("hello") == \
         base.tokenizer.encode("hello")
+
+
+def test_bisection_stops_within_tolerance():
+    calls: list[float] = []
+
+    def measure(eps: float) -> float:
+        calls.append(eps)
+        return 0.81
+
+    s = bisect_log(measure, 0.8, 0.01, 1.0, 5, tolerance=0.02)
+    assert len(calls) == 1 and s.eps == pytest.approx(0.1)
+
+
+def test_dial_runs_of_one_instrument_merge_by_target():
+    from macfleet.cli.bench_pair_dial import merge_dial
+
+    base = dict(extra_layers=2, seed=0, calibration_width=1536, prompts=["a"], tokens=64)
+    a = {**base, "settings": [{"target": 0.8, "eps": 0.1, "acceptance": 0.79}],
+         "measured": [{"eps": 0.1, "acceptance": 0.79}]}
+    b = {**base, "settings": [{"target": 0.6, "eps": 0.3, "acceptance": 0.61}],
+         "measured": [{"eps": 0.3, "acceptance": 0.61}]}
+    m = merge_dial(a, b)
+    assert [s["target"] for s in m["settings"]] == [0.6, 0.8]
+    assert [p["eps"] for p in m["measured"]] == [0.1, 0.3]
+    assert merge_dial({**a, "tokens": 96}, b) == b  # another instrument: replaced
