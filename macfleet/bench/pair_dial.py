@@ -19,6 +19,7 @@ from mlx_lm.generate import BatchGenerator
 
 from macfleet.bench.pair_model import (DEFAULT_EXTRA_LAYERS, DRAFT_SPEC, RMS_TEXT, model_from,
                                        pair_weights)
+from macfleet.engine import fastmath
 from macfleet.engine.models import LoadedModel, load_model
 from macfleet.engine.text import encode_prompt
 from macfleet.engine.verifier import Verifier
@@ -161,7 +162,9 @@ def calibrate(width: int, target: float, *, extra_layers: int = DEFAULT_EXTRA_LA
 
     def measure(eps: float) -> float:
         w, cfg = pair_weights(draft.model, rms_ids, width, extra_layers, eps, seed)
-        a = agreement_models(model_from(w, cfg), draft.model, ids, tokens, draft.eos_ids)
+        verifier = model_from(w, cfg)
+        fastmath.install(verifier)  # as `load_model` of the built directory gives it
+        a = agreement_models(verifier, draft.model, ids, tokens, draft.eos_ids)
         if progress:
             progress(f"eps {eps:.4g}: acceptance {a:.3f}")
         return a
