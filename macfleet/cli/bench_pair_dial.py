@@ -95,16 +95,19 @@ def _cost(args, extra: int) -> dict:
 
 def merge_dial(old: dict | None, new: dict) -> dict:
     """One dial entry from runs of the same instrument (extra layers, seed, prompts, tokens)
-    that calibrated different targets: settings by target, measured points together."""
+    that calibrated different targets: their measured points together, and for each target
+    the measured eps whose acceptance is nearest it (any run's point serves every target)."""
     same = ("extra_layers", "seed", "calibration_width", "prompts", "tokens")
     if not old or any(old.get(k) != new.get(k) for k in same):
         return new
-    settings = {s["target"]: s for s in old.get("settings", [])}
-    settings.update({s["target"]: s for s in new["settings"]})
     measured = {m["eps"]: m for m in old.get("measured", [])}
     measured.update({m["eps"]: m for m in new["measured"]})
-    return {**new, "settings": [settings[t] for t in sorted(settings)],
-            "measured": [measured[e] for e in sorted(measured)]}
+    targets = sorted({s["target"] for s in [*old.get("settings", []), *new["settings"]]})
+    settings = []
+    for t in targets:
+        best = min(measured.values(), key=lambda m: abs(m["acceptance"] - t))
+        settings.append({"target": t, "eps": best["eps"], "acceptance": best["acceptance"]})
+    return {**new, "settings": settings, "measured": [measured[e] for e in sorted(measured)]}
 
 
 def run(args) -> int:

@@ -167,5 +167,8 @@ def test_dial_runs_of_one_instrument_merge_by_target():
          "measured": [{"eps": 0.3, "acceptance": 0.61}]}
     m = merge_dial(a, b)
     assert [s["target"] for s in m["settings"]] == [0.6, 0.8]
+    c = {**base, "settings": [{"target": 0.6, "eps": 0.5, "acceptance": 0.5}],
+         "measured": [{"eps": 0.5, "acceptance": 0.5}]}
+    assert merge_dial(m, c)["settings"][0]["eps"] == 0.3  # a farther point does not win
     assert [p["eps"] for p in m["measured"]] == [0.1, 0.3]
     assert merge_dial({**a, "tokens": 96}, b) == b  # another instrument: replaced
