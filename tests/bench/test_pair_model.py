@@ -131,7 +131,7 @@ def test_param_bytes_counts_the_weights_and_width_for_bytes_inverts_it():
 def test_the_wide_verifier_is_smollm2_and_mlx_lm_reads_it(tmp_path: Path):
     import mlx_lm
 
-    from macfleet.bench.pair_dial import greedy_answers
+    from macfleet.bench.pair_dial import agreement, greedy_answers
     from macfleet.engine.models import load_model
     from macfleet.engine.text import encode_prompt
 
@@ -141,6 +141,7 @@ def test_the_wide_verifier_is_smollm2_and_mlx_lm_reads_it(tmp_path: Path):
     ids = [encode_prompt(base.tokenizer, p, chat=True)
            for p in ("Explain what a rainbow is.", "List three uses of a paperclip.")]
     assert greedy_answers(wide.model, ids, 32) == greedy_answers(base.model, ids, 32)
+    assert agreement(path, prompts=["Name a colour."], tokens=8) == 1.0
     model, tok = mlx_lm.load(str(path))
     assert model.args.num_hidden_layers == 31 and tok.encode("hello") == \
         base.tokenizer.encode("hello")
