@@ -19,6 +19,7 @@ from mlx_lm.generate import BatchGenerator
 
 from macfleet.bench.pair_model import (DEFAULT_EXTRA_LAYERS, DRAFT_SPEC, RMS_TEXT, model_from,
                                        pair_weights)
+from macfleet.engine import fastmath
 from macfleet.engine.models import LoadedModel, load_model
 from macfleet.engine.text import encode_prompt
 from macfleet.engine.verifier import Verifier
@@ -123,25 +124,26 @@ class DialSetting:
 
 
 def bisect_log(measure: Callable[[float], float], target: float, lo: float, hi: float,
-               steps: int, seen: dict[float, float] | None = None) -> DialSetting:
+               steps: int, seen: dict[float, float] | None = None,
+               tolerance: float = 0.0) -> DialSetting:
     """The eps in [lo, hi] whose measure is nearest `target`, by bisection on log(eps)
-    (measure falls as eps grows). `seen` memoises measurements across targets."""
+    (measure falls as eps grows), stopping early within `tolerance`. `seen` memoises
+    measurements across targets. Choose the bracket so its geometric middle is the guess."""
     seen = {} if seen is None else seen
     tried: list[DialPoint] = []
-
-    def at(e: float) -> float:
-        if e not in seen:
-            seen[e] = measure(e)
-        tried.append(DialPoint(e, seen[e]))
-        return seen[e]
-
-    best = DialPoint(lo, at(lo))
-    for _ in range(steps):
+    best: DialPoint | None = None
+    for _ in range(max(1, steps)):
         mid = math.exp((math.log(lo) + math.log(hi)) / 2)
-        a = at(mid)
-        if abs(a - target) < abs(best.acceptance - target):
+        if mid not in seen:
+            seen[mid] = measure(mid)
+        a = seen[mid]
+        tried.append(DialPoint(mid, a))
+        if best is None or abs(a - target) < abs(best.acceptance - target):
             best = DialPoint(mid, a)
+        if abs(a - target) <= tolerance:
+            break
         lo, hi = (mid, hi) if a > target else (lo, mid)
+    assert best is not None
     return DialSetting(target, best.eps, best.acceptance, tuple(tried))
 
 
@@ -149,7 +151,7 @@ def calibrate(width: int, target: float, *, extra_layers: int = DEFAULT_EXTRA_LA
               seed: int = 0, prompts: Sequence[str] = CALIBRATION_PROMPTS,
               tokens: int = DEFAULT_TOKENS, steps: int = DEFAULT_STEPS,
               eps_range: tuple[float, float] = EPS_RANGE,
-              seen: dict[float, float] | None = None,
+              seen: dict[float, float] | None = None, tolerance: float = 0.0,
               progress: Callable[[str], None] | None = None) -> DialSetting:
     """eps for per-token acceptance near `target`. The verifiers are built in memory; their
     function does not depend on `width` (zero padding), so calibrating at the model's own
@@ -160,12 +162,14 @@ def calibrate(width: int, target: float, *, extra_layers: int = DEFAULT_EXTRA_LA
 
     def measure(eps: float) -> float:
         w, cfg = pair_weights(draft.model, rms_ids, width, extra_layers, eps, seed)
-        a = agreement_models(model_from(w, cfg), draft.model, ids, tokens, draft.eos_ids)
+        verifier = model_from(w, cfg)
+        fastmath.install(verifier)  # as `load_model` of the built directory gives it
+        a = agreement_models(verifier, draft.model, ids, tokens, draft.eos_ids)
         if progress:
             progress(f"eps {eps:.4g}: acceptance {a:.3f}")
         return a
 
-    return bisect_log(measure, target, *eps_range, steps, seen)
+    return bisect_log(measure, target, *eps_range, steps, seen, tolerance)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,22 +189,25 @@ def pin_to_core(core: int = 0) -> None:
 
 
 def decode_ms(model: nn.Module, lengths: Sequence[int], context: int = 128,
-              reps: int = 5) -> dict[int, float]:
+              reps: int = 5) -> dict[int, tuple[float, float]]:
     """Fastest ms of one forward over L new tokens after `context` cached ones (then rolled
-    back), for each L: a decode step at L = 1, verify(L) beyond."""
+    back), for each L: a decode step at L = 1, verify(L) beyond. (wall, CPU) each: on a
+    pinned core of a loaded machine the process's CPU time is the steadier measure (other
+    processes' turns on the core do not count; their use of the memory bus still does)."""
     vocab = int(model.args.vocab_size)
     v = Verifier(model)
     v.prefill([(7 * i + 3) % vocab for i in range(context)])
-    out: dict[int, float] = {}
+    out: dict[int, tuple[float, float]] = {}
     for L in lengths:
         toks = [(11 * i + 5) % vocab for i in range(L)]
-        best = float("inf")
+        wall = cpu = float("inf")
         for _ in range(reps + 1):  # the first run warms the shape up
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             mx.eval(v.forward(toks))
-            best = min(best, (time.perf_counter() - t0) * 1e3)
+            wall = min(wall, (time.perf_counter() - t0) * 1e3)
+            cpu = min(cpu, (time.process_time() - c0) * 1e3)
             v.rollback(L)
-        out[int(L)] = round(best, 2)
+        out[int(L)] = (round(wall, 2), round(cpu, 2))
     return out
 
 
@@ -208,9 +215,12 @@ def decode_ms(model: nn.Module, lengths: Sequence[int], context: int = 128,
 class CostRatio:
     width: int
     extra_layers: int
-    draft_token_ms: float
-    verify_ms: dict[int, float]  # L -> ms
-    c: float  # draft token / verify(1)
+    draft_token_ms: float  # wall
+    draft_token_cpu_ms: float
+    verify_ms: dict[int, float]  # L -> wall ms
+    verify_cpu_ms: dict[int, float]  # L -> CPU ms
+    c: float  # draft token / verify(1), CPU time
+    c_wall: float  # the same, wall time
     c_bytes: float  # the same ratio from bytes read per token
 
 
@@ -224,11 +234,16 @@ def cost_ratio(verifier_dir: Path | str, draft_spec: str = DRAFT_SPEC,
     if core is not None:
         pin_to_core(core)
     d = load_model(draft_spec)
-    draft = decode_ms(d.model, (1,), context, reps)[1]
     v = load_model(str(verifier_dir), cached=False)
+    dr = decode_ms(d.model, (1,), context, reps)[1]
     ver = decode_ms(v.model, lengths, context, reps)
+    dr2 = decode_ms(d.model, (1,), context, reps)[1]  # again: load drifts while we measure
+    dr = (min(dr[0], dr2[0]), min(dr[1], dr2[1]))
     vcfg, dcfg = weights_and_config(v.model)[1], weights_and_config(d.model)[1]
+    one = ver[min(ver)]
     return CostRatio(int(vcfg["intermediate_size"]),
                      int(vcfg["num_hidden_layers"]) - int(dcfg["num_hidden_layers"]),
-                     draft, ver, round(draft / ver[min(ver)], 4),
+                     dr[0], dr[1], {L: w for L, (w, _) in ver.items()},
+                     {L: c for L, (_, c) in ver.items()},
+                     round(dr[1] / one[1], 4), round(dr[0] / one[0], 4),
                      round(param_bytes(dcfg) / param_bytes(vcfg), 4))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 import time
@@ -23,8 +24,11 @@ def add_bench_parsers(bs) -> None:
     p.add_argument("--prompts", type=int, default=6, metavar="N",
                    help="the first N calibration prompts (pair_dial.CALIBRATION_PROMPTS)")
     p.add_argument("--tokens", type=int, default=96, help="verifier answer tokens per prompt")
-    p.add_argument("--steps", type=int, default=5, help="bisection steps per target")
-    p.add_argument("--eps-range", default="0.01,1.0", help="the bisection's eps bracket")
+    p.add_argument("--steps", type=int, default=5, help="bisection steps per target (at most)")
+    p.add_argument("--tolerance", type=float, default=0.02,
+                   help="stop a target's bisection when acceptance is this near it")
+    p.add_argument("--eps-range", default="0.01,1.0",
+                   help="the bisection's eps bracket (its geometric middle is the first guess)")
     p.add_argument("--widths", default="6144,auto",
                    help="verifier widths the cost part times; auto: the width whose bytes give "
                    "c = --target-c, corrected by the first width's measured c")
@@ -48,7 +52,8 @@ def _dial(args, extra: int) -> dict:
     for t in (float(x) for x in args.targets.split(",")):
         s = calibrate(1536, t, extra_layers=extra, seed=args.seed,
                       prompts=CALIBRATION_PROMPTS[: args.prompts], tokens=args.tokens,
-                      steps=args.steps, eps_range=(lo, hi), seen=seen, progress=_log)
+                      steps=args.steps, eps_range=(lo, hi), seen=seen,
+                      tolerance=args.tolerance, progress=_log)
         _log(f"target {t}: eps {s.eps:.4g}, acceptance {s.acceptance:.3f}")
         settings.append({"target": t, "eps": s.eps, "acceptance": round(s.acceptance, 4)})
     return {"extra_layers": extra, "seed": args.seed, "calibration_width": 1536,
@@ -67,12 +72,9 @@ def _cost(args, extra: int) -> dict:
 
     rows = []
     for w in args.widths.split(","):
-        if w == "auto":
-            if not rows:
-                raise SystemExit("--widths: auto needs a measured width before it")
+        if w == "auto":  # bytes predict c on a quiet box (6144: 0.38 by bytes, 0.39 timed)
             cfg = weights_and_config(load_model("smollm2:dense").model)[1]
-            k = rows[0]["c"] / rows[0]["c_bytes"]  # measured c per bytes-predicted c
-            width = width_for_bytes(cfg, param_bytes(cfg) * k / args.target_c, extra)
+            width = width_for_bytes(cfg, param_bytes(cfg) / args.target_c, extra)
         else:
             width = int(w)
         t0 = time.perf_counter()
@@ -80,6 +82,7 @@ def _cost(args, extra: int) -> dict:
         built = time.perf_counter() - t0
         r = cost_ratio(path, core=args.core, reps=args.reps)
         row = {**asdict(r), "verify_ms": {str(k): v for k, v in r.verify_ms.items()},
+               "verify_cpu_ms": {str(k): v for k, v in r.verify_cpu_ms.items()},
                "build_s": round(built, 1), "auto": w == "auto"}
         _log(f"width {width}: {row}")
         rows.append(row)
@@ -88,6 +91,23 @@ def _cost(args, extra: int) -> dict:
     return {"core": args.core, "context": 128, "reps": args.reps, "target_c": args.target_c,
             "widths": rows,
             "note": "fastest of reps, one pinned core of a loaded shared box: ratios only"}
+
+
+def merge_dial(old: dict | None, new: dict) -> dict:
+    """One dial entry from runs of the same instrument (extra layers, seed, prompts, tokens)
+    that calibrated different targets: their measured points together, and for each target
+    the measured eps whose acceptance is nearest it (any run's point serves every target)."""
+    same = ("extra_layers", "seed", "calibration_width", "prompts", "tokens")
+    if not old or any(old.get(k) != new.get(k) for k in same):
+        return new
+    measured = {m["eps"]: m for m in old.get("measured", [])}
+    measured.update({m["eps"]: m for m in new["measured"]})
+    targets = sorted({s["target"] for s in [*old.get("settings", []), *new["settings"]]})
+    settings = []
+    for t in targets:
+        best = min(measured.values(), key=lambda m: abs(m["acceptance"] - t))
+        settings.append({"target": t, "eps": best["eps"], "acceptance": best["acceptance"]})
+    return {**new, "settings": settings, "measured": [measured[e] for e in sorted(measured)]}
 
 
 def run(args) -> int:
@@ -109,10 +129,14 @@ def run(args) -> int:
     old = args.out / "pair_dial.json"
     doc = json.loads(old.read_text()) if old.is_file() else {}
     keep = {k: doc[k] for k in ("dial", "cost") if k in doc and k not in got}
-    cmds = {**doc.get("commands", {}), **{k: None for k in got}}
-    path = write_result("pair_dial.json", {**keep, **got}, Path(args.out))
-    doc = json.loads(path.read_text())
-    doc["commands"] = {k: (doc["command"] if v is None else v) for k, v in cmds.items()}
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    commands = doc.get("commands", {})
+    this = "macfleet " + shlex.join(sys.argv[1:])
+    if "dial" in got:
+        merged = merge_dial(doc.get("dial"), got["dial"])
+        commands["dial"] = (commands.get("dial", []) if merged is not got["dial"] else []) + [this]
+        got["dial"] = merged
+    if "cost" in got:
+        commands["cost"] = [this]
+    path = write_result("pair_dial.json", {**keep, **got, "commands": commands}, Path(args.out))
     print(f"wrote {path}")
     return 0

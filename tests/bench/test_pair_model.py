@@ -117,26 +117,59 @@ def test_bisection_on_log_eps_finds_the_target():
     assert len(calls) == n  # the memo answers a second target's repeat points
 
 
-def test_width_for_bytes_inverts_param_bytes():
-    cfg = pm.weights_and_config(_tiny())[1]
+def test_param_bytes_counts_the_weights_and_width_for_bytes_inverts_it():
+    w, cfg = pm.weights_and_config(_tiny())
+    assert pm.param_bytes(cfg) == sum(v.nbytes for v in w.values())
+    w, cfg2 = pm.pad_mlp(*pm.append_layers(w, cfg, 2, 0.1, 0, 1.0), 1024)
+    assert pm.param_bytes(cfg2) == sum(v.nbytes for v in w.values())
     wide = {**cfg, "intermediate_size": 4096}
     assert pm.width_for_bytes(cfg, pm.param_bytes(wide)) == 4096
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # builds and writes a 0.7 GB verifier
 def test_the_wide_verifier_is_smollm2_and_mlx_lm_reads_it(tmp_path: Path):
     import mlx_lm
 
-    from macfleet.bench.pair_dial import greedy_answer
+    from macfleet.bench.pair_dial import agreement, greedy_answers
     from macfleet.engine.models import load_model
     from macfleet.engine.text import encode_prompt
 
-    path = pm.build_pair_verifier(3072, extra_layers=1, eps=0.0, out=tmp_path / "v")
+    path = pm.build_pair_verifier(2048, extra_layers=1, eps=0.0, out=tmp_path / "v")
     wide, base = load_model(str(path), cached=False), load_model(pm.DRAFT_SPEC)
-    assert wide.model.args.intermediate_size == 3072 and wide.num_layers == 31
-    for p in ("Explain what a rainbow is.", "List three uses of a paperclip."):
-        ids = encode_prompt(base.tokenizer, p, chat=True)
-        assert greedy_answer(wide.model, ids, 32) == greedy_answer(base.model, ids, 32)
+    assert wide.model.args.intermediate_size == 2048 and wide.num_layers == 31
+    ids = [encode_prompt(base.tokenizer, p, chat=True)
+           for p in ("Explain what a rainbow is.", "List three uses of a paperclip.")]
+    assert greedy_answers(wide.model, ids, 32) == greedy_answers(base.model, ids, 32)
+    assert agreement(path, prompts=["Name a colour."], tokens=8) == 1.0
     model, tok = mlx_lm.load(str(path))
     assert model.args.num_hidden_layers == 31 and tok.encode("hello") == \
         base.tokenizer.encode("hello")
+
+
+def test_bisection_stops_within_tolerance():
+    calls: list[float] = []
+
+    def measure(eps: float) -> float:
+        calls.append(eps)
+        return 0.81
+
+    s = bisect_log(measure, 0.8, 0.01, 1.0, 5, tolerance=0.02)
+    assert len(calls) == 1 and s.eps == pytest.approx(0.1)
+
+
+def test_dial_runs_of_one_instrument_merge_by_target():
+    from macfleet.cli.bench_pair_dial import merge_dial
+
+    base = dict(extra_layers=2, seed=0, calibration_width=1536, prompts=["a"], tokens=64)
+    a = {**base, "settings": [{"target": 0.8, "eps": 0.1, "acceptance": 0.79}],
+         "measured": [{"eps": 0.1, "acceptance": 0.79}]}
+    b = {**base, "settings": [{"target": 0.6, "eps": 0.3, "acceptance": 0.61}],
+         "measured": [{"eps": 0.3, "acceptance": 0.61}]}
+    m = merge_dial(a, b)
+    assert [s["target"] for s in m["settings"]] == [0.6, 0.8]
+    c = {**base, "settings": [{"target": 0.6, "eps": 0.5, "acceptance": 0.5}],
+         "measured": [{"eps": 0.5, "acceptance": 0.5}]}
+    assert merge_dial(m, c)["settings"][0]["eps"] == 0.3  # a farther point does not win
+    assert [p["eps"] for p in m["measured"]] == [0.1, 0.3]
+    assert merge_dial({**a, "tokens": 96}, b) == b  # another instrument: replaced
