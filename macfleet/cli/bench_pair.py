@@ -13,8 +13,9 @@ def add_bench_parsers(bs) -> None:
         "pair", help="a wide SmolLM2 verifier with the real SmolLM2 as its draft model: plain "
         "and drafting in series against mlx-lm on one core, then a draft-model agent drafting "
         "ahead on a second core (results/pair.json, pair.png)")
-    p.add_argument("--widths", default="6144,auto",
-                   help="verifier MLP widths (auto: the c≈0.15 width of results/pair_dial.json)")
+    p.add_argument("--widths", default="5120,auto",
+                   help="verifier MLP widths: 5120 (with the dial's 2 extra layers: c ≈ 0.4 by "
+                   "bytes), auto (the c ≈ 0.15 width of results/pair_dial.json)")
     p.add_argument("--acceptance", default="0.95,0.8,0.6",
                    help="target per-token acceptances, each set by the dial of "
                    "results/pair_dial.json (`macfleet bench pair-dial` writes it)")
