@@ -191,12 +191,10 @@ def run_down(args) -> int:
 
 
 def run_ls(args) -> int:
-    from macfleet.fleet.client import fleet_id
-    from macfleet.fleet.client import discover, probe
+    from macfleet.fleet.client import fleet_id, members, probe
 
     key = fleet_key(args)
-    fid = fleet_id(key)
-    cards = discover(fid, wait_s=args.wait)
+    cards = members(key, wait_s=args.wait)  # probed: only cards whose tag checks
     statuses = [probe(c, key) for c in cards]
     rows = []
     for s in sorted(statuses, key=lambda s: s.card.name):
@@ -213,10 +211,10 @@ def run_ls(args) -> int:
             "error": s.error,
         })
     if args.json:
-        print(json.dumps({"fleet_id": fid, "agents": rows}, indent=2))
+        print(json.dumps({"fleet_id": fleet_id(key), "agents": rows}, indent=2))
         return 0
     if not rows:
-        print(f"no agents found in fleet {fid} (start some with `macfleet up`)", file=sys.stderr)
+        print(f"no agents found in fleet {fleet_id(key)} (start some with `macfleet up`)", file=sys.stderr)
         return 1
     print(f"{'NAME':14s} {'ROLE':9s} {'MODEL':10s} {'ENDPOINT':24s} {'MEM FREE':>9s} "
           f"{'SESS':>4s} {'RTT ms':>7s}  STATE")

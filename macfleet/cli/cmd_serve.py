@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
 
 def fleet_engine(args, draft_tokens):
     """A RemoteEngine on the fleet's verifier agent, or None (no key, no live verifier)."""
-    from macfleet.fleet.client import NoFleet, choose_roles, discover, fleet_id, probe
+    from macfleet.fleet.client import NoFleet, choose_roles, members, probe
     from macfleet.fleet.keys import KeyMissing, resolve_key
     from macfleet.serve.remote import RemoteEngine
 
@@ -76,7 +76,7 @@ def fleet_engine(args, draft_tokens):
         key = resolve_key(args.key, open_fleet=args.open)
     except KeyMissing:
         return None
-    cards = discover(fleet_id(key), wait_s=args.wait, expect=2)
+    cards = members(key, wait_s=args.wait, expect=2)
     try:
         verifier, proposers = choose_roles([probe(c, key, pings=1) for c in cards], args.model)
     except NoFleet as e:
