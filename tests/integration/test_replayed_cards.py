@@ -1,0 +1,144 @@
+"""A keyless attacker re-advertises a genuine proposer card (its real fleet-key tag) at other
+ports: one card points at a TCP relay to the real proposer (so its pings answer), one at a
+plain listener. `macfleet generate` through the real local fleet still answers (rc 0, the same
+text as without them) and opens no connection to either endpoint (issue 47; before, it probed
+both, 13 connections, and failed with rc 2: "forbidden: ... is not an agent of this fleet").
+
+Everything is real: two agent processes (tiny model), Zeroconf on 127.0.0.1, the CLI as a
+subprocess in fleet mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from bridge.discovery import LOOPBACK_ONLY, Advertiser
+from fleetkit import local_fleet
+from macfleet.fleet.client import discover
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+MODEL = "tiny:1"
+PROMPT = "the cat sat on the mat"
+
+
+class Listener:
+    """A TCP listener on 127.0.0.1 that counts connections; with `to`, a relay to that port."""
+
+    def __init__(self, to: int | None = None) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.to, self.accepted, self._open = to, 0, True
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while self._open:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.to is None:
+                conn.close()
+                continue
+            up = socket.create_connection(("127.0.0.1", self.to), timeout=5)
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        self._open = False
+        self.sock.close()
+
+
+def _pump(a: socket.socket, b: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := a.recv(65536):
+            b.sendall(data)
+    with contextlib.suppress(OSError):
+        b.shutdown(socket.SHUT_WR)
+
+
+@contextlib.contextmanager
+def replayed(card, port: int, tag: str) -> Iterator[Advertiser]:
+    """The genuine card, its tag and stamp untouched, advertised at another port (no key)."""
+    copy = replace(card, node_id=f"{card.node_id}-{tag}", name=f"replayed-{tag}",
+                   router_port=port)
+    adv = Advertiser(copy, interfaces=LOOPBACK_ONLY)
+    try:
+        yield adv
+    finally:
+        adv.close()
+
+
+def generate(env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "macfleet", "generate", PROMPT, "--json", "--model", MODEL,
+         "--no-chat", "--proposer", "ngram", "--draft-tokens", "3", "--max-tokens", "24",
+         "--wait", "3"], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_generate_ignores_replayed_cards_and_never_connects_to_them(tmp_path):
+    """Four replayed cards (two relays, two listeners) beside the fleet's two, and three runs:
+    the client stops browsing once it has seen two cards, so which it sees first is chance;
+    before the fix some run always picked a replayed one (1 in 3,375 that none did)."""
+    env = dict(os.environ)
+    with local_fleet(tmp_path, model=MODEL) as fleet:
+        env["MACFLEET_KEY"] = str(fleet["key_path"])
+        ref = generate(env)
+        assert ref.returncode == 0, ref.stderr
+        want = json.loads(ref.stdout.strip().splitlines()[-1])
+        proposer = fleet["proposer"]
+        doors = [Listener(to=proposer.router_port), Listener(to=proposer.router_port),
+                 Listener(), Listener()]
+        try:
+            with contextlib.ExitStack() as stack:
+                for i, door in enumerate(doors):
+                    stack.enter_context(replayed(proposer, door.port, str(i)))
+                seen = {c.name for c in discover(None, loopback=True, wait_s=10, expect=6)}
+                assert len(seen & {f"replayed-{i}" for i in range(4)}) >= 3, seen  # advertised
+                runs = [generate(env) for _ in range(3)]
+        finally:
+            for door in doors:
+                door.close()
+    for got in runs:
+        assert got.returncode == 0, got.stderr
+        out = json.loads(got.stdout.strip().splitlines()[-1])
+        assert out["text"] == want["text"] and out["token_ids"] == want["token_ids"]
+        fleet_stats = out["stats"]["fleet"]
+        assert fleet_stats is not None, "generated in-process: it saw no verifier"
+        assert fleet_stats["proposer_agents"] == [proposer.name]  # remote drafts
+    assert [d.accepted for d in doors] == [0] * 4, "connected to a replayed card"
+
+
+def test_a_proposer_the_verifier_refuses_costs_its_drafts_not_the_answer():
+    """In-process agents: a verifier that may reach no peer at all refuses the proposer the
+    client names ("forbidden", before any token); the client goes on without it."""
+    from agents.daemon import Agent, AgentConfig
+    from macfleet.fleet.client import Done, ProposerRefused, generate, generate_with
+
+    key = b"R" * 32
+    made = {role: Agent(AgentConfig(role=role, model=MODEL, key=key, advertise=False))
+            for role in ("proposer", "verifier")}
+    try:
+        v, p = made["verifier"].card, made["proposer"].card
+        request = dict(prompt=PROMPT, chat=False, max_tokens=12, proposer_spec="ngram",
+                       draft_tokens=3)
+        alone = [e for e in generate(v, key, **request) if isinstance(e, Done)][-1]
+        events = list(generate_with(v, key, [p], **request))
+    finally:
+        for a in made.values():
+            a.close()
+    refused = [e for e in events if isinstance(e, ProposerRefused)]
+    assert len(refused) == 1 and p.router_endpoint in refused[0].why, events
+    done = events[-1]
+    assert isinstance(done, Done) and done.token_ids == alone.token_ids
