@@ -54,8 +54,8 @@ def test_a_grammar_past_the_engines_limits_is_a_400_naming_the_field_and_limit(s
     r = _post(server, {"model": "tiny:1:64", "max_tokens": 8,
                        "messages": [{"role": "user", "content": "hi"}],
                        "response_format": {"type": "grammar", "grammar": lark}})
-    err = r.json()["error"]
     assert r.status_code == 400, r.text
+    err = r.json()["error"]
     assert err["param"] == "response_format.grammar" and "max is 2000" in err["message"], err
     assert wait_idle(server)["iterations"] == server.health()["iterations"]
     # one alternative fewer runs, and its answer is one of them
