@@ -13,71 +13,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from dataclasses import replace
 
 import pytest
 
-from bridge.discovery import LOOPBACK_ONLY, Advertiser
 from fleetkit import local_fleet
+from macfleet.bench.third_pass import Listener, replayed
 from macfleet.fleet.client import discover
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 MODEL = "tiny:1"
 PROMPT = "the cat sat on the mat"
-
-
-class Listener:
-    """A TCP listener on 127.0.0.1 that counts connections; with `to`, a relay to that port."""
-
-    def __init__(self, to: int | None = None) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.to, self.accepted, self._open = to, 0, True
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while self._open:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            if self.to is None:
-                conn.close()
-                continue
-            up = socket.create_connection(("127.0.0.1", self.to), timeout=5)
-            for a, b in ((conn, up), (up, conn)):
-                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
-
-    def close(self) -> None:
-        self._open = False
-        self.sock.close()
-
-
-def _pump(a: socket.socket, b: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        while data := a.recv(65536):
-            b.sendall(data)
-    with contextlib.suppress(OSError):
-        b.shutdown(socket.SHUT_WR)
-
-
-@contextlib.contextmanager
-def replayed(card, port: int, tag: str) -> Iterator[Advertiser]:
-    """The genuine card, its tag and stamp untouched, advertised at another port (no key)."""
-    copy = replace(card, node_id=f"{card.node_id}-{tag}", name=f"replayed-{tag}",
-                   router_port=port)
-    adv = Advertiser(copy, interfaces=LOOPBACK_ONLY)
-    try:
-        yield adv
-    finally:
-        adv.close()
 
 
 def generate(env: dict) -> subprocess.CompletedProcess:
