@@ -412,5 +412,6 @@ def response_format(v: Any) -> Grammar | None:
         raise RequestError(f"'{field}' is over {MAX_GRAMMAR_CHARS} characters", param=field)
     err = grammar_error(grammar)
     if err is not None:
-        raise RequestError(f"'{field}' cannot be compiled or run: {err.strip()[:500]}", param=field)
+        raise RequestError(f"'{field}' cannot be compiled or run: {err.strip()[:500]}",
+                           param=field)
     return grammar
