@@ -74,6 +74,8 @@ def add_parser(sub) -> None:
     u.add_argument("--no-pin", action="store_true", help="do not pin agents to cores")
     u.add_argument("--f3-probe", action="store_true", help="the verifier measures F3 per block")
     u.add_argument("--serve", action="store_true", help="then serve the OpenAI API on it")
+    u.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="with --serve: as serve --api-key (repeat it: a prompt cache per key)")
     u.add_argument("--batch-sessions", type=int, default=None, metavar="N",
                    help="the verifier's continuous batch: sessions per forward (default 16; "
                         "0: one session at a time)")

@@ -129,6 +129,8 @@ def serve_fleet(up_args) -> int:
     argv = ["serve", "--model", up_args.model, "--wait", "5"]
     argv += ["--open"] if getattr(up_args, "open", False) else []
     argv += ["--key", up_args.key] if getattr(up_args, "key", None) else []
+    for api_key in getattr(up_args, "api_key", None) or ():
+        argv += ["--api-key", api_key]
     args = sub.choices["serve"].parse_args(argv[1:])
     return run(args)
 

@@ -203,7 +203,8 @@ class RemoteEngine:
                                    proposers=remote, proposer_spec=self.proposer_spec,
                                    top_logprobs=req.logprobs,
                                    grammar=((req.grammar.kind, req.grammar.source)
-                                            if req.grammar is not None else ("", ""))):
+                                            if req.grammar is not None else ("", "")),
+                                   cache_partition=req.partition):
             if h.cancelled:
                 return "cancelled"  # closes the client; the agent finishes on its own
             if isinstance(msg, GenerateChunk) and msg.token_ids:

@@ -31,9 +31,6 @@ FLOOD = 12
 TINY_MESSAGES = 28_000
 MODELS_WITHIN_S = 0.5
 
-pytestmark = pytest.mark.slow  # a `macfleet serve` process
-
-
 @pytest.fixture(scope="module")
 def server():
     s = start_server("--api-key", KEY_B, "--prompt-cache-mb", "64", "--chat-template",
@@ -49,6 +46,7 @@ def _post(s, body: dict, key: str = KEY_A, timeout: float = 60) -> httpx.Respons
                       headers={"Authorization": f"Bearer {key}"})
 
 
+@pytest.mark.slow  # the module's `macfleet serve` process
 def test_a_grammar_past_the_engines_limits_is_a_400_naming_the_field_and_limit(server):
     lark = "start: " + " | ".join(f'"t{i}"' for i in range(2000))
     r = _post(server, {"model": "tiny:1:64", "max_tokens": 8,
@@ -105,6 +103,7 @@ def _within(server, size: int) -> float:
     return max(MODELS_WITHIN_S, 2 * worst)
 
 
+@pytest.mark.slow  # the module's `macfleet serve` process
 def test_floods_of_huge_message_arrays_leave_the_event_loop_free(server):
     tiny = json.dumps({"model": "tiny:1:64", "max_tokens": 1, "messages": [
         {"role": "user", "content": "a"}] * TINY_MESSAGES}).encode()
@@ -123,6 +122,7 @@ def test_floods_of_huge_message_arrays_leave_the_event_loop_free(server):
     assert statuses == [400] * FLOOD and set(codes) == {"context_length_exceeded"}, codes
 
 
+@pytest.mark.slow  # the module's `macfleet serve` process
 def test_the_prompt_cache_is_one_per_api_key(server):
     secret = [{"role": "system", "content": "the launch code is " + "abcdefgh " * 12},
               {"role": "user", "content": "what is it?"}]
@@ -156,3 +156,13 @@ def test_api_keys_repeat_or_come_one_a_line_from_a_file(tmp_path, monkeypatch):
     f.write_text("\n")
     with pytest.raises(UserError):
         _api_keys(Namespace(api_key=None, api_key_file=f))
+
+
+def test_up_serve_passes_its_api_keys_on(monkeypatch):
+    from macfleet.cli import cmd_serve
+
+    got = []
+    monkeypatch.setattr(cmd_serve, "run", lambda args: got.append(args) or 0)
+    assert cmd_serve.serve_fleet(Namespace(model="tiny:1", open=False, key=None,
+                                           api_key=[KEY_A, KEY_B])) == 0
+    assert got[0].api_key == [KEY_A, KEY_B]
