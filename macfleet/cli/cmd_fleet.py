@@ -216,7 +216,8 @@ def run_ls(args) -> int:
         print(json.dumps({"fleet_id": fleet_id(key), "agents": rows}, indent=2))
         return 0
     if not rows:
-        print(f"no agents found in fleet {fleet_id(key)} (start some with `macfleet up`)", file=sys.stderr)
+        print(f"no agents found in fleet {fleet_id(key)} (start some with `macfleet up`)",
+              file=sys.stderr)
         return 1
     print(f"{'NAME':14s} {'ROLE':9s} {'MODEL':10s} {'ENDPOINT':24s} {'MEM FREE':>9s} "
           f"{'SESS':>4s} {'RTT ms':>7s}  STATE")

@@ -159,8 +159,10 @@ def test_live_sessions_share_prompt_prefixes_only_within_a_partition(tiny, parts
     prompt = tuple(np.random.default_rng(3).integers(0, 64, 60).tolist())
     engine = BatchEngine(tiny, proposer="none", prompt_cache_bytes=64 << 20)
     reused = {}
+    def emit(i: int):
+        return lambda ev: isinstance(ev, PromptReused) and reused.update({i: ev.tokens})
+
     for i, part in enumerate(parts):
-        engine.submit(EngineRequest(prompt, GREEDY, 4, partition=part),
-                      lambda ev, i=i: isinstance(ev, PromptReused) and reused.update({i: ev.tokens}))
+        engine.submit(EngineRequest(prompt, GREEDY, 4, partition=part), emit(i))
     engine.run_until_idle()
     assert bool(reused.get(1, 0)) == shared, reused
