@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -72,7 +73,12 @@ def test_a_proposer_the_verifier_refuses_costs_its_drafts_not_the_answer():
     """In-process agents: a verifier that may reach no peer at all refuses the proposer the
     client names ("forbidden", before any token); the client goes on without it."""
     from agents.daemon import Agent, AgentConfig
-    from macfleet.fleet.client import Done, ProposerRefused, generate, generate_with
+    from macfleet.engine.events import Finished
+    from macfleet.engine.sampling import GREEDY
+    from macfleet.fleet.client import (AgentStatus, Done, ProposerRefused, generate,
+                                       generate_with)
+    from macfleet.serve.remote import RemoteEngine
+    from macfleet.serve.engine import EngineRequest
 
     key = b"R" * 32
     made = {role: Agent(AgentConfig(role=role, model=MODEL, key=key, advertise=False))
@@ -83,6 +89,19 @@ def test_a_proposer_the_verifier_refuses_costs_its_drafts_not_the_answer():
                        draft_tokens=3)
         alone = [e for e in generate(v, key, **request) if isinstance(e, Done)][-1]
         events = list(generate_with(v, key, [p], **request))
+        # `macfleet serve` in front of the fleet does the same
+        engine = RemoteEngine(AgentStatus(v, None, ()), [AgentStatus(p, None, ())], key,
+                              draft_tokens=3)
+        finished = threading.Event()
+        got = []
+
+        def emit(ev) -> None:
+            got.append(ev)
+            if isinstance(ev, Finished) or type(ev).__name__ == "SessionFailed":
+                finished.set()
+
+        engine.submit(EngineRequest((1,) * len(PROMPT), GREEDY, 12, text=PROMPT), emit)
+        assert finished.wait(60), got
     finally:
         for a in made.values():
             a.close()
@@ -90,3 +109,4 @@ def test_a_proposer_the_verifier_refuses_costs_its_drafts_not_the_answer():
     assert len(refused) == 1 and p.router_endpoint in refused[0].why, events
     done = events[-1]
     assert isinstance(done, Done) and done.token_ids == alone.token_ids
+    assert isinstance(got[-1], Finished) and got[-1].token_ids == alone.token_ids, got[-1]
