@@ -10,7 +10,6 @@ keeps serving.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import json
 import logging
@@ -30,6 +29,7 @@ from starlette.routing import Route
 from macfleet.engine.constraint import Grammar, GrammarError
 from macfleet.fleet.batch import BATCH_PATH
 from macfleet.serve.engine import EngineRequest, Overloaded
+from macfleet.serve.intake import decode_body, partition
 from macfleet.serve.logprobs import (TokenLogprob, TokenText, chat_content, completion_logprobs,
                                      token_text)
 from macfleet.serve.prompt import Prompt, render_prompt
@@ -54,15 +54,6 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     chat_template: str | None = None  # replaces the model's own (serve --chat-template)
-
-
-def partition(config: ServerConfig, key: str) -> str:
-    """The prompt-cache partition of a request that carried `key` (pure): "" for a server of
-    one key or none (one cache, as before), else a hash of the key, so what one key's prompts
-    left in the cache (cached_tokens, time to first token) never shows in another's answers."""
-    if len(config.api_keys) <= 1:
-        return ""
-    return hashlib.sha256(b"macfleet-cache-partition\0" + key.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -102,7 +93,7 @@ class Api:
         if not ok:
             raise RequestError("missing or wrong API key (Authorization: Bearer KEY)",
                                status=401, code="invalid_api_key")
-        return partition(self.cfg, token)
+        return partition(self.cfg.api_keys, token)
 
     async def _body(self, request: Request) -> bytes:
         limit = self.cfg.limits.max_body_bytes
@@ -121,7 +112,7 @@ class Api:
     def _prepare(self, buf: bytes, chat: bool) -> _Prepared:
         """Decode, validate, render and tokenise a request, and check its grammar (a worker
         thread's work: a large body or a long chat would hold the event loop)."""
-        req = parse_request(_json(buf), chat=chat, limits=self.cfg.limits)
+        req = parse_request(decode_body(buf), chat=chat, limits=self.cfg.limits)
         if req.model is not None and req.model != self.cfg.model_id:
             raise RequestError(f"model '{req.model}' is not served here; this server serves "
                                f"'{self.cfg.model_id}' (GET /v1/models)", param="model",
@@ -350,23 +341,6 @@ def _grammar(req: GenerationRequest, prompt: Prompt) -> tuple[Grammar | None, st
     except ToolGrammarError as e:  # parse_request checked it already, for any format
         raise RequestError(str(e), param=e.param) from None
     return (g, "tool_choice") if g is not None else (req.grammar, "response_format")
-
-
-def _dict(pairs: list[tuple[str, object]]) -> dict:
-    return dict(pairs)
-
-
-def _json(buf: bytes) -> object:
-    """The body decoded. Every JSON object goes through a Python hook (`_dict`, what json does
-    by default): the C decoder would otherwise hold the GIL for a whole body (~60-90 ms for a
-    1 MB array of 28,000 messages here), so the event loop, which needs the GIL too, would wait
-    each one out; with the hook the interpreter hands the GIL over every few milliseconds."""
-    try:
-        return json.loads(buf, object_pairs_hook=_dict)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RequestError(f"the body is not valid JSON: {e}") from None
-    except RecursionError:  # [[[[...]]]] deeper than the parser's stack
-        raise RequestError("the body's JSON is nested too deeply") from None
 
 
 def _event(obj: dict) -> str:
