@@ -47,8 +47,7 @@ def byte_tokenizer():
 
 def _failed(tokens: int, err: str) -> str:
     first = (err.strip().splitlines() or ["grammar engine error"])[0][:300]
-    return (f"the grammar runs past the grammar engine's limits {tokens} token"
-            f"{'' if tokens == 1 else 's'} in: {first}")
+    return f"the grammar engine fails {tokens} token{'' if tokens == 1 else 's'} in: {first}"
 
 
 def run_error(text: str, tokenizer=None, steps: int = PROBE_STEPS) -> str | None:
