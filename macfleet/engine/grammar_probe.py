@@ -69,7 +69,8 @@ def run_error(text: str, tokenizer=None, steps: int = PROBE_STEPS) -> str | None
                              bitorder="little")[:vocab]
         if m.is_error():
             return _failed(step, m.get_error())
-        allowed = [int(t) for t in np.flatnonzero(bits) if int(t) not in eos]
+        # the lowest allowed ids, enough of them to hold one that is not end-of-sequence
+        allowed = [int(t) for t in np.flatnonzero(bits)[:len(eos) + 1] if int(t) not in eos]
         nxt = forced[:1] or allowed[:1]
         if not nxt:
             return None  # only end-of-sequence (or nothing) is allowed: the walk is over
