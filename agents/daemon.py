@@ -133,7 +133,8 @@ class Agent:
             from bridge.discovery import Browser
 
             self._browser = Browser(fleet_id=fleet_id(cfg.key), interfaces=(
-                LOOPBACK_ONLY if cfg.loopback_only else ALL_INTERFACES))
+                LOOPBACK_ONLY if cfg.loopback_only else ALL_INTERFACES),
+                accept=lambda c: signed(c, cfg.key))  # no forged card displaces a member's
         b = self._browser
         self.peers = PeerAllowlist(cfg.key, cfg.allow_peers,
                                    cards=b.cards if b else lambda: (),
@@ -309,13 +310,13 @@ class Agent:
         threading.Thread(target=work, name=f"preset-{preset.name}", daemon=True).start()
 
     def refresh_card(self) -> None:
-        """Re-announce when what the card says changed (free memory, quantised to 64 MiB)."""
+        """Re-announce when what the card says changed (free memory, quantised to 64 MiB) or
+        its tag is due to be re-signed (bridge.peers: tags go stale)."""
         if self.advertiser is None:
             return
         new = replace(self.advertiser.card, mem_free=sysinfo.memory_free() // 2**26 * 2**26)
-        if new != self.advertiser.card:
-            self.advertiser.update(new)
-            self.card = self.advertiser.card
+        self.advertiser.update(new)
+        self.card = self.advertiser.card
 
     def serve_forever(self, card_refresh_s: float = DEFAULT_CARD_REFRESH_S) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):

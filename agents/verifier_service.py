@@ -61,6 +61,8 @@ def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:
         raise ProtocolError(BAD_REQUEST, f"prompt longer than {MAX_PROMPT_CHARS} characters "
                                          f"(the limit is {MAX_PROMPT_TOKENS} tokens)")
     check_id(msg.request_id, "request_id")
+    if msg.cache_partition:
+        check_id(msg.cache_partition, "cache_partition")
     if len(msg.prefix_ids) > msg.max_tokens:
         raise ProtocolError(BAD_REQUEST, "prefix_ids are counted in max_tokens: at most "
                                          f"{msg.max_tokens} of them")

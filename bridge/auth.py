@@ -116,14 +116,18 @@ def fleet_id(key: bytes | None) -> str:
     return hashlib.sha256(_FLEET_ID_DOMAIN + key).hexdigest()[:16]
 
 
-_CARD_DOMAIN = b"macfleet-card-v1\0"
+_CARD_DOMAIN = b"macfleet-card-v2\0"
 CARD_SIG = "sig"  # the AgentCard.extra entry (TXT "x-sig") carrying the card's tag
+CARD_STAMP = "ts"  # the AgentCard.extra entry (TXT "x-ts"): when the tag was made, Unix seconds
 
 
 def card_tag(key: bytes, fleet: str, node_id: str, host: str, router_port: int,
-             pub_port: int) -> str:
-    """An HMAC of where an agent says it listens, under the fleet key (pure): a card whose tag
-    checks was advertised by a key holder for exactly that address, so an agent may connect to
-    it on a request's word. 128 bits, hex: public, it proves and reveals nothing else."""
-    msg = "\0".join((fleet, node_id, host.lower(), str(int(router_port)), str(int(pub_port))))
+             pub_port: int, stamp: int) -> str:
+    """An HMAC of where an agent says it listens and when it said so, under the fleet key
+    (pure): a card whose tag checks was advertised by a key holder for exactly that address,
+    at `stamp` (`bridge.peers` refuses stale stamps, so a recorded card cannot be replayed
+    for long once its agent is gone). 128 bits, hex: public, it proves and reveals nothing
+    else."""
+    msg = "\0".join((fleet, node_id, host.lower(), str(int(router_port)), str(int(pub_port)),
+                     str(int(stamp))))
     return hmac.new(key, _CARD_DOMAIN + msg.encode(), hashlib.sha256).hexdigest()[:32]

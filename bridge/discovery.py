@@ -38,7 +38,7 @@ from zeroconf import InterfaceChoice, IPVersion, ServiceInfo, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo
 
 from bridge.card import SERVICE_TYPE, AgentCard
-from bridge.peers import sign
+from bridge.peers import resign_after_s, sign, stamp_of
 from bridge.roster import (CardAdded, CardRemoved, CardUpdated, DiscoveryEvent, Roster,
                            Sighting, nodes_present)
 from bridge.txt import (
@@ -162,7 +162,8 @@ class Advertiser:
         key: bytes | None = None,
     ) -> None:
         """key: the fleet key; the card is advertised with its tag (`bridge.peers.sign`) for
-        the host it is advertised at, so other agents may connect to it on a request's word."""
+        the host it is advertised at and the time, so other agents may connect to it on a
+        request's word; `update` re-signs it once the tag is `resign_after_s` old."""
         self._interfaces = interfaces
         self._update_timeout_s = update_timeout_s
         self._close_timeout_s = close_timeout_s
@@ -218,7 +219,11 @@ class Advertiser:
             raise RuntimeError("advertiser is closed")
         if card.node_id != self._card.node_id:
             raise ValueError(f"update changes node id {self._card.node_id} -> {card.node_id}")
-        card = sign(replace(card, host=advertised_host(card, self._interfaces)), self._key)
+        stamp = stamp_of(self._card)
+        if stamp is not None and time.time() - stamp >= resign_after_s():
+            stamp = None  # a fresh tag, before the old one goes stale
+        card = sign(replace(card, host=advertised_host(card, self._interfaces)), self._key,
+                    stamp)
         info = self._service_info(card, self._info.name)
         if (info.text, info.port, info.addresses) == (self._info.text, self._info.port,
                                                       self._info.addresses):
@@ -254,7 +259,9 @@ class Browser:
     ``on_change(event)`` runs on zeroconf's loop thread: it must be quick and must not call
     blocking methods of an Advertiser or Browser (post the event to your own thread instead).
     Records that fail to parse or speak another protocol are logged once per service and
-    skipped.
+    skipped; so are cards ``accept`` refuses (agents and clients pass `bridge.peers.signed`
+    under their key: a replayed or forged card never enters the roster, so it can neither be
+    connected to nor displace the card of the member whose node id it copies).
     """
 
     def __init__(
@@ -268,8 +275,10 @@ class Browser:
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        accept: Callable[[AgentCard], bool] | None = None,
     ) -> None:
         self._on_change = on_change
+        self._accept = accept
         self._resolve_timeout_ms = int(resolve_timeout_s * 1000)
         self._close_timeout_s = close_timeout_s
         self._clock = clock
@@ -319,12 +328,20 @@ class Browser:
             card = card_from_txt(info.properties, address=address)
         except TxtRecordError as exc:
             level = logging.INFO if isinstance(exc, TxtProtocolError) else logging.WARNING
-            if (name, str(exc)) not in self._warned:
-                self._warned.add((name, str(exc)))
-                log.log(level, "skipping %s: %s", name, exc)
-            self._apply(lambda now: self._roster.forget(name, now))
+            self._skip(name, str(exc), level)
+            return
+        if self._accept is not None and not self._accept(card):
+            if self._roster.keeps(card):
+                self._skip(name, f"its tag does not check (a forged, replayed or stale card "
+                                 f"for {card.router_endpoint})", logging.WARNING)
             return
         self._apply(lambda now: self._roster.observe(name, card, now))
+
+    def _skip(self, name: str, why: str, level: int) -> None:
+        if (name, why) not in self._warned:
+            self._warned.add((name, why))
+            log.log(level, "skipping %s: %s", name, why)
+        self._apply(lambda now: self._roster.forget(name, now))
 
     def _apply(self, change: Callable[[float], list[DiscoveryEvent]]) -> None:
         with self._cond:

@@ -268,6 +268,9 @@ class GenerateRequest:
     # "json_schema" (source: the schema's JSON), "regex" or "grammar" (source: Lark)
     grammar_kind: str = ""
     grammar_source: str = ""
+    # whose prompt cache the request reads and fills on the verifier ("" the shared one; a
+    # serve of several API keys sends each key's hash): prefixes cross no partition
+    cache_partition: str = ""
 
 
 MAX_TOP_LOGPROBS = 20  # what the OpenAI API allows for top_logprobs

@@ -60,6 +60,10 @@ class Roster:
         self._by_node: dict[str, Sighting] = {}
         self._node_of: dict[str, str] = {}  # service name -> node id
 
+    def keeps(self, card: AgentCard) -> bool:
+        """Whether the card is of the fleet this roster keeps."""
+        return self._fleet_id is None or card.fleet_id == self._fleet_id
+
     def observe(self, service: str, card: AgentCard, now: float) -> list[DiscoveryEvent]:
         if self._fleet_id is not None and card.fleet_id != self._fleet_id:
             log.debug("ignoring %s: fleet %s, not %s", service, card.fleet_id, self._fleet_id)

@@ -21,13 +21,20 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--messages", type=int, default=3000, help="fuzz messages in all")
     s.add_argument("--skip-encryption", action="store_true")
     s.add_argument("--skip-fuzz", action="store_true")
-    s.add_argument("--only", choices=("encryption", "fuzz", "faults", "flood", "closed"),
+    s.add_argument("--only", choices=("encryption", "fuzz", "faults", "flood", "closed",
+                                      "third"),
                    default=None,
                    help="re-run one part; the file's other figures are kept (faults: the "
                    "fault cases incl. the ring cut in the netns test bed; flood: idle "
                    "connections from one address; closed: five attacks on a fresh local "
                    "fleet -- SSRF, session slots, session ownership, keyless churn, a rogue "
-                   "client key)")
+                   "client key; third: replayed Zeroconf cards, a grammar past the grammar "
+                   "engine's limits, a flood of huge message arrays, two API keys' prompt "
+                   "caches)")
+    s.add_argument("--case", action="append", default=None, metavar="CASE",
+                   help="with --only third: only these cases (replayed_cards, "
+                   "grammar_past_limits, message_flood, cache_per_key); the others' figures "
+                   "are kept")
     s.set_defaults(func=run_security)
 
 
@@ -47,7 +54,7 @@ def _update_security(out, section: dict, parts: tuple[str, ...] = ()):
 
     old = _read_security(out)
     keep = {k: v for k, v in old.items()
-            if k in ("encryption", "fuzz", "closed_fleet") and k not in section}
+            if k in ("encryption", "fuzz", "closed_fleet", "third_pass") and k not in section}
     commands = {**old.get("commands", {}), **{k: " ".join(["macfleet", *sys.argv[1:]])
                                                 for k in parts or section}}
     return write_result("security.json", {**keep, **section, "commands": commands}, out)
@@ -95,6 +102,26 @@ def _run_closed(args) -> int:
     return 0
 
 
+def _run_third(args) -> int:
+    from macfleet.bench.third_pass import PARTS, third_pass
+
+    cases = tuple(getattr(args, "case", None) or PARTS)
+    unknown = sorted(set(cases) - set(PARTS))
+    if unknown:
+        from macfleet.cli.common import UserError
+
+        raise UserError(f"--case {', '.join(unknown)}: one of {', '.join(PARTS)}")
+    res = third_pass(progress=_progress, parts=cases)
+    old = _read_security(args.out).get("third_pass", {})
+    merged = {**old, **res} if set(cases) != set(PARTS) else res
+    for case in cases:
+        print(f"{case}: {res[case]}")
+    path = _update_security(args.out, {"third_pass": merged},
+                            tuple(f"third_pass.{c}" for c in cases))
+    print(f"wrote {path}")
+    return 0
+
+
 def _print_fault(case: str, f: dict) -> None:
     if "skipped" in f:
         print(f"fault {case}: skipped ({f['skipped']})")
@@ -109,6 +136,8 @@ def run_security(args, *, fuzz: bool | None = None, encryption: bool | None = No
         return _run_part(args, only)
     if only == "closed":
         return _run_closed(args)
+    if only == "third":
+        return _run_third(args)
     if only == "encryption":
         fuzz = False
     elif only == "fuzz":

@@ -55,13 +55,13 @@ def _extensions() -> list:
 
 def run_fleet_profile(args) -> int:
     from macfleet.cli.common import UserError, fleet_key
-    from macfleet.fleet.client import discover, fleet_id
+    from macfleet.fleet.client import members
     from macfleet.fleet.profile import profile_fleet
 
     if not args.fleet:
         raise UserError("name a benchmark (macfleet bench --help) or use --fleet")
     key = fleet_key(args)
-    cards = discover(fleet_id(key), wait_s=args.wait)
+    cards = members(key, wait_s=args.wait)
     if not cards:
         raise UserError("no agents discovered: start some (macfleet up) or check the key")
     written = profile_fleet(cards, key, args.out, progress)

@@ -82,6 +82,8 @@ def add_parser(sub) -> None:
     u.add_argument("--no-pin", action="store_true", help="do not pin agents to cores")
     u.add_argument("--f3-probe", action="store_true", help="the verifier measures F3 per block")
     u.add_argument("--serve", action="store_true", help="then serve the OpenAI API on it")
+    u.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="with --serve: as serve --api-key (repeat it: a prompt cache per key)")
     u.add_argument("--batch-sessions", type=int, default=None, metavar="N",
                    help="the verifier's continuous batch: sessions per forward (default 16; "
                         "0: one session at a time)")
@@ -210,12 +212,10 @@ def run_down(args) -> int:
 
 
 def run_ls(args) -> int:
-    from macfleet.fleet.client import fleet_id
-    from macfleet.fleet.client import discover, probe
+    from macfleet.fleet.client import fleet_id, members, probe
 
     key = fleet_key(args)
-    fid = fleet_id(key)
-    cards = discover(fid, wait_s=args.wait)
+    cards = members(key, wait_s=args.wait)  # probed: only cards whose tag checks
     statuses = [probe(c, key) for c in cards]
     rows = []
     for s in sorted(statuses, key=lambda s: s.card.name):
@@ -233,10 +233,11 @@ def run_ls(args) -> int:
             "error": s.error,
         })
     if args.json:
-        print(json.dumps({"fleet_id": fid, "agents": rows}, indent=2))
+        print(json.dumps({"fleet_id": fleet_id(key), "agents": rows}, indent=2))
         return 0
     if not rows:
-        print(f"no agents found in fleet {fid} (start some with `macfleet up`)", file=sys.stderr)
+        print(f"no agents found in fleet {fleet_id(key)} (start some with `macfleet up`)",
+              file=sys.stderr)
         return 1
     print(f"{'NAME':14s} {'ROLE':9s} {'MODEL':10s} {'ENDPOINT':24s} {'MEM FREE':>9s} "
           f"{'SESS':>4s} {'RTT ms':>7s}  STATE")

@@ -183,8 +183,8 @@ def run(args) -> int:
 def _replanning(args, key, committed: Progress) -> int:
     """Through the fleet (macfleet.fleet.client.generate_fleet re-plans when a verifier is
     lost); in-process when it has no verifier. committed: what was received, kept on failure."""
-    from macfleet.fleet.client import (Done, NoFleet, Refused, Replanned, Text, VerifierFailed,
-                                       generate_fleet)
+    from macfleet.fleet.client import (Done, NoFleet, ProposerRefused, Refused, Replanned, Text,
+                                       VerifierFailed, generate_fleet)
 
     params = sampling_params(args)
     grammar = response_grammar(args)
@@ -207,6 +207,8 @@ def _replanning(args, key, committed: Progress) -> int:
             elif isinstance(ev, Replanned):
                 print(f"macfleet: {ev.why}; re-planning on the rest of the fleet",
                       file=sys.stderr)
+            elif isinstance(ev, ProposerRefused):
+                print(f"macfleet: {ev.why}", file=sys.stderr)
             elif isinstance(ev, Done):
                 if args.json:
                     print(result_json(ev.stats, ev.text, ev.token_ids))

@@ -39,11 +39,11 @@ def add_parser(sub) -> None:
 
 def live_fleet(args, profile, shape):
     """The discovered agents that answer, as the planner's fleet (topology/inputs.py)."""
-    from macfleet.fleet.client import discover, fleet_id, probe
+    from macfleet.fleet.client import members, probe
     from macfleet.topology.inputs import fleet_from_statuses
 
     key = fleet_key(args)
-    statuses = [probe(c, key) for c in discover(fleet_id(key), wait_s=args.wait)]
+    statuses = [probe(c, key) for c in members(key, wait_s=args.wait)]
     live = [s for s in statuses if s.alive]
     if not live:
         raise UserError("no live agents found (start some with `macfleet up`, or plan a "

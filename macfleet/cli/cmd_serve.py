@@ -27,8 +27,12 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")
     p.add_argument("--model", default="smollm2")
     key = p.add_mutually_exclusive_group()
-    key.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    key.add_argument("--api-key-file", type=Path, default=None)
+    key.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY'; repeat it for several keys "
+                     "(a team): each key then has a prompt cache of its own, so one key's "
+                     "prompts never show in another's cached_tokens or time to first token")
+    key.add_argument("--api-key-file", type=Path, default=None,
+                     help="the API keys, one a line (as --api-key)")
     p.add_argument("--proposer", default="ngram",
                    help="per-session drafts: ngram[:N] | retrieval | layerskip:K | draft:MODEL "
                    "| none, or several joined by '+' (a token tree per block, verified in the "
@@ -64,8 +68,7 @@ def add_parser(sub) -> None:
 
 def fleet_engine(args, draft_tokens):
     """A RemoteEngine on the fleet's verifier agent, or None (no key, no live verifier)."""
-    from macfleet.fleet.client import (NoFleet, choose_roles, discover, drafting_for, fleet_id,
-                                       probe)
+    from macfleet.fleet.client import NoFleet, choose_roles, drafting_for, members, probe
     from macfleet.fleet.keys import KeyMissing, resolve_key
     from macfleet.serve.remote import RemoteEngine
 
@@ -73,7 +76,7 @@ def fleet_engine(args, draft_tokens):
         key = resolve_key(args.key, open_fleet=args.open)
     except KeyMissing:
         return None
-    cards = discover(fleet_id(key), wait_s=args.wait, expect=2)
+    cards = members(key, wait_s=args.wait, expect=2)
     try:
         verifier, proposers = choose_roles([probe(c, key, pings=1) for c in cards], args.model)
     except NoFleet as e:
@@ -87,16 +90,23 @@ def fleet_engine(args, draft_tokens):
                         max_queue=args.max_queue)
 
 
-def _api_key(args) -> str | None:
+def _api_keys(args) -> tuple[str, ...]:
+    """The API keys (none: no key needed): --api-key (repeated), the lines of --api-key-file,
+    else $MACFLEET_API_KEY."""
     if args.api_key_file is not None:
         try:
-            key = args.api_key_file.read_text().strip()
-        except OSError as e:
+            keys = [k.strip() for k in args.api_key_file.read_text().splitlines()]
+        except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read --api-key-file: {e}") from None
-        if not key:
+        keys = [k for k in keys if k]
+        if not keys:
             raise UserError(f"{args.api_key_file} is empty")
-        return key
-    return args.api_key or os.environ.get("MACFLEET_API_KEY") or None
+    else:
+        keys = list(args.api_key or ()) or [os.environ.get("MACFLEET_API_KEY") or ""]
+        keys = [k for k in keys if k]
+    if any(k != k.strip() or not k.isprintable() for k in keys):
+        raise UserError("an API key must be printable, without spaces around it")
+    return tuple(dict.fromkeys(keys))  # a repeated key is one key
 
 
 def _validate(args) -> None:
@@ -121,13 +131,15 @@ def serve_fleet(up_args) -> int:
     argv = ["serve", "--model", up_args.model, "--wait", "5"]
     argv += ["--open"] if getattr(up_args, "open", False) else []
     argv += ["--key", up_args.key] if getattr(up_args, "key", None) else []
+    for api_key in getattr(up_args, "api_key", None) or ():
+        argv += ["--api-key", api_key]
     args = sub.choices["serve"].parse_args(argv[1:])
     return run(args)
 
 
 def run(args) -> int:
     _validate(args)
-    key = _api_key(args)
+    keys = _api_keys(args)
     template = None
     if args.chat_template is not None:
         try:
@@ -165,7 +177,7 @@ def run(args) -> int:
         raise UserError(str(e)) from None
     limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_cap,
                     args.max_sessions_per_client)
-    app = create_app(engine.start(), lm.tokenizer, ServerConfig(args.model, key, limits,
+    app = create_app(engine.start(), lm.tokenizer, ServerConfig(args.model, keys, limits,
                                                                     template))
     host, port = sock.getsockname()[:2]
     where = (f"in-process, budget {args.token_budget} tokens/iteration"
@@ -174,7 +186,9 @@ def run(args) -> int:
     print(f"macfleet serve: {args.model} on http://{host}:{port}/v1 ({where}, "
           f"proposer {args.proposer}"
           f"{', batch-invariant' if args.batch_invariant else ''}"
-          f"{', API key required' if key else ''})", flush=True)
+          f"{', API key required' if len(keys) == 1 else ''}"
+          f"{f', {len(keys)} API keys, a prompt cache each' if len(keys) > 1 else ''})",
+          flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))
     code = 0

@@ -82,16 +82,20 @@ class Grammar:
 
 
 def grammar_error(grammar: Grammar, tokenizer=None) -> str | None:
-    """Why llguidance cannot compile this grammar (None: it can). Without the model's
-    tokenizer it checks the grammar alone (no 1-3 s tokenizer build on the request path)."""
+    """Why llguidance cannot compile or run this grammar (None: it can): compiled, then run a
+    few tokens in (`grammar_probe`: a grammar past the engine's limits compiles and fails on
+    its first steps). Without the model's tokenizer it checks the grammar alone, on a byte
+    tokenizer (no 1-3 s tokenizer build on the request path)."""
     from llguidance import LLMatcher
+
+    from macfleet.engine.grammar_probe import run_error
 
     try:
         text = grammar.llguidance()
     except (GrammarError, ValueError, TypeError) as e:
         return str(e)
     err = LLMatcher.validate_grammar(text, tokenizer)
-    return err or None
+    return err or run_error(text, tokenizer)
 
 
 # -- the tokenizer bridge ------------------------------------------------------------------

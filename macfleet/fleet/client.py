@@ -7,6 +7,7 @@ Everything goes through `bridge` (Zeroconf + ZeroMQ); nothing here imports the e
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -15,7 +16,9 @@ from dataclasses import dataclass, replace
 from bridge.auth import fleet_id as fleet_id  # discovery filters on a key's fleet id
 from bridge.card import AHEAD_KIND, ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser
-from bridge.errors import INTERNAL, UNAVAILABLE, PeerUnavailable, ProtocolError, TransportTimeout
+from bridge.errors import (FORBIDDEN, INTERNAL, UNAVAILABLE, PeerUnavailable, ProtocolError,
+                           TransportTimeout)
+from bridge.peers import signed
 from bridge.messages import (AUTO_DRAFT_TOKENS, BatchStatus, BatchStatusRequest, GenerateChunk,
                              GenerateDone, GenerateRequest, Ping, Pong, StatusReply,
                              StatusRequest)
@@ -62,9 +65,25 @@ class AgentStatus:
 
 def discover(fleet_id: str | None, *, loopback: bool = False, wait_s: float = DEFAULT_DISCOVER_S,
              expect: int = 0) -> list[AgentCard]:
-    """Cards seen within wait_s (returns early once `expect` agents are seen)."""
-    with Browser(fleet_id=fleet_id,
-                 interfaces=LOOPBACK_ONLY if loopback else ALL_INTERFACES) as b:
+    """Cards seen within wait_s (returns early once `expect` agents are seen), unchecked: for
+    listing what is advertised; a client that connects uses `members`."""
+    return _browse(fleet_id, None, loopback, wait_s, expect)
+
+
+def members(key: bytes | None, *, loopback: bool = False, wait_s: float = DEFAULT_DISCOVER_S,
+            expect: int = 0) -> list[AgentCard]:
+    """The cards of the fleet of `key` whose tag checks (`bridge.peers.signed`: the fleet key
+    signed this very address and ports, recently), seen within wait_s (early once `expect`
+    are). The agents check the same, so a card that fails here is one no agent connects to
+    either: forged, replayed at another address or port, or stale. Nothing connects to a
+    card before this check."""
+    return _browse(fleet_id(key), lambda c: signed(c, key), loopback, wait_s, expect)
+
+
+def _browse(fid: str | None, accept, loopback: bool, wait_s: float,
+            expect: int) -> list[AgentCard]:
+    with Browser(fleet_id=fid, interfaces=LOOPBACK_ONLY if loopback else ALL_INTERFACES,
+                 accept=accept) as b:
         if expect:
             try:
                 return b.wait_for(lambda cs: len(cs) >= expect, wait_s)
@@ -146,7 +165,8 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
                     prefix_ids: Sequence[int] = (),
                     silence_s: float = DEFAULT_SILENCE_S,
                     top_logprobs: int | None = None,
-                    grammar: tuple[str, str] = ("", "")) -> Iterator[GenerateChunk | GenerateDone]:
+                    grammar: tuple[str, str] = ("", ""),
+                    cache_partition: str = "") -> Iterator[GenerateChunk | GenerateDone]:
     """Stream a generation from a verifier agent. Raises ProtocolError/TransportTimeout.
 
     PeerUnavailable at once when the verifier's process dies (its connection drops);
@@ -155,6 +175,7 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
     prefix_ids: tokens a failed verifier already committed for this request (re-planning).
     top_logprobs: each chunk carries its tokens' logprobs and this many alternatives.
     grammar: (kind, source) the answer must match (engine/constraint.py's kinds; "" none).
+    cache_partition: whose prompt cache on the verifier (serve's API key partition).
     """
     req = GenerateRequest(request_id=new_request_id(), prompt=prompt, chat=chat,
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -163,7 +184,7 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
                           proposer_spec=proposer_spec, cross_round=cross_round,
                           prefix_ids=tuple(int(t) for t in prefix_ids),
                           top_logprobs=top_logprobs, grammar_kind=grammar[0],
-                          grammar_source=grammar[1])
+                          grammar_source=grammar[1], cache_partition=cache_partition)
     first_by = time.monotonic() + first_token_timeout_s
     first = True
     with Client(verifier.router_endpoint, key=key, watch_peer=True) as c:
@@ -211,7 +232,28 @@ class VerifierFailed(RuntimeError):
 
 
 class Refused(RuntimeError):
-    """The verifier refused the request itself (a bad argument): asking another will not help."""
+    """The verifier refused the request itself (a bad argument): asking another will not help.
+    code: the wire error's (bridge.errors), e.g. "forbidden" for a proposer it may not reach."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ProposerRefused:
+    """The verifier refused to connect to a proposer (why); the answer goes on without it."""
+
+    why: str
+
+
+_NAMED_ENDPOINT = re.compile(r"'(tcp://[^']+)' is not an agent of this fleet")
+
+
+def refused_endpoint(message: str) -> str | None:
+    """The proposer endpoint a verifier's forbidden error names (bridge.peers.check), or None."""
+    m = _NAMED_ENDPOINT.search(message)
+    return m[1] if m else None
 
 
 def verifier_and_proposer(cards: Sequence[AgentCard]) -> tuple[AgentCard, AgentCard]:
@@ -244,20 +286,46 @@ def generate(verifier: AgentCard, key: bytes | None, *, proposers: Sequence[Agen
     except ProtocolError as e:
         if e.code in (UNAVAILABLE, INTERNAL):
             raise VerifierFailed(f"verifier {verifier.name}: {e}") from None
-        raise Refused(f"verifier {verifier.name}: {e}") from None
+        raise Refused(f"verifier {verifier.name}: {e}", e.code) from None
     except (TransportTimeout, PeerUnavailable) as e:
         raise VerifierFailed(f"verifier {verifier.name}: {e}") from None
 
 
+def generate_with(verifier: AgentCard, key: bytes | None, proposers: Sequence[AgentCard],
+                  **request) -> Iterator[Text | Done | ProposerRefused]:
+    """`generate`, where a proposer the verifier refuses to reach ("forbidden": it does not
+    see that card as a member of the fleet) costs the answer that proposer's drafts, never the
+    answer: the request goes again without it (a refusal comes before any token), then without
+    any remote proposer when the error names none."""
+    proposers = list(proposers)
+    while True:
+        try:
+            yield from generate(verifier, key, proposers=proposers, **request)
+            return
+        except Refused as e:
+            if e.code != FORBIDDEN or not proposers:
+                raise
+            named = refused_endpoint(str(e))
+            keep = [p for p in proposers if p.router_endpoint != named] if named else []
+            if len(keep) == len(proposers):
+                keep = []
+            proposers = keep
+            yield ProposerRefused(f"{e}; going on without "
+                                  f"{named or 'remote proposers'}")
+
+
 def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFAULT_DISCOVER_S,
                    replans: int = DEFAULT_REPLANS, proposer_spec: str = "ngram",
-                   draft_agents: bool = False, **request) -> Iterator[Text | Done | Replanned]:
+                   draft_agents: bool = False, **request
+                   ) -> Iterator[Text | Done | Replanned | ProposerRefused]:
     """One generation through the fleet: discover, pick the verifier and its proposers
     (`choose_roles`), stream; when the verifier is lost, re-plan without it and continue after
     the tokens already received (a grammar, `grammar=(kind, source)`, resumes after them too:
     the new verifier's constraint advances over them before decoding). `Done` carries the
     whole answer across verifiers.
 
+    Only cards whose tag checks are used (`members`): nothing connects to a forged or
+    replayed card. A proposer the verifier refuses costs its drafts (`generate_with`).
     Raises NoFleet when no verifier is found at first (the caller may generate in-process),
     VerifierFailed when none could finish, Refused when the request itself is refused.
     request: `generate`'s keywords but prefix_ids.
@@ -266,7 +334,7 @@ def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFA
     ids: list[int] = []
     texts: list[str] = []
     for attempt in range(replans + 1):
-        cards = [c for c in discover(fleet_id(key), wait_s=wait_s, expect=2)
+        cards = [c for c in members(key, wait_s=wait_s, expect=2)
                  if c.node_id not in failed]
         statuses = [probe(c, key, pings=1) for c in cards]
         try:
@@ -278,9 +346,11 @@ def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFA
             raise
         prior_text = "".join(texts)
         try:
-            for ev in generate(verifier.card, key, proposers=[p.card for p in proposers],
-                               proposer_spec=spec, prefix_ids=list(ids), **request):
-                if isinstance(ev, Text):
+            for ev in generate_with(verifier.card, key, [p.card for p in proposers],
+                                    proposer_spec=spec, prefix_ids=list(ids), **request):
+                if isinstance(ev, ProposerRefused):
+                    yield ev
+                elif isinstance(ev, Text):
                     ids.extend(ev.token_ids)
                     texts.append(ev.text)
                     yield ev

@@ -21,6 +21,7 @@ from pathlib import Path
 from bridge.auth import fleet_id
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
 from bridge.discovery import LOOPBACK_ONLY, Browser
+from bridge.peers import signed
 
 # agents advertise once warm (agents/warmup.py): a machine without a verify(L) table measures
 # it first, a loaded one slowly
@@ -116,7 +117,8 @@ def up(agents: int = 2, *, model: str = "smollm2", key: bytes | None, key_path: 
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     started: list[LocalAgent] = []
     fid = fleet_id(key)
-    with Browser(fleet_id=fid, interfaces=LOOPBACK_ONLY) as browser:
+    with Browser(fleet_id=fid, interfaces=LOOPBACK_ONLY,
+                 accept=lambda c: signed(c, key)) as browser:  # members' cards only
         roles = plan_roles(agents)
         if shard >= 2:
             group = uuid.uuid4().hex[:8]

@@ -23,6 +23,7 @@ from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser, CardAdded, 
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.heartbeat import Heartbeat, PeerState
 from bridge.messages import (AgentEvent, BlockMetrics, Ping, Pong, StatusReply, StatusRequest)
+from bridge.peers import signed
 from bridge.transport import Client, Subscriber
 from macfleet.fleet.metrics import SessionMetrics
 from macfleet.fleet.snapshot import (FleetEvent, FleetSnapshot, HostView, LinkView,
@@ -63,7 +64,8 @@ class FleetObserver(SnapshotSource):
         self._subscribed: set[str] = set()
         self._browser = Browser(fleet_id=self.fleet_id,
                                 interfaces=LOOPBACK_ONLY if loopback else ALL_INTERFACES,
-                                on_change=self._on_discovery)
+                                on_change=self._on_discovery,
+                                accept=lambda c: signed(c, key))  # pinged: members only
         self._threads = [threading.Thread(target=self._io_loop, daemon=True, name="observe"),
                          threading.Thread(target=self._metrics_loop, daemon=True, name="metrics")]
         for t in self._threads:

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -28,6 +29,7 @@ from starlette.routing import Route
 from macfleet.engine.constraint import Grammar, GrammarError
 from macfleet.fleet.batch import BATCH_PATH
 from macfleet.serve.engine import EngineRequest, Overloaded
+from macfleet.serve.intake import decode_body, partition
 from macfleet.serve.logprobs import (TokenLogprob, TokenText, chat_content, completion_logprobs,
                                      token_text)
 from macfleet.serve.prompt import Prompt, render_prompt
@@ -39,14 +41,29 @@ from macfleet.serve.tools import (ToolCall, ToolGrammarError, ToolStream, parse_
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25
+# requests decoded, validated, rendered and tokenised at once, on worker threads (off the event
+# loop); more wait their turn without holding the loop (or the GIL) from other clients
+PREPARE_THREADS = 2
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     model_id: str
-    api_key: str | None = None
+    # the API keys a request may carry (none: no key needed); with several, each key's
+    # requests have a prompt cache of their own (`partition`)
+    api_keys: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     chat_template: str | None = None  # replaces the model's own (serve --chat-template)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A request decoded, validated and rendered (on a worker thread)."""
+
+    req: GenerationRequest
+    prompt: Prompt
+    grammar: Grammar | None
+    where: str
 
 
 def error_response(e: RequestError) -> JSONResponse:
@@ -61,18 +78,24 @@ class Api:
         self.sessions: Counter[str] = Counter()
         self.created = int(time.time())
         self.token_text = token_text(tokenizer)  # a token's text alone, for logprobs
+        self._prepare_slots: anyio.CapacityLimiter | None = None  # made on the loop
 
     # -- checks ---------------------------------------------------------------------------
-    def _auth(self, request: Request) -> None:
-        if self.cfg.api_key is None:
-            return
+    def _auth(self, request: Request) -> str:
+        """The request's cache partition (`partition`); 401 without one of the keys."""
+        if not self.cfg.api_keys:
+            return ""
         got = request.headers.get("authorization", "")
         token = got[7:] if got.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.cfg.api_key.encode()):
+        ok = False
+        for key in self.cfg.api_keys:  # every key compared: the time says not which matched
+            ok |= hmac.compare_digest(token.encode(), key.encode())
+        if not ok:
             raise RequestError("missing or wrong API key (Authorization: Bearer KEY)",
                                status=401, code="invalid_api_key")
+        return partition(self.cfg.api_keys, token)
 
-    async def _body(self, request: Request) -> object:
+    async def _body(self, request: Request) -> bytes:
         limit = self.cfg.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -84,12 +107,34 @@ class Api:
             if len(buf) > limit:
                 raise RequestError(f"request body over {limit} bytes", status=413,
                                    code="request_too_large")
-        try:
-            return json.loads(buf)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RequestError(f"the body is not valid JSON: {e}") from None
-        except RecursionError:  # [[[[...]]]] deeper than the parser's stack
-            raise RequestError("the body's JSON is nested too deeply") from None
+        return bytes(buf)
+
+    def _prepare(self, buf: bytes, chat: bool) -> _Prepared:
+        """Decode, validate, render and tokenise a request, and check its grammar (a worker
+        thread's work: a large body or a long chat would hold the event loop)."""
+        req = parse_request(decode_body(buf), chat=chat, limits=self.cfg.limits)
+        if req.model is not None and req.model != self.cfg.model_id:
+            raise RequestError(f"model '{req.model}' is not served here; this server serves "
+                               f"'{self.cfg.model_id}' (GET /v1/models)", param="model",
+                               status=404, code="model_not_found")
+        if not self.engine.alive:
+            raise RequestError("no verifier is available", status=503, kind="server_error",
+                               code="unavailable")
+        if req.logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
+            raise RequestError("logprobs are not available when serving through a fleet's "
+                               "verifier agent (serve --local has them)", param="logprobs")
+        prompt = render_prompt(self.tok, req, self.cfg.limits, self.cfg.chat_template)
+        grammar, where = _grammar(req, prompt)
+        if grammar is not None:
+            self._check_grammar(grammar, where)
+        return _Prepared(req, prompt, grammar, where)
+
+    async def _prepared(self, request: Request, chat: bool) -> _Prepared:
+        buf = await self._body(request)
+        if self._prepare_slots is None:
+            self._prepare_slots = anyio.CapacityLimiter(PREPARE_THREADS)
+        return await anyio.to_thread.run_sync(self._prepare, buf, chat,
+                                              limiter=self._prepare_slots)
 
     # -- routes ---------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -127,30 +172,17 @@ class Api:
         return await self._generate(request, chat=False)
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
-        self._auth(request)
-        req = parse_request(await self._body(request), chat=chat, limits=self.cfg.limits)
-        if req.model is not None and req.model != self.cfg.model_id:
-            raise RequestError(f"model '{req.model}' is not served here; this server serves "
-                               f"'{self.cfg.model_id}' (GET /v1/models)", param="model",
-                               status=404, code="model_not_found")
-        if not self.engine.alive:
-            raise RequestError("no verifier is available", status=503, kind="server_error",
-                               code="unavailable")
-        if req.logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
-            raise RequestError("logprobs are not available when serving through a fleet's "
-                               "verifier agent (serve --local has them)", param="logprobs")
-        prompt = render_prompt(self.tok, req, self.cfg.limits, self.cfg.chat_template)
+        part = self._auth(request)
+        prep = await self._prepared(request, chat)
+        req, prompt, grammar, where = prep.req, prep.prompt, prep.grammar, prep.where
         ids, prompt_text = prompt.ids, prompt.text
-        grammar, where = _grammar(req, prompt)
-        if grammar is not None:
-            await self._check_grammar(grammar, where)
         client = f"{request.client.host if request.client else '?'}"
         if self.sessions[client] >= self.cfg.limits.max_sessions_per_client:
             raise RequestError(f"{self.sessions[client]} sessions already open for this client",
                                status=429, kind="rate_limit_error", code="too_many_sessions")
         eos = frozenset(getattr(self.tok, "eos_token_ids", ()) or ())
         ereq = EngineRequest(tuple(ids), req.params, req.max_tokens, eos, prompt_text,
-                             logprobs=req.logprobs, grammar=grammar)
+                             logprobs=req.logprobs, grammar=grammar, partition=part)
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      int(time.time()), self.cfg.model_id, chat, len(ids), req.logprobs,
                      self.token_text, prompt)
@@ -185,14 +217,15 @@ class Api:
             text, calls = parse_tool_calls(meta.prompt.tool_format, text)
         return JSONResponse(meta.full(text, outcome[0], lps, calls))
 
-    async def _check_grammar(self, grammar: Grammar, where: str) -> None:
+    def _check_grammar(self, grammar: Grammar, where: str) -> None:
         """A grammar (response_format, or the enforced tool calls: `where` names the field)
-        against this model (issue 32), off the event loop: the grammar engine's tokenizer is
-        built on first use (1-3 s)."""
+        against this model (issue 32), compiled and run a few tokens in (a grammar past the
+        engine's limits is refused here, before admission); on a worker thread: the grammar
+        engine's tokenizer is built on first use (1-3 s)."""
         if not getattr(self.engine, "supports_grammar", False):
             raise RequestError(f"'{where}' needs a grammar, which this backend does not have",
                                param=where)
-        err = await asyncio.to_thread(self.engine.grammar_error, grammar)
+        err = self.engine.grammar_error(grammar)
         if err is not None:
             raise RequestError(f"'{where}' cannot be followed by this model: "
                                f"{err.strip()[:500]}", param=where)

@@ -46,6 +46,9 @@ class EngineRequest:
     # the answer's tokens committed before (by a verifier that failed: a re-planned
     # request), the end of `prompt`: the grammar advances over them before decoding
     committed: tuple[int, ...] = ()
+    # whose prompt cache this request reads and fills (serve: the API key's partition, when a
+    # server has several keys; "" the one shared cache): prefixes cross no partition
+    partition: str = ""
 
 
 @dataclass(frozen=True)

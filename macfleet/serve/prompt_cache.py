@@ -12,7 +12,10 @@ greedy ids).
 
 Lookup is a scan over the entries with one vectorised compare each (numpy): entries number in
 the tens to hundreds under a memory budget, far cheaper than the prefill a hit saves.
-One cache per engine, so per model.
+One cache per engine, so per model, partitioned: an entry answers only lookups of its own
+partition (`serve` gives each API key one when it has several), so a hit — `cached_tokens`, a
+shorter time to first token — never tells one key what another key's prompts were. The byte
+budget is shared: a partition's entries may push out another's (that only costs it prefill).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class _Entry:
     tokens: np.ndarray  # int64 [n]
     kv: KV
     nbytes: int
+    partition: str = ""
 
 
 def kv_bytes(kv: KV) -> int:
@@ -79,13 +83,16 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[int, KV | None]:
+    def lookup(self, prompt: Sequence[int], partition: str = "") -> tuple[int, KV | None]:
         """The longest cached prefix of prompt[:-1] (the last token is always fed: its logits
-        start the answer): (n, the KV of those n positions), or (0, None) below min_tokens."""
+        start the answer) among `partition`'s entries: (n, the KV of those n positions), or
+        (0, None) below min_tokens."""
         self.lookups += 1
         target = np.asarray(prompt[:-1], dtype=np.int64)
         best, key = 0, None
         for k, e in self._entries.items():
+            if e.partition != partition:
+                continue
             n = common_prefix_len(target, e.tokens)
             if n > best:
                 best, key = n, k
@@ -96,9 +103,10 @@ class PromptCache:
         self.saved_tokens += best
         return best, slice_kv(self._entries[key].kv, best)
 
-    def insert(self, tokens: Sequence[int], kv: KV) -> bool:
-        """Keep the KV of `tokens` (one position each); entries it extends are dropped (it
-        answers every lookup they would). False when it does not fit the budget at all."""
+    def insert(self, tokens: Sequence[int], kv: KV, partition: str = "") -> bool:
+        """Keep the KV of `tokens` (one position each) for `partition`'s lookups; its entries
+        this one extends are dropped (it answers every lookup they would). False when it does
+        not fit the budget at all."""
         toks = np.asarray(tokens, dtype=np.int64)
         if len(toks) < self.min_tokens or kv[0][0].shape[1] != len(toks):
             return False
@@ -106,12 +114,12 @@ class PromptCache:
         if nbytes > self.max_bytes:
             return False
         for k in [k for k, e in self._entries.items()
-                  if len(e.tokens) <= len(toks) and common_prefix_len(toks, e.tokens)
-                  == len(e.tokens)]:
+                  if e.partition == partition and len(e.tokens) <= len(toks)
+                  and common_prefix_len(toks, e.tokens) == len(e.tokens)]:
             self._drop(k)
         while self.bytes + nbytes > self.max_bytes and self._entries:
             self._drop(next(iter(self._entries)))
-        self._entries[self._next] = _Entry(toks, kv, nbytes)
+        self._entries[self._next] = _Entry(toks, kv, nbytes, partition)
         self._next += 1
         self.bytes += nbytes
         return True

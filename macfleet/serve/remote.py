@@ -21,12 +21,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bridge.errors import BUSY, INTERNAL, PeerUnavailable, ProtocolError, TransportTimeout
+from bridge.errors import (BUSY, FORBIDDEN, INTERNAL, PeerUnavailable, ProtocolError,
+                           TransportTimeout)
 from bridge.messages import GenerateChunk, GenerateDone
 from macfleet.engine.constraint import Grammar, grammar_error
 from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.fleet.batch import BatchView, ServedSession
-from macfleet.fleet.client import batch_status, generate_remote
+from macfleet.fleet.client import batch_status, generate_remote, refused_endpoint
 from macfleet.serve.engine import EngineEvent, EngineRequest, Overloaded, SessionFailed
 from macfleet.serve.logprobs import LogprobsCommitted, TokenLogprob
 from macfleet.serve.prompt_cache import PromptReused
@@ -177,6 +178,15 @@ class RemoteEngine:
             try:
                 return self._stream(req, emit, h, remote)
             except ProtocolError as e:
+                if e.code == FORBIDDEN and remote and not h.generated:
+                    # a proposer the verifier will not reach (it does not see that card as a
+                    # member): the answer goes on without it (issue 47)
+                    named = refused_endpoint(str(e))
+                    keep = [r for r in remote if r != named]
+                    remote = keep if named and len(keep) < len(remote) else []
+                    log.warning("verifier %s refused a proposer: %s; going on without %s",
+                                self.verifier.card.name, e, named or "remote proposers")
+                    continue
                 # a verifier whose queue is full (one session at a time: a sharded verifier,
                 # or --batch-sessions 0) said so before any token: wait here, not fail
                 if e.code != BUSY or h.generated or time.monotonic() > busy_until:
@@ -203,7 +213,8 @@ class RemoteEngine:
                                    proposers=remote, proposer_spec=self.proposer_spec,
                                    top_logprobs=req.logprobs,
                                    grammar=((req.grammar.kind, req.grammar.source)
-                                            if req.grammar is not None else ("", ""))):
+                                            if req.grammar is not None else ("", "")),
+                                   cache_partition=req.partition):
             if h.cancelled:
                 return "cancelled"  # closes the client; the agent finishes on its own
             if isinstance(msg, GenerateChunk) and msg.token_ids:

@@ -48,6 +48,15 @@ class Limits:
     max_prompt_tokens: int = 4096
     max_tokens: int = 1024
     max_sessions_per_client: int = 16
+    # bounds on the work of rendering and tokenising a chat (refused before any of it): a
+    # request of 28,000 one-character messages fits a 1 MB body and took the server's event
+    # loop ~0.5 s to render before it was found too long (issue 47)
+    max_messages: int = 1024
+    max_prompt_chars: int = 0  # characters of message content in all; 0: 32 per prompt token
+
+    @property
+    def prompt_chars(self) -> int:
+        return self.max_prompt_chars or 32 * self.max_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -129,10 +138,14 @@ def _content(v: Any, where: str) -> str:
     raise RequestError("message content must be a string or a list of text parts", param=where)
 
 
-def _messages(v: Any) -> tuple[Message, ...]:
+def _messages(v: Any, limits: Limits) -> tuple[Message, ...]:
     if not isinstance(v, list) or not v:
         raise RequestError("'messages' must be a non-empty list", param="messages")
+    if len(v) > limits.max_messages:
+        raise RequestError(f"'messages' has {len(v)} messages; this server's limit is "
+                           f"{limits.max_messages}", param="messages", code="too_many_messages")
     out = []
+    chars = 0
     for i, m in enumerate(v):
         if not isinstance(m, dict):
             raise RequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
@@ -149,6 +162,12 @@ def _messages(v: Any) -> tuple[Message, ...]:
         if call_id is not None and not isinstance(call_id, str):
             raise RequestError(f"messages[{i}].tool_call_id must be a string",
                                param=f"messages[{i}].tool_call_id")
+        chars += len(content) + sum(len(c.arguments) for c in calls)
+        if chars > limits.prompt_chars:
+            raise RequestError(f"'messages' hold over {limits.prompt_chars} characters; this "
+                               f"server's limit is {limits.prompt_chars} (its prompt limit is "
+                               f"{limits.max_prompt_tokens} tokens)", param="messages",
+                               code="context_length_exceeded")
         out.append(Message(role, content, calls, call_id))
     return tuple(out)
 
@@ -248,13 +267,18 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
     model = _typed(body, "model", (str,), None)
     messages = prompt = None
     if chat:
-        messages = _messages(body.get("messages"))
+        messages = _messages(body.get("messages"), limits)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("'prompt' must be a non-empty string", param="prompt")
+        if len(prompt) > limits.prompt_chars:
+            raise RequestError(f"'prompt' is over {limits.prompt_chars} characters; this "
+                               f"server's limit is {limits.prompt_chars} (its prompt limit is "
+                               f"{limits.max_prompt_tokens} tokens)", param="prompt",
+                               code="context_length_exceeded")
     n = _typed(body, "n", (int,), 1)
     if n != 1:
         raise RequestError("only n=1 is supported", param="n")
@@ -388,5 +412,6 @@ def response_format(v: Any) -> Grammar | None:
         raise RequestError(f"'{field}' is over {MAX_GRAMMAR_CHARS} characters", param=field)
     err = grammar_error(grammar)
     if err is not None:
-        raise RequestError(f"'{field}' cannot be compiled: {err.strip()[:500]}", param=field)
+        raise RequestError(f"'{field}' cannot be compiled or run: {err.strip()[:500]}",
+                           param=field)
     return grammar

@@ -72,7 +72,7 @@ class SessionKV:
         """Its prompt's KV from the prompt cache, when one is there (installed as a shipped
         KV is, over iterations); a shipped KV into per-session caches at once."""
         if self.prompt_cache is not None and s.kv is None and not s.feeds:
-            s.cached, s.kv = self.prompt_cache.lookup(s.req.prompt)
+            s.cached, s.kv = self.prompt_cache.lookup(s.req.prompt, s.req.partition)
         if s.kv is not None and not isinstance(s.cache, RowCache):
             self._install(s)  # batch-invariant mode: per-session caches, at once
 
@@ -91,7 +91,8 @@ class SessionKV:
         if n < self.prompt_cache.min_tokens or s.cache.store.keys[0] is None:
             return
         try:
-            self.prompt_cache.insert(s.context[:n], row_kv(s.cache.store, s.cache.row, n))
+            self.prompt_cache.insert(s.context[:n], row_kv(s.cache.store, s.cache.row, n),
+                                     s.req.partition)
         except (RuntimeError, ValueError, MemoryError) as e:  # not kept: later prompts prefill
             log.warning("session %d: KV not kept in the prompt cache: %s", s.sid, e)
 
@@ -157,11 +158,14 @@ class SessionKV:
             return batch
         # copies stay within a store; sessions fed hidden states copy among themselves, with
         # the source drafters' rows of the prefix (else their drafters would have none)
+        # ... and within a cache partition (one API key's sessions: serve/prompt_cache.py)
         mine = [s for s in batch if s.cache.store is self.kv]
         copies, waiting = (), frozenset()
-        for group in ([s for s in mine if not s.feeds],
-                      [s for s in mine if s.feeds and all(hasattr(p, "feature_rows")
-                                                          for p in s.feeds)]):
+        groups = [[s for s in mine if not s.feeds],
+                  [s for s in mine if s.feeds and all(hasattr(p, "feature_rows")
+                                                      for p in s.feeds)]]
+        for group in [[s for s in g if s.req.partition == part] for g in groups
+                      for part in dict.fromkeys(s.req.partition for s in g)]:
             c, w = plan_prefix_sharing([PrefixView(s.sid, tuple(s.context[:s.cache.offset]),
                                                    s.req.prompt[:-1]) for s in group])
             copies, waiting = (*copies, *c), waiting | w

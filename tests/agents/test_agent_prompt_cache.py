@@ -28,3 +28,18 @@ def test_the_verifier_agents_batch_reuses_a_finished_requests_kv():
     assert again.token_ids == first.token_ids
     assert pc.hits == 2 and pc.saved_tokens >= 2 * (len(PROMPT) - 1)
     assert len(longer.token_ids) == 8
+
+
+def test_the_verifier_agents_cache_is_partitioned_as_serve_asks():
+    """A serve of several API keys sends each key's partition (issue 47): another partition's
+    request for the same prompt reuses nothing; the same partition's does."""
+    ver = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False))
+    try:
+        def cached(part: str) -> int:
+            return generate_done(ver.card, KEY, PROMPT, [], "none", max_tokens=8,
+                                 cache_partition=part).cached_tokens
+
+        got = [cached("alice"), cached("bob"), cached(""), cached("alice")]
+    finally:
+        ver.close()
+    assert got[:3] == [0, 0, 0] and got[3] > 0, got

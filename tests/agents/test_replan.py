@@ -46,7 +46,7 @@ def test_replan_continues_after_committed_tokens(monkeypatch, capsys):
                              allow_peers=LOCAL))
     try:
         cards = [bad.card, good.card, prop.card]
-        monkeypatch.setattr(client, "discover", lambda *a, **k: list(cards))
+        monkeypatch.setattr(client, "members", lambda *a, **k: list(cards))
         real_probe = client.probe
 
         def probe(card, key, **kw):  # the broken verifier looks best: it is chosen first

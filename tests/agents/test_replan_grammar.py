@@ -57,7 +57,7 @@ def _agent(role: str) -> Agent:
 
 def _fleet(monkeypatch, cards, prefer=None) -> list[dict]:
     """The CLI sees these cards (`prefer`'s node first); returns generate()'s calls."""
-    monkeypatch.setattr(client, "discover", lambda *a, **k: list(cards))
+    monkeypatch.setattr(client, "members", lambda *a, **k: list(cards))
     monkeypatch.setattr("macfleet.fleet.keys.resolve_key", lambda *a, **k: KEY)
     real_probe, real_generate = client.probe, client.generate
     calls: list[dict] = []
@@ -165,7 +165,7 @@ def test_a_bad_response_format_fails_before_any_network_a_good_one_asks_the_flee
         looked.append("discover")
         return []  # no agents: the in-process fallback answers
 
-    monkeypatch.setattr(client, "discover", discover)
+    monkeypatch.setattr(client, "members", discover)
     monkeypatch.setattr("macfleet.fleet.keys.resolve_key", lambda *a, **k: KEY)
     with pytest.raises(UserError, match=re.escape(says)):
         cmd_generate.run(_args("--response-format", fmt))
@@ -222,9 +222,9 @@ def test_json_through_the_fleet_and_across_a_replan_on_smollm2(monkeypatch, caps
         calls = _fleet(monkeypatch, [bad.card, good.card], prefer=bad.node_id)
         for i, (prompt, fmt) in enumerate(asks):
             if i == 0:  # the first: the good verifier alone; the second: the breaking one first
-                monkeypatch.setattr(client, "discover", lambda *a, **k: [good.card])
+                monkeypatch.setattr(client, "members", lambda *a, **k: [good.card])
             else:
-                monkeypatch.setattr(client, "discover", lambda *a, **k: [bad.card, good.card])
+                monkeypatch.setattr(client, "members", lambda *a, **k: [bad.card, good.card])
             args = build_parser().parse_args(
                 ["generate", prompt, "--model", model, "--proposer", "ngram", "--max-tokens",
                  str(n), "--json", "--wait", "0.1", "--response-format", json.dumps(fmt)])

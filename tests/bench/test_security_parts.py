@@ -72,3 +72,24 @@ def test_only_closed_adds_the_closed_fleet_cases_and_keeps_the_rest(tmp_path, mo
         "by_size": [], "block_ms": 1, "block_ms_source": "x", "smollm2_flows": []})
     assert run_security(args) == 0
     assert json.loads((tmp_path / "security.json").read_text())["closed_fleet"] == res
+
+
+def test_only_third_adds_its_cases_and_one_case_keeps_the_others(tmp_path, monkeypatch):
+    from macfleet.bench import third_pass
+
+    (tmp_path / "security.json").write_text(json.dumps(OLD))
+    full = {"what": "w", "replayed_cards": {"answered": 3}, "grammar_past_limits": {"status": 400},
+            "message_flood": {"flood": {}}, "cache_per_key": {"b_same_prompt": 0}}
+    monkeypatch.setattr(third_pass, "third_pass",
+                        lambda progress=None, parts=(): {k: v for k, v in full.items()
+                                                         if k == "what" or k in parts})
+    args = SimpleNamespace(only="third", out=tmp_path, max_mib=1, repeats=1, messages=1,
+                           case=None)
+    assert run_security(args) == 0
+    doc = json.loads((tmp_path / "security.json").read_text())
+    assert doc["third_pass"] == full and doc["encryption"] == OLD["encryption"]
+    args.case = ["grammar_past_limits"]
+    full["grammar_past_limits"] = {"status": 400, "param": "response_format.grammar"}
+    assert run_security(args) == 0
+    doc = json.loads((tmp_path / "security.json").read_text())
+    assert doc["third_pass"] == full and "third_pass.grammar_past_limits" in doc["commands"]

@@ -262,6 +262,7 @@ def test_proposer_request_fields_are_bounded(agents, field):
 
 
 @pytest.mark.parametrize("over", [{"request_id": "r" * 100_000},
+                                  {"cache_partition": "p" * 100_000},
                                   {"prefix_ids": tuple(range(9)), "max_tokens": 8},
                                   {"proposer_spec": "ngram+" * 2000 + "ngram",
                                    "proposers": ["tcp://127.0.0.1:9"]}])

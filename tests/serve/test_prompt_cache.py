@@ -142,3 +142,27 @@ def test_openai_multi_turn_cached_tokens_and_identical_answers():
     finally:
         stop_server(a)
         stop_server(b)
+
+
+def test_entries_answer_only_their_own_partition():
+    pc = PromptCache(1 << 20, min_tokens=4)
+    pc.insert(list(range(10)), _kv(10, fill=1.0), partition="alice")
+    assert pc.lookup(list(range(20)), "bob") == (0, None)
+    assert pc.lookup(list(range(20)))[1] is None  # the shared partition ("") neither
+    assert pc.lookup(list(range(20)), "alice")[0] == 10
+    pc.insert(list(range(12)), _kv(12, fill=2.0), partition="bob")  # extends only bob's
+    assert len(pc) == 2 and pc.lookup(list(range(20)), "alice")[0] == 10
+
+
+@pytest.mark.parametrize("parts, shared", [(("a", "a"), True), (("a", "b"), False)])
+def test_live_sessions_share_prompt_prefixes_only_within_a_partition(tiny, parts, shared):
+    prompt = tuple(np.random.default_rng(3).integers(0, 64, 60).tolist())
+    engine = BatchEngine(tiny, proposer="none", prompt_cache_bytes=64 << 20)
+    reused = {}
+    def emit(i: int):
+        return lambda ev: isinstance(ev, PromptReused) and reused.update({i: ev.tokens})
+
+    for i, part in enumerate(parts):
+        engine.submit(EngineRequest(prompt, GREEDY, 4, partition=part), emit(i))
+    engine.run_until_idle()
+    assert bool(reused.get(1, 0)) == shared, reused

@@ -13,12 +13,11 @@ import argparse
 import json
 import sys
 
-from bridge.auth import fleet_id
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateChunk, GenerateDone
 from macfleet.engine.controller import AUTO, parse_draft_tokens
-from macfleet.fleet.client import discover, generate_remote
+from macfleet.fleet.client import generate_remote, members
 from macfleet.fleet.keys import load_key
 
 
@@ -35,7 +34,7 @@ def main() -> int:
     p.add_argument("--draft-tokens", type=parse_draft_tokens, default=AUTO)
     a = p.parse_args()
     key = load_key(a.key)
-    cards = discover(fleet_id(key), wait_s=a.wait, expect=a.expect)
+    cards = members(key, wait_s=a.wait, expect=a.expect)
     if a.what == "discover":
         print(json.dumps([{"name": c.name, "host": c.host, "roles": list(c.roles),
                            "router": c.router_endpoint} for c in cards]), flush=True)

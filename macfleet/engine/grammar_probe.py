@@ -1,0 +1,79 @@
+"""Whether a grammar runs within llguidance's limits, decided before a request is admitted.
+
+`LLMatcher.validate_grammar` compiles a grammar; some grammars compile and then fail at run
+time, on the first token or a few in, when a parser row outgrows the engine's limits
+(`max_items_in_row`, 2,000: `start: "t0" | "t1" | ... | "t1999"` fails right after its forced
+"t" with `ParserTooComplex`). A request admitted with such a grammar would end at once with an
+empty answer and finish_reason "stop". So a grammar is also *run*: a matcher walks one path for
+up to `PROBE_STEPS` tokens (the forced tokens, else the lowest allowed token that is not
+end-of-sequence), computing every step's mask, and the first engine error is the answer.
+One path is not every path: a grammar that blows up only on another branch is still cut short
+at run time (the session ends, the log says why).
+
+Without the model's tokenizer the walk uses a byte tokenizer (256 one-byte tokens and an
+end-of-sequence): it needs no model and meets the same parser rows, since the rows follow the
+grammar's lexemes, not the vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+PROBE_STEPS = 64  # tokens walked at most
+_BYTE_EOS = 256
+
+
+class _Bytes:
+    """A tokenizer of 256 one-byte tokens and an end-of-sequence token (llguidance's
+    `TokenizerWrapper` protocol)."""
+
+    def __init__(self) -> None:
+        self.tokens = [bytes([i]) for i in range(256)] + [b"<|eos|>"]
+        self.eos_token_id, self.bos_token_id = _BYTE_EOS, None
+        self.special_token_ids = [_BYTE_EOS]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+@functools.lru_cache(maxsize=1)
+def byte_tokenizer():
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), n_vocab=257)
+
+
+def _failed(tokens: int, err: str) -> str:
+    first = (err.strip().splitlines() or ["grammar engine error"])[0][:300]
+    return f"the grammar engine fails {tokens} token{'' if tokens == 1 else 's'} in: {first}"
+
+
+def run_error(text: str, tokenizer=None, steps: int = PROBE_STEPS) -> str | None:
+    """The engine's error when a compiled grammar (llguidance's form) is run for up to `steps`
+    tokens on one path (None: it ran, or ended, within its limits)."""
+    from llguidance import LLMatcher
+
+    ll = tokenizer if tokenizer is not None else byte_tokenizer()
+    m = LLMatcher(ll, text, log_level=0)
+    eos = set(int(t) for t in ll.eos_tokens)
+    vocab = ll.vocab_size
+    for step in range(steps):
+        if m.is_error():
+            return _failed(step, m.get_error())
+        if m.is_stopped():
+            return None
+        forced = [int(t) for t in m.compute_ff_tokens()]
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8),
+                             bitorder="little")[:vocab]
+        if m.is_error():
+            return _failed(step, m.get_error())
+        # the lowest allowed ids, enough of them to hold one that is not end-of-sequence
+        allowed = [int(t) for t in np.flatnonzero(bits)[:len(eos) + 1] if int(t) not in eos]
+        nxt = forced[:1] or allowed[:1]
+        if not nxt:
+            return None  # only end-of-sequence (or nothing) is allowed: the walk is over
+        if not m.consume_token(nxt[0]):
+            return _failed(step + 1, m.get_error())
+    return None

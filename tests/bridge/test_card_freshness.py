@@ -1,0 +1,69 @@
+"""Card tags are fresh and bound to their endpoint (issue 47): a recorded card replayed after
+its tag's life fails `bridge.peers.signed`; advertisers re-sign in time; a browser that checks
+tags (agents' and clients') drops a replayed card before it can displace the genuine one."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+
+from bridge import peers
+from bridge.auth import fleet_id
+from bridge.card import AgentCard
+from bridge.discovery import LOOPBACK_ONLY, Advertiser, Browser
+
+KEY = b"f" * 32
+RUN = uuid.uuid4().hex[:6]
+
+
+def card(node: str = "n1", port: int = 5555) -> AgentCard:
+    return AgentCard(node_id=node, name="mac", fleet_id=fleet_id(KEY), host="127.0.0.1",
+                     router_port=port, pub_port=port + 1, roles=("proposer",))
+
+
+def test_a_tag_holds_for_its_life_and_the_clock_skew_only():
+    now = 1_800_000_000
+    life, skew = peers.DEFAULT_CARD_MAX_AGE_S, peers.DEFAULT_CLOCK_SKEW_S
+    c = peers.sign(card(), KEY, stamp=now)
+    assert peers.signed(c, KEY, now=now) and peers.signed(c, KEY, now=now + life + skew)
+    assert not peers.signed(c, KEY, now=now + life + skew + 1)  # replayed too late
+    assert peers.signed(c, KEY, now=now - skew) and not peers.signed(c, KEY, now=now - skew - 1)
+    later = dict(c.extra) | {"ts": str(now + 60)}  # a newer stamp under the old tag
+    assert not peers.signed(replace(c, extra=tuple(later.items())), KEY, now=now + 60)
+    assert not peers.signed(replace(c, extra=(("sig", dict(c.extra)["sig"]),)), KEY, now=now)
+    assert not peers.signed(replace(c, router_port=6000), KEY, now=now)  # another port
+
+
+def test_an_advertiser_re_signs_before_its_tag_goes_stale(monkeypatch):
+    monkeypatch.setattr(peers, "DEFAULT_CARD_MAX_AGE_S", 12.0)  # re-signed after 4 s
+    monkeypatch.setattr(peers, "DEFAULT_CLOCK_SKEW_S", 0.0)
+    adv = Advertiser(card(f"fresh-{RUN}"), interfaces=LOOPBACK_ONLY, key=KEY)
+    try:
+        first = peers.stamp_of(adv.card)
+        assert not adv.update(adv.card)  # nothing changed, the tag is young: no re-announce
+        time.sleep(max(0.0, first + 4.05 - time.time()))  # a third of its life
+        assert adv.update(adv.card) and peers.stamp_of(adv.card) > first
+        assert peers.signed(adv.card, KEY)
+    finally:
+        adv.close()
+
+
+def test_a_checking_browser_drops_a_replayed_card_and_keeps_the_member():
+    genuine = card(f"member-{RUN}", port=41000)
+    with Browser(fleet_id=fleet_id(KEY), interfaces=LOOPBACK_ONLY,
+                 accept=lambda c: peers.signed(c, KEY)) as b, \
+            Advertiser(genuine, interfaces=LOOPBACK_ONLY, key=KEY) as adv:
+        b.wait_for(lambda cs: any(c.node_id == genuine.node_id for c in cs), 10)
+        # the member's card with its real tag, at another port, under the same node id
+        with Advertiser(replace(adv.card, name="replayed", router_port=41999),
+                        interfaces=LOOPBACK_ONLY):
+            time.sleep(2.0)  # announced and resolved (or dropped) by now
+            cards = [c for c in b.cards() if c.node_id == genuine.node_id]
+            assert [c.router_port for c in cards] == [41000], cards
+
+
+def test_open_fleet_cards_need_no_tag_and_closed_ones_are_no_open_members():
+    open_card = replace(card(), fleet_id=fleet_id(None))
+    assert peers.signed(peers.sign(open_card, None), None)
+    assert not peers.signed(peers.sign(card(), KEY), None)
