@@ -169,6 +169,16 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
 
 
 @dataclass(frozen=True)
+class Placed:
+    """The agents chosen for the request (first, and again after each re-plan): what the CLI
+    tells the user about where it runs."""
+
+    fleet_id: str
+    verifier: AgentCard
+    proposers: tuple[AgentCard, ...]
+
+
+@dataclass(frozen=True)
 class Text:
     """Tokens the verifier committed, and their text."""
 
@@ -238,12 +248,13 @@ def generate(verifier: AgentCard, key: bytes | None, *, proposers: Sequence[Agen
 
 
 def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFAULT_DISCOVER_S,
-                   replans: int = DEFAULT_REPLANS, **request) -> Iterator[Text | Done | Replanned]:
+                   replans: int = DEFAULT_REPLANS, **request
+                   ) -> Iterator[Placed | Text | Done | Replanned]:
     """One generation through the fleet: discover, pick the verifier and its proposers
     (`choose_roles`), stream; when the verifier is lost, re-plan without it and continue after
     the tokens already received (a grammar, `grammar=(kind, source)`, resumes after them too:
     the new verifier's constraint advances over them before decoding). `Done` carries the
-    whole answer across verifiers.
+    whole answer across verifiers. `Placed` names the agents before each verifier's first token.
 
     Raises NoFleet when no verifier is found at first (the caller may generate in-process),
     VerifierFailed when none could finish, Refused when the request itself is refused.
@@ -263,6 +274,7 @@ def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFA
                 raise VerifierFailed(f"{e} (after the verifier failed)") from None
             raise
         prior_text = "".join(texts)
+        yield Placed(fleet_id(key), verifier.card, tuple(p.card for p in proposers))
         try:
             for ev in generate(verifier.card, key, proposers=[p.card for p in proposers],
                                prefix_ids=list(ids), **request):
