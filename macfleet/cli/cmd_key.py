@@ -17,12 +17,14 @@ def add_parser(sub) -> None:
     k = sub.add_parser("key", help="export the fleet key as one line / import it on another Mac")
     ksub = k.add_subparsers(dest="key_command", required=True, metavar="export|import")
     e = ksub.add_parser("export", help="print the fleet key as one copyable line")
-    e.add_argument("--key", default=None, help="key file (default ~/.macfleet/fleet.key)")
+    e.add_argument("--key", default=None, metavar="FILE",
+                   help="key file (default: ~/.macfleet/fleet.key)")
     e.set_defaults(func=run_export)
     i = ksub.add_parser("import", help="write the fleet key from a line of `key export`")
     i.add_argument("line", nargs="?", default="-", help="the line, or - (default) to read it "
                    "from stdin")
-    i.add_argument("--key", default=None, help="key file (default ~/.macfleet/fleet.key)")
+    i.add_argument("--key", default=None, metavar="FILE",
+                   help="key file to write (default: ~/.macfleet/fleet.key)")
     i.add_argument("--force", action="store_true", help="replace another fleet key (this Mac "
                    "leaves its old fleet)")
     i.set_defaults(func=run_import)

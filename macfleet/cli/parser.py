@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import textwrap
 from collections.abc import Sequence
 
 HINTS_ATTR = "_unknown_option_hints"  # namespace attribute: {typed flag: (prog, suggestions)}
@@ -13,11 +14,23 @@ MAX_SUGGESTIONS = 3
 SUGGEST_CUTOFF = 0.6
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.HelpFormatter):
     """Appends "(default: X)" to an option that takes a value and has a default, unless its help
     already speaks of its default (written by hand where the value alone says little: a path
-    looked up at run time, "the host name", "random"). Descriptions and epilogs are printed as
-    written (their line breaks are kept)."""
+    looked up at run time, "the host name", "random"). In descriptions and epilogs a paragraph
+    whose lines are indented (examples, option lists) is printed as written; the others are
+    wrapped."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for para in text.split("\n\n"):
+            lines = para.splitlines()
+            if any(ln.startswith(" ") for ln in lines[1:] or lines):
+                out.append("\n".join(indent + ln for ln in lines))
+            else:
+                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent,
+                                         subsequent_indent=indent))
+        return "\n\n".join(out)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
