@@ -62,9 +62,10 @@ def result_json(stats: GenerationStats, text: str, token_ids, where: W.Where) ->
                        "stats": {**stats.to_dict(), "where": where.to_dict()}})
 
 
-def print_stats(stats: GenerationStats, file=sys.stderr) -> None:
+def print_stats(stats: GenerationStats, file=None) -> None:
     """The statistics of a run, in-process or through agents (then with where it ran and
-    what the flows between hosts cost)."""
+    what the flows between hosts cost); on stderr unless `file`."""
+    file = file or sys.stderr
     fleet = stats.fleet
     where = f" on {','.join(fleet.proposer_agents) or '-'}" if fleet is not None else ""
     print(f"\n-- {stats.tokens} tokens in {stats.elapsed_s:.2f}s: {stats.tokens_per_s:.1f} tok/s "

@@ -55,7 +55,8 @@ def add_parser(sub) -> None:
                    "to serving it alone, slower")
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="a Jinja chat template replacing the model's own (e.g. one with tool "
-                   "support: tools are rendered by it and its tool-call format is parsed)")
+                   "support: tools are rendered by it and its tool-call format is parsed; default: "
+                   "the model's own)")
     p.add_argument("--prompt-cache-mb", type=int, default=DEFAULT_PROMPT_CACHE_MB,
                    help="keep finished requests' KV (LRU, this many MB) so a prompt that starts "
                    "the same (the next turn of a chat) prefills only what is new; 0: off")

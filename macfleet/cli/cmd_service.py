@@ -55,7 +55,7 @@ def agent_options_help() -> str:
     """The options of `macfleet agent` that `service install` passes on, as its help shows them
     (the agent's own parser formats them: one definition)."""
     from macfleet.cli import cmd_fleet
-    from macfleet.cli.parser import Parser
+    from macfleet.cli.parser import Parser, unknown_arguments_message
 
     parser = Parser(prog="macfleet")
     cmd_fleet.add_parser(parser.add_subparsers(dest="command"))
@@ -93,17 +93,20 @@ def check_agent_args(role: str, agent_args: list[str]):
     the fleet key they name (missing or unsafe: refused now, with the fix)."""
     from macfleet.cli import cmd_fleet  # where `macfleet agent` and its options are defined
     from macfleet.cli.common import fleet_key
-    from macfleet.cli.parser import Parser
+    from macfleet.cli.parser import Parser, unknown_arguments_message
 
     if "--role" in agent_args or any(a.startswith("--role=") for a in agent_args):
         raise UserError("give the role once, as `service install --role R`")
     parser = Parser(prog="macfleet")
     cmd_fleet.add_parser(parser.add_subparsers(dest="command", required=True))
     try:
-        ns = parser.parse_args(["agent", "--role", role, *agent_args])
-    except SystemExit:
-        raise UserError(f"not an option of `macfleet agent`: {' '.join(agent_args)} "
+        ns, extra = parser.parse_known_args(["agent", "--role", role, *agent_args])
+    except SystemExit:  # argparse has printed what is wrong with a value (and the usage)
+        raise UserError(f"not options of `macfleet agent`: {' '.join(agent_args)} "
                         "(see `macfleet agent --help`)") from None
+    if extra:
+        line = unknown_arguments_message(ns, extra)
+        raise UserError(line.split(": error: ", 1)[-1])
     if role == "shard" and (not ns.group or ns.group_size < 2):
         raise UserError("a shard agent needs --group NAME and --group-size N >= 2")
     fleet_key(ns)  # UserError when missing or unsafe

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 HINTS_ATTR = "_unknown_option_hints"  # namespace attribute: {typed flag: (prog, suggestions)}
 MAX_SUGGESTIONS = 3
-SUGGEST_CUTOFF = 0.6
+SUGGEST_CUTOFF = 0.75
+NEAR_BEST = 0.05  # suggest only the spellings about as close as the closest one
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -45,7 +46,10 @@ def suggestions(flag: str, options: Sequence[str]) -> list[str]:
     first, then options the typed word starts with or that start with it."""
     word = flag.split("=", 1)[0]
     longs = [o for o in options if o.startswith("--")]
-    close = difflib.get_close_matches(word, longs, n=MAX_SUGGESTIONS, cutoff=SUGGEST_CUTOFF)
+    ratios = {o: difflib.SequenceMatcher(None, word, o).ratio() for o in longs}
+    best = max(ratios.values(), default=0.0)
+    close = sorted((o for o, r in ratios.items() if r >= SUGGEST_CUTOFF and r >= best - NEAR_BEST),
+                   key=lambda o: -ratios[o])
     stem = [o for o in longs if len(o) > 3 and (word.startswith(o) or o.startswith(word))]
     out = []
     for o in stem + close:

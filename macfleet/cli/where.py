@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 FLEET, IN_PROCESS = "fleet", "in-process"
+LOCAL_ASKED = "--local"
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class Where:
             props = ", ".join(self.proposers) or "none (the verifier drafts for itself)"
             return (f"{prog}: fleet {self.fleet_id}: verifier {self.verifier} "
                     f"({self.verifier_host}), proposers {props}")
+        if self.why == LOCAL_ASKED:
+            return f"{prog}: {running} in-process ({LOCAL_ASKED})"
         tail = "; `--local` skips the wait" if self.waited else ""
         return f"{prog}: {self.why}: {running} in-process{tail}"
 
@@ -34,7 +37,7 @@ class Where:
 
 
 def asked_local() -> Where:
-    return Where(IN_PROCESS, "--local")
+    return Where(IN_PROCESS, LOCAL_ASKED)
 
 
 def no_key(path: str) -> Where:

@@ -34,7 +34,7 @@ def test_simulate_table_with_smollm2(tmp_path):
     f = tmp_path / "two.json"
     f.write_text(json.dumps({"hosts": [{"name": "a", "mem_free_gb": 8},
                                        {"name": "b", "mem_free_gb": 8}]}))
-    r = macfleet("--simulate", str(f), "--draft", "layerskip", "--results", str(tmp_path))
+    r = macfleet("--simulate", str(f), "--proposer", "layerskip", "--results", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "1 proposer : 1 verifier" in r.stdout and "REFUSED" in r.stdout
     assert "default profile" in r.stdout
