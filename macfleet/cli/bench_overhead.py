@@ -37,7 +37,8 @@ def add_bench_parsers(bs) -> None:
                    "a GPU, 3,7 on a CPU)")
     o.add_argument("--max-runs", type=int, default=4,
                    help="oracle runs per prompt and k while block decoding departs")
-    o.add_argument("--skip", default="", help="parts to skip, among a,b,c,d (comma-separated; default: none)")
+    o.add_argument("--skip", default="",
+                   help="parts to skip, among a,b,c,d (comma-separated; default: none)")
     o.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="no model or timed round starts after S seconds (at least one timed "
                    "round per model that starts); what ran is written (default: no limit)")

@@ -10,7 +10,8 @@ def add_bench_parsers(bs) -> None:
     t.add_argument("--layerskip", type=int, default=20,
                    help="the layer the layerskip drafter exits at")
     t.add_argument("--prompt", default="summary", help="a name in macfleet.bench.prompts")
-    t.add_argument("--only", default="", help="comma-separated substrings of case names (default: every case)")
+    t.add_argument("--only", default="",
+                   help="comma-separated substrings of case names (default: every case)")
     t.set_defaults(func=run_topologies)
 
 

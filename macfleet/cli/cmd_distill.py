@@ -51,7 +51,8 @@ def add_parser(sub) -> None:
                    help="token ids drafts may use (0: the whole vocabulary); the LM head is most "
                    "of the draft cost")
     p.add_argument("--work", default=None, metavar="DIR", help="work directory (answers, "
-                   "features, checkpoint; default: ~/.cache/macfleet/distill/<the verifier's fingerprint>)")
+                   "features, checkpoint; default: ~/.cache/macfleet/distill/<the "
+                   "verifier's fingerprint>)")
     p.add_argument("--dataset", default=None, metavar="DIR",
                    help="distillation dataset directory (the verifier's answers + hidden "
                    "states, memory-mapped); default: <work>/dataset")
@@ -188,7 +189,8 @@ def _run_dataset(args, lm, out: Path, params) -> int:
 
             gen = generate_waves if args.gen_mode == "waves" else generate_samples
             m = generate_dataset(lm, ds, args.tokens, fingerprint=verifier_fingerprint(lm.model),
-                                 batch=args.gen_batch, max_answer=args.max_tokens or DEFAULT_MAX_ANSWER, generator=gen)
+                                 batch=args.gen_batch,
+                                 max_answer=args.max_tokens or DEFAULT_MAX_ANSWER, generator=gen)
             report(f"dataset {ds}: {m.samples} answers, {m.answer_tokens:,} answer tokens, "
                    f"{m.tokens:,} positions with hidden states; {m.seconds / 60:.1f} min "
                    f"generating ({', '.join(f'{k} {v:.0f}' for k, v in m.timing.items())})")

@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
                        "install --role ROLE` keeps one running for good.")
     a.add_argument("--role", required=True, choices=("proposer", "verifier", "shard", "prefill"),
                    help="what this agent does in the fleet")
-    a.add_argument("--group", default="", help="shard: the sharded verifier's group name (default: none; a shard needs one)")
+    a.add_argument("--group", default="", help="shard: the sharded verifier's group name "
+                   "(default: none; a shard needs one)")
     a.add_argument("--group-size", type=int, default=0, help="shard: number of ranks")
     a.add_argument("--rank", type=int, default=0, help="shard: this agent's rank")
     a.add_argument("--shard-mode", choices=SHARD_MODES, default="pipeline",
@@ -62,7 +63,8 @@ def add_parser(sub) -> None:
     a.add_argument("--allow-peer", action="append", default=[], metavar="tcp://HOST:PORT",
                    help="an endpoint requests may make this agent connect to (a proposer, a "
                    "link probe's peer) besides the fleet members it discovers; tcp://HOST:* "
-                   "allows every port of HOST; repeatable (default: only discovered members)")
+                   "allows every port of HOST; repeatable (default: only the discovered "
+                   "members)")
     add_key_args(a)
     a.add_argument("--cpu", type=int, default=None, help="pin to this core (Linux; default: "
                    "not pinned)")

@@ -38,9 +38,11 @@ def _path(args) -> Path:
 
 def run_export(args) -> int:
     from macfleet.fleet.client import fleet_id
-    from macfleet.fleet.keys import export_line, load_key
+    from macfleet.fleet.keys import KeyPathMissing, export_line, load_key
 
     path = _path(args)
+    if args.key and not path.exists():  # the same error as every command's --key FILE
+        raise UserError(str(KeyPathMissing(path)))
     if not path.exists():
         raise UserError(f"no fleet key at {path}: run `macfleet keygen` on the first Mac, or "
                         "`macfleet key import` with the line of a Mac of your fleet")

@@ -64,7 +64,7 @@ def plan_to_dict(q) -> dict:
 
 
 def run_plan(args) -> int:
-    from macfleet.topology import (SPLIT_SEQUENCE, SnapshotError, plan, refuse_split_sequence,
+    from macfleet.topology import (SnapshotError, plan, refuse_split_sequence,
                                    snapshot_from_dict)
 
     if args.split_sequence:

@@ -82,12 +82,14 @@ def test_an_unknown_model_lists_what_works_and_what_a_hub_id_needs(capsys, home,
 
 
 @pytest.mark.parametrize("argv", [("generate", "hi"), ("ls",), ("plan",), ("serve", "--port", "0"),
-                                  ("bench", "--fleet"), ("agent", "--role", "verifier")])
+                                  ("bench", "--fleet"), ("agent", "--role", "verifier"),
+                                  ("key", "export"), ("dash",),
+                                  ("service", "install", "--role", "verifier")])
 def test_a_key_file_that_does_not_exist_is_the_same_error_everywhere(capsys, home, tmp_path,
                                                                      argv):
     missing = tmp_path / "missing.key"
-    rc, _, err = run(capsys, *argv, "--key", str(missing), "--wait", "0.1") \
-        if "--role" not in argv else run(capsys, *argv, "--key", str(missing))
+    wait = ("--wait", "0.1") if argv[0] in ("generate", "ls", "plan", "serve", "bench") else ()
+    rc, _, err = run(capsys, *argv, "--key", str(missing), *wait)
     line = one_line(err)
     assert rc == 2 and f"--key {missing}: no such file" in line, line
     assert "macfleet keygen --key" in line
