@@ -17,7 +17,8 @@ import uuid
 from dataclasses import dataclass, replace
 
 from bridge.auth import fleet_id
-from bridge.card import ROLE_PREFILL, ROLE_PROPOSER, ROLE_SHARD, ROLE_VERIFIER, AgentCard
+from bridge.card import (AHEAD_KIND, CARD_DRAFT, ROLE_PREFILL, ROLE_PROPOSER, ROLE_SHARD,
+                         ROLE_VERIFIER, AgentCard, draft_label)
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Advertiser
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError
 from bridge.peers import PeerAllowlist, signed
@@ -66,6 +67,9 @@ class AgentConfig:
     # endpoints a request may make this agent connect to besides the fleet members it
     # discovered (bridge.peers): tcp://HOST:PORT or tcp://HOST:* (--allow-peer)
     allow_peers: tuple[str, ...] = ()
+    # proposer: a draft model (a spec as `--model` takes) that drafts ahead for `model`'s
+    # verifiers (agents/draft_service.py); the agent then loads only the draft model
+    draft: str | None = None
 
 
 DEFAULT_FD_TARGET = 65536
@@ -116,9 +120,12 @@ class Agent:
         from agents.admission import admit
         from macfleet.engine.models import load_model
 
-        self.admission = admit(cfg.model, sysinfo.memory_free())  # AdmissionError: not loaded
+        if cfg.draft and cfg.role != ROLE_PROPOSER:
+            raise ValueError("--draft names a proposer agent's draft model")
+        loads = cfg.draft or cfg.model  # a draft-model agent needs only the draft model
+        self.admission = admit(loads, sysinfo.memory_free())  # AdmissionError: not loaded
 
-        self.lm = load_model(cfg.model)
+        self.lm = load_model(loads)
         self.publisher = Publisher(key=cfg.key, bind=f"tcp://{cfg.bind_host}:{cfg.pub_port or '*'}",
                                    max_per_peer=cfg.max_conns_per_peer)
         self.proposer = self.verifier = self.prefill = self._browser = None
@@ -146,7 +153,11 @@ class Agent:
 
     def _start_services(self) -> None:
         """The role's services (a hook: a shard agent starts its own after forming the group)."""
-        if self.cfg.role == ROLE_PROPOSER:
+        if self.cfg.role == ROLE_PROPOSER and self.cfg.draft:
+            from agents.draft_service import DraftAheadService
+
+            self.proposer = DraftAheadService(self.lm, serves=self.cfg.model)
+        elif self.cfg.role == ROLE_PROPOSER:
             from agents.proposer_service import ProposerService
 
             self.proposer = ProposerService(self.lm, kinds=self.cfg.proposer_kinds,
@@ -200,11 +211,15 @@ class Agent:
             node_id=self.node_id, name=self.name, fleet_id=fleet_id(self.cfg.key), host=host,
             router_port=self.server.port, pub_port=self.publisher.port, roles=(self.cfg.role,),
             chip=sysinfo.chip()[:60], mem_total=sysinfo.memory_total(),
-            mem_free=sysinfo.memory_free() // 2**26 * 2**26, models=(self.lm.spec,),
-            proposers=self.cfg.proposer_kinds if self.cfg.role == ROLE_PROPOSER else (),
+            mem_free=sysinfo.memory_free() // 2**26 * 2**26,
+            models=(self.cfg.model if self.cfg.draft else self.lm.spec,),
+            proposers=(() if self.cfg.role != ROLE_PROPOSER else
+                       (AHEAD_KIND,) if self.cfg.draft else self.cfg.proposer_kinds),
         )
 
     def _card_extra(self) -> tuple[tuple[str, str], ...]:
+        if self.cfg.draft:  # what it drafts with, for `ls` and the client's default drafter
+            return ((CARD_DRAFT, draft_label(self.cfg.draft)),)
         return ()
 
     def publish(self, msg) -> None:

@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from macfleet.engine.proposers.base import Draft, Proposer
-from macfleet.engine.tree import longest_branch, reroot
+from macfleet.engine.ahead import Ahead, draft_ahead, take
+from macfleet.engine.tree import longest_branch
+
+
+def survives(stream: Sequence[int], committed: Sequence[int]) -> bool:
+    """Whether a draft stream outlives a commit: every stream token at a committed position is
+    the committed token (a stream shorter than the commit is checked as far as it goes). The
+    one rule both ends of a draft-ahead session apply (agents/draft_service.py, remote_stream.py),
+    so they agree on which drafts are current without a round trip."""
+    return all(int(a) == int(b) for a, b in zip(stream, committed))
 
 
 MIN_LOOKAHEAD_HIT_RATE = 0.2
@@ -57,11 +66,10 @@ class DraftStream:
     requests: int = 0
     last_drafted: int = 0  # tokens of the last tree drafted (what the verifier reports on)
     _survived: bool = False
-    # A tree drafter's next tree, drafted in idle time one token early: from the context + the
-    # last tree's deepest branch (the outcome it expects), its top-level nodes guessing the
-    # verifier's bonus token; kept as (context length it assumes, that branch, the tree).
+    # A tree drafter's next tree, drafted in idle time one token early from the context + the
+    # last tree's deepest branch (the outcome it expects): engine/ahead.py
     last_tree: Draft | None = None
-    tree_ahead: tuple[int, tuple[int, ...], Draft] | None = None
+    tree_ahead: Ahead | None = None
 
     def replied_tree(self, d: Draft) -> None:
         """The tree just sent for the current context: the next one may be drafted early."""
@@ -74,10 +82,8 @@ class DraftStream:
         if d is None:
             return False
         parents = d.parents if d.parents is not None else tuple(range(-1, len(d.tokens) - 1))
-        branch = tuple(int(d.tokens[i]) for i in longest_branch(parents))
-        ahead = self.proposer.propose(self.context + list(branch), self.last_k + 1)
-        if ahead.tokens:
-            self.tree_ahead = (len(self.context) + len(branch) + 1, branch, ahead)
+        branch = [int(d.tokens[i]) for i in longest_branch(parents)]
+        self.tree_ahead = draft_ahead(self.proposer.propose, self.context, branch, self.last_k)
         return True
 
     def take_tree(self, k: int) -> Draft | None:
@@ -85,27 +91,27 @@ class DraftStream:
         when the verifier accepted the branch it assumed; None: draft afresh."""
         ahead, self.tree_ahead = self.tree_ahead, None
         self.requests += 1
-        hit = None
-        if ahead is not None:
-            n, branch, d = ahead
-            if len(self.context) == n and tuple(self.context[n - 1 - len(branch) : -1]) == branch:
-                toks, par, _ = reroot(d.tokens, d.parents, int(self.context[-1]))
-                if toks:
-                    hit = Draft(tuple(toks[:k]), None, 0.0, None, tuple(par[:k]))
+        hit = take(ahead, self.context, k)
+        if hit is not None:  # a tree, even where the drafter's own draft was a chain
+            hit = Draft(hit.tokens, None, 0.0, None,
+                        hit.parents or tuple(range(-1, len(hit.tokens) - 1)))
         self.hit_rate = 0.8 * self.hit_rate + 0.2 * float(hit is not None)
         return hit
 
     def commit(self, committed: Sequence[int]) -> bool:
-        """Append the verifier's committed tokens; returns whether the stream survived."""
+        """Append the verifier's committed tokens; returns whether the stream survived: its
+        tokens at the committed positions are the committed ones (`survives`). What is left
+        of it then continues the new context; otherwise it is dropped."""
         committed = [int(t) for t in committed]
         self.context.extend(committed)
         n = len(committed)
-        if self.stream[:n] == committed:
+        self._survived = survives(self.stream, committed)
+        if self._survived:
             del self.stream[:n]
             del self.rows[:n]
-            self._survived = True
+            if not self.stream:  # the context grew past the stream: a lookup may find more
+                self.exhausted = False
             return True
-        self._survived = False
         self.stream.clear()
         self.rows.clear()
         self.exhausted = False

@@ -103,6 +103,10 @@ def _plain(name: str) -> bool:
 
 
 def _check_draft_model(arg: str, policy: SpecPolicy) -> None:
+    if not arg:
+        raise _refuse("'draft' alone drafts on a draft-model agent (`agent --role proposer "
+                      "--draft MODEL`): name one among the request's proposers, or name the "
+                      "model here (draft:MODEL)")
     if _TINY.fullmatch(arg):
         from macfleet.engine.tiny import DEFAULT_TINY_VOCAB
 

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from agents.remote_proposer import FlowTotals, RemoteProposer
+from agents.remote_stream import StreamingProposer
 from agents.remote_tree import RemoteProposerGroup
 from agents.specs import DraftModels, SpecPolicy, make_checked_proposer
+from bridge.card import AHEAD_KIND
 from bridge.messages import AUTO_DRAFT_TOKENS, GenerateRequest
 from macfleet.engine.controller import AUTO, DraftTokens
 from macfleet.engine.models import LoadedModel
@@ -104,11 +106,19 @@ class FallbackProposer(Proposer):
             p.close()
 
     def flow_stats(self) -> FlowStats:
-        """Per-block flows over every remote block, whichever proposer drafted it."""
+        """Per-block flows over every remote block, whichever proposer drafted it (and, from
+        a draft-model agent drafting ahead, its lead, waste and the verifier's wait)."""
         totals = FlowTotals()
         for p in self._all:
             totals += p.flows
-        return totals.summary(f3_probe=any(p.f3_probe_width for p in self._all))
+        s = totals.summary(f3_probe=any(p.f3_probe_width for p in self._all))
+        ahead = [p.flow_stats() for p in self._all
+                 if isinstance(p, StreamingProposer) and p.flows.blocks]
+        if ahead:
+            n = sum(a.remote_blocks for a in ahead)
+            s = replace(s, **{f: sum(getattr(a, f) * a.remote_blocks for a in ahead) / n
+                              for f in ("ahead_lead", "ahead_waste", "ahead_wait_ms")})
+        return s
 
 
 def draft_tokens_of(msg: GenerateRequest) -> DraftTokens:
@@ -170,7 +180,11 @@ class RequestDrafting:
             [make(s) or no_drafts(s) for s in specs], draft_tokens_of(msg)))
 
     def fallback(self, msg: GenerateRequest, batched: bool = False) -> FallbackProposer:
-        """One chain drafter on the named endpoints, in order of preference."""
+        """One chain drafter on the named endpoints, in order of preference (`draft` alone:
+        draft-model agents drafting ahead, each with the draft model its operator named)."""
+        if msg.proposer_spec == AHEAD_KIND:  # `draft` alone (remote requests name no model)
+            return FallbackProposer([StreamingProposer(ep, key=self.key, model=self.lm.spec)
+                                     for ep in msg.proposers])
         feats = self.features(msg.proposer_spec, batched)
         return FallbackProposer([
             RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec, model=self.lm.spec,

@@ -130,7 +130,9 @@ class VerifierGenerations:
             accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
             verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
             f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes, f3_ms=last.f3_ms,
-            probe=probe, hidden_size=self.lm.hidden_size, **extra))
+            probe=probe, hidden_size=self.lm.hidden_size, ahead_lead=last.ahead_lead,
+            ahead_waste=last.ahead_waste if last.ahead_lead or last.ahead_waste else -1.0,
+            **extra))
 
     def _batched_kv_flow(self, staged, tokens: int, prefill_ms: float) -> KVFlow:
         """Flow KV of a batched session: installed (its install time is the session's prefill

@@ -21,6 +21,17 @@ ROLE_PREFILL = "prefill"  # computes long prompts' KV for a verifier (flow KV)
 ROLES = (ROLE_PROPOSER, ROLE_VERIFIER, ROLE_SHARD, ROLE_PREFILL)
 
 
+# A draft-model agent (`agent --role proposer --draft MODEL`) serves this one drafter kind and
+# names its draft model under this extra: a client then drafts with it by default
+AHEAD_KIND = "draft"
+CARD_DRAFT = "draft"
+
+
+def draft_label(spec: str) -> str:
+    """A draft model's name for a card: a path's last part (TXT entries are short)."""
+    return spec.rstrip("/").rsplit("/", 1)[-1][:60] or spec[:60]
+
+
 @dataclass(frozen=True)
 class AgentCard:
     """Identity and capabilities of one agent (one per Mac, or several on one machine)."""
@@ -39,6 +50,11 @@ class AgentCard:
     proposers: tuple[str, ...] = ()  # proposer kinds served, e.g. ("layerskip", "ngram", "draft")
     protocol: int = PROTOCOL_VERSION
     extra: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def draft_model(self) -> str:
+        """The draft model of a draft-model agent ("" for any other agent)."""
+        return dict(self.extra).get(CARD_DRAFT, "")
 
     @property
     def router_endpoint(self) -> str:

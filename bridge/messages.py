@@ -189,6 +189,55 @@ class SessionClosed:
     session_id: str
 
 
+# --- drafting ahead (verifier -> a draft-model agent) ----------------------------------------
+# A draft-model agent drafts without being asked block by block: after StreamOpen it keeps its
+# stream of draft tokens up to `max_lead` past what it knows is committed and pushes each token
+# as a DraftChunk the moment it exists, so the verifier finds its next block already there when
+# a verify ends. The verifier tells it what it committed (StreamCommit, one-way: no reply).
+# Both sides apply the same rule to the same tokens: the stream survives a commit when its
+# tokens at the committed positions are the committed ones; otherwise the agent re-roots at
+# that commit (`basis` = the commit's seq) and the verifier drops chunks of older bases.
+
+
+@message("stream_open")
+class StreamOpen:
+    """Open a draft-ahead session; replies: SessionOpened, then a DraftChunk per drafted token
+    (or a few) for as long as the session lives. `model` is the verifier's model spec."""
+
+    session_id: str
+    model: str
+    prompt: list[int]
+    temperature: float
+    top_p: float
+    seed: int | None
+    max_lead: int  # draft at most this many tokens past the committed context
+
+
+@message("draft_chunk", terminal=False)
+class DraftChunk:
+    """Flow F2 of a draft-ahead session: tokens at absolute positions start.., drafted from the
+    context as of commit `basis` (0: the prompt) and the stream before `start`; `probs` [n, V]
+    float32 when sampling. `draft_ms`: the agent's compute time for these tokens."""
+
+    session_id: str
+    basis: int
+    start: int
+    tokens: list[int]
+    probs: np.ndarray | None
+    draft_ms: float
+
+
+@message("stream_commit")
+class StreamCommit:
+    """Flow F1 of a draft-ahead session (one-way): the verifier committed `tokens` at absolute
+    positions start..; seq counts the session's commits from 1."""
+
+    session_id: str
+    seq: int
+    start: int
+    tokens: list[int]
+
+
 # --- generation (client -> verifier agent) ---------------------------------------------------
 
 
@@ -318,6 +367,10 @@ class BlockMetrics:
     # (bytes, and ms from request to last chunk)
     kv_bytes: int = 0
     kv_ms: float = 0.0
+    # a draft-model agent drafting ahead: drafts waiting when the block began (its lead) and
+    # the share of its drafts thrown away so far (-1: no such agent)
+    ahead_lead: int = 0
+    ahead_waste: float = -1.0
 
 
 @message("agent_event", terminal=False)

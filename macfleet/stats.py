@@ -39,6 +39,10 @@ class BlockFlows:
     f3_ms: float = 0.0
     compute_ms: float = 0.0  # the proposer's own drafting time, off the wire
     predraft_hit: bool = False  # the block was drafted ahead (cross-round) and its guess held
+    # a draft-model agent drafting ahead: drafts already here when the block began, and the
+    # share of its drafts thrown away so far in the session
+    ahead_lead: int = 0
+    ahead_waste: float = 0.0
 
     @property
     def wire_ms(self) -> float:
@@ -74,6 +78,12 @@ class FlowStats:
     proposer_compute_ms_per_block: float = 0.0
     predraft_hit_rate: float = 0.0
     f3_probe: bool = False  # F3 was measured with probe payloads (no hidden-state drafter ran)
+    # a draft-model agent drafting ahead (agents/remote_stream.py): drafts already waiting when
+    # a block began (its lead), the share of its pushed drafts thrown away, and the verifier's
+    # wait for drafts per block
+    ahead_lead: float = 0.0
+    ahead_waste: float = 0.0
+    ahead_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -46,7 +46,8 @@ def _extensions() -> list:
                  "macfleet.cli.bench_sessions", "macfleet.cli.bench_topologies",
                  "macfleet.cli.bench_drafter", "macfleet.cli.bench_serve",
                  "macfleet.cli.bench_moe", "macfleet.cli.bench_disagg",
-                 "macfleet.cli.bench_overhead"):
+                 "macfleet.cli.bench_overhead", "macfleet.cli.bench_pair_dial",
+                 "macfleet.cli.bench_pair"):
         try:
             mods.append(importlib.import_module(name))
         except ModuleNotFoundError as e:

@@ -34,8 +34,12 @@ def add_parser(sub) -> None:
     a.add_argument("--shard-mode", choices=SHARD_MODES, default="pipeline",
                    help="tensor: split every layer; pipeline: split the layers; expert "
                    "(MoE models): whole experts per rank, attention and routers replicated")
-    a.add_argument("--model", default="smollm2",
-                   help="the model it serves (a proposer: the verifier's model it drafts for)")
+    a.add_argument("--model", default="smollm2", help="the model this agent serves (a "
+                   "proposer: the verifier model it drafts for)")
+    a.add_argument("--draft", default=None, metavar="MODEL",
+                   help="proposer: a small same-family draft model (a spec or an mlx-lm "
+                   "directory) that drafts ahead for --model's verifiers while they verify; "
+                   "the agent loads only this model (default: none, the usual drafters)")
     a.add_argument("--proposer-kinds", default=",".join(PROPOSER_KINDS), metavar="KIND[,KIND...]",
                    help="proposer: the drafter kinds it serves (clients name the drafter "
                    "itself with `generate --proposer`)")
@@ -92,6 +96,10 @@ def add_parser(sub) -> None:
     u.add_argument("--agents", type=int, default=2,
                    help="agents to start: one verifier, the rest proposers")
     u.add_argument("--model", default="smollm2", help="the model every agent serves")
+    u.add_argument("--draft", default=None, metavar="MODEL",
+                   help="the proposer agents draft ahead with this draft model (a small model "
+                   "of --model's family; `generate` and `serve` then use them by default; "
+                   "default: none)")
     u.add_argument("--no-pin", action="store_true", help="do not pin agents to cores")
     u.add_argument("--f3-probe", action="store_true", help="the verifier measures F3 per block")
     u.add_argument("--serve", action="store_true", help="then serve the OpenAI API on it")
@@ -139,6 +147,7 @@ def run_agent(args) -> int:
                       port=args.port, pub_port=args.pub_port, key=key,
                       loopback_only=args.loopback, cpu=args.cpu, node_id=args.node_id,
                       proposer_kinds=tuple(k for k in args.proposer_kinds.split(",") if k),
+                      draft=args.draft,
                       f3_probe=args.f3_probe, heads_dir=args.heads, f3_codec=args.f3_codec,
                       allow_hub=args.allow_hub, max_conns_per_peer=args.max_conns_per_peer,
                       batch_sessions=args.batch_sessions, allow_peers=tuple(args.allow_peer),
@@ -191,7 +200,8 @@ def run_up(args) -> int:
     try:
         cards = local.up(args.agents, model=args.model, key=key, key_path=key_path,
                          run_dir=run_dir(), pin=not args.no_pin,
-                         extra_args={"verifier": verifier_args(args)},
+                         extra_args={"verifier": verifier_args(args),
+                                     "proposer": ["--draft", args.draft] if args.draft else []},
                          shard=args.shard, shard_mode=args.shard_mode, prefill=args.prefill)
     except (local.FleetStartError, ValueError) as e:
         raise UserError(str(e)) from None

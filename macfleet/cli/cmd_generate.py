@@ -180,7 +180,7 @@ def run(args) -> int:
     validate(args)
     from macfleet.engine.proposers.choice import FLEET, resolve_proposer
 
-    asked = args.proposer
+    asked = args.asked_proposer = args.proposer
     args.proposer, _ = resolve_proposer(asked, args.model)
     if args.local:
         return run_local(args, W.asked_local())
@@ -215,6 +215,7 @@ def _replanning(args, key, committed: Progress) -> int:
     try:
         for ev in generate_fleet(
                 key, args.model, wait_s=args.wait, proposer_spec=args.fleet_proposer,
+                draft_agents=args.asked_proposer in ("auto", "draft"),
                 prompt=args.prompt, chat=not args.no_chat, max_tokens=args.max_tokens,
                 temperature=params.temperature, top_p=params.top_p, seed=params.seed,
                 draft_tokens=parse_draft_tokens(args.draft_tokens),

@@ -80,7 +80,8 @@ def fleet_engine(args, draft_tokens):
     from macfleet.cli import where as W
     from macfleet.cli.common import fleet_key_if_any
     from macfleet.engine.proposers.choice import FLEET, resolve_proposer
-    from macfleet.fleet.client import NoFleet, choose_roles, discover, fleet_id, probe
+    from macfleet.fleet.client import (NoFleet, choose_roles, discover, drafting_for, fleet_id,
+                                       probe)
     from macfleet.fleet.keys import KeyMissing, default_key_path
     from macfleet.serve.remote import RemoteEngine
 
@@ -99,8 +100,11 @@ def fleet_engine(args, draft_tokens):
     except NoFleet as e:
         say(W.no_fleet(fid, args.wait, e.seen, str(e)))
         return None
+    # draft-model agents when asked for `auto` or `draft` and the fleet has any; else the
+    # drafter measured best across agents (`auto`) or the one asked for on the others
+    spec, proposers = drafting_for(resolve_proposer(args.proposer, args.model, FLEET)[0],
+                                   proposers, draft_agents=args.proposer in ("auto", "draft"))
     say(W.in_fleet(fid, verifier.card, [p.card for p in proposers]))
-    spec, _ = resolve_proposer(args.proposer, args.model, FLEET)
     return RemoteEngine(verifier, proposers, key, proposer=spec,
                         draft_tokens=draft_tokens, max_active=args.batch_sessions,
                         max_queue=args.max_queue)

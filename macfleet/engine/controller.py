@@ -48,6 +48,23 @@ def best_k(alpha: float, draft_ms: float, verify_a: float, verify_b: float, k_ma
     return best
 
 
+def tokens_to_wait(have: int, k: int, alpha: float, token_ms: float, due_ms: float,
+                   verify_ms) -> int:
+    """How many more drafts to wait for before verifying, when a drafter on another machine
+    streams them (0: verify what is there now). have: drafts already there; k: the most the
+    block may hold; token_ms: the drafter's time per token; due_ms: until its next one;
+    verify_ms(L): the verify cost of L positions. Maximises the block's expected committed
+    tokens per ms, waiting included; the drafter goes on drafting while the verifier verifies,
+    so what is not waited for now is there for the next block."""
+    best, best_rate = 0, expected_tokens(alpha, have) / max(verify_ms(have + 1), 1e-6)
+    for j in range(1, k - have + 1):
+        t = due_ms + (j - 1) * token_ms + verify_ms(have + j + 1)
+        rate = expected_tokens(alpha, have + j) / max(t, 1e-6)
+        if rate > best_rate:
+            best, best_rate = j, rate
+    return best
+
+
 @dataclass
 class FixedDraftLength:
     k: int

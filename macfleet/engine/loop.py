@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from macfleet.engine.ahead import Ahead, draft_ahead, take
 from macfleet.engine.block import BlockTally, chain_outcome, cut_at_stop
 from macfleet.engine.constraint import Constraint, constrained_draft, masked_logits
 from macfleet.engine.controller import FixedDraftLength
@@ -72,38 +72,6 @@ def sanitize_draft(draft: Draft, k: int, vocab: int) -> Draft:
     if len(toks) == len(draft.tokens) and probs is draft.probs and parents == draft.parents:
         return draft
     return Draft(tuple(toks), probs, draft.draft_ms, None, parents)
-
-
-@dataclass
-class _Ahead:
-    """A host-side drafter's draft of the next block, made while the device verified this one,
-    from the outcome it expected: every draft accepted and its own guess of the bonus token."""
-
-    context_len: int  # the committed length it assumed (context + every draft + the guess)
-    guess: int
-    draft: Draft  # [guess, next drafts...]
-
-
-def _predraft(proposer: Proposer, context: list[int], drafts: Sequence[int],
-              k: int) -> _Ahead | None:
-    """Draft k tokens past `context + drafts + guess`, where the guess is the drafter's own
-    first token (what it expects the verifier's bonus token to be)."""
-    try:
-        d = proposer.propose([*context, *drafts], k + 1)
-    except ProposerFailed:
-        return None  # the next fresh draft reports it
-    if not d.tokens:
-        return None
-    return _Ahead(len(context) + len(drafts) + 1, int(d.tokens[0]), d)
-
-
-def _use_ahead(ahead: _Ahead | None, context: Sequence[int], k: int, vocab: int) -> Draft | None:
-    """The pre-draft, cut to k, when the block went as it expected; None otherwise."""
-    if ahead is None or len(context) != ahead.context_len or context[-1] != ahead.guess:
-        return None
-    d = ahead.draft
-    probs = d.probs[1 : 1 + k] if d.probs is not None else None
-    return sanitize_draft(Draft(tuple(d.tokens[1 : 1 + k]), probs, 0.0), k, vocab)
 
 
 def speculative_generate(
@@ -166,7 +134,7 @@ def speculative_generate(
     finish = "length"
     step: mx.array | None = None  # a plain step already started on the device (lazy token)
     k_next: int | None = None  # the next block's length, when asked for before this one ended
-    ahead: _Ahead | None = None
+    ahead: Ahead | None = None
     k_pre = int(getattr(controller, "k_max", None) or getattr(controller, "k", 0) or 0)
     ahead_ok = drafts_ahead() and constraint is None
     try:
@@ -181,7 +149,8 @@ def speculative_generate(
                 k = controller.next_k() if k_next is None else k_next
                 k = min(k, max_tokens - len(generated) - 1)
                 if proposer is not None and k > 0:
-                    draft = _use_ahead(ahead, context, k, vocab) or EMPTY_DRAFT
+                    got = take(ahead, context, k)
+                    draft = sanitize_draft(got, k, vocab) if got is not None else EMPTY_DRAFT
                     if not draft.tokens:
                         try:
                             draft = sanitize_draft(proposer.propose(context, k), k, vocab)
@@ -216,7 +185,7 @@ def speculative_generate(
                     mx.async_eval(step)
             elif (ahead_ok and proposer is not None and proposer.host_side and draft.tokens
                   and k_pre and len(generated) + len(draft) + 1 < max_tokens):
-                ahead = _predraft(proposer, context, draft.tokens, k_pre)
+                ahead = draft_ahead(proposer.propose, context, draft.tokens, k_pre)
             n, nxt = (int(v) for v in out.tolist())
             verifier.rollback(L - 1 - n)
             t2 = time.perf_counter()

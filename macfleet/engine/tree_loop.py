@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import mlx.core as mx
 
+from macfleet.engine.ahead import Ahead, draft_ahead, take
 from macfleet.engine.block import (BlockTally, accept_tree, cut_at_stop, tree_decided,
                                    tree_decision)
 from macfleet.engine.constraint import Constraint, constrained_tree, masked_tree_logits
@@ -26,7 +26,7 @@ from macfleet.engine.pipeline import drafts_ahead, padded_length, pads_blocks
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.proposers.eagle.features import record_hidden
 from macfleet.engine.sampling import GREEDY, SamplingParams, generation_seed, make_rng
-from macfleet.engine.tree import TokenTree, accept_tree_greedy, longest_branch, reroot
+from macfleet.engine.tree import TokenTree, accept_tree_greedy, longest_branch
 from macfleet.engine.tree_verify import (compact_cache, supports_tree_attention, tree_forward,
                                          verify_branches)
 from macfleet.engine.verifier import Verifier
@@ -162,52 +162,26 @@ class ProposerGroup:
                      for p, d, a in zip(self.proposers, self.drafted, self.accepted))
 
 
-@dataclass
-class _TreeAhead:
-    """Every drafter's draft of the next block, made while the device verified this one, one
-    token early: from the context + the tree's longest path, their top-level nodes being
-    their guesses of the verifier's bonus token (`tree.reroot` keeps what follows it)."""
-
-    context_len: int  # the committed length that outcome gives (+ path + bonus)
-    path: tuple[int, ...]  # the path's tokens it assumed accepted
-    drafts: list[Draft | None]
-
-
 def _predraft(group: ProposerGroup, context: Sequence[int], tree: TokenTree,
-              ks: Sequence[int]) -> _TreeAhead | None:
+              ks: Sequence[int]) -> list[Ahead | None] | None:
+    """Every drafter's draft of the next block (engine/ahead.py), made while the device
+    verified this one: from the context + the tree's longest path."""
     main = longest_branch(tree.parents)[1:]  # the deepest branch, without the root
     if not main:
         return None
-    base = [*context, *tree.path_tokens(main)]
-    out: list[Draft | None] = []
-    for j, (p, k) in enumerate(zip(group.proposers, ks)):
-        d = None
-        if k > 0 and group.live[j]:
-            try:
-                d = p.propose(base, k + 1)
-            except ProposerFailed:
-                d = None  # the fresh draft reports it
-        out.append(d)
-    return _TreeAhead(len(base) + 1, tuple(tree.path_tokens(main)), out)
+    branch = tree.path_tokens(main)
+    return [draft_ahead(p.propose, context, branch, k) if k > 0 and group.live[j] else None
+            for j, (p, k) in enumerate(zip(group.proposers, ks))]
 
 
-def _take_ahead(ahead: _TreeAhead | None, context: Sequence[int]) -> list[Draft | None] | None:
+def _take_ahead(ahead: list[Ahead | None] | None,
+                context: Sequence[int]) -> list[Draft | None] | None:
     """The drafts made ahead, re-rooted at the committed bonus token, if the block went as
     they assumed (its longest path accepted); None otherwise."""
-    if ahead is None or len(context) != ahead.context_len:
+    if ahead is None:
         return None
-    if tuple(context[ahead.context_len - 1 - len(ahead.path) : -1]) != ahead.path:
-        return None  # another path of the same length
-    out: list[Draft | None] = []
-    for d in ahead.drafts:
-        if d is None:
-            out.append(None)
-            continue
-        toks, par, idx = reroot(d.tokens, d.parents, int(context[-1]))
-        probs = d.probs[idx] if d.probs is not None and idx else None
-        out.append(Draft(tuple(toks), probs, 0.0, None,
-                         tuple(par) if d.parents is not None else None) if toks else None)
-    return out
+    out = [take(a, context) for a in ahead]
+    return out if any(d is not None for d in out) else None
 
 
 def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: SamplingParams,
@@ -274,7 +248,7 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
     generated: list[int] = []
     tally = BlockTally()
     finish = "length"
-    ahead: _TreeAhead | None = None
+    ahead: list[Ahead | None] | None = None
     try:
         while len(generated) < max_tokens and finish != "stop":
             t0 = time.perf_counter()

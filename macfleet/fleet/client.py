@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from bridge.auth import fleet_id as fleet_id  # discovery filters on a key's fleet id
-from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
+from bridge.card import AHEAD_KIND, ROLE_PROPOSER, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser
 from bridge.errors import INTERNAL, UNAVAILABLE, PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import (AUTO_DRAFT_TOKENS, BatchStatus, BatchStatusRequest, GenerateChunk,
@@ -119,6 +119,18 @@ def choose_roles(statuses: Sequence[AgentStatus], model: str | None = None
              and any(m in s.card.models for m in v.card.models)]
     props.sort(key=lambda s: (s.status.sessions, s.rtt_p50_ms or 0.0))
     return v, props
+
+
+def drafting_for(spec: str, proposers: Sequence[AgentStatus], *, draft_agents: bool
+                 ) -> tuple[str, list[AgentStatus]]:
+    """The drafter spec a request names and the proposer agents that draft it (pure): the
+    verifier's draft-model agents (`agent --draft MODEL`, drafting ahead) with spec `draft`
+    when `draft_agents` (the user asked for `auto` or `draft`) and the fleet has any; else
+    `spec` on the other proposer agents (a draft-model agent serves no other drafter)."""
+    ahead = [p for p in proposers if p.card.draft_model]
+    if draft_agents and ahead:
+        return AHEAD_KIND, ahead
+    return spec, [p for p in proposers if not p.card.draft_model]
 
 
 def new_request_id() -> str:
@@ -248,7 +260,8 @@ def generate(verifier: AgentCard, key: bytes | None, *, proposers: Sequence[Agen
 
 
 def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFAULT_DISCOVER_S,
-                   replans: int = DEFAULT_REPLANS, **request
+                   replans: int = DEFAULT_REPLANS, proposer_spec: str = "ngram",
+                   draft_agents: bool = False, **request
                    ) -> Iterator[Placed | Text | Done | Replanned]:
     """One generation through the fleet: discover, pick the verifier and its proposers
     (`choose_roles`), stream; when the verifier is lost, re-plan without it and continue after
@@ -269,6 +282,7 @@ def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFA
         statuses = [probe(c, key, pings=1) for c in cards]
         try:
             verifier, proposers = choose_roles(statuses, model)
+            spec, proposers = drafting_for(proposer_spec, proposers, draft_agents=draft_agents)
         except NoFleet as e:
             if attempt:
                 raise VerifierFailed(f"{e} (after the verifier failed)") from None
@@ -277,7 +291,7 @@ def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFA
         yield Placed(fleet_id(key), verifier.card, tuple(p.card for p in proposers))
         try:
             for ev in generate(verifier.card, key, proposers=[p.card for p in proposers],
-                               prefix_ids=list(ids), **request):
+                               proposer_spec=spec, prefix_ids=list(ids), **request):
                 if isinstance(ev, Text):
                     ids.extend(ev.token_ids)
                     texts.append(ev.text)

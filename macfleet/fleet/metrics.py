@@ -80,6 +80,7 @@ class SessionMetrics:
             hist.pop()
         wire = sum(wire_ms(b) for b in bl)
         remote = any(b.f1_bytes for b in bl)
+        ahead = [b for b in bl if getattr(b, "ahead_waste", -1.0) >= 0]
         return SessionView(
             session_id=self.session_id, verifier=self.verifier, proposers=self.proposers,
             topology="1 proposer : 1 verifier (2 hosts)" if remote else "local",
@@ -97,6 +98,8 @@ class SessionMetrics:
             overhead_share=multihost_overhead(wire, block_ms),
             active=now - self.last_seen < ACTIVE_S,
             rank_load=tuple(map(sum, zip(*loads))) if loads else (),
+            ahead=(sum(b.ahead_lead for b in ahead) / len(ahead), ahead[-1].ahead_waste)
+            if ahead else None,
         )
 
 

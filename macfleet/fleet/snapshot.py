@@ -174,6 +174,9 @@ class SessionView(_Dictable):
     active: bool
     # an expert-parallel verifier: tokens its router sent to each rank's experts (the window)
     rank_load: tuple[int, ...] = ()
+    # drafted ahead by a draft-model agent: its mean lead (drafts waiting when a block began)
+    # and the share of its drafts thrown away; None without one
+    ahead: tuple[float, float] | None = None
 
     def flow(self, name: str) -> FlowView | None:
         return next((f for f in self.flows if f.flow == name), None)
@@ -182,6 +185,8 @@ class SessionView(_Dictable):
         d = asdict(self)
         if not self.rank_load:  # recordings without a MoE verifier stay as they were
             del d["rank_load"]
+        if self.ahead is None:  # ... and without a draft-model agent
+            del d["ahead"]
         return d
 
     @classmethod
@@ -196,6 +201,7 @@ class SessionView(_Dictable):
             timeline=tuple(BlockSample.from_dict(b) for b in d.get("timeline", ())),
             overhead_share=float(d["overhead_share"]), active=bool(d["active"]),
             rank_load=tuple(int(x) for x in d.get("rank_load", ())),
+            ahead=(float(d["ahead"][0]), float(d["ahead"][1])) if d.get("ahead") else None,
         )
 
 

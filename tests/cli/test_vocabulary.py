@@ -67,11 +67,12 @@ VOCABULARY = {
         "generate", "demo", "distill", "bench local", "bench fleet", "bench soak",
         "bench sessions", "bench topologies", "bench drafter", "bench heads",
         "bench tree-shapes", "bench serve", "bench batch-identity", "bench moe",
-        "bench overhead"}),
+        "bench overhead", "bench pair", "bench pair-dial"}),
     "repeats": ("--repeats", {
         "demo", "bench verify-sweep", "bench local", "bench fastmath", "bench fleet", "bench f3",
         "bench security", "bench drafter", "bench tree-shapes", "bench moe", "bench overhead",
-        "bench serve"}),
+        "bench serve", "bench pair-dial"}),
+    "tokens drafted per block": ("--draft-tokens", {"generate", "serve", "bench pair"}),
     "fleet key file": ("--key", {"generate", "serve", "agent", "up", "ls", "keygen", "plan",
                                  "dash", "bench", "key export", "key import"}),
     "seconds to look for agents": ("--wait", {"generate", "serve", "ls", "plan", "bench"}),
@@ -80,7 +81,7 @@ VOCABULARY = {
 }
 # names the ideas above had before: none may come back (no aliases)
 RETIRED = ("--spec", "--specs", "--drafters", "--proposers", "--max-active", "--max-answer",
-           "--rounds", "--big-tokens", "--gen-tokens")
+           "--rounds", "--big-tokens", "--gen-tokens", "--reps", "--k")
 
 
 @pytest.mark.parametrize("concept", sorted(VOCABULARY))

@@ -27,7 +27,8 @@ from macfleet.engine.pipeline import (block_lengths, greedy_outcome, gumbel_pick
 from macfleet.engine.proposers import Draft, Proposer
 from macfleet.engine.proposers.ngram import NgramProposer
 from macfleet.engine.tree import reroot
-from macfleet.engine.tree_loop import ProposerGroup, _take_ahead, _TreeAhead, tree_generate
+from macfleet.engine.ahead import Ahead
+from macfleet.engine.tree_loop import ProposerGroup, _take_ahead, tree_generate
 from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.verifier import SynchronousVerifier, Verifier
 
@@ -314,10 +315,10 @@ def test_trees_drafted_ahead_commit_the_verifiers_ids(tiny, ref, right):
 
 def test_a_tree_drafted_ahead_on_a_path_that_was_not_accepted_is_dropped(tiny, ref):
     """The same length, other tokens: the check compares the path, not only its length."""
-    ahead = _TreeAhead(context_len=5, path=(1, 2), drafts=[Draft((9, 3), parents=(-1, 0))])
+    ahead = [Ahead(context_len=5, branch=(1, 2), draft=Draft((9, 3), parents=(-1, 0)))]
     assert _take_ahead(ahead, [0, 0, 1, 2, 9])[0].tokens == (3,)
     assert _take_ahead(ahead, [0, 0, 1, 7, 9]) is None
-    assert _take_ahead(ahead, [0, 0, 1, 2, 8]) == [None]  # the bonus was not its guess
+    assert _take_ahead(ahead, [0, 0, 1, 2, 8]) is None  # the bonus was not its guess
 
 
 def test_padded_trees_commit_the_same(tiny, ref, monkeypatch):

@@ -17,7 +17,8 @@ from macfleet.engine.loop import speculative_generate
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.tree import TokenTree
-from macfleet.engine.tree_loop import (ProposerGroup, _predraft, _take_ahead, _TreeAhead,
+from macfleet.engine.ahead import Ahead
+from macfleet.engine.tree_loop import (ProposerGroup, _predraft, _take_ahead,
                                        tree_budget, tree_generate, tree_of_drafts)
 from macfleet.engine.verifier import Verifier
 from macfleet.stats import ProposerStats
@@ -156,15 +157,15 @@ def test_drafts_made_ahead_follow_the_longest_branch_and_reroot_with_their_rows(
     tree = TokenTree.from_drafts(5, [[1, 2], [6]])
     ahead = _predraft(g, [0, 0, 5], tree, [2, 0, 3])
     assert a.asked == [(5, 3)] and b.asked == []  # context + the path 1, 2; k + 1
-    assert ahead.context_len == 6 and ahead.path == (1, 2)
-    assert ahead.drafts[0].tokens == (9, 3, 4) and ahead.drafts[1:] == [None, None]
+    assert ahead[0].context_len == 6 and ahead[0].branch == (1, 2)
+    assert ahead[0].draft.tokens == (9, 3, 4) and ahead[1:] == [None, None]
     assert g.live[2]  # a failure ahead is not a verdict: the fresh request reports it
     _predraft(g, [0, 0, 5], tree, [1, 0, 0])
     assert a.asked == [(5, 3), (5, 2)]  # a length of 1 is drafted ahead too
     assert _predraft(g, [0, 5], TokenTree.from_drafts(5, []), [2, 0, 0]) is None
     p = np.eye(4)[[1, 2, 3]]
-    ahead = _TreeAhead(5, (1, 2), [Draft((9, 3, 4), p, parents=(-1, 0, 1)), None,
-                                   Draft((9, 3), p[:2])])
+    ahead = [Ahead(5, (1, 2), Draft((9, 3, 4), p, parents=(-1, 0, 1))), None,
+             Ahead(5, (1, 2), Draft((9, 3), p[:2]))]
     out = _take_ahead(ahead, [0, 0, 1, 2, 9])
     assert out[0].tokens == (3, 4) and out[0].parents == (-1, 0) and out[1] is None
     assert np.array_equal(out[0].probs, p[[1, 2]]) and out[0].draft_ms == 0.0

@@ -59,6 +59,9 @@ def compute_summary(s: SessionView) -> str:
     wire time beside the compute time it competes with."""
     load = ("\nrouter load per rank " + " / ".join(f"{x:,}" for x in s.rank_load)
             + " tokens" if s.rank_load else "")
+    if s.ahead is not None:  # a draft-model agent drafting ahead of the verifier
+        load += (f"\ndraft agent ahead by {s.ahead[0]:.1f} drafts a block, "
+                 f"{fmt_pct(s.ahead[1])} of its drafts thrown away")
     if not s.timeline:
         return f"overhead {fmt_pct(s.overhead_share)} of block time" + load
     tl = s.timeline

@@ -36,8 +36,8 @@ def parse_proposer_spec(spec: str) -> ProposerSpec:
         )
     if kind in ("ngram", "layerskip") and arg and not arg.isdigit():
         raise ProposerSpecError(f"'{spec}': the argument of {kind} must be a whole number")
-    if kind in ("layerskip", "draft") and not arg:
-        raise ProposerSpecError(f"'{spec}': {kind} needs an argument ({kind}:K or draft:MODEL)")
+    if kind == "layerskip" and not arg:
+        raise ProposerSpecError(f"'{spec}': layerskip needs an argument (layerskip:K)")
     if kind == "none" and arg:
         raise ProposerSpecError(f"'{spec}': none takes no argument")
     return ProposerSpec(kind, arg)
@@ -70,6 +70,10 @@ def make_proposer(spec: str, verifier: LoadedModel) -> Proposer | None:
 
         return make_eagle_proposer(ps.arg, verifier, ProposerSpecError,
                                    tree=ps.kind == "eagle2")
+    if ps.kind == "draft" and not ps.arg:
+        raise ProposerSpecError("'draft' alone drafts on a fleet's draft-model agent (started "
+                                "with `agent --role proposer --draft MODEL`); in one process "
+                                "name the model: draft:MODEL")
     if ps.kind == "layerskip":
         k = int(ps.arg)
         if not 1 <= k < verifier.num_layers:

@@ -1,0 +1,278 @@
+"""The draft-model role: a small same-family model that drafts ahead of a big verifier.
+
+A proposer agent started with `--draft MODEL` serves this instead of the block-by-block
+ProposerService. A verifier opens a session (StreamOpen) and from then on the agent drafts
+without being asked: one compute thread extends every session's stream one token at a time,
+round-robin, up to the session's `max_lead` tokens past what it knows is committed, and pushes
+each token (DraftChunk) the moment it exists. The verifier's commits (StreamCommit, one-way)
+arrive between tokens: a stream whose tokens are the committed ones goes on where it was (the
+likely case at high acceptance: nothing was lost, the next block is already drafted); one that
+is refuted re-roots at that commit (`basis`), throwing away what it had drafted past it. The
+verifier applies the same rule to the same tokens (agents/remote_stream.py), so both sides
+agree on which chunks are current without a round trip.
+
+So the draft model drafts while the verifier verifies: on two Macs a block costs about
+verify(k+1) instead of verify(k+1) + k draft steps (DESIGN.md, physics 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agents.draft_stream import DraftStream
+from agents.proposer_service import check_prompt
+from agents.slots import Slot, slot_for
+from agents.specs import check_id
+from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, NOT_FOUND, ProtocolError
+from bridge.messages import (CloseSession, DraftChunk, ErrorReply, SessionClosed,
+                             SessionOpened, StreamCommit, StreamOpen)
+from macfleet.engine.controller import MAX_DRAFT_TOKENS
+from macfleet.engine.models import LoadedModel
+from macfleet.engine.proposers.model_draft import ModelProposer
+from macfleet.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SESSIONS = 8
+DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
+DEFAULT_IDLE_EVICT_S = 30.0
+DEFAULT_RECLAIM_IDLE_S = 3.0
+DEFAULT_MAX_PROMPT = 32768
+MAX_LEAD = 2 * MAX_DRAFT_TOKENS + 2  # a lead the verifier may ask for
+_IDLE_WAIT_S = 0.05
+
+Reply = Callable[[object], int]
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT
+    idle_evict_s: float = DEFAULT_IDLE_EVICT_S
+    reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S
+    max_prompt: int = DEFAULT_MAX_PROMPT
+
+
+@dataclass
+class AheadTally:
+    """What one session's stream did: tokens drafted and pushed, and those a re-root threw
+    away (drafted past a commit that refuted them)."""
+
+    drafted: int = 0
+    wasted: int = 0
+    reroots: int = 0
+
+
+@dataclass
+class _Session:
+    stream: DraftStream
+    reply: Reply  # the StreamOpen's replier: chunks go back on it
+    max_lead: int
+    basis: int = 0  # the commit the stream was last re-rooted at (0: the prompt)
+    seq: int = 0  # the last commit applied
+    tally: AheadTally = field(default_factory=AheadTally)
+
+    @property
+    def wants_token(self) -> bool:
+        s = self.stream
+        return not s.exhausted and len(s.stream) < self.max_lead
+
+    def apply(self, msg: StreamCommit) -> None:
+        """The verifier's commit: the stream goes on if it holds the committed tokens
+        (`draft_stream.survives`), else it is re-rooted at this commit (its `basis`)."""
+        st = self.stream
+        if msg.seq != self.seq + 1 or msg.start != len(st.context):
+            raise ProtocolError(BAD_REQUEST, f"commit {msg.seq} at {msg.start}: expected "
+                                             f"{self.seq + 1} at {len(st.context)}")
+        self.seq = msg.seq
+        before = len(st.stream)
+        if not st.commit(msg.tokens):
+            self.basis = msg.seq
+            self.tally.reroots += 1
+            self.tally.wasted += before
+        st.last_used = time.monotonic()
+
+    def draft(self, sid: str) -> DraftChunk | None:
+        """One more token on the stream, as the chunk that carries it (None: nothing new)."""
+        st = self.stream
+        start = len(st.context) + len(st.stream)
+        t0 = time.perf_counter()
+        n = st.extend(1)
+        if not n:
+            return None
+        self.tally.drafted += n
+        probs = np.stack(st.rows[-n:]).astype(np.float32) if st.want_probs and st.rows else None
+        return DraftChunk(sid, self.basis, start, [int(t) for t in st.stream[-n:]], probs,
+                          (time.perf_counter() - t0) * 1e3)
+
+
+class DraftAheadService:
+    """Draft-ahead sessions on one draft model: checks on the server's loop thread (`handle`),
+    drafting on one compute thread (MLX work is serialised there)."""
+
+    def __init__(self, draft: LoadedModel, *, serves: str,
+                 limits: DraftLimits = DraftLimits()) -> None:
+        """draft: the loaded draft model; serves: the verifier model spec it drafts for."""
+        self.lm = draft
+        self.serves = serves
+        self.limits = limits
+        self._sessions: dict[str, _Session] = {}
+        self._owner: dict[str, bytes] = {}
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._rr = 0
+        self.totals = AheadTally()
+        self._thread = threading.Thread(target=self._run, name="draft-ahead", daemon=True)
+        self._thread.start()
+
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    # -- the server's loop thread: validate, then queue for the compute thread
+    def handle(self, msg, reply: Reply) -> bool:
+        """False when the message is not for this service."""
+        if not isinstance(msg, (StreamOpen, StreamCommit, CloseSession)):
+            return False
+        check_id(msg.session_id, "session_id")
+        peer = getattr(reply, "peer", b"")
+        if isinstance(msg, StreamOpen):
+            self._validate_open(msg, peer)
+        elif isinstance(msg, StreamCommit):
+            self._owned(msg.session_id, peer)
+            if msg.seq < 1 or msg.start < 0 or not msg.tokens \
+                    or len(msg.tokens) > MAX_LEAD + 1 \
+                    or any(not 0 <= t < self.lm.vocab_size for t in msg.tokens):
+                raise ProtocolError(BAD_REQUEST, "a commit names 1.. tokens of the vocabulary "
+                                                 "at a position >= 0, with seq >= 1")
+        elif msg.session_id in self._sessions:
+            self._owned(msg.session_id, peer)
+        self._jobs.put((msg, reply, peer))
+        return True
+
+    def _validate_open(self, msg: StreamOpen, peer: bytes) -> None:
+        if msg.model not in ("", self.serves):
+            raise ProtocolError(BAD_REQUEST, f"this agent drafts for '{self.serves}', "
+                                             f"not '{msg.model}'")
+        if not msg.prompt or len(msg.prompt) > self.limits.max_prompt:
+            raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} "
+                                             "tokens")
+        if not 1 <= msg.max_lead <= MAX_LEAD:
+            raise ProtocolError(BAD_REQUEST, f"max_lead must be 1..{MAX_LEAD}")
+        check_prompt(msg, self.lm.vocab_size)
+        if msg.session_id in self._sessions:
+            self._owned(msg.session_id, peer)
+        else:
+            self._slot(peer)
+
+    def _slot(self, peer: bytes) -> Slot:
+        last = {sid: s.stream.last_used for sid, s in list(self._sessions.items())}
+        slot = slot_for(peer, dict(self._owner), last, time.monotonic(), self.limits)
+        if not slot.ok:
+            raise ProtocolError(BUSY, slot.why)
+        return slot
+
+    def _owned(self, sid: str, peer: bytes) -> None:
+        if sid not in self._sessions or self._owner.get(sid) != peer:
+            raise ProtocolError(NOT_FOUND, f"no draft-ahead session '{sid}'")
+
+    # -- the compute thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = any(s.wants_token for s in self._sessions.values())
+            try:
+                job = self._jobs.get_nowait() if busy else self._jobs.get(timeout=_IDLE_WAIT_S)
+            except queue.Empty:
+                if busy:
+                    self._draft_one()
+                self._evict_idle()
+                continue
+            if job is None:
+                break
+            msg, reply, peer = job
+            try:
+                out = self._serve(msg, reply, peer)
+                if out is not None:
+                    reply(out)
+            except ProtocolError as e:
+                reply(ErrorReply(e.code, str(e)))
+            except Exception as e:  # the daemon never dies of a request; the error goes back
+                log.exception("draft-ahead job failed")
+                reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
+
+    def _serve(self, msg, reply: Reply, peer: bytes):
+        if isinstance(msg, StreamOpen):
+            if msg.session_id in self._sessions:
+                self._owned(msg.session_id, peer)
+                self._drop(msg.session_id)
+            else:
+                evict = self._slot(peer).evict
+                if evict is not None:
+                    log.info("draft-ahead session %s gives way to a new one", evict)
+                    self._drop(evict)
+            params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
+            prop = ModelProposer(self.lm.model, name="draft")
+            prop.start(params)
+            self._sessions[msg.session_id] = _Session(
+                DraftStream(prop, list(msg.prompt), want_probs=not params.greedy,
+                            cross_round=True), reply, msg.max_lead)
+            self._owner[msg.session_id] = peer
+            return SessionOpened(msg.session_id, f"draft:{self.lm.spec}", self.lm.vocab_size)
+        if isinstance(msg, CloseSession):
+            if msg.session_id in self._sessions:
+                self._owned(msg.session_id, peer)
+                self._drop(msg.session_id)
+            return SessionClosed(msg.session_id)
+        s = self._sessions.get(msg.session_id)
+        if s is None or self._owner.get(msg.session_id) != peer:
+            raise ProtocolError(NOT_FOUND, f"no draft-ahead session '{msg.session_id}'")
+        self._commit(s, msg)
+        return None  # one-way
+
+    def _commit(self, s: _Session, msg: StreamCommit) -> None:
+        reroots, wasted = s.tally.reroots, s.tally.wasted
+        s.apply(msg)
+        self.totals.reroots += s.tally.reroots - reroots
+        self.totals.wasted += s.tally.wasted - wasted
+
+    def _draft_one(self) -> None:
+        """One more token on one session's stream (round-robin), pushed at once."""
+        live = [(sid, s) for sid, s in self._sessions.items() if s.wants_token]
+        if not live:
+            return
+        self._rr = (self._rr + 1) % len(live)
+        sid, s = live[self._rr]
+        try:
+            chunk = s.draft(sid)
+        except Exception:  # a drafting failure ends this stream, never the service
+            log.exception("draft-ahead session %s failed; its stream stops", sid)
+            s.stream.exhausted = True
+            return
+        if chunk is not None:
+            self.totals.drafted += len(chunk.tokens)
+            s.reply(chunk)
+
+    def _drop(self, sid: str) -> None:
+        s = self._sessions.pop(sid, None)
+        self._owner.pop(sid, None)
+        if s is not None:
+            s.stream.proposer.close()
+
+    def _evict_idle(self) -> None:
+        now = time.monotonic()
+        for sid, s in list(self._sessions.items()):
+            if now - s.stream.last_used > self.limits.idle_evict_s:
+                log.info("evicting idle draft-ahead session %s", sid)
+                self._drop(sid)

@@ -1,0 +1,390 @@
+"""A draft-model agent drafting ahead, seen by the verifier's loop as a local `Proposer`.
+
+The agent (agents/draft_service.py) pushes its draft tokens as it makes them; this side keeps
+them in an `AheadMirror` and, when a block begins, sends what the verifier committed (flow F1,
+one-way) and takes the drafts already there. So drafting runs while the verifier verifies, and
+a block costs about verify(k+1) instead of verify(k+1) + k draft steps. When fewer drafts are
+there than would pay, it waits for as many more as `controller.tokens_to_wait` says are worth
+their time, never longer than they are due (a dead or slow agent costs a plain step, not a
+hang). Any failure raises `ProposerFailed` and the loop goes on without it.
+
+Output is the verifier's alone either way: drafts only decide how many tokens a verify may
+commit. Sampled drafts carry the draft model's distribution (`probs`) for the ratio test.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+import uuid
+from dataclasses import replace
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from agents.draft_stream import survives
+from agents.remote_proposer import DEFAULT_CONNECT_TIMEOUT_S, FlowTotals
+from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
+from bridge.messages import (CloseSession, DraftChunk, ErrorReply, SessionOpened, StreamCommit,
+                             StreamOpen)
+from bridge.transport import Client
+from macfleet.engine.controller import MAX_DRAFT_TOKENS, tokens_to_wait
+from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
+from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.stats import FlowStats
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OPEN_TIMEOUT_S = 30.0  # first contact may load the draft model
+OPEN_GRACE_S = 0.05  # the first block waits this long for the session to open
+DEFAULT_SILENCE_S = 5.0  # an agent that pushes nothing this long while drafts are owed is dead
+DEFAULT_LEAD = 2 * 12 + 2  # tokens the agent may draft past what it knows is committed
+_EMA = 0.2
+_TRANSIT_MS = 0.3  # a chunk's way from the agent's compute thread to this one, on a LAN
+
+
+class AheadMirror:
+    """This side's copy of an agent's draft stream past the committed context.
+
+    Pure bookkeeping (no I/O): commits and chunks in, drafts out. A chunk belongs to the basis
+    (the commit its stream was re-rooted at) it names; chunks of a basis this side knows was
+    refuted are dropped, so both ends agree on the current stream by the same rule
+    (`draft_stream.survives`) applied to the same tokens."""
+
+    def __init__(self, context: Sequence[int]) -> None:
+        self.ctx = [int(t) for t in context]  # the committed context
+        self.seq = 0  # commits sent
+        self._ends: list[int] = []  # _ends[i]: the context length after commit i + 1
+        self.basis = 0  # the basis of the chunks kept
+        self.min_basis = 0  # chunks of older bases are refuted
+        self.toks: list[int] = []  # drafts at positions len(ctx)..
+        self.rows: list[np.ndarray] = []  # their draft distributions (sampling)
+        self.end = len(self.ctx)  # where the next chunk of `basis` starts
+        self.received = 0  # draft tokens received
+        self.wasted = 0  # ... refuted before they could be verified, or never used
+
+    def commit(self, tokens: Sequence[int]) -> int:
+        """The verifier committed `tokens` after the context; returns the commit's seq."""
+        tokens = [int(t) for t in tokens]
+        self.seq += 1
+        if self.basis < self.min_basis:
+            pass  # awaiting a re-rooted stream: its chunks are checked against these as they come
+        elif survives(self.toks, tokens):
+            n = min(len(tokens), len(self.toks))
+            del self.toks[:n]
+            del self.rows[:n]
+        else:  # refuted by what it showed: the agent re-roots at this commit when it sees it
+            agreed = next(i for i, (a, b) in enumerate(zip(self.toks, tokens)) if a != b)
+            self.wasted += len(self.toks) - agreed
+            self.toks.clear()
+            self.rows.clear()
+            self.min_basis = self.seq
+        self.ctx.extend(tokens)
+        self._ends.append(len(self.ctx))
+        return self.seq
+
+    def _seq_of(self, pos: int) -> int:
+        """The commit that committed position `pos` of the context."""
+        return bisect.bisect_right(self._ends, pos) + 1
+
+    def add(self, chunk: DraftChunk) -> None:
+        """A chunk pushed by the agent."""
+        n = len(chunk.tokens)
+        self.received += n
+        if chunk.basis < max(self.basis, self.min_basis):
+            self.wasted += n
+            return
+        if chunk.basis > self.basis:  # the agent re-rooted (at a commit we saw refute it)
+            self.wasted += len(self.toks)
+            self.basis, self.toks, self.rows, self.end = chunk.basis, [], [], chunk.start
+        if self.end < chunk.start <= len(self.ctx):
+            # the agent's stream was shorter than a commit: it went on from the commit's end,
+            # past positions this side already holds as committed
+            self.end = chunk.start
+        if chunk.start != self.end:  # not the continuation of what we hold: ignore it
+            log.debug("chunk at %d (basis %d) is not the continuation (at %d, basis %d, "
+                      "context %d)", chunk.start, chunk.basis, self.end, self.basis,
+                      len(self.ctx))
+            self.wasted += n
+            return
+        self.end = chunk.start + n
+        rows = chunk.probs if chunk.probs is not None and len(chunk.probs) == n else None
+        for i, t in enumerate(chunk.tokens):
+            pos = chunk.start + i
+            if pos < len(self.ctx):
+                if int(t) != self.ctx[pos]:  # refuted by a commit the agent had not seen
+                    self.min_basis = max(self.min_basis, self._seq_of(pos))
+                    self.wasted += n - i + len(self.toks)
+                    self.toks.clear()
+                    self.rows.clear()
+                    return
+                continue
+            if pos != len(self.ctx) + len(self.toks):
+                return
+            self.toks.append(int(t))
+            if rows is not None:
+                self.rows.append(rows[i])
+
+    def drafts(self, k: int) -> tuple[list[int], np.ndarray | None]:
+        """Up to k drafts continuing the context, and their distributions when all have one."""
+        if self.basis < self.min_basis:
+            return [], None
+        toks = self.toks[:k]
+        probs = np.stack(self.rows[: len(toks)]) if toks and len(self.rows) >= len(toks) \
+            else None
+        return toks, probs
+
+    @property
+    def have(self) -> int:
+        return len(self.toks) if self.basis >= self.min_basis else 0
+
+
+class StreamingProposer(Proposer):
+    """Drafts from a draft-model agent's pushed stream (`begin` sends the commit and takes what
+    arrived; `finish` waits for what pays)."""
+
+    def __init__(self, endpoint: str, *, key: bytes | None, model: str,
+                 lead: int = DEFAULT_LEAD, open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
+                 silence_s: float = DEFAULT_SILENCE_S) -> None:
+        self.endpoint = endpoint
+        self.key = key
+        self.model = model
+        self.spec = "draft"
+        self.name = f"draft@{endpoint}"
+        self.max_lead = max(1, min(lead, 2 * MAX_DRAFT_TOKENS + 2))
+        self.open_timeout_s = open_timeout_s
+        self.silence_s = silence_s
+        self.f3_probe_width = 0
+        self.flows = FlowTotals()
+        self.params = GREEDY
+        self._client: Client | None = None
+        self._mirror: AheadMirror | None = None
+        self._session = ""
+        self._opening = ""
+        self._open_by = 0.0
+        self._k = 0
+        self._t_begin = 0.0
+        self._heard = 0.0  # when the agent last pushed something
+        self._token_ms: float | None = None  # the agent's time per draft token (EMA)
+        self._alpha = 0.8  # per-token acceptance (EMA), optimistic at first
+        self._costs: dict[int, float] = {}  # verify(L) in ms, measured or seeded
+        self._lead_sum = 0  # drafts waiting when blocks began (for `lead`)
+        self._lead_n = 0
+        self._wait_ms = 0.0
+        self._lead = 0
+        self._sent_bytes = self._recv_bytes = 0
+
+    # -- the Proposer interface
+    def start(self, params: SamplingParams = GREEDY) -> None:
+        self.close()
+        self.params = params
+        self.flows = FlowTotals()
+        self._lead_sum = self._lead_n = 0
+        self._wait_ms = 0.0
+
+    def seed_verify_costs(self, costs: Mapping[int, float]) -> None:
+        self._costs.update({int(k): float(v) for k, v in costs.items()})
+
+    def observe(self, drafted: int, accepted: int, verify_ms: float,
+                verified: int | None = None) -> None:
+        L = int(verified or drafted + 1)
+        if verify_ms > 0:
+            old = self._costs.get(L)
+            self._costs[L] = verify_ms if old is None else (1 - _EMA) * old + _EMA * verify_ms
+        if drafted > 0:
+            trials = accepted + (1 if accepted < drafted else 0)
+            if trials:
+                self._alpha = min(0.98, max(0.02, (1 - _EMA) * self._alpha
+                                            + _EMA * accepted / trials))
+
+    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+        self.begin(context, k)
+        return self.finish()
+
+    def begin(self, context: Sequence[int], k: int) -> None:
+        """Tell the agent what was committed since the last block (F1) and take what it has
+        pushed meanwhile; opens the session on the first block (and again when the context
+        is not the continuation of this session's)."""
+        self._t_begin = time.perf_counter()
+        self._k = k
+        if self._mirror is None or not self._continues(context):
+            self._open(context)
+        elif not self._await_open():
+            return  # commits wait for the session: the agent drafts from the prompt meanwhile
+        m = self._mirror
+        delta = [int(t) for t in context[len(m.ctx):]]
+        if delta and self._session:
+            seq = m.commit(delta)
+            self._send(StreamCommit(self._session, seq, len(context) - len(delta), delta))
+        if self._session:
+            self._drain(0.0)
+        self._lead = m.have
+        self._lead_sum += m.have
+        self._lead_n += 1
+
+    def finish(self) -> Draft:
+        """The drafts there, after waiting for as many more as pay for their wait."""
+        m = self._mirror
+        if m is None or not self._session and not self._await_open():
+            return Draft((), None, 0.0)
+        k = self._k
+        t0 = time.perf_counter()
+        while m.have < k:
+            due = self._due_ms()
+            want = tokens_to_wait(m.have, k, self._alpha, self._token_ms or due, due,
+                                  self._verify_ms)
+            if want == 0:
+                break
+            have = m.have
+            budget_s = (due + (want - 1) * (self._token_ms or due)) / 1e3 * 1.5 + 0.002
+            self._drain(budget_s, until=have + want)
+            if m.have <= have:  # nothing came when it was due: verify what there is
+                if time.perf_counter() - self._heard > self.silence_s:
+                    raise ProposerFailed(f"{self.endpoint}: no drafts for "
+                                         f"{self.silence_s:.0f} s")
+                break
+        toks, probs = m.drafts(k)
+        wait_ms = (time.perf_counter() - t0) * 1e3
+        log.debug("block: k %d, %d drafts there (basis %d/%d, %d received, %d wasted), waited "
+                  "%.1f ms", k, m.have, m.basis, m.min_basis, m.received, m.wasted, wait_ms)
+        self._wait_ms += wait_ms
+        if not self.params.greedy and toks and probs is None:
+            toks = []  # sampled drafts without their distribution cannot be accepted exactly
+        # the wire is off the critical path (chunks arrive while the verifier verifies); what
+        # the verifier spends on drafting is this wait for the agent's compute
+        self.flows.add(self._sent_bytes, self._recv_bytes, 0.0, wait_ms, self._lead > 0)
+        self.flows.last = replace(self.flows.last, ahead_lead=self._lead,
+                                  ahead_waste=self.waste)
+        self._sent_bytes = self._recv_bytes = 0
+        return Draft(tuple(toks), probs, (time.perf_counter() - self._t_begin) * 1e3)
+
+    def close(self) -> None:
+        if self._client is not None:
+            if self._session:
+                try:
+                    self._client.send(CloseSession(self._session))
+                except PeerUnavailable:
+                    pass  # the agent evicts idle sessions by itself
+            self._client.close()
+            self._client = None
+        self._session = self._opening = ""
+        self._mirror = None
+
+    # -- what the dashboard and the stats show
+    @property
+    def lead(self) -> float:
+        """Drafts already waiting when a block began, on average."""
+        return self._lead_sum / self._lead_n if self._lead_n else 0.0
+
+    @property
+    def waste(self) -> float:
+        """The share of the drafts received that were thrown away (refuted before use)."""
+        m = self._mirror
+        return m.wasted / m.received if m is not None and m.received else 0.0
+
+    def flow_stats(self) -> FlowStats:
+        s = self.flows.summary()
+        return replace(s, ahead_lead=self.lead, ahead_waste=self.waste,
+                       ahead_wait_ms=self._wait_ms / max(self.flows.blocks, 1))
+
+    # -- internals
+    def _continues(self, context: Sequence[int]) -> bool:
+        m = self._mirror
+        return len(context) >= len(m.ctx) and list(context[: len(m.ctx)]) == m.ctx
+
+    def _verify_ms(self, L: int) -> float:
+        """verify(L) from what was measured: the nearest lengths, linearly; a guess before."""
+        if not self._costs:
+            return 100.0 * (1 + 0.05 * (L - 1))
+        ls = sorted(self._costs)
+        if L in self._costs:
+            return self._costs[L]
+        lo = [x for x in ls if x < L]
+        hi = [x for x in ls if x > L]
+        if lo and hi:
+            a, b = lo[-1], hi[0]
+            return self._costs[a] + (self._costs[b] - self._costs[a]) * (L - a) / (b - a)
+        base = self._costs[ls[0]] if hi else self._costs[ls[-1]]
+        per = 0.05 * self._costs[ls[0]] / max(ls[0], 1)
+        return max(base + per * (L - (ls[0] if hi else ls[-1])), 1e-3)
+
+    def _due_ms(self) -> float:
+        """Time until the agent's next token is expected."""
+        if self._token_ms is None:
+            return 50.0
+        since = (time.perf_counter() - self._heard) * 1e3
+        return max(0.5, self._token_ms - since)
+
+    def _open(self, context: Sequence[int]) -> None:
+        self.close()
+        self._client = Client(self.endpoint, key=self.key,
+                              connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S, watch_peer=True)
+        self._mirror = AheadMirror(context)
+        self._opening = uuid.uuid4().hex[:16]
+        msg = StreamOpen(self._opening, self.model, [int(t) for t in context],
+                         self.params.temperature, self.params.top_p, self.params.seed,
+                         self.max_lead)
+        self._open_by = time.monotonic() + self.open_timeout_s
+        self._heard = time.perf_counter()
+        try:
+            self._open_id = self._client.send(msg)
+        except PeerUnavailable as e:
+            raise ProposerFailed(f"cannot open a draft-ahead session on {self.endpoint}: "
+                                 f"{e}") from e
+        self._await_open(OPEN_GRACE_S)
+
+    def _await_open(self, wait_s: float = 0.0) -> bool:
+        """Whether the session is open, reading its answer if it came within wait_s."""
+        if self._session:
+            return True
+        if not self._opening:
+            return False
+        self._drain(wait_s, until_open=True)
+        if not self._session and time.monotonic() > self._open_by:
+            raise ProposerFailed(f"cannot open a draft-ahead session on {self.endpoint}: no "
+                                 f"answer within {self.open_timeout_s:.0f} s")
+        return bool(self._session)
+
+    def _send(self, msg) -> None:
+        try:
+            self._client.send(msg, session=self._session)
+        except PeerUnavailable as e:
+            raise ProposerFailed(f"{self.endpoint}: {e}") from e
+        self._sent_bytes += self._client.last_sent_bytes
+
+    def _drain(self, wait_s: float, *, until: int | None = None,
+               until_open: bool = False) -> None:
+        """Read what the agent sent: everything already here, then until `until` drafts are
+        there (or the session is open) or wait_s has passed."""
+        m = self._mirror
+        deadline = time.perf_counter() + wait_s
+        while True:
+            done = (self._session if until_open else
+                    until is not None and m.have >= until)
+            left = 0.0 if done else max(0.0, deadline - time.perf_counter())
+            try:
+                env = self._client.recv(left)
+            except TransportTimeout:
+                return
+            except (ProtocolError, PeerUnavailable) as e:
+                raise ProposerFailed(f"{self.endpoint}: {e}") from e
+            self._take(env.msg)
+
+    def _take(self, msg) -> None:
+        now = time.perf_counter()
+        if isinstance(msg, DraftChunk):
+            if msg.session_id != self._session:
+                return  # a stray chunk of a session closed before
+            step = msg.draft_ms / max(len(msg.tokens), 1) + _TRANSIT_MS
+            self._token_ms = step if self._token_ms is None else \
+                (1 - _EMA) * self._token_ms + _EMA * step
+            self._heard = now
+            self._mirror.add(msg)
+            self._recv_bytes += self._client.last_recv_bytes
+        elif isinstance(msg, SessionOpened) and msg.session_id == self._opening:
+            self._session, self._opening = msg.session_id, ""
+            self.name = f"{msg.proposer}@{self.endpoint}"
+            self._heard = now
+        elif isinstance(msg, ErrorReply):
+            raise ProposerFailed(f"{self.endpoint}: {msg.code}: {msg.message}")

@@ -1,0 +1,207 @@
+"""The shell of `bench pair` (bench/pair.py says what the figures mean).
+
+One Mac = one core: the one-process runs happen in a child process pinned to core 0 (mlx-lm and
+macfleet alike, the same loaded models); the two-agent runs start a verifier agent on core 0 and
+a draft-model agent (`agent --role proposer --draft MODEL`) on core 1 as real processes found
+over Zeroconf (macfleet/fleet/local.py), and the client asks through the wire like `generate`.
+Every rate is a stream rate: tokens after the first commit / time from the first commit to the
+last, so prefill is left out the same way for every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+DRAFT_SPEC = "smollm2:dense"
+VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+_WORKER_TIMEOUT_S = 3600
+
+
+def _stream_rate(times: Sequence[tuple[float, int]]) -> float:
+    """(time, tokens) per commit -> tokens after the first commit per second."""
+    if len(times) < 2:
+        return 0.0
+    (t0, _), (t1, _) = times[0], times[-1]
+    n = sum(c for _, c in times[1:])
+    return n / (t1 - t0) if t1 > t0 else 0.0
+
+
+# --- the one-process runs (in a child pinned to one core) -------------------------------------
+
+
+def _measure_costs(model, draft, context: int = 96, reps: int = 5) -> dict:
+    """verify(L) of the verifier and one token of the draft model, min of reps, after a
+    prefill of `context` tokens (the KV length of a short chat's answer)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def timed(m, L: int) -> float:
+        cache = make_prompt_cache(m)
+        mx.eval(m(mx.array([[1 + i % 500 for i in range(context)]]), cache=cache))
+        best = float("inf")
+        for _ in range(reps):
+            x = mx.array([[7 + i for i in range(L)]])
+            t0 = time.perf_counter()
+            mx.eval(m(x, cache=cache))
+            best = min(best, (time.perf_counter() - t0) * 1e3)
+            for c in cache:
+                c.trim(L)
+        return best
+
+    verify = {L: timed(model, L) for L in VERIFY_LENGTHS}
+    return {"verify_ms": verify, "draft_ms": timed(draft, 1)}
+
+
+def _mlx_run(gen, eos: frozenset[int]) -> tuple[list[int], float]:
+    ids, times = [], []
+    for tok, *_ in gen:
+        t = int(tok)
+        times.append((time.perf_counter(), 1))
+        ids.append(t)
+        if t in eos:
+            break
+    return ids, _stream_rate(times)
+
+
+def _macfleet_run(events) -> tuple[list[int], float, dict]:
+    from macfleet.engine.events import Finished
+
+    times, fin = [], None
+    for ev in events:
+        toks = getattr(ev, "tokens", None)  # TextDelta (the driver's commits)
+        if toks and not isinstance(ev, Finished):
+            times.append((time.perf_counter(), len(toks)))
+        elif isinstance(ev, Finished):
+            fin = ev
+    st = fin.stats
+    return list(fin.token_ids), _stream_rate(times), {
+        "drafted": st.drafted, "accepted": st.accepted, "blocks": st.blocks}
+
+
+def one_process(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int) -> dict:
+    """Plain and drafting-in-series runs of every prompt, macfleet and mlx-lm, this process."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from macfleet.engine.models import load_model
+    from macfleet.engine.proposers import make_proposer
+    from macfleet.engine.text import encode_prompt, generate_from_ids
+
+    lm = load_model(verifier_dir)
+    draft = load_model(DRAFT_SPEC)
+    costs = _measure_costs(lm.model, draft.model)
+    greedy = make_sampler(0.0)
+    eos = lm.eos_ids
+    runs = []
+    for text in prompts:
+        ids = encode_prompt(lm.tokenizer, text, True)
+        row = {"prompt": text}
+        # mlx-lm first then macfleet, plain then drafting (each pair back to back)
+        row["mlx_plain"] = _mlx_run(generate_step(mx.array(ids), lm.model, max_tokens=tokens,
+                                                  sampler=greedy), eos)
+        row["plain"] = _macfleet_run(generate_from_ids(
+            lm, _verifier(lm), None, ids, draft_tokens=0, max_tokens=tokens))
+        row["mlx_spec"] = _mlx_run(speculative_generate_step(
+            mx.array(ids), lm.model, draft.model, num_draft_tokens=k, max_tokens=tokens,
+            sampler=greedy), eos)
+        row["spec"] = _macfleet_run(generate_from_ids(
+            lm, _verifier(lm), make_proposer(f"draft:{DRAFT_SPEC}", lm), ids, draft_tokens=k,
+            max_tokens=tokens))
+        runs.append({name: (v if name == "prompt" else
+                            {"ids": v[0], "tok_s": v[1], **(v[2] if len(v) > 2 else {})})
+                     for name, v in row.items()})
+    return {"costs": costs, "runs": runs, "eos": sorted(eos)}
+
+
+def _verifier(lm):
+    from macfleet.engine.verifier import Verifier
+
+    return Verifier(lm.model)
+
+
+def run_pinned(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
+               core: int = 0) -> dict:
+    """`one_process` in a child pinned to `core` (one BLAS thread)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    args = json.dumps({"dir": verifier_dir, "prompts": list(prompts), "tokens": tokens, "k": k,
+                       "core": core})
+    out = subprocess.run([sys.executable, "-m", "macfleet.bench.pair_run", args], env=env,
+                         capture_output=True, text=True, timeout=_WORKER_TIMEOUT_S)
+    if out.returncode != 0:
+        raise RuntimeError(f"pair worker failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --- the two-agent runs ------------------------------------------------------------------------
+
+
+def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
+               progress: Callable[[str], None] = print, batch_sessions: int | None = None
+               ) -> dict:
+    """The verifier agent on core 0, a draft-model agent on core 1: each prompt drafted ahead
+    (spec `draft`) and by the verifier agent alone (`none`)."""
+    from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
+    from bridge.messages import GenerateChunk, GenerateDone
+    from macfleet.fleet import local
+    from macfleet.fleet.client import generate_remote
+    from macfleet.fleet.keys import keygen
+
+    with tempfile.TemporaryDirectory(prefix="macfleet-pair-") as tmp:
+        key_path = Path(tmp) / "fleet.key"
+        key = keygen(key_path)
+        extra = {"proposer": ["--draft", DRAFT_SPEC]}
+        if batch_sessions is not None:
+            extra["verifier"] = ["--batch-sessions", str(batch_sessions)]
+        cards = local.up(2, model=verifier_dir, key=key, key_path=key_path,
+                         run_dir=Path(tmp) / "run", pin=True, extra_args=extra,
+                         timeout_s=600)
+        try:
+            ver = next(c for c in cards if ROLE_VERIFIER in c.roles)
+            prop = next(c for c in cards if ROLE_PROPOSER in c.roles)
+
+            def ask(text: str, spec: str) -> dict:
+                times, done = [], None
+                for m in generate_remote(ver, key, prompt=text, chat=True, max_tokens=tokens,
+                                         proposers=[prop.router_endpoint] if spec != "none"
+                                         else [], proposer_spec=spec, draft_tokens="auto"):
+                    if isinstance(m, GenerateChunk) and m.token_ids:
+                        times.append((time.perf_counter(), len(m.token_ids)))
+                    elif isinstance(m, GenerateDone):
+                        done = m
+                st = done.stats
+                fl = st.fleet.flows if st.fleet is not None else None
+                return {"ids": list(done.token_ids), "tok_s": _stream_rate(times),
+                        "drafted": st.drafted, "accepted": st.accepted, "blocks": st.blocks,
+                        "lead": fl.ahead_lead if fl else 0.0,
+                        "waste": fl.ahead_waste if fl else 0.0,
+                        "wait_ms": fl.ahead_wait_ms if fl else 0.0,
+                        "failures": st.fleet.proposer_failures if st.fleet else 0}
+
+            ask(prompts[0], "draft")  # first contact: sessions opened, shapes compiled
+            runs = []
+            for text in prompts:
+                runs.append({"prompt": text, "agent_alone": ask(text, "none"),
+                             "pair": ask(text, "draft")})
+                progress(f"two agents: {text[:40]}")
+            return {"runs": runs}
+        finally:
+            local.down(Path(tmp) / "run")
+
+
+def main(argv: Sequence[str]) -> None:
+    a = json.loads(argv[0])
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {a["core"]})
+    print(json.dumps(one_process(a["dir"], a["prompts"], a["tokens"], a["k"])))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

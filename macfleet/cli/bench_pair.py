@@ -1,0 +1,138 @@
+"""`macfleet bench pair`: a big verifier beside a real draft model, on one Mac and on two
+(bench/pair.py says what each figure means); registered into `macfleet bench` by cmd_bench."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def add_bench_parsers(bs) -> None:
+    p = bs.add_parser(
+        "pair", help="a wide SmolLM2 verifier with the real SmolLM2 as its draft model: plain "
+        "and drafting in series against mlx-lm on one core, then a draft-model agent drafting "
+        "ahead on a second core (results/pair.json, pair.png)")
+    p.add_argument("--widths", default="6144,auto",
+                   help="verifier MLP widths (auto: the c≈0.15 width of results/pair_dial.json)")
+    p.add_argument("--acceptance", default="0.95,0.8,0.6",
+                   help="target per-token acceptances, each set by the dial of "
+                   "results/pair_dial.json (`macfleet bench pair-dial` writes it)")
+    p.add_argument("--settings", default=None,
+                   help="WIDTH:TARGET pairs to run (comma-separated), instead of every width "
+                   "with every acceptance (default: every pair)")
+    p.add_argument("--prompts", type=int, default=6, metavar="N",
+                   help="the first N of bench/pair.py's PAIR_PROMPTS (at most 8)")
+    p.add_argument("--max-tokens", type=int, default=96, help="answer tokens per run")
+    p.add_argument("--draft-tokens", type=int, default=4,
+                   help="draft tokens per block of the one-process runs (mlx-lm and macfleet)")
+    p.add_argument("--batch-sessions", type=int, default=None, metavar="N",
+                   help="the verifier agent's continuous batch (0: one session at a time; "
+                   "default: the agent's)")
+    p.add_argument("--dial", type=Path, default=None,
+                   help="the dial record (default: OUT/pair_dial.json)")
+    p.add_argument("--skip", default="", help="parts to skip: one (the one-process runs), "
+                   "two (the agents) (default: none)")
+    p.set_defaults(func=run)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _settings(args) -> list[tuple[int, float, dict]]:
+    """(width, target acceptance, dial entry) to run, from results/pair_dial.json."""
+    path = args.dial or args.out / "pair_dial.json"
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing: run `macfleet bench pair-dial` first")
+    doc = json.loads(path.read_text())
+    dial = {float(s["target"]): s for s in doc["dial"]["settings"]}
+    auto = [w["width"] for w in doc.get("cost", {}).get("widths", []) if w.get("auto")]
+    widths = [int(w) if w != "auto" else (auto[-1] if auto else None)
+              for w in args.widths.split(",")]
+    if None in widths:
+        raise SystemExit("--widths auto: results/pair_dial.json has no auto width "
+                         "(`macfleet bench pair-dial --parts cost`)")
+    if args.settings:
+        pairs = [(int(w), float(a)) for w, a in (x.split(":") for x in args.settings.split(","))]
+    else:
+        pairs = [(w, a) for w in widths for a in (float(x) for x in args.acceptance.split(","))]
+    out = []
+    for w, a in pairs:
+        if a not in dial:
+            raise SystemExit(f"acceptance {a} has no dial setting in {path}: targets "
+                             f"{sorted(dial)}")
+        out.append((w, a, {**dial[a], "extra_layers": doc["dial"]["extra_layers"],
+                           "seed": doc["dial"]["seed"]}))
+    return out
+
+
+def run(args) -> int:
+    from macfleet.bench.pair import PAIR_PROMPTS, summarize
+    from macfleet.bench.pair_model import build_pair_verifier
+    from macfleet.bench.pair_run import run_pinned, two_agents
+    from macfleet.bench.record import write_result
+
+    prompts = PAIR_PROMPTS[: max(1, min(args.prompts, len(PAIR_PROMPTS)))]
+    skip = set(args.skip.split(",")) - {""}
+    rows = []
+    for width, target, dial in _settings(args):
+        _log(f"width {width}, acceptance ~{target}: building the verifier")
+        vdir = str(build_pair_verifier(width, dial["extra_layers"], dial["eps"], dial["seed"]))
+        one = None if "one" in skip else run_pinned(vdir, prompts, args.max_tokens, args.draft_tokens)
+        _log(f"width {width}, acceptance ~{target}: one process done")
+        two = None if "two" in skip else two_agents(vdir, prompts, args.max_tokens, _log,
+                                                    batch_sessions=args.batch_sessions)
+        rows.append(summarize(width=width, target=target, dial=dial, k=args.draft_tokens, one=one,
+                              two=two))
+        _print_row(rows[-1])
+        path = write_result("pair.json", {"prompts": list(prompts), "tokens": args.max_tokens,
+                                          "k": args.draft_tokens, "settings": rows}, args.out)
+    _plot(rows, args.out / "pair.png")
+    print(f"wrote {path}")
+    return 0
+
+
+def _print_row(r: dict) -> None:
+    f = r["figures"]
+    print(f"width {r['width']} c={r['c']:.2f} acceptance {r['alpha']:.2f} "
+          f"(target {r['target']}) | ids {'identical' if r['identical'] else 'DIFFER'}")
+    for name, v in f.items():
+        ceil = v.get("ceiling")
+        print(f"  {name:34s} {v['geomean']:5.2f}x (min {v['min']:.2f})"
+              + (f"  ceiling {ceil:.2f}x" if ceil else ""))
+    if r.get("pair_agents"):
+        a = r["pair_agents"]
+        print(f"  draft agent: lead {a['lead']:.1f} drafts, waste {a['waste']:.0%}, "
+              f"verifier waits {a['wait_ms']:.0f} ms a block")
+
+
+def _plot(rows: list[dict], out: Path) -> Path | None:
+    from macfleet.bench.record import pyplot
+
+    plt = pyplot()
+    if plt is None or not rows:
+        return None
+    names = [("one process / plain", "in-process draft model / plain"),
+             ("mlx-lm speculative / mlx-lm plain", "mlx-lm speculative / mlx-lm plain"),
+             ("two agents / plain", "two agents / plain")]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+    width = 0.25
+    for i, (label, key) in enumerate(names):
+        xs = [j + (i - 1) * width for j in range(len(rows))]
+        ys = [r["figures"].get(key, {}).get("geomean", 0.0) for r in rows]
+        ax.bar(xs, ys, width, label=label)
+        ceil = [r["figures"].get(key, {}).get("ceiling") for r in rows]
+        ax.scatter([x for x, c in zip(xs, ceil) if c], [c for c in ceil if c], marker="_",
+                   s=300, color="black", zorder=3)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"c={r['c']:.2f}\nacc {r['alpha']:.2f}" for r in rows])
+    ax.set_ylabel("speed-up over plain decoding (geomean)")
+    ax.set_title("bench pair: a draft model in series vs drafting ahead on a second core "
+                 "(bars: measured; ticks: ceilings)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

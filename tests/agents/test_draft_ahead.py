@@ -1,0 +1,302 @@
+"""Drafting ahead: a draft-model agent pushing its stream, the verifier's mirror of it.
+
+The rule both ends keep (draft_stream.survives, the agent's `_Session.apply`, the verifier's
+`AheadMirror`) is checked here against a simulation with messages delayed at random: whatever
+the timing, a draft the verifier takes was drafted from exactly the context it continues, and
+with a drafter that is always right the verifier is never starved for good. Then real agents
+over real sockets (tiny models): greedy output identical to the verifier alone through both
+verifier paths, a draft agent that dies mid-answer, bad messages.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+
+import pytest
+
+from agents.daemon import Agent, AgentConfig
+from agents.draft_service import DraftAheadService, _Session
+from agents.draft_stream import DraftStream, survives
+from agents.remote_stream import AheadMirror
+from bridge.errors import BAD_REQUEST, NOT_FOUND, ProtocolError
+from bridge.messages import (DraftChunk, ErrorReply, GenerateChunk, GenerateDone, SessionOpened,
+                             StreamCommit, StreamOpen)
+from bridge.transport import Client
+from macfleet.engine.controller import tokens_to_wait
+from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.proposers.factory import ProposerSpecError, make_proposer
+from macfleet.engine.models import load_model
+from macfleet.fleet.client import generate_remote
+from remote_gen import generate_done
+
+KEY = b"d" * 32
+LOCAL = ("tcp://127.0.0.1:*",)
+V = 50
+
+
+def f(ctx) -> int:
+    """The simulated draft model: its next token after `ctx`."""
+    return (sum(ctx[-3:]) * 7 + len(ctx)) % V
+
+
+class FnProposer(Proposer):
+    name = "fn"
+
+    def propose(self, context, k, with_guess=False):
+        ctx, out = list(context), []
+        for _ in range(k):
+            out.append(f(ctx))
+            ctx.append(out[-1])
+        return Draft(tuple(out))
+
+
+def test_a_stream_survives_a_commit_it_agrees_with_as_far_as_it_goes():
+    assert survives([1, 2, 3], [1, 2])
+    assert survives([1], [1, 2, 3])  # shorter: checked as far as it goes
+    assert survives([], [4])
+    assert not survives([1, 2], [1, 3])
+    assert not survives([5], [4, 5])
+
+
+def simulate(seed: int, wrong_every: int, blocks: int = 60, k: int = 5, lead: int = 8,
+             agent_steps: tuple[int, int] = (0, 6)):
+    """One session, messages delayed at random. The verifier's truth is f, except at contexts
+    whose hash picks them (then f + 1): drafts there are refuted. agent_steps: how many steps
+    (a token drafted or a commit read) the agent takes per block, at random in this range."""
+    rng = random.Random(seed)
+
+    def truth(ctx) -> int:
+        t = f(ctx)
+        return (t + 1) % V if wrong_every and hash(tuple(ctx[-4:])) % wrong_every == 0 else t
+
+    prompt = [rng.randrange(V) for _ in range(5)]
+    agent = _Session(DraftStream(FnProposer(), list(prompt), want_probs=False,
+                                 cross_round=True), reply=None, max_lead=lead)
+    mirror = AheadMirror(prompt)
+    to_agent: deque = deque()
+    to_verifier: deque = deque()
+    ctx = list(prompt)
+    taken = 0
+    for _ in range(blocks):
+        for _ in range(rng.randrange(*agent_steps)):  # the agent drafts and reads, in any order
+            if to_agent and rng.random() < 0.5:
+                agent.apply(to_agent.popleft())
+            elif agent.wants_token:
+                to_verifier.append(agent.draft("s"))
+        for _ in range(rng.randrange(0, len(to_verifier) + 1)):
+            mirror.add(to_verifier.popleft())
+        drafts, _ = mirror.drafts(k)
+        check = list(ctx)
+        for d in drafts:  # every draft was drafted from exactly the context it continues
+            assert d == f(check), (seed, ctx, drafts)
+            check.append(d)
+        taken += len(drafts)
+        new = []
+        for d in drafts:  # verify: the longest agreeing prefix, then the verifier's token
+            if d != truth(ctx + new):
+                break
+            new.append(d)
+        new.append(truth(ctx + new))
+        seq = mirror.commit(new)
+        to_agent.append(StreamCommit("s", seq, len(ctx), new))
+        ctx += new
+    return taken
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3, 7])
+def test_drafts_taken_from_a_delayed_stream_continue_exactly_their_context(wrong_every):
+    taken = [simulate(seed, wrong_every) for seed in range(150)]
+    assert sum(taken) > 0
+
+
+@pytest.mark.parametrize("wrong_every", [0, 7])
+def test_a_drafter_faster_than_the_verifier_keeps_it_fed(wrong_every):
+    """An agent that drafts faster than the verifier commits keeps drafts coming after every
+    refutation: the mirror is never stuck waiting for a stream the agent will not send (a
+    refuted commit that did not mark the old stream dead starved it for good)."""
+    taken = [simulate(seed, wrong_every, blocks=80, agent_steps=(8, 16)) for seed in range(40)]
+    assert min(taken) > 80, taken
+
+
+def test_a_mirror_drops_chunks_of_a_refuted_stream_and_takes_the_rerooted_one():
+    m = AheadMirror([1, 2, 3])
+    m.add(DraftChunk("s", 0, 3, [10, 11, 12], None, 1.0))
+    assert m.drafts(5)[0] == [10, 11, 12]
+    seq = m.commit([10, 99])  # 11 refuted: the agent will re-root at this commit
+    assert m.have == 0
+    m.add(DraftChunk("s", 0, 6, [13], None, 1.0))  # in flight before it saw the commit
+    assert m.have == 0
+    m.add(DraftChunk("s", seq, 5, [20, 21], None, 1.0))
+    assert m.drafts(5)[0] == [20, 21] and m.basis == seq
+    assert m.wasted == 3 and m.received == 6
+
+
+def test_a_chunk_refuted_by_a_commit_the_agent_had_not_seen_waits_for_its_reroot():
+    m = AheadMirror([1])
+    s1 = m.commit([5])  # the mirror showed nothing: nothing to refute yet
+    m.add(DraftChunk("s", 0, 1, [6, 7], None, 1.0))  # drafted before commit 1 reached it
+    assert m.have == 0 and m.min_basis == s1
+    m.add(DraftChunk("s", s1, 2, [8], None, 1.0))
+    assert m.drafts(3)[0] == [8]
+
+
+def test_tokens_to_wait():
+    flat = lambda L: 100.0 + 5.0 * (L - 1)  # noqa: E731 - a verify cost curve
+    # nothing there, drafts cheap and likely right: wait for some
+    assert tokens_to_wait(0, 8, 0.9, 10.0, 10.0, flat) > 0
+    # enough there: verify now; never more than k
+    assert tokens_to_wait(8, 8, 0.9, 10.0, 10.0, flat) == 0
+    assert tokens_to_wait(0, 3, 0.99, 1.0, 1.0, flat) <= 3
+    # drafts that are rarely right and slow to come: verify what there is
+    assert tokens_to_wait(0, 8, 0.05, 80.0, 80.0, flat) == 0
+
+
+def test_draft_alone_is_a_fleet_spec():
+    lm = load_model("tiny:3")
+    with pytest.raises(ProposerSpecError, match="draft-model agent"):
+        make_proposer("draft", lm)
+
+
+# --- real agents over real sockets -------------------------------------------------------------
+
+
+def agents(draft: str, **ver):
+    prop = Agent(AgentConfig(role="proposer", model="tiny:3", draft=draft, key=KEY,
+                             advertise=False, allow_peers=LOCAL))
+    vers = Agent(AgentConfig(role="verifier", model="tiny:3", key=KEY, advertise=False,
+                             allow_peers=LOCAL, **ver))
+    return prop, vers
+
+
+@pytest.fixture(scope="module", params=[None, 0], ids=["batched", "one-session"])
+def fleet(request):
+    prop, ver = agents("tiny:4", batch_sessions=request.param)
+    yield ver, prop
+    ver.close()
+    prop.close()
+
+
+@pytest.mark.parametrize("prompt", ["the cat sat on the mat", "one two three four"])
+def test_drafted_ahead_greedy_equals_the_verifier_alone(fleet, prompt):
+    ver, prop = fleet
+    alone = generate_done(ver.card, KEY, prompt, [], "none", max_tokens=48)
+    for k in (3, "auto"):
+        d = generate_done(ver.card, KEY, prompt, [prop.card.router_endpoint], "draft",
+                          max_tokens=48, draft_tokens=k)
+        assert d.token_ids == alone.token_ids
+        assert d.stats.proposer == "draft"
+        assert d.stats.fleet.flows.remote_blocks > 0 and d.stats.fleet.proposer_failures == 0
+
+
+@pytest.mark.slow
+def test_a_self_drafting_agent_runs_ahead_and_its_drafts_are_taken(monkeypatch):
+    """A verifier slower than its drafter (each forward held 20 ms, as a big model's would
+    be: the tiny models alone cost the same, and a loaded box decides who is ahead) finds
+    its drafts waiting when its blocks begin."""
+    import time as _time
+
+    from macfleet.engine.verifier import Verifier
+
+    for name in ("forward", "forward_lazy"):
+        real = getattr(Verifier, name)
+
+        def slow(self, *a, _real=real, **kw):
+            _time.sleep(0.02)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(Verifier, name, slow)
+    prop, ver = agents("tiny:3", batch_sessions=0)
+    try:
+        alone = generate_done(ver.card, KEY, "a b c d", [], "none", max_tokens=64)
+        d = generate_done(ver.card, KEY, "a b c d", [prop.card.router_endpoint], "draft",
+                          max_tokens=64, draft_tokens=4)
+        assert d.token_ids == alone.token_ids
+        assert d.stats.drafted > 16 and d.stats.accepted > 0.5 * d.stats.drafted
+        assert prop.proposer.totals.drafted >= d.stats.drafted
+        assert d.stats.fleet.flows.ahead_lead > 0  # drafts were there before blocks began
+    finally:
+        ver.close()
+        prop.close()
+
+
+@pytest.mark.slow
+def test_a_draft_agent_dying_mid_answer_costs_drafts_never_tokens():
+    prop, ver = agents("tiny:3")
+    try:
+        alone = generate_done(ver.card, KEY, "the dog ran", [], "none", max_tokens=200)
+        ids, done = [], None
+        for m in generate_remote(ver.card, KEY, prompt="the dog ran", chat=False,
+                                 max_tokens=200, proposers=[prop.card.router_endpoint],
+                                 proposer_spec="draft", draft_tokens=4):
+            if isinstance(m, GenerateChunk):
+                ids += m.token_ids
+                if prop is not None and len(ids) > 8:
+                    threading.Thread(target=prop.close).start()
+                    prop = None
+            elif isinstance(m, GenerateDone):
+                done = m
+        assert ids == list(alone.token_ids) == list(done.token_ids)
+    finally:
+        ver.close()
+        if prop is not None:
+            prop.close()
+
+
+def test_the_draft_service_refuses_bad_messages_and_keeps_serving():
+    lm = load_model("tiny:3")
+    prop = Agent(AgentConfig(role="proposer", model="tiny:3", draft="tiny:3", key=KEY,
+                             advertise=False, allow_peers=LOCAL))
+    assert isinstance(prop.proposer, DraftAheadService)
+    assert prop.card.models == ("tiny:3",) and prop.card.draft_model == "tiny:3"
+    try:
+        with Client(prop.card.router_endpoint, key=KEY) as c, \
+                Client(prop.card.router_endpoint, key=KEY) as other:
+            with pytest.raises(ProtocolError) as e:
+                c.request(StreamOpen("s1", "another-model", [1, 2], 0.0, 1.0, None, 8))
+            assert e.value.code == BAD_REQUEST
+            with pytest.raises(ProtocolError):
+                c.request(StreamOpen("s1", "tiny:3", [lm.vocab_size + 5], 0.0, 1.0, None, 8))
+            with pytest.raises(ProtocolError):
+                c.request(StreamOpen("s1", "tiny:3", [1, 2], 0.0, 1.0, None, 0))
+            opened = c.request(StreamOpen("s1", "tiny:3", [1, 2, 3], 0.0, 1.0, None, 4))
+            assert isinstance(opened, SessionOpened)
+            chunk = c.recv(5.0).msg
+            assert isinstance(chunk, DraftChunk) and chunk.start == 3
+            with pytest.raises(ProtocolError) as e:  # another connection: not its session
+                other.request(StreamCommit("s1", 1, 3, [4]))
+            assert e.value.code == NOT_FOUND
+            c.send(StreamCommit("s1", 5, 3, [4]))  # out of order: an error, nothing breaks
+            while not isinstance(m := c.recv(5.0).msg, ErrorReply):
+                pass
+            assert "expected 1" in m.message
+            again = c.request(StreamOpen("s2", "tiny:3", [1, 2, 3], 0.0, 1.0, None, 4))
+            assert isinstance(again, SessionOpened)
+    finally:
+        prop.close()
+
+
+def test_the_dashboard_shows_the_draft_agents_lead_and_waste():
+    from bridge.messages import BlockMetrics
+    from macfleet.fleet.metrics import SessionMetrics
+    from tui.widgets.flows import compute_summary
+
+    def block(i: int, lead: int, waste: float) -> BlockMetrics:
+        return BlockMetrics(node_id="v", session_id="s", block=i, k=4, accepted=3,
+                            block_ms=100.0, draft_ms=2.0, verify_ms=95.0, f1_bytes=60,
+                            f1_ms=0.0, f2_bytes=200, f2_ms=0.0, f3_bytes=0, f3_ms=0.0,
+                            probe=False, ahead_lead=lead, ahead_waste=waste)
+
+    m = SessionMetrics("s", "v")
+    m.apply(block(1, 2, 0.0), 0.0)
+    m.apply(block(2, 4, 0.25), 0.1)
+    v = m.view(0.2)
+    assert v.ahead == (3.0, 0.25)
+    assert "draft agent ahead by 3.0 drafts" in compute_summary(v)
+    assert type(v).from_dict(v.to_dict()).ahead == v.ahead
+    plain = SessionMetrics("t", "v")
+    plain.apply(BlockMetrics(node_id="v", session_id="t", block=1, k=0, accepted=0,
+                             block_ms=90.0, draft_ms=0.0, verify_ms=90.0, f1_bytes=0, f1_ms=0.0,
+                             f2_bytes=0, f2_ms=0.0, f3_bytes=0, f3_ms=0.0, probe=False), 0.0)
+    assert plain.view(0.1).ahead is None and "draft agent" not in compute_summary(plain.view(0.1))

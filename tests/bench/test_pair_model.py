@@ -1,0 +1,142 @@
+"""The pair verifier (bench/pair_model.py) and its dials (bench/pair_dial.py): the
+transformations on a tiny random llama (fast), the cache key, the atomic write, the bisection;
+the real wide SmolLM2 against the embedded one (slow)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from macfleet.bench import pair_model as pm
+from macfleet.bench.pair_dial import agreement_models, bisect_log
+from macfleet.engine.tiny import build_tiny_model
+
+IDS = [3, 17, 5, 42, 8, 8, 21, 30, 1, 13, 60, 2]
+
+
+def _tiny():
+    return build_tiny_model(7)
+
+
+def _logits(model, ids=IDS) -> mx.array:
+    return model(mx.array([ids]))[0]
+
+
+def test_zero_padding_keeps_the_function():
+    tiny = _tiny()
+    w, cfg = pm.pad_mlp(*pm.weights_and_config(tiny), 512)
+    wide = pm.model_from(w, cfg)
+    assert wide.model.layers[0].mlp.gate_proj.weight.shape == (512, 64)
+    assert wide.model.layers[-1].mlp.down_proj.weight.shape == (64, 512)
+    assert mx.allclose(_logits(wide), _logits(tiny), atol=1e-4).item()
+
+
+def test_padding_below_the_model_width_is_refused():
+    with pytest.raises(pm.PairModelError, match="below"):
+        pm.pad_mlp(*pm.weights_and_config(_tiny()), 64)
+
+
+def test_extra_layers_at_eps_zero_are_identities():
+    tiny = _tiny()
+    w, cfg = pm.append_layers(*pm.weights_and_config(tiny), 3, 0.0, 0, residual=10.0)
+    deep = pm.model_from(w, cfg)
+    assert len(deep.model.layers) == 7 and cfg["num_hidden_layers"] == 7
+    assert mx.array_equal(_logits(deep), _logits(tiny)).item()
+
+
+def test_extra_layers_at_eps_above_zero_change_the_function():
+    tiny = _tiny()
+    r = pm.residual_rms(tiny, IDS)
+    w, cfg = pm.append_layers(*pm.weights_and_config(tiny), 2, 0.5, 0, residual=r)
+    assert not mx.allclose(_logits(pm.model_from(w, cfg)), _logits(tiny), atol=1e-3).item()
+
+
+def test_random_layers_are_seeded():
+    cfg = pm.weights_and_config(_tiny())[1]
+    a, b = pm.random_layer(cfg, 1, 0, 1.0), pm.random_layer(cfg, 1, 0, 1.0)
+    c = pm.random_layer(cfg, 2, 0, 1.0)
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    assert not mx.array_equal(a["mlp.up_proj.weight"], c["mlp.up_proj.weight"]).item()
+
+
+def test_a_larger_eps_lowers_agreement():
+    tiny = _tiny()
+    prompts = [IDS[:4], IDS[4:9], IDS[2:12], [9, 9, 4]]
+    acc = []
+    for eps in (0.0, 0.05, 1.0):
+        w, cfg = pm.pair_weights(tiny, IDS, 256, 2, eps, 0)
+        acc.append(agreement_models(pm.model_from(w, cfg), tiny, prompts, tokens=24))
+    assert acc[0] == 1.0
+    assert acc[0] >= acc[1] > acc[2]
+    assert acc[2] < 0.8
+
+
+def test_the_cache_key_names_every_parameter():
+    base = dict(width=6144, extra_layers=2, eps=0.1, seed=0)
+    keys = {pm.cache_key(**base)}
+    for k, v in (("width", 8192), ("extra_layers", 3), ("eps", 0.1000001), ("seed", 1)):
+        keys.add(pm.cache_key(**{**base, k: v}))
+    assert len(keys) == 5
+    assert f"f{pm.FORMAT_VERSION}" in pm.cache_key(**base)
+    assert pm.pair_dir(**base).name == pm.cache_key(**base)
+
+
+class _FailingTokenizer:
+    class _HF:
+        def save_pretrained(self, path: str) -> None:
+            raise OSError("disk full")
+
+    _tokenizer = _HF()
+
+
+def test_a_failed_write_leaves_nothing_behind(tmp_path: Path):
+    w, cfg = pm.weights_and_config(_tiny())
+    out = tmp_path / "v"
+    with pytest.raises(OSError, match="disk full"):
+        pm.write_model_dir(w, cfg, _FailingTokenizer(), out, "test")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bisection_on_log_eps_finds_the_target():
+    calls: list[float] = []
+
+    def measure(eps: float) -> float:  # acceptance falling with log(eps)
+        calls.append(eps)
+        return 1 / (1 + math.exp(2 * (math.log(eps) - math.log(0.2))))
+
+    s = bisect_log(measure, 0.8, 1e-3, 4.0, 10)
+    assert abs(s.acceptance - 0.8) < 0.01
+    assert 0.1 < s.eps < 0.15
+    seen: dict[float, float] = {}
+    bisect_log(measure, 0.8, 1e-3, 4.0, 4, seen)
+    n = len(calls)
+    bisect_log(measure, 0.8, 1e-3, 4.0, 4, seen)
+    assert len(calls) == n  # the memo answers a second target's repeat points
+
+
+def test_width_for_bytes_inverts_param_bytes():
+    cfg = pm.weights_and_config(_tiny())[1]
+    wide = {**cfg, "intermediate_size": 4096}
+    assert pm.width_for_bytes(cfg, pm.param_bytes(wide)) == 4096
+
+
+@pytest.mark.slow
+def test_the_wide_verifier_is_smollm2_and_mlx_lm_reads_it(tmp_path: Path):
+    import mlx_lm
+
+    from macfleet.bench.pair_dial import greedy_answer
+    from macfleet.engine.models import load_model
+    from macfleet.engine.text import encode_prompt
+
+    path = pm.build_pair_verifier(3072, extra_layers=1, eps=0.0, out=tmp_path / "v")
+    wide, base = load_model(str(path), cached=False), load_model(pm.DRAFT_SPEC)
+    assert wide.model.args.intermediate_size == 3072 and wide.num_layers == 31
+    for p in ("Explain what a rainbow is.", "List three uses of a paperclip."):
+        ids = encode_prompt(base.tokenizer, p, chat=True)
+        assert greedy_answer(wide.model, ids, 32) == greedy_answer(base.model, ids, 32)
+    model, tok = mlx_lm.load(str(path))
+    assert model.args.num_hidden_layers == 31 and tok.encode("hello") == \
+        base.tokenizer.encode("hello")
