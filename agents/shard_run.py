@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--prompt-ids", default="", help="rank 0: JSON list of prompt token ids")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--spec", default="ngram", help="rank 0: proposer for the spec-decode run "
+    p.add_argument("--proposer", default="ngram", help="rank 0: proposer for the spec-decode run "
                    "(none to skip it)")
     p.add_argument("--out", default="", help="rank 0: write ids (+ logits .npy) here")
     p.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S)
@@ -85,12 +85,12 @@ def main(argv: list[str] | None = None) -> int:
                "plain_shard": v.shard_stats().to_dict(),
                "prefill_shard": prefilled.to_dict(),
                "ping_ms": float(np.median(pings))}
-        if args.spec != "none":
+        if args.proposer != "none":
             from macfleet.engine.events import Finished
             from macfleet.engine.loop import speculative_generate
             from macfleet.engine.proposers import make_proposer
 
-            prop = make_proposer(args.spec, lm)
+            prop = make_proposer(args.proposer, lm)
             t0 = time.perf_counter()
             fin = [e for e in speculative_generate(v, prop, prompt, max_tokens=args.max_tokens)
                    if isinstance(e, Finished)][0]

@@ -178,7 +178,7 @@ def test_distill_data_shows_a_bar_on_a_terminal_and_plain_lines_in_a_log(tmp_pat
         env.pop("CI", None)
         procs[mode] = subprocess.Popen(
             [sys.executable, "-m", "macfleet", "distill", "--model", "tiny:1", "--tokens", "64",
-             "--gen-batch", "4", "--max-answer", "32", "--dataset", str(tmp_path / mode),
+             "--gen-batch", "4", "--max-tokens", "32", "--dataset", str(tmp_path / mode),
              "--stage", "data"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
     out = {m: p.communicate(timeout=500) for m, p in procs.items()}

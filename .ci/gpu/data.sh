@@ -17,7 +17,7 @@ timeout -s TERM ${Q_S:-55} python3 -m macfleet distill --model smollm2 --dataset
 tr '\r' '\n' < $J/q.log | grep -v '^$' | tail -2 | tee -a $O/log.txt
 t data
 timeout -s TERM ${GEN_S:-120} python3 -m macfleet distill --model smollm2 --dataset $J/ds \
-  --tokens 40000000 --gen-batch 512 --gen-mode waves --max-answer 256 --stage data \
+  --tokens 40000000 --gen-batch 512 --gen-mode waves --max-tokens 256 --stage data \
   > $J/data.log 2>&1
 tr '\r' '\n' < $J/data.log | grep -v '^$' | tail -2 | tee -a $O/log.txt
 t pack

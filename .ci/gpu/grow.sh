@@ -20,7 +20,7 @@ timeout -s TERM ${Q_S:-60} $PY -m macfleet distill --model $MODEL --dataset $J/d
 last $J/q.log 3
 t answers  # a stopped run writes its open shard
 timeout -s TERM ${GEN_S:-180} $PY -m macfleet distill --model $MODEL --dataset $J/ds \
-  --tokens 1000000000 --gen-batch $GB --gen-mode waves --max-answer 256 --stage data \
+  --tokens 1000000000 --gen-batch $GB --gen-mode waves --max-tokens 256 --stage data \
   > $J/data.log 2>&1
 last $J/data.log
 t features

@@ -18,7 +18,7 @@ T0=$(date +%s); BUDGET=${BUDGET:-560}
 MODEL=${MODEL:-smollm2}; DTYPES=${DTYPES:-float32,bfloat16}
 BIG=${BIG:-3b}; BIG_DTYPE=${BIG_DTYPE:-bfloat16}
 TOKENS=${TOKENS:-96}; ROUNDS=${ROUNDS:-2}; PROMPTS=${PROMPTS:-6}; KS=${KS:-1,3,7,15}
-DRAFTER_ARGS=${DRAFTER_ARGS:-}  # e.g. "--specs none ngram" for a model without a head
+DRAFTER_ARGS=${DRAFTER_ARGS:-}  # e.g. "--proposer none,ngram" for a model without a head
 SERVE_MODEL=${SERVE_MODEL:-$MODEL}; EXPORT_MODEL=${EXPORT_MODEL:-smollm2:dense}
 CLIENTS=${CLIENTS:-1,16}; SERVE_TOKENS=${SERVE_TOKENS:-32}; H2H_ROUNDS=${H2H_ROUNDS:-4}
 S_OVERHEAD=${S_OVERHEAD:-200}; S_DRAFTER=${S_DRAFTER:-100}; S_SERVE=${S_SERVE:-120}
@@ -45,7 +45,7 @@ PY
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total \
   --format=csv,noheader | tee -a "$O/log.txt"
 stage overhead "$S_OVERHEAD" $PY -m macfleet bench --out "$O/results" --model "$MODEL" overhead \
-  --dtype "$DTYPES" --tokens "$TOKENS" --rounds "$ROUNDS" --prompts "$PROMPTS" --ks "$KS" \
+  --dtype "$DTYPES" --max-tokens "$TOKENS" --repeats "$ROUNDS" --prompts "$PROMPTS" --ks "$KS" \
   --big-shape "$BIG" --big-dtype "$BIG_DTYPE" --time-limit $(( S_OVERHEAD - 60 ))
 # shellcheck disable=SC2086
 stage drafter "$S_DRAFTER" $PY -m macfleet bench --out "$O/results" --model "$MODEL" drafter \

@@ -152,7 +152,7 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
                     out = tmp / f"{mode}.json"
                     _ranks("agents.shard_run", n, tmp, [
                         "--mode", mode, "--model", model, "--prompt-ids", json.dumps(prompt),
-                        "--max-tokens", str(tokens), "--spec", "ngram", "--out", str(out),
+                        "--max-tokens", str(tokens), "--proposer", "ngram", "--out", str(out),
                         "--deadline", "60"])
                     runs[mode] = json.loads(out.read_text())
                     walls[mode].append(runs[mode]["plain_s"])

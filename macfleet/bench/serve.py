@@ -1,6 +1,6 @@
 """`macfleet bench serve`: many streaming clients against a real `macfleet serve` process.
 
-Each configuration is its own server process (one session at a time: `--max-active 1`;
+Each configuration is its own server process (one session at a time: `--batch-sessions 1`;
 batched without drafts: `--proposer none`; batched with n-gram drafts; batched with token
 trees of retrieval + n-gram drafts; batched with the draft head's chains), clients are threads
 speaking HTTP + server-sent events like any OpenAI client. Measured per client: time to first
@@ -218,7 +218,7 @@ def client_sweep(url: str, mode: str, clients: list[int], max_tokens: int, deadl
 
 
 MODES = {
-    "one_at_a_time": ("--max-active", "1", "--proposer", "none"),
+    "one_at_a_time": ("--batch-sessions", "1", "--proposer", "none"),
     "batched": ("--proposer", "none"),
     "batched_ngram": ("--proposer", "ngram"),
     # token trees in the batch (retrieval + n-gram)

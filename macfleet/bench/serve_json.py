@@ -1,7 +1,7 @@
 """`macfleet bench serve --json-schema`: structured output through the `openai` package against
 `serve --local` (results/serve_json.json; issue 32).
 
-For each question, greedy, on one server per drafter (`--drafters`; by default the n-gram
+For each question, greedy, on one server per drafter (`--proposer`; by default the n-gram
 drafter and none: `--proposer none`, the grammar's forced tokens the only drafts; a tree
 drafter such as `retrieval+ngram` keeps its trees under the grammar): the answer bound to a JSON
 schema (llguidance's flexible whitespace: the model's own layout), bound to the same schema

@@ -8,9 +8,10 @@ from pathlib import Path
 
 def add_bench_parsers(bs) -> None:
     d = bs.add_parser("drafter", help="every drafter on held-out chat and code prompts")
-    d.add_argument("--max-tokens", type=int, default=64)
-    d.add_argument("--specs", nargs="+", default=None, metavar="SPEC",
-                   help="drafters to compare in one process (none first: the baseline)")
+    d.add_argument("--max-tokens", type=int, default=64, help="answer length cap, in tokens")
+    d.add_argument("--proposer", default=None, metavar="SPEC[,SPEC...]",
+                   help="drafters to compare in one process, comma-separated (none first: the "
+                   "baseline; default: every drafter, macfleet/bench/drafter.py DEFAULT_SPECS)")
     d.add_argument("--no-agents", action="store_true", help="skip the 2-agent fleet part")
     d.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run every drafter on every prompt N times, in interleaved rounds, "
@@ -38,7 +39,7 @@ def add_bench_parsers(bs) -> None:
                       "(chain acceptance, first draft's top-k; results/drafter_heads.json)")
     h.add_argument("heads", nargs="*", type=Path, metavar="HEAD",
                    help="head paths (default: the model's shipped head)")
-    h.add_argument("--max-answer", type=int, default=160, help="tokens per answer")
+    h.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
     h.set_defaults(func=run_heads)
     c = bs.add_parser("data-curve", help="retrieval drafts against the size of the verifier's "
                       "answer store, on the dataset's held-out prompt groups (no model runs)")
@@ -54,8 +55,9 @@ def add_bench_parsers(bs) -> None:
     t.add_argument("shapes", nargs="*", metavar="TOP_K,MAX_DEPTH,DEEP_VOCAB",
                    help="beam width, deepest level, draft ids of the levels below the first "
                    "(0: all; default: 4,5,4096 4,5,0 4,5,2048 3,7,4096)")
-    t.add_argument("--head", type=Path, default=None, help="default: the shipped head")
-    t.add_argument("--max-answer", type=int, default=160, help="tokens per answer (offline)")
+    t.add_argument("--head", type=Path, default=None, help="the draft head (default: the "
+                   "shipped head)")
+    t.add_argument("--max-tokens", type=int, default=160, help="tokens per answer (offline)")
     t.add_argument("--step", type=int, default=2, help="draft at every N-th answer position")
     t.add_argument("--repeats", type=int, default=0, metavar="N",
                    help="also generate the held-out prompts with every shape, N "
@@ -80,7 +82,8 @@ def run(args) -> int:
         lm = load_model(args.model)
     except ModelSpecError as e:
         raise UserError(str(e)) from None
-    specs = tuple(args.specs) if args.specs else b.DEFAULT_SPECS
+    specs = (tuple(s.strip() for s in args.proposer.split(",") if s.strip()) if args.proposer
+             else b.DEFAULT_SPECS)
     if specs[0] != "none":
         specs = ("none", *specs)
 
@@ -189,10 +192,10 @@ def run_heads(args) -> int:
     for p in paths:
         if not weights_path(p).is_file():
             raise UserError(f"no draft head at {weights_path(p)}")
-    if args.max_answer < 8:
-        raise UserError("--max-answer must be >= 8")
+    if args.max_tokens < 8:
+        raise UserError("--max-tokens must be >= 8")
     try:
-        doc = b.compare_heads(lm, paths, args.max_answer,
+        doc = b.compare_heads(lm, paths, args.max_tokens,
                               progress=lambda s: print(s, file=sys.stderr, flush=True))
     except HeadMismatch as e:
         raise UserError(str(e)) from None
@@ -248,8 +251,8 @@ def run_tree_shapes(args) -> int:
         shapes = [ts.TreeShape.parse(s) for s in args.shapes] or list(ts.DEFAULT_SHAPES)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if args.step < 1 or args.repeats < 0 or args.max_answer < 8:
-        raise UserError("--step >= 1, --repeats >= 0 and --max-answer >= 8")
+    if args.step < 1 or args.repeats < 0 or args.max_tokens < 8:
+        raise UserError("--step >= 1, --repeats >= 0 and --max-tokens >= 8")
     try:
         lm = load_model(args.model)
     except ModelSpecError as e:
@@ -269,7 +272,7 @@ def run_tree_shapes(args) -> int:
     doc: dict = {"model": lm.spec, "head": str(path),
                  "head_draft_vocab": {"size": head.config.draft_vocab,
                                       "order": head.config.draft_order},
-                 "offline": ts.offline(lm, head, shapes, max_answer=args.max_answer,
+                 "offline": ts.offline(lm, head, shapes, max_answer=args.max_tokens,
                                        step=args.step, progress=say)}
     if args.repeats:
         doc["in_loop"] = ts.in_loop(lm, head, shapes, repeats=args.repeats, progress=say)

@@ -8,7 +8,7 @@ import sys
 def add_bench_parsers(bs) -> None:
     f = bs.add_parser("f3", help="F3 hidden-state wire cost per payload size and link "
                       "(results/f3_overhead.json + .png)")
-    f.add_argument("--repeats", type=int, default=10)
+    f.add_argument("--repeats", type=int, default=10, help="timed sends per payload size")
     f.add_argument("--max-mib", type=int, default=16, help="largest payload (MiB, power of 4)")
     f.add_argument("--no-netns", action="store_true", help="loopback only")
     f.add_argument("--encryption", action="store_true", help="instead: open vs closed (CURVE) "
@@ -16,11 +16,12 @@ def add_bench_parsers(bs) -> None:
     f.set_defaults(func=run_f3)
     s = bs.add_parser("security", help="closed-fleet cost (open vs CURVE) and a fuzz campaign "
                       "against live agents (results/security.json)")
-    s.add_argument("--repeats", type=int, default=10)
+    s.add_argument("--repeats", type=int, default=10, help="timed sends per payload size")
     s.add_argument("--max-mib", type=int, default=16, help="largest payload (MiB, power of 4)")
     s.add_argument("--messages", type=int, default=3000, help="fuzz messages in all")
-    s.add_argument("--skip-encryption", action="store_true")
-    s.add_argument("--skip-fuzz", action="store_true")
+    s.add_argument("--skip-encryption", action="store_true",
+                   help="skip the open vs closed fleet cost")
+    s.add_argument("--skip-fuzz", action="store_true", help="skip the fuzz campaign")
     s.add_argument("--only", choices=("encryption", "fuzz", "faults", "flood", "closed",
                                       "third"),
                    default=None,
@@ -30,11 +31,11 @@ def add_bench_parsers(bs) -> None:
                    "fleet -- SSRF, session slots, session ownership, keyless churn, a rogue "
                    "client key; third: replayed Zeroconf cards, a grammar past the grammar "
                    "engine's limits, a flood of huge message arrays, two API keys' prompt "
-                   "caches)")
+                   "caches; default: every part)")
     s.add_argument("--case", action="append", default=None, metavar="CASE",
                    help="with --only third: only these cases (replayed_cards, "
                    "grammar_past_limits, message_flood, cache_per_key); the others' figures "
-                   "are kept")
+                   "are kept (default: every case)")
     s.set_defaults(func=run_security)
 
 

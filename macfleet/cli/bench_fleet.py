@@ -5,10 +5,12 @@ from __future__ import annotations
 
 def add_bench_parsers(bs) -> None:
     f = bs.add_parser("fleet", help="one process vs two agent processes (results/fleet_spec.json)")
-    f.add_argument("--max-tokens", type=int, default=48)
-    f.add_argument("--repeats", type=int, default=2)
-    f.add_argument("--layerskip", type=int, default=20)
-    f.add_argument("--proposers", default="ngram,layerskip:20")
+    f.add_argument("--max-tokens", type=int, default=48, help="answer length cap, in tokens")
+    f.add_argument("--repeats", type=int, default=2, help="runs of each method per prompt")
+    f.add_argument("--layerskip", type=int, default=20,
+                   help="the layer the in-process layerskip drafter exits at")
+    f.add_argument("--proposer", default="ngram,layerskip:20", metavar="SPEC[,SPEC...]",
+                   help="the remote proposer's drafters to compare, comma-separated")
     f.add_argument("--first-only", action="store_true", help="only the first request after "
                    "`up` on an empty cache against the same request warm (`first_request`)")
     f.set_defaults(func=run_fleet)
@@ -25,7 +27,7 @@ def run_fleet(args) -> int:
     with bench_runs("fleet") as say:
         res = bench_fleet(lm, prompts, max_tokens=args.max_tokens,
                           repeats=args.repeats, layerskip=args.layerskip,
-                          proposers=tuple(args.proposers.split(",")), progress=say,
+                          proposers=tuple(args.proposer.split(",")), progress=say,
                           first_only=args.first_only)
     path = write_result("fleet_first.json" if args.first_only else "fleet_spec.json", res,
                         args.out)

@@ -7,7 +7,7 @@ def add_bench_parsers(bs) -> None:
     m = bs.add_parser("moe", help="expert vs tensor vs pipeline parallelism of the tiny MoE over "
                       "2 and 4 shard ranks, measured and predicted (results/moe.json)")
     m.add_argument("--ranks", default="2,4", help="ring sizes, comma-separated")
-    m.add_argument("--max-tokens", type=int, default=16)
+    m.add_argument("--max-tokens", type=int, default=16, help="answer length cap, in tokens")
     m.add_argument("--repeats", type=int, default=5,
                    help="runs per mode (interleaved; the median counts)")
     m.set_defaults(func=run_moe)

@@ -21,11 +21,11 @@ def add_bench_parsers(bs) -> None:
                    "results/pair_dial.json (`macfleet bench pair-dial` writes it)")
     p.add_argument("--settings", default=None,
                    help="WIDTH:TARGET pairs to run (comma-separated), instead of every width "
-                   "with every acceptance")
+                   "with every acceptance (default: every pair)")
     p.add_argument("--prompts", type=int, default=6, metavar="N",
                    help="the first N of bench/pair.py's PAIR_PROMPTS (at most 8)")
     p.add_argument("--max-tokens", type=int, default=96, help="answer tokens per run")
-    p.add_argument("--k", type=int, default=4,
+    p.add_argument("--draft-tokens", type=int, default=4,
                    help="draft tokens per block of the one-process runs (mlx-lm and macfleet)")
     p.add_argument("--batch-sessions", type=int, default=None, metavar="N",
                    help="the verifier agent's continuous batch (0: one session at a time; "
@@ -33,7 +33,7 @@ def add_bench_parsers(bs) -> None:
     p.add_argument("--dial", type=Path, default=None,
                    help="the dial record (default: OUT/pair_dial.json)")
     p.add_argument("--skip", default="", help="parts to skip: one (the one-process runs), "
-                   "two (the agents)")
+                   "two (the agents) (default: none)")
     p.set_defaults(func=run)
 
 
@@ -81,7 +81,8 @@ def run(args) -> int:
     for width, target, dial in _settings(args):
         _log(f"width {width}, acceptance ~{target}: building the verifier")
         vdir = str(build_pair_verifier(width, dial["extra_layers"], dial["eps"], dial["seed"]))
-        one = None if "one" in skip else run_pinned(vdir, prompts, args.max_tokens, args.k,
+        one = None if "one" in skip else run_pinned(vdir, prompts, args.max_tokens,
+                                                    args.draft_tokens,
                                                     plain=width not in plain_of)
         if one is not None:
             one = with_plain(one, plain_of.setdefault(width, {
@@ -89,11 +90,11 @@ def run(args) -> int:
         _log(f"width {width}, acceptance ~{target}: one process done")
         two = None if "two" in skip else two_agents(vdir, prompts, args.max_tokens, _log,
                                                     batch_sessions=args.batch_sessions)
-        rows.append(summarize(width=width, target=target, dial=dial, k=args.k, one=one,
+        rows.append(summarize(width=width, target=target, dial=dial, k=args.draft_tokens, one=one,
                               two=two))
         _print_row(rows[-1])
         path = write_result("pair.json", {"prompts": list(prompts), "tokens": args.max_tokens,
-                                          "k": args.k, "settings": rows}, args.out)
+                                          "k": args.draft_tokens, "settings": rows}, args.out)
     _plot(rows, args.out / "pair.png")
     print(f"wrote {path}")
     return 0

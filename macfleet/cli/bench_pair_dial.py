@@ -20,10 +20,11 @@ def add_bench_parsers(bs) -> None:
     p.add_argument("--targets", default="0.6,0.8,0.95", help="target per-token acceptances")
     p.add_argument("--extra-layers", type=int, default=None, help="extra decoder layers "
                    "(default: pair_model.DEFAULT_EXTRA_LAYERS)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random-weight pair models")
     p.add_argument("--prompts", type=int, default=6, metavar="N",
                    help="the first N calibration prompts (pair_dial.CALIBRATION_PROMPTS)")
-    p.add_argument("--tokens", type=int, default=96, help="verifier answer tokens per prompt")
+    p.add_argument("--max-tokens", type=int, default=96,
+                   help="verifier answer tokens per prompt")
     p.add_argument("--steps", type=int, default=5, help="bisection steps per target (at most)")
     p.add_argument("--tolerance", type=float, default=0.02,
                    help="stop a target's bisection when acceptance is this near it")
@@ -32,9 +33,11 @@ def add_bench_parsers(bs) -> None:
     p.add_argument("--widths", default="6144,auto",
                    help="verifier widths the cost part times; auto: the width whose bytes give "
                    "c = --target-c, corrected by the first width's measured c")
-    p.add_argument("--target-c", type=float, default=0.15)
+    p.add_argument("--target-c", type=float, default=0.15,
+                   help="the draft/verify cost ratio `auto` widths aim at")
     p.add_argument("--core", type=int, default=0, help="the core the cost part pins to")
-    p.add_argument("--reps", type=int, default=5, help="timed runs per length (fastest kept)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed runs per length (fastest kept)")
     p.add_argument("--keep", action="store_true", help="keep the verifiers the cost part built")
     p.set_defaults(func=run)
 
@@ -51,13 +54,13 @@ def _dial(args, extra: int) -> dict:
     settings = []
     for t in (float(x) for x in args.targets.split(",")):
         s = calibrate(1536, t, extra_layers=extra, seed=args.seed,
-                      prompts=CALIBRATION_PROMPTS[: args.prompts], tokens=args.tokens,
+                      prompts=CALIBRATION_PROMPTS[: args.prompts], tokens=args.max_tokens,
                       steps=args.steps, eps_range=(lo, hi), seen=seen,
                       tolerance=args.tolerance, progress=_log)
         _log(f"target {t}: eps {s.eps:.4g}, acceptance {s.acceptance:.3f}")
         settings.append({"target": t, "eps": s.eps, "acceptance": round(s.acceptance, 4)})
     return {"extra_layers": extra, "seed": args.seed, "calibration_width": 1536,
-            "prompts": list(CALIBRATION_PROMPTS[: args.prompts]), "tokens": args.tokens,
+            "prompts": list(CALIBRATION_PROMPTS[: args.prompts]), "tokens": args.max_tokens,
             "settings": settings,
             "measured": [{"eps": e, "acceptance": round(a, 4)} for e, a in sorted(seen.items())]}
 
@@ -80,7 +83,7 @@ def _cost(args, extra: int) -> dict:
         t0 = time.perf_counter()
         path = build_pair_verifier(width, extra, 0.0, args.seed)
         built = time.perf_counter() - t0
-        r = cost_ratio(path, core=args.core, reps=args.reps)
+        r = cost_ratio(path, core=args.core, reps=args.repeats)
         row = {**asdict(r), "verify_ms": {str(k): v for k, v in r.verify_ms.items()},
                "verify_cpu_ms": {str(k): v for k, v in r.verify_cpu_ms.items()},
                "build_s": round(built, 1), "auto": w == "auto"}
@@ -88,7 +91,7 @@ def _cost(args, extra: int) -> dict:
         rows.append(row)
         if not args.keep:
             shutil.rmtree(pair_dir(width, extra, 0.0, args.seed), ignore_errors=True)
-    return {"core": args.core, "context": 128, "reps": args.reps, "target_c": args.target_c,
+    return {"core": args.core, "context": 128, "reps": args.repeats, "target_c": args.target_c,
             "widths": rows,
             "note": "fastest of reps, one pinned core of a loaded shared box: ratios only"}
 

@@ -19,7 +19,8 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--stall-only", action="store_true",
                    help="only the decode-stall measurement (results/serve_stall.json)")
     s.add_argument("--mlx-lm", default=None, metavar="DIR",
-                   help="also measure mlx_lm.server on this mlx-lm directory (macfleet export)")
+                   help="also measure mlx_lm.server on this mlx-lm directory (macfleet export; "
+                   "default: macfleet only)")
     s.add_argument("--head-to-head", type=int, default=0, metavar="ROUNDS",
                    help="with --mlx-lm: both servers up, ROUNDS alternating rounds of the "
                         "largest --clients count against each; the ratio per round "
@@ -38,21 +39,21 @@ def add_bench_parsers(bs) -> None:
                    "per verifier step (forced tokens counted), validity "
                    "(results/serve_json.json)")
     s.add_argument("--questions", type=int, default=6, help="with --json-schema (1-6)")
-    s.add_argument("--drafters", default="ngram,none",
+    s.add_argument("--proposer", default="ngram,none", metavar="SPEC[,SPEC...]",
                    help="with --json-schema: comma-separated proposer specs, one server each "
                    "(e.g. retrieval+ngram,ngram,none: token trees against chains)")
     s.set_defaults(func=run_serve)
     b = bs.add_parser("batch-identity", help="greedy answers batched vs alone over many "
                       "requests: divergence rate per mode (results/batch_identity.json)")
-    b.add_argument("--requests", type=int, default=200)
-    b.add_argument("--max-tokens", type=int, default=24)
-    b.add_argument("--concurrency", type=int, default=16)
+    b.add_argument("--requests", type=int, default=200, help="requests in all")
+    b.add_argument("--max-tokens", type=int, default=24, help="answer length cap, in tokens")
+    b.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     b.set_defaults(func=run_identity)
     k = bs.add_parser("serve-soak", help="many requests of misbehaving clients (disconnects, "
                       "timeouts, bad JSON) against one server (results/serve_soak.json)")
-    k.add_argument("--requests", type=int, default=1000)
-    k.add_argument("--concurrency", type=int, default=16)
-    k.add_argument("--time-limit", type=float, default=600.0)
+    k.add_argument("--requests", type=int, default=1000, help="requests in all")
+    k.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
+    k.add_argument("--time-limit", type=float, default=600.0, help="seconds for everything")
     k.set_defaults(func=run_soak)
 
 
@@ -119,9 +120,9 @@ def _run_json_schema(args, progress) -> int:
 
     if not 1 <= args.questions <= len(PEOPLE):
         raise UserError(f"--questions must be 1..{len(PEOPLE)}")
-    drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
+    drafters = tuple(d.strip() for d in args.proposer.split(",") if d.strip())
     if not drafters:
-        raise UserError("--drafters needs at least one proposer spec")
+        raise UserError("--proposer needs at least one drafter spec")
     res = bench_json_schema(args.model, args.questions, args.max_tokens, progress, drafters)
     path = write_result("serve_json.json", res, args.out)
     for line in json_rows(res):

@@ -6,9 +6,9 @@ from __future__ import annotations
 def add_bench_parsers(bs) -> None:
     s = bs.add_parser("sessions", help="one proposer agent serving N verifier sessions at once "
                       "vs each alone (results/sessions.json)")
-    s.add_argument("--sessions", type=int, default=4)
-    s.add_argument("--max-tokens", type=int, default=32)
-    s.add_argument("--spec", default="layerskip:20", help="the proposer's drafting spec")
+    s.add_argument("--sessions", type=int, default=4, help="verifier sessions at once")
+    s.add_argument("--max-tokens", type=int, default=32, help="answer length cap, in tokens")
+    s.add_argument("--proposer", default="layerskip:20", help="the proposer agent's drafter")
     s.set_defaults(func=run_sessions)
 
 
@@ -20,7 +20,7 @@ def run_sessions(args) -> int:
 
     with bench_runs("sessions") as say:
         res = bench_sessions(model=args.model, sessions=args.sessions,
-                             max_tokens=args.max_tokens, spec=args.spec, progress=say)
+                             max_tokens=args.max_tokens, spec=args.proposer, progress=say)
     path = write_result("sessions.json", res, args.out)
     print(f"{'session':>7s} {'alone tok/s':>12s} {'at once tok/s':>14s} {'slowdown':>9s}")
     for a, c, s in zip(res["alone"], res["concurrent"], res["slowdown_per_session"]):

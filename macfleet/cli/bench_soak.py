@@ -6,10 +6,11 @@ from __future__ import annotations
 def add_bench_parsers(bs) -> None:
     s = bs.add_parser("soak", help="N short generations on a local fleet: no failures, RSS "
                       "growth < 5 %%, no fd leak (results/soak.json)")
-    s.add_argument("--requests", type=int, default=1000)
-    s.add_argument("--warmup", type=int, default=20)
-    s.add_argument("--max-tokens", type=int, default=4)
-    s.add_argument("--spec", default="ngram", help="proposer spec for the remote proposer")
+    s.add_argument("--requests", type=int, default=1000, help="generations in all")
+    s.add_argument("--warmup", type=int, default=20,
+                   help="generations before the memory baseline is taken")
+    s.add_argument("--max-tokens", type=int, default=4, help="answer length cap, in tokens")
+    s.add_argument("--proposer", default="ngram", help="the remote proposer's drafter")
     s.set_defaults(func=run_soak)
 
 
@@ -21,7 +22,7 @@ def run_soak(args) -> int:
 
     with bench_runs("soak") as say:
         res = soak(model=args.model, requests=args.requests, warmup=args.warmup,
-                   max_tokens=args.max_tokens, spec=args.spec, progress=say)
+                   max_tokens=args.max_tokens, spec=args.proposer, progress=say)
     path = write_result("soak.json", res, args.out)
     for name, a in res["agents"].items():
         print(f"{name:12s} RSS {a['rss_before'] / 2**20:7.1f} -> {a['rss_after'] / 2**20:7.1f} MiB"

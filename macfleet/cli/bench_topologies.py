@@ -6,10 +6,12 @@ from __future__ import annotations
 def add_bench_parsers(bs) -> None:
     t = bs.add_parser("topologies", help="planner prediction vs measured tokens/s per runnable "
                       "topology (results/topologies.json)")
-    t.add_argument("--max-tokens", type=int, default=32)
-    t.add_argument("--layerskip", type=int, default=20)
+    t.add_argument("--max-tokens", type=int, default=32, help="answer length cap, in tokens")
+    t.add_argument("--layerskip", type=int, default=20,
+                   help="the layer the layerskip drafter exits at")
     t.add_argument("--prompt", default="summary", help="a name in macfleet.bench.prompts")
-    t.add_argument("--only", default="", help="comma-separated substrings of case names")
+    t.add_argument("--only", default="",
+                   help="comma-separated substrings of case names (default: every case)")
     t.set_defaults(func=run_topologies)
 
 

@@ -10,25 +10,28 @@ from macfleet.cli.common import add_key_args
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks written to results/")
-    p.add_argument("--out", type=Path, default=Path("results"))
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--out", type=Path, default=Path("results"),
+                   help="directory the result files are written to")
+    p.add_argument("--model", default="smollm2", help="the verifier's model spec")
     p.add_argument("--fleet", action="store_true", help="every discovered agent measures itself "
                    "(tool plane) into results/<host>/; `macfleet plan` reads these profiles")
     add_key_args(p)
-    p.add_argument("--wait", type=float, default=2.0)
+    p.add_argument("--wait", type=float, default=2.0, help="--fleet: seconds to look for agents")
     p.set_defaults(func=run_fleet_profile)
     bs = p.add_subparsers(dest="bench", required=False, metavar="BENCH")
     v = bs.add_parser("verify-sweep", help="verify(L) for L=1..32 at two context lengths")
-    v.add_argument("--repeats", type=int, default=5)
+    v.add_argument("--repeats", type=int, default=5, help="timed forwards per point")
     v.set_defaults(func=run_verify_sweep)
     loc = bs.add_parser("local", help="mlx-lm vs macfleet proposers, one process")
-    loc.add_argument("--max-tokens", type=int, default=64)
-    loc.add_argument("--repeats", type=int, default=2)
-    loc.add_argument("--layerskip", type=int, default=20)
+    loc.add_argument("--max-tokens", type=int, default=64, help="answer length cap, in tokens")
+    loc.add_argument("--repeats", type=int, default=2, help="runs of each method per prompt")
+    loc.add_argument("--layerskip", type=int, default=20,
+                     help="the layer the layerskip drafter exits at")
     loc.set_defaults(func=run_local)
     fm = bs.add_parser("fastmath", help="the CPU's exp/SiLU/softmax vs MLX's own ops, "
                        "interleaved (results/fastmath.json)")
-    fm.add_argument("--repeats", type=int, default=12)
+    fm.add_argument("--repeats", type=int, default=12,
+                    help="interleaved timed rounds (the first two are warm-up)")
     fm.set_defaults(func=run_fastmath)
     for mod in _extensions():
         mod.add_bench_parsers(bs)
@@ -63,7 +66,9 @@ def run_fleet_profile(args) -> int:
     key = fleet_key(args)
     cards = members(key, wait_s=args.wait)
     if not cards:
-        raise UserError("no agents discovered: start some (macfleet up) or check the key")
+        raise UserError("no agents discovered: run `macfleet agent --role verifier|proposer` "
+                        "(or `macfleet service install`) on each Mac, `macfleet up` for a "
+                        "fleet on this one; or check the fleet key")
     written = profile_fleet(cards, key, args.out, progress)
     for host, files in sorted(written.items()):
         print(f"{host}: {len(files)} profile(s) in {Path(files[0]).parent}")

@@ -7,13 +7,17 @@ from macfleet.cli.common import UserError, add_key_args, fleet_key
 
 def add_parser(sub) -> None:
     p = sub.add_parser("dash", help="the live fleet dashboard")
-    p.add_argument("--replay", default=None, help="play a recorded JSON-lines file instead")
-    p.add_argument("--record", default=None, help="also record the snapshots to this file")
-    p.add_argument("--refresh", type=float, default=1.0)
-    p.add_argument("--loopback", action="store_true", help="browse 127.0.0.1 only")
+    p.add_argument("--replay", default=None, metavar="FILE",
+                   help="play a recorded JSON-lines file instead (default: the live fleet)")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="also record the snapshots to this file (default: not recorded)")
+    p.add_argument("--refresh", type=float, default=1.0, help="seconds between screen updates")
+    p.add_argument("--watch-loopback", action="store_true",
+                   help="look for agents on 127.0.0.1 only (agents started with `agent "
+                   "--loopback`, or by `macfleet up`)")
     p.add_argument("--serve", default=None, metavar="URL",
                    help="also show the batch of this `macfleet serve` (e.g. "
-                   "http://127.0.0.1:8000); without a fleet key, only it")
+                   "http://127.0.0.1:8000; default: none); without a fleet key, only it")
     p.add_argument("--api-key", default=None,
                    help="the server's API key (default: $MACFLEET_API_KEY)")
     add_key_args(p)
@@ -47,15 +51,16 @@ def run(args) -> int:
 
 def _fleet_source(args):
     """The fleet observer; with --serve and no fleet key, None (the server alone is shown)."""
-    from macfleet.fleet.keys import KeyMissing, resolve_key
+    from macfleet.cli.common import fleet_key_if_any
+    from macfleet.fleet.keys import KeyMissing
     from macfleet.fleet.observer import FleetObserver
 
     if args.serve and not args.open:
         try:
-            resolve_key(args.key, open_fleet=False)
+            fleet_key_if_any(args)
         except KeyMissing:
             return None
-    return FleetObserver(fleet_key(args), loopback=args.loopback)
+    return FleetObserver(fleet_key(args), loopback=args.watch_loopback)
 
 
 def _serve_source(args, inner):

@@ -14,21 +14,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from macfleet.cli.common import UserError
+from macfleet.cli.common import DEFAULT_PROPOSER, UserError
 
 # An ordinary question (nothing in it for a drafter to copy), never used in training.
 DEMO_PROMPT = "What are three simple ways to save energy at home?"
-DEMO_PROPOSER = "auto"
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="local 2-agent fleet: speculative decoding across agents")
-    p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("--proposer", default=DEMO_PROPOSER, help="auto (default): the drafter "
-                   "measured best for the model")
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of each (alone, "
+    p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat message")
+    p.add_argument("--proposer", default=DEFAULT_PROPOSER, help="the proposer agent's drafter "
+                   "(auto: the drafter measured best for the model, as for `generate`)")
+    p.add_argument("--model", default="smollm2", help="the model both agents serve")
+    p.add_argument("--max-tokens", type=int, default=64, help="answer length cap, in tokens")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved runs of each (alone, "
                    "with drafts); the faster run of each side is compared")
     p.set_defaults(func=run)
 
@@ -68,7 +67,7 @@ def run(args) -> int:
             common = dict(prompt=args.prompt, max_tokens=args.max_tokens)
             _collect(v, key, prompt="Hi", max_tokens=4)  # warm-up
             alones, specs = [], []
-            for _ in range(max(1, args.rounds)):
+            for _ in range(max(1, args.repeats)):
                 alones.append(_collect(v, key, proposers=[], proposer_spec="none", **common))
                 # one proposer agent serves every branch of the tree (one session per branch)
                 specs.append(_collect(v, key, proposers=[p], proposer_spec=args.proposer,

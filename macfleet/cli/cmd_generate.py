@@ -6,51 +6,66 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from macfleet.cli.common import (UserError, add_key_args, parse_draft_tokens,
-                                 sampling_params)
+from macfleet.cli.common import (DEFAULT_PROPOSER, UserError, add_key_args,
+                                 parse_draft_tokens, sampling_params)
+from macfleet.cli import where as W
 from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS
 from macfleet.stats import GenerationStats
 
-DEFAULT_PROPOSER = "auto"  # the drafter measured best for the model (engine/proposers/choice)
+MODEL_HELP = ("smollm2 (the embedded SmolLM2-135M-Instruct) | PATH.gguf | mlx-lm directory | "
+              "Hugging Face ORG/NAME (needs internet) | tiny:SEED[:VOCAB] | "
+              "tiny-moe:SEED[:VOCAB]")
+PROPOSER_HELP = (f"the drafter: {AUTO} | eagle2[:PATH] | eagle[:PATH] | ngram[:N] | retrieval | "
+                 "layerskip:K | draft:MODEL | none; several joined by + draft a token tree each "
+                 f"block ({AUTO}: the drafter measured best for the model, "
+                 "`macfleet bench drafter --record` measures this machine; else ngram)")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text with speculative decoding")
-    p.add_argument("prompt")
-    p.add_argument("--model", default="smollm2", help="smollm2 | PATH.gguf | mlx-lm dir/id | "
-                   "tiny:SEED[:VOCAB] | tiny-moe:SEED[:VOCAB]")
-    p.add_argument("--proposer", default=DEFAULT_PROPOSER,
-                   help="auto | eagle2[:PATH] | eagle[:PATH] | ngram[:N] | layerskip:K | "
-                   "draft:SPEC | none; several joined by + draft a token tree each block "
-                   "(default: auto, the drafter measured best for the model)")
+    p = sub.add_parser("generate", help="answer one prompt (through the fleet when there is one)",
+                       description="Answer one prompt with speculative decoding: through the "
+                       "fleet's agents when a verifier for the model is found, else in this "
+                       "process. One line on stderr says which, and why.")
+    p.add_argument("prompt", help="the prompt (a chat message unless --no-chat)")
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
+    p.add_argument("--proposer", default=DEFAULT_PROPOSER, help=PROPOSER_HELP)
     p.add_argument("--draft-tokens", default=AUTO,
-                   help=f"K (0..{MAX_DRAFT_TOKENS}) or {AUTO} (default: {AUTO})")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+                   help=f"tokens drafted per block: K (0..{MAX_DRAFT_TOKENS}) or {AUTO} (adapts "
+                   "to the acceptance measured as it runs)")
+    p.add_argument("--max-tokens", type=int, default=256, help="answer length cap, in tokens")
+    p.add_argument("--temp", type=float, default=0.0,
+                   help="sampling temperature (0: greedy, the verifier's own argmax)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: a random one; sampling only)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--local", action="store_true", help="in-process (no fleet)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token ids, stats with `where`)")
+    p.add_argument("--local", action="store_true",
+                   help="in this process: do not look for a fleet")
     p.add_argument("--response-format", default=None, metavar="JSON",
                    help="the answer must match it: the API's response_format, e.g. "
                    "'{\"type\": \"json_object\"}', json_schema, or regex / grammar (Lark) "
-                   "(issue 32; through the fleet's verifier, in-process without one)")
+                   "(default: free text)")
     p.add_argument("--no-cross-round", action="store_true",
                    help="fleet: the proposer does not pre-draft the next block")
     add_key_args(p, open_help="talk to an unauthenticated fleet")
-    p.add_argument("--wait", type=float, default=2.0, help="seconds to look for agents")
+    p.add_argument("--wait", type=float, default=2.0,
+                   help="seconds to look for agents before answering in-process")
     p.set_defaults(func=run)
 
 
-def result_json(stats: GenerationStats, text: str, token_ids) -> str:
-    """The one JSON object of `generate --json` (in-process and fleet alike)."""
-    return json.dumps({"text": text, "token_ids": list(token_ids), "stats": stats.to_dict()})
+def result_json(stats: GenerationStats, text: str, token_ids, where: W.Where) -> str:
+    """The one JSON object of `generate --json` (in-process and fleet alike); `stats.where`
+    says where it ran and why, as the stderr line does."""
+    return json.dumps({"text": text, "token_ids": list(token_ids),
+                       "stats": {**stats.to_dict(), "where": where.to_dict()}})
 
 
-def print_stats(stats: GenerationStats, file=sys.stderr) -> None:
+def print_stats(stats: GenerationStats, file=None) -> None:
     """The statistics of a run, in-process or through agents (then with where it ran and
-    what the flows between hosts cost)."""
+    what the flows between hosts cost); on stderr unless `file`."""
+    file = file or sys.stderr
     fleet = stats.fleet
     where = f" on {','.join(fleet.proposer_agents) or '-'}" if fleet is not None else ""
     print(f"\n-- {stats.tokens} tokens in {stats.elapsed_s:.2f}s: {stats.tokens_per_s:.1f} tok/s "
@@ -89,7 +104,7 @@ def print_stats(stats: GenerationStats, file=sys.stderr) -> None:
             + (f" | {kv.reason}" if kv.reason else ""), file=file)
 
 
-def run_local(args) -> int:
+def run_local(args, where: W.Where) -> int:
     from macfleet.engine.events import Finished
     from macfleet.cli.common import load_model
     from macfleet.engine.models import ModelSpecError
@@ -103,6 +118,7 @@ def run_local(args) -> int:
     try:
         for spec in args.proposer.split("+"):
             parse_proposer_spec(spec)
+        print(where.line(), file=sys.stderr, flush=True)
         lm = load_model(args.model)
         parts: list[str] = []
         for ev in generate_local(lm, args.prompt, chat=not args.no_chat, proposer=args.proposer,
@@ -114,7 +130,7 @@ def run_local(args) -> int:
                     print(ev.text, end="", flush=True)
             elif isinstance(ev, Finished):
                 if args.json:
-                    print(result_json(ev.stats, "".join(parts), ev.token_ids))
+                    print(result_json(ev.stats, "".join(parts), ev.token_ids, where))
                 else:
                     print()
                     print_stats(ev.stats)
@@ -146,7 +162,13 @@ def response_grammar(args):
 
 
 def validate(args) -> None:
-    """Cheap argument checks first, so a typo costs no model import (or fleet discovery)."""
+    """Cheap argument checks first, so a typo costs no model load (or fleet discovery)."""
+    from macfleet.engine.models import ModelSpecError, check_spec
+
+    try:
+        check_spec(args.model)
+    except ModelSpecError as e:
+        raise UserError(f"--model: {e}") from None
     sampling_params(args)
     response_grammar(args)
     parse_draft_tokens(args.draft_tokens)
@@ -161,13 +183,14 @@ def run(args) -> int:
     asked = args.asked_proposer = args.proposer
     args.proposer, _ = resolve_proposer(asked, args.model)
     if args.local:
-        return run_local(args)
-    from macfleet.fleet.keys import KeyMissing, resolve_key
+        return run_local(args, W.asked_local())
+    from macfleet.cli.common import fleet_key_if_any
+    from macfleet.fleet.keys import KeyMissing, default_key_path
 
     try:
-        key = resolve_key(args.key, open_fleet=args.open)
-    except KeyMissing:
-        return run_local(args)  # no fleet key on this machine: no fleet to talk to
+        key = fleet_key_if_any(args)
+    except KeyMissing:  # no fleet key on this machine: no fleet to talk to
+        return run_local(args, W.no_key(str(default_key_path())))
     # on a proposer agent a drafter runs beside the verifier: its own measured best
     args.fleet_proposer, _ = resolve_proposer(asked, args.model, FLEET)
     committed = Progress()
@@ -183,11 +206,13 @@ def run(args) -> int:
 def _replanning(args, key, committed: Progress) -> int:
     """Through the fleet (macfleet.fleet.client.generate_fleet re-plans when a verifier is
     lost); in-process when it has no verifier. committed: what was received, kept on failure."""
-    from macfleet.fleet.client import (Done, NoFleet, ProposerRefused, Refused, Replanned, Text,
-                                       VerifierFailed, generate_fleet)
+    from macfleet.fleet.client import (Done, NoFleet, Placed, ProposerRefused, Refused,
+                                       Replanned, Text, VerifierFailed, fleet_id,
+                                       generate_fleet)
 
     params = sampling_params(args)
     grammar = response_grammar(args)
+    where = None
     try:
         for ev in generate_fleet(
                 key, args.model, wait_s=args.wait, proposer_spec=args.fleet_proposer,
@@ -199,7 +224,10 @@ def _replanning(args, key, committed: Progress) -> int:
                 # a re-plan resumes the grammar after the tokens already committed (the new
                 # verifier's constraint advances over them: engine/constraint.py `resume`)
                 grammar=(grammar.kind, grammar.source) if grammar is not None else ("", "")):
-            if isinstance(ev, Text):
+            if isinstance(ev, Placed):
+                where = W.in_fleet(ev.fleet_id, ev.verifier, ev.proposers)
+                print(where.line(), file=sys.stderr, flush=True)
+            elif isinstance(ev, Text):
                 committed.ids.extend(ev.token_ids)
                 committed.text.append(ev.text)
                 if not args.json:
@@ -211,14 +239,12 @@ def _replanning(args, key, committed: Progress) -> int:
                 print(f"macfleet: {ev.why}", file=sys.stderr)
             elif isinstance(ev, Done):
                 if args.json:
-                    print(result_json(ev.stats, ev.text, ev.token_ids))
+                    print(result_json(ev.stats, ev.text, ev.token_ids, where))
                 else:
                     print()
                     print_stats(ev.stats)
     except NoFleet as e:
-        if e.seen:
-            print(f"macfleet: {e}; generating in-process", file=sys.stderr)
-        return run_local(args)
+        return run_local(args, W.no_fleet(fleet_id(key), args.wait, e.seen, str(e)))
     except (Refused, VerifierFailed) as e:
         raise UserError(str(e)) from None
     return 0

@@ -17,12 +17,14 @@ def add_parser(sub) -> None:
     k = sub.add_parser("key", help="export the fleet key as one line / import it on another Mac")
     ksub = k.add_subparsers(dest="key_command", required=True, metavar="export|import")
     e = ksub.add_parser("export", help="print the fleet key as one copyable line")
-    e.add_argument("--key", default=None, help="key file (default ~/.macfleet/fleet.key)")
+    e.add_argument("--key", default=None, metavar="FILE",
+                   help="key file (default: ~/.macfleet/fleet.key)")
     e.set_defaults(func=run_export)
     i = ksub.add_parser("import", help="write the fleet key from a line of `key export`")
     i.add_argument("line", nargs="?", default="-", help="the line, or - (default) to read it "
                    "from stdin")
-    i.add_argument("--key", default=None, help="key file (default ~/.macfleet/fleet.key)")
+    i.add_argument("--key", default=None, metavar="FILE",
+                   help="key file to write (default: ~/.macfleet/fleet.key)")
     i.add_argument("--force", action="store_true", help="replace another fleet key (this Mac "
                    "leaves its old fleet)")
     i.set_defaults(func=run_import)
@@ -36,9 +38,11 @@ def _path(args) -> Path:
 
 def run_export(args) -> int:
     from macfleet.fleet.client import fleet_id
-    from macfleet.fleet.keys import export_line, load_key
+    from macfleet.fleet.keys import KeyPathMissing, export_line, load_key
 
     path = _path(args)
+    if args.key and not path.exists():  # the same error as every command's --key FILE
+        raise UserError(str(KeyPathMissing(path)))
     if not path.exists():
         raise UserError(f"no fleet key at {path}: run `macfleet keygen` on the first Mac, or "
                         "`macfleet key import` with the line of a Mac of your fleet")

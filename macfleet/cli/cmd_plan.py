@@ -13,6 +13,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from macfleet.cli.cmd_fleet import NO_AGENTS_HINT
 from macfleet.cli.common import UserError, add_key_args, fleet_key
 
 RESULTS_DIR = Path("results")
@@ -21,12 +22,15 @@ EXIT_REFUSED = 3
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan topologies for the fleet and predict tokens/s")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--model", default=None,
                    help="smollm2 (default) or an mlx-lm model directory (reads config.json)")
-    p.add_argument("--draft", default=None, help="proposer kind to plan with (default: each)")
+    p.add_argument("--proposer", default=None, metavar="KIND",
+                   help="the drafter kind to plan with: ngram, layerskip, eagle, draft "
+                   "(default: each)")
     p.add_argument("--simulate", default=None, metavar="HOSTS.json",
-                   help="plan for a described fleet (see macfleet/topology/examples/)")
+                   help="plan for a described fleet (see macfleet/topology/examples/; "
+                   "default: the live fleet)")
     p.add_argument("--split-sequence", action="store_true",
                    help="ask for one sequence split across verifiers (refused, exit 3)")
     p.add_argument("--sampling", action="store_true",
@@ -46,8 +50,8 @@ def live_fleet(args, profile, shape):
     statuses = [probe(c, key) for c in members(key, wait_s=args.wait)]
     live = [s for s in statuses if s.alive]
     if not live:
-        raise UserError("no live agents found (start some with `macfleet up`, or plan a "
-                        "described fleet with --simulate HOSTS.json)")
+        raise UserError(f"no live agents found after {args.wait:.1f} s. {NO_AGENTS_HINT}; or "
+                        "plan a described fleet with --simulate HOSTS.json")
     return fleet_from_statuses(live, profile, shape)
 
 
@@ -60,7 +64,7 @@ def plan_to_dict(q) -> dict:
 
 
 def run_plan(args) -> int:
-    from macfleet.topology import (SPLIT_SEQUENCE, SnapshotError, plan, refuse_split_sequence,
+    from macfleet.topology import (SnapshotError, plan, refuse_split_sequence,
                                    snapshot_from_dict)
 
     if args.split_sequence:
@@ -88,7 +92,7 @@ def run_plan(args) -> int:
                 fleet = replace(fleet, model=shape)
         else:
             fleet = live_fleet(args, profile, shape)
-        plans = plan(fleet, proposer=args.draft, with_probs=args.sampling)
+        plans = plan(fleet, proposer=args.proposer, with_probs=args.sampling)
         disagg = plan_disagg(fleet)
     except SnapshotError as e:
         raise UserError(str(e)) from None
@@ -102,21 +106,12 @@ def run_plan(args) -> int:
           f"{fleet.model.layers} layers, {fleet.model.heads}/{fleet.model.kv_heads} heads; "
           f"{len(fleet.hosts)} hosts")
     print(f"profile: {fleet.profile.source}\n")
-    print(f"{'TOPOLOGY':34s} {'N':>2s} {'MODE':8s} {'DRAFT':9s} {'k':>2s} {'TOK/S':>7s} "
-          f"{'BLOCK ms':>8s} {'WIRE%':>5s}  PLACEMENT / WHY NOT")
-    for q in plans:
-        if q.topology == SPLIT_SEQUENCE:
-            print(f"{q.topology[:34]:34s}  - REFUSED: {q.reason.split('. ')[1]}.")
-            continue
-        if not q.feasible:
-            print(f"{q.topology[:34]:34s} {q.n:>2d} {q.shard_mode:8s} {'':9s} {'':>2s} "
-                  f"{'-':>7s} {'':>8s} {'':>5s}  {q.reason[:90]}")
-            continue
-        c = q.cost
-        where = ", ".join(f"{r.host}={r.role}" for r in q.placement)
-        print(f"{q.topology[:34]:34s} {q.n:>2d} {q.shard_mode:8s} {q.proposer[:9]:9s} "
-              f"{c.k:>2d} {q.tokens_per_s:>7.1f} {c.block_ms:>8.1f} "
-              f"{100 * c.overhead_share:>4.0f}%  {where}")
+    import shutil
+
+    from macfleet.cli import plan_text
+
+    for row in plan_text.table(plans, shutil.get_terminal_size((100, 24)).columns):
+        print(row.rstrip())
     for q in plans:  # a mixture of experts: why expert, tensor or pipeline (topology/moe.py)
         for note in q.notes:
             if note.startswith("MoE:"):
@@ -126,4 +121,13 @@ def run_plan(args) -> int:
         where = (f"on prefill agent {d.prefill_host}" if d.decision.remote
                  else f"on the verifier ({d.verifier})")
         print(f"  {d.prompt_tokens:>6,d} tokens: prefill {where}: {d.decision.reason}")
+    best = plan_text.chosen(plans)
+    if best is not None:
+        print(f"\nto build the first plan ({best.topology}, {best.n}):")
+        steps = plan_text.commands(best, args.model or fleet.model.name)
+        hw = max(len(h) for h, _ in steps)
+        for host, cmd in steps:
+            print(f"  on {host + ':':{hw + 1}s} {cmd}")
+        print("  (the same fleet key on every Mac: `macfleet key export | ssh HOST macfleet key "
+              "import`)")
     return 0

@@ -8,7 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
-from macfleet.cli.common import UserError, add_key_args, parse_draft_tokens
+from macfleet.cli.common import DEFAULT_PROPOSER, UserError, add_key_args, parse_draft_tokens
 from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
 
 log = logging.getLogger(__name__)
@@ -23,24 +23,31 @@ def add_parser(sub) -> None:
     p.add_argument("--local", action="store_true",
                    help="in-process verifier with continuous batching (default when no fleet "
                    "is found); without it a fleet's verifier agent serves each request")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help="the model served (see `macfleet "
+                   "generate --help` for the specs)")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key", action="append", default=None, metavar="KEY",
                      help="require 'Authorization: Bearer KEY'; repeat it for several keys "
                      "(a team): each key then has a prompt cache of its own, so one key's "
-                     "prompts never show in another's cached_tokens or time to first token")
-    key.add_argument("--api-key-file", type=Path, default=None,
-                     help="the API keys, one a line (as --api-key)")
-    p.add_argument("--proposer", default="ngram",
-                   help="per-session drafts: ngram[:N] | retrieval | layerskip:K | draft:MODEL "
-                   "| none, or several joined by '+' (a token tree per block, verified in the "
-                   "batch like the chains)")
-    p.add_argument("--draft-tokens", default="auto", help="K or auto (default: auto)")
+                     "prompts never show in another's cached_tokens or time to first token "
+                     "(default: $MACFLEET_API_KEY, else none)")
+    key.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                     help="the API keys, one a line (as --api-key; default: none)")
+    p.add_argument("--proposer", default=DEFAULT_PROPOSER,
+                   help="each session's drafter: auto | eagle2 | eagle | ngram[:N] | retrieval "
+                   "| layerskip:K | draft:MODEL | none, or several joined by '+' (a token tree "
+                   "per block, verified in the batch like the chains); auto, as for `generate`: "
+                   "the drafter measured best for the model (ngram with --batch-invariant), or "
+                   "the fleet's draft-model agents when it has some")
+    p.add_argument("--draft-tokens", default="auto",
+                   help="tokens drafted per block: K, or auto (adapts as it runs)")
     p.add_argument("--token-budget", type=int, default=256,
                    help="tokens per iteration (bounds prefill chunks)")
-    p.add_argument("--max-active", type=int, default=16, help="sessions batched at once")
+    p.add_argument("--batch-sessions", type=int, default=16,
+                   help="sessions verified together in one batch (continuous batching)")
     p.add_argument("--max-queue", type=int, default=64, help="sessions waiting for a slot")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="feed each prompt in one iteration (to measure the decode stall)")
@@ -52,42 +59,69 @@ def add_parser(sub) -> None:
                    "to serving it alone, slower")
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="a Jinja chat template replacing the model's own (e.g. one with tool "
-                   "support: tools are rendered by it and its tool-call format is parsed)")
+                   "support: tools are rendered by it and its tool-call format is parsed; default: "
+                   "the model's own)")
     p.add_argument("--prompt-cache-mb", type=int, default=DEFAULT_PROMPT_CACHE_MB,
                    help="keep finished requests' KV (LRU, this many MB) so a prompt that starts "
                    "the same (the next turn of a chat) prefills only what is new; 0: off")
-    p.add_argument("--max-tokens-cap", type=int, default=1024)
-    p.add_argument("--max-prompt-tokens", type=int, default=4096)
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-tokens-cap", type=int, default=1024,
+                   help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-prompt-tokens", type=int, default=4096,
+                   help="longer prompts are refused (400)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="larger request bodies are refused (413)")
     p.add_argument("--max-sessions-per-client", type=int, default=16,
                    help="open sessions per client address")
     add_key_args(p, open_help="talk to an unauthenticated fleet")
-    p.add_argument("--wait", type=float, default=2.0, help="seconds to look for agents")
+    p.add_argument("--wait", type=float, default=2.0,
+                   help="seconds to look for agents before serving in-process")
     p.set_defaults(func=run)
 
 
 def fleet_engine(args, draft_tokens):
-    """A RemoteEngine on the fleet's verifier agent, or None (no key, no live verifier)."""
-    from macfleet.fleet.client import NoFleet, choose_roles, drafting_for, members, probe
-    from macfleet.fleet.keys import KeyMissing, resolve_key
+    """A RemoteEngine on the fleet's verifier agent, or None (no key, no live verifier); one
+    line on stderr says which, and why (cli/where.py)."""
+    from macfleet.cli import where as W
+    from macfleet.cli.common import fleet_key_if_any
+    from macfleet.engine.proposers.choice import FLEET, resolve_proposer
+    from macfleet.fleet.client import (NoFleet, choose_roles, drafting_for, fleet_id, members,
+                                       probe)
+    from macfleet.fleet.keys import KeyMissing, default_key_path
     from macfleet.serve.remote import RemoteEngine
 
+    def say(where: W.Where) -> None:
+        print(where.line("macfleet serve", "serving"), file=sys.stderr, flush=True)
+
     try:
-        key = resolve_key(args.key, open_fleet=args.open)
+        key = fleet_key_if_any(args)
     except KeyMissing:
+        say(W.no_key(str(default_key_path())))
         return None
-    cards = members(key, wait_s=args.wait, expect=2)
+    fid = fleet_id(key)
+    cards = members(key, wait_s=args.wait, expect=2)  # only cards whose tag checks
     try:
         verifier, proposers = choose_roles([probe(c, key, pings=1) for c in cards], args.model)
     except NoFleet as e:
-        if cards:
-            print(f"macfleet serve: {e}; serving in-process", file=sys.stderr)
+        say(W.no_fleet(fid, args.wait, e.seen, str(e)))
         return None
-    spec, proposers = drafting_for(args.proposer, proposers,
-                                   draft_agents=args.proposer in ("auto", "draft"))
+    # draft-model agents when asked for `auto` or `draft` and the fleet has any; else the
+    # drafter measured best across agents (`auto`) or the one asked for on the others
+    spec, proposers = drafting_for(resolve_proposer(args.proposer, args.model, FLEET)[0],
+                                   proposers, draft_agents=args.proposer in ("auto", "draft"))
+    say(W.in_fleet(fid, verifier.card, [p.card for p in proposers]))
     return RemoteEngine(verifier, proposers, key, proposer=spec,
-                        draft_tokens=draft_tokens, max_active=args.max_active,
+                        draft_tokens=draft_tokens, max_active=args.batch_sessions,
                         max_queue=args.max_queue)
+
+
+def local_proposer(args) -> str:
+    """The in-process engine's drafter: --proposer, `auto` resolved as `generate` does (the
+    batch-invariant mode verifies chains of token drafts: n-gram lookup for it)."""
+    from macfleet.engine.proposers.choice import AUTO, FALLBACK, resolve_proposer
+
+    if args.proposer == AUTO and args.batch_invariant:
+        return FALLBACK
+    return resolve_proposer(args.proposer, args.model)[0]
 
 
 def _api_keys(args) -> tuple[str, ...]:
@@ -110,7 +144,7 @@ def _api_keys(args) -> tuple[str, ...]:
 
 
 def _validate(args) -> None:
-    for name in ("token_budget", "max_active", "max_queue", "max_tokens_cap",
+    for name in ("token_budget", "batch_sessions", "max_queue", "max_tokens_cap",
                  "max_prompt_tokens", "max_body_bytes", "max_sessions_per_client"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
@@ -124,9 +158,9 @@ def _validate(args) -> None:
 
 def serve_fleet(up_args) -> int:
     """`macfleet up --serve`: serve the fleet just started (its model, key) with the defaults."""
-    import argparse
+    from macfleet.cli.parser import Parser
 
-    sub = argparse.ArgumentParser(prog="macfleet").add_subparsers()
+    sub = Parser(prog="macfleet").add_subparsers()
     add_parser(sub)
     argv = ["serve", "--model", up_args.model, "--wait", "5"]
     argv += ["--open"] if getattr(up_args, "open", False) else []
@@ -139,6 +173,12 @@ def serve_fleet(up_args) -> int:
 
 def run(args) -> int:
     _validate(args)
+    from macfleet.engine.models import ModelSpecError, check_spec
+
+    try:
+        check_spec(args.model)
+    except ModelSpecError as e:
+        raise UserError(f"--model: {e}") from None
     keys = _api_keys(args)
     template = None
     if args.chat_template is not None:
@@ -169,8 +209,8 @@ def run(args) -> int:
     try:
         lm = load_model(args.model)  # the tokenizer; the weights too when in-process
         engine = engine or BatchEngine(
-            lm, proposer=args.proposer, draft_tokens=k, token_budget=args.token_budget,
-            max_active=args.max_active, max_queue=args.max_queue,
+            lm, proposer=local_proposer(args), draft_tokens=k, token_budget=args.token_budget,
+            max_active=args.batch_sessions, max_queue=args.max_queue,
             chunked=not args.no_chunked_prefill, invariant=args.batch_invariant,
             stall_ratio=args.stall_ratio, prompt_cache_bytes=args.prompt_cache_mb << 20)
     except (ModelSpecError, ProposerSpecError, BatchUnsupported, ValueError) as e:
@@ -184,7 +224,7 @@ def run(args) -> int:
              if isinstance(engine, BatchEngine) else
              f"verifier agent {engine.verifier.card.name}, which batches the sessions")
     print(f"macfleet serve: {args.model} on http://{host}:{port}/v1 ({where}, "
-          f"proposer {args.proposer}"
+          f"proposer {engine.proposer_spec}"
           f"{', batch-invariant' if args.batch_invariant else ''}"
           f"{', API key required' if len(keys) == 1 else ''}"
           f"{f', {len(keys)} API keys, a prompt cache each' if len(keys) > 1 else ''})",

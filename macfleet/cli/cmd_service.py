@@ -7,7 +7,6 @@ them (and the fleet key) before writing anything, so a service never crash-loops
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -28,8 +27,13 @@ def add_parser(sub) -> None:
                             metavar="install|uninstall|status|logs")
     i = ssub.add_parser("install", allow_abbrev=False,
                         help="install (or replace) and start the agent service; any option of "
-                        "`macfleet agent` may follow the role")
-    i.add_argument("--role", required=True, choices=ROLES)
+                        "`macfleet agent` may follow the role",
+                        description="Install (or replace) and start this Mac's agent as a "
+                        "service: one verifier Mac, proposers on the others, the same fleet key "
+                        "on all (`macfleet key export | ssh mac2 macfleet key import`).",
+                        epilog=agent_options_help())
+    i.add_argument("--role", required=True, choices=ROLES,
+                   help="the agent's role (`macfleet agent --role`)")
     i.set_defaults(func=run_install, accepts_agent_args=True)
     u = ssub.add_parser("uninstall", help="stop the agent service and remove it")
     u.add_argument("--role", choices=ROLES, default=None, help="default: every installed one")
@@ -41,9 +45,26 @@ def add_parser(sub) -> None:
     st.set_defaults(func=run_status)
     lg = ssub.add_parser("logs", help="the agent service's log (journald or ~/Library/Logs)")
     lg.add_argument("--role", choices=ROLES, default=None, help="default: the one installed")
-    lg.add_argument("-n", "--lines", type=int, default=DEFAULT_LOG_LINES)
-    lg.add_argument("-f", "--follow", action="store_true")
+    lg.add_argument("-n", "--lines", type=int, default=DEFAULT_LOG_LINES,
+                    help="the last N lines of the log")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     lg.set_defaults(func=run_logs)
+
+
+def agent_options_help() -> str:
+    """The options of `macfleet agent` that `service install` passes on, as its help shows them
+    (the agent's own parser formats them: one definition)."""
+    from macfleet.cli import cmd_fleet
+    from macfleet.cli.parser import Parser, unknown_arguments_message
+
+    parser = Parser(prog="macfleet")
+    cmd_fleet.add_parser(parser.add_subparsers(dest="command"))
+    agent = parser._subparsers._group_actions[0].choices["agent"]
+    text = agent.format_help()
+    lines = text[text.index("options:"):].splitlines()[2:]  # past "options:" and -h
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("  --")
+                 and not ln.startswith("  --role"))  # the role is install's own option
+    return "options of `macfleet agent` it passes on (after --role):\n" + "\n".join(lines[start:])
 
 
 def _manager():
@@ -72,16 +93,20 @@ def check_agent_args(role: str, agent_args: list[str]):
     the fleet key they name (missing or unsafe: refused now, with the fix)."""
     from macfleet.cli import cmd_fleet  # where `macfleet agent` and its options are defined
     from macfleet.cli.common import fleet_key
+    from macfleet.cli.parser import Parser, unknown_arguments_message
 
     if "--role" in agent_args or any(a.startswith("--role=") for a in agent_args):
         raise UserError("give the role once, as `service install --role R`")
-    parser = argparse.ArgumentParser(prog="macfleet")
+    parser = Parser(prog="macfleet")
     cmd_fleet.add_parser(parser.add_subparsers(dest="command", required=True))
     try:
-        ns = parser.parse_args(["agent", "--role", role, *agent_args])
-    except SystemExit:
-        raise UserError(f"not an option of `macfleet agent`: {' '.join(agent_args)} "
+        ns, extra = parser.parse_known_args(["agent", "--role", role, *agent_args])
+    except SystemExit:  # argparse has printed what is wrong with a value (and the usage)
+        raise UserError(f"not options of `macfleet agent`: {' '.join(agent_args)} "
                         "(see `macfleet agent --help`)") from None
+    if extra:
+        line = unknown_arguments_message(ns, extra)
+        raise UserError(line.split(": error: ", 1)[-1])
     if role == "shard" and (not ns.group or ns.group_size < 2):
         raise UserError("a shard agent needs --group NAME and --group-size N >= 2")
     fleet_key(ns)  # UserError when missing or unsafe

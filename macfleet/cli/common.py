@@ -8,6 +8,12 @@ from macfleet.engine import controller
 from macfleet.engine.controller import DraftTokens
 
 
+# The drafter of `generate`, `serve` and `demo` unless --proposer names one: the one measured
+# best for the model (engine/proposers/choice.py `resolve_proposer`; n-gram lookup without a
+# measurement or a shipped head).
+DEFAULT_PROPOSER = "auto"
+
+
 class UserError(Exception):
     """An error caused by the user's input, printed without a traceback (exit status 2)."""
 
@@ -15,18 +21,33 @@ class UserError(Exception):
 def add_key_args(p, *, open_help: str = "no key: an unauthenticated fleet (trusted networks "
                  "only)") -> None:
     """--key and --open, the same on every command that talks to a fleet."""
-    p.add_argument("--key", default=None, help="fleet key file (default ~/.macfleet/fleet.key)")
+    p.add_argument("--key", default=None, metavar="FILE",
+                   help="fleet key file (default: ~/.macfleet/fleet.key; must exist when given)")
     p.add_argument("--open", action="store_true", help=open_help)
 
 
 def fleet_key(args, *, create: bool = False) -> bytes | None:
     """The fleet key named by --key/--open (fleet/keys.py), or a UserError that says what to do."""
-    from macfleet.fleet.keys import KeyMissing, resolve_key
+    from macfleet.fleet.keys import KeyMissing
+
+    try:
+        return fleet_key_if_any(args, create=create)
+    except KeyMissing as e:
+        raise UserError(str(e)) from None
+
+
+def fleet_key_if_any(args, *, create: bool = False) -> bytes | None:
+    """As fleet_key, but no key at the default path raises KeyMissing (a command that can run
+    without a fleet goes on without one); a --key file that does not exist, or one that cannot
+    be read, is a UserError everywhere."""
+    from macfleet.fleet.keys import KeyMissing, KeyPathMissing, resolve_key
 
     try:
         return resolve_key(args.key, open_fleet=args.open, create=create)
-    except KeyMissing as e:
-        raise UserError(str(e)) from None
+    except (KeyMissing, KeyPathMissing) as e:
+        if isinstance(e, KeyPathMissing):
+            raise UserError(str(e)) from None
+        raise
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read the fleet key: {e}") from None
 
@@ -45,8 +66,20 @@ def sampling_params(args):
 
     try:
         return SamplingParams(args.temp, args.top_p, args.seed)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    except ValueError as e:  # SamplingParams names the API's fields: name the flags instead
+        raise UserError(flag_names(str(e))) from None
+
+
+FIELD_FLAGS = (("temperature", "--temp"), ("top_p", "--top-p"), ("seed", "--seed"))
+
+
+def flag_names(message: str) -> str:
+    """Pure: an engine message that names request fields ("top_p must be ...") as it reads
+    for the CLI user ("--top-p must be ...")."""
+    for field, flag in FIELD_FLAGS:
+        if message.startswith(field + " "):
+            return flag + message[len(field):]
+    return message
 
 
 def load_model(spec: str, **kw):

@@ -157,17 +157,61 @@ def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
             return _load_gguf_spec(spec, p, default_dense() if dense is None else dense)
         except GGUFError as e:
             raise ModelSpecError(f"{p}: {e}") from e
-    tried.append("not 'smollm2', 'tiny:<seed>', 'tiny-moe:<seed>' or a .gguf path")
     if p.is_dir() and not (p / "config.json").is_file():
         raise ModelSpecError(f"{p} is a directory without config.json, not an mlx-lm model")
+    check_spec(spec)
     try:
         import mlx_lm
 
         model, tok = mlx_lm.load(spec)
     except Exception as e:  # mlx_lm raises many types (hub, IO, config); we only re-label them
-        tried.append(f"mlx_lm.load('{spec}') failed: {type(e).__name__}: {e}")
-        raise ModelSpecError(f"cannot resolve model '{spec}': " + "; ".join(tried)) from e
+        if p.exists():
+            raise ModelSpecError(f"cannot load model '{spec}': {type(e).__name__}: "
+                                 f"{first_line(e)}") from e
+        raise ModelSpecError(f"cannot load model '{spec}' from the Hugging Face hub "
+                             f"({type(e).__name__}: {first_line(e)}); {HUB_NEEDS}") from e
     return LoadedModel(spec, model, tok, spec, False)
+
+
+MODEL_SPECS = ("smollm2", "smollm2:dense", "smollm2:q", "smollm2:bf16", "tiny:SEED[:VOCAB]",
+               "tiny-moe:SEED[:VOCAB]", "PATH.gguf", "an mlx-lm model directory")
+HUB_NEEDS = ("a Hugging Face id (ORG/NAME) is downloaded on first use, so it needs internet "
+             "access (an agent loads one for other Macs' requests only with `agent "
+             "--allow-hub`); without it, download the model once and pass its directory")
+FIRST_LINE_CHARS = 160
+
+
+def check_spec(spec: str) -> None:
+    """Refuse, without loading anything, a spec that names no model here (a typo, a bare name
+    such as an Ollama tag): what a command checks before it waits for a fleet or loads."""
+    if spec.endswith(".gguf") and not Path(spec).expanduser().is_file():
+        raise ModelSpecError(f"no GGUF file at {Path(spec).expanduser()}")
+    if spec.partition(":")[0] in ("smollm2", "tiny", "tiny-moe") or spec.endswith(".gguf"):
+        return
+    if not Path(spec).expanduser().exists() and not looks_like_hub_id(spec):
+        raise ModelSpecError(unknown_model_message(spec))
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    """Pure: ORG/NAME, the shape of a Hugging Face model id (a bare name never is one here)."""
+    org, _, name = spec.partition("/")
+    return bool(org and name) and "/" not in name and not spec.startswith((".", "~"))
+
+
+def unknown_model_message(spec: str) -> str:
+    """Pure: what to say about a model spec that names nothing here (no traceback, no hub)."""
+    import difflib
+
+    near = difflib.get_close_matches(spec, ("smollm2", "tiny:1", "tiny-moe:1"), n=1,
+                                     cutoff=0.6)
+    hint = f"did you mean {near[0]}? " if near else ""
+    return (f"unknown model '{spec}': {hint}the models that work here are "
+            f"{', '.join(MODEL_SPECS)}; {HUB_NEEDS}")
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:FIRST_LINE_CHARS] if text else ""
 
 
 _cache: dict[tuple[str, bool | None], LoadedModel] = {}

@@ -202,6 +202,16 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
 
 
 @dataclass(frozen=True)
+class Placed:
+    """The agents chosen for the request (first, and again after each re-plan): what the CLI
+    tells the user about where it runs."""
+
+    fleet_id: str
+    verifier: AgentCard
+    proposers: tuple[AgentCard, ...]
+
+
+@dataclass(frozen=True)
 class Text:
     """Tokens the verifier committed, and their text."""
 
@@ -317,12 +327,12 @@ def generate_with(verifier: AgentCard, key: bytes | None, proposers: Sequence[Ag
 def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFAULT_DISCOVER_S,
                    replans: int = DEFAULT_REPLANS, proposer_spec: str = "ngram",
                    draft_agents: bool = False, **request
-                   ) -> Iterator[Text | Done | Replanned | ProposerRefused]:
+                   ) -> Iterator[Placed | Text | Done | Replanned | ProposerRefused]:
     """One generation through the fleet: discover, pick the verifier and its proposers
     (`choose_roles`), stream; when the verifier is lost, re-plan without it and continue after
     the tokens already received (a grammar, `grammar=(kind, source)`, resumes after them too:
     the new verifier's constraint advances over them before decoding). `Done` carries the
-    whole answer across verifiers.
+    whole answer across verifiers. `Placed` names the agents before each verifier's first token.
 
     Only cards whose tag checks are used (`members`): nothing connects to a forged or
     replayed card. A proposer the verifier refuses costs its drafts (`generate_with`).
@@ -345,6 +355,7 @@ def generate_fleet(key: bytes | None, model: str | None, *, wait_s: float = DEFA
                 raise VerifierFailed(f"{e} (after the verifier failed)") from None
             raise
         prior_text = "".join(texts)
+        yield Placed(fleet_id(key), verifier.card, tuple(p.card for p in proposers))
         try:
             for ev in generate_with(verifier.card, key, [p.card for p in proposers],
                                     proposer_spec=spec, prefix_ids=list(ids), **request):

@@ -90,7 +90,18 @@ def run_dir() -> Path:
 
 
 class KeyMissing(FileNotFoundError):
-    pass
+    """No key at the default path: this machine is in no fleet (commands that can run without
+    one do)."""
+
+
+class KeyPathMissing(FileNotFoundError):
+    """The key file named explicitly does not exist: an error for every command (never "no
+    fleet")."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"--key {path}: no such file (`macfleet keygen --key {path}` writes a "
+                         f"new key there, `macfleet key import --key {path}` your fleet's)")
+        self.path = path
 
 
 def resolve_key(path: str | os.PathLike | None = None, *, open_fleet: bool = False,
@@ -100,6 +111,8 @@ def resolve_key(path: str | os.PathLike | None = None, *, open_fleet: bool = Fal
         return None
     p = Path(path).expanduser() if path else default_key_path()
     if not p.exists():
+        if path and not create:
+            raise KeyPathMissing(p)
         if not create:
             raise KeyMissing(f"no fleet key at {p}: run `macfleet keygen` (or copy the key of "
                              "your fleet there), or pass --open for an unauthenticated fleet")

@@ -70,6 +70,15 @@ def test_replan_continues_after_committed_tokens(monkeypatch, capsys):
                                                max_tokens=60) if isinstance(e, Finished)][0]
         assert doc["token_ids"] == list(ref.token_ids) and len(doc["token_ids"]) == 60
         assert doc["stats"]["fleet"]["verifier_agent"] == good.name
+        # where it ran, on stderr before each verifier's tokens and in the stats: the agents
+        # chosen first, then the ones after the re-plan
+        placed = [ln for ln in captured.err.splitlines() if ln.startswith("macfleet: fleet ")]
+        assert [f"verifier {bad.name} " in placed[0], f"verifier {good.name} " in placed[1]] == [
+            True, True], captured.err
+        assert all(f"proposers {prop.name}" in ln for ln in placed)
+        where = doc["stats"]["where"]
+        assert (where["mode"], where["verifier"], where["proposers"]) == (
+            "fleet", good.name, [prop.name])
     finally:
         for a in (bad, good, prop):
             a.close()

@@ -186,9 +186,9 @@ def test_past_the_deadline_no_further_round_starts_and_the_section_says_how_many
 def test_bench_overhead_end_to_end_on_a_tiny_model(tmp_path, capsys):
     from macfleet.cli.main import main
 
-    rc = main(["bench", "--out", str(tmp_path), "overhead", "--model", "tiny:1", "--tokens",
-               "8", "--rounds", "1", "--prompts", "1", "--ks", "1,3", "--big-shape", "mini",
-               "--big-ks", "3", "--big-prompts", "1", "--big-tokens", "8"])
+    rc = main(["bench", "--out", str(tmp_path), "overhead", "--model", "tiny:1", "--max-tokens",
+               "8", "--repeats", "1", "--prompts", "1", "--ks", "1,3", "--big-shape", "mini",
+               "--big-ks", "3", "--big-prompts", "1", "--big-max-tokens", "8"])
     assert rc == 0
     doc = json.loads((tmp_path / "overhead-cpu.json").read_text())
     assert doc["device"] == "cpu" and doc["ks"] == [1, 3]

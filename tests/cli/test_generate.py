@@ -85,7 +85,7 @@ def test_generate_json(cli):
 
 
 @pytest.mark.parametrize("name,words", [
-    ("bad_temp", ["temperature"]),
+    ("bad_temp", ["--temp must be >= 0"]),
     ("bad_draft_tokens", ["--draft-tokens", "'x'"]),
     ("bad_model", ["nope.gguf"]),
     ("bad_proposer", ["foo"]),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from macfleet.cli.main import build_parser
 
 
@@ -89,22 +91,39 @@ def test_this_machines_own_drafter_record_wins_over_the_shipped_one(tmp_path, mo
     assert resolve_proposer("auto", "tiny:1")[0] == "retrieval+ngram"
 
 
-def test_the_readme_install_commands_parse():
-    """Each `macfleet` command of the README's "Install on each Mac" block is one the CLI
-    takes (a renamed option would leave the README's first steps broken)."""
+def _macfleet_commands(line: str):
+    """The `macfleet` commands of a shell line: joined by && or |, or run over `ssh HOST '...'`."""
     import shlex
+
+    words = shlex.split(line.split(" # ", 1)[0].split("  #", 1)[0])
+    seg: list[str] = []
+    for w in [*words, "&&"]:
+        if w not in ("&&", "|"):
+            seg.append(w)
+            continue
+        if seg[:1] == ["ssh"]:
+            yield from _macfleet_commands(" ".join(shlex.quote(x) for x in seg[2:])
+                                          if len(seg) > 3 else seg[2])
+        elif seg[:1] == ["macfleet"]:
+            yield seg[1:]
+        seg = []
+
+
+@pytest.mark.parametrize("heading,count", [("## Quickstart", 9), ("## Install on each Mac", 3)])
+def test_the_readme_first_commands_parse(heading, count):
+    """Each `macfleet` command of the README's first blocks (the quickstart, the two-Mac fleet,
+    the install on each Mac) is one the CLI takes (a renamed option would leave the README's
+    first steps broken)."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text.split("## Install on each Mac", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in section.split("```sh\n")[1:]]
     parser = build_parser()
-    seen = 0
-    for line in block.splitlines():
-        words = shlex.split(line.split("#", 1)[0])
-        if words[:1] != ["macfleet"]:
-            continue
-        args, extra = parser.parse_known_args(words[1:])
-        assert not extra or getattr(args, "accepts_agent_args", False), line
-        seen += 1
-    assert seen == 3
+    seen = []
+    for line in "".join(blocks).splitlines():
+        for words in _macfleet_commands(line):
+            args, extra = parser.parse_known_args(words)
+            assert not extra or getattr(args, "accepts_agent_args", False), line
+            seen.append(words[0])
+    assert len(seen) == count, seen

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 
+from macfleet.cli import where
 from macfleet.cli.cmd_generate import print_stats, result_json
 from macfleet.stats import FleetStats, FlowStats, GenerationStats, ProposerStats
 
@@ -18,6 +19,8 @@ FLEET = GenerationStats(
                      proposer_failures=1, wire_ms=10.0, multihost_overhead=0.05,
                      flows=FlowStats(remote_blocks=5, f1_bytes_per_block=40.0,
                                      f2_bytes_per_block=60.0, predraft_hit_rate=0.5)))
+
+HERE = where.asked_local()
 
 
 def _printed(stats: GenerationStats) -> str:
@@ -43,13 +46,14 @@ def test_fleet_run_prints_where_it_ran_and_the_flows():
 
 
 def test_json_nests_the_records_and_adds_the_rates():
-    doc = json.loads(result_json(FLEET, "hi", [1, 2]))
+    doc = json.loads(result_json(FLEET, "hi", [1, 2], HERE))
     assert doc["text"] == "hi" and doc["token_ids"] == [1, 2]
     st = doc["stats"]
     assert st["tokens_per_s"] == 10.0 and st["acceptance"] == 0.75
     assert st["fleet"]["verifier_agent"] == "mac-a" and st["fleet"]["proposer_agents"] == ["mac-b"]
     assert st["fleet"]["flows"]["remote_blocks"] == 5
-    loc = json.loads(result_json(LOCAL, "", []))["stats"]
+    loc = json.loads(result_json(LOCAL, "", [], HERE))["stats"]
+    assert loc["where"] == HERE.to_dict()
     assert loc["fleet"] is None
     assert loc["per_proposer"][0] == {"name": "ngram", "drafted": 10, "accepted": 9,
                                       "acceptance": 0.9}
@@ -68,5 +72,5 @@ def test_fleet_run_prints_the_kv_flow_where_and_why():
     assert ("flow KV: prefill remote on tcp://h:1: 1999 tokens, 92.0 MB (auto) in 900 ms "
             "(agent compute 800 ms, install 40 ms) | 2000 tokens: frees ~1900 ms") in text
     assert "flow KV" not in _printed(FLEET)  # a plain request: nothing to say
-    doc = json.loads(result_json(replace(FLEET, fleet=replace(FLEET.fleet, kv=kv)), "", []))
+    doc = json.loads(result_json(replace(FLEET, fleet=replace(FLEET.fleet, kv=kv)), "", [], HERE))
     assert doc["stats"]["fleet"]["kv"]["kv_bytes"] == 92_000_000

@@ -226,7 +226,7 @@ def test_bench_drafter_records_each_prompts_contamination_and_what_changed(tmp_p
                      max_answer=12, shard_tokens=100_000)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "macfleet", "bench", "--model", "tiny:1", "--out", str(out),
-           "drafter", "--specs", "ngram", "--no-agents", "--max-tokens", "12",
+           "drafter", "--proposer", "ngram", "--no-agents", "--max-tokens", "12",
            "--dataset", str(ds)]
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)
     doc = json.loads((out / "drafter.json").read_text())

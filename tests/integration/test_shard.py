@@ -65,7 +65,7 @@ def start(tmp: Path, mode: str, n: int, prompt, *, tokens: int = TOKENS, spec: s
     procs = [subprocess.Popen(
         [sys.executable, "-m", "agents.shard_run", "--hostfile", str(hostfile), "--rank", str(r),
          "--mode", mode, "--prompt-ids", json.dumps(prompt), "--max-tokens", str(tokens),
-         "--spec", spec, "--out", str(out), "--deadline", str(deadline)],
+         "--proposer", spec, "--out", str(out), "--deadline", str(deadline)],
         cwd=ROOT, env=env(), stderr=subprocess.PIPE, text=True) for r in range(n)]
     return procs, out
 

@@ -58,7 +58,7 @@ def start(tmp: Path, mode: str, n: int, prompt, *, tokens: int = TOKENS, spec: s
     procs = [subprocess.Popen(
         [sys.executable, "-m", "agents.shard_run", "--hostfile", str(hostfile), "--rank", str(r),
          "--mode", mode, "--model", MODEL, "--prompt-ids", json.dumps(prompt),
-         "--max-tokens", str(tokens), "--spec", spec, "--out", str(out),
+         "--max-tokens", str(tokens), "--proposer", spec, "--out", str(out),
          "--deadline", str(deadline)],
         cwd=ROOT, env=env(), stderr=subprocess.PIPE, text=True) for r in range(n)]
     return procs, out

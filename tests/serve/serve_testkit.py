@@ -28,6 +28,7 @@ class Server:
     model: str
     key: str | None
     banner: str = ""
+    before: tuple[str, ...] = ()  # what it printed before the banner (where it serves, loading)
 
     @property
     def v1(self) -> str:
@@ -54,11 +55,13 @@ def start_server(*extra: str, model: str = "tiny:1", key: str | None = API_KEY,
                             env=env)
     deadline = time.monotonic() + START_TIMEOUT_S
     line = ""
+    before: list[str] = []
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         m = re.search(r"on (http://[\d.]+:\d+)/v1", line)
         if m:
-            return Server(m.group(1), proc, model, key, line.strip())
+            return Server(m.group(1), proc, model, key, line.strip(), tuple(before))
+        before.append(line.strip())
         if proc.poll() is not None:
             break
     proc.kill()

@@ -38,3 +38,25 @@ def test_serving_commands_render_help():
 def test_bad_serve_options_are_user_errors(argv, msg, capsys):
     assert main(argv) == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.slow  # starts a server process
+def test_serve_says_why_it_serves_in_process(tmp_path, monkeypatch):
+    """No fleet key here: one line says so, and that it serves in-process; with a key and no
+    agent, that none answered within --wait."""
+    from serve_testkit import start_server, stop_server
+
+    monkeypatch.setenv("MACFLEET_HOME", str(tmp_path / "mf"))
+    monkeypatch.delenv("MACFLEET_KEY", raising=False)
+    s = start_server("--wait", "0.2", local=False)
+    stop_server(s)
+    assert [ln for ln in s.before if ln.startswith("macfleet serve: no fleet key at ")
+            and ln.endswith("serving in-process")], s.before
+    assert "in-process" in s.banner
+    from macfleet.fleet.keys import keygen
+
+    keygen(tmp_path / "mf" / "fleet.key")
+    s = start_server("--wait", "0.2", local=False)
+    stop_server(s)
+    assert [ln for ln in s.before if ln.startswith("macfleet serve: no agents in fleet ") and
+            ln.endswith("after 0.2 s: serving in-process; `--local` skips the wait")], s.before

@@ -39,6 +39,9 @@ def test_serve_forwards_to_the_fleet_verifier(fleet_env, monkeypatch):
     s = start_server("--proposer", "ngram", key=None, local=False)
     try:
         assert "verifier agent" in s.banner
+        # one line says which agents it fronts (cli/where.py), before the banner
+        (where,) = [ln for ln in s.before if ln.startswith("macfleet serve: fleet ")]
+        assert " verifier " in where and "proposers " in where, s.before
         c = openai.OpenAI(base_url=s.v1, api_key="none", timeout=60, max_retries=0)
         r = c.chat.completions.create(model="tiny:1", max_tokens=12, temperature=0,
                                       messages=[{"role": "user", "content": "hello hello"}])

@@ -7,8 +7,8 @@ the machine it was measured on), the default everywhere else. The best drafter i
 of the machine as much as of the model (a Mac's flat verify(L) makes trees cheap that a CPU's
 does not), so a machine's own record wins over the shipped one, and a choice read from
 another machine's record says so. `macfleet distill` records the head's held-out acceptance in
-the eval file. The default proposer of `generate`, of the fleet (`macfleet up` agents serve
-what the client asks for) and of the demo is read here, in one place. Without a bench record,
+the eval file. The default proposer of `generate` and `serve`, of the fleet (`macfleet up`
+agents serve what the client asks for) and of the demo is read here, in one place. Without a bench record,
 a head that clears break-even on its held-out acceptance drafts dynamic trees next to n-gram
 lookup; otherwise n-gram alone.
 """

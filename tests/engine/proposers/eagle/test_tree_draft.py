@@ -292,7 +292,7 @@ def test_bench_tree_shapes_end_to_end_on_the_tiny_model(tiny, trained, tmp_path)
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "macfleet", "bench", "--model", tiny.spec, "--out", str(out),
            "tree-shapes", "2,3,0", "3,2,0", "--head", str(tmp_path / "head"),
-           "--max-answer", "10", "--step", "3", "--repeats", "1"]
+           "--max-tokens", "10", "--step", "3", "--repeats", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads((out / "tree_shapes.json").read_text())
