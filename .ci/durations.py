@@ -36,7 +36,7 @@ def table(rows, key, top: int) -> list[str]:
         acc[k][phase] += s
         tests[k].add(nodeid)
     total = sum(s for s, _, _ in rows) or 1.0
-    out = ["| where | tests | setup s | call s | teardown s | total s | share |",
+    out = ["| where | tests (>= 5 ms) | setup s | call s | teardown s | total s | share |",
            "|---|---|---|---|---|---|---|"]
     for k, ph in sorted(acc.items(), key=lambda kv: -sum(kv[1].values()))[:top]:
         t = sum(ph.values())
