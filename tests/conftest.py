@@ -1,8 +1,37 @@
 """Suite-wide: puts tests/ on sys.path so `tolerance` (shared float bounds) imports anywhere;
-keeps measured tables out of the user's cache."""
+keeps measured tables and fleet keys out of the user's home; splits the run into the tests that
+may share the machine and the `serial` ones (`--serial`, used by .ci/test; docs/testing.md)."""
 
 import os
 import tempfile
 
-# measured tables (engine/verify_costs.py) go to a throwaway directory, not the user's cache
+import pytest
+
+# Measured tables (engine/verify_costs.py) go to a throwaway directory, not the user's cache. The
+# xdist workers inherit the controller's directory: the tables are written atomically, and a
+# table one worker measured saves the other the probe.
 os.environ.setdefault("MACFLEET_CACHE", tempfile.mkdtemp(prefix="macfleet-test-cache-"))
+# Fleet keys and run directories (`macfleet up` without --key): one per process, so two xdist
+# workers never share a fleet.key or a run/ state file, and no test touches ~/.macfleet.
+os.environ["MACFLEET_HOME"] = tempfile.mkdtemp(prefix="macfleet-test-home-")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--serial", choices=("all", "skip", "only"), default="all",
+                     help="run the tests marked `serial` too (all), not (skip: the parallel "
+                          "pass of .ci/test), or only them (only: its pass alone)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mode = config.getoption("--serial")
+    if mode == "all":
+        return
+    want = mode == "only"
+    keep = [it for it in items if (it.get_closest_marker("serial") is not None) == want]
+    if mode == "skip" and os.environ.get("MACFLEET_SERIAL_COUNT"):  # .ci/test: is a serial
+        # pass needed at all? (it would otherwise collect the whole selection again for nothing)
+        with open(os.environ["MACFLEET_SERIAL_COUNT"], "w") as f:
+            f.write(str(len(items) - len(keep)))
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[it for it in items if it not in keep])
+        items[:] = keep

@@ -183,15 +183,13 @@ def test_the_data_factory_is_imported_only_from_above():
 
 
 def test_importing_the_serving_side_loads_no_training_code():
-    """At run time too (the old macfleet.engine.drafter paths are lazy aliases): importing every
-    module of the engine, the agents, the server and the dashboard loads no macfleet.distill."""
-    skip = ("macfleet.engine.drafter",)  # the aliases load their new homes only when asked
+    """At run time too: importing every module of the engine, the agents, the server and the
+    dashboard loads no macfleet.distill."""
     mods = [_module(rel) for rel in _sources()
             if rel.startswith(("macfleet/engine/", "macfleet/serve/", "agents/", "tui/"))]
     code = ("import importlib, sys\n"
-            f"for m in {[m for m in mods if m not in skip]!r}:\n"
+            f"for m in {mods!r}:\n"
             "    importlib.import_module(m)\n"
-            "import macfleet.engine.drafter\n"
             "print(sorted(m for m in sys.modules if m.startswith('macfleet.distill')))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=240)

@@ -19,7 +19,7 @@ from bridge.messages import GenerateChunk, GenerateDone
 from fleetkit import local_fleet
 from macfleet.fleet.client import generate_remote, probe
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(180)]
 
 MODEL = "tiny:1"
 SILENCE_S = 3.0  # macfleet.fleet.client.DEFAULT_SILENCE_S: verifier heartbeats each second

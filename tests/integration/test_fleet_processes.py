@@ -161,7 +161,12 @@ def test_observer_sees_hosts_sessions_and_flows(fleet):
 
 
 def test_dashboard_live_on_a_generating_fleet(fleet):
-    """`macfleet dash` on a real fleet: both hosts and a nonzero F2 row while a generation runs."""
+    """`macfleet dash` on a real fleet: both hosts and a nonzero F2 row while a generation runs.
+
+    The dashboard subscribes to an agent's metric stream only once it has discovered the agent,
+    and a stream drops what was published before the subscription took hold: so the test waits
+    for both hosts first, then generates again and again until the session shows (each
+    generation is a fresh chance to observe it), instead of racing one short generation."""
     import asyncio
     import threading
 
@@ -172,36 +177,49 @@ def test_dashboard_live_on_a_generating_fleet(fleet):
 
     obs = FleetObserver(fleet["key"], loopback=True, period_s=0.3)
     app = FleetDashboard(obs, refresh_s=0.2)
-    gen_done = threading.Event()
+    stop, gen_done = threading.Event(), threading.Event()
+    runs = []
 
     def generate() -> None:
         try:
-            run_gen(fleet, PROMPTS[1], [fleet["proposer"].router_endpoint], "ngram",
-                    max_tokens=24)
+            while not stop.is_set():
+                run_gen(fleet, PROMPTS[1], [fleet["proposer"].router_endpoint], "ngram",
+                        max_tokens=24)
+                runs.append(1)
         finally:
             gen_done.set()
 
+    def seen() -> tuple[bool, bool]:
+        snap = app.snapshot
+        hosts = {fleet["verifier"].name, fleet["proposer"].name} <= {h.name for h in snap.hosts}
+        f2 = [s.flow("F2") for s in snap.sessions]
+        return hosts, any(f is not None and f.bytes_per_block > 0 for f in f2)
+
+    async def wait_for(cond, deadline_s: float, pilot) -> bool:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            if cond():
+                return True
+            await pilot.pause(0.2)
+        return cond()
+
     async def scenario() -> None:
         async with app.run_test(size=(120, 40)) as pilot:
+            assert await wait_for(lambda: seen()[0], 60, pilot), \
+                f"dashboard saw hosts={[h.name for h in app.snapshot.hosts]}"
             threading.Thread(target=generate, daemon=True).start()
-            deadline = time.monotonic() + 40
-            ok = False
-            while time.monotonic() < deadline and not ok:
-                await pilot.pause(0.2)
-                snap = app.snapshot
-                hosts = {h.name for h in snap.hosts}
-                f2 = [s.flow("F2") for s in snap.sessions]
-                ok = ({fleet["verifier"].name, fleet["proposer"].name} <= hosts
-                      and any(f is not None and f.bytes_per_block > 0 for f in f2))
-            assert ok, f"dashboard saw hosts={[h.name for h in app.snapshot.hosts]} " \
-                       f"sessions={len(app.snapshot.sessions)}"
+            ok = await wait_for(lambda: all(seen()), 90, pilot)
+            stop.set()
+            assert ok, f"dashboard saw sessions={len(app.snapshot.sessions)} after " \
+                       f"{len(runs)} generations"
             assert app.hosts.query_one(DataTable).row_count >= 2
             await pilot.press("q")
 
     try:
         asyncio.run(scenario())
     finally:
-        gen_done.wait(60)
+        stop.set()
+        gen_done.wait(120)
         obs.close()
 
 

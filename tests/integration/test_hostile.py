@@ -236,10 +236,18 @@ def test_a_few_busy_connections_cannot_keep_a_verifier_from_drafts(agents):
         while len(opened) < 6 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert opened == [True] * 6 and svc.sessions == 6
-        done = generate(agents["verifier"], req(spec="ngram", max_tokens=24,
-                                                proposers=[p.card.router_endpoint]))
-        assert done.stats.fleet.proposer_failures == 0, done.stats.fleet
-        assert done.stats.fleet.flows.remote_blocks > 0
+        # the verifier never waits for a proposer's session to open: on a loaded box a short
+        # generation may end before it does, so a few tries observe remote drafts (a refused
+        # session would count a proposer failure on every try)
+        remote = []
+        for _ in range(4):
+            done = generate(agents["verifier"], req(spec="ngram", max_tokens=24,
+                                                    proposers=[p.card.router_endpoint]))
+            assert done.stats.fleet.proposer_failures == 0, done.stats.fleet
+            remote.append(done.stats.fleet.flows.remote_blocks)
+            if remote[-1] > 0:
+                break
+        assert remote[-1] > 0, remote
     finally:
         stop.set()
         for t in hogs:

@@ -21,7 +21,7 @@ from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote
 from macfleet.fleet.keys import keygen
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(400)]
 PROMPT = "Summarize, reusing its wording: the cat sat on the mat, and the dog sat on the rug."
 
 

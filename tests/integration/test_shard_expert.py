@@ -30,7 +30,7 @@ TOKENS = 12
 PROMPT = "one two three, one two three, one two three,"
 HIDDEN, MOE_LAYERS, EXPERTS, TOP_K = 64, 4, 8, 2
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote
 from macfleet.fleet.keys import keygen
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(400)]
 MODEL = "tiny-moe:1"
 PROMPT = "one two three, one two three, one two three,"
 

@@ -26,7 +26,7 @@ from macfleet.fleet.keys import keygen
 sys.path.insert(0, str(Path(__file__).parent))
 import netns  # noqa: E402
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
 
 MODEL = "tiny:1"
 CLIENT = str(Path(__file__).parent / "fleet_client.py")
@@ -70,10 +70,22 @@ def test_zeroconf_discovery_across_namespaces(bed):
 
 
 def test_two_host_generation_is_identical_to_the_verifier_alone(bed):
+    """Every try is identical to the verifier alone; some try drafts blocks remotely. Until
+    the proposer's session is open the verifier decodes plainly (it never waits for a
+    proposer), and on a loaded box the first session may open after a short generation is
+    over: the next try finds the proposer's model loaded, so the test observes remote
+    drafting instead of racing the first open."""
     alone = client(bed, "generate", "--alone", "--max-tokens", "24")[-1]
-    spec = client(bed, "generate", "--max-tokens", "24", "--spec", "layerskip:2")[-1]
-    assert spec["done"] == alone["done"] and len(alone["done"]) == 24
-    assert spec["stats"]["fleet"]["flows"]["remote_blocks"] > 0 and spec["stats"]["fleet"]["proposer_failures"] == 0
+    assert len(alone["done"]) == 24
+    remote = []
+    for _ in range(3):
+        spec = client(bed, "generate", "--max-tokens", "24", "--spec", "layerskip:2")[-1]
+        assert spec["done"] == alone["done"]
+        assert spec["stats"]["fleet"]["proposer_failures"] == 0
+        remote.append(spec["stats"]["fleet"]["flows"]["remote_blocks"])
+        if remote[-1] > 0:
+            break
+    assert remote[-1] > 0, f"no block drafted remotely in {len(remote)} tries: {remote}"
 
 
 def _generate_acting(bed, act, *args: str):

@@ -18,7 +18,7 @@ from macfleet.fleet.keys import keygen
 sys.path.insert(0, str(Path(__file__).parent))
 import netns  # noqa: E402
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(300)]
 
 MODEL = "tiny:1"
 CLIENT = str(Path(__file__).parent / "fleet_client.py")
