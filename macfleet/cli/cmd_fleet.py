@@ -9,6 +9,7 @@ from pathlib import Path
 from agents.specs import PROPOSER_KINDS
 from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
 from macfleet.topology.disagg import DEFAULT_MIN_PROMPT_TOKENS
+from macfleet.cli.cmd_serve import add_front_options
 from macfleet.cli.common import UserError, add_key_args, fleet_key
 
 SHARD_MODES = ("tensor", "pipeline", "expert")  # agents/shard.py SHARD_MODES
@@ -73,7 +74,8 @@ def add_parser(sub) -> None:
     u.add_argument("--model", default="smollm2")
     u.add_argument("--no-pin", action="store_true", help="do not pin agents to cores")
     u.add_argument("--f3-probe", action="store_true", help="the verifier measures F3 per block")
-    u.add_argument("--serve", action="store_true", help="then serve the OpenAI API on it")
+    u.add_argument("--serve", action="store_true", help="then serve the OpenAI API on it "
+                   "(with the options below, which `macfleet serve` takes too)")
     u.add_argument("--batch-sessions", type=int, default=None, metavar="N",
                    help="the verifier's continuous batch: sessions per forward (default 16; "
                         "0: one session at a time)")
@@ -86,6 +88,7 @@ def add_parser(sub) -> None:
     u.add_argument("--prefill", type=int, default=0, metavar="N",
                    help="also start N prefill agents (long prompts' KV computed off the verifier)")
     add_key_args(u)
+    add_front_options(u.add_argument_group("the API server (with --serve)"), wait_s=5.0)
     u.set_defaults(func=run_up)
 
     d = sub.add_parser("down", help="stop the local fleet started by `up`")

@@ -18,47 +18,59 @@ SOCKET_BACKLOG = 2048  # uvicorn's default
 DEFAULT_PROMPT_CACHE_MB = 512  # finished requests' KV kept for later prompts (serve/prompt_cache.py)
 
 
+def add_front_options(p, *, wait_s: float = 2.0) -> tuple[str, ...]:
+    """The options of the HTTP front and of its sessions on a fleet: one builder for `serve`
+    and `up --serve` (which takes every one of them). Returns their `dest`s."""
+    acts = [p.add_argument("--host", default="127.0.0.1"),
+            p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")]
+    key = p.add_mutually_exclusive_group()
+    acts += [key.add_argument("--api-key", default=None,
+                              help="require 'Authorization: Bearer KEY'"),
+             key.add_argument("--api-key-file", type=Path, default=None),
+             p.add_argument("--proposer", default="ngram",
+                            help="per-session drafts: ngram[:N] | retrieval | layerskip:K | "
+                            "draft:MODEL | none, or several joined by '+' (a token tree per "
+                            "block, verified in the batch like the chains)"),
+             p.add_argument("--draft-tokens", default="auto", help="K or auto (default: auto)"),
+             p.add_argument("--max-active", type=int, default=16, help="sessions batched at once"),
+             p.add_argument("--max-queue", type=int, default=64,
+                            help="sessions waiting for a slot"),
+             p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                            help="a Jinja chat template replacing the model's own (e.g. one with "
+                            "tool support: tools are rendered by it and its tool-call format is "
+                            "parsed)"),
+             p.add_argument("--max-tokens-cap", type=int, default=1024),
+             p.add_argument("--max-prompt-tokens", type=int, default=4096),
+             p.add_argument("--max-body-bytes", type=int, default=1 << 20),
+             p.add_argument("--max-sessions-per-client", type=int, default=16,
+                            help="open sessions per client address"),
+             p.add_argument("--wait", type=float, default=wait_s,
+                            help="seconds to look for agents")]
+    return tuple(a.dest for a in acts)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP API (continuous batching)")
     p.add_argument("--local", action="store_true",
                    help="in-process verifier with continuous batching (default when no fleet "
                    "is found); without it a fleet's verifier agent serves each request")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")
     p.add_argument("--model", default="smollm2")
-    key = p.add_mutually_exclusive_group()
-    key.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    key.add_argument("--api-key-file", type=Path, default=None)
-    p.add_argument("--proposer", default="ngram",
-                   help="per-session drafts: ngram[:N] | retrieval | layerskip:K | draft:MODEL "
-                   "| none, or several joined by '+' (a token tree per block, verified in the "
-                   "batch like the chains)")
-    p.add_argument("--draft-tokens", default="auto", help="K or auto (default: auto)")
-    p.add_argument("--token-budget", type=int, default=256,
+    add_front_options(p)
+    e = p.add_argument_group("the in-process verifier (serve --local, or no fleet found)")
+    e.add_argument("--token-budget", type=int, default=256,
                    help="tokens per iteration (bounds prefill chunks)")
-    p.add_argument("--max-active", type=int, default=16, help="sessions batched at once")
-    p.add_argument("--max-queue", type=int, default=64, help="sessions waiting for a slot")
-    p.add_argument("--no-chunked-prefill", action="store_true",
+    e.add_argument("--no-chunked-prefill", action="store_true",
                    help="feed each prompt in one iteration (to measure the decode stall)")
-    p.add_argument("--stall-ratio", type=float, default=DEFAULT_STALL_RATIO,
+    e.add_argument("--stall-ratio", type=float, default=DEFAULT_STALL_RATIO,
                    help="size prefill chunks so an iteration costs at most this many times a "
                    "decode-only one (chunks follow measured iteration times; 0: token budget only)")
-    p.add_argument("--batch-invariant", action="store_true",
+    e.add_argument("--batch-invariant", action="store_true",
                    help="each session's rows in the shapes it would have alone: bit-identical "
                    "to serving it alone, slower")
-    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
-                   help="a Jinja chat template replacing the model's own (e.g. one with tool "
-                   "support: tools are rendered by it and its tool-call format is parsed)")
-    p.add_argument("--prompt-cache-mb", type=int, default=DEFAULT_PROMPT_CACHE_MB,
+    e.add_argument("--prompt-cache-mb", type=int, default=DEFAULT_PROMPT_CACHE_MB,
                    help="keep finished requests' KV (LRU, this many MB) so a prompt that starts "
                    "the same (the next turn of a chat) prefills only what is new; 0: off")
-    p.add_argument("--max-tokens-cap", type=int, default=1024)
-    p.add_argument("--max-prompt-tokens", type=int, default=4096)
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    p.add_argument("--max-sessions-per-client", type=int, default=16,
-                   help="open sessions per client address")
     add_key_args(p, open_help="talk to an unauthenticated fleet")
-    p.add_argument("--wait", type=float, default=2.0, help="seconds to look for agents")
     p.set_defaults(func=run)
 
 
@@ -110,15 +122,16 @@ def _validate(args) -> None:
 
 
 def serve_fleet(up_args) -> int:
-    """`macfleet up --serve`: serve the fleet just started (its model, key) with the defaults."""
+    """`macfleet up --serve`: serve the fleet just started (its model, key) with the front
+    options `up` was given (`add_front_options`)."""
     import argparse
 
     sub = argparse.ArgumentParser(prog="macfleet").add_subparsers()
     add_parser(sub)
-    argv = ["serve", "--model", up_args.model, "--wait", "5"]
-    argv += ["--open"] if getattr(up_args, "open", False) else []
-    argv += ["--key", up_args.key] if getattr(up_args, "key", None) else []
-    args = sub.choices["serve"].parse_args(argv[1:])
+    args = sub.choices["serve"].parse_args([])
+    shared = add_front_options(argparse.ArgumentParser()) + ("model", "key", "open")
+    for name in shared:
+        setattr(args, name, getattr(up_args, name))
     return run(args)
 
 

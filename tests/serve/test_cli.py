@@ -38,3 +38,40 @@ def test_serving_commands_render_help():
 def test_bad_serve_options_are_user_errors(argv, msg, capsys):
     assert main(argv) == 2
     assert msg in capsys.readouterr().err
+
+
+def _options(p: argparse.ArgumentParser) -> set[str]:
+    return {o for a in p._actions for o in a.option_strings}
+
+
+def test_up_serve_takes_every_option_serve_takes_for_a_fleet(monkeypatch, tmp_path):
+    """`up --serve` shares serve's builder (no copy): every option of serve but the
+    in-process verifier's, and serve_fleet hands them all to serve (issue 43: without
+    --chat-template there, tools through `up --serve` were always a 400)."""
+    from macfleet.cli import cmd_serve
+
+    cmds = _names(build_parser())
+    serve, up = cmds["serve"], cmds["up"]
+    in_process = {o for g in serve._action_groups if g.title and "in-process" in g.title
+                  for a in g._group_actions for o in a.option_strings}
+    assert "--chat-template" in _options(up) and "--api-key-file" in _options(up)
+    assert _options(serve) - in_process - {"--local"} <= _options(up)
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    argv = ["--serve", "--model", "tiny:1", "--open", "--chat-template", str(template),
+            "--host", "0.0.0.0", "--port", "0", "--api-key", "k", "--proposer", "none",
+            "--draft-tokens", "3", "--max-active", "2", "--max-queue", "5",
+            "--max-tokens-cap", "77", "--max-prompt-tokens", "99", "--max-body-bytes", "1000",
+            "--max-sessions-per-client", "3", "--wait", "1.5"]
+    got = []
+    monkeypatch.setattr(cmd_serve, "run", got.append)
+    cmd_serve.serve_fleet(up.parse_args(argv))
+    (a,) = got
+    assert (a.chat_template, a.host, a.port, a.api_key, a.proposer, a.draft_tokens) == (
+        template, "0.0.0.0", 0, "k", "none", "3")
+    assert (a.max_active, a.max_queue, a.max_tokens_cap, a.max_prompt_tokens,
+            a.max_body_bytes, a.max_sessions_per_client, a.wait) == (2, 5, 77, 99, 1000, 3, 1.5)
+    assert (a.model, a.open, a.key, a.local) == ("tiny:1", True, None, False)
+    assert up.parse_args(["--serve"]).wait == 5.0  # a fleet just started: a longer look
+    with pytest.raises(SystemExit):  # one key or the other, as on serve
+        up.parse_args(["--api-key", "k", "--api-key-file", str(template)])

@@ -254,7 +254,8 @@ def test_openai_tools_on_a_model_without_tool_support_is_a_400(servers):
     c = _client(servers[1])
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny:1", messages=CONVERSATION, tools=[WEATHER])
-    assert e.value.body["param"] == "tools" and "--chat-template" in e.value.body["message"]
+    msg = e.value.body["message"]
+    assert e.value.body["param"] == "tools" and "--chat-template" in msg and "up --serve" in msg
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         with pytest.raises(openai.BadRequestError) as e:  # no format to enforce calls in
             c.chat.completions.create(model="tiny:1", messages=CONVERSATION, tools=[WEATHER],
