@@ -35,7 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from macfleet.engine.constraint import JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Grammar
+from macfleet.engine.constraint import (JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Grammar,
+                                        json_grammar_schema)
 
 log = logging.getLogger(__name__)
 
@@ -359,10 +360,8 @@ def _answer_rule(answer: Grammar) -> str:
     """A response_format as one Lark rule's body."""
     from llguidance import regex_to_lark
 
-    if answer.kind == JSON_OBJECT:
-        return '%json {"type": "object"}'
-    if answer.kind == JSON_SCHEMA:
-        return "%json " + answer.source
+    if answer.kind in (JSON_OBJECT, JSON_SCHEMA):
+        return "%json " + json_grammar_schema(answer)
     if answer.kind == REGEX:
         return "/" + regex_to_lark(answer.source, "") + "/"
     raise ToolGrammarError(f"a response_format of type '{answer.kind}' cannot be combined with "

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 import serve_testkit
-from serve_testkit import start_server, stop_server
+from serve_testkit import ASCII, VOCAB, start_server, stop_server
 
 from macfleet.engine.constraint import (JSON_SCHEMA, MAX_FORCED, REGEX, Constraint, Grammar,
                                         schema_text)
@@ -41,23 +41,6 @@ SCHEMAS = {"get_forecast": FORECAST, "get_time": CLOCK}
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 ANSWER = {"type": "object", "required": ["answer"], "additionalProperties": False,
           "properties": {"answer": {"type": "string", "maxLength": 40}}}
-
-
-class _Ascii:
-    """Printable ASCII and newline, a token each; end-of-sequence last."""
-
-    chars = "\n" + "".join(chr(i) for i in range(32, 127))
-    eos_token_ids = frozenset({len(chars)})
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [self.chars.index(c) for c in text]
-
-    def decode(self, ids) -> str:
-        return "".join(self.chars[i] for i in ids if i < len(self.chars))
-
-
-ASCII = _Ascii()
-VOCAB = len(ASCII.chars) + 1
 
 
 def _req(**kw):
