@@ -9,7 +9,7 @@ from pathlib import Path
 from agents.specs import PROPOSER_KINDS
 from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
 from macfleet.topology.disagg import DEFAULT_MIN_PROMPT_TOKENS
-from macfleet.cli.cmd_serve import add_front_options
+from macfleet.cli.cmd_serve import add_front_options, fleet_serve_args
 from macfleet.cli.common import UserError, add_key_args, fleet_key
 
 SHARD_MODES = ("tensor", "pipeline", "expert")  # agents/shard.py SHARD_MODES
@@ -165,6 +165,7 @@ def run_up(args) -> int:
     from macfleet.fleet import local
     from macfleet.fleet.keys import default_key_path, run_dir
 
+    serve_args = fleet_serve_args(args) if args.serve else None  # bad options: before agents
     key = fleet_key(args, create=True)
     key_path = None if args.open else Path(args.key or default_key_path())
     try:
@@ -177,10 +178,10 @@ def run_up(args) -> int:
     for c in sorted(cards, key=lambda c: c.name):
         print(f"{c.name:14s} {'/'.join(c.roles):9s} {c.router_endpoint}")
     print(f"fleet up ({len(cards)} agents); `macfleet down` stops it")
-    if getattr(args, "serve", False):
-        from macfleet.cli.cmd_serve import serve_fleet
+    if serve_args is not None:
+        from macfleet.cli.cmd_serve import run
 
-        return serve_fleet(args)
+        return run(serve_args)
     return 0
 
 

@@ -121,9 +121,10 @@ def _validate(args) -> None:
         raise UserError("--port must be 0..65535")
 
 
-def serve_fleet(up_args) -> int:
-    """`macfleet up --serve`: serve the fleet just started (its model, key) with the front
-    options `up` was given (`add_front_options`)."""
+def fleet_serve_args(up_args):
+    """`macfleet up --serve`: serve's arguments for the fleet being started (its model, key)
+    with the front options `up` was given (`add_front_options`), checked before any agent
+    starts."""
     import argparse
 
     sub = argparse.ArgumentParser(prog="macfleet").add_subparsers()
@@ -132,18 +133,25 @@ def serve_fleet(up_args) -> int:
     shared = add_front_options(argparse.ArgumentParser()) + ("model", "key", "open")
     for name in shared:
         setattr(args, name, getattr(up_args, name))
-    return run(args)
+    _validate(args)
+    _api_key(args)
+    _template(args)
+    return args
+
+
+def _template(args) -> str | None:
+    if args.chat_template is None:
+        return None
+    try:
+        return args.chat_template.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --chat-template: {e}") from None
 
 
 def run(args) -> int:
     _validate(args)
     key = _api_key(args)
-    template = None
-    if args.chat_template is not None:
-        try:
-            template = args.chat_template.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read --chat-template: {e}") from None
+    template = _template(args)
     k = parse_draft_tokens(args.draft_tokens)
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -44,9 +44,9 @@ def _options(p: argparse.ArgumentParser) -> set[str]:
     return {o for a in p._actions for o in a.option_strings}
 
 
-def test_up_serve_takes_every_option_serve_takes_for_a_fleet(monkeypatch, tmp_path):
+def test_up_serve_takes_every_option_serve_takes_for_a_fleet(tmp_path):
     """`up --serve` shares serve's builder (no copy): every option of serve but the
-    in-process verifier's, and serve_fleet hands them all to serve (issue 43: without
+    in-process verifier's, and fleet_serve_args hands them all to serve (issue 43: without
     --chat-template there, tools through `up --serve` were always a 400)."""
     from macfleet.cli import cmd_serve
 
@@ -63,10 +63,7 @@ def test_up_serve_takes_every_option_serve_takes_for_a_fleet(monkeypatch, tmp_pa
             "--draft-tokens", "3", "--max-active", "2", "--max-queue", "5",
             "--max-tokens-cap", "77", "--max-prompt-tokens", "99", "--max-body-bytes", "1000",
             "--max-sessions-per-client", "3", "--wait", "1.5"]
-    got = []
-    monkeypatch.setattr(cmd_serve, "run", got.append)
-    cmd_serve.serve_fleet(up.parse_args(argv))
-    (a,) = got
+    a = cmd_serve.fleet_serve_args(up.parse_args(argv))
     assert (a.chat_template, a.host, a.port, a.api_key, a.proposer, a.draft_tokens) == (
         template, "0.0.0.0", 0, "k", "none", "3")
     assert (a.max_active, a.max_queue, a.max_tokens_cap, a.max_prompt_tokens,
@@ -75,3 +72,20 @@ def test_up_serve_takes_every_option_serve_takes_for_a_fleet(monkeypatch, tmp_pa
     assert up.parse_args(["--serve"]).wait == 5.0  # a fleet just started: a longer look
     with pytest.raises(SystemExit):  # one key or the other, as on serve
         up.parse_args(["--api-key", "k", "--api-key-file", str(template)])
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--port", "70000"], "--port must be 0..65535"),
+    (["--chat-template", "/nonexistent/t.jinja"], "cannot read --chat-template"),
+    (["--max-active", "0"], "--max-active must be >= 1"),
+])
+def test_up_serve_refuses_bad_serve_options_before_starting_agents(argv, msg, capsys,
+                                                                     monkeypatch):
+    from macfleet.fleet import local
+
+    def started(*a, **k):
+        raise AssertionError("agents started before the options were checked")
+
+    monkeypatch.setattr(local, "up", started)
+    assert main(["up", "--open", "--serve", *argv]) == 2
+    assert msg in capsys.readouterr().err
