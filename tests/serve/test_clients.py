@@ -143,7 +143,7 @@ def test_openai_required_call_cut_by_max_tokens_is_length_without_markup(server,
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
 def test_instructor_returns_the_model(server, mode):
     ic = instructor.from_openai(_openai(server), mode=getattr(instructor.Mode, mode))
-    user = ic.chat.completions.create(model="smollm2", response_model=User, max_tokens=60,
+    user = ic.chat.completions.create(model="smollm2", response_model=User, max_tokens=100,
                                       max_retries=0, temperature=0,
                                       messages=[{"role": "user", "content": USER_Q}])
     assert isinstance(user, User) and user.age == 34
