@@ -57,6 +57,7 @@ MAX_TOKENS = 160
 
 def run_tree(tree: str) -> list[dict]:
     os.environ["PYTHONPATH"] = tree  # the server subprocess runs this tree's code
+    os.chdir(tree)  # `python -m` puts the working directory first on sys.path
     sys.path.insert(0, os.path.join(tree, "tests", "serve"))
     import serve_testkit
 
@@ -97,18 +98,26 @@ def run_tree(tree: str) -> list[dict]:
 
 
 def main() -> None:
+    path = os.path.abspath(os.path.join(os.path.dirname(__file__), "json_whitespace.json"))
     out = {"command": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 python "
-                      "results/json_whitespace.py OLD_TREE NEW_TREE",
+                      "results/json_whitespace.py OLD_TREE NEW_TREE  (a tree '-': kept from "
+                      "the file)",
            "note": "2-core box shared with other jobs; token counts are exact, no timings",
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "trees": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            out["trees"] = json.load(f)["trees"]
     for label, tree in zip(("before", "after"), sys.argv[1:3]):
+        if tree == "-":
+            continue
+        tree = os.path.abspath(tree)
         rows = run_tree(tree)
         out["trees"][label] = {"rows": rows, "summary": {
             "valid_objects": sum(r["valid_object"] for r in rows), "calls": len(rows),
             "completion_tokens": sum(r["completion_tokens"] for r in rows),
             "whitespace_chars": sum(r["whitespace_chars"] for r in rows),
             "length_finishes": sum(r["finish"] == "length" for r in rows)}}
-    with open(os.path.join(os.path.dirname(__file__), "json_whitespace.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
 
 

@@ -210,7 +210,9 @@ def test_required_and_named_tool_choice_always_call_with_schema_valid_arguments(
     for choice, names in (("required", tuple(SCHEMAS)), (NAMED, ("get_time",))):
         for messages in (QUESTION, off_topic):
             finish, calls = _ask(c, choice, messages=messages)
-            assert finish == "tool_calls", calls
+            # "required" allows more calls, which smollm2 repeats to max_tokens: the complete
+            # ones are returned and finish_reason says the budget ran out (issue 43)
+            assert finish == "tool_calls" or (choice == "required" and finish == "length"), calls
             _valid(calls, names)
             # streamed deltas assemble to the same calls
             assert _ask(c, choice, stream=True, messages=messages) == (finish, calls)
@@ -232,8 +234,8 @@ def test_auto_with_response_format_answers_to_the_schema_or_calls(smollm2):
         r = c.chat.completions.create(model="smollm2", tools=TOOLS, response_format=fmt,
                                       messages=[{"role": "user", "content": q}],
                                       temperature=0, max_tokens=80).choices[0]
-        if r.message.tool_calls:
-            assert r.finish_reason == "tool_calls"
+        if r.message.tool_calls:  # calls as "required": repeated to max_tokens, "length"
+            assert r.finish_reason in ("tool_calls", "length")
             _valid([(x.function.name, x.function.arguments) for x in r.message.tool_calls])
         else:
             assert r.finish_reason == "stop", r.message.content
