@@ -9,6 +9,7 @@ from pathlib import Path
 from agents.specs import PROPOSER_KINDS
 from macfleet.serve.scheduler import DEFAULT_STALL_RATIO
 from macfleet.topology.disagg import DEFAULT_MIN_PROMPT_TOKENS
+from macfleet.cli.cmd_serve import add_front_options, fleet_serve_args
 from macfleet.cli.common import UserError, add_key_args, ensure_model, fleet_key
 
 SHARD_MODES = ("tensor", "pipeline", "expert")  # agents/shard.py SHARD_MODES
@@ -102,10 +103,8 @@ def add_parser(sub) -> None:
                    "default: none)")
     u.add_argument("--no-pin", action="store_true", help="do not pin agents to cores")
     u.add_argument("--f3-probe", action="store_true", help="the verifier measures F3 per block")
-    u.add_argument("--serve", action="store_true", help="then serve the OpenAI API on it")
-    u.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="with --serve: as serve --api-key (repeat it: a prompt cache per key; "
-                   "default: none)")
+    u.add_argument("--serve", action="store_true", help="then serve the OpenAI API on it "
+                   "(with the options below, which `macfleet serve` takes too)")
     u.add_argument("--batch-sessions", type=int, default=None, metavar="N",
                    help="the verifier's continuous batch: sessions per forward (default 16; "
                         "0: one session at a time)")
@@ -119,6 +118,8 @@ def add_parser(sub) -> None:
     u.add_argument("--prefill", type=int, default=0, metavar="N",
                    help="also start N prefill agents (long prompts' KV computed off the verifier)")
     add_key_args(u)
+    add_front_options(u.add_argument_group("the API server (with --serve)"), wait_s=5.0,
+                      batch_sessions=False)
     u.set_defaults(func=run_up)
 
     d = sub.add_parser("down", help="stop the local fleet started by `up`")
@@ -201,6 +202,7 @@ def run_up(args) -> int:
 
     from macfleet import progress
 
+    serve_args = fleet_serve_args(args) if args.serve else None  # bad options: before agents
     for spec in (args.model, args.draft or ""):  # once here, not in each agent
         ensure_model(spec)
     key = fleet_key(args, create=True)
@@ -220,10 +222,10 @@ def run_up(args) -> int:
     for c in sorted(cards, key=lambda c: c.name):
         print(f"{c.name:14s} {'/'.join(c.roles):9s} {c.router_endpoint}")
     print(f"fleet up ({len(cards)} agents); `macfleet down` stops it")
-    if getattr(args, "serve", False):
-        from macfleet.cli.cmd_serve import serve_fleet
+    if serve_args is not None:
+        from macfleet.cli.cmd_serve import run
 
-        return serve_fleet(args)
+        return run(serve_args)
     return 0
 
 

@@ -18,63 +18,78 @@ SOCKET_BACKLOG = 2048  # uvicorn's default
 DEFAULT_PROMPT_CACHE_MB = 512  # finished requests' KV kept for later prompts (serve/prompt_cache.py)
 
 
+def add_front_options(p, *, wait_s: float = 2.0, batch_sessions: bool = True
+                      ) -> tuple[str, ...]:
+    """The options of the HTTP front and of its sessions on a fleet: one builder for `serve`
+    and `up --serve` (which takes every one of them; batch_sessions=False where the parser has
+    its own `--batch-sessions`, as `up` does for its verifier agent: the same idea, one flag).
+    Returns their `dest`s."""
+    acts = [p.add_argument("--host", default="127.0.0.1",
+                           help="address to listen on (0.0.0.0: every interface)"),
+            p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")]
+    key = p.add_mutually_exclusive_group()
+    acts += [key.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                              help="require 'Authorization: Bearer KEY'; repeat it for several "
+                              "keys (a team): each key then has a prompt cache of its own, so "
+                              "one key's prompts never show in another's cached_tokens or time "
+                              "to first token (default: $MACFLEET_API_KEY, else none)"),
+             key.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                              help="the API keys, one a line (as --api-key; default: none)"),
+             p.add_argument("--proposer", default=DEFAULT_PROPOSER,
+                            help="each session's drafter: auto | eagle2 | eagle | ngram[:N] | "
+                            "retrieval | layerskip:K | draft:MODEL | none, or several joined by "
+                            "'+' (a token tree per block, verified in the batch like the "
+                            "chains); auto, as for `generate`: the drafter measured best for "
+                            "the model (ngram with --batch-invariant), or the fleet's "
+                            "draft-model agents when it has some"),
+             p.add_argument("--draft-tokens", default="auto",
+                            help="tokens drafted per block: K, or auto (adapts as it runs)")]
+    if batch_sessions:
+        acts.append(p.add_argument("--batch-sessions", type=int, default=16,
+                                   help="sessions verified together in one batch "
+                                   "(continuous batching)"))
+    acts += [p.add_argument("--max-queue", type=int, default=64,
+                            help="sessions waiting for a slot"),
+             p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                            help="a Jinja chat template replacing the model's own (e.g. one with "
+                            "tool support: tools are rendered by it and its tool-call format is "
+                            "parsed; default: the model's own)"),
+             p.add_argument("--max-tokens-cap", type=int, default=1024,
+                            help="the largest max_tokens a request may ask for"),
+             p.add_argument("--max-prompt-tokens", type=int, default=4096,
+                            help="longer prompts are refused (400)"),
+             p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                            help="larger request bodies are refused (413)"),
+             p.add_argument("--max-sessions-per-client", type=int, default=16,
+                            help="open sessions per client address"),
+             p.add_argument("--wait", type=float, default=wait_s,
+                            help="seconds to look for agents before serving in-process")]
+    return tuple(a.dest for a in acts)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP API (continuous batching)")
     p.add_argument("--local", action="store_true",
                    help="in-process verifier with continuous batching (default when no fleet "
                    "is found); without it a fleet's verifier agent serves each request")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")
     p.add_argument("--model", default="smollm2", help="the model served (see `macfleet "
                    "generate --help` for the specs)")
-    key = p.add_mutually_exclusive_group()
-    key.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                     help="require 'Authorization: Bearer KEY'; repeat it for several keys "
-                     "(a team): each key then has a prompt cache of its own, so one key's "
-                     "prompts never show in another's cached_tokens or time to first token "
-                     "(default: $MACFLEET_API_KEY, else none)")
-    key.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
-                     help="the API keys, one a line (as --api-key; default: none)")
-    p.add_argument("--proposer", default=DEFAULT_PROPOSER,
-                   help="each session's drafter: auto | eagle2 | eagle | ngram[:N] | retrieval "
-                   "| layerskip:K | draft:MODEL | none, or several joined by '+' (a token tree "
-                   "per block, verified in the batch like the chains); auto, as for `generate`: "
-                   "the drafter measured best for the model (ngram with --batch-invariant), or "
-                   "the fleet's draft-model agents when it has some")
-    p.add_argument("--draft-tokens", default="auto",
-                   help="tokens drafted per block: K, or auto (adapts as it runs)")
-    p.add_argument("--token-budget", type=int, default=256,
+    add_front_options(p)
+    e = p.add_argument_group("the in-process verifier (serve --local, or no fleet found)")
+    e.add_argument("--token-budget", type=int, default=256,
                    help="tokens per iteration (bounds prefill chunks)")
-    p.add_argument("--batch-sessions", type=int, default=16,
-                   help="sessions verified together in one batch (continuous batching)")
-    p.add_argument("--max-queue", type=int, default=64, help="sessions waiting for a slot")
-    p.add_argument("--no-chunked-prefill", action="store_true",
+    e.add_argument("--no-chunked-prefill", action="store_true",
                    help="feed each prompt in one iteration (to measure the decode stall)")
-    p.add_argument("--stall-ratio", type=float, default=DEFAULT_STALL_RATIO,
+    e.add_argument("--stall-ratio", type=float, default=DEFAULT_STALL_RATIO,
                    help="size prefill chunks so an iteration costs at most this many times a "
                    "decode-only one (chunks follow measured iteration times; 0: token budget only)")
-    p.add_argument("--batch-invariant", action="store_true",
+    e.add_argument("--batch-invariant", action="store_true",
                    help="each session's rows in the shapes it would have alone: bit-identical "
                    "to serving it alone, slower")
-    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
-                   help="a Jinja chat template replacing the model's own (e.g. one with tool "
-                   "support: tools are rendered by it and its tool-call format is parsed; default: "
-                   "the model's own)")
-    p.add_argument("--prompt-cache-mb", type=int, default=DEFAULT_PROMPT_CACHE_MB,
+    e.add_argument("--prompt-cache-mb", type=int, default=DEFAULT_PROMPT_CACHE_MB,
                    help="keep finished requests' KV (LRU, this many MB) so a prompt that starts "
                    "the same (the next turn of a chat) prefills only what is new; 0: off")
-    p.add_argument("--max-tokens-cap", type=int, default=1024,
-                   help="the largest max_tokens a request may ask for")
-    p.add_argument("--max-prompt-tokens", type=int, default=4096,
-                   help="longer prompts are refused (400)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="larger request bodies are refused (413)")
-    p.add_argument("--max-sessions-per-client", type=int, default=16,
-                   help="open sessions per client address")
     add_key_args(p, open_help="talk to an unauthenticated fleet")
-    p.add_argument("--wait", type=float, default=2.0,
-                   help="seconds to look for agents before serving in-process")
     p.set_defaults(func=run)
 
 
@@ -156,19 +171,36 @@ def _validate(args) -> None:
         raise UserError("--port must be 0..65535")
 
 
-def serve_fleet(up_args) -> int:
-    """`macfleet up --serve`: serve the fleet just started (its model, key) with the defaults."""
+def fleet_serve_args(up_args):
+    """`macfleet up --serve`: serve's arguments for the fleet being started (its model, key)
+    with the front options `up` was given (`add_front_options`), checked before any agent
+    starts."""
+    import argparse
+
     from macfleet.cli.parser import Parser
 
     sub = Parser(prog="macfleet").add_subparsers()
     add_parser(sub)
-    argv = ["serve", "--model", up_args.model, "--wait", "5"]
-    argv += ["--open"] if getattr(up_args, "open", False) else []
-    argv += ["--key", up_args.key] if getattr(up_args, "key", None) else []
-    for api_key in getattr(up_args, "api_key", None) or ():
-        argv += ["--api-key", api_key]
-    args = sub.choices["serve"].parse_args(argv[1:])
-    return run(args)
+    args = sub.choices["serve"].parse_args([])
+    shared = add_front_options(argparse.ArgumentParser(), batch_sessions=False) + (
+        "model", "key", "open")
+    for name in shared:
+        setattr(args, name, getattr(up_args, name))
+    if (getattr(up_args, "batch_sessions", None) or 0) > 0:  # up's verifier batch: the same
+        args.batch_sessions = up_args.batch_sessions
+    _validate(args)
+    _api_keys(args)
+    _template(args)
+    return args
+
+
+def _template(args) -> str | None:
+    if args.chat_template is None:
+        return None
+    try:
+        return args.chat_template.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --chat-template: {e}") from None
 
 
 def run(args) -> int:
@@ -180,12 +212,7 @@ def run(args) -> int:
     except ModelSpecError as e:
         raise UserError(f"--model: {e}") from None
     keys = _api_keys(args)
-    template = None
-    if args.chat_template is not None:
-        try:
-            template = args.chat_template.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read --chat-template: {e}") from None
+    template = _template(args)
     k = parse_draft_tokens(args.draft_tokens)
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from macfleet.engine.json_schema import with_json_options
 from macfleet.engine.tree import TokenTree, graft
 
 log = logging.getLogger(__name__)
@@ -70,15 +71,22 @@ class Grammar:
         """The grammar in llguidance's own form."""
         from llguidance import LLMatcher
 
-        if self.kind == JSON_OBJECT:
-            return LLMatcher.grammar_from_json_schema({"type": "object"})
-        if self.kind == JSON_SCHEMA:
-            return LLMatcher.grammar_from_json_schema(self.source)
+        if self.kind in (JSON_OBJECT, JSON_SCHEMA):
+            return LLMatcher.grammar_from_json_schema(json_grammar_schema(self))
         if self.kind == REGEX:
             return LLMatcher.grammar_from_regex(self.source)
         if self.kind == LARK:
             return LLMatcher.grammar_from_lark(self.source)
         raise GrammarError(f"unknown grammar kind '{self.kind}' (one of {', '.join(KINDS)})")
+
+
+def json_grammar_schema(grammar: Grammar) -> str:
+    """A json_object or json_schema grammar's schema as llguidance gets it: with the JSON
+    options (json_schema.py: compact or indented whitespace) unless it names its own."""
+    schema = {"type": "object"} if grammar.kind == JSON_OBJECT else json.loads(grammar.source)
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object")
+    return schema_text(with_json_options(schema))
 
 
 def grammar_error(grammar: Grammar, tokenizer=None) -> str | None:

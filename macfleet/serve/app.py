@@ -35,8 +35,8 @@ from macfleet.serve.logprobs import (TokenLogprob, TokenText, chat_content, comp
 from macfleet.serve.prompt import Prompt, render_prompt
 from macfleet.serve.schemas import GenerationRequest, Limits, RequestError, parse_request
 from macfleet.serve.session import GenerationFailed, Outcome, Piece, open_session, run_session
-from macfleet.serve.tools import (ToolCall, ToolGrammarError, ToolStream, parse_tool_calls,
-                                   tool_grammar)
+from macfleet.serve.tools import (ToolCall, ToolGrammarError, ToolStream, finish_reason,
+                                   parse_tool_calls, tool_grammar)
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,8 @@ class Api:
         lps = tuple(e for p in got for e in p.logprobs)
         calls: tuple[ToolCall, ...] = ()
         if meta.prompt.tool_format is not None:
-            text, calls = parse_tool_calls(meta.prompt.tool_format, text)
+            text, calls = parse_tool_calls(meta.prompt.tool_format, text,
+                                           cut=outcome[0].finish_reason == "length")
         return JSONResponse(meta.full(text, outcome[0], lps, calls))
 
     def _check_grammar(self, grammar: Grammar, where: str) -> None:
@@ -251,14 +252,14 @@ class Api:
                     sent += len(text)
                 for c in calls:
                     yield _event(meta.call_chunk(c, tools))
+            o = outcome[0]
             if tools is not None:
-                text, calls = tools.finish()
+                text, calls = tools.finish(cut=o.finish_reason == "length")
                 if text:
                     yield _event(meta.chunk(None, {"content": text}))
                 for c in calls:
                     yield _event(meta.call_chunk(c, tools))
-            o = outcome[0]
-            finish = "tool_calls" if tools is not None and tools.calls else o.finish_reason
+            finish = finish_reason(o.finish_reason, tools is not None and bool(tools.calls))
             yield _event(meta.chunk(finish, "" if not meta.chat else {}))
             if req.include_usage:
                 yield _event({**meta.chunk(None, {}), "choices": [], "usage": meta.usage(o)})
@@ -311,7 +312,7 @@ class _Meta:
             message = {"role": "assistant", "content": text or None,
                        "tool_calls": [c.to_dict() for c in calls]}
         choice = ({"index": 0, "message": message,
-                   "finish_reason": "tool_calls" if calls else o.finish_reason,
+                   "finish_reason": finish_reason(o.finish_reason, bool(calls)),
                    "logprobs": self.logprobs(lps)}
                   if self.chat else
                   {"index": 0, "text": text, "finish_reason": o.finish_reason,

@@ -44,7 +44,8 @@ def render_prompt(tok, req: GenerationRequest, limits: Limits,
                 raise RequestError(
                     "this model's chat template has no tool support (none of the tool-call "
                     "formats macfleet parses: Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral "
-                    "[TOOL_CALLS]); serve it with --chat-template FILE to give it one",
+                    "[TOOL_CALLS]); give it one with --chat-template FILE (on `macfleet serve`, "
+                    "or `macfleet up --serve` for a fleet)",
                     param="tools", code="tools_unsupported")
         text, ids = _chat(tok, req, chat_template, fmt)
     else:

@@ -16,6 +16,7 @@ from typing import Any
 
 from macfleet.engine.constraint import (JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Grammar,
                                          grammar_error, schema_text)
+from macfleet.engine.json_schema import StrictSchemaError, strict_schema
 from macfleet.engine.sampling import MAX_SEED, SamplingParams
 from macfleet.serve.logprobs import MAX_TOP_LOGPROBS
 from macfleet.serve.tools import (AUTO, FUNCTION, HERMES, NONE, REQUIRED, ToolCall, ToolChoice,
@@ -224,6 +225,7 @@ def _tools(v: Any) -> tuple[Tool, ...]:
         if not isinstance(params, dict):
             raise RequestError(f"{where}.function.parameters must be a JSON schema object",
                                param=f"{where}.function.parameters")
+        params = _strict(fn, params, f"{where}.function")
         out.append(Tool(name, desc, json.dumps(params)))
     if len({t.name for t in out}) != len(out):
         raise RequestError("tool names must be unique", param="tools")
@@ -366,6 +368,21 @@ def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
 MAX_GRAMMAR_CHARS = 64_000
 
 
+def _strict(holder: Mapping[str, Any], schema: dict, where: str) -> dict:
+    """`schema` as strict mode takes it when `holder` (a json_schema or a function) says
+    `strict: true`: properties it does not name refused (engine/json_schema.py)."""
+    strict = holder.get("strict")
+    if not isinstance(strict, (bool, type(None))):
+        raise RequestError(f"'{where}.strict' must be a boolean", param=f"{where}.strict")
+    if not strict:
+        return schema
+    try:
+        return strict_schema(schema)
+    except StrictSchemaError as e:
+        field = f"{where}.{'schema' if 'json_schema' in where else 'parameters'}"
+        raise RequestError(f"'{field}': {e}", param=field) from None
+
+
 def response_format(v: Any) -> Grammar | None:
     """`response_format`: `{type: text}` (None), `{type: json_object}`, `{type: json_schema,
     json_schema: {name, schema, strict?, description?}}`, and macfleet's extensions
@@ -390,13 +407,11 @@ def response_format(v: Any) -> Grammar | None:
         if not isinstance(name, str) or not TOOL_NAME.match(name):
             raise RequestError(f"'{where}.json_schema.name' must be 1-64 letters, digits, _ or "
                                "-", param=f"{where}.json_schema.name")
-        if not isinstance(js.get("strict", False), (bool, type(None))):
-            raise RequestError(f"'{where}.json_schema.strict' must be a boolean",
-                               param=f"{where}.json_schema.strict")
         schema = js.get("schema", {"type": "object"})
         field = f"{where}.json_schema.schema"
         if not isinstance(schema, dict):
             raise RequestError(f"'{field}' must be a JSON schema object", param=field)
+        schema = _strict(js, schema, f"{where}.json_schema")
         grammar = Grammar(JSON_SCHEMA, schema_text(schema))
     elif kind in (REGEX, LARK):
         src = v.get(kind)

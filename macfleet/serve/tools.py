@@ -11,8 +11,10 @@ chosen from the template's text (`detect_format`):
 - mistral: `[TOOL_CALLS]` then a JSON list of {"name", "arguments"} (or, newer templates,
   `name[ARGS]{..}` per call).
 
-Text that does not parse stays content: a malformed call is shown, never dropped. A template
-without any of these markers has no tool support (the server answers 400).
+The format's markup never reaches `content` (a client would show it to its user): a call that
+does not parse is left out (and logged), and when the answer ran out of tokens the call being
+written at the cut is no call and `finish_reason` is `length`; complete calls before the cut are
+returned. A template without any of these markers has no tool support (the server answers 400).
 
 `tool_choice` "required" or a named function is enforced, not asked for: `tool_grammar` builds
 a grammar (llguidance Lark, each call object a `%json` schema whose `arguments` are the
@@ -26,13 +28,17 @@ matches the format or tool calls (an alternation of the two).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from macfleet.engine.constraint import JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Grammar
+from macfleet.engine.constraint import (JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Grammar,
+                                        json_grammar_schema)
+
+log = logging.getLogger(__name__)
 
 HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
 FORMATS = (HERMES, LLAMA3, MISTRAL)
@@ -108,51 +114,102 @@ def _calls(text: str, new_id: NewId, args_key: str = "arguments") -> list[ToolCa
     return None if not calls or any(c is None for c in calls) else calls
 
 
-def _hermes(text: str, new_id: NewId) -> tuple[str, list[ToolCall]]:
+def _leading_calls(text: str, new_id: NewId) -> list[ToolCall]:
+    """The complete call objects at the start of a JSON list cut short (`[{..}, {..}, {..`)."""
+    dec, calls, i = json.JSONDecoder(), [], 1
+    while True:
+        while i < len(text) and text[i] in " \n\t,":
+            i += 1
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return calls
+        c = _call(obj, new_id)
+        if c is None:
+            return calls
+        calls.append(c)
+
+
+def _cut_marker(text: str, markers: Sequence[str]) -> str:
+    """`text` without an end that is the start of one of `markers` (a marker cut short)."""
+    keep = max(_partial_suffix(text, m) for m in markers)
+    return text[:len(text) - keep]
+
+
+_H_BLOCK = re.compile(re.escape(_H_OPEN) + r"(.*?)(" + re.escape(_H_CLOSE) + r"|\Z)", re.S)
+
+
+def _hermes(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
     content, calls, pos = [], [], 0
-    for m in re.finditer(re.escape(_H_OPEN) + r"(.*?)(?:" + re.escape(_H_CLOSE) + r"|\Z)", text,
-                         re.S):
+    for m in _H_BLOCK.finditer(text):
+        content.append(text[pos:m.start()])
+        pos = m.end()
+        if cut and not m.group(2):
+            continue  # the call being written when the tokens ran out: not a call
         got = _calls(m.group(1).strip(), new_id)
         if got is None:
-            continue  # not a call: it stays in the content
-        content.append(text[pos:m.start()])
+            log.debug("a tool call that does not parse, left out: %.200r", m.group(0))
+            continue
         calls.extend(got)
-        pos = m.end()
     content.append(text[pos:])
-    return "".join(content).strip() if calls else text, calls
+    out = "".join(content).replace(_H_CLOSE, "")  # a closing tag without its opening one
+    if cut:
+        out = _cut_marker(out, (_H_OPEN, _H_CLOSE))
+    return (out.strip(), calls) if pos else (out, calls)
 
 
-def _llama3(text: str, new_id: NewId) -> tuple[str, list[ToolCall]]:
+def _looks_like_call(body: str, cut: bool) -> bool:
+    """Llama 3: an answer that starts as a call object does (`{"name":`), or, cut short, could."""
+    if re.match(r'\{\s*"name"\s*:', body):
+        return True
+    return cut and bool(body) and _LLAMA3_HEAD.startswith(re.sub(r"\s+", "", body))
+
+
+_LLAMA3_HEAD = '{"name":'
+
+
+def _llama3(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
     body = text.strip()
-    body = body[len(_PY_TAG):].strip() if body.startswith(_PY_TAG) else body
-    if not body.startswith("{"):
-        return text, []
+    tagged = body.startswith(_PY_TAG)
+    body = body[len(_PY_TAG):].strip() if tagged else body
+    if not tagged and not body.startswith("{"):
+        return ("", []) if cut and body and _PY_TAG.startswith(body) else (text, [])
     calls = _calls(body, new_id, "parameters")
-    if calls is None:  # several calls joined by ';'
+    if calls is None:  # several calls joined by ';', the last one maybe cut short
         parts = [_calls(p.strip(), new_id, "parameters") for p in body.split(";") if p.strip()]
-        if not parts or any(p is None for p in parts):
-            return text, []
-        calls = [c for p in parts for c in p]
-    return "", calls
+        if cut and parts and parts[-1] is None:
+            parts.pop()
+        calls = ([c for p in parts for c in p] if parts and all(p is not None for p in parts)
+                 else None)
+    if calls is not None:
+        return "", calls
+    if tagged or _looks_like_call(body, cut):
+        log.debug("a tool call that does not parse, left out: %.200r", text)
+        return "", []
+    return text, []
 
 
-def _mistral(text: str, new_id: NewId) -> tuple[str, list[ToolCall]]:
+def _mistral(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
     i = text.find(_M_OPEN)
     if i < 0:
-        return text, []
+        return (_cut_marker(text, (_M_OPEN,)) if cut else text), []
     rest = text[i + len(_M_OPEN):].strip()
     calls = _calls(rest, new_id)
     if calls is None and _M_ARGS in rest:  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
         calls = []
-        for part in rest.split(_M_OPEN):
+        parts = rest.split(_M_OPEN)
+        for k, part in enumerate(parts):
             name, _, args = part.partition(_M_ARGS)
             c = _call({"name": name.strip(), "arguments": _json_or_none(args.strip())}, new_id)
             if c is None:
-                return text, []
+                calls = calls if cut and k == len(parts) - 1 else []
+                break
             calls.append(c)
+    elif calls is None and cut and rest.startswith("["):
+        calls = _leading_calls(rest, new_id)  # the list's complete calls before the cut
     if not calls:
-        return text, []
-    return text[:i].strip(), calls
+        log.debug("a tool call that does not parse, left out: %.200r", text[i:])
+    return text[:i].strip(), calls or []
 
 
 def _json_or_none(s: str):
@@ -165,16 +222,27 @@ def _json_or_none(s: str):
 _PARSERS = {HERMES: _hermes, LLAMA3: _llama3, MISTRAL: _mistral}
 
 
-def parse_tool_calls(fmt: str, text: str, new_id: NewId = new_call_id
+def parse_tool_calls(fmt: str, text: str, new_id: NewId = new_call_id, cut: bool = False
                      ) -> tuple[str, tuple[ToolCall, ...]]:
-    """A whole answer -> (content, tool calls)."""
-    content, calls = _PARSERS[fmt](text, new_id)
+    """A whole answer -> (content, tool calls). The format's markup never stays in the
+    content: a call that does not parse is left out (logged), and with `cut` (the answer ran
+    out of tokens) so is the call being written at the cut, and a marker cut short."""
+    content, calls = _PARSERS[fmt](text, new_id, cut)
     return content, tuple(calls)
+
+
+def finish_reason(engine_reason: str, calls: bool) -> str:
+    """The answer's finish_reason: `length` whenever the tokens ran out (even after complete
+    calls: the answer was cut), else `tool_calls` when it holds calls."""
+    if engine_reason == "length":
+        return "length"
+    return "tool_calls" if calls else engine_reason
 
 
 class ToolStream:
     """Streaming: content out as soon as it cannot be part of a call, each call once it is
-    complete (hermes: at its closing tag; llama3 and mistral: at the end of the answer)."""
+    complete (hermes: at its closing tag; llama3 and mistral: at the end of the answer); the
+    format's markup never goes out as content."""
 
     def __init__(self, fmt: str, new_id: NewId = new_call_id) -> None:
         self.fmt, self._new_id = fmt, new_id
@@ -198,23 +266,24 @@ class ToolStream:
                 break
             block, self._buf = self._buf[:j + len(_H_CLOSE)], self._buf[j + len(_H_CLOSE):]
             self._in_call = False
-            content, calls = _hermes(block, self._new_id)
-            out.append(content if not calls else "")
+            _, calls = _hermes(block, self._new_id, False)
             new.extend(calls)
         self.calls.extend(new)
         return "".join(out), new
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """The rest, at the answer's end; `cut`: it ran out of tokens (parse_tool_calls)."""
         buf, self._buf = self._buf, ""
-        if not self._in_call:
-            return buf, []
-        content, calls = parse_tool_calls(self.fmt, buf, self._new_id)
+        if not self._in_call and self._decided:
+            markers = (_H_OPEN, _H_CLOSE) if self.fmt == HERMES else (_M_OPEN,)
+            return (_cut_marker(buf, markers) if cut and self.fmt != LLAMA3 else buf), []
+        content, calls = parse_tool_calls(self.fmt, buf, self._new_id, cut)
         self.calls.extend(calls)
         return content, list(calls)
 
     def _scan_content(self, out: list[str]) -> None:
         """Move content out of the buffer up to a call's start (then in a call), holding back a
-        tail that could still become one."""
+        tail that could still become a marker; a stray closing tag is dropped."""
         if not self._decided:  # llama3: the first characters decide
             head = self._buf.lstrip()
             if not head or _PY_TAG.startswith(head):  # nothing yet, or the tag being written
@@ -227,14 +296,20 @@ class ToolStream:
             out.append(self._buf)
             self._buf = ""
             return
-        marker = _H_OPEN if self.fmt == HERMES else _M_OPEN
-        i = self._buf.find(marker)
-        if i >= 0:
+        markers = (_H_OPEN, _H_CLOSE) if self.fmt == HERMES else (_M_OPEN,)
+        while True:
+            hits = [(i, m) for m in markers if (i := self._buf.find(m)) >= 0]
+            if not hits:
+                break
+            i, m = min(hits)
             out.append(self._buf[:i])
+            if m == _H_CLOSE:  # a closing tag without its opening one: markup, dropped
+                self._buf = self._buf[i + len(m):]
+                continue
             self._buf = self._buf[i:]
             self._in_call = True
             return
-        keep = _partial_suffix(self._buf, marker)
+        keep = max(_partial_suffix(self._buf, m) for m in markers)
         out.append(self._buf[:len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep:]
 
@@ -285,10 +360,8 @@ def _answer_rule(answer: Grammar) -> str:
     """A response_format as one Lark rule's body."""
     from llguidance import regex_to_lark
 
-    if answer.kind == JSON_OBJECT:
-        return '%json {"type": "object"}'
-    if answer.kind == JSON_SCHEMA:
-        return "%json " + answer.source
+    if answer.kind in (JSON_OBJECT, JSON_SCHEMA):
+        return "%json " + json_grammar_schema(answer)
     if answer.kind == REGEX:
         return "/" + regex_to_lark(answer.source, "") + "/"
     raise ToolGrammarError(f"a response_format of type '{answer.kind}' cannot be combined with "

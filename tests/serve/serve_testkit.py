@@ -85,3 +85,21 @@ def wait_idle(s: Server, timeout_s: float = 10.0) -> dict:
         time.sleep(0.05)
         h = s.health()
     return h
+
+
+# -- a tokenizer for grammar tests without a model ----------------------------------------
+class AsciiTokenizer:
+    """Printable ASCII and newline, a token each; end-of-sequence last."""
+
+    chars = "\n" + "".join(chr(i) for i in range(32, 127))
+    eos_token_ids = frozenset({len(chars)})
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.chars.index(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] for i in ids if i < len(self.chars))
+
+
+ASCII = AsciiTokenizer()
+VOCAB = len(ASCII.chars) + 1

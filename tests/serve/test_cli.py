@@ -60,3 +60,55 @@ def test_serve_says_why_it_serves_in_process(tmp_path, monkeypatch):
     stop_server(s)
     assert [ln for ln in s.before if ln.startswith("macfleet serve: no agents in fleet ") and
             ln.endswith("after 0.2 s: serving in-process; `--local` skips the wait")], s.before
+
+
+def _options(p: argparse.ArgumentParser) -> set[str]:
+    return {o for a in p._actions for o in a.option_strings}
+
+
+def test_up_serve_takes_every_option_serve_takes_for_a_fleet(tmp_path):
+    """`up --serve` shares serve's builder (no copy): every option of serve but the
+    in-process verifier's, and fleet_serve_args hands them all to serve (issue 43: without
+    --chat-template there, tools through `up --serve` were always a 400)."""
+    from macfleet.cli import cmd_serve
+
+    cmds = _names(build_parser())
+    serve, up = cmds["serve"], cmds["up"]
+    in_process = {o for g in serve._action_groups if g.title and "in-process" in g.title
+                  for a in g._group_actions for o in a.option_strings}
+    assert "--chat-template" in _options(up) and "--api-key-file" in _options(up)
+    assert _options(serve) - in_process - {"--local"} <= _options(up)  # --batch-sessions:
+    # up's own, the verifier agent's batch and the server's at once
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    argv = ["--serve", "--model", "tiny:1", "--open", "--chat-template", str(template),
+            "--host", "0.0.0.0", "--port", "0", "--api-key", "k", "--proposer", "none",
+            "--draft-tokens", "3", "--batch-sessions", "2", "--max-queue", "5",
+            "--max-tokens-cap", "77", "--max-prompt-tokens", "99", "--max-body-bytes", "1000",
+            "--max-sessions-per-client", "3", "--wait", "1.5"]
+    a = cmd_serve.fleet_serve_args(up.parse_args(argv))
+    assert (a.chat_template, a.host, a.port, a.api_key, a.proposer, a.draft_tokens) == (
+        template, "0.0.0.0", 0, ["k"], "none", "3")
+    assert (a.batch_sessions, a.max_queue, a.max_tokens_cap, a.max_prompt_tokens,
+            a.max_body_bytes, a.max_sessions_per_client, a.wait) == (2, 5, 77, 99, 1000, 3, 1.5)
+    assert (a.model, a.open, a.key, a.local) == ("tiny:1", True, None, False)
+    assert up.parse_args(["--serve"]).wait == 5.0  # a fleet just started: a longer look
+    with pytest.raises(SystemExit):  # one key or the other, as on serve
+        up.parse_args(["--api-key", "k", "--api-key-file", str(template)])
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--port", "70000"], "--port must be 0..65535"),
+    (["--chat-template", "/nonexistent/t.jinja"], "cannot read --chat-template"),
+    (["--batch-sessions", "-1"], "--batch-sessions must be >= 0"),
+])
+def test_up_serve_refuses_bad_serve_options_before_starting_agents(argv, msg, capsys,
+                                                                     monkeypatch):
+    from macfleet.fleet import local
+
+    def started(*a, **k):
+        raise AssertionError("agents started before the options were checked")
+
+    monkeypatch.setattr(local, "up", started)
+    assert main(["up", "--open", "--serve", *argv]) == 2
+    assert msg in capsys.readouterr().err

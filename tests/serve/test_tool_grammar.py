@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 import serve_testkit
-from serve_testkit import start_server, stop_server
+from serve_testkit import ASCII, VOCAB, start_server, stop_server
 
 from macfleet.engine.constraint import (JSON_SCHEMA, MAX_FORCED, REGEX, Constraint, Grammar,
                                         schema_text)
@@ -41,23 +41,6 @@ SCHEMAS = {"get_forecast": FORECAST, "get_time": CLOCK}
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 ANSWER = {"type": "object", "required": ["answer"], "additionalProperties": False,
           "properties": {"answer": {"type": "string", "maxLength": 40}}}
-
-
-class _Ascii:
-    """Printable ASCII and newline, a token each; end-of-sequence last."""
-
-    chars = "\n" + "".join(chr(i) for i in range(32, 127))
-    eos_token_ids = frozenset({len(chars)})
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [self.chars.index(c) for c in text]
-
-    def decode(self, ids) -> str:
-        return "".join(self.chars[i] for i in ids if i < len(self.chars))
-
-
-ASCII = _Ascii()
-VOCAB = len(ASCII.chars) + 1
 
 
 def _req(**kw):
@@ -227,7 +210,9 @@ def test_required_and_named_tool_choice_always_call_with_schema_valid_arguments(
     for choice, names in (("required", tuple(SCHEMAS)), (NAMED, ("get_time",))):
         for messages in (QUESTION, off_topic):
             finish, calls = _ask(c, choice, messages=messages)
-            assert finish == "tool_calls", calls
+            # "required" allows more calls, which smollm2 repeats to max_tokens: the complete
+            # ones are returned and finish_reason says the budget ran out (issue 43)
+            assert finish == "tool_calls" or (choice == "required" and finish == "length"), calls
             _valid(calls, names)
             # streamed deltas assemble to the same calls
             assert _ask(c, choice, stream=True, messages=messages) == (finish, calls)
@@ -249,8 +234,8 @@ def test_auto_with_response_format_answers_to_the_schema_or_calls(smollm2):
         r = c.chat.completions.create(model="smollm2", tools=TOOLS, response_format=fmt,
                                       messages=[{"role": "user", "content": q}],
                                       temperature=0, max_tokens=80).choices[0]
-        if r.message.tool_calls:
-            assert r.finish_reason == "tool_calls"
+        if r.message.tool_calls:  # calls as "required": repeated to max_tokens, "length"
+            assert r.finish_reason in ("tool_calls", "length")
             _valid([(x.function.name, x.function.arguments) for x in r.message.tool_calls])
         else:
             assert r.finish_reason == "stop", r.message.content

@@ -13,7 +13,7 @@ from serve_testkit import start_server, stop_server
 
 from macfleet.serve.schemas import Limits, RequestError, parse_request
 from macfleet.serve.tools import (FUNCTION, HERMES, LLAMA3, MISTRAL, ToolChoice, ToolStream,
-                                  detect_format, parse_tool_calls)
+                                  detect_format, finish_reason, parse_tool_calls)
 
 TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {
@@ -65,12 +65,14 @@ def test_hermes_streams_content_before_and_between_calls_and_holds_a_partial_tag
     assert s.finish() == ("", [])
 
 
-def test_malformed_calls_stay_content_and_non_calls_are_content():
+def test_malformed_calls_are_left_out_and_non_calls_are_content():
     bad = '<tool_call>{"name": "f", "arguments": {"x": </tool_call>'
-    assert parse_tool_calls(HERMES, bad) == (bad, ())
+    assert parse_tool_calls(HERMES, "Hi." + bad) == ("Hi.", ())  # markup never content
+    assert parse_tool_calls(HERMES, 'ok</tool_call>') == ("ok", ())  # a stray closing tag
     assert parse_tool_calls(LLAMA3, "The answer is {42}.") == ("The answer is {42}.", ())
     assert parse_tool_calls(LLAMA3, '{"no_name": 1}') == ('{"no_name": 1}', ())
-    assert parse_tool_calls(MISTRAL, "[TOOL_CALLS] nope") == ("[TOOL_CALLS] nope", ())
+    assert parse_tool_calls(LLAMA3, '{"name": "f", "parameters": {') == ("", ())
+    assert parse_tool_calls(MISTRAL, "Hi.[TOOL_CALLS] nope") == ("Hi.", ())
     s = ToolStream(LLAMA3)
     assert s.feed("  Sure") == ("  Sure", []) and s.feed(" {x}") == (" {x}", [])
     # an unterminated last hermes call (the model stopped at its end-of-turn token) still counts
@@ -83,6 +85,53 @@ def test_malformed_calls_stay_content_and_non_calls_are_content():
     # mistral's newer per-call form
     _, calls = parse_tool_calls(MISTRAL, '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}')
     assert [c.name for c in calls] == ["f", "g"]
+
+
+# -- an answer cut by max_tokens: no markup in the content, no cut call, complete calls kept ----
+CUT = {  # (answer cut inside its second call, the complete first call)
+    HERMES: 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CE',
+    LLAMA3: '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+            '{"name": "get_time", "parameters": {"zo',
+    MISTRAL: 'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+             '{"name": "get_time", "arguments": {"zone": "C',
+}
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL])
+def test_an_answer_cut_inside_a_call_keeps_the_complete_calls_and_no_markup(fmt):
+    text = CUT[fmt]
+    first = text[:text.index("Paris")]  # cut inside the first call
+    for answer, names in ((text, ["get_weather"]), (first, [])):
+        content, calls = parse_tool_calls(fmt, answer, _ids(), cut=True)
+        assert content == ("" if fmt == LLAMA3 else "Let me look.")
+        assert [c.name for c in calls] == names
+        for step in (1, 4, 9):
+            s = ToolStream(fmt, new_id=_ids())
+            got, streamed = "", []
+            for i in range(0, len(answer), step):
+                c, new = s.feed(answer[i:i + step])
+                got, streamed = got + c, streamed + new
+            c, new = s.finish(cut=True)
+            assert (got + c).strip() == content, (step, got + c)
+            assert [x.name for x in streamed + new] == names
+    assert finish_reason("length", True) == finish_reason("length", False) == "length"
+    assert finish_reason("stop", True) == "tool_calls" and finish_reason("stop", False) == "stop"
+
+
+@pytest.mark.parametrize("fmt,answer", [
+    (HERMES, "Checking now <tool_c"), (HERMES, "Checking now </tool"),
+    (HERMES, 'Checking now <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'),
+    (MISTRAL, "Checking now [TOOL_C"), (LLAMA3, "<|python"), (LLAMA3, '{"na'),
+    (LLAMA3, '  {"name": "get_weather", "parameters": {"city": "Par')])
+def test_a_marker_or_call_cut_short_is_not_content(fmt, answer):
+    want = "" if fmt == LLAMA3 else "Checking now"
+    content, calls = parse_tool_calls(fmt, answer, cut=True)
+    assert (content.strip(), calls) == (want, ())
+    s = ToolStream(fmt)
+    got = "".join(s.feed(ch)[0] for ch in answer)
+    c, new = s.finish(cut=True)
+    assert ((got + c).strip(), new, s.calls) == (want, [], [])
 
 
 def test_format_detected_from_real_templates():
@@ -201,7 +250,8 @@ def test_openai_tools_on_a_model_without_tool_support_is_a_400(servers):
     c = _client(servers[1])
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny:1", messages=CONVERSATION, tools=[WEATHER])
-    assert e.value.body["param"] == "tools" and "--chat-template" in e.value.body["message"]
+    msg = e.value.body["message"]
+    assert e.value.body["param"] == "tools" and "--chat-template" in msg and "up --serve" in msg
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         with pytest.raises(openai.BadRequestError) as e:  # no format to enforce calls in
             c.chat.completions.create(model="tiny:1", messages=CONVERSATION, tools=[WEATHER],
@@ -236,8 +286,8 @@ class _ScriptedEngine:
 
     alive, iterations, supports_logprobs = True, 0, False
 
-    def __init__(self, answer: str) -> None:
-        self.answer, self.prompts, self.grammars = answer, [], []
+    def __init__(self, answer: str, finish: str = "stop") -> None:
+        self.answer, self.finish, self.prompts, self.grammars = answer, finish, [], []
 
     def load(self):
         return 0, 0
@@ -250,7 +300,7 @@ class _ScriptedEngine:
         ids = [ord(c) for c in self.answer]
         for b, i in enumerate(range(0, len(ids), 3)):
             emit(TokensCommitted(b, tuple(ids[i:i + 3])))
-        emit(Finished(GenerationStats(tokens=len(ids), finish_reason="stop"), tuple(ids)))
+        emit(Finished(GenerationStats(tokens=len(ids), finish_reason=self.finish), tuple(ids)))
         if on_close is not None:
             on_close()
 
@@ -335,3 +385,46 @@ def test_http_enforced_calls_need_a_grammar_backend_and_the_engine_gets_the_tool
     assert auto is None  # auto: asked through the template, parsed afterwards
     assert named.kind == "grammar" and '"const": "get_weather"' in named.source
     assert "<tool_call>" not in engine.prompts[1].split("<|im_start|>assistant")[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_http_answer_cut_by_max_tokens_inside_a_call_leaks_no_markup(stream, choice):
+    """The budget runs out inside the second call: the first is returned, the cut one is not,
+    no markup reaches `content`, and finish_reason is `length` (streamed or not)."""
+    import asyncio
+
+    import httpx
+
+    from macfleet.serve.app import ServerConfig, create_app
+
+    engine = _ScriptedEngine(CUT[HERMES], finish="length")
+    engine.supports_grammar, engine.grammar_error = True, lambda g: None
+    app = create_app(engine, _CharTokenizer(),
+                     ServerConfig("m", chat_template=TEMPLATE.read_text()))
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as http:
+            c = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http)
+            kw = dict(model="m", messages=CONVERSATION, tools=[WEATHER], tool_choice=choice,
+                      max_tokens=len(CUT[HERMES]))
+            if not stream:
+                return await c.chat.completions.create(**kw)
+            return [ch async for ch in await c.chat.completions.create(**kw, stream=True)]
+
+    got = asyncio.run(run())
+    if not stream:
+        choice0 = got.choices[0]
+        content, calls, finish = (choice0.message.content or "", choice0.message.tool_calls,
+                                  choice0.finish_reason)
+    else:
+        deltas = [ch.choices[0].delta for ch in got if ch.choices]
+        content = "".join(d.content or "" for d in deltas)
+        calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+        finish = [ch.choices[0].finish_reason for ch in got if ch.choices][-1]
+    assert "tool_call" not in content and "{" not in content, content
+    assert content.strip() == "Let me look."
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert finish == "length"

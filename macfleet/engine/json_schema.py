@@ -1,0 +1,74 @@
+"""JSON schema options of structured output (pure; no MLX): the whitespace the grammar allows,
+and OpenAI's strict mode.
+
+llguidance's JSON grammar by default lets a model write any run of whitespace between two
+tokens; a small model then spends its token budget on it (`{` and dozens of spaces, blank lines
+before a comma) and a client's max_tokens cuts the document (instructor's
+IncompleteOutputException, a `length` finish). `with_json_options` gives every JSON grammar
+macfleet builds the whitespace a compact or conventionally indented document has: at most one
+space, or one newline and an indentation, per gap. A schema's own `x-guidance` replaces these
+options whole (llguidance's defaults for what it leaves out).
+
+`strict_schema`: with `strict: true` (response_format json_schema, a function's `strict`),
+properties a schema does not name are refused, as OpenAI's strict mode: `additionalProperties:
+false` is implied for every object of the schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# one gap: nothing, one space, or a newline and up to 16 spaces (eight levels of two, four of
+# four; deeper documents stay valid, less indented)
+JSON_WHITESPACE = r"( |\n {0,16})"
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
+GUIDANCE = "x-guidance"
+
+
+def with_json_options(schema: Mapping[str, Any]) -> dict:
+    """`schema` with macfleet's JSON options, unless it names its own `x-guidance`."""
+    return dict(schema) if GUIDANCE in schema else {**schema, GUIDANCE: dict(JSON_OPTIONS)}
+
+
+class StrictSchemaError(ValueError):
+    """A schema strict mode cannot take; `path` says where (JSON pointer)."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(f"{message} (at '{path or '/'}')")
+        self.path = path
+
+
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUB_ONE = ("items", "not", "if", "then", "else", "contains", "additionalItems")
+
+
+def _is_object(node: Mapping[str, Any]) -> bool:
+    t = node.get("type")
+    return t == "object" or (isinstance(t, list) and "object" in t) or "properties" in node
+
+
+def strict_schema(schema: Any, path: str = "") -> Any:
+    """`schema` with `additionalProperties: false` on every object that does not say it; an
+    object that allows other properties is refused (StrictSchemaError), as OpenAI's strict
+    mode refuses it."""
+    if isinstance(schema, list):
+        return [strict_schema(s, f"{path}/{i}") for i, s in enumerate(schema)]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for k in _SUB_MAPS:
+        if isinstance(out.get(k), Mapping):
+            out[k] = {n: strict_schema(s, f"{path}/{k}/{n}") for n, s in out[k].items()}
+    for k in _SUB_LISTS + _SUB_ONE:
+        if k in out:
+            out[k] = strict_schema(out[k], f"{path}/{k}")
+    if _is_object(out):
+        extra = out.get("additionalProperties", False)
+        if extra is not False:
+            raise StrictSchemaError("strict mode needs 'additionalProperties': false on every "
+                                    "object (properties the schema does not name are refused)",
+                                    f"{path}/additionalProperties")
+        out["additionalProperties"] = False
+    return out
