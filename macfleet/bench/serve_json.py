@@ -72,9 +72,14 @@ def ask(url: str, model: str, question: str, max_tokens: int, schema: dict | Non
     extra = ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "person", "schema": schema, "strict": True}}} if schema else {})
     t0 = time.perf_counter()
-    r = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0,
-                                       messages=[{"role": "user", "content": question}],
-                                       **extra)
+    try:
+        r = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0,
+                                           messages=[{"role": "user", "content": question}],
+                                           **extra)
+    except openai.BadRequestError as e:  # a model whose tokens cannot follow the grammar
+        return {"text": "", "finish_reason": f"refused: {e.message}"[:300], "tokens": 0,
+                "steps": 0, "tokens_per_step": None, "accepted": 0, "ms": 0.0,
+                "valid": False}
     ms = (time.perf_counter() - t0) * 1e3
     u = r.usage
     steps = (u.model_extra or {}).get("verify_steps") or 0

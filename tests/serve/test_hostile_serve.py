@@ -160,11 +160,10 @@ def test_api_keys_repeat_or_come_one_a_line_from_a_file(tmp_path, monkeypatch):
         _api_keys(Namespace(api_key=None, api_key_file=f))
 
 
-def test_up_serve_passes_its_api_keys_on(monkeypatch):
+def test_up_serve_passes_its_api_keys_on():
     from macfleet.cli import cmd_serve
+    from macfleet.cli.main import build_parser
 
-    got = []
-    monkeypatch.setattr(cmd_serve, "run", lambda args: got.append(args) or 0)
-    assert cmd_serve.serve_fleet(Namespace(model="tiny:1", open=False, key=None,
-                                           api_key=[KEY_A, KEY_B])) == 0
-    assert got[0].api_key == [KEY_A, KEY_B]
+    up = build_parser().parse_args(["up", "--serve", "--model", "tiny:1", "--open",
+                                    "--api-key", KEY_A, "--api-key", KEY_B])
+    assert cmd_serve.fleet_serve_args(up).api_key == [KEY_A, KEY_B]
