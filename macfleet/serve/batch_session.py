@@ -46,6 +46,9 @@ class EngineRequest:
     # the answer's tokens committed before (by a verifier that failed: a re-planned
     # request), the end of `prompt`: the grammar advances over them before decoding
     committed: tuple[int, ...] = ()
+    # the answer the client expects (OpenAI's Predicted Outputs), as token ids: drafted from
+    # by engine/proposers/prediction.py beside the session's other drafters, in one tree
+    prediction: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

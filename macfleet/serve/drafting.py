@@ -23,6 +23,7 @@ from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.proposers.eagle.chain import EagleProposer
+from macfleet.engine.proposers.prediction import PredictionProposer
 from macfleet.engine.text import Drafting, make_group, no_drafts, plan_drafting
 from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_of_drafts
 from macfleet.serve.batch_session import BatchSession
@@ -52,6 +53,23 @@ def make_drafting(spec: str, lm: LoadedModel, draft_tokens: DraftTokens,
             drafting.close()
             raise
     return drafting
+
+
+def with_prediction(drafting: Drafting, prediction: PredictionProposer,
+                    draft_tokens: DraftTokens) -> ProposerGroup:
+    """A session's drafters with its request's prediction in one token tree: the prediction
+    sizes its own drafts (up to its window, on top of the others' node budget), and the
+    iteration's token budget cuts the tree as any other."""
+    if isinstance(drafting, ProposerGroup):
+        drafting.join(prediction, prediction.max_window)
+        return drafting
+    others = [drafting] if drafting is not None else []
+    group = make_group(others or [prediction], draft_tokens)
+    if others:
+        group.join(prediction, prediction.max_window)
+    else:
+        group.node_budget += prediction.max_window
+    return group
 
 
 def check_drafting(drafting: Proposer | ProposerGroup, invariant: bool) -> None:

@@ -1,0 +1,68 @@
+"""Predicted Outputs in the serving engine (tiny random model): a request's prediction drafts
+beside the session's other drafters in one token tree; greedy answers stay exactly plain
+decoding's, and the prediction's own counts are what the API reports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_parts_kit import serve_all
+
+from macfleet.engine.models import load_model
+from macfleet.engine.sampling import GREEDY
+from macfleet.serve.engine import BatchEngine, EngineRequest
+
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny:1:64")
+
+
+def _prompt(vocab: int, seed: int = 0) -> tuple[int, ...]:
+    return tuple(int(t) for t in np.random.default_rng(seed).integers(0, vocab, 12))
+
+
+def _edited(answer: list[int], vocab: int) -> tuple[int, ...]:
+    """The answer with a few tokens changed in its middle: a prediction an edit departs from."""
+    out = list(answer)
+    for i in (15, 16, 30):
+        out[i] = (out[i] + 7) % vocab
+    return tuple(out)
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram"])
+def test_a_prediction_changes_no_greedy_token_and_counts_its_own_drafts(tiny, proposer):
+    prompt = _prompt(tiny.vocab_size)
+    [(plain, fin0)] = serve_all(BatchEngine(tiny, proposer="none"),
+                                [EngineRequest(prompt, GREEDY, MAX_TOKENS)])
+    assert fin0.stats.prediction_tokens == (0, 0)
+    vocab = tiny.vocab_size
+    useless = tuple(int(t) for t in np.random.default_rng(9).integers(0, vocab, MAX_TOKENS))
+    preds = {"exact": tuple(plain), "edited": _edited(plain, vocab), "useless": useless}
+    got = {name: serve_all(BatchEngine(tiny, proposer=proposer),
+                           [EngineRequest(prompt, GREEDY, MAX_TOKENS, prediction=p)])[0]
+           for name, p in preds.items()}
+    for name, (toks, _) in got.items():
+        assert toks == plain, name
+    exact, edited = got["exact"][1].stats, got["edited"][1].stats
+    # the exact prediction: every answer token but each block's bonus one came from it
+    acc, rej = exact.prediction_tokens
+    assert rej == 0 and acc >= MAX_TOKENS - exact.blocks and exact.blocks <= 6
+    acc, rej = edited.prediction_tokens
+    assert acc >= MAX_TOKENS - 3 * 4 - edited.blocks  # re-aligned after each edit
+    assert 0 < rej <= 3 * 16
+    assert edited.blocks < MAX_TOKENS // 3
+    acc, rej = got["useless"][1].stats.prediction_tokens
+    assert acc <= 4 and rej <= 32  # it went quiet after its misses
+
+
+def test_a_prediction_is_refused_by_the_batch_invariant_mode_and_checked(tiny):
+    prompt = _prompt(tiny.vocab_size)
+    with pytest.raises(ValueError, match="prediction"):
+        BatchEngine(tiny, proposer="ngram", invariant=True).submit(
+            EngineRequest(prompt, GREEDY, 8, prediction=(1, 2)), lambda ev: None)
+    with pytest.raises(ValueError, match="prediction"):
+        BatchEngine(tiny, proposer="ngram").submit(
+            EngineRequest(prompt, GREEDY, 8, prediction=(1, tiny.vocab_size)), lambda ev: None)
