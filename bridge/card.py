@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 # 2: GenerateDone.stats is a typed GenerationStats (was a flat dict); 3: the prefill role
 # (PrefillRequest, KVChunk, PrefillDone) and FleetStats.kv; 4: logprobs through a fleet
 # (GenerateRequest.top_logprobs, GenerateChunk.logprobs / top, GenerateDone.cached_tokens)
-# and structured output (GenerateRequest.grammar_kind / grammar_source)
-PROTOCOL_VERSION = 4
+# and structured output (GenerateRequest.grammar_kind / grammar_source); 5: a request's
+# prediction (GenerateRequest.prediction_ids, OpenAI's Predicted Outputs)
+PROTOCOL_VERSION = 5
 SERVICE_TYPE = "_macfleet._tcp.local."
 
 ROLE_PROPOSER = "proposer"

@@ -219,6 +219,12 @@ class GenerateRequest:
     # "json_schema" (source: the schema's JSON), "regex" or "grammar" (source: Lark)
     grammar_kind: str = ""
     grammar_source: str = ""
+    # the answer the client expects (OpenAI's Predicted Outputs), tokenised once by the API
+    # server: the verifier's batch drafts from it beside the proposers (MAX_PREDICTION_IDS)
+    prediction_ids: tuple[int, ...] = ()
+
+
+MAX_PREDICTION_IDS = 16384  # GenerateRequest.prediction_ids
 
 
 MAX_TOP_LOGPROBS = 20  # what the OpenAI API allows for top_logprobs

@@ -134,7 +134,8 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
                     prefix_ids: Sequence[int] = (),
                     silence_s: float = DEFAULT_SILENCE_S,
                     top_logprobs: int | None = None,
-                    grammar: tuple[str, str] = ("", "")) -> Iterator[GenerateChunk | GenerateDone]:
+                    grammar: tuple[str, str] = ("", ""),
+                    prediction: Sequence[int] = ()) -> Iterator[GenerateChunk | GenerateDone]:
     """Stream a generation from a verifier agent. Raises ProtocolError/TransportTimeout.
 
     PeerUnavailable at once when the verifier's process dies (its connection drops);
@@ -143,6 +144,7 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
     prefix_ids: tokens a failed verifier already committed for this request (re-planning).
     top_logprobs: each chunk carries its tokens' logprobs and this many alternatives.
     grammar: (kind, source) the answer must match (engine/constraint.py's kinds; "" none).
+    prediction: token ids of the answer the client expects (drafted from, never imposed).
     """
     req = GenerateRequest(request_id=new_request_id(), prompt=prompt, chat=chat,
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -151,7 +153,8 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
                           proposer_spec=proposer_spec, cross_round=cross_round,
                           prefix_ids=tuple(int(t) for t in prefix_ids),
                           top_logprobs=top_logprobs, grammar_kind=grammar[0],
-                          grammar_source=grammar[1])
+                          grammar_source=grammar[1],
+                          prediction_ids=tuple(int(t) for t in prediction))
     first_by = time.monotonic() + first_token_timeout_s
     first = True
     with Client(verifier.router_endpoint, key=key, watch_peer=True) as c:

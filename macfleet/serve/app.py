@@ -30,6 +30,7 @@ from macfleet.fleet.batch import BATCH_PATH
 from macfleet.serve.engine import EngineRequest, Overloaded
 from macfleet.serve.logprobs import (TokenLogprob, TokenText, chat_content, completion_logprobs,
                                      token_text)
+from macfleet.serve.prediction import parse_prediction, prediction_ids, usage_details
 from macfleet.serve.prompt import Prompt, render_prompt
 from macfleet.serve.schemas import GenerationRequest, Limits, RequestError, parse_request
 from macfleet.serve.session import GenerationFailed, Outcome, Piece, open_session, run_session
@@ -128,7 +129,9 @@ class Api:
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         self._auth(request)
-        req = parse_request(await self._body(request), chat=chat, limits=self.cfg.limits)
+        body = await self._body(request)
+        req = parse_request(body, chat=chat, limits=self.cfg.limits)
+        predicted = parse_prediction(body)
         if req.model is not None and req.model != self.cfg.model_id:
             raise RequestError(f"model '{req.model}' is not served here; this server serves "
                                f"'{self.cfg.model_id}' (GET /v1/models)", param="model",
@@ -139,6 +142,9 @@ class Api:
         if req.logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
             raise RequestError("logprobs are not available when serving through a fleet's "
                                "verifier agent (serve --local has them)", param="logprobs")
+        if predicted and not getattr(self.engine, "supports_prediction", False):
+            raise RequestError("'prediction' drafts a token tree, which this server's "
+                               "batch-invariant mode does not verify", param="prediction")
         prompt = render_prompt(self.tok, req, self.cfg.limits, self.cfg.chat_template)
         ids, prompt_text = prompt.ids, prompt.text
         grammar, where = _grammar(req, prompt)
@@ -150,7 +156,8 @@ class Api:
                                status=429, kind="rate_limit_error", code="too_many_sessions")
         eos = frozenset(getattr(self.tok, "eos_token_ids", ()) or ())
         ereq = EngineRequest(tuple(ids), req.params, req.max_tokens, eos, prompt_text,
-                             logprobs=req.logprobs, grammar=grammar)
+                             logprobs=req.logprobs, grammar=grammar,
+                             prediction=prediction_ids(self.tok, predicted, self.cfg.limits))
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      int(time.time()), self.cfg.model_id, chat, len(ids), req.logprobs,
                      self.token_text, prompt)
@@ -266,10 +273,7 @@ class _Meta:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": o.completion_tokens,
                 "total_tokens": self.prompt_tokens + o.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
-                "completion_tokens_details": {
-                    "accepted_prediction_tokens": o.accepted,
-                    "rejected_prediction_tokens": o.drafted - o.accepted},
-                "verify_steps": o.blocks}  # macfleet's: verifier forwards for this answer
+                **usage_details(o)}
 
     def full(self, text: str, o: Outcome, lps: tuple[TokenLogprob, ...] = (),
              calls: tuple[ToolCall, ...] = ()) -> dict:

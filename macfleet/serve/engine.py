@@ -77,6 +77,11 @@ class BatchEngine:
     supports_logprobs = True  # EngineRequest.logprobs honoured (the HTTP layer asks)
     supports_grammar = True  # EngineRequest.grammar honoured (engine/constraint.py)
 
+    @property
+    def supports_prediction(self) -> bool:
+        """EngineRequest.prediction honoured (a token tree: not in the batch-invariant mode)."""
+        return not self.invariant
+
     def __init__(self, lm: LoadedModel, *, proposer: str = "ngram",
                  draft_tokens: int | str = "auto", token_budget: int = DEFAULT_TOKEN_BUDGET,
                  max_active: int = DEFAULT_MAX_ACTIVE, max_queue: int = DEFAULT_MAX_QUEUE,

@@ -77,6 +77,7 @@ class RemoteEngine:
 
     supports_logprobs = True  # the agent's batch scores them; the wire carries them (protocol 4)
     supports_grammar = True  # response_format: the agent's batch masks its rows (protocol 4)
+    supports_prediction = True  # the agent's batch drafts from it (protocol 5)
 
     def __init__(self, verifier, proposers, key: bytes | None, *, proposer: str = "ngram",
                  draft_tokens: int | str = "auto", max_active: int = 16,
@@ -203,7 +204,8 @@ class RemoteEngine:
                                    proposers=remote, proposer_spec=self.proposer_spec,
                                    top_logprobs=req.logprobs,
                                    grammar=((req.grammar.kind, req.grammar.source)
-                                            if req.grammar is not None else ("", ""))):
+                                            if req.grammar is not None else ("", "")),
+                                   prediction=req.prediction):
             if h.cancelled:
                 return "cancelled"  # closes the client; the agent finishes on its own
             if isinstance(msg, GenerateChunk) and msg.token_ids:

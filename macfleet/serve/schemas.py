@@ -48,6 +48,7 @@ class Limits:
     max_prompt_tokens: int = 4096
     max_tokens: int = 1024
     max_sessions_per_client: int = 16
+    max_prediction_tokens: int = 16384  # a request's `prediction` (serve/prediction.py)
 
 
 @dataclass(frozen=True)

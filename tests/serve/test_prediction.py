@@ -11,6 +11,8 @@ from engine_parts_kit import serve_all
 from macfleet.engine.models import load_model
 from macfleet.engine.sampling import GREEDY
 from macfleet.serve.engine import BatchEngine, EngineRequest
+from macfleet.serve.prediction import parse_prediction, prediction_ids
+from macfleet.serve.schemas import Limits, RequestError
 
 MAX_TOKENS = 48
 
@@ -66,3 +68,28 @@ def test_a_prediction_is_refused_by_the_batch_invariant_mode_and_checked(tiny):
     with pytest.raises(ValueError, match="prediction"):
         BatchEngine(tiny, proposer="ngram").submit(
             EngineRequest(prompt, GREEDY, 8, prediction=(1, tiny.vocab_size)), lambda ev: None)
+
+
+@pytest.mark.parametrize("v,param", [
+    ("def f(): pass", "prediction"),
+    ({"type": "text", "content": "x"}, "prediction.type"),
+    ({"type": "content"}, "prediction.content"),
+    ({"type": "content", "content": 3}, "prediction.content"),
+    ({"type": "content", "content": [{"type": "text", "text": 1}]}, "prediction.content"),
+])
+def test_a_bad_prediction_is_a_400_naming_the_field(v, param):
+    with pytest.raises(RequestError) as e:
+        parse_prediction({"prediction": v})
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_a_prediction_as_text_parts_is_their_text_and_its_ids_are_bounded(tiny):
+    parts = [{"type": "text", "text": "abc "}, {"type": "text", "text": "def"}]
+    assert parse_prediction({"prediction": {"type": "content", "content": parts}}) == "abc def"
+    assert parse_prediction({}) == ""
+    assert prediction_ids(tiny.tokenizer, "", Limits()) == ()
+    ids = prediction_ids(tiny.tokenizer, "abc def", Limits())
+    assert ids and all(0 <= t < tiny.vocab_size for t in ids)
+    with pytest.raises(RequestError) as e:
+        prediction_ids(tiny.tokenizer, "abc def" * 10, Limits(max_prediction_tokens=8))
+    assert e.value.param == "prediction.content"
