@@ -3,12 +3,12 @@
 An editor that asks for a file to be rewritten sends the text it expects back (`prediction`):
 most of the answer is in it already. This drafter drafts the prediction's continuation from
 where the answer is. While the answer follows the prediction, it drafts on from the aligned
-position, with a window that doubles as whole drafts are accepted (a copy is cheap to verify);
-when the answer departs (an edited line), it finds the answer's last few tokens again in the
+position as far as pays at its acceptance so far and the verifier's measured verify(L) (a copy
+is cheap to verify when accepted: long drafts while it holds); when the answer departs (an edited line), it finds the answer's last few tokens again in the
 prediction (an n-gram index over the prediction, longest suffix first, the nearest position
 after the last aligned one) and drafts from there. A prediction that stops matching stops
-costing: after a few drafts that got nothing accepted the window shrinks and the drafter
-speaks only again when a long suffix of the answer is found in the prediction.
+costing: its acceptance falls, and so does the length that pays, to nothing; after a few drafts
+that got nothing accepted it re-aligns only on a long suffix of the answer.
 
 The answer is what follows `answer_start` in the context (the prompt's length): the drafter is
 built per request with its prediction's token ids, tokenised once by the caller.
@@ -21,14 +21,14 @@ import time
 from collections.abc import Sequence
 
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.tree_budget import VerifyCurve
 from macfleet.stats import PREDICTION
 
 MIN_MATCH = 2  # shortest answer suffix that re-aligns the drafter
 MAX_MATCH = 8  # longest suffix tried first
 LONG_MATCH = 5  # a suffix this long is trusted after misses, or behind the last position
-START_WINDOW = 16  # the first draft's length (a copy from the answer's start)
-MIN_WINDOW = 2
 MAX_WINDOW = 64  # bounded again by the engine's iteration budget
+PRIOR_ALPHA, PRIOR_TRIALS = 0.9, 4  # a prediction is mostly right until its drafts say not
 QUIET_AFTER = 2  # consecutive drafts with nothing accepted before it waits for LONG_MATCH
 
 
@@ -61,30 +61,62 @@ def realign(index: dict[int, dict[tuple[int, ...], list[int]]], answer: Sequence
     return None
 
 
+def best_window(alpha: float, cost, max_window: int) -> int:
+    """Pure: the draft length w in 0..max_window with the most committed tokens per verify
+    time, (1 - a^(w+1)) / (1 - a) / verify(w + 1), at per-token acceptance `alpha` (0: plain
+    decoding pays best). `cost(L)`: verify(L) in any unit (engine/tree_budget.py's curve)."""
+    a = min(max(alpha, 0.0), 0.999)
+    best, best_rate = 0, 1.0 / cost(1)
+    for w in range(1, max_window + 1):
+        rate = (1 - a ** (w + 1)) / (1 - a) / cost(w + 1)
+        if rate > best_rate:
+            best, best_rate = w, rate
+    return best
+
+
 class PredictionProposer(Proposer):
     """Drafts from one request's prediction (token ids); see the module docstring."""
 
     host_side = True
 
     def __init__(self, prediction: Sequence[int], answer_start: int, *,
-                 start_window: int = START_WINDOW, max_window: int = MAX_WINDOW) -> None:
+                 max_window: int = MAX_WINDOW) -> None:
         if answer_start < 0:
             raise ValueError(f"answer_start must be >= 0, got {answer_start}")
         self.name = PREDICTION
         self.prediction = tuple(int(t) for t in prediction)
         self.answer_start = answer_start
-        self.start_window, self.max_window = start_window, max_window
+        self.max_window = max_window
         self._index = ngram_index(self.prediction)
+        self.curve = VerifyCurve()
         self.start()
 
     def start(self, params=None) -> None:
         self.params = params
-        self.window = self.start_window
-        self.misses = 0
+        self.misses = 0  # drafts in a row with nothing accepted
+        self.accepted = self.trials = 0  # its tokens accepted; + one per draft cut short
         self._at: tuple[int, int] | None = (0, 0)  # (answer length, prediction position)
+        self._anchor = 0  # the last aligned position while the drafter is not aligned
+        self._sure = True  # aligned by the answer following it, or by a long match
+
+    def seed_verify_costs(self, costs) -> None:
+        self.curve.seed(dict(costs))
+
+    @property
+    def alpha(self) -> float:
+        """Its per-token acceptance so far, from a prior of PRIOR_ALPHA."""
+        return (self.accepted + PRIOR_ALPHA * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
+
+    @property
+    def window(self) -> int:
+        """The draft length that pays at its acceptance and the verifier's verify(L); a
+        confident alignment drafts at the prior's length at least."""
+        w = best_window(self.alpha, self.curve.cost, self.max_window)
+        return max(w, best_window(PRIOR_ALPHA, self.curve.cost, self.max_window)) \
+            if self._sure and self.misses == 0 else w
 
     def draft_length(self) -> int:
-        return self.window
+        return self.max_window
 
     def _align(self, answer: Sequence[int]) -> int | None:
         """The prediction position the answer's end stands at (None: not found)."""
@@ -100,9 +132,8 @@ class PredictionProposer(Proposer):
         found = realign(self._index, answer, anchor, long_only=self.misses >= QUIET_AFTER)
         self._anchor = anchor
         self._at = (len(answer), found[0]) if found is not None else None
+        self._sure = found is not None and found[1] >= LONG_MATCH
         return found[0] if found is not None else None
-
-    _anchor = 0  # the last aligned position while the drafter is not aligned
 
     def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
         if k <= 0:
@@ -112,26 +143,21 @@ class PredictionProposer(Proposer):
         if pos is None or pos >= len(self.prediction):
             return EMPTY_DRAFT
         n = min(k, self.window)
+        if n <= 0:
+            return EMPTY_DRAFT
         tokens = self.prediction[pos:pos + n + (1 if with_guess else 0)]
         guess = tokens[n] if with_guess and len(tokens) > n else None
         return Draft(tokens[:n], None, (time.perf_counter() - t0) * 1e3, guess)
 
     def observe(self, drafted: int, accepted: int, verify_ms: float,
                 verified: int | None = None) -> None:
-        """Whole drafts accepted double the window; a draft with nothing accepted is a miss
-        (the window shrinks, and after QUIET_AFTER of them only a long match re-aligns)."""
+        """Acceptance learnt from each draft (verify(L) is the engine's, seeded: a batch's
+        iteration time is not this draft's); a draft with nothing accepted is a miss (after QUIET_AFTER in a row only a long match re-aligns it)."""
         if drafted <= 0:
             return
-        if accepted >= drafted:
-            self.misses = 0
-            self.window = min(self.max_window, self.window * 2)
-        elif accepted > 0:
-            self.misses = 0
-            if accepted < drafted // 2:
-                self.window = max(MIN_WINDOW, self.window // 2)
-        else:
-            self.misses += 1
-            self.window = max(MIN_WINDOW, self.window // 4)
+        self.accepted += accepted
+        self.trials += accepted + (accepted < drafted)
+        self.misses = 0 if accepted else self.misses + 1
 
     def close(self) -> None:
         self.start(self.params if hasattr(self, "params") else None)
