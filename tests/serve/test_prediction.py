@@ -93,3 +93,44 @@ def test_a_prediction_as_text_parts_is_their_text_and_its_ids_are_bounded(tiny):
     with pytest.raises(RequestError) as e:
         prediction_ids(tiny.tokenizer, "abc def" * 10, Limits(max_prediction_tokens=8))
     assert e.value.param == "prediction.content"
+
+
+SNIPPET = '''def mean(values):
+    """The arithmetic mean of a non-empty list."""
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+
+
+def spread(values):
+    return max(values) - min(values)
+'''
+
+
+@pytest.mark.slow  # the embedded model, several answers
+def test_smollm2_answers_equal_with_and_without_a_prediction():
+    """The embedded model asked to repeat code: greedy tokens identical to plain decoding with
+    the code, an edited copy or unrelated text as the prediction; the code's prediction is
+    mostly accepted and takes fewer verifier steps."""
+    from macfleet.engine.models import embedded_model_path
+    from macfleet.engine.text import encode_prompt
+
+    if embedded_model_path() is None:
+        pytest.skip("the embedded model is not installed")
+    lm = load_model("smollm2")
+    tok = lm.tokenizer
+    ids = tuple(encode_prompt(tok, "Repeat this code exactly:\n```python\n" + SNIPPET + "```",
+                              True))
+    [(plain, fin)] = serve_all(BatchEngine(lm, proposer="none"),
+                               [EngineRequest(ids, GREEDY, 64, lm.eos_ids)])
+    preds = {"code": SNIPPET, "edited": SNIPPET.replace("total", "acc"),
+             "useless": "The quick brown fox jumps over the lazy dog. " * 8}
+    for name, text in preds.items():
+        pred = tuple(tok.encode(text, add_special_tokens=False))
+        [(toks, f)] = serve_all(BatchEngine(lm, proposer="ngram"),
+                                [EngineRequest(ids, GREEDY, 64, lm.eos_ids, prediction=pred)])
+        assert toks == plain, name
+        if name == "code":
+            assert f.stats.prediction_tokens[0] >= len(plain) // 2
+            assert f.stats.blocks < fin.stats.blocks // 2
