@@ -14,7 +14,8 @@ lines each; `--lines N` keeps their first N lines for a short run), greedy, thro
 Each request runs without a prediction and then with one, on the same server (no prompt cache,
 so both prefill the whole prompt); per request: the
 speed-up (wall time without / with), whether the answers are the same (greedy: they must be),
-the share of the answer's characters the prediction held (difflib's matching blocks: what a
+the verifier steps saved (without / with: a ratio the machine's load does not move), the
+share of the answer's characters the prediction held (difflib's matching blocks: what a
 drafter that follows the prediction perfectly could copy), the prediction's tokens accepted
 and rejected (`usage.completion_tokens_details`) and the verifier steps (`usage.macfleet`).
 """
@@ -104,13 +105,16 @@ def bench_prediction(model: str, *, proposer: str = "ngram", lines: int | None =
             pred = ask(client, model, req["ask"], max_tokens, req["prediction"])
             row = {"file": req["file"], "workload": req["workload"],
                    "speedup": round(plain["s"] / pred["s"], 3) if pred["s"] else None,
+                   "steps_ratio": round(plain["verify_steps"] / pred["verify_steps"], 3)
+                   if pred["verify_steps"] else None,
                    "same_answer": plain["text"] == pred["text"],
                    "held_share": held_share(plain["text"], req["prediction"]),
                    "accepted_share": round(pred["accepted_prediction"] / pred["tokens"], 3)
                    if pred["tokens"] else 0.0,
                    "plain": plain, "predicted": pred}
             rows.append(row)
-            progress(f"{req['file']} {req['workload']}: {row['speedup']}x, held "
+            progress(f"{req['file']} {req['workload']}: {row['speedup']}x ({row['steps_ratio']}x "
+                     f"fewer verifier steps), held "
                      f"{row['held_share']:.0%}, accepted {row['accepted_share']:.0%} of "
                      f"{pred['tokens']} tokens, same answer {row['same_answer']}")
     finally:
@@ -132,6 +136,7 @@ def summary(rows: list[dict]) -> dict:
         mine = [r for r in rows if r["workload"] == w]
         if mine:
             out[w] = {"speedup_geomean": _geomean([r["speedup"] for r in mine]),
+                      "steps_ratio_geomean": _geomean([r.get("steps_ratio") for r in mine]),
                       "speedup_min": min(r["speedup"] or 0 for r in mine),
                       "held_share_mean": round(sum(r["held_share"] for r in mine) / len(mine),
                                                3),
@@ -147,12 +152,13 @@ def summary(rows: list[dict]) -> dict:
 
 def prediction_rows(res: dict) -> list[str]:
     s = res["summary"]
-    out = [f"{'workload':<11}{'speed-up':>9}{'min':>7}{'held':>7}{'accepted':>10}"]
+    out = [f"{'workload':<11}{'speed-up':>9}{'min':>7}{'steps':>8}{'held':>7}{'accepted':>10}"]
     for w in WORKLOADS:
         if w in s:
             x = s[w]
             out.append(f"{w:<11}{x['speedup_geomean']!s:>8}x{x['speedup_min']!s:>7}"
-                       f"{x['held_share_mean']:>7.0%}{x['accepted_share_mean']:>10.0%}")
+                       f"{x['steps_ratio_geomean']!s:>7}x{x['held_share_mean']:>7.0%}"
+                       f"{x['accepted_share_mean']:>10.0%}")
     for name, b in s["by_held_share"].items():
         out.append(f"{name}: {b['requests']} requests, speed-up {b['speedup_geomean']}x")
     out.append(f"same answers: {s['same_answers']}/{s['requests']}")

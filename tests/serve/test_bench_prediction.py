@@ -41,6 +41,7 @@ def test_held_share_and_summary():
              "same_answer": True}]
     s = summary(rows)
     assert s["copy"]["speedup_geomean"] == 2.0 and s["copy"]["speedup_min"] == 1.0
+    assert s["copy"]["steps_ratio_geomean"] is None  # rows without steps
     assert s["by_held_share"]["held>=0.8"] == {"requests": 1, "speedup_geomean": 4.0}
     assert s["by_held_share"]["held<0.5"]["requests"] == 2
     assert (s["same_answers"], s["requests"]) == (3, 3)
