@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from macfleet.engine.controller import DEFAULT_K_MAX as CHAIN_K_MAX
 from macfleet.engine.controller import DraftTokens
 from macfleet.engine.constraint import constrained_draft, constrained_tree
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
@@ -25,7 +26,7 @@ from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.proposers.eagle.chain import EagleProposer
 from macfleet.engine.proposers.prediction import PredictionProposer
 from macfleet.engine.text import Drafting, make_group, no_drafts, plan_drafting
-from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_of_drafts
+from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_budget, tree_of_drafts
 from macfleet.serve.batch_session import BatchSession
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.scheduler import DraftView, draft_acceptance, plan_drafts
@@ -63,12 +64,14 @@ def with_prediction(drafting: Drafting, prediction: PredictionProposer,
     if isinstance(drafting, ProposerGroup):
         drafting.join(prediction, prediction.max_window)
         return drafting
-    others = [drafting] if drafting is not None else []
-    group = make_group(others or [prediction], draft_tokens)
-    if others:
-        group.join(prediction, prediction.max_window)
-    else:
+    if drafting is None:
+        group = make_group([prediction], draft_tokens)
         group.node_budget += prediction.max_window
+        return group
+    # a chain drafter keeps the longest draft it has alone (a tree's default is shorter)
+    group = ProposerGroup([drafting], draft_tokens=draft_tokens, k_max=CHAIN_K_MAX,
+                          node_budget=tree_budget([drafting]))
+    group.join(prediction, prediction.max_window)
     return group
 
 
