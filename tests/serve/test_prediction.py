@@ -134,3 +134,16 @@ def test_smollm2_answers_equal_with_and_without_a_prediction():
         if name == "code":
             assert f.stats.prediction_tokens[0] >= len(plain) // 2
             assert f.stats.blocks < fin.stats.blocks // 2
+
+
+def test_drafters_count_the_tokens_of_theirs_the_cut_tree_verified():
+    """A tree cut to its slot (the iteration's budget) verifies only its first nodes: each
+    drafter's drafted count (the prediction's rejected tokens) is of those, not of its draft."""
+    from macfleet.engine.proposers.base import Draft
+    from macfleet.engine.tree import TokenTree
+    from macfleet.serve.decode import verified_drafts
+
+    drafts = [Draft((1, 2, 3)), Draft((1, 5, 6, 7, 8))]
+    tree = TokenTree.from_drafts(0, [d.tokens for d in drafts]).first(5)  # root + 4 nodes
+    assert [len(d) for d in verified_drafts(drafts, tree)] == [3, 2]
+    assert verified_drafts(drafts, TokenTree.from_drafts(0, [d.tokens for d in drafts])) == drafts
