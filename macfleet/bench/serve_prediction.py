@@ -160,6 +160,7 @@ def prediction_rows(res: dict) -> list[str]:
                        f"{x['steps_ratio_geomean']!s:>7}x{x['held_share_mean']:>7.0%}"
                        f"{x['accepted_share_mean']:>10.0%}")
     for name, b in s["by_held_share"].items():
-        out.append(f"{name}: {b['requests']} requests, speed-up {b['speedup_geomean']}x")
+        sp = f"{b['speedup_geomean']}x" if b["speedup_geomean"] else "n/a"
+        out.append(f"{name}: {b['requests']} requests, speed-up {sp}")
     out.append(f"same answers: {s['same_answers']}/{s['requests']}")
     return out
