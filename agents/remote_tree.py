@@ -23,12 +23,17 @@ class RemoteProposerGroup(ProposerGroup):
     def _fail(self, j: int, e: Exception) -> None:
         super()._fail(j, e)
         p = self.proposers[j]
-        self.failures.append(f"{p.endpoint}: {e}")
+        self.failures.append(f"{getattr(p, 'endpoint', p.name)}: {e}")
         p.close()
 
     def flow_stats(self) -> FlowStats:
         """The proposers draft side by side: per block, the worst of them (blocks summed)."""
-        return worst_flows([p.flow_stats() for p in self.proposers])
+        return worst_flows([p.flow_stats() for p in self.remotes])
+
+    @property
+    def remotes(self) -> list[RemoteProposer]:
+        """Its proposers on other agents (a request's prediction drafts here, beside them)."""
+        return [p for p in self.proposers if isinstance(p, RemoteProposer)]
 
 
 def worst_flows(each: Sequence[FlowStats]) -> FlowStats:

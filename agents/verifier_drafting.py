@@ -133,7 +133,7 @@ def last_flows(proposer) -> BlockFlows | None:
         return proposer.current.flows.last if proposer.current else None
     if isinstance(proposer, RemoteProposerGroup):
         lasts = [p.flows.last for p, live in zip(proposer.proposers, proposer.live)
-                 if live and p.flows.last]
+                 if live and isinstance(p, RemoteProposer) and p.flows.last]
         if not lasts:
             return None
         worst = max(lasts, key=lambda f: f.wire_ms)

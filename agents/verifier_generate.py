@@ -59,7 +59,8 @@ class VerifierGenerations:
                             report_blocks=True, logprobs=msg.top_logprobs,
                             grammar=(Grammar(msg.grammar_kind, msg.grammar_source)
                                      if msg.grammar_kind else None),
-                            committed=tuple(msg.prefix_ids), partition=msg.cache_partition)
+                            committed=tuple(msg.prefix_ids), partition=msg.cache_partition,
+                            prediction=tuple(msg.prediction_ids))
         rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
         lps: tuple = ()  # LogprobsCommitted comes right before the TokensCommitted it scores
         cached = 0

@@ -21,8 +21,8 @@ from agents.verifier_drafting import (FallbackProposer, RequestDrafting,  # noqa
                                       draft_tokens_of)
 from agents.verifier_generate import Reply, VerifierGenerations
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
-from bridge.messages import (AUTO_DRAFT_TOKENS, MAX_TOP_LOGPROBS, BatchStatus, ErrorReply,
-                             GenerateChunk, GenerateRequest)
+from bridge.messages import (AUTO_DRAFT_TOKENS, MAX_PREDICTION_IDS, MAX_TOP_LOGPROBS,
+                             BatchStatus, ErrorReply, GenerateChunk, GenerateRequest)
 from bridge.peers import PeerAllowlist
 from macfleet.engine.constraint import Grammar, grammar_error
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
@@ -254,6 +254,8 @@ class VerifierService(VerifierGenerations):
                    grammar_error(Grammar(msg.grammar_kind, msg.grammar_source)))
             if err is not None:
                 raise ProtocolError(BAD_REQUEST, f"response_format: {err.strip()[:500]}")
+        if len(msg.prediction_ids) > MAX_PREDICTION_IDS:
+            raise ProtocolError(BAD_REQUEST, f"prediction: over {MAX_PREDICTION_IDS} tokens")
         check_request(msg, self.policy)
         self._peers(msg.proposers)  # before any connection: fleet members only (no SSRF)
         if self._batch is not None and not (self._stage is not None and self._stage.wants(msg)):

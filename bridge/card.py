@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 # (PrefillRequest, KVChunk, PrefillDone) and FleetStats.kv; 4: logprobs through a fleet
 # (GenerateRequest.top_logprobs, GenerateChunk.logprobs / top, GenerateDone.cached_tokens)
 # and structured output (GenerateRequest.grammar_kind / grammar_source); 5: card tags carry a
-# time stamp (x-ts, bridge.peers) and GenerateRequest.cache_partition (one prompt cache per
-# API key of a serve in front of the fleet)
+# time stamp (x-ts, bridge.peers), GenerateRequest.cache_partition (one prompt cache per API
+# key of a serve in front of the fleet) and GenerateRequest.prediction_ids (OpenAI's Predicted
+# Outputs), and draft-model agents' messages (StreamOpen, DraftChunk, StreamCommit)
 PROTOCOL_VERSION = 5
 SERVICE_TYPE = "_macfleet._tcp.local."
 

@@ -271,6 +271,12 @@ class GenerateRequest:
     # whose prompt cache the request reads and fills on the verifier ("" the shared one; a
     # serve of several API keys sends each key's hash): prefixes cross no partition
     cache_partition: str = ""
+    # the answer the client expects (OpenAI's Predicted Outputs), tokenised once by the API
+    # server: the verifier's batch drafts from it beside the proposers (MAX_PREDICTION_IDS)
+    prediction_ids: tuple[int, ...] = ()
+
+
+MAX_PREDICTION_IDS = 16384  # GenerateRequest.prediction_ids
 
 
 MAX_TOP_LOGPROBS = 20  # what the OpenAI API allows for top_logprobs

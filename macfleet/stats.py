@@ -166,6 +166,11 @@ class FleetStats:
     shard: ShardStats | None = None  # a sharded verifier's shard flow and router load
 
 
+# the name of a request's own prediction among a tree's drafters (OpenAI's Predicted Outputs,
+# engine/proposers/prediction.py): its figures are the API's accepted/rejected_prediction_tokens
+PREDICTION = "prediction"
+
+
 @dataclass(frozen=True)
 class ProposerStats:
     """One drafter of a token tree: how many of its drafts the verifier kept."""
@@ -213,6 +218,14 @@ class GenerationStats:
     def mean_accepted(self) -> float:
         n = sum(self.accepted_hist)
         return sum(i * c for i, c in enumerate(self.accepted_hist)) / n if n else 0.0
+
+    @property
+    def prediction_tokens(self) -> tuple[int, int]:
+        """(accepted, rejected) tokens of the request's prediction: its drafts on the accepted
+        paths, and those verified and not accepted ((0, 0) without a prediction)."""
+        mine = [p for p in self.per_proposer if p.name == PREDICTION]
+        accepted = sum(p.accepted for p in mine)
+        return accepted, sum(p.drafted for p in mine) - accepted
 
     def acceptance_of(self, name: str) -> float:
         """The acceptance of the tree drafter called `name`; KeyError when none is."""

@@ -10,7 +10,7 @@ and its punctuation is forced), and free (no `response_format`) with max_tokens 
 schema-bound answer's length. The questions show the wanted JSON's shape, so the free answer
 mostly starts with the same JSON: then it IS the same answer, token for token, and the steps
 compare decoding of the same text constrained and not (`same_answer`). Per answer:
-completion tokens, verifier steps (`usage.verify_steps`, macfleet's), tokens per step, drafts
+completion tokens, verifier steps (`usage.macfleet.verify_steps`), tokens per step, drafts
 accepted (forced tokens included), wall time, validity against the schema.
 """
 
@@ -82,13 +82,13 @@ def ask(url: str, model: str, question: str, max_tokens: int, schema: dict | Non
                 "valid": False}
     ms = (time.perf_counter() - t0) * 1e3
     u = r.usage
-    steps = (u.model_extra or {}).get("verify_steps") or 0
-    details = u.completion_tokens_details
+    mine = (u.model_extra or {}).get("macfleet") or {}  # macfleet's drafting figures
+    steps = mine.get("verify_steps") or 0
     text = r.choices[0].message.content or ""
     return {"text": text, "finish_reason": r.choices[0].finish_reason,
             "tokens": u.completion_tokens, "steps": steps,
             "tokens_per_step": round(u.completion_tokens / steps, 3) if steps else None,
-            "accepted": (details.accepted_prediction_tokens or 0) if details else 0,
+            "accepted": mine.get("accepted_draft_tokens") or 0,
             "ms": round(ms, 1), "valid": _valid(text)}
 
 

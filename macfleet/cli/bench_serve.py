@@ -41,7 +41,18 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--questions", type=int, default=6, help="with --json-schema (1-6)")
     s.add_argument("--proposer", default="ngram,none", metavar="SPEC[,SPEC...]",
                    help="with --json-schema: comma-separated proposer specs, one server each "
-                   "(e.g. retrieval+ngram,ngram,none: token trees against chains)")
+                   "(e.g. retrieval+ngram,ngram,none: token trees against chains); with "
+                   "--prediction: the first is the server's drafter beside the prediction")
+    s.add_argument("--prediction", action="store_true",
+                   help="OpenAI Predicted Outputs: code-edit and copy workloads on 100-400 "
+                   "line files, each request's speed-up with its prediction against without, "
+                   "beside the share of the answer the prediction held "
+                   "(results/serve_prediction.json)")
+    s.add_argument("--lines", type=int, default=None,
+                   help="with --prediction: keep the files' first N lines (a short run; "
+                   "default: the whole files)")
+    s.add_argument("--workloads", default="copy,edit,edit-guess,useless",
+                   help="with --prediction: comma-separated workloads")
     s.set_defaults(func=run_serve)
     b = bs.add_parser("batch-identity", help="greedy answers batched vs alone over many "
                       "requests: divergence rate per mode (results/batch_identity.json)")
@@ -62,6 +73,8 @@ def run_serve(args) -> int:
     from macfleet.bench.serve import bench_serve, plot, summary_rows
     from macfleet.cli.common import UserError
 
+    if args.prediction:
+        return _run_prediction(args, lambda m: print(m, file=sys.stderr, flush=True))
     if args.max_tokens is None:
         args.max_tokens = 96 if args.json_schema else 32
     try:
@@ -108,6 +121,29 @@ def _run_multi_turn(args, progress) -> int:
                            repeats=args.repeats, mlx_lm_dir=args.mlx_lm)
     path = write_result("serve_chat.json", res, args.out)
     for line in chat_rows(res):
+        print(line)
+    print(f"wrote {path}")
+    return 0
+
+
+def _run_prediction(args, progress) -> int:
+    import time
+
+    from macfleet.bench.record import write_result
+    from macfleet.bench.serve_prediction import WORKLOADS, bench_prediction, prediction_rows
+    from macfleet.cli.common import UserError
+
+    workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+    if not workloads or set(workloads) - set(WORKLOADS):
+        raise UserError(f"--workloads must name some of {', '.join(WORKLOADS)}")
+    if args.lines is not None and args.lines < 1:
+        raise UserError("--lines must be >= 1")
+    max_tokens = args.max_tokens if args.max_tokens is not None else 1024
+    res = bench_prediction(args.model, proposer=args.proposer.split(",")[0], lines=args.lines,
+                           max_tokens=max_tokens, workloads=workloads,
+                           deadline=time.monotonic() + args.time_limit, progress=progress)
+    path = write_result("serve_prediction.json", res, args.out)
+    for line in prediction_rows(res):
         print(line)
     print(f"wrote {path}")
     return 0

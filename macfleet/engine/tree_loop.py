@@ -66,6 +66,10 @@ def tree_budget(proposers: Sequence[Proposer]) -> int:
     return max([DEFAULT_NODE_BUDGET, *(TREE_DRAFTER_BUDGET for p in proposers if p.drafts_trees)])
 
 
+def _own_or(k: int | None, controller) -> int:
+    return controller.next_k() if k is None else k
+
+
 class ProposerGroup:
     """Proposers drafting for one sequence. `draft_all` is sequential here; a remote group
     (agents) sends every request first and then collects, so drafting runs in parallel."""
@@ -93,9 +97,19 @@ class ProposerGroup:
     def lengths(self, limit: int) -> list[int]:
         """Draft length per proposer; a tree drafter gets the node budget (it picks its own
         size within it) and shares it with the others."""
-        ks = [0 if not live else min(self.node_budget if p.drafts_trees else c.next_k(), limit)
+        ks = [0 if not live else min(self.node_budget if p.drafts_trees else
+                                     _own_or(p.draft_length(), c), limit)
               for p, c, live in zip(self.proposers, self.controllers, self.live)]
         return cap_total(ks, self.node_budget)
+
+    def join(self, p: Proposer, budget: int) -> None:
+        """One more drafter in the tree (a request's prediction), with `budget` more nodes."""
+        self.proposers.append(p)
+        self.controllers.append(FixedDraftLength(0))  # unused: it sizes its own drafts
+        self.live.append(True)
+        self.drafted.append(0)
+        self.accepted.append(0)
+        self.node_budget += budget
 
     def draft_all(self, context: Sequence[int], ks: Sequence[int],
                   given: Sequence[Draft | None] | None = None) -> list[Draft]:

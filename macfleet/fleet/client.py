@@ -166,7 +166,8 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
                     silence_s: float = DEFAULT_SILENCE_S,
                     top_logprobs: int | None = None,
                     grammar: tuple[str, str] = ("", ""),
-                    cache_partition: str = "") -> Iterator[GenerateChunk | GenerateDone]:
+                    cache_partition: str = "", prediction: Sequence[int] = ()
+                    ) -> Iterator[GenerateChunk | GenerateDone]:
     """Stream a generation from a verifier agent. Raises ProtocolError/TransportTimeout.
 
     PeerUnavailable at once when the verifier's process dies (its connection drops);
@@ -176,6 +177,7 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
     top_logprobs: each chunk carries its tokens' logprobs and this many alternatives.
     grammar: (kind, source) the answer must match (engine/constraint.py's kinds; "" none).
     cache_partition: whose prompt cache on the verifier (serve's API key partition).
+    prediction: token ids of the answer the client expects (drafted from, never imposed).
     """
     req = GenerateRequest(request_id=new_request_id(), prompt=prompt, chat=chat,
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -184,7 +186,8 @@ def generate_remote(verifier: AgentCard, key: bytes | None, *, prompt: str, chat
                           proposer_spec=proposer_spec, cross_round=cross_round,
                           prefix_ids=tuple(int(t) for t in prefix_ids),
                           top_logprobs=top_logprobs, grammar_kind=grammar[0],
-                          grammar_source=grammar[1], cache_partition=cache_partition)
+                          grammar_source=grammar[1], cache_partition=cache_partition,
+                          prediction_ids=tuple(int(t) for t in prediction))
     first_by = time.monotonic() + first_token_timeout_s
     first = True
     with Client(verifier.router_endpoint, key=key, watch_peer=True) as c:

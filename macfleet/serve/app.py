@@ -32,6 +32,7 @@ from macfleet.serve.engine import EngineRequest, Overloaded
 from macfleet.serve.intake import decode_body, partition
 from macfleet.serve.logprobs import (TokenLogprob, TokenText, chat_content, completion_logprobs,
                                      token_text)
+from macfleet.serve.prediction import parse_prediction, prediction_ids, usage_details
 from macfleet.serve.prompt import Prompt, render_prompt
 from macfleet.serve.schemas import GenerationRequest, Limits, RequestError, parse_request
 from macfleet.serve.session import GenerationFailed, Outcome, Piece, open_session, run_session
@@ -64,6 +65,7 @@ class _Prepared:
     prompt: Prompt
     grammar: Grammar | None
     where: str
+    prediction: tuple[int, ...] = ()  # the `prediction` field's token ids (Predicted Outputs)
 
 
 def error_response(e: RequestError) -> JSONResponse:
@@ -112,7 +114,9 @@ class Api:
     def _prepare(self, buf: bytes, chat: bool) -> _Prepared:
         """Decode, validate, render and tokenise a request, and check its grammar (a worker
         thread's work: a large body or a long chat would hold the event loop)."""
-        req = parse_request(decode_body(buf), chat=chat, limits=self.cfg.limits)
+        body = decode_body(buf)
+        req = parse_request(body, chat=chat, limits=self.cfg.limits)
+        predicted = parse_prediction(body)
         if req.model is not None and req.model != self.cfg.model_id:
             raise RequestError(f"model '{req.model}' is not served here; this server serves "
                                f"'{self.cfg.model_id}' (GET /v1/models)", param="model",
@@ -123,11 +127,15 @@ class Api:
         if req.logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
             raise RequestError("logprobs are not available when serving through a fleet's "
                                "verifier agent (serve --local has them)", param="logprobs")
+        if predicted and not getattr(self.engine, "supports_prediction", False):
+            raise RequestError("'prediction' drafts a token tree, which this server's "
+                               "batch-invariant mode does not verify", param="prediction")
         prompt = render_prompt(self.tok, req, self.cfg.limits, self.cfg.chat_template)
         grammar, where = _grammar(req, prompt)
         if grammar is not None:
             self._check_grammar(grammar, where)
-        return _Prepared(req, prompt, grammar, where)
+        return _Prepared(req, prompt, grammar, where,
+                         prediction_ids(self.tok, predicted, self.cfg.limits))
 
     async def _prepared(self, request: Request, chat: bool) -> _Prepared:
         buf = await self._body(request)
@@ -182,7 +190,8 @@ class Api:
                                status=429, kind="rate_limit_error", code="too_many_sessions")
         eos = frozenset(getattr(self.tok, "eos_token_ids", ()) or ())
         ereq = EngineRequest(tuple(ids), req.params, req.max_tokens, eos, prompt_text,
-                             logprobs=req.logprobs, grammar=grammar, partition=part)
+                             logprobs=req.logprobs, grammar=grammar, partition=part,
+                             prediction=prep.prediction)
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      int(time.time()), self.cfg.model_id, chat, len(ids), req.logprobs,
                      self.token_text, prompt)
@@ -300,10 +309,7 @@ class _Meta:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": o.completion_tokens,
                 "total_tokens": self.prompt_tokens + o.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
-                "completion_tokens_details": {
-                    "accepted_prediction_tokens": o.accepted,
-                    "rejected_prediction_tokens": o.drafted - o.accepted},
-                "verify_steps": o.blocks}  # macfleet's: verifier forwards for this answer
+                **usage_details(o)}
 
     def full(self, text: str, o: Outcome, lps: tuple[TokenLogprob, ...] = (),
              calls: tuple[ToolCall, ...] = ()) -> dict:

@@ -49,6 +49,9 @@ class EngineRequest:
     # whose prompt cache this request reads and fills (serve: the API key's partition, when a
     # server has several keys; "" the one shared cache): prefixes cross no partition
     partition: str = ""
+    # the answer the client expects (OpenAI's Predicted Outputs), as token ids: drafted from
+    # by engine/proposers/prediction.py beside the session's other drafters, in one tree
+    prediction: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ Hidden-state drafters get their session's rows of the forward here too (`feed`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -36,7 +36,8 @@ from macfleet.engine.block import (accept_chain, accept_tree, chain_outcome, cut
 from macfleet.engine.constraint import masked_logits, masked_tree_logits
 from macfleet.engine.events import BlockDone, TokensCommitted
 from macfleet.engine.sampling import host_probs, softmax_probs
-from macfleet.engine.tree import accept_tree_sample
+from macfleet.engine.proposers.base import Draft
+from macfleet.engine.tree import TokenTree, accept_tree_sample
 from macfleet.serve.batch_session import BatchSession
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.logprobs import (LogprobsCommitted, RowLogprobs, TokenLogprob,
@@ -138,7 +139,8 @@ class BlockStep:
             # geometric trials along the path: it stopped where the tree had more to offer
             last = path[-1] if path else 0
             self._trials(s, len(path) + bool(tree.children[last]), len(path))
-        s.group.observe(s.drafts, tree.accepted_per_source(path), verify_ms, len(tree.tokens))
+        s.group.observe(verified_drafts(s.drafts, tree), tree.accepted_per_source(path),
+                        verify_ms, len(tree.tokens))
         self.commit(s, new, drafted=tree.size, accepted=len(path), verify_ms=verify_ms,
                     logprobs=lps)
 
@@ -198,6 +200,15 @@ class BlockStep:
             self.finish(s, "stop")
         elif len(s.generated) >= s.req.max_tokens:
             self.finish(s, "length")
+
+
+def verified_drafts(drafts: Sequence[Draft], tree: TokenTree) -> list[Draft]:
+    """The drafts as far as the verified tree held them (the scheduler or a grammar may have
+    cut it), so each drafter's counts are of tokens verified, not of tokens drafted."""
+    if len(tree.owned) != len(drafts):
+        return list(drafts)
+    return [d if len(d) <= len(own) else replace(d, tokens=d.tokens[:len(own)], probs=None)
+            for d, own in zip(drafts, tree.owned)]
 
 
 def decision(s: BatchSession, logits: mx.array) -> mx.array | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from macfleet.engine.controller import DEFAULT_K_MAX as CHAIN_K_MAX
 from macfleet.engine.controller import DraftTokens
 from macfleet.engine.constraint import constrained_draft, constrained_tree
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
@@ -23,8 +24,9 @@ from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.proposers.eagle.chain import EagleProposer
+from macfleet.engine.proposers.prediction import PredictionProposer
 from macfleet.engine.text import Drafting, make_group, no_drafts, plan_drafting
-from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_of_drafts
+from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_budget, tree_of_drafts
 from macfleet.serve.batch_session import BatchSession
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.scheduler import DraftView, draft_acceptance, plan_drafts
@@ -52,6 +54,25 @@ def make_drafting(spec: str, lm: LoadedModel, draft_tokens: DraftTokens,
             drafting.close()
             raise
     return drafting
+
+
+def with_prediction(drafting: Drafting, prediction: PredictionProposer,
+                    draft_tokens: DraftTokens) -> ProposerGroup:
+    """A session's drafters with its request's prediction in one token tree: the prediction
+    sizes its own drafts (up to its window, on top of the others' node budget), and the
+    iteration's token budget cuts the tree as any other."""
+    if isinstance(drafting, ProposerGroup):
+        drafting.join(prediction, prediction.max_window)
+        return drafting
+    if drafting is None:
+        group = make_group([prediction], draft_tokens)
+        group.node_budget += prediction.max_window
+        return group
+    # a chain drafter keeps the longest draft it has alone (a tree's default is shorter)
+    group = ProposerGroup([drafting], draft_tokens=draft_tokens, k_max=CHAIN_K_MAX,
+                          node_budget=tree_budget([drafting]))
+    group.join(prediction, prediction.max_window)
+    return group
 
 
 def check_drafting(drafting: Proposer | ProposerGroup, invariant: bool) -> None:

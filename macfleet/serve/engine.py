@@ -40,6 +40,7 @@ from macfleet.engine.controller import AUTO, make_controller
 from macfleet.engine.proposers.eagle.chain import draft_chains
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.proposers.prediction import PredictionProposer
 from macfleet.engine.sampling import generation_seed, make_rng
 from macfleet.engine.tree_loop import ProposerGroup
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP
@@ -49,7 +50,8 @@ from macfleet.serve.batch_session import (BatchSession, EngineEvent, EngineReque
                                           Overloaded, SessionFailed, SessionHandle)
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.decode import BlockStep, read_iteration
-from macfleet.serve.drafting import BatchDrafting, check_drafting, make_drafting
+from macfleet.serve.drafting import (BatchDrafting, check_drafting, make_drafting,
+                                     with_prediction)
 from macfleet.serve.lifecycle import Sessions
 from macfleet.serve.prompt_cache import PromptCache
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, SessionView,
@@ -74,6 +76,11 @@ class BatchEngine:
 
     supports_logprobs = True  # EngineRequest.logprobs honoured (the HTTP layer asks)
     supports_grammar = True  # EngineRequest.grammar honoured (engine/constraint.py)
+
+    @property
+    def supports_prediction(self) -> bool:
+        """EngineRequest.prediction honoured (a token tree: not in the batch-invariant mode)."""
+        return not self.invariant
 
     def __init__(self, lm: LoadedModel, *, proposer: str = "ngram",
                  draft_tokens: int | str = "auto", token_budget: int = DEFAULT_TOKEN_BUDGET,
@@ -193,6 +200,14 @@ class BatchEngine:
             check_drafting(proposer, self.invariant)
         drafting = (proposer if proposer is not None else
                     make_drafting(self.proposer_spec, self.lm, draft_tokens, self.invariant))
+        if req.prediction:
+            if self.invariant:
+                raise ValueError("a prediction drafts a token tree; the batch-invariant mode "
+                                 "verifies chains")
+            if not all(0 <= int(t) < self._vocab for t in req.prediction):
+                raise ValueError(f"prediction ids must be in 0..{self._vocab - 1}")
+            drafting = with_prediction(drafting, PredictionProposer(
+                req.prediction, len(req.prompt) - len(req.committed)), draft_tokens)
         name = drafting.name if drafting is not None else "none"
         group = drafting if isinstance(drafting, ProposerGroup) else None
         chain = None if group is not None else drafting

@@ -78,6 +78,7 @@ class RemoteEngine:
 
     supports_logprobs = True  # the agent's batch scores them; the wire carries them (protocol 4)
     supports_grammar = True  # response_format: the agent's batch masks its rows (protocol 4)
+    supports_prediction = True  # the agent's batch drafts from it (protocol 5)
 
     def __init__(self, verifier, proposers, key: bytes | None, *, proposer: str = "ngram",
                  draft_tokens: int | str = "auto", max_active: int = 16,
@@ -214,7 +215,8 @@ class RemoteEngine:
                                    top_logprobs=req.logprobs,
                                    grammar=((req.grammar.kind, req.grammar.source)
                                             if req.grammar is not None else ("", "")),
-                                   cache_partition=req.partition):
+                                   cache_partition=req.partition,
+                                   prediction=req.prediction):
             if h.cancelled:
                 return "cancelled"  # closes the client; the agent finishes on its own
             if isinstance(msg, GenerateChunk) and msg.token_ids:

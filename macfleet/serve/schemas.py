@@ -58,6 +58,7 @@ class Limits:
     @property
     def prompt_chars(self) -> int:
         return self.max_prompt_chars or 32 * self.max_prompt_tokens
+    max_prediction_tokens: int = 16384  # a request's `prediction` (serve/prediction.py)
 
 
 @dataclass(frozen=True)

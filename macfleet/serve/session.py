@@ -42,6 +42,8 @@ class Outcome:
     ttft_s: float
     cached_tokens: int = 0  # prompt tokens not prefilled (prompt cache, shared prefixes)
     blocks: int = 0  # verifier steps (verify blocks) this answer took (issue 32's bench)
+    prediction_accepted: int = 0  # the request's prediction's tokens accepted
+    prediction_rejected: int = 0  # ... and verified, not accepted
 
 
 class StopMatcher:
@@ -135,7 +137,7 @@ async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops:
                 reason = "stop" if stop.stopped or st.finish_reason == "stop" else "length"
                 outcome.append(Outcome(reason, st.tokens, st.drafted, st.accepted,
                                        ttft if ttft is not None else time.perf_counter() - t0,
-                                       cached, st.blocks))
+                                       cached, st.blocks, *st.prediction_tokens))
                 return
     finally:
         handle.cancel()  # client gone, stop sequence or error: free the KV cache now (no-op

@@ -63,6 +63,31 @@ def test_serve_forwards_to_the_fleet_verifier(fleet_env, monkeypatch):
     assert all(x.generated == 12 and x.ttft_ms > 0 for x in batch.sessions)
 
 
+def test_a_prediction_travels_to_the_fleet_verifier(fleet_env, monkeypatch):
+    """Predicted Outputs through a fleet as in serve --local: the verifier agent's batch drafts
+    from the prediction beside the proposer agent's n-gram drafts (one tree); the answer is the
+    one without a prediction, and the prediction's tokens are counted. Dropping the prediction
+    anywhere on the way leaves accepted_prediction_tokens at 0."""
+    monkeypatch.setenv("MACFLEET_HOME", fleet_env["MACFLEET_HOME"])
+    s = start_server("--proposer", "ngram", key=None, local=False)
+    ask = [{"role": "user", "content": "one two three four"}]
+    try:
+        c = openai.OpenAI(base_url=s.v1, api_key="none", timeout=60, max_retries=0)
+        plain = c.chat.completions.create(model="tiny:1", max_tokens=40, temperature=0,
+                                          messages=ask)
+        text = plain.choices[0].message.content
+        r = c.chat.completions.create(model="tiny:1", max_tokens=40, temperature=0,
+                                      messages=ask,
+                                      prediction={"type": "content", "content": text})
+    finally:
+        stop_server(s)
+    assert r.choices[0].message.content == text
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    d, m = r.usage.completion_tokens_details, r.usage.model_extra["macfleet"]
+    assert d.accepted_prediction_tokens >= 5  # tiny's text re-tokenises only in part
+    assert m["verify_steps"] < plain.usage.model_extra["macfleet"]["verify_steps"]
+
+
 def test_a_full_one_at_a_time_verifier_makes_requests_wait_not_fail(tmp_path, monkeypatch):
     """A verifier agent that runs one session at a time (--batch-sessions 0, as a sharded one
     does) answers `busy` past its queue of 8: the server keeps those requests waiting and

@@ -63,6 +63,11 @@ def test_curl_without_key_is_401_and_health_is_open(server):
     (json.dumps({"messages": [{"role": "user", "content": "x" * 700}]}).encode(), 400,
      "messages"),
     (json.dumps({"messages": [{"role": "user", "content": "x" * 30000}]}).encode(), 413, None),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "prediction": "abc"}).encode(),
+     400, "prediction"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}],
+                 "prediction": {"type": "content", "content": [{"type": "image_url"}]}}).encode(),
+     400, "prediction.content"),
 ])
 def test_bad_requests_get_openai_errors_and_server_lives(server, body, status, param):
     r = httpx.post(server.v1 + "/chat/completions", content=body, timeout=10,

@@ -22,10 +22,10 @@ def _chat(client, content: str, **kw):
 
 
 def test_usage_reports_the_servers_own_draft_accounting():
-    """accepted/rejected_prediction_tokens are this request's drafts as the engine counted them
-    (its session in GET /v1/macfleet/batch). The drafter is the verifier's own model, so its
-    greedy drafts are accepted (nearly) always: a count stuck at 0, or swapped with the
-    rejected one, fails."""
+    """usage.macfleet holds this request's drafts as the engine counted them (its session in
+    GET /v1/macfleet/batch); the OpenAI fields, which count a prediction's tokens, are 0 without
+    one. The drafter is the verifier's own model, so its greedy drafts are accepted (nearly)
+    always: a count stuck at 0, or swapped with the other, fails."""
     from serve_testkit import start_server, stop_server
 
     from macfleet.fleet.serve_watch import fetch_batch
@@ -39,12 +39,39 @@ def test_usage_reports_the_servers_own_draft_accounting():
     finally:
         stop_server(server)
     (mine,) = [s for s in batch.sessions if s.state == "done"]
-    d = u.completion_tokens_details
+    d, m = u.completion_tokens_details, u.model_extra["macfleet"]
     assert u.completion_tokens == mine.generated == 40
-    assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (
-        mine.accepted, mine.drafted - mine.accepted)
-    assert 20 <= d.accepted_prediction_tokens < 40  # a bonus token ends every block
-    assert d.rejected_prediction_tokens <= d.accepted_prediction_tokens // 4
+    assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (0, 0)
+    assert (m["accepted_draft_tokens"], m["draft_tokens"]) == (mine.accepted, mine.drafted)
+    assert 20 <= m["accepted_draft_tokens"] < 40  # a bonus token ends every block
+    assert m["draft_tokens"] - m["accepted_draft_tokens"] <= m["accepted_draft_tokens"] // 4
+    assert 0 < m["verify_steps"] < 40
+
+
+def test_a_prediction_keeps_the_answer_and_reports_its_own_tokens(client):
+    """chat (the client's own `prediction=`) and completions (in the body): the same greedy
+    answer with the answer's text, an edited copy or its text parts as the prediction, and
+    the prediction's tokens counted. (The tiny model's text does not tokenise back to the same
+    ids -- several ids share a character -- so its predictions match only in part;
+    tests/serve/test_prediction.py checks exact predictions on ids.)"""
+    plain = _chat(client, "the cat sat on the mat", max_tokens=40, temperature=0)
+    text = plain.choices[0].message.content
+    edited = text[:10] + "XY" + text[12:]
+    for pred in (text, edited, [{"type": "text", "text": text}]):
+        r = _chat(client, "the cat sat on the mat", max_tokens=40, temperature=0,
+                  prediction={"type": "content", "content": pred})
+        assert r.choices[0].message.content == text
+        d, m = r.usage.completion_tokens_details, r.usage.model_extra["macfleet"]
+        assert 10 <= d.accepted_prediction_tokens <= m["accepted_draft_tokens"]
+        assert d.rejected_prediction_tokens <= m["draft_tokens"] - m["accepted_draft_tokens"]
+        assert m["verify_steps"] < 40 - d.accepted_prediction_tokens // 2
+    full = client.completions.create(model="tiny:1", prompt="abc abc abc", max_tokens=30,
+                                     temperature=0).choices[0].text
+    r = client.completions.create(model="tiny:1", prompt="abc abc abc", max_tokens=30,
+                                  temperature=0,
+                                  extra_body={"prediction": {"type": "content", "content": full}})
+    assert r.choices[0].text == full
+    assert r.usage.completion_tokens_details.accepted_prediction_tokens >= 5
 
 
 def test_models_lists_the_served_model(client):
@@ -59,8 +86,8 @@ def test_chat_non_streaming_and_streaming_agree(client):
     assert (u.prompt_tokens, u.completion_tokens) == (22, 20)
     assert u.total_tokens == 42
     d = u.completion_tokens_details
-    assert 0 <= d.accepted_prediction_tokens <= u.completion_tokens
-    assert d.rejected_prediction_tokens >= 0
+    assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (0, 0)
+    assert 0 <= u.model_extra["macfleet"]["accepted_draft_tokens"] <= u.completion_tokens
     chunks = list(_chat(client, "the cat sat on the mat", max_tokens=20, temperature=0,
                         stream=True, stream_options={"include_usage": True}))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

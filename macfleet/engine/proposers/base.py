@@ -82,6 +82,12 @@ class Proposer(ABC):
         which cross-round drafting uses to pre-draft the next block.
         """
 
+    def draft_length(self) -> int | None:
+        """The draft length this drafter asks for itself in a token tree (None: its group's
+        controller sizes it); a drafter that knows when it is right (a request's prediction)
+        may ask for long drafts."""
+        return None
+
     def begin(self, context: Sequence[int], k: int) -> None:
         """Start drafting for `propose(context, k)`; `finish()` returns the draft. A batching
         verifier begins every session's draft before finishing any, so drafters on other

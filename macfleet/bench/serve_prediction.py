@@ -1,0 +1,166 @@
+"""`macfleet bench serve --prediction`: OpenAI Predicted Outputs against `serve --local`
+(results/serve_prediction.json; issue 43).
+
+Code-edit and copy workloads on the source files of bench/prediction_sources.py (100-400
+lines each; `--lines N` keeps their first N lines for a short run), greedy, through the
+`openai` package:
+
+    copy         "repeat this code exactly", the file as the prediction
+    edit         "rename X to Y, write the whole file", the original file as the prediction
+                 (what an editor sends: the text it has)
+    edit-guess   the same instruction, the edited file as the prediction
+    useless      "repeat this code", another file as the prediction
+
+Each request runs without a prediction and then with one, on the same server (no prompt cache,
+so both prefill the whole prompt); per request: the
+speed-up (wall time without / with), whether the answers are the same (greedy: they must be),
+the verifier steps saved (without / with: a ratio the machine's load does not move), the
+share of the answer's characters the prediction held (difflib's matching blocks: what a
+drafter that follows the prediction perfectly could copy), the prediction's tokens accepted
+and rejected (`usage.completion_tokens_details`) and the verifier steps (`usage.macfleet`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import time
+from collections.abc import Callable
+
+from macfleet.bench.prediction_sources import SOURCES
+from macfleet.bench.serve import start_server, stop_server
+
+WORKLOADS = ("copy", "edit", "edit-guess", "useless")
+
+
+def _fenced(lang: str, code: str) -> str:
+    return f"```{lang}\n{code}```"
+
+
+def requests(lines: int | None = None, workloads=WORKLOADS) -> list[dict]:
+    """Every (file, workload): its messages and its prediction."""
+    files = [(n, lang, _cut(code, lines), ren) for n, lang, code, ren in SOURCES]
+    out = []
+    for i, (name, lang, code, (old, new)) in enumerate(files):
+        other = files[(i + 1) % len(files)][2]
+        edited = re.sub(rf"\b{re.escape(old)}\b", new, code)
+        copy = f"Repeat this code exactly, without any change:\n{_fenced(lang, code)}"
+        edit = (f"Rename `{old}` to `{new}` everywhere in this code and write out the whole "
+                f"file:\n{_fenced(lang, code)}")
+        for w, (ask, pred) in {"copy": (copy, code), "edit": (edit, code),
+                               "edit-guess": (edit, edited), "useless": (copy, other)}.items():
+            if w in workloads:
+                out.append({"file": name, "workload": w, "ask": ask, "prediction": pred})
+    return out
+
+
+def _cut(code: str, lines: int | None) -> str:
+    return code if lines is None else "".join(code.splitlines(True)[:lines])
+
+
+def held_share(answer: str, prediction: str) -> float:
+    """The share of the answer's characters found in the prediction, in order (difflib)."""
+    if not answer:
+        return 0.0
+    sm = difflib.SequenceMatcher(None, answer, prediction, autojunk=False)
+    return round(sum(b.size for b in sm.get_matching_blocks()) / len(answer), 3)
+
+
+def ask(client, model: str, question: str, max_tokens: int, prediction: str | None) -> dict:
+    """One greedy answer: its text, time and usage."""
+    extra = {"prediction": {"type": "content", "content": prediction}} if prediction else {}
+    t0 = time.perf_counter()
+    r = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0,
+                                       messages=[{"role": "user", "content": question}],
+                                       **extra)
+    s = time.perf_counter() - t0
+    u = r.usage
+    d, mine = u.completion_tokens_details, (u.model_extra or {}).get("macfleet") or {}
+    return {"text": r.choices[0].message.content or "", "s": round(s, 3),
+            "tokens": u.completion_tokens, "finish_reason": r.choices[0].finish_reason,
+            "accepted_prediction": (d.accepted_prediction_tokens or 0) if d else 0,
+            "rejected_prediction": (d.rejected_prediction_tokens or 0) if d else 0,
+            "verify_steps": mine.get("verify_steps", 0)}
+
+
+def bench_prediction(model: str, *, proposer: str = "ngram", lines: int | None = None,
+                     max_tokens: int = 1024, workloads=WORKLOADS, deadline: float = math.inf,
+                     progress: Callable[[str], None] = lambda m: None) -> dict:
+    """Every request without and with its prediction on one `serve --local`."""
+    import openai
+
+    # no prompt cache: the request with a prediction would find the one without's prompt
+    proc, url = start_server(model, "--proposer", proposer, "--max-tokens-cap",
+                             str(max_tokens), "--prompt-cache-mb", "0")
+    rows = []
+    try:
+        client = openai.OpenAI(base_url=url, api_key="none", timeout=3600, max_retries=0)
+        ask(client, model, "Say hello.", 4, "Hello!")  # warm-up (first forwards, verify(L))
+        for req in requests(lines, workloads):
+            if time.monotonic() > deadline:
+                progress("time limit reached")
+                break
+            plain = ask(client, model, req["ask"], max_tokens, None)
+            pred = ask(client, model, req["ask"], max_tokens, req["prediction"])
+            row = {"file": req["file"], "workload": req["workload"],
+                   "speedup": round(plain["s"] / pred["s"], 3) if pred["s"] else None,
+                   "steps_ratio": round(plain["verify_steps"] / pred["verify_steps"], 3)
+                   if pred["verify_steps"] else None,
+                   "same_answer": plain["text"] == pred["text"],
+                   "held_share": held_share(plain["text"], req["prediction"]),
+                   "accepted_share": round(pred["accepted_prediction"] / pred["tokens"], 3)
+                   if pred["tokens"] else 0.0,
+                   "plain": plain, "predicted": pred}
+            rows.append(row)
+            progress(f"{req['file']} {req['workload']}: {row['speedup']}x ({row['steps_ratio']}x "
+                     f"fewer verifier steps), held "
+                     f"{row['held_share']:.0%}, accepted {row['accepted_share']:.0%} of "
+                     f"{pred['tokens']} tokens, same answer {row['same_answer']}")
+    finally:
+        stop_server(proc)
+    return {"model": model, "proposer": proposer, "lines": lines, "max_tokens": max_tokens,
+            "rows": rows, "summary": summary(rows)}
+
+
+def _geomean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x]
+    return round(math.exp(sum(map(math.log, xs)) / len(xs)), 3) if xs else None
+
+
+def summary(rows: list[dict]) -> dict:
+    """Per workload: speed-up geomean and minimum, held and accepted shares; and the rows by
+    held share (over 0.8, 0.5-0.8, under 0.5): how the speed-up follows it."""
+    out: dict = {"same_answers": sum(r["same_answer"] for r in rows), "requests": len(rows)}
+    for w in WORKLOADS:
+        mine = [r for r in rows if r["workload"] == w]
+        if mine:
+            out[w] = {"speedup_geomean": _geomean([r["speedup"] for r in mine]),
+                      "steps_ratio_geomean": _geomean([r.get("steps_ratio") for r in mine]),
+                      "speedup_min": min(r["speedup"] or 0 for r in mine),
+                      "held_share_mean": round(sum(r["held_share"] for r in mine) / len(mine),
+                                               3),
+                      "accepted_share_mean": round(sum(r["accepted_share"] for r in mine)
+                                                   / len(mine), 3)}
+    bands = {"held>=0.8": (0.8, 1.01), "held 0.5-0.8": (0.5, 0.8), "held<0.5": (0.0, 0.5)}
+    out["by_held_share"] = {
+        name: {"requests": len(sel), "speedup_geomean": _geomean([r["speedup"] for r in sel])}
+        for name, (lo, hi) in bands.items()
+        for sel in [[r for r in rows if lo <= r["held_share"] < hi]]}
+    return out
+
+
+def prediction_rows(res: dict) -> list[str]:
+    s = res["summary"]
+    out = [f"{'workload':<11}{'speed-up':>9}{'min':>7}{'steps':>8}{'held':>7}{'accepted':>10}"]
+    for w in WORKLOADS:
+        if w in s:
+            x = s[w]
+            out.append(f"{w:<11}{x['speedup_geomean']!s:>8}x{x['speedup_min']!s:>7}"
+                       f"{x['steps_ratio_geomean']!s:>7}x{x['held_share_mean']:>7.0%}"
+                       f"{x['accepted_share_mean']:>10.0%}")
+    for name, b in s["by_held_share"].items():
+        sp = f"{b['speedup_geomean']}x" if b["speedup_geomean"] else "n/a"
+        out.append(f"{name}: {b['requests']} requests, speed-up {sp}")
+    out.append(f"same answers: {s['same_answers']}/{s['requests']}")
+    return out

@@ -1,0 +1,171 @@
+"""A request's own prediction as a drafter (OpenAI's Predicted Outputs).
+
+An editor that asks for a file to be rewritten sends the text it expects back (`prediction`):
+most of the answer is in it already. This drafter drafts the prediction's continuation from
+where the answer is. While the answer follows the prediction, it drafts on from the aligned
+position as far as pays at its acceptance so far and the verifier's measured verify(L) (a copy
+is cheap to verify when accepted: long drafts while it holds); when the answer departs (an edited line), it finds the answer's last few tokens again in the
+prediction (an n-gram index over the prediction, longest suffix first, the nearest position
+after the last aligned one) and drafts from there. A prediction that stops matching stops
+costing: its acceptance falls, and so does the length that pays, to nothing; after a few drafts
+that got nothing accepted it re-aligns only on a long suffix of the answer.
+
+The answer is what follows `answer_start` in the context (the prompt's length): the drafter is
+built per request with its prediction's token ids, tokenised once by the caller.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.tree_budget import VerifyCurve
+from macfleet.stats import PREDICTION
+
+MIN_MATCH = 2  # shortest answer suffix that re-aligns the drafter
+MAX_MATCH = 8  # longest suffix tried first
+LONG_MATCH = 5  # a suffix this long is trusted after misses, or behind the last position
+MAX_WINDOW = 64  # bounded again by the engine's iteration budget
+PRIOR_ALPHA, PRIOR_TRIALS = 0.9, 4  # a prediction is mostly right until its drafts say not
+QUIET_AFTER = 2  # consecutive drafts with nothing accepted before it waits for LONG_MATCH
+
+
+def ngram_index(tokens: Sequence[int], lo: int = MIN_MATCH, hi: int = MAX_MATCH
+                ) -> dict[int, dict[tuple[int, ...], list[int]]]:
+    """n -> n-gram -> the positions just past each occurrence, ascending."""
+    index: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(lo, hi + 1)}
+    for n, idx in index.items():
+        for end in range(n, len(tokens) + 1):
+            idx.setdefault(tuple(tokens[end - n:end]), []).append(end)
+    return index
+
+
+def realign(index: dict[int, dict[tuple[int, ...], list[int]]], answer: Sequence[int],
+            anchor: int, long_only: bool = False) -> tuple[int, int] | None:
+    """Pure: (position in the prediction after the answer's end, suffix length matched), or
+    None. Longest suffix first; among its occurrences the first at or after `anchor` (the last
+    aligned position), else -- for a long suffix only -- the last one before it."""
+    for n in sorted(index, reverse=True):
+        if len(answer) < n or (long_only and n < LONG_MATCH):
+            continue
+        ends = index[n].get(tuple(answer[-n:]))
+        if not ends:
+            continue
+        i = bisect.bisect_left(ends, anchor)
+        if i < len(ends):
+            return ends[i], n
+        if n >= LONG_MATCH:
+            return ends[-1], n
+    return None
+
+
+def best_window(alpha: float, cost, max_window: int) -> int:
+    """Pure: the draft length w in 0..max_window with the most committed tokens per verify
+    time, (1 - a^(w+1)) / (1 - a) / verify(w + 1), at per-token acceptance `alpha` (0: plain
+    decoding pays best). `cost(L)`: verify(L) in any unit (engine/tree_budget.py's curve)."""
+    a = min(max(alpha, 0.0), 0.999)
+    best, best_rate = 0, 1.0 / cost(1)
+    for w in range(1, max_window + 1):
+        rate = (1 - a ** (w + 1)) / (1 - a) / cost(w + 1)
+        if rate > best_rate:
+            best, best_rate = w, rate
+    return best
+
+
+class PredictionProposer(Proposer):
+    """Drafts from one request's prediction (token ids); see the module docstring."""
+
+    host_side = True
+
+    def __init__(self, prediction: Sequence[int], answer_start: int, *,
+                 max_window: int = MAX_WINDOW) -> None:
+        if answer_start < 0:
+            raise ValueError(f"answer_start must be >= 0, got {answer_start}")
+        self.name = PREDICTION
+        self.prediction = tuple(int(t) for t in prediction)
+        self.answer_start = answer_start
+        self.max_window = max_window
+        self._index = ngram_index(self.prediction)
+        self.curve = VerifyCurve()
+        self.start()
+
+    def start(self, params=None) -> None:
+        self.params = params
+        self.misses = 0  # drafts in a row with nothing accepted
+        self.accepted = self.trials = 0  # its tokens accepted; + one per draft cut short
+        self._at: tuple[int, int] | None = (0, 0)  # (answer length, prediction position)
+        self._anchor = 0  # the last aligned position while the drafter is not aligned
+        self._sure = True  # aligned by the answer following it, or by a long match
+
+    def seed_verify_costs(self, costs) -> None:
+        self.curve.seed(dict(costs))
+
+    @property
+    def alpha(self) -> float:
+        """Its per-token acceptance so far, from a prior of PRIOR_ALPHA."""
+        return (self.accepted + PRIOR_ALPHA * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
+
+    @property
+    def window(self) -> int:
+        """The draft length that pays at its acceptance and the verifier's verify(L); a
+        confident alignment drafts at the prior's length at least."""
+        w = best_window(self.alpha, self.curve.cost, self.max_window)
+        return max(w, best_window(PRIOR_ALPHA, self.curve.cost, self.max_window)) \
+            if self._sure and self.misses == 0 else w
+
+    def draft_length(self) -> int:
+        return self.max_window
+
+    def _align(self, answer: Sequence[int]) -> int | None:
+        """The prediction position the answer's end stands at (None: not found)."""
+        at, anchor = self._at, self._anchor
+        if at is not None and len(answer) >= at[0]:  # the answer went on since the last call
+            n, pos = at
+            grown = answer[n:]
+            m = _common(grown, self.prediction[pos:pos + len(grown)])
+            if m == len(grown):  # along the prediction
+                self._at = (len(answer), pos + m)
+                return self._at[1]
+            anchor = pos + m  # where it departed
+        found = realign(self._index, answer, anchor, long_only=self.misses >= QUIET_AFTER)
+        self._anchor = anchor
+        self._at = (len(answer), found[0]) if found is not None else None
+        self._sure = found is not None and found[1] >= LONG_MATCH
+        return found[0] if found is not None else None
+
+    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+        if k <= 0:
+            return EMPTY_DRAFT
+        t0 = time.perf_counter()
+        pos = self._align(context[self.answer_start:])
+        if pos is None or pos >= len(self.prediction):
+            return EMPTY_DRAFT
+        n = min(k, self.window)
+        if n <= 0:
+            return EMPTY_DRAFT
+        tokens = self.prediction[pos:pos + n + (1 if with_guess else 0)]
+        guess = tokens[n] if with_guess and len(tokens) > n else None
+        return Draft(tokens[:n], None, (time.perf_counter() - t0) * 1e3, guess)
+
+    def observe(self, drafted: int, accepted: int, verify_ms: float,
+                verified: int | None = None) -> None:
+        """Acceptance learnt from each draft (verify(L) is the engine's, seeded: a batch's
+        iteration time is not this draft's); a draft with nothing accepted is a miss (after QUIET_AFTER in a row only a long match re-aligns it)."""
+        if drafted <= 0:
+            return
+        self.accepted += accepted
+        self.trials += accepted + (accepted < drafted)
+        self.misses = 0 if accepted else self.misses + 1
+
+    def close(self) -> None:
+        self.start(self.params if hasattr(self, "params") else None)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the common prefix of a and b."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))

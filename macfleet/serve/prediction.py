@@ -1,0 +1,61 @@
+"""`prediction` (OpenAI's Predicted Outputs): the answer a client expects, checked at the edge
+and tokenised once; the engine drafts from it (engine/proposers/prediction.py) and never
+imposes it, so an answer is the same with or without one.
+
+What the API reports of it: `usage.completion_tokens_details.accepted_prediction_tokens` /
+`rejected_prediction_tokens` are the prediction's own tokens the verifier accepted / verified
+and rejected (0 and 0 without a prediction); every drafter's figures together (the session's
+own drafters and the prediction) are macfleet's `usage.macfleet` (`usage`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from macfleet.serve.schemas import Limits, RequestError
+
+
+def parse_prediction(body: Mapping[str, Any]) -> str:
+    """`prediction`: `{type: "content", content: "..." | [{type: text, text}, ...]}`; ""
+    when absent. A wrong shape is a 400 naming the field."""
+    v = body.get("prediction")
+    if v is None:
+        return ""
+    where = "prediction"
+    if not isinstance(v, dict):
+        raise RequestError(f"'{where}' must be an object {{type: content, content}}",
+                           param=where)
+    if v.get("type") != "content":
+        raise RequestError(f"'{where}.type' must be 'content'", param=f"{where}.type")
+    content = v.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise RequestError(f"'{where}.content' must be a string or a list of text parts",
+                       param=f"{where}.content")
+
+
+def prediction_ids(tokenizer, text: str, limits: Limits) -> tuple[int, ...]:
+    """The prediction's token ids (no special tokens), within the server's limit."""
+    if not text:
+        return ()
+    ids = tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
+    if len(ids) > limits.max_prediction_tokens:
+        raise RequestError(f"'prediction.content' is {len(ids)} tokens, over this server's "
+                           f"{limits.max_prediction_tokens}", param="prediction.content")
+    return ids
+
+
+def usage_details(stats) -> dict:
+    """`completion_tokens_details` and macfleet's own drafting figures of an answer (`stats`:
+    its GenerationStats-like Outcome)."""
+    return {"completion_tokens_details": {
+                "accepted_prediction_tokens": stats.prediction_accepted,
+                "rejected_prediction_tokens": stats.prediction_rejected},
+            "macfleet": {  # every drafter's tokens verified and accepted, verifier forwards
+                "draft_tokens": stats.drafted,
+                "accepted_draft_tokens": stats.accepted,
+                "verify_steps": stats.blocks}}

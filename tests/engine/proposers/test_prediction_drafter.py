@@ -1,0 +1,90 @@
+"""The prediction drafter (OpenAI's Predicted Outputs) on its own: alignment, re-alignment
+after the answer departs, draft lengths from its acceptance and verify(L), and going quiet
+when the prediction stops matching."""
+
+from __future__ import annotations
+
+from macfleet.engine.proposers.prediction import (LONG_MATCH, MAX_WINDOW, PRIOR_ALPHA,
+                                                  PredictionProposer, best_window, ngram_index,
+                                                  realign)
+
+PROMPT = (900, 901, 902)  # the answer starts after these
+FLAT = {1: 10.0, 2: 10.0, 8: 10.0, 16: 11.0, 32: 12.0, 64: 13.0, 128: 14.0}  # a GPU's verify(L)
+
+
+def _drafter(pred, costs=FLAT) -> PredictionProposer:
+    p = PredictionProposer(pred, len(PROMPT))
+    p.start(None)
+    p.seed_verify_costs(costs)
+    return p
+
+
+def test_best_window_follows_acceptance_and_the_verify_curve():
+    assert best_window(0.95, lambda L: 1.0, 64) == 64  # free verification: all of it
+    assert best_window(0.95, lambda L: float(L), 64) == 0  # linear: never pays
+    assert best_window(0.0, lambda L: 1 + 0.05 * (L - 1), 64) == 0  # never accepted
+    steep = lambda L: 1 + 0.1 * (L - 1)  # noqa: E731
+    assert 0 < best_window(0.8, steep, 64) < best_window(0.98, steep, 64) <= 64
+
+
+def test_drafts_the_prediction_from_the_answers_start_and_follows_it():
+    pred = list(range(100, 300))
+    p = _drafter(pred)
+    first = p.propose(PROMPT, MAX_WINDOW).tokens
+    assert first == tuple(pred[:len(first)]) and len(first) >= 16  # flat curve: long drafts
+    p.observe(len(first), len(first), 10.0)
+    answer = pred[:len(first) + 1]  # the drafts and the bonus token, as the prediction has it
+    d = p.propose((*PROMPT, *answer), MAX_WINDOW).tokens
+    assert d == tuple(pred[len(answer):len(answer) + len(d)]) and len(d) >= len(first)
+    assert p.propose((*PROMPT, *answer), 3).tokens == tuple(pred[len(answer):len(answer) + 3])
+
+
+def test_realigns_after_an_edit_to_the_nearest_occurrence_after_the_last_position():
+    # the prediction repeats a phrase: after the edit the answer continues at the SECOND one
+    phrase = [7, 8, 9]
+    pred = [1, 2, 3, *phrase, 40, 41, 42, 43, *phrase, 50, 51, 52, 53]
+    p = _drafter(pred)
+    assert p.propose(PROMPT, 4).tokens == (1, 2, 3, 7)
+    p.observe(4, 4, 10.0)
+    # the answer went 1 2 3 7 8 9 40 41 (prediction position 8), then an edit: 99, then the
+    # phrase again -> the prediction's second phrase, followed by 50...
+    answer = [1, 2, 3, 7, 8, 9, 40, 41, 99, *phrase]
+    assert p.propose((*PROMPT, *answer), 8).tokens[:4] == (50, 51, 52, 53)
+
+
+def test_realign_prefers_the_longest_suffix_then_the_nearest_after_the_anchor():
+    pred = [5, 6, 1, 2, 9, 1, 2, 3, 7]
+    index = ngram_index(pred)
+    assert realign(index, [0, 1, 2, 3], anchor=0) == (8, 3)  # "1 2 3" beats "2 3"
+    assert realign(index, [0, 1, 2], anchor=5) == (7, 2)  # the "1 2" at/after 5
+    assert realign(index, [0, 1, 2], anchor=8) is None  # short and only behind: not trusted
+    assert realign(index, [4, 4], anchor=0) is None
+
+
+def test_a_useless_prediction_goes_quiet_and_a_long_match_wakes_it():
+    """On a CPU's steep verify(L) drafts that miss soon cost more than they can win: the
+    drafter falls silent; only a long match of the answer in the prediction wakes it."""
+    steep = {L: 10.0 * (1 + 0.25 * (L - 1)) for L in (1, 2, 4, 8, 16, 32, 64)}
+    pred = list(range(11, 60))
+    p = _drafter(pred, steep)
+    d = p.propose(PROMPT, MAX_WINDOW)
+    assert 0 < len(d) < 16
+    p.observe(len(d), 0, 10.0)  # a miss
+    ans = [30, 31, 12, 13]  # a short match: drafts again, if it still pays
+    d = p.propose((*PROMPT, *ans), MAX_WINDOW)
+    assert d.tokens == tuple(pred[3:3 + len(d)])
+    p.observe(len(d), 0, 10.0)  # a second miss: quiet
+    assert best_window(p.alpha, p.curve.cost, MAX_WINDOW) < best_window(
+        PRIOR_ALPHA, p.curve.cost, MAX_WINDOW)
+    ans += [40, 41, 18, 19]  # a short match again: not trusted any more
+    assert p.propose((*PROMPT, *ans), MAX_WINDOW).tokens == ()
+    ans += [1, 2, *pred[20:20 + LONG_MATCH]]  # a long one: it speaks again
+    assert p.propose((*PROMPT, *ans), MAX_WINDOW).tokens[:2] == tuple(pred[20 + LONG_MATCH:][:2])
+
+
+def test_the_end_of_the_prediction_drafts_nothing():
+    pred = [1, 2, 3]
+    p = _drafter(pred)
+    assert p.propose((*PROMPT, 1, 2), 8).tokens == (3,)
+    assert p.propose((*PROMPT, 1, 2, 3), 8).tokens == ()
+    assert p.propose((*PROMPT, 1, 2, 3, 4), 8).tokens == ()

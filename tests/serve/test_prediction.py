@@ -1,0 +1,149 @@
+"""Predicted Outputs in the serving engine (tiny random model): a request's prediction drafts
+beside the session's other drafters in one token tree; greedy answers stay exactly plain
+decoding's, and the prediction's own counts are what the API reports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_parts_kit import serve_all
+
+from macfleet.engine.models import load_model
+from macfleet.engine.sampling import GREEDY
+from macfleet.serve.engine import BatchEngine, EngineRequest
+from macfleet.serve.prediction import parse_prediction, prediction_ids
+from macfleet.serve.schemas import Limits, RequestError
+
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny:1:64")
+
+
+def _prompt(vocab: int, seed: int = 0) -> tuple[int, ...]:
+    return tuple(int(t) for t in np.random.default_rng(seed).integers(0, vocab, 12))
+
+
+def _edited(answer: list[int], vocab: int) -> tuple[int, ...]:
+    """The answer with a few tokens changed in its middle: a prediction an edit departs from."""
+    out = list(answer)
+    for i in (15, 16, 30):
+        out[i] = (out[i] + 7) % vocab
+    return tuple(out)
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram"])
+def test_a_prediction_changes_no_greedy_token_and_counts_its_own_drafts(tiny, proposer):
+    prompt = _prompt(tiny.vocab_size)
+    [(plain, fin0)] = serve_all(BatchEngine(tiny, proposer="none"),
+                                [EngineRequest(prompt, GREEDY, MAX_TOKENS)])
+    assert fin0.stats.prediction_tokens == (0, 0)
+    vocab = tiny.vocab_size
+    useless = tuple(int(t) for t in np.random.default_rng(9).integers(0, vocab, MAX_TOKENS))
+    preds = {"exact": tuple(plain), "edited": _edited(plain, vocab), "useless": useless}
+    got = {name: serve_all(BatchEngine(tiny, proposer=proposer),
+                           [EngineRequest(prompt, GREEDY, MAX_TOKENS, prediction=p)])[0]
+           for name, p in preds.items()}
+    for name, (toks, _) in got.items():
+        assert toks == plain, name
+    exact, edited = got["exact"][1].stats, got["edited"][1].stats
+    # the exact prediction: every answer token but each block's bonus one came from it
+    acc, rej = exact.prediction_tokens
+    assert rej == 0 and acc >= MAX_TOKENS - exact.blocks and exact.blocks <= 6
+    acc, rej = edited.prediction_tokens
+    assert acc >= MAX_TOKENS - 3 * 4 - edited.blocks  # re-aligned after each edit
+    assert 0 < rej <= 3 * 16
+    assert edited.blocks < MAX_TOKENS // 3
+    acc, rej = got["useless"][1].stats.prediction_tokens
+    assert acc <= 4 and rej <= 32  # it went quiet after its misses
+
+
+def test_a_prediction_is_refused_by_the_batch_invariant_mode_and_checked(tiny):
+    prompt = _prompt(tiny.vocab_size)
+    with pytest.raises(ValueError, match="prediction"):
+        BatchEngine(tiny, proposer="ngram", invariant=True).submit(
+            EngineRequest(prompt, GREEDY, 8, prediction=(1, 2)), lambda ev: None)
+    with pytest.raises(ValueError, match="prediction"):
+        BatchEngine(tiny, proposer="ngram").submit(
+            EngineRequest(prompt, GREEDY, 8, prediction=(1, tiny.vocab_size)), lambda ev: None)
+
+
+@pytest.mark.parametrize("v,param", [
+    ("def f(): pass", "prediction"),
+    ({"type": "text", "content": "x"}, "prediction.type"),
+    ({"type": "content"}, "prediction.content"),
+    ({"type": "content", "content": 3}, "prediction.content"),
+    ({"type": "content", "content": [{"type": "text", "text": 1}]}, "prediction.content"),
+])
+def test_a_bad_prediction_is_a_400_naming_the_field(v, param):
+    with pytest.raises(RequestError) as e:
+        parse_prediction({"prediction": v})
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_a_prediction_as_text_parts_is_their_text_and_its_ids_are_bounded(tiny):
+    parts = [{"type": "text", "text": "abc "}, {"type": "text", "text": "def"}]
+    assert parse_prediction({"prediction": {"type": "content", "content": parts}}) == "abc def"
+    assert parse_prediction({}) == ""
+    assert prediction_ids(tiny.tokenizer, "", Limits()) == ()
+    ids = prediction_ids(tiny.tokenizer, "abc def", Limits())
+    assert ids and all(0 <= t < tiny.vocab_size for t in ids)
+    with pytest.raises(RequestError) as e:
+        prediction_ids(tiny.tokenizer, "abc def" * 10, Limits(max_prediction_tokens=8))
+    assert e.value.param == "prediction.content"
+
+
+SNIPPET = '''def mean(values):
+    """The arithmetic mean of a non-empty list."""
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+
+
+def spread(values):
+    return max(values) - min(values)
+'''
+
+
+@pytest.mark.slow  # the embedded model, several answers
+def test_smollm2_answers_equal_with_and_without_a_prediction():
+    """The embedded model asked to repeat code: greedy tokens identical to plain decoding with
+    the code, an edited copy or unrelated text as the prediction; the code's prediction is
+    mostly accepted and takes fewer verifier steps."""
+    from macfleet.engine.models import embedded_model_path
+    from macfleet.engine.text import encode_prompt
+
+    if embedded_model_path() is None:
+        pytest.skip("the embedded model is not installed")
+    lm = load_model("smollm2")
+    tok = lm.tokenizer
+    ids = tuple(encode_prompt(tok, "Repeat this code exactly:\n```python\n" + SNIPPET + "```",
+                              True))
+    [(plain, fin)] = serve_all(BatchEngine(lm, proposer="none"),
+                               [EngineRequest(ids, GREEDY, 64, lm.eos_ids)])
+    preds = {"code": SNIPPET, "edited": SNIPPET.replace("total", "acc"),
+             "useless": "The quick brown fox jumps over the lazy dog. " * 8}
+    for name, text in preds.items():
+        pred = tuple(tok.encode(text, add_special_tokens=False))
+        [(toks, f)] = serve_all(BatchEngine(lm, proposer="ngram"),
+                                [EngineRequest(ids, GREEDY, 64, lm.eos_ids, prediction=pred)])
+        assert toks == plain, name
+        if name == "code":
+            assert f.stats.prediction_tokens[0] >= len(plain) // 2
+            assert f.stats.blocks < fin.stats.blocks // 2
+
+
+def test_drafters_count_the_tokens_of_theirs_the_cut_tree_verified():
+    """A tree cut to its slot (the iteration's budget) verifies only its first nodes: each
+    drafter's drafted count (the prediction's rejected tokens) is of those, not of its draft."""
+    from macfleet.engine.proposers.base import Draft
+    from macfleet.engine.tree import TokenTree
+    from macfleet.serve.decode import verified_drafts
+
+    drafts = [Draft((1, 2, 3)), Draft((1, 5, 6, 7, 8))]
+    tree = TokenTree.from_drafts(0, [d.tokens for d in drafts]).first(5)  # root + 4 nodes
+    assert [len(d) for d in verified_drafts(drafts, tree)] == [3, 2]
+    assert verified_drafts(drafts, TokenTree.from_drafts(0, [d.tokens for d in drafts])) == drafts
