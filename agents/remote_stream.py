@@ -176,10 +176,12 @@ class StreamingProposer(Proposer):
         self._wait_ms = 0.0
         self._lead = 0
         self._sent_bytes = self._recv_bytes = 0
+        self._received = self._wasted = 0  # drafts of sessions already closed (`waste`)
 
     # -- the Proposer interface
     def start(self, params: SamplingParams = GREEDY) -> None:
         self.close()
+        self._received = self._wasted = 0
         self.params = params
         self.flows = FlowTotals()
         self._lead_sum = self._lead_n = 0
@@ -262,6 +264,9 @@ class StreamingProposer(Proposer):
         return Draft(tuple(toks), probs, (time.perf_counter() - self._t_begin) * 1e3)
 
     def close(self) -> None:
+        if self._mirror is not None:  # its figures outlive the session (`waste`)
+            self._received += self._mirror.received
+            self._wasted += self._mirror.wasted
         if self._client is not None:
             if self._session:
                 try:
@@ -283,7 +288,9 @@ class StreamingProposer(Proposer):
     def waste(self) -> float:
         """The share of the drafts received that were thrown away (refuted before use)."""
         m = self._mirror
-        return m.wasted / m.received if m is not None and m.received else 0.0
+        received = self._received + (m.received if m is not None else 0)
+        wasted = self._wasted + (m.wasted if m is not None else 0)
+        return wasted / received if received else 0.0
 
     def flow_stats(self) -> FlowStats:
         s = self.flows.summary()

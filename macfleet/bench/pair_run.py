@@ -86,6 +86,10 @@ def one_process(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
 
     lm = load_model(verifier_dir)
     draft = load_model(DRAFT_SPEC)
+    # the weights are memory-mapped: the first forwards page them in from disk (seconds a
+    # token for a few GB), which neither the cost probe nor the first prompt may pay
+    for m in (lm.model, draft.model):
+        _measure_costs(m, m, reps=0)
     costs = _measure_costs(lm.model, draft.model)
     greedy = make_sampler(0.0)
     eos = lm.eos_ids

@@ -85,19 +85,41 @@ def run(args) -> int:
                                                     args.draft_tokens,
                                                     plain=width not in plain_of)
         if one is not None:
-            one = with_plain(one, plain_of.setdefault(width, {
-                r["prompt"]: {n: r[n] for n in ("plain", "mlx_plain")} for r in one["runs"]}))
+            if width not in plain_of:
+                plain_of[width] = {r["prompt"]: {n: r[n] for n in ("plain", "mlx_plain")}
+                                   for r in one["runs"]}
+            one = with_plain(one, plain_of[width])
         _log(f"width {width}, acceptance ~{target}: one process done")
         two = None if "two" in skip else two_agents(vdir, prompts, args.max_tokens, _log,
                                                     batch_sessions=args.batch_sessions)
-        rows.append(summarize(width=width, target=target, dial=dial, k=args.draft_tokens, one=one,
-                              two=two))
+        rows.append(summarize(width=width, target=target, dial=dial, k=args.draft_tokens,
+                              one=one, two=two))
+        rows[-1].update(command=command_line(), tokens=args.max_tokens, prompts=len(prompts))
         _print_row(rows[-1])
         path = write_result("pair.json", {"prompts": list(prompts), "tokens": args.max_tokens,
-                                          "k": args.draft_tokens, "settings": rows}, args.out)
-    _plot(rows, args.out / "pair.png")
+                                          "k": args.draft_tokens,
+                                          "settings": kept(args.out / "pair.json", rows) + rows},
+                            args.out)
+    _plot(json.loads(path.read_text())["settings"], args.out / "pair.png")
     print(f"wrote {path}")
     return 0
+
+
+def command_line() -> str:
+    import shlex
+
+    return "macfleet " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def kept(path: Path, rows: list[dict]) -> list[dict]:
+    """The settings an earlier run wrote to `path` that this one does not measure again (each
+    row keeps the command that made it), so settings can be measured in several runs."""
+    if not path.is_file():
+        return []
+    new = {(r["width"], r["target"]) for r in rows}
+    doc = json.loads(path.read_text())
+    return [{**r, "command": r.get("command") or doc.get("command")}
+            for r in doc.get("settings", []) if (r["width"], r["target"]) not in new]
 
 
 def _print_row(r: dict) -> None:
