@@ -38,6 +38,11 @@ def _disagg_p50(d: dict, prompt_tokens: int) -> dict[str, float]:
     return {m["mode"]: m["short_itl_s"]["p50"] for m in size["modes"]}
 
 
+def _pair(d: dict, width: int, target: float) -> dict:
+    return next(r["figures"] for r in d["settings"]
+                if r["width"] == width and r["target"] == target)
+
+
 def _greedy_f1_f2(d: dict) -> list[float]:
     return [f["extra_ms"] for f in d["encryption"]["smollm2_flows"]
             if f["flow"] in ("F1", "F2") and "probs" not in f["what"]]
@@ -67,6 +72,11 @@ FIGURES = [
     ("disagg.json", "108 ms a token (p50) with a prefill agent, 301 ms",
      lambda d: f"{_disagg_p50(d, 8000)['prefill agent (auto)'] * 1e3:.0f} ms a token (p50) "
                f"with a prefill agent, {_disagg_p50(d, 8000)['verifier alone'] * 1e3:.0f} ms"),
+    ("pair.json", "**4.84x** plain decoding",
+     lambda d: f"**{_pair(d, 15104, 0.95)['two agents / plain']['geomean']:.2f}x** plain decoding"),
+    ("pair.json", "**1.42x** the pair in series",
+     lambda d: f"**{_pair(d, 5120, 0.8)['two agents / in-process draft model']['geomean']:.2f}x**"
+               " the pair in series"),
     ("security.json", "+0.005 ms a message",
      lambda d: f"+{max(_greedy_f1_f2(d)):.3f} ms a message"),
 ]
