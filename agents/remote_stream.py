@@ -32,6 +32,7 @@ from bridge.transport import Client
 from macfleet.engine.controller import MAX_DRAFT_TOKENS, tokens_to_wait
 from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.engine.verify_costs import verify_ms_at
 from macfleet.stats import FlowStats
 
 log = logging.getLogger(__name__)
@@ -303,20 +304,10 @@ class StreamingProposer(Proposer):
         return len(context) >= len(m.ctx) and list(context[: len(m.ctx)]) == m.ctx
 
     def _verify_ms(self, L: int) -> float:
-        """verify(L) from what was measured: the nearest lengths, linearly; a guess before."""
+        """verify(L) from what was measured (a guess before anything was)."""
         if not self._costs:
             return 100.0 * (1 + 0.05 * (L - 1))
-        ls = sorted(self._costs)
-        if L in self._costs:
-            return self._costs[L]
-        lo = [x for x in ls if x < L]
-        hi = [x for x in ls if x > L]
-        if lo and hi:
-            a, b = lo[-1], hi[0]
-            return self._costs[a] + (self._costs[b] - self._costs[a]) * (L - a) / (b - a)
-        base = self._costs[ls[0]] if hi else self._costs[ls[-1]]
-        per = 0.05 * self._costs[ls[0]] / max(ls[0], 1)
-        return max(base + per * (L - (ls[0] if hi else ls[-1])), 1e-3)
+        return max(verify_ms_at(self._costs, L), 1e-3)
 
     def _due_ms(self) -> float:
         """Time until the agent's next token is expected."""

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from macfleet.engine.controller import expected_tokens
+from macfleet.engine.verify_costs import verify_ms_at
 
 # Ordinary requests, none of them in the dial's calibration set (bench/pair_dial.py).
 PAIR_PROMPTS = (
@@ -49,19 +50,7 @@ class Costs:
 
     def verify(self, L: int) -> float:
         """verify(L), linearly between (and beyond) the measured lengths."""
-        ls = sorted(self.verify_ms)
-        if L in self.verify_ms:
-            return self.verify_ms[L]
-        lo = max((x for x in ls if x < L), default=None)
-        hi = min((x for x in ls if x > L), default=None)
-        if lo is None:
-            lo, hi = ls[0], ls[1] if len(ls) > 1 else ls[0]
-        elif hi is None:
-            lo, hi = (ls[-2], ls[-1]) if len(ls) > 1 else (ls[-1], ls[-1])
-        if hi == lo:
-            return self.verify_ms[lo]
-        slope = (self.verify_ms[hi] - self.verify_ms[lo]) / (hi - lo)
-        return self.verify_ms[lo] + slope * (L - lo)
+        return verify_ms_at(self.verify_ms, L)
 
     @property
     def c(self) -> float:

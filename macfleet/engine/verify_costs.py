@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -50,6 +50,23 @@ def probe_verify_costs(model: nn.Module, lengths: Sequence[int] = PROBE_LENGTHS,
             v.rollback(v.offset - base)
         out[int(L)] = round(best, 3)
     return out
+
+
+def verify_ms_at(costs: Mapping[int, float], L: int) -> float:
+    """verify(L) from a table of some lengths: the measured value, else linear between the
+    nearest lengths, or along the first or last two beyond them (flat with one length)."""
+    if L in costs:
+        return costs[L]
+    ls = sorted(costs)
+    lo = max((x for x in ls if x < L), default=None)
+    hi = min((x for x in ls if x > L), default=None)
+    if lo is None:
+        lo, hi = ls[0], ls[1] if len(ls) > 1 else ls[0]
+    elif hi is None:
+        lo, hi = (ls[-2], ls[-1]) if len(ls) > 1 else (ls[-1], ls[-1])
+    if hi == lo:
+        return costs[lo]
+    return costs[lo] + (costs[hi] - costs[lo]) * (L - lo) / (hi - lo)
 
 
 def usable_cores() -> int:
