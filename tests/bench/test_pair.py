@@ -63,3 +63,22 @@ def test_plain_runs_of_another_setting_fill_in_without_their_ids():
     got = with_plain(one, {"p": {"plain": run([9], 3.0), "mlx_plain": run([9], 2.0)}})
     assert got["runs"][0]["plain"]["tok_s"] == 3.0 and got["runs"][0]["plain"]["ids"] is None
     assert identical(got, None)  # the other verifier's ids are not compared
+
+
+def test_mlx_runs_are_timed_by_commit_as_macfleet_runs_are(monkeypatch):
+    """mlx-lm's speculative step yields a block's tokens one by one, the verifier's own token
+    last: the first block (drafted and verified before the clock starts) counts as the first
+    commit, as macfleet's first TokensCommitted does, never as tokens after it."""
+    import macfleet.bench.pair_run as pr
+
+    clock = iter([1.0, 2.0, 3.0, 4.0, 5.0])
+    monkeypatch.setattr(pr.time, "perf_counter", lambda: next(clock))
+    spec = [(5, None, True), (6, None, True), (7, None, False),  # block 1: t=1
+            (8, None, False),  # t=2
+            (9, None, True), (2, None, True)]  # the EOS ends a commit: t=3
+    ids, rate = pr._mlx_run(iter(spec), frozenset({2}))
+    assert ids == [5, 6, 7, 8, 9, 2]
+    assert rate == pytest.approx(3 / 2)  # 1 + 2 tokens after the first commit, in 2 s
+    clock = iter([1.0, 2.0, 3.0])
+    ids, rate = pr._mlx_run(iter([(5, None), (6, None), (7, None)]), frozenset())
+    assert ids == [5, 6, 7] and rate == pytest.approx(1.0)  # plain: every token a commit
