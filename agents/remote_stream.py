@@ -296,7 +296,8 @@ class StreamingProposer(Proposer):
     def flow_stats(self) -> FlowStats:
         s = self.flows.summary()
         return replace(s, ahead_lead=self.lead, ahead_waste=self.waste,
-                       ahead_wait_ms=self._wait_ms / max(self.flows.blocks, 1))
+                       ahead_wait_ms=self._wait_ms / max(self.flows.blocks, 1),
+                       ahead_token_ms=max(0.0, (self._token_ms or _TRANSIT_MS) - _TRANSIT_MS))
 
     # -- internals
     def _continues(self, context: Sequence[int]) -> bool:

@@ -79,11 +79,12 @@ class FlowStats:
     predraft_hit_rate: float = 0.0
     f3_probe: bool = False  # F3 was measured with probe payloads (no hidden-state drafter ran)
     # a draft-model agent drafting ahead (agents/remote_stream.py): drafts already waiting when
-    # a block began (its lead), the share of its pushed drafts thrown away, and the verifier's
-    # wait for drafts per block
+    # a block began (its lead), the share of its pushed drafts thrown away, the verifier's
+    # wait for drafts per block, and the agent's compute per draft token (as it reports it)
     ahead_lead: float = 0.0
     ahead_waste: float = 0.0
     ahead_wait_ms: float = 0.0
+    ahead_token_ms: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

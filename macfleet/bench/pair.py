@@ -179,7 +179,10 @@ def summarize(*, width: int, target: float, dial: Mapping, k: int, one: dict | N
             "failures": sum(r["pair"]["failures"] for r in runs2),
             "verify_ms_per_block": sum(r["pair"].get("verify_ms_per_block", 0.0)
                                        for r in runs2) / n,
-            "block_ms": sum(r["pair"].get("block_ms", 0.0) for r in runs2) / n}
+            "block_ms": sum(r["pair"].get("block_ms", 0.0) for r in runs2) / n,
+            # the draft agent's compute per token in the stream, beside the probe's draft_ms
+            # (one forward of the draft model on its core, alone)
+            "agent_token_ms": sum(r["pair"].get("agent_token_ms", 0.0) for r in runs2) / n}
     out["one"], out["two"] = one, two
     return out
 

@@ -187,6 +187,7 @@ def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
                         "lead": fl.ahead_lead if fl else 0.0,
                         "waste": fl.ahead_waste if fl else 0.0,
                         "wait_ms": fl.ahead_wait_ms if fl else 0.0,
+                        "agent_token_ms": fl.ahead_token_ms if fl else 0.0,
                         "failures": st.fleet.proposer_failures if st.fleet else 0,
                         # where a block's time went, on the verifier: verifying, and waiting
                         # for drafts (the rest is the loop's own)

@@ -134,6 +134,11 @@ def _print_row(r: dict) -> None:
         a = r["pair_agents"]
         print(f"  draft agent: lead {a['lead']:.1f} drafts, waste {a['waste']:.0%}, "
               f"verifier waits {a['wait_ms']:.0f} ms a block")
+        if a.get("block_ms"):  # one block's time on both agents
+            print(f"  a block: {a['block_ms']:.0f} ms = verify {a['verify_ms_per_block']:.0f} + "
+                  f"wait {a['wait_ms']:.0f} + loop {a['block_ms'] - a['verify_ms_per_block'] - a['wait_ms']:.0f}"
+                  f"; {a['mean_accepted'] + 1:.2f} tokens; the agent drafts a token in "
+                  f"{a.get('agent_token_ms', 0):.0f} ms (alone: {r['draft_ms']:.0f})")
 
 
 def _plot(rows: list[dict], out: Path) -> Path | None:

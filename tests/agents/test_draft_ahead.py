@@ -216,6 +216,7 @@ def test_a_self_drafting_agent_runs_ahead_and_its_drafts_are_taken(monkeypatch):
         assert d.stats.drafted > 16 and d.stats.accepted > 0.5 * d.stats.drafted
         assert prop.proposer.totals.drafted >= d.stats.drafted
         assert d.stats.fleet.flows.ahead_lead > 0  # drafts were there before blocks began
+        assert d.stats.fleet.flows.ahead_token_ms > 0  # the agent's compute a token, reported
     finally:
         ver.close()
         prop.close()
