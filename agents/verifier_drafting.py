@@ -118,7 +118,8 @@ class FallbackProposer(Proposer):
         if ahead:
             n = sum(a.remote_blocks for a in ahead)
             s = replace(s, **{f: sum(getattr(a, f) * a.remote_blocks for a in ahead) / n
-                              for f in ("ahead_lead", "ahead_waste", "ahead_wait_ms")})
+                              for f in ("ahead_lead", "ahead_waste", "ahead_wait_ms",
+                                        "ahead_token_ms")})
         return s
 
 
