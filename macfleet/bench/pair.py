@@ -187,6 +187,14 @@ def summarize(*, width: int, target: float, dial: Mapping, k: int, one: dict | N
     return out
 
 
+def with_alone(two: dict, alone: Mapping[str, Mapping]) -> dict:
+    """Two-agent runs with the verifier-agent-alone runs of another setting of the same width
+    filled in where they were not measured (as `with_plain`: ids kept apart)."""
+    return {**two, "runs": [r if "agent_alone" in r else
+                            {**r, "agent_alone": {**alone[r["prompt"]], "ids": None}}
+                            for r in two["runs"]]}
+
+
 def with_plain(one: dict, plain: Mapping[str, Mapping]) -> dict:
     """One-process runs with the plain runs of another setting of the same width filled in
     where they were not measured (their speed is the shapes', not the weights'; their ids are

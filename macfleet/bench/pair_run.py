@@ -148,10 +148,12 @@ def run_pinned(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
 
 
 def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
-               progress: Callable[[str], None] = print, batch_sessions: int | None = None
-               ) -> dict:
+               progress: Callable[[str], None] = print, batch_sessions: int | None = None,
+               alone: bool = True) -> dict:
     """The verifier agent on core 0, a draft-model agent on core 1: each prompt drafted ahead
-    (spec `draft`) and by the verifier agent alone (`none`)."""
+    (spec `draft`) and (alone) by the verifier agent alone (`none`: its speed is the
+    verifier's shapes', so one setting of a width measures it for all, as `one_process`'s
+    plain runs)."""
     from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
     from bridge.messages import GenerateChunk, GenerateDone
     from macfleet.fleet import local
@@ -197,7 +199,8 @@ def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
             ask(prompts[0], "draft")  # first contact: sessions opened, shapes compiled
             runs = []
             for text in prompts:
-                runs.append({"prompt": text, "agent_alone": ask(text, "none"),
+                runs.append({"prompt": text, **({"agent_alone": ask(text, "none")} if alone
+                                                else {}),
                              "pair": ask(text, "draft")})
                 progress(f"two agents: {text[:40]}")
             return {"runs": runs}

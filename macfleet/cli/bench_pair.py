@@ -69,7 +69,7 @@ def _settings(args) -> list[tuple[int, float, dict]]:
 
 
 def run(args) -> int:
-    from macfleet.bench.pair import PAIR_PROMPTS, summarize, with_plain
+    from macfleet.bench.pair import PAIR_PROMPTS, summarize, with_alone, with_plain
     from macfleet.bench.pair_model import build_pair_verifier
     from macfleet.bench.pair_run import run_pinned, two_agents
     from macfleet.bench.record import write_result
@@ -78,6 +78,7 @@ def run(args) -> int:
     skip = set(args.skip.split(",")) - {""}
     rows = []
     plain_of: dict[int, dict] = {}  # width -> its plain runs by prompt (shapes, not weights)
+    alone_of: dict[int, dict] = {}  # width -> its verifier-agent-alone runs by prompt (same)
     for width, target, dial in _settings(args):
         _log(f"width {width}, acceptance ~{target}: building the verifier")
         vdir = str(build_pair_verifier(width, dial["extra_layers"], dial["eps"], dial["seed"]))
@@ -91,7 +92,12 @@ def run(args) -> int:
             one = with_plain(one, plain_of[width])
         _log(f"width {width}, acceptance ~{target}: one process done")
         two = None if "two" in skip else two_agents(vdir, prompts, args.max_tokens, _log,
-                                                    batch_sessions=args.batch_sessions)
+                                                    batch_sessions=args.batch_sessions,
+                                                    alone=width not in alone_of)
+        if two is not None:
+            if width not in alone_of:
+                alone_of[width] = {r["prompt"]: r["agent_alone"] for r in two["runs"]}
+            two = with_alone(two, alone_of[width])
         rows.append(summarize(width=width, target=target, dial=dial, k=args.draft_tokens,
                               one=one, two=two))
         rows[-1].update(command=command_line(), tokens=args.max_tokens, prompts=len(prompts))
@@ -135,8 +141,9 @@ def _print_row(r: dict) -> None:
         print(f"  draft agent: lead {a['lead']:.1f} drafts, waste {a['waste']:.0%}, "
               f"verifier waits {a['wait_ms']:.0f} ms a block")
         if a.get("block_ms"):  # one block's time on both agents
+            loop = a["block_ms"] - a["verify_ms_per_block"] - a["wait_ms"]
             print(f"  a block: {a['block_ms']:.0f} ms = verify {a['verify_ms_per_block']:.0f} + "
-                  f"wait {a['wait_ms']:.0f} + loop {a['block_ms'] - a['verify_ms_per_block'] - a['wait_ms']:.0f}"
+                  f"wait {a['wait_ms']:.0f} + loop {loop:.0f}"
                   f"; {a['mean_accepted'] + 1:.2f} tokens; the agent drafts a token in "
                   f"{a.get('agent_token_ms', 0):.0f} ms (alone: {r['draft_ms']:.0f})")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from macfleet.bench.pair import (Costs, alpha_from_mean, best_two_agent, identical,
+from macfleet.bench.pair import (Costs, alpha_from_mean, best_two_agent, identical, with_alone,
                                  one_process_speedup, summarize, two_agent_speedup, with_plain)
 from macfleet.engine.controller import expected_tokens
 
@@ -63,6 +63,16 @@ def test_plain_runs_of_another_setting_fill_in_without_their_ids():
     got = with_plain(one, {"p": {"plain": run([9], 3.0), "mlx_plain": run([9], 2.0)}})
     assert got["runs"][0]["plain"]["tok_s"] == 3.0 and got["runs"][0]["plain"]["ids"] is None
     assert identical(got, None)  # the other verifier's ids are not compared
+
+
+def test_agent_alone_runs_of_another_setting_fill_in_without_their_ids():
+    two = {"runs": [{"prompt": "p", "pair": run([1], 6.0)},
+                    {"prompt": "q", "pair": run([2], 6.0), "agent_alone": run([2], 1.5)}]}
+    got = with_alone(two, {"p": run([9], 2.0), "q": run([8], 9.0)})
+    p, q = got["runs"]
+    assert p["agent_alone"]["tok_s"] == 2.0 and p["agent_alone"]["ids"] is None
+    assert q["agent_alone"] == run([2], 1.5)  # measured here: kept, ids compared
+    assert identical(None, got)
 
 
 def test_mlx_runs_are_timed_by_commit_as_macfleet_runs_are(monkeypatch):
