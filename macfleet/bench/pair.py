@@ -144,28 +144,39 @@ def summarize(*, width: int, target: float, dial: Mapping, k: int, one: dict | N
         out.update(c=costs.c, alpha=alpha, verify_ms={str(L): v for L, v in
                                                       costs.verify_ms.items()},
                    draft_ms=costs.draft_ms)
-        fig["plain macfleet / mlx-lm plain"] = ratios(_rates(runs, "plain"),
-                                                      _rates(runs, "mlx_plain"))
+        has_plain = all("plain" in r for r in runs)  # bench pair --skip plain: not run
+        if has_plain:
+            fig["plain macfleet / mlx-lm plain"] = ratios(_rates(runs, "plain"),
+                                                          _rates(runs, "mlx_plain"))
         fig["in-process draft model / mlx-lm speculative"] = ratios(
             _rates(runs, "spec"), _rates(runs, "mlx_spec"))
-        fig["in-process draft model / plain"] = {
-            **ratios(_rates(runs, "spec"), _rates(runs, "plain")),
-            "ceiling": one_process_speedup(alpha, k, costs)}
-        fig["mlx-lm speculative / mlx-lm plain"] = {
-            **ratios(_rates(runs, "mlx_spec"), _rates(runs, "mlx_plain")),
-            "ceiling": one_process_speedup(alpha, k, costs)}
+        if has_plain:
+            fig["in-process draft model / plain"] = {
+                **ratios(_rates(runs, "spec"), _rates(runs, "plain")),
+                "ceiling": one_process_speedup(alpha, k, costs)}
+            fig["mlx-lm speculative / mlx-lm plain"] = {
+                **ratios(_rates(runs, "mlx_spec"), _rates(runs, "mlx_plain")),
+                "ceiling": one_process_speedup(alpha, k, costs)}
     if two is not None:
         runs2 = two["runs"]
         pair = _rates(runs2, "pair")
         ceiling_k, ceiling = best_two_agent(out.get("alpha", target), costs) if costs \
             else (None, None)
-        fig["two agents / verifier agent alone"] = ratios(pair, _rates(runs2, "agent_alone"))
+        # the verifier agent alone is plain decoding through the fleet: the same ceiling
+        fig["two agents / verifier agent alone"] = {
+            **ratios(pair, _rates(runs2, "agent_alone")), "ceiling": ceiling,
+            "ceiling_k": ceiling_k}
         if one is not None:
             by = {r["prompt"]: r for r in one["runs"]}
-            plain = [by[r["prompt"]]["plain"]["tok_s"] for r in runs2]
             spec = [by[r["prompt"]]["spec"]["tok_s"] for r in runs2]
-            fig["two agents / plain"] = {**ratios(pair, plain), "ceiling": ceiling,
-                                         "ceiling_k": ceiling_k}
+            if all("plain" in by[r["prompt"]] for r in runs2):
+                plain = [by[r["prompt"]]["plain"]["tok_s"] for r in runs2]
+                fig["two agents / plain"] = {**ratios(pair, plain), "ceiling": ceiling,
+                                             "ceiling_k": ceiling_k}
+            else:  # no one-process plain runs: plain decoding is the verifier agent's
+                fig["in-process draft model / verifier agent alone"] = {
+                    **ratios(spec, _rates(runs2, "agent_alone")),
+                    "ceiling": one_process_speedup(out["alpha"], k, costs)}
             fig["two agents / in-process draft model"] = {
                 **ratios(pair, spec),
                 "ceiling": ceiling / one_process_speedup(out["alpha"], k, costs)}

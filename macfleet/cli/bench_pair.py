@@ -33,7 +33,9 @@ def add_bench_parsers(bs) -> None:
     p.add_argument("--dial", type=Path, default=None,
                    help="the dial record (default: OUT/pair_dial.json)")
     p.add_argument("--skip", default="", help="parts to skip: one (the one-process runs), "
-                   "two (the agents) (default: none)")
+                   "plain (the one-process plain runs, mlx-lm's and macfleet's: two agents are "
+                   "then compared with the verifier agent alone only), two (the agents) "
+                   "(default: none)")
     p.set_defaults(func=run)
 
 
@@ -84,8 +86,9 @@ def run(args) -> int:
         vdir = str(build_pair_verifier(width, dial["extra_layers"], dial["eps"], dial["seed"]))
         one = None if "one" in skip else run_pinned(vdir, prompts, args.max_tokens,
                                                     args.draft_tokens,
-                                                    plain=width not in plain_of)
-        if one is not None:
+                                                    plain=width not in plain_of
+                                                    and "plain" not in skip)
+        if one is not None and "plain" not in skip:
             if width not in plain_of:
                 plain_of[width] = {r["prompt"]: {n: r[n] for n in ("plain", "mlx_plain")}
                                    for r in one["runs"]}
@@ -154,16 +157,19 @@ def _plot(rows: list[dict], out: Path) -> Path | None:
     plt = pyplot()
     if plt is None or not rows:
         return None
-    names = [("one process / plain", "in-process draft model / plain"),
-             ("mlx-lm speculative / mlx-lm plain", "mlx-lm speculative / mlx-lm plain"),
-             ("two agents / plain", "two agents / plain")]
+    # plain decoding: in one process where it was run (else the verifier agent alone)
+    names = [("one process / plain", ("in-process draft model / plain",
+                                      "in-process draft model / verifier agent alone")),
+             ("mlx-lm speculative / mlx-lm plain", ("mlx-lm speculative / mlx-lm plain",)),
+             ("two agents / plain", ("two agents / plain", "two agents / verifier agent alone"))]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
     width = 0.25
-    for i, (label, key) in enumerate(names):
+    for i, (label, keys) in enumerate(names):
         xs = [j + (i - 1) * width for j in range(len(rows))]
-        ys = [r["figures"].get(key, {}).get("geomean", 0.0) for r in rows]
+        got = [next((r["figures"][k] for k in keys if k in r["figures"]), {}) for r in rows]
+        ys = [g.get("geomean", 0.0) for g in got]
         ax.bar(xs, ys, width, label=label)
-        ceil = [r["figures"].get(key, {}).get("ceiling") for r in rows]
+        ceil = [g.get("ceiling") for g in got]
         ax.scatter([x for x, c in zip(xs, ceil) if c], [c for c in ceil if c], marker="_",
                    s=300, color="black", zorder=3)
     ax.axhline(1.0, color="gray", lw=0.8)

@@ -56,6 +56,15 @@ def test_summary_figures_and_identity():
     bad = {**two, "runs": [{**two["runs"][0], "pair": {**two["runs"][0]["pair"],
                                                         "ids": [5, 7]}}]}
     assert not summarize(width=6144, target=0.95, dial={}, k=4, one=one, two=bad)["identical"]
+    # bench pair --skip plain: no one-process plain runs; plain decoding is the agent's alone
+    noplain = {**one, "runs": [{k: v for k, v in one["runs"][0].items()
+                                if k not in ("plain", "mlx_plain")}]}
+    f = summarize(width=6144, target=0.95, dial={}, k=4, one=noplain, two=two)["figures"]
+    assert "two agents / plain" not in f and "plain macfleet / mlx-lm plain" not in f
+    assert f["two agents / verifier agent alone"]["geomean"] == pytest.approx(24 / 9.5)
+    assert f["two agents / verifier agent alone"]["ceiling"] > 1
+    assert f["in-process draft model / verifier agent alone"]["geomean"] == \
+        pytest.approx(15 / 9.5)
 
 
 def test_plain_runs_of_another_setting_fill_in_without_their_ids():
