@@ -71,7 +71,7 @@ def sanitize_draft(draft: Draft, k: int, vocab: int) -> Draft:
         probs = probs[: len(toks)].astype(np.float64) if ok else None
     if len(toks) == len(draft.tokens) and probs is draft.probs and parents == draft.parents:
         return draft
-    return Draft(tuple(toks), probs, draft.draft_ms, None, parents)
+    return Draft(tuple(toks), probs, draft.draft_ms, parents)
 
 
 def speculative_generate(

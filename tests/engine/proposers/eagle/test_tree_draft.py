@@ -104,8 +104,8 @@ def test_eagle2_greedy_is_bit_identical_and_drafts_branching_trees(tiny, trained
     seen: list[Draft] = []
     propose = prop.propose
 
-    def spy(context, k, with_guess=False):
-        d = propose(context, k, with_guess)
+    def spy(context, k):
+        d = propose(context, k)
         seen.append(d)
         return d
 
