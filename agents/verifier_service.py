@@ -37,7 +37,7 @@ from macfleet.serve.engine import DEFAULT_STALL_RATIO, ITERATION_HISTORY, BatchE
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED = 8
-DEFAULT_BATCH_SESSIONS = 16  # one forward over 16 sessions costs ~1.85x one here
+DEFAULT_BATCH_SESSIONS = 16  # sessions sharing one batched forward
 DEFAULT_BATCH_QUEUE = 64
 MAX_PROPOSERS = 8  # proposer endpoints one request may name
 MAX_ENDPOINT_CHARS = 256

@@ -3,10 +3,10 @@
 A draft tree's size is chosen against this table (macfleet/engine/tree_budget.py), so it must be
 what the verifier really costs here, not a model of it: on a Mac GPU the curve is nearly flat
 up to dozens of tokens; on a CPU the matmul kernels block the rows and the curve is a sawtooth
-(SmolLM2 on the 2-core x86 box: L=1 39 ms, 4 64, 12 102, 16 68, 28 141, 32 103). The probe
+(SmolLM2 on the 2-core x86 box: results/verify_l_sweep.json). The probe
 runs each length a few times over a short context and keeps the fastest; the table is kept
 per process and on disk (per model, weight format, machine and MLX version), so a one-shot
-`generate` pays the ~2 s probe once per machine. A probe taken while the machine is loaded is
+`generate` pays the probe once per machine. A probe taken while the machine is loaded is
 not written to disk (load flattens the curve); the loop's own measurements correct the table
 at the lengths it uses either way (budget.VerifyCurve.observe).
 """
