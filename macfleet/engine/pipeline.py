@@ -1,7 +1,7 @@
 """What keeps the device busy: decisions taken on the device, and the block shapes it likes.
 
 On a GPU one token of a small model takes a few milliseconds, so the loops must not hand the
-device's results to Python and rebuild the next graph while the device waits (DESIGN.md,
+device's results to Python and rebuild the next graph while the device waits (docs/design.md,
 physics 4). The pieces here are the device-side halves the loops share:
 
 * `greedy_outcome`: greedy acceptance as device ops, so a block's one synchronisation carries
