@@ -16,7 +16,7 @@ from pathlib import Path
 DEFAULT_OVERHEAD = 1.25  # KV cache, activations, allocator slack over the weights themselves
 DEFAULT_RESERVE_BYTES = 512 * 2**20  # left for the OS and everything else on the Mac
 GGUF_QUANT_BITS = 4.5  # Q4_x: 4-bit values + a scale (and bias) per 32-value group
-DENSE_BITS = 32  # dequantized weights on Linux CPU stay float32 (see DESIGN.md)
+DENSE_BITS = 32  # dequantized weights on Linux CPU stay float32 (docs/design.md, Linux CPU)
 TINY_BYTES = 4 * 2**20  # a tiny random model: a few hundred thousand float32 params
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")
 

@@ -12,7 +12,7 @@ verifier applies the same rule to the same tokens (agents/remote_stream.py), so 
 agree on which chunks are current without a round trip.
 
 So the draft model drafts while the verifier verifies: on two Macs a block costs about
-verify(k+1) instead of verify(k+1) + k draft steps (DESIGN.md, physics 5).
+verify(k+1) instead of verify(k+1) + k draft steps (docs/design.md, physics 5).
 """
 
 from __future__ import annotations

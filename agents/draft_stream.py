@@ -93,7 +93,7 @@ class DraftStream:
         self.requests += 1
         hit = take(ahead, self.context, k)
         if hit is not None:  # a tree, even where the drafter's own draft was a chain
-            hit = Draft(hit.tokens, None, 0.0, None,
+            hit = Draft(hit.tokens, None, 0.0,
                         hit.parents or tuple(range(-1, len(hit.tokens) - 1)))
         self.hit_rate = 0.8 * self.hit_rate + 0.2 * float(hit is not None)
         return hit

@@ -71,7 +71,7 @@ def peers_named(preset: Preset, params: dict) -> list[str]:
 
 
 def _verify_sweep(agent, prm: dict) -> dict:
-    from macfleet.bench.verify_sweep import verify_sweep
+    from macfleet.engine.verify_costs import verify_sweep
 
     lengths = tuple(range(1, prm["max_L"] + 1))
     return verify_sweep(agent.lm, lengths=lengths, contexts=(prm["context"],),

@@ -141,8 +141,8 @@ class ProposerService(ChainRounds):
         self._thread = threading.Thread(target=self._run, name="proposer-compute", daemon=True)
         self._thread.start()
         if "retrieval" in kinds:
-            # the answer store's index takes ~2 s to build: before the agent is advertised,
-            # not on the first request's time (it held up the demo's first answer by 4 s)
+            # the answer store's index takes seconds to build: before the agent is advertised,
+            # not on the first request's time (it held up the demo's first answer)
             from macfleet.engine.proposers.retrieval import warm_store
 
             warm_store(lm.spec)

@@ -39,12 +39,12 @@ DEFAULT_MIN_SILENCE_S = 3.0  # a prefill agent silent this long (or 3 chunks' ti
 DEFAULT_UNMEASURED_SILENCE_S = 60.0
 DEFAULT_MIN_DEADLINE_S = 120.0
 # before any speed is measured, the whole fetch: a long prompt's attention makes its last chunks
-# the slowest (8,000 tokens of SmolLM2 on one CPU core: 183 s, the last chunk 20 s), so a
+# the slowest (8,000 tokens of SmolLM2 on a CPU take minutes: results/disagg-8000-*.json), so a
 # deadline from an assumed speed would drop a working agent; silence still bounds a hung one
 DEFAULT_UNMEASURED_DEADLINE_S = 900.0
-# context at which a chunk's attention costs about what its weights do: the last 512-token chunk
-# of an 8,000-token prompt took ~6x the first (SmolLM2, one CPU core); speeds measured on short
-# prompts are scaled by 1 + context / this for the silence and the deadline
+# context at which a chunk's attention costs about what its weights do (a long prompt's last
+# chunks cost several times its first); speeds measured on short prompts are scaled by
+# 1 + context / this for the silence and the deadline
 ATTENTION_TOKENS = 1500.0
 DEFAULT_ASSUMED_TOK_S = 1000.0  # prefill speed until this verifier has measured its own
 _EWMA = 0.5

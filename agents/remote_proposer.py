@@ -200,7 +200,7 @@ class RemoteProposer(Proposer):
         self._session, self._sent, self._f_sent = self._opening_sid, self._open_len, 0
         return True
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+    def propose(self, context: Sequence[int], k: int) -> Draft:
         self.begin(context, k)
         return self.finish()
 
@@ -279,7 +279,7 @@ class RemoteProposer(Proposer):
         self.flows.add(b1, self._client.last_recv_bytes, wire, reply.draft_ms,
                        reply.predraft_hit, b3, f3_ms)
         parents = tuple(reply.parents) if reply.parents is not None else None
-        return Draft(tuple(reply.tokens), reply.probs, rtt_ms, None, parents)
+        return Draft(tuple(reply.tokens), reply.probs, rtt_ms, parents)
 
     def feature_rows(self, n: int):
         """The hidden rows 0..n-1 its session was fed ([n, H]), None unless it holds them all

@@ -203,7 +203,7 @@ class StreamingProposer(Proposer):
                 self._alpha = min(0.98, max(0.02, (1 - _EMA) * self._alpha
                                             + _EMA * accepted / trials))
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+    def propose(self, context: Sequence[int], k: int) -> Draft:
         self.begin(context, k)
         return self.finish()
 

@@ -63,7 +63,7 @@ class FallbackProposer(Proposer):
         for p in self._live:
             p.start(params)
 
-    def propose(self, context, k: int, with_guess: bool = False) -> Draft:
+    def propose(self, context, k: int) -> Draft:
         while self._live:
             p = self._live[0]
             try:

@@ -1,28 +1,31 @@
 """A verifier agent's generations: a request into the continuous batch, or one session alone.
 
 Both turn the engine's events into wire messages (GenerateChunk, GenerateDone, BlockMetrics
-on the PUB socket) and add what crossing hosts cost (`FleetStats`: the flows to the proposer
-agents, the multi-host overhead by `macfleet.stats.multihost_overhead`, flow KV, a sharded
-verifier's shard flow). `VerifierGenerations` is a part of `VerifierService`
-(agents/verifier_service.py), which owns the queue, the batch and the compute thread these run
-on; it reads the service's model (`lm`, `node_id`, `_verifier`), its batch and prefill stage
-(`_batch`, `_stage`), its drafting (`_drafts`), its PUB callback (`_publish`) and the pending
-requests it heartbeats (`_pending`, `_pending_lock`).
+on the PUB socket) and add what crossing hosts cost: one `fleet_stats` builds the `FleetStats`
+of either path (the flows to the proposer agents, the multi-host overhead by
+`macfleet.stats.multihost_overhead`, flow KV by `kv_flow`, a sharded verifier's shard flow).
+`VerifierService` (agents/verifier_service.py) owns the queue, the batch and the compute thread
+these run on and hands `VerifierGenerations` what they use, by name: the model, the verifier,
+the request drafting, the PUB callback, the pending requests it heartbeats, the batch and the
+prefill stage.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 
 from agents.remote_tree import RemoteProposerGroup
 from agents.shard_traffic import block_delta
-from agents.verifier_drafting import FallbackProposer, draft_tokens_of, last_flows
+from agents.verifier_drafting import (FallbackProposer, RequestDrafting, draft_tokens_of,
+                                      last_flows)
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError
 from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDone, GenerateRequest
 from macfleet.engine.constraint import Grammar
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.kvship import PrefilledVerifier
+from macfleet.engine.models import LoadedModel
 from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.proposers import ProposerSpecError
 from macfleet.engine.text import (PromptError, TextDelta, TextStream, encode_prompt,
@@ -30,27 +33,102 @@ from macfleet.engine.text import (PromptError, TextDelta, TextStream, encode_pro
 from macfleet.serve.engine import EngineRequest, Overloaded, SessionFailed
 from macfleet.serve.logprobs import LogprobsCommitted
 from macfleet.serve.prompt_cache import PromptReused
-from macfleet.stats import BlockFlows, FleetStats, FlowStats, KVFlow, multihost_overhead
+from macfleet.stats import (BlockFlows, FleetStats, FlowStats, KVFlow, ShardStats,
+                            multihost_overhead)
 
 
 Reply = Callable[[object], int]  # sends one message back to the request's client
 
 
-class VerifierGenerations:
-    """The request handlers of `VerifierService`: see the module docstring."""
+class Pending:
+    """The requests queued or running, which the service heartbeats (and fails when the
+    verifier is lost) until each one ends."""
 
-    def _submit_batched(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by: dict[int, tuple[str, Reply]] = {}
+
+    def add(self, rid: str, reply: Reply, before: Callable[[], None] | None = None) -> None:
+        """Hold `reply`; `before` (queueing it) runs under the same lock, so the request cannot
+        end before it is held. An exception from `before` holds nothing."""
+        with self._lock:
+            if before is not None:
+                before()
+            self._by[id(reply)] = (rid, reply)
+
+    def drop(self, reply: Reply) -> None:
+        with self._lock:
+            self._by.pop(id(reply), None)
+
+    def held(self) -> list[tuple[str, Reply]]:
+        with self._lock:
+            return list(self._by.values())
+
+    def take_all(self) -> list[tuple[str, Reply]]:
+        with self._lock:
+            out = list(self._by.values())
+            self._by.clear()
+        return out
+
+
+def fleet_stats(node_id: str, drafter, wire_ms: float, block_ms: float, kv: KVFlow,
+                shard: ShardStats | None = None) -> FleetStats:
+    """What a generation on this verifier added by crossing hosts (both paths): its remote
+    drafters' flows and failures (none for a local drafter), the wire time and its share."""
+    flows, failures = FlowStats(), []
+    if isinstance(drafter, (FallbackProposer, RemoteProposerGroup)):
+        flows, failures = drafter.flow_stats(), drafter.failures
+    return FleetStats(verifier=node_id, flows=flows, proposer_failures=len(failures),
+                      wire_ms=wire_ms, multihost_overhead=multihost_overhead(wire_ms, block_ms),
+                      kv=kv, shard=shard)
+
+
+def kv_flow(staged, stage, tokens: int, prefill_ms: float, install_ms: float | None) -> KVFlow:
+    """Flow KV of a finished generation: its shipped KV installed (`install_ms`), or (None)
+    prefilled here after all, which teaches the prefill stage's meter."""
+    if staged is None:
+        return KVFlow()
+    if install_ms is not None:
+        return replace(staged.flow, install_ms=install_ms)
+    stage.meter.local(tokens - 1, prefill_ms)
+    return staged.flow
+
+
+def first_block_kv(staged) -> dict:
+    """Flow KV's figures for the BlockMetrics of a session's first block ({}: none shipped)."""
+    if staged is None or staged.kv is None:
+        return {}
+    return {"kv_bytes": staged.flow.kv_bytes, "kv_ms": staged.flow.kv_ms}
+
+
+class VerifierGenerations:
+    """Runs the requests `VerifierService` accepted: `submit_batched` into the continuous batch,
+    `generate` one session alone on the service's compute thread."""
+
+    def __init__(self, lm: LoadedModel, *, node_id: str, verifier, drafts: RequestDrafting,
+                 pending: Pending, publish: Callable[[object], None],
+                 f3_probe_width: int) -> None:
+        self.lm, self.node_id, self.verifier, self.drafts = lm, node_id, verifier, drafts
+        self.pending, self.publish, self.f3_probe_width = pending, publish, f3_probe_width
+        self.batch = None  # the continuous batch (a BatchEngine), when the service runs one
+        self.stage = None  # the prefill stage (agents/remote_prefill.PrefillStage), if any
+        self.completed = 0
+
+    def _prompt_ids(self, msg: GenerateRequest, staged) -> list[int]:
+        if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
+            raise ValueError("prefix ids outside the vocabulary")
+        return staged.ids if staged is not None else (
+            encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
+
+    def submit_batched(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
         """Into the continuous batch: its drafter (a chain on remote proposers in order of
         preference, a tree drafted on all of them at once, or this agent's own) drafts per
         session, cross-round, while the batch verifies every session's block or tree in one
         forward; events become wire messages here."""
         params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
-        if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
-            raise ProtocolError(BAD_REQUEST, "prefix ids outside the vocabulary")
         try:
-            ids = staged.ids if staged is not None else (
-                encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
-            proposer = self._drafts.drafting(msg, batched=True)
+            ids = self._prompt_ids(msg, staged)
+            proposer = self.drafts.drafting(msg, batched=True)
         except (PromptError, ProposerSpecError, ValueError) as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
         req = EngineRequest(prompt=tuple(ids), params=params,
@@ -64,11 +142,8 @@ class VerifierGenerations:
         rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
         lps: tuple = ()  # LogprobsCommitted comes right before the TokensCommitted it scores
         cached = 0
-        remote = (proposer if isinstance(proposer, (FallbackProposer, RemoteProposerGroup))
-                  else None)
         kv = staged.kv if staged is not None else None
-        kv_once = ({"kv_bytes": staged.flow.kv_bytes, "kv_ms": staged.flow.kv_ms}
-                   if kv is not None else {})
+        kv_once = first_block_kv(staged)
         wire_ms = block_ms = 0.0  # over every block, as the dashboard sums its BlockMetrics
 
         def emit(ev) -> None:
@@ -84,8 +159,7 @@ class VerifierGenerations:
                                     tuple(e.logprob for e in lps), tuple(e.top for e in lps)))
                 lps = ()
             elif isinstance(ev, BlockDone):
-                last = (last_flows(remote) if remote is not None and ev.k > 0
-                        else None) or BlockFlows()
+                last = (last_flows(proposer) if ev.k > 0 else None) or BlockFlows()
                 wire_ms += last.wire_ms
                 block_ms += ev.block_ms
                 self._publish_block(rid, ev, last, probe=bool(self.f3_probe_width),
@@ -95,12 +169,11 @@ class VerifierGenerations:
                 if tail:
                     parts.append(tail)
                     reply(GenerateChunk(rid, [], tail))
-                flows, failures = ((remote.flow_stats(), remote.failures) if remote is not None
-                                   else (FlowStats(), []))
-                fleet = FleetStats(verifier=self.node_id, flows=flows,
-                                   proposer_failures=len(failures), wire_ms=wire_ms,
-                                   multihost_overhead=multihost_overhead(wire_ms, block_ms),
-                                   kv=self._batched_kv_flow(staged, len(ids), ev.stats.prefill_ms))
+                # an installed KV's install time is the session's prefill time
+                flow = kv_flow(staged, self.stage, len(ids),
+                               ev.stats.prefill_ms, ev.stats.prefill_ms if kv is not None
+                               else None)
+                fleet = fleet_stats(self.node_id, proposer, wire_ms, block_ms, flow)
                 self.completed += 1
                 reply(GenerateDone(rid, "".join(parts), list(ev.token_ids),
                                    replace(ev.stats, fleet=fleet), cached))
@@ -108,13 +181,11 @@ class VerifierGenerations:
                 reply(ErrorReply(INTERNAL, ev.message))
 
         def on_close() -> None:
-            with self._pending_lock:
-                self._pending.pop(id(reply), None)
+            self.pending.drop(reply)
 
-        with self._pending_lock:  # heartbeats while queued; the engine's on_close ends them
-            self._pending[id(reply)] = (rid, reply)
+        self.pending.add(rid, reply)  # heartbeats while queued; the engine's on_close ends them
         try:
-            self._batch.submit(req, emit, on_close, proposer=proposer, kv=kv)
+            self.batch.submit(req, emit, on_close, proposer=proposer, kv=kv)
         except (Overloaded, ValueError) as e:
             on_close()
             if proposer is not None:
@@ -126,7 +197,7 @@ class VerifierGenerations:
                        **extra) -> None:
         """One verified block's metrics on the PUB socket (both paths: batched and alone);
         extra: the shard flow, and flow KV on a session's first block."""
-        self._publish(BlockMetrics(
+        self.publish(BlockMetrics(
             node_id=self.node_id, session_id=rid, block=ev.block, k=ev.k,
             accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
             verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
@@ -135,33 +206,20 @@ class VerifierGenerations:
             ahead_waste=last.ahead_waste if last.ahead_lead or last.ahead_waste else -1.0,
             **extra))
 
-    def _batched_kv_flow(self, staged, tokens: int, prefill_ms: float) -> KVFlow:
-        """Flow KV of a batched session: installed (its install time is the session's prefill
-        time), or prefilled here after all (which teaches the stage's meter)."""
-        if staged is None:
-            return KVFlow()
-        if staged.kv is not None:
-            return replace(staged.flow, install_ms=prefill_ms)
-        self._stage.meter.local(tokens - 1, prefill_ms)
-        return staged.flow
-
-    def _generate(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
+    def generate(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
+        """One session alone (a sharded verifier, a model the batch cannot run, a long prompt
+        handed on by the prefill stage without a batch), on the caller's thread."""
         params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
-        if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
-            raise ValueError("prefix ids outside the vocabulary")
-        ids = staged.ids if staged is not None else (
-            encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
-        verifier, kv_once = self._verifier, {}
-        if staged is not None and staged.kv is not None:  # flow KV: installed, not computed
-            verifier = PrefilledVerifier(self._verifier, ids[:-1], self._stage.layout, staged.kv)
-            kv_once = {"kv_bytes": staged.flow.kv_bytes, "kv_ms": staged.flow.kv_ms}
-        proposer = self._drafts.drafting(msg)
+        ids = self._prompt_ids(msg, staged)
+        verifier, kv_once = self.verifier, first_block_kv(staged)
+        if kv_once:  # flow KV: installed, not computed
+            verifier = PrefilledVerifier(self.verifier, ids[:-1], self.stage.layout, staged.kv)
+        proposer = self.drafts.drafting(msg)
         max_new = max(0, msg.max_tokens - len(msg.prefix_ids))
         parts: list[str] = []
         block_ms = wire_ms = 0.0
         stats = None
-        remote = proposer if isinstance(proposer, FallbackProposer) else None
-        shard_now = self._verifier.shard_stats  # a sharded verifier's shard flow, else None
+        shard_now = self.verifier.shard_stats  # a sharded verifier's shard flow, else None
         shard_prev = None
         events = generate_from_ids(self.lm, verifier, proposer, ids,
                                    draft_tokens=draft_tokens_of(msg), max_tokens=max_new,
@@ -181,7 +239,7 @@ class VerifierGenerations:
                     # measured where a collective was timed, else priced (and marked so)
                     self._publish_block(
                         msg.request_id, ev, last,
-                        probe=bool(self.f3_probe_width) and self._drafts.feature_tap is None,
+                        probe=bool(self.f3_probe_width) and self.drafts.feature_tap is None,
                         shard_bytes=sh.bytes, shard_ms=sh.ms or sh.priced_ms,
                         shard_priced=not sh.ms and sh.priced_ms > 0, rank_load=sh.rank_load,
                         **kv_once)
@@ -192,26 +250,11 @@ class VerifierGenerations:
         finally:
             if proposer is not None:
                 proposer.close()
-            self._drafts.close_tap()
-        flows, failures = FlowStats(), []
-        if remote is not None:
-            flows, failures = remote.flow_stats(), remote.failures
-        elif isinstance(proposer, RemoteProposerGroup):
-            flows, failures = proposer.flow_stats(), proposer.failures
-        kv = self._kv_flow(staged, verifier, len(ids), stats.prefill_ms)
-        fleet = FleetStats(verifier=self.node_id, flows=flows, proposer_failures=len(failures),
-                           wire_ms=wire_ms, kv=kv,
-                           multihost_overhead=multihost_overhead(wire_ms, block_ms),
-                           shard=shard_now())
+            self.drafts.close_tap()
+        installed = isinstance(verifier, PrefilledVerifier) and verifier.installed
+        flow = kv_flow(staged, self.stage, len(ids), stats.prefill_ms,
+                       verifier.install_ms if installed else None)
+        fleet = fleet_stats(self.node_id, proposer, wire_ms, block_ms, flow, shard=shard_now())
         self.completed += 1
         reply(GenerateDone(msg.request_id, "".join(parts), token_ids,
                            replace(stats, fleet=fleet)))
-
-    def _kv_flow(self, staged, verifier, tokens: int, prefill_ms: float) -> KVFlow:
-        """Flow KV of a finished generation; a local prefill also teaches the stage's meter."""
-        if staged is None:
-            return KVFlow()
-        if isinstance(verifier, PrefilledVerifier) and verifier.installed:
-            return replace(staged.flow, install_ms=verifier.install_ms)
-        self._stage.meter.local(tokens - 1, prefill_ms)
-        return staged.flow

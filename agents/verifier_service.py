@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from agents.specs import MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_spec
 from agents.verifier_drafting import (FallbackProposer, RequestDrafting,  # noqa: F401 (API)
                                       draft_tokens_of)
-from agents.verifier_generate import Reply, VerifierGenerations
+from agents.verifier_generate import Pending, Reply, VerifierGenerations
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
 from bridge.messages import (AUTO_DRAFT_TOKENS, MAX_PREDICTION_IDS, MAX_TOP_LOGPROBS,
                              BatchStatus, ErrorReply, GenerateChunk, GenerateRequest)
@@ -37,7 +37,7 @@ from macfleet.serve.engine import DEFAULT_STALL_RATIO, ITERATION_HISTORY, BatchE
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED = 8
-DEFAULT_BATCH_SESSIONS = 16  # one forward over 16 sessions costs ~1.85x one here
+DEFAULT_BATCH_SESSIONS = 16  # sessions sharing one batched forward
 DEFAULT_BATCH_QUEUE = 64
 MAX_PROPOSERS = 8  # proposer endpoints one request may name
 MAX_ENDPOINT_CHARS = 256
@@ -97,11 +97,11 @@ class VerifierLimits:
     prompt_cache_mb: int = 512
 
 
-class VerifierService(VerifierGenerations):
+class VerifierService:
     """The verifier role's plumbing: checks a request, queues it into the continuous batch or
     onto the one-session compute thread, heartbeats whatever it holds, keeps a shard group
-    alive while idle. Its generations (agents/verifier_generate.py) and where their drafts come
-    from (agents/verifier_drafting.py) live beside it."""
+    alive while idle. It runs them through its `generations` (agents/verifier_generate.py),
+    whose drafts come from agents/verifier_drafting.py."""
 
     def __init__(self, lm: LoadedModel, *, node_id: str, key: bytes | None,
                  publish: Callable[[object], None] | None = None,
@@ -125,7 +125,6 @@ class VerifierService(VerifierGenerations):
         self.models = DraftModels()
         # F3 probe width: what an EAGLE-style drafter reads, the last layer's hidden state
         self.f3_probe_width = lm.hidden_size if f3_probe else 0
-        self._publish = publish or (lambda m: None)
         self._jobs: queue.Queue = queue.Queue(maxsize=limits.max_queued)
         self._verifier = verifier if verifier is not None else Verifier(lm.model)
         self._on_fatal = on_fatal
@@ -134,9 +133,11 @@ class VerifierService(VerifierGenerations):
                                        f3_probe_width=self.f3_probe_width, f3_codec=f3_codec)
         self._keepalive = self._verifier.keepalive if self._verifier.needs_keepalive else None
         self._solo = 0  # one-session generations running (0 or 1)
-        self.completed = 0
-        self._pending: dict[int, tuple[str, Reply]] = {}  # queued or running -> heartbeats
-        self._pending_lock = threading.Lock()
+        self._pending = Pending()  # queued or running -> heartbeats
+        self.generations = VerifierGenerations(
+            lm, node_id=node_id, verifier=self._verifier, drafts=self._drafts,
+            pending=self._pending, publish=publish or (lambda m: None),
+            f3_probe_width=self.f3_probe_width)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
         self._thread.start()
@@ -154,6 +155,12 @@ class VerifierService(VerifierGenerations):
             self._stage = PrefillStage(lm, key=key, layout=model_layout(lm.model),
                                        endpoints=prefill_endpoints, submit=self._submit,
                                        policy=disagg or DisaggPolicy())
+        self.generations.stage = self._stage
+
+    @property
+    def completed(self) -> int:
+        """Generations answered (both paths)."""
+        return self.generations.completed
 
     @property
     def f3_codec(self) -> str:
@@ -177,6 +184,7 @@ class VerifierService(VerifierGenerations):
             return
         self._compute = lock
         self._batch.start()
+        self.generations.batch = self._batch
 
     @property
     def active(self) -> int:
@@ -202,17 +210,13 @@ class VerifierService(VerifierGenerations):
 
     def _heartbeats(self) -> None:
         while not self._stopped.wait(HEARTBEAT_S):
-            with self._pending_lock:
-                pending = list(self._pending.values())
-            for rid, reply in pending:
+            for rid, reply in self._pending.held():
                 reply(GenerateChunk(rid, [], ""))
 
     def fail_pending(self, why: str) -> int:
         """Answer every queued or running request with `unavailable` (the verifier is lost and
         its compute thread may be stuck in a collective that never returns); returns how many."""
-        with self._pending_lock:
-            pending = list(self._pending.values())
-            self._pending.clear()
+        pending = self._pending.take_all()
         for rid, reply in pending:
             reply(ErrorReply(UNAVAILABLE, f"the verifier is lost: {why}"))
         return len(pending)
@@ -259,17 +263,19 @@ class VerifierService(VerifierGenerations):
         check_request(msg, self.policy)
         self._peers(msg.proposers)  # before any connection: fleet members only (no SSRF)
         if self._batch is not None and not (self._stage is not None and self._stage.wants(msg)):
-            self._submit_batched(msg, reply)
+            self.generations.submit_batched(msg, reply)
             return True
-        with self._pending_lock:
-            try:
-                if self._stage is not None and self._stage.wants(msg):
-                    self._stage.put(msg, reply)  # a long prompt may prefill elsewhere first
-                else:
-                    self._jobs.put_nowait((msg, reply, None))
-            except queue.Full:
-                raise ProtocolError(BUSY, f"{self.limits.max_queued} generations queued") from None
-            self._pending[id(reply)] = (msg.request_id, reply)
+
+        def queue_it() -> None:
+            if self._stage is not None and self._stage.wants(msg):
+                self._stage.put(msg, reply)  # a long prompt may prefill elsewhere first
+            else:
+                self._jobs.put_nowait((msg, reply, None))
+
+        try:
+            self._pending.add(msg.request_id, reply, before=queue_it)
+        except queue.Full:
+            raise ProtocolError(BUSY, f"{self.limits.max_queued} generations queued") from None
         return True
 
     def _submit(self, msg: GenerateRequest, reply: Reply, staged) -> None:
@@ -277,10 +283,9 @@ class VerifierService(VerifierGenerations):
         shipped KV installed in a batch row), else to the one-session queue (waits while full)."""
         if self._batch is not None:
             try:
-                self._submit_batched(msg, reply, staged)
+                self.generations.submit_batched(msg, reply, staged)
             except ProtocolError as e:
-                with self._pending_lock:
-                    self._pending.pop(id(reply), None)
+                self._pending.drop(reply)
                 reply(ErrorReply(e.code, e.message))
             return
         self._jobs.put((msg, reply, staged))
@@ -299,7 +304,7 @@ class VerifierService(VerifierGenerations):
             self._solo += 1
             try:
                 with self._compute:  # the batch waits while one session runs alone
-                    self._generate(msg, reply, staged)
+                    self.generations.generate(msg, reply, staged)
             except VerifierLost as e:
                 reply(ErrorReply(UNAVAILABLE, f"the sharded verifier lost a rank: {e}"))
                 self._fatal(str(e))
@@ -311,8 +316,7 @@ class VerifierService(VerifierGenerations):
                 reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
             finally:
                 self._solo -= 1
-                with self._pending_lock:
-                    self._pending.pop(id(reply), None)
+                self._pending.drop(reply)
 
     def _idle_keepalive(self) -> bool:
         """Keep a shard group's watchdogs fed while idle; False once the group is lost."""

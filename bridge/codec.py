@@ -28,7 +28,7 @@ from bridge.card import PROTOCOL_VERSION
 from bridge.errors import BAD_VERSION, MALFORMED, OVERSIZE, ProtocolError
 from bridge.messages import ErrorReply, Message, Spec, message_class, schema, tag_of
 
-DEFAULT_MAX_FRAMES = 64  # header + body + buffers (a trailing MAC frame is removed before)
+DEFAULT_MAX_FRAMES = 64  # header + body + buffers
 DEFAULT_MAX_HEADER_BYTES = 4096
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a long prompt as token ids, generated text
 MAX_MAP_LEN = 65536
@@ -49,14 +49,14 @@ class Header:
     id: str
     session: str
     reply_to: str | None
-    t_ns: int  # sender's wall clock (unix ns); the auth replay window is checked against it
+    t_ns: int  # sender's wall clock (unix ns); no receiver checks it (no replay window: auth.py)
 
 
 @dataclass(frozen=True)
 class Envelope:
     header: Header
     msg: Message
-    nbytes: int  # bytes of all frames as received (MAC frame excluded): what crossed the link
+    nbytes: int  # bytes of all frames as received: what crossed the link
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Limits:
 
 
 def new_id() -> str:
-    """A fresh message id: 64 random bits, unique enough to remember in a replay window."""
+    """A fresh message id: 64 random bits; a reply names the request it answers by it."""
     return secrets.token_hex(8)
 
 

@@ -50,7 +50,7 @@ class BlockFlows:
 
 
 def multihost_overhead(wire_ms: float, block_ms: float) -> float:
-    """The multi-host overhead of a run of blocks (DESIGN.md, "The flows between hosts").
+    """The multi-host overhead of a run of blocks (docs/design.md, "The flows between hosts").
 
     wire_ms: the critical-path time spent moving F1, F2 and F3 bytes (serialize + wire +
     deserialize while the verifier waits: a remote proposer's round trip minus its own drafting

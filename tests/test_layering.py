@@ -1,12 +1,11 @@
-"""The import layering of DESIGN.md and docs/architecture.md, from one allowed-imports table.
+"""The import layering of docs/design.md and docs/architecture.md, from one allowed-imports table.
 
 Each source file is judged by the most specific entry of ALLOWED (a file, else its folder, else
 its package): the project modules it may import (by prefix), and what else it may (`only`) or
 must not (`banned`) import. The rows say, among others: `bridge` imports no other project package
 but the plain records of macfleet/stats.py, and no pickle; `macfleet.engine` imports no
 networking and nothing of the fleet, the CLI or the agents; topology is pure; the dashboard reads
-only the fleet's records; benchmarks are imported by nothing but the CLI (and the agents' tool
-plane); the training package (macfleet/distill) only by the CLI and the benchmarks. And no
+only the fleet's records; benchmarks are imported by nothing but the CLI; the training package (macfleet/distill) only by the CLI and the benchmarks. And no
 import circle anywhere: imports inside functions count too.
 """
 
@@ -90,14 +89,12 @@ ALLOWED: dict[str, Rule] = {
     "macfleet/__main__.py": Rule(("macfleet.cli",)),
     # the daemon: bridge + engine (+ the networking-free continuous batch the verifier runs,
     # with its records and events: logprobs, the prompt cache's reuse; the planner's pure placements it carries out: disagg, MoE experts);
-    # the tool plane runs allowlisted benchmarks
+    # the tool plane's presets measure through the engine (engine/verify_costs.py), never bench/
     "agents": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",
                     "macfleet.topology.disagg", "macfleet.topology.moe", "macfleet.serve.engine",
                     "macfleet.serve.logprobs", "macfleet.serve.prompt_cache",
                     "macfleet.fleet.batch", *RECORDS),
                    banned=("starlette", "uvicorn", "httpx", "textual")),
-    "agents/presets.py": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",
-                               "macfleet.bench", *RECORDS)),
     # the dashboard observes the fleet's records (and computes as stats does); no sockets, no MLX
     "tui": Rule(("tui", "macfleet.fleet.snapshot", "macfleet.fleet.batch", *RECORDS),
                 banned=("zmq", "mlx", "zeroconf", "socket")),
@@ -150,7 +147,7 @@ def test_imports_follow_the_layering(rel):
 
 
 def test_engine_imports_no_networking_and_no_upper_layer():
-    """The rule of DESIGN.md, spelled out: no zmq/zeroconf/starlette/uvicorn/bridge in the
+    """The rule of docs/design.md, spelled out: no zmq/zeroconf/starlette/uvicorn/bridge in the
     engine (the table above says so for every engine file; this names it)."""
     rule = ALLOWED["macfleet/engine"]
     for banned in ("zmq", "zeroconf", "starlette", "uvicorn"):

@@ -81,11 +81,11 @@ def progress(msg: str) -> None:
 
 def run_verify_sweep(args) -> int:
     from macfleet.bench.record import write_result
-    from macfleet.bench.verify_sweep import DEFAULT_CONTEXTS, DEFAULT_LENGTHS, verify_sweep
+    from macfleet.engine.verify_costs import SWEEP_CONTEXTS, SWEEP_LENGTHS, verify_sweep
     from macfleet.cli.common import bench_runs, load_model
 
     lm = load_model(args.model)
-    with bench_runs("verify-sweep", len(DEFAULT_CONTEXTS) * len(DEFAULT_LENGTHS)) as say:
+    with bench_runs("verify-sweep", len(SWEEP_CONTEXTS) * len(SWEEP_LENGTHS)) as say:
         res = verify_sweep(lm, repeats=args.repeats, progress=say)
     path = write_result("verify_l_sweep.json", res, args.out)
     for c in res["curves"]:

@@ -61,4 +61,4 @@ def take(ahead: Ahead | None, context: Sequence[int], k: int | None = None) -> D
     k = len(toks) if k is None else k
     probs = d.probs[idx[:k]] if d.probs is not None else None
     parents = tuple(par[:k]) if d.parents is not None else None
-    return Draft(tuple(toks[:k]), probs, 0.0, None, parents)
+    return Draft(tuple(toks[:k]), probs, 0.0, parents)

@@ -71,7 +71,7 @@ def sanitize_draft(draft: Draft, k: int, vocab: int) -> Draft:
         probs = probs[: len(toks)].astype(np.float64) if ok else None
     if len(toks) == len(draft.tokens) and probs is draft.probs and parents == draft.parents:
         return draft
-    return Draft(tuple(toks), probs, draft.draft_ms, None, parents)
+    return Draft(tuple(toks), probs, draft.draft_ms, parents)
 
 
 def speculative_generate(
@@ -91,7 +91,7 @@ def speculative_generate(
     verifier's rows are masked, drafts cut to the grammar and its forced tokens drafted first;
     blocks are then read on the host, one at a time (no pipelined steps, no drafting ahead).
 
-    Keeping the device busy (DESIGN.md, physics 4), with the same output:
+    Keeping the device busy (docs/design.md, physics 4), with the same output:
     * blocks are decided on the device (`pipeline.greedy_outcome`, `sampled_outcome`): one
       synchronisation per block, two integers back;
     * a run of plain steps is pipelined like mlx-lm's `generate_step`: step n+1's graph is

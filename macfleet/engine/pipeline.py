@@ -1,7 +1,7 @@
 """What keeps the device busy: decisions taken on the device, and the block shapes it likes.
 
 On a GPU one token of a small model takes a few milliseconds, so the loops must not hand the
-device's results to Python and rebuild the next graph while the device waits (DESIGN.md,
+device's results to Python and rebuild the next graph while the device waits (docs/design.md,
 physics 4). The pieces here are the device-side halves the loops share:
 
 * `greedy_outcome`: greedy acceptance as device ops, so a block's one synchronisation carries
@@ -15,8 +15,8 @@ physics 4). The pieces here are the device-side halves the loops share:
   drafter's kind) as device ops: (deepest accepted node, next token) back;
 * `padded_length`: the block length a block of n tokens is verified at, read off the device's
   own verify(L) table: the cheapest measured length that holds it, so each length compiles once
-  and a block uses a longer one when the device runs it faster (the table is a sawtooth on
-  this CPU: SmolLM2 L = 12 102 ms, 16 68 ms; MLX CUDA showed 8 cheaper than 4).
+  and a block uses a longer one when the device runs it faster (on a CPU the table is a
+  sawtooth: results/verify_l_sweep.json).
 
 The arithmetic is the one the host rules use (engine/acceptance.py): greedy acceptance is
 exact-match of integers, so the device and the host decide the same thing bit for bit. Sampled
@@ -40,8 +40,8 @@ VERIFIER_STREAM = 0
 
 # =1 / =0: pad blocks to the verify(L) table's lengths everywhere / nowhere (default: on an
 # accelerator, where each new length compiles kernels and the curve is flat and erratic; not
-# on a CPU, which compiles nothing and whose probed sawtooth did not hold in the loop: blocks
-# of 2-8 padded to the probe's cheap L = 8 (84 ms) ran at ~280 ms a block, SmolLM2, this box)
+# on a CPU, which compiles nothing and whose probed sawtooth did not hold in the loop: short
+# blocks padded to the probe's cheap lengths ran slower than unpadded)
 PAD_ENV = "MACFLEET_PAD_BLOCKS"
 
 

@@ -56,7 +56,7 @@ def tree_of_drafts(root: int, drafts: Sequence[Draft], ks: Sequence[int], vocab:
     does not read them), merged into its token tree under `root`."""
     drafts = [sanitize_draft(d, k, vocab) for d, k in zip(drafts, ks)]
     if greedy:
-        drafts = [Draft(d.tokens, None, d.draft_ms, None, d.parents) for d in drafts]
+        drafts = [Draft(d.tokens, None, d.draft_ms, d.parents) for d in drafts]
     return drafts, TokenTree.from_drafts(root, [d.tokens for d in drafts],
                                          [d.probs for d in drafts], [d.parents for d in drafts])
 

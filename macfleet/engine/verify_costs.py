@@ -3,10 +3,10 @@
 A draft tree's size is chosen against this table (macfleet/engine/tree_budget.py), so it must be
 what the verifier really costs here, not a model of it: on a Mac GPU the curve is nearly flat
 up to dozens of tokens; on a CPU the matmul kernels block the rows and the curve is a sawtooth
-(SmolLM2 on the 2-core x86 box: L=1 39 ms, 4 64, 12 102, 16 68, 28 141, 32 103). The probe
+(SmolLM2 on the 2-core x86 box: results/verify_l_sweep.json). The probe
 runs each length a few times over a short context and keeps the fastest; the table is kept
 per process and on disk (per model, weight format, machine and MLX version), so a one-shot
-`generate` pays the ~2 s probe once per machine. A probe taken while the machine is loaded is
+`generate` pays the probe once per machine. A probe taken while the machine is loaded is
 not written to disk (load flattens the curve); the loop's own measurements correct the table
 at the lengths it uses either way (budget.VerifyCurve.observe).
 """
@@ -16,15 +16,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from macfleet.engine.cachedir import cache_root, machine_id, write_atomic
 from macfleet.engine.verifier import Verifier
+
+if TYPE_CHECKING:
+    from macfleet.engine.models import LoadedModel
 
 PROBE_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32)
 PROBE_CONTEXT = 64
@@ -143,3 +148,45 @@ def verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float]
             pass  # a read-only home: the process keeps its own copy
     _memo[id(model)] = got
     return got
+
+
+# -- the full sweep (bench verify-sweep, the agents' verify_sweep preset) -----------------
+
+SWEEP_LENGTHS = tuple(range(1, 33))
+SWEEP_CONTEXTS = (64, 512)
+SWEEP_REPEATS = 5
+
+
+def time_verify(verifier: Verifier, L: int, repeats: int) -> float:
+    """Median ms of one forward over L tokens on top of the cached context (then rolled back)."""
+    xs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = verifier.forward([1] * L)
+        mx.eval(out)
+        xs.append((time.perf_counter() - t) * 1e3)
+        verifier.rollback(L)
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def verify_sweep(lm: LoadedModel, lengths=SWEEP_LENGTHS, contexts=SWEEP_CONTEXTS,
+                 repeats: int = SWEEP_REPEATS, progress=None) -> dict:
+    """verify(L) for each length at each context length, as medians and ratios to the first:
+    the headroom speculation spends (a record, unlike the probe's table above)."""
+    curves = []
+    for ctx in contexts:
+        v = Verifier(lm.model)
+        v.prefill([(i * 7919) % lm.vocab_size for i in range(ctx)])
+        time_verify(v, 4, 2)  # warm up
+        ms = {}
+        for L in lengths:
+            ms[L] = time_verify(v, L, repeats)
+            if progress:
+                progress(f"context {ctx} L={L}: {ms[L]:.1f} ms")
+        base = ms[lengths[0]]
+        curves.append({
+            "context": ctx,
+            "points": [{"L": L, "ms": round(ms[L], 3), "ratio_to_L1": round(ms[L] / base, 3)}
+                       for L in lengths],
+        })
+    return {"model": lm.spec, "repeats": repeats, "curves": curves}

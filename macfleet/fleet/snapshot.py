@@ -101,7 +101,7 @@ class LinkView(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class FlowView(_Dictable):
-    """What one inter-host flow (DESIGN.md F1/F2/F3/shard) costs per block.
+    """What one inter-host flow (docs/design.md F1/F2/F3/shard) costs per block.
 
     ``probe`` marks a flow measured by ``bench`` with real payload sizes although no
     drafter uses it (F3 without an EAGLE-style drafter); ``estimate`` one not measured at all:

@@ -124,9 +124,6 @@ class Api:
         if not self.engine.alive:
             raise RequestError("no verifier is available", status=503, kind="server_error",
                                code="unavailable")
-        if req.logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
-            raise RequestError("logprobs are not available when serving through a fleet's "
-                               "verifier agent (serve --local has them)", param="logprobs")
         if predicted and not getattr(self.engine, "supports_prediction", False):
             raise RequestError("'prediction' drafts a token tree, which this server's "
                                "batch-invariant mode does not verify", param="prediction")

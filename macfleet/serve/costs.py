@@ -21,7 +21,7 @@ POOL_BLOCKS = 256  # recent drafted blocks whose acceptance every session's esti
 
 class BatchCosts:
     """probe: the model's verify(L) table, measured once per machine (engine/verify_costs.py);
-    called the first time a tree drafter's session joins, never to size chunks (a ~2 s probe
+    called the first time a tree drafter's session joins, never to size chunks (the probe
     would stall the sessions the chunks are sized for)."""
 
     def __init__(self, model, stall_ratio: float,

@@ -119,8 +119,8 @@ class BatchDrafting:
                  for s in decoding}
         # in a batch, a tree session counts as a chain along its accepted path and the planned
         # drafts cap its tree's nodes; alone, its drafters size the tree against verify(L) as
-        # in one process (a tree's value is not a chain's: measured, the plan cut trees that
-        # paid 1.24x for a single client)
+        # in one process (a tree's value is not a chain's: the plan cut trees that paid for a
+        # single client, results/serve-trees/serve.json)
         adaptive = [s for s in decoding if wants[s.sid] > 0 and (
             (s.auto_tree and len(decoding) > 1)
             or (s.proposer is not None and getattr(s.controller, "alpha", None) is not None))]
@@ -136,7 +136,7 @@ class BatchDrafting:
         # iterations: one session's probe in every iteration (they used to take turns) made
         # every iteration pay an extra row (on a CPU often a kernel block) and, for a remote
         # drafter, a round trip; all of them at once made one iteration in PROBE_EVERY a spike
-        # (a remote head catching up on every session: inter-token p99 0.5 s at 16 clients)
+        # (a remote head catching up on every session)
         phase = iteration % PROBE_EVERY
         step = PROBE_EVERY // PROBE_GROUPS
         views = [DraftView(s.sid, draft_acceptance(s.tally.accepted, s.trials, pool_acc, pool_n),

@@ -74,7 +74,6 @@ DEFAULT_INSTALL_SHARE = 0.25
 class BatchEngine:
     """Runs every active session's blocks and prefill chunks in one forward per iteration."""
 
-    supports_logprobs = True  # EngineRequest.logprobs honoured (the HTTP layer asks)
     supports_grammar = True  # EngineRequest.grammar honoured (engine/constraint.py)
 
     @property
@@ -232,7 +231,7 @@ class BatchEngine:
 
     def grammar_error(self, grammar: Grammar) -> str | None:
         """Why this model cannot follow `grammar` (None: it can). Builds the grammar engine's
-        tokenizer on first use (1-3 s): callers run it off their event loop."""
+        tokenizer on first use (seconds): callers run it off their event loop."""
         return grammar_error(grammar, bridge(self.lm.tokenizer, self._vocab))
 
     def _wake(self) -> None:
@@ -323,7 +322,7 @@ class BatchEngine:
         budget, room = self.token_budget, None
         # while others decode, every prompt's chunks follow the stall control: a long one
         # would stall them for many iterations, and a chat turn joining in one piece is the
-        # largest gap decoding sessions see otherwise (~2x a decode iteration here); the
+        # largest gap decoding sessions see otherwise (measured: results/serve_stall.json); the
         # decoders' drafts share that one allowance, after the prompts
         if self.chunked and not self.invariant and prefilling:
             budget = self.costs.chunk_budget(len(decoding), len(prefilling), budget)

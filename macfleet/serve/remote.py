@@ -76,7 +76,6 @@ class _Handle:
 class RemoteEngine:
     """Forwards every request to one verifier agent (chosen by `choose_roles`)."""
 
-    supports_logprobs = True  # the agent's batch scores them; the wire carries them (protocol 4)
     supports_grammar = True  # response_format: the agent's batch masks its rows (protocol 4)
     supports_prediction = True  # the agent's batch drafts from it (protocol 5)
 

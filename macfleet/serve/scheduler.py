@@ -276,8 +276,8 @@ def plan_drafts(sessions: Sequence[DraftView], cost: Callable[[int], float],
     """How many drafts each decoding session gets this iteration, from measured costs.
 
     cost(tokens): what a forward over that many tokens costs here (the batch's own measured
-    curve: on a CPU a sawtooth, flat where the matmul kernels have room, ~3 ms a row past 16
-    rows; on a GPU nearly flat); the iteration without drafts runs one token per session.
+    curve: on a CPU a sawtooth, flat where the matmul kernels have room, results/
+    verify_l_sweep.json; on a GPU nearly flat); the iteration without drafts runs one token per session.
     Drafting costs `draft_ms` per token of a session drafted on its own, and `step_ms` per
     draft position for the sessions drafted `together` (one head forward for all of them).
     The j-th draft of a session is accepted with probability alpha^j: drafts are taken best

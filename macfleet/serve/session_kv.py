@@ -60,7 +60,7 @@ class SessionKV:
             s.cache = make_trimmable_cache(self.model)
             return
         # a long prompt gets a store of its own: growing the shared one to its length would
-        # copy every row's keys (a ~1 s stall for a 2,000-token prompt beside 8 decoders);
+        # copy every row's keys (a stall for every decoder beside it);
         # room for the whole prompt now, one growth
         store = (self.kv if len(s.req.prompt) <= OWN_STORE_PROMPT
                  else BatchKV(len(self.model.layers), row_step=1))
@@ -122,8 +122,7 @@ class SessionKV:
                      fail: Callable[[BatchSession, str], None]) -> None:
         """Copy shipped prompt KVs into their batch rows, layer by layer, oldest first, for at
         most `budget_ms` (0: all of them; at least one layer, so an install always moves): a
-        long prompt's KV (an 8,000-token one is ~1 s of copying here) never stalls the batch
-        in one piece. A session joins the forward once its last layer is in; one whose KV
+        long prompt's KV never stalls the batch in one piece (results/disagg-8000-*.json). A session joins the forward once its last layer is in; one whose KV
         cannot be installed is failed alone (`fail(s, message)`)."""
         t0 = self.clock()
         dtype = self._layout_dtype()

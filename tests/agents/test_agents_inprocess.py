@@ -314,7 +314,7 @@ def test_a_remote_tree_drafter_learns_what_the_verifier_measured():
         def __init__(self):
             self.seen, self.costs = [], None
 
-        def propose(self, context, k, with_guess=False):
+        def propose(self, context, k):
             raise AssertionError
 
         def seed_verify_costs(self, costs):
@@ -417,7 +417,7 @@ class _TreeEcho:
     def __init__(self):
         self.calls = []
 
-    def propose(self, context, k, with_guess=False):
+    def propose(self, context, k):
         from macfleet.engine.proposers.base import Draft
 
         self.calls.append(len(context))

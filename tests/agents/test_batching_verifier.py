@@ -108,13 +108,13 @@ def test_generate_and_the_dashboard_show_the_same_multihost_overhead(agents, whi
 
     prop, batched, solo = agents
     ver = batched if which == "batched" else solo
-    seen, publish = [], ver.verifier._publish
-    ver.verifier._publish = lambda m: (seen.append(m), publish(m))
+    seen, publish = [], ver.verifier.generations.publish
+    ver.verifier.generations.publish = lambda m: (seen.append(m), publish(m))
     try:
         d = run(ver, PROMPTS[0], [prop.card.router_endpoint], "ngram", max_tokens=24,
                 draft_tokens=3)
     finally:
-        ver.verifier._publish = publish
+        ver.verifier.generations.publish = publish
     fleet = d.stats.fleet
     assert fleet.flows.remote_blocks > 0 and fleet.wire_ms > 0
     blocks = [m for m in seen if isinstance(m, BlockMetrics) and m.session_id == d.request_id]

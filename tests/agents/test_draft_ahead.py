@@ -44,7 +44,7 @@ def f(ctx) -> int:
 class FnProposer(Proposer):
     name = "fn"
 
-    def propose(self, context, k, with_guess=False):
+    def propose(self, context, k):
         ctx, out = list(context), []
         for _ in range(k):
             out.append(f(ctx))

@@ -106,7 +106,7 @@ class MaliciousProposer(Proposer):
         start = len(context) - self.prompt_len
         return list(self.truth[start : start + n])
 
-    def propose(self, context, k, with_guess=False):
+    def propose(self, context, k):
         self.calls += 1
         r = self.rng
         mode = self.mode

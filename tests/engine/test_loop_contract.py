@@ -64,7 +64,7 @@ class Truth(Proposer):
         self.guess_wrong, self.empty_ahead, self.dies_at = guess_wrong, empty_ahead, dies_at
         self.calls: list[tuple[int, int]] = []
 
-    def propose(self, context, k, with_guess=False):
+    def propose(self, context, k):
         self.calls.append((len(context), k))
         if self.dies_at is not None and len(self.calls) >= self.dies_at:
             raise ProposerFailed("gone")
@@ -154,9 +154,9 @@ def test_drafted_blocks_report_exact_timings_and_tell_the_controller(tiny, ref, 
     truth = Truth(ref, tiny.vocab_size)
     propose = truth.propose
 
-    def timed_propose(context, k, with_guess=False):
+    def timed_propose(context, k):
         clock.now += DRAFT_S
-        return propose(context, k, with_guess)
+        return propose(context, k)
 
     truth.propose = timed_propose
     ctl = Recording(4)
@@ -446,11 +446,11 @@ def test_sanitize_keeps_valid_token_ids_and_the_drafts_timing():
     assert sanitize_draft(Draft((np.int64(2), np.int32(7))), 8, 64).tokens == (2, 7)
     d = sanitize_draft(Draft((np.int64(2), np.int64(70))), 8, 64)
     assert d.tokens == (2,) and type(d.tokens[0]) is int
-    cut = sanitize_draft(Draft((1, 64, 2), draft_ms=2.5, next_guess=9), 8, 64)
-    assert (cut.tokens, cut.draft_ms, cut.next_guess) == ((1,), 2.5, None)
+    cut = sanitize_draft(Draft((1, 64, 2), draft_ms=2.5), 8, 64)
+    assert (cut.tokens, cut.draft_ms) == ((1,), 2.5)
     assert sanitize_draft(Draft((1, -1, 2)), 8, 64).tokens == (1,)
     assert sanitize_draft(Draft((1, 2.0, 2)), 8, 64).tokens == (1,)
-    same = Draft((1, 2), draft_ms=1.5, next_guess=4)
+    same = Draft((1, 2), draft_ms=1.5)
     assert sanitize_draft(same, 8, 64) is same
 
 

@@ -50,7 +50,7 @@ class Oracle(Proposer):
     def close(self):
         self.closed += 1
 
-    def propose(self, context, k, with_guess=False):
+    def propose(self, context, k):
         self.calls += 1
         pos = len(context) - len(PROMPT)
         good = self.truth[pos : pos + k]
@@ -73,11 +73,11 @@ class DiesAfter(Proposer):
     def start(self, params):
         self.inner.start(params)
 
-    def propose(self, context, k, with_guess=False):
+    def propose(self, context, k):
         self.calls += 1
         if self.calls >= self.n:
             raise ProposerFailed("peer went away")
-        return self.inner.propose(context, k, with_guess)
+        return self.inner.propose(context, k)
 
 
 def run(tiny, proposer, k=4, max_tokens=N, eos_ids=frozenset(), params=None, prompt=PROMPT):

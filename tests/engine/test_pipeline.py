@@ -60,7 +60,7 @@ class HostOracle(Proposer):
         self.truth, self.vocab, self.right = list(truth), vocab, right
         self.lengths: list[int] = []
 
-    def propose(self, context, k, with_guess=False):
+    def propose(self, context, k):
         self.lengths.append(len(context))
         pos = len(context) - len(PROMPT)
         good = self.truth[pos : pos + k]
@@ -286,7 +286,7 @@ class HostTreeOracle(Proposer):
         self.truth, self.vocab, self.right = list(truth), vocab, right
         self.lengths: list[int] = []
 
-    def propose(self, context, k, with_guess=False):
+    def propose(self, context, k):
         self.lengths.append(len(context))
         pos = len(context) - len(PROMPT)
         depth = max(1, min(4, k // 2))

@@ -335,7 +335,7 @@ class FixedDraft(Proposer):
     def __init__(self, tokens: tuple[int, ...]) -> None:
         self.tokens = tokens
 
-    def propose(self, context, k, with_guess=False):
+    def propose(self, context, k):
         return Draft(self.tokens[:k])
 
 

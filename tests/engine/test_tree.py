@@ -76,7 +76,7 @@ class Garbage(Proposer):
     def __init__(self, vocab):
         self.rng, self.vocab = np.random.default_rng(0), vocab
 
-    def propose(self, context, k, with_guess=False):
+    def propose(self, context, k):
         return Draft(tuple(int(x) for x in self.rng.integers(-3, self.vocab + 3, k + 2)))
 
 
@@ -228,7 +228,7 @@ class _FixedChain(Proposer):
     def __init__(self, tokens, name: str) -> None:
         self.tokens, self.name = tuple(tokens), name
 
-    def propose(self, context, k, with_guess=False):
+    def propose(self, context, k):
         return Draft(self.tokens[:k])
 
 

@@ -47,7 +47,7 @@ class Said(Proposer):
             raise ProposerFailed("unreachable")
         super().begin(context, k)
 
-    def propose(self, context, k, with_guess=False) -> Draft:
+    def propose(self, context, k) -> Draft:
         if self.fail:
             raise ProposerFailed("gone")
         self.asked.append((len(context), k))
@@ -184,7 +184,7 @@ class TreeOracle(Proposer):
     def __init__(self, truth, vocab, right=None) -> None:
         self.truth, self.vocab, self.right = list(truth), vocab, right
 
-    def propose(self, context, k, with_guess=False) -> Draft:
+    def propose(self, context, k) -> Draft:
         pos = len(context) - len(PROMPT)
         depth = max(1, min(4, k // 2))
         good = self.truth[pos:pos + depth]
@@ -256,7 +256,7 @@ def test_greedy_blocks_events_and_a_reused_verifier(tiny, ref_ids):
     are the answer; a verifier reused for a second request starts afresh."""
     v = Verifier(tiny.model)
     o = Said("o")
-    o.propose = lambda ctx, k, with_guess=False: Draft(tuple(
+    o.propose = lambda ctx, k: Draft(tuple(
         ref_ids[len(ctx) - len(PROMPT):len(ctx) - len(PROMPT) + k]))
     for _ in range(2):
         evs = _events(v, ProposerGroup([o], draft_tokens=3))
@@ -286,7 +286,7 @@ def test_a_stop_token_ends_the_tree_loop(tiny, ref_ids):
     stop = ref_ids[7]
     want = ref_ids[:ref_ids.index(stop)]
     o = Said("o")
-    o.propose = lambda ctx, k, with_guess=False: Draft(tuple(
+    o.propose = lambda ctx, k: Draft(tuple(
         ref_ids[len(ctx) - len(PROMPT):len(ctx) - len(PROMPT) + k]))
     fin = _events(Verifier(tiny.model), ProposerGroup([o], draft_tokens=4),
                   eos=frozenset({stop}))[-1]

@@ -32,7 +32,7 @@ class Scripted(Proposer):
         self.seen: list[int] = []  # the k of each draft asked for
         self.observed: list[tuple[int, int]] = []  # (drafted, accepted) of each block
 
-    def propose(self, context, k, with_guess=False) -> Draft:
+    def propose(self, context, k) -> Draft:
         if self.fail:
             raise ProposerFailed("gone")
         self.seen.append(k)

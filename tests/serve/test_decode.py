@@ -229,8 +229,8 @@ class WithProbs(Scripted):
         super().__init__(drafts)
         self.vocab = vocab
 
-    def propose(self, context, k, with_guess=False) -> Draft:
-        d = super().propose(context, k, with_guess)
+    def propose(self, context, k) -> Draft:
+        d = super().propose(context, k)
         q = np.full((len(d.tokens), self.vocab), 0.5 / (self.vocab - 1))
         q[np.arange(len(d.tokens)), list(d.tokens)] = 0.5
         return Draft(d.tokens, q)
@@ -244,7 +244,7 @@ class Oracle(Scripted):
         super().__init__()
         self.answer, self.prompt_len = list(answer), prompt_len
 
-    def propose(self, context, k, with_guess=False) -> Draft:
+    def propose(self, context, k) -> Draft:
         t = len(context) - self.prompt_len
         return Draft(tuple(self.answer[t:t + 2]))
 

@@ -55,7 +55,7 @@ def test_drafts_are_asked_sanitized_and_a_failed_drafter_is_dropped():
     d = _drafting()
     good = session(0, proposer=Scripted([(7, 8, 99, 9)]))  # 99 is out of the vocabulary
     tree = session(1, proposer=Scripted())
-    tree.proposer.propose = lambda ctx, k, with_guess=False: Draft((1, 2), parents=(-1, -1))
+    tree.proposer.propose = lambda ctx, k: Draft((1, 2), parents=(-1, -1))
     dead = session(2, proposer=Scripted(fail=True))
     idle = session(3, proposer=Scripted([(1,)]))
     d.draft_all([good, tree, dead, idle], {0: 3, 1: 2, 2: 2, 3: 0})

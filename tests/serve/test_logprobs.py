@@ -238,28 +238,3 @@ def test_bad_logprob_fields_are_400s_and_do_not_break_the_batch(servers):
     assert all(len(o.logprobs.content) == 24 for o in outs)
     assert all(len(x.top_logprobs) == 20 for x in outs[0].logprobs.content)
     assert len({o.message.content for o in outs}) == 1
-
-
-def test_an_engine_without_logprobs_refuses_them_with_a_400():
-    """An engine that cannot score logprobs (a backend without them): a clear 400."""
-    import httpx
-
-    from macfleet.serve.app import ServerConfig, create_app
-
-    assert BatchEngine.supports_logprobs
-
-    class NoLogprobs:
-        alive, supports_logprobs = True, False
-
-    app = create_app(NoLogprobs(), load_model("tiny:1").tokenizer, ServerConfig("m"))
-
-    async def post():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://t") as c:
-            return await c.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "x"}], "logprobs": True})
-
-    import asyncio
-
-    r = asyncio.run(post())
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

@@ -284,7 +284,7 @@ class _ScriptedEngine:
     """Answers every request with one text, a few tokens per block, as the engine emits them:
     what a model that writes tool calls would send through the HTTP layer."""
 
-    alive, iterations, supports_logprobs = True, 0, False
+    alive, iterations = True, 0
 
     def __init__(self, answer: str, finish: str = "stop") -> None:
         self.answer, self.finish, self.prompts, self.grammars = answer, finish, [], []

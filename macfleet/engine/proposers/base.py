@@ -26,9 +26,6 @@ class Draft:
     tokens: tuple[int, ...]
     probs: np.ndarray | None = field(default=None, compare=False)  # [len(tokens), V]
     draft_ms: float = 0.0
-    # The proposer's own guess of the token after the last draft token (for cross-round
-    # drafting: the verifier's bonus token when the whole block is accepted).
-    next_guess: int | None = None
     # A token tree instead of a chain: parents[i] is the index of token i's parent in
     # `tokens` (-1: a child of the last committed token); parents precede their children.
     parents: tuple[int, ...] | None = None
@@ -75,12 +72,8 @@ class Proposer(ABC):
         self.params = params
 
     @abstractmethod
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
-        """Up to k draft tokens continuing `context` (the full committed sequence).
-
-        with_guess: also predict the token after the last draft token (`Draft.next_guess`),
-        which cross-round drafting uses to pre-draft the next block.
-        """
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        """Up to k draft tokens continuing `context` (the full committed sequence)."""
 
     def draft_length(self) -> int | None:
         """The draft length this drafter asks for itself in a token tree (None: its group's

@@ -91,7 +91,7 @@ class ModelProposer(Proposer):
         self._cached.extend(int(t) for t in tokens)
         return out
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+    def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0 or not context:
             return EMPTY_DRAFT
         if self._cache is None:
@@ -102,10 +102,9 @@ class ModelProposer(Proposer):
             c -= 1  # the logits after the last context token are not cached: recompute them
         self._rollback_to(c)
         logits = self._step(context[c:])
-        n = k + 1 if with_guess else k
         tokens: list[int] = []
         rows: list[np.ndarray] = []
-        for i in range(n):
+        for i in range(k):
             if self.params.greedy:
                 tok = int(mx.argmax(logits).item())
             else:
@@ -113,10 +112,7 @@ class ModelProposer(Proposer):
                 tok = sample(q, self._rng)
                 rows.append(q)
             tokens.append(tok)
-            if i + 1 < n:
+            if i + 1 < k:
                 logits = self._step([tok])
-        guess = tokens.pop() if with_guess else None
-        if with_guess and rows:
-            rows.pop()
         probs = np.stack(rows) if rows else None
-        return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3, guess)
+        return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3)

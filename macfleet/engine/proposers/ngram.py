@@ -70,14 +70,13 @@ class NgramProposer(Proposer):
                     return seq[end : end + k]
         return []
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+    def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0 or not context:
             return EMPTY_DRAFT
         t0 = time.perf_counter()
         self._extend(context)
-        tokens = self._lookup(self._seen, k + (1 if with_guess else 0))
-        guess = tokens.pop() if with_guess and len(tokens) > k else None
-        return Draft(tuple(tokens[:k]), None, (time.perf_counter() - t0) * 1e3, guess)
+        tokens = self._lookup(self._seen, k)
+        return Draft(tuple(tokens), None, (time.perf_counter() - t0) * 1e3)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -44,7 +44,7 @@ class OracleProposer(Proposer):
         n = len(context)
         return 0 < n <= len(self.reference) and int(context[-1]) == self.reference[n - 1]
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+    def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0 or not context:
             return EMPTY_DRAFT
         t0 = time.perf_counter()
@@ -54,7 +54,4 @@ class OracleProposer(Proposer):
                 self.first_departure = len(context)
             return EMPTY_DRAFT
         n = len(context)
-        tokens = self.reference[n : n + k]
-        guess = (self.reference[n + k] if with_guess and len(tokens) == k
-                 and n + k < len(self.reference) else None)
-        return Draft(tokens, None, (time.perf_counter() - t0) * 1e3, guess)
+        return Draft(self.reference[n : n + k], None, (time.perf_counter() - t0) * 1e3)

@@ -135,7 +135,7 @@ class PredictionProposer(Proposer):
         self._sure = found is not None and found[1] >= LONG_MATCH
         return found[0] if found is not None else None
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+    def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0:
             return EMPTY_DRAFT
         t0 = time.perf_counter()
@@ -145,9 +145,7 @@ class PredictionProposer(Proposer):
         n = min(k, self.window)
         if n <= 0:
             return EMPTY_DRAFT
-        tokens = self.prediction[pos:pos + n + (1 if with_guess else 0)]
-        guess = tokens[n] if with_guess and len(tokens) > n else None
-        return Draft(tokens[:n], None, (time.perf_counter() - t0) * 1e3, guess)
+        return Draft(self.prediction[pos:pos + n], None, (time.perf_counter() - t0) * 1e3)
 
     def observe(self, drafted: int, accepted: int, verify_ms: float,
                 verified: int | None = None) -> None:

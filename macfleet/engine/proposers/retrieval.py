@@ -238,7 +238,7 @@ class RetrievalProposer(Proposer):
         self.calibration = Calibration()
         self._predicted = 0.0
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+    def propose(self, context: Sequence[int], k: int) -> Draft:
         k = min(k, self.max_nodes)
         if k <= 0:
             return EMPTY_DRAFT
@@ -256,7 +256,7 @@ class RetrievalProposer(Proposer):
         self._predicted = sum(weight[i] for i in keep)
         new = {old: j for j, old in enumerate(keep)}
         return Draft(tuple(tokens[i] for i in keep), None, (time.perf_counter() - t0) * 1e3,
-                     None, tuple(new[parents[i]] if parents[i] >= 0 else -1 for i in keep))
+                     tuple(new[parents[i]] if parents[i] >= 0 else -1 for i in keep))
 
     def seed_verify_costs(self, costs) -> None:
         self.curve.seed(costs)

@@ -221,31 +221,26 @@ class EagleProposer(Proposer):
         self._head_ctx = context
         return feats.astype(mx.float32), nxt
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+    def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0 or len(context) < 2:
             return EMPTY_DRAFT
         if self._rows is not None:
-            return draft_chains([(self, context, k)], with_guess=with_guess)[0]
+            return draft_chains([(self, context, k)])[0]
         t0 = time.perf_counter()
         context = [int(t) for t in context]
         h = self._root(context)
-        n = k + 1 if with_guess else k
         tokens: list[int] = []
         rows: list[np.ndarray] = []
-        for i in range(n):
+        for i in range(k):
             tok = self._pick(h[0, -1], rows)
             tokens.append(tok)
-            if i + 1 < n:
+            if i + 1 < k:
                 h = self.head(h, mx.array([[tok]], dtype=mx.uint32), cache=self._head_cache)
-        drafted = n - 1
-        if drafted:
+        if k - 1:
             for c in self._head_cache:
-                c.trim(drafted)
-        guess = tokens.pop() if with_guess else None
-        if with_guess and rows:
-            rows.pop()
+                c.trim(k - 1)
         probs = np.stack(rows) if rows else None
-        return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3, guess)
+        return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3)
 
 
 def share_head_rows(proposer, stores: dict[int, BatchKV]) -> None:
@@ -257,8 +252,7 @@ def share_head_rows(proposer, stores: dict[int, BatchKV]) -> None:
         proposer.use_rows(stores.setdefault(id(head), BatchKV(len(head.layers))))
 
 
-def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
-                 with_guess: bool = False) -> list[Draft]:
+def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]]) -> list[Draft]:
     """Every job's chain (proposer, context, k) at once: proposers whose head caches are rows of
     one store (`use_rows`, one head) run one head forward per draft position over all of them
     (`batch.flat_layers`: each row attends to its own pairs) and one draft-vocabulary matmul.
@@ -267,7 +261,7 @@ def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
     `draft_ms` is its share of the whole call."""
     t0 = time.perf_counter()
     out = [EMPTY_DRAFT] * len(jobs)
-    live = [(i, p, [int(t) for t in ctx], k + 1 if with_guess else k)
+    live = [(i, p, [int(t) for t in ctx], k)
             for i, (p, ctx, k) in enumerate(jobs) if k > 0 and len(ctx) >= 2]
     if not live:
         return out
@@ -307,11 +301,7 @@ def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
     ms = (time.perf_counter() - t0) * 1e3 / len(live)
     for j, (i, p, _, n) in enumerate(live):
         p._row.trim(n - 1)  # the drafted pairs: the committed ones stay
-        toks, q = tokens[j], rows[j]
-        guess = toks.pop() if with_guess else None
-        if with_guess and q:
-            q.pop()
-        out[i] = Draft(tuple(toks), np.stack(q) if q else None, ms, guess)
+        out[i] = Draft(tuple(tokens[j]), np.stack(rows[j]) if rows[j] else None, ms)
     return out
 
 

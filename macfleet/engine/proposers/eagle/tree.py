@@ -192,7 +192,7 @@ class EagleTreeProposer(EagleProposer):
                     c.trim(len(toks) * K)
         return TreeCandidates(tuple(tokens), tuple(score), tuple(parents), tuple(depth))
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+    def propose(self, context: Sequence[int], k: int) -> Draft:
         k = min(k, self.max_nodes)
         if k <= 0 or len(context) < 2 or not self.backoff.should_draft():
             return EMPTY_DRAFT
@@ -208,7 +208,7 @@ class EagleTreeProposer(EagleProposer):
         self._predicted = sum(probs[:n])
         draft_ms = (time.perf_counter() - t0) * 1e3
         tokens, parents = cand.best(n)
-        return Draft(tokens, None, draft_ms, None, parents if tokens else None)
+        return Draft(tokens, None, draft_ms, parents if tokens else None)
 
     def seed_verify_costs(self, costs) -> None:
         self.curve.seed(costs)

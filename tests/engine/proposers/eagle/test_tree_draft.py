@@ -104,8 +104,8 @@ def test_eagle2_greedy_is_bit_identical_and_drafts_branching_trees(tiny, trained
     seen: list[Draft] = []
     propose = prop.propose
 
-    def spy(context, k, with_guess=False):
-        d = propose(context, k, with_guess)
+    def spy(context, k):
+        d = propose(context, k)
         seen.append(d)
         return d
 
@@ -136,7 +136,7 @@ def test_eagle2_deeper_levels_draft_from_the_frequent_prefix_and_stay_lossless(
         prop = EagleTreeProposer(trained, deep_vocab=6)
         seen: list[Draft] = []
         propose = prop.propose
-        prop.propose = lambda c, k, g=False: seen.append(propose(c, k, g)) or seen[-1]
+        prop.propose = lambda c, k: seen.append(propose(c, k)) or seen[-1]
         group = ProposerGroup([prop], node_budget=tree_budget([prop]))
         fin = list(tree_generate(Verifier(tiny.model), group, PROMPT, max_tokens=48))[-1]
     finally:
