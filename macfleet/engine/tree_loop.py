@@ -74,6 +74,9 @@ class ProposerGroup:
     """Proposers drafting for one sequence. `draft_all` is sequential here; a remote group
     (agents) sends every request first and then collects, so drafting runs in parallel."""
 
+    choice = None  # a group that chooses its drafter per block (engine/choosing.py): this one's
+    choices: Sequence = ()
+
     def __init__(self, proposers: Sequence[Proposer], *, draft_tokens: int | str = "auto",
                  k_max: int = DEFAULT_K_MAX, node_budget: int = DEFAULT_NODE_BUDGET) -> None:
         if not proposers:
@@ -170,6 +173,10 @@ class ProposerGroup:
     def close(self) -> None:
         for p in self.proposers:
             p.close()
+
+    def drafter_stats(self) -> tuple:
+        """Each candidate's blocks, when the group chooses its drafter per block."""
+        return ()
 
     def per_proposer(self) -> tuple[ProposerStats, ...]:
         return tuple(ProposerStats(p.name, d, a)
@@ -295,15 +302,19 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
             generated.extend(new)
             dms, vms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
             tally.record(tree.size, len(path), dms, vms)
+            choice = group.choice
             group.observe(drafts, tree.accepted_per_source(path), vms, len(tree.tokens))
             if new:
                 yield TokensCommitted(tally.blocks, tuple(new))
             yield BlockDone(block=tally.blocks, k=sum(ks), drafted=tree.size, accepted=len(path),
                             committed=len(new), draft_ms=dms, verify_ms=vms,
-                            block_ms=(time.perf_counter() - t0) * 1e3)
+                            block_ms=(time.perf_counter() - t0) * 1e3,
+                            drafter=choice.drafter if choice else "",
+                            why=choice.why if choice else "")
     finally:
         group.close()
     stats = tally.stats(tokens=len(generated), elapsed_s=time.perf_counter() - t_start,
                         prefill_ms=prefill_ms, proposer=group.name, finish_reason=finish,
-                        per_proposer=group.per_proposer())
+                        per_proposer=group.per_proposer(), drafters=group.drafter_stats(),
+                        choices=tuple(group.choices))
     yield Finished(stats, tuple(generated))

@@ -91,6 +91,19 @@ def shipped_head_eval(model: str) -> dict | None:
     return read_eval(path) if path is not None and path.is_file() else None
 
 
+def prior_from(head_eval: dict | None, mine: dict | None = None) -> dict[str, float]:
+    """Pure: the offline record as the prior of the drafter chosen while it runs
+    (engine/chooser.py): its winner in one process at its measured speedup over plain."""
+    bench = mine or (head_eval or {}).get("bench") or {}
+    best, speedup = bench.get("best"), float(bench.get("speedup") or 0.0)
+    return {str(best): speedup} if best and speedup > 0 else {}
+
+
+def auto_prior(model: str) -> dict[str, float]:
+    """This machine's bench record for `model`, else the shipped one, as the chooser's prior."""
+    return prior_from(shipped_head_eval(model), machine_record(model))
+
+
 def resolve_proposer(spec: str, model: str, where: str = LOCAL) -> tuple[str, str]:
     """`auto` -> the measured best drafter for `model` run `where` (this machine's record,
     else the shipped one); anything else is kept."""
