@@ -63,7 +63,8 @@ class ChoosingGroup(ProposerGroup):
                          node_budget=tree_budget(proposers))
         self.candidates = tuple(candidates)
         self.prior = dict(prior or {})
-        self._reset()
+        self._own = len(self.proposers)  # drafters joined later (a request's prediction) draft
+        self._reset()                    # beside whichever candidate is chosen
 
     def _reset(self) -> None:
         self.chooser = Chooser(self.candidates, prior=self.prior)
@@ -86,7 +87,8 @@ class ChoosingGroup(ProposerGroup):
         self.chooser.curve.seed(costs)
 
     def _members(self) -> tuple[int, ...]:
-        return self.chooser.by_name(self.choice.drafter).members if self.choice else ()
+        mine = self.chooser.by_name(self.choice.drafter).members if self.choice else ()
+        return (*mine, *range(self._own, len(self.proposers)))
 
     @property
     def host_side(self) -> bool:
@@ -105,13 +107,20 @@ class ChoosingGroup(ProposerGroup):
 
     def draft_all(self, context: Sequence[int], ks: Sequence[int],
                   given: Sequence[Draft | None] | None = None) -> list[Draft]:
+        given = [g if k > 0 else None for g, k in zip(given or [None] * len(ks), ks)]
+        return super().draft_all(context, ks, given)
+
+    def begin(self, context: Sequence[int], ks: Sequence[int]) -> None:
+        """The chosen drafters' requests (the tree loop's `draft_all` and the serving
+        engine both come here, then to `finish`)."""
         self._score_shadows(context)
-        t0 = time.perf_counter()
-        given = [g if k > 0 else None for g, k in
-                 zip(given or [None] * len(ks), ks)]
-        out = super().draft_all(context, ks, given)
-        self._draft_ms = (time.perf_counter() - t0) * 1e3
-        self._shadow(context, ks, out)
+        self._t0, self._context, self._ks = time.perf_counter(), context, list(ks)
+        super().begin(context, ks)
+
+    def finish(self) -> list[Draft]:
+        out = super().finish()
+        self._draft_ms = (time.perf_counter() - self._t0) * 1e3
+        self._shadow(self._context, self._ks, out)
         return out
 
     def _score_shadows(self, context: Sequence[int]) -> None:
