@@ -214,6 +214,18 @@ def auto_candidates(has_head: bool, has_store: bool) -> tuple[list[str], list[Ca
     return specs, cands
 
 
+def auto_spec(lm) -> str:
+    """What `auto` drafts with for this verifier: AUTO_NAME (the chooser, a tree of drafters)
+    where its blocks can be verified as token trees; else the record's winner, as before (a
+    model without tree attention verifies each branch on its own, and cannot sample trees)."""
+    from macfleet.engine.proposers.choice import resolve_proposer
+    from macfleet.engine.tree_verify import supports_tree_attention
+
+    if supports_tree_attention(lm.model):
+        return AUTO_NAME
+    return resolve_proposer(AUTO_NAME, lm.spec)[0]
+
+
 def make_auto_group(lm, draft_tokens: int | str = "auto",
                     prior: Mapping[str, float] | None = None) -> ChoosingGroup:
     """`auto` for this verifier: every drafter it has here, chosen block by block; prior:

@@ -147,8 +147,10 @@ def generate_local(
         return make_proposer(spec, lm)
 
     if proposer == AUTO:  # chosen block by block (engine/choosing.py)
-        from macfleet.engine.choosing import make_auto_group
+        from macfleet.engine.choosing import auto_spec, make_auto_group
 
+        proposer = auto_spec(lm)
+    if proposer == AUTO:
         drafting: Drafting = make_auto_group(lm, draft_tokens)
     else:
         drafting = plan_drafting(proposer, chain=make, tree=lambda specs: make_group(

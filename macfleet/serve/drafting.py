@@ -45,8 +45,10 @@ def make_drafting(spec: str, lm: LoadedModel, draft_tokens: DraftTokens,
     (several drafters joined by '+', or one that drafts trees), or None; `auto`: a group
     that chooses its drafter per block (engine/choosing.py), one chooser per session."""
     if spec == AUTO:
-        from macfleet.engine.choosing import make_auto_group
+        from macfleet.engine.choosing import auto_spec, make_auto_group
 
+        spec = auto_spec(lm)
+    if spec == AUTO:
         drafting: Drafting = make_auto_group(lm, draft_tokens)
         try:
             check_drafting(drafting, invariant)

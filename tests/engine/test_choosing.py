@@ -110,3 +110,32 @@ def test_auto_on_smollm2_commits_what_plain_decoding_does(smollm2):
     assert auto.token_ids == plain.token_ids
     used = {d.name for d in auto.stats.drafters if d.blocks}
     assert len(used) >= 2 and {"eagle", "eagle2"} & used
+
+
+def test_without_tree_attention_auto_is_the_records_drafter(tiny, monkeypatch):
+    """A verifier whose blocks cannot be verified as token trees drafts with the record's
+    winner (n-gram without one): sampling still runs (the tree loop could not sample)."""
+    from macfleet.engine import tree_verify
+    from macfleet.engine.choosing import auto_spec
+    from macfleet.engine.sampling import SamplingParams
+
+    assert auto_spec(tiny) == "auto"
+    monkeypatch.setattr(tree_verify, "supports_tree_attention", lambda model: False)
+    assert auto_spec(tiny) == "ngram"
+    fin = finished(generate_local(tiny, "a b a b", chat=False, proposer="auto", max_tokens=8,
+                                  params=SamplingParams(0.8, seed=1)))
+    assert fin.stats.proposer.startswith("ngram") and len(fin.token_ids) == 8
+
+
+def test_sampled_auto_draws_what_plain_sampling_draws(tiny):
+    """Draws keyed by the seed and each token's position (exact-match drafts, n-gram's):
+    whichever candidate drafts, the same tokens as plain sampling with the same seed."""
+    from macfleet.engine.sampling import SamplingParams
+
+    p = SamplingParams(0.8, seed=5)
+    text = "the cat the cat the cat"
+    plain = finished(generate_local(tiny, text, chat=False, proposer="none", max_tokens=N,
+                                    params=p))
+    auto = finished(generate_local(tiny, text, chat=False, proposer="auto", max_tokens=N,
+                                   params=p))
+    assert auto.token_ids == plain.token_ids
