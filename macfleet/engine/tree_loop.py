@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 
 from macfleet.engine.ahead import Ahead, draft_ahead, take
-from macfleet.engine.block import (BlockTally, accept_tree, cut_at_stop, tree_decided,
-                                   tree_decision)
+from macfleet.engine.block import (BlockTally, accept_tree, chain_outcome, cut_at_stop,
+                                   tree_decided, tree_decision)
 from macfleet.engine.constraint import Constraint, constrained_tree, masked_tree_logits
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, TokensCommitted
@@ -213,6 +213,17 @@ def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: Sampling
     position from `start`); drafts with probabilities take SpecInfer's rule on the host.
     constraint: every node's row masked by the grammar after its path."""
     base = verifier.offset
+    if len(tree.tokens) == 1 and constraint is None and pad_to <= 1:
+        # nothing drafted (plain decoding chosen, or every drafter backed off): the model's
+        # own forward, tapped for hidden-state drafters, is cheaper than a tree's
+        root = [tree.tokens[0]]
+        logits = (verifier.forward_lazy(mx.array(root, dtype=mx.uint32))
+                  if getattr(verifier, "pipelines", False) else verifier.forward(root))
+        out = chain_outcome(EMPTY_DRAFT, logits, params, seed, start)
+        mx.async_eval(out)
+        if during is not None:
+            during()
+        return [], int(out.tolist()[1])
     if tree_ok:
         logits, hidden = tree_forward(verifier, tree, return_hidden=True, pad_to=pad_to)
         n = len(tree.tokens)
