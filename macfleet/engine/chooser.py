@@ -35,8 +35,10 @@ from macfleet.engine.tree_budget import VerifyCurve
 from macfleet.stats import PRIOR, BEST, EXPLORE, DrafterChoice
 
 PLAIN = "none"
-MIN_INTERVAL = 4  # blocks before a losing candidate is tried again (doubles per lost try)
-MAX_INTERVAL = 64
+# blocks before a losing candidate is tried again, doubling per lost try: a loser costs about
+# log2(blocks / MIN_INTERVAL) blocks of a generation (3 in 100), each worth what it measured
+MIN_INTERVAL = 8
+MAX_INTERVAL = 128
 STAGGER = 2  # untried candidates: the first at block 1, then every STAGGER blocks
 EMA = 0.3
 MARGIN = 1.02  # a drafter must beat plain decoding by this much to be chosen

@@ -69,9 +69,11 @@ def test_plain_decoding_when_no_drafter_pays():
     picked = feed(chooser(), out, 200, STEEP)
     best = [p.drafter for p in picked if p.why == BEST]
     assert set(best) == {PLAIN}
-    # exploring losers is bounded: intervals double up to MAX_INTERVAL
-    explored = [p for p in picked[100:] if p.why == EXPLORE]
-    assert len(explored) <= 2 * (100 // MAX_INTERVAL + 1)
+    # exploring the two losers is bounded: intervals double (8, 16, .. MAX_INTERVAL blocks),
+    # four tries each in 200 blocks, 4% of them
+    explored = [p for p in picked if p.why == EXPLORE]
+    assert len(explored) == 8 and {p.drafter for p in explored} == {"eagle", "eagle2"}
+    assert not any(p.why == EXPLORE for p in picked[120:]) and MAX_INTERVAL >= 80
 
 
 def test_a_free_drafter_is_scored_from_the_text_and_never_explored():
@@ -96,7 +98,7 @@ def test_a_drafter_that_starts_to_pay_is_noticed():
 def test_a_lost_try_doubles_the_wait():
     out = {"ngram": (0, 1, 0.2), "eagle": (0, 4, 4.0), "eagle2": (0, 25, 6.0), PLAIN: (0, 1, 0)}
     c = chooser(cands=(Candidate(PLAIN), Candidate("eagle", (0,))))
-    tries = [i for i, p in enumerate(feed(c, out, 100, STEEP)) if p.why == EXPLORE]
+    tries = [i for i, p in enumerate(feed(c, out, 200, STEEP)) if p.why == EXPLORE]
     gaps = [b - a for a, b in zip(tries, tries[1:])]
     assert tries[0] == 1
     assert gaps[:3] == [2 * MIN_INTERVAL + 1, 4 * MIN_INTERVAL + 1, 8 * MIN_INTERVAL + 1]
