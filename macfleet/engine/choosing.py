@@ -56,6 +56,9 @@ class _Shadow:
 
 
 class ChoosingGroup(ProposerGroup):
+    """A group of drafters of which one candidate drafts each block (`choice`, recorded in
+    `choices`): per session, since what a drafter accepts depends on the answer."""
+
     def __init__(self, proposers: Sequence[Proposer], candidates: Sequence[Candidate], *,
                  draft_tokens: int | str = "auto", prior: Mapping[str, float] | None = None
                  ) -> None:
