@@ -185,6 +185,35 @@ class ProposerStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+# why the drafter of a block was chosen (engine/chooser.py, `--proposer auto`)
+PRIOR = "prior"  # the offline record's winner, before its own blocks are measured
+BEST = "best"  # the best expected tokens per second measured in this session
+EXPLORE = "explore"  # tried now and then at a bounded cost, in case it pays now
+CHOICE_REASONS = (PRIOR, BEST, EXPLORE)
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    """Which candidate drafted a block and why; expected_tok_s: its expected committed tokens
+    per second when chosen (0 when unknown: an untried candidate explored)."""
+
+    block: int
+    drafter: str
+    why: str  # CHOICE_REASONS
+    expected_tok_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class DrafterStats:
+    """One candidate of a chosen-while-running drafter: the blocks it drafted (of which
+    explored) and the tokens they committed."""
+
+    name: str
+    blocks: int = 0
+    explored: int = 0
+    committed: int = 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerationStats:
     tokens: int = 0
@@ -199,6 +228,9 @@ class GenerationStats:
     finish_reason: str = ""
     accepted_hist: tuple[int, ...] = ()  # blocks with k > 0, by accepted length
     per_proposer: tuple[ProposerStats, ...] = ()  # token trees: each drafter's share
+    # `--proposer auto`: each candidate's blocks, and which drafted each block and why
+    drafters: tuple[DrafterStats, ...] = ()
+    choices: tuple[DrafterChoice, ...] = ()
     fleet: FleetStats | None = None  # set by the verifier agent; None in-process
 
     @property

@@ -33,8 +33,11 @@ from macfleet.engine.events import Finished, GenerationStats
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.text import generate_local
 
+# `auto` (the drafter chosen while it runs, engine/chooser.py) runs in the same rounds as the
+# fixed ones: `auto_vs_best_fixed` compares it with the best of them in the same run
+AUTO = "auto"
 DEFAULT_SPECS = ("none", "ngram", "retrieval", "eagle", "eagle2", "retrieval+ngram",
-                 "eagle+retrieval+ngram", "eagle2+retrieval", "eagle2+retrieval+ngram")
+                 "eagle+retrieval+ngram", "eagle2+retrieval", "eagle2+retrieval+ngram", AUTO)
 # across agents: every kind of drafter (n-gram, answer store, the head's chains and trees,
 # trees of them together) and whatever won in one process: the agents' default is among them
 DEFAULT_AGENT_SPECS = ("none", "ngram", "retrieval+ngram", "eagle", "eagle2",
@@ -325,6 +328,32 @@ def best_spec(summary: dict, candidates: Sequence[str], floor: float = FLOOR
         best = max(drafters, key=lambda s: (allp[s].get("speedup_min") or 0.0,
                                             allp[s]["speedup_geomean"] or 0.0))
     return best, float(allp[best]["speedup_geomean"] or 0.0)
+
+
+def fixed_specs(specs: Sequence[str]) -> list[str]:
+    """The drafters fixed in advance (what a record may name): all but `auto`."""
+    return [s for s in specs if s != AUTO]
+
+
+def auto_vs_best_fixed(runs: dict[str, dict[str, dict]], summary: dict,
+                       specs: Sequence[str]) -> dict | None:
+    """Pure: `auto` against the best fixed drafter of the same run (`best_spec`), as issue
+    44's goals read: the geometric mean over prompts of auto / best fixed (goal >= 0.97), and
+    auto's slowest prompt against plain decoding (goal >= 0.97); None without an auto row."""
+    if AUTO not in specs:
+        return None
+    best, _ = best_spec(summary, fixed_specs(specs))
+    ratios = {k: r[AUTO]["decode_tokens_per_s"] / r[best]["decode_tokens_per_s"]
+              for k, r in runs.items() if r[best]["decode_tokens_per_s"] > 0}
+    allp = summary["all"]
+    return {"best_fixed": best,
+            "best_fixed_speedup_geomean": allp[best]["speedup_geomean"],
+            "auto_speedup_geomean": allp[AUTO]["speedup_geomean"],
+            "auto_speedup_min": allp[AUTO]["speedup_min"],
+            "auto_vs_best_geomean": round(math.exp(sum(map(math.log, ratios.values()))
+                                                   / len(ratios)), 3) if ratios else None,
+            "auto_vs_best_min": round(min(ratios.values()), 3) if ratios else None,
+            "auto_identical": bool(allp[AUTO].get("all_identical", True))}
 
 
 def bench_record(best: str, speedup: float, command: str, best_agents: str | None = None,

@@ -17,8 +17,9 @@ MODEL_HELP = ("smollm2 (the embedded SmolLM2-135M-Instruct) | PATH.gguf | mlx-lm
               "tiny-moe:SEED[:VOCAB]")
 PROPOSER_HELP = (f"the drafter: {AUTO} | eagle2[:PATH] | eagle[:PATH] | ngram[:N] | retrieval | "
                  "layerskip:K | draft:MODEL | none; several joined by + draft a token tree each "
-                 f"block ({AUTO}: the drafter measured best for the model, "
-                 "`macfleet bench drafter --record` measures this machine; else ngram)")
+                 f"block ({AUTO}: in this process, chosen block by block among the model's "
+                 "drafters and plain decoding, starting from the one `macfleet bench drafter "
+                 "--record` measured best; through agents, that one)")
 
 
 def add_parser(sub) -> None:
@@ -75,6 +76,10 @@ def print_stats(stats: GenerationStats, file=None) -> None:
           file=file)
     for p in stats.per_proposer:
         print(f"   acceptance[{p.name}]: {p.acceptance:.3f}", file=file)
+    if stats.drafters:  # `auto`: which candidate drafted how many blocks (--json: each block)
+        print("   drafted by: " + ", ".join(
+            f"{d.name} {d.blocks} blocks ({d.explored} explored), {d.committed} tokens"
+            for d in stats.drafters if d.blocks), file=file)
     if fleet is None:
         return
     print(f"   verifier {fleet.verifier_agent or fleet.verifier} | proposer failures "
@@ -116,7 +121,7 @@ def run_local(args, where: W.Where) -> int:
     if args.max_tokens < 0:
         raise UserError("--max-tokens must be >= 0")
     try:
-        for spec in args.proposer.split("+"):
+        for spec in args.proposer.split("+") if args.proposer != AUTO else ():
             parse_proposer_spec(spec)
         print(where.line(), file=sys.stderr, flush=True)
         lm = load_model(args.model)
@@ -181,7 +186,9 @@ def run(args) -> int:
     from macfleet.engine.proposers.choice import FLEET, resolve_proposer
 
     asked = args.asked_proposer = args.proposer
-    args.proposer, _ = resolve_proposer(asked, args.model)
+    # in this process `auto` is the drafter chosen block by block (engine/choosing.py), with
+    # the bench record as its prior; agents still get the record's winner
+    args.proposer = AUTO if asked == AUTO else resolve_proposer(asked, args.model)[0]
     if args.local:
         return run_local(args, W.asked_local())
     from macfleet.cli.common import fleet_key_if_any

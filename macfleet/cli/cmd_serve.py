@@ -130,12 +130,13 @@ def fleet_engine(args, draft_tokens):
 
 
 def local_proposer(args) -> str:
-    """The in-process engine's drafter: --proposer, `auto` resolved as `generate` does (the
-    batch-invariant mode verifies chains of token drafts: n-gram lookup for it)."""
+    """The in-process engine's drafter: --proposer; `auto` as in `generate`, chosen per block
+    for each session (engine/choosing.py; the batch-invariant mode verifies chains of token
+    drafts: n-gram lookup for it)."""
     from macfleet.engine.proposers.choice import AUTO, FALLBACK, resolve_proposer
 
-    if args.proposer == AUTO and args.batch_invariant:
-        return FALLBACK
+    if args.proposer == AUTO:
+        return FALLBACK if args.batch_invariant else AUTO
     return resolve_proposer(args.proposer, args.model)[0]
 
 

@@ -8,9 +8,9 @@ from macfleet.engine import controller
 from macfleet.engine.controller import DraftTokens
 
 
-# The drafter of `generate`, `serve` and `demo` unless --proposer names one: the one measured
-# best for the model (engine/proposers/choice.py `resolve_proposer`; n-gram lookup without a
-# measurement or a shipped head).
+# The drafter of `generate`, `serve` and `demo` unless --proposer names one: in one process
+# chosen block by block (engine/choosing.py), through agents the one measured best for the
+# model (engine/proposers/choice.py).
 DEFAULT_PROPOSER = "auto"
 
 

@@ -142,10 +142,11 @@ class BlockTally:
         self.verify_ms += verify_ms
 
     def stats(self, *, tokens: int, elapsed_s: float, prefill_ms: float, proposer: str,
-              finish_reason: str, per_proposer: tuple[ProposerStats, ...] = ()
-              ) -> GenerationStats:
+              finish_reason: str, per_proposer: tuple[ProposerStats, ...] = (),
+              **chosen) -> GenerationStats:
+        """chosen: `drafters` and `choices` of a drafter chosen while it runs."""
         return GenerationStats(
             tokens=tokens, elapsed_s=elapsed_s, prefill_ms=prefill_ms, blocks=self.blocks,
             drafted=self.drafted, accepted=self.accepted, draft_ms=self.draft_ms,
             verify_ms=self.verify_ms, proposer=proposer, finish_reason=finish_reason,
-            accepted_hist=tuple(self.hist), per_proposer=per_proposer)
+            accepted_hist=tuple(self.hist), per_proposer=per_proposer, **chosen)

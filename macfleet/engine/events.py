@@ -26,6 +26,8 @@ class BlockDone:
     draft_ms: float  # wall time waiting for the proposer (compute + wire when remote)
     verify_ms: float
     block_ms: float
+    drafter: str = ""  # `--proposer auto`: the candidate that drafted it (engine/chooser.py)
+    why: str = ""  # and why it was chosen (stats.CHOICE_REASONS)
 
 
 @dataclass(frozen=True)

@@ -146,8 +146,15 @@ def generate_local(
     def make(spec: str) -> Proposer | None:
         return make_proposer(spec, lm)
 
-    drafting = plan_drafting(proposer, chain=make, tree=lambda specs: make_group(
-        [make(s) or no_drafts(s) for s in specs], draft_tokens))
+    if proposer == AUTO:  # chosen block by block (engine/choosing.py)
+        from macfleet.engine.choosing import auto_spec, make_auto_group
+
+        proposer = auto_spec(lm)
+    if proposer == AUTO:
+        drafting: Drafting = make_auto_group(lm, draft_tokens)
+    else:
+        drafting = plan_drafting(proposer, chain=make, tree=lambda specs: make_group(
+            [make(s) or no_drafts(s) for s in specs], draft_tokens))
     yield from generate_from_ids(lm, verifier or Verifier(lm.model), drafting, ids,
                                  draft_tokens=draft_tokens, max_tokens=max_tokens, params=params,
                                  grammar=grammar)

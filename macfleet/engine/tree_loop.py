@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 
 from macfleet.engine.ahead import Ahead, draft_ahead, take
-from macfleet.engine.block import (BlockTally, accept_tree, cut_at_stop, tree_decided,
-                                   tree_decision)
+from macfleet.engine.block import (BlockTally, accept_tree, chain_outcome, cut_at_stop,
+                                   tree_decided, tree_decision)
 from macfleet.engine.constraint import Constraint, constrained_tree, masked_tree_logits
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, TokensCommitted
@@ -73,6 +73,9 @@ def _own_or(k: int | None, controller) -> int:
 class ProposerGroup:
     """Proposers drafting for one sequence. `draft_all` is sequential here; a remote group
     (agents) sends every request first and then collects, so drafting runs in parallel."""
+
+    choice = None  # a group that chooses its drafter per block (engine/choosing.py): this one's
+    choices: Sequence = ()
 
     def __init__(self, proposers: Sequence[Proposer], *, draft_tokens: int | str = "auto",
                  k_max: int = DEFAULT_K_MAX, node_budget: int = DEFAULT_NODE_BUDGET) -> None:
@@ -171,6 +174,10 @@ class ProposerGroup:
         for p in self.proposers:
             p.close()
 
+    def drafter_stats(self) -> tuple:
+        """Each candidate's blocks, when the group chooses its drafter per block."""
+        return ()
+
     def per_proposer(self) -> tuple[ProposerStats, ...]:
         return tuple(ProposerStats(p.name, d, a)
                      for p, d, a in zip(self.proposers, self.drafted, self.accepted))
@@ -206,6 +213,17 @@ def _verify(verifier: Verifier, tree: TokenTree, tree_ok: bool, params: Sampling
     position from `start`); drafts with probabilities take SpecInfer's rule on the host.
     constraint: every node's row masked by the grammar after its path."""
     base = verifier.offset
+    if len(tree.tokens) == 1 and constraint is None and pad_to <= 1:
+        # nothing drafted (plain decoding chosen, or every drafter backed off): the model's
+        # own forward, tapped for hidden-state drafters, is cheaper than a tree's
+        root = [tree.tokens[0]]
+        logits = (verifier.forward_lazy(mx.array(root, dtype=mx.uint32))
+                  if getattr(verifier, "pipelines", False) else verifier.forward(root))
+        out = chain_outcome(EMPTY_DRAFT, logits, params, seed, start)
+        mx.async_eval(out)
+        if during is not None:
+            during()
+        return [], int(out.tolist()[1])
     if tree_ok:
         logits, hidden = tree_forward(verifier, tree, return_hidden=True, pad_to=pad_to)
         n = len(tree.tokens)
@@ -295,15 +313,19 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
             generated.extend(new)
             dms, vms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
             tally.record(tree.size, len(path), dms, vms)
+            choice = group.choice
             group.observe(drafts, tree.accepted_per_source(path), vms, len(tree.tokens))
             if new:
                 yield TokensCommitted(tally.blocks, tuple(new))
             yield BlockDone(block=tally.blocks, k=sum(ks), drafted=tree.size, accepted=len(path),
                             committed=len(new), draft_ms=dms, verify_ms=vms,
-                            block_ms=(time.perf_counter() - t0) * 1e3)
+                            block_ms=(time.perf_counter() - t0) * 1e3,
+                            drafter=choice.drafter if choice else "",
+                            why=choice.why if choice else "")
     finally:
         group.close()
     stats = tally.stats(tokens=len(generated), elapsed_s=time.perf_counter() - t_start,
                         prefill_ms=prefill_ms, proposer=group.name, finish_reason=finish,
-                        per_proposer=group.per_proposer())
+                        per_proposer=group.per_proposer(), drafters=group.drafter_stats(),
+                        choices=tuple(group.choices))
     yield Finished(stats, tuple(generated))

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from macfleet.engine.controller import DEFAULT_K_MAX as CHAIN_K_MAX
-from macfleet.engine.controller import DraftTokens
+from macfleet.engine.controller import AUTO, DraftTokens
 from macfleet.engine.constraint import constrained_draft, constrained_tree
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
 from macfleet.engine.models import LoadedModel
@@ -42,7 +42,20 @@ Chains = Callable[[Sequence[tuple[EagleProposer, Sequence[int], int]]], list[Dra
 def make_drafting(spec: str, lm: LoadedModel, draft_tokens: DraftTokens,
                   invariant: bool) -> Drafting:
     """A new session's drafter from an engine's proposer spec: a chain drafter, a group
-    (several drafters joined by '+', or one that drafts trees), or None."""
+    (several drafters joined by '+', or one that drafts trees), or None; `auto`: a group
+    that chooses its drafter per block (engine/choosing.py), one chooser per session."""
+    if spec == AUTO:
+        from macfleet.engine.choosing import auto_spec, make_auto_group
+
+        spec = auto_spec(lm)
+    if spec == AUTO:
+        drafting: Drafting = make_auto_group(lm, draft_tokens)
+        try:
+            check_drafting(drafting, invariant)
+        except ValueError:
+            drafting.close()
+            raise
+        return drafting
     drafting = plan_drafting(
         spec, chain=lambda one: make_proposer(one, lm),
         tree=lambda specs: make_group([make_proposer(x, lm) or no_drafts(x) for x in specs],

@@ -87,6 +87,8 @@ class Sessions:
         if s in self.active:
             self.active.remove(s)
         per_proposer = s.group.per_proposer() if s.group is not None else ()
+        chosen = (dict(drafters=s.group.drafter_stats(), choices=tuple(s.group.choices))
+                  if s.group is not None else {})
         self._release(s, "cancelled" if s.cancelled else "failed" if failed else "done")
         if s.cancelled:
             return
@@ -95,7 +97,7 @@ class Sessions:
             return
         stats = s.tally.stats(tokens=len(s.generated), elapsed_s=self.clock() - s.t_start,
                               prefill_ms=s.prefill_ms, proposer=s.proposer_name,
-                              finish_reason=reason, per_proposer=per_proposer)
+                              finish_reason=reason, per_proposer=per_proposer, **chosen)
         s.emit(Finished(stats, tuple(s.generated)))
 
     def shutdown(self, message: str) -> None:

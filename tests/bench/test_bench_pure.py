@@ -138,3 +138,28 @@ def test_bench_fleet_sets_the_first_request_against_the_median_warm_one():
     assert got["warm_tokens_per_s"] == 10.0
     assert got["first_over_warm"] == 0.5 and got["prefill_ms_first_over_warm"] == 25.0
     assert first_vs_warm(run(5.0, 1.0), [run(0.0, 0.0)])["first_over_warm"] == 0.0
+
+
+def test_auto_is_compared_with_the_best_fixed_drafter_of_the_same_run():
+    """`auto` is never the recorded best (a record names a fixed drafter); its ratio to the
+    best fixed one is the geometric mean over prompts (issue 44's goal: >= 0.97)."""
+    from macfleet.bench.drafter import AUTO, auto_vs_best_fixed, best_spec, fixed_specs
+
+    def row(tps):
+        return {"decode_tokens_per_s": tps}
+
+    runs = {"p1": {"none": row(10.0), "a": row(13.0), "b": row(11.0), AUTO: row(13.0)},
+            "p2": {"none": row(10.0), "a": row(12.0), "b": row(12.5), AUTO: row(11.4)}}
+    summary = {"all": {"none": {"speedup_geomean": 1.0, "speedup_min": 1.0},
+                       "a": {"speedup_geomean": 1.249, "speedup_min": 1.2},
+                       "b": {"speedup_geomean": 1.173, "speedup_min": 1.1},
+                       AUTO: {"speedup_geomean": 1.5, "speedup_min": 1.14,
+                              "all_identical": True}}}
+    specs = ["none", "a", "b", AUTO]
+    assert fixed_specs(specs) == ["none", "a", "b"]
+    assert best_spec(summary, fixed_specs(specs))[0] == "a"
+    vs = auto_vs_best_fixed(runs, summary, specs)
+    assert vs["best_fixed"] == "a" and vs["auto_speedup_min"] == 1.14
+    assert vs["auto_vs_best_geomean"] == pytest.approx((1.0 * 11.4 / 12.0) ** 0.5, abs=1e-3)
+    assert vs["auto_vs_best_min"] == pytest.approx(0.95) and vs["auto_identical"]
+    assert auto_vs_best_fixed(runs, summary, ["none", "a", "b"]) is None

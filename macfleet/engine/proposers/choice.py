@@ -1,4 +1,5 @@
-"""Which drafter a verifier gets by default: the one measured best for it.
+"""Which drafter a verifier gets by default: the one measured best for it, or, in one process
+and in the serving engine, the one chosen block by block with that as the prior.
 
 `macfleet bench drafter` measures every drafter side by side on held-out prompts. With
 `--record` it keeps the winner for THIS machine (in its cache: `machine_record`); with
@@ -11,6 +12,11 @@ the eval file. The default proposer of `generate` and `serve`, of the fleet (`ma
 agents serve what the client asks for) and of the demo is read here, in one place. Without a bench record,
 a head that clears break-even on its held-out acceptance drafts dynamic trees next to n-gram
 lookup; otherwise n-gram alone.
+
+In one process (`generate --local`) and per session in `serve --local`, `auto` is no longer
+the record's answer but its prior (`auto_prior`): engine/choosing.py chooses the drafter of
+each block as it runs (issue 44: the best drafter moves with the machine's load and the
+answer being written). Through agents `auto` is still the record's winner (`resolve_proposer`).
 """
 
 from __future__ import annotations
@@ -89,6 +95,19 @@ def record_machine_choice(model: str, bench: dict) -> Path:
 def shipped_head_eval(model: str) -> dict | None:
     path = default_head_path(model)
     return read_eval(path) if path is not None and path.is_file() else None
+
+
+def prior_from(head_eval: dict | None, mine: dict | None = None) -> dict[str, float]:
+    """Pure: the offline record as the prior of the drafter chosen while it runs
+    (engine/chooser.py): its winner in one process at its measured speedup over plain."""
+    bench = mine or (head_eval or {}).get("bench") or {}
+    best, speedup = bench.get("best"), float(bench.get("speedup") or 0.0)
+    return {str(best): speedup} if best and speedup > 0 else {}
+
+
+def auto_prior(model: str) -> dict[str, float]:
+    """This machine's bench record for `model`, else the shipped one, as the chooser's prior."""
+    return prior_from(shipped_head_eval(model), machine_record(model))
 
 
 def resolve_proposer(spec: str, model: str, where: str = LOCAL) -> tuple[str, str]:

@@ -1,0 +1,195 @@
+"""Which drafter drafts the next block: chosen while it runs (issue 44), pure decisions.
+
+The best drafter depends on this machine's verify(L) curve at this moment and on the answer
+being written, and both change more than the drafters differ; a choice fixed in advance (a
+bench record) is wrong somewhere. So each session keeps, per candidate (a drafter or a tree
+of drafters in its shape, and plain decoding), what its blocks have been committing and what
+they cost here, and drafts the next block with the one expected to commit most tokens per
+millisecond:
+
+    rate(c) = (1 + accepted(c)) / (draft_ms(c) + verify(L(c)))
+
+accepted, L (the tokens a block verifies) and draft_ms are EMAs of the candidate's own
+blocks; verify(L) is the machine's table (tree_budget.VerifyCurve: probed, then learnt from
+every block whoever drafted it), so a candidate's cost follows the machine even while it is
+not chosen. Plain decoding is 1 / verify(1), always known.
+
+* A candidate whose drafts cost nothing to compute (n-gram lookup, the answer store:
+  `Candidate.free`) is scored on every block from the committed text, without being verified
+  (`shadow`): the greedy verifier would have accepted exactly the prefix of its draft that
+  the text went on to commit.
+* The others are tried now and then (`EXPLORE`), as the draft-length controller probes
+  k = 0: an untried one early, staggered; one that lost its try waits twice as long for the
+  next (MIN_INTERVAL .. MAX_INTERVAL blocks), so a useless drafter costs a bounded share of
+  the blocks, and one that starts to pay (a repetitive stretch, code) is noticed.
+* The offline record (`bench drafter --record`/`--record-shipped`) is the prior: its winner
+  starts at its recorded speedup over plain until its own blocks are measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from macfleet.engine.tree_budget import VerifyCurve
+from macfleet.stats import PRIOR, BEST, EXPLORE, DrafterChoice
+
+PLAIN = "none"
+# blocks before a losing candidate is tried again, doubling per lost try: a loser costs about
+# log2(blocks / MIN_INTERVAL) blocks of a generation (3 in 100), each worth what it measured
+MIN_INTERVAL = 8
+MAX_INTERVAL = 128
+STAGGER = 2  # untried candidates: the first at block 1, then every STAGGER blocks
+EMA = 0.3
+MARGIN = 1.02  # a drafter must beat plain decoding by this much to be chosen
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A drafter (or a tree of drafters, `members` indices into its group) in one shape;
+    no members: plain decoding. free: its drafts cost nothing to compute (scored from the
+    committed text every block, never explored)."""
+
+    name: str
+    members: tuple[int, ...] = ()
+    free: bool = False
+
+
+@dataclass
+class _Estimate:
+    accepted: float = 0.0  # per block
+    length: float = 1.0  # tokens verified per block (drafts + 1)
+    draft_ms: float = 0.0  # per block
+    n: int = 0  # blocks measured (verified or scored from the text)
+    prior: float | None = None  # speedup over plain from the offline record, until measured
+    next_try: int = 0
+    interval: int = MIN_INTERVAL
+
+    def add(self, accepted: float, length: float, draft_ms: float) -> None:
+        if self.n == 0:
+            self.accepted, self.length, self.draft_ms = accepted, length, draft_ms
+        else:
+            self.accepted += EMA * (accepted - self.accepted)
+            self.length += EMA * (length - self.length)
+            # a first block pays the drafter's warm-up: a cheaper second one replaces it
+            self.draft_ms = (min(self.draft_ms, draft_ms) if self.n == 1
+                             else self.draft_ms + EMA * (draft_ms - self.draft_ms))
+        self.n += 1
+
+
+def tree_match(tokens: Sequence[int], parents: Sequence[int] | None,
+               committed: Sequence[int]) -> int:
+    """How many of a draft's tokens a greedy verifier accepts when it commits `committed`
+    (pure): the depth of the deepest path of the draft (a chain when parents is None; a tree
+    whose parents[i] is -1 under the root) that `committed` starts with."""
+    if parents is None:
+        parents = tuple(range(-1, len(tokens) - 1))
+    node, depth = -1, 0
+    while depth < len(committed):
+        nxt = next((i for i, (t, p) in enumerate(zip(tokens, parents))
+                    if p == node and t == committed[depth]), None)
+        if nxt is None:
+            break
+        node, depth = nxt, depth + 1
+    return depth
+
+
+def tree_depth(parents: Sequence[int] | None, n: int) -> int:
+    """The deepest path of a draft of n tokens (a chain when parents is None)."""
+    if parents is None:
+        return n
+    depth: list[int] = []
+    for p in parents[:n]:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)
+
+
+@dataclass
+class Chooser:
+    """One session's choice of drafter, block by block (pure: no clock, no model).
+
+    candidates: plain decoding among them (PLAIN); prior: speedup over plain by candidate
+    name (the offline record's winner); curve: this machine's verify(L) in ms."""
+
+    candidates: Sequence[Candidate]
+    curve: VerifyCurve = field(default_factory=VerifyCurve)
+    prior: Mapping[str, float] = field(default_factory=dict)
+    block: int = 0
+    _est: dict[str, _Estimate] = field(default_factory=dict)
+    _last: DrafterChoice | None = None
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.candidates]
+        if PLAIN not in names or len(set(names)) != len(names):
+            raise ValueError(f"candidates need plain decoding ({PLAIN!r}) once, and unique "
+                             f"names: {names}")
+        untried = 0
+        for c in self.candidates:
+            e = self._est[c.name] = _Estimate(prior=self.prior.get(c.name))
+            if c.name == PLAIN:
+                e.n = 1  # always known: 1 / verify(1)
+            elif not c.free and e.prior is None:
+                e.next_try = 1 + STAGGER * untried
+                untried += 1
+            else:
+                e.next_try = MIN_INTERVAL  # a prior's winner is re-measured by its own blocks
+
+    def by_name(self, name: str) -> Candidate:
+        return next(c for c in self.candidates if c.name == name)
+
+    def rate(self, name: str) -> float | None:
+        """Expected committed tokens per ms of the candidate's next block (None: unknown)."""
+        e = self._est[name]
+        plain = 1.0 / max(self.curve.cost(1), 1e-9)
+        if e.n == 0:
+            return None if e.prior is None else e.prior * plain
+        cost = e.draft_ms + self.curve.cost(max(1, round(e.length)))
+        return (1.0 + e.accepted) / max(cost, 1e-9)
+
+    def _best(self, exclude: str = "") -> tuple[str, float]:
+        best, best_rate = PLAIN, self.rate(PLAIN) or 0.0
+        floor = best_rate * MARGIN
+        for c in self.candidates:
+            r = self.rate(c.name)
+            if c.name not in (PLAIN, exclude) and r is not None and r > floor and r > best_rate:
+                best, best_rate = c.name, r
+        return best, best_rate
+
+    def choose(self) -> DrafterChoice:
+        """The candidate that drafts the next block, and why."""
+        best, best_rate = self._best()
+        due = [c for c in self.candidates if c.members and not c.free and c.name != best
+               and self._est[c.name].next_try <= self.block]
+        if due:
+            c = min(due, key=lambda c: (self._est[c.name].next_try,
+                                        self.candidates.index(c)))
+            ch = DrafterChoice(self.block, c.name, EXPLORE,
+                               (self.rate(c.name) or 0.0) * 1e3)
+        else:
+            ch = DrafterChoice(self.block, best,
+                               PRIOR if self._est[best].n == 0 else BEST, best_rate * 1e3)
+        self._last = ch
+        return ch
+
+    def observe(self, name: str, accepted: int, verified: int, draft_ms: float,
+                verify_ms: float) -> None:
+        """The block `choose` picked was verified: `accepted` drafts kept of a block of
+        `verified` tokens (drafts + 1), drafting took draft_ms and verifying verify_ms."""
+        self.curve.observe(verified, verify_ms)
+        e = self._est[name]
+        if name != PLAIN:
+            e.add(accepted, verified, draft_ms)
+        if self._last is not None and self._last.drafter == name and \
+                self._last.why == EXPLORE:
+            lost = (self.rate(name) or 0.0) <= self._best(exclude=name)[1]
+            e.interval = min(MAX_INTERVAL, e.interval * 2) if lost else MIN_INTERVAL
+        e.next_try = self.block + 1 + e.interval
+        self.block += 1
+
+    def shadow(self, name: str, accepted: int, verified: int, draft_ms: float) -> None:
+        """A free candidate's draft scored from the committed text, not verified."""
+        self._est[name].add(accepted, verified, draft_ms)
+
+    def measured(self, name: str) -> int:
+        """Blocks measured for the candidate (verified or scored from the text)."""
+        return self._est[name].n

@@ -1,0 +1,254 @@
+"""`--proposer auto`: a tree of drafters of which the chooser (engine/chooser.py) picks, block
+by block, the candidate that drafts (issue 44).
+
+`ChoosingGroup` is a `ProposerGroup` (the tree loop runs it unchanged): every block only the
+chosen candidate's drafters draft (plain decoding: none), only they learn from its outcome,
+and the chooser learns what the block cost. The free candidates (n-gram lookup, the answer
+store) also draft when not chosen, and their drafts are scored against the text committed
+after them (`chooser.tree_match`): their rates are known on every block without verifying
+them. `auto_candidates` is what a model can draft with here (its shipped head: EAGLE chains
+and dynamic trees from ONE proposer, `ChainsOf`, so they share the head's cache and the
+verifier's feature tap; its answer store), `make_auto_group` builds it with the offline record
+as the prior.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from macfleet.engine.chooser import PLAIN, Candidate, Chooser, tree_depth, tree_match
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
+from macfleet.engine.tree_loop import ProposerGroup, _own_or, cap_total, tree_budget
+from macfleet.stats import EXPLORE, DrafterChoice, DrafterStats
+
+AUTO_NAME = "auto"
+SHADOW_K = 4  # a free chain drafter's draft scored from the text (trees: the node budget)
+MAX_PENDING = 8  # a free candidate's drafts waiting for the text to score them
+
+
+class ChainsOf(Proposer):
+    """The chains of an EAGLE-2 tree proposer's head (`eagle` beside `eagle2` in one group):
+    the same head cache, feature store and verifier tap; started and closed by the tree."""
+
+    def __init__(self, tree, name: str = "eagle") -> None:
+        self.tree = tree
+        self.name = name
+
+    def start(self, params) -> None:
+        self.params = params
+
+    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+        from macfleet.engine.proposers.eagle.chain import EagleProposer
+
+        return EagleProposer.propose(self.tree, context, k, with_guess)
+
+
+@dataclass(frozen=True)
+class _Shadow:
+    """A free candidate's draft of one block, waiting for the text to score it."""
+
+    start: int  # context length when drafted
+    drafts: tuple[Draft, ...]
+    verified: int  # tokens its block would have verified (drafts + 1)
+    draft_ms: float
+
+
+class ChoosingGroup(ProposerGroup):
+    """A group of drafters of which one candidate drafts each block (`choice`, recorded in
+    `choices`): per session, since what a drafter accepts depends on the answer."""
+
+    def __init__(self, proposers: Sequence[Proposer], candidates: Sequence[Candidate], *,
+                 draft_tokens: int | str = "auto", prior: Mapping[str, float] | None = None
+                 ) -> None:
+        super().__init__(proposers, draft_tokens=draft_tokens,
+                         node_budget=tree_budget(proposers))
+        self.candidates = tuple(candidates)
+        self.prior = dict(prior or {})
+        self._own = len(self.proposers)  # drafters joined later (a request's prediction) draft
+        self._reset()                    # beside whichever candidate is chosen
+
+    def _reset(self) -> None:
+        self.chooser = Chooser(self.candidates, prior=self.prior)
+        self.choice: DrafterChoice | None = None
+        self.choices: list[DrafterChoice] = []
+        self._tally = {c.name: [0, 0, 0] for c in self.candidates}
+        self._pending: dict[str, list[_Shadow]] = {c.name: [] for c in self.candidates}
+        self._draft_ms = 0.0
+
+    @property
+    def name(self) -> str:
+        return AUTO_NAME
+
+    def start(self, params) -> None:
+        super().start(params)
+        self._reset()
+
+    def seed_verify_costs(self, costs) -> None:
+        super().seed_verify_costs(costs)
+        self.chooser.curve.seed(costs)
+
+    def _members(self) -> tuple[int, ...]:
+        mine = self.chooser.by_name(self.choice.drafter).members if self.choice else ()
+        return (*mine, *range(self._own, len(self.proposers)))
+
+    @property
+    def host_side(self) -> bool:
+        m = [j for j in self._members() if self.live[j]]
+        return bool(m) and all(self.proposers[j].host_side for j in m)
+
+    def lengths(self, limit: int) -> list[int]:
+        self.choice = self.chooser.choose()
+        ks = [0] * len(self.proposers)
+        for j in self._members():
+            p = self.proposers[j]
+            if self.live[j]:
+                ks[j] = min(self.node_budget if p.drafts_trees
+                            else _own_or(p.draft_length(), self.controllers[j]), limit)
+        return cap_total(ks, self.node_budget)
+
+    def draft_all(self, context: Sequence[int], ks: Sequence[int],
+                  given: Sequence[Draft | None] | None = None) -> list[Draft]:
+        given = [g if k > 0 else None for g, k in zip(given or [None] * len(ks), ks)]
+        return super().draft_all(context, ks, given)
+
+    def begin(self, context: Sequence[int], ks: Sequence[int]) -> None:
+        """The chosen drafters' requests (the tree loop's `draft_all` and the serving
+        engine both come here, then to `finish`)."""
+        self._score_shadows(context)
+        self._t0, self._context, self._ks = time.perf_counter(), context, list(ks)
+        super().begin(context, ks)
+
+    def finish(self) -> list[Draft]:
+        out = super().finish()
+        self._draft_ms = (time.perf_counter() - self._t0) * 1e3
+        self._shadow(self._context, self._ks, out)
+        return out
+
+    def _score_shadows(self, context: Sequence[int]) -> None:
+        """Score the free candidates' drafts whose outcome the committed text now tells: a
+        mismatch seen, or more committed than the draft's deepest path."""
+        for name, waiting in self._pending.items():
+            for sh in list(waiting):
+                committed = context[sh.start:]
+                matched = max((tree_match(d.tokens, d.parents, committed) for d in sh.drafts),
+                              default=0)
+                depth = max((tree_depth(d.parents, len(d)) for d in sh.drafts), default=0)
+                if matched < len(committed) or len(committed) > depth:
+                    self.chooser.shadow(name, matched, sh.verified, sh.draft_ms)
+                    waiting.remove(sh)
+
+    def _shadow(self, context: Sequence[int], ks: Sequence[int], out: Sequence[Draft]) -> None:
+        """Draft for every free candidate not chosen (each drafter once per block; its real
+        draft when it drafted for the chosen one): scored when the text tells, a block or a
+        few later, so every block's draft is scored."""
+        chosen = self.choice.drafter if self.choice else PLAIN
+        mine: dict[int, tuple[Draft, float]] = {}
+        for c in self.candidates:
+            if not c.free or not c.members or c.name == chosen or \
+                    len(self._pending[c.name]) >= MAX_PENDING:
+                continue
+            drafts, ms = [], 0.0
+            for j in c.members:
+                if j not in mine:
+                    if ks[j] > 0:
+                        mine[j] = (out[j], out[j].draft_ms)
+                    elif not self.live[j]:
+                        mine[j] = (EMPTY_DRAFT, 0.0)
+                    else:
+                        p = self.proposers[j]
+                        t0 = time.perf_counter()
+                        try:
+                            d = p.propose(context, self.node_budget if p.drafts_trees
+                                          else SHADOW_K)
+                        except ProposerFailed as e:
+                            self._fail(j, e)
+                            d = EMPTY_DRAFT
+                        mine[j] = (d, (time.perf_counter() - t0) * 1e3)
+                drafts.append(mine[j][0])
+                ms += mine[j][1]
+            self._pending[c.name].append(_Shadow(len(context), tuple(drafts),
+                                                 1 + sum(len(d) for d in drafts), ms))
+
+    def observe(self, drafts: Sequence[Draft], accepted: Sequence[int], verify_ms: float,
+                verified: int | None = None) -> None:
+        """Only the chosen drafters learn (a drafter not asked must not count an empty
+        block: a tree drafter's backoff would skip its next drafts); the chooser learns
+        the block's cost."""
+        members = self._members()
+        for j in members:
+            d, n = drafts[j], accepted[j]
+            self.controllers[j].observe(len(d), n, d.draft_ms, verify_ms)
+            self.proposers[j].observe(len(d), n, verify_ms, verified)
+            self.drafted[j] += len(d)
+            self.accepted[j] += n
+        if self.choice is None:
+            return
+        got = max((accepted[j] for j in members), default=0)
+        size = verified or 1 + sum(len(drafts[j]) for j in members)
+        self.chooser.observe(self.choice.drafter, got, size, self._draft_ms, verify_ms)
+        t = self._tally[self.choice.drafter]
+        t[0] += 1
+        t[1] += self.choice.why == EXPLORE
+        t[2] += got + 1
+        self.choices.append(self.choice)
+
+    def drafter_stats(self) -> tuple[DrafterStats, ...]:
+        return tuple(DrafterStats(name, *t) for name, t in self._tally.items())
+
+
+def auto_candidates(has_head: bool, has_store: bool) -> tuple[list[str], list[Candidate]]:
+    """Pure: the drafters (specs; `eagle` is `ChainsOf` the `eagle2` proposer) and the
+    candidates of `auto` for a model with a shipped head and/or answer store."""
+    specs = ["ngram"] + (["retrieval"] if has_store else []) + \
+        (["eagle2", "eagle"] if has_head else [])
+    ix = {s: i for i, s in enumerate(specs)}
+    cands = [Candidate(PLAIN), Candidate("ngram", (ix["ngram"],), free=True)]
+    if has_store:
+        cands += [Candidate("retrieval", (ix["retrieval"],), free=True),
+                  Candidate("retrieval+ngram", (ix["retrieval"], ix["ngram"]), free=True)]
+    if has_head:
+        cands += [Candidate("eagle", (ix["eagle"],)), Candidate("eagle2", (ix["eagle2"],))]
+        if has_store:
+            rn = (ix["retrieval"], ix["ngram"])
+            # (chains beside the lookups measured below both alone, issue 44: not a candidate)
+            cands += [Candidate("eagle2+retrieval+ngram", (ix["eagle2"], *rn))]
+    return specs, cands
+
+
+def auto_spec(lm) -> str:
+    """What `auto` drafts with for this verifier: AUTO_NAME (the chooser, a tree of drafters)
+    where its blocks can be verified as token trees; else the record's winner, as before (a
+    model without tree attention verifies each branch on its own, and cannot sample trees)."""
+    from macfleet.engine.proposers.choice import resolve_proposer
+    from macfleet.engine.tree_verify import supports_tree_attention
+
+    if supports_tree_attention(lm.model):
+        return AUTO_NAME
+    return resolve_proposer(AUTO_NAME, lm.spec)[0]
+
+
+def make_auto_group(lm, draft_tokens: int | str = "auto",
+                    prior: Mapping[str, float] | None = None) -> ChoosingGroup:
+    """`auto` for this verifier: every drafter it has here, chosen block by block; prior:
+    speedups over plain by candidate (default: this machine's or the shipped bench record)."""
+    from macfleet.engine.proposers.choice import auto_prior
+    from macfleet.engine.proposers.factory import ProposerSpecError, make_proposer
+    from macfleet.engine.proposers.shipped import default_head_path, default_store_path
+
+    def build(spec: str) -> Proposer | None:
+        try:
+            return make_proposer(spec, lm)
+        except ProposerSpecError:
+            return None
+
+    head = default_head_path(lm.spec)
+    store = default_store_path(lm.spec)
+    tree = build("eagle2") if head is not None and head.is_file() else None
+    ret = build("retrieval") if store is not None else None
+    specs, cands = auto_candidates(tree is not None, ret is not None)
+    made = {"ngram": build("ngram"), "retrieval": ret, "eagle2": tree,
+            "eagle": ChainsOf(tree) if tree is not None else None}
+    return ChoosingGroup([made[s] for s in specs], cands, draft_tokens=draft_tokens,
+                         prior=auto_prior(lm.spec) if prior is None else prior)

@@ -1,0 +1,161 @@
+"""The drafter chosen while it runs (engine/chooser.py, issue 44): pure decisions on fake
+costs. Each test would fail on a wrong choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from macfleet.engine.chooser import (MAX_INTERVAL, MIN_INTERVAL, PLAIN, Candidate, Chooser,
+                                     tree_depth, tree_match)
+from macfleet.engine.choosing import auto_candidates
+from macfleet.engine.proposers.choice import prior_from
+from macfleet.engine.tree_budget import VerifyCurve
+from macfleet.stats import BEST, EXPLORE, PRIOR
+
+# a CPU-like verify(L): steep (a tree of 24 costs 3x a step)
+STEEP = {1: 40.0, 2: 44.0, 4: 52.0, 8: 68.0, 16: 100.0, 25: 120.0}
+# a Mac-like one: flat
+FLAT = {1: 40.0, 2: 40.5, 4: 41.0, 8: 42.0, 16: 44.0, 25: 46.0}
+
+CANDS = (Candidate(PLAIN), Candidate("ngram", (0,), free=True),
+         Candidate("eagle", (1,)), Candidate("eagle2", (2,)))
+
+
+def chooser(table=STEEP, prior=None, cands=CANDS) -> Chooser:
+    curve = VerifyCurve()
+    curve.seed(table)
+    return Chooser(cands, curve=curve, prior=prior or {})
+
+
+def feed(c: Chooser, outcome: dict, blocks: int, verify: dict) -> list:
+    """Run `blocks` blocks: each choice's fake outcome (accepted, verified, draft_ms), verify
+    ms from the table `verify` (the machine); ngram scored from the text every block."""
+    machine = VerifyCurve()
+    machine.seed(verify)
+    picked = []
+    for _ in range(blocks):
+        ch = c.choose()
+        picked.append(ch)
+        acc, L, dms = outcome[ch.drafter]
+        c.observe(ch.drafter, acc, L, dms, machine.cost(L))
+        if ch.drafter != "ngram" and "ngram" in outcome and any(
+                x.name == "ngram" for x in c.candidates):
+            c.shadow("ngram", *outcome["ngram"])
+    return picked
+
+
+def test_the_prior_drafts_first_then_its_own_blocks_decide():
+    c = chooser(prior={"eagle": 1.15})
+    first = c.choose()
+    assert (first.drafter, first.why) == ("eagle", PRIOR)
+    assert first.expected_tok_s == pytest.approx(1.15 * 1000 / 40.0)
+
+
+def test_trees_win_on_a_flat_curve_chains_on_a_steep_one():
+    # eagle2: 2.0 accepted of a 25-token tree, 6 ms drafting; eagle: 1.0 of a 4-chain, 4 ms
+    out = {"ngram": (0, 1, 0.1), "eagle": (1, 4, 4.0), "eagle2": (2, 25, 6.0), PLAIN: (0, 1, 0)}
+    flat = feed(chooser(FLAT), out, 80, FLAT)
+    steep = feed(chooser(STEEP), out, 80, STEEP)
+    # eagle2 on flat: 3/(6+46) = 0.058 tok/ms; eagle 2/(4+52)=0.036 (steep) vs 2/45 (flat)
+    assert [p.drafter for p in flat[-20:] if p.why == BEST] == ["eagle2"] * sum(
+        p.why == BEST for p in flat[-20:])
+    # steep: eagle2 3/126 = 0.024 < plain 0.025 < eagle 2/56 = 0.036
+    assert all(p.drafter == "eagle" for p in steep[-20:] if p.why == BEST)
+    assert sum(p.why == BEST for p in steep[-20:]) >= 17
+
+
+def test_plain_decoding_when_no_drafter_pays():
+    out = {"ngram": (0, 1, 0.2), "eagle": (0, 4, 4.0), "eagle2": (0, 25, 6.0), PLAIN: (0, 1, 0)}
+    picked = feed(chooser(), out, 200, STEEP)
+    best = [p.drafter for p in picked if p.why == BEST]
+    assert set(best) == {PLAIN}
+    # exploring the two losers is bounded: intervals double (8, 16, .. MAX_INTERVAL blocks),
+    # four tries each in 200 blocks, 4% of them
+    explored = [p for p in picked if p.why == EXPLORE]
+    assert len(explored) == 8 and {p.drafter for p in explored} == {"eagle", "eagle2"}
+    assert not any(p.why == EXPLORE for p in picked[120:]) and MAX_INTERVAL >= 80
+
+
+def test_a_free_drafter_is_scored_from_the_text_and_never_explored():
+    out = {"ngram": (3, 6, 0.2), "eagle": (0, 4, 4.0), "eagle2": (0, 25, 6.0), PLAIN: (0, 1, 0)}
+    c = chooser()
+    c.shadow("ngram", 3, 6, 0.2)  # before any of its blocks was verified
+    assert c.choose().drafter == "ngram"
+    picked = feed(c, out, 50, STEEP)
+    assert not any(p.drafter == "ngram" and p.why == EXPLORE for p in picked)
+    assert sum(p.drafter == "ngram" for p in picked) >= 40
+
+
+def test_a_drafter_that_starts_to_pay_is_noticed():
+    bad = {"ngram": (0, 1, 0.2), "eagle": (0, 4, 4.0), "eagle2": (0, 25, 6.0), PLAIN: (0, 1, 0)}
+    c = chooser()
+    feed(c, bad, 60, STEEP)
+    good = dict(bad, eagle=(4, 5, 5.0))  # a repetitive stretch: eagle's chains all accepted
+    picked = feed(c, good, MAX_INTERVAL + 20, STEEP)
+    assert [p.drafter for p in picked[-10:]] == ["eagle"] * 10
+
+
+def test_a_lost_try_doubles_the_wait():
+    out = {"ngram": (0, 1, 0.2), "eagle": (0, 4, 4.0), "eagle2": (0, 25, 6.0), PLAIN: (0, 1, 0)}
+    c = chooser(cands=(Candidate(PLAIN), Candidate("eagle", (0,))))
+    tries = [i for i, p in enumerate(feed(c, out, 200, STEEP)) if p.why == EXPLORE]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert tries[0] == 1
+    assert gaps[:3] == [2 * MIN_INTERVAL + 1, 4 * MIN_INTERVAL + 1, 8 * MIN_INTERVAL + 1]
+
+
+def test_untried_candidates_are_staggered_not_all_at_once():
+    c = chooser()
+    out = {"ngram": (0, 1, 0.2), "eagle": (0, 4, 4.0), "eagle2": (0, 25, 6.0), PLAIN: (0, 1, 0)}
+    picked = feed(c, out, 6, STEEP)
+    assert [(i, p.drafter) for i, p in enumerate(picked) if p.why == EXPLORE] == [
+        (1, "eagle"), (3, "eagle2")]
+
+
+def test_a_first_blocks_warm_up_is_not_its_cost():
+    c = chooser(cands=(Candidate(PLAIN), Candidate("eagle", (0,))))
+    c.observe("eagle", 2, 4, 500.0, 52.0)  # the first draft paid the head's warm-up
+    assert c.rate("eagle") < c.rate(PLAIN)
+    c.observe("eagle", 2, 4, 4.0, 52.0)
+    assert c.rate("eagle") == pytest.approx(3 / (4.0 + 52.0))
+
+
+def test_verify_cost_follows_the_machine_for_every_candidate():
+    c = chooser(FLAT, cands=(Candidate(PLAIN), Candidate("eagle2", (0,))))
+    c.observe("eagle2", 2, 25, 6.0, 46.0)
+    before = c.rate("eagle2")
+    for _ in range(20):  # the machine got loaded: long blocks cost 3x (plain's blocks tell)
+        c.curve.observe(25, 140.0)
+    assert c.rate("eagle2") < before / 2
+
+
+def test_candidates_need_plain_once():
+    with pytest.raises(ValueError):
+        Chooser((Candidate("ngram", (0,), free=True),))
+    with pytest.raises(ValueError):
+        Chooser((Candidate(PLAIN), Candidate(PLAIN)))
+
+
+def test_tree_match_is_the_greedy_acceptance_of_a_draft():
+    assert tree_match((5, 6, 7), None, [5, 6, 9, 1]) == 2
+    assert tree_match((5, 6, 7), None, [5, 6]) == 2  # censored: the text stops there
+    # a tree: 5 -> (6 | 8 -> 9)
+    toks, par = (5, 6, 8, 9), (-1, 0, 0, 2)
+    assert tree_match(toks, par, [5, 8, 9, 4]) == 3
+    assert tree_match(toks, par, [4]) == 0
+    assert tree_depth(par, 4) == 3 and tree_depth(None, 3) == 3
+
+
+def test_auto_candidates_and_the_prior():
+    specs, cands = auto_candidates(has_head=True, has_store=True)
+    assert specs == ["ngram", "retrieval", "eagle2", "eagle"]
+    free = {c.name for c in cands if c.free}
+    assert free == {"ngram", "retrieval", "retrieval+ngram"}
+    by = {c.name: tuple(specs[j] for j in c.members) for c in cands}
+    assert by["eagle2+retrieval+ngram"] == ("eagle2", "retrieval", "ngram")
+    assert by[PLAIN] == ()
+    assert [c.name for c in auto_candidates(False, False)[1]] == [PLAIN, "ngram"]
+    assert prior_from({"bench": {"best": "eagle", "speedup": 1.15}}) == {"eagle": 1.15}
+    assert prior_from({"bench": {"best": "eagle", "speedup": 1.1}},
+                      {"best": "eagle2", "speedup": 1.3}) == {"eagle2": 1.3}
+    assert prior_from(None) == {}

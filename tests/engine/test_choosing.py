@@ -1,0 +1,141 @@
+"""`--proposer auto` in one process (engine/choosing.py, issue 44): the group that drafts each
+block with the chooser's candidate, on real tiny models (and one slow run on smollm2).
+
+Token ids: "greedy margin" (tests/tolerance.py) against mlx-lm's one-token forwards, as every
+tree-loop test; "same path" between `auto` and plain decoding through the tree loop."""
+
+from __future__ import annotations
+
+import pytest
+from engine_testkit import finished, mlx_lm_greedy
+
+from macfleet.engine.chooser import PLAIN, Candidate
+from macfleet.engine.choosing import SHADOW_K, ChoosingGroup, make_auto_group
+from macfleet.engine.events import BlockDone, Finished
+from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.text import generate_local
+from macfleet.engine.tree_loop import tree_generate
+from macfleet.engine.verifier import Verifier
+from macfleet.stats import BEST, EXPLORE
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+N = 48
+
+
+class Scripted(Proposer):
+    """Drafts the reference answer (`right`) or a wrong token; records its outcomes."""
+
+    def __init__(self, name: str, ref: list[int], right: bool, host: bool = False) -> None:
+        self.name, self.ref, self.right, self.host_side = name, ref, right, host
+        self.observed: list[tuple[int, int]] = []
+        self.asked = 0
+
+    def propose(self, context, k, with_guess=False) -> Draft:
+        self.asked += 1
+        at = len(context) - len(PROMPT)
+        toks = self.ref[at:at + k] if self.right else [(t + 1) % 64 for t in
+                                                        self.ref[at:at + k]]
+        return Draft(tuple(toks), draft_ms=0.1)
+
+    def observe(self, drafted, accepted, verify_ms, verified=None) -> None:
+        self.observed.append((drafted, accepted))
+
+
+@pytest.fixture(scope="module")
+def ref_ids(tiny) -> list[int]:
+    return mlx_lm_greedy(tiny.model, PROMPT, N)
+
+
+def _run(tiny, group):
+    evs = list(tree_generate(Verifier(tiny.model), group, PROMPT, max_tokens=N))
+    return [e for e in evs if isinstance(e, BlockDone)], evs[-1]
+
+
+def test_the_right_drafter_wins_and_the_answer_is_plain_decodings(tiny, ref_ids):
+    good, bad = Scripted("good", ref_ids, True), Scripted("bad", ref_ids, False)
+    group = ChoosingGroup([bad, good], [Candidate(PLAIN), Candidate("bad", (0,)),
+                                        Candidate("good", (1,))], draft_tokens=4)
+    done, fin = _run(tiny, group)
+    assert isinstance(fin, Finished) and list(fin.token_ids) == ref_ids
+    st = fin.stats
+    assert st.proposer == "auto" and len(st.choices) == st.blocks == len(done)
+    assert [(d.drafter, d.why) for d in done] == [(c.drafter, c.why) for c in st.choices]
+    by = {d.name: d for d in st.drafters}
+    assert sum(d.blocks for d in st.drafters) == st.blocks
+    assert by["good"].blocks > by["bad"].blocks + by[PLAIN].blocks
+    assert all(d.drafter == "good" for d in done if d.why == BEST and d.block > 4)
+    # the bad drafter was explored (a bounded number of blocks) and learnt only from those
+    assert 1 <= by["bad"].explored == by["bad"].blocks <= 2
+    assert len(bad.observed) == by["bad"].blocks and all(a == 0 for _, a in bad.observed)
+    assert all(a == d for d, a in good.observed)
+
+
+def test_a_free_drafter_is_scored_from_the_text_without_being_tried(tiny, ref_ids):
+    """A free drafter right about the text is chosen on its shadow scores: never explored,
+    its first block already `best`; the wrong non-free one is explored."""
+    free, bad = Scripted("free", ref_ids, True, host=True), Scripted("bad", ref_ids, False)
+    group = ChoosingGroup([free, bad], [Candidate(PLAIN), Candidate("free", (0,), free=True),
+                                        Candidate("bad", (1,))], draft_tokens=4)
+    done, fin = _run(tiny, group)
+    assert list(fin.token_ids) == ref_ids
+    mine = [d for d in done if d.drafter == "free"]
+    assert mine and all(d.why == BEST for d in mine)
+    # its first draft is scored once the text passed it: SHADOW_K + 1 plain blocks later
+    assert done[0].drafter == PLAIN and mine[0].block <= SHADOW_K + 3
+    assert free.asked > len(mine)  # drafted for its score while not chosen
+    assert len(free.observed) == len(mine)  # but learnt only from its own blocks
+    assert any(d.drafter == "bad" and d.why == EXPLORE for d in done)
+
+
+def test_auto_is_plain_decoding_on_a_tiny_model(tiny):
+    """generate_local(proposer="auto"): no head nor store for a tiny model, so plain decoding
+    and n-gram lookup; the same ids as plain decoding, the choices in the stats."""
+    text = "the cat the cat the cat"
+    plain = finished(generate_local(tiny, text, chat=False, proposer="none", max_tokens=N))
+    auto = finished(generate_local(tiny, text, chat=False, proposer="auto", max_tokens=N))
+    assert auto.token_ids == plain.token_ids
+    assert {d.name for d in auto.stats.drafters} == {PLAIN, "ngram"}
+    assert auto.stats.to_dict()["choices"][0]["why"] in ("best", "prior", "explore")
+    assert make_auto_group(tiny, prior={}).prior == {}
+
+
+@pytest.mark.slow
+def test_auto_on_smollm2_commits_what_plain_decoding_does(smollm2):
+    """Every drafter of the shipped model (head: chains and trees; answer store; n-gram)
+    chosen block by block: the answer is plain decoding's, and more than one candidate
+    drafted (the untried ones are explored early)."""
+    text = "Write a Python function that returns the factorial of n."
+    plain = finished(generate_local(smollm2, text, proposer="none", max_tokens=N))
+    auto = finished(generate_local(smollm2, text, proposer="auto", max_tokens=N))
+    assert auto.token_ids == plain.token_ids
+    used = {d.name for d in auto.stats.drafters if d.blocks}
+    assert len(used) >= 2 and {"eagle", "eagle2"} & used
+
+
+def test_without_tree_attention_auto_is_the_records_drafter(tiny, monkeypatch):
+    """A verifier whose blocks cannot be verified as token trees drafts with the record's
+    winner (n-gram without one): sampling still runs (the tree loop could not sample)."""
+    from macfleet.engine import tree_verify
+    from macfleet.engine.choosing import auto_spec
+    from macfleet.engine.sampling import SamplingParams
+
+    assert auto_spec(tiny) == "auto"
+    monkeypatch.setattr(tree_verify, "supports_tree_attention", lambda model: False)
+    assert auto_spec(tiny) == "ngram"
+    fin = finished(generate_local(tiny, "a b a b", chat=False, proposer="auto", max_tokens=8,
+                                  params=SamplingParams(0.8, seed=1)))
+    assert fin.stats.proposer.startswith("ngram") and len(fin.token_ids) == 8
+
+
+def test_sampled_auto_draws_what_plain_sampling_draws(tiny):
+    """Draws keyed by the seed and each token's position (exact-match drafts, n-gram's):
+    whichever candidate drafts, the same tokens as plain sampling with the same seed."""
+    from macfleet.engine.sampling import SamplingParams
+
+    p = SamplingParams(0.8, seed=5)
+    text = "the cat the cat the cat"
+    plain = finished(generate_local(tiny, text, chat=False, proposer="none", max_tokens=N,
+                                    params=p))
+    auto = finished(generate_local(tiny, text, chat=False, proposer="auto", max_tokens=N,
+                                   params=p))
+    assert auto.token_ids == plain.token_ids
