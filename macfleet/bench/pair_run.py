@@ -208,11 +208,76 @@ def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
             local.down(Path(tmp) / "run")
 
 
+# --- the two agents' cores share one memory bus here (two Macs do not) -------------------------
+
+
+def _busy_verifier(verifier_dir: str, seconds: float) -> None:
+    """Verify blocks of 3 tokens, one after another, for `seconds` (after a "ready" line)."""
+    from macfleet.engine.models import load_model
+    from macfleet.engine.verifier import Verifier
+
+    import mlx.core as mx
+
+    lm = load_model(verifier_dir)
+    _measure_costs(lm.model, lm.model, reps=0)  # paged in
+    v = Verifier(lm.model)
+    v.prefill([(7 * i + 3) % lm.vocab_size for i in range(96)])
+    base = v.offset
+    print("ready", flush=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        mx.eval(v.forward([5, 6, 7]))
+        v.rollback(v.offset - base)
+
+
+def draft_beside_verifier(verifier_dir: str, reps: int = 8, busy_core: int = 0) -> dict:
+    """One draft-model token (ms, fastest of reps, as `_measure_costs`) on this process's core,
+    alone and while the verifier verifies on `busy_core`: on one box the two agents share the
+    memory bus, so each one's bandwidth-bound forward is slower beside the other than alone."""
+    from macfleet.engine.models import load_model
+    from macfleet.engine.verify_costs import probe_verify_costs
+
+    draft = load_model(DRAFT_SPEC)
+    _measure_costs(draft.model, draft.model, reps=0)
+    alone = probe_verify_costs(draft.model, (1,), 96, reps)[1]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    busy = subprocess.Popen(
+        [sys.executable, "-m", "macfleet.bench.pair_run",
+         json.dumps({"mode": "busy", "dir": verifier_dir, "core": busy_core, "seconds": 600})],
+        env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        if busy.stdout.readline().strip() != "ready":
+            raise RuntimeError("the busy verifier did not start")
+        beside = probe_verify_costs(draft.model, (1,), 96, reps)[1]
+    finally:
+        busy.kill()
+        busy.wait(30)
+    return {"alone": alone, "beside_verifier": beside}
+
+
+def run_contention(verifier_dir: str, core: int = 1, busy_core: int = 0) -> dict:
+    """`draft_beside_verifier` in a child pinned to `core` (one BLAS thread)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    args = json.dumps({"mode": "contention", "dir": verifier_dir, "core": core,
+                       "busy_core": busy_core})
+    out = subprocess.run([sys.executable, "-m", "macfleet.bench.pair_run", args], env=env,
+                         capture_output=True, text=True, timeout=_WORKER_TIMEOUT_S)
+    if out.returncode != 0:
+        raise RuntimeError(f"pair contention worker failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main(argv: Sequence[str]) -> None:
     a = json.loads(argv[0])
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {a["core"]})
-    print(json.dumps(one_process(a["dir"], a["prompts"], a["tokens"], a["k"], a["plain"])))
+    mode = a.get("mode", "one")
+    if mode == "busy":
+        _busy_verifier(a["dir"], a["seconds"])
+    elif mode == "contention":
+        print(json.dumps(draft_beside_verifier(a["dir"], busy_core=a["busy_core"])))
+    else:
+        print(json.dumps(one_process(a["dir"], a["prompts"], a["tokens"], a["k"], a["plain"])))
 
 
 if __name__ == "__main__":

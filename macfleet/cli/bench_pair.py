@@ -34,8 +34,9 @@ def add_bench_parsers(bs) -> None:
                    help="the dial record (default: OUT/pair_dial.json)")
     p.add_argument("--skip", default="", help="parts to skip: one (the one-process runs), "
                    "plain (the one-process plain runs, mlx-lm's and macfleet's: two agents are "
-                   "then compared with the verifier agent alone only), two (the agents) "
-                   "(default: none)")
+                   "then compared with the verifier agent alone only), two (the agents), "
+                   "contention (the draft model's token alone and beside the verifier "
+                   "verifying on the other core) (default: none)")
     p.set_defaults(func=run)
 
 
@@ -73,7 +74,7 @@ def _settings(args) -> list[tuple[int, float, dict]]:
 def run(args) -> int:
     from macfleet.bench.pair import PAIR_PROMPTS, summarize, with_alone, with_plain
     from macfleet.bench.pair_model import build_pair_verifier
-    from macfleet.bench.pair_run import run_pinned, two_agents
+    from macfleet.bench.pair_run import run_contention, run_pinned, two_agents
     from macfleet.bench.record import write_result
 
     prompts = PAIR_PROMPTS[: max(1, min(args.prompts, len(PAIR_PROMPTS)))]
@@ -81,6 +82,7 @@ def run(args) -> int:
     rows = []
     plain_of: dict[int, dict] = {}  # width -> its plain runs by prompt (shapes, not weights)
     alone_of: dict[int, dict] = {}  # width -> its verifier-agent-alone runs by prompt (same)
+    beside: dict[int, dict] = {}  # width -> the draft token alone and beside the verifier
     for width, target, dial in _settings(args):
         _log(f"width {width}, acceptance ~{target}: building the verifier")
         vdir = str(build_pair_verifier(width, dial["extra_layers"], dial["eps"], dial["seed"]))
@@ -101,8 +103,12 @@ def run(args) -> int:
             if width not in alone_of:
                 alone_of[width] = {r["prompt"]: r["agent_alone"] for r in two["runs"]}
             two = with_alone(two, alone_of[width])
+        if two is not None and "contention" not in skip and width not in beside:
+            beside[width] = run_contention(vdir)
         rows.append(summarize(width=width, target=target, dial=dial, k=args.draft_tokens,
                               one=one, two=two))
+        if width in beside:  # where the two agents share one memory bus (this box)
+            rows[-1]["draft_ms_contention"] = beside[width]
         rows[-1].update(command=command_line(), tokens=args.max_tokens, prompts=len(prompts))
         _print_row(rows[-1])
         path = write_result("pair.json", {"prompts": list(prompts), "tokens": args.max_tokens,
@@ -148,7 +154,11 @@ def _print_row(r: dict) -> None:
             print(f"  a block: {a['block_ms']:.0f} ms = verify {a['verify_ms_per_block']:.0f} + "
                   f"wait {a['wait_ms']:.0f} + loop {loop:.0f}"
                   f"; {a['mean_accepted'] + 1:.2f} tokens; the agent drafts a token in "
-                  f"{a.get('agent_token_ms', 0):.0f} ms (alone: {r['draft_ms']:.0f})")
+                  f"{a.get('agent_token_ms', 0):.0f} ms (alone: {r.get('draft_ms', 0):.0f})")
+    if r.get("draft_ms_contention"):
+        c = r["draft_ms_contention"]
+        print(f"  one draft token: {c['alone']:.0f} ms alone, {c['beside_verifier']:.0f} ms "
+              "while the verifier verifies on the other core (one memory bus)")
 
 
 def _plot(rows: list[dict], out: Path) -> Path | None:
