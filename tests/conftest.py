@@ -14,6 +14,9 @@ os.environ.setdefault("MACFLEET_CACHE", tempfile.mkdtemp(prefix="macfleet-test-c
 # Fleet keys and run directories (`macfleet up` without --key): one per process, so two xdist
 # workers never share a fleet.key or a run/ state file, and no test touches ~/.macfleet.
 os.environ["MACFLEET_HOME"] = tempfile.mkdtemp(prefix="macfleet-test-home-")
+# litellm (tests/serve/test_clients.py) fetches a price list from the internet at import and
+# retries with sleeps when offline: its bundled copy serves.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -22,6 +25,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "pass of .ci/test), or only them (only: its pass alone)")
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselected: the count is of what would run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mode = config.getoption("--serial")
     if mode == "all":
