@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers.eagle.features import extract_features
@@ -17,14 +17,19 @@ SPEC = "tiny:1:16"
 
 
 def _greedy_text(lm, n_seqs: int, length: int, seed: int = 0) -> list[tuple[list[int], bool]]:
+    """`n_seqs` random 8-token prompts, each followed by `length` greedy tokens of `lm`, decoded
+    as one batch (the same ids as mlx-lm's generate_step one sequence at a time, checked when
+    this replaced it: 40 x 120 tokens in 3 s instead of 15 s, the fast lane's slowest set-up)."""
     rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n_seqs):
-        ids = rng.integers(0, lm.vocab_size, 8).tolist()
-        gen = [int(t) for t, _ in generate_step(mx.array(ids, dtype=mx.uint32), lm.model,
-                                                 max_tokens=length)]
-        out.append((ids + gen, True))
-    return out
+    prompts = [rng.integers(0, lm.vocab_size, 8).tolist() for _ in range(n_seqs)]
+    cache = make_prompt_cache(lm.model)
+    logits = lm.model(mx.array(prompts, dtype=mx.uint32), cache=cache)[:, -1]
+    gen = []
+    for _ in range(length):
+        gen.append(mx.argmax(logits, axis=-1))
+        logits = lm.model(gen[-1][:, None], cache=cache)[:, -1]
+    rows = np.array(mx.stack(gen, axis=1)).tolist()
+    return [(p + g, True) for p, g in zip(prompts, rows)]
 
 
 def _head(lm, chunks, seed: int = 0) -> EagleHead:

@@ -4,11 +4,14 @@ tags (agents' and clients') drops a replayed card before it can displace the gen
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import replace
 
-from bridge import peers
+import pytest
+
+from bridge import discovery, peers
 from bridge.auth import fleet_id
 from bridge.card import AgentCard
 from bridge.discovery import LOOPBACK_ONLY, Advertiser, Browser
@@ -35,14 +38,31 @@ def test_a_tag_holds_for_its_life_and_the_clock_skew_only():
     assert not peers.signed(replace(c, router_port=6000), KEY, now=now)  # another port
 
 
+class Clock:
+    """The time module with its wall clock moved forward by `ahead` seconds: the tag's life
+    passes without the test sleeping through it (stamps and re-sign ages read time.time())."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def time(self) -> float:
+        return time.time() + self.ahead
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
 def test_an_advertiser_re_signs_before_its_tag_goes_stale(monkeypatch):
-    monkeypatch.setattr(peers, "DEFAULT_CARD_MAX_AGE_S", 12.0)  # re-signed after 4 s
-    monkeypatch.setattr(peers, "DEFAULT_CLOCK_SKEW_S", 0.0)
+    clock = Clock()
+    monkeypatch.setattr(discovery, "time", clock)
+    monkeypatch.setattr(peers, "time", clock)
     adv = Advertiser(card(f"fresh-{RUN}"), interfaces=LOOPBACK_ONLY, key=KEY)
     try:
         first = peers.stamp_of(adv.card)
         assert not adv.update(adv.card)  # nothing changed, the tag is young: no re-announce
-        time.sleep(max(0.0, first + 4.05 - time.time()))  # a third of its life
+        clock.ahead = first + peers.resign_after_s() - 0.5 - time.time()
+        assert not adv.update(adv.card)  # just short of a third of its life
+        clock.ahead += 0.55  # a third of its life
         assert adv.update(adv.card) and peers.stamp_of(adv.card) > first
         assert peers.signed(adv.card, KEY)
     finally:
@@ -51,14 +71,24 @@ def test_an_advertiser_re_signs_before_its_tag_goes_stale(monkeypatch):
 
 def test_a_checking_browser_drops_a_replayed_card_and_keeps_the_member():
     genuine = card(f"member-{RUN}", port=41000)
-    with Browser(fleet_id=fleet_id(KEY), interfaces=LOOPBACK_ONLY,
-                 accept=lambda c: peers.signed(c, KEY)) as b, \
+    decided = threading.Event()
+
+    def accept(c: AgentCard) -> bool:
+        ok = peers.signed(c, KEY)
+        if c.router_port == 41999:
+            decided.set()
+        return ok
+
+    with Browser(fleet_id=fleet_id(KEY), interfaces=LOOPBACK_ONLY, accept=accept) as b, \
             Advertiser(genuine, interfaces=LOOPBACK_ONLY, key=KEY) as adv:
         b.wait_for(lambda cs: any(c.node_id == genuine.node_id for c in cs), 10)
         # the member's card with its real tag, at another port, under the same node id
         with Advertiser(replace(adv.card, name="replayed", router_port=41999),
                         interfaces=LOOPBACK_ONLY):
-            time.sleep(2.0)  # announced and resolved (or dropped) by now
+            assert decided.wait(10), "the browser never resolved the replayed card"
+            # accepted, it would be in the roster as soon as `accept` returned (same task)
+            with pytest.raises(TimeoutError):
+                b.wait_for(lambda cs: any(c.router_port == 41999 for c in cs), 0.5)
             cards = [c for c in b.cards() if c.node_id == genuine.node_id]
             assert [c.router_port for c in cards] == [41000], cards
 

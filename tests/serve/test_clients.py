@@ -7,6 +7,7 @@ tools. Every call returns a valid object or a clear 400, and no tool-call markup
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -16,14 +17,13 @@ from pathlib import Path
 
 import pytest
 
-try:
-    import instructor
-    import langchain_openai
-    import litellm
-    import openai
-except ImportError as e:  # the extra is what CI installs (.ci/setup)
-    pytest.skip(f"the 'clients' extra is not installed (no {e.name}): pip install -e "
-                "'.[clients]'", allow_module_level=True)
+# the extra is what CI installs (.ci/setup). Each test imports its library: importing all four
+# here would cost every collecting process seconds (litellm alone ~3 s), the fast lane included,
+# which deselects this slow module only after collecting it.
+for _name in ("instructor", "langchain_openai", "litellm", "openai"):
+    if importlib.util.find_spec(_name) is None:
+        pytest.skip(f"the 'clients' extra is not installed (no {_name}): pip install -e "
+                    "'.[clients]'", allow_module_level=True)
 from pydantic import BaseModel
 from serve_testkit import Server, start_server, stop_server
 
@@ -74,8 +74,7 @@ def _down(home: Path) -> None:
 
 @pytest.fixture(scope="module", params=["serve --local", "up --serve"])
 def server(request, tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no fetch at import
+    mp = pytest.MonkeyPatch()  # LITELLM_LOCAL_MODEL_COST_MAP: tests/conftest.py
     if request.param == "serve --local":
         import serve_testkit
 
@@ -99,7 +98,9 @@ def server(request, tmp_path_factory):
         mp.undo()
 
 
-def _openai(s: Server) -> openai.OpenAI:
+def _openai(s: Server):
+    import openai
+
     return openai.OpenAI(base_url=s.v1, api_key=KEY, max_retries=0, timeout=START_S)
 
 
@@ -108,6 +109,8 @@ def _clean(text: str | None) -> None:
 
 
 def test_openai_parse_returns_the_model_and_a_bad_strict_schema_is_a_clear_400(server):
+    import openai
+
     c = _openai(server)
     r = c.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": USER_Q}],
                                  response_format=User, max_tokens=40, temperature=0)
@@ -142,6 +145,8 @@ def test_openai_required_call_cut_by_max_tokens_is_length_without_markup(server,
 
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
 def test_instructor_returns_the_model(server, mode):
+    import instructor
+
     ic = instructor.from_openai(_openai(server), mode=getattr(instructor.Mode, mode))
     user = ic.chat.completions.create(model="smollm2", response_model=User, max_tokens=100,
                                       max_retries=0, temperature=0,
@@ -150,6 +155,7 @@ def test_instructor_returns_the_model(server, mode):
 
 
 def test_langchain_bind_tools_required_and_named_and_structured_output(server):
+    import langchain_openai
     from langchain_core.tools import tool
 
     @tool
@@ -169,9 +175,29 @@ def test_langchain_bind_tools_required_and_named_and_structured_output(server):
 
 
 def test_litellm_tools(server):
+    import litellm
+
     r = litellm.completion(model="openai/smollm2", api_base=server.v1, api_key=KEY,
                            messages=[{"role": "user", "content": WEATHER_Q}], tools=[WEATHER],
                            tool_choice="required", max_tokens=40, temperature=0)
     msg = r.choices[0].message
     _clean(msg.content)
     assert [t.function.name for t in msg.tool_calls] == ["get_weather"]
+
+
+def test_a_named_tool_call_is_the_one_constrained_plain_decoding_gives(server):
+    """Tool grammars travel as any grammar does (protocol 4's grammar fields): behind
+    `up --serve` the fleet's verifier agent masks its batch rows. A named call through either
+    backend is the one constrained plain decoding of the same request gives in this process
+    (greedy), with schema-valid arguments. Was test_tool_grammar.py's
+    test_enforced_tool_calls_through_a_fleet_equal_serve_local, which started a fleet of its own
+    and two servers for it (74 s); `serve --local` equals the same reference there."""
+    from test_tool_grammar import NAMED, QUESTION, TOOLS, _valid, plain_tool_calls
+
+    r = _openai(server).chat.completions.create(
+        model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice=NAMED,
+        parallel_tool_calls=False, temperature=0, max_tokens=80).choices[0]
+    got = [(x.function.name, x.function.arguments) for x in r.message.tool_calls or []]
+    assert r.finish_reason == "tool_calls" and len(got) == 1, r
+    _valid(got, ("get_time",))
+    assert got == plain_tool_calls(NAMED, parallel_tool_calls=False)[1]

@@ -207,19 +207,27 @@ def test_required_and_named_tool_choice_always_call_with_schema_valid_arguments(
     arguments, or ran on to max_tokens with no call at all."""
     _, c = smollm2
     off_topic = [{"role": "user", "content": "What is 2+2?"}]
-    for choice, names in (("required", tuple(SCHEMAS)), (NAMED, ("get_time",))):
-        for messages in (QUESTION, off_topic):
-            finish, calls = _ask(c, choice, messages=messages)
+    cases = [(choice, names, messages)
+             for choice, names in (("required", tuple(SCHEMAS)), (NAMED, ("get_time",)))
+             for messages in (QUESTION, off_topic)]
+    # all at once: the server decodes them in one batch (greedy answers do not depend on the
+    # batch: test_scheduler.py), a quarter of the time of one request after another
+    with cf.ThreadPoolExecutor(2 * len(cases) + 1) as ex:
+        plain = [ex.submit(_ask, c, choice, messages=messages) for choice, _, messages in cases]
+        streamed = [ex.submit(_ask, c, choice, stream=True, messages=messages)
+                    for choice, _, messages in cases]
+        one = ex.submit(c.chat.completions.create, model="smollm2", messages=QUESTION,
+                        tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                        temperature=0, max_tokens=80)
+        for (choice, names, _), p, st in zip(cases, plain, streamed):
+            finish, calls = p.result()
             # "required" allows more calls, which smollm2 repeats to max_tokens: the complete
             # ones are returned and finish_reason says the budget ran out (issue 43)
             assert finish == "tool_calls" or (choice == "required" and finish == "length"), calls
             _valid(calls, names)
-            # streamed deltas assemble to the same calls
-            assert _ask(c, choice, stream=True, messages=messages) == (finish, calls)
+            assert st.result() == (finish, calls)  # streamed deltas assemble to the same calls
+        r = one.result().choices[0]
     # one call and nothing else (a small model repeats calls when several are allowed)
-    r = c.chat.completions.create(model="smollm2", messages=QUESTION, tools=TOOLS,
-                                  tool_choice="required", parallel_tool_calls=False,
-                                  temperature=0, max_tokens=80).choices[0]
     assert r.finish_reason == "tool_calls" and r.message.content is None
     assert len(r.message.tool_calls) == 1
 
@@ -230,10 +238,12 @@ def test_auto_with_response_format_answers_to_the_schema_or_calls(smollm2):
 
     _, c = smollm2
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
-    for q in ("Will it rain in Paris this week?", "Say hello to me."):
-        r = c.chat.completions.create(model="smollm2", tools=TOOLS, response_format=fmt,
-                                      messages=[{"role": "user", "content": q}],
-                                      temperature=0, max_tokens=80).choices[0]
+    qs = ("Will it rain in Paris this week?", "Say hello to me.")
+    with cf.ThreadPoolExecutor(len(qs)) as ex:  # one batch
+        answers = list(ex.map(lambda q: c.chat.completions.create(
+            model="smollm2", tools=TOOLS, response_format=fmt, temperature=0, max_tokens=80,
+            messages=[{"role": "user", "content": q}]).choices[0], qs))
+    for r in answers:
         if r.message.tool_calls:  # calls as "required": repeated to max_tokens, "length"
             assert r.finish_reason in ("tool_calls", "length")
             _valid([(x.function.name, x.function.arguments) for x in r.message.tool_calls])
@@ -242,17 +252,40 @@ def test_auto_with_response_format_answers_to_the_schema_or_calls(smollm2):
             jsonschema.validate(json.loads(r.message.content), ANSWER)
 
 
-@pytest.mark.slow
-def test_enforced_greedy_calls_equal_constrained_plain_decoding_and_bad_combos_beside(smollm2):
-    """The server (n-gram drafts, batched with others) gives the calls constrained plain
-    decoding gives for the same request; 400s fired meanwhile name the field and change
-    nobody's answer."""
+def plain_tool_calls(choice, *, proposer: str = "none", **kw) -> tuple[list[int], list]:
+    """Constrained plain decoding in this process (BatchEngine, greedy, max_tokens 80) of the
+    weather question with TOOLS and `choice` (and `kw`: parallel_tool_calls, say) on smollm2
+    through the Hermes template: the token ids and the (name, arguments) calls they parse to.
+    The reference a served call must equal (here and in test_clients.py, through a fleet)."""
     from macfleet.engine.events import Finished, TokensCommitted
     from macfleet.engine.models import load_model
     from macfleet.serve.app import _grammar
     from macfleet.serve.engine import BatchEngine, EngineRequest
     from macfleet.serve.prompt import render_prompt
 
+    lm = load_model("smollm2")
+    tok = lm.tokenizer
+    req = _req(messages=QUESTION, tool_choice=choice, temperature=0, max_tokens=80, **kw)
+    prompt = render_prompt(tok, req, Limits(), TEMPLATE.read_text())
+    grammar, where = _grammar(req, prompt)
+    assert where == "tool_choice"
+    ereq = EngineRequest(prompt.ids, req.params, 80, frozenset(tok.eos_token_ids),
+                         grammar=grammar)
+    toks = []
+    eng = BatchEngine(lm, proposer=proposer)
+    eng.submit(ereq, lambda ev: toks.extend(ev.tokens)
+               if isinstance(ev, TokensCommitted) else isinstance(ev, Finished))
+    eng.run_until_idle()
+    _, calls = parse_tool_calls(HERMES, tok.decode(toks))
+    return toks, [(x.name, x.arguments) for x in calls]
+
+
+@pytest.mark.slow
+def test_enforced_greedy_calls_equal_constrained_plain_decoding_and_bad_combos_beside(smollm2):
+    """The server (n-gram drafts, batched with others) gives the calls constrained plain
+    decoding gives for the same request; 400s fired meanwhile name the field and change
+    nobody's answer. (Through a fleet's verifier agent: test_clients.py's
+    test_a_named_tool_call_is_the_one_constrained_plain_decoding_gives.)"""
     s, c = smollm2
     bad = [dict(response_format={"type": "json_object"}),
            dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
@@ -274,59 +307,7 @@ def test_enforced_greedy_calls_equal_constrained_plain_decoding_and_bad_combos_b
                                               "tools[0].function.parameters"] * 2
     assert s.health()["status"] == "ok"
 
-    lm = load_model("smollm2")
-    tok = lm.tokenizer
     for choice, (finish, calls) in zip(("required", NAMED), served):
-        req = _req(messages=QUESTION, tool_choice=choice, temperature=0, max_tokens=80)
-        prompt = render_prompt(tok, req, Limits(), TEMPLATE.read_text())
-        grammar, where = _grammar(req, prompt)
-        assert where == "tool_choice"
-        ereq = EngineRequest(prompt.ids, req.params, 80, frozenset(tok.eos_token_ids),
-                             grammar=grammar)
-        got = {}
-        for proposer in ("none", "ngram"):
-            toks = []
-            eng = BatchEngine(lm, proposer=proposer)
-            eng.submit(ereq, lambda ev: toks.extend(ev.tokens)
-                       if isinstance(ev, TokensCommitted) else isinstance(ev, Finished))
-            eng.run_until_idle()
-            got[proposer] = toks
-        assert got["none"] == got["ngram"]
-        _, plain = parse_tool_calls(HERMES, tok.decode(got["none"]))
-        assert [(x.name, x.arguments) for x in plain] == calls
-
-
-@pytest.mark.slow  # a local fleet of smollm2 agents and two servers
-def test_enforced_tool_calls_through_a_fleet_equal_serve_local(smollm2, tmp_path, monkeypatch):
-    """The tool grammar travels as any grammar does (protocol 4's grammar fields) to a fleet's
-    verifier agent, whose batch masks its rows: a named call through `macfleet up` + `serve`
-    is the one `serve --local` gives (greedy), with schema-valid arguments."""
-    import os
-    import subprocess
-    import sys
-
-    local, c_local = smollm2
-    want = _ask(c_local, NAMED, parallel_tool_calls=False)
-    env = {**os.environ, "MACFLEET_HOME": str(tmp_path / "home")}
-    up = subprocess.run([sys.executable, "-m", "macfleet", "up", "--model", "smollm2", "--agents",
-                         "2", "--no-pin"], capture_output=True, text=True, timeout=300, env=env)
-    assert up.returncode == 0, up.stderr[-2000:]
-    monkeypatch.setenv("MACFLEET_HOME", env["MACFLEET_HOME"])
-    mp = pytest.MonkeyPatch()
-    mp.setattr(serve_testkit, "START_TIMEOUT_S", 300.0)
-    try:
-        s = start_server("--chat-template", str(TEMPLATE), "--proposer", "ngram", model="smollm2",
-                         key=None, local=False)
-        try:
-            assert "verifier agent" in s.banner
-            c = openai.OpenAI(base_url=s.v1, api_key="none", max_retries=0, timeout=300)
-            got = _ask(c, NAMED, parallel_tool_calls=False)
-        finally:
-            stop_server(s)
-    finally:
-        mp.undo()
-        subprocess.run([sys.executable, "-m", "macfleet", "down"], capture_output=True,
-                       timeout=60, env=env)
-    assert got[0] == "tool_calls" and len(got[1]) == 1
-    _valid(got[1], ("get_time",))
-    assert got == want
+        plain, plain_calls = plain_tool_calls(choice)
+        assert plain_tool_calls(choice, proposer="ngram")[0] == plain
+        assert plain_calls == calls
