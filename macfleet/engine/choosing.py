@@ -39,10 +39,10 @@ class ChainsOf(Proposer):
     def start(self, params) -> None:
         self.params = params
 
-    def propose(self, context: Sequence[int], k: int, with_guess: bool = False) -> Draft:
+    def propose(self, context: Sequence[int], k: int) -> Draft:
         from macfleet.engine.proposers.eagle.chain import EagleProposer
 
-        return EagleProposer.propose(self.tree, context, k, with_guess)
+        return EagleProposer.propose(self.tree, context, k)
 
 
 @dataclass(frozen=True)

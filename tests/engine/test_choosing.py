@@ -30,7 +30,7 @@ class Scripted(Proposer):
         self.observed: list[tuple[int, int]] = []
         self.asked = 0
 
-    def propose(self, context, k, with_guess=False) -> Draft:
+    def propose(self, context, k) -> Draft:
         self.asked += 1
         at = len(context) - len(PROMPT)
         toks = self.ref[at:at + k] if self.right else [(t + 1) % 64 for t in
