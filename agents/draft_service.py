@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agents.draft_stream import DraftStream
-from agents.proposer_service import ProposerLimits, check_prompt
+from agents.proposer_service import ComputeThread, ProposerLimits, check_prompt
 from agents.slots import Slot, slot_for
 from agents.specs import check_id
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, NOT_FOUND, ProtocolError
@@ -99,7 +99,7 @@ class _Session:
                           (time.perf_counter() - t0) * 1e3)
 
 
-class DraftAheadService:
+class DraftAheadService(ComputeThread):
     """Draft-ahead sessions on one draft model: checks on the server's loop thread (`handle`),
     drafting on one compute thread (MLX work is serialised there)."""
 
@@ -115,17 +115,7 @@ class DraftAheadService:
         self._stop = threading.Event()
         self._rr = 0
         self.totals = AheadTally()
-        self._thread = threading.Thread(target=self._run, name="draft-ahead", daemon=True)
-        self._thread.start()
-
-    @property
-    def sessions(self) -> int:
-        return len(self._sessions)
-
-    def close(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._jobs.put(None)
-        self._thread.join(timeout)
+        self._start_compute("draft-ahead")
 
     # -- the server's loop thread: validate, then queue for the compute thread
     def handle(self, msg, reply: Reply) -> bool:

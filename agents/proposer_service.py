@@ -107,7 +107,28 @@ def check_prompt(msg: OpenSession, vocab: int) -> None:
         raise ProtocolError(BAD_REQUEST, str(e)) from None
 
 
-class ProposerService(ChainRounds):
+class ComputeThread:
+    """The shell of a service whose MLX work runs on one compute thread (`_run`, fed by
+    `_jobs`; None stops it), with its sessions in `_sessions`: the proposer role and the
+    draft-model role (agents/draft_service.py)."""
+
+    def _start_compute(self, name: str) -> None:
+        """Starts the compute thread: last in a constructor, once every field `_run` reads is
+        set."""
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+
+class ProposerService(ChainRounds, ComputeThread):
     """The proposer role: request checks on the server's loop thread (`handle`), then drafting
     on one compute thread: sessions opened and closed, draft requests served (chain sessions of
     one round together: agents/proposer_chains.py), lookahead in idle time, idle eviction."""
@@ -138,23 +159,13 @@ class ProposerService(ChainRounds):
         # tokens whose hidden states a hidden-state drafter had to compute itself, because
         # they did not arrive over F3 (closed sessions included)
         self.fallback_tokens = 0
-        self._thread = threading.Thread(target=self._run, name="proposer-compute", daemon=True)
-        self._thread.start()
+        self._start_compute("proposer-compute")
         if "retrieval" in kinds:
             # the answer store's index takes seconds to build: before the agent is advertised,
             # not on the first request's time (it held up the demo's first answer)
             from macfleet.engine.proposers.retrieval import warm_store
 
             warm_store(lm.spec)
-
-    @property
-    def sessions(self) -> int:
-        return len(self._sessions)
-
-    def close(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._jobs.put(None)
-        self._thread.join(timeout)
 
     # -- called on the server loop thread: validate, then queue for the compute thread
     def handle(self, msg, reply: Reply) -> bool:

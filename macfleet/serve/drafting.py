@@ -48,15 +48,7 @@ def make_drafting(spec: str, lm: LoadedModel, draft_tokens: DraftTokens,
         from macfleet.engine.choosing import auto_spec, make_auto_group
 
         spec = auto_spec(lm)
-    if spec == AUTO:
-        drafting: Drafting = make_auto_group(lm, draft_tokens)
-        try:
-            check_drafting(drafting, invariant)
-        except ValueError:
-            drafting.close()
-            raise
-        return drafting
-    drafting = plan_drafting(
+    drafting: Drafting = make_auto_group(lm, draft_tokens) if spec == AUTO else plan_drafting(
         spec, chain=lambda one: make_proposer(one, lm),
         tree=lambda specs: make_group([make_proposer(x, lm) or no_drafts(x) for x in specs],
                                       draft_tokens))
