@@ -131,17 +131,23 @@ def _verifier(lm):
     return Verifier(lm.model)
 
 
+def _pinned_child(job: dict) -> dict:
+    """This module's `main` in a child pinned to `job["core"]` (one BLAS thread): its last
+    stdout line, as JSON."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "macfleet.bench.pair_run", json.dumps(job)],
+                         env=env, capture_output=True, text=True, timeout=_WORKER_TIMEOUT_S)
+    if out.returncode != 0:
+        raise RuntimeError(f"pair worker ({job.get('mode', 'one')}) failed:\n"
+                           f"{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_pinned(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
                core: int = 0, plain: bool = True) -> dict:
     """`one_process` in a child pinned to `core` (one BLAS thread)."""
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-    args = json.dumps({"dir": verifier_dir, "prompts": list(prompts), "tokens": tokens, "k": k,
-                       "core": core, "plain": plain})
-    out = subprocess.run([sys.executable, "-m", "macfleet.bench.pair_run", args], env=env,
-                         capture_output=True, text=True, timeout=_WORKER_TIMEOUT_S)
-    if out.returncode != 0:
-        raise RuntimeError(f"pair worker failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _pinned_child({"dir": verifier_dir, "prompts": list(prompts), "tokens": tokens,
+                          "k": k, "core": core, "plain": plain})
 
 
 # --- the two-agent runs ------------------------------------------------------------------------
@@ -257,14 +263,8 @@ def draft_beside_verifier(verifier_dir: str, reps: int = 8, busy_core: int = 0) 
 
 def run_contention(verifier_dir: str, core: int = 1, busy_core: int = 0) -> dict:
     """`draft_beside_verifier` in a child pinned to `core` (one BLAS thread)."""
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-    args = json.dumps({"mode": "contention", "dir": verifier_dir, "core": core,
-                       "busy_core": busy_core})
-    out = subprocess.run([sys.executable, "-m", "macfleet.bench.pair_run", args], env=env,
-                         capture_output=True, text=True, timeout=_WORKER_TIMEOUT_S)
-    if out.returncode != 0:
-        raise RuntimeError(f"pair contention worker failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _pinned_child({"mode": "contention", "dir": verifier_dir, "core": core,
+                          "busy_core": busy_core})
 
 
 def main(argv: Sequence[str]) -> None:
