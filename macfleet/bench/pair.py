@@ -130,8 +130,10 @@ def summarize(*, width: int, target: float, dial: Mapping, k: int, one: dict | N
     """One setting's row of results/pair.json: the figures of issue 42 with their ceilings."""
     eos = eos or (one or {}).get("eos", ())
     out: dict = {"width": width, "target": target, "eps": dial.get("eps"),
-                 "extra_layers": dial.get("extra_layers"), "identical": identical(one, two, eos),
-                 "figures": {}}
+                 "extra_layers": dial.get("extra_layers"),
+                 "dial_kind": dial.get("kind", "layers"),
+                 "draft_noise": dial.get("draft_noise", 0.0),
+                 "identical": identical(one, two, eos), "figures": {}}
     fig = out["figures"]
     costs = None
     if one is not None:

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
 from macfleet.bench.pair_model import (DEFAULT_EXTRA_LAYERS, DRAFT_SPEC, RMS_TEXT, model_from,
-                                       pair_weights)
+                                       noisy_weights, pair_weights, weights_and_config)
 from macfleet.engine import fastmath
 from macfleet.engine.models import LoadedModel, load_model
 from macfleet.engine.text import encode_prompt
@@ -39,6 +39,7 @@ CALIBRATION_PROMPTS = (
 DEFAULT_TOKENS = 96
 DEFAULT_TARGETS = (0.6, 0.8, 0.95)
 EPS_RANGE = (1e-3, 4.0)
+NOISE_RANGE = (0.02, 0.3)
 DEFAULT_STEPS = 8
 
 
@@ -170,6 +171,29 @@ def calibrate(width: int, target: float, *, extra_layers: int = DEFAULT_EXTRA_LA
         return a
 
     return bisect_log(measure, target, *eps_range, steps, seen, tolerance)
+
+
+def calibrate_draft(target: float, *, seed: int = 0,
+                    prompts: Sequence[str] = CALIBRATION_PROMPTS, tokens: int = DEFAULT_TOKENS,
+                    steps: int = DEFAULT_STEPS, noise_range: tuple[float, float] = NOISE_RANGE,
+                    seen: dict[float, float] | None = None, tolerance: float = 0.0,
+                    progress: Callable[[str], None] | None = None) -> DialSetting:
+    """The draft dial: the draft's weight noise (pair_model.noisy_weights) for per-token
+    acceptance near `target`, against a verifier that is SmolLM2 itself (every eps-0 pair
+    verifier computes SmolLM2's function, at any width). DialSetting.eps holds the noise."""
+    base = load_model(DRAFT_SPEC)
+    ids = encode_chat(base, prompts)
+    w, cfg = weights_and_config(base.model)
+
+    def measure(noise: float) -> float:
+        draft = model_from(noisy_weights(w, noise, seed), cfg)
+        fastmath.install(draft)  # as `load_model` of the built directory gives it
+        a = agreement_models(base.model, draft, ids, tokens, base.eos_ids)
+        if progress:
+            progress(f"draft noise {noise:.4g}: acceptance {a:.3f}")
+        return a
+
+    return bisect_log(measure, target, *noise_range, steps, seen, tolerance)
 
 
 # ---------------------------------------------------------------------------------------------

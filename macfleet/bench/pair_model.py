@@ -19,6 +19,14 @@ mlx-lm directory (`mlx_lm.load` and macfleet's `load_model(path)` both read it):
   alone, as first tried, eps = 2 on 10 layers barely moved acceptance: the residual there has
   an RMS of ~30, with outliers in the thousands.)
 
+A second dial moves the draft model instead (`noisy_weights`, `build_pair_draft`): seeded
+gaussian noise of `noise` times each weight matrix's own RMS added to the SmolLM2 draft. The
+layer dial reaches acceptance ~0.8 with a verifier that still writes ordinary text (eps 0.14),
+but below that the verifier itself degenerates (eps 0.56, measured at 0.57 acceptance: "reproduce
+reproduce reproduce ..."; its drafts are accepted because repetition is easy to predict), which
+is no user's regime. With the draft dial the verifier stays exactly SmolLM2 (wide, eps 0) and
+writes what SmolLM2 writes; only the draft is worse, as a smaller same-family draft is.
+
 The transformations are pure functions of a weight dict and a config dict (`pad_mlp`,
 `append_layers`), so a tiny random llama (engine/tiny.py) tests the same code as the real
 model. `build_pair_verifier` writes the result under macfleet's cache dir, keyed by every
@@ -133,6 +141,27 @@ def append_layers(weights: Weights, config: dict, extra: int, eps: float, seed: 
     return out, cfg
 
 
+def noisy_weights(weights: Weights, noise: float, seed: int) -> Weights:
+    """Every matrix (ndim >= 2: projections and the embedding) plus seeded gaussian noise of
+    `noise` times its own RMS; norms and biases kept. noise = 0: the same weights."""
+    if noise < 0 or not np.isfinite(noise):
+        raise PairModelError(f"draft noise ({noise}) must be >= 0")
+    if noise == 0:
+        return dict(weights)
+    rng = np.random.default_rng(seed)
+    out: Weights = {}
+    for name in sorted(weights):  # a fixed order: the same seed, the same noise
+        w = weights[name]
+        if w.ndim < 2:
+            out[name] = w
+            continue
+        w32 = np.array(w.astype(mx.float32))
+        rms = float(np.sqrt(np.mean(w32 * w32)))
+        z = rng.standard_normal(w32.shape, dtype=np.float32)
+        out[name] = mx.array(w32 + noise * rms * z).astype(w.dtype)
+    return out
+
+
 def model_from(weights: Weights, config: dict) -> nn.Module:
     """An mlx-lm llama built from a weight dict and config (in memory, nothing written)."""
     args = llama.ModelArgs.from_dict(config)
@@ -179,6 +208,14 @@ def pair_dir(width: int, extra_layers: int = 0, eps: float = 0.0, seed: int = 0)
     return cache_root() / "pair" / cache_key(width, extra_layers, eps, seed)
 
 
+def draft_cache_key(noise: float, seed: int = 0) -> str:
+    return f"draft-n{float(noise)!r}-s{int(seed)}-f{FORMAT_VERSION}"
+
+
+def draft_dir(noise: float, seed: int = 0) -> Path:
+    return cache_root() / "pair" / draft_cache_key(noise, seed)
+
+
 def write_model_dir(weights: Weights, config: dict, tokenizer, out: Path, source: str) -> Path:
     """config.json, model.safetensors and the tokenizer's files, written to a temporary
     directory beside `out` and renamed into place: `out` is whole or absent."""
@@ -218,6 +255,24 @@ def build_pair_verifier(width: int, extra_layers: int = 0, eps: float = 0.0, see
     w, cfg = pair_weights(lm.model, ids, width, extra_layers, eps, seed)
     src = f"{lm.source} (pair verifier {cache_key(width, extra_layers, eps, seed)})"
     return write_model_dir(w, cfg, lm.tokenizer, path, src)
+
+
+def build_pair_draft(noise: float, seed: int = 0, out: Path | None = None, *,
+                     rebuild: bool = False) -> str:
+    """The draft model's spec for the draft dial: SmolLM2 itself at noise 0, else the noisy
+    SmolLM2 (`noisy_weights`) as an mlx-lm directory, built when absent (or `rebuild`)."""
+    from macfleet.engine.models import load_model
+
+    if noise == 0 and out is None:
+        return DRAFT_SPEC
+    path = out or draft_dir(noise, seed)
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file() \
+            and not rebuild:
+        return str(path)
+    lm = load_model(DRAFT_SPEC)
+    w, cfg = weights_and_config(lm.model)
+    src = f"{lm.source} (pair draft {draft_cache_key(noise, seed)})"
+    return str(write_model_dir(noisy_weights(w, noise, seed), cfg, lm.tokenizer, path, src))
 
 
 def remove_pair_verifiers(keep: Sequence[Path] = ()) -> list[Path]:

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-DRAFT_SPEC = "smollm2:dense"
+from macfleet.bench.pair_model import DRAFT_SPEC
+
 VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 _WORKER_TIMEOUT_S = 3600
 
@@ -82,10 +83,11 @@ def _macfleet_run(events) -> tuple[list[int], float, dict]:
 
 
 def one_process(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
-                plain: bool = True) -> dict:
+                plain: bool = True, draft_spec: str = DRAFT_SPEC) -> dict:
     """Plain and drafting-in-series runs of every prompt, macfleet and mlx-lm, this process
     (plain: also the plain runs; their speed depends on the verifier's shapes, not on the
-    dial's weights, so one setting of a width measures them for all)."""
+    dial's weights, so one setting of a width measures them for all). `draft_spec`: the draft
+    model (SmolLM2, or the draft dial's noisy SmolLM2 directory: the same shapes)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
@@ -95,7 +97,7 @@ def one_process(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
     from macfleet.engine.text import encode_prompt, generate_from_ids
 
     lm = load_model(verifier_dir)
-    draft = load_model(DRAFT_SPEC)
+    draft = load_model(draft_spec)
     # the weights are memory-mapped: the first forwards page them in from disk (seconds a
     # token for a few GB), which neither the cost probe nor the first prompt may pay
     for m in (lm.model, draft.model):
@@ -117,7 +119,7 @@ def one_process(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
             mx.array(ids), lm.model, draft.model, num_draft_tokens=k, max_tokens=tokens,
             sampler=greedy), eos)
         row["spec"] = _macfleet_run(generate_from_ids(
-            lm, _verifier(lm), make_proposer(f"draft:{DRAFT_SPEC}", lm), ids, draft_tokens=k,
+            lm, _verifier(lm), make_proposer(f"draft:{draft_spec}", lm), ids, draft_tokens=k,
             max_tokens=tokens))
         runs.append({name: (v if name == "prompt" else
                             {"ids": v[0], "tok_s": v[1], **(v[2] if len(v) > 2 else {})})
@@ -144,10 +146,10 @@ def _pinned_child(job: dict) -> dict:
 
 
 def run_pinned(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
-               core: int = 0, plain: bool = True) -> dict:
+               core: int = 0, plain: bool = True, draft_spec: str = DRAFT_SPEC) -> dict:
     """`one_process` in a child pinned to `core` (one BLAS thread)."""
     return _pinned_child({"dir": verifier_dir, "prompts": list(prompts), "tokens": tokens,
-                          "k": k, "core": core, "plain": plain})
+                          "k": k, "core": core, "plain": plain, "draft": draft_spec})
 
 
 # --- the two-agent runs ------------------------------------------------------------------------
@@ -155,7 +157,7 @@ def run_pinned(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
 
 def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
                progress: Callable[[str], None] = print, batch_sessions: int | None = None,
-               alone: bool = True) -> dict:
+               alone: bool = True, draft_spec: str = DRAFT_SPEC) -> dict:
     """The verifier agent on core 0, a draft-model agent on core 1: each prompt drafted ahead
     (spec `draft`) and (alone) by the verifier agent alone (`none`: its speed is the
     verifier's shapes', so one setting of a width measures it for all, as `one_process`'s
@@ -169,7 +171,7 @@ def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
     with tempfile.TemporaryDirectory(prefix="macfleet-pair-") as tmp:
         key_path = Path(tmp) / "fleet.key"
         key = keygen(key_path)
-        extra = {"proposer": ["--draft", DRAFT_SPEC]}
+        extra = {"proposer": ["--draft", draft_spec]}
         if batch_sessions is not None:
             extra["verifier"] = ["--batch-sessions", str(batch_sessions)]
         cards = local.up(2, model=verifier_dir, key=key, key_path=key_path,
@@ -277,7 +279,8 @@ def main(argv: Sequence[str]) -> None:
     elif mode == "contention":
         print(json.dumps(draft_beside_verifier(a["dir"], busy_core=a["busy_core"])))
     else:
-        print(json.dumps(one_process(a["dir"], a["prompts"], a["tokens"], a["k"], a["plain"])))
+        print(json.dumps(one_process(a["dir"], a["prompts"], a["tokens"], a["k"], a["plain"],
+                                     a.get("draft", DRAFT_SPEC))))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ def add_bench_parsers(bs) -> None:
                    "default: the agent's)")
     p.add_argument("--dial", type=Path, default=None,
                    help="the dial record (default: OUT/pair_dial.json)")
+    p.add_argument("--dial-kind", choices=("layers", "draft"), default="layers",
+                   help="what sets the acceptance: layers (the verifier's extra layers, eps; "
+                   "below ~0.8 its answers degenerate into repetition), draft (the draft's "
+                   "weight noise beside an eps-0 verifier that writes SmolLM2's own answers; "
+                   "`bench pair-dial --parts draft` calibrates it)")
     p.add_argument("--skip", default="", help="parts to skip: one (the one-process runs), "
                    "plain (the one-process plain runs, mlx-lm's and macfleet's: two agents are "
                    "then compared with the verifier agent alone only), two (the agents), "
@@ -44,13 +49,30 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def dial_settings(doc: dict, kind: str) -> dict[float, dict]:
+    """target -> the dial entry bench pair runs: the verifier's eps and extra layers, the
+    draft's noise (the layer dial: noise 0; the draft dial: eps 0, so the extra layers are
+    identities and cost what they cost at every setting of a width)."""
+    layers = doc["dial"]
+    base = {"extra_layers": layers["extra_layers"], "seed": layers["seed"], "kind": kind}
+    if kind == "layers":
+        return {float(s["target"]): {**s, **base, "draft_noise": 0.0}
+                for s in layers["settings"]}
+    if "draft_dial" not in doc:
+        raise SystemExit("--dial-kind draft: the dial record has no draft dial (`macfleet "
+                         "bench pair-dial --parts draft`)")
+    return {float(s["target"]): {**s, **base, "eps": 0.0, "draft_noise": s["noise"],
+                                 "seed": doc["draft_dial"]["seed"]}
+            for s in doc["draft_dial"]["settings"]}
+
+
 def _settings(args) -> list[tuple[int, float, dict]]:
     """(width, target acceptance, dial entry) to run, from results/pair_dial.json."""
     path = args.dial or args.out / "pair_dial.json"
     if not path.is_file():
         raise SystemExit(f"{path} is missing: run `macfleet bench pair-dial` first")
     doc = json.loads(path.read_text())
-    dial = {float(s["target"]): s for s in doc["dial"]["settings"]}
+    dial = dial_settings(doc, args.dial_kind)
     auto = [w["width"] for w in doc.get("cost", {}).get("widths", []) if w.get("auto")]
     widths = [int(w) if w != "auto" else (auto[-1] if auto else None)
               for w in args.widths.split(",")]
@@ -66,14 +88,13 @@ def _settings(args) -> list[tuple[int, float, dict]]:
         if a not in dial:
             raise SystemExit(f"acceptance {a} has no dial setting in {path}: targets "
                              f"{sorted(dial)}")
-        out.append((w, a, {**dial[a], "extra_layers": doc["dial"]["extra_layers"],
-                           "seed": doc["dial"]["seed"]}))
+        out.append((w, a, dial[a]))
     return out
 
 
 def run(args) -> int:
     from macfleet.bench.pair import PAIR_PROMPTS, summarize, with_alone, with_plain
-    from macfleet.bench.pair_model import build_pair_verifier
+    from macfleet.bench.pair_model import build_pair_draft, build_pair_verifier
     from macfleet.bench.pair_run import run_contention, run_pinned, two_agents
     from macfleet.bench.record import write_result
 
@@ -86,10 +107,11 @@ def run(args) -> int:
     for width, target, dial in _settings(args):
         _log(f"width {width}, acceptance ~{target}: building the verifier")
         vdir = str(build_pair_verifier(width, dial["extra_layers"], dial["eps"], dial["seed"]))
+        draft = build_pair_draft(dial["draft_noise"], dial["seed"])
         one = None if "one" in skip else run_pinned(vdir, prompts, args.max_tokens,
                                                     args.draft_tokens,
                                                     plain=width not in plain_of
-                                                    and "plain" not in skip)
+                                                    and "plain" not in skip, draft_spec=draft)
         if one is not None and "plain" not in skip:
             if width not in plain_of:
                 plain_of[width] = {r["prompt"]: {n: r[n] for n in ("plain", "mlx_plain")}
@@ -98,7 +120,8 @@ def run(args) -> int:
         _log(f"width {width}, acceptance ~{target}: one process done")
         two = None if "two" in skip else two_agents(vdir, prompts, args.max_tokens, _log,
                                                     batch_sessions=args.batch_sessions,
-                                                    alone=width not in alone_of)
+                                                    alone=width not in alone_of,
+                                                    draft_spec=draft)
         if two is not None:
             if width not in alone_of:
                 alone_of[width] = {r["prompt"]: r["agent_alone"] for r in two["runs"]}
@@ -131,16 +154,24 @@ def kept(path: Path, rows: list[dict]) -> list[dict]:
     row keeps the command that made it), so settings can be measured in several runs."""
     if not path.is_file():
         return []
-    new = {(r["width"], r["target"]) for r in rows}
+    new = {setting_key(r) for r in rows}
     doc = json.loads(path.read_text())
     return [{**r, "command": r.get("command") or doc.get("command")}
-            for r in doc.get("settings", []) if (r["width"], r["target"]) not in new]
+            for r in doc.get("settings", []) if setting_key(r) not in new]
+
+
+def setting_key(row: dict) -> tuple:
+    """A row's setting: width, target acceptance and which dial set it (rows written before
+    the draft dial were the layer dial's)."""
+    return row["width"], row["target"], row.get("dial_kind", "layers")
 
 
 def _print_row(r: dict) -> None:
     f = r["figures"]
+    dial = (f"draft noise {r['draft_noise']:.3g}" if r.get("dial_kind") == "draft"
+            else f"eps {r.get('eps') or 0:.3g}")
     print(f"width {r['width']} c={r['c']:.2f} acceptance {r['alpha']:.2f} "
-          f"(target {r['target']}) | ids {'identical' if r['identical'] else 'DIFFER'}")
+          f"(target {r['target']}, {dial}) | ids {'identical' if r['identical'] else 'DIFFER'}")
     for name, v in f.items():
         ceil = v.get("ceiling")
         print(f"  {name:34s} {v['geomean']:5.2f}x (min {v['min']:.2f})"
@@ -184,7 +215,9 @@ def _plot(rows: list[dict], out: Path) -> Path | None:
                    s=300, color="black", zorder=3)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"c={r['c']:.2f}\nacc {r['alpha']:.2f}" for r in rows])
+    ax.set_xticklabels([f"c={r['c']:.2f}\nacc {r['alpha']:.2f}"
+                        + ("\n(draft dial)" if r.get("dial_kind") == "draft" else "")
+                        for r in rows])
     ax.set_ylabel("speed-up over plain decoding (geomean)")
     ax.set_title("bench pair: a draft model in series vs drafting ahead on a second core "
                  "(bars: measured; ticks: ceilings)", fontsize=9)

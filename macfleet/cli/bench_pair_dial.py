@@ -15,8 +15,9 @@ def add_bench_parsers(bs) -> None:
         "each target acceptance of the SmolLM2 draft, and c = draft token / verify(1) on one "
         "core (results/pair_dial.json)")
     p.add_argument("--parts", default="dial,cost",
-                   help="dial (calibrate eps), cost (time draft and verifier on one core); each "
-                   "part updates its own entry of the file")
+                   help="dial (calibrate the verifier's eps), draft (calibrate the draft dial: "
+                   "the draft's weight noise against an eps-0 verifier), cost (time draft and "
+                   "verifier on one core); each part updates its own entry of the file")
     p.add_argument("--targets", default="0.6,0.8,0.95", help="target per-token acceptances")
     p.add_argument("--extra-layers", type=int, default=None, help="extra decoder layers "
                    "(default: pair_model.DEFAULT_EXTRA_LAYERS)")
@@ -30,6 +31,8 @@ def add_bench_parsers(bs) -> None:
                    help="stop a target's bisection when acceptance is this near it")
     p.add_argument("--eps-range", default="0.01,1.0",
                    help="the bisection's eps bracket (its geometric middle is the first guess)")
+    p.add_argument("--noise-range", default="0.02,0.3",
+                   help="the draft dial's bisection bracket (weight noise / the matrix's RMS)")
     p.add_argument("--widths", default="6144,auto",
                    help="verifier widths the cost part times; auto: the width whose bytes give "
                    "c = --target-c, corrected by the first width's measured c")
@@ -65,6 +68,23 @@ def _dial(args, extra: int) -> dict:
             "measured": [{"eps": e, "acceptance": round(a, 4)} for e, a in sorted(seen.items())]}
 
 
+def _draft_dial(args) -> dict:
+    from macfleet.bench.pair_dial import CALIBRATION_PROMPTS, calibrate_draft
+
+    lo, hi = (float(x) for x in args.noise_range.split(","))
+    seen: dict[float, float] = {}
+    settings = []
+    for t in (float(x) for x in args.targets.split(",")):
+        s = calibrate_draft(t, seed=args.seed, prompts=CALIBRATION_PROMPTS[: args.prompts],
+                            tokens=args.max_tokens, steps=args.steps, noise_range=(lo, hi),
+                            seen=seen, tolerance=args.tolerance, progress=_log)
+        _log(f"target {t}: draft noise {s.eps:.4g}, acceptance {s.acceptance:.3f}")
+        settings.append({"target": t, "noise": s.eps, "acceptance": round(s.acceptance, 4)})
+    return {"seed": args.seed, "prompts": list(CALIBRATION_PROMPTS[: args.prompts]),
+            "tokens": args.max_tokens, "settings": settings,
+            "measured": [{"noise": e, "acceptance": round(a, 4)} for e, a in sorted(seen.items())]}
+
+
 def _cost(args, extra: int) -> dict:
     from dataclasses import asdict
 
@@ -96,20 +116,21 @@ def _cost(args, extra: int) -> dict:
             "note": "fastest of reps, one pinned core of a loaded shared box: ratios only"}
 
 
-def merge_dial(old: dict | None, new: dict) -> dict:
+def merge_dial(old: dict | None, new: dict, knob: str = "eps") -> dict:
     """One dial entry from runs of the same instrument (extra layers, seed, prompts, tokens)
     that calibrated different targets: their measured points together, and for each target
-    the measured eps whose acceptance is nearest it (any run's point serves every target)."""
+    the measured setting of `knob` (eps, or the draft dial's noise) whose acceptance is
+    nearest it (any run's point serves every target)."""
     same = ("extra_layers", "seed", "calibration_width", "prompts", "tokens")
     if not old or any(old.get(k) != new.get(k) for k in same):
         return new
-    measured = {m["eps"]: m for m in old.get("measured", [])}
-    measured.update({m["eps"]: m for m in new["measured"]})
+    measured = {m[knob]: m for m in old.get("measured", [])}
+    measured.update({m[knob]: m for m in new["measured"]})
     targets = sorted({s["target"] for s in [*old.get("settings", []), *new["settings"]]})
     settings = []
     for t in targets:
         best = min(measured.values(), key=lambda m: abs(m["acceptance"] - t))
-        settings.append({"target": t, "eps": best["eps"], "acceptance": best["acceptance"]})
+        settings.append({"target": t, knob: best[knob], "acceptance": best["acceptance"]})
     return {**new, "settings": settings, "measured": [measured[e] for e in sorted(measured)]}
 
 
@@ -122,22 +143,29 @@ def run(args) -> int:
 
     extra = DEFAULT_EXTRA_LAYERS if args.extra_layers is None else args.extra_layers
     parts = set(args.parts.split(","))
-    if not parts <= {"dial", "cost"}:
-        raise SystemExit(f"--parts: dial and/or cost, not {args.parts}")
+    if not parts <= {"dial", "draft", "cost"}:
+        raise SystemExit(f"--parts: dial, draft and/or cost, not {args.parts}")
     got = {}
     if "dial" in parts:
         got["dial"] = _dial(args, extra)
+    if "draft" in parts:
+        got["draft_dial"] = _draft_dial(args)
     if "cost" in parts:
         got["cost"] = _cost(args, extra)
     old = args.out / "pair_dial.json"
     doc = json.loads(old.read_text()) if old.is_file() else {}
-    keep = {k: doc[k] for k in ("dial", "cost") if k in doc and k not in got}
+    keep = {k: doc[k] for k in ("dial", "draft_dial", "cost") if k in doc and k not in got}
     commands = doc.get("commands", {})
     this = "macfleet " + shlex.join(sys.argv[1:])
     if "dial" in got:
         merged = merge_dial(doc.get("dial"), got["dial"])
         commands["dial"] = (commands.get("dial", []) if merged is not got["dial"] else []) + [this]
         got["dial"] = merged
+    if "draft_dial" in got:
+        merged = merge_dial(doc.get("draft_dial"), got["draft_dial"], "noise")
+        commands["draft_dial"] = (commands.get("draft_dial", [])
+                                  if merged is not got["draft_dial"] else []) + [this]
+        got["draft_dial"] = merged
     if "cost" in got:
         commands["cost"] = [this]
     path = write_result("pair_dial.json", {**keep, **got, "commands": commands}, Path(args.out))

@@ -173,3 +173,53 @@ def test_dial_runs_of_one_instrument_merge_by_target():
     assert merge_dial(m, c)["settings"][0]["eps"] == 0.3  # a farther point does not win
     assert [p["eps"] for p in m["measured"]] == [0.1, 0.3]
     assert merge_dial({**a, "tokens": 96}, b) == b  # another instrument: replaced
+
+
+# --- the draft dial: noise on the draft's weights, the verifier untouched --------------------
+
+def test_draft_noise_zero_keeps_the_weights():
+    w, _ = pm.weights_and_config(_tiny())
+    same = pm.noisy_weights(w, 0.0, 3)
+    assert all(mx.array_equal(same[k], w[k]).item() for k in w)
+
+
+def test_draft_noise_moves_each_matrix_by_its_own_size_and_is_seeded():
+    w, _ = pm.weights_and_config(_tiny())
+    a, b, c = (pm.noisy_weights(w, 0.1, s) for s in (3, 3, 4))
+    for k, v in w.items():
+        if v.ndim < 2:  # norms kept
+            assert mx.array_equal(a[k], v).item()
+            continue
+        rms = math.sqrt(mx.mean(v * v).item())
+        moved = math.sqrt(mx.mean((a[k] - v) ** 2).item())
+        assert moved == pytest.approx(0.1 * rms, rel=0.25), k
+        assert mx.array_equal(a[k], b[k]).item() and not mx.array_equal(a[k], c[k]).item()
+    with pytest.raises(pm.PairModelError):
+        pm.noisy_weights(w, -0.1, 0)
+
+
+def test_draft_noise_lowers_agreement_with_the_untouched_verifier():
+    tiny = _tiny()
+    w, cfg = pm.weights_and_config(tiny)
+    prompts = [IDS, IDS[::-1]]
+    exact = agreement_models(tiny, pm.model_from(pm.noisy_weights(w, 0.0, 0), cfg), prompts, 24)
+    noisy = agreement_models(tiny, pm.model_from(pm.noisy_weights(w, 1.0, 0), cfg), prompts, 24)
+    assert exact == 1.0 and noisy < 0.9
+
+
+def test_bench_pair_reads_either_dial():
+    from macfleet.cli.bench_pair import dial_settings, setting_key
+
+    doc = {"dial": {"extra_layers": 2, "seed": 0,
+                    "settings": [{"target": 0.6, "eps": 0.56, "acceptance": 0.57}]},
+           "draft_dial": {"seed": 1, "settings": [{"target": 0.6, "noise": 0.12,
+                                                   "acceptance": 0.6}]}}
+    layers, draft = dial_settings(doc, "layers")[0.6], dial_settings(doc, "draft")[0.6]
+    assert (layers["eps"], layers["draft_noise"], layers["kind"]) == (0.56, 0.0, "layers")
+    assert (draft["eps"], draft["draft_noise"], draft["kind"]) == (0.0, 0.12, "draft")
+    assert draft["extra_layers"] == 2 and draft["seed"] == 1
+    with pytest.raises(SystemExit, match="draft dial"):
+        dial_settings({"dial": doc["dial"]}, "draft")
+    # rows of both dials at one (width, target) are kept apart; old rows were the layer dial's
+    assert setting_key({"width": 5, "target": 0.6}) == (5, 0.6, "layers")
+    assert setting_key({"width": 5, "target": 0.6, "dial_kind": "draft"}) != (5, 0.6, "layers")
