@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,7 +35,18 @@ if TYPE_CHECKING:
 PROBE_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32)
 PROBE_CONTEXT = 64
 PROBE_REPS = 2
-_memo: dict[int, dict[int, float]] = {}
+# id(model) -> (a weak reference to it, its table): an id is reused once a model is freed, so
+# an entry counts only while its reference still names the model asked about
+_memo: dict[int, tuple[weakref.ref, dict[int, float]]] = {}
+
+
+def _remembered(model: nn.Module) -> dict[int, float] | None:
+    got = _memo.get(id(model))
+    return got[1] if got is not None and got[0]() is model else None
+
+
+def _remember(model: nn.Module, table: dict[int, float]) -> None:
+    _memo[id(model)] = (weakref.ref(model), table)
 
 
 def probe_verify_costs(model: nn.Module, lengths: Sequence[int] = PROBE_LENGTHS,
@@ -116,7 +128,7 @@ def table_path(model: nn.Module) -> Path:
 def known_verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float] | None:
     """The verify(L) table of `model` if this process or this machine already measured it
     (memoised, or cached on disk); None rather than a probe."""
-    got = _memo.get(id(model))
+    got = _remembered(model)
     if got is not None:
         return got
     if not use_disk:
@@ -127,7 +139,7 @@ def known_verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, 
     except (OSError, ValueError, AttributeError):
         return None
     if got:
-        _memo[id(model)] = got
+        _remember(model, got)
     return got or None
 
 
@@ -146,7 +158,7 @@ def verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float]
             write_atomic(path, json.dumps(got))
         except OSError:
             pass  # a read-only home: the process keeps its own copy
-    _memo[id(model)] = got
+    _remember(model, got)
     return got
 
 

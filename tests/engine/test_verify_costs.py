@@ -73,3 +73,26 @@ def test_a_process_pinned_to_fewer_cores_has_a_table_of_its_own(tiny, monkeypatc
     monkeypatch.setattr(vc, "usable_cores", lambda: 2)
     assert vc._key(tiny.model) == two
 
+
+
+def test_a_freed_models_table_is_not_another_models(tiny, monkeypatch):
+    """The memo is keyed by id(model), and Python reuses the id of a freed object: a new model
+    at that address must not be handed the old one's table (the suite once sized a smollm2
+    tree by a tiny model's table this way)."""
+    import gc
+
+    from macfleet.engine.tiny import build_tiny_model
+
+    monkeypatch.setattr(vc, "_memo", {})
+    old = build_tiny_model(3)
+    vc._remember(old, {1: 1.0, 2: 1.5})
+    assert vc.known_verify_costs(old, use_disk=False) == {1: 1.0, 2: 1.5}
+    stale = id(old)
+    del old
+    gc.collect()
+    assert vc._memo[stale][0]() is None
+    # whatever now lives at that id (or any other model) is not the freed one
+    assert vc.known_verify_costs(tiny.model, use_disk=False) is None
+    new = build_tiny_model(4)
+    vc._memo[id(new)] = vc._memo.pop(stale)  # the same id, as a reused address gives it
+    assert vc.known_verify_costs(new, use_disk=False) is None
