@@ -11,8 +11,18 @@ millisecond:
 
 accepted, L (the tokens a block verifies) and draft_ms are EMAs of the candidate's own
 blocks; verify(L) is the machine's table (tree_budget.VerifyCurve: probed, then learnt from
-every block whoever drafted it), so a candidate's cost follows the machine even while it is
-not chosen. Plain decoding is 1 / verify(1), always known.
+every block whoever drafted it) times the machine's load now (`load`), so a candidate's cost
+follows the machine even while it is not chosen. Plain decoding is 1 / verify(1), always
+known.
+
+* The load: every block's verify time against the table's moves one factor of every length
+  (clipped: one stall moves it at most LOAD_CLIP times), and the table learns per length only
+  what is left. A busy machine slows every length at once, but each length is observed only
+  when a candidate drafts that many tokens: learnt per length alone (measured, a busy core
+  beside the bench), verify(1) followed plain decoding's slow blocks while the lengths of
+  the free drafters kept the quiet probe's, so drafting looked twice as cheap as it was and
+  the chooser drafted at 0.76x plain; one stall of another job in a plain block made plain
+  decoding look slow for the rest of the answer.
 
 * A candidate whose drafts cost nothing to compute (n-gram lookup, the answer store:
   `Candidate.free`) is scored on every block from the committed text, without being verified
@@ -21,7 +31,11 @@ not chosen. Plain decoding is 1 / verify(1), always known.
 * The others are tried now and then (`EXPLORE`), as the draft-length controller probes
   k = 0: an untried one early, staggered; one that lost its try waits twice as long for the
   next (MIN_INTERVAL .. MAX_INTERVAL blocks), so a useless drafter costs a bounded share of
-  the blocks, and one that starts to pay (a repetitive stretch, code) is noticed.
+  the blocks, and one that starts to pay (a repetitive stretch, code) is noticed. A re-try
+  also waits while what the tries have lost (a try's time beyond what the best candidate
+  would have committed its tokens in) exceeds EXPLORE_SHARE of the time spent: counted in
+  blocks alone, a slow day's tries (a 25-token tree at twice a plain step) cost 10% of an
+  answer. A first try is never held back: it is how a winner is found.
 * The offline record (`bench drafter --record`/`--record-shipped`) is the prior: its winner
   starts at its recorded speedup over plain until its own blocks are measured.
 """
@@ -42,6 +56,11 @@ MAX_INTERVAL = 128
 STAGGER = 2  # untried candidates: the first at block 1, then every STAGGER blocks
 EMA = 0.3
 MARGIN = 1.02  # a drafter must beat plain decoding by this much to be chosen
+EXPLORE_SHARE = 0.03  # re-tries wait while the tries lost more than this share of the time
+LOAD_EMA = 0.25
+LOAD_CLIP = 4.0  # one block moves the load at most this factor (a stall, not a new machine)
+SHAPE_CLIP = 1.5  # nor its length's entry in the table more than this,
+SHAPE_EMA = 0.05  # slowly: the load explains a slower machine first
 
 
 @dataclass(frozen=True)
@@ -115,8 +134,12 @@ class Chooser:
     curve: VerifyCurve = field(default_factory=VerifyCurve)
     prior: Mapping[str, float] = field(default_factory=dict)
     block: int = 0
+    load: float = 1.0  # verify(L) now over the table's (see the module's docstring)
+    spent_ms: float = 0.0  # every block's drafting and verifying
+    explore_lost_ms: float = 0.0  # tries' time beyond what the best would have taken
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _last: DrafterChoice | None = None
+    _last_best: float = 0.0  # the best rate (tokens per ms) when _last was chosen
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.candidates]
@@ -137,13 +160,17 @@ class Chooser:
     def by_name(self, name: str) -> Candidate:
         return next(c for c in self.candidates if c.name == name)
 
+    def verify_ms(self, length: int) -> float:
+        """verify(length) on this machine now: the table times the load."""
+        return self.curve.cost(length) * self.load
+
     def rate(self, name: str) -> float | None:
         """Expected committed tokens per ms of the candidate's next block (None: unknown)."""
         e = self._est[name]
-        plain = 1.0 / max(self.curve.cost(1), 1e-9)
+        plain = 1.0 / max(self.verify_ms(1), 1e-9)
         if e.n == 0:
             return None if e.prior is None else e.prior * plain
-        cost = e.draft_ms + self.curve.cost(max(1, round(e.length)))
+        cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
         return (1.0 + e.accepted) / max(cost, 1e-9)
 
     def _best(self, exclude: str = "") -> tuple[str, float]:
@@ -158,8 +185,10 @@ class Chooser:
     def choose(self) -> DrafterChoice:
         """The candidate that drafts the next block, and why."""
         best, best_rate = self._best()
+        budget = self.explore_lost_ms <= EXPLORE_SHARE * self.spent_ms
         due = [c for c in self.candidates if c.members and not c.free and c.name != best
-               and self._est[c.name].next_try <= self.block]
+               and self._est[c.name].next_try <= self.block
+               and (budget or self._est[c.name].n == 0)]
         if due:
             c = min(due, key=lambda c: (self._est[c.name].next_try,
                                         self.candidates.index(c)))
@@ -168,14 +197,15 @@ class Chooser:
         else:
             ch = DrafterChoice(self.block, best,
                                PRIOR if self._est[best].n == 0 else BEST, best_rate * 1e3)
-        self._last = ch
+        self._last, self._last_best = ch, best_rate
         return ch
 
     def observe(self, name: str, accepted: int, verified: int, draft_ms: float,
                 verify_ms: float) -> None:
         """The block `choose` picked was verified: `accepted` drafts kept of a block of
         `verified` tokens (drafts + 1), drafting took draft_ms and verifying verify_ms."""
-        self.curve.observe(verified, verify_ms)
+        self._follow_load(verified, verify_ms)
+        self.spent_ms += draft_ms + verify_ms
         e = self._est[name]
         if name != PLAIN:
             e.add(accepted, verified, draft_ms)
@@ -183,8 +213,23 @@ class Chooser:
                 self._last.why == EXPLORE:
             lost = (self.rate(name) or 0.0) <= self._best(exclude=name)[1]
             e.interval = min(MAX_INTERVAL, e.interval * 2) if lost else MIN_INTERVAL
+            if self._last_best > 0:
+                self.explore_lost_ms += max(0.0, draft_ms + verify_ms
+                                            - (1 + accepted) / self._last_best)
         e.next_try = self.block + 1 + e.interval
         self.block += 1
+
+    def _follow_load(self, length: int, ms: float) -> None:
+        """A verified block's time: the load moves by what the table missed (clipped), the
+        table's entry for its length learns the rest (clipped tighter)."""
+        if not self.curve.samples or ms <= 0:
+            self.curve.observe(length, ms)
+            return
+        r = min(LOAD_CLIP, max(1 / LOAD_CLIP, ms / max(self.verify_ms(length), 1e-9)))
+        self.load *= 1 + LOAD_EMA * (r - 1)
+        shape = self.curve.cost(length)
+        self.curve.observe(length, min(shape * SHAPE_CLIP, max(shape / SHAPE_CLIP,
+                                                               ms / self.load)), SHAPE_EMA)
 
     def shadow(self, name: str, accepted: int, verified: int, draft_ms: float) -> None:
         """A free candidate's draft scored from the committed text, not verified."""
