@@ -18,11 +18,11 @@ known.
 * The load: every block's verify time against the table's moves one factor of every length
   (clipped: one stall moves it at most LOAD_CLIP times), and the table learns per length only
   what is left. A busy machine slows every length at once, but each length is observed only
-  when a candidate drafts that many tokens: learnt per length alone (measured, a busy core
-  beside the bench), verify(1) followed plain decoding's slow blocks while the lengths of
-  the free drafters kept the quiet probe's, so drafting looked twice as cheap as it was and
-  the chooser drafted at 0.76x plain; one stall of another job in a plain block made plain
-  decoding look slow for the rest of the answer.
+  when a candidate drafts that many tokens. Learnt per length alone (traced on the slow
+  day's slowest prompt, a busy core beside it: 0.76x plain), each entry held the load of
+  the last block of its length, and a stall of another job (one block at 5-8x) stayed in
+  its entry: in verify(1), plain decoding looked slow for the rest of the answer (plain is
+  never re-tried), in a drafter's length, that drafter did.
 
 * A candidate whose drafts cost nothing to compute (n-gram lookup, the answer store:
   `Candidate.free`) is scored on every block from the committed text, without being verified
