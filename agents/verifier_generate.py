@@ -204,7 +204,7 @@ class VerifierGenerations:
             f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes, f3_ms=last.f3_ms,
             probe=probe, hidden_size=self.lm.hidden_size, ahead_lead=last.ahead_lead,
             ahead_waste=last.ahead_waste if last.ahead_lead or last.ahead_waste else -1.0,
-            **extra))
+            drafter=ev.drafter, why=ev.why, **extra))
 
     def generate(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
         """One session alone (a sharded verifier, a model the batch cannot run, a long prompt

@@ -380,6 +380,10 @@ class BlockMetrics:
     # the share of its drafts thrown away so far (-1: no such agent)
     ahead_lead: int = 0
     ahead_waste: float = -1.0
+    # `--proposer auto` (issue 44): the candidate that drafted this block and why
+    # (stats.CHOICE_REASONS); "" for a fixed drafter
+    drafter: str = ""
+    why: str = ""
 
 
 @message("agent_event", terminal=False)

@@ -11,17 +11,37 @@ millisecond:
 
 accepted, L (the tokens a block verifies) and draft_ms are EMAs of the candidate's own
 blocks; verify(L) is the machine's table (tree_budget.VerifyCurve: probed, then learnt from
-every block whoever drafted it), so a candidate's cost follows the machine even while it is
-not chosen. Plain decoding is 1 / verify(1), always known.
+every block whoever drafted it) times the machine's load now (`load`), so a candidate's cost
+follows the machine even while it is not chosen. Plain decoding is 1 / verify(1), always
+known.
+
+* The load: every block's verify time against the table's moves one factor of every length
+  (clipped: one stall moves it at most LOAD_CLIP times), and the table learns per length only
+  what is left. A busy machine slows every length at once, but each length is observed only
+  when a candidate drafts that many tokens. Learnt per length alone (traced on the slow
+  day's slowest prompt, a busy core beside it: 0.76x plain), each entry held the load of
+  the last block of its length, and a stall of another job (one block at 5-8x) stayed in
+  its entry: in verify(1), plain decoding looked slow for the rest of the answer (plain is
+  never re-tried), in a drafter's length, that drafter did.
 
 * A candidate whose drafts cost nothing to compute (n-gram lookup, the answer store:
   `Candidate.free`) is scored on every block from the committed text, without being verified
   (`shadow`): the greedy verifier would have accepted exactly the prefix of its draft that
   the text went on to commit.
+* Switching drafters costs: a drafter that did not draft the last blocks first catches up
+  on the tokens others committed (the EAGLE head's features: traced, 300-550 ms after a few
+  blocks off, where its blocks draft in 80). That catch-up is kept out of its draft cost
+  (only blocks drafted back to back measure it: counted in, it made the head look slow
+  after every try), and another drafter must beat the one drafting by SWITCH_MARGIN.
 * The others are tried now and then (`EXPLORE`), as the draft-length controller probes
   k = 0: an untried one early, staggered; one that lost its try waits twice as long for the
   next (MIN_INTERVAL .. MAX_INTERVAL blocks), so a useless drafter costs a bounded share of
-  the blocks, and one that starts to pay (a repetitive stretch, code) is noticed.
+  the blocks, and one that starts to pay (a repetitive stretch, code) is noticed. A re-try
+  also waits until what the tries have lost (a try's time beyond what the best candidate
+  would have committed its tokens in), with what this one is expected to lose, is within
+  EXPLORE_SHARE of the time spent: counted in
+  blocks alone, a slow day's tries (a 25-token tree at twice a plain step) cost 10% of an
+  answer. A first try is never held back (it is how a winner is found), but charged.
 * The offline record (`bench drafter --record`/`--record-shipped`) is the prior: its winner
   starts at its recorded speedup over plain until its own blocks are measured.
 """
@@ -42,6 +62,13 @@ MAX_INTERVAL = 128
 STAGGER = 2  # untried candidates: the first at block 1, then every STAGGER blocks
 EMA = 0.3
 MARGIN = 1.02  # a drafter must beat plain decoding by this much to be chosen
+SWITCH_MARGIN = 1.05  # ... and another drafter must beat the one drafting by this much
+EXPLORE_SHARE = 0.03  # re-tries wait while the tries lost more than this share of the time
+LOAD_EMA = 0.25
+LOAD_CLIP = 4.0  # one block moves the load at most this factor (a stall, not a new machine)
+STALL_STEPS = 2.0  # a try is charged at most this many plain steps' time
+SHAPE_CLIP = 1.5  # nor its length's entry in the table more than this,
+SHAPE_EMA = 0.05  # slowly: the load explains a slower machine first
 
 
 @dataclass(frozen=True)
@@ -65,15 +92,20 @@ class _Estimate:
     next_try: int = 0
     interval: int = MIN_INTERVAL
 
-    def add(self, accepted: float, length: float, draft_ms: float) -> None:
+    def add(self, accepted: float, length: float, draft_ms: float,
+            steady: bool = True) -> None:
+        """steady: the candidate also drafted the block before (else its drafting caught up
+        on the tokens others committed: a cost of switching, not of its blocks)."""
         if self.n == 0:
             self.accepted, self.length, self.draft_ms = accepted, length, draft_ms
         else:
             self.accepted += EMA * (accepted - self.accepted)
             self.length += EMA * (length - self.length)
             # a first block pays the drafter's warm-up: a cheaper second one replaces it
-            self.draft_ms = (min(self.draft_ms, draft_ms) if self.n == 1
-                             else self.draft_ms + EMA * (draft_ms - self.draft_ms))
+            if self.n == 1 or not steady:
+                self.draft_ms = min(self.draft_ms, draft_ms)
+            else:
+                self.draft_ms += EMA * (draft_ms - self.draft_ms)
         self.n += 1
 
 
@@ -115,8 +147,13 @@ class Chooser:
     curve: VerifyCurve = field(default_factory=VerifyCurve)
     prior: Mapping[str, float] = field(default_factory=dict)
     block: int = 0
+    load: float = 1.0  # verify(L) now over the table's (see the module's docstring)
+    spent_ms: float = 0.0  # every block's drafting and verifying
+    explore_lost_ms: float = 0.0  # tries' time beyond what the best would have taken
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _last: DrafterChoice | None = None
+    _last_best: float = 0.0  # the best rate (tokens per ms) when _last was chosen
+    _prev: str = ""  # the candidate that drafted the block before
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.candidates]
@@ -137,14 +174,26 @@ class Chooser:
     def by_name(self, name: str) -> Candidate:
         return next(c for c in self.candidates if c.name == name)
 
+    def verify_ms(self, length: int) -> float:
+        """verify(length) on this machine now: the table times the load."""
+        return self.curve.cost(length) * self.load
+
     def rate(self, name: str) -> float | None:
         """Expected committed tokens per ms of the candidate's next block (None: unknown)."""
         e = self._est[name]
-        plain = 1.0 / max(self.curve.cost(1), 1e-9)
+        plain = 1.0 / max(self.verify_ms(1), 1e-9)
         if e.n == 0:
             return None if e.prior is None else e.prior * plain
-        cost = e.draft_ms + self.curve.cost(max(1, round(e.length)))
+        cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
         return (1.0 + e.accepted) / max(cost, 1e-9)
+
+    def _loss(self, name: str, best_rate: float) -> float:
+        """ms a block of `name` is expected to take beyond what the best candidate would
+        take for its tokens (0: it is expected to win)."""
+        e = self._est[name]
+        cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
+        return min(max(0.0, cost - (1.0 + e.accepted) / max(best_rate, 1e-9)),
+                   STALL_STEPS * self.verify_ms(1))
 
     def _best(self, exclude: str = "") -> tuple[str, float]:
         best, best_rate = PLAIN, self.rate(PLAIN) or 0.0
@@ -158,8 +207,14 @@ class Chooser:
     def choose(self) -> DrafterChoice:
         """The candidate that drafts the next block, and why."""
         best, best_rate = self._best()
+        if self._prev not in ("", PLAIN, best) and self._est[self._prev].n > 0:
+            r = self.rate(self._prev) or 0.0  # switching costs the other's catch-up
+            if r * SWITCH_MARGIN >= best_rate and r > (self.rate(PLAIN) or 0.0) * MARGIN:
+                best, best_rate = self._prev, r
         due = [c for c in self.candidates if c.members and not c.free and c.name != best
-               and self._est[c.name].next_try <= self.block]
+               and self._est[c.name].next_try <= self.block
+               and (self._est[c.name].n == 0 or self.explore_lost_ms + self._loss(
+                   c.name, best_rate) <= EXPLORE_SHARE * self.spent_ms)]
         if due:
             c = min(due, key=lambda c: (self._est[c.name].next_try,
                                         self.candidates.index(c)))
@@ -168,23 +223,41 @@ class Chooser:
         else:
             ch = DrafterChoice(self.block, best,
                                PRIOR if self._est[best].n == 0 else BEST, best_rate * 1e3)
-        self._last = ch
+        self._last, self._last_best = ch, best_rate
         return ch
 
     def observe(self, name: str, accepted: int, verified: int, draft_ms: float,
                 verify_ms: float) -> None:
         """The block `choose` picked was verified: `accepted` drafts kept of a block of
         `verified` tokens (drafts + 1), drafting took draft_ms and verifying verify_ms."""
-        self.curve.observe(verified, verify_ms)
+        self._follow_load(verified, verify_ms)
+        self.spent_ms += draft_ms + verify_ms
         e = self._est[name]
         if name != PLAIN:
-            e.add(accepted, verified, draft_ms)
+            e.add(accepted, verified, draft_ms, steady=self._prev == name)
+        self._prev = name
         if self._last is not None and self._last.drafter == name and \
                 self._last.why == EXPLORE:
             lost = (self.rate(name) or 0.0) <= self._best(exclude=name)[1]
             e.interval = min(MAX_INTERVAL, e.interval * 2) if lost else MIN_INTERVAL
+            if self._last_best > 0:  # at most STALL_STEPS plain steps: a try that met a
+                # stall (or the drafter's warm-up) would hold back every re-try
+                lost = draft_ms + verify_ms - (1 + accepted) / self._last_best
+                self.explore_lost_ms += min(max(0.0, lost), STALL_STEPS * self.verify_ms(1))
         e.next_try = self.block + 1 + e.interval
         self.block += 1
+
+    def _follow_load(self, length: int, ms: float) -> None:
+        """A verified block's time: the load moves by what the table missed (clipped), the
+        table's entry for its length learns the rest (clipped tighter)."""
+        if not self.curve.samples or ms <= 0:
+            self.curve.observe(length, ms)
+            return
+        r = min(LOAD_CLIP, max(1 / LOAD_CLIP, ms / max(self.verify_ms(length), 1e-9)))
+        self.load *= 1 + LOAD_EMA * (r - 1)
+        shape = self.curve.cost(length)
+        self.curve.observe(length, min(shape * SHAPE_CLIP, max(shape / SHAPE_CLIP,
+                                                               ms / self.load)), SHAPE_EMA)
 
     def shadow(self, name: str, accepted: int, verified: int, draft_ms: float) -> None:
         """A free candidate's draft scored from the committed text, not verified."""

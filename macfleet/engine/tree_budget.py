@@ -46,10 +46,12 @@ class VerifyCurve:
             if int(L) >= 1 and ms > 0:
                 self.table[int(L)] = float(ms)
 
-    def observe(self, length: int, ms: float) -> None:
+    def observe(self, length: int, ms: float, ema: float | None = None) -> None:
+        """One block's verify time at `length` (ema: this call's weight, default `ema`)."""
         if length >= 1 and ms > 0:
             old = self.table.get(length)
-            self.table[length] = ms if old is None else (1 - self.ema) * old + self.ema * ms
+            a = self.ema if ema is None else ema
+            self.table[length] = ms if old is None else (1 - a) * old + a * ms
 
     def cost(self, length: int) -> float:
         if not self.table:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from macfleet.fleet.snapshot import BlockSample, FlowView, SessionView
-from macfleet.stats import multihost_overhead
+from macfleet.fleet.snapshot import BlockSample, DrafterShare, FlowView, SessionView
+from macfleet.stats import EXPLORE, multihost_overhead
 
 DEFAULT_WINDOW = 32
 DEFAULT_HISTORY = 40
@@ -32,6 +32,8 @@ class SessionMetrics:
     proposers: tuple[str, ...] = ()
     history: dict[str, deque] = field(default_factory=dict)
     kv: tuple[int, float] | None = None  # flow KV of this session's prompt: (bytes, ms)
+    # `--proposer auto`: blocks and tries by candidate over the whole session
+    drafters: dict[str, list[int]] = field(default_factory=dict)
 
     def apply(self, m, now: float) -> None:
         """m: a bridge BlockMetrics (duck-typed: the fields are read by name)."""
@@ -42,6 +44,10 @@ class SessionMetrics:
             self.kv = (int(m.kv_bytes), float(m.kv_ms))
         if m.k > 0:
             self.hist[min(m.accepted, len(self.hist) - 1)] += 1
+        if getattr(m, "drafter", ""):
+            t = self.drafters.setdefault(m.drafter, [0, 0])
+            t[0] += 1
+            t[1] += getattr(m, "why", "") == EXPLORE
         for flow, ms in (("F1", m.f1_ms), ("F2", m.f2_ms), ("F3", m.f3_ms),
                          ("shard", getattr(m, "shard_ms", 0.0))):
             h = self.history.setdefault(flow, deque(maxlen=DEFAULT_HISTORY))
@@ -100,6 +106,10 @@ class SessionMetrics:
             rank_load=tuple(map(sum, zip(*loads))) if loads else (),
             ahead=(sum(b.ahead_lead for b in ahead) / len(ahead), ahead[-1].ahead_waste)
             if ahead else None,
+            drafter=getattr(bl[-1], "drafter", "") if bl else "",
+            why=getattr(bl[-1], "why", "") if bl else "",
+            drafters=tuple(DrafterShare(name, *t) for name, t in
+                           sorted(self.drafters.items(), key=lambda kv: (-kv[1][0], kv[0]))),
         )
 
 

@@ -155,6 +155,21 @@ class BlockSample(_Dictable):
 
 
 @dataclass(frozen=True, slots=True)
+class DrafterShare(_Dictable):
+    """`--proposer auto` (issue 44): the blocks of a session one candidate drafted (plain
+    decoding, `none`, is one), of which `explored` were tries rather than its best guess."""
+
+    name: str
+    blocks: int
+    explored: int = 0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DrafterShare:
+        return cls(name=str(d["name"]), blocks=int(d["blocks"]),
+                   explored=int(d.get("explored", 0)))
+
+
+@dataclass(frozen=True, slots=True)
 class SessionView(_Dictable):
     """One decoding session; ``accepted_hist[i]`` counts blocks that accepted ``i`` tokens."""
 
@@ -177,9 +192,21 @@ class SessionView(_Dictable):
     # drafted ahead by a draft-model agent: its mean lead (drafts waiting when a block began)
     # and the share of its drafts thrown away; None without one
     ahead: tuple[float, float] | None = None
+    # `--proposer auto`: the candidate that drafted the latest block and why
+    # (stats.CHOICE_REASONS), and every candidate's blocks so far, most first; "" and ()
+    # for a fixed drafter
+    drafter: str = ""
+    why: str = ""
+    drafters: tuple[DrafterShare, ...] = ()
 
     def flow(self, name: str) -> FlowView | None:
         return next((f for f in self.flows if f.flow == name), None)
+
+    def drafter_share(self, name: str) -> float:
+        """The share of the session's chosen blocks `name` drafted (0 if none)."""
+        total = sum(d.blocks for d in self.drafters)
+        return next((d.blocks for d in self.drafters if d.name == name), 0) / total \
+            if total else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -187,6 +214,8 @@ class SessionView(_Dictable):
             del d["rank_load"]
         if self.ahead is None:  # ... and without a draft-model agent
             del d["ahead"]
+        if not self.drafters:  # ... and without `auto`
+            del d["drafter"], d["why"], d["drafters"]
         return d
 
     @classmethod
@@ -202,6 +231,8 @@ class SessionView(_Dictable):
             overhead_share=float(d["overhead_share"]), active=bool(d["active"]),
             rank_load=tuple(int(x) for x in d.get("rank_load", ())),
             ahead=(float(d["ahead"][0]), float(d["ahead"][1])) if d.get("ahead") else None,
+            drafter=str(d.get("drafter", "")), why=str(d.get("why", "")),
+            drafters=tuple(DrafterShare.from_dict(x) for x in d.get("drafters", ())),
         )
 
 

@@ -188,9 +188,12 @@ class BlockStep:
         if blocks == 1 and (s.cached or s.shared):
             s.emit(PromptReused(s.cached + s.shared))
         if s.req.report_blocks:
+            choice = getattr(s.group, "choice", None)  # `auto`'s candidate for this block
             s.emit(BlockDone(block=blocks, k=s.k, drafted=drafted, accepted=accepted,
                              committed=len(new), draft_ms=s.draft_ms, verify_ms=verify_ms,
-                             block_ms=s.draft_ms + verify_ms))
+                             block_ms=s.draft_ms + verify_ms,
+                             drafter=choice.drafter if choice else "",
+                             why=choice.why if choice else ""))
         if new:
             s.times.commit(self.clock())
             if logprobs:

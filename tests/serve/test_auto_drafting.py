@@ -11,7 +11,7 @@ import pytest
 
 from macfleet.engine.chooser import PLAIN
 from macfleet.engine.choosing import ChoosingGroup
-from macfleet.engine.events import Finished, TokensCommitted
+from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.sampling import GREEDY
 from macfleet.serve.engine import BatchEngine, EngineRequest
 
@@ -56,6 +56,19 @@ def test_a_prediction_drafts_beside_the_chosen_drafter(tiny):
     assert auto == plain
     for f in fins:
         assert f.stats.prediction_tokens[0] >= N // 2
+
+
+def test_each_blocks_report_names_its_drafter(tiny):
+    """The BlockDone a verifier agent publishes as BlockMetrics (the dashboard's source)
+    names the candidate of that block and why, as the session's own record does."""
+    eng = BatchEngine(tiny, proposer="auto")
+    evs: list = []
+    eng.submit(EngineRequest(PROMPTS[0], GREEDY, N, report_blocks=True), evs.append)
+    eng.run_until_idle()
+    blocks = [e for e in evs if isinstance(e, BlockDone)]
+    st = next(e for e in evs if isinstance(e, Finished)).stats
+    assert [(b.drafter, b.why) for b in blocks] == [(c.drafter, c.why) for c in st.choices]
+    assert blocks and all(b.drafter in (PLAIN, "ngram") for b in blocks)
 
 
 def test_the_engine_builds_a_choosing_group_per_session(tiny):

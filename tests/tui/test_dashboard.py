@@ -282,3 +282,47 @@ def test_q_quits_and_closes_the_source() -> None:
 def test_refresh_must_be_positive() -> None:
     with pytest.raises(ValueError):
         FleetDashboard(StaticSource(), refresh_s=0)
+
+
+def test_auto_drafting_reaches_the_session_view_and_its_detail() -> None:
+    """`--proposer auto` (issue 44): the agent's BlockMetrics say which candidate drafted each
+    block and why; the session's view counts them, and its detail shows the latest choice and
+    every candidate's share of the blocks."""
+    from bridge.messages import BlockMetrics
+    from macfleet.fleet.metrics import SessionMetrics
+    from macfleet.fleet.snapshot import DrafterShare, SessionView
+
+    def block(i: int, drafter: str, why: str) -> BlockMetrics:
+        return BlockMetrics(node_id="v", session_id="s", block=i, k=0 if drafter == "none"
+                            else 6, accepted=1, block_ms=40.0, draft_ms=2.0, verify_ms=38.0,
+                            f1_bytes=0, f1_ms=0.0, f2_bytes=0, f2_ms=0.0, f3_bytes=0,
+                            f3_ms=0.0, probe=False, drafter=drafter, why=why)
+
+    m = SessionMetrics("s-auto", "studio")
+    picks = [("eagle", "prior"), ("eagle2", "explore"), *[("eagle2", "best")] * 5,
+             ("none", "best"), ("eagle", "explore"), ("eagle2", "best")]
+    for i, (d, w) in enumerate(picks, 1):
+        m.apply(block(i, d, w), now=100.0)
+    view = m.view(now=100.0)
+    assert (view.drafter, view.why) == ("eagle2", "best")
+    assert view.drafters == (DrafterShare("eagle2", 7, 1), DrafterShare("eagle", 2, 1),
+                             DrafterShare("none", 1, 0))
+    assert view.drafter_share("eagle2") == pytest.approx(0.7)
+    assert SessionView.from_dict(view.to_dict()) == view
+    # a fixed drafter's session (and every older recording) carries none of it
+    fixed = SessionMetrics("s-fixed", "studio")
+    fixed.apply(block(1, "", ""), now=100.0)
+    plain = fixed.view(now=100.0)
+    assert plain.drafters == () and "drafters" not in plain.to_dict()
+
+    snap = dataclasses.replace(load("two_hosts")[0], sessions=(view,))
+
+    async def scenario(pilot: Pilot, app: FleetDashboard, src: StaticSource) -> None:
+        await show(pilot, app, src, snap)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, SessionDetailScreen),
+                         what="detail screen")
+        await wait_visible(pilot, app, "auto drafting eagle2 (best)", "eagle2 70.0%",
+                           "eagle 20.0%", "none 10.0%", "2 tried")
+
+    drive(scenario, LARGE)

@@ -27,7 +27,17 @@ def summary_text(s: SessionView) -> Text:
     text.append(f"\n{s.tokens_per_s:.1f} tok/s · acceptance {fmt_pct(s.acceptance)} · "
                 f"mean accepted {s.mean_accepted:.2f} · k={s.draft_len} · {s.blocks} blocks · "
                 f"overhead {fmt_pct(s.overhead_share)}")
+    if s.drafters:
+        text.append(f"\n{drafting_text(s)}")
     return text
+
+
+def drafting_text(s: SessionView) -> str:
+    """`auto`'s choice: the latest block's candidate and why, every candidate's share."""
+    tried = sum(d.explored for d in s.drafters)
+    shares = " · ".join(f"{d.name} {fmt_pct(s.drafter_share(d.name))}" for d in s.drafters)
+    return (f"auto drafting {s.drafter or '—'} ({s.why or '—'}) · {shares}"
+            + (f" · {tried} tried" if tried else ""))
 
 
 def block_cells(b: BlockSample) -> list[str]:
