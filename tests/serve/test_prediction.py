@@ -69,6 +69,86 @@ def test_a_prediction_changes_no_greedy_token_and_counts_its_own_drafts(tiny, pr
     assert acc <= 4 and rej <= 32  # it went quiet after its misses
 
 
+class ForwardClock:
+    """The engine's clock, moved only by its forwards, each by BANDWIDTH_BOUND's verify(L) of
+    its tokens: every time the engine measures (the cost curve, the controllers' fits) is
+    the table's, so adaptive draft lengths depend on the drafting logic alone."""
+
+    def __init__(self, monkeypatch) -> None:
+        import macfleet.serve.engine as engine
+
+        self.t, real = 0.0, engine.flat_outputs
+
+        def timed(model, segs, **kw):
+            self.t += (10.0 + 0.2 * (sum(len(s.tokens) for s in segs) - 1)) / 1e3
+            return real(model, segs, **kw)
+
+        monkeypatch.setattr(engine, "flat_outputs", timed)
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _blocks(lm, proposer, prompt, prediction, monkeypatch, group=None):
+    """(tokens, each block's (drafts asked, accepted, committed), Finished) of one request."""
+    from macfleet.engine.events import BlockDone, Finished, TokensCommitted
+
+    # the table known from the start, as on a machine that probed it once (else the
+    # prediction's seeding would give the batch's cost curve a table the run without lacks)
+    monkeypatch.setattr("macfleet.engine.verify_costs.known_verify_costs",
+                        lambda model: dict(BANDWIDTH_BOUND))
+    eng = BatchEngine(lm, proposer=proposer, clock=ForwardClock(monkeypatch))
+    toks, blocks, done = [], [], []
+
+    def emit(ev):
+        if isinstance(ev, TokensCommitted):
+            toks.extend(ev.tokens)
+        elif isinstance(ev, BlockDone):
+            blocks.append((ev.k, ev.accepted, ev.committed))
+        elif isinstance(ev, Finished):
+            done.append(ev)
+
+    eng.submit(EngineRequest(prompt, GREEDY, 96, report_blocks=True, prediction=prediction),
+               emit, proposer=group)
+    eng.run_until_idle()
+    return toks, blocks, done[0]
+
+
+def test_a_useless_prediction_leaves_the_other_drafters_blocks_as_they_are(tiny, monkeypatch):
+    """A prediction the answer takes nothing from (tokens it never holds) drafts beside the
+    session's chain drafter without resizing it: every block asks it the same length and
+    commits the same tokens as without a prediction (it was once a member of a group sized
+    otherwise: 3x the blocks here). The drafter is a copy of the verifier, so each block's
+    length is the adaptive length's choice alone."""
+    prompt, vocab = _prompt(tiny.vocab_size), tiny.vocab_size
+    plain, blocks, fin = _blocks(tiny, "draft:tiny:1:64", prompt, (), monkeypatch)
+    assert fin.stats.blocks < len(plain) // 3  # long drafts, all accepted
+    pool = sorted(set(range(vocab)) - set(plain) - set(prompt))
+    useless = tuple(int(t) for t in np.random.default_rng(3).choice(pool, 96))
+    toks, blocks_p, fin_p = _blocks(tiny, "draft:tiny:1:64", prompt, useless, monkeypatch)
+    assert toks == plain
+    acc, rej = fin_p.stats.prediction_tokens
+    assert acc == 0 and rej > 0  # it drafted (its first block), and nothing was taken
+    assert [b[0] for b in blocks_p] == [b[0] for b in blocks]
+    assert blocks_p == blocks
+
+
+def test_a_sessions_group_is_left_as_it_is_by_a_prediction(tiny, monkeypatch):
+    """The group a caller passes (a verifier agent's remote tree) keeps its drafters and node
+    budget; the prediction's counts come beside theirs."""
+    from macfleet.engine.proposers import make_proposer
+    from macfleet.engine.tree_loop import ProposerGroup
+
+    group = ProposerGroup([make_proposer("ngram", tiny)], node_budget=16)
+    prompt = _prompt(tiny.vocab_size)
+    plain, _, _ = _blocks(tiny, "none", prompt, (), monkeypatch)
+    toks, _, fin = _blocks(tiny, "none", prompt, tuple(plain), monkeypatch, group=group)
+    assert toks == plain
+    assert [p.name for p in fin.stats.per_proposer] == [group.proposers[0].name, "prediction"]
+    assert fin.stats.prediction_tokens[0] > len(plain) // 2
+    assert group.node_budget == 16 and len(group.proposers) == 1
+
+
 def test_a_prediction_is_refused_by_the_batch_invariant_mode_and_checked(tiny):
     prompt = _prompt(tiny.vocab_size)
     with pytest.raises(ValueError, match="prediction"):
