@@ -17,7 +17,7 @@ chain stays a chain). Where it drafts, its draft joins theirs as the last of one
 (`with_draft`), and it sizes that draft itself (its acceptance and verify(L)). It was a member
 of the session's group once: the group's node budget, the chain drafter's longest draft and its
 planned length then changed with it, and a request whose answer took nothing from its
-prediction needed up to 1.45x the verifier steps (results/serve_prediction.json, issue 43).
+prediction needed up to 1.45x the verifier steps (issue 43's first `bench serve --prediction`).
 """
 
 from __future__ import annotations
