@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from macfleet.bench.prediction_sources import SOURCES
-from macfleet.bench.serve_prediction import WORKLOADS, held_share, requests, summary
+from macfleet.bench.serve_prediction import (ANSWER, COMPLETIONS, SHOT, WORKLOADS, held_share,
+                                              one_shot, requests, summary)
 
 
 def test_the_files_are_100_to_400_lines_and_each_gets_every_workload():
@@ -27,6 +28,22 @@ def test_the_files_are_100_to_400_lines_and_each_gets_every_workload():
     assert by[(name, "useless")]["prediction"] == SOURCES[1][2]
     short = requests(lines=5, workloads=("copy",))
     assert [len(r["prediction"].splitlines()) for r in short] == [5] * len(SOURCES)
+    for (_, w), r in by.items():
+        assert r["endpoint"] == ("completions" if w in COMPLETIONS else "chat")
+    # the completion prompts end where the copy starts; the edit's prediction is the original
+    cc, ce = by[(name, "complete-copy")], by[(name, "complete-edit")]
+    assert cc["prediction"] == ce["prediction"] == code
+    assert cc["ask"].endswith(f"{code}```\nCopy:\n```python\n")
+    assert ce["ask"].endswith(f"{code}```\nWith `{old}` renamed to `{new}`:\n```python\n")
+    regen = by[(name, "regenerate")]
+    assert regen["prediction"] is ANSWER and regen["ask"] == by[(name, "copy")]["ask"]
+
+
+def test_the_one_shot_prompt_shows_the_same_change_on_a_short_function():
+    copy, edit = one_shot("go", "package x\n"), one_shot("go", "package x\n", ("a", "b"))
+    assert copy.count(SHOT) == 2 and copy.startswith(f"Original:\n```python\n{SHOT}```")
+    assert edit.count(SHOT) == 1 and SHOT.replace("total", "result") in edit
+    assert "renamed to `result`" in edit and edit.endswith("renamed to `b`:\n```go\n")
 
 
 def test_held_share_and_summary():
