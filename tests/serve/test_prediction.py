@@ -108,7 +108,8 @@ def _blocks(lm, proposer, prompt, prediction, monkeypatch, group=None):
         elif isinstance(ev, Finished):
             done.append(ev)
 
-    eng.submit(EngineRequest(prompt, GREEDY, 96, report_blocks=True, prediction=prediction),
+    eng.submit(EngineRequest(prompt, GREEDY, 96, lm.eos_ids, report_blocks=True,
+                             prediction=prediction),
                emit, proposer=group)
     eng.run_until_idle()
     return toks, blocks, done[0]
@@ -242,3 +243,39 @@ def test_drafters_count_the_tokens_of_theirs_the_cut_tree_verified():
     tree = TokenTree.from_drafts(0, [d.tokens for d in drafts]).first(5)  # root + 4 nodes
     assert [len(d) for d in verified_drafts(drafts, tree)] == [3, 2]
     assert verified_drafts(drafts, TokenTree.from_drafts(0, [d.tokens for d in drafts])) == drafts
+
+
+@pytest.mark.slow  # the embedded model, four answers
+def test_smollm2_another_files_prediction_takes_no_more_verifier_steps(monkeypatch):
+    """The embedded model asked to repeat code, with unrelated code as the prediction (its
+    drafts re-align on common runs such as indentation, and miss): no more blocks than without
+    a prediction, beside the n-gram drafter or none, on a fixed verify(L) (ForwardClock)."""
+    from macfleet.engine.models import embedded_model_path
+    from macfleet.engine.text import encode_prompt
+
+    if embedded_model_path() is None:
+        pytest.skip("the embedded model is not installed")
+    lm = load_model("smollm2")
+    tok = lm.tokenizer
+    ids = tuple(encode_prompt(tok, "Repeat this code exactly:\n```python\n" + SNIPPET + "```",
+                              True))
+    other = tuple(tok.encode(OTHER, add_special_tokens=False))
+    for proposer in ("ngram", "none"):
+        plain, _, fin = _blocks(lm, proposer, ids, (), monkeypatch)
+        toks, _, fin_p = _blocks(lm, proposer, ids, other, monkeypatch)
+        assert toks == plain, proposer
+        assert fin_p.stats.prediction_tokens[1] > 0, proposer  # it drafted
+        assert fin_p.stats.blocks <= fin.stats.blocks, proposer
+
+
+OTHER = '''class Ring:
+    """A fixed-size ring buffer."""
+
+    def __init__(self, size):
+        self.items = [None] * size
+        self.head = 0
+
+    def push(self, value):
+        self.items[self.head] = value
+        self.head = (self.head + 1) % len(self.items)
+'''
