@@ -88,6 +88,7 @@ class BatchSession:
     prefill_ms: float = 0.0
     tally: BlockTally = field(default_factory=BlockTally)  # its blocks' statistics
     trials: int = 0  # geometric trials of its drafts (accepted + one per rejected block)
+    hits: int = 0  # ... and their successes (its drafters' accepted tokens, not a prediction's)
     draft: Draft = EMPTY_DRAFT
     draft_ms: float = 0.0
     k: int = 0  # drafts asked for this block

@@ -138,10 +138,12 @@ class BlockStep:
         tree = s.tree
         new = [*tree.path_tokens(path), nxt]
         lps = _logprobs(s, logits, tree_rows(path, len(new)), new, rows)
-        if tree.size:
-            # geometric trials along the path: it stopped where the tree had more to offer
-            last = path[-1] if path else 0
-            self._trials(s, len(path) + bool(tree.children[last]), len(path))
+        # the session's own drafters' trials (a prediction's misses are not theirs: the plan
+        # of their lengths reads these)
+        trials, hits = tree_trials(tree, path, set().union(*tree.owned[:-1])
+                                   if s.predicted else None)
+        if trials:
+            self._trials(s, trials, hits)
         drafts, accepted = verified_drafts(s.drafts, tree), tree.accepted_per_source(path)
         verified, theirs_ms = len(tree.tokens), verify_ms
         if s.predicted:  # the prediction's draft is the last: the others learn of theirs,
@@ -150,7 +152,7 @@ class BlockStep:
             s.prediction.observe(len(d), n, verify_ms, verified)
             s.prediction_drafted += len(d)
             s.prediction_accepted += n
-            mine = 1 + len(set().union(*tree.owned[:-1]))
+            mine = 1 + len(set().union(*tree.owned[:-1]))  # root + their nodes
             theirs_ms = self.costs.without(verify_ms, max(forward, verified), verified - mine)
             verified = mine
         if s.group is not None:
@@ -190,6 +192,7 @@ class BlockStep:
 
     def _trials(self, s: BatchSession, trials: int, accepted: int) -> None:
         s.trials += trials
+        s.hits += accepted
         self.costs.observe_block(trials, accepted)
 
     def commit(self, s: BatchSession, new: list[int], *, drafted: int, accepted: int,
@@ -222,6 +225,18 @@ class BlockStep:
             self.finish(s, "stop")
         elif len(s.generated) >= s.req.max_tokens:
             self.finish(s, "length")
+
+
+def tree_trials(tree: TokenTree, path: Sequence[int], nodes: set[int] | None = None
+                ) -> tuple[int, int]:
+    """A tree block's geometric trials and successes (pure): its accepted path, and one
+    trial more where the tree had more to offer below it; `nodes`: only these count (the
+    session's own drafters', beside a prediction's; on the path they are a prefix of it)."""
+    if nodes is not None:
+        path = [i for i in path if i in nodes]
+    last = path[-1] if path else 0
+    more = any(nodes is None or c in nodes for c in tree.children[last].values())
+    return len(path) + more, len(path)
 
 
 def verified_drafts(drafts: Sequence[Draft], tree: TokenTree) -> list[Draft]:

@@ -133,7 +133,7 @@ class BatchDrafting:
         # (a remote head catching up on every session)
         phase = iteration % PROBE_EVERY
         step = PROBE_EVERY // PROBE_GROUPS
-        views = [DraftView(s.sid, draft_acceptance(s.tally.accepted, s.trials, pool_acc, pool_n),
+        views = [DraftView(s.sid, draft_acceptance(s.hits, s.trials, pool_acc, pool_n),
                            wants[s.sid], getattr(s.controller, "draft_ms", None) or 0.0,
                            probe=phase == (s.sid % PROBE_GROUPS) * step,
                            together=rows_of(s.proposer) is not None)

@@ -279,3 +279,21 @@ OTHER = '''class Ring:
         self.items[self.head] = value
         self.head = (self.head + 1) % len(self.items)
 '''
+
+
+def test_a_trees_trials_are_its_own_drafters_beside_a_prediction():
+    """The trials the plan of a session's lengths reads count its drafters' nodes only: a
+    prediction's branch that missed is no trial of theirs."""
+    from macfleet.engine.tree import TokenTree
+    from macfleet.serve.decode import tree_trials
+
+    tree = TokenTree.from_drafts(0, [(1, 2), (7, 8, 9)])  # theirs (1, 2); the prediction's
+    theirs = tree.owned[0]
+    assert tree_trials(tree, [1, 2]) == tree_trials(tree, [1, 2], theirs) == (2, 2)
+    assert tree_trials(tree, [1]) == (2, 1)  # 2 was there and refused
+    assert tree_trials(tree, []) == (1, 0)
+    assert tree_trials(tree, [], theirs) == (1, 0)  # their 1 refused
+    assert tree_trials(tree, [3, 4, 5], theirs) == (1, 0)  # the prediction's path: theirs missed
+    empty = TokenTree.from_drafts(0, [(), (7, 8)])  # they drafted nothing
+    assert tree_trials(empty, [], empty.owned[0]) == (0, 0)
+    assert tree_trials(empty, []) == (1, 0)
