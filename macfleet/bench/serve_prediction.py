@@ -61,8 +61,9 @@ def one_shot(lang: str, code: str, rename: tuple[str, str] | None = None) -> str
     def how(r):
         return "Copy:" if r is None else f"With `{r[0]}` renamed to `{r[1]}`:"
 
+    shot_rename = None if rename is None else SHOT_RENAME
     shot = SHOT if rename is None else SHOT.replace(*SHOT_RENAME)
-    return (f"Original:\n{_fenced('python', SHOT)}\n{how(rename and SHOT_RENAME)}\n"
+    return (f"Original:\n{_fenced('python', SHOT)}\n{how(shot_rename)}\n"
             f"{_fenced('python', shot)}\n\nOriginal:\n{_fenced(lang, code)}\n{how(rename)}\n"
             f"```{lang}\n")
 
