@@ -31,6 +31,7 @@ and rejected (`usage.completion_tokens_details`) and the verifier steps (`usage.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import re
 import time
@@ -143,7 +144,7 @@ def bench_prediction(model: str, *, proposer: str = "ngram", lines: int | None =
     else:
         # no prompt cache: the request with a prediction would find the one without's prompt
         proc, url = start_server(model, "--proposer", proposer, *cap, "--prompt-cache-mb", "0")
-        stop = lambda: stop_server(proc)  # noqa: E731
+        stop = functools.partial(stop_server, proc)
     rows = []
     try:
         client = openai.OpenAI(base_url=url, api_key="none", timeout=3600, max_retries=0)
