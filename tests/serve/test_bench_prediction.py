@@ -78,3 +78,20 @@ def test_bench_serve_prediction_writes_its_rows(tmp_path):
         assert row["same_answer"] and row["speedup"] > 0
         assert row["plain"]["accepted_prediction"] == row["plain"]["rejected_prediction"] == 0
     assert "same answers: 6/6" in r.stdout
+
+
+@pytest.mark.slow  # a local fleet (`macfleet up`) and `macfleet serve` in front of it
+def test_bench_serve_prediction_through_a_fleet_writes_its_rows(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "macfleet", "bench", "--model", "tiny:1",
+                        "--out", str(tmp_path), "serve", "--prediction", "--fleet", "--lines",
+                        "4", "--workloads", "complete-copy,regenerate", "--max-tokens", "24"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "serve_prediction_fleet.json").read_text())
+    assert "macfleet up" in res["server"] and len(res["rows"]) == 2 * len(SOURCES)
+    for row in res["rows"]:
+        assert row["same_answer"] and row["speedup"] > 0
+        assert row["plain"]["accepted_prediction"] == 0
+        if row["workload"] == "regenerate":  # its own answer: held all along, and taken
+            assert row["held_share"] == 1.0 and row["predicted"]["accepted_prediction"] > 0
+    assert "same answers: 6/6" in r.stdout
