@@ -32,7 +32,7 @@ class RemoteProposerGroup(ProposerGroup):
 
     @property
     def remotes(self) -> list[RemoteProposer]:
-        """Its proposers on other agents (a request's prediction drafts here, beside them)."""
+        """Its proposers on other agents."""
         return [p for p in self.proposers if isinstance(p, RemoteProposer)]
 
 

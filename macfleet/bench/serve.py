@@ -101,7 +101,7 @@ class FleetServer:
     """A local fleet (`macfleet up`: a verifier and a proposer agent, each pinned to a core)
     in its own MACFLEET_HOME, and `macfleet serve` in front of it."""
 
-    def __init__(self, model: str, batch_sessions: int, proposer: str) -> None:
+    def __init__(self, model: str, batch_sessions: int, proposer: str, *extra: str) -> None:
         self.home = tempfile.mkdtemp(prefix="macfleet-bench-serve-")
         self.env = {**os.environ, "MACFLEET_HOME": self.home}
         r = subprocess.run([sys.executable, "-m", "macfleet", "up", "--model", model, "--agents",
@@ -110,7 +110,8 @@ class FleetServer:
         if r.returncode != 0:
             raise RuntimeError(f"macfleet up failed: {r.stderr[-2000:]}")
         try:
-            self.proc, self.url = start_server(model, "--proposer", proposer, env=self.env)
+            self.proc, self.url = start_server(model, "--proposer", proposer, *extra,
+                                               env=self.env)
         except BaseException:
             self.down()
             raise

@@ -5,11 +5,19 @@ Code-edit and copy workloads on the source files of bench/prediction_sources.py 
 lines each; `--lines N` keeps their first N lines for a short run), greedy, through the
 `openai` package:
 
-    copy         "repeat this code exactly", the file as the prediction
-    edit         "rename X to Y, write the whole file", the original file as the prediction
-                 (what an editor sends: the text it has)
-    edit-guess   the same instruction, the edited file as the prediction
-    useless      "repeat this code", another file as the prediction
+    copy           "repeat this code exactly", the file as the prediction
+    edit           "rename X to Y, write the whole file", the original file as the prediction
+                   (what an editor sends: the text it has)
+    edit-guess     the same instruction, the edited file as the prediction
+    useless        "repeat this code", another file as the prediction
+    complete-copy  /v1/completions: a one-shot copy prompt (a short function, "Copy:", the same
+                   function; then the file and "Copy:"), the file as the prediction: the
+                   embedded 135M model copies a file asked this way more than in a chat
+    complete-edit  the same with "With `X` renamed to `Y`:", the original file as the
+                   prediction (the answer departs from it where it renames)
+    regenerate     the copy question asked again with the first answer as the prediction (a
+                   client that regenerates, or re-asks after a small change): an answer that
+                   follows its prediction all along, whatever the model makes of the question
 
 Each request runs without a prediction and then with one, on the same server (no prompt cache,
 so both prefill the whole prompt); per request: the
@@ -23,23 +31,47 @@ and rejected (`usage.completion_tokens_details`) and the verifier steps (`usage.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import re
 import time
 from collections.abc import Callable
 
 from macfleet.bench.prediction_sources import SOURCES
-from macfleet.bench.serve import start_server, stop_server
+from macfleet.bench.serve import FleetServer, start_server, stop_server
 
-WORKLOADS = ("copy", "edit", "edit-guess", "useless")
+WORKLOADS = ("copy", "edit", "edit-guess", "useless", "complete-copy", "complete-edit",
+             "regenerate")
+COMPLETIONS = ("complete-copy", "complete-edit")  # asked on /v1/completions, the rest in chat
+ANSWER = None  # a request's prediction is the answer to the same request without one
+FLEET_BATCH = 16  # --fleet: the verifier agent's batch sessions (bench serve --fleet's)
+
+# the one-shot example of the completion prompts: a copy, or the same rename, of a function
+SHOT = "def add(a, b):\n    total = a + b\n    return total\n"
+SHOT_RENAME = ("total", "result")
 
 
 def _fenced(lang: str, code: str) -> str:
     return f"```{lang}\n{code}```"
 
 
+def one_shot(lang: str, code: str, rename: tuple[str, str] | None = None) -> str:
+    """A completion prompt (pure) whose continuation is `code` copied, or with `rename`'s
+    identifier renamed: one short example of the same, then `code` and the opening fence
+    (the answer is asked to stop at the closing one)."""
+    def how(r):
+        return "Copy:" if r is None else f"With `{r[0]}` renamed to `{r[1]}`:"
+
+    shot_rename = None if rename is None else SHOT_RENAME
+    shot = SHOT if rename is None else SHOT.replace(*SHOT_RENAME)
+    return (f"Original:\n{_fenced('python', SHOT)}\n{how(shot_rename)}\n"
+            f"{_fenced('python', shot)}\n\nOriginal:\n{_fenced(lang, code)}\n{how(rename)}\n"
+            f"```{lang}\n")
+
+
 def requests(lines: int | None = None, workloads=WORKLOADS) -> list[dict]:
-    """Every (file, workload): its messages and its prediction."""
+    """Every (file, workload): its question (`ask`: a chat message, or a completion prompt
+    where `endpoint` says so) and its prediction (ANSWER: the answer without one)."""
     files = [(n, lang, _cut(code, lines), ren) for n, lang, code, ren in SOURCES]
     out = []
     for i, (name, lang, code, (old, new)) in enumerate(files):
@@ -49,9 +81,13 @@ def requests(lines: int | None = None, workloads=WORKLOADS) -> list[dict]:
         edit = (f"Rename `{old}` to `{new}` everywhere in this code and write out the whole "
                 f"file:\n{_fenced(lang, code)}")
         for w, (ask, pred) in {"copy": (copy, code), "edit": (edit, code),
-                               "edit-guess": (edit, edited), "useless": (copy, other)}.items():
+                               "edit-guess": (edit, edited), "useless": (copy, other),
+                               "complete-copy": (one_shot(lang, code), code),
+                               "complete-edit": (one_shot(lang, code, (old, new)), code),
+                               "regenerate": (copy, ANSWER)}.items():
             if w in workloads:
-                out.append({"file": name, "workload": w, "ask": ask, "prediction": pred})
+                out.append({"file": name, "workload": w, "ask": ask, "prediction": pred,
+                            "endpoint": "completions" if w in COMPLETIONS else "chat"})
     return out
 
 
@@ -67,17 +103,26 @@ def held_share(answer: str, prediction: str) -> float:
     return round(sum(b.size for b in sm.get_matching_blocks()) / len(answer), 3)
 
 
-def ask(client, model: str, question: str, max_tokens: int, prediction: str | None) -> dict:
-    """One greedy answer: its text, time and usage."""
-    extra = {"prediction": {"type": "content", "content": prediction}} if prediction else {}
+def ask(client, model: str, question: str, max_tokens: int, prediction: str | None,
+        endpoint: str = "chat") -> dict:
+    """One greedy answer: its text, time and usage (`endpoint`: chat, or completions with
+    `question` as the prompt)."""
+    extra = ({"extra_body": {"prediction": {"type": "content", "content": prediction}}}
+             if prediction else {})
     t0 = time.perf_counter()
-    r = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0,
-                                       messages=[{"role": "user", "content": question}],
-                                       **extra)
+    if endpoint == "completions":
+        r = client.completions.create(model=model, prompt=question, max_tokens=max_tokens,
+                                      temperature=0, stop=["```"], **extra)
+    else:
+        r = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0,
+                                           messages=[{"role": "user", "content": question}],
+                                           **extra)
     s = time.perf_counter() - t0
     u = r.usage
     d, mine = u.completion_tokens_details, (u.model_extra or {}).get("macfleet") or {}
-    return {"text": r.choices[0].message.content or "", "s": round(s, 3),
+    c = r.choices[0]
+    text = c.text if endpoint == "completions" else c.message.content
+    return {"text": text or "", "s": round(s, 3),
             "tokens": u.completion_tokens, "finish_reason": r.choices[0].finish_reason,
             "accepted_prediction": (d.accepted_prediction_tokens or 0) if d else 0,
             "rejected_prediction": (d.rejected_prediction_tokens or 0) if d else 0,
@@ -86,13 +131,20 @@ def ask(client, model: str, question: str, max_tokens: int, prediction: str | No
 
 def bench_prediction(model: str, *, proposer: str = "ngram", lines: int | None = None,
                      max_tokens: int = 1024, workloads=WORKLOADS, deadline: float = math.inf,
-                     progress: Callable[[str], None] = lambda m: None) -> dict:
-    """Every request without and with its prediction on one `serve --local`."""
+                     fleet: bool = False, progress: Callable[[str], None] = lambda m: None
+                     ) -> dict:
+    """Every request without and with its prediction on one `serve --local`, or (fleet) on
+    `serve` in front of a local fleet (`macfleet up`: a verifier and a proposer agent)."""
     import openai
 
-    # no prompt cache: the request with a prediction would find the one without's prompt
-    proc, url = start_server(model, "--proposer", proposer, "--max-tokens-cap",
-                             str(max_tokens), "--prompt-cache-mb", "0")
+    cap = ("--max-tokens-cap", str(max_tokens))
+    if fleet:
+        server = FleetServer(model, FLEET_BATCH, proposer, *cap)
+        url, stop = server.url, server.stop
+    else:
+        # no prompt cache: the request with a prediction would find the one without's prompt
+        proc, url = start_server(model, "--proposer", proposer, *cap, "--prompt-cache-mb", "0")
+        stop = functools.partial(stop_server, proc)
     rows = []
     try:
         client = openai.OpenAI(base_url=url, api_key="none", timeout=3600, max_retries=0)
@@ -101,14 +153,17 @@ def bench_prediction(model: str, *, proposer: str = "ngram", lines: int | None =
             if time.monotonic() > deadline:
                 progress("time limit reached")
                 break
-            plain = ask(client, model, req["ask"], max_tokens, None)
-            pred = ask(client, model, req["ask"], max_tokens, req["prediction"])
+            if fleet:  # the verifier agent keeps a prompt cache: both requests find the prompt
+                ask(client, model, req["ask"], 1, None, req["endpoint"])
+            plain = ask(client, model, req["ask"], max_tokens, None, req["endpoint"])
+            predicted = plain["text"] if req["prediction"] is ANSWER else req["prediction"]
+            pred = ask(client, model, req["ask"], max_tokens, predicted, req["endpoint"])
             row = {"file": req["file"], "workload": req["workload"],
                    "speedup": round(plain["s"] / pred["s"], 3) if pred["s"] else None,
                    "steps_ratio": round(plain["verify_steps"] / pred["verify_steps"], 3)
                    if pred["verify_steps"] else None,
                    "same_answer": plain["text"] == pred["text"],
-                   "held_share": held_share(plain["text"], req["prediction"]),
+                   "held_share": held_share(plain["text"], predicted),
                    "accepted_share": round(pred["accepted_prediction"] / pred["tokens"], 3)
                    if pred["tokens"] else 0.0,
                    "plain": plain, "predicted": pred}
@@ -118,8 +173,9 @@ def bench_prediction(model: str, *, proposer: str = "ngram", lines: int | None =
                      f"{row['held_share']:.0%}, accepted {row['accepted_share']:.0%} of "
                      f"{pred['tokens']} tokens, same answer {row['same_answer']}")
     finally:
-        stop_server(proc)
+        stop()
     return {"model": model, "proposer": proposer, "lines": lines, "max_tokens": max_tokens,
+            "server": "serve in front of macfleet up --agents 2" if fleet else "serve --local",
             "rows": rows, "summary": summary(rows)}
 
 
@@ -152,11 +208,11 @@ def summary(rows: list[dict]) -> dict:
 
 def prediction_rows(res: dict) -> list[str]:
     s = res["summary"]
-    out = [f"{'workload':<11}{'speed-up':>9}{'min':>7}{'steps':>8}{'held':>7}{'accepted':>10}"]
+    out = [f"{'workload':<14}{'speed-up':>9}{'min':>7}{'steps':>8}{'held':>7}{'accepted':>10}"]
     for w in WORKLOADS:
         if w in s:
             x = s[w]
-            out.append(f"{w:<11}{x['speedup_geomean']!s:>8}x{x['speedup_min']!s:>7}"
+            out.append(f"{w:<14}{x['speedup_geomean']!s:>8}x{x['speedup_min']!s:>7}"
                        f"{x['steps_ratio_geomean']!s:>7}x{x['held_share_mean']:>7.0%}"
                        f"{x['accepted_share_mean']:>10.0%}")
     for name, b in s["by_held_share"].items():

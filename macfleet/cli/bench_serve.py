@@ -15,7 +15,8 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--no-stall", action="store_true", help="skip the decode-stall measurement")
     s.add_argument("--fleet", action="store_true", help="through a local fleet instead "
                    "(macfleet up + serve): the verifier agent batching vs one session at a "
-                   "time (results/serve_fleet.json)")
+                   "time (results/serve_fleet.json); with --prediction: the same workloads "
+                   "through it (results/serve_prediction_fleet.json)")
     s.add_argument("--stall-only", action="store_true",
                    help="only the decode-stall measurement (results/serve_stall.json)")
     s.add_argument("--mlx-lm", default=None, metavar="DIR",
@@ -45,14 +46,16 @@ def add_bench_parsers(bs) -> None:
                    "--prediction: the first is the server's drafter beside the prediction")
     s.add_argument("--prediction", action="store_true",
                    help="OpenAI Predicted Outputs: code-edit and copy workloads on 100-400 "
-                   "line files, each request's speed-up with its prediction against without, "
-                   "beside the share of the answer the prediction held "
-                   "(results/serve_prediction.json)")
+                   "line files (chat and completions), each request's speed-up with its "
+                   "prediction against without, beside the share of the answer the prediction "
+                   "held (results/serve_prediction.json)")
     s.add_argument("--lines", type=int, default=None,
                    help="with --prediction: keep the files' first N lines (a short run; "
                    "default: the whole files)")
-    s.add_argument("--workloads", default="copy,edit,edit-guess,useless",
-                   help="with --prediction: comma-separated workloads")
+    s.add_argument("--workloads", default=None,
+                   help="with --prediction: comma-separated workloads (default: all of copy, "
+                   "edit, edit-guess, useless, complete-copy, complete-edit, regenerate; "
+                   "bench/serve_prediction.py says what each asks)")
     s.set_defaults(func=run_serve)
     b = bs.add_parser("batch-identity", help="greedy answers batched vs alone over many "
                       "requests: divergence rate per mode (results/batch_identity.json)")
@@ -133,7 +136,8 @@ def _run_prediction(args, progress) -> int:
     from macfleet.bench.serve_prediction import WORKLOADS, bench_prediction, prediction_rows
     from macfleet.cli.common import UserError
 
-    workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+    workloads = (WORKLOADS if args.workloads is None else
+                 tuple(w.strip() for w in args.workloads.split(",") if w.strip()))
     if not workloads or set(workloads) - set(WORKLOADS):
         raise UserError(f"--workloads must name some of {', '.join(WORKLOADS)}")
     if args.lines is not None and args.lines < 1:
@@ -141,8 +145,10 @@ def _run_prediction(args, progress) -> int:
     max_tokens = args.max_tokens if args.max_tokens is not None else 1024
     res = bench_prediction(args.model, proposer=args.proposer.split(",")[0], lines=args.lines,
                            max_tokens=max_tokens, workloads=workloads,
-                           deadline=time.monotonic() + args.time_limit, progress=progress)
-    path = write_result("serve_prediction.json", res, args.out)
+                           deadline=time.monotonic() + args.time_limit, fleet=args.fleet,
+                           progress=progress)
+    name = "serve_prediction_fleet.json" if args.fleet else "serve_prediction.json"
+    path = write_result(name, res, args.out)
     for line in prediction_rows(res):
         print(line)
     print(f"wrote {path}")

@@ -66,8 +66,7 @@ class ChoosingGroup(ProposerGroup):
                          node_budget=tree_budget(proposers))
         self.candidates = tuple(candidates)
         self.prior = dict(prior or {})
-        self._own = len(self.proposers)  # drafters joined later (a request's prediction) draft
-        self._reset()                    # beside whichever candidate is chosen
+        self._reset()
 
     def _reset(self) -> None:
         self.chooser = Chooser(self.candidates, prior=self.prior)
@@ -90,8 +89,7 @@ class ChoosingGroup(ProposerGroup):
         self.chooser.curve.seed(costs)
 
     def _members(self) -> tuple[int, ...]:
-        mine = self.chooser.by_name(self.choice.drafter).members if self.choice else ()
-        return (*mine, *range(self._own, len(self.proposers)))
+        return self.chooser.by_name(self.choice.drafter).members if self.choice else ()
 
     @property
     def host_side(self) -> bool:

@@ -105,15 +105,6 @@ class ProposerGroup:
               for p, c, live in zip(self.proposers, self.controllers, self.live)]
         return cap_total(ks, self.node_budget)
 
-    def join(self, p: Proposer, budget: int) -> None:
-        """One more drafter in the tree (a request's prediction), with `budget` more nodes."""
-        self.proposers.append(p)
-        self.controllers.append(FixedDraftLength(0))  # unused: it sizes its own drafts
-        self.live.append(True)
-        self.drafted.append(0)
-        self.accepted.append(0)
-        self.node_budget += budget
-
     def draft_all(self, context: Sequence[int], ks: Sequence[int],
                   given: Sequence[Draft | None] | None = None) -> list[Draft]:
         """Each proposer's draft (EMPTY_DRAFT where k is 0 or it failed: pruned); a non-empty

@@ -50,7 +50,7 @@ class EngineRequest:
     # server has several keys; "" the one shared cache): prefixes cross no partition
     partition: str = ""
     # the answer the client expects (OpenAI's Predicted Outputs), as token ids: drafted from
-    # by engine/proposers/prediction.py beside the session's other drafters, in one tree
+    # by engine/proposers/prediction.py beside the session's other drafters (serve/drafting.py)
     prediction: tuple[int, ...] = ()
 
 
@@ -88,6 +88,7 @@ class BatchSession:
     prefill_ms: float = 0.0
     tally: BlockTally = field(default_factory=BlockTally)  # its blocks' statistics
     trials: int = 0  # geometric trials of its drafts (accepted + one per rejected block)
+    hits: int = 0  # ... and their successes (its drafters' accepted tokens, not a prediction's)
     draft: Draft = EMPTY_DRAFT
     draft_ms: float = 0.0
     k: int = 0  # drafts asked for this block
@@ -101,6 +102,12 @@ class BatchSession:
     admitted: bool = False
     on_close: Callable[[], None] | None = None
     constraint: Constraint | None = None  # the request's grammar state (structured output)
+    # the request's prediction's drafter (engine/proposers/prediction.py), beside the others:
+    # its draft, when it has one, is the last of this block's tree (`predicted`)
+    prediction: Proposer | None = None
+    predicted: bool = False
+    prediction_drafted: int = 0  # its tokens verified, all blocks
+    prediction_accepted: int = 0  # ... and accepted
 
     @property
     def prefill_left(self) -> int:

@@ -79,6 +79,15 @@ class BatchCosts:
             return None
         return lambda n: self.line.predict(n)
 
+    def without(self, ms: float, tokens: int, fewer: int) -> float:
+        """A forward of `tokens` tokens that took `ms`, priced without `fewer` of them (by
+        `batch_cost`; `ms` itself before anything is measured): what a session's drafters
+        learn of a block that a request's prediction made longer (serve/drafting.py)."""
+        cost = self.batch_cost()
+        if cost is None or fewer <= 0 or tokens - fewer < 1:
+            return ms
+        return ms * cost(tokens - fewer) / cost(tokens)
+
     def observe(self, rec: IterationView) -> None:
         """One iteration's forward, measured."""
         self.stall.observe(rec.prefill_tokens, rec.decode_tokens, rec.ms)

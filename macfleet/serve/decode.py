@@ -97,7 +97,8 @@ class BlockStep:
                     s.prefill_ms = (self.clock() - s.t_start) * 1e3
             elif s.tree is not None:
                 self.commit_tree(s, *accepted[s.sid], verify_ms, rows[s.sid],
-                                 read.logprobs.get(s.sid))
+                                 read.logprobs.get(s.sid),
+                                 forward=sum(sl.tokens for _, sl in run))
             else:
                 n, nxt = decided[s.sid]
                 self.commit_chain(s, rows[s.sid], verify_ms, (n, nxt),
@@ -129,18 +130,35 @@ class BlockStep:
         return out
 
     def commit_tree(self, s: BatchSession, path: list[int], nxt: int, verify_ms: float,
-                    logits: mx.array, rows: RowLogprobs | None = None) -> None:
+                    logits: mx.array, rows: RowLogprobs | None = None, *,
+                    forward: int = 0) -> None:
         """rows: the block's logprobs, evaluated with the batch's decisions (None: read here
-        when the request asked for them)."""
+        when the request asked for them); forward: the tokens of the forward `verify_ms` timed
+        (0: this tree's)."""
         tree = s.tree
         new = [*tree.path_tokens(path), nxt]
         lps = _logprobs(s, logits, tree_rows(path, len(new)), new, rows)
-        if tree.size:
-            # geometric trials along the path: it stopped where the tree had more to offer
-            last = path[-1] if path else 0
-            self._trials(s, len(path) + bool(tree.children[last]), len(path))
-        s.group.observe(verified_drafts(s.drafts, tree), tree.accepted_per_source(path),
-                        verify_ms, len(tree.tokens))
+        # the session's own drafters' trials (a prediction's misses are not theirs: the plan
+        # of their lengths reads these)
+        trials, hits = tree_trials(tree, path, set().union(*tree.owned[:-1])
+                                   if s.predicted else None)
+        if trials:
+            self._trials(s, trials, hits)
+        drafts, accepted = verified_drafts(s.drafts, tree), tree.accepted_per_source(path)
+        verified, theirs_ms = len(tree.tokens), verify_ms
+        if s.predicted:  # the prediction's draft is the last: the others learn of theirs,
+            # and of the time their nodes alone would have taken (the batch's cost curve)
+            (d, n), drafts, accepted = (drafts[-1], accepted[-1]), drafts[:-1], accepted[:-1]
+            s.prediction.observe(len(d), n, verify_ms, verified)
+            s.prediction_drafted += len(d)
+            s.prediction_accepted += n
+            mine = 1 + len(set().union(*tree.owned[:-1]))  # root + their nodes
+            theirs_ms = self.costs.without(verify_ms, max(forward, verified), verified - mine)
+            verified = mine
+        if s.group is not None:
+            s.group.observe(drafts, accepted, theirs_ms, verified)
+        else:  # a chain drafter's block, with the prediction beside it
+            self._chain_observed(s, drafts[0], accepted[0], theirs_ms)
         self.commit(s, new, drafted=tree.size, accepted=len(path), verify_ms=verify_ms,
                     logprobs=lps)
 
@@ -159,15 +177,22 @@ class BlockStep:
             trim_cache(s.cache, len(d) - n)
         if len(d):
             self._trials(s, n + (n < len(d)), n)
-            if s.proposer is not None:
-                s.proposer.observe(len(d), n, verify_ms)
+        self._chain_observed(s, d, n, verify_ms)
+        self.commit(s, new, drafted=len(d), accepted=n, verify_ms=verify_ms, logprobs=lps)
+
+    @staticmethod
+    def _chain_observed(s: BatchSession, d: Draft, n: int, verify_ms: float) -> None:
+        """A chain drafter's draft `d` and its `n` tokens accepted: it and its controller
+        learn (the controller of every block, drafted or not)."""
+        if len(d) and s.proposer is not None:
+            s.proposer.observe(len(d), n, verify_ms)
         # a paced drafter's wait is its own decision, not a per-token drafting cost
         s.controller.observe(len(d), n, 0.0 if s.proposer is not None and s.proposer.paced
                              else s.draft_ms, verify_ms)
-        self.commit(s, new, drafted=len(d), accepted=n, verify_ms=verify_ms, logprobs=lps)
 
     def _trials(self, s: BatchSession, trials: int, accepted: int) -> None:
         s.trials += trials
+        s.hits += accepted
         self.costs.observe_block(trials, accepted)
 
     def commit(self, s: BatchSession, new: list[int], *, drafted: int, accepted: int,
@@ -203,6 +228,18 @@ class BlockStep:
             self.finish(s, "stop")
         elif len(s.generated) >= s.req.max_tokens:
             self.finish(s, "length")
+
+
+def tree_trials(tree: TokenTree, path: Sequence[int], nodes: set[int] | None = None
+                ) -> tuple[int, int]:
+    """A tree block's geometric trials and successes (pure): its accepted path, and one
+    trial more where the tree had more to offer below it; `nodes`: only these count (the
+    session's own drafters', beside a prediction's; on the path they are a prefix of it)."""
+    if nodes is not None:
+        path = [i for i in path if i in nodes]
+    last = path[-1] if path else 0
+    more = any(nodes is None or c in nodes for c in tree.children[last].values())
+    return len(path) + more, len(path)
 
 
 def verified_drafts(drafts: Sequence[Draft], tree: TokenTree) -> list[Draft]:

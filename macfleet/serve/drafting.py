@@ -9,6 +9,15 @@ When `draft_all` returns, a session's block is final: `s.draft` (a chain) or `s.
 `s.drafts` (a token tree), cut to its slot only by the scheduler (a per-session constraint on
 the tokens cuts the drafts it forbids, a tree's node by node, or adds the tokens it forces, at
 the end of `draft_all`).
+
+A request's prediction (OpenAI's Predicted Outputs, `s.prediction`) drafts after the session's
+own drafters, beside them: their lengths, their drafts and what they learn are what they would
+be without it, and a block where it drafts nothing is the block it would be without it (a
+chain stays a chain). Where it drafts, its draft joins theirs as the last of one token tree
+(`with_draft`), and it sizes that draft itself (its acceptance and verify(L)). It was a member
+of the session's group once: the group's node budget, the chain drafter's longest draft and its
+planned length then changed with it, and a request whose answer took nothing from its
+prediction needed up to 1.45x the verifier steps (issue 43's first `bench serve --prediction`).
 """
 
 from __future__ import annotations
@@ -16,7 +25,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from macfleet.engine.controller import DEFAULT_K_MAX as CHAIN_K_MAX
 from macfleet.engine.controller import AUTO, DraftTokens
 from macfleet.engine.constraint import constrained_draft, constrained_tree
 from macfleet.engine.loop import ProposerFailed, sanitize_draft
@@ -24,9 +32,9 @@ from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.proposers.eagle.chain import EagleProposer
-from macfleet.engine.proposers.prediction import PredictionProposer
 from macfleet.engine.text import Drafting, make_group, no_drafts, plan_drafting
-from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_budget, tree_of_drafts
+from macfleet.engine.tree import TokenTree
+from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_of_drafts
 from macfleet.serve.batch_session import BatchSession
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.scheduler import DraftView, draft_acceptance, plan_drafts
@@ -59,25 +67,6 @@ def make_drafting(spec: str, lm: LoadedModel, draft_tokens: DraftTokens,
             drafting.close()
             raise
     return drafting
-
-
-def with_prediction(drafting: Drafting, prediction: PredictionProposer,
-                    draft_tokens: DraftTokens) -> ProposerGroup:
-    """A session's drafters with its request's prediction in one token tree: the prediction
-    sizes its own drafts (up to its window, on top of the others' node budget), and the
-    iteration's token budget cuts the tree as any other."""
-    if isinstance(drafting, ProposerGroup):
-        drafting.join(prediction, prediction.max_window)
-        return drafting
-    if drafting is None:
-        group = make_group([prediction], draft_tokens)
-        group.node_budget += prediction.max_window
-        return group
-    # a chain drafter keeps the longest draft it has alone (a tree's default is shorter)
-    group = ProposerGroup([drafting], draft_tokens=draft_tokens, k_max=CHAIN_K_MAX,
-                          node_budget=tree_budget([drafting]))
-    group.join(prediction, prediction.max_window)
-    return group
 
 
 def check_drafting(drafting: Proposer | ProposerGroup, invariant: bool) -> None:
@@ -144,7 +133,7 @@ class BatchDrafting:
         # (a remote head catching up on every session)
         phase = iteration % PROBE_EVERY
         step = PROBE_EVERY // PROBE_GROUPS
-        views = [DraftView(s.sid, draft_acceptance(s.tally.accepted, s.trials, pool_acc, pool_n),
+        views = [DraftView(s.sid, draft_acceptance(s.hits, s.trials, pool_acc, pool_n),
                            wants[s.sid], getattr(s.controller, "draft_ms", None) or 0.0,
                            probe=phase == (s.sid % PROBE_GROUPS) * step,
                            together=rows_of(s.proposer) is not None)
@@ -197,6 +186,9 @@ class BatchDrafting:
                 except ProposerFailed as e:
                     self._lose_proposer(s, e)
             s.draft_ms = (self.clock() - t0) * 1e3
+        for s in decoding:  # a request's prediction, beside what the others drafted
+            if s.prediction is not None:
+                self._predict(s)
         for s in decoding:  # structured output: forced tokens first, drafts cut to the grammar
             if s.constraint is None:
                 continue
@@ -207,8 +199,31 @@ class BatchDrafting:
                 s.draft = Draft(constrained_draft(s.constraint, s.draft.tokens, room), None,
                                 s.draft_ms)
 
+    def _predict(self, s: BatchSession) -> None:
+        """The prediction's draft (up to what the answer has room for) joined to the block:
+        the block untouched when it drafts nothing."""
+        s.predicted = False
+        if s.left <= 0:
+            return
+        d = sanitize_draft(s.prediction.propose(s.context, min(s.prediction.draft_length(),
+                                                               s.left)), s.left, self.vocab)
+        if not d.tokens:
+            return
+        drafts = s.drafts if s.tree is not None else [s.draft]
+        s.drafts, s.tree = with_draft(s.context[-1], drafts, d, s.req.params.greedy)
+        s.draft, s.predicted = EMPTY_DRAFT, True
+
     @staticmethod
     def _lose_proposer(s: BatchSession, e: ProposerFailed) -> None:
         log.warning("session %d: proposer failed (%s), continuing without", s.sid, e)
         s.proposer.close()
         s.proposer = None
+
+
+def with_draft(root: int, drafts: Sequence[Draft], d: Draft, greedy: bool
+               ) -> tuple[list[Draft], TokenTree]:
+    """A block's drafts (sanitized: a chain's one, or a tree's) with `d` last, merged into
+    their token tree under `root` (`tree_of_drafts`'s; nodes they share are each one's)."""
+    drafts = [*drafts, d if not greedy else Draft(d.tokens, None, d.draft_ms, d.parents)]
+    return drafts, TokenTree.from_drafts(root, [x.tokens for x in drafts],
+                                         [x.probs for x in drafts], [x.parents for x in drafts])

@@ -50,8 +50,7 @@ from macfleet.serve.batch_session import (BatchSession, EngineEvent, EngineReque
                                           Overloaded, SessionFailed, SessionHandle)
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.decode import BlockStep, read_iteration
-from macfleet.serve.drafting import (BatchDrafting, check_drafting, make_drafting,
-                                     with_prediction)
+from macfleet.serve.drafting import BatchDrafting, check_drafting, make_drafting
 from macfleet.serve.lifecycle import Sessions
 from macfleet.serve.prompt_cache import PromptCache
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, SessionView,
@@ -195,37 +194,42 @@ class BatchEngine:
                       if req.grammar is not None else None)
         if constraint is not None and req.committed:
             constraint.resume(req.committed)
-        if proposer is not None:
-            check_drafting(proposer, self.invariant)
-        drafting = (proposer if proposer is not None else
-                    make_drafting(self.proposer_spec, self.lm, draft_tokens, self.invariant))
         if req.prediction:
             if self.invariant:
                 raise ValueError("a prediction drafts a token tree; the batch-invariant mode "
                                  "verifies chains")
             if not all(0 <= int(t) < self._vocab for t in req.prediction):
                 raise ValueError(f"prediction ids must be in 0..{self._vocab - 1}")
-            drafting = with_prediction(drafting, PredictionProposer(
-                req.prediction, len(req.prompt) - len(req.committed)), draft_tokens)
-        name = drafting.name if drafting is not None else "none"
+        if proposer is not None:
+            check_drafting(proposer, self.invariant)
+        drafting = (proposer if proposer is not None else
+                    make_drafting(self.proposer_spec, self.lm, draft_tokens, self.invariant))
+        # the prediction drafts beside the session's drafters, which it leaves as they are
+        # (serve/drafting.py)
+        predicting = (PredictionProposer(req.prediction, len(req.prompt) - len(req.committed))
+                      if req.prediction else None)
+        name = "+".join([*([drafting.name] if drafting is not None else []),
+                         *([predicting.name] if predicting is not None else [])]) or "none"
         group = drafting if isinstance(drafting, ProposerGroup) else None
         chain = None if group is not None else drafting
         feeds = [p for p in (group.proposers if group is not None else [chain])
                  if p is not None and p.wants_features]
         for p in feeds:  # the flat forward runs no tap: the engine feeds its features
             p.untap()
-        if drafting is not None:
-            drafting.start(req.params)
+        for d in (drafting, predicting):
+            if d is not None:
+                d.start(req.params)
         controller = make_controller(draft_tokens if chain is not None else 0)
         try:
             s = self.table.enqueue(lambda sid: BatchSession(
                 sid, req, emit, chain, controller, group=group, feeds=feeds,
                 auto_tree=group is not None and draft_tokens == AUTO, on_close=on_close,
                 times=TokenTimes(self.clock()), proposer_name=name, kv=kv,
-                constraint=constraint))
+                constraint=constraint, prediction=predicting))
         except Overloaded:
-            if drafting is not None:
-                drafting.close()
+            for d in (drafting, predicting):
+                if d is not None:
+                    d.close()
             raise
         return SessionHandle(s, self._wake)
 
@@ -300,8 +304,9 @@ class BatchEngine:
         self.kv.open(s)
         s.rng = make_rng(s.req.params, stream=0)  # SpecInfer's tree rule (drafts with q)
         s.seed = 0 if s.req.params.greedy else generation_seed(s.req.params)
-        if s.group is not None:  # its drafters size trees against verify(L)
-            s.group.seed_verify_costs(self.costs.verify_costs())
+        for d in (s.group, s.prediction):  # its drafters size trees against verify(L)
+            if d is not None:
+                d.seed_verify_costs(self.costs.verify_costs())
         self.kv.reuse(s)
 
     def _fail(self, s: BatchSession, message: str) -> None:

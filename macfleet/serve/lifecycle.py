@@ -19,6 +19,7 @@ from macfleet.fleet.batch import ServedSession
 from macfleet.serve.batch_session import BatchSession, Overloaded, SessionFailed
 from macfleet.serve.session_kv import SessionKV
 from macfleet.serve.timing import RECENT_SESSIONS
+from macfleet.stats import PREDICTION, ProposerStats
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,9 @@ class Sessions:
         cancelled (nobody is told)."""
         if s in self.active:
             self.active.remove(s)
-        per_proposer = s.group.per_proposer() if s.group is not None else ()
+        predicted = (ProposerStats(PREDICTION, s.prediction_drafted, s.prediction_accepted),)
+        per_proposer = (*(s.group.per_proposer() if s.group is not None else ()),
+                        *(predicted if s.prediction is not None else ()))
         chosen = (dict(drafters=s.group.drafter_stats(), choices=tuple(s.group.choices))
                   if s.group is not None else {})
         self._release(s, "cancelled" if s.cancelled else "failed" if failed else "done")
@@ -125,3 +128,6 @@ class Sessions:
         if s.group is not None:
             s.group.close()
             s.group = None
+        if s.prediction is not None:
+            s.prediction.close()
+            s.prediction = None

@@ -49,8 +49,9 @@ def test_each_session_chooses_its_drafter_with_plain_decodings_answer(tiny):
 
 
 def test_a_prediction_drafts_beside_the_chosen_drafter(tiny):
-    """A request's prediction joins the session's group: it drafts whichever candidate is
-    chosen (here it is the answer: most of it accepted), and the answer is unchanged."""
+    """A request's prediction drafts beside the session's choosing group, whichever
+    candidate is chosen (here it is the answer: most of it accepted), and the answer is
+    unchanged."""
     plain, _ = _answers(tiny, "none")
     auto, fins = _answers(tiny, "auto", prediction=plain)
     assert auto == plain

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from macfleet.bench.prediction_sources import SOURCES
-from macfleet.bench.serve_prediction import WORKLOADS, held_share, requests, summary
+from macfleet.bench.serve_prediction import (ANSWER, COMPLETIONS, SHOT, WORKLOADS, held_share,
+                                              one_shot, requests, summary)
 
 
 def test_the_files_are_100_to_400_lines_and_each_gets_every_workload():
@@ -27,6 +28,22 @@ def test_the_files_are_100_to_400_lines_and_each_gets_every_workload():
     assert by[(name, "useless")]["prediction"] == SOURCES[1][2]
     short = requests(lines=5, workloads=("copy",))
     assert [len(r["prediction"].splitlines()) for r in short] == [5] * len(SOURCES)
+    for (_, w), r in by.items():
+        assert r["endpoint"] == ("completions" if w in COMPLETIONS else "chat")
+    # the completion prompts end where the copy starts; the edit's prediction is the original
+    cc, ce = by[(name, "complete-copy")], by[(name, "complete-edit")]
+    assert cc["prediction"] == ce["prediction"] == code
+    assert cc["ask"].endswith(f"{code}```\nCopy:\n```python\n")
+    assert ce["ask"].endswith(f"{code}```\nWith `{old}` renamed to `{new}`:\n```python\n")
+    regen = by[(name, "regenerate")]
+    assert regen["prediction"] is ANSWER and regen["ask"] == by[(name, "copy")]["ask"]
+
+
+def test_the_one_shot_prompt_shows_the_same_change_on_a_short_function():
+    copy, edit = one_shot("go", "package x\n"), one_shot("go", "package x\n", ("a", "b"))
+    assert copy.count(SHOT) == 2 and copy.startswith(f"Original:\n```python\n{SHOT}```")
+    assert edit.count(SHOT) == 1 and SHOT.replace("total", "result") in edit
+    assert "renamed to `result`" in edit and edit.endswith("renamed to `b`:\n```go\n")
 
 
 def test_held_share_and_summary():
@@ -60,4 +77,21 @@ def test_bench_serve_prediction_writes_its_rows(tmp_path):
     for row in res["rows"]:
         assert row["same_answer"] and row["speedup"] > 0
         assert row["plain"]["accepted_prediction"] == row["plain"]["rejected_prediction"] == 0
+    assert "same answers: 6/6" in r.stdout
+
+
+@pytest.mark.slow  # a local fleet (`macfleet up`) and `macfleet serve` in front of it
+def test_bench_serve_prediction_through_a_fleet_writes_its_rows(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "macfleet", "bench", "--model", "tiny:1",
+                        "--out", str(tmp_path), "serve", "--prediction", "--fleet", "--lines",
+                        "4", "--workloads", "complete-copy,regenerate", "--max-tokens", "24"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "serve_prediction_fleet.json").read_text())
+    assert "macfleet up" in res["server"] and len(res["rows"]) == 2 * len(SOURCES)
+    for row in res["rows"]:
+        assert row["same_answer"] and row["speedup"] > 0
+        assert row["plain"]["accepted_prediction"] == 0
+        if row["workload"] == "regenerate":  # its own answer: held all along, and taken
+            assert row["held_share"] == 1.0 and row["predicted"]["accepted_prediction"] > 0
     assert "same answers: 6/6" in r.stdout

@@ -69,6 +69,87 @@ def test_a_prediction_changes_no_greedy_token_and_counts_its_own_drafts(tiny, pr
     assert acc <= 4 and rej <= 32  # it went quiet after its misses
 
 
+class ForwardClock:
+    """The engine's clock, moved only by its forwards, each by BANDWIDTH_BOUND's verify(L) of
+    its tokens: every time the engine measures (the cost curve, the controllers' fits) is
+    the table's, so adaptive draft lengths depend on the drafting logic alone."""
+
+    def __init__(self, monkeypatch) -> None:
+        import macfleet.serve.engine as engine
+
+        self.t, real = 0.0, engine.flat_outputs
+
+        def timed(model, segs, **kw):
+            self.t += (10.0 + 0.2 * (sum(len(s.tokens) for s in segs) - 1)) / 1e3
+            return real(model, segs, **kw)
+
+        monkeypatch.setattr(engine, "flat_outputs", timed)
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _blocks(lm, proposer, prompt, prediction, monkeypatch, group=None):
+    """(tokens, each block's (drafts asked, accepted, committed), Finished) of one request."""
+    from macfleet.engine.events import BlockDone, Finished, TokensCommitted
+
+    # the table known from the start, as on a machine that probed it once (else the
+    # prediction's seeding would give the batch's cost curve a table the run without lacks)
+    monkeypatch.setattr("macfleet.engine.verify_costs.known_verify_costs",
+                        lambda model: dict(BANDWIDTH_BOUND))
+    eng = BatchEngine(lm, proposer=proposer, clock=ForwardClock(monkeypatch))
+    toks, blocks, done = [], [], []
+
+    def emit(ev):
+        if isinstance(ev, TokensCommitted):
+            toks.extend(ev.tokens)
+        elif isinstance(ev, BlockDone):
+            blocks.append((ev.k, ev.accepted, ev.committed))
+        elif isinstance(ev, Finished):
+            done.append(ev)
+
+    eng.submit(EngineRequest(prompt, GREEDY, 96, lm.eos_ids, report_blocks=True,
+                             prediction=prediction),
+               emit, proposer=group)
+    eng.run_until_idle()
+    return toks, blocks, done[0]
+
+
+def test_a_useless_prediction_leaves_the_other_drafters_blocks_as_they_are(tiny, monkeypatch):
+    """A prediction the answer takes nothing from (tokens it never holds) drafts beside the
+    session's chain drafter without resizing it: every block asks it the same length and
+    commits the same tokens as without a prediction (it was once a member of a group sized
+    otherwise: 3x the blocks here). The drafter is a copy of the verifier, so each block's
+    length is the adaptive length's choice alone."""
+    prompt, vocab = _prompt(tiny.vocab_size), tiny.vocab_size
+    plain, blocks, fin = _blocks(tiny, "draft:tiny:1:64", prompt, (), monkeypatch)
+    assert fin.stats.blocks < len(plain) // 3  # long drafts, all accepted
+    pool = sorted(set(range(vocab)) - set(plain) - set(prompt))
+    useless = tuple(int(t) for t in np.random.default_rng(3).choice(pool, 96))
+    toks, blocks_p, fin_p = _blocks(tiny, "draft:tiny:1:64", prompt, useless, monkeypatch)
+    assert toks == plain
+    acc, rej = fin_p.stats.prediction_tokens
+    assert acc == 0 and rej > 0  # it drafted (its first block), and nothing was taken
+    assert [b[0] for b in blocks_p] == [b[0] for b in blocks]
+    assert blocks_p == blocks
+
+
+def test_a_sessions_group_is_left_as_it_is_by_a_prediction(tiny, monkeypatch):
+    """The group a caller passes (a verifier agent's remote tree) keeps its drafters and node
+    budget; the prediction's counts come beside theirs."""
+    from macfleet.engine.proposers import make_proposer
+    from macfleet.engine.tree_loop import ProposerGroup
+
+    group = ProposerGroup([make_proposer("ngram", tiny)], node_budget=16)
+    prompt = _prompt(tiny.vocab_size)
+    plain, _, _ = _blocks(tiny, "none", prompt, (), monkeypatch)
+    toks, _, fin = _blocks(tiny, "none", prompt, tuple(plain), monkeypatch, group=group)
+    assert toks == plain
+    assert [p.name for p in fin.stats.per_proposer] == [group.proposers[0].name, "prediction"]
+    assert fin.stats.prediction_tokens[0] > len(plain) // 2
+    assert group.node_budget == 16 and len(group.proposers) == 1
+
+
 def test_a_prediction_is_refused_by_the_batch_invariant_mode_and_checked(tiny):
     prompt = _prompt(tiny.vocab_size)
     with pytest.raises(ValueError, match="prediction"):
@@ -162,3 +243,57 @@ def test_drafters_count_the_tokens_of_theirs_the_cut_tree_verified():
     tree = TokenTree.from_drafts(0, [d.tokens for d in drafts]).first(5)  # root + 4 nodes
     assert [len(d) for d in verified_drafts(drafts, tree)] == [3, 2]
     assert verified_drafts(drafts, TokenTree.from_drafts(0, [d.tokens for d in drafts])) == drafts
+
+
+@pytest.mark.slow  # the embedded model, four answers
+def test_smollm2_another_files_prediction_takes_no_more_verifier_steps(monkeypatch):
+    """The embedded model asked to repeat code, with unrelated code as the prediction (its
+    drafts re-align on common runs such as indentation, and miss): no more blocks than without
+    a prediction, beside the n-gram drafter or none, on a fixed verify(L) (ForwardClock)."""
+    from macfleet.engine.models import embedded_model_path
+    from macfleet.engine.text import encode_prompt
+
+    if embedded_model_path() is None:
+        pytest.skip("the embedded model is not installed")
+    lm = load_model("smollm2")
+    tok = lm.tokenizer
+    ids = tuple(encode_prompt(tok, "Repeat this code exactly:\n```python\n" + SNIPPET + "```",
+                              True))
+    other = tuple(tok.encode(OTHER, add_special_tokens=False))
+    for proposer in ("ngram", "none"):
+        plain, _, fin = _blocks(lm, proposer, ids, (), monkeypatch)
+        toks, _, fin_p = _blocks(lm, proposer, ids, other, monkeypatch)
+        assert toks == plain, proposer
+        assert fin_p.stats.prediction_tokens[1] > 0, proposer  # it drafted
+        assert fin_p.stats.blocks <= fin.stats.blocks, proposer
+
+
+OTHER = '''class Ring:
+    """A fixed-size ring buffer."""
+
+    def __init__(self, size):
+        self.items = [None] * size
+        self.head = 0
+
+    def push(self, value):
+        self.items[self.head] = value
+        self.head = (self.head + 1) % len(self.items)
+'''
+
+
+def test_a_trees_trials_are_its_own_drafters_beside_a_prediction():
+    """The trials the plan of a session's lengths reads count its drafters' nodes only: a
+    prediction's branch that missed is no trial of theirs."""
+    from macfleet.engine.tree import TokenTree
+    from macfleet.serve.decode import tree_trials
+
+    tree = TokenTree.from_drafts(0, [(1, 2), (7, 8, 9)])  # theirs (1, 2); the prediction's
+    theirs = tree.owned[0]
+    assert tree_trials(tree, [1, 2]) == tree_trials(tree, [1, 2], theirs) == (2, 2)
+    assert tree_trials(tree, [1]) == (2, 1)  # 2 was there and refused
+    assert tree_trials(tree, []) == (1, 0)
+    assert tree_trials(tree, [], theirs) == (1, 0)  # their 1 refused
+    assert tree_trials(tree, [3, 4, 5], theirs) == (1, 0)  # the prediction's path: theirs missed
+    empty = TokenTree.from_drafts(0, [(), (7, 8)])  # they drafted nothing
+    assert tree_trials(empty, [], empty.owned[0]) == (0, 0)
+    assert tree_trials(empty, []) == (1, 0)
