@@ -6,8 +6,9 @@ is left, decoding goes on plainly), a tree of `a+b` specs on all of them at once
 (`RemoteProposerGroup`). One that names none is drafted by this agent's own drafters, checked by
 agents/specs.py; `auto` (with no endpoints) by the chooser over the drafters this agent has
 itself (engine/choosing.py `make_auto_group`: n-gram lookup, the model's shipped answer store
-and head), block by block, as in one process (issue 44). Hidden-state drafters on another agent get flow F3: this verifier's own hidden
-states, tapped from its forwards or fed by the continuous batch.
+and head), block by block, as in one process (issue 44). Hidden-state drafters on another
+agent get flow F3: this verifier's own hidden states, tapped from its forwards or fed by the
+continuous batch.
 """
 
 from __future__ import annotations
