@@ -176,9 +176,9 @@ class RequestDrafting:
         by the batch engine instead of tapping this verifier's forwards)."""
         spec = msg.proposer_spec or "none"
         if spec == AUTO and not msg.proposers:  # chosen here, per request (engine/choosing.py)
-            from macfleet.engine.choosing import auto_spec, make_auto_group
+            from macfleet.engine.choosing import make_auto_group
 
-            spec = auto_spec(self.lm)  # the record's winner where trees cannot be verified
+            spec = self.auto_spec()
             if spec == AUTO:
                 return make_auto_group(self.lm, draft_tokens_of(msg))
         if msg.proposers:
@@ -190,6 +190,15 @@ class RequestDrafting:
 
         return plan_drafting(spec, chain=make, tree=lambda specs: make_group(
             [make(s) or no_drafts(s) for s in specs], draft_tokens_of(msg)))
+
+    def auto_spec(self) -> str:
+        """What `auto` drafts with on this verifier: the chooser (AUTO) where it verifies token
+        trees (engine/choosing.py `auto_spec`); n-gram chains on one whose forwards run on
+        other ranks (a sharded verifier keeps no KV cache here to verify a tree in)."""
+        from macfleet.engine.choosing import auto_spec
+        from macfleet.engine.proposers.choice import FALLBACK
+
+        return auto_spec(self.lm) if hasattr(self._verifier, "cache") else FALLBACK
 
     def fallback(self, msg: GenerateRequest, batched: bool = False) -> FallbackProposer:
         """One chain drafter on the named endpoints, in order of preference (`draft` alone:

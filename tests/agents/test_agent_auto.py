@@ -14,6 +14,7 @@ from agents.daemon import Agent, AgentConfig
 from bridge.errors import BAD_REQUEST, ProtocolError
 from bridge.messages import BlockMetrics
 from macfleet.engine.chooser import PLAIN
+from macfleet.engine.verifier import Verifier
 from remote_gen import generate_done
 
 KEY = b"k" * 32
@@ -135,3 +136,47 @@ def test_generate_through_a_fleet(verifiers, monkeypatch, capsys, asked):
     else:
         assert where["proposers"] == [prop.name] and not st["choices"]
         assert st["fleet"]["flows"]["remote_blocks"] > 0
+
+
+class ForwardsElsewhere(Verifier):
+    """A verifier whose forwards run elsewhere, as a `ShardedVerifier` (agents/shard.py) on a
+    shard group's rank 0: the `Verifier` calls (not its __init__), no KV cache of its own to
+    verify a tree in."""
+
+    def __init__(self, model) -> None:
+        self._v = Verifier(model)
+        self.model = model
+
+    offset = property(lambda self: self._v.offset)
+
+    def reset(self) -> None:
+        self._v.reset()
+
+    def prefill(self, tokens) -> None:
+        self._v.prefill(tokens)
+
+    def forward(self, tokens):
+        return self._v.forward(tokens)
+
+    def rollback(self, n: int) -> None:
+        self._v.rollback(n)
+
+
+def test_a_verifier_without_tree_verification_here_drafts_chains_for_auto():
+    """A sharded verifier verifies no token tree (its forwards cross the ranks): `auto` there
+    is n-gram chains, with the verifier alone's answer, instead of an error."""
+    from macfleet.engine.models import load_model
+
+    ver = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False,
+                            allow_peers=LOCAL))
+    try:
+        ver.verifier.close()
+        ver.verifier = ver._verifier_service(ForwardsElsewhere(load_model(MODEL).model))
+        plain = generate_done(ver.card, KEY, PROMPTS[0], [], "none", max_tokens=32)
+        auto = generate_done(ver.card, KEY, PROMPTS[0], [], "auto", max_tokens=32,
+                             draft_tokens=3)
+    finally:
+        ver.close()
+    assert auto.token_ids == plain.token_ids
+    assert auto.stats.proposer.startswith("ngram") and not auto.stats.choices
+    assert auto.stats.drafted > 0
