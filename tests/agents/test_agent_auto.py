@@ -15,6 +15,7 @@ from bridge.errors import BAD_REQUEST, ProtocolError
 from bridge.messages import BlockMetrics
 from macfleet.engine.chooser import PLAIN
 from macfleet.engine.verifier import Verifier
+from macfleet.fleet.metrics import SessionMetrics
 from remote_gen import generate_done
 
 KEY = b"k" * 32
@@ -55,6 +56,12 @@ def test_the_verifier_agent_chooses_with_plain_decodings_answer(verifiers, which
             assert [(b.drafter, b.why) for b in blocks] == [(c.drafter, c.why)
                                                             for c in st.choices]
             assert all(b.drafter and b.why for b in blocks)
+            sm = SessionMetrics(auto.request_id, "v")  # what `macfleet dash` shows of them
+            for b in blocks:
+                sm.apply(b, now=0.0)
+            view = sm.view(now=0.0)
+            assert (view.drafter, view.why) == (blocks[-1].drafter, blocks[-1].why)
+            assert sum(d.blocks for d in view.drafters) == len(blocks)
             # a fixed drafter's blocks name none
             assert all(not m.drafter for m in seen if isinstance(m, BlockMetrics)
                        and m.session_id == plain.request_id)
