@@ -4,8 +4,11 @@ A GenerateRequest that names proposer endpoints is drafted on those agents: a ch
 first that answers (`FallbackProposer`: when one dies or stalls, the next takes over; when none
 is left, decoding goes on plainly), a tree of `a+b` specs on all of them at once
 (`RemoteProposerGroup`). One that names none is drafted by this agent's own drafters, checked by
-agents/specs.py. Hidden-state drafters on another agent get flow F3: this verifier's own hidden
-states, tapped from its forwards or fed by the continuous batch.
+agents/specs.py; `auto` (with no endpoints) by the chooser over the drafters this agent has
+itself (engine/choosing.py `make_auto_group`: n-gram lookup, the model's shipped answer store
+and head), block by block, as in one process (issue 44). Hidden-state drafters on another
+agent get flow F3: this verifier's own hidden states, tapped from its forwards or fed by the
+continuous batch.
 """
 
 from __future__ import annotations
@@ -167,10 +170,17 @@ class RequestDrafting:
     def drafting(self, msg: GenerateRequest, batched: bool = False) -> Drafting:
         """What drafts for this request: remote proposer agents when it names endpoints (a
         chain falls back from one to the next, a tree drafts on all at once), else this agent's
-        own drafters; tree or chain is decided as in-process (engine/text.py plan_drafting).
+        own drafters (`auto`: the chooser over them); tree or chain is decided as in-process
+        (engine/text.py plan_drafting).
         batched: for a session of the continuous batch (hidden-state drafters are fed its rows
         by the batch engine instead of tapping this verifier's forwards)."""
         spec = msg.proposer_spec or "none"
+        if spec == AUTO and not msg.proposers:  # chosen here, per request (engine/choosing.py)
+            from macfleet.engine.choosing import make_auto_group
+
+            spec = self.auto_spec()
+            if spec == AUTO:
+                return make_auto_group(self.lm, draft_tokens_of(msg))
         if msg.proposers:
             return plan_drafting(spec, chain=lambda s: self.fallback(msg, batched),
                                  tree=lambda specs: self.tree_group(msg, specs, batched))
@@ -180,6 +190,15 @@ class RequestDrafting:
 
         return plan_drafting(spec, chain=make, tree=lambda specs: make_group(
             [make(s) or no_drafts(s) for s in specs], draft_tokens_of(msg)))
+
+    def auto_spec(self) -> str:
+        """What `auto` drafts with on this verifier: the chooser (AUTO) where it verifies token
+        trees (engine/choosing.py `auto_spec`); n-gram chains on one whose forwards run on
+        other ranks (a sharded verifier keeps no KV cache here to verify a tree in)."""
+        from macfleet.engine.choosing import auto_spec
+        from macfleet.engine.proposers.choice import FALLBACK
+
+        return auto_spec(self.lm) if hasattr(self._verifier, "cache") else FALLBACK
 
     def fallback(self, msg: GenerateRequest, batched: bool = False) -> FallbackProposer:
         """One chain drafter on the named endpoints, in order of preference (`draft` alone:

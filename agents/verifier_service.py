@@ -25,7 +25,7 @@ from bridge.messages import (AUTO_DRAFT_TOKENS, MAX_PREDICTION_IDS, MAX_TOP_LOGP
                              BatchStatus, ErrorReply, GenerateChunk, GenerateRequest)
 from bridge.peers import PeerAllowlist
 from macfleet.engine.constraint import Grammar, grammar_error
-from macfleet.engine.controller import MAX_DRAFT_TOKENS
+from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS
 from macfleet.engine.kvship import model_layout
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
@@ -74,6 +74,11 @@ def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:
     if any(not isinstance(e, str) or not e.startswith("tcp://") or len(e) > MAX_ENDPOINT_CHARS
            for e in eps):
         raise ProtocolError(BAD_REQUEST, "proposer endpoints must be tcp://HOST:PORT strings")
+    if msg.proposer_spec == AUTO:  # the chooser over this agent's own shipped drafters
+        if eps:
+            raise ProtocolError(BAD_REQUEST, f"'{AUTO}' is chosen on the verifier among its own "
+                                             "drafters: name a drafter for proposer agents")
+        return
     if not eps:  # built here: the one spec check, with this agent's policy
         check_spec(msg.proposer_spec or "none", policy)
         return

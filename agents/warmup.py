@@ -4,7 +4,8 @@ first request pays for nothing a later one would not.
 A new user judges macfleet by the first answer after `macfleet up`; before this, that answer
 measured the machine's verify(L) table (engine/verify_costs.py) inside its own prefill, loaded
 the default drafter's head and ran every block shape's first forward. Now a verifier agent
-measures (or reads) the table and runs one forward of each of its lengths, and a proposer agent
+measures (or reads) the table, runs one forward of each of its lengths and loads the drafters
+its `auto` chooses among, and a proposer agent
 builds every part of the fleet's default drafter that it serves (engine/proposers/choice.py
 `resolve_proposer`: the head, the answer store's index) and drafts once with each. `up`
 returns when every agent's card is seen, so it returns when the fleet is warm.
@@ -34,15 +35,23 @@ class Warmed:
 
 def warm_verifier(lm) -> Warmed:
     """This machine's verify(L) table for `lm` (probed when none is cached: the probe runs each
-    length's first forward; read from the cache otherwise, then each length is run once)."""
+    length's first forward; read from the cache otherwise, then each length is run once), and
+    the drafters `auto` chooses among here (engine/choosing.py: the shipped head, the answer
+    store's index), loaded once so the first `auto` request does not."""
     from macfleet.engine import verify_costs as vc
+    from macfleet.engine.choosing import AUTO_NAME, auto_spec, make_auto_group
 
     t0 = time.perf_counter()
     had = vc.known_verify_costs(lm.model) is not None
     table = vc.verify_costs(lm.model)
     if had:  # the table came from disk: its shapes have not run in this process yet
         vc.probe_verify_costs(lm.model, sorted(table), reps=0)
-    return Warmed(probed=not had, lengths=tuple(sorted(table)), drafters=(),
+    drafters: tuple[str, ...] = ()
+    if auto_spec(lm) == AUTO_NAME:
+        group = make_auto_group(lm)
+        drafters = tuple(p.name for p in group.proposers)
+        group.close()
+    return Warmed(probed=not had, lengths=tuple(sorted(table)), drafters=drafters,
                   seconds=time.perf_counter() - t0)
 
 

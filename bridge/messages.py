@@ -255,6 +255,8 @@ class GenerateRequest:
     seed: int | None
     draft_tokens: int  # 0..the engine's MAX_DRAFT_TOKENS, or AUTO_DRAFT_TOKENS
     proposers: list[str]  # ZeroMQ endpoints of proposer agents
+    # "auto" (no endpoints): chosen per block on the verifier among its own drafters; an
+    # agent older than that refuses it as an unknown drafter (bad_request)
     proposer_spec: str
     cross_round: bool
     # Tokens already committed for this request by a verifier that failed: the new verifier

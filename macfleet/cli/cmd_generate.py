@@ -17,9 +17,10 @@ MODEL_HELP = ("smollm2 (the embedded SmolLM2-135M-Instruct) | PATH.gguf | mlx-lm
               "tiny-moe:SEED[:VOCAB]")
 PROPOSER_HELP = (f"the drafter: {AUTO} | eagle2[:PATH] | eagle[:PATH] | ngram[:N] | retrieval | "
                  "layerskip:K | draft:MODEL | none; several joined by + draft a token tree each "
-                 f"block ({AUTO}: in this process, chosen block by block among the model's "
-                 "drafters and plain decoding, starting from the one `macfleet bench drafter "
-                 "--record` measured best; through agents, that one)")
+                 f"block ({AUTO}: chosen block by block among the model's drafters and plain "
+                 "decoding, starting from the one `macfleet bench drafter --record` measured "
+                 "best; through agents, by the verifier agent among its own drafters, or a "
+                 "fleet's draft-model agents drafting ahead)")
 
 
 def add_parser(sub) -> None:
@@ -183,11 +184,12 @@ def validate(args) -> None:
 
 def run(args) -> int:
     validate(args)
-    from macfleet.engine.proposers.choice import FLEET, resolve_proposer
+    from macfleet.engine.proposers.choice import resolve_proposer
 
     asked = args.asked_proposer = args.proposer
-    # in this process `auto` is the drafter chosen block by block (engine/choosing.py), with
-    # the bench record as its prior; agents still get the record's winner
+    # `auto` is the drafter chosen block by block (engine/choosing.py), with the bench record
+    # as its prior: in this process, or through a fleet on the verifier agent among its own
+    # drafters (draft-model agents drafting ahead still draft where the fleet has them)
     args.proposer = AUTO if asked == AUTO else resolve_proposer(asked, args.model)[0]
     if args.local:
         return run_local(args, W.asked_local())
@@ -198,8 +200,7 @@ def run(args) -> int:
         key = fleet_key_if_any(args)
     except KeyMissing:  # no fleet key on this machine: no fleet to talk to
         return run_local(args, W.no_key(str(default_key_path())))
-    # on a proposer agent a drafter runs beside the verifier: its own measured best
-    args.fleet_proposer, _ = resolve_proposer(asked, args.model, FLEET)
+    args.fleet_proposer = asked  # `auto` goes to the verifier agent as it is
     committed = Progress()
     try:
         return _replanning(args, key, committed)
@@ -253,5 +254,14 @@ def _replanning(args, key, committed: Progress) -> int:
     except NoFleet as e:
         return run_local(args, W.no_fleet(fleet_id(key), args.wait, e.seen, str(e)))
     except (Refused, VerifierFailed) as e:
-        raise UserError(str(e)) from None
+        raise UserError(str(e) + older_agent_hint(args.fleet_proposer, str(e))) from None
     return 0
+
+
+def older_agent_hint(spec: str, error: str) -> str:
+    """Pure: why a verifier agent refused `auto` when it is older than the chooser on agents
+    (it checks `auto` as a drafter name); "" otherwise."""
+    if spec == AUTO and f"unknown proposer '{AUTO}'" in error:
+        return (f" (that verifier agent predates `--proposer {AUTO}` chosen on the agent: "
+                "update it, or name a drafter, e.g. --proposer eagle)")
+    return ""

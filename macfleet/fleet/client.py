@@ -145,10 +145,13 @@ def drafting_for(spec: str, proposers: Sequence[AgentStatus], *, draft_agents: b
     """The drafter spec a request names and the proposer agents that draft it (pure): the
     verifier's draft-model agents (`agent --draft MODEL`, drafting ahead) with spec `draft`
     when `draft_agents` (the user asked for `auto` or `draft`) and the fleet has any; else
-    `spec` on the other proposer agents (a draft-model agent serves no other drafter)."""
+    `spec` on the other proposer agents (a draft-model agent serves no other drafter);
+    `auto` on none: the verifier agent chooses among its own drafters (engine/choosing.py)."""
     ahead = [p for p in proposers if p.card.draft_model]
     if draft_agents and ahead:
         return AHEAD_KIND, ahead
+    if spec == AUTO:
+        return AUTO, []
     return spec, [p for p in proposers if not p.card.draft_model]
 
 

