@@ -98,7 +98,7 @@ def fleet_engine(args, draft_tokens):
     line on stderr says which, and why (cli/where.py)."""
     from macfleet.cli import where as W
     from macfleet.cli.common import fleet_key_if_any
-    from macfleet.engine.proposers.choice import FLEET, resolve_proposer
+    from macfleet.engine.proposers.choice import AUTO, FLEET, resolve_proposer
     from macfleet.fleet.client import (NoFleet, choose_roles, drafting_for, fleet_id, members,
                                        probe)
     from macfleet.fleet.keys import KeyMissing, default_key_path
@@ -119,10 +119,13 @@ def fleet_engine(args, draft_tokens):
     except NoFleet as e:
         say(W.no_fleet(fid, args.wait, e.seen, str(e)))
         return None
-    # draft-model agents when asked for `auto` or `draft` and the fleet has any; else the
-    # drafter measured best across agents (`auto`) or the one asked for on the others
-    spec, proposers = drafting_for(resolve_proposer(args.proposer, args.model, FLEET)[0],
-                                   proposers, draft_agents=args.proposer in ("auto", "draft"))
+    # draft-model agents when asked for `auto` or `draft` and the fleet has any; else `auto`
+    # goes to the verifier agent as it is (it chooses among its own drafters block by block,
+    # as `generate` through a fleet), or the drafter asked for on the other agents
+    asked = AUTO if args.proposer == AUTO else resolve_proposer(args.proposer, args.model,
+                                                                FLEET)[0]
+    spec, proposers = drafting_for(asked, proposers,
+                                   draft_agents=args.proposer in (AUTO, "draft"))
     say(W.in_fleet(fid, verifier.card, [p.card for p in proposers]))
     return RemoteEngine(verifier, proposers, key, proposer=spec,
                         draft_tokens=draft_tokens, max_active=args.batch_sessions,

@@ -63,6 +63,26 @@ def test_serve_forwards_to_the_fleet_verifier(fleet_env, monkeypatch):
     assert all(x.generated == 12 and x.ttft_ms > 0 for x in batch.sessions)
 
 
+def test_auto_is_chosen_on_the_fleet_verifier(fleet_env, monkeypatch):
+    """`serve`'s default drafter in front of a fleet without draft-model agents: `auto` goes to
+    the verifier agent as it is (it chooses among its own drafters, as `generate` through a
+    fleet), not the bench record's winner on the proposer agent; the answer is the verifier
+    alone's."""
+    monkeypatch.setenv("MACFLEET_HOME", fleet_env["MACFLEET_HOME"])
+    s = start_server(key=None, local=False)
+    try:
+        (where,) = [ln for ln in s.before if ln.startswith("macfleet serve: fleet ")]
+        assert "proposers none (the verifier drafts for itself)" in where, where
+        c = openai.OpenAI(base_url=s.v1, api_key="none", timeout=60, max_retries=0)
+        r = c.chat.completions.create(model="tiny:1", max_tokens=12, temperature=0,
+                                      messages=[{"role": "user", "content": "hello hello"}])
+    finally:
+        stop_server(s)
+    alone = _cli("generate", "hello hello", "--model", "tiny:1", "--local", "--proposer", "none",
+                 "--max-tokens", "12", "--json", env=fleet_env)
+    assert r.choices[0].message.content == json.loads(alone.stdout.strip().splitlines()[-1])["text"]
+
+
 def test_a_prediction_travels_to_the_fleet_verifier(fleet_env, monkeypatch):
     """Predicted Outputs through a fleet as in serve --local: the verifier agent's batch drafts
     from the prediction beside the proposer agent's n-gram drafts (one tree); the answer is the
