@@ -41,3 +41,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(keep) < len(items):
         config.hook.pytest_deselected(items=[it for it in items if it not in keep])
         items[:] = keep
+    if mode == "skip":
+        items[:] = longest_first(items)
+
+
+# The parallel pass hands whole files to the workers as they free up (xdist's loadfile): a long
+# file handed out last keeps one worker busy while the other idles (45 s of the 1,350 s pass in
+# docs/testing.md's third measurement: test_install's pip and test_smollm2_serve came last).
+# These files go first, longest first (summed seconds of that loaded run); the rest follow by
+# their number of tests, as xdist orders them itself (.ci/test passes --no-loadscope-reorder).
+LONGEST_FIRST = (
+    "serve/test_clients.py",  # 270 s
+    "integration/test_fleet_processes.py",  # 174
+    "serve/test_tool_grammar.py",  # 158
+    "cli/test_install.py",  # 157
+    "serve/test_structured_trees.py",  # 129
+    "engine/test_greedy_identity.py",  # 94
+    "serve/test_fleet_serve.py",  # 89
+    "cli/test_generate.py",  # 82
+    "serve/test_structured.py",  # 79
+    "serve/test_bench_chat.py",  # 66
+    "agents/test_replan_grammar.py",  # 64
+    "serve/test_smollm2_serve.py",  # 62
+    "bench/test_pair_model.py",  # 61
+    "integration/test_prefill_agents.py",  # 59
+    "engine/test_sampling_lossless.py",  # 56
+)
+
+
+def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` with LONGEST_FIRST's files first (in that order), then the other files by their
+    number of tests, most first; a file's tests keep their order."""
+    tests = os.path.dirname(__file__)
+    rank = {os.path.join(tests, f): i for i, f in enumerate(LONGEST_FIRST)}
+    by_file: dict[str, list[pytest.Item]] = {}
+    for it in items:
+        by_file.setdefault(str(it.path), []).append(it)
+    order = sorted(by_file, key=lambda f: (rank.get(f, len(rank)), -len(by_file[f])))
+    return [it for f in order for it in by_file[f]]

@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from bridge import peercap
+from bridge import auth, peercap
 from bridge.errors import PeerUnavailable, TransportTimeout
 from bridge.messages import Ping, Pong
 from bridge.peercap import ConnCaps, PeerTable, _live_fds
@@ -275,7 +275,9 @@ def test_many_addresses_stay_within_the_descriptor_budget(monkeypatch):
         assert srv.peers.table.caps.total == 64 and srv.peers.table.caps.pending == 32
         conns = [c for i in range(2, 42) for c in flood(srv.port, 3, f"127.0.0.{i}")]
         try:
-            assert closed_by_peer(conns, 0.3) >= len(conns) - 32
+            # "at once": well before the handshake deadline that closes the kept ones too (0.3 s
+            # missed 1 of 88 in a loaded fast-lane run)
+            assert closed_by_peer(conns, auth.DEFAULT_HANDSHAKE_S / 2) >= len(conns) - 32
             assert sum(srv.peers.pending_counts().values()) <= 32
             time.sleep(peercap.DEFAULT_MIN_LIFE_S)
             pings = key_holder_pings(srv.endpoint)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import socket
 import threading
 import time
 
@@ -171,9 +172,26 @@ def test_pipelined_send_recv(client):
     assert [e.msg.seq for e in envs] == list(range(5))
 
 
+def _refused(endpoint: str, deadline_s: float = 10.0) -> bool:
+    """True once a plain TCP connect to `endpoint` is refused (within deadline_s): ZeroMQ
+    closes a socket's listener in its I/O thread, after close() returns."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    t_end = time.monotonic() + deadline_s
+    while time.monotonic() < t_end:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_peer_unavailable_when_nothing_listens():
     with Server(lambda env, reply: None, key=KEY) as srv:
         endpoint = srv.endpoint
+    # once nothing listens (a loaded run connected while the closed server still accepted,
+    # and waited out the request's deadline: TransportTimeout)
+    assert _refused(endpoint)
     with Client(endpoint, key=KEY, connect_timeout_s=0.2) as c:
         with pytest.raises(PeerUnavailable):
             c.request(Ping(1, 0), 1.0)

@@ -33,6 +33,7 @@ def training() -> C.PromptIndex:
     return C.PromptIndex(itertools.chain(S.template_prompts(), qs))
 
 
+@pytest.mark.slow  # the near-copy index over >100,000 templated prompts (the `training` fixture)
 def test_no_held_out_or_unseen_prompt_has_a_near_copy_among_the_training_prompts(training):
     counts = training.source_counts()
     assert counts["chat:rewrite"] > 100_000 and counts["topics"] > 20_000 and counts["code"]
@@ -65,6 +66,7 @@ def test_every_set_a_bench_calls_held_out_or_unseen_is_checked():
     assert UNSEEN_SETS["UNSEEN"] is UNSEEN and UNSEEN_SETS["HELD_OUT"] is HELD_OUT
 
 
+@pytest.mark.slow  # the near-copy index (the `training` fixture)
 @pytest.mark.skipif(not ARCHIVE.is_file(), reason="the shipped head's dataset is not here")
 def test_the_unseen_prompts_the_issue_found_seen_were_replaced(training):
     """Issue 45: five unseen prompts had training near-copies (one verbatim); the check sees

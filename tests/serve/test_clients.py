@@ -185,14 +185,24 @@ def test_litellm_tools(server):
     assert [t.function.name for t in msg.tool_calls] == ["get_weather"]
 
 
-def test_a_named_tool_call_is_the_one_constrained_plain_decoding_gives(server):
+@pytest.fixture(scope="module")
+def named_call_reference():
+    """The named call constrained plain decoding gives in this process: computed once for
+    both backends (it was decoded again for each)."""
+    from test_tool_grammar import NAMED, plain_tool_calls
+
+    return plain_tool_calls(NAMED, parallel_tool_calls=False)[1]
+
+
+def test_a_named_tool_call_is_the_one_constrained_plain_decoding_gives(server,
+                                                                       named_call_reference):
     """Tool grammars travel as any grammar does (protocol 4's grammar fields): behind
     `up --serve` the fleet's verifier agent masks its batch rows. A named call through either
     backend is the one constrained plain decoding of the same request gives in this process
     (greedy), with schema-valid arguments. Was test_tool_grammar.py's
     test_enforced_tool_calls_through_a_fleet_equal_serve_local, which started a fleet of its own
     and two servers for it (74 s); `serve --local` equals the same reference there."""
-    from test_tool_grammar import NAMED, QUESTION, TOOLS, _valid, plain_tool_calls
+    from test_tool_grammar import NAMED, QUESTION, TOOLS, _valid
 
     r = _openai(server).chat.completions.create(
         model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice=NAMED,
@@ -200,4 +210,4 @@ def test_a_named_tool_call_is_the_one_constrained_plain_decoding_gives(server):
     got = [(x.function.name, x.function.arguments) for x in r.message.tool_calls or []]
     assert r.finish_reason == "tool_calls" and len(got) == 1, r
     _valid(got, ("get_time",))
-    assert got == plain_tool_calls(NAMED, parallel_tool_calls=False)[1]
+    assert got == named_call_reference

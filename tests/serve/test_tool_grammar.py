@@ -257,6 +257,14 @@ def plain_tool_calls(choice, *, proposer: str = "none", **kw) -> tuple[list[int]
     weather question with TOOLS and `choice` (and `kw`: parallel_tool_calls, say) on smollm2
     through the Hermes template: the token ids and the (name, arguments) calls they parse to.
     The reference a served call must equal (here and in test_clients.py, through a fleet)."""
+    return plain_tool_calls_all([choice], proposer=proposer, **kw)[0]
+
+
+def plain_tool_calls_all(choices, *, proposer: str = "none",
+                         **kw) -> list[tuple[list[int], list]]:
+    """`plain_tool_calls` of several choices as one batch of one engine (greedy batched equals
+    alone: test_batch.py::test_smollm2_batched_greedy_equals_alone): the iterations of the
+    longest answer, not of all of them one after another."""
     from macfleet.engine.events import Finished, TokensCommitted
     from macfleet.engine.models import load_model
     from macfleet.serve.app import _grammar
@@ -265,19 +273,23 @@ def plain_tool_calls(choice, *, proposer: str = "none", **kw) -> tuple[list[int]
 
     lm = load_model("smollm2")
     tok = lm.tokenizer
-    req = _req(messages=QUESTION, tool_choice=choice, temperature=0, max_tokens=80, **kw)
-    prompt = render_prompt(tok, req, Limits(), TEMPLATE.read_text())
-    grammar, where = _grammar(req, prompt)
-    assert where == "tool_choice"
-    ereq = EngineRequest(prompt.ids, req.params, 80, frozenset(tok.eos_token_ids),
-                         grammar=grammar)
-    toks = []
-    eng = BatchEngine(lm, proposer=proposer)
-    eng.submit(ereq, lambda ev: toks.extend(ev.tokens)
-               if isinstance(ev, TokensCommitted) else isinstance(ev, Finished))
+    eng = BatchEngine(lm, proposer=proposer, max_active=len(choices))
+    toks: list[list[int]] = [[] for _ in choices]
+    for i, choice in enumerate(choices):
+        req = _req(messages=QUESTION, tool_choice=choice, temperature=0, max_tokens=80, **kw)
+        prompt = render_prompt(tok, req, Limits(), TEMPLATE.read_text())
+        grammar, where = _grammar(req, prompt)
+        assert where == "tool_choice"
+        ereq = EngineRequest(prompt.ids, req.params, 80, frozenset(tok.eos_token_ids),
+                             grammar=grammar)
+        eng.submit(ereq, lambda ev, t=toks[i]: t.extend(ev.tokens)
+                   if isinstance(ev, TokensCommitted) else isinstance(ev, Finished))
     eng.run_until_idle()
-    _, calls = parse_tool_calls(HERMES, tok.decode(toks))
-    return toks, [(x.name, x.arguments) for x in calls]
+    out = []
+    for t in toks:
+        _, calls = parse_tool_calls(HERMES, tok.decode(t))
+        out.append((t, [(x.name, x.arguments) for x in calls]))
+    return out
 
 
 @pytest.mark.slow
@@ -307,7 +319,9 @@ def test_enforced_greedy_calls_equal_constrained_plain_decoding_and_bad_combos_b
                                               "tools[0].function.parameters"] * 2
     assert s.health()["status"] == "ok"
 
-    for choice, (finish, calls) in zip(("required", NAMED), served):
-        plain, plain_calls = plain_tool_calls(choice)
-        assert plain_tool_calls(choice, proposer="ngram")[0] == plain
+    choices = ("required", NAMED)
+    plain = plain_tool_calls_all(choices)
+    drafted = plain_tool_calls_all(choices, proposer="ngram")
+    for (finish, calls), (plain_ids, plain_calls), (ids, _) in zip(served, plain, drafted):
+        assert ids == plain_ids
         assert plain_calls == calls

@@ -135,15 +135,20 @@ def test_a_marker_or_call_cut_short_is_not_content(fmt, answer):
 
 
 def test_format_detected_from_real_templates():
-    from macfleet.engine.models import embedded_model_path, load_model
-
     assert detect_format(TEMPLATE.read_text()) == HERMES
     assert detect_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert detect_format(None) is None
     assert detect_format("{%- if tools %}<|start_header_id|>ipython ...<|python_tag|>") == LLAMA3
     assert detect_format("[AVAILABLE_TOOLS] ... [TOOL_CALLS]") == MISTRAL
-    if embedded_model_path() is not None:  # SmolLM2's template: no tool support
-        assert detect_format(load_model("smollm2").tokenizer.chat_template) is None
+
+
+@pytest.mark.slow  # loads the embedded model for its template (seconds: not the fast lane's)
+def test_the_embedded_models_template_has_no_tool_format():
+    from macfleet.engine.models import embedded_model_path, load_model
+
+    if embedded_model_path() is None:
+        pytest.skip("no embedded model")
+    assert detect_format(load_model("smollm2").tokenizer.chat_template) is None  # SmolLM2's
 
 
 # -- validation ---------------------------------------------------------------------------------
