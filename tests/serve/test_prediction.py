@@ -198,20 +198,25 @@ def spread(values):
 '''
 
 
-@pytest.mark.slow  # the embedded model, several answers
-def test_smollm2_answers_equal_with_and_without_a_prediction():
-    """The embedded model asked to repeat code: greedy tokens identical to plain decoding with
-    the code, an edited copy or unrelated text as the prediction; the code's prediction is
-    mostly accepted and takes fewer verifier steps."""
+def _repeat_snippet():
+    """The embedded model (skipped when absent), its tokenizer, and the request to repeat
+    SNIPPET: the smollm2 tests' shared prompt."""
     from macfleet.engine.models import embedded_model_path
     from macfleet.engine.text import encode_prompt
 
     if embedded_model_path() is None:
         pytest.skip("the embedded model is not installed")
     lm = load_model("smollm2")
-    tok = lm.tokenizer
-    ids = tuple(encode_prompt(tok, "Repeat this code exactly:\n```python\n" + SNIPPET + "```",
-                              True))
+    return lm, lm.tokenizer, tuple(encode_prompt(
+        lm.tokenizer, "Repeat this code exactly:\n```python\n" + SNIPPET + "```", True))
+
+
+@pytest.mark.slow  # the embedded model, several answers
+def test_smollm2_answers_equal_with_and_without_a_prediction():
+    """The embedded model asked to repeat code: greedy tokens identical to plain decoding with
+    the code, an edited copy or unrelated text as the prediction; the code's prediction is
+    mostly accepted and takes fewer verifier steps."""
+    lm, tok, ids = _repeat_snippet()
     [(plain, fin)] = serve_all(BatchEngine(lm, proposer="none"),
                                [EngineRequest(ids, GREEDY, 64, lm.eos_ids)])
     preds = {"code": SNIPPET, "edited": SNIPPET.replace("total", "acc"),
@@ -250,15 +255,7 @@ def test_smollm2_another_files_prediction_takes_no_more_verifier_steps(monkeypat
     """The embedded model asked to repeat code, with unrelated code as the prediction (its
     drafts re-align on common runs such as indentation, and miss): no more blocks than without
     a prediction, beside the n-gram drafter or none, on a fixed verify(L) (ForwardClock)."""
-    from macfleet.engine.models import embedded_model_path
-    from macfleet.engine.text import encode_prompt
-
-    if embedded_model_path() is None:
-        pytest.skip("the embedded model is not installed")
-    lm = load_model("smollm2")
-    tok = lm.tokenizer
-    ids = tuple(encode_prompt(tok, "Repeat this code exactly:\n```python\n" + SNIPPET + "```",
-                              True))
+    lm, tok, ids = _repeat_snippet()
     other = tuple(tok.encode(OTHER, add_special_tokens=False))
     for proposer in ("ngram", "none"):
         plain, _, fin = _blocks(lm, proposer, ids, (), monkeypatch)
