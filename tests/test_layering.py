@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from sourcescan import nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("bridge", "agents", "tui", "macfleet")
@@ -112,7 +113,7 @@ def _rule(rel: str) -> Rule:
 
 def _imports(path: Path) -> set[str]:
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in nodes(path):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -179,6 +180,8 @@ def test_the_data_factory_is_imported_only_from_above():
         assert not _allowed("macfleet.distill", ALLOWED[row].project), row
 
 
+@pytest.mark.slow  # a process importing every serving-side module: seconds (the static twin
+# above, test_the_data_factory_is_imported_only_from_above, stays in the fast lane)
 def test_importing_the_serving_side_loads_no_training_code():
     """At run time too: importing every module of the engine, the agents, the server and the
     dashboard loads no macfleet.distill."""
@@ -219,7 +222,7 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     for mod, path in files.items():
         here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         out: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in nodes(path):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

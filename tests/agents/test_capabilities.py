@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from sourcescan import nodes, product_files
+
 from agents.shard import ShardedVerifier
 from macfleet.engine.proposers.base import Proposer
 from macfleet.engine.verifier import Verifier
@@ -29,12 +31,11 @@ def test_proposer_capabilities_are_declared():
 def test_no_capability_is_probed_by_name():
     """No hasattr/getattr(x, "<capability>") anywhere in the product."""
     probes = []
-    for pkg in ("agents", "bridge", "macfleet", "tui"):
-        for path in (ROOT / pkg).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                        and node.func.id in ("hasattr", "getattr") and len(node.args) >= 2
-                        and isinstance(node.args[1], ast.Constant)
-                        and node.args[1].value in CAPABILITIES):
-                    probes.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    for path in product_files():
+        for node in nodes(path):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("hasattr", "getattr") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in CAPABILITIES):
+                probes.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not probes, probes

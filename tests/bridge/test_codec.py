@@ -479,26 +479,25 @@ def test_error_codes_are_named_by_their_constants_only():
     """Product code names an error code through bridge.errors (INTERNAL, ...), never as a string
     literal: in ProtocolError/ErrorReply calls and in comparisons with `.code`."""
     import ast
-    import pathlib
+
+    from sourcescan import ROOT, nodes, product_files
 
     from bridge.errors import CODES
 
-    root = pathlib.Path(__file__).resolve().parents[2]
     bad = []
-    for pkg in ("bridge", "agents", "macfleet", "tui"):
-        for path in (root / pkg).rglob("*.py"):
-            if path.name == "errors.py" and path.parent.name == "bridge":
-                continue
-            for node in ast.walk(ast.parse(path.read_text())):
-                lits: list = []
-                if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(
-                        node.func, "attr", "")) in ("ProtocolError", "ErrorReply"):
-                    lits = node.args[:1] + [k.value for k in node.keywords if k.arg == "code"]
-                elif isinstance(node, ast.Compare) and any(
-                        isinstance(x, ast.Attribute) and x.attr == "code"
-                        for x in (node.left, *node.comparators)):
-                    for x in (node.left, *node.comparators):
-                        lits += x.elts if isinstance(x, (ast.Tuple, ast.List, ast.Set)) else [x]
-                bad += [f"{path.relative_to(root)}:{node.lineno}: {x.value!r}" for x in lits
-                        if isinstance(x, ast.Constant) and x.value in CODES]
+    for path in product_files():
+        if path.name == "errors.py" and path.parent.name == "bridge":
+            continue
+        for node in nodes(path):
+            lits: list = []
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(
+                    node.func, "attr", "")) in ("ProtocolError", "ErrorReply"):
+                lits = node.args[:1] + [k.value for k in node.keywords if k.arg == "code"]
+            elif isinstance(node, ast.Compare) and any(
+                    isinstance(x, ast.Attribute) and x.attr == "code"
+                    for x in (node.left, *node.comparators)):
+                for x in (node.left, *node.comparators):
+                    lits += x.elts if isinstance(x, (ast.Tuple, ast.List, ast.Set)) else [x]
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {x.value!r}" for x in lits
+                    if isinstance(x, ast.Constant) and x.value in CODES]
     assert not bad, bad

@@ -1,4 +1,4 @@
-"""`macfleet plan --simulate`: a real subprocess, no fleet needed (fast)."""
+"""`macfleet plan --simulate`: a real subprocess, no fleet needed (a process each: slow)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "macfleet/topology/examples/desk-8-macs.json"
+pytestmark = pytest.mark.slow  # the planner itself: tests/topology (pure, the fast lane)
 
 
 def macfleet(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
