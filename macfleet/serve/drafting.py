@@ -37,7 +37,7 @@ from macfleet.engine.tree import TokenTree
 from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_of_drafts
 from macfleet.serve.batch_session import BatchSession
 from macfleet.serve.costs import BatchCosts
-from macfleet.serve.scheduler import DraftView, draft_acceptance, plan_drafts
+from macfleet.serve.scheduler import DraftView, IterationBudget, draft_acceptance, plan_drafts
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +101,14 @@ class BatchDrafting:
                  chains: Chains) -> None:
         self.vocab, self.clock, self.costs, self._chains = vocab, clock, costs, chains
 
-    def lengths(self, decoding: list[BatchSession], room: int | None, *, iteration: int,
-                stall_ratio: float) -> tuple[dict[int, int], frozenset[int]]:
+    def lengths(self, decoding: list[BatchSession], budget: IterationBudget, *,
+                iteration: int) -> tuple[dict[int, int], frozenset[int]]:
         """Each decoding session's draft length: what its controller asks for, cut by
-        `plan_drafts` to the drafts that pay at this batch's measured costs, then to `room`
-        (draft tokens the iteration has room for; None: no limit); and the sessions so
-        planned. The others keep their fixed length: their drafts, and so a seeded sample,
-        do not depend on the batch."""
+        `plan_drafts` to the drafts that pay at this batch's measured costs (within the
+        budget's stall ratio), then to the budget's `drafts` (draft tokens the iteration has
+        room for; None: no limit); and the sessions so planned. The others keep their fixed
+        length: their drafts, and so a seeded sample, do not depend on the batch."""
+        room = budget.drafts
         wants = {s.sid: min(s.group.node_budget if s.group is not None else s.controller.next_k(),
                             s.left)
                  for s in decoding}
@@ -140,7 +141,7 @@ class BatchDrafting:
                  for s in adaptive]
         fixed = sum(1 + wants[s.sid] for s in decoding if s not in adaptive)
         planned = plan_drafts(views, lambda n: cost(n + fixed), self.costs.step_ms or 0.0,
-                              stall_ratio=stall_ratio)
+                              stall_ratio=budget.stall_ratio)
         return within({**wants, **planned}, mine, room), planned_sids
 
     def draft_all(self, decoding: list[BatchSession], ks: dict[int, int]) -> None:

@@ -54,7 +54,8 @@ from macfleet.serve.drafting import BatchDrafting, check_drafting, make_drafting
 from macfleet.serve.lifecycle import Sessions
 from macfleet.serve.prompt_cache import PromptCache
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, SessionView,
-                                      Slot, draft_room, plan_iteration)
+                                      IterationBudget, Slot, iteration_budget,
+                                      plan_iteration)
 from macfleet.serve.session_kv import (DEFAULT_DECODE_MS, OWN_STORE_PROMPT,  # noqa: F401
                                        SessionKV, copy_features)
 from macfleet.serve.timing import TokenTimes
@@ -324,20 +325,18 @@ class BatchEngine:
         batch = self._share_prefixes(batch)
         decoding = [s for s in batch if s.prefill_left <= 0]
         prefilling = [s for s in batch if s.prefill_left > 0]
-        budget, room = self.token_budget, None
         # while others decode, every prompt's chunks follow the stall control: a long one
         # would stall them for many iterations, and a chat turn joining in one piece is the
         # largest gap decoding sessions see otherwise (measured: results/serve_stall.json); the
         # decoders' drafts share that one allowance, after the prompts
-        if self.chunked and not self.invariant and prefilling:
-            budget = self.costs.chunk_budget(len(decoding), len(prefilling), budget)
-            room = draft_room(budget, len(decoding), sum(s.prefill_left for s in prefilling))
-        lengths, planned = self.drafting.lengths(
-            decoding, room, iteration=self.iterations,
-            stall_ratio=self.costs.stall.ratio if self.chunked else 0.0)
+        stalled = self.chunked and not self.invariant and prefilling
+        budget = iteration_budget(
+            self.token_budget, len(decoding), sum(s.prefill_left for s in prefilling),
+            self.costs.chunk_budget(len(decoding), len(prefilling), self.token_budget)
+            if stalled else None, self.costs.stall.ratio if self.chunked else 0.0)
+        lengths, planned = self.drafting.lengths(decoding, budget, iteration=self.iterations)
         self.drafting.draft_all(decoding, lengths)
-        run, segs = plan_segments(batch, budget, room, planned, token_budget=self.token_budget,
-                                  chunked=self.chunked,
+        run, segs = plan_segments(batch, budget, planned, chunked=self.chunked,
                                   align=DEFAULT_PREFILL_STEP if self.invariant else 0)
         t0 = self.clock()
         fwd = flat_outputs(self.lm.model, segs, hidden=any(s.feeds for s, _ in run))
@@ -359,22 +358,21 @@ class BatchEngine:
         self.decode.verified(run, segs, fwd.logits, fwd.hidden, ms, read)
 
 
-def plan_segments(batch: list[BatchSession], budget: int, room: int | None,
-                  planned: frozenset[int], *, token_budget: int, chunked: bool, align: int
+def plan_segments(batch: list[BatchSession], budget: IterationBudget, planned: frozenset[int],
+                  *, chunked: bool, align: int
                   ) -> tuple[list[tuple[BatchSession, Slot]], list[Segment]]:
     """The scheduler's slots for an iteration, and each one's segment of the forward: a
     prefill chunk, or a block cut to its slot (a tree's first nodes are a tree too).
-    room: the drafts' share of a budget with prompts to prefill (None: no prompt), on top of
-    which the fixed-length drafts (not in `planned`) ride uncut."""
+    planned: the sessions whose drafts the drafting plan sized (within `budget.drafts`); the
+    others' fixed-length drafts ride on top of the budget uncut."""
     views = [SessionView(s.sid, s.prefill_left, s.prefilled,
                          len(s.tree.tokens) if s.tree is not None else 1 + len(s.draft))
              for s in batch]
-    if room is not None:
-        budget = min(token_budget, budget + sum(
-            v.want - 1 for v in views if v.prefill_left <= 0 and v.sid not in planned))
+    tokens = budget.with_fixed_drafts(sum(v.want - 1 for v in views
+                                          if v.prefill_left <= 0 and v.sid not in planned))
     by_sid = {s.sid: s for s in batch}
     segs, run = [], []
-    for slot in plan_iteration(views, budget, chunked=chunked, align=align):
+    for slot in plan_iteration(views, tokens, chunked=chunked, align=align):
         s = by_sid[slot.sid]
         if slot.prefill:
             toks = tuple(s.req.prompt[s.prefilled:s.prefilled + slot.tokens])

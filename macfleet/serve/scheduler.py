@@ -93,6 +93,41 @@ def share_prefill(prefilling: Sequence[SessionView], left: int) -> tuple[Slot, .
     return tuple(Slot(s.sid, give[s.sid], True) for s in prefilling if give.get(s.sid, 0) > 0)
 
 
+@dataclass(frozen=True)
+class IterationBudget:
+    """One iteration's limits, decided once (`iteration_budget`) and read by the drafting plan
+    (serve/drafting.py `BatchDrafting.lengths`) and the scheduler (serve/engine.py
+    `plan_segments`, then `plan_iteration`).
+
+    cap: no iteration holds more tokens (the engine's token budget); tokens: what this one
+    may hold: while prompts wait to be prefilled beside decoding sessions, the stall
+    control's budget (their chunks make every decoding session wait), else the cap; drafts:
+    the adaptive drafts' share of `tokens` while prompts wait (`draft_room`), None when none
+    does (no limit but the cap); fixed-length drafts ride on top of it uncut (their drafts,
+    and so a seeded sample, do not depend on the batch). stall_ratio: how much longer than a
+    decode step the drafting plan lets drafts make an iteration (0: no bound)."""
+
+    cap: int
+    tokens: int
+    drafts: int | None = None
+    stall_ratio: float = 0.0
+
+    def with_fixed_drafts(self, fixed: int) -> int:
+        """The scheduler's budget once the fixed-length drafts (`fixed` tokens) are known."""
+        return self.tokens if self.drafts is None else min(self.cap, self.tokens + fixed)
+
+
+def iteration_budget(cap: int, decoding: int, prefill_left: int, stall_tokens: int | None,
+                     stall_ratio: float) -> IterationBudget:
+    """Pure: the next iteration's limits. stall_tokens: the stall control's budget when
+    prompts (`prefill_left` tokens still to feed) wait beside `decoding` sessions, None when
+    the iteration is not stall-controlled (no prompt waits, unchunked or batch-invariant)."""
+    if stall_tokens is None:
+        return IterationBudget(cap, cap, None, stall_ratio)
+    return IterationBudget(cap, stall_tokens, draft_room(stall_tokens, decoding, prefill_left),
+                           stall_ratio)
+
+
 def draft_room(budget: int, decoding: int, prefill_left: int) -> int:
     """The draft tokens an iteration with prompts to prefill leaves the decoding sessions.
 

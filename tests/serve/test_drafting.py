@@ -9,6 +9,7 @@ from macfleet.engine.proposers.base import Draft
 from macfleet.engine.tree_loop import ProposerGroup
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.drafting import BatchDrafting, check_drafting, within
+from macfleet.serve.scheduler import IterationBudget
 
 VOCAB = 50
 
@@ -37,7 +38,7 @@ def test_fixed_lengths_are_kept_and_cut_only_by_what_is_left_to_generate():
     d = _drafting()
     a = session(0, proposer=Scripted(), draft_tokens=4, max_tokens=10)
     b = session(1, proposer=Scripted(), draft_tokens=4, max_tokens=3)
-    ks, planned = d.lengths([a, b], 1, iteration=0, stall_ratio=1.5)
+    ks, planned = d.lengths([a, b], IterationBudget(256, 9, 1, 1.5), iteration=0)
     assert ks == {0: 4, 1: 2} and planned == frozenset()
 
 
@@ -45,8 +46,8 @@ def test_automatic_lengths_share_the_room_of_the_iteration():
     d = _drafting()
     ss = [session(i, proposer=Scripted(), draft_tokens="auto", max_tokens=50)
           for i in range(2)]
-    free, _ = d.lengths(ss, None, iteration=0, stall_ratio=1.5)
-    ks, planned = d.lengths(ss, 3, iteration=0, stall_ratio=1.5)
+    free, _ = d.lengths(ss, IterationBudget(256, 256, None, 1.5), iteration=0)
+    ks, planned = d.lengths(ss, IterationBudget(256, 9, 3, 1.5), iteration=0)
     assert planned == frozenset({0, 1}) and min(free.values()) >= 2
     assert sum(ks.values()) == 3
 

@@ -122,6 +122,20 @@ def test_drafts_get_what_the_prompts_leave_of_the_stall_budget():
     assert draft_room(budget=3, decoding=4, prefill_left=0) == 0
 
 
+def test_one_budget_an_iteration_read_by_the_drafting_plan_and_the_scheduler():
+    from macfleet.serve.scheduler import IterationBudget, iteration_budget
+
+    # no prompt waits (or the iteration is not stall-controlled): the cap, drafts unbounded
+    free = iteration_budget(256, 4, 0, None, 1.5)
+    assert free == IterationBudget(256, 256, None, 1.5)
+    assert free.with_fixed_drafts(40) == 256  # fixed drafts are in the tokens already
+    # a prompt waits: the stall control's 20 tokens, the prompt's first, the drafts' share after
+    b = iteration_budget(256, 4, 10, 20, 1.5)
+    assert (b.tokens, b.drafts) == (20, 6)
+    assert b.with_fixed_drafts(12) == 32  # fixed-length drafts ride on top, uncut ...
+    assert iteration_budget(24, 4, 10, 20, 1.5).with_fixed_drafts(12) == 24  # ... to the cap
+
+
 def test_prefix_sharing_copies_what_a_cache_holds_and_waits_for_a_longer_one():
     sys_turn = tuple(range(100, 124))  # a chat template's system turn: 24 tokens
     a = PrefixView(1, (*sys_turn, 1, 2, 3, 4), (*sys_turn, 1, 2, 3, 4))  # decoding: cached
