@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -33,6 +34,9 @@ from macfleet.engine.proposers.base import Draft
 from macfleet.engine.sampling import SamplingParams, probs_from_logits
 from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample
 from macfleet.stats import GenerationStats, ProposerStats
+
+if TYPE_CHECKING:
+    from macfleet.engine.constraint import Constraint
 
 
 def chain_outcome(draft: Draft, logits: mx.array, params: SamplingParams, seed: int,
@@ -115,6 +119,20 @@ def cut_at_stop(new: Sequence[int], eos_ids: frozenset[int]) -> tuple[list[int],
     if stop_at is None:
         return list(new), False
     return list(new[:stop_at]), True
+
+
+def commit_block(new: Sequence[int], eos_ids: frozenset[int], constraint: Constraint | None
+                 ) -> tuple[list[int], bool]:
+    """A verified block's tokens as the answer takes them: cut at the first stop token, then
+    at the grammar's end (a stop too; the constraint advances over what is kept); and whether
+    the answer stopped. Every decode loop commits through here (engine/loop.py,
+    engine/tree_loop.py, serve/decode.py)."""
+    new, stopped = cut_at_stop(new, eos_ids)
+    if constraint is not None:
+        end = constraint.commit(new)
+        if end is not None:
+            new, stopped = new[:end], True
+    return new, stopped
 
 
 @dataclass

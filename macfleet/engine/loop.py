@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from macfleet.engine.ahead import Ahead, draft_ahead, take
-from macfleet.engine.block import BlockTally, chain_outcome, cut_at_stop
+from macfleet.engine.block import BlockTally, chain_outcome, commit_block
 from macfleet.engine.constraint import Constraint, constrained_draft, masked_logits
 from macfleet.engine.controller import FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, TokensCommitted
@@ -190,11 +190,7 @@ def speculative_generate(
             n, nxt = (int(v) for v in out.tolist())
             verifier.rollback(L - 1 - n)
             t2 = time.perf_counter()
-            new, stopped = cut_at_stop([*draft.tokens[:n], nxt], eos_ids)
-            if constraint is not None:  # the grammar's end is a stop too
-                end = constraint.commit(new)
-                if end is not None:
-                    new, stopped = new[:end], True
+            new, stopped = commit_block([*draft.tokens[:n], nxt], eos_ids, constraint)
             if stopped:
                 finish = "stop"
             context.extend(new)

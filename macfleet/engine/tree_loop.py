@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 
 from macfleet.engine.ahead import Ahead, draft_ahead, take
-from macfleet.engine.block import (BlockTally, accept_tree, chain_outcome, cut_at_stop,
+from macfleet.engine.block import (BlockTally, accept_tree, chain_outcome, commit_block,
                                    tree_decided, tree_decision)
 from macfleet.engine.constraint import Constraint, constrained_tree, masked_tree_logits
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
@@ -293,11 +293,7 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
                                 padded_length(len(tree.tokens), pad_costs), during, seed,
                                 len(generated), constraint)
             t2 = time.perf_counter()
-            new, stopped = cut_at_stop([*tree.path_tokens(path), nxt], eos_ids)
-            if constraint is not None:  # the grammar's end is a stop too
-                end = constraint.commit(new)
-                if end is not None:
-                    new, stopped = new[:end], True
+            new, stopped = commit_block([*tree.path_tokens(path), nxt], eos_ids, constraint)
             if stopped:
                 finish = "stop"
             context.extend(new)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 
 from macfleet.engine.batch import RowCache, Segment, trim_cache
-from macfleet.engine.block import (accept_chain, accept_tree, chain_outcome, cut_at_stop,
+from macfleet.engine.block import (accept_chain, accept_tree, chain_outcome, commit_block,
                                    tree_decided, tree_decision)
 from macfleet.engine.constraint import masked_logits, masked_tree_logits
 from macfleet.engine.events import BlockDone, TokensCommitted
@@ -201,11 +201,7 @@ class BlockStep:
         context and out to the client; the session finished at a stop token or its length.
         Every token a session commits passes here, once (a per-session constraint advances
         on them here)."""
-        new, stopped = cut_at_stop(new, s.req.eos_ids)
-        if s.constraint is not None:  # the grammar's end is a stop too
-            end = s.constraint.commit(new)
-            if end is not None:
-                new, stopped = new[:end], True
+        new, stopped = commit_block(new, s.req.eos_ids, s.constraint)
         s.context.extend(new)
         s.generated.extend(new)
         s.tally.record(drafted, accepted, s.draft_ms, verify_ms)
