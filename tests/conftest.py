@@ -3,6 +3,7 @@ keeps measured tables and fleet keys out of the user's home; splits the run into
 may share the machine and the `serial` ones (`--serial`, used by .ci/test; docs/testing.md)."""
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -10,6 +11,9 @@ import pytest
 # Measured tables (engine/verify_costs.py) go to a throwaway directory, not the user's cache. The
 # xdist workers inherit the controller's directory: the tables are written atomically, and a
 # table one worker measured saves the other the probe.
+# The embedded model's dense conversion (macfleet/engine/gguf.py, ~540 MB) is cached there too:
+# converted once per run, read back by every later process (agents, servers, ranks, workers).
+_OWN_CACHE = "MACFLEET_CACHE" not in os.environ
 os.environ.setdefault("MACFLEET_CACHE", tempfile.mkdtemp(prefix="macfleet-test-cache-"))
 # Fleet keys and run directories (`macfleet up` without --key): one per process, so two xdist
 # workers never share a fleet.key or a run/ state file, and no test touches ~/.macfleet.
@@ -17,6 +21,13 @@ os.environ["MACFLEET_HOME"] = tempfile.mkdtemp(prefix="macfleet-test-home-")
 # litellm (tests/serve/test_clients.py) fetches a price list from the internet at import and
 # retries with sleeps when offline: its bundled copy serves.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The process that made the throwaway cache removes it (not an xdist worker: the
+    controller's directory outlives them), so runs do not leave the conversion behind."""
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["MACFLEET_CACHE"], ignore_errors=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

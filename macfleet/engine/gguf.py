@@ -15,11 +15,24 @@ What this module adds:
   times slower than a dense float32 one, so Linux loads dense by default.
 
 Norm weights stay float32: casting the model to float16 on CPU made a step 20x slower.
+
+The dense conversion is cached (`dense_cache_path`): evaluating the dequantize/unpermute/astype
+graph of the embedded model takes seconds on a Linux CPU (3.7 s of its 4 s load), while reading
+the converted float32 weights back takes a tenth of that, and every agent, server, CLI run and
+test process loads the model. The cache is one safetensors file per GGUF (keyed by its path,
+size, mtime, `CONVERSION_VERSION` and MLX's version; other keys of the same GGUF are removed when
+a new one is written), written whole or not at all, and only ever a shortcut: a file that does
+not read back as this GGUF's weights is logged, removed and rebuilt, and a cache that cannot be
+written (full disk, read-only) leaves the load as it was. `MACFLEET_NO_MODEL_CACHE=1` turns it off.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +40,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
+
+from macfleet.engine.cachedir import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +134,93 @@ def _input_width(name: str, args: llama.ModelArgs) -> int:
     return args.intermediate_size if "ffn_down" in name else args.hidden_size
 
 
+# Bump when the dense conversion below changes what it produces (the cached files of the old
+# conversion are then replaced, never read).
+CONVERSION_VERSION = 1
+NO_CACHE_ENV = "MACFLEET_NO_MODEL_CACHE"
+_KEY_FIELD = "macfleet.gguf_dense"  # safetensors metadata: the key the file was written for
+_STALE_TMP_S = 600.0  # a temp file this old was left by a stopped writer
+
+
+def dense_cache_key(path: Path) -> tuple[str, str]:
+    """(file name, key) of `path`'s converted dense weights in the cache: the name is one per
+    GGUF path and key (so a changed GGUF, conversion or MLX gets a new file), the key is
+    written inside the file and checked on reading (a file renamed or copied over is not
+    taken for another GGUF's weights)."""
+    st = path.stat()
+    where = str(path.resolve())
+    key = f"{where}|{st.st_size}|{st.st_mtime_ns}|v{CONVERSION_VERSION}|mlx{mx.__version__}"
+    name = (f"{hashlib.sha256(where.encode()).hexdigest()[:16]}-"
+            f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors")
+    return name, key
+
+
+def dense_cache_path(path: Path) -> Path | None:
+    """Where `path`'s converted dense weights are cached; None when caching is turned off."""
+    if os.environ.get(NO_CACHE_ENV, "") not in ("", "0"):
+        return None
+    return cache_root() / "gguf-dense" / dense_cache_key(path)[0]
+
+
+def _read_dense_cache(path: Path, model: nn.Module) -> bool:
+    """Load `path`'s cached dense weights into `model`; False (and the bad file removed)
+    when there is none or it is not this GGUF's whole conversion."""
+    cached = dense_cache_path(path)
+    if cached is None or not cached.is_file():
+        return False
+    try:
+        weights, info = mx.load(str(cached), return_metadata=True)
+        if info.get(_KEY_FIELD) != dense_cache_key(path)[1]:
+            raise ValueError("written for another GGUF or conversion")
+        if any(v.dtype != mx.float32 for v in weights.values()):
+            raise ValueError("not float32 weights")
+        model.load_weights(list(weights.items()), strict=True)  # every name, every shape
+        mx.eval(model.parameters())
+    except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError/ValueError/...; any
+        # unreadable file is rebuilt, never a failed load
+        log.warning("ignoring the cached conversion %s (%s: %s); converting %s again",
+                    cached, type(e).__name__, e, path.name)
+        try:
+            cached.unlink()
+        except OSError:
+            pass
+        return False
+    return True
+
+
+def _write_dense_cache(path: Path, weights: dict[str, mx.array]) -> None:
+    """Keep `weights` (evaluated) as `path`'s cached conversion: a temp file renamed into place
+    (two processes converting at once each rename a whole file), then the same GGUF's other
+    entries removed. A cache that cannot be written is logged and skipped."""
+    cached = dense_cache_path(path)
+    if cached is None:
+        return
+    name, key = dense_cache_key(path)
+    tmp = cached.with_name(f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp.safetensors")
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(tmp), weights, metadata={_KEY_FIELD: key})
+        os.replace(tmp, cached)
+    except (OSError, RuntimeError, ValueError) as e:  # full disk, read-only cache
+        log.info("not caching the conversion of %s (%s: %s)", path.name, type(e).__name__, e)
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        return
+    prefix = name.split("-")[0]
+    now = time.time()
+    for other in cached.parent.iterdir():
+        try:
+            if other.name.startswith(prefix + "-") and other != cached:
+                other.unlink()  # an older GGUF, conversion or MLX at this path
+            elif (other.name.startswith(f".{prefix}-") and other.name.endswith(".tmp.safetensors")
+                  and now - other.stat().st_mtime > _STALE_TMP_S):
+                other.unlink()
+        except OSError:
+            pass
+
+
 def load_gguf(path: str | Path, *, dense: bool) -> GGUFModel:
     path = Path(path)
     if not path.is_file():
@@ -129,6 +231,12 @@ def load_gguf(path: str | Path, *, dense: bool) -> GGUFModel:
         raise GGUFError(f"MLX could not read {path}: {e}") from e
     args = model_args_from_metadata(meta)
     args.tie_word_embeddings = "output.weight" not in tensors
+    model = llama.Model(args)
+    if dense and _read_dense_cache(path, model):
+        model.eval()
+        log.info("loaded %s (dense, %d layers, cached conversion)", path.name,
+                 args.num_hidden_layers)
+        return GGUFModel(model=model, metadata=meta, args=args, quantized=False)
     weights: dict[str, mx.array] = {}
     quant: dict[str, dict[str, int]] = {}
 
@@ -166,7 +274,6 @@ def load_gguf(path: str | Path, *, dense: bool) -> GGUFModel:
             heads = {"attn_q": args.num_attention_heads, "attn_k": args.num_key_value_heads}.get(g)
             put(base, f"model.layers.{i}.{m}", permute_heads=heads)
 
-    model = llama.Model(args)
     if quant:
         nn.quantize(
             model,
@@ -174,6 +281,8 @@ def load_gguf(path: str | Path, *, dense: bool) -> GGUFModel:
         )
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
+    if dense:
+        _write_dense_cache(path, weights)
     model.eval()
     log.info("loaded %s (%s, %d layers)", path.name, "quantized" if quant else "dense",
              args.num_hidden_layers)

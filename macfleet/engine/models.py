@@ -8,7 +8,8 @@ Specs:
   dense bfloat16 (what a GPU may run fastest; measure with `macfleet bench overhead`).
 * a `.gguf` path (llama family);
 * an mlx-lm model directory or Hugging Face id (through `mlx_lm.load`; needs internet for ids);
-* `tiny:<seed>[:<vocab>]`: a tiny random-weight model for tests;
+* `tiny:<seed>[:<vocab>]`: a tiny random-weight model for tests (`tiny-6h:` with 6 heads and 3
+  kv heads: tensor parallelism over 3 ranks);
 * `tiny-moe:<seed>[:<vocab>]`: a tiny random mixture of experts (mlx-lm's qwen3_moe) for tests.
 
 Dense is the default on Linux (MLX's quantized CPU matmul is slow there), quantized on macOS.
@@ -126,6 +127,10 @@ def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
         seed, vocab = _parse_tiny(spec)
         return LoadedModel(spec, build_tiny_model(seed, vocab), TinyTokenizer(vocab),
                            "built in code", False)
+    if name == "tiny-6h":
+        seed, vocab = _parse_tiny(spec)
+        return LoadedModel(spec, build_tiny_model(seed, vocab, heads=6, kv_heads=3),
+                           TinyTokenizer(vocab), "built in code (6 heads)", False)
     if name == "tiny-moe":
         seed, vocab = _parse_tiny(spec)
         return LoadedModel(spec, build_tiny_moe(seed, vocab), TinyTokenizer(vocab),
@@ -186,7 +191,7 @@ def check_spec(spec: str) -> None:
     such as an Ollama tag): what a command checks before it waits for a fleet or loads."""
     if spec.endswith(".gguf") and not Path(spec).expanduser().is_file():
         raise ModelSpecError(f"no GGUF file at {Path(spec).expanduser()}")
-    if spec.partition(":")[0] in ("smollm2", "tiny", "tiny-moe") or spec.endswith(".gguf"):
+    if spec.partition(":")[0] in ("smollm2", "tiny", "tiny-6h", "tiny-moe") or spec.endswith(".gguf"):
         return
     if not Path(spec).expanduser().exists() and not looks_like_hub_id(spec):
         raise ModelSpecError(unknown_model_message(spec))

@@ -1,6 +1,9 @@
 """Tiny random-weight models built in code, for fast tests (specs `tiny:<seed>[:<vocab>]` and
 `tiny-moe:<seed>[:<vocab>]`).
 
+`tiny-6h:<seed>[:<vocab>]` is the llama one with 6 heads
+and 3 kv heads (tensor parallelism over 3 ranks).
+
 They are real mlx-lm models (llama, and qwen3_moe for the mixture of experts: the same code path
 as the big ones), just small, so every loop, cache and acceptance test runs in milliseconds.
 Weights are scaled up so the output distributions are peaked rather than uniform, which makes
@@ -21,14 +24,18 @@ DEFAULT_TINY_VOCAB = 64
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:!?-'\n"
 
 
-def tiny_args(vocab_size: int = DEFAULT_TINY_VOCAB, layers: int = 4) -> llama.ModelArgs:
+def tiny_args(vocab_size: int = DEFAULT_TINY_VOCAB, layers: int = 4, heads: int = 4,
+              kv_heads: int = 2) -> llama.ModelArgs:
+    """16 dimensions a head, an MLP twice as wide (`tiny:` is 4 heads, 2 kv heads, hidden 64;
+    `tiny-6h:` 6 heads, 3 kv heads, hidden 96: heads, kv heads and MLP columns divide by 3, so
+    tensor parallelism runs it over 3 ranks)."""
     return llama.ModelArgs(
         model_type="llama",
-        hidden_size=64,
+        hidden_size=16 * heads,
         num_hidden_layers=layers,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        intermediate_size=32 * heads,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         rms_norm_eps=1e-5,
         vocab_size=vocab_size,
         rope_theta=10000.0,
@@ -37,9 +44,9 @@ def tiny_args(vocab_size: int = DEFAULT_TINY_VOCAB, layers: int = 4) -> llama.Mo
 
 
 def build_tiny_model(seed: int, vocab_size: int = DEFAULT_TINY_VOCAB, layers: int = 4,
-                     weight_scale: float = 3.0) -> nn.Module:
+                     weight_scale: float = 3.0, heads: int = 4, kv_heads: int = 2) -> nn.Module:
     mx.random.seed(seed)
-    model = llama.Model(tiny_args(vocab_size, layers))
+    model = llama.Model(tiny_args(vocab_size, layers, heads, kv_heads))
     model.update(tree_map(lambda p: p * weight_scale, model.parameters()))
     mx.eval(model.parameters())
     model.eval()

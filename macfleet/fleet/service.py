@@ -21,7 +21,8 @@ LABEL_PREFIX = "macfleet.agent."
 UNIT_PREFIX = "macfleet-"
 # the environment an installed agent keeps from the shell that installed it: where its key, its
 # home and its caches are (a service does not see the login shell's exports)
-PASSED_ENV = ("MACFLEET_HOME", "MACFLEET_KEY", "MACFLEET_CACHE", "MACFLEET_NO_OPENBLAS")
+FLAG_ENV = ("MACFLEET_NO_OPENBLAS", "MACFLEET_NO_MODEL_CACHE")  # values kept as they are
+PASSED_ENV = ("MACFLEET_HOME", "MACFLEET_KEY", "MACFLEET_CACHE", *FLAG_ENV)
 DEFAULT_RESTART_S = 5  # systemd RestartSec / launchd ThrottleInterval: a crash loop stays slow
 
 
@@ -58,8 +59,7 @@ def service_env(environ: dict[str, str]) -> tuple[tuple[str, str], ...]:
     for k in PASSED_ENV:
         if environ.get(k):
             v = environ[k]
-            out.append((k, str(Path(v).expanduser().absolute()) if k != "MACFLEET_NO_OPENBLAS"
-                        else v))
+            out.append((k, str(Path(v).expanduser().absolute()) if k not in FLAG_ENV else v))
     return tuple(out)
 
 

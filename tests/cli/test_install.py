@@ -1,7 +1,15 @@
 """`pip install .` from a clone, as a new user does it: a fresh venv, a non-editable install
 of this checkout, then `macfleet doctor` and a generation run from a directory outside the
 repository (so nothing is imported from the checkout). Also what the wheel ships: the draft
-head and the answer store live inside the package, not only in the git tree."""
+head and the answer store live inside the package, not only in the git tree.
+
+Cost (issue 48): the checkout's wheel is built once for both tests (what `pip install .` does
+first: the same PEP 517 build, isolated, so the declared build requirements are what builds
+it); the venv is created without its own pip and this interpreter's pip installs into it
+(`pip --python`: ensurepip took ~5 s of CPU), with `--no-compile` (byte-compiling transformers
+and the other dependencies took ~45 s of CPU: nothing here depends on .pyc files). The venv
+still starts empty and the dependencies come from the wheel's declared ones alone, so a
+dependency the code imports but pyproject.toml does not declare still fails the run."""
 
 from __future__ import annotations
 
@@ -30,23 +38,31 @@ def _clean_env(**extra) -> dict[str, str]:
     return {**env, **extra}
 
 
-def test_the_wheel_ships_the_head_and_the_answer_store(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """This checkout's wheel, built as `pip install .` builds it."""
+    out = tmp_path_factory.mktemp("wheel")
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(ROOT),
-                        "-w", str(tmp_path)], capture_output=True, text=True, timeout=600,
-                       cwd=tmp_path, env=_clean_env())
+                        "-w", str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=out, env=_clean_env())
     assert p.returncode == 0, p.stderr[-2000:]
-    (wheel,) = tmp_path.glob("macfleet-*.whl")
+    (built,) = out.glob("macfleet-*.whl")
+    return built
+
+
+def test_the_wheel_ships_the_head_and_the_answer_store(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for want in SHIPPED:
         assert want in names, want
     assert not any(n.startswith(("tests/", "results/")) for n in names)
 
 
-def test_pip_install_from_a_clone_gives_a_working_macfleet(tmp_path):
+def test_pip_install_from_a_clone_gives_a_working_macfleet(wheel, tmp_path):
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     py = env_dir / "bin" / "python"
-    p = subprocess.run([str(py), "-m", "pip", "install", "-q", str(ROOT)], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
+                        "--no-compile", str(wheel)], capture_output=True,
                        text=True, timeout=1000, cwd=tmp_path, env=_clean_env())
     assert p.returncode == 0, p.stderr[-3000:]
     outside = tmp_path / "elsewhere"
