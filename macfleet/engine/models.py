@@ -191,7 +191,8 @@ def check_spec(spec: str) -> None:
     such as an Ollama tag): what a command checks before it waits for a fleet or loads."""
     if spec.endswith(".gguf") and not Path(spec).expanduser().is_file():
         raise ModelSpecError(f"no GGUF file at {Path(spec).expanduser()}")
-    if spec.partition(":")[0] in ("smollm2", "tiny", "tiny-6h", "tiny-moe") or spec.endswith(".gguf"):
+    if spec.partition(":")[0] in ("smollm2", "tiny", "tiny-6h", "tiny-moe") or \
+            spec.endswith(".gguf"):
         return
     if not Path(spec).expanduser().exists() and not looks_like_hub_id(spec):
         raise ModelSpecError(unknown_model_message(spec))
