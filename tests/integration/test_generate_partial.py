@@ -44,30 +44,37 @@ def generated(card, key) -> int:
 def test_tokens_received_before_the_last_verifier_died_are_printed(tmp_path):
     env = dict(os.environ)
     env.pop("MACFLEET_KEY", None)
-    # the verifier alone, in-process: what the fleet's answer must be a prefix of
-    ref = subprocess.run(cli("--local", "--max-tokens", str(REF_TOKENS)), capture_output=True,
-                         text=True, timeout=120, env=env)
-    assert ref.returncode == 0, ref.stderr
-    want = json.loads(ref.stdout.strip().splitlines()[-1])
-    assert len(want["token_ids"]) == REF_TOKENS
-    with local_fleet(tmp_path, model=MODEL) as fleet:
-        env["MACFLEET_KEY"] = str(fleet["key_path"])
-        pid = fleet["agents"][ROLE_VERIFIER].pid
-        proc = subprocess.Popen(cli("--max-tokens", str(MAX_TOKENS), "--wait", "5"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env)
-        try:
-            deadline = time.monotonic() + 90
-            while generated(fleet["verifier"], fleet["key"]) < KILL_AFTER:
-                assert proc.poll() is None, proc.communicate()
-                assert time.monotonic() < deadline, "the answer never started streaming"
-                time.sleep(0.02)
-            os.kill(pid, signal.SIGKILL)  # mid-answer: the request is far from done
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    # the verifier alone, in-process: what the fleet's answer must be a prefix of (decoded
+    # while the fleet starts)
+    ref = subprocess.Popen(cli("--local", "--max-tokens", str(REF_TOKENS)), env=dict(env),
+                           text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with local_fleet(tmp_path, model=MODEL) as fleet:
+            ref_out, ref_err = ref.communicate(timeout=120)
+            assert ref.returncode == 0, ref_err
+            want = json.loads(ref_out.strip().splitlines()[-1])
+            assert len(want["token_ids"]) == REF_TOKENS
+            env["MACFLEET_KEY"] = str(fleet["key_path"])
+            pid = fleet["agents"][ROLE_VERIFIER].pid
+            proc = subprocess.Popen(cli("--max-tokens", str(MAX_TOKENS), "--wait", "5"),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=env)
+            try:
+                deadline = time.monotonic() + 90
+                while generated(fleet["verifier"], fleet["key"]) < KILL_AFTER:
+                    assert proc.poll() is None, proc.communicate()
+                    assert time.monotonic() < deadline, "the answer never started streaming"
+                    time.sleep(0.02)
+                os.kill(pid, signal.SIGKILL)  # mid-answer: the request is far from done
+                out, err = proc.communicate(timeout=60)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.communicate()
     assert proc.returncode != 0, out  # a failed generation is an error...
     assert "re-planning" in err, err  # ...after the client tried the rest of the fleet
     assert out.strip(), f"nothing printed: the tokens received were lost ({err[-500:]})"

@@ -30,11 +30,21 @@ MODEL = "tiny:1"
 PROMPT = "the cat sat on the mat"
 
 
-def generate(env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "macfleet", "generate", PROMPT, "--json", "--model", MODEL,
-         "--no-chat", "--proposer", "ngram", "--draft-tokens", "3", "--max-tokens", "24",
-         "--wait", "3"], capture_output=True, text=True, timeout=120, env=env)
+def generate(env: dict, n: int = 1) -> list[subprocess.CompletedProcess]:
+    """`n` runs of the CLI started at once (their start-up overlaps; each browses alone)."""
+    argv = [sys.executable, "-m", "macfleet", "generate", PROMPT, "--json", "--model", MODEL,
+            "--no-chat", "--proposer", "ngram", "--draft-tokens", "3", "--max-tokens", "24",
+            "--wait", "3"]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(n)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+        return [subprocess.CompletedProcess(argv, p.returncode, *o) for p, o in zip(procs, outs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_generate_ignores_replayed_cards_and_never_connects_to_them(tmp_path):
@@ -44,7 +54,7 @@ def test_generate_ignores_replayed_cards_and_never_connects_to_them(tmp_path):
     env = dict(os.environ)
     with local_fleet(tmp_path, model=MODEL) as fleet:
         env["MACFLEET_KEY"] = str(fleet["key_path"])
-        ref = generate(env)
+        (ref,) = generate(env)
         assert ref.returncode == 0, ref.stderr
         want = json.loads(ref.stdout.strip().splitlines()[-1])
         proposer = fleet["proposer"]
@@ -62,7 +72,7 @@ def test_generate_ignores_replayed_cards_and_never_connects_to_them(tmp_path):
                     seen |= {c.name for c in discover(None, loopback=True, wait_s=10,
                                                       expect=6)}
                 assert len(seen & replays) >= 3, seen
-                runs = [generate(env) for _ in range(3)]
+                runs = generate(env, 3)
         finally:
             for door in doors:
                 door.close()

@@ -1,5 +1,10 @@
 """`macfleet serve` in front of a real local fleet (`macfleet up`, tiny model, its own
-MACFLEET_HOME so no other fleet is seen): each request goes to the verifier agent."""
+MACFLEET_HOME so no other fleet is seen): each request goes to the verifier agent.
+
+One fleet for the module (a fleet's start and stop cost ~10 s each): each test starts its own
+server in front of it, and its prompts share no prefix of MIN_CACHED_PREFIX tokens with
+another test's, so the agent's prompt cache (kept across tests) answers no test's first
+request. The one-at-a-time verifier needs a fleet of its own (`--batch-sessions 0`)."""
 
 from __future__ import annotations
 
@@ -23,9 +28,9 @@ def _cli(*args: str, env: dict, timeout: float = 90) -> subprocess.CompletedProc
                           text=True, timeout=timeout, env=env)
 
 
-@pytest.fixture
-def fleet_env(tmp_path):
-    env = {**os.environ, "MACFLEET_HOME": str(tmp_path / "home")}
+@pytest.fixture(scope="module")
+def fleet_env(tmp_path_factory):
+    env = {**os.environ, "MACFLEET_HOME": str(tmp_path_factory.mktemp("fleet") / "home")}
     r = _cli("up", "--model", "tiny:1", "--agents", "2", "--no-pin", env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     try:
@@ -34,7 +39,17 @@ def fleet_env(tmp_path):
         _cli("down", env=env, timeout=30)
 
 
-def test_serve_forwards_to_the_fleet_verifier(fleet_env, monkeypatch):
+@pytest.fixture(scope="module")
+def alone(fleet_env) -> str:
+    """The verifier alone's 12 greedy tokens for "hello hello" (`generate --local`), once for
+    both tests that compare with it."""
+    r = _cli("generate", "hello hello", "--model", "tiny:1", "--local", "--proposer", "none",
+             "--max-tokens", "12", "--json", env=fleet_env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])["text"]
+
+
+def test_serve_forwards_to_the_fleet_verifier(fleet_env, alone, monkeypatch):
     monkeypatch.setenv("MACFLEET_HOME", fleet_env["MACFLEET_HOME"])
     s = start_server("--proposer", "ngram", key=None, local=False)
     try:
@@ -52,18 +67,17 @@ def test_serve_forwards_to_the_fleet_verifier(fleet_env, monkeypatch):
         batch = fetch_batch(s.base, timeout_s=5).batch  # what `dash --serve` shows
     finally:
         stop_server(s)
-    alone = _cli("generate", "hello hello", "--model", "tiny:1", "--local", "--proposer", "none",
-                 "--max-tokens", "12", "--json", env=fleet_env)
-    assert text == streamed == json.loads(alone.stdout.strip().splitlines()[-1])["text"]
+    assert text == streamed == alone
     assert r.usage.completion_tokens == 12
-    # the verifier agent's own continuous batch ran the two requests
+    # the verifier agent's own continuous batch ran the two requests (its iterations count since
+    # the agent started: other tests' requests add to them; the sessions are this server's)
     assert batch.mode == "fleet" and batch.alive and batch.iterations >= 24
     assert batch.recent and all(it.sessions == 1 for it in batch.recent)
     assert [x.state for x in batch.sessions] == ["done", "done"]
     assert all(x.generated == 12 and x.ttft_ms > 0 for x in batch.sessions)
 
 
-def test_auto_is_chosen_on_the_fleet_verifier(fleet_env, monkeypatch):
+def test_auto_is_chosen_on_the_fleet_verifier(fleet_env, alone, monkeypatch):
     """`serve`'s default drafter in front of a fleet without draft-model agents: `auto` goes to
     the verifier agent as it is (it chooses among its own drafters, as `generate` through a
     fleet), not the bench record's winner on the proposer agent; the answer is the verifier
@@ -78,9 +92,7 @@ def test_auto_is_chosen_on_the_fleet_verifier(fleet_env, monkeypatch):
                                       messages=[{"role": "user", "content": "hello hello"}])
     finally:
         stop_server(s)
-    alone = _cli("generate", "hello hello", "--model", "tiny:1", "--local", "--proposer", "none",
-                 "--max-tokens", "12", "--json", env=fleet_env)
-    assert r.choices[0].message.content == json.loads(alone.stdout.strip().splitlines()[-1])["text"]
+    assert r.choices[0].message.content == alone
 
 
 def test_a_prediction_travels_to_the_fleet_verifier(fleet_env, monkeypatch):
@@ -111,7 +123,7 @@ def test_a_prediction_travels_to_the_fleet_verifier(fleet_env, monkeypatch):
 def test_a_full_one_at_a_time_verifier_makes_requests_wait_not_fail(tmp_path, monkeypatch):
     """A verifier agent that runs one session at a time (--batch-sessions 0, as a sharded one
     does) answers `busy` past its queue of 8: the server keeps those requests waiting and
-    retries; all 12 concurrent ones are answered."""
+    retries; all 12 concurrent ones are answered. Its own fleet: the module's verifier batches."""
     from concurrent.futures import ThreadPoolExecutor
 
     env = {**os.environ, "MACFLEET_HOME": str(tmp_path / "home")}
@@ -143,7 +155,8 @@ def test_logprobs_cached_tokens_and_response_format_through_the_fleet(fleet_env,
     from tolerance import LOGPROB_ATOL
 
     monkeypatch.setenv("MACFLEET_HOME", fleet_env["MACFLEET_HOME"])
-    history = [{"role": "user", "content": "one two three four five six seven"}]
+    # not "one two three four ...": the prediction test's prompt would be a cached prefix
+    history = [{"role": "user", "content": "seven six five four three two one"}]
 
     def ask(s):
         c = openai.OpenAI(base_url=s.v1, api_key="none", timeout=60, max_retries=0)
