@@ -140,7 +140,9 @@ def test_the_wide_verifier_is_smollm2_and_mlx_lm_reads_it(tmp_path: Path):
     assert wide.model.args.intermediate_size == 2048 and wide.num_layers == 31
     ids = [encode_prompt(base.tokenizer, p, chat=True)
            for p in ("Explain what a rainbow is.", "List three uses of a paperclip.")]
-    assert greedy_answers(wide.model, ids, 32) == greedy_answers(base.model, ids, 32)
+    # 8 tokens each: at eps 0 the wide model is the same function, so a widening that broke it
+    # shows at the first tokens (32 cost 20 s of the test's ~38 s of CPU)
+    assert greedy_answers(wide.model, ids, 8) == greedy_answers(base.model, ids, 8)
     assert agreement(path, prompts=["Name a colour."], tokens=8) == 1.0
     model, tok = mlx_lm.load(str(path))
     assert model.args.num_hidden_layers == 31 and tok.encode("hello") == \
