@@ -430,6 +430,7 @@ def device_counts(rule: Rule, p, q, k) -> np.ndarray:
 # The device checks take one value of each dimension per run, not their product (the host
 # checks above run the whole grid): a draft length (k) and a nucleus (top-p zeros in p) change
 # independent things (how many rows, which values), and each trial here is a small graph.
+@pytest.mark.slow  # 6,000 small graphs a run (~3 s of CPU)
 @pytest.mark.parametrize("k,pq", [(1, 1.0), (3, 0.8)], indirect=["pq"])
 def test_device_ratio_test_first_token_is_distributed_as_p(pq, k):
     p, q = pq
@@ -439,6 +440,7 @@ def test_device_ratio_test_first_token_is_distributed_as_p(pq, k):
     assert not passes(counts, q)
 
 
+@pytest.mark.slow  # 6,000 small graphs
 @pytest.mark.parametrize("pq", [0.8], indirect=True)
 def test_device_exact_match_first_token_is_distributed_as_p(pq):
     p, q = pq
@@ -447,6 +449,7 @@ def test_device_exact_match_first_token_is_distributed_as_p(pq):
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"
 
 
+@pytest.mark.slow  # 6,000 small graphs
 @pytest.mark.parametrize("pq", [1.0], indirect=True)
 def test_device_check_catches_a_broken_rejection_row(pq, monkeypatch):
     """The device check has power: resampling from p on rejection is caught."""
