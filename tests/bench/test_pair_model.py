@@ -131,7 +131,7 @@ def test_param_bytes_counts_the_weights_and_width_for_bytes_inverts_it():
 def test_the_wide_verifier_is_smollm2_and_mlx_lm_reads_it(tmp_path: Path):
     import mlx_lm
 
-    from macfleet.bench.pair_dial import agreement, greedy_answers
+    from macfleet.bench.pair_dial import agreement, greedy_answers, teacher_forced_argmax
     from macfleet.engine.models import load_model
     from macfleet.engine.text import encode_prompt
 
@@ -140,7 +140,10 @@ def test_the_wide_verifier_is_smollm2_and_mlx_lm_reads_it(tmp_path: Path):
     assert wide.model.args.intermediate_size == 2048 and wide.num_layers == 31
     ids = [encode_prompt(base.tokenizer, p, chat=True)
            for p in ("Explain what a rainbow is.", "List three uses of a paperclip.")]
-    assert greedy_answers(wide.model, ids, 32) == greedy_answers(base.model, ids, 32)
+    # the same next token at every prompt position (one forward each), and 8 decoded tokens
+    # (32 cost 20 s of the test's ~38 s of CPU, and checked fewer positions)
+    assert teacher_forced_argmax(wide.model, ids) == teacher_forced_argmax(base.model, ids)
+    assert greedy_answers(wide.model, ids, 8) == greedy_answers(base.model, ids, 8)
     assert agreement(path, prompts=["Name a colour."], tokens=8) == 1.0
     model, tok = mlx_lm.load(str(path))
     assert model.args.num_hidden_layers == 31 and tok.encode("hello") == \

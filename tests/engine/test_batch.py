@@ -30,10 +30,18 @@ def _prompts(vocab: int, n: int, seed: int, lo: int = 2, hi: int = 120) -> list[
     return out
 
 
+_ALONE: dict[tuple, tuple[int, ...]] = {}
+
+
 def _alone(lm, prompt, max_tokens, params=GREEDY) -> tuple[int, ...]:
-    evs = list(speculative_generate(Verifier(lm.model), None, prompt, params=params,
-                                    max_tokens=max_tokens, eos_ids=lm.eos_ids))
-    return evs[-1].token_ids
+    """The request decoded alone by the plain loop: a pure function of its arguments, so each
+    is decoded once per module (the parametrized tests ask for the same references)."""
+    key = (id(lm.model), tuple(prompt), max_tokens, params)
+    if key not in _ALONE:
+        evs = list(speculative_generate(Verifier(lm.model), None, prompt, params=params,
+                                        max_tokens=max_tokens, eos_ids=lm.eos_ids))
+        _ALONE[key] = evs[-1].token_ids
+    return _ALONE[key]
 
 
 def _serve_all(engine: BatchEngine, reqs: list[EngineRequest]) -> list[Finished]:
@@ -362,12 +370,11 @@ def test_queue_limit_and_zero_tokens(tiny):
 
 @pytest.mark.slow
 def test_smollm2_batched_greedy_equals_alone(smollm2):
-    """The embedded model, 6 chat prompts at once vs one by one (same ids as
+    """The embedded model, 4 chat prompts at once vs one by one (same ids as
     `macfleet generate --local --proposer none`, whose loop `_alone` runs)."""
     tok = smollm2.tokenizer
     qs = ["What is the capital of France?", "Write a haiku about rain.",
-          "List three prime numbers.", "Explain what a CPU does in one sentence.",
-          "Say hello in Spanish.", "What is 12 times 12?"]
+          "Explain what a CPU does in one sentence.", "What is 12 times 12?"]
     prompts = [tuple(tok.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True)) for q in qs]
     reqs = [EngineRequest(p, GREEDY, 16, smollm2.eos_ids) for p in prompts]

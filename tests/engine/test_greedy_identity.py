@@ -1,8 +1,9 @@
 """Greedy decoding is bit-identical to the verifier alone, whatever the proposer does.
 
 Reference: mlx-lm's own `generate_step` (greedy) on the same model, cut at EOS, same max tokens.
-Real-model generations are kept short (10 tokens) and few: every proposer x 3 prompts at k=4,
-plus two adaptive (`auto`) cases and one k=1 case. Malicious proposers run on a tiny model.
+Real-model generations are kept short (10 tokens) and few: every proposer x 2 of the 3 prompts
+at k=4, plus two adaptive (`auto`) cases and one k=1 case. Malicious proposers run on a tiny
+model.
 
 Token ids: the "greedy margin" rule of tests/tolerance.py (verify blocks of L tokens vs
 mlx-lm's one token per forward).
@@ -64,9 +65,17 @@ def test_references_cover_eos_and_length(references):
     assert lens["code"] == lens["summary"] == MAX_TOKENS, lens
 
 
+# Each proposer on the answer that stops at EOS (chat) and on one cut at max tokens where its
+# drafts are accepted (measured: n-gram 6 of 10 drafted on summary, 1 of 11 on code;
+# layerskip:12 2 of 27 on summary, none of 30 on code), not on every prompt: a third prompt
+# gave another text, not another path through the loop (~9 s of smollm2 per sweep).
 @pytest.mark.slow
-@pytest.mark.parametrize("prompt", list(PROMPTS))
-@pytest.mark.parametrize("proposer", ["none", "ngram", "layerskip:12", "draft:smollm2"])
+@pytest.mark.parametrize("proposer,prompt", [
+    ("none", "chat"), ("none", "code"),
+    ("ngram", "chat"), ("ngram", "summary"),
+    ("layerskip:12", "chat"), ("layerskip:12", "summary"),
+    ("draft:smollm2", "chat"), ("draft:smollm2", "code"),
+])
 def test_greedy_identical_k4(smollm2, verifier, references, proposer, prompt):
     ids, ref = references[prompt]
     fin = run(smollm2, verifier, proposer, 4, ids)
@@ -135,12 +144,20 @@ class MaliciousProposer(Proposer):
         raise AssertionError(mode)
 
 
+MALICE_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def malice_ref(tiny) -> list[int]:
+    """The tiny model's 30 greedy tokens after MALICE_PROMPT (mlx-lm), once for the 24 cases."""
+    return mlx_lm_greedy(tiny.model, MALICE_PROMPT, 30)
+
+
 @pytest.mark.parametrize("mode", ["random", "out_of_range", "too_many", "nan_probs",
                                   "bad_probs", "half_right", "wrong_types", "mix"])
 @pytest.mark.parametrize("k", [1, 4, "auto"])
-def test_malicious_proposer_cannot_change_greedy_output(tiny, mode, k):
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    ref = mlx_lm_greedy(tiny.model, prompt, 30)
+def test_malicious_proposer_cannot_change_greedy_output(tiny, malice_ref, mode, k):
+    prompt, ref = MALICE_PROMPT, malice_ref
     bad = MaliciousProposer(mode, tiny.vocab_size, len(prompt), truth=ref,
                             seed=zlib.crc32(f"{mode}{k}".encode()))
     fin = finished(speculative_generate(Verifier(tiny.model), bad, prompt, max_tokens=30,
@@ -160,7 +177,7 @@ def test_malicious_proposer_when_sampling(tiny, mode):
     an invalid id; bad probabilities fall back to exact-match acceptance."""
     from macfleet.engine.sampling import SamplingParams
 
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    prompt = MALICE_PROMPT
     bad = MaliciousProposer(mode, tiny.vocab_size, len(prompt), seed=7)
     fin = finished(speculative_generate(Verifier(tiny.model), bad, prompt, max_tokens=30,
                                         params=SamplingParams(1.0, seed=1),

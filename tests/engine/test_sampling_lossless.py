@@ -404,8 +404,12 @@ def device_rule(with_q: bool) -> Rule:
     seeded block (seed from the trial's rng), so trials are independent draws."""
     from macfleet.engine.pipeline import sampled_outcome
 
+    made: dict[int, tuple[np.ndarray, mx.array]] = {}  # the logits of a p, made once
+
     def rule(draft, q, p, rng):
-        logits = mx.array(np.log(np.maximum(p, 1e-30)).astype(np.float32))
+        if id(p) not in made:
+            made[id(p)] = (p, mx.array(np.log(np.maximum(p, 1e-30)).astype(np.float32)))
+        logits = made[id(p)][1]
         seed = int(rng.integers(2**62))
         out = sampled_outcome(logits, draft, q if with_q else None, T1, seed, start=0)
         n, nxt = (int(v) for v in out.tolist())
@@ -423,7 +427,11 @@ def device_counts(rule: Rule, p, q, k) -> np.ndarray:
         TRIALS = saved
 
 
-@pytest.mark.parametrize("k", [1, 3])
+# The device checks take one value of each dimension per run, not their product (the host
+# checks above run the whole grid): a draft length (k) and a nucleus (top-p zeros in p) change
+# independent things (how many rows, which values), and each trial here is a small graph.
+@pytest.mark.slow  # 6,000 small graphs a run (~3 s of CPU)
+@pytest.mark.parametrize("k,pq", [(1, 1.0), (3, 0.8)], indirect=["pq"])
 def test_device_ratio_test_first_token_is_distributed_as_p(pq, k):
     p, q = pq
     counts = device_counts(device_rule(with_q=True), p, q, k)
@@ -432,6 +440,8 @@ def test_device_ratio_test_first_token_is_distributed_as_p(pq, k):
     assert not passes(counts, q)
 
 
+@pytest.mark.slow  # 6,000 small graphs
+@pytest.mark.parametrize("pq", [0.8], indirect=True)
 def test_device_exact_match_first_token_is_distributed_as_p(pq):
     p, q = pq
     counts = device_counts(device_rule(with_q=False), p, q, 2)
@@ -439,6 +449,8 @@ def test_device_exact_match_first_token_is_distributed_as_p(pq):
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"
 
 
+@pytest.mark.slow  # 6,000 small graphs
+@pytest.mark.parametrize("pq", [1.0], indirect=True)
 def test_device_check_catches_a_broken_rejection_row(pq, monkeypatch):
     """The device check has power: resampling from p on rejection is caught."""
     p, q = pq

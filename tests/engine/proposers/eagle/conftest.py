@@ -12,7 +12,9 @@ from macfleet.distill.train import TrainParams, train
 @pytest.fixture(scope="session")
 def trained(tiny, chunks):
     head = _head(tiny, chunks)
-    train(head, chunks[:-6], TrainParams(steps=200, batch=8, seq_len=64, lr=3e-3,
+    # 100 steps: loss 0.67 (untrained 2.2), held-out chains 0.19 accepted (untrained 0.10),
+    # the same as 200 steps gave (0.64, 0.18) in half the time
+    train(head, chunks[:-6], TrainParams(steps=100, batch=8, seq_len=64, lr=3e-3,
                                          save_every=10_000))
     return head
 
