@@ -14,11 +14,20 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 START_TIMEOUT_S = 60.0
+SMOLLM2_START_S = 300.0  # the embedded smollm2 loads in 15 to 50 s here, more on a loaded box
 API_KEY = "test-key-123"
+# a small Hermes/Qwen-style template with tools (tiny models and smollm2 have none)
+TOOLS_TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
+# SmolLM2's own template's system message (it adds it when a conversation has none): with it
+# first, TOOLS_TEMPLATE renders a conversation without tools as the model's template does,
+# token for token -- the shared smollm2 server answers as one on the model's own template
+SMOLLM2_SYSTEM = {"role": "system",
+                  "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"}
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,7 @@ class Server:
 
 
 def start_server(*extra: str, model: str = "tiny:1", key: str | None = API_KEY,
-                 local: bool = True) -> Server:
+                 local: bool = True, timeout_s: float | None = None) -> Server:
     env = dict(os.environ)
     blas = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
     if os.path.exists(blas):
@@ -53,7 +62,7 @@ def start_server(*extra: str, model: str = "tiny:1", key: str | None = API_KEY,
         cmd += ["--api-key", key]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + (START_TIMEOUT_S if timeout_s is None else timeout_s)
     line = ""
     before: list[str] = []
     while time.monotonic() < deadline:
@@ -66,6 +75,13 @@ def start_server(*extra: str, model: str = "tiny:1", key: str | None = API_KEY,
             break
     proc.kill()
     raise RuntimeError(f"macfleet serve did not start: {line!r} {proc.stdout.read()[-2000:]}")
+
+
+def start_smollm2() -> Server:
+    """`serve --local` of the embedded smollm2 with TOOLS_TEMPLATE and API_KEY: the ordinary
+    smollm2 server (conftest.py's `smollm2_server`, one per test process)."""
+    return start_server("--chat-template", str(TOOLS_TEMPLATE), model="smollm2",
+                        timeout_s=SMOLLM2_START_S)
 
 
 def stop_server(s: Server) -> None:

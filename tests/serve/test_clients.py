@@ -1,12 +1,18 @@
-"""Four client libraries nobody here wrote (issue 43), pinned in the `clients` extra, against
-`serve --local` and `up --serve` on the embedded model with a tool-capable template: openai
-(`parse()`, tools cut by max_tokens, streamed and not), instructor in TOOLS and JSON_SCHEMA
-modes, langchain-openai `bind_tools` (required, named) and `with_structured_output`, litellm
-tools. Every call returns a valid object or a clear 400, and no tool-call markup reaches
-`content`. One server per backend, few calls, small max_tokens (slow: it loads the model)."""
+"""Four client libraries nobody here wrote (issue 43), pinned in the `clients` extra, on the
+embedded model with a tool-capable template: openai (`parse()`, tools cut by max_tokens,
+streamed and not), instructor in TOOLS and JSON_SCHEMA modes, langchain-openai `bind_tools`
+(required, named) and `with_structured_output`, litellm tools. Every call returns a valid object
+or a clear 400, and no tool-call markup reaches `content`.
+
+The whole matrix runs against `serve --local` (the shared smollm2 server, conftest.py); behind
+`up --serve` (a fleet of 2 agents, its own) the API layer is the same code, so only what the
+fleet path changes runs there too: a response_format grammar (openai `parse()`) and a tool
+grammar (a named call equal to `serve --local`'s) decoded by the verifier agent, and a streamed
+answer cut by max_tokens. Calls of one test go at once: one batch (slow: smollm2 on the CPU)."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import importlib.util
 import os
 import re
@@ -25,12 +31,9 @@ for _name in ("instructor", "langchain_openai", "litellm", "openai"):
         pytest.skip(f"the 'clients' extra is not installed (no {_name}): pip install -e "
                     "'.[clients]'", allow_module_level=True)
 from pydantic import BaseModel
-from serve_testkit import Server, start_server, stop_server
+from serve_testkit import API_KEY, SMOLLM2_START_S, TOOLS_TEMPLATE, Server, stop_server
 
 pytestmark = pytest.mark.slow
-TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
-KEY = "clients-key"
-START_S = 300.0
 MARKUP = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name":')
 WEATHER_Q = "What is the weather in Paris?"
 WEATHER = {"type": "function", "function": {
@@ -49,18 +52,18 @@ def _up_serve(home: Path) -> Server:
     """`macfleet up --serve` with serve's options (a fleet of 2 agents), its API's banner read."""
     env = {**os.environ, "MACFLEET_HOME": str(home)}
     cmd = [sys.executable, "-m", "macfleet", "up", "--model", "smollm2", "--agents", "2",
-           "--no-pin", "--serve", "--chat-template", str(TEMPLATE), "--port", "0",
-           "--api-key", KEY]
+           "--no-pin", "--serve", "--chat-template", str(TOOLS_TEMPLATE), "--port", "0",
+           "--api-key", API_KEY]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
-    deadline, seen = time.monotonic() + START_S, []
+    deadline, seen = time.monotonic() + SMOLLM2_START_S, []
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         seen.append(line)
         m = re.search(r"on (http://[\d.]+:\d+)/v1", line)
         if m:
             assert "verifier agent" in line, line  # served by the fleet, not in-process
-            return Server(m.group(1), proc, "smollm2", KEY, line.strip())
+            return Server(m.group(1), proc, "smollm2", API_KEY, line.strip())
         if proc.poll() is not None:
             break
     proc.kill()
@@ -72,20 +75,9 @@ def _down(home: Path) -> None:
                    env={**os.environ, "MACFLEET_HOME": str(home)})
 
 
-@pytest.fixture(scope="module", params=["serve --local", "up --serve"])
-def server(request, tmp_path_factory):
-    mp = pytest.MonkeyPatch()  # LITELLM_LOCAL_MODEL_COST_MAP: tests/conftest.py
-    if request.param == "serve --local":
-        import serve_testkit
-
-        mp.setattr(serve_testkit, "START_TIMEOUT_S", START_S)
-        s = start_server("--chat-template", str(TEMPLATE), model="smollm2", key=KEY)
-        try:
-            yield s
-        finally:
-            stop_server(s)
-            mp.undo()
-        return
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """`up --serve`: this module's own (no other module's tests need a smollm2 fleet's API)."""
     home = tmp_path_factory.mktemp("fleet")
     try:
         s = _up_serve(home)
@@ -95,23 +87,30 @@ def server(request, tmp_path_factory):
             stop_server(s)
     finally:
         _down(home)
-        mp.undo()
+
+
+@pytest.fixture(params=["serve --local", "up --serve"])
+def backend(request, smollm2_server):
+    """Both backends, for the tests of what the fleet path changes (the module's docstring)."""
+    if request.param == "serve --local":
+        return smollm2_server
+    return request.getfixturevalue("fleet")
 
 
 def _openai(s: Server):
     import openai
 
-    return openai.OpenAI(base_url=s.v1, api_key=KEY, max_retries=0, timeout=START_S)
+    return openai.OpenAI(base_url=s.v1, api_key=s.key, max_retries=0, timeout=SMOLLM2_START_S)
 
 
 def _clean(text: str | None) -> None:
     assert not any(m in (text or "") for m in MARKUP), text
 
 
-def test_openai_parse_returns_the_model_and_a_bad_strict_schema_is_a_clear_400(server):
+def test_openai_parse_returns_the_model_and_a_bad_strict_schema_is_a_clear_400(backend):
     import openai
 
-    c = _openai(server)
+    c = _openai(backend)
     r = c.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": USER_Q}],
                                  response_format=User, max_tokens=40, temperature=0)
     assert isinstance(r.choices[0].message.parsed, User), r
@@ -125,9 +124,11 @@ def test_openai_parse_returns_the_model_and_a_bad_strict_schema_is_a_clear_400(s
     assert "additionalProperties" in e.value.body["message"]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_openai_required_call_cut_by_max_tokens_is_length_without_markup(server, stream):
-    c = _openai(server)
+# behind the fleet streamed only: a whole answer is the same stream, collected by the API layer
+@pytest.mark.parametrize("backend, stream", [("serve --local", False), ("serve --local", True),
+                                             ("up --serve", True)], indirect=["backend"])
+def test_openai_required_call_cut_by_max_tokens_is_length_without_markup(backend, stream):
+    c = _openai(backend)
     kw = dict(model="smollm2", messages=[{"role": "user", "content": WEATHER_Q}],
               tools=[WEATHER], tool_choice="required", max_tokens=8, temperature=0)
     if not stream:
@@ -143,18 +144,23 @@ def test_openai_required_call_cut_by_max_tokens_is_length_without_markup(server,
     assert not calls and finish == "length"
 
 
-@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
-def test_instructor_returns_the_model(server, mode):
+def test_instructor_returns_the_model_in_tools_and_json_schema_modes(smollm2_server):
+    """Both modes at once (one batch on the server; were a parametrized test each)."""
     import instructor
 
-    ic = instructor.from_openai(_openai(server), mode=getattr(instructor.Mode, mode))
-    user = ic.chat.completions.create(model="smollm2", response_model=User, max_tokens=100,
-                                      max_retries=0, temperature=0,
-                                      messages=[{"role": "user", "content": USER_Q}])
-    assert isinstance(user, User) and user.age == 34
+    def extract(mode: str) -> User:
+        ic = instructor.from_openai(_openai(smollm2_server), mode=getattr(instructor.Mode, mode))
+        return ic.chat.completions.create(model="smollm2", response_model=User, max_tokens=100,
+                                          max_retries=0, temperature=0,
+                                          messages=[{"role": "user", "content": USER_Q}])
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        users = list(ex.map(extract, ("TOOLS", "JSON_SCHEMA")))
+    for user in users:
+        assert isinstance(user, User) and user.age == 34, users
 
 
-def test_langchain_bind_tools_required_and_named_and_structured_output(server):
+def test_langchain_bind_tools_required_and_named_and_structured_output(smollm2_server):
     import langchain_openai
     from langchain_core.tools import tool
 
@@ -163,21 +169,26 @@ def test_langchain_bind_tools_required_and_named_and_structured_output(server):
         """Current weather in a city."""
         return "sunny"
 
-    llm = langchain_openai.ChatOpenAI(model="smollm2", base_url=server.v1, api_key=KEY,
+    s = smollm2_server
+    llm = langchain_openai.ChatOpenAI(model="smollm2", base_url=s.v1, api_key=s.key,
                                       max_tokens=40, temperature=0, max_retries=0)
-    for choice in ("required", "get_weather"):
-        msg = llm.bind_tools([get_weather], tool_choice=choice).invoke(WEATHER_Q)
-        _clean(msg.content)
-        assert [t["name"] for t in msg.tool_calls] == ["get_weather"], msg
-        assert isinstance(msg.tool_calls[0]["args"].get("city"), str)
-    user = llm.with_structured_output(User).invoke(USER_Q)
-    assert isinstance(user, User)
+    with cf.ThreadPoolExecutor(3) as ex:  # at once: one batch on the server
+        calls = [ex.submit(llm.bind_tools([get_weather], tool_choice=choice).invoke, WEATHER_Q)
+                 for choice in ("required", "get_weather")]
+        user = ex.submit(llm.with_structured_output(User).invoke, USER_Q)
+        for f in calls:
+            msg = f.result()
+            _clean(msg.content)
+            assert [t["name"] for t in msg.tool_calls] == ["get_weather"], msg
+            assert isinstance(msg.tool_calls[0]["args"].get("city"), str)
+        assert isinstance(user.result(), User)
 
 
-def test_litellm_tools(server):
+def test_litellm_tools(smollm2_server):
     import litellm
 
-    r = litellm.completion(model="openai/smollm2", api_base=server.v1, api_key=KEY,
+    s = smollm2_server
+    r = litellm.completion(model="openai/smollm2", api_base=s.v1, api_key=s.key,
                            messages=[{"role": "user", "content": WEATHER_Q}], tools=[WEATHER],
                            tool_choice="required", max_tokens=40, temperature=0)
     msg = r.choices[0].message
@@ -185,29 +196,21 @@ def test_litellm_tools(server):
     assert [t.function.name for t in msg.tool_calls] == ["get_weather"]
 
 
-@pytest.fixture(scope="module")
-def named_call_reference():
-    """The named call constrained plain decoding gives in this process: computed once for
-    both backends (it was decoded again for each)."""
-    from test_tool_grammar import NAMED, plain_tool_calls
-
-    return plain_tool_calls(NAMED, parallel_tool_calls=False)[1]
-
-
-def test_a_named_tool_call_is_the_one_constrained_plain_decoding_gives(server,
-                                                                       named_call_reference):
+def test_a_named_tool_call_through_the_fleet_is_the_one_serve_local_gives(smollm2_server,
+                                                                          fleet):
     """Tool grammars travel as any grammar does (protocol 4's grammar fields): behind
-    `up --serve` the fleet's verifier agent masks its batch rows. A named call through either
-    backend is the one constrained plain decoding of the same request gives in this process
-    (greedy), with schema-valid arguments. Was test_tool_grammar.py's
-    test_enforced_tool_calls_through_a_fleet_equal_serve_local, which started a fleet of its own
-    and two servers for it (74 s); `serve --local` equals the same reference there."""
-    from test_tool_grammar import NAMED, QUESTION, TOOLS, _valid
+    `up --serve` the fleet's verifier agent masks its batch rows. A named call through the
+    fleet is the one `serve --local` gives for the same request (greedy), with schema-valid
+    arguments; and that one is constrained plain decoding's in-process (test_tool_grammar.py's
+    test_enforced_greedy_calls_equal_constrained_plain_decoding_and_bad_combos_beside asks the
+    same request: its `_ask`). Was a reference decoded in this process too (a third smollm2
+    load, 54 s of this module's set-up on a loaded box), and before that test_tool_grammar.py's
+    test_enforced_tool_calls_through_a_fleet_equal_serve_local, with a fleet of its own."""
+    from test_tool_grammar import NAMED, _ask, _valid
 
-    r = _openai(server).chat.completions.create(
-        model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice=NAMED,
-        parallel_tool_calls=False, temperature=0, max_tokens=80).choices[0]
-    got = [(x.function.name, x.function.arguments) for x in r.message.tool_calls or []]
-    assert r.finish_reason == "tool_calls" and len(got) == 1, r
+    with cf.ThreadPoolExecutor(2) as ex:  # both backends at once
+        local, through = ex.map(lambda s: _ask(_openai(s), NAMED), (smollm2_server, fleet))
+    finish, got = through
+    assert finish == "tool_calls" and len(got) == 1, through
     _valid(got, ("get_time",))
-    assert got == named_call_reference
+    assert through == local

@@ -17,16 +17,14 @@ import json
 import threading
 import time
 from argparse import Namespace
-from pathlib import Path
 
 import httpx
 import pytest
-from serve_testkit import start_server, stop_server, wait_idle
+from serve_testkit import TOOLS_TEMPLATE, start_server, stop_server, wait_idle
 
 from macfleet.cli.common import UserError
 
 KEY_A, KEY_B = "team-key-alice", "team-key-bob"
-TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 FLOOD = 12
 TINY_MESSAGES = 28_000
 MODELS_WITHIN_S = 0.5
@@ -34,7 +32,7 @@ MODELS_WITHIN_S = 0.5
 @pytest.fixture(scope="module")
 def server():
     s = start_server("--api-key", KEY_B, "--prompt-cache-mb", "64", "--chat-template",
-                     str(TEMPLATE), model="tiny:1:64", key=KEY_A)
+                     str(TOOLS_TEMPLATE), model="tiny:1:64", key=KEY_A)
     try:
         yield s
     finally:

@@ -4,16 +4,10 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
-import os
-import subprocess
-import sys
 
 import openai
 import pytest
-from serve_testkit import start_server, stop_server
-
-from macfleet.engine.models import embedded_model_path
+from serve_testkit import SMOLLM2_SYSTEM
 
 QUESTIONS = ("What is the capital of France?",
              "Write one sentence about cats.")
@@ -21,28 +15,29 @@ MAX_TOKENS = 12
 
 
 def _generate_alone(q: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "macfleet", "generate", q, "--local", "--proposer",
-                        "none", "--max-tokens", str(MAX_TOKENS), "--json"],
-                       capture_output=True, text=True, timeout=120, env=dict(os.environ))
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])["text"]
+    """What `macfleet generate Q --local --proposer none` prints, decoded in this process: the
+    CLI's own loop (cmd_generate.py calls generate_local; the CLI itself: tests/cli), without
+    a second smollm2 load in a subprocess per question."""
+    from macfleet.engine.models import load_model
+    from macfleet.engine.text import TextDelta, generate_local
+
+    return "".join(e.text for e in generate_local(load_model("smollm2"), q, proposer="none",
+                                                  max_tokens=MAX_TOKENS)
+                   if isinstance(e, TextDelta))
 
 
 @pytest.mark.slow
-def test_served_answers_equal_generate_alone():
-    if embedded_model_path() is None:
-        pytest.skip("the embedded model is not installed")
-    s = start_server(model="smollm2", key=None)
-    try:
-        c = openai.OpenAI(base_url=s.v1, api_key="none", timeout=120, max_retries=0)
+def test_served_answers_equal_generate_alone(smollm2_server):
+    """On the shared server (conftest.py): its template with SMOLLM2_SYSTEM first renders the
+    prompt the model's own template gives `generate`."""
+    s = smollm2_server
+    c = openai.OpenAI(base_url=s.v1, api_key=s.key, timeout=120, max_retries=0)
 
-        def ask(q: str) -> str:
-            return c.chat.completions.create(
-                model="smollm2", messages=[{"role": "user", "content": q}],
-                max_tokens=MAX_TOKENS, temperature=0).choices[0].message.content
+    def ask(q: str) -> str:
+        return c.chat.completions.create(
+            model="smollm2", messages=[SMOLLM2_SYSTEM, {"role": "user", "content": q}],
+            max_tokens=MAX_TOKENS, temperature=0).choices[0].message.content
 
-        with cf.ThreadPoolExecutor(len(QUESTIONS)) as ex:
-            together = list(ex.map(ask, QUESTIONS))
-    finally:
-        stop_server(s)
+    with cf.ThreadPoolExecutor(len(QUESTIONS)) as ex:
+        together = list(ex.map(ask, QUESTIONS))
     assert together == [_generate_alone(q) for q in QUESTIONS]

@@ -18,9 +18,8 @@ import re
 import numpy as np
 import openai
 import pytest
-import serve_testkit
 from engine_parts_kit import serve_all
-from serve_testkit import start_server, stop_server
+from serve_testkit import SMOLLM2_SYSTEM
 
 from macfleet.engine.constraint import (JSON_SCHEMA, LARK, REGEX, Constraint,
                                         Grammar, GrammarError, constrained_draft, schema_text)
@@ -336,31 +335,29 @@ def test_json_schema_on_smollm2_drafts_equal_plain_batched_equal_alone_and_valid
         assert f0.stats.accepted > 0  # forced tokens, drafted without a drafter
 
 
-@pytest.mark.slow  # a smollm2 server; json_schema and json_object through the openai client
-def test_json_answers_over_http_are_all_valid(monkeypatch):
+@pytest.mark.slow  # the shared smollm2 server; json_schema and json_object through openai
+def test_json_answers_over_http_are_all_valid(smollm2_server):
+    """The questions as on the model's own template (SMOLLM2_SYSTEM first): without its system
+    message smollm2 rambles in the open object to max_tokens."""
     jsonschema = pytest.importorskip("jsonschema")
-    monkeypatch.setattr(serve_testkit, "START_TIMEOUT_S", 300.0)  # smollm2 loads in ~50 s here
-    s = start_server(model="smollm2", key=None)
-    try:
-        c = openai.OpenAI(base_url=s.v1, api_key="none", max_retries=0, timeout=300)
-        fmt = {"type": "json_schema",
-               "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    s = smollm2_server
+    c = openai.OpenAI(base_url=s.v1, api_key=s.key, max_retries=0, timeout=300)
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
-        def ask(q, f, max_tokens=80):
-            r = c.chat.completions.create(model="smollm2", max_tokens=max_tokens, temperature=0,
-                                          response_format=f,
-                                          messages=[{"role": "user", "content": q}])
-            return r.choices[0].message.content, r.choices[0].finish_reason
+    def ask(q, f, max_tokens=80):
+        r = c.chat.completions.create(model="smollm2", max_tokens=max_tokens, temperature=0,
+                                      response_format=f, messages=[
+                                          SMOLLM2_SYSTEM, {"role": "user", "content": q}])
+        return r.choices[0].message.content, r.choices[0].finish_reason
 
-        with cf.ThreadPoolExecutor(len(QUESTIONS) + 1) as ex:  # one batch: all at once
-            # a small model rambles in an open object: a question with a short answer
-            obj_f = ex.submit(ask, "Give the capital of France as JSON with the key capital.",
-                              {"type": "json_object"}, 100)
-            got = list(ex.map(lambda q: ask(q, fmt), QUESTIONS))
-            obj = obj_f.result()
-        for text, finish in got:
-            assert finish == "stop", text
-            jsonschema.validate(json.loads(text), PERSON)
-        assert obj[1] == "stop" and isinstance(json.loads(obj[0]), dict), obj
-    finally:
-        stop_server(s)
+    with cf.ThreadPoolExecutor(len(QUESTIONS) + 1) as ex:  # one batch: all at once
+        # a small model rambles in an open object: a question with a short answer
+        obj_f = ex.submit(ask, "Give the capital of France as JSON with the key capital.",
+                          {"type": "json_object"}, 100)
+        got = list(ex.map(lambda q: ask(q, fmt), QUESTIONS))
+        obj = obj_f.result()
+    for text, finish in got:
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+    assert obj[1] == "stop" and isinstance(json.loads(obj[0]), dict), obj

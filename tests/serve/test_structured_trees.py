@@ -232,6 +232,10 @@ PERSON = {"type": "object", "additionalProperties": False,
 
 @pytest.mark.slow  # smollm2 on the CPU: two JSON answers, plain / one process / serving engine
 def test_json_on_smollm2_with_retrieval_trees_equals_constrained_plain():
+    """Both answers as one batch in each engine (greedy batched equals alone on smollm2:
+    test_batch.py::test_smollm2_batched_greedy_equals_alone; under a JSON grammar:
+    test_structured.py's test_json_schema_on_smollm2_...), trees of at most 4 drafted tokens
+    (the default budget's trees cost this test 3x the verify time for the same property)."""
     from macfleet.engine.text import generate_local
 
     jsonschema = pytest.importorskip("jsonschema")
@@ -241,23 +245,23 @@ def test_json_on_smollm2_with_retrieval_trees_equals_constrained_plain():
               "Give me a record for Bob, 41, from Rome.", 60),
              (Grammar(JSON_OBJECT), "Give the capital of France as JSON with the key capital.",
               40)]
-    spec = "retrieval+ngram"
-    for g, q, n in cases:
-        ids = tuple(tok.apply_chat_template([{"role": "user", "content": q}],
-                                            add_generation_prompt=True))
-        req = EngineRequest(ids, GREEDY, n, frozenset(tok.eos_token_ids), grammar=g)
-        (plain, f0), = serve_all(BatchEngine(lm, proposer="none"), [req])
-        engine = BatchEngine(lm, proposer=spec)
-        seen = _spy_trees(engine)
-        (served, f1), = serve_all(engine, [req])
-        local = [e for e in generate_local(lm, q, proposer=spec,
-                                           max_tokens=n, grammar=g)]
-        fin = local[-1]
-        assert served == plain == list(fin.token_ids), (tok.decode(plain), tok.decode(served))
-        assert "+" in fin.stats.proposer and seen and all(t is not None for t in seen)
-        text = tok.decode(plain)
+    spec, k = "retrieval+ngram", 4
+    reqs = [EngineRequest(tuple(tok.apply_chat_template([{"role": "user", "content": q}],
+                                                       add_generation_prompt=True)),
+                          GREEDY, n, frozenset(tok.eos_token_ids), grammar=g)
+            for g, q, n in cases]
+    plain = serve_all(BatchEngine(lm, proposer="none", max_active=len(reqs)), reqs)
+    engine = BatchEngine(lm, proposer=spec, draft_tokens=k, max_active=len(reqs))
+    seen = _spy_trees(engine)
+    served = serve_all(engine, reqs)
+    assert seen and all(t is not None for t in seen)
+    for (g, q, n), (p, f0), (t, f1) in zip(cases, plain, served):
+        fin = list(generate_local(lm, q, proposer=spec, draft_tokens=k, max_tokens=n,
+                                  grammar=g))[-1]
+        assert t == p == list(fin.token_ids), (tok.decode(p), tok.decode(t))
+        assert "+" in fin.stats.proposer
         if f0.stats.finish_reason == "stop":
-            obj = json.loads(text)
+            obj = json.loads(tok.decode(p))
             if g.kind == JSON_SCHEMA:
                 jsonschema.validate(obj, PERSON)
         assert f1.stats.accepted >= f0.stats.accepted

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-from pathlib import Path
+from dataclasses import dataclass
 
 import openai
 import pytest
-import serve_testkit
-from serve_testkit import ASCII, VOCAB, start_server, stop_server
+from serve_testkit import ASCII, TOOLS_TEMPLATE, VOCAB
 
 from macfleet.engine.constraint import (JSON_SCHEMA, MAX_FORCED, REGEX, Constraint, Grammar,
                                         schema_text)
@@ -21,7 +20,6 @@ from macfleet.serve.schemas import Limits, RequestError, parse_request
 from macfleet.serve.tools import (AUTO, FUNCTION, HERMES, LLAMA3, MISTRAL, REQUIRED, ToolChoice,
                                   parse_tool_calls, tool_grammar)
 
-TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 FORECAST = {"type": "object", "additionalProperties": False,
             "required": ["city", "start", "days", "unit"],
             "properties": {"city": {"type": "string", "enum": ["PAR", "LON", "ROM"],
@@ -155,22 +153,11 @@ QUESTION = [{"role": "system", "content": "You are a weather assistant."},
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_server):
+    """The shared smollm2 server (conftest.py: this template, one per test process)."""
     pytest.importorskip("jsonschema")
-    from macfleet.engine.models import embedded_model_path
-
-    if embedded_model_path() is None:
-        pytest.skip("the embedded smollm2 is not installed")
-    mp = pytest.MonkeyPatch()
-    mp.setattr(serve_testkit, "START_TIMEOUT_S", 300.0)  # smollm2 loads in ~50 s here
-    try:
-        s = start_server("--chat-template", str(TEMPLATE), model="smollm2", key=None)
-    finally:
-        mp.undo()
-    try:
-        yield s, openai.OpenAI(base_url=s.v1, api_key="none", max_retries=0, timeout=300)
-    finally:
-        stop_server(s)
+    s = smollm2_server
+    return s, openai.OpenAI(base_url=s.v1, api_key=s.key, max_retries=0, timeout=300)
 
 
 def _ask(c, choice, stream=False, messages=QUESTION, **kw):
@@ -200,50 +187,92 @@ def _valid(calls, names=tuple(SCHEMAS)) -> None:
         jsonschema.validate(json.loads(args), SCHEMAS[name])
 
 
-@pytest.mark.slow  # smollm2 on the CPU
-def test_required_and_named_tool_choice_always_call_with_schema_valid_arguments(smollm2):
-    """Fails on the old code: asked through the template alone (with the call's opening
-    forced), smollm2 wrote a function that does not exist ("2+2") or the schema itself as the
-    arguments, or ran on to max_tokens with no call at all."""
+OFF_TOPIC = [{"role": "user", "content": "What is 2+2?"}]
+# (tool_choice, the functions it allows, messages)
+CASES = [(choice, names, messages)
+         for choice, names in (("required", tuple(SCHEMAS)), (NAMED, ("get_time",)))
+         for messages in (QUESTION, OFF_TOPIC)]
+AUTO_QUESTIONS = ("Will it rain in Paris this week?", "Say hello to me.")
+AUTO_FORMAT = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
+# combinations the grammar cannot honour, fired among the others (their 400s: the field)
+BAD = [dict(response_format={"type": "json_object"}),
+       dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+           "type": "object", "properties": {"x": {"type": "foo"}}}}}])]
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the server answered to every smollm2 request of this module's tests."""
+    plain: list  # (finish_reason, calls) per CASES entry
+    streamed: list  # the same, assembled from the streamed deltas: the weather question's
+    one: object  # "required" with parallel_tool_calls false: the choice
+    auto: list  # an AUTO_QUESTIONS answer (choice) each: tools beside AUTO_FORMAT
+    refused: list  # the param each BAD * 2 request's 400 names (None: not refused)
+
+
+def _refused(c, kw):
+    try:
+        c.chat.completions.create(**{**dict(model="smollm2", messages=QUESTION, tools=TOOLS,
+                                            tool_choice="required", max_tokens=8), **kw})
+    except openai.BadRequestError as e:
+        return e.body["param"]
+    return None
+
+
+def _weather(per_case: list) -> list:
+    """The entries of the CASES that ask the weather question: "required", then named."""
+    return [a for (_, _, messages), a in zip(CASES, per_case) if messages is QUESTION]
+
+
+@pytest.fixture(scope="module")
+def served(smollm2) -> Served:
+    """Every smollm2 request of the tests below sent at once: the server decodes them in one
+    batch (greedy answers do not depend on the batch: test_batch.py::
+    test_smollm2_batched_greedy_equals_alone), the longest answer's iterations instead of each
+    test's batch one after another (and the "required"/named weather questions, asked by two
+    tests, once)."""
     _, c = smollm2
-    off_topic = [{"role": "user", "content": "What is 2+2?"}]
-    cases = [(choice, names, messages)
-             for choice, names in (("required", tuple(SCHEMAS)), (NAMED, ("get_time",)))
-             for messages in (QUESTION, off_topic)]
-    # all at once: the server decodes them in one batch (greedy answers do not depend on the
-    # batch: test_scheduler.py), a quarter of the time of one request after another
-    with cf.ThreadPoolExecutor(2 * len(cases) + 1) as ex:
-        plain = [ex.submit(_ask, c, choice, messages=messages) for choice, _, messages in cases]
+    with cf.ThreadPoolExecutor(len(CASES) + 3 + len(AUTO_QUESTIONS) + 2 * len(BAD)) as ex:
+        plain = [ex.submit(_ask, c, choice, messages=messages) for choice, _, messages in CASES]
+        # streamed: the weather question's, both choices (the off-topic prompt is about what
+        # the grammar forces, not about how deltas assemble: two decodes fewer)
         streamed = [ex.submit(_ask, c, choice, stream=True, messages=messages)
-                    for choice, _, messages in cases]
+                    for choice, _, messages in CASES if messages is QUESTION]
         one = ex.submit(c.chat.completions.create, model="smollm2", messages=QUESTION,
                         tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                         temperature=0, max_tokens=80)
-        for (choice, names, _), p, st in zip(cases, plain, streamed):
-            finish, calls = p.result()
-            # "required" allows more calls, which smollm2 repeats to max_tokens: the complete
-            # ones are returned and finish_reason says the budget ran out (issue 43)
-            assert finish == "tool_calls" or (choice == "required" and finish == "length"), calls
-            _valid(calls, names)
-            assert st.result() == (finish, calls)  # streamed deltas assemble to the same calls
-        r = one.result().choices[0]
+        auto = [ex.submit(c.chat.completions.create, model="smollm2", tools=TOOLS,
+                          response_format=AUTO_FORMAT, temperature=0, max_tokens=80,
+                          messages=[{"role": "user", "content": q}]) for q in AUTO_QUESTIONS]
+        refused = [ex.submit(_refused, c, kw) for kw in BAD * 2]
+        return Served([f.result() for f in plain], [f.result() for f in streamed],
+                      one.result().choices[0], [f.result().choices[0] for f in auto],
+                      [f.result() for f in refused])
+
+
+@pytest.mark.slow  # smollm2 on the CPU
+def test_required_and_named_tool_choice_always_call_with_schema_valid_arguments(served):
+    """Fails on the old code: asked through the template alone (with the call's opening
+    forced), smollm2 wrote a function that does not exist ("2+2") or the schema itself as the
+    arguments, or ran on to max_tokens with no call at all."""
+    for (choice, names, _), (finish, calls) in zip(CASES, served.plain):
+        # "required" allows more calls, which smollm2 repeats to max_tokens: the complete
+        # ones are returned and finish_reason says the budget ran out (issue 43)
+        assert finish == "tool_calls" or (choice == "required" and finish == "length"), calls
+        _valid(calls, names)
+    # streamed deltas assemble to the same calls
+    assert served.streamed == _weather(served.plain)
     # one call and nothing else (a small model repeats calls when several are allowed)
+    r = served.one
     assert r.finish_reason == "tool_calls" and r.message.content is None
     assert len(r.message.tool_calls) == 1
 
 
 @pytest.mark.slow
-def test_auto_with_response_format_answers_to_the_schema_or_calls(smollm2):
+def test_auto_with_response_format_answers_to_the_schema_or_calls(served):
     import jsonschema
 
-    _, c = smollm2
-    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
-    qs = ("Will it rain in Paris this week?", "Say hello to me.")
-    with cf.ThreadPoolExecutor(len(qs)) as ex:  # one batch
-        answers = list(ex.map(lambda q: c.chat.completions.create(
-            model="smollm2", tools=TOOLS, response_format=fmt, temperature=0, max_tokens=80,
-            messages=[{"role": "user", "content": q}]).choices[0], qs))
-    for r in answers:
+    for r in served.auto:
         if r.message.tool_calls:  # calls as "required": repeated to max_tokens, "length"
             assert r.finish_reason in ("tool_calls", "length")
             _valid([(x.function.name, x.function.arguments) for x in r.message.tool_calls])
@@ -277,7 +306,7 @@ def plain_tool_calls_all(choices, *, proposer: str = "none",
     toks: list[list[int]] = [[] for _ in choices]
     for i, choice in enumerate(choices):
         req = _req(messages=QUESTION, tool_choice=choice, temperature=0, max_tokens=80, **kw)
-        prompt = render_prompt(tok, req, Limits(), TEMPLATE.read_text())
+        prompt = render_prompt(tok, req, Limits(), TOOLS_TEMPLATE.read_text())
         grammar, where = _grammar(req, prompt)
         assert where == "tool_choice"
         ereq = EngineRequest(prompt.ids, req.params, 80, frozenset(tok.eos_token_ids),
@@ -293,35 +322,20 @@ def plain_tool_calls_all(choices, *, proposer: str = "none",
 
 
 @pytest.mark.slow
-def test_enforced_greedy_calls_equal_constrained_plain_decoding_and_bad_combos_beside(smollm2):
+def test_enforced_greedy_calls_equal_constrained_plain_decoding_and_bad_combos_beside(smollm2,
+                                                                                      served):
     """The server (n-gram drafts, batched with others) gives the calls constrained plain
     decoding gives for the same request; 400s fired meanwhile name the field and change
     nobody's answer. (Through a fleet's verifier agent: test_clients.py's
     test_a_named_tool_call_is_the_one_constrained_plain_decoding_gives.)"""
-    s, c = smollm2
-    bad = [dict(response_format={"type": "json_object"}),
-           dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
-               "type": "object", "properties": {"x": {"type": "foo"}}}}}])]
-
-    def refused(kw):
-        try:
-            c.chat.completions.create(**{**dict(model="smollm2", messages=QUESTION, tools=TOOLS,
-                                                tool_choice="required", max_tokens=8), **kw})
-        except openai.BadRequestError as e:
-            return e.body["param"]
-        return None
-
-    with cf.ThreadPoolExecutor(6) as ex:
-        served = [ex.submit(_ask, c, ch) for ch in ("required", NAMED)]
-        bads = [ex.submit(refused, kw) for kw in bad * 2]
-        served = [f.result() for f in served]
-        assert [f.result() for f in bads] == ["response_format",
-                                              "tools[0].function.parameters"] * 2
+    s, _ = smollm2
+    assert served.refused == ["response_format", "tools[0].function.parameters"] * 2
     assert s.health()["status"] == "ok"
-
     choices = ("required", NAMED)
     plain = plain_tool_calls_all(choices)
     drafted = plain_tool_calls_all(choices, proposer="ngram")
-    for (finish, calls), (plain_ids, plain_calls), (ids, _) in zip(served, plain, drafted):
+    answers = _weather(served.plain)
+    assert len(answers) == len(choices)
+    for (finish, calls), (plain_ids, plain_calls), (ids, _) in zip(answers, plain, drafted):
         assert ids == plain_ids
         assert plain_calls == calls

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import openai
 import pytest
-from serve_testkit import start_server, stop_server
+from serve_testkit import TOOLS_TEMPLATE, start_server, stop_server
 
 from macfleet.serve.schemas import Limits, RequestError, parse_request
 from macfleet.serve.tools import (FUNCTION, HERMES, LLAMA3, MISTRAL, ToolChoice, ToolStream,
                                   detect_format, finish_reason, parse_tool_calls)
 
-TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -135,20 +133,29 @@ def test_a_marker_or_call_cut_short_is_not_content(fmt, answer):
 
 
 def test_format_detected_from_real_templates():
-    assert detect_format(TEMPLATE.read_text()) == HERMES
+    assert detect_format(TOOLS_TEMPLATE.read_text()) == HERMES
     assert detect_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert detect_format(None) is None
     assert detect_format("{%- if tools %}<|start_header_id|>ipython ...<|python_tag|>") == LLAMA3
     assert detect_format("[AVAILABLE_TOOLS] ... [TOOL_CALLS]") == MISTRAL
 
 
-@pytest.mark.slow  # loads the embedded model for its template (seconds: not the fast lane's)
+@pytest.mark.slow  # reads the embedded model's file for its template (seconds)
 def test_the_embedded_models_template_has_no_tool_format():
-    from macfleet.engine.models import embedded_model_path, load_model
+    """SmolLM2's own template, from the GGUF's metadata as load_model's tokenizer reads it
+    (models.py's _load_gguf_spec), without converting the weights (5 s, not a 15 to 30 s
+    load)."""
+    import mlx.core as mx
 
-    if embedded_model_path() is None:
+    from macfleet.engine.gguf_tokenizer import tokenizer_from_gguf_metadata
+    from macfleet.engine.models import embedded_model_path
+
+    path = embedded_model_path()
+    if path is None:
         pytest.skip("no embedded model")
-    assert detect_format(load_model("smollm2").tokenizer.chat_template) is None  # SmolLM2's
+    _, meta = mx.load(str(path), return_metadata=True)
+    template = tokenizer_from_gguf_metadata(meta).chat_template
+    assert template and detect_format(template) is None  # SmolLM2's
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -201,7 +208,7 @@ def test_tool_requests_parse():
 # -- end to end: a real server, the `openai` client -------------------------------------------
 @pytest.fixture(scope="module")
 def servers():
-    a = start_server("--chat-template", str(TEMPLATE), model="tiny:1")
+    a = start_server("--chat-template", str(TOOLS_TEMPLATE), model="tiny:1")
     try:
         b = start_server(model="tiny:1")  # no template at all
     except Exception:
@@ -329,7 +336,7 @@ def test_http_tool_calls_through_the_openai_client(stream):
               '\n</tool_call>')
     engine = _ScriptedEngine(answer)
     app = create_app(engine, _CharTokenizer(),
-                     ServerConfig("m", chat_template=TEMPLATE.read_text()))
+                     ServerConfig("m", chat_template=TOOLS_TEMPLATE.read_text()))
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -369,7 +376,7 @@ def test_http_enforced_calls_need_a_grammar_backend_and_the_engine_gets_the_tool
     answer = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     engine = _ScriptedEngine(answer)
     app = create_app(engine, _CharTokenizer(),
-                     ServerConfig("m", chat_template=TEMPLATE.read_text()))
+                     ServerConfig("m", chat_template=TOOLS_TEMPLATE.read_text()))
 
     async def ask(choice):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -406,7 +413,7 @@ def test_http_answer_cut_by_max_tokens_inside_a_call_leaks_no_markup(stream, cho
     engine = _ScriptedEngine(CUT[HERMES], finish="length")
     engine.supports_grammar, engine.grammar_error = True, lambda g: None
     app = create_app(engine, _CharTokenizer(),
-                     ServerConfig("m", chat_template=TEMPLATE.read_text()))
+                     ServerConfig("m", chat_template=TOOLS_TEMPLATE.read_text()))
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
