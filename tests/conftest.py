@@ -61,22 +61,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # docs/testing.md's third measurement: test_install's pip and test_smollm2_serve came last).
 # These files go first, longest first (summed seconds of that loaded run); the rest follow by
 # their number of tests, as xdist orders them itself (.ci/test passes --no-loadscope-reorder).
-LONGEST_FIRST = (
-    "serve/test_clients.py",  # 270 s
-    "integration/test_fleet_processes.py",  # 174
-    "serve/test_tool_grammar.py",  # 158
-    "cli/test_install.py",  # 157
-    "serve/test_structured_trees.py",  # 129
-    "engine/test_greedy_identity.py",  # 94
-    "serve/test_fleet_serve.py",  # 89
-    "cli/test_generate.py",  # 82
-    "serve/test_structured.py",  # 79
-    "serve/test_bench_chat.py",  # 66
-    "agents/test_replan_grammar.py",  # 64
-    "serve/test_smollm2_serve.py",  # 62
-    "bench/test_pair_model.py",  # 61
-    "integration/test_prefill_agents.py",  # 59
-    "engine/test_sampling_lossless.py",  # 56
+LONGEST_FIRST = (  # seconds in a fresh-clone run, 2026-11-29 (docs/testing.md)
+    "integration/test_fleet_processes.py",  # 88
+    "serve/test_clients.py",  # 86
+    "engine/test_sampling_lossless.py",  # 60
+    "serve/test_structured.py",  # 56
+    "serve/test_prediction.py",  # 42
+    "engine/test_greedy_identity.py",  # 35
+    "serve/test_tool_grammar.py",  # 35
+    "engine/test_batch.py",  # 34
+    "serve/test_fleet_serve.py",  # 33
+    "serve/test_structured_trees.py",  # 33
+    "cli/test_generate.py",  # 30
+    "engine/test_tree.py",  # 29
+    "agents/test_replan_grammar.py",  # 29
+    "bench/test_pair_model.py",  # 24
+    "serve/test_auto_drafting.py",  # 23
 )
 
 
