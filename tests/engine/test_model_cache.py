@@ -172,6 +172,7 @@ def test_one_entry_per_gguf_the_old_key_removed_and_an_opt_out(small, cache, mon
     assert entries(cache) == []
 
 
+@pytest.mark.slow  # two processes importing MLX (seconds)
 def test_two_processes_converting_at_once_both_load(small, cache, monkeypatch):
     code = ("import sys, mlx.core as mx; from mlx.utils import tree_flatten; "
             "from macfleet.engine.gguf import load_gguf; "
