@@ -20,7 +20,10 @@ lines each; `--lines N` keeps their first N lines for a short run), greedy, thro
                    follows its prediction all along, whatever the model makes of the question
 
 Each request runs without a prediction and then with one, on the same server (no prompt cache,
-so both prefill the whole prompt); per request: the
+so both prefill the whole prompt); with `--repeats N`, N times each way, in alternating order
+after the first pair (plain, predicted, predicted, plain, ...), and the speed-up is the ratio
+of the medians: one run a request cannot tell a 0.95x from a 0.91x on a box whose two runs of
+the same request differ by several percent. Per request: the
 speed-up (wall time without / with), whether the answers are the same (greedy: they must be),
 the verifier steps saved (without / with: a ratio the machine's load does not move), the
 share of the answer's characters the prediction held (difflib's matching blocks: what a
@@ -129,10 +132,28 @@ def ask(client, model: str, question: str, max_tokens: int, prediction: str | No
             "verify_steps": mine.get("verify_steps", 0)}
 
 
+def pair_order(repeats: int) -> list[bool]:
+    """Pure: which run of a request has the prediction, in order. The first pair is plain then
+    predicted (`regenerate` predicts the first plain answer); then the order alternates, so a
+    drift of the machine's speed over the runs weighs on both sides alike."""
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    out = [False, True]
+    for i in range(1, repeats):
+        out += [True, False] if i % 2 else [False, True]
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    mid = len(ys) // 2
+    return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
+
+
 def bench_prediction(model: str, *, proposer: str = "ngram", lines: int | None = None,
                      max_tokens: int = 1024, workloads=WORKLOADS, deadline: float = math.inf,
-                     fleet: bool = False, progress: Callable[[str], None] = lambda m: None
-                     ) -> dict:
+                     fleet: bool = False, repeats: int = 1,
+                     progress: Callable[[str], None] = lambda m: None) -> dict:
     """Every request without and with its prediction on one `serve --local`, or (fleet) on
     `serve` in front of a local fleet (`macfleet up`: a verifier and a proposer agent)."""
     import openai
@@ -155,14 +176,24 @@ def bench_prediction(model: str, *, proposer: str = "ngram", lines: int | None =
                 break
             if fleet:  # the verifier agent keeps a prompt cache: both requests find the prompt
                 ask(client, model, req["ask"], 1, None, req["endpoint"])
-            plain = ask(client, model, req["ask"], max_tokens, None, req["endpoint"])
-            predicted = plain["text"] if req["prediction"] is ANSWER else req["prediction"]
-            pred = ask(client, model, req["ask"], max_tokens, predicted, req["endpoint"])
+            runs: dict[bool, list[dict]] = {False: [], True: []}
+            predicted = req["prediction"]
+            for with_prediction in pair_order(repeats):
+                if with_prediction and predicted is ANSWER:
+                    predicted = runs[False][0]["text"]
+                runs[with_prediction].append(ask(client, model, req["ask"], max_tokens,
+                                                 predicted if with_prediction else None,
+                                                 req["endpoint"]))
+            plain, pred = runs[False][0], runs[True][0]
+            plain_s = _median([r["s"] for r in runs[False]])
+            pred_s = _median([r["s"] for r in runs[True]])
             row = {"file": req["file"], "workload": req["workload"],
-                   "speedup": round(plain["s"] / pred["s"], 3) if pred["s"] else None,
+                   "speedup": round(plain_s / pred_s, 3) if pred_s else None,
                    "steps_ratio": round(plain["verify_steps"] / pred["verify_steps"], 3)
                    if pred["verify_steps"] else None,
-                   "same_answer": plain["text"] == pred["text"],
+                   "same_answer": len({r["text"] for r in runs[False] + runs[True]}) == 1,
+                   "plain_s": [r["s"] for r in runs[False]],
+                   "predicted_s": [r["s"] for r in runs[True]],
                    "held_share": held_share(plain["text"], predicted),
                    "accepted_share": round(pred["accepted_prediction"] / pred["tokens"], 3)
                    if pred["tokens"] else 0.0,
@@ -175,6 +206,7 @@ def bench_prediction(model: str, *, proposer: str = "ngram", lines: int | None =
     finally:
         stop()
     return {"model": model, "proposer": proposer, "lines": lines, "max_tokens": max_tokens,
+            "repeats": repeats,
             "server": "serve in front of macfleet up --agents 2" if fleet else "serve --local",
             "rows": rows, "summary": summary(rows)}
 

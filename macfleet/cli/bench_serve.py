@@ -33,7 +33,9 @@ def add_bench_parsers(bs) -> None:
     s.add_argument("--turns", type=int, default=8, help="with --multi-turn")
     s.add_argument("--repeats", type=int, default=1,
                    help="with --multi-turn: chats per server, each on a fresh one (the ratio "
-                   "is the median of theirs); with --mlx-lm also mlx_lm.server's")
+                   "is the median of theirs); with --mlx-lm also mlx_lm.server's; with "
+                   "--prediction: runs of each request each way, alternating (the speed-up is "
+                   "the ratio of the medians)")
     s.add_argument("--json-schema", action="store_true",
                    help="structured output through the openai package: the same questions "
                    "free and bound to a JSON schema, with the n-gram drafter and none; tokens "
@@ -142,11 +144,13 @@ def _run_prediction(args, progress) -> int:
         raise UserError(f"--workloads must name some of {', '.join(WORKLOADS)}")
     if args.lines is not None and args.lines < 1:
         raise UserError("--lines must be >= 1")
+    if args.repeats < 1:
+        raise UserError("--repeats must be >= 1")
     max_tokens = args.max_tokens if args.max_tokens is not None else 1024
     res = bench_prediction(args.model, proposer=args.proposer.split(",")[0], lines=args.lines,
                            max_tokens=max_tokens, workloads=workloads,
                            deadline=time.monotonic() + args.time_limit, fleet=args.fleet,
-                           progress=progress)
+                           repeats=args.repeats, progress=progress)
     name = "serve_prediction_fleet.json" if args.fleet else "serve_prediction.json"
     path = write_result(name, res, args.out)
     for line in prediction_rows(res):

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from macfleet.bench.prediction_sources import SOURCES
-from macfleet.bench.serve_prediction import (ANSWER, COMPLETIONS, SHOT, WORKLOADS, held_share,
-                                              one_shot, requests, summary)
+from macfleet.bench.serve_prediction import (ANSWER, COMPLETIONS, SHOT, WORKLOADS, _median,
+                                              held_share, one_shot, pair_order, requests,
+                                              summary)
 
 
 def test_the_files_are_100_to_400_lines_and_each_gets_every_workload():
@@ -64,18 +65,33 @@ def test_held_share_and_summary():
     assert (s["same_answers"], s["requests"]) == (3, 3)
 
 
+def test_repeats_alternate_after_the_first_pair_and_the_ratio_is_of_medians():
+    assert pair_order(1) == [False, True]  # regenerate predicts the first plain answer
+    assert pair_order(2) == [False, True, True, False]
+    assert pair_order(3) == [False, True, True, False, False, True]
+    for n in range(1, 6):
+        order = pair_order(n)
+        assert order.count(True) == order.count(False) == n and order[0] is False
+    with pytest.raises(ValueError):
+        pair_order(0)
+    assert _median([3.0, 1.0, 2.0]) == 2.0 and _median([4.0, 1.0, 2.0, 3.0]) == 2.5
+
+
 @pytest.mark.slow  # a `macfleet serve` process
 def test_bench_serve_prediction_writes_its_rows(tmp_path):
     r = subprocess.run([sys.executable, "-m", "macfleet", "bench", "--model", "tiny:1",
                         "--out", str(tmp_path), "serve", "--prediction", "--lines", "4",
-                        "--workloads", "copy,useless", "--max-tokens", "24"],
+                        "--workloads", "copy,useless", "--max-tokens", "24",
+                        "--repeats", "2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "serve_prediction.json").read_text())
     assert res["command"].startswith("macfleet bench") and "--prediction" in res["command"]
-    assert len(res["rows"]) == 2 * len(SOURCES)
+    assert len(res["rows"]) == 2 * len(SOURCES) and res["repeats"] == 2
     for row in res["rows"]:
         assert row["same_answer"] and row["speedup"] > 0
+        assert len(row["plain_s"]) == len(row["predicted_s"]) == 2
+        assert row["speedup"] == round(_median(row["plain_s"]) / _median(row["predicted_s"]), 3)
         assert row["plain"]["accepted_prediction"] == row["plain"]["rejected_prediction"] == 0
     assert "same answers: 6/6" in r.stdout
 
