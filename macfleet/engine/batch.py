@@ -34,7 +34,7 @@ from macfleet.engine.batch_kv import (DEFAULT_KV_STEP, ROW_STEP, BatchKV, RowCac
                                       trim_cache)
 from macfleet.engine.layers import head_logits
 from macfleet.engine.tree import ancestor_mask, depths_of
-from macfleet.engine.tree_verify import supports_tree_attention
+from macfleet.engine.tree_verify import head_projections, supports_tree_attention
 
 MAX_BATCHED_SEGMENT = 16  # decode blocks up to this long share one attention call
 BATCHED_CONTEXT_SLACK = 256  # ... unless their context exceeds 2x the median one by this much
@@ -179,8 +179,7 @@ def _attention(attn, x: mx.array, writes: Sequence[tuple[BatchKV, mx.array | Non
     N, H = x.shape[1], attn.n_heads
     # one rope call for queries and keys (a call costs far more than its arithmetic here; the
     # rotation of a head does not depend on the other heads: same bits)
-    qk = mx.concatenate([attn.q_proj(x).reshape(N, H, 1, -1),
-                         attn.k_proj(x).reshape(N, attn.n_kv_heads, 1, -1)], axis=1)
+    qk = mx.concatenate(head_projections(attn, x), axis=1)
     qk = attn.rope(qk, offset=positions)
     q, k = qk[:, :H], qk[:, H:]  # [N, H, 1, hd], [N, kv_heads, 1, hd]
     v = attn.v_proj(x).reshape(N, attn.n_kv_heads, 1, -1)

@@ -9,16 +9,25 @@ node's ancestors. We run the model's own layers and weights with a replacement a
 * the keys/values of all nodes are appended to the cache; after acceptance the accepted
   path's entries are moved right behind the root and the rest trimmed (`compact_cache`).
 Models whose attention does not look like llama's (q/k/v/o projections, `rope`, `n_heads`)
-fall back to verifying each branch as a chain (`verify_branches`).
+fall back to verifying each branch as a chain (`verify_branches`). Looking like llama is not
+enough: Qwen3's attention normalises each head's queries and keys before the rotation, OLMo2
+norms the attention's and the MLP's outputs, Gemma also scales the embeddings. The
+per-head query/key norms are applied here as the model's own attention does
+(`head_projections`), and a
+model is only run this way once its own forward and this one agree on a short prompt
+(`supports_tree_attention`'s probe): an architecture this code does not know falls back, it is
+never run wrong.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from macfleet.engine import fastmath
 from macfleet.engine.layers import head_logits
@@ -26,14 +35,56 @@ from macfleet.engine.tree import TokenTree, ancestor_mask
 from macfleet.engine.verifier import Verifier
 
 
+PROBE_TOKENS = (1, 2, 3, 5, 8, 13)  # the probe's prompt (any ids in the vocabulary)
+PROBE_TOLERANCE = 1e-2  # of the largest logit: kernels differ in the last bits, a wrong
+#                         formula (a missing norm, another rotation) by whole units
+_probed: dict[int, tuple[weakref.ref, bool]] = {}  # id(model) -> (the model, its answer)
+
+
 def supports_tree_attention(model: nn.Module) -> bool:
+    """Whether this module's forward (`tree_forward`, and engine/batch.py's flat one, which
+    share `head_projections`) computes what the model's own does: llama-shaped parts, then a
+    probe, once per model."""
     inner = getattr(model, "model", None)
     layers = getattr(model, "layers", None)
     if inner is None or not layers or not hasattr(inner, "embed_tokens"):
         return False
     a = getattr(layers[0], "self_attn", None)
     need = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
-    return a is not None and all(hasattr(a, n) for n in need) and hasattr(layers[0], "mlp")
+    if a is None or not all(hasattr(a, n) for n in need) or not hasattr(layers[0], "mlp"):
+        return False
+    seen = _probed.get(id(model))
+    if seen is not None and seen[0]() is model:
+        return seen[1]
+    ok = _agrees_with_model(model)
+    _probed[id(model)] = (weakref.ref(model), ok)
+    return ok
+
+
+def _agrees_with_model(model: nn.Module) -> bool:
+    """The probe: the model's own forward and `tree_forward` on a chain of PROBE_TOKENS."""
+    toks = [t % model.model.embed_tokens.weight.shape[0] for t in PROBE_TOKENS]
+    n = len(toks)
+    try:
+        want = model(mx.array([toks]), cache=make_prompt_cache(model))[0].astype(mx.float32)
+        chain = TokenTree(tokens=toks, parents=[-1, *range(n - 1)], depths=list(range(n)),
+                          children=[{} for _ in toks], candidates=[[] for _ in toks], paths=[])
+        got = tree_forward(Verifier(model), chain)
+        gap, scale = mx.max(mx.abs(got - want)), mx.max(mx.abs(want))
+        return bool(gap <= PROBE_TOLERANCE * mx.maximum(scale, 1.0))
+    except Exception:  # noqa: BLE001 - any failure of this forward on this model: not ours
+        return False
+
+
+def head_projections(attn, x: mx.array) -> tuple[mx.array, mx.array]:
+    """Queries and keys of x [1, N, D] before the rotation, [N, heads, 1, head_dim] each, each
+    head's normalised where the model's attention does so (Qwen3's `q_norm`/`k_norm`)."""
+    N = x.shape[1]
+    q = attn.q_proj(x).reshape(N, attn.n_heads, 1, -1)
+    k = attn.k_proj(x).reshape(N, attn.n_kv_heads, 1, -1)
+    if getattr(attn, "q_norm", None) is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q, k
 
 
 def tree_attention(attn, x: mx.array, mask: mx.array, cache, positions: mx.array) -> mx.array:
@@ -41,8 +92,7 @@ def tree_attention(attn, x: mx.array, mask: mx.array, cache, positions: mx.array
     ([L, cached + L]); appends the nodes' keys/values to `cache` (the verifier's or the draft
     head's, for EAGLE-2 expansion)."""
     _, L, _ = x.shape  # x: [1, L, D]
-    q = attn.q_proj(x).reshape(L, attn.n_heads, 1, -1)  # one batch row per node
-    k = attn.k_proj(x).reshape(L, attn.n_kv_heads, 1, -1)
+    q, k = head_projections(attn, x)  # one batch row per node
     v = attn.v_proj(x).reshape(1, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     q = attn.rope(q, offset=positions).reshape(1, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
     k = attn.rope(k, offset=positions).reshape(1, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
