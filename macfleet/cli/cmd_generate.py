@@ -115,7 +115,8 @@ def run_local(args, where: W.Where) -> int:
     from macfleet.cli.common import load_model
     from macfleet.engine.models import ModelSpecError
     from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
-    from macfleet.engine.text import PromptError, TextDelta, generate_local
+    from macfleet.engine.text import PromptError, TextDelta
+    from macfleet.serve.one import GenerationFailed, generate_one
 
     params = sampling_params(args)
     k = parse_draft_tokens(args.draft_tokens)
@@ -127,9 +128,9 @@ def run_local(args, where: W.Where) -> int:
         print(where.line(), file=sys.stderr, flush=True)
         lm = load_model(args.model)
         parts: list[str] = []
-        for ev in generate_local(lm, args.prompt, chat=not args.no_chat, proposer=args.proposer,
-                                 draft_tokens=k, max_tokens=args.max_tokens, params=params,
-                                 grammar=response_grammar(args)):
+        for ev in generate_one(lm, args.prompt, chat=not args.no_chat, proposer=args.proposer,
+                               draft_tokens=k, max_tokens=args.max_tokens, params=params,
+                               grammar=response_grammar(args)):
             if isinstance(ev, TextDelta):
                 parts.append(ev.text)
                 if not args.json:
@@ -140,7 +141,7 @@ def run_local(args, where: W.Where) -> int:
                 else:
                     print()
                     print_stats(ev.stats)
-    except (ModelSpecError, ProposerSpecError, PromptError, ValueError) as e:
+    except (ModelSpecError, ProposerSpecError, PromptError, ValueError, GenerationFailed) as e:
         raise UserError(str(e)) from None
     return 0
 

@@ -4,7 +4,7 @@ verifier agent both run."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from macfleet.engine.constraint import Constraint, Grammar
@@ -105,7 +105,6 @@ def generate_from_ids(lm: LoadedModel, verifier, drafting: Drafting, ids: Sequen
     group of drafters, the chain loop otherwise; TextDelta for each commit, BlockDone per block,
     the detokenizer's flush as a last TextDelta, then Finished. grammar: the answer must match
     it (issue 32: chains and trees cut to it, forced tokens drafted first, rows masked)."""
-    stream = TextStream(lm.tokenizer)
     constraint = Constraint(grammar, lm.tokenizer, lm.vocab_size) if grammar else None
     if isinstance(drafting, ProposerGroup):
         events = tree_generate(verifier, drafting, ids, params=params, max_tokens=max_tokens,
@@ -115,6 +114,12 @@ def generate_from_ids(lm: LoadedModel, verifier, drafting: Drafting, ids: Sequen
         events = speculative_generate(verifier, drafting, ids, params=params,
                                       max_tokens=max_tokens, controller=controller,
                                       eos_ids=lm.eos_ids, constraint=constraint)
+    yield from with_text(events, TextStream(lm.tokenizer))
+
+
+def with_text(events: Iterable[Event], stream: TextStream) -> Iterator[TextDelta | Event]:
+    """A decode's events with each commit as text: TextDelta for each TokensCommitted, the
+    detokenizer's flush as a last TextDelta before Finished; other events as they are."""
     for ev in events:
         if isinstance(ev, TokensCommitted):
             yield TextDelta(stream.add(ev.tokens), ev.tokens)

@@ -1,0 +1,81 @@
+"""One request through the serving engine on the caller's thread: `generate --local`.
+
+The serving engine is the one decode path (issue 49): a request alone is a batch of one, so
+`generate --local` decodes as `serve --local` decodes the same request (its drafters, its
+`auto` choice, its grammar, its seeded draws), and what is measured or fixed in one is so in
+the other. No engine thread: each `step` runs on the caller's thread and the request's events
+are handed on as the step emits them, with the text of each commit (engine/text.py
+`with_text`, as the single-session loops' driver does).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from macfleet.engine.batch import BatchUnsupported, check_batchable
+from macfleet.engine.constraint import Grammar
+from macfleet.engine.controller import AUTO, DraftTokens
+from macfleet.engine.conversation import ChatInput
+from macfleet.engine.events import Event, Finished
+from macfleet.engine.loop import DEFAULT_MAX_TOKENS
+from macfleet.engine.models import LoadedModel
+from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.engine.text import (TextDelta, TextStream, encode_prompt, generate_local,
+                                  with_text)
+from macfleet.serve.batch_session import EngineEvent, EngineRequest, SessionFailed
+from macfleet.serve.engine import BatchEngine
+
+
+class GenerationFailed(RuntimeError):
+    """The engine ended the request without an answer (its message says why)."""
+
+
+def generate_one(lm: LoadedModel, prompt: ChatInput, *, chat: bool = True,
+                 proposer: str = "ngram", draft_tokens: DraftTokens = AUTO,
+                 max_tokens: int = DEFAULT_MAX_TOKENS, params: SamplingParams = GREEDY,
+                 grammar: Grammar | None = None) -> Iterator[TextDelta | Event]:
+    """TextDelta for each commit, BlockDone per block, then Finished (as
+    engine/text.py `generate_local`). prompt: a text, or a conversation ending on a user turn.
+    A bad prompt, grammar or drafter spec raises ValueError before anything runs. A model the
+    engine cannot batch (not llama-style attention: engine/batch.py) runs the single-session
+    loops instead."""
+    if not batchable(lm.model):
+        yield from generate_local(lm, prompt, chat=chat, proposer=proposer,
+                                  draft_tokens=draft_tokens, max_tokens=max_tokens,
+                                  params=params, grammar=grammar)
+        return
+    ids = encode_prompt(lm.tokenizer, prompt, chat)
+    engine = BatchEngine(lm, proposer=proposer, draft_tokens=draft_tokens, max_active=1,
+                         max_queue=1)
+    emitted: deque[EngineEvent] = deque()
+    handle = engine.submit(EngineRequest(tuple(ids), params, max_tokens,
+                                         eos_ids=frozenset(lm.eos_ids), report_blocks=True,
+                                         grammar=grammar), emitted.append)
+    try:
+        yield from with_text(_events(engine, emitted), TextStream(lm.tokenizer))
+    finally:
+        handle.cancel()  # a caller that stops reading frees the session (a no-op once ended)
+        engine.run_until_idle()
+
+
+def batchable(model) -> bool:
+    try:
+        check_batchable(model)
+    except BatchUnsupported:
+        return False
+    return True
+
+
+def _events(engine: BatchEngine, emitted: deque[EngineEvent]) -> Iterator[Event]:
+    while True:
+        ran = engine.step()
+        while emitted:
+            ev = emitted.popleft()
+            if isinstance(ev, SessionFailed):
+                raise GenerationFailed(ev.message)
+            yield ev
+            if isinstance(ev, Finished):
+                return
+        if not ran:
+            raise GenerationFailed("the engine ended the request without finishing it")

@@ -1,0 +1,69 @@
+"""`generate --local` through the serving engine (serve/one.py): one request, a batch of one,
+stepped on the caller's thread. Its greedy ids are the single-session loops' (greedy margin
+rule, tests/tolerance.py: a flat batch against a verify block), its events the same kinds in
+the same order; a model the engine cannot batch runs the loops; a caller that stops reading
+frees the session."""
+
+from __future__ import annotations
+
+import pytest
+
+from macfleet.engine.events import BlockDone, Finished
+from macfleet.engine.models import load_model
+from macfleet.engine.text import TextDelta, generate_local
+from macfleet.serve import one
+from macfleet.serve.one import generate_one
+
+MODEL = "tiny:3"
+PROMPT = "the cat sat on the mat and the cat sat on the"
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(MODEL)
+
+
+def ids(events) -> list[int]:
+    return list(next(e for e in events if isinstance(e, Finished)).token_ids)
+
+
+@pytest.mark.parametrize("spec", ["none", "ngram", "ngram+ngram:2"])
+def test_greedy_ids_and_events_are_the_loops(lm, spec):
+    loop = list(generate_local(lm, PROMPT, chat=False, proposer=spec, max_tokens=24))
+    eng = list(generate_one(lm, PROMPT, chat=False, proposer=spec, max_tokens=24))
+    assert ids(eng) == ids(loop)
+    text = "".join(e.text for e in eng if isinstance(e, TextDelta))
+    assert text == "".join(e.text for e in loop if isinstance(e, TextDelta))
+    assert isinstance(eng[-1], Finished) and any(isinstance(e, BlockDone) for e in eng)
+    committed = [t for e in eng if isinstance(e, TextDelta) for t in e.tokens]
+    assert committed == ids(eng)
+    assert eng[-1].stats.tokens == len(ids(eng)) and eng[-1].stats.proposer != ""
+
+
+def test_a_model_the_engine_cannot_batch_runs_the_loops(lm, monkeypatch):
+    monkeypatch.setattr(one, "batchable", lambda model: False)
+    ran = []
+    monkeypatch.setattr(one, "generate_local",
+                        lambda *a, **kw: ran.append(1) or generate_local(*a, **kw))
+    out = list(generate_one(lm, PROMPT, chat=False, proposer="ngram", max_tokens=8))
+    assert ran == [1] and len(ids(out)) == 8
+
+
+def test_a_caller_that_stops_reading_frees_the_session(lm, monkeypatch):
+    engines = []
+    real = one.BatchEngine
+    monkeypatch.setattr(one, "BatchEngine", lambda *a, **kw: engines.append(real(*a, **kw))
+                        or engines[-1])
+    gen = generate_one(lm, PROMPT, chat=False, proposer="none", max_tokens=200)
+    next(e for e in gen if isinstance(e, TextDelta))
+    gen.close()
+    (engine,) = engines
+    assert engine.table.active == [] and not engine.step()
+    assert engine.iterations < 20  # not decoded on to its 200 tokens (one block an iteration)
+
+
+def test_bad_input_is_a_value_error_before_anything_runs(lm):
+    with pytest.raises(ValueError):
+        list(generate_one(lm, "", chat=False))
+    with pytest.raises(ValueError):
+        list(generate_one(lm, PROMPT, chat=False, max_tokens=-1))
