@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call after the part calls and setup.sh (issue 30): how much of the GPU the product keeps.
 #   1. bench overhead: smollm2 in float32 and bfloat16 (plain vs mlx-lm, the oracle drafter vs
-#      the ideal from verify(L), the default drafter, block-vs-one-token departures) and a
+#      the ideal from verify(L), the default drafter, plain and the default drafter through the
+#      serving engine against the loops (issue 49), block-vs-one-token departures) and a
 #      random-weight 3b llama in bfloat16;
 #   2. bench drafter --no-agents (every drafter on the held-out prompts, one process);
 #   3. bench serve: `serve --local` modes and mlx_lm.server (on `macfleet export`'s copy of the

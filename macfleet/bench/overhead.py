@@ -190,6 +190,9 @@ def headline(section: Mapping) -> list[str]:
     if c:
         out.append(f"  (c) default drafter {c['spec']}: {c['speedup']['geomean']}x of plain "
                    f"(min {c['speedup']['min']}x)")
+        for what, r in c.get("engine_vs_loop", {}).items():
+            out.append(f"      {what} through the serving engine: {r['geomean']}x the "
+                       f"single-session loop (min {r['min']}x)")
     d = section.get("departures")
     if d and d["runs"]:
         out.append(f"  block decoding left one-token decoding in {d['departed']} of {d['runs']} "

@@ -29,6 +29,7 @@ from macfleet.engine.verifier import SynchronousVerifier, Verifier
 from macfleet.engine.verify_costs import PROBE_LENGTHS, probe_verify_costs
 
 PLAIN, MLX, TEXT_PLAIN = "plain", "mlx_generate_step", "plain (generate_local)"
+ENGINE = " (serving engine)"  # part (c) again through serve/one.py: `generate --local`'s path
 SAMPLED, MLX_SAMPLED = "plain sampled", "mlx_generate_step sampled"
 SAMPLED_T = 0.8  # sampled plain decoding: the draw on the device against mlx-lm's sampler
 SYNC = "plain (synchronous)"  # the same loop, each step read back before the next is built
@@ -172,25 +173,37 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
         spec = section_c["spec"]
         if section_c.get("error") is None:
             section_c["speedup"] = ratio_summary(best_of[spec], best_of[TEXT_PLAIN])
+            # the serving engine with one request against the loops (issue 49's goal: >= 0.97x)
+            section_c["engine_vs_loop"] = {
+                "plain": ratio_summary(best_of["plain" + ENGINE], best_of[TEXT_PLAIN]),
+                spec: ratio_summary(best_of[spec + ENGINE], best_of[spec])}
         section["default_drafter"] = section_c
     return section
 
 
 def _default_methods(bm: BenchModel, verifier: Verifier, texts: Mapping[str, str],
                      tokens: int, spec: str, methods: dict) -> dict:
-    """Part (c): plain and the default drafter through generate_local, added to `methods`."""
+    """Part (c): plain and the default drafter through generate_local (the single-session
+    loops) and through the serving engine with one request (serve/one.py, what `generate
+    --local` runs: issue 49's one decode path), added to `methods`."""
     from macfleet.engine.proposers import ProposerSpecError
     from macfleet.engine.text import generate_local
+    from macfleet.serve.one import generate_one
 
     def gen(p: str, proposer: str) -> Run:
         return timed(generate_local(bm.lm, texts[p], proposer=proposer, max_tokens=tokens,
                                     verifier=verifier))
+
+    def one(p: str, proposer: str) -> Run:
+        return timed(generate_one(bm.lm, texts[p], proposer=proposer, max_tokens=tokens))
     try:
         gen(next(iter(texts)), spec)  # a drafter that cannot be built here says so once
     except (ProposerSpecError, ValueError) as e:
         return {"spec": spec, "error": str(e)}
     methods[TEXT_PLAIN] = lambda p: gen(p, "none")
     methods[spec] = lambda p: gen(p, spec)
+    methods["plain" + ENGINE] = lambda p: one(p, "none")
+    methods[spec + ENGINE] = lambda p: one(p, spec)
     return {"spec": spec, "error": None}
 
 
