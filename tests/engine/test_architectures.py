@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from engine_testkit import finished, mlx_lm_greedy
 from mlx.utils import tree_map
-from mlx_lm.models import gemma3_text, olmo2, qwen3
+from mlx_lm.models import gemma3_text, olmo2, qwen2, qwen3
 
 from macfleet.engine import tree_verify
 from macfleet.engine.batch import BatchUnsupported, check_batchable
@@ -27,10 +27,10 @@ COMMON = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
               vocab_size=VOCAB, max_position_embeddings=512, rope_theta=10000.0)
 
 
-def build(module, seed: int = 0, **extra):
+def build(module, seed: int = 0, common=COMMON, **extra):
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs(model_type=module.__name__.rsplit(".", 1)[1],
-                                          **COMMON, **extra))
+                                          **common, **extra))
     # sharper than the default init, so the probe's logits are far from uniform
     model.update(tree_map(lambda p: p * 3.0, model.parameters()))
     mx.eval(model.parameters())
@@ -42,6 +42,11 @@ def qwen3_model(seed: int = 0):
     return build(qwen3, seed, tie_word_embeddings=True)
 
 
+def qwen2_model(seed: int = 0):  # biased q/k/v projections, no head_dim field
+    return build(qwen2, seed, {k: v for k, v in COMMON.items() if k != "head_dim"},
+                 tie_word_embeddings=True)
+
+
 def olmo2_model(seed: int = 0):
     return build(olmo2, seed, tie_word_embeddings=True)
 
@@ -50,8 +55,9 @@ def gemma3_model(seed: int = 0):
     return build(gemma3_text, seed, query_pre_attn_scalar=16.0, sliding_window=512)
 
 
-def test_query_key_norms_are_applied_and_the_probe_accepts():
-    model = qwen3_model()
+@pytest.mark.parametrize("make", [qwen3_model, qwen2_model], ids=["qwen3", "qwen2"])
+def test_query_key_norms_are_applied_and_the_probe_accepts(make):
+    model = make()
     assert tree_verify.supports_tree_attention(model)
     check_batchable(model)
 
