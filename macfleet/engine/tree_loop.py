@@ -253,7 +253,10 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
     if not prompt:
         raise ValueError("empty prompt")
     vocab = int(verifier.model.args.vocab_size)
-    tree_ok = supports_tree_attention(verifier.model)
+    # a tree is verified in the verifier's own KV cache: one whose layers run on other ranks
+    # (a sharded verifier) keeps none here, and its model's forward must not run on this rank
+    # alone (supports_tree_attention probes it): each branch is verified as a chain instead
+    tree_ok = hasattr(verifier, "cache") and supports_tree_attention(verifier.model)
     if not tree_ok and not params.greedy:
         raise ValueError("sampling with several proposers needs tree attention (llama family)")
     rng = make_rng(params, stream=0)

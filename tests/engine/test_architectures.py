@@ -98,3 +98,34 @@ def test_qwen3_through_the_serving_engine_gives_plain_decodings_ids():
     engine.submit(EngineRequest(tuple(prompt), GREEDY, 24), out.append)
     engine.run_until_idle()
     assert list(finished(out).token_ids) == mlx_lm_greedy(model, prompt, 24)
+
+
+def test_a_verifier_without_a_kv_cache_here_verifies_branches_and_never_probes(monkeypatch):
+    """A sharded verifier's layers run on other ranks: its model's forward on this rank alone
+    would wait for them forever, so the probe must not run it (agents/shard.py)."""
+    from macfleet.engine import tree_loop
+    from macfleet.engine.models import load_model
+    from macfleet.engine.proposers import make_proposer
+    from macfleet.engine.text import make_group
+    from macfleet.engine.verifier import Verifier
+
+    lm = load_model("tiny:2")
+
+    class Remote:  # the Verifier interface, its cache elsewhere (as ShardedVerifier)
+        def __init__(self, model):
+            self._v, self.model = Verifier(model), model
+            self.prefill, self.forward, self.rollback, self.reset = (
+                self._v.prefill, self._v.forward, self._v.rollback, self._v.reset)
+
+        @property
+        def offset(self):
+            return self._v.offset
+
+    probed = []
+    monkeypatch.setattr(tree_loop, "supports_tree_attention",
+                        lambda model: probed.append(model) or True)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1]
+    group = make_group([make_proposer("ngram", lm), make_proposer("ngram:2", lm)], 4)
+    got = finished(tree_loop.tree_generate(Remote(lm.model), group, prompt, max_tokens=16))
+    assert probed == []
+    assert list(got.token_ids) == mlx_lm_greedy(lm.model, prompt, 16)
