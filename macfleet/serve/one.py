@@ -24,6 +24,7 @@ from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.text import (TextDelta, TextStream, encode_prompt, generate_local,
                                   with_text)
 from macfleet.serve.batch_session import EngineEvent, EngineRequest, SessionFailed
+from macfleet.serve.drafting import make_drafting
 from macfleet.serve.engine import BatchEngine
 
 
@@ -46,12 +47,21 @@ def generate_one(lm: LoadedModel, prompt: ChatInput, *, chat: bool = True,
                                   params=params, grammar=grammar)
         return
     ids = encode_prompt(lm.tokenizer, prompt, chat)
-    engine = BatchEngine(lm, proposer=proposer, draft_tokens=draft_tokens, max_active=1,
-                         max_queue=1)
-    emitted: deque[EngineEvent] = deque()
-    handle = engine.submit(EngineRequest(tuple(ids), params, max_tokens,
-                                         eos_ids=frozenset(lm.eos_ids), report_blocks=True,
-                                         grammar=grammar), emitted.append)
+    # the request's drafter built once, here (an engine built on the spec builds one to check
+    # it, then one per session: twice the drafters' loading for one request)
+    drafting = make_drafting(proposer, lm, draft_tokens, invariant=False)
+    try:
+        engine = BatchEngine(lm, proposer="none", max_active=1, max_queue=1)
+        emitted: deque[EngineEvent] = deque()
+        handle = engine.submit(EngineRequest(tuple(ids), params, max_tokens,
+                                             eos_ids=frozenset(lm.eos_ids),
+                                             draft_tokens=draft_tokens, report_blocks=True,
+                                             grammar=grammar), emitted.append,
+                               proposer=drafting)
+    except BaseException:
+        if drafting is not None:
+            drafting.close()
+        raise
     try:
         yield from with_text(_events(engine, emitted), TextStream(lm.tokenizer))
     finally:
