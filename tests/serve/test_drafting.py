@@ -60,11 +60,11 @@ def test_drafts_are_asked_sanitized_and_a_failed_drafter_is_dropped():
     dead = session(2, proposer=Scripted(fail=True))
     idle = session(3, proposer=Scripted([(1,)]))
     d.draft_all([good, tree, dead, idle], {0: 3, 1: 2, 2: 2, 3: 0})
-    assert good.draft.tokens == (7, 8) and good.proposer.seen == [3]
-    assert tree.draft.tokens == ()  # a chain drafter's tree is not verified as a chain
-    assert dead.proposer is None and dead.draft.tokens == ()
-    assert idle.proposer.seen == [] and idle.draft.tokens == ()
-    assert all(s.draft_ms > 0 for s in (good, tree, dead, idle))
+    assert good.block.draft.tokens == (7, 8) and good.proposer.seen == [3]
+    assert tree.block.draft.tokens == ()  # a chain drafter's tree is not verified as a chain
+    assert dead.proposer is None and dead.block.draft.tokens == ()
+    assert idle.proposer.seen == [] and idle.block.draft.tokens == ()
+    assert all(s.block.draft_ms > 0 for s in (good, tree, dead, idle))
 
 
 def test_a_group_drafts_a_token_tree_of_its_drafters():
@@ -72,5 +72,5 @@ def test_a_group_drafts_a_token_tree_of_its_drafters():
     s = session(0, group=ProposerGroup([Scripted([(4, 5)]), Scripted([(4, 6)])],
                                        draft_tokens=2))
     d.draft_all([s], {0: 4})
-    assert s.draft.tokens == () and s.k == 4
-    assert s.tree.tokens == [3, 4, 5, 6] and len(s.drafts) == 2
+    assert s.block.draft.tokens == () and s.block.k == 4
+    assert s.block.tree.tokens == [3, 4, 5, 6] and len(s.block.drafts) == 2

@@ -34,7 +34,7 @@ def test_admission_fills_the_room_oldest_first_and_starts_each():
     started = []
     t.admit(started.append)
     assert [s.sid for s in t.active] == [0, 1] == [s.sid for s in started]
-    assert all(s.admitted and s.context == [1, 2, 3] for s in started)
+    assert all(s.t_start is not None and s.context == [1, 2, 3] for s in started)
     assert t.load() == (2, 1)
     assert [v.state for v in t.views()] == ["prefill", "prefill", "queued"]
 
@@ -64,8 +64,8 @@ def test_a_finished_session_reports_its_statistics_and_closes_once():
     s = t.enqueue(lambda sid: session(sid, on_close=lambda: closed.append(1)))
     t.admit(lambda s: None)
     s.generated = [5, 6, 7]
-    s.tally.record(2, 1, 1.0, 4.0)
-    s.tally.record(0, 0, 0.0, 4.0)
+    s.stats.tally.record(2, 1, 1.0, 4.0)
+    s.stats.tally.record(0, 0, 0.0, 4.0)
     t.finish(s, reason="stop")
     fin = s.events[-1]
     assert fin.token_ids == (5, 6, 7) and fin.stats.finish_reason == "stop"
