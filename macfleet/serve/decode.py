@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from macfleet.engine.batch import RowCache, Segment, trim_cache
-from macfleet.engine.block import (BlockTally, accept_chain, accept_tree, chain_outcome,
-                                   commit_block, tree_decided, tree_decision)
+from macfleet.engine.block import (BlockTally, accept_chain, chain_outcome, commit_block,
+                                   tree_decided, tree_decision)
 from macfleet.engine.constraint import masked_logits, masked_tree_logits
 from macfleet.engine.events import BlockDone, TokensCommitted
 from macfleet.engine.sampling import host_probs, softmax_probs
@@ -99,13 +99,11 @@ class BlockStep:
         # (1) each decoding session's verified rows [block, V]: what its acceptance reads
         # below (a per-session constraint on the tokens, such as a grammar, masks them here)
         rows = {s.sid: lg for (s, sl), lg in zip(run, out) if not sl.prefill}
-        decoding = [s for s, sl in run if not sl.prefill]
         if read is None:
             read = read_iteration(run, out, list(hidden or ()))
-        decided = read.decided
         # (2) accept: trees first, so every row keeps its path before anything is committed
-        accepted = self.accept_trees([(s, rows[s.sid]) for s in decoding
-                                      if s.block.tree is not None], read)
+        accepted = self.accept_trees([s for s, sl in run
+                                      if not sl.prefill and s.block.tree is not None], read)
         if hidden is not None:
             feed(run, segs, hidden, accepted)
         # (3) commit, session by session
@@ -117,29 +115,25 @@ class BlockStep:
                                  read.logprobs.get(s.sid),
                                  forward=sum(sl.tokens for _, sl in run))
             else:
-                n, nxt = decided[s.sid]
-                self.commit_chain(s, rows[s.sid], verify_ms, (n, nxt),
+                self.commit_chain(s, rows[s.sid], verify_ms, tuple(read.decided[s.sid]),
                                   read.logprobs.get(s.sid))
 
     @staticmethod
-    def accept_trees(done: Sequence[tuple[BatchSession, mx.array]],
-                     read: IterationRead) -> dict[int, tuple[list[int], int]]:
+    def accept_trees(done: Sequence[BatchSession], read: IterationRead
+                     ) -> dict[int, tuple[list[int], int]]:
         """Each verified tree's accepted path and next token (the rules of `tree_generate`)
         from its evaluated decision (`decision`), or SpecInfer's host rule on its evaluated
-        probabilities where it has none;
+        probabilities where it has none (`read_iteration` read one or the other of each);
         every row then keeps its root and path (one gather and scatter per layer per store)
         before anything is committed, so a session that ends here leaves a consistent row."""
         out, kept = {}, {}
-        for s, logits in done:
+        for s in done:
             tree = s.block.tree
             if s.sid in read.decided:
                 path, nxt = out[s.sid] = tree_decided(tree, s.req.params, read.decided[s.sid])
-            elif s.sid in read.probs:
+            else:
                 path, nxt = out[s.sid] = accept_tree_sample(
                     tree, host_probs(read.probs[s.sid], s.req.params), s.rng)
-            else:
-                path, nxt = out[s.sid] = accept_tree(tree, logits, s.req.params, s.rng, s.seed,
-                                                     len(s.generated))
             base = s.cache.offset - len(tree.tokens)
             kept.setdefault(s.cache.store, []).append((s.cache, base, path))
         for store, rows in kept.items():
