@@ -53,9 +53,10 @@ def test_a_chain_commits_its_accepted_drafts_and_the_next_token_and_rolls_back_t
     assert s.generated == [3, 4, 7] and s.context[-3:] == [3, 4, 7]
     assert [c.offset for c in s.cache] == [9, 9]  # the rejected draft's entry dropped
     assert s.events == [TokensCommitted(1, (3, 4, 7))]
-    assert s.proposer.observed == [(3, 2)] and s.stats.trials == 3
+    assert s.proposer.observed == [(3, 2)] and (s.stats.trials, s.stats.hits) == (3, 2)
     assert step.costs.pool_totals() == (3, 2)
-    assert (s.stats.tally.blocks, s.stats.tally.drafted, s.stats.tally.accepted) == (1, 3, 2) and not ended
+    tally = s.stats.tally
+    assert (tally.blocks, tally.drafted, tally.accepted) == (1, 3, 2) and not ended
 
 
 def test_the_outcome_given_decides():
@@ -144,8 +145,9 @@ def _mixed_batch():
             s.kv_handle.cache = Row(store, 10 + len(s.block.tree.tokens))
             s.group = type("G", (), {"observe": lambda *a: None})()
         s.seed = 1000 + i
-        n = len(s.block.tree.tokens) if s.block.tree is not None else 4
-        lg = (_logits([3, 4, 5, 6] if s.block.tree is None else [4, 2, 7, 1, 1]) if params.greedy else
+        tree = s.block.tree
+        n = len(tree.tokens) if tree is not None else 4
+        lg = (_logits([3, 4, 5, 6] if tree is None else [4, 2, 7, 1, 1]) if params.greedy else
               mx.array(rng.normal(size=(n, V)).astype(np.float32)))
         run.append((s, Slot(i, n, False)))
         out.append(lg)

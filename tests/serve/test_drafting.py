@@ -74,3 +74,16 @@ def test_a_group_drafts_a_token_tree_of_its_drafters():
     d.draft_all([s], {0: 4})
     assert s.block.draft.tokens == () and s.block.k == 4
     assert s.block.tree.tokens == [3, 4, 5, 6] and len(s.block.drafts) == 2
+
+
+def test_every_block_starts_from_no_drafts():
+    """A block's drafts are its own: the last block's draft, tree or prediction never carry
+    over to a block that drafts nothing."""
+    d = _drafting()
+    s = session(0, proposer=Scripted([(7, 8)]))
+    d.draft_all([s], {0: 2})
+    assert s.block.draft.tokens == (7, 8) and s.block.k == 2
+    s.block.tree, s.block.predicted = "last block's tree", True
+    d.draft_all([s], {0: 0})
+    b = s.block
+    assert (b.draft.tokens, b.k, b.tree, b.drafts, b.predicted) == ((), 0, None, [], False)

@@ -61,10 +61,11 @@ def test_a_finished_session_leaves_its_kv_to_the_prompt_cache_and_a_later_one_re
     b = session(1, prompt=(*prompt[:6], 99))
     session_kv.open(b)
     session_kv.reuse(b)
-    assert b.kv_handle.cached == 6 and b.kv_handle.shipped_kv is not None  # installed over the next iterations
+    h = b.kv_handle
+    assert h.cached == 6 and h.shipped_kv is not None  # installed over the next iterations
     fails = []
     session_kv.install_some([b], 0.0, lambda s, why: fails.append(why))
-    assert not fails and b.kv_handle.shipped_kv is None and b.kv_handle.prefilled == 6 and b.prefill_left == 0
+    assert not fails and h.shipped_kv is None and h.prefilled == 6 and b.prefill_left == 0
     np.testing.assert_array_equal(np.array(session_kv.kv_store.keys[1][b.cache.row, 0, :6, 0]),
                                   np.arange(6))
     cancelled = session(2, prompt=prompt)
@@ -87,9 +88,11 @@ def test_an_install_stops_at_its_time_budget_and_a_bad_kv_fails_its_session_alon
     for s in (ok, bad):
         session_kv.open(s)
     ok.kv_handle.shipped_kv = [(np.ones((HEADS, 4, DIM), np.float32),) * 2] * LAYERS
-    bad.kv_handle.shipped_kv = [(np.ones((HEADS, 4, DIM), np.float32),) * 2] * (LAYERS + 1)  # not this model's
+    # not this model's
+    bad.kv_handle.shipped_kv = [(np.ones((HEADS, 4, DIM), np.float32),) * 2] * (LAYERS + 1)
     session_kv.install_some([ok, bad], 15.0, lambda s, why: pytest_fail(s, why))
-    assert ok.kv_handle.installed == 1 and ok.kv_handle.shipped_kv is not None  # one layer, then the budget was spent
+    h = ok.kv_handle
+    assert h.installed == 1 and h.shipped_kv is not None  # one layer, then the budget was spent
     fails = []
     session_kv.install_some([ok, bad], 0.0, lambda s, why: fails.append((s.sid, why)))
     assert ok.kv_handle.shipped_kv is None and ok.kv_handle.prefilled == 4
@@ -106,11 +109,13 @@ def test_a_shared_prompt_prefix_is_copied_and_a_session_behind_one_prefilling_it
     src, dst, later = (session(i, prompt=(*prompt, 30 + i)) for i in range(3))
     for s in (src, dst, later):
         session_kv.open(s)
-    assert session_kv.share_prefixes([src, dst, later]) == [src]  # both wait for the first's prefill
+    # both wait for the first's prefill
+    assert session_kv.share_prefixes([src, dst, later]) == [src]
     _fill(src, 20)
     src.kv_handle.prefilled = 20
     out = session_kv.share_prefixes([src, dst, later])
-    assert out == [src, dst, later] and dst.kv_handle.shared == dst.kv_handle.prefilled == 20 == later.kv_handle.prefilled
+    assert out == [src, dst, later] and dst.kv_handle.shared == dst.kv_handle.prefilled == 20
+    assert later.kv_handle.prefilled == 20
     np.testing.assert_array_equal(np.array(session_kv.kv_store.keys[0][dst.cache.row, 0, :20, 0]),
                                   np.arange(20))
 
