@@ -6,6 +6,7 @@ import pytest
 from engine_parts_kit import Scripted, session
 
 from macfleet.engine.events import Finished
+from macfleet.engine.tree_loop import ProposerGroup
 from macfleet.serve.batch_session import Overloaded, SessionFailed
 from macfleet.serve.lifecycle import Sessions
 from macfleet.serve.session_kv import SessionKV
@@ -99,3 +100,14 @@ def test_a_session_cancelled_while_its_block_ran_ends_without_a_word():
     s.cancelled = True  # the client left during the iteration that finished it
     t.finish(s, reason="length")
     assert s.events == [] and [v.state for v in t.views()] == ["cancelled"]
+
+
+def test_an_ended_session_closes_every_drafter_it_has():
+    t = _sessions()
+    chain, members, prediction = Scripted(), [Scripted(), Scripted()], Scripted()
+    s = t.enqueue(lambda sid: session(sid, proposer=chain, group=ProposerGroup(members),
+                                      prediction=prediction))
+    t.admit(lambda s: None)
+    t.finish(s, reason="stop")
+    assert all(p.closed for p in (chain, *members, prediction))
+    assert (s.proposer, s.group, s.prediction) == (None, None, None)
