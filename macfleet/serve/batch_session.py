@@ -9,25 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from macfleet.engine.batch_kv import RowCache, ShippedKV
+from macfleet.engine.block import BlockTally
 from macfleet.engine.constraint import Constraint, Grammar
 from macfleet.engine.controller import DraftTokens
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
-from macfleet.engine.proposers.base import Proposer
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import SamplingParams
+from macfleet.engine.tree import TokenTree
 from macfleet.engine.tree_loop import ProposerGroup
 from macfleet.fleet.batch import ServedSession
 from macfleet.serve.logprobs import LogprobsCommitted
 from macfleet.serve.prompt_cache import PromptReused
-
-if TYPE_CHECKING:  # the parts' modules read sessions: they import this one
-    from macfleet.engine.batch_kv import RowCache
-    from macfleet.serve.decode import SessionStats
-    from macfleet.serve.drafting import BlockDraft
-    from macfleet.serve.session_kv import KVHandle
+from macfleet.serve.timing import TokenTimes
 
 
 class Overloaded(RuntimeError):
@@ -69,9 +66,80 @@ EngineEvent = (TokensCommitted | Finished | SessionFailed | BlockDone | Logprobs
 
 
 @dataclass(eq=False)
+class KVHandle:
+    """A session's KV: its cache (a row of a `kv_store`, or per-layer caches), how much of its
+    prompt is in it and where that came from, and a `shipped_kv` still to install. Written by
+    serve/session_kv.py only (`advance` also by serve/decode.py's prefill chunks)."""
+
+    positions: int  # prompt positions to hold before decoding: prompt[:-1]
+    shipped_kv: ShippedKV | None = None  # shipped (flow KV) or cached prompt KV to install
+    cache: list | RowCache | None = None
+    prefilled: int = 0  # prompt positions in the cache
+    shared: int = 0  # ... copied from another session's cache
+    cached: int = 0  # ... installed from the prompt cache
+    installed: int = 0  # layers of `shipped_kv` in the cache so far
+    layer_ms: float = 0.0  # the longest one layer of it took to install
+    ready_at: float | None = None  # when the last prompt position came in (engine clock)
+
+    @property
+    def prefill_left(self) -> int:
+        return self.positions - self.prefilled
+
+    def advance(self, n: int, now: float) -> None:
+        """n more prompt positions in the cache (prefilled, copied or installed) at `now`."""
+        self.prefilled += n
+        if self.prefill_left <= 0:
+            self.ready_at = now
+
+
+@dataclass(eq=False)
+class BlockDraft:
+    """One session's block past its root: a chain's `draft`, or a token `tree` made of
+    `drafts`. Made new every block and written by serve/drafting.py only (`cut` by the
+    scheduler's slot); read by serve/decode.py."""
+
+    k: int = 0  # drafts asked for
+    draft: Draft = EMPTY_DRAFT
+    tree: TokenTree | None = None
+    drafts: list[Draft] = field(default_factory=list)
+    draft_ms: float = 0.0
+    predicted: bool = False  # the request's prediction drafted: its draft is the tree's last
+
+    @property
+    def want(self) -> int:
+        """The tokens it would have verified: root and drafts."""
+        return len(self.tree.tokens) if self.tree is not None else 1 + len(self.draft)
+
+    def cut(self, tokens: int) -> None:
+        """Cut to the scheduler's slot of `tokens` (a tree's first nodes are a tree too)."""
+        if self.tree is not None:
+            self.tree = self.tree.first(tokens)
+        else:
+            d = self.draft
+            self.draft = Draft(d.tokens[:tokens - 1],
+                               None if d.probs is None else d.probs[:tokens - 1], d.draft_ms)
+
+
+@dataclass(eq=False)
+class SessionStats:
+    """A session's statistics, written by serve/decode.py only, as its blocks commit: its
+    blocks' tally, the geometric trials of its drafters' drafts (their acceptance:
+    serve/drafting.py plans with it), its prediction's, and when its tokens reached the
+    client."""
+
+    times: TokenTimes  # from its submission
+    tally: BlockTally = field(default_factory=BlockTally)
+    trials: int = 0  # accepted + one per block its drafters' drafts were cut short
+    hits: int = 0  # ... their accepted tokens (not a prediction's)
+    prediction_drafted: int = 0  # its prediction's tokens verified, all blocks
+    prediction_accepted: int = 0  # ... and accepted
+
+
+@dataclass(eq=False)
 class BatchSession:
     """One request's session on the engine thread: the request, its drafters, and three parts
-    each written by one module (the others read them):
+    each written by one module (the others read them; the records are here, where every part
+    can import them):
 
         kv_handle   its KV cache and prompt progress     serve/session_kv.py (`KVHandle`)
         block       this block's drafts                   serve/drafting.py (`BlockDraft`)

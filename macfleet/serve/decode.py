@@ -28,43 +28,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from macfleet.engine.batch import RowCache, Segment, trim_cache
-from macfleet.engine.block import (BlockTally, accept_chain, chain_outcome, commit_block,
-                                   tree_decided, tree_decision)
+from macfleet.engine.block import (accept_chain, chain_outcome, commit_block, tree_decided,
+                                   tree_decision)
 from macfleet.engine.constraint import masked_logits, masked_tree_logits
 from macfleet.engine.events import BlockDone, TokensCommitted
 from macfleet.engine.sampling import host_probs, softmax_probs
 from macfleet.engine.proposers.base import Draft
 from macfleet.engine.tree import TokenTree, accept_tree_sample
+from macfleet.serve.batch_session import BatchSession
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.logprobs import (LogprobsCommitted, RowLogprobs, TokenLogprob,
                                       block_logprobs, chain_rows, row_logprobs, tree_rows)
 from macfleet.serve.prompt_cache import PromptReused
 from macfleet.serve.scheduler import Slot
-from macfleet.serve.timing import TokenTimes
 
-if TYPE_CHECKING:
-    from macfleet.serve.batch_session import BatchSession
-
-Finish = Callable[["BatchSession", str], None]  # (session, finish reason: stop | length)
-
-
-@dataclass(eq=False)
-class SessionStats:
-    """A session's statistics, counted as its blocks commit (`BlockStep`): its blocks' tally,
-    the geometric trials of its drafters' drafts (their acceptance: serve/drafting.py plans
-    with it), its prediction's, and when its tokens reached the client."""
-
-    times: TokenTimes  # from its submission
-    tally: BlockTally = field(default_factory=BlockTally)
-    trials: int = 0  # accepted + one per block its drafters' drafts were cut short
-    hits: int = 0  # ... their accepted tokens (not a prediction's)
-    prediction_drafted: int = 0  # its prediction's tokens verified, all blocks
-    prediction_accepted: int = 0  # ... and accepted
+Finish = Callable[[BatchSession, str], None]  # (session, finish reason: stop | length)
 
 
 @dataclass(frozen=True)

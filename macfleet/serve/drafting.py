@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from macfleet.engine.controller import AUTO, DraftTokens
 from macfleet.engine.constraint import constrained_draft, constrained_tree
@@ -38,11 +36,9 @@ from macfleet.engine.proposers.eagle.chain import EagleProposer
 from macfleet.engine.text import Drafting, make_group, no_drafts, plan_drafting
 from macfleet.engine.tree import TokenTree
 from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_of_drafts
+from macfleet.serve.batch_session import BatchSession, BlockDraft
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.scheduler import DraftView, IterationBudget, draft_acceptance, plan_drafts
-
-if TYPE_CHECKING:
-    from macfleet.serve.batch_session import BatchSession
 
 log = logging.getLogger(__name__)
 
@@ -50,34 +46,6 @@ PROBE_EVERY = 16  # sessions try one draft at least this often, whatever the est
 PROBE_GROUPS = 4  # ... in this many groups, spread over those iterations
 
 Chains = Callable[[Sequence[tuple[EagleProposer, Sequence[int], int]]], list[Draft]]
-
-
-@dataclass(eq=False)
-class BlockDraft:
-    """One session's block past its root: a chain's `draft`, or a token `tree` made of
-    `drafts`; new every block (`BatchDrafting.draft_all`), read by the scheduler and by
-    serve/decode.py."""
-
-    k: int = 0  # drafts asked for
-    draft: Draft = EMPTY_DRAFT
-    tree: TokenTree | None = None
-    drafts: list[Draft] = field(default_factory=list)
-    draft_ms: float = 0.0
-    predicted: bool = False  # the request's prediction drafted: its draft is the tree's last
-
-    @property
-    def want(self) -> int:
-        """The tokens it would have verified: root and drafts."""
-        return len(self.tree.tokens) if self.tree is not None else 1 + len(self.draft)
-
-    def cut(self, tokens: int) -> None:
-        """Cut to the scheduler's slot of `tokens` (a tree's first nodes are a tree too)."""
-        if self.tree is not None:
-            self.tree = self.tree.first(tokens)
-        else:
-            d = self.draft
-            self.draft = Draft(d.tokens[:tokens - 1],
-                               None if d.probs is None else d.probs[:tokens - 1], d.draft_ms)
 
 
 def make_drafting(spec: str, lm: LoadedModel, draft_tokens: DraftTokens,

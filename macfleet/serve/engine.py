@@ -48,19 +48,20 @@ from macfleet.engine.tree_loop import ProposerGroup
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP
 from macfleet.engine.verify_costs import verify_costs
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
-from macfleet.serve.batch_session import (BatchSession, EngineEvent, EngineRequest,  # noqa: F401
-                                          Overloaded, SessionFailed, SessionHandle)
+from macfleet.serve.batch_session import (BatchSession, BlockDraft,  # noqa: F401
+                                          EngineEvent, EngineRequest, KVHandle, Overloaded,
+                                          SessionFailed, SessionHandle, SessionStats)
 from macfleet.serve.costs import BatchCosts
 from macfleet.engine.batch_kv import ShippedKV
-from macfleet.serve.decode import BlockStep, SessionStats, read_iteration
-from macfleet.serve.drafting import BatchDrafting, BlockDraft, check_drafting, make_drafting
+from macfleet.serve.decode import BlockStep, read_iteration
+from macfleet.serve.drafting import BatchDrafting, check_drafting, make_drafting
 from macfleet.serve.lifecycle import Sessions
 from macfleet.serve.prompt_cache import PromptCache
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, SessionView,
                                       IterationBudget, Slot, iteration_budget,
                                       plan_iteration)
 from macfleet.serve.session_kv import (DEFAULT_DECODE_MS, OWN_STORE_PROMPT,  # noqa: F401
-                                       KVHandle, SessionKV, copy_features)
+                                       SessionKV, copy_features)
 from macfleet.serve.timing import TokenTimes
 
 log = logging.getLogger(__name__)

@@ -9,21 +9,20 @@ a finished session's row goes into the prompt cache (`retain`) before it is free
 
 The names: `kv_store` a `BatchKV` (every row's buffers), `session_kv` the engine's `SessionKV`
 (this module's manager of them), `kv_handle` a session's `KVHandle` (its cache and its prompt's
-progress, written only here), `shipped_kv` a prompt KV computed elsewhere, per layer.
+progress, written here), `shipped_kv` a prompt KV computed elsewhere, per layer.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from macfleet.engine.batch_kv import BatchKV, RowCache, ShippedKV
+from macfleet.engine.batch_kv import BatchKV, RowCache
 from macfleet.engine.proposers.eagle.chain import share_head_rows
 from macfleet.engine.verifier import make_trimmable_cache
+from macfleet.serve.batch_session import BatchSession, KVHandle
 from macfleet.serve.prompt_cache import PromptCache, row_kv
 from macfleet.serve.scheduler import PrefixView, plan_prefix_sharing
 
@@ -32,37 +31,7 @@ log = logging.getLogger(__name__)
 OWN_STORE_PROMPT = 512  # prompts longer than this keep their KV in a store of their own
 DEFAULT_DECODE_MS = 100.0  # the decode iteration assumed before one is measured
 
-if TYPE_CHECKING:
-    from macfleet.serve.batch_session import BatchSession
-
-CopyFeatures = Callable[["BatchSession", "BatchSession", int], bool]
-
-
-@dataclass(eq=False)
-class KVHandle:
-    """A session's KV: its cache (a row of a `kv_store`, or per-layer caches), how much of its
-    prompt is in it and where that came from, and a `shipped_kv` still to install. Written
-    only by this module (the engine's forward writes the cache's contents)."""
-
-    positions: int  # prompt positions to hold before decoding: prompt[:-1]
-    shipped_kv: ShippedKV | None = None  # shipped (flow KV) or cached prompt KV to install
-    cache: list | RowCache | None = None
-    prefilled: int = 0  # prompt positions in the cache
-    shared: int = 0  # ... copied from another session's cache
-    cached: int = 0  # ... installed from the prompt cache
-    installed: int = 0  # layers of `shipped_kv` in the cache so far
-    layer_ms: float = 0.0  # the longest one layer of it took to install
-    ready_at: float | None = None  # when the last prompt position came in (engine clock)
-
-    @property
-    def prefill_left(self) -> int:
-        return self.positions - self.prefilled
-
-    def advance(self, n: int, now: float) -> None:
-        """n more prompt positions in the cache (prefilled, copied or installed) at `now`."""
-        self.prefilled += n
-        if self.prefill_left <= 0:
-            self.ready_at = now
+CopyFeatures = Callable[[BatchSession, BatchSession, int], bool]
 
 
 def copy_features(src: BatchSession, dst: BatchSession, n: int) -> bool:

@@ -7,10 +7,8 @@ from collections.abc import Sequence
 from macfleet.engine.controller import make_controller
 from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.serve.batch_session import BatchSession, EngineRequest
-from macfleet.serve.decode import SessionStats
-from macfleet.serve.drafting import BlockDraft
-from macfleet.serve.session_kv import KVHandle
+from macfleet.serve.batch_session import (BatchSession, BlockDraft, EngineRequest, KVHandle,
+                                          SessionStats)
 from macfleet.serve.timing import TokenTimes
 
 
