@@ -146,8 +146,8 @@ class BatchSession:
         stats       its blocks' statistics and latencies  serve/decode.py (`SessionStats`)
 
     Its committed tokens (`context`, `generated`) are written by serve/decode.py; its life
-    (`t_start`, `cancelled`, `on_close`) by serve/lifecycle.py; `rng` and `seed` once, when
-    the engine starts it."""
+    (`t_start`, `on_close`) by serve/lifecycle.py, `cancelled` by its `SessionHandle`; `rng`
+    and `seed` once, when the engine starts it; its drafters are closed by serve/drafting.py."""
 
     sid: int
     req: EngineRequest

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from engine_parts_kit import Scripted, session
 
 from macfleet.engine.proposers.base import Draft
 from macfleet.engine.tree_loop import ProposerGroup
+from macfleet.serve.batch_session import BlockDraft
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.drafting import BatchDrafting, check_drafting, within
+from macfleet.serve.engine import plan_segments
 from macfleet.serve.scheduler import IterationBudget
 
 VOCAB = 50
@@ -87,3 +90,17 @@ def test_every_block_starts_from_no_drafts():
     d.draft_all([s], {0: 0})
     b = s.block
     assert (b.draft.tokens, b.k, b.tree, b.drafts, b.predicted) == ((), 0, None, [], False)
+
+
+def test_the_scheduler_cuts_a_block_to_its_slot():
+    """Two decoding sessions' blocks in an iteration of 5 tokens: the older keeps its whole
+    block, the other's drafts (and their probabilities) are cut to the one token left."""
+    a, b = (session(i, proposer=Scripted()) for i in range(2))
+    for s in (a, b):
+        s.kv_handle.prefilled = 2  # prompt[:-1] is in: decoding
+        s.block = BlockDraft(3, Draft((4, 5, 6), np.ones((3, VOCAB))))
+    run, segs = plan_segments([a, b], IterationBudget(5, 5), frozenset(), chunked=True,
+                              align=0)
+    assert [sl.tokens for _, sl in run] == [4, 1]
+    assert segs[0].tokens == (3, 4, 5, 6) and segs[1].tokens == (3,)
+    assert b.block.draft.tokens == () and len(b.block.draft.probs) == 0
