@@ -142,7 +142,7 @@ class VerifierGenerations:
         rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
         lps: tuple = ()  # LogprobsCommitted comes right before the TokensCommitted it scores
         cached = 0
-        kv = staged.kv if staged is not None else None
+        shipped_kv = staged.kv if staged is not None else None
         kv_once = first_block_kv(staged)
         wire_ms = block_ms = 0.0  # over every block, as the dashboard sums its BlockMetrics
 
@@ -171,7 +171,7 @@ class VerifierGenerations:
                     reply(GenerateChunk(rid, [], tail))
                 # an installed KV's install time is the session's prefill time
                 flow = kv_flow(staged, self.stage, len(ids),
-                               ev.stats.prefill_ms, ev.stats.prefill_ms if kv is not None
+                               ev.stats.prefill_ms, ev.stats.prefill_ms if shipped_kv is not None
                                else None)
                 fleet = fleet_stats(self.node_id, proposer, wire_ms, block_ms, flow)
                 self.completed += 1
@@ -185,7 +185,7 @@ class VerifierGenerations:
 
         self.pending.add(rid, reply)  # heartbeats while queued; the engine's on_close ends them
         try:
-            self.batch.submit(req, emit, on_close, proposer=proposer, kv=kv)
+            self.batch.submit(req, emit, on_close, proposer=proposer, shipped_kv=shipped_kv)
         except (Overloaded, ValueError) as e:
             on_close()
             if proposer is not None:

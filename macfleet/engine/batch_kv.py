@@ -21,6 +21,10 @@ import numpy as np
 DEFAULT_KV_STEP = 256  # capacity grows in steps of this many positions (mlx-lm's KVCache step)
 ROW_STEP = 4  # rows grow in steps of this many sessions
 
+# a prompt's KV computed elsewhere (a prefill agent's: flow KV; a prompt cache's entry): per
+# layer (keys, values) [kv_heads, positions, head_dim]
+ShippedKV = Sequence[tuple[np.ndarray | mx.array, np.ndarray | mx.array]]
+
 
 @dataclass(frozen=True)
 class Fetched:
@@ -171,9 +175,8 @@ class BatchKV:
         for c, base, path in kept:
             c.offset = base + 1 + len(path)
 
-    def install(self, cache: RowCache, kv: Sequence[tuple[np.ndarray | mx.array,
-                                                          np.ndarray | mx.array]],
-                dtype: mx.Dtype, layers: range | None = None) -> None:
+    def install(self, cache: RowCache, shipped_kv: ShippedKV, dtype: mx.Dtype,
+                layers: range | None = None) -> None:
         """An empty row takes a shipped prompt KV (flow KV): per layer (keys, values)
         [kv_heads, n, head_dim], written at positions 0..n-1 in the buffers' dtype. A store
         of one row not allocated yet (a long prompt's own) takes the arrays as its buffers,
@@ -181,18 +184,18 @@ class BatchKV:
 
         layers: only these (a slice of the install, so a long prompt's copy can be spread over
         several iterations); the row's offset is set once the last layer is in."""
-        if len(kv) != self.n_layers:
-            raise ValueError(f"{len(kv)} layers of KV for a model of {self.n_layers}")
+        if len(shipped_kv) != self.n_layers:
+            raise ValueError(f"{len(shipped_kv)} layers of KV for a model of {self.n_layers}")
         if cache.store is not self or cache.offset:
             raise ValueError("a shipped KV goes into an empty row of this store")
         layers = range(self.n_layers) if layers is None else layers
         if not 0 <= layers.start <= layers.stop <= self.n_layers:
             raise ValueError(f"layers {layers} out of 0..{self.n_layers}")
-        heads, n, _ = kv[0][0].shape
+        heads, n, _ = shipped_kv[0][0].shape
         self.reserve(cache.row + 1, n)
         slots = None
         for i in layers:
-            k, v = kv[i]
+            k, v = shipped_kv[i]
             ka, va = (mx.array(a).astype(dtype) for a in (k, v))  # [heads, n, d]
             if self.keys[i] is None and self.rows == 1:
                 pad = ((0, 0), (0, 0), (0, self.capacity - n), (0, 0))

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from macfleet.engine.batch_kv import ShippedKV
+
 KV_CODECS = ("auto", "float16", "int8")
 DEFAULT_KV_CODEC = "auto"
 DEFAULT_MAX_SLICE_BYTES = 4 * 1024 * 1024  # one message's K+V payload
@@ -192,14 +194,13 @@ class KVAssembler:
         return list(zip(self._k, self._v))
 
 
-def install(cache: Sequence, layout: KVLayout, kv: Sequence[tuple[np.ndarray, np.ndarray]]
-            ) -> None:
+def install(cache: Sequence, layout: KVLayout, shipped_kv: ShippedKV) -> None:
     """Put received per-layer K/V into an empty cache, allocated as a chunked local prefill
     would leave it (a multiple of the cache's step), in the cache's own dtype."""
-    if len(kv) != len(cache):
-        raise KVShipError(f"{len(kv)} layers received, the model has {len(cache)}")
+    if len(shipped_kv) != len(cache):
+        raise KVShipError(f"{len(shipped_kv)} layers received, the model has {len(cache)}")
     dtype = getattr(mx, layout.dtype)
-    for c, (k, v) in zip(cache, kv):
+    for c, (k, v) in zip(cache, shipped_kv):
         n = k.shape[1]
         cap = -(-n // c.step) * c.step
         pad = ((0, 0), (0, 0), (0, cap - n), (0, 0))
@@ -215,10 +216,10 @@ class PrefilledVerifier:
     goes to the wrapped verifier."""
 
     def __init__(self, verifier, ids: Sequence[int], layout: KVLayout,
-                 kv: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+                 shipped_kv: ShippedKV) -> None:
         self._inner = verifier
         self._ids = [int(t) for t in ids]
-        self._layout, self._kv = layout, kv
+        self._layout, self._shipped_kv = layout, shipped_kv
         self.installed = False
         self.install_ms = 0.0
 
@@ -226,12 +227,12 @@ class PrefilledVerifier:
         return getattr(self._inner, name)
 
     def prefill(self, tokens: Sequence[int]) -> None:
-        if (self._kv is not None and self._inner.offset == 0
+        if (self._shipped_kv is not None and self._inner.offset == 0
                 and [int(t) for t in tokens] == self._ids):
             t0 = time.perf_counter()
-            install(self._inner.cache, self._layout, self._kv)
+            install(self._inner.cache, self._layout, self._shipped_kv)
             self.install_ms = (time.perf_counter() - t0) * 1e3
-            self._kv = None
+            self._shipped_kv = None
             self.installed = True
             return
         self._inner.prefill(tokens)

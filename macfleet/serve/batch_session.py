@@ -1,18 +1,18 @@
 """One request inside the batching engine: what was asked, and the state of its session.
 
-`EngineRequest` is what a caller submits; `BatchSession` is the engine thread's record of it
-(its drafter, KV cache, committed tokens, this block's draft and its statistics), read and
-written by the engine's parts (serve/engine.py and the modules it names); `SessionHandle` is what
-the caller keeps (cancel).
+`EngineRequest` is what a caller submits (immutable); `BatchSession` is the engine thread's
+record of it, made of parts each written by one of the engine's modules (its KV handle, this
+block's drafts, its statistics); `SessionHandle` is what the caller keeps (cancel).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from macfleet.engine.batch_kv import RowCache, ShippedKV
 from macfleet.engine.block import BlockTally
 from macfleet.engine.constraint import Constraint, Grammar
 from macfleet.engine.controller import DraftTokens
@@ -65,53 +65,131 @@ EngineEvent = (TokensCommitted | Finished | SessionFailed | BlockDone | Logprobs
                | PromptReused)
 
 
-@dataclass
+@dataclass(eq=False)
+class KVHandle:
+    """A session's KV: its cache (a row of a `kv_store`, or per-layer caches), how much of its
+    prompt is in it and where that came from, and a `shipped_kv` still to install. Written by
+    serve/session_kv.py only (`advance` also by serve/decode.py's prefill chunks)."""
+
+    positions: int  # prompt positions to hold before decoding: prompt[:-1]
+    shipped_kv: ShippedKV | None = None  # shipped (flow KV) or cached prompt KV to install
+    cache: list | RowCache | None = None
+    prefilled: int = 0  # prompt positions in the cache
+    shared: int = 0  # ... copied from another session's cache
+    cached: int = 0  # ... installed from the prompt cache
+    installed: int = 0  # layers of `shipped_kv` in the cache so far
+    layer_ms: float = 0.0  # the longest one layer of it took to install
+    ready_at: float | None = None  # when the last prompt position came in (engine clock)
+
+    @property
+    def prefill_left(self) -> int:
+        return self.positions - self.prefilled
+
+    def advance(self, n: int, now: float) -> None:
+        """n more prompt positions in the cache (prefilled, copied or installed) at `now`."""
+        self.prefilled += n
+        if self.prefill_left <= 0:
+            self.ready_at = now
+
+
+@dataclass(eq=False)
+class BlockDraft:
+    """One session's block past its root: a chain's `draft`, or a token `tree` made of
+    `drafts`. Made new every block and written by serve/drafting.py only (`cut` by the
+    scheduler's slot); read by serve/decode.py."""
+
+    k: int = 0  # drafts asked for
+    draft: Draft = EMPTY_DRAFT
+    tree: TokenTree | None = None
+    drafts: list[Draft] = field(default_factory=list)
+    draft_ms: float = 0.0
+    predicted: bool = False  # the request's prediction drafted: its draft is the tree's last
+
+    @property
+    def want(self) -> int:
+        """The tokens it would have verified: root and drafts."""
+        return len(self.tree.tokens) if self.tree is not None else 1 + len(self.draft)
+
+    def cut(self, tokens: int) -> None:
+        """Cut to the scheduler's slot of `tokens` (a tree's first nodes are a tree too)."""
+        if self.tree is not None:
+            self.tree = self.tree.first(tokens)
+        else:
+            d = self.draft
+            self.draft = Draft(d.tokens[:tokens - 1],
+                               None if d.probs is None else d.probs[:tokens - 1], d.draft_ms)
+
+
+@dataclass(eq=False)
+class SessionStats:
+    """A session's statistics, written by serve/decode.py only, as its blocks commit: its
+    blocks' tally, the geometric trials of its drafters' drafts (their acceptance:
+    serve/drafting.py plans with it), its prediction's, and when its tokens reached the
+    client."""
+
+    times: TokenTimes  # from its submission
+    tally: BlockTally = field(default_factory=BlockTally)
+    trials: int = 0  # accepted + one per block its drafters' drafts were cut short
+    hits: int = 0  # ... their accepted tokens (not a prediction's)
+    prediction_drafted: int = 0  # its prediction's tokens verified, all blocks
+    prediction_accepted: int = 0  # ... and accepted
+
+
+@dataclass(eq=False)
 class BatchSession:
+    """One request's session on the engine thread: the request, its drafters, and three parts
+    each written by one module (the others read them; the records are here, where every part
+    can import them):
+
+        kv_handle   its KV cache and prompt progress     serve/session_kv.py (`KVHandle`)
+        block       this block's drafts                   serve/drafting.py (`BlockDraft`)
+        stats       its blocks' statistics and latencies  serve/decode.py (`SessionStats`)
+
+    Its committed tokens (`context`, `generated`) are written by serve/decode.py; its life
+    (`t_start`, `on_close`) by serve/lifecycle.py, `cancelled` by its `SessionHandle`; `rng`
+    and `seed` once, when the engine starts it; its drafters are closed by serve/drafting.py."""
+
     sid: int
     req: EngineRequest
     emit: Callable[[EngineEvent], None]
     proposer: Proposer | None  # a chain drafter
     controller: object
+    kv_handle: KVHandle
+    block: BlockDraft
+    stats: SessionStats
     group: ProposerGroup | None = None  # or drafters whose drafts make a token tree
-    tree: TokenTree | None = None  # this block's tree (a group's session)
-    drafts: list[Draft] = field(default_factory=list)  # the drafts it was made of
     feeds: list = field(default_factory=list)  # its hidden-state drafters (fed by the engine)
     auto_tree: bool = False  # a group with automatic draft lengths: its tree size is planned
-    cache: list | None = None
-    context: list[int] = field(default_factory=list)
-    generated: list[int] = field(default_factory=list)
-    prefilled: int = 0
-    shared: int = 0  # prompt tokens copied from another session's cache
-    cached: int = 0  # prompt tokens installed from the prompt cache
-    cancelled: bool = False
-    t_start: float = 0.0
-    prefill_ms: float = 0.0
-    tally: BlockTally = field(default_factory=BlockTally)  # its blocks' statistics
-    trials: int = 0  # geometric trials of its drafts (accepted + one per rejected block)
-    hits: int = 0  # ... and their successes (its drafters' accepted tokens, not a prediction's)
-    draft: Draft = EMPTY_DRAFT
-    draft_ms: float = 0.0
-    k: int = 0  # drafts asked for this block
-    kv: Sequence[tuple[np.ndarray, np.ndarray]] | None = None  # shipped prompt KV to install
-    installed: int = 0  # layers of `kv` in the cache so far
-    layer_ms: float = 0.0  # the longest one layer of it took to install
+    # the request's prediction's drafter (engine/proposers/prediction.py), beside the others:
+    # its draft, when it has one, is the last of a block's tree (`BlockDraft.predicted`)
+    prediction: Proposer | None = None
     proposer_name: str = "none"
+    constraint: Constraint | None = None  # the request's grammar state (structured output)
+    context: list[int] = field(default_factory=list)  # the prompt, then every committed token
+    generated: list[int] = field(default_factory=list)
     rng: np.random.Generator | None = None
     seed: int = 0  # sampled draws keyed by (seed, output position): sampling.position_keys
-    times: TokenTimes = field(default_factory=lambda: TokenTimes(0.0))
-    admitted: bool = False
+    t_start: float | None = None  # when it was admitted (None: still queued)
+    cancelled: bool = False
     on_close: Callable[[], None] | None = None
-    constraint: Constraint | None = None  # the request's grammar state (structured output)
-    # the request's prediction's drafter (engine/proposers/prediction.py), beside the others:
-    # its draft, when it has one, is the last of this block's tree (`predicted`)
-    prediction: Proposer | None = None
-    predicted: bool = False
-    prediction_drafted: int = 0  # its tokens verified, all blocks
-    prediction_accepted: int = 0  # ... and accepted
+
+    def __post_init__(self) -> None:
+        self.context = self.context or list(self.req.prompt)
+
+    @property
+    def cache(self) -> list | RowCache | None:
+        """Its KV cache (`KVHandle.cache`)."""
+        return self.kv_handle.cache
 
     @property
     def prefill_left(self) -> int:
-        return len(self.req.prompt) - 1 - self.prefilled
+        return self.kv_handle.prefill_left
+
+    @property
+    def prefill_ms(self) -> float:
+        """From its admission to its prompt all in its cache (0: a prompt of one token)."""
+        ready = self.kv_handle.ready_at
+        return 0.0 if ready is None else (ready - self.t_start) * 1e3
 
     @property
     def left(self) -> int:
@@ -120,14 +198,14 @@ class BatchSession:
 
     def view(self, state: str = "") -> ServedSession:
         """This session for the dashboard; `state` given when it ended."""
-        t = self.times
-        state = state or ("queued" if not self.admitted else
+        t, tally = self.stats.times, self.stats.tally
+        state = state or ("queued" if self.t_start is None else
                           "prefill" if self.prefill_left > 0 else "decode")
         return ServedSession(sid=self.sid, state=state, prompt_tokens=len(self.req.prompt),
                              prefill_left=max(0, self.prefill_left),
                              generated=len(self.generated), ttft_ms=t.ttft_ms,
                              itl_p50_ms=t.itl_ms(0.5), itl_p99_ms=t.itl_ms(0.99),
-                             accepted=self.tally.accepted, drafted=self.tally.drafted)
+                             accepted=tally.accepted, drafted=tally.drafted)
 
 
 class SessionHandle:

@@ -20,7 +20,8 @@ a stop token, the same statistics), written once for a chain block and once for 
    its committed tokens cut at a stop token and emitted (`BlockStep.commit`), its session
    finished at a stop token or its length.
 
-Hidden-state drafters get their session's rows of the forward here too (`feed`).
+Hidden-state drafters get their session's rows of the forward here too (`feed`). A session's
+committed tokens and its statistics (`SessionStats`) are written here only.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 
 from macfleet.engine.batch import RowCache, Segment, trim_cache
-from macfleet.engine.block import (accept_chain, accept_tree, chain_outcome, commit_block,
-                                   tree_decided, tree_decision)
+from macfleet.engine.block import (accept_chain, chain_outcome, commit_block, tree_decided,
+                                   tree_decision)
 from macfleet.engine.constraint import masked_logits, masked_tree_logits
 from macfleet.engine.events import BlockDone, TokensCommitted
 from macfleet.engine.sampling import host_probs, softmax_probs
@@ -80,50 +81,42 @@ class BlockStep:
         # (1) each decoding session's verified rows [block, V]: what its acceptance reads
         # below (a per-session constraint on the tokens, such as a grammar, masks them here)
         rows = {s.sid: lg for (s, sl), lg in zip(run, out) if not sl.prefill}
-        decoding = [s for s, sl in run if not sl.prefill]
         if read is None:
             read = read_iteration(run, out, list(hidden or ()))
-        decided = read.decided
         # (2) accept: trees first, so every row keeps its path before anything is committed
-        accepted = self.accept_trees([(s, rows[s.sid]) for s in decoding if s.tree is not None],
-                                     read)
+        accepted = self.accept_trees([s for s, sl in run
+                                      if not sl.prefill and s.block.tree is not None], read)
         if hidden is not None:
             feed(run, segs, hidden, accepted)
         # (3) commit, session by session
         for s, slot in run:
             if slot.prefill:
-                s.prefilled += slot.tokens
-                if s.prefill_left <= 0:
-                    s.prefill_ms = (self.clock() - s.t_start) * 1e3
-            elif s.tree is not None:
+                s.kv_handle.advance(slot.tokens, self.clock())
+            elif s.block.tree is not None:
                 self.commit_tree(s, *accepted[s.sid], verify_ms, rows[s.sid],
                                  read.logprobs.get(s.sid),
                                  forward=sum(sl.tokens for _, sl in run))
             else:
-                n, nxt = decided[s.sid]
-                self.commit_chain(s, rows[s.sid], verify_ms, (n, nxt),
+                self.commit_chain(s, rows[s.sid], verify_ms, tuple(read.decided[s.sid]),
                                   read.logprobs.get(s.sid))
 
     @staticmethod
-    def accept_trees(done: Sequence[tuple[BatchSession, mx.array]],
-                     read: IterationRead) -> dict[int, tuple[list[int], int]]:
+    def accept_trees(done: Sequence[BatchSession], read: IterationRead
+                     ) -> dict[int, tuple[list[int], int]]:
         """Each verified tree's accepted path and next token (the rules of `tree_generate`)
         from its evaluated decision (`decision`), or SpecInfer's host rule on its evaluated
-        probabilities where it has none;
+        probabilities where it has none (`read_iteration` read one or the other of each);
         every row then keeps its root and path (one gather and scatter per layer per store)
         before anything is committed, so a session that ends here leaves a consistent row."""
         out, kept = {}, {}
-        for s, logits in done:
+        for s in done:
+            tree = s.block.tree
             if s.sid in read.decided:
-                path, nxt = out[s.sid] = tree_decided(s.tree, s.req.params,
-                                                      read.decided[s.sid])
-            elif s.sid in read.probs:
-                path, nxt = out[s.sid] = accept_tree_sample(
-                    s.tree, host_probs(read.probs[s.sid], s.req.params), s.rng)
+                path, nxt = out[s.sid] = tree_decided(tree, s.req.params, read.decided[s.sid])
             else:
-                path, nxt = out[s.sid] = accept_tree(s.tree, logits, s.req.params, s.rng,
-                                                     s.seed, len(s.generated))
-            base = s.cache.offset - len(s.tree.tokens)
+                path, nxt = out[s.sid] = accept_tree_sample(
+                    tree, host_probs(read.probs[s.sid], s.req.params), s.rng)
+            base = s.cache.offset - len(tree.tokens)
             kept.setdefault(s.cache.store, []).append((s.cache, base, path))
         for store, rows in kept.items():
             store.keep_paths(rows, read.fetched.get(store))
@@ -135,23 +128,23 @@ class BlockStep:
         """rows: the block's logprobs, evaluated with the batch's decisions (None: read here
         when the request asked for them); forward: the tokens of the forward `verify_ms` timed
         (0: this tree's)."""
-        tree = s.tree
+        tree, predicted = s.block.tree, s.block.predicted
         new = [*tree.path_tokens(path), nxt]
         lps = _logprobs(s, logits, tree_rows(path, len(new)), new, rows)
         # the session's own drafters' trials (a prediction's misses are not theirs: the plan
         # of their lengths reads these)
         trials, hits = tree_trials(tree, path, set().union(*tree.owned[:-1])
-                                   if s.predicted else None)
+                                   if predicted else None)
         if trials:
             self._trials(s, trials, hits)
-        drafts, accepted = verified_drafts(s.drafts, tree), tree.accepted_per_source(path)
+        drafts, accepted = verified_drafts(s.block.drafts, tree), tree.accepted_per_source(path)
         verified, theirs_ms = len(tree.tokens), verify_ms
-        if s.predicted:  # the prediction's draft is the last: the others learn of theirs,
+        if predicted:  # the prediction's draft is the last: the others learn of theirs,
             # and of the time their nodes alone would have taken (the batch's cost curve)
             (d, n), drafts, accepted = (drafts[-1], accepted[-1]), drafts[:-1], accepted[:-1]
             s.prediction.observe(len(d), n, verify_ms, verified)
-            s.prediction_drafted += len(d)
-            s.prediction_accepted += n
+            s.stats.prediction_drafted += len(d)
+            s.stats.prediction_accepted += n
             mine = 1 + len(set().union(*tree.owned[:-1]))  # root + their nodes
             theirs_ms = self.costs.without(verify_ms, max(forward, verified), verified - mine)
             verified = mine
@@ -167,7 +160,7 @@ class BlockStep:
                      rows: RowLogprobs | None = None) -> None:
         """outcome: the block's (accepted, next token), decided with the batch's
         (`decision`); None: decided here. rows: as `commit_tree`'s."""
-        d = s.draft
+        d = s.block.draft
         n, nxt = outcome if outcome is not None else accept_chain(
             d, masked_logits(s.constraint, logits, d.tokens), s.req.params, s.seed,
             len(s.generated))
@@ -188,11 +181,11 @@ class BlockStep:
             s.proposer.observe(len(d), n, verify_ms)
         # a paced drafter's wait is its own decision, not a per-token drafting cost
         s.controller.observe(len(d), n, 0.0 if s.proposer is not None and s.proposer.paced
-                             else s.draft_ms, verify_ms)
+                             else s.block.draft_ms, verify_ms)
 
     def _trials(self, s: BatchSession, trials: int, accepted: int) -> None:
-        s.trials += trials
-        s.hits += accepted
+        s.stats.trials += trials
+        s.stats.hits += accepted
         self.costs.observe_block(trials, accepted)
 
     def commit(self, s: BatchSession, new: list[int], *, drafted: int, accepted: int,
@@ -204,19 +197,20 @@ class BlockStep:
         new, stopped = commit_block(new, s.req.eos_ids, s.constraint)
         s.context.extend(new)
         s.generated.extend(new)
-        s.tally.record(drafted, accepted, s.draft_ms, verify_ms)
-        blocks = s.tally.blocks
-        if blocks == 1 and (s.cached or s.shared):
-            s.emit(PromptReused(s.cached + s.shared))
+        b, h = s.block, s.kv_handle
+        s.stats.tally.record(drafted, accepted, b.draft_ms, verify_ms)
+        blocks = s.stats.tally.blocks
+        if blocks == 1 and (h.cached or h.shared):
+            s.emit(PromptReused(h.cached + h.shared))
         if s.req.report_blocks:
             choice = getattr(s.group, "choice", None)  # `auto`'s candidate for this block
-            s.emit(BlockDone(block=blocks, k=s.k, drafted=drafted, accepted=accepted,
-                             committed=len(new), draft_ms=s.draft_ms, verify_ms=verify_ms,
-                             block_ms=s.draft_ms + verify_ms,
+            s.emit(BlockDone(block=blocks, k=b.k, drafted=drafted, accepted=accepted,
+                             committed=len(new), draft_ms=b.draft_ms, verify_ms=verify_ms,
+                             block_ms=b.draft_ms + verify_ms,
                              drafter=choice.drafter if choice else "",
                              why=choice.why if choice else ""))
         if new:
-            s.times.commit(self.clock())
+            s.stats.times.commit(self.clock())
             if logprobs:
                 s.emit(LogprobsCommitted(logprobs[:len(new)]))
             s.emit(TokensCommitted(blocks, tuple(new)))
@@ -253,11 +247,11 @@ def decision(s: BatchSession, logits: mx.array) -> mx.array | None:
     or (deepest node, next token) (sampled: `block.tree_decision`); None for a tree whose
     drafts carry probabilities (SpecInfer's rule, on the host; a grammar's trees carry none).
     A grammar masks the rows: a chain's, and each tree node's after its own path."""
-    params, start = s.req.params, len(s.generated)
-    if s.tree is not None:
-        return tree_decision(s.tree, masked_tree_logits(s.constraint, logits, s.tree),
+    params, start, b = s.req.params, len(s.generated), s.block
+    if b.tree is not None:
+        return tree_decision(b.tree, masked_tree_logits(s.constraint, logits, b.tree),
                              params, s.seed, start)
-    return chain_outcome(s.draft, masked_logits(s.constraint, logits, s.draft.tokens),
+    return chain_outcome(b.draft, masked_logits(s.constraint, logits, b.draft.tokens),
                          params, s.seed, start)
 
 
@@ -272,8 +266,9 @@ def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.ar
     for (s, sl), lg in zip(run, out):
         if sl.prefill:
             continue
-        if s.tree is not None and len(s.tree.tokens) > 1 and isinstance(s.cache, RowCache):
-            n = len(s.tree.tokens)  # its drafted nodes, past the root: what a path moves
+        tree = s.block.tree
+        if tree is not None and len(tree.tokens) > 1 and isinstance(s.cache, RowCache):
+            n = len(tree.tokens)  # its drafted nodes, past the root: what a path moves
             spans.setdefault(s.cache.store, []).append((s.cache, s.cache.offset - n + 1, n - 1))
         d = decision(s, lg)
         if d is not None:
@@ -318,10 +313,11 @@ def feed(run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],
             continue
         start = seg.cache.offset - len(seg)  # the offset before this forward
         toks = seg.tokens
-        if not slot.prefill and s.tree is not None:
+        tree = s.block.tree
+        if not slot.prefill and tree is not None:
             path = accepted[s.sid][0]
             start = s.cache.offset - 1 - len(path)  # kept: root + path
-            toks = (s.tree.tokens[0], *s.tree.path_tokens(path))
+            toks = (tree.tokens[0], *tree.path_tokens(path))
             h = h[mx.array([0, *path], dtype=mx.int32)]
         for p in s.feeds:
             p.feed_features(start, toks, h)

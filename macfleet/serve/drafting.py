@@ -5,10 +5,11 @@ adaptive ones to what pays at this batch's measured costs (`scheduler.plan_draft
 room the iteration has; `draft_all` then drafts them: every drafter's request goes out first
 and the replies are collected after, so drafters on other machines draft at once; local EAGLE
 chain drafters whose head caches are rows of one store draft together (`draft_chains`).
-When `draft_all` returns, a session's block is final: `s.draft` (a chain) or `s.tree` made of
-`s.drafts` (a token tree), cut to its slot only by the scheduler (a per-session constraint on
-the tokens cuts the drafts it forbids, a tree's node by node, or adds the tokens it forces, at
-the end of `draft_all`).
+Each block's drafts are a new `BlockDraft` (`s.block`), written only here: when `draft_all`
+returns it is final, its `draft` (a chain) or its `tree` made of `drafts` (a token tree), cut
+to its slot only by the scheduler (`BlockDraft.cut`; a per-session constraint on the tokens
+cuts the drafts it forbids, a tree's node by node, or adds the tokens it forces, at the end of
+`draft_all`).
 
 A request's prediction (OpenAI's Predicted Outputs, `s.prediction`) drafts after the session's
 own drafters, beside them: their lengths, their drafts and what they learn are what they would
@@ -35,7 +36,7 @@ from macfleet.engine.proposers.eagle.chain import EagleProposer
 from macfleet.engine.text import Drafting, make_group, no_drafts, plan_drafting
 from macfleet.engine.tree import TokenTree
 from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_of_drafts
-from macfleet.serve.batch_session import BatchSession
+from macfleet.serve.batch_session import BatchSession, BlockDraft
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.scheduler import DraftView, IterationBudget, draft_acceptance, plan_drafts
 
@@ -134,7 +135,8 @@ class BatchDrafting:
         # (a remote head catching up on every session)
         phase = iteration % PROBE_EVERY
         step = PROBE_EVERY // PROBE_GROUPS
-        views = [DraftView(s.sid, draft_acceptance(s.hits, s.trials, pool_acc, pool_n),
+        views = [DraftView(s.sid, draft_acceptance(s.stats.hits, s.stats.trials, pool_acc,
+                                                   pool_n),
                            wants[s.sid], getattr(s.controller, "draft_ms", None) or 0.0,
                            probe=phase == (s.sid % PROBE_GROUPS) * step,
                            together=rows_of(s.proposer) is not None)
@@ -151,74 +153,84 @@ class BatchDrafting:
         t0 = self.clock()
         asked, groups, together = [], {}, {}
         for s in decoding:
-            s.draft, s.k, s.tree, s.drafts = EMPTY_DRAFT, ks[s.sid], None, []
-            rows = rows_of(s.proposer) if s.k > 0 else None
+            s.block = b = BlockDraft(ks[s.sid])
+            rows = rows_of(s.proposer) if b.k > 0 else None
             if rows is not None:
                 together.setdefault(id(rows), []).append(s)
             elif s.group is not None:
                 groups[s.sid] = cap_total(s.group.lengths(s.left), ks[s.sid])
-                s.k = sum(groups[s.sid])
+                b.k = sum(groups[s.sid])
                 s.group.begin(s.context, groups[s.sid])
-            elif s.proposer is not None and s.k > 0:
+            elif s.proposer is not None and b.k > 0:
                 try:
-                    s.proposer.begin(s.context, s.k)
+                    s.proposer.begin(s.context, b.k)
                     asked.append(s)
                 except ProposerFailed as e:
                     self._lose_proposer(s, e)
         for sessions in together.values():  # local EAGLE chains: all at once
             t1 = self.clock()
-            drafts = self._chains([(s.proposer, s.context, s.k) for s in sessions])
-            self.costs.observe_step((self.clock() - t1) * 1e3 / max(s.k for s in sessions))
+            drafts = self._chains([(s.proposer, s.context, s.block.k) for s in sessions])
+            self.costs.observe_step((self.clock() - t1) * 1e3
+                                    / max(s.block.k for s in sessions))
             for s, d in zip(sessions, drafts):
-                s.draft = sanitize_draft(d, s.k, self.vocab)
-                s.draft_ms = d.draft_ms
+                s.block.draft = sanitize_draft(d, s.block.k, self.vocab)
+                s.block.draft_ms = d.draft_ms
         drafted = {s.sid for ss in together.values() for s in ss}
         for s in decoding:
             if s.sid in drafted:
                 continue
+            b = s.block
             if s.group is not None:
-                s.drafts, s.tree = tree_of_drafts(s.context[-1], s.group.finish(),
+                b.drafts, b.tree = tree_of_drafts(s.context[-1], s.group.finish(),
                                                   groups[s.sid], self.vocab,
                                                   s.req.params.greedy)
             elif s in asked:
                 try:
-                    d = sanitize_draft(s.proposer.finish(), s.k, self.vocab)
-                    s.draft = d if d.parents is None else EMPTY_DRAFT
+                    d = sanitize_draft(s.proposer.finish(), b.k, self.vocab)
+                    b.draft = d if d.parents is None else EMPTY_DRAFT
                 except ProposerFailed as e:
                     self._lose_proposer(s, e)
-            s.draft_ms = (self.clock() - t0) * 1e3
+            b.draft_ms = (self.clock() - t0) * 1e3
         for s in decoding:  # a request's prediction, beside what the others drafted
             if s.prediction is not None:
                 self._predict(s)
         for s in decoding:  # structured output: forced tokens first, drafts cut to the grammar
             if s.constraint is None:
                 continue
-            room = s.req.max_tokens - len(s.generated) - 1
-            if s.tree is not None:  # a tree keeps its shape: each node cut on its own path
-                s.tree = constrained_tree(s.constraint, s.tree, room)
+            b = s.block
+            if b.tree is not None:  # a tree keeps its shape: each node cut on its own path
+                b.tree = constrained_tree(s.constraint, b.tree, s.left)
             else:
-                s.draft = Draft(constrained_draft(s.constraint, s.draft.tokens, room), None,
-                                s.draft_ms)
+                b.draft = Draft(constrained_draft(s.constraint, b.draft.tokens, s.left), None,
+                                b.draft_ms)
 
     def _predict(self, s: BatchSession) -> None:
         """The prediction's draft (up to what the answer has room for) joined to the block:
         the block untouched when it drafts nothing."""
-        s.predicted = False
         if s.left <= 0:
             return
         d = sanitize_draft(s.prediction.propose(s.context, min(s.prediction.draft_length(),
                                                                s.left)), s.left, self.vocab)
         if not d.tokens:
             return
-        drafts = s.drafts if s.tree is not None else [s.draft]
-        s.drafts, s.tree = with_draft(s.context[-1], drafts, d, s.req.params.greedy)
-        s.draft, s.predicted = EMPTY_DRAFT, True
+        b = s.block
+        drafts = b.drafts if b.tree is not None else [b.draft]
+        b.drafts, b.tree = with_draft(s.context[-1], drafts, d, s.req.params.greedy)
+        b.draft, b.predicted = EMPTY_DRAFT, True
 
     @staticmethod
     def _lose_proposer(s: BatchSession, e: ProposerFailed) -> None:
         log.warning("session %d: proposer failed (%s), continuing without", s.sid, e)
         s.proposer.close()
         s.proposer = None
+
+
+def close_drafters(s: BatchSession) -> None:
+    """An ended session's drafters closed (each once)."""
+    for d in (s.proposer, s.group, s.prediction):
+        if d is not None:
+            d.close()
+    s.proposer = s.group = s.prediction = None
 
 
 def with_draft(root: int, drafts: Sequence[Draft], d: Draft, greedy: bool

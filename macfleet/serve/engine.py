@@ -13,13 +13,16 @@ samples are what the single-session loop gives; only the forward is shared.
 `BatchEngine` is the façade that wires the parts, each with one job:
 
     serve/lifecycle.py      the queue, admission, sessions' ends and their statistics
-    serve/session_kv.py     each session's KV: its row, shared prefixes, shipped and cached KVs
-    serve/drafting.py       each session's draft length and draft (step 2)
+    serve/session_kv.py     each session's KV (`KVHandle`): its row of the `kv_store`, shared
+                            prefixes, shipped and cached KVs
+    serve/drafting.py       each session's draft length and block's drafts (`BlockDraft`,
+                            step 2)
     serve/scheduler.py      the pure plans: slots, chunk and draft budgets (step 3)
     serve/costs.py          what the batch's forwards cost, measured (the plans' prices)
     serve/decode.py         each session's verified rows -> accept -> commit (step 5), with
-                            engine/block.py's rules, shared with the single-session loops
-    serve/batch_session.py  the request and the session record every part reads
+                            engine/block.py's rules, shared with the single-session loops,
+                            and its statistics (`SessionStats`)
+    serve/batch_session.py  the request, and the session made of the parts above
 """
 
 from __future__ import annotations
@@ -29,26 +32,27 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import mlx.core as mx
-import numpy as np
 
 from macfleet.engine.batch import BatchKV, Segment, check_batchable, flat_outputs
 from macfleet.engine.constraint import Constraint, Grammar, bridge, grammar_error
 from macfleet.engine.controller import AUTO, make_controller
 from macfleet.engine.proposers.eagle.chain import draft_chains
 from macfleet.engine.models import LoadedModel
-from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.proposers.base import Proposer
 from macfleet.engine.proposers.prediction import PredictionProposer
 from macfleet.engine.sampling import generation_seed, make_rng
 from macfleet.engine.tree_loop import ProposerGroup
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP
 from macfleet.engine.verify_costs import verify_costs
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
-from macfleet.serve.batch_session import (BatchSession, EngineEvent, EngineRequest,  # noqa: F401
-                                          Overloaded, SessionFailed, SessionHandle)
+from macfleet.serve.batch_session import (BatchSession, BlockDraft,  # noqa: F401
+                                          EngineEvent, EngineRequest, KVHandle, Overloaded,
+                                          SessionFailed, SessionHandle, SessionStats)
 from macfleet.serve.costs import BatchCosts
+from macfleet.engine.batch_kv import ShippedKV
 from macfleet.serve.decode import BlockStep, read_iteration
 from macfleet.serve.drafting import BatchDrafting, check_drafting, make_drafting
 from macfleet.serve.lifecycle import Sessions
@@ -109,16 +113,18 @@ class BatchEngine:
         self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
         self.install_share = install_share
         # the functions on this module's names (verify_costs, draft_chains, flat_outputs,
-        # make_rng) are looked up at each call: a test or a bench may replace them here
+        # make_rng, copy_features) are looked up at each call: a test or a bench may replace
+        # them here
         self.costs = BatchCosts(lm.model, stall_ratio, lambda m: verify_costs(m))
         # every session's KV is a row of one store (flat batch), or its own caches (invariant)
         self.prompt_cache = (PromptCache(prompt_cache_bytes)
                              if prompt_cache_bytes > 0 and not invariant else None)
-        self.kv = SessionKV(lm.model, None if invariant else BatchKV(len(lm.model.layers)),
-                            self.prompt_cache, clock)
-        self._kv, self._head_rows = self.kv.kv, self.kv.head_rows
+        self.session_kv = SessionKV(
+            lm.model, None if invariant else BatchKV(len(lm.model.layers)), self.prompt_cache,
+            clock)
         self._vocab = lm.vocab_size
-        self.table = Sessions(self.kv, clock, max_active=max_active, max_queue=max_queue)
+        self.table = Sessions(self.session_kv, clock, max_active=max_active,
+                              max_queue=max_queue)
         self._cv = self.table.cv
         self.drafting = BatchDrafting(self._vocab, clock, self.costs,
                                       lambda jobs: draft_chains(jobs))
@@ -145,6 +151,12 @@ class BatchEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
+    @property
+    def kv_store(self) -> BatchKV | None:
+        """The store whose rows are the sessions' KV caches (None: the batch-invariant mode's
+        per-session caches; a long prompt's row is in a store of its own)."""
+        return self.session_kv.kv_store
+
     def load(self) -> tuple[int, int]:
         """(active sessions, waiting sessions)."""
         return self.table.load()
@@ -170,21 +182,21 @@ class BatchEngine:
     def submit(self, req: EngineRequest, emit: Callable[[EngineEvent], None],
                on_close: Callable[[], None] | None = None, *,
                proposer: Proposer | ProposerGroup | None = None,
-               kv: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> SessionHandle:
+               shipped_kv: ShippedKV | None = None) -> SessionHandle:
         """Queue a request; `emit` is called from the engine thread with its events, and
         `on_close` once when its session is gone (finished, failed or cancelled).
 
         proposer: this request's own drafter (the verifier agent's remote proposers): a chain
         drafter, or a group whose drafts make a token tree; started and closed here. None: one
         made from the engine's `proposer` spec.
-        kv: the KV of prompt[:-1] computed elsewhere (a prefill agent's, flow KV): per layer
-        (keys, values) [kv_heads, len(prompt) - 1, head_dim]; installed, not computed."""
+        shipped_kv: the KV of prompt[:-1] computed elsewhere (a prefill agent's, flow KV): per
+        layer (keys, values) [kv_heads, len(prompt) - 1, head_dim]; installed, not computed."""
         if not req.prompt or not all(0 <= int(t) < self._vocab for t in req.prompt):
             raise ValueError(f"prompt must be 1+ token ids in 0..{self._vocab - 1}")
         if req.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
-        if kv is not None and (len(kv) != len(self.lm.model.layers)
-                               or kv[0][0].shape[1] != len(req.prompt) - 1):
+        if shipped_kv is not None and (len(shipped_kv) != len(self.lm.model.layers)
+                                       or shipped_kv[0][0].shape[1] != len(req.prompt) - 1):
             raise ValueError("the shipped KV must cover every layer and prompt[:-1]")
         draft_tokens = req.draft_tokens if req.draft_tokens is not None else self.draft_tokens
         if tuple(req.prompt[len(req.prompt) - len(req.committed):]) != tuple(req.committed):
@@ -223,10 +235,11 @@ class BatchEngine:
         controller = make_controller(draft_tokens if chain is not None else 0)
         try:
             s = self.table.enqueue(lambda sid: BatchSession(
-                sid, req, emit, chain, controller, group=group, feeds=feeds,
+                sid, req, emit, chain, controller,
+                KVHandle(len(req.prompt) - 1, shipped_kv), BlockDraft(),
+                SessionStats(TokenTimes(self.clock())), group=group, feeds=feeds,
                 auto_tree=group is not None and draft_tokens == AUTO, on_close=on_close,
-                times=TokenTimes(self.clock()), proposer_name=name, kv=kv,
-                constraint=constraint, prediction=predicting))
+                proposer_name=name, constraint=constraint, prediction=predicting))
         except Overloaded:
             for d in (drafting, predicting):
                 if d is not None:
@@ -275,13 +288,13 @@ class BatchEngine:
                 if idle_wait_s:
                     self._cv.wait(idle_wait_s)
                 return False
-            batch = [s for s in self.table.active if s.kv is None]
-            installing = [s for s in self.table.active if s.kv is not None]
+            batch = [s for s in self.table.active if s.kv_handle.shipped_kv is None]
+            installing = [s for s in self.table.active if s.kv_handle.shipped_kv is not None]
         try:
             with self._compute:
                 if installing:
                     share = self.install_share if batch else 0.0  # others decode meanwhile
-                    self.kv.install_some(installing, share * (self.costs.stall.decode_ms
+                    self.session_kv.install_some(installing, share * (self.costs.stall.decode_ms
                                                               or DEFAULT_DECODE_MS),
                                          self._fail)
                 if batch:
@@ -302,27 +315,21 @@ class BatchEngine:
     def _start(self, s: BatchSession) -> None:
         """An admitted session's cache, rng and drafters' verify(L) table; its prompt's KV
         when the prompt cache holds it."""
-        self.kv.open(s)
+        self.session_kv.open(s)
         s.rng = make_rng(s.req.params, stream=0)  # SpecInfer's tree rule (drafts with q)
         s.seed = 0 if s.req.params.greedy else generation_seed(s.req.params)
         for d in (s.group, s.prediction):  # its drafters size trees against verify(L)
             if d is not None:
                 d.seed_verify_costs(self.costs.verify_costs())
-        self.kv.reuse(s)
+        self.session_kv.reuse(s)
 
     def _fail(self, s: BatchSession, message: str) -> None:
         with self._cv:
             self.table.finish(s, failed=message)
 
-    # the hidden-state rows of a prefix copied between sessions (a test may spy on it here)
-    _copy_features = staticmethod(copy_features)
-
-    def _share_prefixes(self, batch: list[BatchSession]) -> list[BatchSession]:
-        """Prompt prefixes copied between sessions' rows (`SessionKV.share_prefixes`)."""
-        return self.kv.share_prefixes(batch, self._copy_features)
-
     def _iteration(self, batch: list[BatchSession]) -> None:
-        batch = self._share_prefixes(batch)
+        # prompt prefixes copied between sessions' rows, with their drafters' hidden states
+        batch = self.session_kv.share_prefixes(batch, lambda *a: copy_features(*a))
         decoding = [s for s in batch if s.prefill_left <= 0]
         prefilling = [s for s in batch if s.prefill_left > 0]
         # while others decode, every prompt's chunks follow the stall control: a long one
@@ -365,8 +372,7 @@ def plan_segments(batch: list[BatchSession], budget: IterationBudget, planned: f
     prefill chunk, or a block cut to its slot (a tree's first nodes are a tree too).
     planned: the sessions whose drafts the drafting plan sized (within `budget.drafts`); the
     others' fixed-length drafts ride on top of the budget uncut."""
-    views = [SessionView(s.sid, s.prefill_left, s.prefilled,
-                         len(s.tree.tokens) if s.tree is not None else 1 + len(s.draft))
+    views = [SessionView(s.sid, s.prefill_left, s.kv_handle.prefilled, s.block.want)
              for s in batch]
     tokens = budget.with_fixed_drafts(sum(v.want - 1 for v in views
                                           if v.prefill_left <= 0 and v.sid not in planned))
@@ -375,14 +381,13 @@ def plan_segments(batch: list[BatchSession], budget: IterationBudget, planned: f
     for slot in plan_iteration(views, tokens, chunked=chunked, align=align):
         s = by_sid[slot.sid]
         if slot.prefill:
-            toks = tuple(s.req.prompt[s.prefilled:s.prefilled + slot.tokens])
-            segs.append(Segment(toks, s.cache, None))
-        elif s.tree is not None:
-            s.tree = s.tree.first(slot.tokens)
-            segs.append(Segment(tuple(s.tree.tokens), s.cache, 0, tuple(s.tree.parents)))
+            done = s.kv_handle.prefilled
+            segs.append(Segment(tuple(s.req.prompt[done:done + slot.tokens]), s.cache, None))
         else:
-            s.draft = Draft(s.draft.tokens[:slot.tokens - 1], None if s.draft.probs is None
-                            else s.draft.probs[:slot.tokens - 1], s.draft.draft_ms)
-            segs.append(Segment((s.context[-1], *s.draft.tokens), s.cache, 0))
+            b = s.block
+            b.cut(slot.tokens)
+            segs.append(Segment(tuple(b.tree.tokens), s.cache, 0, tuple(b.tree.parents))
+                        if b.tree is not None else
+                        Segment((s.context[-1], *b.draft.tokens), s.cache, 0))
         run.append((s, slot))
     return run, segs

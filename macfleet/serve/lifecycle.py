@@ -17,6 +17,7 @@ from collections.abc import Callable
 from macfleet.engine.events import Finished
 from macfleet.fleet.batch import ServedSession
 from macfleet.serve.batch_session import BatchSession, Overloaded, SessionFailed
+from macfleet.serve.drafting import close_drafters
 from macfleet.serve.session_kv import SessionKV
 from macfleet.serve.timing import RECENT_SESSIONS
 from macfleet.stats import PREDICTION, ProposerStats
@@ -28,9 +29,9 @@ class Sessions:
     """The wait queue, the active sessions and the recently ended ones, under one lock `cv`
     (a condition on an RLock: the engine thread waits on it for work)."""
 
-    def __init__(self, kv: SessionKV, clock: Callable[[], float], *, max_active: int,
+    def __init__(self, session_kv: SessionKV, clock: Callable[[], float], *, max_active: int,
                  max_queue: int) -> None:
-        self.kv, self.clock = kv, clock
+        self.session_kv, self.clock = session_kv, clock
         self.max_active, self.max_queue = max_active, max_queue
         self.cv = threading.Condition()
         self.waiting: deque[BatchSession] = deque()
@@ -69,8 +70,6 @@ class Sessions:
         while self.waiting and len(self.active) < self.max_active:
             s = self.waiting.popleft()
             s.t_start = self.clock()
-            s.admitted = True
-            s.context = list(s.req.prompt)
             if s.req.max_tokens == 0:
                 self.finish(s, reason="length")
                 continue
@@ -87,7 +86,8 @@ class Sessions:
         cancelled (nobody is told)."""
         if s in self.active:
             self.active.remove(s)
-        predicted = (ProposerStats(PREDICTION, s.prediction_drafted, s.prediction_accepted),)
+        st = s.stats
+        predicted = (ProposerStats(PREDICTION, st.prediction_drafted, st.prediction_accepted),)
         per_proposer = (*(s.group.per_proposer() if s.group is not None else ()),
                         *(predicted if s.prediction is not None else ()))
         chosen = (dict(drafters=s.group.drafter_stats(), choices=tuple(s.group.choices))
@@ -98,7 +98,7 @@ class Sessions:
         if failed:
             s.emit(SessionFailed(failed))
             return
-        stats = s.tally.stats(tokens=len(s.generated), elapsed_s=self.clock() - s.t_start,
+        stats = st.tally.stats(tokens=len(s.generated), elapsed_s=self.clock() - s.t_start,
                               prefill_ms=s.prefill_ms, proposer=s.proposer_name,
                               finish_reason=reason, per_proposer=per_proposer, **chosen)
         s.emit(Finished(stats, tuple(s.generated)))
@@ -118,16 +118,8 @@ class Sessions:
     def _release(self, s: BatchSession, state: str) -> None:
         with self.cv:  # an RLock: some callers hold it already
             self.ended.append(s.view(state))
-        self.kv.close(s, state == "done")
+        self.session_kv.close(s, state == "done")
         if s.on_close is not None:
             s.on_close()
             s.on_close = None
-        if s.proposer is not None:
-            s.proposer.close()
-            s.proposer = None
-        if s.group is not None:
-            s.group.close()
-            s.group = None
-        if s.prediction is not None:
-            s.prediction.close()
-            s.prediction = None
+        close_drafters(s)

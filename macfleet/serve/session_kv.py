@@ -1,11 +1,15 @@
 """Where each session's KV cache comes from and where it goes.
 
-A session's keys and values are a row of the engine's shared `BatchKV` store (a long prompt
-gets a store of its own), or its own per-layer caches in the batch-invariant mode. Its prompt
-prefix may come without a prefill: copied from another session's row that holds the same
-prefix (`share_prefixes`), installed from the prompt cache or from a KV shipped by a prefill
-agent (flow KV) a few layers per iteration (`install_some`); a finished session's row goes into
-the prompt cache (`retain`) before it is freed.
+A session's keys and values are a row of the engine's shared `BatchKV` store, its `kv_store`
+(a long prompt gets a store of its own), or its own per-layer caches in the batch-invariant
+mode. Its prompt prefix may come without a prefill: copied from another session's row that
+holds the same prefix (`share_prefixes`), installed from the prompt cache or from a
+`shipped_kv` computed by a prefill agent (flow KV) a few layers per iteration (`install_some`);
+a finished session's row goes into the prompt cache (`retain`) before it is freed.
+
+The names: `kv_store` a `BatchKV` (every row's buffers), `session_kv` the engine's `SessionKV`
+(this module's manager of them), `kv_handle` a session's `KVHandle` (its cache and its prompt's
+progress, written here), `shipped_kv` a prompt KV computed elsewhere, per layer.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from macfleet.engine.batch import BatchKV, RowCache
+from macfleet.engine.batch_kv import BatchKV, RowCache
 from macfleet.engine.proposers.eagle.chain import share_head_rows
 from macfleet.engine.verifier import make_trimmable_cache
-from macfleet.serve.batch_session import BatchSession
+from macfleet.serve.batch_session import BatchSession, KVHandle
 from macfleet.serve.prompt_cache import PromptCache, row_kv
 from macfleet.serve.scheduler import PrefixView, plan_prefix_sharing
 
@@ -45,36 +49,39 @@ def copy_features(src: BatchSession, dst: BatchSession, n: int) -> bool:
 
 
 class SessionKV:
-    """kv: the shared store (None: per-session caches, the batch-invariant mode);
+    """kv_store: the shared store (None: per-session caches, the batch-invariant mode);
     prompt_cache: finished requests' KV for later prompts that start the same (or None)."""
 
-    def __init__(self, model, kv: BatchKV | None, prompt_cache: PromptCache | None,
+    def __init__(self, model, kv_store: BatchKV | None, prompt_cache: PromptCache | None,
                  clock: Callable[[], float]) -> None:
-        self.model, self.kv, self.prompt_cache, self.clock = model, kv, prompt_cache, clock
+        self.model, self.kv_store, self.prompt_cache = model, kv_store, prompt_cache
+        self.clock = clock
         self.head_rows: dict[int, BatchKV] = {}  # local EAGLE heads' caches, one store each
         self._layout = None  # the model's KV layout, read when a shipped KV first arrives
 
     def open(self, s: BatchSession) -> None:
         """An admitted session's empty cache (and its EAGLE head's row)."""
-        if self.kv is None:
-            s.cache = make_trimmable_cache(self.model)
+        h = s.kv_handle
+        if self.kv_store is None:
+            h.cache = make_trimmable_cache(self.model)
             return
         # a long prompt gets a store of its own: growing the shared one to its length would
         # copy every row's keys (a stall for every decoder beside it);
         # room for the whole prompt now, one growth
-        store = (self.kv if len(s.req.prompt) <= OWN_STORE_PROMPT
+        store = (self.kv_store if len(s.req.prompt) <= OWN_STORE_PROMPT
                  else BatchKV(len(self.model.layers), row_step=1))
-        s.cache = store.open()
-        store.reserve(s.cache.row + 1, len(s.req.prompt))
+        h.cache = store.open()
+        store.reserve(h.cache.row + 1, len(s.req.prompt))
         share_head_rows(s.proposer, self.head_rows)  # its head's cache: a row
 
     def reuse(self, s: BatchSession) -> None:
         """Its prompt's KV from the prompt cache, when one is there (installed as a shipped
         KV is, over iterations); a shipped KV into per-session caches at once."""
-        if self.prompt_cache is not None and s.kv is None and not s.feeds:
-            s.cached, s.kv = self.prompt_cache.lookup(s.req.prompt, s.req.partition)
-        if s.kv is not None and not isinstance(s.cache, RowCache):
-            self._install(s)  # batch-invariant mode: per-session caches, at once
+        h = s.kv_handle
+        if self.prompt_cache is not None and h.shipped_kv is None and not s.feeds:
+            h.cached, h.shipped_kv = self.prompt_cache.lookup(s.req.prompt, s.req.partition)
+        if h.shipped_kv is not None and not isinstance(h.cache, RowCache):
+            self._install(h)  # batch-invariant mode: per-session caches, at once
 
     def close(self, s: BatchSession, done: bool) -> None:
         """Free its cache; a session that finished leaves its KV in the prompt cache."""
@@ -82,7 +89,7 @@ class SessionKV:
             if done and self.prompt_cache is not None:
                 self._retain(s)
             s.cache.close()
-        s.cache = None
+        s.kv_handle.cache = None
 
     def _retain(self, s: BatchSession) -> None:
         """A finished session's KV (prompt and answer) into the prompt cache: the positions
@@ -104,19 +111,18 @@ class SessionKV:
             self._layout = model_layout(self.model)
         return getattr(mx, self._layout.dtype)
 
-    def _install(self, s: BatchSession) -> None:
+    def _install(self, h: KVHandle) -> None:
         """A shipped prompt KV into the session's fresh per-layer caches, all at once."""
         from macfleet.engine.kvship import install
 
         self._layout_dtype()
-        install(s.cache, self._layout, s.kv)
-        self._installed(s)
+        install(h.cache, self._layout, h.shipped_kv)
+        self._installed(h)
 
-    def _installed(self, s: BatchSession) -> None:
-        s.prefilled = s.kv[0][0].shape[1]  # prompt[:-1] shipped; a prompt cache's prefix
-        s.kv = None
-        if s.prefill_left <= 0:
-            s.prefill_ms = (self.clock() - s.t_start) * 1e3
+    def _installed(self, h: KVHandle) -> None:
+        # prompt[:-1] shipped; a prompt cache's prefix
+        n, h.shipped_kv = h.shipped_kv[0][0].shape[1], None
+        h.advance(n, self.clock())
 
     def install_some(self, installing: list[BatchSession], budget_ms: float,
                      fail: Callable[[BatchSession, str], None]) -> None:
@@ -128,24 +134,25 @@ class SessionKV:
         dtype = self._layout_dtype()
         moved = False
         for s in installing:
-            n_layers = len(s.kv)
-            while s.installed < n_layers:
+            h = s.kv_handle
+            n_layers = len(h.shipped_kv)
+            while h.installed < n_layers:
                 spent = (self.clock() - t0) * 1e3
-                if budget_ms > 0 and moved and spent + s.layer_ms > budget_ms:
+                if budget_ms > 0 and moved and spent + h.layer_ms > budget_ms:
                     return
                 moved = True
                 t1 = self.clock()
                 try:
-                    s.cache.store.install(s.cache, s.kv, dtype, range(s.installed,
-                                                                       s.installed + 1))
+                    h.cache.store.install(h.cache, h.shipped_kv, dtype,
+                                          range(h.installed, h.installed + 1))
                 except Exception as e:  # noqa: BLE001 - one bad KV fails its session alone
                     log.exception("session %d: shipped KV could not be installed", s.sid)
                     fail(s, f"could not install the shipped KV: {type(e).__name__}: {e}")
                     break
-                s.layer_ms = max(s.layer_ms, (self.clock() - t1) * 1e3)
-                s.installed += 1
-                if s.installed == n_layers:
-                    self._installed(s)
+                h.layer_ms = max(h.layer_ms, (self.clock() - t1) * 1e3)
+                h.installed += 1
+                if h.installed == n_layers:
+                    self._installed(h)
 
     # -- prompt prefixes shared between sessions ------------------------------------------
     def share_prefixes(self, batch: list[BatchSession], copy: CopyFeatures = copy_features
@@ -153,12 +160,13 @@ class SessionKV:
         """New sessions copy the prompt prefix another session's cache holds; those about to
         get one from a session ahead of them sit this iteration out (returned: the others).
         copy: moves the prefix's hidden-state rows between their drafters (`copy_features`)."""
-        if self.kv is None or not any(s.prefilled == 0 < s.prefill_left for s in batch):
+        if self.kv_store is None or not any(s.kv_handle.prefilled == 0 < s.prefill_left
+                                            for s in batch):
             return batch
         # copies stay within a store; sessions fed hidden states copy among themselves, with
         # the source drafters' rows of the prefix (else their drafters would have none)
         # ... and within a cache partition (one API key's sessions: serve/prompt_cache.py)
-        mine = [s for s in batch if s.cache.store is self.kv]
+        mine = [s for s in batch if s.cache.store is self.kv_store]
         copies, waiting = (), frozenset()
         groups = [[s for s in mine if not s.feeds],
                   [s for s in mine if s.feeds and all(hasattr(p, "feature_rows")
@@ -171,13 +179,12 @@ class SessionKV:
         by_sid = {s.sid: s for s in batch}
         copies = [c for c in copies if copy(by_sid[c.src], by_sid[c.dst], c.tokens)]
         if copies:
-            self.kv.copy_prefixes([(by_sid[c.src].cache, by_sid[c.dst].cache, c.tokens)
+            self.kv_store.copy_prefixes([(by_sid[c.src].cache, by_sid[c.dst].cache, c.tokens)
                                    for c in copies])
         for c in copies:
-            dst = by_sid[c.dst]
-            dst.prefilled = dst.shared = c.tokens
-            if dst.prefill_left <= 0:
-                dst.prefill_ms = (self.clock() - dst.t_start) * 1e3
+            dst = by_sid[c.dst].kv_handle
+            dst.shared = c.tokens
+            dst.advance(c.tokens, self.clock())
             log.debug("session %d: %d prompt tokens from session %d's cache", c.dst, c.tokens,
                       c.src)
         return [s for s in batch if s.sid not in waiting]

@@ -177,17 +177,17 @@ def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_
     proposer agent: their requests of a round arrive together and are drafted in one
     `draft_chains` call; the prompts' common prefix is copied between their caches with the
     hidden rows their F3 feeds need; every answer equals the verifier alone's."""
-    from macfleet.serve.engine import BatchEngine
+    from macfleet.serve import engine as serve_engine
 
     copies = []
-    real_copy = BatchEngine._copy_features
+    real_copy = serve_engine.copy_features
 
     def spy(src, dst, n):
         ok = real_copy(src, dst, n)
         copies.append((n, ok, bool(dst.feeds)))
         return ok
 
-    monkeypatch.setattr(BatchEngine, "_copy_features", staticmethod(spy))
+    monkeypatch.setattr(serve_engine, "copy_features", spy)
 
     ver, _ = pair
     prop = eagle_proposer_agent(tmp_path, seed=1)

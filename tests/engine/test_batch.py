@@ -321,12 +321,12 @@ def test_cancel_frees_the_session_and_others_finish(tiny):
     eng.submit(EngineRequest((4, 5, 6), GREEDY, 5), other.append)
     for _ in range(3):
         eng.step()
-    assert eng._kv.open_rows == 2
+    assert eng.kv_store.open_rows == 2
     h.cancel()
     eng.step()
-    assert eng._kv.open_rows == 1  # its KV row is free at the next iteration
+    assert eng.kv_store.open_rows == 1  # its KV row is free at the next iteration
     eng.run_until_idle()
-    assert closed == [1] and eng.load() == (0, 0) and eng._kv.open_rows == 0
+    assert closed == [1] and eng.load() == (0, 0) and eng.kv_store.open_rows == 0
     assert not any(isinstance(e, Finished) for e in events)  # nobody to tell
     assert isinstance(other[-1], Finished) and len(other[-1].token_ids) == 5
 
@@ -398,7 +398,7 @@ def test_shared_prompt_prefixes_are_copied_and_answers_do_not_change(tiny):
         assert f.token_ids == _alone(tiny, r.prompt, r.max_tokens)
     fed = sum(rec.prefill_tokens for rec in eng.history)
     assert fed < sum(len(p) - 1 for p in prompts) - 6 * 30  # the system turn prefilled ~once
-    assert eng.load() == (0, 0) and eng._kv.open_rows == 0  # every row freed
+    assert eng.load() == (0, 0) and eng.kv_store.open_rows == 0  # every row freed
 
 
 def test_batch_kv_rows_copy_and_roll_back(tiny):
@@ -438,7 +438,7 @@ def test_a_long_prompt_keeps_its_kv_apart_and_answers_do_not_change(tiny):
 
     def step(*a):
         out = real_step(*a)
-        caps.append(eng._kv.capacity)
+        caps.append(eng.kv_store.capacity)
         return out
 
     eng.step = step

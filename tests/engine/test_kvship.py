@@ -175,7 +175,8 @@ def test_shipped_kv_joins_the_batch_with_identical_greedy_ids(tiny, prompt_len):
         eng, out = BatchEngine(tiny, proposer="ngram"), {}
         for name, prompt, k in (("short", short, None), ("long", ids, kv)):
             eng.submit(EngineRequest(tuple(prompt), GREEDY, 24),
-                       lambda ev, n=name: isinstance(ev, Done) and out.__setitem__(n, ev), kv=k)
+                       lambda ev, n=name: isinstance(ev, Done) and out.__setitem__(n, ev),
+                       shipped_kv=k)
         eng.run_until_idle()
         return {n: e.token_ids for n, e in out.items()}, eng.history
 
@@ -211,11 +212,11 @@ def test_a_shipped_kv_goes_in_a_layer_per_iteration_while_others_decode(tiny, pr
     eng = BatchEngine(tiny, proposer="none", install_share=1e-9)
     eng.submit(EngineRequest(tuple(short), GREEDY, 40), emit("short"))
     eng.step()  # the short prompt is prefilled; it decodes from here on
-    long = eng.submit(EngineRequest(tuple(ids), GREEDY, 16), emit("long"), kv=kv)
+    long = eng.submit(EngineRequest(tuple(ids), GREEDY, 16), emit("long"), shipped_kv=kv)
     for i in range(1, layers + 1):
         before = len(short_tokens)
         eng.step()
-        assert long._s.installed == i
+        assert long._s.kv_handle.installed == i
         assert (long._s.cache.offset == 0) == (i < layers)  # not in the forward before
         assert len(short_tokens) == before + 1  # the short session went on decoding
     eng.run_until_idle()
@@ -223,7 +224,7 @@ def test_a_shipped_kv_goes_in_a_layer_per_iteration_while_others_decode(tiny, pr
     ref = {}
     at_once.submit(EngineRequest(tuple(ids), GREEDY, 16),
                    lambda ev: isinstance(ev, Done) and ref.__setitem__("long", ev.token_ids),
-                   kv=kv)
+                   shipped_kv=kv)
     at_once.run_until_idle()
     assert out["long"] == ref["long"] and len(ref["long"]) == 16
 

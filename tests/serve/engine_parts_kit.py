@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from macfleet.engine.controller import make_controller
 from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.serve.batch_session import BatchSession, EngineRequest
+from macfleet.serve.batch_session import (BatchSession, BlockDraft, EngineRequest, KVHandle,
+                                          SessionStats)
+from macfleet.serve.timing import TokenTimes
 
 
 def session(sid: int = 0, prompt: Sequence[int] = (1, 2, 3), max_tokens: int = 8, *,
@@ -16,9 +18,9 @@ def session(sid: int = 0, prompt: Sequence[int] = (1, 2, 3), max_tokens: int = 8
     """A session whose events go to its `.events` list."""
     events: list = []
     s = BatchSession(sid, EngineRequest(tuple(prompt), params, max_tokens, eos), events.append,
-                     proposer, make_controller(draft_tokens), **kw)
+                     proposer, make_controller(draft_tokens), KVHandle(len(prompt) - 1),
+                     BlockDraft(), SessionStats(TokenTimes(0.0)), **kw)
     s.events = events
-    s.context = list(prompt)
     return s
 
 

@@ -41,8 +41,8 @@ def _step():
 
 def _chain(draft=(3, 4, 5), **kw):
     s = session(proposer=Scripted(), **kw)
-    s.cache = [Layer(10), Layer(10)]  # the prompt and the block [root, drafts] in it
-    s.draft, s.k, s.draft_ms = Draft(draft), len(draft), 2.0
+    s.kv_handle.cache = [Layer(10), Layer(10)]  # the prompt and the block [root, drafts] in it
+    s.block.draft, s.block.k, s.block.draft_ms = Draft(draft), len(draft), 2.0
     return s
 
 
@@ -53,9 +53,10 @@ def test_a_chain_commits_its_accepted_drafts_and_the_next_token_and_rolls_back_t
     assert s.generated == [3, 4, 7] and s.context[-3:] == [3, 4, 7]
     assert [c.offset for c in s.cache] == [9, 9]  # the rejected draft's entry dropped
     assert s.events == [TokensCommitted(1, (3, 4, 7))]
-    assert s.proposer.observed == [(3, 2)] and s.trials == 3
+    assert s.proposer.observed == [(3, 2)] and (s.stats.trials, s.stats.hits) == (3, 2)
     assert step.costs.pool_totals() == (3, 2)
-    assert (s.tally.blocks, s.tally.drafted, s.tally.accepted) == (1, 3, 2) and not ended
+    tally = s.stats.tally
+    assert (tally.blocks, tally.drafted, tally.accepted) == (1, 3, 2) and not ended
 
 
 def test_the_outcome_given_decides():
@@ -82,7 +83,8 @@ def test_the_length_ends_the_session():
 
 def test_what_a_request_asked_for_comes_before_its_tokens():
     step, _ = _step()
-    s = _chain(cached=5)
+    s = _chain()
+    s.kv_handle.cached = 5
     s.req = s.req.__class__(**{**s.req.__dict__, "report_blocks": True, "logprobs": 1})
     step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0)
     kinds = [type(e) for e in s.events]
@@ -113,13 +115,13 @@ def test_verified_counts_prefill_chunks_and_commits_chains_and_trees():
     pre = session(1, prompt=(1, 2, 3, 4), t_start=0.0)
     chain = _chain()
     tree_s = session(2, proposer=None)
-    tree_s.tree = TokenTree.from_drafts(3, [(4,), (6, 5)], [None, None], [None, None])
-    tree_s.cache = Row(store, 10 + 4)  # the tree's 4 nodes after 10 committed positions
+    tree_s.block.tree = TokenTree.from_drafts(3, [(4,), (6, 5)], [None, None], [None, None])
+    tree_s.kv_handle.cache = Row(store, 10 + 4)  # the tree's 4 nodes after 10 committed positions
     tree_s.group = type("G", (), {"observe": lambda *a: None})()
     run = [(pre, Slot(1, 2, True)), (chain, Slot(0, 4, False)), (tree_s, Slot(2, 4, False))]
     out = [None, _logits([3, 4, 7, 1]), _logits([6, 1, 5, 2])]
     step.verified(run, [None] * 3, out, None, 9.0)
-    assert pre.prefilled == 2 and pre.prefill_left == 1 and pre.prefill_ms == 0.0
+    assert pre.kv_handle.prefilled == 2 and pre.prefill_left == 1 and pre.prefill_ms == 0.0
     assert chain.generated == [3, 4, 7]
     assert tree_s.generated == [6, 5, 2]
     assert store.kept == [(tree_s.cache, 10, [2, 3])] and tree_s.cache.offset == 13
@@ -139,12 +141,13 @@ def _mixed_batch():
             s = _chain(draft=(3, 4, 5), sid=i, params=params)
         else:
             s = session(i, proposer=None, params=params)
-            s.tree = TokenTree.from_drafts(3, [(4, 2), (6, 5)], [None, None], [None, None])
-            s.cache = Row(store, 10 + len(s.tree.tokens))
+            s.block.tree = TokenTree.from_drafts(3, [(4, 2), (6, 5)], [None, None], [None, None])
+            s.kv_handle.cache = Row(store, 10 + len(s.block.tree.tokens))
             s.group = type("G", (), {"observe": lambda *a: None})()
         s.seed = 1000 + i
-        n = len(s.tree.tokens) if s.tree is not None else 4
-        lg = (_logits([3, 4, 5, 6] if s.tree is None else [4, 2, 7, 1, 1]) if params.greedy else
+        tree = s.block.tree
+        n = len(tree.tokens) if tree is not None else 4
+        lg = (_logits([3, 4, 5, 6] if tree is None else [4, 2, 7, 1, 1]) if params.greedy else
               mx.array(rng.normal(size=(n, V)).astype(np.float32)))
         run.append((s, Slot(i, n, False)))
         out.append(lg)

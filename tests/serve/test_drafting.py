@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from engine_parts_kit import Scripted, session
 
 from macfleet.engine.proposers.base import Draft
 from macfleet.engine.tree_loop import ProposerGroup
+from macfleet.serve.batch_session import BlockDraft
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.drafting import BatchDrafting, check_drafting, within
+from macfleet.serve.engine import plan_segments
 from macfleet.serve.scheduler import IterationBudget
 
 VOCAB = 50
@@ -60,11 +63,11 @@ def test_drafts_are_asked_sanitized_and_a_failed_drafter_is_dropped():
     dead = session(2, proposer=Scripted(fail=True))
     idle = session(3, proposer=Scripted([(1,)]))
     d.draft_all([good, tree, dead, idle], {0: 3, 1: 2, 2: 2, 3: 0})
-    assert good.draft.tokens == (7, 8) and good.proposer.seen == [3]
-    assert tree.draft.tokens == ()  # a chain drafter's tree is not verified as a chain
-    assert dead.proposer is None and dead.draft.tokens == ()
-    assert idle.proposer.seen == [] and idle.draft.tokens == ()
-    assert all(s.draft_ms > 0 for s in (good, tree, dead, idle))
+    assert good.block.draft.tokens == (7, 8) and good.proposer.seen == [3]
+    assert tree.block.draft.tokens == ()  # a chain drafter's tree is not verified as a chain
+    assert dead.proposer is None and dead.block.draft.tokens == ()
+    assert idle.proposer.seen == [] and idle.block.draft.tokens == ()
+    assert all(s.block.draft_ms > 0 for s in (good, tree, dead, idle))
 
 
 def test_a_group_drafts_a_token_tree_of_its_drafters():
@@ -72,5 +75,32 @@ def test_a_group_drafts_a_token_tree_of_its_drafters():
     s = session(0, group=ProposerGroup([Scripted([(4, 5)]), Scripted([(4, 6)])],
                                        draft_tokens=2))
     d.draft_all([s], {0: 4})
-    assert s.draft.tokens == () and s.k == 4
-    assert s.tree.tokens == [3, 4, 5, 6] and len(s.drafts) == 2
+    assert s.block.draft.tokens == () and s.block.k == 4
+    assert s.block.tree.tokens == [3, 4, 5, 6] and len(s.block.drafts) == 2
+
+
+def test_every_block_starts_from_no_drafts():
+    """A block's drafts are its own: the last block's draft, tree or prediction never carry
+    over to a block that drafts nothing."""
+    d = _drafting()
+    s = session(0, proposer=Scripted([(7, 8)]))
+    d.draft_all([s], {0: 2})
+    assert s.block.draft.tokens == (7, 8) and s.block.k == 2
+    s.block.tree, s.block.predicted = "last block's tree", True
+    d.draft_all([s], {0: 0})
+    b = s.block
+    assert (b.draft.tokens, b.k, b.tree, b.drafts, b.predicted) == ((), 0, None, [], False)
+
+
+def test_the_scheduler_cuts_a_block_to_its_slot():
+    """Two decoding sessions' blocks in an iteration of 5 tokens: the older keeps its whole
+    block, the other's drafts (and their probabilities) are cut to the one token left."""
+    a, b = (session(i, proposer=Scripted()) for i in range(2))
+    for s in (a, b):
+        s.kv_handle.prefilled = 2  # prompt[:-1] is in: decoding
+        s.block = BlockDraft(3, Draft((4, 5, 6), np.ones((3, VOCAB))))
+    run, segs = plan_segments([a, b], IterationBudget(5, 5), frozenset(), chunked=True,
+                              align=0)
+    assert [sl.tokens for _, sl in run] == [4, 1]
+    assert segs[0].tokens == (3, 4, 5, 6) and segs[1].tokens == (3,)
+    assert b.block.draft.tokens == () and len(b.block.draft.probs) == 0

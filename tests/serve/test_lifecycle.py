@@ -6,6 +6,7 @@ import pytest
 from engine_parts_kit import Scripted, session
 
 from macfleet.engine.events import Finished
+from macfleet.engine.tree_loop import ProposerGroup
 from macfleet.serve.batch_session import Overloaded, SessionFailed
 from macfleet.serve.lifecycle import Sessions
 from macfleet.serve.session_kv import SessionKV
@@ -34,7 +35,7 @@ def test_admission_fills_the_room_oldest_first_and_starts_each():
     started = []
     t.admit(started.append)
     assert [s.sid for s in t.active] == [0, 1] == [s.sid for s in started]
-    assert all(s.admitted and s.context == [1, 2, 3] for s in started)
+    assert all(s.t_start is not None and s.context == [1, 2, 3] for s in started)
     assert t.load() == (2, 1)
     assert [v.state for v in t.views()] == ["prefill", "prefill", "queued"]
 
@@ -64,8 +65,8 @@ def test_a_finished_session_reports_its_statistics_and_closes_once():
     s = t.enqueue(lambda sid: session(sid, on_close=lambda: closed.append(1)))
     t.admit(lambda s: None)
     s.generated = [5, 6, 7]
-    s.tally.record(2, 1, 1.0, 4.0)
-    s.tally.record(0, 0, 0.0, 4.0)
+    s.stats.tally.record(2, 1, 1.0, 4.0)
+    s.stats.tally.record(0, 0, 0.0, 4.0)
     t.finish(s, reason="stop")
     fin = s.events[-1]
     assert fin.token_ids == (5, 6, 7) and fin.stats.finish_reason == "stop"
@@ -99,3 +100,14 @@ def test_a_session_cancelled_while_its_block_ran_ends_without_a_word():
     s.cancelled = True  # the client left during the iteration that finished it
     t.finish(s, reason="length")
     assert s.events == [] and [v.state for v in t.views()] == ["cancelled"]
+
+
+def test_an_ended_session_closes_every_drafter_it_has():
+    t = _sessions()
+    chain, members, prediction = Scripted(), [Scripted(), Scripted()], Scripted()
+    s = t.enqueue(lambda sid: session(sid, proposer=chain, group=ProposerGroup(members),
+                                      prediction=prediction))
+    t.admit(lambda s: None)
+    t.finish(s, reason="stop")
+    assert all(p.closed for p in (chain, *members, prediction))
+    assert (s.proposer, s.group, s.prediction) == (None, None, None)

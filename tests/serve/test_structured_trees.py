@@ -176,7 +176,7 @@ def _spy_trees(engine: BatchEngine) -> list[TokenTree | None]:
 
     def spy(decoding, ks):
         real(decoding, ks)
-        seen.extend(s.tree for s in decoding if s.constraint is not None)
+        seen.extend(s.block.tree for s in decoding if s.constraint is not None)
 
     engine.drafting.draft_all = spy
     return seen

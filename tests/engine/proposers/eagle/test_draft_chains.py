@@ -23,6 +23,7 @@ from macfleet.engine.proposers.base import EMPTY_DRAFT
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.verifier import Verifier
 from macfleet.serve.engine import BatchEngine, EngineRequest
+from macfleet.serve.session_kv import SessionKV
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +156,7 @@ def test_batching_engine_drafts_every_eagle_chain_together_and_answers_as_alone(
         assert done[i].token_ids == alone.token_ids
         assert done[i].stats.drafted > 0
     assert max(calls) > 1  # several sessions' chains in one call
-    assert all(st.open_rows == 0 for st in eng._head_rows.values())  # rows given back
+    assert all(st.open_rows == 0 for st in eng.session_kv.head_rows.values())  # rows given back
 
 
 def test_sessions_fed_hidden_states_share_a_prompt_prefix_with_its_rows(tiny, head, tmp_path,
@@ -171,7 +172,7 @@ def test_sessions_fed_hidden_states_share_a_prompt_prefix_with_its_rows(tiny, he
     prompts = [tuple(common + rng.integers(0, tiny.vocab_size, size=n).tolist())
                for n in (3, 5, 8, 2)]
     copied = []
-    real_copy, real_draft = BatchEngine._copy_features, serve_engine.draft_chains
+    real_copy, real_draft = serve_engine.copy_features, serve_engine.draft_chains
 
     def spy(src, dst, n):
         ok = real_copy(src, dst, n)
@@ -196,7 +197,7 @@ def test_sessions_fed_hidden_states_share_a_prompt_prefix_with_its_rows(tiny, he
         eng.run_until_idle()
         return done
 
-    monkeypatch.setattr(BatchEngine, "_copy_features", staticmethod(spy))
+    monkeypatch.setattr(serve_engine, "copy_features", spy)
     shared_drafts: dict = {}
     done = serve(shared_drafts)
     assert copied and all(ok and fed and n >= 24 for n, ok, fed in copied)
@@ -205,7 +206,7 @@ def test_sessions_fed_hidden_states_share_a_prompt_prefix_with_its_rows(tiny, he
                                           max_tokens=10, eos_ids=tiny.eos_ids))[-1]
         assert done[i].token_ids == alone.token_ids
     # the copied rows are the ones a prefill of its own gives: the same drafts
-    monkeypatch.setattr(BatchEngine, "_share_prefixes", lambda self, batch: batch)
+    monkeypatch.setattr(SessionKV, "share_prefixes", lambda self, batch, copy: batch)
     own_drafts: dict = {}
     serve(own_drafts)
     assert shared_drafts == own_drafts and len(own_drafts) >= len(prompts)
