@@ -64,6 +64,9 @@ class AgentConfig:
     # verifier: prefill chunks sized so a batch iteration costs at most this many decode-only
     # ones (None: the verifier's default)
     stall_ratio: float | None = None
+    # verifier: how long a remote proposer's draft may take before the block decodes without
+    # it (None: the verifier's default)
+    draft_timeout_s: float | None = None
     # endpoints a request may make this agent connect to besides the fleet members it
     # discovered (bridge.peers): tcp://HOST:PORT or tcp://HOST:* (--allow-peer)
     allow_peers: tuple[str, ...] = ()
@@ -176,7 +179,9 @@ class Agent:
         from agents.verifier_service import VerifierLimits
 
         given = {k: v for k, v in (("batch_sessions", self.cfg.batch_sessions),
-                                   ("stall_ratio", self.cfg.stall_ratio)) if v is not None}
+                                   ("stall_ratio", self.cfg.stall_ratio),
+                                   ("draft_timeout_s", self.cfg.draft_timeout_s))
+                 if v is not None}
         return VerifierLimits(**given)
 
     def _verifier_service(self, verifier=None, on_fatal=None):

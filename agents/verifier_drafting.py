@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
-from agents.remote_proposer import FlowTotals, RemoteProposer
+from agents.remote_proposer import DEFAULT_DRAFT_TIMEOUT_S, FlowTotals, RemoteProposer
 from agents.remote_stream import StreamingProposer
 from agents.remote_tree import RemoteProposerGroup
 from agents.specs import DraftModels, SpecPolicy, make_checked_proposer
@@ -152,7 +152,8 @@ class RequestDrafting:
 
     def __init__(self, lm: LoadedModel, *, key: bytes | None, policy: SpecPolicy,
                  models: DraftModels, verifier, f3_probe_width: int = 0,
-                 f3_codec: str = "float16") -> None:
+                 f3_codec: str = "float16",
+                 draft_timeout_s: float = DEFAULT_DRAFT_TIMEOUT_S) -> None:
         self.lm = lm
         self.key = key
         self.policy = policy
@@ -160,6 +161,7 @@ class RequestDrafting:
         self._verifier = verifier
         self.f3_probe_width = f3_probe_width
         self.f3_codec = f3_codec
+        self.draft_timeout_s = draft_timeout_s
         self.feature_tap = None
 
     def close_tap(self) -> None:
@@ -211,7 +213,8 @@ class RequestDrafting:
             RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec, model=self.lm.spec,
                            cross_round=msg.cross_round,
                            f3_probe_width=0 if feats else self.f3_probe_width,
-                           features=feats, f3_codec=self.f3_codec)
+                           features=feats, f3_codec=self.f3_codec,
+                           draft_timeout_s=self.draft_timeout_s)
             for ep in msg.proposers])
 
     def features(self, spec: str, batched: bool = False):
@@ -238,7 +241,7 @@ class RequestDrafting:
                                   cross_round=msg.cross_round,
                                   f3_probe_width=self.f3_probe_width,
                                   features=feats if spec.startswith("eagle") else None,
-                                  f3_codec=self.f3_codec)
+                                  f3_codec=self.f3_codec, draft_timeout_s=self.draft_timeout_s)
                    for ep, spec in zip(msg.proposers, spec_of)]
         return RemoteProposerGroup(remotes, draft_tokens=draft_tokens_of(msg),
                                    node_budget=tree_budget(remotes))

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from agents.remote_proposer import DEFAULT_DRAFT_TIMEOUT_S
 from agents.specs import MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_spec
 from agents.verifier_drafting import (FallbackProposer, RequestDrafting,  # noqa: F401 (API)
                                       draft_tokens_of)
@@ -100,6 +101,9 @@ class VerifierLimits:
     stall_ratio: float = DEFAULT_STALL_RATIO
     # finished sessions' KV kept for later prompts that start the same (serve/prompt_cache.py)
     prompt_cache_mb: int = 512
+    # a remote proposer's draft not back within this is dropped (the block decodes plainly;
+    # the proposer counts as failed)
+    draft_timeout_s: float = DEFAULT_DRAFT_TIMEOUT_S
 
 
 class VerifierService:
@@ -135,7 +139,8 @@ class VerifierService:
         self._on_fatal = on_fatal
         self._drafts = RequestDrafting(lm, key=key, policy=self.policy, models=self.models,
                                        verifier=self._verifier,
-                                       f3_probe_width=self.f3_probe_width, f3_codec=f3_codec)
+                                       f3_probe_width=self.f3_probe_width, f3_codec=f3_codec,
+                                       draft_timeout_s=limits.draft_timeout_s)
         self._keepalive = self._verifier.keepalive if self._verifier.needs_keepalive else None
         self._solo = 0  # one-session generations running (0 or 1)
         self._pending = Pending()  # queued or running -> heartbeats

@@ -80,6 +80,10 @@ def add_parser(sub) -> None:
                    help="verifier: size prefill chunks so a batch iteration costs at most R "
                         "decode-only ones (default %s; 0: the token budget only)"
                         % DEFAULT_STALL_RATIO)
+    a.add_argument("--draft-timeout", type=float, default=None, metavar="S",
+                   help="verifier: a remote proposer's draft not back within S seconds is "
+                        "dropped, and the proposer with it (default: agents/remote_proposer.py's "
+                        "DEFAULT_DRAFT_TIMEOUT_S)")
     a.add_argument("--f3-probe", action="store_true", help="verifier: send a hidden-state-"
                    "sized probe with each block so the dashboard's F3 row is measured")
     a.add_argument("--kv-codec", choices=KV_CODECS, default="auto", help="verifier: how a "
@@ -158,6 +162,8 @@ def run_agent(args) -> int:
                       batch_sessions=args.batch_sessions, allow_peers=tuple(args.allow_peer),
                       stall_ratio=None if args.stall_ratio is None
                       else check_stall_ratio(args.stall_ratio),
+                      draft_timeout_s=None if args.draft_timeout is None
+                      else check_draft_timeout(args.draft_timeout),
                       disagg=None if args.no_disagg else DisaggPolicy(
                           codec=args.kv_codec, min_prompt_tokens=args.prefill_min_tokens))
     try:
@@ -188,6 +194,12 @@ def verifier_args(args) -> list[str]:
     if getattr(args, "stall_ratio", None) is not None:
         out += ["--stall-ratio", str(check_stall_ratio(args.stall_ratio))]
     return out
+
+
+def check_draft_timeout(s: float) -> float:
+    if not 0 < s <= 600:
+        raise UserError(f"--draft-timeout must be in (0, 600] seconds, got {s}")
+    return s
 
 
 def check_stall_ratio(r: float) -> float:

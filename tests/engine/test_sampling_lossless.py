@@ -6,6 +6,10 @@ same check is shown to reject deliberately broken rules, so it has the power to 
 whole loop (`speculative_generate` with a draft model) is checked on the joint distribution of
 its first two committed tokens, against the verifier's exact p(t1) * p(t2 | t1).
 
+The draw counts are what the power asks: each broken rule's exact distribution is computed
+(`broken_law`, `broken_loop_law`), and test_each_draw_count_has_the_power_to_catch_each_broken_
+rule asserts the chance that each check rejects it (`chi2_power`) is at least POWER.
+
 Models: 1-layer tiny models with unscaled weights over an 8-token vocabulary, so p and q are
 spread out (entropy ~1.5 nats) and differ (about half of the drafts are rejected), and a forward
 costs ~1 ms, which is what makes thousands of full generations affordable.
@@ -19,7 +23,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_testkit import Draws, chi2_test
+from engine_testkit import Draws, chi2_power, chi2_test
 
 from macfleet.engine import acceptance
 from macfleet.engine.acceptance import accept_exact_sample, accept_ratio, residual
@@ -34,7 +38,11 @@ from macfleet.engine.verifier import Verifier
 
 VOCAB = 8
 PROMPT = [1]
-TRIALS = 20_000
+TRIALS = 3_000  # each host check's draws (the power test says why that is enough)
+# the inverted ratio moves little mass when p has a nucleus (zeros where q has mass): catching
+# it there takes this many draws; without a nucleus TRIALS catch it
+NUCLEUS_INVERTED_TRIALS = 20_000
+POWER = 0.999  # the least chance a check must have to reject each broken rule
 T1 = SamplingParams(temperature=1.0)
 
 
@@ -63,10 +71,10 @@ Rule = Callable[[list[int], np.ndarray, np.ndarray, np.random.Generator], tuple[
 
 
 def first_token_counts(rule: Rule, p: np.ndarray, q: np.ndarray, k: int,
-                       seed: int = 1234) -> np.ndarray:
-    """Histogram of the first committed token over TRIALS blocks of k drafts sampled from q."""
+                       seed: int = 1234, trials: int = TRIALS) -> np.ndarray:
+    """Histogram of the first committed token over `trials` blocks of k drafts sampled from q."""
     rng = np.random.default_rng(seed)
-    drafts = rng.choice(VOCAB, size=(TRIALS, k), p=q / q.sum())  # x_i ~ q, vectorised
+    drafts = rng.choice(VOCAB, size=(trials, k), p=q / q.sum())  # x_i ~ q, vectorised
     P = np.stack([p] * (k + 1))
     Q = np.stack([q] * k)
     counts = np.zeros(VOCAB, dtype=np.int64)
@@ -131,6 +139,42 @@ def broken_exact_keep_with_p(draft, q, p, rng):
     return len(draft), sample(p[len(draft)], rng)
 
 
+def trials_for(broken: Rule, p: np.ndarray) -> int:
+    nucleus = bool((p == 0).any())
+    return NUCLEUS_INVERTED_TRIALS if broken is broken_inverted_ratio and nucleus else TRIALS
+
+
+def broken_law(broken: Rule, p: np.ndarray, q: np.ndarray, draft: np.ndarray | None = None
+               ) -> np.ndarray:
+    """The exact distribution of the first committed token under a broken rule, drafts from
+    `draft` (default q; the rules see q either way) and the same p, q at every position: only
+    the first draft's acceptance decides the first token, so it is one law for any k."""
+    d = q if draft is None else draft
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(q > 0, np.minimum(1.0, p / np.where(q > 0, q, 1.0)), 0.0)
+        inverse = np.where(p > 0, np.minimum(1.0, q / np.where(p > 0, p, 1.0)), 0.0)
+    if broken is broken_resample_from_p:
+        return d * ratio + (d * (1 - ratio)).sum() * p
+    if broken is broken_always_accept:
+        return d.copy()
+    if broken is broken_inverted_ratio:
+        return d * inverse + (d * (1 - inverse)).sum() * residual(p, q)
+    if broken is broken_unnormalised_residual:
+        law, r = d * ratio, np.maximum(p - q, 0.0)
+        for x in range(VOCAB):  # a rejected x: r with the rejected mass put back on x
+            put_back = r.copy()
+            put_back[x] += 1.0 - r.sum()
+            law = law + d[x] * (1 - ratio[x]) * put_back / put_back.sum()
+        return law
+    if broken is broken_exact_keep_with_p:
+        return d * p + (d * (1 - p)).sum() * p
+    raise ValueError(broken)
+
+
+BROKEN_RATIO_RULES = [broken_resample_from_p, broken_always_accept, broken_inverted_ratio,
+                      broken_unnormalised_residual]
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_accept_ratio_first_token_is_distributed_as_p(pq, k):
     p, q = pq
@@ -157,11 +201,10 @@ def test_accept_exact_sample_first_token_is_distributed_as_p(pq, draft_kind):
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df}): {counts} vs {p * TRIALS}"
 
 
-@pytest.mark.parametrize("broken", [broken_resample_from_p, broken_always_accept,
-                                    broken_inverted_ratio, broken_unnormalised_residual])
+@pytest.mark.parametrize("broken", BROKEN_RATIO_RULES)
 def test_chi_square_rejects_broken_ratio_rules(pq, broken):
     p, q = pq
-    counts = first_token_counts(broken, p, q, 1)
+    counts = first_token_counts(broken, p, q, 1, trials=trials_for(broken, p))
     stat, df, crit = chi2_test(counts, p)
     assert stat > crit, f"{broken.__name__} was not caught: chi2 {stat:.1f} < {crit:.1f}"
 
@@ -277,7 +320,7 @@ def test_probs_from_logits_temperature_and_top_p():
 
 # -- the whole loop -------------------------------------------------------------------------
 
-LOOP_SAMPLES = 1_600
+LOOP_SAMPLES = 400  # whole-loop samples of a check (the power test says why that is enough)
 
 
 def exact_joint(verifier_model) -> np.ndarray:
@@ -301,7 +344,7 @@ def loop_joint_counts(verifier_model, proposer: Proposer, n: int, seed0: int) ->
     return counts
 
 
-@pytest.mark.slow  # 1,600 whole-loop samples
+@pytest.mark.slow  # whole-loop samples
 def test_loop_first_two_tokens_match_verifier_joint(models):
     """With max_tokens=3 and k=2, the first block drafts 2 tokens: both committed tokens pass
     through the ratio test (or its residual), and the second also through the bonus path."""
@@ -315,16 +358,60 @@ def test_loop_first_two_tokens_match_verifier_joint(models):
     assert not passes(counts.sum(axis=1), q1)
 
 
-@pytest.mark.slow  # 400 whole-loop samples
+@pytest.mark.slow  # whole-loop samples
 def test_loop_check_catches_a_broken_rule(models, monkeypatch):
-    """The same loop check fails when the loop's ratio rule resamples from p on rejection
-    (with a quarter of the samples: the bias is large, so this stays cheap)."""
+    """The same loop check fails when the loop's ratio rule resamples from p on rejection."""
     monkeypatch.setattr("macfleet.engine.pipeline.rejection_rows", lambda p_, q_: p_)
     target = exact_joint(models[0])
     proposer = ModelProposer(models[1], "draft:tiny")
-    counts = loop_joint_counts(models[0], proposer, LOOP_SAMPLES // 4, seed0=10_000)
+    counts = loop_joint_counts(models[0], proposer, LOOP_SAMPLES, seed0=10_000)
     stat, df, crit = chi2_test(counts, target)
     assert stat > crit, f"the broken loop was not caught: chi2 {stat:.1f} < {crit:.1f}"
+
+
+def broken_loop_law(models, broken: Rule, draft: int | None = None) -> np.ndarray:
+    """The exact joint law of the loop's first two tokens under a broken rule: each is the first
+    token of a block (or a block's second draft, judged alike), so p(t1, t2) = law1(t1) *
+    law2(t2 | t1), each `broken_law` of the verifier's p and the draft model's q at that
+    context (`draft`: the fixed token an exact-match drafter proposes instead)."""
+    def law(ctx):
+        p, q = next_probs(models[0], ctx), next_probs(models[1], ctx)
+        d = None if draft is None else np.eye(VOCAB)[draft]
+        return broken_law(broken, p, q, d)
+
+    first = law(PROMPT)
+    return np.stack([first[t] * law(PROMPT + [t]) for t in range(VOCAB)])
+
+
+def test_each_draw_count_has_the_power_to_catch_each_broken_rule(pq):
+    """The chance (`chi2_power`, simulated) that each check rejects a broken rule's exact
+    distribution is at least POWER with the draws the check takes: the host checks (each rule,
+    TRIALS; the inverted ratio under a nucleus, NUCLEUS_INVERTED_TRIALS, and the "distributed as
+    p" checks at top_p=1 catch it with TRIALS), the device checks (the rules a device row could
+    break, DEVICE_TRIALS) and the "not the draft's q" checks."""
+    p, q = pq
+    for broken in BROKEN_RATIO_RULES + [broken_exact_keep_with_p]:
+        n = trials_for(broken, p)
+        assert chi2_power(p, broken_law(broken, p, q), n) >= POWER, (broken.__name__, n)
+        if broken is not broken_inverted_ratio:
+            assert chi2_power(p, broken_law(broken, p, q), DEVICE_TRIALS) >= POWER, broken
+    if not (p == 0).any():
+        assert chi2_power(p, broken_law(broken_inverted_ratio, p, q), TRIALS) >= POWER
+    assert chi2_power(q, p, min(TRIALS, DEVICE_TRIALS)) >= POWER  # not passes(counts, q)
+
+
+def test_the_loop_checks_have_the_power_to_catch_a_broken_rule(models):
+    """As above for the whole loop: a rejection resampled from p (LOOP_SAMPLES, for the loop
+    and its broken twin), the exact-match path keeping its draft with chance p(x) (half), and
+    the draft model's own q1 told apart from the loop's first token."""
+    target = exact_joint(models[0])
+    resampled = broken_loop_law(models, broken_resample_from_p)
+    assert chi2_power(target, resampled, LOOP_SAMPLES) >= POWER
+    mode = int(np.argmax(target.sum(axis=1)))
+    kept = broken_loop_law(models, broken_exact_keep_with_p, draft=mode)
+    assert chi2_power(target, kept, LOOP_SAMPLES // 2) >= POWER
+    q1 = next_probs(models[1], PROMPT)
+    assert chi2_power(q1, target.sum(axis=1), LOOP_SAMPLES) >= POWER  # the loop's q1 check
 
 
 class FixedDraft(Proposer):
@@ -339,7 +426,7 @@ class FixedDraft(Proposer):
         return Draft(self.tokens[:k])
 
 
-@pytest.mark.slow  # 800 whole-loop samples
+@pytest.mark.slow  # whole-loop samples
 def test_loop_exact_match_path_first_two_tokens(models):
     target = exact_joint(models[0])
     mode = int(np.argmax(target.sum(axis=1)))
@@ -396,7 +483,7 @@ def test_chi_square_helper():
 
 # -- the same rules on the device (engine/pipeline.py: what the loops run) -------------------
 
-DEVICE_TRIALS = 6_000  # each trial is a small graph: fewer trials, still power to fail
+DEVICE_TRIALS = 1_500  # each trial is a small graph (the power test says why that is enough)
 
 
 def device_rule(with_q: bool) -> Rule:
@@ -419,18 +506,13 @@ def device_rule(with_q: bool) -> Rule:
 
 
 def device_counts(rule: Rule, p, q, k) -> np.ndarray:
-    global TRIALS
-    saved, TRIALS = TRIALS, DEVICE_TRIALS
-    try:
-        return first_token_counts(rule, p, q, k)
-    finally:
-        TRIALS = saved
+    return first_token_counts(rule, p, q, k, trials=DEVICE_TRIALS)
 
 
 # The device checks take one value of each dimension per run, not their product (the host
 # checks above run the whole grid): a draft length (k) and a nucleus (top-p zeros in p) change
 # independent things (how many rows, which values), and each trial here is a small graph.
-@pytest.mark.slow  # 6,000 small graphs a run (~3 s of CPU)
+@pytest.mark.slow  # DEVICE_TRIALS small graphs a run
 @pytest.mark.parametrize("k,pq", [(1, 1.0), (3, 0.8)], indirect=["pq"])
 def test_device_ratio_test_first_token_is_distributed_as_p(pq, k):
     p, q = pq
@@ -440,7 +522,7 @@ def test_device_ratio_test_first_token_is_distributed_as_p(pq, k):
     assert not passes(counts, q)
 
 
-@pytest.mark.slow  # 6,000 small graphs
+@pytest.mark.slow  # DEVICE_TRIALS small graphs
 @pytest.mark.parametrize("pq", [0.8], indirect=True)
 def test_device_exact_match_first_token_is_distributed_as_p(pq):
     p, q = pq
@@ -449,7 +531,7 @@ def test_device_exact_match_first_token_is_distributed_as_p(pq):
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"
 
 
-@pytest.mark.slow  # 6,000 small graphs
+@pytest.mark.slow  # DEVICE_TRIALS small graphs
 @pytest.mark.parametrize("pq", [1.0], indirect=True)
 def test_device_check_catches_a_broken_rejection_row(pq, monkeypatch):
     """The device check has power: resampling from p on rejection is caught."""
@@ -499,7 +581,7 @@ def test_device_probs_match_the_host_transform():
                                    probs_from_logits(logits, params), atol=2e-6)
 
 
-@pytest.mark.slow  # 1,600 whole-loop samples, each drafted by a draft-model agent's stream
+@pytest.mark.slow  # whole-loop samples, each drafted by a draft-model agent's stream
 def test_drafted_ahead_by_a_draft_agent_the_first_two_tokens_match_verifier_joint(models):
     """The draft model on the other end of a real socket (agents/draft_service.py), drafting
     ahead and pushing its tokens with their probabilities: the loop's committed tokens keep the

@@ -224,16 +224,18 @@ def test_drafters_count_the_tokens_of_theirs_the_cut_tree_verified():
     assert verified_drafts(drafts, TokenTree.from_drafts(0, [d.tokens for d in drafts])) == drafts
 
 
-@pytest.mark.slow  # the embedded model, six answers
+@pytest.mark.slow  # the embedded model, five answers
 def test_smollm2_predictions_change_no_token_and_the_codes_takes_fewer_verifier_steps(
         monkeypatch):
     """The embedded model asked to repeat code, on a fixed verify(L) (ForwardClock): greedy
-    tokens identical to plain decoding with the code or with unrelated code as the prediction,
-    beside the n-gram drafter and alone. The code's prediction is mostly accepted and takes
-    under half the verifier steps; the unrelated code's (its drafts re-align on common runs
-    such as indentation, and miss) takes no more blocks than no prediction. The edited and
-    useless predictions of tiny token ids: test_a_prediction_changes_no_greedy_token_and_
-    counts_its_own_drafts."""
+    tokens identical to plain decoding with the code as the prediction (beside the n-gram
+    drafter and alone) or unrelated code (beside n-gram). The code's prediction is mostly
+    accepted and takes under half the verifier steps; the unrelated code's (its drafts
+    re-align on common runs such as indentation, and miss) takes no more blocks than n-gram
+    alone. (It was asked alone too: no more blocks than plain decoding holds there by
+    construction, each block committing at least the one token a plain step does.) The
+    edited and useless predictions of tiny token ids, alone and beside n-gram:
+    test_a_prediction_changes_no_greedy_token_and_counts_its_own_drafts."""
     lm, tok, ids = _repeat_snippet()
     code = tuple(tok.encode(SNIPPET, add_special_tokens=False))
     other = tuple(tok.encode(OTHER, add_special_tokens=False))
@@ -248,11 +250,10 @@ def test_smollm2_predictions_change_no_token_and_the_codes_takes_fewer_verifier_
     assert _blocks(lm, "ngram", ids, code, monkeypatch)[0] == plain
     ngram, _, fin_ng = _blocks(lm, "ngram", ids, (), monkeypatch)
     assert ngram == plain
-    for proposer, without in (("ngram", fin_ng), ("none", fin)):
-        toks, _, fin_p = _blocks(lm, proposer, ids, other, monkeypatch)
-        assert toks == plain, proposer
-        assert fin_p.stats.prediction_tokens[1] > 0, proposer  # it drafted
-        assert fin_p.stats.blocks <= without.stats.blocks, proposer
+    toks, _, fin_p = _blocks(lm, "ngram", ids, other, monkeypatch)
+    assert toks == plain
+    assert fin_p.stats.prediction_tokens[1] > 0  # it drafted
+    assert fin_p.stats.blocks <= fin_ng.stats.blocks
 
 
 OTHER = '''class Ring:
