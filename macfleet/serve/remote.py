@@ -15,6 +15,7 @@ generation on its own (the protocol has no cancel message yet).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -27,7 +28,7 @@ from bridge.messages import GenerateChunk, GenerateDone
 from macfleet.engine.constraint import Grammar, grammar_error
 from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.fleet.batch import BatchView, ServedSession
-from macfleet.fleet.client import batch_status, generate_remote, refused_endpoint
+from macfleet.fleet.client import batch_status, generate_remote, probe, refused_endpoint
 from macfleet.serve.engine import EngineEvent, EngineRequest, Overloaded, SessionFailed
 from macfleet.serve.logprobs import LogprobsCommitted, TokenLogprob
 from macfleet.serve.prompt_cache import PromptReused
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 1.0  # the dashboard's poll must not hang on a busy agent
 BUSY_RETRY_S = 0.25  # a full verifier queue: ask again this often ...
 BUSY_WAIT_S = 600.0  # ... for at most this long (the HTTP client's own timeout may be shorter)
+RECHECK_S = 2.0  # a verifier lost to a transport error is asked for its status this often
 
 
 def chunk_logprobs(msg: GenerateChunk) -> tuple[TokenLogprob, ...]:
@@ -81,14 +83,20 @@ class RemoteEngine:
 
     def __init__(self, verifier, proposers, key: bytes | None, *, proposer: str = "ngram",
                  draft_tokens: int | str = "auto", max_active: int = 16,
-                 max_queue: int = 64) -> None:
+                 max_queue: int = 64, clock: Callable[[], float] = time.monotonic,
+                 status: Callable[..., object] = probe) -> None:
+        """clock, status: when and how a lost verifier is asked again (tests replace them)."""
         self.verifier, self.proposers, self.key = verifier, proposers, key
         self.proposer_spec, self.draft_tokens = proposer, draft_tokens
         self.max_active, self.max_queue = max_active, max_queue
         self._slots = threading.BoundedSemaphore(max_active)
         self._lock = threading.Lock()
         self._active = self._waiting = 0
-        self._alive = True
+        self._stopped = False
+        self._lost_at: float | None = None  # when a transport error lost the verifier agent
+        self._asked_at = -math.inf
+        self._asking = threading.Lock()
+        self._clock, self._status = clock, status
         self._next = 0
         self._live: dict[int, _Handle] = {}
         self._ended: deque[ServedSession] = deque(maxlen=RECENT_SESSIONS)
@@ -96,13 +104,34 @@ class RemoteEngine:
 
     @property
     def alive(self) -> bool:
-        return self._alive
+        """Whether requests can be forwarded. A verifier agent lost to a transport error (a
+        dead agent, or a loaded one that missed a deadline) is asked for its status again, at
+        most every RECHECK_S, by the next request that looks: until it answers the HTTP layer
+        answers 503, and from then on it serves again (a server in front of a fleet is not
+        dead for good because its verifier was once slow)."""
+        if self._stopped:
+            return False
+        if self._lost_at is None:
+            return True
+        now = self._clock()
+        if now - self._asked_at < RECHECK_S or not self._asking.acquire(blocking=False):
+            return False
+        try:
+            self._asked_at = now
+            if not self._status(self.verifier.card, self.key, pings=0,
+                                timeout=STATUS_TIMEOUT_S).alive:
+                return False
+            log.warning("verifier agent %s answers again: serving", self.verifier.card.name)
+            self._lost_at = None
+            return True
+        finally:
+            self._asking.release()
 
     def start(self) -> RemoteEngine:
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._alive = False
+        self._stopped = True
 
     def recent(self, n: int = 32) -> list:
         """The verifier agent's last n iterations ([] when it cannot be read)."""
@@ -196,7 +225,7 @@ class RemoteEngine:
                     return "cancelled"
                 time.sleep(BUSY_RETRY_S)
             except (PeerUnavailable, TransportTimeout) as e:
-                self._alive = False  # the HTTP layer answers 503 from now on
+                self._lost_at = self._clock()  # 503s until it answers again (`alive`)
                 log.error("verifier agent %s is gone: %s", self.verifier.card.name, e)
                 emit(SessionFailed(f"verifier {self.verifier.card.name}: {e}"))
                 return "failed"
