@@ -52,7 +52,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from macfleet.engine.tree_budget import VerifyCurve
-from macfleet.stats import PRIOR, BEST, EXPLORE, DrafterChoice
+from macfleet.stats import PRIOR, BEST, EXPLORE, BlockTrace, DrafterChoice
 
 PLAIN = "none"
 # blocks before a losing candidate is tried again, doubling per lost try: a loser costs about
@@ -154,6 +154,8 @@ class Chooser:
     _last: DrafterChoice | None = None
     _last_best: float = 0.0  # the best rate (tokens per ms) when _last was chosen
     _prev: str = ""  # the candidate that drafted the block before
+    trace: list[BlockTrace] = field(default_factory=list)  # every observed block
+    _seen: tuple[str, tuple[tuple[str, float], ...]] = ("", ())  # best and rates at choose
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.candidates]
@@ -207,6 +209,7 @@ class Chooser:
     def choose(self) -> DrafterChoice:
         """The candidate that drafts the next block, and why."""
         best, best_rate = self._best()
+        top = best
         if self._prev not in ("", PLAIN, best) and self._est[self._prev].n > 0:
             r = self.rate(self._prev) or 0.0  # switching costs the other's catch-up
             if r * SWITCH_MARGIN >= best_rate and r > (self.rate(PLAIN) or 0.0) * MARGIN:
@@ -224,12 +227,20 @@ class Chooser:
             ch = DrafterChoice(self.block, best,
                                PRIOR if self._est[best].n == 0 else BEST, best_rate * 1e3)
         self._last, self._last_best = ch, best_rate
+        self._seen = (top, tuple((c.name, round((self.rate(c.name) or 0.0) * 1e3, 3))
+                                             for c in self.candidates))
         return ch
 
     def observe(self, name: str, accepted: int, verified: int, draft_ms: float,
                 verify_ms: float) -> None:
         """The block `choose` picked was verified: `accepted` drafts kept of a block of
         `verified` tokens (drafts + 1), drafting took draft_ms and verifying verify_ms."""
+        last = self._last if self._last is not None and self._last.drafter == name else None
+        self.trace.append(BlockTrace(
+            block=self.block, drafter=name, why=last.why if last else "", best=self._seen[0],
+            length=verified, accepted=accepted, draft_ms=round(draft_ms, 3),
+            verify_ms=round(verify_ms, 3), table_ms=round(self.curve.cost(verified), 3),
+            load=round(self.load, 4), rates=self._seen[1] if last else ()))
         self._follow_load(verified, verify_ms)
         self.spent_ms += draft_ms + verify_ms
         e = self._est[name]

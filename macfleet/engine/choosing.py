@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from macfleet.engine.chooser import PLAIN, Candidate, Chooser, tree_depth, tree_match
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.tree_loop import ProposerGroup, _own_or, cap_total, tree_budget
-from macfleet.stats import EXPLORE, DrafterChoice, DrafterStats
+from macfleet.stats import EXPLORE, BlockTrace, DrafterChoice, DrafterStats
 
 AUTO_NAME = "auto"
 SHADOW_K = 4  # a free chain drafter's draft scored from the text (trees: the node budget)
@@ -191,6 +191,11 @@ class ChoosingGroup(ProposerGroup):
         t[1] += self.choice.why == EXPLORE
         t[2] += got + 1
         self.choices.append(self.choice)
+
+    @property
+    def trace(self) -> list[BlockTrace]:
+        """What the chooser saw, block by block (stats.BlockTrace)."""
+        return self.chooser.trace
 
     def drafter_stats(self) -> tuple[DrafterStats, ...]:
         return tuple(DrafterStats(name, *t) for name, t in self._tally.items())
