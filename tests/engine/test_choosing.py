@@ -60,6 +60,15 @@ def test_the_right_drafter_wins_and_the_answer_is_plain_decodings(tiny, ref_ids)
     st = fin.stats
     assert st.proposer == "auto" and len(st.choices) == st.blocks == len(done)
     assert [(d.drafter, d.why) for d in done] == [(c.drafter, c.why) for c in st.choices]
+    # the trace: what the chooser saw at each block, in the stats and over the wire
+    assert [(t.drafter, t.why, t.accepted, t.verify_ms) for t in st.trace] == [
+        (d.drafter, d.why, d.accepted, round(d.verify_ms, 3)) for d in done]
+    assert all({n for n, _ in t.rates} == {PLAIN, "bad", "good"} for t in st.trace)
+    from bridge.codec import decode, encode
+    from bridge.messages import GenerateDone
+
+    wire = decode(encode(GenerateDone("r", "", list(fin.token_ids), st))).msg
+    assert wire.stats.trace == st.trace
     by = {d.name: d for d in st.drafters}
     assert sum(d.blocks for d in st.drafters) == st.blocks
     assert by["good"].blocks > by["bad"].blocks + by[PLAIN].blocks
