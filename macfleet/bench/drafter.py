@@ -370,6 +370,22 @@ def auto_vs_best_fixed(runs: dict[str, dict[str, dict]], summary: dict,
             "auto_identical": bool(allp[AUTO].get("all_identical", True))}
 
 
+def machine_drift(runs: dict[str, dict[str, dict]]) -> dict[str, float]:
+    """Pure: per prompt, how much slower a plain step ran during `auto`'s run than during
+    plain decoding's (auto's plain blocks' mean verify ms over the plain run's; from auto's
+    trace, prompts where auto decoded no plain block left out). On a shared machine the runs
+    of one prompt are minutes apart: a ratio of auto to plain measures the machine's drift
+    as well as the choices, and this says how much of it was drift."""
+    out = {}
+    for kind, r in runs.items():
+        plain, tr = r.get("none"), r.get(AUTO, {}).get("trace", [])
+        mine = [t["verify_ms"] for t in tr if t["drafter"] == "none"]
+        if plain and plain["blocks"] and plain["verify_ms"] > 0 and mine:
+            out[kind] = round(sum(mine) / len(mine) / (plain["verify_ms"] / plain["blocks"]),
+                              3)
+    return out
+
+
 def bench_record(best: str, speedup: float, command: str, best_agents: str | None = None,
                  speedup_agents: float | None = None) -> dict:
     """The measured best drafters (in one process; across agents) as engine/proposers/choice

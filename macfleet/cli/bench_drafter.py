@@ -129,6 +129,7 @@ def run(args) -> int:
     vs = b.auto_vs_best_fixed(doc["in_process"]["runs"], doc["in_process"]["summary"], specs)
     if vs is not None:
         doc["auto_vs_best_fixed"] = vs
+        doc["machine_drift"] = b.machine_drift(doc["in_process"]["runs"])
     if not args.no_agents:
         agent_specs = tuple(s for s in b.DEFAULT_AGENT_SPECS if s in specs)
         if best not in agent_specs:  # the default is measured across agents too
