@@ -98,11 +98,15 @@ class ChoosingGroup(ProposerGroup):
 
     def lengths(self, limit: int) -> list[int]:
         self.choice = self.chooser.choose()
+        free = self.chooser.by_name(self.choice.drafter).free
         ks = [0] * len(self.proposers)
         for j in self._members():
             p = self.proposers[j]
             if self.live[j]:
-                ks[j] = min(self.node_budget if p.drafts_trees
+                # a free candidate drafts what its shadows were scored on (SHADOW_K): its
+                # own length controller, fitted to a loaded machine's noise, backed off to
+                # k = 0 (traced: n-gram chosen on its scores, then drafting nothing)
+                ks[j] = min(self.node_budget if p.drafts_trees else SHADOW_K if free
                             else _own_or(p.draft_length(), self.controllers[j]), limit)
         return cap_total(ks, self.node_budget)
 

@@ -99,6 +99,21 @@ def test_a_free_drafter_is_scored_from_the_text_without_being_tried(tiny, ref_id
     assert any(d.drafter == "bad" and d.why == EXPLORE for d in done)
 
 
+def test_a_chosen_free_drafter_drafts_what_it_was_scored_on(tiny, ref_ids):
+    """Its length controller backed off to k = 0 (a loaded machine's noise): chosen on its
+    shadows' scores (SHADOW_K drafts), it drafts SHADOW_K, not nothing."""
+    from macfleet.engine.controller import FixedDraftLength
+
+    free = Scripted("free", ref_ids, True, host=True)
+    group = ChoosingGroup([free], [Candidate(PLAIN), Candidate("free", (0,), free=True)],
+                          draft_tokens=4)
+    group.controllers[0] = FixedDraftLength(0)
+    done, fin = _run(tiny, group)
+    assert list(fin.token_ids) == ref_ids
+    mine = [d for d in done if d.drafter == "free"]
+    assert mine and all(d.k == SHADOW_K for d in mine[:-1])
+
+
 def test_auto_is_plain_decoding_on_a_tiny_model(tiny):
     """generate_local(proposer="auto"): no head nor store for a tiny model, so plain decoding
     and n-gram lookup; the same ids as plain decoding, the choices in the stats."""
