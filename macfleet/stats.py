@@ -203,6 +203,31 @@ class DrafterChoice:
     expected_tok_s: float = 0.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class BlockTrace:
+    """One block of a chosen-while-running drafter as the chooser saw it (engine/chooser.py):
+    what it chose and why, what the block cost, and the figures the choice was made on. The
+    evidence for why a session drafted as it did (`bench drafter` records it per block).
+
+    best: the candidate of best expected rate when chosen (the drafter differs when it was
+    explored, or kept by the switch margin); table_ms: the verify(L) table's entry for this
+    block's length and load: the machine's factor on it, both as they stood before the block
+    (expected verify = table_ms * load); rates: every candidate's expected committed tokens
+    per second when chosen (0: unknown)."""
+
+    block: int
+    drafter: str
+    why: str  # CHOICE_REASONS
+    best: str
+    length: int  # tokens verified (drafts + 1)
+    accepted: int
+    draft_ms: float
+    verify_ms: float  # measured
+    table_ms: float
+    load: float
+    rates: tuple[tuple[str, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class DrafterStats:
     """One candidate of a chosen-while-running drafter: the blocks it drafted (of which
@@ -231,6 +256,7 @@ class GenerationStats:
     # `--proposer auto`: each candidate's blocks, and which drafted each block and why
     drafters: tuple[DrafterStats, ...] = ()
     choices: tuple[DrafterChoice, ...] = ()
+    trace: tuple[BlockTrace, ...] = ()  # ... and what the chooser saw, block by block
     fleet: FleetStats | None = None  # set by the verifier agent; None in-process
 
     @property

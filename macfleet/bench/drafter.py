@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from dataclasses import asdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from macfleet.distill.prompts import (CHAT_KINDS, CODE_KINDS, HELD_OUT, Prompt,
 from macfleet.engine.events import Finished, GenerationStats
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.text import generate_local
+from macfleet.stats import BlockTrace
 
 # `auto` (the drafter chosen while it runs, engine/chooser.py) runs in the same rounds as the
 # fixed ones: `auto_vs_best_fixed` compares it with the best of them in the same run
@@ -46,10 +48,18 @@ DEFAULT_AGENT_SPECS = ("none", "ngram", "retrieval+ngram", "eagle", "eagle2",
 
 def _row(st: GenerationStats, ids: Sequence[int], ref: Sequence[int] | None) -> dict:
     decode_s = max(st.elapsed_s - st.prefill_ms / 1e3, 1e-9)
-    return {"tokens": st.tokens, "decode_tokens_per_s": st.tokens / decode_s,
-            "blocks": st.blocks, "drafted": st.drafted, "accepted": st.accepted,
-            "accepted_hist": list(st.accepted_hist), "draft_ms": st.draft_ms,
-            "verify_ms": st.verify_ms, "identical": ref is None or list(ids) == list(ref)}
+    row = {"tokens": st.tokens, "decode_tokens_per_s": st.tokens / decode_s,
+           "blocks": st.blocks, "drafted": st.drafted, "accepted": st.accepted,
+           "accepted_hist": list(st.accepted_hist), "draft_ms": st.draft_ms,
+           "verify_ms": st.verify_ms, "identical": ref is None or list(ids) == list(ref)}
+    if st.trace:  # `auto`: what the chooser saw, block by block (why it drafted as it did)
+        row["trace"] = [trace_json(t) for t in st.trace]
+    return row
+
+
+def trace_json(t: BlockTrace) -> dict:
+    """One block of the chooser's trace as JSON (rates by candidate, tok/s)."""
+    return {**asdict(t), "rates": dict(t.rates)}
 
 
 def summarize(rows: Sequence[dict], base_tps: float | None) -> dict:
@@ -82,6 +92,8 @@ def summarize(rows: Sequence[dict], base_tps: float | None) -> dict:
 def _groups(runs: dict[str, dict[str, dict]], specs: Sequence[str]) -> dict:
     out = {}
     for group, kinds in (("chat", CHAT_KINDS), ("code", CODE_KINDS), ("all", tuple(HELD_OUT))):
+        if not any(k in runs for k in kinds):
+            continue  # `--prompts` ran none of this group
         base = summarize([runs[k]["none"] for k in kinds if k in runs], None)
         out[group] = {s: summarize([runs[k][s] for k in kinds if k in runs],
                                    base["decode_tokens_per_s"]) for s in specs}
@@ -129,8 +141,10 @@ def prompts_json(prompts: dict[str, ChatInput]) -> dict[str, str | list[dict]]:
 
 def bench_in_process(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                      progress: Callable[[str], None] = lambda s: None,
-                     repeats: int = 1, answers: dict[str, list[int]] | None = None) -> dict:
-    """answers: filled with each prompt's plain greedy answer (token ids), when given."""
+                     repeats: int = 1, answers: dict[str, list[int]] | None = None,
+                     kinds: Sequence[str] = tuple(HELD_OUT)) -> dict:
+    """answers: filled with each prompt's plain greedy answer (token ids), when given;
+    kinds: the held-out prompts to run (default: all)."""
     def run(kind: str, spec: str, ref):
         fin = None
         for ev in generate_local(lm, HELD_OUT[kind], proposer=spec, max_tokens=max_tokens):
@@ -144,7 +158,7 @@ def bench_in_process(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                  f"tau {fin.stats.accepted / max(fin.stats.blocks, 1):.2f}")
         return row, fin.token_ids
 
-    runs = _rounds(repeats, tuple(HELD_OUT), specs, run)
+    runs = _rounds(repeats, tuple(kinds), specs, run)
     return {"runs": runs, "summary": _groups(runs, specs), "repeats": repeats}
 
 
@@ -354,6 +368,22 @@ def auto_vs_best_fixed(runs: dict[str, dict[str, dict]], summary: dict,
                                                    / len(ratios)), 3) if ratios else None,
             "auto_vs_best_min": round(min(ratios.values()), 3) if ratios else None,
             "auto_identical": bool(allp[AUTO].get("all_identical", True))}
+
+
+def machine_drift(runs: dict[str, dict[str, dict]]) -> dict[str, float]:
+    """Pure: per prompt, how much slower a plain step ran during `auto`'s run than during
+    plain decoding's (auto's plain blocks' mean verify ms over the plain run's; from auto's
+    trace, prompts where auto decoded no plain block left out). On a shared machine the runs
+    of one prompt are minutes apart: a ratio of auto to plain measures the machine's drift
+    as well as the choices, and this says how much of it was drift."""
+    out = {}
+    for kind, r in runs.items():
+        plain, tr = r.get("none"), r.get(AUTO, {}).get("trace", [])
+        mine = [t["verify_ms"] for t in tr if t["drafter"] == "none"]
+        if plain and plain["blocks"] and plain["verify_ms"] > 0 and mine:
+            out[kind] = round(sum(mine) / len(mine) / (plain["verify_ms"] / plain["blocks"]),
+                              3)
+    return out
 
 
 def bench_record(best: str, speedup: float, command: str, best_agents: str | None = None,

@@ -13,6 +13,12 @@ def add_bench_parsers(bs) -> None:
                    help="drafters to compare in one process, comma-separated (none first: the "
                    "baseline; default: every drafter, macfleet/bench/drafter.py DEFAULT_SPECS)")
     d.add_argument("--no-agents", action="store_true", help="skip the 2-agent fleet part")
+    d.add_argument("--no-head-eval", action="store_true",
+                   help="skip the shipped head's acceptance on the held-out answers (it "
+                   "generates every held-out answer once more)")
+    d.add_argument("--prompts", default=None, metavar="KIND[,KIND...]",
+                   help="only these held-out prompts in one process (default: all; "
+                   "macfleet/distill/prompts.py HELD_OUT)")
     d.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run every drafter on every prompt N times, in interleaved rounds, "
                    "and keep each one's median run (this box drifts ~10%% between runs; "
@@ -92,13 +98,21 @@ def run(args) -> int:
 
     from macfleet.distill.prompts import HELD_OUT_CHANGES
 
+    kinds = tuple(b.HELD_OUT)
+    if args.prompts:
+        kinds = tuple(k.strip() for k in args.prompts.split(",") if k.strip())
+        unknown = [k for k in kinds if k not in b.HELD_OUT]
+        if unknown or not kinds:
+            raise UserError(f"--prompts {args.prompts}: the held-out prompts are "
+                            f"{', '.join(b.HELD_OUT)}")
+
     answers: dict[str, list[int]] = {}
     doc: dict = {"model": lm.spec, "max_tokens": args.max_tokens, "greedy": True,
                  "held_out_prompts": b.prompts_json(b.HELD_OUT),
                  # which prompts changed since the previous recorded set, and why
                  "held_out_changes": HELD_OUT_CHANGES,
                  "in_process": b.bench_in_process(lm, specs, args.max_tokens, say,
-                                                  args.repeats, answers)}
+                                                  args.repeats, answers, kinds)}
     if not args.no_contamination:
         from macfleet.bench.contamination import DEFAULT_DATASET, contamination
 
@@ -115,6 +129,7 @@ def run(args) -> int:
     vs = b.auto_vs_best_fixed(doc["in_process"]["runs"], doc["in_process"]["summary"], specs)
     if vs is not None:
         doc["auto_vs_best_fixed"] = vs
+        doc["machine_drift"] = b.machine_drift(doc["in_process"]["runs"])
     if not args.no_agents:
         agent_specs = tuple(s for s in b.DEFAULT_AGENT_SPECS if s in specs)
         if best not in agent_specs:  # the default is measured across agents too
@@ -136,7 +151,8 @@ def run(args) -> int:
         from macfleet.engine.proposers.eagle.head import read_eval
 
         doc["head"] = read_eval(head)
-        doc["head_on_held_out_prompts"] = b.head_on_held_out(lm)
+        if not args.no_head_eval:
+            doc["head_on_held_out_prompts"] = b.head_on_held_out(lm)
         if args.record_shipped:
             b.record_best(head, record)
     elif args.record_shipped:
@@ -152,8 +168,8 @@ def run(args) -> int:
         x = curve[-1]["train_tokens"] if curve else 1
         summ = doc["in_process"]["summary"]
         final = {f"{s}, {g} prompts: tau in the loop (bench)": (x, summ[g][s]["tau"])
-                 for s in ("eagle", "eagle2") if s in summ["chat"]
-                 for g in ("chat", "code")}
+                 for g in ("chat", "code") if g in summ
+                 for s in ("eagle", "eagle2") if s in summ[g]}
         doc["training_curve_fit"] = fit = b.curve_fit(curve)
         if fit and fit["train_tokens_for_goal"]:
             say(f"training curve: {fit['b_per_doubling']:+.3f} held-out acceptance per "
@@ -168,7 +184,7 @@ def run(args) -> int:
         if where not in doc:
             continue
         for group in ("chat", "code"):
-            for s, r in doc[where]["summary"][group].items():
+            for s, r in doc[where]["summary"].get(group, {}).items():
                 print(f"{where:10s} {group:4s} {s:14s} tau {r['tau']:.2f}  speedup "
                       f"{r['speedup']:.2f}x (geomean {r['speedup_geomean']:.2f}x, min "
                       f"{r['speedup_min']:.2f}x)  identical {r['all_identical']}")

@@ -162,7 +162,7 @@ class BlockTally:
     def stats(self, *, tokens: int, elapsed_s: float, prefill_ms: float, proposer: str,
               finish_reason: str, per_proposer: tuple[ProposerStats, ...] = (),
               **chosen) -> GenerationStats:
-        """chosen: `drafters` and `choices` of a drafter chosen while it runs."""
+        """chosen: `drafters`, `choices` and `trace` of a drafter chosen while it runs."""
         return GenerationStats(
             tokens=tokens, elapsed_s=elapsed_s, prefill_ms=prefill_ms, blocks=self.blocks,
             drafted=self.drafted, accepted=self.accepted, draft_ms=self.draft_ms,

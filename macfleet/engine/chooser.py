@@ -12,8 +12,7 @@ millisecond:
 accepted, L (the tokens a block verifies) and draft_ms are EMAs of the candidate's own
 blocks; verify(L) is the machine's table (tree_budget.VerifyCurve: probed, then learnt from
 every block whoever drafted it) times the machine's load now (`load`), so a candidate's cost
-follows the machine even while it is not chosen. Plain decoding is 1 / verify(1), always
-known.
+follows the machine even while it is not chosen. Plain decoding is 1 / verify(1).
 
 * The load: every block's verify time against the table's moves one factor of every length
   (clipped: one stall moves it at most LOAD_CLIP times), and the table learns per length only
@@ -22,7 +21,16 @@ known.
   day's slowest prompt, a busy core beside it: 0.76x plain), each entry held the load of
   the last block of its length, and a stall of another job (one block at 5-8x) stayed in
   its entry: in verify(1), plain decoding looked slow for the rest of the answer (plain is
-  never re-tried), in a drafter's length, that drafter did.
+  never re-tried), in a drafter's length, that drafter did. The first block sets the load
+  (the table may be another day's; a factor on every length moves no choice).
+
+* But the load is fitted to the lengths that draft, and a busy machine also changes the
+  table's shape (small forwards suffer most): read off a quiet day's shape, plain decoding's
+  verify(1) looked 2.3x what it cost, and plain, never tried, never showed it (a tree drafted
+  every block of the answer at 0.72x plain). So plain decoding is tried as the drafters are
+  (early, then at doubling intervals: it costs at most a plain step), and a try's block
+  teaches its length's entry (not the load: the load is the drafting candidate's, and what a
+  try finds off it is the shape at its length, which only its blocks measure).
 
 * A candidate whose drafts cost nothing to compute (n-gram lookup, the answer store:
   `Candidate.free`) is scored on every block from the committed text, without being verified
@@ -41,7 +49,8 @@ known.
   would have committed its tokens in), with what this one is expected to lose, is within
   EXPLORE_SHARE of the time spent: counted in
   blocks alone, a slow day's tries (a 25-token tree at twice a plain step) cost 10% of an
-  answer. A first try is never held back (it is how a winner is found), but charged.
+  answer. A first try is never held back (it is how a winner is found), but charged; plain
+  decoding's first comes after the untried drafters' first.
 * The offline record (`bench drafter --record`/`--record-shipped`) is the prior: its winner
   starts at its recorded speedup over plain until its own blocks are measured.
 """
@@ -52,7 +61,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from macfleet.engine.tree_budget import VerifyCurve
-from macfleet.stats import PRIOR, BEST, EXPLORE, DrafterChoice
+from macfleet.stats import PRIOR, BEST, EXPLORE, BlockTrace, DrafterChoice
 
 PLAIN = "none"
 # blocks before a losing candidate is tried again, doubling per lost try: a loser costs about
@@ -69,6 +78,7 @@ LOAD_CLIP = 4.0  # one block moves the load at most this factor (a stall, not a 
 STALL_STEPS = 2.0  # a try is charged at most this many plain steps' time
 SHAPE_CLIP = 1.5  # nor its length's entry in the table more than this,
 SHAPE_EMA = 0.05  # slowly: the load explains a slower machine first
+TRY_WEIGHT = 1.0  # ... but a try's block sets its length's entry (clipped by LOAD_CLIP)
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ class _Estimate:
     length: float = 1.0  # tokens verified per block (drafts + 1)
     draft_ms: float = 0.0  # per block
     n: int = 0  # blocks measured (verified or scored from the text)
+    tries: int = 0  # blocks explored
     prior: float | None = None  # speedup over plain from the offline record, until measured
     next_try: int = 0
     interval: int = MIN_INTERVAL
@@ -154,6 +165,8 @@ class Chooser:
     _last: DrafterChoice | None = None
     _last_best: float = 0.0  # the best rate (tokens per ms) when _last was chosen
     _prev: str = ""  # the candidate that drafted the block before
+    trace: list[BlockTrace] = field(default_factory=list)  # every observed block
+    _seen: tuple[str, tuple[tuple[str, float], ...]] = ("", ())  # best and rates at choose
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.candidates]
@@ -164,12 +177,13 @@ class Chooser:
         for c in self.candidates:
             e = self._est[c.name] = _Estimate(prior=self.prior.get(c.name))
             if c.name == PLAIN:
-                e.n = 1  # always known: 1 / verify(1)
+                e.n = 1  # known from the table, but tried too: see _follow_load
             elif not c.free and e.prior is None:
                 e.next_try = 1 + STAGGER * untried
                 untried += 1
             else:
                 e.next_try = MIN_INTERVAL  # a prior's winner is re-measured by its own blocks
+        self._est[PLAIN].next_try = 1 + STAGGER * untried  # after the untried drafters
 
     def by_name(self, name: str) -> Candidate:
         return next(c for c in self.candidates if c.name == name)
@@ -207,13 +221,16 @@ class Chooser:
     def choose(self) -> DrafterChoice:
         """The candidate that drafts the next block, and why."""
         best, best_rate = self._best()
+        top = best
         if self._prev not in ("", PLAIN, best) and self._est[self._prev].n > 0:
             r = self.rate(self._prev) or 0.0  # switching costs the other's catch-up
             if r * SWITCH_MARGIN >= best_rate and r > (self.rate(PLAIN) or 0.0) * MARGIN:
                 best, best_rate = self._prev, r
-        due = [c for c in self.candidates if c.members and not c.free and c.name != best
+        due = [c for c in self.candidates if c.name != best
+               and ((c.members and not c.free) or c.name == PLAIN)
                and self._est[c.name].next_try <= self.block
-               and (self._est[c.name].n == 0 or self.explore_lost_ms + self._loss(
+               and (self._est[c.name].n == 0 or self._est[c.name].tries == 0
+                    or self.explore_lost_ms + self._loss(
                    c.name, best_rate) <= EXPLORE_SHARE * self.spent_ms)]
         if due:
             c = min(due, key=lambda c: (self._est[c.name].next_try,
@@ -224,13 +241,22 @@ class Chooser:
             ch = DrafterChoice(self.block, best,
                                PRIOR if self._est[best].n == 0 else BEST, best_rate * 1e3)
         self._last, self._last_best = ch, best_rate
+        self._seen = (top, tuple((c.name, round((self.rate(c.name) or 0.0) * 1e3, 3))
+                                             for c in self.candidates))
         return ch
 
     def observe(self, name: str, accepted: int, verified: int, draft_ms: float,
                 verify_ms: float) -> None:
         """The block `choose` picked was verified: `accepted` drafts kept of a block of
         `verified` tokens (drafts + 1), drafting took draft_ms and verifying verify_ms."""
-        self._follow_load(verified, verify_ms)
+        last = self._last if self._last is not None and self._last.drafter == name else None
+        self.trace.append(BlockTrace(
+            block=self.block, drafter=name, why=last.why if last else "", best=self._seen[0],
+            length=verified, accepted=accepted, draft_ms=round(draft_ms, 3),
+            verify_ms=round(verify_ms, 3), table_ms=round(self.curve.cost(verified), 3),
+            load=round(self.load, 4), rates=self._seen[1] if last else ()))
+        tried = last is not None and last.why == EXPLORE
+        self._follow_load(verified, verify_ms, tried)
         self.spent_ms += draft_ms + verify_ms
         e = self._est[name]
         if name != PLAIN:
@@ -238,7 +264,8 @@ class Chooser:
         self._prev = name
         if self._last is not None and self._last.drafter == name and \
                 self._last.why == EXPLORE:
-            lost = (self.rate(name) or 0.0) <= self._best(exclude=name)[1]
+            e.tries += 1
+            lost = (self.rate(name) or 0.0) <= self._best_other(name)
             e.interval = min(MAX_INTERVAL, e.interval * 2) if lost else MIN_INTERVAL
             if self._last_best > 0:  # at most STALL_STEPS plain steps: a try that met a
                 # stall (or the drafter's warm-up) would hold back every re-try
@@ -247,15 +274,33 @@ class Chooser:
         e.next_try = self.block + 1 + e.interval
         self.block += 1
 
-    def _follow_load(self, length: int, ms: float) -> None:
+    def _best_other(self, name: str) -> float:
+        """The best rate of a candidate other than `name` (0: none known)."""
+        if name != PLAIN:
+            return self._best(exclude=name)[1]
+        return max((self.rate(c.name) or 0.0 for c in self.candidates if c.name != PLAIN),
+                   default=0.0)
+
+    def _follow_load(self, length: int, ms: float, tried: bool = False) -> None:
         """A verified block's time: the load moves by what the table missed (clipped), the
-        table's entry for its length learns the rest (clipped tighter)."""
+        table's entry for its length learns the rest (clipped tighter). A try's block
+        (`tried`) teaches its length's entry instead, at TRY_WEIGHT: the load is the drafting
+        candidate's, and what a try finds off it is the table's shape at its length, which
+        only its blocks measure."""
         if not self.curve.samples or ms <= 0:
             self.curve.observe(length, ms)
             return
+        shape = self.curve.cost(length)
+        if self.block == 0:  # the first block: how this machine runs now against the
+            # table (probed earlier, or another day); a uniform factor moves no choice
+            self.load = ms / shape
+            return
+        if tried:
+            self.curve.observe(length, min(shape * LOAD_CLIP, max(shape / LOAD_CLIP,
+                                                                  ms / self.load)), TRY_WEIGHT)
+            return
         r = min(LOAD_CLIP, max(1 / LOAD_CLIP, ms / max(self.verify_ms(length), 1e-9)))
         self.load *= 1 + LOAD_EMA * (r - 1)
-        shape = self.curve.cost(length)
         self.curve.observe(length, min(shape * SHAPE_CLIP, max(shape / SHAPE_CLIP,
                                                                ms / self.load)), SHAPE_EMA)
 

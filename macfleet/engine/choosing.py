@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from macfleet.engine.chooser import PLAIN, Candidate, Chooser, tree_depth, tree_match
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.tree_loop import ProposerGroup, _own_or, cap_total, tree_budget
-from macfleet.stats import EXPLORE, DrafterChoice, DrafterStats
+from macfleet.stats import EXPLORE, BlockTrace, DrafterChoice, DrafterStats
 
 AUTO_NAME = "auto"
 SHADOW_K = 4  # a free chain drafter's draft scored from the text (trees: the node budget)
@@ -98,11 +98,15 @@ class ChoosingGroup(ProposerGroup):
 
     def lengths(self, limit: int) -> list[int]:
         self.choice = self.chooser.choose()
+        free = self.chooser.by_name(self.choice.drafter).free
         ks = [0] * len(self.proposers)
         for j in self._members():
             p = self.proposers[j]
             if self.live[j]:
-                ks[j] = min(self.node_budget if p.drafts_trees
+                # a free candidate drafts what its shadows were scored on (SHADOW_K): its
+                # own length controller, fitted to a loaded machine's noise, backed off to
+                # k = 0 (traced: n-gram chosen on its scores, then drafting nothing)
+                ks[j] = min(self.node_budget if p.drafts_trees else SHADOW_K if free
                             else _own_or(p.draft_length(), self.controllers[j]), limit)
         return cap_total(ks, self.node_budget)
 
@@ -191,6 +195,11 @@ class ChoosingGroup(ProposerGroup):
         t[1] += self.choice.why == EXPLORE
         t[2] += got + 1
         self.choices.append(self.choice)
+
+    @property
+    def trace(self) -> list[BlockTrace]:
+        """What the chooser saw, block by block (stats.BlockTrace)."""
+        return self.chooser.trace
 
     def drafter_stats(self) -> tuple[DrafterStats, ...]:
         return tuple(DrafterStats(name, *t) for name, t in self._tally.items())

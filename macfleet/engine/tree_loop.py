@@ -76,6 +76,7 @@ class ProposerGroup:
 
     choice = None  # a group that chooses its drafter per block (engine/choosing.py): this one's
     choices: Sequence = ()
+    trace: Sequence = ()  # ... and what it saw (stats.BlockTrace)
 
     def __init__(self, proposers: Sequence[Proposer], *, draft_tokens: int | str = "auto",
                  k_max: int = DEFAULT_K_MAX, node_budget: int = DEFAULT_NODE_BUDGET) -> None:
@@ -317,5 +318,5 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
     stats = tally.stats(tokens=len(generated), elapsed_s=time.perf_counter() - t_start,
                         prefill_ms=prefill_ms, proposer=group.name, finish_reason=finish,
                         per_proposer=group.per_proposer(), drafters=group.drafter_stats(),
-                        choices=tuple(group.choices))
+                        choices=tuple(group.choices), trace=tuple(group.trace))
     yield Finished(stats, tuple(generated))

@@ -163,3 +163,19 @@ def test_auto_is_compared_with_the_best_fixed_drafter_of_the_same_run():
     assert vs["auto_vs_best_geomean"] == pytest.approx((1.0 * 11.4 / 12.0) ** 0.5, abs=1e-3)
     assert vs["auto_vs_best_min"] == pytest.approx(0.95) and vs["auto_identical"]
     assert auto_vs_best_fixed(runs, summary, ["none", "a", "b"]) is None
+
+
+def test_the_machines_drift_is_read_off_autos_plain_blocks():
+    from macfleet.bench.drafter import machine_drift
+
+    def t(drafter, ms):
+        return {"drafter": drafter, "verify_ms": ms}
+
+    runs = {"chat": {"none": {"blocks": 4, "verify_ms": 400.0},
+                     "auto": {"trace": [t("none", 300.0), t("eagle2", 900.0), t("none", 500.0)]}},
+            "code": {"none": {"blocks": 2, "verify_ms": 200.0},
+                     "auto": {"trace": [t("eagle2", 900.0)]}},
+            "list": {"none": {"blocks": 2, "verify_ms": 200.0}}}
+    # chat: auto's plain steps 400 ms against plain's 100: the machine ran 4x slower; code
+    # and list: no plain block of auto's to tell
+    assert machine_drift(runs) == {"chat": 4.0}

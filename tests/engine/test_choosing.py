@@ -60,6 +60,15 @@ def test_the_right_drafter_wins_and_the_answer_is_plain_decodings(tiny, ref_ids)
     st = fin.stats
     assert st.proposer == "auto" and len(st.choices) == st.blocks == len(done)
     assert [(d.drafter, d.why) for d in done] == [(c.drafter, c.why) for c in st.choices]
+    # the trace: what the chooser saw at each block, in the stats and over the wire
+    assert [(t.drafter, t.why, t.accepted, t.verify_ms) for t in st.trace] == [
+        (d.drafter, d.why, d.accepted, round(d.verify_ms, 3)) for d in done]
+    assert all({n for n, _ in t.rates} == {PLAIN, "bad", "good"} for t in st.trace)
+    from bridge.codec import decode, encode
+    from bridge.messages import GenerateDone
+
+    wire = decode(encode(GenerateDone("r", "", list(fin.token_ids), st))).msg
+    assert wire.stats.trace == st.trace
     by = {d.name: d for d in st.drafters}
     assert sum(d.blocks for d in st.drafters) == st.blocks
     assert by["good"].blocks > by["bad"].blocks + by[PLAIN].blocks
@@ -88,6 +97,21 @@ def test_a_free_drafter_is_scored_from_the_text_without_being_tried(tiny, ref_id
     assert free.asked > len(mine)  # drafted for its score while not chosen
     assert len(free.observed) == len(mine)  # but learnt only from its own blocks
     assert any(d.drafter == "bad" and d.why == EXPLORE for d in done)
+
+
+def test_a_chosen_free_drafter_drafts_what_it_was_scored_on(tiny, ref_ids):
+    """Its length controller backed off to k = 0 (a loaded machine's noise): chosen on its
+    shadows' scores (SHADOW_K drafts), it drafts SHADOW_K, not nothing."""
+    from macfleet.engine.controller import FixedDraftLength
+
+    free = Scripted("free", ref_ids, True, host=True)
+    group = ChoosingGroup([free], [Candidate(PLAIN), Candidate("free", (0,), free=True)],
+                          draft_tokens=4)
+    group.controllers[0] = FixedDraftLength(0)
+    done, fin = _run(tiny, group)
+    assert list(fin.token_ids) == ref_ids
+    mine = [d for d in done if d.drafter == "free"]
+    assert mine and all(d.k == SHADOW_K for d in mine[:-1])
 
 
 def test_auto_is_plain_decoding_on_a_tiny_model(tiny):
