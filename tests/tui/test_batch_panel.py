@@ -147,6 +147,7 @@ def test_watch_source_without_a_fleet_and_bad_address() -> None:
 
 
 # -- the panel in the app ---------------------------------------------------------------------
+@pytest.mark.slow  # runs the Textual app
 def test_panel_shows_the_batch_then_down_then_hides() -> None:
     asyncio.run(_panel_scenario())
 

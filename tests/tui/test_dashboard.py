@@ -284,13 +284,11 @@ def test_refresh_must_be_positive() -> None:
         FleetDashboard(StaticSource(), refresh_s=0)
 
 
-def test_auto_drafting_reaches_the_session_view_and_its_detail() -> None:
-    """`--proposer auto` (issue 44): the agent's BlockMetrics say which candidate drafted each
-    block and why; the session's view counts them, and its detail shows the latest choice and
-    every candidate's share of the blocks."""
+def auto_session_view():
+    """A `--proposer auto` session's view (issue 44) from its agent's BlockMetrics: which
+    candidate drafted each block and why."""
     from bridge.messages import BlockMetrics
     from macfleet.fleet.metrics import SessionMetrics
-    from macfleet.fleet.snapshot import DrafterShare, SessionView
 
     def block(i: int, drafter: str, why: str) -> BlockMetrics:
         return BlockMetrics(node_id="v", session_id="s", block=i, k=0 if drafter == "none"
@@ -303,18 +301,30 @@ def test_auto_drafting_reaches_the_session_view_and_its_detail() -> None:
              ("none", "best"), ("eagle", "explore"), ("eagle2", "best")]
     for i, (d, w) in enumerate(picks, 1):
         m.apply(block(i, d, w), now=100.0)
-    view = m.view(now=100.0)
+    fixed = SessionMetrics("s-fixed", "studio")
+    fixed.apply(block(1, "", ""), now=100.0)
+    return m.view(now=100.0), fixed.view(now=100.0)
+
+
+def test_auto_drafting_is_counted_in_the_session_view() -> None:
+    """The session's view counts the blocks each candidate drafted and keeps the latest
+    choice; a fixed drafter's session (and every older recording) carries none of it."""
+    from macfleet.fleet.snapshot import DrafterShare, SessionView
+
+    view, plain = auto_session_view()
     assert (view.drafter, view.why) == ("eagle2", "best")
     assert view.drafters == (DrafterShare("eagle2", 7, 1), DrafterShare("eagle", 2, 1),
                              DrafterShare("none", 1, 0))
     assert view.drafter_share("eagle2") == pytest.approx(0.7)
     assert SessionView.from_dict(view.to_dict()) == view
-    # a fixed drafter's session (and every older recording) carries none of it
-    fixed = SessionMetrics("s-fixed", "studio")
-    fixed.apply(block(1, "", ""), now=100.0)
-    plain = fixed.view(now=100.0)
     assert plain.drafters == () and "drafters" not in plain.to_dict()
 
+
+@pytest.mark.slow  # runs the Textual app
+def test_auto_drafting_reaches_the_session_detail() -> None:
+    """The session's detail shows the latest choice and every candidate's share of the
+    blocks."""
+    view, _ = auto_session_view()
     snap = dataclasses.replace(load("two_hosts")[0], sessions=(view,))
 
     async def scenario(pilot: Pilot, app: FleetDashboard, src: StaticSource) -> None:
