@@ -57,7 +57,7 @@ def run(args) -> int:
         print("starting a local fleet: 1 verifier + 1 proposer agent ...", file=sys.stderr)
         try:
             cards = local.up(2, model=args.model, key=key, key_path=key_path,
-                             run_dir=Path(tmp) / "run")
+                             run_dir=Path(tmp) / "run", tied=True)
         except local.FleetStartError as e:
             raise UserError(str(e)) from None
         try:

@@ -61,6 +61,9 @@ def add_parser(sub) -> None:
     a.add_argument("--bind", default=None, help="bind address (default 127.0.0.1 with "
                    "--loopback, else 0.0.0.0)")
     a.add_argument("--loopback", action="store_true", help="advertise on 127.0.0.1 only")
+    a.add_argument("--exit-with", type=int, default=None, metavar="PID",
+                   help="stop when process PID ends, however it ends (what `macfleet demo` "
+                   "starts its agents with)")
     a.add_argument("--max-conns-per-peer", type=int, default=None, metavar="N",
                    help="connections one address may hold to each of the agent's ports before "
                    "they complete the handshake; over it the oldest are closed (default 64; all "
@@ -180,6 +183,10 @@ def run_agent(args) -> int:
         raise UserError(str(e)) from None
     print(f"agent {agent.name} ({args.role}, {agent.lm.spec}) serving at "
           f"{agent.card.router_endpoint}, metrics at {agent.card.pub_endpoint}", flush=True)
+    if args.exit_with is not None:
+        from macfleet.fleet.local import exit_with
+
+        exit_with(args.exit_with, agent.stop)
     agent.serve_forever()
     return 0
 

@@ -9,12 +9,15 @@ drafting and the verifier's verifying really run at the same time.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,6 +30,9 @@ from bridge.peers import signed
 # it first, a loaded one slowly
 DEFAULT_START_TIMEOUT_S = 180.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
+EXIT_WITH_PERIOD_S = 1.0  # how often a tied agent checks that its starter still runs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,9 +106,13 @@ def start_agent(role: str, *, name: str, model: str, key_path: Path | None, run_
 def up(agents: int = 2, *, model: str = "smollm2", key: bytes | None, key_path: Path | None,
        run_dir: Path, pin: bool = True, timeout_s: float = DEFAULT_START_TIMEOUT_S,
        extra_args: dict[str, list[str]] | None = None, shard: int = 0,
-       shard_mode: str = "pipeline", prefill: int = 0) -> list[AgentCard]:
+       shard_mode: str = "pipeline", prefill: int = 0, tied: bool = False) -> list[AgentCard]:
     """Start the agents and return their cards once all are discovered over Zeroconf: an agent
     advertises itself once it is warm (agents/warmup.py), so the fleet is ready then.
+
+    tied: the agents stop when this process ends, however it ends (`macfleet demo`, tests: a
+    run killed by a timeout leaves no fleet behind); `macfleet up` starts agents that outlive
+    it, to be stopped by `macfleet down`.
 
     shard >= 2: the verifier is a group of `shard` shard agents (ranks of one sharded
     verifier, which form their mlx.distributed ring from each other's cards); rank 0 serves
@@ -127,6 +137,8 @@ def up(agents: int = 2, *, model: str = "smollm2", key: bytes | None, key_path: 
         for i, role in enumerate(roles):
             cpu = cpus[i % len(cpus)] if pin and cpus and (ncpu or 1) >= 2 else None
             extra = list((extra_args or {}).get(role.split(":")[0], []))
+            if tied:
+                extra += ["--exit-with", str(os.getpid())]
             if role.startswith("shard:"):
                 extra += ["--group", group, "--group-size", str(shard), "--rank",
                           role.split(":")[1], "--shard-mode", shard_mode]
@@ -149,6 +161,20 @@ def up(agents: int = 2, *, model: str = "smollm2", key: bytes | None, key_path: 
             time.sleep(0.2)
     down(run_dir)
     raise FleetStartError(f"agents not discovered within {timeout_s:.0f}s; logs in {run_dir}")
+
+
+def exit_with(pid: int, stop: Callable[[], None], period_s: float = EXIT_WITH_PERIOD_S
+              ) -> threading.Thread:
+    """Call `stop` once process `pid` has ended (checked every period_s, on a daemon thread):
+    an agent tied to the process that started it (`macfleet agent --exit-with PID`)."""
+    def watch() -> None:
+        while _alive(pid):
+            time.sleep(period_s)
+        log.warning("process %d has ended: stopping", pid)
+        stop()
+    t = threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True)
+    t.start()
+    return t
 
 
 def down(run_dir: Path, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int:

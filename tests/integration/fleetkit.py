@@ -19,7 +19,7 @@ def local_fleet(tmp: Path, model: str = "smollm2", timeout_s: float = 120) -> It
     key = keygen(key_path)
     run_dir = tmp / "run"
     cards = local.up(2, model=model, key=key, key_path=key_path, run_dir=run_dir,
-                     timeout_s=timeout_s)
+                     timeout_s=timeout_s, tied=True)
     try:
         yield {"key": key, "key_path": key_path, "run_dir": run_dir,
                "verifier": next(c for c in cards if ROLE_VERIFIER in c.roles),

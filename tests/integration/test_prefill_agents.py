@@ -35,7 +35,7 @@ def fleet(tmp_path_factory):
     run_dir = tmp / "run"
     cards = local.up(2, model=MODEL, key=key, key_path=tmp / "fleet.key", run_dir=run_dir,
                      prefill=1, timeout_s=120,
-                     extra_args={"verifier": ["--prefill-min-tokens", "64"]})
+                     extra_args={"verifier": ["--prefill-min-tokens", "64"]}, tied=True)
     try:
         yield {"key": key, "run_dir": run_dir,
                "verifier": next(c for c in cards if ROLE_VERIFIER in c.roles),

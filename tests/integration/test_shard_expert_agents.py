@@ -27,7 +27,7 @@ def test_expert_sharded_verifier_agents(tmp_path):
     key = keygen(tmp_path / "k")
     run_dir = tmp_path / "run"
     cards = local.up(2, model=MODEL, key=key, key_path=tmp_path / "k", run_dir=run_dir,
-                     shard=2, shard_mode="expert", timeout_s=180)
+                     shard=2, shard_mode="expert", timeout_s=180, tied=True)
     try:
         v = next(c for c in cards if ROLE_VERIFIER in c.roles)
         p = next(c for c in cards if ROLE_PROPOSER in c.roles)
