@@ -1,0 +1,47 @@
+"""A/B: one request through the single-session loop (generate_local) vs the serving engine
+(BatchEngine, one request, stepped on this thread). CPU s per token, interleaved."""
+import sys, time
+from macfleet.engine.models import load_model
+from macfleet.engine.text import generate_local, encode_prompt
+from macfleet.engine.events import Finished
+from macfleet.engine.sampling import GREEDY
+from macfleet.serve.engine import BatchEngine, EngineRequest
+
+lm = load_model(sys.argv[4] if len(sys.argv) > 4 else "smollm2")
+prompts = ["Write a Python function that merges two sorted lists into one sorted list.",
+           "Explain how a refrigerator keeps food cold.",
+           "Describe a busy market on a Saturday morning."]
+N = int(sys.argv[2]) if len(sys.argv) > 2 else 96
+specs = sys.argv[1].split(",")
+
+def loop(spec, p):
+    t0, c0 = time.perf_counter(), time.process_time()
+    ev = list(generate_local(lm, p, chat=True, proposer=spec, max_tokens=N))
+    fin = next(e for e in ev if isinstance(e, Finished))
+    return list(fin.token_ids), time.perf_counter() - t0, time.process_time() - c0
+
+engines = {}
+def eng(spec, p):
+    if spec not in engines:
+        engines[spec] = BatchEngine(lm, proposer=spec, max_active=1)
+    e = engines[spec]
+    ids = encode_prompt(lm.tokenizer, p, True)
+    out = []
+    t0, c0 = time.perf_counter(), time.process_time()
+    e.submit(EngineRequest(tuple(ids), GREEDY, N, eos_ids=frozenset(lm.eos_ids)), out.append)
+    e.run_until_idle()
+    fin = next(x for x in out if isinstance(x, Finished))
+    return list(fin.token_ids), time.perf_counter() - t0, time.process_time() - c0
+
+for spec in specs:
+    loop(spec, "hi"); eng(spec, "hi")  # warm
+    tot = {"loop": [0, 0, 0], "eng": [0, 0, 0]}
+    for rep in range(int(sys.argv[3]) if len(sys.argv) > 3 else 2):
+        for p in prompts:
+            for name, f in (("loop", loop), ("eng", eng)) if rep % 2 == 0 else (("eng", eng), ("loop", loop)):
+                ids, w, c = f(spec, p)
+                tot[name][0] += len(ids); tot[name][1] += w; tot[name][2] += c
+                tot.setdefault(name + "_ids", []).append(ids)
+    same = tot["loop_ids"] == tot["eng_ids"]
+    l, e = tot["loop"], tot["eng"]
+    print(f"{spec}: loop {l[0]/l[1]:.1f} tok/s wall, {1e3*l[2]/l[0]:.1f} cpu ms/tok | engine {e[0]/e[1]:.1f} tok/s wall, {1e3*e[2]/e[0]:.1f} cpu ms/tok | engine/loop cpu {l[2]/l[0]/(e[2]/e[0]):.3f}x wall {(e[0]/e[1])/(l[0]/l[1]):.3f}x | identical {same}", flush=True)
