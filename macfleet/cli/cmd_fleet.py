@@ -63,7 +63,7 @@ def add_parser(sub) -> None:
     a.add_argument("--loopback", action="store_true", help="advertise on 127.0.0.1 only")
     a.add_argument("--exit-with", type=int, default=None, metavar="PID",
                    help="stop when process PID ends, however it ends (what `macfleet demo` "
-                   "starts its agents with)")
+                   "starts its agents with; default: run until stopped)")
     a.add_argument("--max-conns-per-peer", type=int, default=None, metavar="N",
                    help="connections one address may hold to each of the agent's ports before "
                    "they complete the handshake; over it the oldest are closed (default 64; all "
