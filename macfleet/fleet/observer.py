@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from bridge.auth import fleet_id as fleet_id_of
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser, CardAdded, CardRemoved
@@ -27,7 +28,7 @@ from bridge.peers import signed
 from bridge.transport import Client, Subscriber
 from macfleet.fleet.metrics import SessionMetrics
 from macfleet.fleet.snapshot import (FleetEvent, FleetSnapshot, HostView, LinkView,
-                                     SnapshotSource)
+                                     SessionView, SnapshotSource)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,23 @@ DEFAULT_DEADLINE_S = 3.0
 DEFAULT_STATUS_EVERY = 3
 MAX_EVENTS = 200
 
+
+
+def link_views(sessions: Sequence[SessionView]) -> tuple[LinkView, ...]:
+    """Pure: one link per (verifier, proposers) pair, its wire times over every session that
+    crossed it (p50, p95): two sessions on one pair are one link (the dashboard keys its rows
+    by the pair)."""
+    wires: dict[tuple[str, str], list[float]] = {}
+    for s in sessions:
+        pair = (s.verifier, ", ".join(s.proposers) or "proposer")
+        wires.setdefault(pair, []).extend(b.wire_ms for b in s.timeline if b.wire_ms > 0)
+    out = []
+    for (src, dst), ms in wires.items():
+        if ms:
+            ms.sort()
+            out.append(LinkView(src, dst, ms[len(ms) // 2],
+                                ms[min(len(ms) - 1, int(len(ms) * 0.95))]))
+    return tuple(out)
 
 class FleetObserver(SnapshotSource):
     def __init__(self, key: bytes | None, *, loopback: bool = False,
@@ -203,15 +221,9 @@ class FleetObserver(SnapshotSource):
                 heartbeat_age_s=(now_ns - last) / 1e9 if last else None,
                 rtt_ms=None if math.isnan(rtt.p50_ms) else rtt.p50_ms,
                 alive=state is not PeerState.FAILED, address=c.router_endpoint))
-        links = []
-        for s in sessions:
-            wires = sorted(b.wire_ms for b in s.timeline if b.wire_ms > 0)
-            if wires:
-                links.append(LinkView(s.verifier, ", ".join(s.proposers) or "proposer",
-                                      wires[len(wires) // 2],
-                                      wires[min(len(wires) - 1, int(len(wires) * 0.95))]))
         return FleetSnapshot(taken_at=time.time(), fleet_id=self.fleet_id, hosts=tuple(hosts),
-                             links=tuple(links), sessions=tuple(sessions), events=events)
+                             links=link_views(sessions), sessions=tuple(sessions),
+                             events=events)
 
     def poll(self, timeout_s: float) -> FleetSnapshot | None:
         if self._stop.is_set() or not self._fresh.wait(timeout_s):
