@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
-from macfleet.engine.batch import BatchUnsupported, check_batchable
 from macfleet.engine.constraint import Grammar
 from macfleet.engine.controller import AUTO, DraftTokens
 from macfleet.engine.conversation import ChatInput
@@ -23,6 +22,8 @@ from macfleet.engine.models import LoadedModel
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.text import (TextDelta, TextStream, encode_prompt, generate_local,
                                   with_text)
+# what the engine checks itself (engine/batch.py check_batchable)
+from macfleet.engine.tree_verify import supports_tree_attention as batchable
 from macfleet.serve.batch_session import EngineEvent, EngineRequest, SessionFailed
 from macfleet.serve.drafting import make_drafting
 from macfleet.serve.engine import BatchEngine
@@ -67,14 +68,6 @@ def generate_one(lm: LoadedModel, prompt: ChatInput, *, chat: bool = True,
     finally:
         handle.cancel()  # a caller that stops reading frees the session (a no-op once ended)
         engine.run_until_idle()
-
-
-def batchable(model) -> bool:
-    try:
-        check_batchable(model)
-    except BatchUnsupported:
-        return False
-    return True
 
 
 def _events(engine: BatchEngine, emitted: deque[EngineEvent]) -> Iterator[Event]:
