@@ -35,7 +35,11 @@ follows the machine even while it is not chosen. Plain decoding is 1 / verify(1)
 * A candidate whose drafts cost nothing to compute (n-gram lookup, the answer store:
   `Candidate.free`) is scored on every block from the committed text, without being verified
   (`shadow`): the greedy verifier would have accepted exactly the prefix of its draft that
-  the text went on to commit.
+  the text went on to commit. What its blocks would accept is known; what they would cost is
+  the table's entry at its length, which only blocks of that length measure. So it is tried
+  too when it is not the best (as the others are, below): an entry probed under another
+  day's load (or a stall) would otherwise rate it below plain for the rest of the answer,
+  never corrected (issue 44's traces: retrieval+ngram rated below plain so).
 * Switching drafters costs: a drafter that did not draft the last blocks first catches up
   on the tokens others committed (the EAGLE head's features: traced, 300-550 ms after a few
   blocks off, where its blocks draft in 80). That catch-up is kept out of its draft cost
@@ -85,7 +89,7 @@ TRY_WEIGHT = 1.0  # ... but a try's block sets its length's entry (clipped by LO
 class Candidate:
     """A drafter (or a tree of drafters, `members` indices into its group) in one shape;
     no members: plain decoding. free: its drafts cost nothing to compute (scored from the
-    committed text every block, never explored)."""
+    committed text every block; explored only to measure its length's verify cost)."""
 
     name: str
     members: tuple[int, ...] = ()
@@ -209,6 +213,14 @@ class Chooser:
         return min(max(0.0, cost - (1.0 + e.accepted) / max(best_rate, 1e-9)),
                    STALL_STEPS * self.verify_ms(1))
 
+    def _could_pay(self, c: Candidate) -> bool:
+        """A free candidate whose scored blocks would beat plain decoding were its length to
+        cost no more than one step (verify(L) >= verify(1)): only then can a try's measured
+        cost change the choice."""
+        e = self._est[c.name]
+        step = self.verify_ms(1)
+        return e.n > 0 and (1 + e.accepted) / (e.draft_ms + step) > MARGIN / step
+
     def _best(self, exclude: str = "") -> tuple[str, float]:
         best, best_rate = PLAIN, self.rate(PLAIN) or 0.0
         floor = best_rate * MARGIN
@@ -227,7 +239,7 @@ class Chooser:
             if r * SWITCH_MARGIN >= best_rate and r > (self.rate(PLAIN) or 0.0) * MARGIN:
                 best, best_rate = self._prev, r
         due = [c for c in self.candidates if c.name != best
-               and ((c.members and not c.free) or c.name == PLAIN)
+               and ((c.members and not c.free) or c.name == PLAIN or self._could_pay(c))
                and self._est[c.name].next_try <= self.block
                and (self._est[c.name].n == 0 or self._est[c.name].tries == 0
                     or self.explore_lost_ms + self._loss(
