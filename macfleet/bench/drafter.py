@@ -1,6 +1,7 @@
 """`macfleet bench drafter`: every drafter on held-out prompts, in one process and across agents.
 
-Prompts: `distill.prompts.HELD_OUT` (a chat question, a code task, an explanation, a rewrite,
+Prompts (`--prompts`): `distill.prompts.HELD_OUT` by default, or also its `UNSEEN` requests
+(`unseen`, `all`). HELD_OUT: a chat question, a code task, an explanation, a rewrite,
 a word problem, a description, a multi-turn follow-up, a question about a pasted paragraph),
 excluded from every training set by construction, near-copies included (distill/
 contamination.py; how near the nearest training prompt is, and how much of each greedy answer
@@ -28,8 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from macfleet.engine.conversation import ChatInput, render
-from macfleet.distill.prompts import (CHAT_KINDS, CODE_KINDS, HELD_OUT, Prompt,
-                                      prompt_kind, prompt_text)
+from macfleet.distill.prompts import HELD_OUT, UNSEEN, Prompt, prompt_kind, prompt_text
 from macfleet.engine.events import Finished, GenerationStats
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.text import generate_local
@@ -89,10 +89,35 @@ def summarize(rows: Sequence[dict], base_tps: float | None) -> dict:
             "proposer_failures": sum(r.get("proposer_failures", 0) for r in rows)}
 
 
+# what `--prompts` may name: the held-out prompts and the unseen requests (no training prompt
+# is a near-copy of either: tests/distill/test_contamination.py), and the sets by name
+BENCH_PROMPTS: dict[str, ChatInput] = {**HELD_OUT, **UNSEEN}
+PROMPT_SETS: dict[str, tuple[str, ...]] = {"held": tuple(HELD_OUT), "unseen": tuple(UNSEEN),
+                                           "all": tuple(BENCH_PROMPTS)}
+
+
+def prompt_kinds(arg: str | None) -> tuple[str, ...]:
+    """Pure: the prompts `--prompts` names (keys of BENCH_PROMPTS or set names, in order,
+    once each; None: the held-out ones); ValueError naming the unknown ones."""
+    if arg is None:
+        return tuple(HELD_OUT)
+    names = [k.strip() for k in arg.split(",") if k.strip()]
+    unknown = [k for k in names if k not in BENCH_PROMPTS and k not in PROMPT_SETS]
+    if unknown or not names:
+        raise ValueError(f"--prompts {arg}: unknown {', '.join(unknown) or '(none given)'}; "
+                         f"the sets are {', '.join(PROMPT_SETS)}, the prompts "
+                         f"{', '.join(BENCH_PROMPTS)}")
+    kinds = [k for n in names for k in PROMPT_SETS.get(n, (n,))]
+    return tuple(dict.fromkeys(kinds))
+
+
 def _groups(runs: dict[str, dict[str, dict]], specs: Sequence[str]) -> dict:
     out = {}
-    for group, kinds in (("chat", CHAT_KINDS), ("code", CODE_KINDS), ("all", tuple(HELD_OUT))):
-        if not any(k in runs for k in kinds):
+    ran = tuple(runs)
+    for group, kinds in (("chat", tuple(k for k in ran if prompt_kind(k) == "chat")),
+                         ("code", tuple(k for k in ran if prompt_kind(k) == "code")),
+                         ("all", ran)):
+        if not kinds:
             continue  # `--prompts` ran none of this group
         base = summarize([runs[k]["none"] for k in kinds if k in runs], None)
         out[group] = {s: summarize([runs[k][s] for k in kinds if k in runs],
@@ -144,10 +169,10 @@ def bench_in_process(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
                      repeats: int = 1, answers: dict[str, list[int]] | None = None,
                      kinds: Sequence[str] = tuple(HELD_OUT)) -> dict:
     """answers: filled with each prompt's plain greedy answer (token ids), when given;
-    kinds: the held-out prompts to run (default: all)."""
+    kinds: the prompts to run (keys of BENCH_PROMPTS; default: the held-out ones)."""
     def run(kind: str, spec: str, ref):
         fin = None
-        for ev in generate_local(lm, HELD_OUT[kind], proposer=spec, max_tokens=max_tokens):
+        for ev in generate_local(lm, BENCH_PROMPTS[kind], proposer=spec, max_tokens=max_tokens):
             if isinstance(ev, Finished):
                 fin = ev
         assert fin is not None

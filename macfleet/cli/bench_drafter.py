@@ -17,8 +17,8 @@ def add_bench_parsers(bs) -> None:
                    help="skip the shipped head's acceptance on the held-out answers (it "
                    "generates every held-out answer once more)")
     d.add_argument("--prompts", default=None, metavar="KIND[,KIND...]",
-                   help="only these held-out prompts in one process (default: all; "
-                   "macfleet/distill/prompts.py HELD_OUT)")
+                   help="these prompts in one process: keys of macfleet/distill/prompts.py "
+                   "HELD_OUT or UNSEEN, or the sets held, unseen, all (default: held)")
     d.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run every drafter on every prompt N times, in interleaved rounds, "
                    "and keep each one's median run (this box drifts ~10%% between runs; "
@@ -98,17 +98,14 @@ def run(args) -> int:
 
     from macfleet.distill.prompts import HELD_OUT_CHANGES
 
-    kinds = tuple(b.HELD_OUT)
-    if args.prompts:
-        kinds = tuple(k.strip() for k in args.prompts.split(",") if k.strip())
-        unknown = [k for k in kinds if k not in b.HELD_OUT]
-        if unknown or not kinds:
-            raise UserError(f"--prompts {args.prompts}: the held-out prompts are "
-                            f"{', '.join(b.HELD_OUT)}")
+    try:
+        kinds = b.prompt_kinds(args.prompts)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
     answers: dict[str, list[int]] = {}
     doc: dict = {"model": lm.spec, "max_tokens": args.max_tokens, "greedy": True,
-                 "held_out_prompts": b.prompts_json(b.HELD_OUT),
+                 "held_out_prompts": b.prompts_json({k: b.BENCH_PROMPTS[k] for k in kinds}),
                  # which prompts changed since the previous recorded set, and why
                  "held_out_changes": HELD_OUT_CHANGES,
                  "in_process": b.bench_in_process(lm, specs, args.max_tokens, say,

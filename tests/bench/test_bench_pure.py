@@ -69,6 +69,30 @@ def test_drafter_summary_pools_prompts_and_picks_the_best_by_geometric_mean():
     assert summarize([plain], None)["tau"] == 0.0
 
 
+def test_drafter_prompts_name_held_out_and_unseen_ones_and_group_by_kind():
+    from macfleet.bench.drafter import _groups, prompt_kinds
+    from macfleet.distill.prompts import HELD_OUT, UNSEEN
+
+    assert prompt_kinds(None) == tuple(HELD_OUT)
+    assert prompt_kinds("all") == (*HELD_OUT, *UNSEEN)
+    assert prompt_kinds("code,unseen,chat:sky") == ("code", *UNSEEN)  # once each, in order
+    for bad in ("chat,nope", ""):
+        with pytest.raises(ValueError, match="unknown"):
+            prompt_kinds(bad)
+
+    def row(tps):
+        return {"tokens": 10, "decode_tokens_per_s": tps, "blocks": 10, "drafted": 0,
+                "accepted": 0, "accepted_hist": [], "draft_ms": 0.0, "verify_ms": 1.0,
+                "identical": True}
+
+    runs = {"chat:sky": {"none": row(10.0), "a": row(20.0)},
+            "code:bank": {"none": row(10.0), "a": row(5.0)}}
+    g = _groups(runs, ["none", "a"])
+    assert g["chat"]["a"]["speedup_geomean"] == 2.0  # an unseen chat request counts as chat
+    assert g["code"]["a"]["speedup_geomean"] == 0.5  # ... and "code:..." as code
+    assert g["all"]["a"]["speedup_min"] == 0.5 and g["all"]["a"]["speedup_geomean"] == 1.0
+
+
 def test_disagg_summary_splits_gaps_at_the_window_and_plots(tmp_path):
     """Gaps ending before the long prompt's arrival count as 'before', those ending inside
     the window as the stall figures; a gap after the window counts for neither."""
