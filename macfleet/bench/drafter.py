@@ -1,7 +1,7 @@
 """`macfleet bench drafter`: every drafter on held-out prompts, in one process and across agents.
 
 Prompts (`--prompts`): `distill.prompts.HELD_OUT` by default, or also its `UNSEEN` requests
-(`unseen`, `all`). HELD_OUT: a chat question, a code task, an explanation, a rewrite,
+(`unseen`, `all`). HELD_OUT (a chat question, a code task, an explanation, a rewrite,
 a word problem, a description, a multi-turn follow-up, a question about a pasted paragraph),
 excluded from every training set by construction, near-copies included (distill/
 contamination.py; how near the nearest training prompt is, and how much of each greedy answer
