@@ -17,17 +17,16 @@ follows the machine even while it is not chosen. Plain decoding is 1 / verify(1)
 * The load: every block's verify time against the table's moves one factor of every length
   (clipped: one stall moves it at most LOAD_CLIP times), and the table learns per length only
   what is left. A busy machine slows every length at once, but each length is observed only
-  when a candidate drafts that many tokens. Learnt per length alone (traced on the slow
-  day's slowest prompt, a busy core beside it: 0.76x plain), each entry held the load of
-  the last block of its length, and a stall of another job (one block at 5-8x) stayed in
-  its entry: in verify(1), plain decoding looked slow for the rest of the answer (plain is
+  when a candidate drafts that many tokens. Learnt per length alone (traced on a slow day,
+  a busy core beside it: docs/benchmarks.md, Drafters), each entry held the load of the
+  last block of its length, and a stall of another job (one slow block) stayed in its entry: in verify(1), plain decoding looked slow for the rest of the answer (plain is
   never re-tried), in a drafter's length, that drafter did. The first block sets the load
   (the table may be another day's; a factor on every length moves no choice).
 
 * But the load is fitted to the lengths that draft, and a busy machine also changes the
   table's shape (small forwards suffer most): read off a quiet day's shape, plain decoding's
-  verify(1) looked 2.3x what it cost, and plain, never tried, never showed it (a tree drafted
-  every block of the answer at 0.72x plain). So plain decoding is tried as the drafters are
+  verify(1) looked twice what it cost, and plain, never tried, never showed it (a tree drafted
+  every block of the answer, slower than plain). So plain decoding is tried as the drafters are
   (early, then at doubling intervals: it costs at most a plain step), and a try's block
   teaches its length's entry (not the load: the load is the drafting candidate's, and what a
   try finds off it is the shape at its length, which only its blocks measure).
@@ -41,8 +40,8 @@ follows the machine even while it is not chosen. Plain decoding is 1 / verify(1)
   day's load (or a stall) would otherwise rate it below plain for the rest of the answer,
   never corrected (issue 44's traces: retrieval+ngram rated below plain so).
 * Switching drafters costs: a drafter that did not draft the last blocks first catches up
-  on the tokens others committed (the EAGLE head's features: traced, 300-550 ms after a few
-  blocks off, where its blocks draft in 80). That catch-up is kept out of its draft cost
+  on the tokens others committed (the EAGLE head's features: several blocks' drafting after a
+  few blocks off). That catch-up is kept out of its draft cost
   (only blocks drafted back to back measure it: counted in, it made the head look slow
   after every try), and another drafter must beat the one drafting by SWITCH_MARGIN.
 * The others are tried now and then (`EXPLORE`), as the draft-length controller probes

@@ -93,7 +93,7 @@ def grammar_error(grammar: Grammar, tokenizer=None) -> str | None:
     """Why llguidance cannot compile or run this grammar (None: it can): compiled, then run a
     few tokens in (`grammar_probe`: a grammar past the engine's limits compiles and fails on
     its first steps). Without the model's tokenizer it checks the grammar alone, on a byte
-    tokenizer (no 1-3 s tokenizer build on the request path)."""
+    tokenizer (no tokenizer build, seconds, on the request path)."""
     from llguidance import LLMatcher
 
     from macfleet.engine.grammar_probe import run_error

@@ -27,8 +27,8 @@ class VerifyCurve:
     learnt from the blocks the loop verifies (an EMA per length, `observe`).
 
     Not a line: on a CPU the matmul kernels block the rows, so verify(L) is a sawtooth
-    (SmolLM2 here: L=12 costs 102 ms, L=16 68 ms; results/verify_costs.json), and a line
-    through it picks exactly the lengths that cost most. Between measured lengths the table
+    (results/verify_l_sweep.json: a longer block can cost less), and a line through it picks
+    exactly the lengths that cost most. Between measured lengths the table
     interpolates; beyond the longest it extends with the prior slope."""
 
     prior_slope: float = PRIOR_SLOPE

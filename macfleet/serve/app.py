@@ -228,7 +228,7 @@ class Api:
         """A grammar (response_format, or the enforced tool calls: `where` names the field)
         against this model (issue 32), compiled and run a few tokens in (a grammar past the
         engine's limits is refused here, before admission); on a worker thread: the grammar
-        engine's tokenizer is built on first use (1-3 s)."""
+        engine's tokenizer is built on first use (seconds)."""
         if not getattr(self.engine, "supports_grammar", False):
             raise RequestError(f"'{where}' needs a grammar, which this backend does not have",
                                param=where)

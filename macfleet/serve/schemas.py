@@ -50,8 +50,8 @@ class Limits:
     max_tokens: int = 1024
     max_sessions_per_client: int = 16
     # bounds on the work of rendering and tokenising a chat (refused before any of it): a
-    # request of 28,000 one-character messages fits a 1 MB body and took the server's event
-    # loop ~0.5 s to render before it was found too long (issue 47)
+    # request of one-character messages fits a 1 MB body and held the server's event loop while
+    # it rendered, before it was found too long (issue 47)
     max_messages: int = 1024
     max_prompt_chars: int = 0  # characters of message content in all; 0: 32 per prompt token
 

@@ -33,7 +33,8 @@ from macfleet.engine.proposers.shipped import default_head_path
 AUTO = "auto"
 FALLBACK = "ngram"
 # Held-out mean accepted tokens per block of 4 below which a head costs more verify work than
-# it saves (draft ~5% of a step per token, verify(5) ~1.1x verify(1) on the slowest machine).
+# it saves (a draft token and verify(5)'s extra over verify(1) priced as on the slowest machine
+# measured: docs/benchmarks.md, Drafters).
 MIN_HEAD_MEAN_ACCEPTED = 0.5
 
 

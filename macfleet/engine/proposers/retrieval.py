@@ -151,7 +151,7 @@ class Datastore:
     def load(cls, path: Path) -> Datastore:
         """A saved store, its index read from this machine's cache (memory-mapped) when it was
         built here before, else built and cached: a one-shot `generate` does not pay the sort
-        (~2 s for 5.5M tokens) each time."""
+        (seconds for the shipped store) each time."""
         toks = np.load(Path(path).with_suffix(".npy"))
         if toks.dtype != np.uint16 or toks.ndim != 1:
             raise ValueError(f"{path}: not a macfleet answer store (uint16 tokens)")

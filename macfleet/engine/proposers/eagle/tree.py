@@ -40,12 +40,9 @@ DEFAULT_MAX_NODES = 24
 DEFAULT_MIN_PROB = 0.02  # a frontier node less likely than this is not expanded
 # Levels below the first draft from the head's DEFAULT_DEEP_VOCAB most frequent draft ids (a
 # head saved with draft order "frequency"; others use their whole draft vocabulary). Each level
-# reads the head's layer and its draft LM head: with SmolLM2's 8,192-id one (19 MB float32)
-# that is 36 MB a level, more than this CPU's 32 MB L3; with 4,096 ids, 26 MB. `bench
-# tree-shapes` (results/tree_shapes.json), 5 levels of 4 on the verifier's greedy answers to
-# the 16 unseen prompts: a whole tree 33.8 -> 27.9 ms, its 16 best nodes accept 2.29 -> 2.24
-# (2,048 ids: 22.6 ms, 2.14). In the loop drafting per block fell 30.2 -> 26.8 ms; the
-# speed difference stayed within run-to-run noise, and code loses the most (rarer tokens).
+# reads the head's layer and its draft LM head: with the whole draft vocabulary a level
+# outgrows a CPU's L3, with fewer ids it fits; a tree drafts faster and accepts a little less
+# (`bench tree-shapes`: results/tree_shapes.json, docs/benchmarks.md, Drafters).
 DEFAULT_DEEP_VOCAB = 4096
 
 
