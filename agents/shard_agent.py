@@ -83,13 +83,6 @@ def group_cards(cards: list[AgentCard], spec: ShardSpec,
     return [by_rank[r] for r in range(spec.size)]
 
 
-def hostfile_from_cards(cards: list[AgentCard], spec: ShardSpec,
-                        need_ready: bool = False) -> list[list[str]]:
-    """Pure: the ring hostfile (one `host:port` entry per rank) from the group's cards."""
-    return [[f"{c.host}:{shard_extra(c)['ring_port']}"]
-            for c in group_cards(cards, spec, need_ready)]
-
-
 _RING_FIELDS = ("group", "size", "rank", "ring_port")
 
 

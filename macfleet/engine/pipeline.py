@@ -178,8 +178,3 @@ def padded_length(n: int, costs: Mapping[int, float] | None) -> int:
         return n
     fits = [(c, L) for L, c in costs.items() if L >= n]
     return min(fits)[1] if fits else n
-
-
-def block_lengths(costs: Mapping[int, float] | None, up_to: int) -> tuple[int, ...]:
-    """Every length a block of 1..up_to tokens is padded to (the shapes the device compiles)."""
-    return tuple(sorted({padded_length(n, costs) for n in range(1, up_to + 1)}))

@@ -41,7 +41,6 @@ from macfleet.engine.constraint import (JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, G
 log = logging.getLogger(__name__)
 
 HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
-FORMATS = (HERMES, LLAMA3, MISTRAL)
 AUTO, NONE, REQUIRED, FUNCTION = "auto", "none", "required", "function"
 
 _H_OPEN, _H_CLOSE = "<tool_call>", "</tool_call>"

@@ -21,7 +21,7 @@ from macfleet.engine.acceptance import accept_greedy
 from macfleet.engine.controller import make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.loop import speculative_generate
-from macfleet.engine.pipeline import (block_lengths, greedy_outcome, gumbel_pick, next_token,
+from macfleet.engine.pipeline import (greedy_outcome, gumbel_pick, next_token,
                                       padded_length, rejection_rows, sampled_outcome,
                                       sampled_tree_outcome)
 from macfleet.engine.proposers import Draft, Proposer
@@ -104,7 +104,6 @@ def test_padded_length_takes_the_cheapest_length_that_holds_the_block():
     assert padded_length(17, costs) == 17  # beyond the table: itself
     assert padded_length(3, None) == 3 and padded_length(3, {}) == 3
     assert padded_length(3, {4: 1.0, 8: 1.0}) == 4  # a tie: the shorter
-    assert block_lengths(costs, 16) == (1, 2, 8, 16)
 
 
 # -- plain steps, pipelined -----------------------------------------------------------------
@@ -361,9 +360,6 @@ def test_forced_reads_exactly_0_and_1(monkeypatch):
 def test_padded_length_of_nothing_and_of_one_token():
     assert padded_length(0, {1: 2.0, 4: 1.0}) == 0  # no block: nothing to pad
     assert padded_length(1, {1: 5.0, 2: 3.0}) == 2  # even one token goes where it is cheaper
-    assert block_lengths({1: 5.0, 2: 3.0, 4: 4.0}, 2) == (2,)
-    assert block_lengths({1: 1.0, 2: 3.0, 4: 2.0}, 2) == (1, 4)
-    assert block_lengths({1: 1.0, 2: 3.0, 4: 2.0}, 5) == (1, 4, 5)  # beyond the table
 
 
 def test_every_outcome_is_int32():
