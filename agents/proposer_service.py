@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.draft_stream import DraftStream
-from agents.proposer_chains import GATHER_S, ChainRounds  # noqa: F401 - part of this interface
-from agents.slots import Slot, reclaimable, slot_for  # noqa: F401 - part of this interface
+from agents.proposer_chains import ChainRounds
+from agents.slots import Slot, slot_for
 from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_id, check_spec,
                           make_checked_proposer)
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, INTERNAL, NOT_FOUND, ProtocolError

@@ -1,10 +1,9 @@
-"""The verifier role: owns generation sessions and drives the spec-decode loop.
+"""The verifier role: checks each GenerateRequest, queues it and heartbeats it until it ends.
 
-A client's GenerateRequest names the proposer agents to use (ZeroMQ endpoints, in order of
-preference). The loop runs on this agent's compute thread with a `FallbackProposer` in place of
-a local proposer: when one proposer dies or stalls, the next one takes over; when none is left,
-decoding goes on plainly. Tokens stream back as GenerateChunk messages; per-block metrics go
-out on the agent's PUB socket (BlockMetrics) for `macfleet dash`.
+A request runs in the continuous batch, or alone on this agent's compute thread (a sharded
+verifier, a model the batch cannot run), through `VerifierGenerations`
+(agents/verifier_generate.py), drafted as agents/verifier_drafting.py decides: by the proposer
+agents it names (ZeroMQ endpoints, in order of preference) or by this agent's own drafters.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ from dataclasses import dataclass
 
 from agents.remote_proposer import DEFAULT_DRAFT_TIMEOUT_S
 from agents.specs import MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_spec
-from agents.verifier_drafting import (FallbackProposer, RequestDrafting,  # noqa: F401 (API)
-                                      draft_tokens_of)
+from agents.verifier_drafting import RequestDrafting
 from agents.verifier_generate import Pending, Reply, VerifierGenerations
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
 from bridge.messages import (AUTO_DRAFT_TOKENS, MAX_PREDICTION_IDS, MAX_TOP_LOGPROBS,
@@ -49,11 +47,11 @@ MAX_PROMPT_CHARS = 8 * MAX_PROMPT_TOKENS
 # seconds dead instead of waiting out a first-token deadline
 HEARTBEAT_S = 1.0
 KEEPALIVE_S = 1.0  # idle period after which a shard group's leader pings its followers
+DEFAULT_MAX_TOKENS_CAP = 4096
 
 
 class VerifierLost(RuntimeError):
     """The verifier itself is gone (a shard rank died): no request can be served any more."""
-DEFAULT_MAX_TOKENS_CAP = 4096
 
 
 def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:

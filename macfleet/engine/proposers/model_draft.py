@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from macfleet.engine.layers import head_logits, run_layers
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, common_prefix
 from macfleet.engine.sampling import GREEDY, make_rng, probs_from_logits, sample
 
 
@@ -45,16 +45,6 @@ class LayerSkipModel(nn.Module):
         inner = self._full.model
         h = inner.embed_tokens(inputs) if input_embeddings is None else input_embeddings
         return head_logits(self._full, run_layers(self.layers, h, cache))
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class ModelProposer(Proposer):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, common_prefix
 
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 1
@@ -37,7 +37,7 @@ class NgramProposer(Proposer):
 
     def _extend(self, context: Sequence[int]) -> None:
         if len(context) < len(self._seen) or list(context[: len(self._seen)]) != self._seen:
-            self._truncate(_common_prefix(self._seen, context))
+            self._truncate(common_prefix(self._seen, context))
         if not self._index:
             self._index = {n: {} for n in range(self.min_n, self.max_n + 1)}
         start = len(self._seen)
@@ -77,11 +77,3 @@ class NgramProposer(Proposer):
         self._extend(context)
         tokens = self._lookup(self._seen, k)
         return Draft(tuple(tokens), None, (time.perf_counter() - t0) * 1e3)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -30,11 +30,10 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from macfleet.engine.batch import BatchKV, RowCache, Segment, flat_layers
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, common_prefix
 from macfleet.engine.proposers.eagle.features import (HiddenTap, attach_tap, detach_tap,
                                                       hidden_states)
 from macfleet.engine.proposers.eagle.head import EagleHead
-from macfleet.engine.proposers.model_draft import common_prefix
 from macfleet.engine.sampling import GREEDY, make_rng, probs_from_logits, sample
 
 
