@@ -14,6 +14,7 @@ a Mac GPU, steeper and saw-toothed on a CPU.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -160,3 +161,30 @@ class Backoff:
             self._misses = 0
             self._skip = self._skip_len
             self._skip_len = min(self.max_skip, self._skip_len * 2)
+
+
+class TreeSizing:
+    """A tree drafter's sizing (eagle2's and the answer store's): verify(L) probed and learnt
+    (`curve`), how far its node probabilities are to be trusted (`calibration`), and each
+    tree's node count chosen against both (`size`)."""
+
+    def __init__(self) -> None:
+        self.curve, self.calibration = VerifyCurve(), Calibration()
+        self._predicted = 0.0  # the sum of the last tree's node probabilities
+
+    def size(self, probs: Sequence[float], t0: float) -> int:
+        """How many of the nodes (path probabilities, best first) to draft: a tree must pay
+        for its drafting too (since perf_counter `t0`), charged to every non-empty size."""
+        costs = self.curve.block_costs(len(probs), (time.perf_counter() - t0) * 1e3)
+        n = choose_tree_size(probs, costs, self.calibration.gain)
+        self._predicted = sum(probs[:n])
+        return n
+
+    def seed_verify_costs(self, costs) -> None:
+        self.curve.seed(costs)
+
+    def observe(self, drafted: int, accepted: int, verify_ms: float,
+                verified: int | None = None) -> None:
+        self.curve.observe(verified or drafted + 1, verify_ms)
+        if drafted:
+            self.calibration.observe(self._predicted, accepted)

@@ -181,3 +181,17 @@ def test_a_loaded_store_keeps_its_index_in_the_cache(tmp_path, monkeypatch):
         f.write_bytes(b"junk")
     assert Datastore.load(path).matches([0, 2, 3], 8) == store.matches([0, 2, 3], 8)
 
+
+
+def test_a_store_tree_is_sized_by_what_its_blocks_told_it():
+    """The sizing the tree drafters share (tree_budget.TreeSizing): verify(L) seeded and
+    learnt, and node probabilities trusted as far as the blocks' acceptance bore them out."""
+    prop = RetrievalProposer(Datastore.build([[1, 2, 3, 4, 5, 6]] * 3 + [[2, 3, 7]]))
+    prop.seed_verify_costs({1: 10.0, 8: 10.5})  # drafting pays: a flat curve
+    assert prop.curve.cost(8) == pytest.approx(10.5)
+    draft = prop.propose([9, 1, 2, 3], 8)
+    assert len(draft) > 0
+    for _ in range(60):  # none of its drafts is ever accepted
+        prop.observe(len(draft), 0, 10.0)
+    assert prop.calibration.gain < 0.5
+    assert prop.curve.cost(len(draft) + 1) == pytest.approx(10.0, rel=0.05)

@@ -37,7 +37,7 @@ import numpy as np
 from macfleet.engine.cachedir import cache_root
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.proposers.shipped import default_store_path
-from macfleet.engine.tree_budget import Calibration, VerifyCurve, choose_tree_size
+from macfleet.engine.tree_budget import TreeSizing
 
 SEPARATOR = 0xFFFF  # between answers in the store (never a token id of a <65535 vocabulary)
 NGRAMS = (8, 6, 4, 3, 2)
@@ -224,19 +224,17 @@ def build_tree(store: Datastore, matches: Sequence[tuple[int, int]], depth: int
     return tokens, parents, weight
 
 
-class RetrievalProposer(Proposer):
+class RetrievalProposer(TreeSizing, Proposer):
     drafts_trees = True
     host_side = True
 
     def __init__(self, store: Datastore, name: str = "retrieval", *,
                  max_matches: int = DEFAULT_MAX_MATCHES, depth: int = DEFAULT_DEPTH,
                  max_nodes: int = DEFAULT_MAX_NODES) -> None:
+        TreeSizing.__init__(self)
         self.store = store
         self.name = name
         self.max_matches, self.depth, self.max_nodes = max_matches, depth, max_nodes
-        self.curve = VerifyCurve()
-        self.calibration = Calibration()
-        self._predicted = 0.0
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         k = min(k, self.max_nodes)
@@ -248,24 +246,11 @@ class RetrievalProposer(Proposer):
             return Draft((), None, (time.perf_counter() - t0) * 1e3)
         tokens, parents, weight = build_tree(self.store, matches, self.depth)
         order = sorted(range(len(tokens)), key=lambda i: (-weight[i], i))[:k]
-        n = choose_tree_size([weight[i] for i in order],
-                             self.curve.block_costs(len(order),
-                                                    (time.perf_counter() - t0) * 1e3),
-                             self.calibration.gain)
+        n = self.size([weight[i] for i in order], t0)
         keep = sorted(order[:n])  # trie order: parents come before children
-        self._predicted = sum(weight[i] for i in keep)
         new = {old: j for j, old in enumerate(keep)}
         return Draft(tuple(tokens[i] for i in keep), None, (time.perf_counter() - t0) * 1e3,
                      tuple(new[parents[i]] if parents[i] >= 0 else -1 for i in keep))
-
-    def seed_verify_costs(self, costs) -> None:
-        self.curve.seed(costs)
-
-    def observe(self, drafted: int, accepted: int, verify_ms: float,
-                verified: int | None = None) -> None:
-        self.curve.observe(verified or drafted + 1, verify_ms)
-        if drafted:
-            self.calibration.observe(self._predicted, accepted)
 
 
 _loaded: dict[str, tuple[Datastore, int]] = {}  # path -> (store, its largest token id)

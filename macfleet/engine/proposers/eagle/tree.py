@@ -30,8 +30,7 @@ import numpy as np
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft
 from macfleet.engine.proposers.eagle.chain import EagleProposer
 from macfleet.engine.proposers.eagle.head import EagleHead
-from macfleet.engine.tree_budget import (Backoff, Calibration, VerifyCurve, choose_tree_size,
-                                         worth_expanding)
+from macfleet.engine.tree_budget import Backoff, TreeSizing, worth_expanding
 from macfleet.engine.tree_verify import tree_attention
 
 DEFAULT_TOP_K = 4
@@ -89,21 +88,19 @@ def _log_softmax(x: mx.array) -> mx.array:
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
-class EagleTreeProposer(EagleProposer):
+class EagleTreeProposer(TreeSizing, EagleProposer):
     drafts_trees = True
 
     def __init__(self, head: EagleHead, name: str = "eagle2", *, top_k: int = DEFAULT_TOP_K,
                  max_depth: int = DEFAULT_MAX_DEPTH, max_nodes: int = DEFAULT_MAX_NODES,
                  min_prob: float = DEFAULT_MIN_PROB,
                  deep_vocab: int = DEFAULT_DEEP_VOCAB) -> None:
-        super().__init__(head, name=name)
+        EagleProposer.__init__(self, head, name=name)
+        TreeSizing.__init__(self)
         self.top_k, self.max_depth, self.max_nodes = top_k, max_depth, max_nodes
         self.min_prob = min_prob
         self.deep_vocab = deep_vocab  # 0: every level drafts from the whole draft vocabulary
-        self.curve = VerifyCurve()
-        self.calibration = Calibration()
         self.backoff = Backoff()
-        self._predicted = 0.0  # sum of the last tree's node probabilities
         self.depth_ms = 0.0  # measured cost of one deeper level (EMA)
 
     def _top(self, h: mx.array, limit: int = 0) -> tuple[mx.array, mx.array]:
@@ -197,22 +194,14 @@ class EagleTreeProposer(EagleProposer):
         cand = self.candidates(context)
         order = cand.ranked()
         probs = [float(np.exp(cand.scores[i])) for i in order[:k]]
-        # a tree must pay for its drafting too: charged to every non-empty size, so a head
-        # whose trees do not beat plain decoding by their full cost chooses none, and the
-        # backoff stops paying for the head at all
-        costs = self.curve.block_costs(len(probs), (time.perf_counter() - t0) * 1e3)
-        n = choose_tree_size(probs, costs, self.calibration.gain)
-        self._predicted = sum(probs[:n])
+        # a head whose trees do not beat plain decoding by their full cost chooses none, and
+        # the backoff stops paying for the head at all
+        n = self.size(probs, t0)
         draft_ms = (time.perf_counter() - t0) * 1e3
         tokens, parents = cand.best(n)
         return Draft(tokens, None, draft_ms, parents if tokens else None)
 
-    def seed_verify_costs(self, costs) -> None:
-        self.curve.seed(costs)
-
     def observe(self, drafted: int, accepted: int, verify_ms: float,
                 verified: int | None = None) -> None:
-        self.curve.observe(verified or drafted + 1, verify_ms)
-        if drafted:
-            self.calibration.observe(self._predicted, accepted)
+        TreeSizing.observe(self, drafted, accepted, verify_ms, verified)
         self.backoff.observe(drafted, accepted)
