@@ -51,8 +51,8 @@ follows the machine even while it is not chosen. Plain decoding is 1 / verify(1)
   also waits until what the tries have lost (a try's time beyond what the best candidate
   would have committed its tokens in), with what this one is expected to lose, is within
   EXPLORE_SHARE of the time spent: counted in
-  blocks alone, a slow day's tries (a 25-token tree at twice a plain step) cost 10% of an
-  answer. A first try is never held back (it is how a winner is found), but charged; plain
+  blocks alone, a slow day's tries (a long tree at twice a plain step) cost a good share
+  of an answer. A first try is never held back (it is how a winner is found), but charged; plain
   decoding's first comes after the untried drafters' first.
 * The offline record (`bench drafter --record`/`--record-shipped`) is the prior: its winner
   starts at its recorded speedup over plain until its own blocks are measured.

@@ -28,7 +28,7 @@ Sampling stays distribution-identical to constrained sampling: a constrained blo
 carry no draft probabilities (cutting a sampled draft to the grammar would change the
 distribution it came from), so the exact-match rule accepts them (engine/acceptance.py).
 
-The grammar engine's tokenizer is built once per model tokenizer (`bridge`, ~1-3 s for a 49k
+The grammar engine's tokenizer is built once per model tokenizer (`bridge`, seconds for a large
 vocabulary: callers build it off their event loop) and shared by every request.
 """
 

@@ -1,8 +1,8 @@
 """exp, SiLU and softmax for MLX's CPU backend, where its own `exp` is scalar.
 
 On x86 MLX's CPU `exp` (and with it `sigmoid`, `silu`, `softmax` and the softmax inside
-`mx.fast.scaled_dot_product_attention` with more than one query) runs one element at a time,
-~80M a second here: a verify block's SiLUs and attention softmaxes grow with its length, and at
+`mx.fast.scaled_dot_product_attention` with more than one query) runs one element at a time
+(results/fastmath.json): a verify block's SiLUs and attention softmaxes grow with its length, and at
 16 decoding sessions they are a sixth of a flat batch's forward. Here exp is 2^(x log2 e)
 split into 2^n (the float's exponent bits) and 2^f, f in [-1/2, 1/2], by its degree-7 Taylor
 polynomial (truncation error < 1e-8 relative: below float32's own rounding), all in

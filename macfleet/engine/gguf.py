@@ -14,11 +14,11 @@ What this module adds:
 * dense (dequantized) or quantized weights: MLX's 4-bit matmul on the Linux CPU build is several
   times slower than a dense float32 one, so Linux loads dense by default.
 
-Norm weights stay float32: casting the model to float16 on CPU made a step 20x slower.
+Norm weights stay float32: casting the model to float16 on CPU made a step many times slower.
 
 The dense conversion is cached (`dense_cache_path`): evaluating the dequantize/unpermute/astype
-graph of the embedded model takes seconds on a Linux CPU (3.7 s of its 4 s load), while reading
-the converted float32 weights back takes a tenth of that, and every agent, server, CLI run and
+graph of the embedded model takes seconds on a Linux CPU (most of its load), while reading
+the converted float32 weights back takes a fraction of that, and every agent, server, CLI run and
 test process loads the model. The cache is one safetensors file per GGUF (keyed by its path,
 size, mtime, `CONVERSION_VERSION` and MLX's version; other keys of the same GGUF are removed when
 a new one is written), written whole or not at all, and only ever a shortcut: a file that does

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-PRIOR_SLOPE = 0.05  # verify(L) / verify(1) grows ~5% per extra token on the machines measured
+PRIOR_SLOPE = 0.05  # verify(L) / verify(1)'s growth per extra token before one is measured
 MIN_GAIN, MAX_GAIN = 0.1, 2.0
 
 

@@ -258,8 +258,8 @@ _loading = threading.Lock()  # two sessions asking at once build it once
 
 
 def _load(path: Path) -> tuple[Datastore, int]:
-    """The store at `path` and its largest token id, built once per process (~2 s for 5.5M
-    tokens). OSError, ValueError: no store there."""
+    """The store at `path` and its largest token id, built once per process (seconds
+    for the shipped store). OSError, ValueError: no store there."""
     key = str(path.with_suffix(".npy").resolve())
     with _loading:
         if key not in _loaded:

@@ -16,8 +16,8 @@ positions; drafted pairs are appended for the chain and trimmed off afterwards.
 Many sessions (a batching verifier's): each proposer's head cache is a row of one shared
 `BatchKV` (`use_rows`), and `draft_chains` drafts all their chains together, one head forward
 and one draft-vocabulary matmul per draft position for every session at once, as the verifier
-runs one forward per iteration (drafted one session after another, 16 sessions' chains cost
-16x one; together, about what two cost).
+runs one forward per iteration (drafted one session after another, N sessions' chains cost
+N times one; together, a few times one).
 """
 
 from __future__ import annotations
