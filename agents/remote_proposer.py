@@ -63,15 +63,8 @@ class FlowTotals:
         last = BlockFlows(f1_bytes=b1, f2_bytes=b2, f3_bytes=b3, f1_ms=wire_ms * share1,
                           f2_ms=wire_ms * (1 - share1), f3_ms=f3_ms, compute_ms=compute_ms,
                           predraft_hit=hit)
-        self.blocks += 1
-        self.f1_bytes += b1
-        self.f2_bytes += b2
-        self.f1_ms += last.f1_ms
-        self.f2_ms += last.f2_ms
-        self.compute_ms += compute_ms
-        self.predraft_hits += int(hit)
-        self.f3_bytes += b3
-        self.f3_ms += f3_ms
+        self += FlowTotals(blocks=1, f1_bytes=b1, f2_bytes=b2, f1_ms=last.f1_ms, f2_ms=last.f2_ms,
+                           f3_bytes=b3, f3_ms=f3_ms, compute_ms=compute_ms, predraft_hits=int(hit))
         self.last = last
 
     def __iadd__(self, other: FlowTotals) -> FlowTotals:

@@ -29,10 +29,6 @@ def hidden_states(model: nn.Module, ids: mx.array, cache=None) -> mx.array:
     return run_layers(model.model.layers, model.model.embed_tokens(ids), cache)
 
 
-def verifier_logits(model: nn.Module, h: mx.array) -> mx.array:
-    return head_logits(model, h)
-
-
 @dataclass(frozen=True)
 class FeatureChunk:
     """One chunk of text as the verifier sees it (numpy, so it stores and batches cheaply)."""
@@ -54,7 +50,7 @@ def extract_features(model: nn.Module, seqs: Iterable[tuple[Sequence[int], bool]
             if len(piece) < 8:
                 continue
             h = hidden_states(model, mx.array(piece, dtype=mx.uint32)[None])
-            top = mx.argmax(verifier_logits(model, h), axis=-1)
+            top = mx.argmax(head_logits(model, h), axis=-1)
             mx.eval(h, top)
             out.append(FeatureChunk(np.array(piece, dtype=np.int32),
                                     np.array(h[0].astype(mx.float16)),
