@@ -28,11 +28,10 @@ import numpy as np
 
 from agents.draft_stream import DraftStream
 from agents.proposer_service import ComputeThread, ProposerLimits, check_prompt
-from agents.slots import Slot, slot_for
 from agents.specs import check_id
-from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, NOT_FOUND, ProtocolError
-from bridge.messages import (CloseSession, DraftChunk, ErrorReply, SessionClosed,
-                             SessionOpened, StreamCommit, StreamOpen)
+from bridge.errors import BAD_REQUEST, ProtocolError
+from bridge.messages import (CloseSession, DraftChunk, SessionOpened, StreamCommit,
+                             StreamOpen)
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers.model_draft import ModelProposer
@@ -103,6 +102,11 @@ class DraftAheadService(ComputeThread):
     """Draft-ahead sessions on one draft model: checks on the server's loop thread (`handle`),
     drafting on one compute thread (MLX work is serialised there)."""
 
+    KIND = "draft-ahead"
+
+    def _stream_of(self, s: _Session) -> DraftStream:
+        return s.stream
+
     def __init__(self, draft: LoadedModel, *, serves: str,
                  limits: ProposerLimits = ProposerLimits()) -> None:
         """draft: the loaded draft model; serves: the verifier model spec it drafts for."""
@@ -153,17 +157,6 @@ class DraftAheadService(ComputeThread):
         else:
             self._slot(peer)
 
-    def _slot(self, peer: bytes) -> Slot:
-        last = {sid: s.stream.last_used for sid, s in list(self._sessions.items())}
-        slot = slot_for(peer, dict(self._owner), last, time.monotonic(), self.limits)
-        if not slot.ok:
-            raise ProtocolError(BUSY, slot.why)
-        return slot
-
-    def _owned(self, sid: str, peer: bytes) -> None:
-        if sid not in self._sessions or self._owner.get(sid) != peer:
-            raise ProtocolError(NOT_FOUND, f"no draft-ahead session '{sid}'")
-
     # -- the compute thread
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -178,26 +171,12 @@ class DraftAheadService(ComputeThread):
             if job is None:
                 break
             msg, reply, peer = job
-            try:
-                out = self._serve(msg, reply, peer)
-                if out is not None:
-                    reply(out)
-            except ProtocolError as e:
-                reply(ErrorReply(e.code, str(e)))
-            except Exception as e:  # the daemon never dies of a request; the error goes back
-                log.exception("draft-ahead job failed")
-                reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
+            self._answer(reply, lambda: self._serve(msg, reply, peer))
 
     def _serve(self, msg, reply: Reply, peer: bytes):
         if isinstance(msg, StreamOpen):
-            if msg.session_id in self._sessions:
-                self._owned(msg.session_id, peer)
-                self._drop(msg.session_id)
-            else:
-                evict = self._slot(peer).evict
-                if evict is not None:
-                    log.info("draft-ahead session %s gives way to a new one", evict)
-                    self._drop(evict)
+            self._make_room(msg.session_id, peer)
+            self._drop(msg.session_id)  # re-opening a session replaces it
             params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
             prop = ModelProposer(self.lm.model, name="draft")
             prop.start(params)
@@ -207,14 +186,9 @@ class DraftAheadService(ComputeThread):
             self._owner[msg.session_id] = peer
             return SessionOpened(msg.session_id, f"draft:{self.lm.spec}", self.lm.vocab_size)
         if isinstance(msg, CloseSession):
-            if msg.session_id in self._sessions:
-                self._owned(msg.session_id, peer)
-                self._drop(msg.session_id)
-            return SessionClosed(msg.session_id)
-        s = self._sessions.get(msg.session_id)
-        if s is None or self._owner.get(msg.session_id) != peer:
-            raise ProtocolError(NOT_FOUND, f"no draft-ahead session '{msg.session_id}'")
-        self._commit(s, msg)
+            return self._close_session(msg, peer)
+        self._owned(msg.session_id, peer)
+        self._commit(self._sessions[msg.session_id], msg)
         return None  # one-way
 
     def _commit(self, s: _Session, msg: StreamCommit) -> None:
@@ -239,16 +213,3 @@ class DraftAheadService(ComputeThread):
         if chunk is not None:
             self.totals.drafted += len(chunk.tokens)
             s.reply(chunk)
-
-    def _drop(self, sid: str) -> None:
-        s = self._sessions.pop(sid, None)
-        self._owner.pop(sid, None)
-        if s is not None:
-            s.stream.proposer.close()
-
-    def _evict_idle(self) -> None:
-        now = time.monotonic()
-        for sid, s in list(self._sessions.items()):
-            if now - s.stream.last_used > self.limits.idle_evict_s:
-                log.info("evicting idle draft-ahead session %s", sid)
-                self._drop(sid)

@@ -109,8 +109,76 @@ def check_prompt(msg: OpenSession, vocab: int) -> None:
 
 class ComputeThread:
     """The shell of a service whose MLX work runs on one compute thread (`_run`, fed by
-    `_jobs`; None stops it), with its sessions in `_sessions`: the proposer role and the
-    draft-model role (agents/draft_service.py)."""
+    `_jobs`; None stops it), with its sessions in `_sessions` (each a DraftStream, or holding
+    one: `_stream_of`) and their openers in `_owner`: the proposer role and the draft-model
+    role (agents/draft_service.py)."""
+
+    KIND = "drafting"  # what its sessions are called in errors and logs
+    BAD_REQUESTS: tuple[type[Exception], ...] = ()  # a job's errors that are the request's fault
+
+    def _stream_of(self, s) -> DraftStream:
+        return s
+
+    def _owned(self, sid: str, peer: bytes) -> None:
+        """NOT_FOUND unless session `sid` exists and was opened by this client connection:
+        another connection that learnt (or guessed) the id can neither draft on it, re-open
+        it nor close it, and cannot even tell it exists."""
+        if sid not in self._sessions or self._owner.get(sid) != peer:
+            raise ProtocolError(NOT_FOUND, f"no {self.KIND} session '{sid}'")
+
+    def _slot(self, peer: bytes) -> Slot:
+        """The slot for a new session of `peer` (slot_for); BUSY when there is none."""
+        last = {sid: self._stream_of(s).last_used for sid, s in list(self._sessions.items())}
+        slot = slot_for(peer, dict(self._owner), last, time.monotonic(), self.limits)
+        if not slot.ok:
+            raise ProtocolError(BUSY, slot.why)
+        return slot
+
+    def _make_room(self, sid: str, peer: bytes) -> None:
+        """On the compute thread, as a session opens (other opens may have been queued, the
+        session may have changed hands meanwhile): re-opening is its opener's alone; a new
+        session takes a slot, and the session that gives way to it goes."""
+        if sid in self._sessions:
+            self._owned(sid, peer)
+            return
+        evict = self._slot(peer).evict
+        if evict is not None:
+            log.info("%s session %s gives way to a new one", self.KIND, evict)
+            self._drop(evict)
+
+    def _close_session(self, msg: CloseSession, peer: bytes) -> SessionClosed:
+        if msg.session_id in self._sessions:
+            self._owned(msg.session_id, peer)
+            self._drop(msg.session_id)
+        return SessionClosed(msg.session_id)
+
+    def _drop(self, sid: str) -> None:
+        s = self._sessions.pop(sid, None)
+        self._owner.pop(sid, None)
+        if s is not None:
+            self._stream_of(s).proposer.close()
+
+    def _evict_idle(self) -> None:
+        now = time.monotonic()
+        for sid, s in list(self._sessions.items()):
+            if now - self._stream_of(s).last_used > self.limits.idle_evict_s:
+                log.info("evicting idle %s session %s", self.KIND, sid)
+                self._drop(sid)
+
+    def _answer(self, reply: Reply, serve: Callable[[], object]) -> None:
+        """One job on the compute thread: its answer (None: one-way) or its error goes back;
+        the daemon never dies of a request."""
+        try:
+            out = serve()
+            if out is not None:
+                reply(out)
+        except ProtocolError as e:
+            reply(ErrorReply(e.code, str(e)))
+        except self.BAD_REQUESTS as e:
+            reply(ErrorReply(BAD_REQUEST, str(e)))
+        except Exception as e:
+            log.exception("%s job failed", self.KIND)
+            reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
 
     def _start_compute(self, name: str) -> None:
         """Starts the compute thread: last in a constructor, once every field `_run` reads is
@@ -132,6 +200,8 @@ class ProposerService(ChainRounds, ComputeThread):
     """The proposer role: request checks on the server's loop thread (`handle`), then drafting
     on one compute thread: sessions opened and closed, draft requests served (chain sessions of
     one round together: agents/proposer_chains.py), lookahead in idle time, idle eviction."""
+
+    BAD_REQUESTS = (ModelSpecError, ProposerSpecError, ValueError)
 
     def __init__(self, lm: LoadedModel, *,
                  kinds: tuple[str, ...] = PROPOSER_KINDS,
@@ -193,13 +263,6 @@ class ProposerService(ChainRounds, ComputeThread):
         self._jobs.put((msg, reply, time.perf_counter()))
         return True
 
-    def _owned(self, sid: str, peer: bytes) -> None:
-        """NOT_FOUND unless session `sid` exists and was opened by this client connection:
-        another connection that learnt (or guessed) the id can neither draft on it, re-open
-        it nor close it, and cannot even tell it exists."""
-        if sid not in self._sessions or self._owner.get(sid) != peer:
-            raise ProtocolError(NOT_FOUND, f"no drafting session '{sid}'")
-
     def _validate_open(self, msg: OpenSession, peer: bytes) -> None:
         if not isinstance(msg.proposer, str) or "+" in msg.proposer:
             raise ProtocolError(BAD_REQUEST, "a drafting session runs one drafter, not a+b")
@@ -210,28 +273,16 @@ class ProposerService(ChainRounds, ComputeThread):
         if not msg.prompt or len(msg.prompt) > self.limits.max_prompt:
             raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} tokens")
         if msg.session_id not in self._sessions:
-            self._check_quota(peer)
+            self._slot(peer)
         else:
             self._owned(msg.session_id, peer)  # re-opening replaces only one's own session
         check_prompt(msg, self.lm.vocab_size)
 
-    def _check_quota(self, peer: bytes) -> Slot:
-        """The slot for a new session of `peer` (slot_for); BUSY when there is none."""
-        slot = slot_for(peer, dict(self._owner), self._last_used(), time.monotonic(),
-                        self.limits)
-        if not slot.ok:
-            raise ProtocolError(BUSY, slot.why)
-        return slot
-
-    def _last_used(self) -> dict[str, float]:
-        return {sid: s.last_used for sid, s in list(self._sessions.items())}
-
     def _drop(self, sid: str) -> None:
-        s = self._sessions.pop(sid, None)
-        self._owner.pop(sid, None)
+        s = self._sessions.get(sid)
         if s is not None:
             self.fallback_tokens += s.proposer.fallback_tokens
-            s.proposer.close()
+        super()._drop(sid)
 
     # -- compute thread
     def _run(self) -> None:
@@ -252,15 +303,7 @@ class ProposerService(ChainRounds, ComputeThread):
             if self._chained(msg):
                 self._serve_together([job, *self._gather(msg.session_id)])
                 continue
-            try:
-                reply(self._serve(msg, received, getattr(reply, "peer", b"")))
-            except ProtocolError as e:
-                reply(ErrorReply(e.code, str(e)))
-            except (ModelSpecError, ProposerSpecError, ValueError) as e:
-                reply(ErrorReply(BAD_REQUEST, str(e)))
-            except Exception as e:  # the daemon never dies of a request; the error goes back
-                log.exception("proposer job failed")
-                reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
+            self._answer(reply, lambda: self._serve(msg, received, getattr(reply, "peer", b"")))
 
     def _update(self, msg: DraftRequest, peer: bytes) -> DraftStream:
         """A draft request's session (its opener's only), its context and hidden states
@@ -287,14 +330,7 @@ class ProposerService(ChainRounds, ComputeThread):
         then, so time a request waits here (behind a lookahead step, or other sessions'
         blocks) is the proposer's time, not the wire's."""
         if isinstance(msg, OpenSession):
-            if msg.session_id in self._sessions:
-                self._owned(msg.session_id, peer)  # again: it may have changed hands meanwhile
-            else:
-                # again: other opens may have been queued meanwhile
-                evict = self._check_quota(peer).evict
-                if evict is not None:
-                    log.info("drafting session %s gives way to a new one", evict)
-                    self._drop(evict)
+            self._make_room(msg.session_id, peer)
             prop = make_checked_proposer(msg.proposer, self.lm, self.policy, self.models)
             if isinstance(prop, EagleProposer):
                 # features arrive over F3; never tap this process's model (agents sharing a
@@ -313,10 +349,7 @@ class ProposerService(ChainRounds, ComputeThread):
             self._owner[msg.session_id] = peer
             return SessionOpened(msg.session_id, prop.name, self.lm.vocab_size)
         if isinstance(msg, CloseSession):
-            if msg.session_id in self._sessions:
-                self._owned(msg.session_id, peer)
-                self._drop(msg.session_id)
-            return SessionClosed(msg.session_id)
+            return self._close_session(msg, peer)
         s = self._update(msg, peer)
         if s.proposer.drafts_trees:  # a dynamic tree: drafted early in idle time, or now
             _learn(s, msg)
@@ -362,10 +395,3 @@ class ProposerService(ChainRounds, ComputeThread):
             live[self._rr].stream.clear()
             live[self._rr].rows.clear()
             live[self._rr].exhausted = True
-
-    def _evict_idle(self) -> None:
-        now = time.monotonic()
-        for sid, s in list(self._sessions.items()):
-            if now - s.last_used > self.limits.idle_evict_s:
-                log.info("evicting idle drafting session %s", sid)
-                self._drop(sid)

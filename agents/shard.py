@@ -4,7 +4,7 @@ Each rank is its own process. The group is started without ssh or mpirun: every 
 same hostfile (a JSON list, one entry per rank, each a list of "ip:port") and its own rank,
 through MLX_HOSTFILE / MLX_RANK, then calls `mx.distributed.init(backend="ring")`.
 
-Two ways to cut the model:
+Three ways to cut the model:
 * tensor (mlx-lm's `model.shard(group)`): every rank holds 1/N of every layer's heads and MLP
   columns; two all-reduces per layer; every rank ends with the full logits. Needs heads and
   kv-heads divisible by N (SmolLM2: 9/3 heads -> N = 3).
