@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from agents.draft_stream import survives
-from agents.remote_proposer import DEFAULT_CONNECT_TIMEOUT_S, FlowTotals
+from agents.remote_proposer import (DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_OPEN_TIMEOUT_S,
+                                    OPEN_GRACE_S, FlowTotals)
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import (CloseSession, DraftChunk, ErrorReply, SessionOpened, StreamCommit,
                              StreamOpen)
@@ -37,8 +38,6 @@ from macfleet.stats import FlowStats
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OPEN_TIMEOUT_S = 30.0  # first contact may load the draft model
-OPEN_GRACE_S = 0.05  # the first block waits this long for the session to open
 DEFAULT_SILENCE_S = 5.0  # an agent that pushes nothing this long while drafts are owed is dead
 DEFAULT_LEAD = 2 * 12 + 2  # tokens the agent may draft past what it knows is committed
 _EMA = 0.2
