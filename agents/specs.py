@@ -165,20 +165,10 @@ class DraftModels:
             return lm
 
     def proposer(self, spec: str, own):
-        """A draft-model proposer like the engine's factory builds, from this cache."""
-        from macfleet.engine.models import ModelSpecError
-        from macfleet.engine.proposers import ProposerSpecError
-        from macfleet.engine.proposers.model_draft import ModelProposer
+        """A draft-model proposer as the engine's factory builds it, from this cache."""
+        from macfleet.engine.proposers.factory import draft_model_proposer
 
-        arg = spec.partition(":")[2]
-        try:
-            draft = self.get(arg, own)
-        except ModelSpecError as e:
-            raise ProposerSpecError(f"draft model: {e}") from e
-        if draft.vocab_size != own.vocab_size:
-            raise ProposerSpecError(f"draft model {arg} has vocabulary {draft.vocab_size}, the "
-                                    f"verifier {own.vocab_size}: it must share the tokenizer")
-        return ModelProposer(draft.model, name=f"draft:{arg}")
+        return draft_model_proposer(spec.partition(":")[2], own, lambda m: self.get(m, own))
 
 
 def make_checked_proposer(spec: str, lm, policy: SpecPolicy, models: DraftModels):

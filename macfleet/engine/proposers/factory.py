@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from macfleet.engine.models import LoadedModel, ModelSpecError, load_model
@@ -82,13 +83,20 @@ def make_proposer(spec: str, verifier: LoadedModel) -> Proposer | None:
                 f"{verifier.spec} ({verifier.num_layers} layers)"
             )
         return ModelProposer(LayerSkipModel(verifier.model, k), name=f"layerskip:{k}")
+    return draft_model_proposer(ps.arg, verifier)
+
+
+def draft_model_proposer(model: str, verifier: LoadedModel,
+                         load: Callable[[str], LoadedModel] = load_model) -> ModelProposer:
+    """`draft:MODEL`: a separate small model, which must share the verifier's tokenizer
+    (`load` builds it: an agent's bounded cache of draft models)."""
     try:
-        draft = load_model(ps.arg)
+        draft = load(model)
     except ModelSpecError as e:
         raise ProposerSpecError(f"draft model: {e}") from e
     if draft.vocab_size != verifier.vocab_size:
         raise ProposerSpecError(
-            f"draft model {ps.arg} has vocabulary {draft.vocab_size}, the verifier "
+            f"draft model {model} has vocabulary {draft.vocab_size}, the verifier "
             f"{verifier.vocab_size}: a draft model must share the verifier's tokenizer"
         )
-    return ModelProposer(draft.model, name=f"draft:{ps.arg}")
+    return ModelProposer(draft.model, name=f"draft:{model}")
