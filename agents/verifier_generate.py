@@ -159,11 +159,9 @@ class VerifierGenerations:
                                     tuple(e.logprob for e in lps), tuple(e.top for e in lps)))
                 lps = ()
             elif isinstance(ev, BlockDone):
-                last = (last_flows(proposer) if ev.k > 0 else None) or BlockFlows()
-                wire_ms += last.wire_ms
+                wire_ms += self._publish_block(rid, ev, proposer, probe=bool(self.f3_probe_width),
+                                               **(kv_once if ev.block == 1 else {}))
                 block_ms += ev.block_ms
-                self._publish_block(rid, ev, last, probe=bool(self.f3_probe_width),
-                                    **(kv_once if ev.block == 1 else {}))
             elif isinstance(ev, Finished):
                 tail = stream.finish()
                 if tail:
@@ -193,10 +191,11 @@ class VerifierGenerations:
             code = BUSY if isinstance(e, Overloaded) else BAD_REQUEST
             raise ProtocolError(code, str(e)) from None
 
-    def _publish_block(self, rid: str, ev: BlockDone, last: BlockFlows, *, probe: bool,
-                       **extra) -> None:
+    def _publish_block(self, rid: str, ev: BlockDone, drafter, *, probe: bool,
+                       **extra) -> float:
         """One verified block's metrics on the PUB socket (both paths: batched and alone);
-        extra: the shard flow, and flow KV on a session's first block."""
+        extra: the shard flow, and flow KV on a session's first block. Returns its wire ms."""
+        last = (last_flows(drafter) if ev.k > 0 else None) or BlockFlows()
         self.publish(BlockMetrics(
             node_id=self.node_id, session_id=rid, block=ev.block, k=ev.k,
             accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
@@ -205,6 +204,7 @@ class VerifierGenerations:
             probe=probe, hidden_size=self.lm.hidden_size, ahead_lead=last.ahead_lead,
             ahead_waste=last.ahead_waste if last.ahead_lead or last.ahead_waste else -1.0,
             drafter=ev.drafter, why=ev.why, **extra))
+        return last.wire_ms
 
     def generate(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
         """One session alone (a sharded verifier, a model the batch cannot run, a long prompt
@@ -230,15 +230,13 @@ class VerifierGenerations:
                     parts.append(ev.text)
                     reply(GenerateChunk(msg.request_id, list(ev.tokens), ev.text))
                 elif isinstance(ev, BlockDone):
-                    last = (last_flows(proposer) if ev.k > 0 else None) or BlockFlows()
-                    wire_ms += last.wire_ms
                     block_ms += ev.block_ms
                     shard = shard_now()
                     sh = block_delta(shard_prev, shard)
                     shard_prev = shard
                     # measured where a collective was timed, else priced (and marked so)
-                    self._publish_block(
-                        msg.request_id, ev, last,
+                    wire_ms += self._publish_block(
+                        msg.request_id, ev, proposer,
                         probe=bool(self.f3_probe_width) and self.drafts.feature_tap is None,
                         shard_bytes=sh.bytes, shard_ms=sh.ms or sh.priced_ms,
                         shard_priced=not sh.ms and sh.priced_ms > 0, rank_load=sh.rank_load,
