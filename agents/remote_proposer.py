@@ -104,39 +104,31 @@ class RemoteProposer(Proposer):
         self.f3_probe_width = f3_probe_width
         self.features = features  # VerifierFeatures: real F3 for a hidden-state drafter
         self.wants_features = features is not None
-        self._f_sent = 0  # feature rows the remote session has
         self.f3_codec = f3_codec
         self.name = f"{proposer}@{endpoint}"
-        self.flows = FlowTotals()
         self._client: Client | None = None
-        self._session = ""
-        self._sent = 0  # context tokens the remote session knows
-        self._block = 0
         self._pending = ""
         self._pending_len = 0
         self._f3_bytes = 0
         self._sent_bytes = 0
         self._t0 = 0.0
         self._f3: tuple[int, float] = (0, 0.0)
-        self.params = GREEDY
-        self._feedback: tuple[int, int, float] = (-1, 0, 0.0)  # for the next request
         self._costs: dict[int, float] | None = None  # the verifier's verify(L), sent once
-        self._opening = ""  # the id of an OpenSession in flight (`_opened` collects it)
         self._opening_sid = ""
         self._open_len = 0  # context tokens the session opens with
         self._open_by = 0.0  # monotonic deadline of the open
-        self._asked = False  # this block's request went out (`begin`): `finish` collects it
+        self.start(GREEDY)
 
     def start(self, params: SamplingParams = GREEDY) -> None:
         self.params = params
         self._session = ""
-        self._sent = 0
-        self._f_sent = 0
+        self._sent = 0  # context tokens the remote session knows
+        self._f_sent = 0  # feature rows the remote session has
         self._block = 0
         self.flows = FlowTotals()
-        self._feedback = (-1, 0, 0.0)
-        self._opening = ""
-        self._asked = False
+        self._feedback: tuple[int, int, float] = (-1, 0, 0.0)  # for the next request
+        self._opening = ""  # the id of an OpenSession in flight (`_opened` collects it)
+        self._asked = False  # this block's request went out (`begin`): `finish` collects it
 
     def seed_verify_costs(self, costs) -> None:
         self._costs = {int(k): float(v) for k, v in costs.items()}

@@ -158,8 +158,6 @@ class StreamingProposer(Proposer):
         self.open_timeout_s = open_timeout_s
         self.silence_s = silence_s
         self.f3_probe_width = 0
-        self.flows = FlowTotals()
-        self.params = GREEDY
         self._client: Client | None = None
         self._mirror: AheadMirror | None = None
         self._session = ""
@@ -171,20 +169,17 @@ class StreamingProposer(Proposer):
         self._token_ms: float | None = None  # the agent's time per draft token (EMA)
         self._alpha = 0.8  # per-token acceptance (EMA), optimistic at first
         self._costs: dict[int, float] = {}  # verify(L) in ms, measured or seeded
-        self._lead_sum = 0  # drafts waiting when blocks began (for `lead`)
-        self._lead_n = 0
-        self._wait_ms = 0.0
         self._lead = 0
         self._sent_bytes = self._recv_bytes = 0
-        self._received = self._wasted = 0  # drafts of sessions already closed (`waste`)
+        self.start(GREEDY)
 
     # -- the Proposer interface
     def start(self, params: SamplingParams = GREEDY) -> None:
         self.close()
-        self._received = self._wasted = 0
+        self._received = self._wasted = 0  # drafts of sessions already closed (`waste`)
         self.params = params
         self.flows = FlowTotals()
-        self._lead_sum = self._lead_n = 0
+        self._lead_sum = self._lead_n = 0  # drafts waiting when blocks began (for `lead`)
         self._wait_ms = 0.0
 
     def seed_verify_costs(self, costs: Mapping[int, float]) -> None:
