@@ -141,12 +141,9 @@ class DraftStream:
         while len(self.stream) < k and self.extend(k - len(self.stream)):
             pass
         toks = self.stream[:k]
-        probs = None
-        if self.want_probs and toks:
-            if len(self.rows) >= len(toks):
-                probs = np.stack(self.rows[: len(toks)]).astype(np.float32)
-            else:  # a proposer without distributions (n-gram): exact-match acceptance
-                probs = None
+        probs = None  # without distributions (n-gram): exact-match acceptance
+        if self.want_probs and toks and len(self.rows) >= len(toks):
+            probs = np.stack(self.rows[: len(toks)]).astype(np.float32)
         return StreamReply(toks, probs, (time.perf_counter() - t0) * 1e3, hit)
 
     def wants_lookahead(self) -> bool:
