@@ -209,13 +209,17 @@ class RequestDrafting:
             return FallbackProposer([StreamingProposer(ep, key=self.key, model=self.lm.spec)
                                      for ep in msg.proposers])
         feats = self.features(msg.proposer_spec, batched)
-        return FallbackProposer([
-            RemoteProposer(ep, key=self.key, proposer=msg.proposer_spec, model=self.lm.spec,
-                           cross_round=msg.cross_round,
-                           f3_probe_width=0 if feats else self.f3_probe_width,
-                           features=feats, f3_codec=self.f3_codec,
-                           draft_timeout_s=self.draft_timeout_s)
-            for ep in msg.proposers])
+        return FallbackProposer([self._remote(msg, ep, msg.proposer_spec, feats,
+                                              probe=not feats) for ep in msg.proposers])
+
+    def _remote(self, msg: GenerateRequest, endpoint: str, spec: str, feats,
+                probe: bool = True) -> RemoteProposer:
+        """A drafter on another agent (F3 probed when this verifier measures it and `probe`)."""
+        return RemoteProposer(endpoint, key=self.key, proposer=spec, model=self.lm.spec,
+                              cross_round=msg.cross_round,
+                              f3_probe_width=self.f3_probe_width if probe else 0,
+                              features=feats, f3_codec=self.f3_codec,
+                              draft_timeout_s=self.draft_timeout_s)
 
     def features(self, spec: str, batched: bool = False):
         """Real F3 for a remote hidden-state drafter: tap this verifier's own forwards (one
@@ -237,11 +241,7 @@ class RequestDrafting:
         spec_of = [specs[min(i, len(specs) - 1)] for i in range(len(msg.proposers))]
         feats = next((self.features(s, batched) for s in spec_of if s.startswith("eagle")),
                      None)
-        remotes = [RemoteProposer(ep, key=self.key, proposer=spec, model=self.lm.spec,
-                                  cross_round=msg.cross_round,
-                                  f3_probe_width=self.f3_probe_width,
-                                  features=feats if spec.startswith("eagle") else None,
-                                  f3_codec=self.f3_codec, draft_timeout_s=self.draft_timeout_s)
+        remotes = [self._remote(msg, ep, spec, feats if spec.startswith("eagle") else None)
                    for ep, spec in zip(msg.proposers, spec_of)]
         return RemoteProposerGroup(remotes, draft_tokens=draft_tokens_of(msg),
                                    node_budget=tree_budget(remotes))
