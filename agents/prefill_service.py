@@ -61,7 +61,6 @@ class PrefillService:
         self.limits = limits
         self._jobs: queue.Queue = queue.Queue(maxsize=limits.max_queued)
         self.active = 0
-        self.completed = 0
         self._thread = threading.Thread(target=self._run, name="prefill-compute", daemon=True)
         self._thread.start()
 
@@ -95,7 +94,6 @@ class PrefillService:
             self.active += 1
             try:
                 self._prefill(msg, reply)
-                self.completed += 1
             except Exception as e:  # the daemon never dies of a request; the verifier gets why
                 log.exception("prefill failed")
                 reply(ErrorReply(INTERNAL, f"prefill: {type(e).__name__}: {e}"))

@@ -112,7 +112,6 @@ class VerifierGenerations:
         self.pending, self.publish, self.f3_probe_width = pending, publish, f3_probe_width
         self.batch = None  # the continuous batch (a BatchEngine), when the service runs one
         self.stage = None  # the prefill stage (agents/remote_prefill.PrefillStage), if any
-        self.completed = 0
 
     def _prompt_ids(self, msg: GenerateRequest, staged) -> list[int]:
         if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
@@ -172,7 +171,6 @@ class VerifierGenerations:
                                ev.stats.prefill_ms, ev.stats.prefill_ms if shipped_kv is not None
                                else None)
                 fleet = fleet_stats(self.node_id, proposer, wire_ms, block_ms, flow)
-                self.completed += 1
                 reply(GenerateDone(rid, "".join(parts), list(ev.token_ids),
                                    replace(ev.stats, fleet=fleet), cached))
             elif isinstance(ev, SessionFailed):
@@ -253,6 +251,5 @@ class VerifierGenerations:
         flow = kv_flow(staged, self.stage, len(ids), stats.prefill_ms,
                        verifier.install_ms if installed else None)
         fleet = fleet_stats(self.node_id, proposer, wire_ms, block_ms, flow, shard=shard_now())
-        self.completed += 1
         reply(GenerateDone(msg.request_id, "".join(parts), token_ids,
                            replace(stats, fleet=fleet)))

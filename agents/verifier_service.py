@@ -166,11 +166,6 @@ class VerifierService:
         self.generations.stage = self._stage
 
     @property
-    def completed(self) -> int:
-        """Generations answered (both paths)."""
-        return self.generations.completed
-
-    @property
     def f3_codec(self) -> str:
         """How hidden states travel to remote hidden-state drafters (float16 | int8)."""
         return self._drafts.f3_codec
