@@ -126,7 +126,7 @@ class Agent:
         if cfg.draft and cfg.role != ROLE_PROPOSER:
             raise ValueError("--draft names a proposer agent's draft model")
         loads = cfg.draft or cfg.model  # a draft-model agent needs only the draft model
-        self.admission = admit(loads, sysinfo.memory_free())  # AdmissionError: not loaded
+        admit(loads, sysinfo.memory_free())  # AdmissionError: not loaded
 
         self.lm = load_model(loads)
         self.publisher = Publisher(key=cfg.key, bind=f"tcp://{cfg.bind_host}:{cfg.pub_port or '*'}",

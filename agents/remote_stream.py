@@ -323,7 +323,7 @@ class StreamingProposer(Proposer):
         self._open_by = time.monotonic() + self.open_timeout_s
         self._heard = time.perf_counter()
         try:
-            self._open_id = self._client.send(msg)
+            self._client.send(msg)
         except PeerUnavailable as e:
             raise ProposerFailed(f"cannot open a draft-ahead session on {self.endpoint}: "
                                  f"{e}") from e

@@ -181,7 +181,6 @@ class _Stage:
             a, b = layer_range(len(model.model.layers), self.size, self.rank)
             self.layers = list(model.model.layers)[a:b]
             model.model.layers = self.layers  # drop the other ranks' layers: this is the fit
-            self.span = (a, b)
         else:
             raise ValueError(f"unknown shard mode '{mode}': one of {SHARD_MODES}")
         self.moe_layers = sum(isinstance(getattr(ly, "mlp", None), ExpertParallelMoE)
