@@ -66,14 +66,17 @@ class FallbackProposer(Proposer):
         for p in self._live:
             p.start(params)
 
-    def propose(self, context, k: int) -> Draft:
+    def _first(self, call):
+        """`call` on the first live proposer; one that fails is dropped for the next."""
         while self._live:
-            p = self._live[0]
             try:
-                return p.propose(context, k)
+                return call(self._live[0])
             except ProposerFailed as e:
                 self._drop(e)
         raise ProposerFailed("no proposer left; continuing with plain decoding")
+
+    def propose(self, context, k: int) -> Draft:
+        return self._first(lambda p: p.propose(context, k))
 
     def observe(self, drafted: int, accepted: int, verify_ms: float,
                 verified: int | None = None) -> None:
@@ -83,13 +86,7 @@ class FallbackProposer(Proposer):
     def begin(self, context, k: int) -> None:
         """Send the request to the first live proposer (dropping those that cannot take it)."""
         self._begun = (list(context), k)
-        while self._live:
-            try:
-                self._live[0].begin(context, k)
-                return
-            except ProposerFailed as e:
-                self._drop(e)
-        raise ProposerFailed("no proposer left; continuing with plain decoding")
+        self._first(lambda p: p.begin(context, k))
 
     def finish(self) -> Draft:
         """Its reply; when that proposer fails now, the next ones are asked in turn."""
