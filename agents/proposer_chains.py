@@ -7,7 +7,8 @@ then drafts them in one `draft_chains` call per head: one head forward per draft
 all of them (their head caches are rows of one store), not one session after the other while
 the verifier waits for the last. `ChainRounds` is a part of `ProposerService`
 (agents/proposer_service.py): it reads the service's sessions, job queue and the jobs held
-back while gathering (`_sessions`, `_jobs`, `_pending`), its `_update` and its counters.
+back while gathering (`_sessions`, `_jobs`, `_pending`), its `_update`, `_answer` and its
+counters.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 import numpy as np
 
-from bridge.errors import INTERNAL, ProtocolError
+from bridge.errors import INTERNAL
 from bridge.messages import DraftReply, DraftRequest, ErrorReply
 from macfleet.engine.proposers.eagle.chain import draft_chains
 
@@ -63,17 +64,12 @@ class ChainRounds:
 
     def _serve_together(self, jobs: list) -> None:
         """Chain requests of several sessions: each validated and brought up to date alone (a
-        bad one is answered with its error), then all drafted in one `draft_chains` call."""
+        bad one is answered with its error, as a request served alone), then all drafted in one
+        `draft_chains` call."""
         ready = []
         for msg, reply, received in jobs:
-            try:
-                ready.append((msg, reply, received,
-                              self._update(msg, getattr(reply, "peer", b""))))
-            except ProtocolError as e:
-                reply(ErrorReply(e.code, str(e)))
-            except Exception as e:  # noqa: BLE001 - the daemon never dies of a request
-                log.exception("proposer job failed")
-                reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
+            self._answer(reply, lambda: ready.append(
+                (msg, reply, received, self._update(msg, getattr(reply, "peer", b"")))))
         if not ready:
             return
         groups: dict[int, list] = {}  # one draft_chains call per head (its store of rows)
