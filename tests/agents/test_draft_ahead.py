@@ -178,7 +178,8 @@ def fleet(request):
     prop.close()
 
 
-@pytest.mark.parametrize("prompt", ["the cat sat on the mat", "one two three four"])
+@pytest.mark.parametrize("prompt", ["the cat sat on the mat", pytest.param(  # the fast lane: one
+    "one two three four", marks=pytest.mark.slow)])
 def test_drafted_ahead_greedy_equals_the_verifier_alone(fleet, prompt):
     ver, prop = fleet
     alone = generate_done(ver.card, KEY, prompt, [], "none", max_tokens=48)

@@ -151,8 +151,12 @@ def test_exact_accept_pattern(tiny, ref, right):
         assert fin.stats.blocks == -(-N // 5)
 
 
-@pytest.mark.parametrize("proposer", ["none", "ngram", "draft:tiny:2:64", "layerskip:2"])
-@pytest.mark.parametrize("k", [1, 3, "auto"])
+# every proposer at k=3, and each other k once, in the fast lane; the rest of the matrix runs
+# in the default suite (docs/testing.md "Fast lane, second round")
+@pytest.mark.parametrize("k, proposer", [
+    (k, p) if k == 3 or (k, p) in ((1, "ngram"), ("auto", "draft:tiny:2:64"))
+    else pytest.param(k, p, marks=pytest.mark.slow)
+    for k in (1, 3, "auto") for p in ("none", "ngram", "draft:tiny:2:64", "layerskip:2")])
 def test_event_stream_is_consistent(tiny, ref, proposer, k):
     events = run(tiny, make_proposer(proposer, tiny), k=k if proposer != "none" else 0)
     fin = check_consistent(events)

@@ -119,3 +119,50 @@ class AsciiTokenizer:
 
 ASCII = AsciiTokenizer()
 VOCAB = len(ASCII.chars) + 1
+
+
+# -- the real HTTP app in-process, an engine that answers from a script -------------------------
+class CharTokenizer:
+    """Characters as token ids (any text round-trips), with the test template's support."""
+
+    has_chat_template = False
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+class ScriptedEngine:
+    """Answers every request with one text, a few tokens per block, as the engine emits them:
+    what a model would send through the HTTP layer (tool calls: test_tools.py; a
+    response_format's answer: test_structured.py). Records each request's text and grammar."""
+
+    alive, iterations = True, 0
+
+    def __init__(self, answer: str, finish: str = "stop") -> None:
+        self.answer, self.finish, self.prompts, self.grammars = answer, finish, [], []
+
+    def load(self):
+        return 0, 0
+
+    def submit(self, req, emit, on_close=None):
+        from macfleet.engine.events import Finished, GenerationStats, TokensCommitted
+
+        self.prompts.append(req.text)
+        self.grammars.append(req.grammar)
+        ids = [ord(c) for c in self.answer]
+        for b, i in enumerate(range(0, len(ids), 3)):
+            emit(TokensCommitted(b, tuple(ids[i:i + 3])))
+        emit(Finished(GenerationStats(tokens=len(ids), finish_reason=self.finish), tuple(ids)))
+        if on_close is not None:
+            on_close()
+
+        class Handle:
+            sid = 0
+
+            def cancel(self):
+                pass
+        return Handle()

@@ -124,7 +124,10 @@ def test_a_resumed_request_ends_the_answer_constrained_plain_decoding_gives(tiny
         engine.submit(EngineRequest(ids, GREEDY, 40, grammar=g, committed=bad), print)
 
 
-@pytest.mark.parametrize("proposer", ["draft:tiny:1:64", "ngram", "ngram+draft:tiny:1:64"])
+# the fast lane keeps a model drafter's chains (rejections under the mask); trees under a grammar
+# are test_structured_trees.py's (docs/testing.md "Fast lane, second round")
+@pytest.mark.parametrize("proposer", ["draft:tiny:1:64", *(pytest.param(p, marks=pytest.mark.slow)
+                                                           for p in ("ngram", "ngram+draft:tiny:1:64"))])
 def test_constrained_greedy_with_drafts_equals_plain_and_batched_equals_alone(tiny, proposer):
     grammars = [Grammar(REGEX, PATTERN), Grammar(LARK, 'start: "ok " WORD " " WORD "."\n'
                                                        'WORD: /[a-f]{1,5}/'),
@@ -192,20 +195,17 @@ def test_in_process_loop_follows_the_grammar_as_the_serving_engine_does(tiny, pr
     assert st0.accepted >= 6  # forced tokens drafted without a drafter
 
 
-def test_generate_cli_response_format(tmp_path):
-    import subprocess
-    import sys
+def test_generate_cli_response_format(capsys):
+    """The CLI's entry point in this process (`python -m macfleet` only calls it): a process
+    per command cost seconds of imports each."""
+    from macfleet.cli.main import main
 
     fmt = json.dumps({"type": "regex", "regex": PATTERN})
-    args = {"good": ["--local", "--json", "--max-tokens", "40", "--response-format", fmt],
-            "bad": ["--response-format", '{"type": "regex", "regex": "(("}']}
-    with cf.ThreadPoolExecutor(2) as ex:  # both commands at once (each starts a process)
-        r, bad = ex.map(lambda a: subprocess.run(
-            [sys.executable, "-m", "macfleet", "generate", "hello", "--model", "tiny:1", *a],
-            capture_output=True, text=True, timeout=120), args.values())
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert re.fullmatch(PATTERN, json.loads(r.stdout)["text"])
-    assert bad.returncode == 2 and "response_format.regex" in bad.stderr, bad.stderr
+    argv = ["generate", "hello", "--model", "tiny:1"]
+    assert main([*argv, "--local", "--json", "--max-tokens", "40", "--response-format", fmt]) == 0
+    assert re.fullmatch(PATTERN, json.loads(capsys.readouterr().out)["text"])
+    assert main([*argv, "--response-format", '{"type": "regex", "regex": "(("}']) == 2
+    assert "response_format.regex" in capsys.readouterr().err
 
 
 # -- HTTP, the real `openai` client, a tiny model -------------------------------------------
@@ -218,7 +218,7 @@ def _regex_format(pattern: str) -> dict:
     return {"type": "regex", "regex": pattern}
 
 
-@pytest.mark.parametrize("fmt, param", [
+BAD_FORMATS = [
     ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "foo"}}},
      "response_format.json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"name": "p", "schema": "not an object"}},
@@ -231,7 +231,81 @@ def _regex_format(pattern: str) -> dict:
     ({"type": "grammar", "grammar": "start: undefined_rule"}, "response_format.grammar"),
     ({"type": "grammar", "grammar": 5}, "response_format.grammar"),
     ("json", "response_format"),
-])
+]
+# with tools: combinations the tools' grammar cannot express
+REFUSED_BESIDE_TOOLS = [
+    ({"type": "grammar", "grammar": 'start: "a"'}, "auto"),  # no Lark inside the tools' grammar
+    (_regex_format("a+"), "required"),  # the answer is a call: no format to follow
+    (_regex_format("a+"), {"type": "function", "function": {"name": "f"}}),
+]
+
+
+def test_bad_response_formats_and_refused_combinations_name_the_field():
+    """The fast lane's check of the tables below: the request parser (serve/schemas.py), which
+    compiles the grammar, raises the 400 naming the field (the app's mapping of a RequestError
+    to its 400 body: test_tools.py's in-process HTTP tests)."""
+    from macfleet.serve.schemas import Limits, RequestError, parse_request
+
+    hi = [{"role": "user", "content": "hi"}]
+    bodies = [({"messages": hi, "response_format": fmt}, param) for fmt, param in BAD_FORMATS]
+    bodies += [({"messages": hi, "response_format": fmt, "tool_choice": choice,
+                 "tools": [{"type": "function", "function": {"name": "f"}}]}, "response_format")
+               for fmt, choice in REFUSED_BESIDE_TOOLS]
+    for body, param in bodies:
+        with pytest.raises(RequestError) as e:
+            parse_request(body, chat=True, limits=Limits())
+        assert e.value.status == 400 and e.value.param == param, (body, e.value.message)
+    ok = parse_request({"messages": hi, "response_format": _regex_format(PATTERN)}, chat=True,
+                       limits=Limits())
+    assert ok.grammar == Grammar(REGEX, PATTERN)
+
+
+def test_the_app_hands_response_format_to_the_engine_streamed_or_whole():
+    """The real HTTP app in-process, an engine that answers from a script: the request's
+    response_format reaches the engine as its grammar (chat streamed and whole, and the
+    completions endpoint's extra field), and a bad one is a 400 that never reaches it. The
+    same over a `serve --local` process with real decoding: the slow test below."""
+    import asyncio
+
+    import httpx
+    from serve_testkit import TOOLS_TEMPLATE, CharTokenizer, ScriptedEngine
+
+    from macfleet.serve.app import ServerConfig, create_app
+
+    answer = "id: abc; n 42."
+    engine = ScriptedEngine(answer)
+    engine.supports_grammar, engine.grammar_error = True, lambda g: None
+    app = create_app(engine, CharTokenizer(),
+                     ServerConfig("m", chat_template=TOOLS_TEMPLATE.read_text()))
+    fmt, hi = _regex_format(PATTERN), [{"role": "user", "content": "hi"}]
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as http:
+            c = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http,
+                                   max_retries=0)
+            whole = await c.chat.completions.create(model="m", messages=hi, response_format=fmt)
+            chunks = [ch async for ch in await c.chat.completions.create(
+                model="m", messages=hi, response_format=fmt, stream=True)]
+            text = await c.completions.create(model="m", prompt="go",
+                                              extra_body={"response_format": fmt})
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.chat.completions.create(model="m", messages=hi,
+                                                response_format=_regex_format("(("))
+            return whole, chunks, text, e.value
+
+    whole, chunks, text, bad = asyncio.run(run())
+    assert whole.choices[0].message.content == answer
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == answer
+    assert text.choices[0].text == answer
+    assert engine.grammars == [Grammar(REGEX, PATTERN)] * 3
+    assert bad.body["param"] == "response_format.regex"
+
+
+# The same tables over HTTP against a `serve --local` process: the default suite (slow: the
+# server is a process of its own); the fast lane checks them in-process above.
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt, param", BAD_FORMATS)
 def test_bad_response_format_is_a_400_naming_the_field(client, fmt, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny:1", max_tokens=4, response_format=fmt,
@@ -239,6 +313,7 @@ def test_bad_response_format_is_a_400_naming_the_field(client, fmt, param):
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
 
 
+@pytest.mark.slow
 def test_response_format_text_is_free_text(client):
     r = client.chat.completions.create(model="tiny:1", max_tokens=5, temperature=0,
                                        response_format={"type": "text"},
@@ -246,11 +321,8 @@ def test_response_format_text_is_free_text(client):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
 
 
-@pytest.mark.parametrize("fmt, choice", [
-    ({"type": "grammar", "grammar": 'start: "a"'}, "auto"),  # no Lark inside the tools' grammar
-    (_regex_format("a+"), "required"),  # the answer is a call: no format to follow
-    (_regex_format("a+"), {"type": "function", "function": {"name": "f"}}),
-])
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt, choice", REFUSED_BESIDE_TOOLS)
 def test_response_format_with_tools_it_cannot_combine_with_is_refused(client, fmt, choice):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
@@ -260,6 +332,7 @@ def test_response_format_with_tools_it_cannot_combine_with_is_refused(client, fm
     assert e.value.body["param"] == "response_format", e.value.body
 
 
+@pytest.mark.slow
 def test_regex_answers_over_http_streamed_and_whole_bad_requests_beside(client, server):
     """Every answer matches; streamed equals whole; bad requests fired while others decode
     get their 400 and change nobody's answer."""

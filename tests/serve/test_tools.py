@@ -8,7 +8,7 @@ import json
 
 import openai
 import pytest
-from serve_testkit import TOOLS_TEMPLATE, start_server, stop_server
+from serve_testkit import TOOLS_TEMPLATE, CharTokenizer, ScriptedEngine, start_server, stop_server
 
 from macfleet.serve.schemas import Limits, RequestError, parse_request
 from macfleet.serve.tools import (FUNCTION, HERMES, LLAMA3, MISTRAL, ToolChoice, ToolStream,
@@ -279,51 +279,6 @@ def test_openai_tools_on_a_model_without_tool_support_is_a_400(servers):
 
 
 # -- the HTTP path of a model that does call: a scripted engine, the real app and client --------
-class _CharTokenizer:
-    """Characters as token ids (any text round-trips), with the test template's support."""
-
-    has_chat_template = False
-    eos_token_ids: frozenset[int] = frozenset()
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids) -> str:
-        return "".join(chr(i) for i in ids)
-
-
-class _ScriptedEngine:
-    """Answers every request with one text, a few tokens per block, as the engine emits them:
-    what a model that writes tool calls would send through the HTTP layer."""
-
-    alive, iterations = True, 0
-
-    def __init__(self, answer: str, finish: str = "stop") -> None:
-        self.answer, self.finish, self.prompts, self.grammars = answer, finish, [], []
-
-    def load(self):
-        return 0, 0
-
-    def submit(self, req, emit, on_close=None):
-        from macfleet.engine.events import Finished, GenerationStats, TokensCommitted
-
-        self.prompts.append(req.text)
-        self.grammars.append(req.grammar)
-        ids = [ord(c) for c in self.answer]
-        for b, i in enumerate(range(0, len(ids), 3)):
-            emit(TokensCommitted(b, tuple(ids[i:i + 3])))
-        emit(Finished(GenerationStats(tokens=len(ids), finish_reason=self.finish), tuple(ids)))
-        if on_close is not None:
-            on_close()
-
-        class Handle:
-            sid = 0
-
-            def cancel(self):
-                pass
-        return Handle()
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_http_tool_calls_through_the_openai_client(stream):
     import asyncio
@@ -334,8 +289,8 @@ def test_http_tool_calls_through_the_openai_client(stream):
 
     answer = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
               '\n</tool_call>')
-    engine = _ScriptedEngine(answer)
-    app = create_app(engine, _CharTokenizer(),
+    engine = ScriptedEngine(answer)
+    app = create_app(engine, CharTokenizer(),
                      ServerConfig("m", chat_template=TOOLS_TEMPLATE.read_text()))
 
     async def run():
@@ -374,8 +329,8 @@ def test_http_enforced_calls_need_a_grammar_backend_and_the_engine_gets_the_tool
     from macfleet.serve.app import ServerConfig, create_app
 
     answer = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    engine = _ScriptedEngine(answer)
-    app = create_app(engine, _CharTokenizer(),
+    engine = ScriptedEngine(answer)
+    app = create_app(engine, CharTokenizer(),
                      ServerConfig("m", chat_template=TOOLS_TEMPLATE.read_text()))
 
     async def ask(choice):
@@ -410,9 +365,9 @@ def test_http_answer_cut_by_max_tokens_inside_a_call_leaks_no_markup(stream, cho
 
     from macfleet.serve.app import ServerConfig, create_app
 
-    engine = _ScriptedEngine(CUT[HERMES], finish="length")
+    engine = ScriptedEngine(CUT[HERMES], finish="length")
     engine.supports_grammar, engine.grammar_error = True, lambda g: None
-    app = create_app(engine, _CharTokenizer(),
+    app = create_app(engine, CharTokenizer(),
                      ServerConfig("m", chat_template=TOOLS_TEMPLATE.read_text()))
 
     async def run():
