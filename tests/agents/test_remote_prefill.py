@@ -45,7 +45,8 @@ def ids_of(lm, n, seed=0):
     return np.random.default_rng(seed).integers(0, lm.vocab_size, n).tolist()
 
 
-@pytest.mark.parametrize("codec", ["auto", "float16", "int8"])
+# the fast lane: the exact codec and the int8 bound (float16's tolerance: the default suite)
+@pytest.mark.parametrize("codec", ["auto", pytest.param("float16", marks=pytest.mark.slow), "int8"])
 def test_fetched_kv_matches_a_local_prefill(lm, prefill_server, codec):
     ids = ids_of(lm, 1100)
     kv, flow = fetch_kv(prefill_server.endpoint, KEY, ids=ids, model=MODEL,

@@ -91,7 +91,9 @@ def _close(a, b) -> None:
 
 # the model as its own draft: every greedy draft is accepted, so most tokens are committed from
 # draft rows of the verify block (a chain), or from a tree's accepted path
-@pytest.mark.parametrize("proposer", ["draft:tiny:1:64", "ngram+draft:tiny:1:64"])
+# the fast lane keeps the tree (its accepted path is a chain's rows); both in the default suite
+@pytest.mark.parametrize("proposer", [pytest.param("draft:tiny:1:64", marks=pytest.mark.slow),
+                                      "ngram+draft:tiny:1:64"])
 def test_logprobs_with_drafts_equal_plain_decoding_and_batched_equal_alone(tiny, proposer):
     reqs = [EngineRequest(p, GREEDY, 24, logprobs=5) for p in _prompts(tiny.vocab_size)]
     plain = [_serve(BatchEngine(tiny, proposer="none"), [r])[0] for r in reqs]

@@ -78,7 +78,8 @@ def _run(engine, prompts, max_tokens=12):
     return out
 
 
-@pytest.mark.parametrize("proposer", ["none", "draft:tiny:1:64"])
+@pytest.mark.parametrize("proposer", [pytest.param("none", marks=pytest.mark.slow),  # fast lane:
+                                      "draft:tiny:1:64"])  # the cache under drafts and rollback
 def test_multi_turn_greedy_identical_with_and_without_the_cache(tiny, proposer):
     rng = np.random.default_rng(2)
     history = rng.integers(0, 64, 40).tolist()
