@@ -58,6 +58,15 @@ def settles(guard, want: dict, timeout: float = 8.0) -> bool:
     return guard.counts() == want
 
 
+def test_the_agent_caps_both_its_ports_as_configured(agent):
+    """The fast lane's check of this file: the agent hands its cap to both shells' guards (the
+    guards' dropping over the cap and serving key holders: bridge/test_peercap.py's router and
+    publisher floods); the live floods below run in the default suite."""
+    for shell in (agent.server, agent.publisher):
+        assert shell.peers is not None and shell.peers.table.cap == CAP
+
+
+@pytest.mark.slow  # a flood past the handshake's time, then a window for the closes: seconds
 @pytest.mark.parametrize("port", ["router", "pub"])
 def test_extra_connections_are_dropped_and_key_holders_served(agent, port):
     shell = agent.server if port == "router" else agent.publisher
