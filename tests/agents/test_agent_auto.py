@@ -35,7 +35,8 @@ def verifiers():
     solo.close()
 
 
-@pytest.mark.parametrize("which", ["batched", "solo"])
+@pytest.mark.parametrize("which", ["batched", pytest.param(  # the fast lane: the default verifier
+    "solo", marks=pytest.mark.slow)])
 def test_the_verifier_agent_chooses_with_plain_decodings_answer(verifiers, which):
     ver = verifiers[which]
     assert ver.verifier.batching == (which == "batched")

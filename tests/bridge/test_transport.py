@@ -348,5 +348,5 @@ def test_a_dead_peer_fails_a_watched_recv_at_once(watch):
                 c.recv(5.0)
             assert time.monotonic() - t0 < 1.0
         else:
-            with pytest.raises(TransportTimeout):
-                c.recv(1.0)
+            with pytest.raises(TransportTimeout):  # its deadline, not "lost" at once
+                c.recv(0.3)
