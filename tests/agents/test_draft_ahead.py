@@ -170,10 +170,7 @@ def agents(draft: str, **ver):
     return prop, vers
 
 
-# the fast lane drafts ahead for the batching verifier (the default); the one-session verifier
-# in the default suite (docs/testing.md "Fast lane, second round")
-@pytest.fixture(scope="module", params=[None, pytest.param(0, marks=pytest.mark.slow)],
-                ids=["batched", "one-session"])
+@pytest.fixture(scope="module", params=[None, 0], ids=["batched", "one-session"])
 def fleet(request):
     prop, ver = agents("tiny:4", batch_sessions=request.param)
     yield ver, prop
