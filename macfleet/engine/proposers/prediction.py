@@ -89,6 +89,7 @@ class PredictionProposer(Proposer):
         self.max_window = max_window
         self._index = ngram_index(self.prediction)
         self.curve = VerifyCurve()
+        self._price()
         self.start()
 
     def start(self, params=None) -> None:
@@ -101,6 +102,16 @@ class PredictionProposer(Proposer):
 
     def seed_verify_costs(self, costs) -> None:
         self.curve.seed(dict(costs))
+        self._price()
+
+    def _price(self) -> None:
+        """verify(1..max_window + 1) read off the curve once, and the prior's window: the
+        curve changes only when seeded, so a block's window costs no interpolation."""
+        self._costs = tuple(self.curve.cost(L) for L in range(1, self.max_window + 2))
+        self._prior_window = best_window(PRIOR_ALPHA, self._cost, self.max_window)
+
+    def _cost(self, length: int) -> float:
+        return self._costs[length - 1]
 
     @property
     def alpha(self) -> float:
@@ -111,27 +122,30 @@ class PredictionProposer(Proposer):
     def window(self) -> int:
         """The draft length that pays at its acceptance and the verifier's verify(L); a
         confident alignment drafts at the prior's length at least."""
-        w = best_window(self.alpha, self.curve.cost, self.max_window)
-        return max(w, best_window(PRIOR_ALPHA, self.curve.cost, self.max_window)) \
-            if self._sure and self.misses == 0 else w
+        w = best_window(self.alpha, self._cost, self.max_window)
+        return max(w, self._prior_window) if self._sure and self.misses == 0 else w
 
     def draft_length(self) -> int:
         return self.max_window
 
-    def _align(self, answer: Sequence[int]) -> int | None:
-        """The prediction position the answer's end stands at (None: not found)."""
+    def _align(self, context: Sequence[int]) -> int | None:
+        """The prediction position the answer's end stands at (None: not found). Reads only
+        what the answer added since the last call and its last MAX_MATCH tokens (never a
+        copy of the whole answer: a block's host work does not grow with the answer)."""
         at, anchor = self._at, self._anchor
-        if at is not None and len(answer) >= at[0]:  # the answer went on since the last call
+        length = max(0, len(context) - self.answer_start)  # the answer's
+        if at is not None and length >= at[0]:  # the answer went on since the last call
             n, pos = at
-            grown = answer[n:]
+            grown = context[self.answer_start + n:]
             m = _common(grown, self.prediction[pos:pos + len(grown)])
             if m == len(grown):  # along the prediction
-                self._at = (len(answer), pos + m)
+                self._at = (length, pos + m)
                 return self._at[1]
             anchor = pos + m  # where it departed
-        found = realign(self._index, answer, anchor, long_only=self.misses >= QUIET_AFTER)
+        tail = context[max(self.answer_start, len(context) - MAX_MATCH):]
+        found = realign(self._index, tail, anchor, long_only=self.misses >= QUIET_AFTER)
         self._anchor = anchor
-        self._at = (len(answer), found[0]) if found is not None else None
+        self._at = (length, found[0]) if found is not None else None
         self._sure = found is not None and found[1] >= LONG_MATCH
         return found[0] if found is not None else None
 
@@ -139,7 +153,7 @@ class PredictionProposer(Proposer):
         if k <= 0:
             return EMPTY_DRAFT
         t0 = time.perf_counter()
-        pos = self._align(context[self.answer_start:])
+        pos = self._align(context)
         if pos is None or pos >= len(self.prediction):
             return EMPTY_DRAFT
         n = min(k, self.window)
