@@ -78,9 +78,12 @@ class ForwardClock:
         import macfleet.serve.engine as engine
 
         self.t, real = 0.0, engine.flat_outputs
+        self.blocks: list[tuple[int, bool]] = []  # each decode segment: (positions, a tree?)
 
         def timed(model, segs, **kw):
             self.t += (10.0 + 0.2 * (sum(len(s.tokens) for s in segs) - 1)) / 1e3
+            self.blocks += [(len(s.tokens), s.parents is not None) for s in segs
+                            if s.logits_from is not None]
             return real(model, segs, **kw)
 
         monkeypatch.setattr(engine, "flat_outputs", timed)
@@ -89,15 +92,17 @@ class ForwardClock:
         return self.t
 
 
-def _blocks(lm, proposer, prompt, prediction, monkeypatch, group=None):
-    """(tokens, each block's (drafts asked, accepted, committed), Finished) of one request."""
+def _blocks(lm, proposer, prompt, prediction, monkeypatch, group=None, forwards=None):
+    """(tokens, each block's (drafts asked, accepted, committed), Finished) of one request;
+    forwards: a list given each verified block's (positions, a tree?)."""
     from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 
     # the table known from the start, as on a machine that probed it once (else the
     # prediction's seeding would give the batch's cost curve a table the run without lacks)
     monkeypatch.setattr("macfleet.engine.verify_costs.known_verify_costs",
                         lambda model: dict(BANDWIDTH_BOUND))
-    eng = BatchEngine(lm, proposer=proposer, clock=ForwardClock(monkeypatch))
+    clock = ForwardClock(monkeypatch)
+    eng = BatchEngine(lm, proposer=proposer, clock=clock)
     toks, blocks, done = [], [], []
 
     def emit(ev):
@@ -112,6 +117,8 @@ def _blocks(lm, proposer, prompt, prediction, monkeypatch, group=None):
                              prediction=prediction),
                emit, proposer=group)
     eng.run_until_idle()
+    if forwards is not None:
+        forwards.extend(clock.blocks)
     return toks, blocks, done[0]
 
 
@@ -132,6 +139,37 @@ def test_a_useless_prediction_leaves_the_other_drafters_blocks_as_they_are(tiny,
     assert acc == 0 and rej > 0  # it drafted (its first block), and nothing was taken
     assert [b[0] for b in blocks_p] == [b[0] for b in blocks]
     assert blocks_p == blocks
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram"])
+def test_a_useless_prediction_costs_no_verify_position_once_it_went_quiet(tiny, monkeypatch,
+                                                                           proposer):
+    """A prediction that holds every pair of the answer's consecutive tokens, each followed by
+    a token the answer never has: every block's answer ends in a short match of it, and every
+    draft from there misses. Once it missed QUIET_AFTER times it drafts nothing (a short
+    match no longer re-aligns it; it holds no long one): every later block is the block
+    without it, a chain of the same positions (no tree, no padding), and the positions it
+    added are exactly its rejected tokens."""
+    from macfleet.engine.proposers.prediction import QUIET_AFTER
+
+    prompt, vocab = _prompt(tiny.vocab_size), tiny.vocab_size
+    plain_fwd, pred_fwd = [], []
+    plain, _, _ = _blocks(tiny, proposer, prompt, (), monkeypatch, forwards=plain_fwd)
+    junk = sorted(set(range(vocab)) - set(plain) - set(prompt))
+    assert junk
+    rng = np.random.default_rng(5)
+    useless = tuple(t for a, b in zip(plain, plain[1:])  # (junk first: not the answer's start)
+                    for t in (int(rng.choice(junk)), a, b))
+    toks, _, fin = _blocks(tiny, proposer, prompt, useless, monkeypatch, forwards=pred_fwd)
+    assert toks == plain
+    assert len(pred_fwd) == len(plain_fwd)
+    differ = [i for i, (a, b) in enumerate(zip(plain_fwd, pred_fwd)) if a != b]
+    assert differ == [i for i, (_, tree) in enumerate(pred_fwd) if tree]  # only its trees
+    assert not any(tree for _, tree in plain_fwd)
+    assert 0 < len(differ) <= QUIET_AFTER <= 4  # quiet after a few misses
+    acc, rej = fin.stats.prediction_tokens
+    assert acc == 0
+    assert sum(pred_fwd[i][0] - plain_fwd[i][0] for i in differ) == rej
 
 
 def test_a_sessions_group_is_left_as_it_is_by_a_prediction(tiny, monkeypatch):
