@@ -6,11 +6,14 @@ the prediction), on the embedded model through the serving engine as `serve --lo
 (BatchEngine, the n-gram drafter, greedy), each asked without and with its prediction,
 interleaved (plain, predicted, predicted, plain, ...). Per run: wall and process CPU seconds,
 verifier steps, the steps whose block was a token tree (the prediction drafted), the positions
-verified, and the wall time of each phase of an iteration (drafting: lengths + draft_all; the
-forward and its one read; accept/commit), per step.
+verified, the wall time of each phase of an iteration (drafting: lengths + draft_all; the
+forward, whose wall is mostly the device's; accept/commit) and each decode step's process CPU.
+With --fixed-clock both runs take the same blocks and are compared step by step.
 
-    PYTHONPATH=. python results/prediction-useless/ab_step.py --lines 40 --max-tokens 256 \
-        --repeats 2 > results/prediction-useless/ab_step.txt
+    PYTHONPATH=. python results/prediction-useless/ab_step.py --repeats 1 --fixed-clock \
+        > results/prediction-useless/ab_step_fixed_after.txt
+
+What the runs found: ab_step.md.
 """
 
 from __future__ import annotations
