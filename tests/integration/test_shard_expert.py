@@ -101,7 +101,9 @@ def test_expert_moves_half_the_bytes_of_tensor(tmp_path, reference):
     tensor_bytes = 2 * MOE_LAYERS * sh["tokens"] * HIDDEN * 4
     assert sh["collective_bytes"] == tensor_bytes
     assert MOE_LAYERS * sh["tokens"] * HIDDEN * 4 * 2 == tensor_bytes  # expert's, twice
-    # its all-reduces run inside the graph, untimed: priced at the ring's measured latency,
-    # 8 of them a forward
-    assert sh["collective_ms"] == 0 and 0 < sh["priced_ms"] < sh["forward_ms"]
+    # its all-reduces run inside the graph, untimed: priced at the ring's latency that rank 0
+    # measured (the rounds per mode and the price: test_shard_metrics.py). Not bounded by the
+    # forwards' time: on a loaded box a broadcast's wait for the followers can exceed a forward
+    # (docs/testing.md, seventh round)
+    assert sh["collective_ms"] == 0 and sh["priced_ms"] > 0
 
