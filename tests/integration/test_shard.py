@@ -5,6 +5,8 @@
 * tensor parallel over 3 ranks (`tiny-6h`: 6 heads, 3 kv heads): ids identical, logits within
   TP_ATOL (the all-reduce sums partial products in another order, so not bit-identical);
 * a rank killed mid-generation: the others exit with ShardPeerLost within the deadline, no hang.
+  (Every mode's: the watchdog guards each mode's command broadcast and forward in one place,
+  agents/shard.py `ShardGroup`; test_shard_expert.py's expert-ring kill was its twin.)
 
 The ring and the sharding are the point, not the model: tiny random llama models (the same
 mlx-lm code path as SmolLM2; issue 48: SmolLM2 in every rank took ~50 s of the serial pass).

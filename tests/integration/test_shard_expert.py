@@ -6,18 +6,18 @@ tiny mixture of experts (`tiny-moe:1`: 4 MoE layers, 8 experts, 2 per token, hid
   rollbacks) on top of the sharded verifier gives the same ids (2 expert ranks, drafted:
   test_shard_expert_agents.py, the same ids, flow and router load through real agents);
 * the shard flow is exact: one all_sum of [tokens, hidden] float32 per MoE layer, which is half
-  of what tensor parallelism moves for the same forwards; the router's load adds up;
-* a rank killed mid-generation: the other exits with ShardPeerLost, no hang.
+  of what tensor parallelism moves for the same forwards; the router's load adds up.
+
+A rank killed mid-generation is test_shard.py's (the others exit with ShardPeerLost): the
+watchdog guards every mode's command broadcast and forward in the same place (agents/shard.py
+`ShardGroup`), so an expert ring's kill was its twin (issue 48).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -101,34 +101,9 @@ def test_expert_moves_half_the_bytes_of_tensor(tmp_path, reference):
     tensor_bytes = 2 * MOE_LAYERS * sh["tokens"] * HIDDEN * 4
     assert sh["collective_bytes"] == tensor_bytes
     assert MOE_LAYERS * sh["tokens"] * HIDDEN * 4 * 2 == tensor_bytes  # expert's, twice
-    # its all-reduces run inside the graph, untimed: priced at the ring's measured latency,
-    # 8 of them a forward
-    assert sh["collective_ms"] == 0 and 0 < sh["priced_ms"] < sh["forward_ms"]
+    # its all-reduces run inside the graph, untimed: priced at the ring's latency that rank 0
+    # measured (the rounds per mode and the price: test_shard_metrics.py). Not bounded by the
+    # forwards' time: on a loaded box a broadcast's wait for the followers can exceed a forward
+    # (docs/testing.md, seventh round)
+    assert sh["collective_ms"] == 0 and sh["priced_ms"] > 0
 
-
-def test_expert_killed_rank_other_exits_clearly(tmp_path, reference):
-    from agents.shard import EXIT_PEER_LOST
-
-    prompt, _, _ = reference
-    procs, _ = start(tmp_path, "expert", 3, prompt, tokens=100_000, deadline=3.0)
-    try:
-        lead = procs[0]
-        t_end = time.monotonic() + 120
-        while time.monotonic() < t_end:  # wait until generation is under way
-            line = lead.stderr.readline()
-            if line.startswith("step 3") or not line:
-                break
-        assert lead.poll() is None, "rank 0 ended before the kill"
-        os.kill(procs[1].pid, signal.SIGKILL)
-        t_kill = time.monotonic()
-        for p in (procs[0], procs[2]):
-            p.wait(timeout=3.0 + 5)
-        waited = time.monotonic() - t_kill
-        errs = [p.stderr.read() for p in (procs[0], procs[2])]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == EXIT_PEER_LOST for p in (procs[0], procs[2])), errs
-    assert all("ShardPeerLost" in e for e in errs), errs
-    assert waited < 3.0 + 5

@@ -1,6 +1,7 @@
 """A fleet client to run inside a test-bed namespace (`ip netns exec NS python fleet_client.py`).
 
     discover --key K --expect N          -> one JSON line: the cards seen (all interfaces)
+    discover --key K --role R            -> the same, once a card carries role R (or --wait ends)
     generate --key K --expect N ...      -> JSON lines: {"chunk": ids} ..., then {"done": ids, ...}
                                             or {"error": why} (exit status 3)
 
@@ -14,10 +15,12 @@ import json
 import sys
 
 from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
+from bridge.discovery import ALL_INTERFACES, Browser
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import GenerateChunk, GenerateDone
+from bridge.peers import signed
 from macfleet.engine.controller import AUTO, parse_draft_tokens
-from macfleet.fleet.client import generate_remote, members
+from macfleet.fleet.client import fleet_id, generate_remote, members
 from macfleet.fleet.keys import load_key
 
 
@@ -27,6 +30,8 @@ def main() -> int:
     p.add_argument("--key", required=True)
     p.add_argument("--expect", type=int, default=2)
     p.add_argument("--wait", type=float, default=20.0)
+    p.add_argument("--role", help="discover: wait for a card with this role (a sharded "
+                                  "verifier's rank 0 takes `verifier` once its ring is up)")
     p.add_argument("--prompt", default="the cat sat on the mat and the dog sat on the rug")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--spec", default="ngram")
@@ -34,7 +39,15 @@ def main() -> int:
     p.add_argument("--draft-tokens", type=parse_draft_tokens, default=AUTO)
     a = p.parse_args()
     key = load_key(a.key)
-    cards = members(key, wait_s=a.wait, expect=a.expect)
+    if a.role:  # one browser watching, not a client process per look
+        with Browser(fleet_id=fleet_id(key), interfaces=ALL_INTERFACES,
+                     accept=lambda c: signed(c, key)) as b:
+            try:
+                cards = b.wait_for(lambda cs: any(a.role in c.roles for c in cs), a.wait)
+            except TimeoutError:
+                cards = b.cards()
+    else:
+        cards = members(key, wait_s=a.wait, expect=a.expect)
     if a.what == "discover":
         print(json.dumps([{"name": c.name, "host": c.host, "roles": list(c.roles),
                            "router": c.router_endpoint} for c in cards]), flush=True)
