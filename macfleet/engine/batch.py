@@ -55,9 +55,11 @@ class Segment:
     the root (token 0); parents precede children. Token i sits at cache slot offset + i but
     at position offset + depth(i), and attends to the cached prefix and its own ancestors.
     None: a chain (each token under the one before).
+    tokens may be a lazy integer array (flat batch only): a plain step built on the step
+    before's token before the host has read it (serve/engine.py's step ahead).
     """
 
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...] | mx.array
     cache: object
     logits_from: int | None = 0
     parents: tuple[int, ...] | None = None
@@ -278,8 +280,12 @@ def _flat(model: nn.Module, segments: Sequence[Segment], hidden: bool = False
           ) -> list[mx.array | None] | tuple[list[mx.array | None], list[mx.array]]:
     lay = _Layout(segments, model.layers[0].self_attn.n_kv_heads)
     order, segs = lay.order, lay.segs
-    toks = [int(t) for s in segs for t in s.tokens]
-    h = model.model.embed_tokens(mx.array(toks, dtype=mx.uint32)[None])  # [1, N, D]
+    if any(isinstance(s.tokens, mx.array) for s in segs):  # lazy tokens: read by the device
+        ids = mx.concatenate([s.tokens.astype(mx.uint32) if isinstance(s.tokens, mx.array)
+                              else mx.array(s.tokens, dtype=mx.uint32) for s in segs])
+    else:
+        ids = mx.array([int(t) for s in segs for t in s.tokens], dtype=mx.uint32)
+    h = model.model.embed_tokens(ids[None])  # [1, N, D]
     h = lay.run(model.layers, h)
     # logits only for the rows that need them (a prefill chunk needs none)
     want: list[int] = []

@@ -241,13 +241,15 @@ def verified_drafts(drafts: Sequence[Draft], tree: TokenTree) -> list[Draft]:
             for d, own in zip(drafts, tree.owned)]
 
 
-def decision(s: BatchSession, logits: mx.array) -> mx.array | None:
+def decision(s: BatchSession, logits: mx.array, ahead: int = 0) -> mx.array | None:
     """A decoding session's block decision, lazy (evaluated with the batch's by `to_host`):
     a chain's (accepted, next token) [2] (`block.chain_outcome`); a tree's argmax ids (greedy)
     or (deepest node, next token) (sampled: `block.tree_decision`); None for a tree whose
     drafts carry probabilities (SpecInfer's rule, on the host; a grammar's trees carry none).
-    A grammar masks the rows: a chain's, and each tree node's after its own path."""
-    params, start, b = s.req.params, len(s.generated), s.block
+    A grammar masks the rows: a chain's, and each tree node's after its own path.
+    ahead: the block's first output position is this far past the session's committed
+    tokens (a plain step dispatched before the step before it was read: serve/engine.py)."""
+    params, start, b = s.req.params, len(s.generated) + ahead, s.block
     if b.tree is not None:
         return tree_decision(b.tree, masked_tree_logits(s.constraint, logits, b.tree),
                              params, s.seed, start)
@@ -255,14 +257,28 @@ def decision(s: BatchSession, logits: mx.array) -> mx.array | None:
                          params, s.seed, start)
 
 
+def decisions(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array | None],
+              ahead: int = 0) -> dict[int, mx.array]:
+    """Every decoding session's `decision` on a forward's lazy logits `out`, lazy (a tree
+    left to SpecInfer's host rule has none); ahead: as `decision`'s."""
+    lazy = {}
+    for (s, sl), lg in zip(run, out):
+        if not sl.prefill and (d := decision(s, lg, ahead)) is not None:
+            lazy[s.sid] = d
+    return lazy
+
+
 def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array | None],
-                   also: Sequence[mx.array] = ()) -> IterationRead:
+                   also: Sequence[mx.array] = (), decided: dict[int, mx.array] | None = None
+                   ) -> IterationRead:
     """Everything the host reads of a forward, built on its lazy logits `out` and evaluated
     with `also` (the forward's cache buffers and hidden features: `FlatOutputs.pending`) in
-    ONE `mx.eval`: every decoding session's decision, SpecInfer trees' probabilities (their
-    rule walks them on the host, after this one evaluation), requested logprobs, and the
-    trees' nodes' keys and values (their accepted paths move without a wait)."""
-    lazy, probs, lps, spans = {}, {}, {}, {}
+    ONE `mx.eval`: every decoding session's decision (`decided`: built already, lazy, by
+    `decisions`), SpecInfer trees' probabilities (their rule walks them on the host, after
+    this one evaluation), requested logprobs, and the trees' nodes' keys and values (their
+    accepted paths move without a wait)."""
+    lazy = decisions(run, out) if decided is None else decided
+    probs, lps, spans = {}, {}, {}
     for (s, sl), lg in zip(run, out):
         if sl.prefill:
             continue
@@ -270,10 +286,7 @@ def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.ar
         if tree is not None and len(tree.tokens) > 1 and isinstance(s.cache, RowCache):
             n = len(tree.tokens)  # its drafted nodes, past the root: what a path moves
             spans.setdefault(s.cache.store, []).append((s.cache, s.cache.offset - n + 1, n - 1))
-        d = decision(s, lg)
-        if d is not None:
-            lazy[s.sid] = d
-        else:  # a tree whose drafts carry probabilities: SpecInfer's host rule
+        if s.sid not in lazy:  # a tree whose drafts carry probabilities: SpecInfer's host rule
             probs[s.sid] = softmax_probs(lg, s.req.params)
         if s.req.logprobs is not None:
             lps[s.sid] = row_logprobs(lg, s.req.logprobs)

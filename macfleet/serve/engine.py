@@ -5,7 +5,10 @@ decoding session's proposer for its draft, (3) lets the pure scheduler pick slot
 token budget, (4) runs ONE forward over every slot (`engine.batch.flat_outputs`, lazy) and (5)
 applies each session's own acceptance rule, rolls back its own cache and emits its committed
 tokens. (4) and (5) meet in one host synchronisation: the decisions are built on the forward's
-lazy logits and evaluated with it (`serve.decode.read_iteration`).
+lazy logits and evaluated with it (`serve.decode.read_iteration`). When every session is a
+plain step, the next iteration is dispatched on this one's lazy tokens before this one is read
+(`scheduler.steps_ahead`; the single-session loop pipelines plain steps the same way), so the
+host reads and commits one iteration while the device computes the next.
 A session follows `engine.loop.speculative_generate` step for step (prefill prompt[:-1], then
 blocks [last token, drafts...], the same per-request rng), so a request's greedy ids and seeded
 samples are what the single-session loop gives; only the forward is shared.
@@ -33,10 +36,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from macfleet.engine.batch import BatchKV, Segment, check_batchable, flat_outputs
+from macfleet.engine.batch import (BatchKV, FlatOutputs, RowCache, Segment, check_batchable,
+                                   flat_outputs)
 from macfleet.engine.constraint import Constraint, Grammar, bridge, grammar_error
 from macfleet.engine.controller import AUTO, make_controller
 from macfleet.engine.proposers.eagle.chain import draft_chains
@@ -53,13 +58,13 @@ from macfleet.serve.batch_session import (BatchSession, BlockDraft,  # noqa: F40
                                           SessionFailed, SessionHandle, SessionStats)
 from macfleet.serve.costs import BatchCosts
 from macfleet.engine.batch_kv import ShippedKV
-from macfleet.serve.decode import BlockStep, read_iteration
+from macfleet.serve.decode import BlockStep, decisions, read_iteration
 from macfleet.serve.drafting import BatchDrafting, check_drafting, make_drafting
 from macfleet.serve.lifecycle import Sessions
 from macfleet.serve.prompt_cache import PromptCache
-from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, SessionView,
-                                      IterationBudget, Slot, iteration_budget,
-                                      plan_iteration)
+from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, AheadView,
+                                      IterationBudget, SessionView, Slot, iteration_budget,
+                                      plan_iteration, steps_ahead)
 from macfleet.serve.session_kv import (DEFAULT_DECODE_MS, OWN_STORE_PROMPT,  # noqa: F401
                                        SessionKV, copy_features)
 from macfleet.serve.timing import TokenTimes
@@ -73,6 +78,36 @@ ITERATION_HISTORY = 256
 # a shipped KV (flow KV) is copied into the batch a few layers per iteration while others
 # decode: each iteration spends at most this share of a decode-only iteration on it
 DEFAULT_INSTALL_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """An iteration dispatched to the device and not read yet: its slots, their segments, the
+    forward (lazy), each decoding session's decision built on it (lazy) and when its time
+    began (engine clock)."""
+
+    run: tuple[tuple[BatchSession, Slot], ...]
+    segs: tuple[Segment, ...]
+    fwd: FlatOutputs
+    decided: dict[int, mx.array]
+    t0: float
+
+    def of(self, live: list[BatchSession]) -> InFlight | None:
+        """Only the slots of sessions still `live` (one cancelled meanwhile: its results are
+        dropped; its forward still runs); None when none is."""
+        keep = [i for i, (s, _) in enumerate(self.run) if s in live]
+        if len(keep) == len(self.run):
+            return self
+        if not keep:
+            return None
+        f = self.fwd
+        return replace(self, run=tuple(self.run[i] for i in keep),
+                       segs=tuple(self.segs[i] for i in keep),
+                       fwd=FlatOutputs(tuple(f.logits[i] for i in keep),
+                                       None if f.hidden is None
+                                       else tuple(f.hidden[i] for i in keep), f.state),
+                       decided={s.sid: self.decided[s.sid] for s, _ in
+                                (self.run[i] for i in keep) if s.sid in self.decided})
 
 
 class BatchEngine:
@@ -93,7 +128,7 @@ class BatchEngine:
                  install_share: float = DEFAULT_INSTALL_SHARE,
                  clock: Callable[[], float] = time.perf_counter,
                  compute_lock: threading.Lock | None = None,
-                 prompt_cache_bytes: int = 0) -> None:
+                 prompt_cache_bytes: int = 0, step_ahead: bool = True) -> None:
         """stall_ratio: prefill chunks are sized so an iteration costs at most this many times
         a decode-only one (0: only the token budget bounds them); compute_lock: held around
         each iteration, when another thread runs the same model (the verifier agent's
@@ -101,7 +136,9 @@ class BatchEngine:
         layers per iteration, at most this share of a decode-only iteration's time each, while
         other sessions decode (0: all at once); prompt_cache_bytes: keep finished requests' KV
         within this many bytes for later prompts that start the same (0: no prompt cache;
-        serve/prompt_cache.py)."""
+        serve/prompt_cache.py); step_ahead: dispatch plain steps one iteration ahead
+        (`scheduler.steps_ahead`; off with a compute lock, which an iteration left running
+        would not hold, and in the batch-invariant mode, whose forwards read their tokens)."""
         check_batchable(lm.model)
         self.lm, self.proposer_spec, self.draft_tokens = lm, proposer, draft_tokens
         self.invariant = invariant
@@ -134,6 +171,8 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self.history: deque[IterationView] = deque(maxlen=ITERATION_HISTORY)
         self.iterations = 0
+        self.step_ahead = step_ahead and compute_lock is None and not invariant
+        self._ahead: InFlight | None = None  # the next iteration, dispatched already
 
     # -- the caller's side (any thread) -------------------------------------------------
     def start(self) -> BatchEngine:
@@ -284,6 +323,8 @@ class BatchEngine:
         own thread instead of `start()`."""
         with self._cv:
             self.table.admit(self._start)
+            if self._ahead is not None:  # a session cancelled since: its step is dropped
+                self._ahead = self._ahead.of(self.table.active)
             if not self.table.active:
                 if idle_wait_s:
                     self._cv.wait(idle_wait_s)
@@ -301,6 +342,7 @@ class BatchEngine:
                     self._iteration(batch)
         except Exception as e:  # noqa: BLE001 - the engine outlives any one bad iteration
             log.exception("batch iteration failed")
+            self._ahead = None
             for s in batch:
                 self.table.finish(s, failed=f"engine error: {type(e).__name__}: {e}")
         return True
@@ -328,6 +370,44 @@ class BatchEngine:
             self.table.finish(s, failed=message)
 
     def _iteration(self, batch: list[BatchSession]) -> None:
+        it, self._ahead = self._ahead, None
+        if it is not None:  # dispatched while the last iteration was read: plain steps
+            self.drafting.draft_all([s for s, _ in it.run], {s.sid: 0 for s, _ in it.run})
+        else:
+            it = self._dispatch(batch)
+        # the device computes this iteration; the next one goes out behind it when it can
+        nxt = self._dispatch_ahead(it)
+        # ONE host synchronisation for the iteration: the decisions, the caches' buffers,
+        # the drafters' features, SpecInfer's probabilities and requested logprobs are
+        # evaluated and read together (serve/decode.py)
+        read = read_iteration(it.run, it.fwd.logits, it.fwd.pending(), it.decided)
+        now = self.clock()
+        ms = (now - it.t0) * 1e3
+        n_dec = sum(sl.tokens for _, sl in it.run if not sl.prefill)
+        rec = IterationView(it.t0, len(it.run), n_dec,
+                            sum(sl.tokens for _, sl in it.run) - n_dec,
+                            len(self.table.waiting), ms)
+        self.costs.observe(rec)
+        with self._cv:
+            self.history.append(rec)
+            self.iterations += 1
+        # the next iteration's positions are held out of its sessions' caches while this one
+        # commits (each cache holds its committed tokens but the last, as without it); a
+        # session that ends here keeps them out (a stop token's step is dropped)
+        if nxt is not None:
+            for s, _ in nxt.run:
+                s.cache.trim(1)
+        self.decode.verified(it.run, it.segs, it.fwd.logits, it.fwd.hidden, ms, read)
+        if nxt is not None:
+            nxt = nxt.of(self.table.active)
+        if nxt is not None:
+            for s, _ in nxt.run:
+                s.cache.offset += 1
+            # its time runs from this read: the forward computed while this one was read
+            self._ahead = replace(nxt, t0=now)
+
+    def _dispatch(self, batch: list[BatchSession]) -> InFlight:
+        """Plan the iteration (drafts, slots), build its forward and decisions and start it."""
         # prompt prefixes copied between sessions' rows, with their drafters' hidden states
         batch = self.session_kv.share_prefixes(batch, lambda *a: copy_features(*a))
         decoding = [s for s in batch if s.prefill_left <= 0]
@@ -347,22 +427,38 @@ class BatchEngine:
                                   align=DEFAULT_PREFILL_STEP if self.invariant else 0)
         t0 = self.clock()
         fwd = flat_outputs(self.lm.model, segs, hidden=any(s.feeds for s, _ in run))
-        # the device starts the forward now, while the host builds every session's decision
-        # on its lazy logits (a launch, not a wait: mlx-lm's generate_step does the same)
-        mx.async_eval(fwd.pending())
-        # ONE host synchronisation for the iteration: the decisions, the caches' buffers,
-        # the drafters' features, SpecInfer's probabilities and requested logprobs are
-        # evaluated and read together (serve/decode.py)
-        read = read_iteration(run, fwd.logits, fwd.pending())
-        ms = (self.clock() - t0) * 1e3
-        n_dec = sum(sl.tokens for _, sl in run if not sl.prefill)
-        rec = IterationView(t0, len(run), n_dec, sum(sl.tokens for _, sl in run) - n_dec,
-                            len(self.table.waiting), ms)
-        self.costs.observe(rec)
+        decided = decisions(run, fwd.logits)
+        # the device starts the forward now, while the host goes on (a launch, not a wait:
+        # mlx-lm's generate_step does the same)
+        mx.async_eval([*fwd.pending(), *decided.values()])
+        return InFlight(tuple(run), tuple(segs), fwd, decided, t0)
+
+    def _dispatch_ahead(self, it: InFlight) -> InFlight | None:
+        """The next iteration, built on `it`'s lazy tokens and started before `it` is read,
+        when `steps_ahead` allows (None: planned after `it` is read, as usual)."""
+        if not self.step_ahead:
+            return None
+        slots = {s.sid: sl for s, sl in it.run}
         with self._cv:
-            self.history.append(rec)
-            self.iterations += 1
-        self.decode.verified(run, segs, fwd.logits, fwd.hidden, ms, read)
+            active, waiting = list(self.table.active), len(self.table.waiting)
+        views = []
+        for s in active:
+            sl = slots.get(s.sid)
+            views.append(AheadView(
+                s.sid, sl is not None and not sl.prefill and sl.tokens == 1
+                and isinstance(s.cache, RowCache) and s.sid in it.decided,
+                s.proposer is not None or s.group is not None or s.prediction is not None,
+                s.constraint is not None, s.left, s.cancelled))
+        going = set(steps_ahead(views, waiting=waiting, room=self.max_active - len(active)))
+        if not going:
+            return None
+        run = tuple((s, Slot(s.sid, 1, False)) for s in active if s.sid in going)
+        # each one's next token: its decision's second entry, read by the device only
+        segs = tuple(Segment(it.decided[s.sid][1:], s.cache, 0) for s, _ in run)
+        fwd = flat_outputs(self.lm.model, segs)
+        decided = decisions(run, fwd.logits, ahead=1)
+        mx.async_eval([*fwd.pending(), *decided.values()])
+        return InFlight(run, segs, fwd, decided, self.clock())
 
 
 def plan_segments(batch: list[BatchSession], budget: IterationBudget, planned: frozenset[int],

@@ -94,6 +94,47 @@ def share_prefill(prefilling: Sequence[SessionView], left: int) -> tuple[Slot, .
 
 
 @dataclass(frozen=True)
+class AheadView:
+    """An active session as the step-ahead decision sees it, while its iteration computes.
+
+    decoding: this iteration verifies its block of one token (False: a prefill chunk, no
+    slot, a KV being installed); drafts: it has a drafter or a prediction (its next block's
+    length and drafts are decided once this one is read); grammar: its next row's mask
+    depends on this iteration's token; left: tokens it may generate past this iteration's
+    (`BatchSession.left`); cancelled: its client left."""
+
+    sid: int
+    decoding: bool
+    drafts: bool = False
+    grammar: bool = False
+    left: int = 1
+    cancelled: bool = False
+
+
+def steps_ahead(sessions: Sequence[AheadView], *, waiting: int = 0, room: int = 0
+                ) -> tuple[int, ...]:
+    """The sessions whose next step may be dispatched before this iteration is read (mlx-lm's
+    `generate_step` pipelining, in the batch), () for none: the next iteration is then
+    planned after this one is read.
+
+    Only plain decoding can run ahead exactly: the next iteration of a batch of plain steps
+    is one token per session (`plan_iteration` gives each decoding session its token first)
+    whose value the device holds, at an output position the host knows. Every active
+    session must be such a step (a draft, a grammar's mask, a prompt chunk or an install is
+    decided on the host after this iteration is read), and no waiting request may be kept
+    out of the next iteration: `waiting` requests queue, `room` is the free sessions' slots
+    (a session that ends here by its length or its cancel frees one). A session that ends
+    here by its length or its cancel is left out, as it would be; one that ends at a stop
+    token is known only once read: the engine drops its step and rolls its cache back."""
+    if not sessions or any(not v.decoding or v.drafts or v.grammar for v in sessions):
+        return ()
+    going = tuple(v.sid for v in sessions if v.left > 0 and not v.cancelled)
+    if waiting and room + len(sessions) - len(going) > 0:
+        return ()
+    return going
+
+
+@dataclass(frozen=True)
 class IterationBudget:
     """One iteration's limits, decided once (`iteration_budget`) and read by the drafting plan
     (serve/drafting.py `BatchDrafting.lengths`) and the scheduler (serve/engine.py
