@@ -1,6 +1,7 @@
 """A/B: one request through the single-session loop (generate_local) vs the serving engine
-(BatchEngine, one request, stepped on this thread). CPU s per token, interleaved."""
-import sys, time
+(BatchEngine, one request, stepped on this thread). CPU s per token, interleaved.
+AB_SYNC=1: a third arm, the engine without its step ahead (BatchEngine(step_ahead=False))."""
+import os, sys, time
 from macfleet.engine.models import load_model
 from macfleet.engine.text import generate_local, encode_prompt
 from macfleet.engine.events import Finished
@@ -21,10 +22,10 @@ def loop(spec, p):
     return list(fin.token_ids), time.perf_counter() - t0, time.process_time() - c0
 
 engines = {}
-def eng(spec, p):
-    if spec not in engines:
-        engines[spec] = BatchEngine(lm, proposer=spec, max_active=1)
-    e = engines[spec]
+def eng(spec, p, ahead=True):
+    if (spec, ahead) not in engines:
+        engines[spec, ahead] = BatchEngine(lm, proposer=spec, max_active=1, step_ahead=ahead)
+    e = engines[spec, ahead]
     ids = encode_prompt(lm.tokenizer, p, True)
     out = []
     t0, c0 = time.perf_counter(), time.process_time()
@@ -33,15 +34,23 @@ def eng(spec, p):
     fin = next(x for x in out if isinstance(x, Finished))
     return list(fin.token_ids), time.perf_counter() - t0, time.process_time() - c0
 
+def sync(spec, p):
+    return eng(spec, p, ahead=False)
+
+arms = [("loop", loop), ("eng", eng)] + ([("sync", sync)] if os.environ.get("AB_SYNC") else [])
 for spec in specs:
-    loop(spec, "hi"); eng(spec, "hi")  # warm
-    tot = {"loop": [0, 0, 0], "eng": [0, 0, 0]}
+    for _, f in arms:
+        f(spec, "hi")  # warm
+    tot = {name: [0, 0, 0] for name, _ in arms}
     for rep in range(int(sys.argv[3]) if len(sys.argv) > 3 else 2):
         for p in prompts:
-            for name, f in (("loop", loop), ("eng", eng)) if rep % 2 == 0 else (("eng", eng), ("loop", loop)):
+            for name, f in arms if rep % 2 == 0 else arms[::-1]:
                 ids, w, c = f(spec, p)
                 tot[name][0] += len(ids); tot[name][1] += w; tot[name][2] += c
                 tot.setdefault(name + "_ids", []).append(ids)
     same = tot["loop_ids"] == tot["eng_ids"]
     l, e = tot["loop"], tot["eng"]
     print(f"{spec}: loop {l[0]/l[1]:.1f} tok/s wall, {1e3*l[2]/l[0]:.1f} cpu ms/tok | engine {e[0]/e[1]:.1f} tok/s wall, {1e3*e[2]/e[0]:.1f} cpu ms/tok | engine/loop cpu {l[2]/l[0]/(e[2]/e[0]):.3f}x wall {(e[0]/e[1])/(l[0]/l[1]):.3f}x | identical {same}", flush=True)
+    if "sync" in tot:
+        y = tot["sync"]
+        print(f"{spec}: engine without step ahead {y[0]/y[1]:.1f} tok/s wall, {1e3*y[2]/y[0]:.1f} cpu ms/tok | /loop cpu {l[2]/l[0]/(y[2]/y[0]):.3f}x wall {(y[0]/y[1])/(l[0]/l[1]):.3f}x | identical {tot['sync_ids'] == tot['loop_ids']}", flush=True)
