@@ -376,7 +376,14 @@ class BatchEngine:
         else:
             it = self._dispatch(batch)
         # the device computes this iteration; the next one goes out behind it when it can
-        nxt = self._dispatch_ahead(it)
+        going = self._steps_ahead(it)
+        nxt = None
+        if going:
+            # this iteration's cache buffers become the next one's inputs: held here too, the
+            # next forward's writes could not update them in place (MLX copies a buffer
+            # another reference holds); that forward evaluates them
+            it = replace(it, fwd=replace(it.fwd, state=()))
+            nxt = self._dispatch_ahead(it, going)
         # ONE host synchronisation for the iteration: the decisions, the caches' buffers,
         # the drafters' features, SpecInfer's probabilities and requested logprobs are
         # evaluated and read together (serve/decode.py)
@@ -433,11 +440,10 @@ class BatchEngine:
         mx.async_eval([*fwd.pending(), *decided.values()])
         return InFlight(tuple(run), tuple(segs), fwd, decided, t0)
 
-    def _dispatch_ahead(self, it: InFlight) -> InFlight | None:
-        """The next iteration, built on `it`'s lazy tokens and started before `it` is read,
-        when `steps_ahead` allows (None: planned after `it` is read, as usual)."""
+    def _steps_ahead(self, it: InFlight) -> list[BatchSession]:
+        """The sessions whose next step goes out before `it` is read (`steps_ahead`)."""
         if not self.step_ahead:
-            return None
+            return []
         slots = {s.sid: sl for s, sl in it.run}
         with self._cv:
             active, waiting = list(self.table.active), len(self.table.waiting)
@@ -450,11 +456,14 @@ class BatchEngine:
                 s.proposer is not None or s.group is not None or s.prediction is not None,
                 s.constraint is not None, s.left, s.cancelled))
         going = set(steps_ahead(views, waiting=waiting, room=self.max_active - len(active)))
-        if not going:
-            return None
-        run = tuple((s, Slot(s.sid, 1, False)) for s in active if s.sid in going)
+        return [s for s in active if s.sid in going]
+
+    def _dispatch_ahead(self, it: InFlight, going: list[BatchSession]) -> InFlight:
+        """The next iteration of `going`'s plain steps, built on `it`'s lazy tokens and
+        started before `it` is read."""
+        run = tuple((s, Slot(s.sid, 1, False)) for s in going)
         # each one's next token: its decision's second entry, read by the device only
-        segs = tuple(Segment(it.decided[s.sid][1:], s.cache, 0) for s, _ in run)
+        segs = tuple(Segment(it.decided[s.sid][1:], s.cache, 0) for s in going)
         fwd = flat_outputs(self.lm.model, segs)
         decided = decisions(run, fwd.logits, ahead=1)
         mx.async_eval([*fwd.pending(), *decided.values()])
