@@ -20,7 +20,7 @@ import bisect
 import time
 from collections.abc import Sequence
 
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, common_prefix
 from macfleet.engine.tree_budget import VerifyCurve
 from macfleet.stats import PREDICTION
 
@@ -137,7 +137,7 @@ class PredictionProposer(Proposer):
         if at is not None and length >= at[0]:  # the answer went on since the last call
             n, pos = at
             grown = context[self.answer_start + n:]
-            m = _common(grown, self.prediction[pos:pos + len(grown)])
+            m = common_prefix(grown, self.prediction[pos:pos + len(grown)])
             if m == len(grown):  # along the prediction
                 self._at = (length, pos + m)
                 return self._at[1]
@@ -173,11 +173,3 @@ class PredictionProposer(Proposer):
 
     def close(self) -> None:
         self.start(self.params if hasattr(self, "params") else None)
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the common prefix of a and b."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
