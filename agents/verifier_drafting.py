@@ -45,6 +45,11 @@ class FallbackProposer(Proposer):
         self.name = self._live[0].spec if self._live else "none"
 
     @property
+    def remotes(self) -> list[RemoteProposer]:
+        """Every proposer it was given, live or dropped."""
+        return self._all
+
+    @property
     def current(self) -> RemoteProposer | None:
         return self._live[0] if self._live else None
 
@@ -112,7 +117,7 @@ class FallbackProposer(Proposer):
         totals = FlowTotals()
         for p in self._all:
             totals += p.flows
-        s = totals.summary(f3_probe=any(p.f3_probe_width for p in self._all))
+        s = totals.summary(f3_probe=probed(self))
         ahead = [p.flow_stats() for p in self._all
                  if isinstance(p, StreamingProposer) and p.flows.blocks]
         if ahead:
@@ -141,6 +146,13 @@ def last_flows(proposer) -> BlockFlows | None:
         return replace(worst, f1_bytes=sum(f.f1_bytes for f in lasts),
                        f2_bytes=sum(f.f2_bytes for f in lasts))
     return None
+
+
+def probed(drafter) -> bool:
+    """Whether a drafter's F3 figures are a probe's: one of its remote proposers sends one
+    (a hidden-state drafter fed this verifier's real features sends none)."""
+    return isinstance(drafter, (FallbackProposer, RemoteProposerGroup)) and \
+        any(p.f3_probe_width for p in drafter.remotes)
 
 
 class RequestDrafting:
@@ -206,15 +218,15 @@ class RequestDrafting:
             return FallbackProposer([StreamingProposer(ep, key=self.key, model=self.lm.spec)
                                      for ep in msg.proposers])
         feats = self.features(msg.proposer_spec, batched)
-        return FallbackProposer([self._remote(msg, ep, msg.proposer_spec, feats,
-                                              probe=not feats) for ep in msg.proposers])
+        return FallbackProposer([self._remote(msg, ep, msg.proposer_spec, feats)
+                                 for ep in msg.proposers])
 
-    def _remote(self, msg: GenerateRequest, endpoint: str, spec: str, feats,
-                probe: bool = True) -> RemoteProposer:
-        """A drafter on another agent (F3 probed when this verifier measures it and `probe`)."""
+    def _remote(self, msg: GenerateRequest, endpoint: str, spec: str, feats) -> RemoteProposer:
+        """A drafter on another agent: sent this verifier's hidden states `feats`, or else F3
+        probed when this verifier measures it."""
         return RemoteProposer(endpoint, key=self.key, proposer=spec, model=self.lm.spec,
                               cross_round=msg.cross_round,
-                              f3_probe_width=self.f3_probe_width if probe else 0,
+                              f3_probe_width=self.f3_probe_width if feats is None else 0,
                               features=feats, f3_codec=self.f3_codec,
                               draft_timeout_s=self.draft_timeout_s)
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 from agents.remote_tree import RemoteProposerGroup
 from agents.shard_traffic import block_delta
 from agents.verifier_drafting import (FallbackProposer, RequestDrafting, draft_tokens_of,
-                                      last_flows)
+                                      last_flows, probed)
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError
 from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDone, GenerateRequest
 from macfleet.engine.constraint import Grammar
@@ -106,10 +106,9 @@ class VerifierGenerations:
     `generate` one session alone on the service's compute thread."""
 
     def __init__(self, lm: LoadedModel, *, node_id: str, verifier, drafts: RequestDrafting,
-                 pending: Pending, publish: Callable[[object], None],
-                 f3_probe_width: int) -> None:
+                 pending: Pending, publish: Callable[[object], None]) -> None:
         self.lm, self.node_id, self.verifier, self.drafts = lm, node_id, verifier, drafts
-        self.pending, self.publish, self.f3_probe_width = pending, publish, f3_probe_width
+        self.pending, self.publish = pending, publish
         self.batch = None  # the continuous batch (a BatchEngine), when the service runs one
         self.stage = None  # the prefill stage (agents/remote_prefill.PrefillStage), if any
 
@@ -158,7 +157,7 @@ class VerifierGenerations:
                                     tuple(e.logprob for e in lps), tuple(e.top for e in lps)))
                 lps = ()
             elif isinstance(ev, BlockDone):
-                wire_ms += self._publish_block(rid, ev, proposer, probe=bool(self.f3_probe_width),
+                wire_ms += self._publish_block(rid, ev, proposer,
                                                **(kv_once if ev.block == 1 else {}))
                 block_ms += ev.block_ms
             elif isinstance(ev, Finished):
@@ -189,8 +188,7 @@ class VerifierGenerations:
             code = BUSY if isinstance(e, Overloaded) else BAD_REQUEST
             raise ProtocolError(code, str(e)) from None
 
-    def _publish_block(self, rid: str, ev: BlockDone, drafter, *, probe: bool,
-                       **extra) -> float:
+    def _publish_block(self, rid: str, ev: BlockDone, drafter, **extra) -> float:
         """One verified block's metrics on the PUB socket (both paths: batched and alone);
         extra: the shard flow, and flow KV on a session's first block. Returns its wire ms."""
         last = (last_flows(drafter) if ev.k > 0 else None) or BlockFlows()
@@ -199,7 +197,7 @@ class VerifierGenerations:
             accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
             verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
             f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes, f3_ms=last.f3_ms,
-            probe=probe, hidden_size=self.lm.hidden_size, ahead_lead=last.ahead_lead,
+            probe=probed(drafter), hidden_size=self.lm.hidden_size, ahead_lead=last.ahead_lead,
             ahead_waste=last.ahead_waste if last.ahead_lead or last.ahead_waste else -1.0,
             drafter=ev.drafter, why=ev.why, **extra))
         return last.wire_ms
@@ -234,9 +232,7 @@ class VerifierGenerations:
                     shard_prev = shard
                     # measured where a collective was timed, else priced (and marked so)
                     wire_ms += self._publish_block(
-                        msg.request_id, ev, proposer,
-                        probe=bool(self.f3_probe_width) and self.drafts.feature_tap is None,
-                        shard_bytes=sh.bytes, shard_ms=sh.ms or sh.priced_ms,
+                        msg.request_id, ev, proposer, shard_bytes=sh.bytes, shard_ms=sh.ms or sh.priced_ms,
                         shard_priced=not sh.ms and sh.priced_ms > 0, rank_load=sh.rank_load,
                         **kv_once)
                     kv_once = {}

@@ -144,8 +144,7 @@ class VerifierService:
         self._pending = Pending()  # queued or running -> heartbeats
         self.generations = VerifierGenerations(
             lm, node_id=node_id, verifier=self._verifier, drafts=self._drafts,
-            pending=self._pending, publish=publish or (lambda m: None),
-            f3_probe_width=self.f3_probe_width)
+            pending=self._pending, publish=publish or (lambda m: None))
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
         self._thread.start()
