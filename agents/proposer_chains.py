@@ -5,10 +5,9 @@ takes the other chain sessions' requests of the round off its queue (`gather`, f
 `GATHER_S`), brings each session up to date alone (a bad request is answered with its error),
 then drafts them in one `draft_chains` call per head: one head forward per draft position for
 all of them (their head caches are rows of one store), not one session after the other while
-the verifier waits for the last. `ChainRounds` is a part of `ProposerService`
-(agents/proposer_service.py): it reads the service's sessions, job queue and the jobs held
-back while gathering (`_sessions`, `_jobs`, `_pending`), its `_update`, `_answer` and its
-counters.
+the verifier waits for the last. `ProposerService` (agents/proposer_service.py) gives
+`ChainRounds` what it uses, by name: its sessions and job queue, `update` (a request's session
+brought up to date), `answer` (a job's reply or error) and `drafted` (a draft's reply, counted).
 """
 
 from __future__ import annotations
@@ -16,11 +15,13 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
 from bridge.errors import INTERNAL
-from bridge.messages import DraftReply, DraftRequest, ErrorReply
+from bridge.messages import DraftRequest, ErrorReply
 from macfleet.engine.proposers.eagle.chain import draft_chains
 
 log = logging.getLogger(__name__)
@@ -34,30 +35,41 @@ GATHER_S = 0.004
 class ChainRounds:
     """The proposer's chain rounds: see the module docstring."""
 
-    def _chained(self, msg) -> bool:
+    def __init__(self, sessions: dict, jobs: queue.SimpleQueue, *, update: Callable,
+                 answer: Callable, drafted: Callable) -> None:
+        self.sessions, self.jobs = sessions, jobs
+        self.update, self.answer, self.drafted = update, answer, drafted
+        self.held: deque = deque()  # jobs taken off the queue while gathering, served after
+        self.drafted_together = 0  # requests answered by a draft_chains call of several
+
+    def chained(self, msg) -> bool:
         """A draft request of a session whose chains are drafted with the others'."""
-        s = self._sessions.get(msg.session_id) if isinstance(msg, DraftRequest) else None
+        s = self.sessions.get(msg.session_id) if isinstance(msg, DraftRequest) else None
         return s is not None and getattr(s.proposer, "rows", None) is not None
+
+    def serve(self, job) -> None:
+        """A chained request's round: it and the other chain sessions' requests gathered."""
+        self._serve_together([job, *self._gather(job[0].session_id)])
 
     def _gather(self, first: str) -> list:
         """The other chain sessions' requests of this round: taken off the queue until every
         open chain session has one here or `GATHER_S` has passed; other jobs keep their order
-        for after."""
-        want = {sid for sid, s in self._sessions.items()
+        for after (`held`)."""
+        want = {sid for sid, s in self.sessions.items()
                 if getattr(s.proposer, "rows", None) is not None} - {first}
         got, seen = [], {first}
         deadline = time.perf_counter() + GATHER_S
         while want - seen:
             left = deadline - time.perf_counter()
             try:
-                job = self._jobs.get(timeout=left) if left > 0 else self._jobs.get_nowait()
+                job = self.jobs.get(timeout=left) if left > 0 else self.jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None and self._chained(job[0]) and job[0].session_id not in seen:
+            if job is not None and self.chained(job[0]) and job[0].session_id not in seen:
                 got.append(job)
                 seen.add(job[0].session_id)
             else:
-                self._pending.append(job)
+                self.held.append(job)
                 if job is None:
                     break
         return got
@@ -65,14 +77,12 @@ class ChainRounds:
     def _serve_together(self, jobs: list) -> None:
         """Chain requests of several sessions: each validated and brought up to date alone (a
         bad one is answered with its error, as a request served alone), then all drafted in one
-        `draft_chains` call."""
+        `draft_chains` call per head (its store of rows)."""
         ready = []
         for msg, reply, received in jobs:
-            self._answer(reply, lambda: ready.append(
-                (msg, reply, received, self._update(msg, getattr(reply, "peer", b"")))))
-        if not ready:
-            return
-        groups: dict[int, list] = {}  # one draft_chains call per head (its store of rows)
+            self.answer(reply, lambda: ready.append(
+                (msg, reply, received, self.update(msg, getattr(reply, "peer", b"")))))
+        groups: dict[int, list] = {}
         for item in ready:
             groups.setdefault(id(item[3].proposer.rows), []).append(item)
         for group in groups.values():
@@ -92,10 +102,6 @@ class ChainRounds:
             self.drafted_together += len(group)
         for (msg, reply, received, s), d in zip(group, drafts):
             s.last_k, s.last_used = msg.k, time.monotonic()
-            self.served += 1
-            if self._on_block:
-                self._on_block(msg.session_id, msg.block, ms / len(group), False)
-            reply(DraftReply(session_id=msg.session_id, block=msg.block, tokens=list(d.tokens),
-                             probs=None if d.probs is None else d.probs.astype(np.float32),
-                             draft_ms=(time.perf_counter() - received) * 1e3,
-                             predraft_hit=False))
+            reply(self.drafted(msg, received, d.tokens,
+                               None if d.probs is None else d.probs.astype(np.float32),
+                               ms / len(group), False))

@@ -26,7 +26,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -196,10 +195,11 @@ class ComputeThread:
         self._thread.join(timeout)
 
 
-class ProposerService(ChainRounds, ComputeThread):
+class ProposerService(ComputeThread):
     """The proposer role: request checks on the server's loop thread (`handle`), then drafting
     on one compute thread: sessions opened and closed, draft requests served (chain sessions of
-    one round together: agents/proposer_chains.py), lookahead in idle time, idle eviction."""
+    one round together: its `chains`, agents/proposer_chains.py), lookahead in idle time, idle
+    eviction."""
 
     BAD_REQUESTS = (ModelSpecError, ProposerSpecError, ValueError)
 
@@ -222,9 +222,9 @@ class ProposerService(ChainRounds, ComputeThread):
         self._on_block = on_block
         self._rr = 0
         self._head_rows: dict[int, BatchKV] = {}  # chain sessions' head caches, one store a head
-        self._pending: deque = deque()  # jobs taken off the queue while gathering a round
+        self.chains = ChainRounds(self._sessions, self._jobs, update=self._update,
+                                  answer=self._answer, drafted=self._drafted)
         self.served = 0
-        self.drafted_together = 0  # requests answered by a draft_chains call of several
         self.predraft_hits = 0
         # tokens whose hidden states a hidden-state drafter had to compute itself, because
         # they did not arrive over F3 (closed sessions included)
@@ -288,8 +288,8 @@ class ProposerService(ChainRounds, ComputeThread):
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                if self._pending:
-                    job = self._pending.popleft()
+                if self.chains.held:
+                    job = self.chains.held.popleft()
                 else:
                     job = self._jobs.get(timeout=_IDLE_WAIT_S) if not self._lookahead_pending() \
                         else self._jobs.get_nowait()
@@ -300,8 +300,8 @@ class ProposerService(ChainRounds, ComputeThread):
             if job is None:
                 break
             msg, reply, received = job
-            if self._chained(msg):
-                self._serve_together([job, *self._gather(msg.session_id)])
+            if self.chains.chained(msg):
+                self.chains.serve(job)
                 continue
             self._answer(reply, lambda: self._serve(msg, received, getattr(reply, "peer", b"")))
 
@@ -360,23 +360,22 @@ class ProposerService(ChainRounds, ComputeThread):
                 d = s.proposer.propose(s.context, msg.k)
             s.last_drafted, s.last_k = len(d.tokens), msg.k
             s.replied_tree(d)
-            self.served += 1
-            self.predraft_hits += int(hit)
-            if self._on_block:
-                self._on_block(msg.session_id, msg.block, (time.perf_counter() - t0) * 1e3,
-                               hit)
-            return DraftReply(session_id=msg.session_id, block=msg.block, tokens=list(d.tokens),
-                              probs=None, draft_ms=(time.perf_counter() - received) * 1e3,
-                              predraft_hit=hit,
-                              parents=list(d.parents) if d.parents is not None else None)
+            return self._drafted(msg, received, d.tokens, None, (time.perf_counter() - t0) * 1e3,
+                                 hit, parents=None if d.parents is None else list(d.parents))
         r = s.draft(msg.k)
+        return self._drafted(msg, received, r.tokens, r.probs, r.compute_ms, r.predraft_hit)
+
+    def _drafted(self, msg: DraftRequest, received: float, tokens, probs, compute_ms: float,
+                 hit: bool, parents: list[int] | None = None) -> DraftReply:
+        """A block's reply, counted and reported (`on_block`); its draft_ms counts from when
+        the request reached this agent."""
         self.served += 1
-        self.predraft_hits += int(r.predraft_hit)
+        self.predraft_hits += int(hit)
         if self._on_block:
-            self._on_block(msg.session_id, msg.block, r.compute_ms, r.predraft_hit)
-        return DraftReply(session_id=msg.session_id, block=msg.block, tokens=r.tokens,
-                          probs=r.probs, draft_ms=(time.perf_counter() - received) * 1e3,
-                          predraft_hit=r.predraft_hit)
+            self._on_block(msg.session_id, msg.block, compute_ms, hit)
+        return DraftReply(session_id=msg.session_id, block=msg.block, tokens=list(tokens),
+                          probs=probs, draft_ms=(time.perf_counter() - received) * 1e3,
+                          predraft_hit=hit, parents=parents)
 
     def _lookahead_pending(self) -> bool:
         return any(s.wants_lookahead() for s in self._sessions.values())

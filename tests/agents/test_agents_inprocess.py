@@ -217,7 +217,7 @@ def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_
             t.start()
         for t in threads:
             t.join(120)
-        together = prop.proposer.drafted_together
+        together = prop.proposer.chains.drafted_together
     finally:
         prop.close()
     assert [got[i].token_ids for i in range(len(prompts))] == [a.token_ids for a in alone]
