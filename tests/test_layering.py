@@ -79,7 +79,8 @@ ALLOWED: dict[str, Rule] = {
     **{f"macfleet/serve/{part}.py": Rule(("macfleet.serve", "macfleet.engine",
                                           "macfleet.fleet.batch", *RECORDS), banned=NETWORK)
        for part in ("batch_session", "costs", "decode", "drafting", "lifecycle", "session_kv")},
-    "macfleet/serve/scheduler.py": Rule(("macfleet.serve",), banned=(*NETWORK, "mlx", "numpy")),
+    "macfleet/serve/scheduler.py": Rule(("macfleet.serve", "macfleet.engine.prefix"),
+                                        banned=(*NETWORK, "mlx", "numpy")),
     "macfleet/serve/schemas.py": Rule(("macfleet.serve", "macfleet.engine", *RECORDS),
                                       banned=(*NETWORK, "mlx")),
     # measurements and the CLI sit on top of everything

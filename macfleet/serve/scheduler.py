@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from macfleet.engine.prefix import common_prefix
+
 DEFAULT_TOKEN_BUDGET = 256
 
 
@@ -294,14 +296,6 @@ class PrefixCopy:
     dst: int
     src: int
     tokens: int
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def plan_prefix_sharing(sessions: Sequence[PrefixView], min_shared: int = MIN_SHARED_PREFIX

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from macfleet.engine.prefix import common_prefix
 from macfleet.serve.scheduler import (COST_WINDOW, DraftView, IterationCost, PrefixCopy,
-                                      PrefixView, SessionView, Slot, StallControl, common_prefix,
+                                      PrefixView, SessionView, Slot, StallControl,
                                       draft_acceptance, plan_drafts, plan_iteration,
                                       plan_prefix_sharing)
 

@@ -37,17 +37,6 @@ class Draft:
 EMPTY_DRAFT = Draft(tokens=())
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens a and b share: what a drafter's cache keeps of a new context."""
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class ProposerFailed(RuntimeError):
     """Raised by a proposer that cannot serve any more (dead peer): the loop goes on without it."""
 

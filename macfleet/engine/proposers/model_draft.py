@@ -18,7 +18,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from macfleet.engine.layers import head_logits, run_layers
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, common_prefix
+from macfleet.engine.prefix import common_prefix
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import GREEDY, make_rng, probs_from_logits, sample
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, common_prefix
+from macfleet.engine.prefix import common_prefix
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 1

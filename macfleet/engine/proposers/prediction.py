@@ -20,7 +20,8 @@ import bisect
 import time
 from collections.abc import Sequence
 
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, common_prefix
+from macfleet.engine.prefix import common_prefix
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.tree_budget import VerifyCurve
 from macfleet.stats import PREDICTION
 

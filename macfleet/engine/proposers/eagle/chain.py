@@ -30,7 +30,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from macfleet.engine.batch import BatchKV, RowCache, Segment, flat_layers
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, common_prefix
+from macfleet.engine.prefix import common_prefix
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.proposers.eagle.features import (HiddenTap, attach_tap, detach_tap,
                                                       hidden_states)
 from macfleet.engine.proposers.eagle.head import EagleHead
