@@ -229,9 +229,6 @@ class Api:
         against this model (issue 32), compiled and run a few tokens in (a grammar past the
         engine's limits is refused here, before admission); on a worker thread: the grammar
         engine's tokenizer is built on first use (seconds)."""
-        if not getattr(self.engine, "supports_grammar", False):
-            raise RequestError(f"'{where}' needs a grammar, which this backend does not have",
-                               param=where)
         err = self.engine.grammar_error(grammar)
         if err is not None:
             raise RequestError(f"'{where}' cannot be followed by this model: "

@@ -141,12 +141,16 @@ class ScriptedEngine:
     response_format's answer: test_structured.py). Records each request's text and grammar."""
 
     alive, iterations = True, 0
+    refuse: str | None = None  # what its grammar check says of every grammar (None: fine)
 
     def __init__(self, answer: str, finish: str = "stop") -> None:
         self.answer, self.finish, self.prompts, self.grammars = answer, finish, [], []
 
     def load(self):
         return 0, 0
+
+    def grammar_error(self, grammar):
+        return self.refuse
 
     def submit(self, req, emit, on_close=None):
         from macfleet.engine.events import Finished, GenerationStats, TokensCommitted

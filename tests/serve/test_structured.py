@@ -263,8 +263,9 @@ def test_bad_response_formats_and_refused_combinations_name_the_field():
 def test_the_app_hands_response_format_to_the_engine_streamed_or_whole():
     """The real HTTP app in-process, an engine that answers from a script: the request's
     response_format reaches the engine as its grammar (chat streamed and whole, and the
-    completions endpoint's extra field), and a bad one is a 400 that never reaches it. The
-    same over a `serve --local` process with real decoding: the slow test below."""
+    completions endpoint's extra field), and a bad one is a 400 that never reaches it, as is
+    one the engine says this model cannot follow. The same over a `serve --local` process with
+    real decoding: the slow test below."""
     import asyncio
 
     import httpx
@@ -274,7 +275,6 @@ def test_the_app_hands_response_format_to_the_engine_streamed_or_whole():
 
     answer = "id: abc; n 42."
     engine = ScriptedEngine(answer)
-    engine.supports_grammar, engine.grammar_error = True, lambda g: None
     app = create_app(engine, CharTokenizer(),
                      ServerConfig("m", chat_template=TOOLS_TEMPLATE.read_text()))
     fmt, hi = _regex_format(PATTERN), [{"role": "user", "content": "hi"}]
@@ -292,6 +292,11 @@ def test_the_app_hands_response_format_to_the_engine_streamed_or_whole():
             with pytest.raises(openai.BadRequestError) as e:
                 await c.chat.completions.create(model="m", messages=hi,
                                                 response_format=_regex_format("(("))
+            engine.refuse = "no token of this vocabulary starts it"
+            with pytest.raises(openai.BadRequestError) as unfit:
+                await c.chat.completions.create(model="m", messages=hi, response_format=fmt)
+            assert unfit.value.body["param"] == "response_format"
+            assert "no token of this vocabulary" in unfit.value.body["message"]
             return whole, chunks, text, e.value
 
     whole, chunks, text, bad = asyncio.run(run())

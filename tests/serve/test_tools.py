@@ -321,7 +321,7 @@ def test_http_tool_calls_through_the_openai_client(stream):
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
-def test_http_enforced_calls_need_a_grammar_backend_and_the_engine_gets_the_tools_grammar():
+def test_http_enforced_calls_give_the_engine_the_tools_grammar():
     import asyncio
 
     import httpx
@@ -341,10 +341,6 @@ def test_http_enforced_calls_need_a_grammar_backend_and_the_engine_gets_the_tool
             return await c.chat.completions.create(model="m", messages=CONVERSATION,
                                                    tools=[WEATHER], tool_choice=choice)
 
-    with pytest.raises(openai.BadRequestError) as e:  # a backend without grammars: refused
-        asyncio.run(ask("required"))
-    assert e.value.body["param"] == "tool_choice" and not engine.grammars
-    engine.supports_grammar, engine.grammar_error = True, lambda g: None
     asyncio.run(ask("auto"))
     r = asyncio.run(ask({"type": "function", "function": {"name": "get_weather"}}))
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
@@ -366,7 +362,6 @@ def test_http_answer_cut_by_max_tokens_inside_a_call_leaks_no_markup(stream, cho
     from macfleet.serve.app import ServerConfig, create_app
 
     engine = ScriptedEngine(CUT[HERMES], finish="length")
-    engine.supports_grammar, engine.grammar_error = True, lambda g: None
     app = create_app(engine, CharTokenizer(),
                      ServerConfig("m", chat_template=TOOLS_TEMPLATE.read_text()))
 
