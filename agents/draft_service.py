@@ -18,10 +18,7 @@ verify(k+1) instead of verify(k+1) + k draft steps (docs/design.md, physics 5).
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +29,7 @@ from agents.specs import check_id
 from bridge.errors import BAD_REQUEST, ProtocolError
 from bridge.messages import (CloseSession, DraftChunk, SessionOpened, StreamCommit,
                              StreamOpen)
+from bridge.transport import Reply
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers.model_draft import ModelProposer
@@ -40,9 +38,6 @@ from macfleet.engine.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_LEAD = 2 * MAX_DRAFT_TOKENS + 2  # a lead the verifier may ask for
-_IDLE_WAIT_S = 0.05
-
-Reply = Callable[[object], int]
 
 
 @dataclass
@@ -110,14 +105,9 @@ class DraftAheadService(ComputeThread):
     def __init__(self, draft: LoadedModel, *, serves: str,
                  limits: ProposerLimits = ProposerLimits()) -> None:
         """draft: the loaded draft model; serves: the verifier model spec it drafts for."""
+        super().__init__(limits)
         self.lm = draft
         self.serves = serves
-        self.limits = limits
-        self._sessions: dict[str, _Session] = {}
-        self._owner: dict[str, bytes] = {}
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._rr = 0
         self.totals = AheadTally()
         self._start_compute("draft-ahead")
 
@@ -158,20 +148,12 @@ class DraftAheadService(ComputeThread):
             self._slot(peer)
 
     # -- the compute thread
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            busy = any(s.wants_token for s in self._sessions.values())
-            try:
-                job = self._jobs.get_nowait() if busy else self._jobs.get(timeout=_IDLE_WAIT_S)
-            except queue.Empty:
-                if busy:
-                    self._draft_one()
-                self._evict_idle()
-                continue
-            if job is None:
-                break
-            msg, reply, peer = job
-            self._answer(reply, lambda: self._serve(msg, reply, peer))
+    def _busy(self) -> bool:
+        return any(s.wants_token for s in self._sessions.values())
+
+    def _serve_job(self, job) -> None:
+        msg, reply, peer = job
+        self._answer(reply, lambda: self._serve(msg, reply, peer))
 
     def _serve(self, msg, reply: Reply, peer: bytes):
         if isinstance(msg, StreamOpen):
@@ -197,7 +179,7 @@ class DraftAheadService(ComputeThread):
         self.totals.reroots += s.tally.reroots - reroots
         self.totals.wasted += s.tally.wasted - wasted
 
-    def _draft_one(self) -> None:
+    def _idle_step(self) -> None:
         """One more token on one session's stream (round-robin), pushed at once."""
         live = [(sid, s) for sid, s in self._sessions.items() if s.wants_token]
         if not live:

@@ -14,13 +14,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError
 from bridge.messages import ErrorReply, KVChunk, PrefillDone, PrefillRequest
+from bridge.transport import Reply
 from macfleet.engine.kvship import (DEFAULT_MAX_SLICE_BYTES, KV_CODECS, export_slices)
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.text import MAX_PROMPT_TOKENS
@@ -29,9 +29,6 @@ from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED = 2  # each holds a whole prompt's KV while it is computed and sent
-
-Reply = Callable[[object], int]
-
 
 @dataclass(frozen=True)
 class PrefillLimits:

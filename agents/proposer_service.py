@@ -39,6 +39,7 @@ from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_id, che
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, INTERNAL, NOT_FOUND, ProtocolError
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionClosed, SessionOpened)
+from bridge.transport import Reply
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import LoadedModel, ModelSpecError
 from macfleet.engine.batch import BatchKV
@@ -54,9 +55,6 @@ DEFAULT_RECLAIM_IDLE_S = 3.0
 DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
 DEFAULT_MAX_K = MAX_DRAFT_TOKENS  # what any verifier may ask for (engine/controller.py)
 DEFAULT_MAX_PROMPT = 32768
-_IDLE_WAIT_S = 0.05
-
-Reply = Callable[[object], int]
 
 
 @dataclass(frozen=True)
@@ -107,13 +105,22 @@ def check_prompt(msg: OpenSession, vocab: int) -> None:
 
 
 class ComputeThread:
-    """The shell of a service whose MLX work runs on one compute thread (`_run`, fed by
-    `_jobs`; None stops it), with its sessions in `_sessions` (each a DraftStream, or holding
-    one: `_stream_of`) and their openers in `_owner`: the proposer role and the draft-model
-    role (agents/draft_service.py)."""
+    """The shell of a service whose MLX work runs on one compute thread (`_run`: the jobs of
+    `_jobs` in order, None stops it; with none waiting, a step of idle work while `_busy`), with
+    its sessions in `_sessions` (each a DraftStream, or holding one: `_stream_of`) and their
+    openers in `_owner`: the proposer role and the draft-model role (agents/draft_service.py)."""
 
     KIND = "drafting"  # what its sessions are called in errors and logs
     BAD_REQUESTS: tuple[type[Exception], ...] = ()  # a job's errors that are the request's fault
+    IDLE_WAIT_S = 0.05  # how long the thread waits for a job while it has no idle work
+
+    def __init__(self, limits: ProposerLimits) -> None:
+        self.limits = limits
+        self._sessions: dict = {}
+        self._owner: dict[str, bytes] = {}  # session -> the client connection that opened it
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._rr = 0  # the session whose idle work is next (round-robin)
 
     def _stream_of(self, s) -> DraftStream:
         return s
@@ -185,6 +192,23 @@ class ComputeThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._next_job()
+            except queue.Empty:
+                self._idle_step()
+                self._evict_idle()
+                continue
+            if job is None:
+                break
+            self._serve_job(job)
+
+    def _next_job(self):
+        """The next job; while there is idle work, only one already waiting (queue.Empty)."""
+        return self._jobs.get_nowait() if self._busy() else self._jobs.get(
+            timeout=self.IDLE_WAIT_S)
+
     @property
     def sessions(self) -> int:
         return len(self._sessions)
@@ -208,19 +232,14 @@ class ProposerService(ComputeThread):
                  limits: ProposerLimits = ProposerLimits(), heads_dir: str | None = None,
                  on_block: Callable[[str, int, float, bool], None] | None = None,
                  allow_hub: bool = False) -> None:
+        super().__init__(limits)
         self.lm = lm
         self.kinds = kinds
-        self.limits = limits
         self.heads_dir = heads_dir
         self.policy = SpecPolicy(kinds=kinds, heads_dir=heads_dir, own_model=lm.spec,
                                  allow_hub=allow_hub, vocab_size=lm.vocab_size)
         self.models = DraftModels()
-        self._sessions: dict[str, DraftStream] = {}
-        self._owner: dict[str, bytes] = {}  # session -> the client connection that opened it
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._stop = threading.Event()
         self._on_block = on_block
-        self._rr = 0
         self._head_rows: dict[int, BatchKV] = {}  # chain sessions' head caches, one store a head
         self.chains = ChainRounds(self._sessions, self._jobs, update=self._update,
                                   answer=self._answer, drafted=self._drafted)
@@ -285,24 +304,15 @@ class ProposerService(ComputeThread):
         super()._drop(sid)
 
     # -- compute thread
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if self.chains.held:
-                    job = self.chains.held.popleft()
-                else:
-                    job = self._jobs.get(timeout=_IDLE_WAIT_S) if not self._lookahead_pending() \
-                        else self._jobs.get_nowait()
-            except queue.Empty:
-                self._lookahead_step()
-                self._evict_idle()
-                continue
-            if job is None:
-                break
-            msg, reply, received = job
-            if self.chains.chained(msg):
-                self.chains.serve(job)
-                continue
+    def _next_job(self):
+        """Jobs held back while a chain round was gathered come first."""
+        return self.chains.held.popleft() if self.chains.held else super()._next_job()
+
+    def _serve_job(self, job) -> None:
+        msg, reply, received = job
+        if self.chains.chained(msg):
+            self.chains.serve(job)
+        else:
             self._answer(reply, lambda: self._serve(msg, received, getattr(reply, "peer", b"")))
 
     def _update(self, msg: DraftRequest, peer: bytes) -> DraftStream:
@@ -377,11 +387,13 @@ class ProposerService(ComputeThread):
                           probs=probs, draft_ms=(time.perf_counter() - received) * 1e3,
                           predraft_hit=hit, parents=parents)
 
-    def _lookahead_pending(self) -> bool:
+    def _busy(self) -> bool:
+        """Lookahead pending: a session's stream to extend."""
         return any(s.wants_lookahead() for s in self._sessions.values())
 
-    def _lookahead_step(self) -> None:
-        """Extend one session's stream by one token (round-robin), then look at the queue again."""
+    def _idle_step(self) -> None:
+        """Lookahead: extend one session's stream by one token (round-robin), then look at the
+        queue again."""
         live = [s for s in list(self._sessions.values()) if s.wants_lookahead()]
         if not live:
             return

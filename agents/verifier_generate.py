@@ -22,6 +22,7 @@ from agents.verifier_drafting import (FallbackProposer, RequestDrafting, draft_t
                                       last_flows, probed)
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError
 from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDone, GenerateRequest
+from bridge.transport import Reply
 from macfleet.engine.constraint import Grammar
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.kvship import PrefilledVerifier
@@ -35,9 +36,6 @@ from macfleet.serve.logprobs import LogprobsCommitted
 from macfleet.serve.prompt_cache import PromptReused
 from macfleet.stats import (BlockFlows, FleetStats, FlowStats, KVFlow, ShardStats,
                             multihost_overhead)
-
-
-Reply = Callable[[object], int]  # sends one message back to the request's client
 
 
 class Pending:
@@ -232,7 +230,8 @@ class VerifierGenerations:
                     shard_prev = shard
                     # measured where a collective was timed, else priced (and marked so)
                     wire_ms += self._publish_block(
-                        msg.request_id, ev, proposer, shard_bytes=sh.bytes, shard_ms=sh.ms or sh.priced_ms,
+                        msg.request_id, ev, proposer, shard_bytes=sh.bytes,
+                        shard_ms=sh.ms or sh.priced_ms,
                         shard_priced=not sh.ms and sh.priced_ms > 0, rank_load=sh.rank_load,
                         **kv_once)
                     kv_once = {}

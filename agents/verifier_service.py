@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from agents.remote_proposer import DEFAULT_DRAFT_TIMEOUT_S
 from agents.specs import MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_spec
 from agents.verifier_drafting import RequestDrafting
-from agents.verifier_generate import Pending, Reply, VerifierGenerations
+from agents.verifier_generate import Pending, VerifierGenerations
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
 from bridge.messages import (AUTO_DRAFT_TOKENS, MAX_PREDICTION_IDS, MAX_TOP_LOGPROBS,
                              BatchStatus, ErrorReply, GenerateChunk, GenerateRequest)
 from bridge.peers import PeerAllowlist
+from bridge.transport import Reply
 from macfleet.engine.constraint import Grammar, grammar_error
 from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS
 from macfleet.engine.kvship import model_layout
