@@ -1,9 +1,10 @@
 """A verifier agent's generations: a request into the continuous batch, or one session alone.
 
 Both turn the engine's events into wire messages (GenerateChunk, GenerateDone, BlockMetrics
-on the PUB socket) and add what crossing hosts cost: one `fleet_stats` builds the `FleetStats`
-of either path (the flows to the proposer agents, the multi-host overhead by
-`macfleet.stats.multihost_overhead`, flow KV by `kv_flow`, a sharded verifier's shard flow).
+on the PUB socket) and add what crossing hosts cost through one `Crossing` a generation: it
+publishes each block's metrics and builds the `FleetStats` of either path (the flows to the
+proposer agents, the multi-host overhead by `macfleet.stats.multihost_overhead`, flow KV, a
+sharded verifier's shard flow).
 `VerifierService` (agents/verifier_service.py) owns the queue, the batch and the compute thread
 these run on and hands `VerifierGenerations` what they use, by name: the model, the verifier,
 the request drafting, the PUB callback, the pending requests it heartbeats, the batch and the
@@ -69,34 +70,52 @@ class Pending:
         return out
 
 
-def fleet_stats(node_id: str, drafter, wire_ms: float, block_ms: float, kv: KVFlow,
-                shard: ShardStats | None = None) -> FleetStats:
-    """What a generation on this verifier added by crossing hosts (both paths): its remote
-    drafters' flows and failures (none for a local drafter), the wire time and its share."""
-    flows, failures = FlowStats(), []
-    if isinstance(drafter, (FallbackProposer, RemoteProposerGroup)):
-        flows, failures = drafter.flow_stats(), drafter.failures
-    return FleetStats(verifier=node_id, flows=flows, proposer_failures=len(failures),
-                      wire_ms=wire_ms, multihost_overhead=multihost_overhead(wire_ms, block_ms),
-                      kv=kv, shard=shard)
+class Crossing:
+    """What one generation (either path) pays for crossing hosts: each verified block's
+    metrics published (`block`: the flows of its remote drafters, flow KV's figures on the
+    first), and at its end its `FleetStats` (`fleet`)."""
 
+    def __init__(self, gens: VerifierGenerations, rid: str, drafter, staged) -> None:
+        self.gens, self.rid, self.drafter, self.staged = gens, rid, drafter, staged
+        shipped = staged is not None and staged.kv is not None
+        self.kv_once = ({"kv_bytes": staged.flow.kv_bytes, "kv_ms": staged.flow.kv_ms}
+                        if shipped else {})
+        self.wire_ms = self.block_ms = 0.0  # over every block, as the dashboard sums them
 
-def kv_flow(staged, stage, tokens: int, prefill_ms: float, install_ms: float | None) -> KVFlow:
-    """Flow KV of a finished generation: its shipped KV installed (`install_ms`), or (None)
-    prefilled here after all, which teaches the prefill stage's meter."""
-    if staged is None:
-        return KVFlow()
-    if install_ms is not None:
-        return replace(staged.flow, install_ms=install_ms)
-    stage.meter.local(tokens - 1, prefill_ms)
-    return staged.flow
+    def block(self, ev: BlockDone, **extra) -> None:
+        """One verified block's metrics on the PUB socket; extra: a sharded verifier's shard
+        flow."""
+        last = (last_flows(self.drafter) if ev.k > 0 else None) or BlockFlows()
+        self.gens.publish(BlockMetrics(
+            node_id=self.gens.node_id, session_id=self.rid, block=ev.block, k=ev.k,
+            accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
+            verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
+            f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes, f3_ms=last.f3_ms,
+            probe=probed(self.drafter), hidden_size=self.gens.lm.hidden_size,
+            ahead_lead=last.ahead_lead,
+            ahead_waste=last.ahead_waste if last.ahead_lead or last.ahead_waste else -1.0,
+            drafter=ev.drafter, why=ev.why, **extra, **self.kv_once))
+        self.kv_once = {}
+        self.wire_ms += last.wire_ms
+        self.block_ms += ev.block_ms
 
-
-def first_block_kv(staged) -> dict:
-    """Flow KV's figures for the BlockMetrics of a session's first block ({}: none shipped)."""
-    if staged is None or staged.kv is None:
-        return {}
-    return {"kv_bytes": staged.flow.kv_bytes, "kv_ms": staged.flow.kv_ms}
+    def fleet(self, tokens: int, prefill_ms: float, install_ms: float | None,
+              shard: ShardStats | None = None) -> FleetStats:
+        """The remote drafters' flows and failures (none for a local drafter), the wire time
+        and its share, and flow KV: the shipped KV installed (`install_ms`), or (None)
+        prefilled here after all, which teaches the prefill stage's meter."""
+        flows, failures = FlowStats(), []
+        if isinstance(self.drafter, (FallbackProposer, RemoteProposerGroup)):
+            flows, failures = self.drafter.flow_stats(), self.drafter.failures
+        kv = KVFlow() if self.staged is None else self.staged.flow
+        if self.staged is not None and install_ms is not None:
+            kv = replace(kv, install_ms=install_ms)
+        elif self.staged is not None:
+            self.gens.stage.meter.local(tokens - 1, prefill_ms)
+        return FleetStats(verifier=self.gens.node_id, flows=flows,
+                          proposer_failures=len(failures), wire_ms=self.wire_ms,
+                          multihost_overhead=multihost_overhead(self.wire_ms, self.block_ms),
+                          kv=kv, shard=shard)
 
 
 class VerifierGenerations:
@@ -139,11 +158,10 @@ class VerifierGenerations:
         lps: tuple = ()  # LogprobsCommitted comes right before the TokensCommitted it scores
         cached = 0
         shipped_kv = staged.kv if staged is not None else None
-        kv_once = first_block_kv(staged)
-        wire_ms = block_ms = 0.0  # over every block, as the dashboard sums its BlockMetrics
+        crossing = Crossing(self, rid, proposer, staged)
 
         def emit(ev) -> None:
-            nonlocal wire_ms, block_ms, lps, cached
+            nonlocal lps, cached
             if isinstance(ev, LogprobsCommitted):
                 lps = ev.entries
             elif isinstance(ev, PromptReused):
@@ -155,19 +173,15 @@ class VerifierGenerations:
                                     tuple(e.logprob for e in lps), tuple(e.top for e in lps)))
                 lps = ()
             elif isinstance(ev, BlockDone):
-                wire_ms += self._publish_block(rid, ev, proposer,
-                                               **(kv_once if ev.block == 1 else {}))
-                block_ms += ev.block_ms
+                crossing.block(ev)
             elif isinstance(ev, Finished):
                 tail = stream.finish()
                 if tail:
                     parts.append(tail)
                     reply(GenerateChunk(rid, [], tail))
                 # an installed KV's install time is the session's prefill time
-                flow = kv_flow(staged, self.stage, len(ids),
-                               ev.stats.prefill_ms, ev.stats.prefill_ms if shipped_kv is not None
-                               else None)
-                fleet = fleet_stats(self.node_id, proposer, wire_ms, block_ms, flow)
+                fleet = crossing.fleet(len(ids), ev.stats.prefill_ms, ev.stats.prefill_ms
+                                       if shipped_kv is not None else None)
                 reply(GenerateDone(rid, "".join(parts), list(ev.token_ids),
                                    replace(ev.stats, fleet=fleet), cached))
             elif isinstance(ev, SessionFailed):
@@ -186,32 +200,18 @@ class VerifierGenerations:
             code = BUSY if isinstance(e, Overloaded) else BAD_REQUEST
             raise ProtocolError(code, str(e)) from None
 
-    def _publish_block(self, rid: str, ev: BlockDone, drafter, **extra) -> float:
-        """One verified block's metrics on the PUB socket (both paths: batched and alone);
-        extra: the shard flow, and flow KV on a session's first block. Returns its wire ms."""
-        last = (last_flows(drafter) if ev.k > 0 else None) or BlockFlows()
-        self.publish(BlockMetrics(
-            node_id=self.node_id, session_id=rid, block=ev.block, k=ev.k,
-            accepted=ev.accepted, block_ms=ev.block_ms, draft_ms=ev.draft_ms,
-            verify_ms=ev.verify_ms, f1_bytes=last.f1_bytes, f1_ms=last.f1_ms,
-            f2_bytes=last.f2_bytes, f2_ms=last.f2_ms, f3_bytes=last.f3_bytes, f3_ms=last.f3_ms,
-            probe=probed(drafter), hidden_size=self.lm.hidden_size, ahead_lead=last.ahead_lead,
-            ahead_waste=last.ahead_waste if last.ahead_lead or last.ahead_waste else -1.0,
-            drafter=ev.drafter, why=ev.why, **extra))
-        return last.wire_ms
-
     def generate(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
         """One session alone (a sharded verifier, a model the batch cannot run, a long prompt
         handed on by the prefill stage without a batch), on the caller's thread."""
         params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
         ids = self._prompt_ids(msg, staged)
-        verifier, kv_once = self.verifier, first_block_kv(staged)
-        if kv_once:  # flow KV: installed, not computed
+        verifier = self.verifier
+        if staged is not None and staged.kv is not None:  # flow KV: installed, not computed
             verifier = PrefilledVerifier(self.verifier, ids[:-1], self.stage.layout, staged.kv)
         proposer = self.drafts.drafting(msg)
+        crossing = Crossing(self, msg.request_id, proposer, staged)
         max_new = max(0, msg.max_tokens - len(msg.prefix_ids))
         parts: list[str] = []
-        block_ms = wire_ms = 0.0
         stats = None
         shard_now = self.verifier.shard_stats  # a sharded verifier's shard flow, else None
         shard_prev = None
@@ -224,17 +224,13 @@ class VerifierGenerations:
                     parts.append(ev.text)
                     reply(GenerateChunk(msg.request_id, list(ev.tokens), ev.text))
                 elif isinstance(ev, BlockDone):
-                    block_ms += ev.block_ms
                     shard = shard_now()
                     sh = block_delta(shard_prev, shard)
                     shard_prev = shard
                     # measured where a collective was timed, else priced (and marked so)
-                    wire_ms += self._publish_block(
-                        msg.request_id, ev, proposer, shard_bytes=sh.bytes,
-                        shard_ms=sh.ms or sh.priced_ms,
-                        shard_priced=not sh.ms and sh.priced_ms > 0, rank_load=sh.rank_load,
-                        **kv_once)
-                    kv_once = {}
+                    crossing.block(ev, shard_bytes=sh.bytes, shard_ms=sh.ms or sh.priced_ms,
+                                   shard_priced=not sh.ms and sh.priced_ms > 0,
+                                   rank_load=sh.rank_load)
                 elif isinstance(ev, Finished):
                     stats = ev.stats
                     token_ids = list(ev.token_ids)
@@ -243,8 +239,7 @@ class VerifierGenerations:
                 proposer.close()
             self.drafts.close_tap()
         installed = isinstance(verifier, PrefilledVerifier) and verifier.installed
-        flow = kv_flow(staged, self.stage, len(ids), stats.prefill_ms,
-                       verifier.install_ms if installed else None)
-        fleet = fleet_stats(self.node_id, proposer, wire_ms, block_ms, flow, shard=shard_now())
+        fleet = crossing.fleet(len(ids), stats.prefill_ms,
+                               verifier.install_ms if installed else None, shard=shard_now())
         reply(GenerateDone(msg.request_id, "".join(parts), token_ids,
                            replace(stats, fleet=fleet)))

@@ -159,3 +159,44 @@ def test_stage_decides_and_falls_back(lm):
     stage.close()
     assert got and got[0].kv is None and got[0].flow.where == "fallback"
     assert got[0].ids == lm.tokenizer.encode("x" * 600)
+
+
+@pytest.mark.parametrize("batch_sessions", [0, 4])
+@pytest.mark.parametrize("agent_alive", [False, True])
+def test_flow_kv_in_the_answer_and_the_first_blocks_metrics(lm, prefill_server, batch_sessions,
+                                                            agent_alive):
+    """Through a verifier (its prompt alone or in its batch): a KV shipped by the prefill
+    agent is in the answer's flow KV and on the first block's metrics only; when the agent is
+    dead the verifier prefills the prompt itself after all, says so (`fallback`, no KV on any
+    block) and the stage's meter learns this verifier's own prefill speed from it."""
+    from agents.verifier_service import VerifierLimits, VerifierService
+    from bridge.messages import BlockMetrics, ErrorReply, GenerateDone
+
+    metrics, got = [], []
+    ep = prefill_server.endpoint if agent_alive else "tcp://127.0.0.1:9"
+    ver = VerifierService(lm, node_id="v", key=KEY, publish=metrics.append,
+                          limits=VerifierLimits(batch_sessions=batch_sessions),
+                          prefill_endpoints=lambda: [ep],
+                          disagg=DisaggPolicy(min_prompt_tokens=64))
+    meter = ver.generations.stage.meter
+    meter.local(100, 10_000.0)  # as measured: this verifier slow, the agent and link fast
+    meter.remote(KVFlow(where="remote", tokens=1000, kv_bytes=1000, kv_ms=1.0, prefill_ms=1.0))
+    local_before = meter.local_tok_s
+    try:
+        req = GenerateRequest("r", "x" * 600, False, 3, 0.0, 1.0, None, 0, [], "none", False)
+        ver.handle(req, got.append)
+        deadline = time.monotonic() + 30
+        while not any(isinstance(m, (GenerateDone, ErrorReply)) for m in got) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        ver.close()
+    done = next(m for m in got if isinstance(m, GenerateDone))
+    kv_per_block = [m.kv_bytes for m in metrics if isinstance(m, BlockMetrics)]
+    kv = done.stats.fleet.kv
+    if agent_alive:
+        assert kv.where == "remote" and kv.kv_bytes > 0 and kv.install_ms > 0
+        assert kv_per_block[0] == kv.kv_bytes and not any(kv_per_block[1:])
+    else:
+        assert kv.where == "fallback" and kv_per_block and not any(kv_per_block)
+        assert meter.local_tok_s > local_before
