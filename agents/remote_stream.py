@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from agents.draft_service import MAX_LEAD
 from agents.draft_stream import survives
 from agents.remote_proposer import (DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_OPEN_TIMEOUT_S,
                                     OPEN_GRACE_S, FlowTotals)
@@ -30,7 +31,7 @@ from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import (CloseSession, DraftChunk, ErrorReply, SessionOpened, StreamCommit,
                              StreamOpen)
 from bridge.transport import Client
-from macfleet.engine.controller import MAX_DRAFT_TOKENS, tokens_to_wait
+from macfleet.engine.controller import tokens_to_wait
 from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.verify_costs import verify_ms_at
@@ -154,7 +155,7 @@ class StreamingProposer(Proposer):
         self.model = model
         self.spec = "draft"
         self.name = f"draft@{endpoint}"
-        self.max_lead = max(1, min(lead, 2 * MAX_DRAFT_TOKENS + 2))
+        self.max_lead = max(1, min(lead, MAX_LEAD))
         self.open_timeout_s = open_timeout_s
         self.silence_s = silence_s
         self.f3_probe_width = 0
