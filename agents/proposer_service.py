@@ -209,6 +209,16 @@ class ComputeThread:
         return self._jobs.get_nowait() if self._busy() else self._jobs.get(
             timeout=self.IDLE_WAIT_S)
 
+    def _busy(self) -> bool:
+        """Whether there is idle work (`_idle_step`) to do between jobs."""
+        return False
+
+    def _idle_step(self) -> None:
+        """One step of idle work, between jobs."""
+
+    def _serve_job(self, job) -> None:
+        raise NotImplementedError
+
     @property
     def sessions(self) -> int:
         return len(self._sessions)
