@@ -244,8 +244,6 @@ class ProposerService(ComputeThread):
                  allow_hub: bool = False) -> None:
         super().__init__(limits)
         self.lm = lm
-        self.kinds = kinds
-        self.heads_dir = heads_dir
         self.policy = SpecPolicy(kinds=kinds, heads_dir=heads_dir, own_model=lm.spec,
                                  allow_hub=allow_hub, vocab_size=lm.vocab_size)
         self.models = DraftModels()

@@ -38,16 +38,11 @@ class FallbackProposer(Proposer):
     """Remote proposers in order of preference; the first that fails is dropped for the next."""
 
     def __init__(self, proposers: Sequence[RemoteProposer]) -> None:
-        self._all = list(proposers)
+        self.remotes = list(proposers)  # every proposer it was given, live or dropped
         self._live = list(proposers)
-        self.paced = bool(self._all) and all(p.paced for p in self._all)
+        self.paced = bool(self.remotes) and all(p.paced for p in self.remotes)
         self.failures: list[str] = []
         self.name = self._live[0].spec if self._live else "none"
-
-    @property
-    def remotes(self) -> list[RemoteProposer]:
-        """Every proposer it was given, live or dropped."""
-        return self._all
 
     @property
     def current(self) -> RemoteProposer | None:
@@ -55,7 +50,7 @@ class FallbackProposer(Proposer):
 
     @property
     def wants_features(self) -> bool:
-        return any(p.wants_features for p in self._all)
+        return any(p.wants_features for p in self.remotes)
 
     def feature_rows(self, n: int):
         """The endpoints share one feature source: its rows 0..n-1 (None unless all held)."""
@@ -115,10 +110,10 @@ class FallbackProposer(Proposer):
         """Per-block flows over every remote block, whichever proposer drafted it (and, from
         a draft-model agent drafting ahead, its lead, waste and the verifier's wait)."""
         totals = FlowTotals()
-        for p in self._all:
+        for p in self.remotes:
             totals += p.flows
         s = totals.summary(f3_probe=probed(self))
-        ahead = [p.flow_stats() for p in self._all
+        ahead = [p.flow_stats() for p in self.remotes
                  if isinstance(p, StreamingProposer) and p.flows.blocks]
         if ahead:
             n = sum(a.remote_blocks for a in ahead)

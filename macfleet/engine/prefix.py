@@ -1,6 +1,5 @@
-"""How many leading tokens two sequences share: what a drafter's cache keeps of a new context,
-which prompt prefix a new session of the batch can copy (serve/scheduler.py). Pure: the
-scheduler imports it without MLX or numpy."""
+"""Leading tokens two sequences share: what a drafter's cache keeps of a new context, the
+prompt prefix a new session copies (serve/scheduler.py, which imports it: no MLX, no numpy)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def _msg(spec: str) -> GenerateRequest:
 
 @pytest.mark.parametrize("batched", [False, True])
 def test_a_drafter_fed_real_features_is_not_probed_chain_or_tree(drafts, batched):
-    chain = drafts.fallback(_msg("eagle"), batched)._all
+    chain = drafts.fallback(_msg("eagle"), batched).remotes
     drafts.close_tap()
     tree = drafts.tree_group(_msg("eagle+ngram"), ["eagle", "ngram"], batched).proposers
     drafts.close_tap()
