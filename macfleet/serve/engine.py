@@ -113,7 +113,6 @@ class InFlight:
 class BatchEngine:
     """Runs every active session's blocks and prefill chunks in one forward per iteration."""
 
-    supports_grammar = True  # EngineRequest.grammar honoured (engine/constraint.py)
 
     @property
     def supports_prediction(self) -> bool:

@@ -78,7 +78,6 @@ class _Handle:
 class RemoteEngine:
     """Forwards every request to one verifier agent (chosen by `choose_roles`)."""
 
-    supports_grammar = True  # response_format: the agent's batch masks its rows (protocol 4)
     supports_prediction = True  # the agent's batch drafts from it (protocol 5)
 
     def __init__(self, verifier, proposers, key: bytes | None, *, proposer: str = "ngram",
