@@ -411,16 +411,33 @@ def machine_drift(runs: dict[str, dict[str, dict]]) -> dict[str, float]:
     return out
 
 
+def drafter_figures(runs: dict[str, dict[str, dict]], specs: Sequence[str]) -> dict:
+    """Pure: every fixed drafter's accepted drafts and tokens verified per block, pooled over
+    the prompts (blocks that drafted nothing counted, as the chooser counts them): `auto`'s
+    prior per candidate (engine/chooser.py Prior). Acceptance is the drafter's and the
+    answer's, not the machine's, so another machine reads it at its own verify(L)."""
+    out = {}
+    for s in fixed_specs(specs):
+        rows = [r[s] for r in runs.values() if s in r]
+        blocks = sum(r["blocks"] for r in rows)
+        if s != "none" and blocks:
+            out[s] = {"accepted": round(sum(r["accepted"] for r in rows) / blocks, 3),
+                      "verified": round(1 + sum(r["drafted"] for r in rows) / blocks, 2)}
+    return out
+
+
 def bench_record(best: str, speedup: float, command: str, best_agents: str | None = None,
-                 speedup_agents: float | None = None) -> dict:
+                 speedup_agents: float | None = None, drafters: dict | None = None) -> dict:
     """The measured best drafters (in one process; across agents) as engine/proposers/choice
-    reads them, with the machine they were measured on."""
+    reads them, with the machine they were measured on; drafters: `drafter_figures`."""
     from macfleet.engine.cachedir import machine_id
 
     doc = {"best": best, "speedup": speedup, "command": command, "machine": machine_id(),
            "prompts": "held-out (macfleet/distill/prompts.py HELD_OUT)"}
     if best_agents:
         doc.update(best_agents=best_agents, speedup_agents=speedup_agents)
+    if drafters:
+        doc["drafters"] = drafters
     return doc
 
 

@@ -136,7 +136,8 @@ def run(args) -> int:
         doc["best_agents"] = {"spec": best_a, "speedup_geomean": speedup_a}
     agents = doc.get("best_agents") or {}
     record = b.bench_record(best, speedup, "macfleet " + " ".join(sys.argv[1:]),
-                            agents.get("spec"), agents.get("speedup_geomean"))
+                            agents.get("spec"), agents.get("speedup_geomean"),
+                            b.drafter_figures(doc["in_process"]["runs"], specs))
     if args.record or args.record_shipped:
         from macfleet.engine.proposers.choice import record_machine_choice
 

@@ -54,8 +54,17 @@ follows the machine even while it is not chosen. Plain decoding is 1 / verify(1)
   blocks alone, a slow day's tries (a long tree at twice a plain step) cost a good share
   of an answer. A first try is never held back (it is how a winner is found), but charged; plain
   decoding's first comes after the untried drafters' first.
-* The offline record (`bench drafter --record`/`--record-shipped`) is the prior: its winner
-  starts at its recorded speedup over plain until its own blocks are measured.
+* The offline record (`bench drafter --record`/`--record-shipped`) is the prior (`Prior`, per
+  candidate): its winner starts at its recorded speedup over plain until its own blocks are
+  measured, and every candidate the record measured starts its estimate at the record's
+  accepted drafts and tokens verified per block, which its blocks then move by EMA, as any
+  block does. Without it a candidate's first block was its estimate: explain's text, on both
+  days and in every run, gave eagle2 nothing at its first try (eagle2 alone was the best
+  drafter there: results/drafter-auto-1129), it rated below plain, the lost try doubled its wait and the tries' budget
+  held back the next: written off for the answer on one block. Acceptance is what the
+  answer and the drafter decide, not the machine (the record's speedup is its machine's):
+  what it costs here is still read off this machine's verify(L), so on a slow day a prior
+  draws no candidate that cannot pay on this machine's costs.
 """
 
 from __future__ import annotations
@@ -82,6 +91,7 @@ STALL_STEPS = 2.0  # a try is charged at most this many plain steps' time
 SHAPE_CLIP = 1.5  # nor its length's entry in the table more than this,
 SHAPE_EMA = 0.05  # slowly: the load explains a slower machine first
 TRY_WEIGHT = 1.0  # ... but a try's block sets its length's entry (clipped by LOAD_CLIP)
+PRIOR_TRIES = 2  # tries of a candidate the record says pays here that the budget never holds
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,17 @@ class Candidate:
     free: bool = False
 
 
+@dataclass(frozen=True)
+class Prior:
+    """What the offline record (`bench drafter`) measured of a candidate: its speedup over
+    plain on the recording machine (the winner's; 0: none), its accepted drafts and tokens
+    verified per block (None: not measured)."""
+
+    speedup: float = 0.0
+    accepted: float | None = None
+    verified: float | None = None
+
+
 @dataclass
 class _Estimate:
     accepted: float = 0.0  # per block
@@ -105,15 +126,23 @@ class _Estimate:
     prior: float | None = None  # speedup over plain from the offline record, until measured
     next_try: int = 0
     interval: int = MIN_INTERVAL
+    started: bool = False  # accepted and length start at the record's (Prior)
+    own: float = 0.0  # accepted per block, its own blocks alone (what the budget charges)
 
     def add(self, accepted: float, length: float, draft_ms: float,
             steady: bool = True) -> None:
         """steady: the candidate also drafted the block before (else its drafting caught up
         on the tokens others committed: a cost of switching, not of its blocks)."""
         if self.n == 0:
-            self.accepted, self.length, self.draft_ms = accepted, length, draft_ms
+            if self.started:  # the record's figures count as the blocks before this one
+                self.accepted += EMA * (accepted - self.accepted)
+                self.length += EMA * (length - self.length)
+            else:
+                self.accepted, self.length = accepted, length
+            self.draft_ms, self.own = draft_ms, accepted
         else:
             self.accepted += EMA * (accepted - self.accepted)
+            self.own += EMA * (accepted - self.own)
             self.length += EMA * (length - self.length)
             # a first block pays the drafter's warm-up: a cheaper second one replaces it
             if self.n == 1 or not steady:
@@ -154,12 +183,12 @@ def tree_depth(parents: Sequence[int] | None, n: int) -> int:
 class Chooser:
     """One session's choice of drafter, block by block (pure: no clock, no model).
 
-    candidates: plain decoding among them (PLAIN); prior: speedup over plain by candidate
-    name (the offline record's winner); curve: this machine's verify(L) in ms."""
+    candidates: plain decoding among them (PLAIN); prior: the offline record's figures by
+    candidate name; curve: this machine's verify(L) in ms."""
 
     candidates: Sequence[Candidate]
     curve: VerifyCurve = field(default_factory=VerifyCurve)
-    prior: Mapping[str, float] = field(default_factory=dict)
+    prior: Mapping[str, Prior] = field(default_factory=dict)
     block: int = 0
     load: float = 1.0  # verify(L) now over the table's (see the module's docstring)
     spent_ms: float = 0.0  # every block's drafting and verifying
@@ -178,7 +207,10 @@ class Chooser:
                              f"names: {names}")
         untried = 0
         for c in self.candidates:
-            e = self._est[c.name] = _Estimate(prior=self.prior.get(c.name))
+            p = self.prior.get(c.name, Prior())
+            e = self._est[c.name] = _Estimate(prior=p.speedup or None)
+            if p.accepted is not None and p.verified is not None and c.name != PLAIN:
+                e.accepted, e.length, e.started = p.accepted, max(1.0, p.verified), True
             if c.name == PLAIN:
                 e.n = 1  # known from the table, but tried too: see _follow_load
             elif not c.free and e.prior is None:
@@ -206,10 +238,12 @@ class Chooser:
 
     def _loss(self, name: str, best_rate: float) -> float:
         """ms a block of `name` is expected to take beyond what the best candidate would
-        take for its tokens (0: it is expected to win)."""
+        take for its tokens (0: it is expected to win), at what its own blocks accepted (the
+        record's prior decides which re-tries the budget does not hold back, `_hopeful`, not
+        what the others are charged)."""
         e = self._est[name]
         cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
-        return min(max(0.0, cost - (1.0 + e.accepted) / max(best_rate, 1e-9)),
+        return min(max(0.0, cost - (1.0 + e.own) / max(best_rate, 1e-9)),
                    STALL_STEPS * self.verify_ms(1))
 
     def _could_pay(self, c: Candidate) -> bool:
@@ -219,6 +253,19 @@ class Chooser:
         e = self._est[c.name]
         step = self.verify_ms(1)
         return e.n > 0 and (1 + e.accepted) / (e.draft_ms + step) > MARGIN / step
+
+    def _hopeful(self, name: str, best_rate: float) -> bool:
+        """A candidate tried fewer than PRIOR_TRIES times that would beat `best_rate` at the
+        record's acceptance (Prior) and this machine's costs now (its blocks' drafting and
+        length, verify(L) now): its re-try is not held back by the tries' budget, so one
+        block of an answer's text does not write it off. A candidate the record did not
+        measure, or one that cannot pay here even at the record's acceptance (a slow day's
+        steep verify(L)), waits for the budget as before."""
+        e, p = self._est[name], self.prior.get(name)
+        if p is None or p.accepted is None or e.tries >= PRIOR_TRIES:
+            return False
+        cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
+        return (1.0 + p.accepted) / max(cost, 1e-9) > best_rate
 
     def _best(self, exclude: str = "") -> tuple[str, float]:
         best, best_rate = PLAIN, self.rate(PLAIN) or 0.0
@@ -241,6 +288,7 @@ class Chooser:
                and ((c.members and not c.free) or c.name == PLAIN or self._could_pay(c))
                and self._est[c.name].next_try <= self.block
                and (self._est[c.name].n == 0 or self._est[c.name].tries == 0
+                    or self._hopeful(c.name, best_rate)
                     or self.explore_lost_ms + self._loss(
                    c.name, best_rate) <= EXPLORE_SHARE * self.spent_ms)]
         if due:
@@ -251,7 +299,10 @@ class Chooser:
         else:
             ch = DrafterChoice(self.block, best,
                                PRIOR if self._est[best].n == 0 else BEST, best_rate * 1e3)
-        self._last, self._last_best = ch, best_rate
+        # what a try is charged against: the best candidate (the prior's own rate when it
+        # is the prior's block: the best measured one then)
+        self._last, self._last_best = ch, (best_rate if ch.why != PRIOR
+                                           else self._best(exclude=best)[1])
         self._seen = (top, tuple((c.name, round((self.rate(c.name) or 0.0) * 1e3, 3))
                                              for c in self.candidates))
         return ch
@@ -266,15 +317,16 @@ class Chooser:
             length=verified, accepted=accepted, draft_ms=round(draft_ms, 3),
             verify_ms=round(verify_ms, 3), table_ms=round(self.curve.cost(verified), 3),
             load=round(self.load, 4), rates=self._seen[1] if last else ()))
-        tried = last is not None and last.why == EXPLORE
+        # the record's winner's first block (PRIOR) is its first try: charged as one, and
+        # not followed by another the budget cannot hold back
+        tried = last is not None and last.why in (EXPLORE, PRIOR)
         self._follow_load(verified, verify_ms, tried)
         self.spent_ms += draft_ms + verify_ms
         e = self._est[name]
         if name != PLAIN:
             e.add(accepted, verified, draft_ms, steady=self._prev == name)
         self._prev = name
-        if self._last is not None and self._last.drafter == name and \
-                self._last.why == EXPLORE:
+        if tried:
             e.tries += 1
             lost = (self.rate(name) or 0.0) <= self._best_other(name)
             e.interval = min(MAX_INTERVAL, e.interval * 2) if lost else MIN_INTERVAL

@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from macfleet.engine.chooser import PLAIN, Candidate, Chooser, tree_depth, tree_match
+from macfleet.engine.chooser import PLAIN, Candidate, Chooser, Prior, tree_depth, tree_match
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.tree_loop import ProposerGroup, _own_or, cap_total, tree_budget
 from macfleet.stats import EXPLORE, BlockTrace, DrafterChoice, DrafterStats
@@ -60,7 +60,7 @@ class ChoosingGroup(ProposerGroup):
     `choices`): per session, since what a drafter accepts depends on the answer."""
 
     def __init__(self, proposers: Sequence[Proposer], candidates: Sequence[Candidate], *,
-                 draft_tokens: int | str = "auto", prior: Mapping[str, float] | None = None
+                 draft_tokens: int | str = "auto", prior: Mapping[str, Prior] | None = None
                  ) -> None:
         super().__init__(proposers, draft_tokens=draft_tokens,
                          node_budget=tree_budget(proposers))
@@ -237,9 +237,10 @@ def auto_spec(lm) -> str:
 
 
 def make_auto_group(lm, draft_tokens: int | str = "auto",
-                    prior: Mapping[str, float] | None = None) -> ChoosingGroup:
+                    prior: Mapping[str, Prior] | None = None) -> ChoosingGroup:
     """`auto` for this verifier: every drafter it has here, chosen block by block; prior:
-    speedups over plain by candidate (default: this machine's or the shipped bench record)."""
+    the offline record's figures by candidate (default: this machine's or the shipped bench
+    record)."""
     from macfleet.engine.proposers.choice import auto_prior
     from macfleet.engine.proposers.factory import ProposerSpecError, make_proposer
     from macfleet.engine.proposers.shipped import default_head_path, default_store_path

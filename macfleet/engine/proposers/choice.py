@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from macfleet.engine.cachedir import cache_root, machine_id, write_atomic
+from macfleet.engine.chooser import Prior
 from macfleet.engine.proposers.eagle.head import read_eval
 from macfleet.engine.proposers.shipped import default_head_path
 
@@ -99,15 +101,27 @@ def shipped_head_eval(model: str) -> dict | None:
     return read_eval(path) if path is not None and path.is_file() else None
 
 
-def prior_from(head_eval: dict | None, mine: dict | None = None) -> dict[str, float]:
+def prior_from(head_eval: dict | None, mine: dict | None = None) -> dict[str, Prior]:
     """Pure: the offline record as the prior of the drafter chosen while it runs
-    (engine/chooser.py): its winner in one process at its measured speedup over plain."""
+    (engine/chooser.py): its winner in one process at its measured speedup over plain, and
+    every drafter it measured (`drafters`: accepted drafts and tokens verified per block, in
+    records since issue 44's per-candidate prior) at its acceptance."""
     bench = mine or (head_eval or {}).get("bench") or {}
     best, speedup = bench.get("best"), float(bench.get("speedup") or 0.0)
-    return {str(best): speedup} if best and speedup > 0 else {}
+    out: dict[str, Prior] = {}
+    for name, f in (bench.get("drafters") or {}).items():
+        try:
+            accepted, verified = float(f["accepted"]), float(f["verified"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if accepted >= 0 and verified >= 1:
+            out[str(name)] = Prior(accepted=accepted, verified=verified)
+    if best and speedup > 0:
+        out[str(best)] = replace(out.get(str(best), Prior()), speedup=speedup)
+    return out
 
 
-def auto_prior(model: str) -> dict[str, float]:
+def auto_prior(model: str) -> dict[str, Prior]:
     """This machine's bench record for `model`, else the shipped one, as the chooser's prior."""
     return prior_from(shipped_head_eval(model), machine_record(model))
 
