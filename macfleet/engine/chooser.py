@@ -52,19 +52,23 @@ follows the machine even while it is not chosen. Plain decoding is 1 / verify(1)
   would have committed its tokens in), with what this one is expected to lose, is within
   EXPLORE_SHARE of the time spent: counted in
   blocks alone, a slow day's tries (a long tree at twice a plain step) cost a good share
-  of an answer. A first try is never held back (it is how a winner is found), but charged; plain
-  decoding's first comes after the untried drafters' first.
+  of an answer. A first try is never held back (it is how a winner is found), but charged (the
+  record winner's first block, PRIOR, is its first try); plain decoding's first comes after
+  the untried drafters' first.
 * The offline record (`bench drafter --record`/`--record-shipped`) is the prior (`Prior`, per
   candidate): its winner starts at its recorded speedup over plain until its own blocks are
   measured, and every candidate the record measured starts its estimate at the record's
   accepted drafts and tokens verified per block, which its blocks then move by EMA, as any
   block does. Without it a candidate's first block was its estimate: explain's text, on both
   days and in every run, gave eagle2 nothing at its first try (eagle2 alone was the best
-  drafter there: results/drafter-auto-1129), it rated below plain, the lost try doubled its wait and the tries' budget
-  held back the next: written off for the answer on one block. Acceptance is what the
-  answer and the drafter decide, not the machine (the record's speedup is its machine's):
-  what it costs here is still read off this machine's verify(L), so on a slow day a prior
-  draws no candidate that cannot pay on this machine's costs.
+  drafter there: results/drafter-auto-1129), it rated below plain, the lost try doubled its
+  wait and the tries' budget held back the next: written off for the answer on one block.
+  So also a re-try that would pay at the record's acceptance and this machine's costs is not
+  held back by the budget, for its first PRIOR_TRIES tries (`_hopeful`: optimism that ends
+  with its tries); the budget charges a re-try what its own blocks accepted. Acceptance is
+  what the answer and the drafter decide, not the machine (the record's speedup is its
+  machine's): what it costs here is still read off this machine's verify(L), so on a slow
+  day a prior draws no candidate that cannot pay on this machine's costs.
 """
 
 from __future__ import annotations
