@@ -25,6 +25,7 @@ from macfleet.stats import EXPLORE, BlockTrace, DrafterChoice, DrafterStats
 
 AUTO_NAME = "auto"
 SHADOW_K = 4  # a free chain drafter's draft scored from the text (trees: the node budget)
+FREE_K_MAX = 16  # ... and what it drafts when chosen, doubling from SHADOW_K (free_chain_k)
 MAX_PENDING = 8  # a free candidate's drafts waiting for the text to score them
 
 
@@ -43,6 +44,17 @@ class ChainsOf(Proposer):
         from macfleet.engine.proposers.eagle.chain import EagleProposer
 
         return EagleProposer.propose(self.tree, context, k)
+
+
+def free_chain_k(k: int, drafted: int, accepted: int) -> int:
+    """Pure: what a chosen free chain drafter (n-gram lookup) drafts in its next block, after
+    one of `k` asked, `drafted` drafted and `accepted` accepted: twice k (at most FREE_K_MAX)
+    when all k were drafted and accepted (a copy running on: an answer quoting a pasted
+    paragraph), SHADOW_K at the first miss. At SHADOW_K alone a long copy commits SHADOW_K + 1
+    tokens per verify, where the drafter alone, its length controller growing, committed two
+    to three times as many (issue 44: paragraph); doubling only after a full block costs an
+    ordinary answer almost nothing, as few of its blocks are full."""
+    return min(2 * k, FREE_K_MAX) if drafted >= k > 0 and accepted >= drafted else SHADOW_K
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,8 @@ class ChoosingGroup(ProposerGroup):
         self._tally = {c.name: [0, 0, 0] for c in self.candidates}
         self._pending: dict[str, list[_Shadow]] = {c.name: [] for c in self.candidates}
         self._draft_ms = 0.0
+        self._free_k: dict[int, int] = {}  # a chosen free chain drafter's next k, by index
+        self._ks: list[int] = []
 
     @property
     def name(self) -> str:
@@ -99,14 +113,18 @@ class ChoosingGroup(ProposerGroup):
     def lengths(self, limit: int) -> list[int]:
         self.choice = self.chooser.choose()
         free = self.chooser.by_name(self.choice.drafter).free
+        if not free:
+            self._free_k.clear()
         ks = [0] * len(self.proposers)
         for j in self._members():
             p = self.proposers[j]
             if self.live[j]:
-                # a free candidate drafts what its shadows were scored on (SHADOW_K): its
-                # own length controller, fitted to a loaded machine's noise, backed off to
-                # k = 0 (traced: n-gram chosen on its scores, then drafting nothing)
-                ks[j] = min(self.node_budget if p.drafts_trees else SHADOW_K if free
+                # a free candidate drafts what its shadows were scored on (SHADOW_K; more
+                # while a copy runs on: free_chain_k): its own length controller, fitted to a
+                # loaded machine's noise, backed off to k = 0 (traced: n-gram chosen on its
+                # scores, then drafting nothing)
+                ks[j] = min(self.node_budget if p.drafts_trees
+                            else self._free_k.get(j, SHADOW_K) if free
                             else _own_or(p.draft_length(), self.controllers[j]), limit)
         return cap_total(ks, self.node_budget)
 
@@ -179,8 +197,11 @@ class ChoosingGroup(ProposerGroup):
         block: a tree drafter's backoff would skip its next drafts); the chooser learns
         the block's cost."""
         members = self._members()
+        free = self.choice is not None and self.chooser.by_name(self.choice.drafter).free
         for j in members:
             d, n = drafts[j], accepted[j]
+            if free and not self.proposers[j].drafts_trees and j < len(self._ks):
+                self._free_k[j] = free_chain_k(self._ks[j], len(d), n)
             self.controllers[j].observe(len(d), n, d.draft_ms, verify_ms)
             self.proposers[j].observe(len(d), n, verify_ms, verified)
             self.drafted[j] += len(d)

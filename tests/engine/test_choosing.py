@@ -10,7 +10,8 @@ import pytest
 from engine_testkit import finished, mlx_lm_greedy
 
 from macfleet.engine.chooser import PLAIN, Candidate
-from macfleet.engine.choosing import SHADOW_K, ChoosingGroup, make_auto_group
+from macfleet.engine.choosing import (FREE_K_MAX, SHADOW_K, ChoosingGroup, free_chain_k,
+                                      make_auto_group)
 from macfleet.engine.events import BlockDone, Finished
 from macfleet.engine.proposers.base import Draft, Proposer
 from macfleet.engine.text import generate_local
@@ -101,7 +102,9 @@ def test_a_free_drafter_is_scored_from_the_text_without_being_tried(tiny, ref_id
 
 def test_a_chosen_free_drafter_drafts_what_it_was_scored_on(tiny, ref_ids):
     """Its length controller backed off to k = 0 (a loaded machine's noise): chosen on its
-    shadows' scores (SHADOW_K drafts), it drafts SHADOW_K, not nothing."""
+    shadows' scores (SHADOW_K drafts), it drafts SHADOW_K, not nothing; and twice as many
+    after each block it drafted in full that was all accepted (a copy running on: this one
+    drafts the answer itself), up to FREE_K_MAX."""
     from macfleet.engine.controller import FixedDraftLength
 
     free = Scripted("free", ref_ids, True, host=True)
@@ -111,7 +114,19 @@ def test_a_chosen_free_drafter_drafts_what_it_was_scored_on(tiny, ref_ids):
     done, fin = _run(tiny, group)
     assert list(fin.token_ids) == ref_ids
     mine = [d for d in done if d.drafter == "free"]
-    assert mine and all(d.k == SHADOW_K for d in mine[:-1])
+    assert mine and mine[0].k == SHADOW_K
+    for prev, d in zip(mine, mine[1:-1]):  # (the last block: the answer's end caps it)
+        run_on = d.block == prev.block + 1
+        assert d.k == (min(2 * prev.k, FREE_K_MAX) if run_on else SHADOW_K)
+    assert max(d.k for d in mine) == FREE_K_MAX
+
+
+def test_a_free_chain_drafter_doubles_only_while_a_copy_runs_on():
+    assert free_chain_k(SHADOW_K, SHADOW_K, SHADOW_K) == 2 * SHADOW_K
+    assert free_chain_k(FREE_K_MAX, FREE_K_MAX, FREE_K_MAX) == FREE_K_MAX
+    assert free_chain_k(8, 8, 7) == SHADOW_K  # a miss
+    assert free_chain_k(8, 3, 3) == SHADOW_K  # the copy's source ran out
+    assert free_chain_k(0, 0, 0) == SHADOW_K
 
 
 def test_auto_is_plain_decoding_on_a_tiny_model(tiny):
