@@ -113,8 +113,6 @@ class ChoosingGroup(ProposerGroup):
     def lengths(self, limit: int) -> list[int]:
         self.choice = self.chooser.choose()
         free = self.chooser.by_name(self.choice.drafter).free
-        if not free:
-            self._free_k.clear()
         ks = [0] * len(self.proposers)
         for j in self._members():
             p = self.proposers[j]

@@ -116,8 +116,7 @@ def test_a_chosen_free_drafter_drafts_what_it_was_scored_on(tiny, ref_ids):
     mine = [d for d in done if d.drafter == "free"]
     assert mine and mine[0].k == SHADOW_K
     for prev, d in zip(mine, mine[1:-1]):  # (the last block: the answer's end caps it)
-        run_on = d.block == prev.block + 1
-        assert d.k == (min(2 * prev.k, FREE_K_MAX) if run_on else SHADOW_K)
+        assert d.k == min(2 * prev.k, FREE_K_MAX)
     assert max(d.k for d in mine) == FREE_K_MAX
 
 
