@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from macfleet.engine.models import load_model
-from macfleet.engine.proposers.base import common_prefix
+from macfleet.engine.prefix import common_prefix
 from macfleet.engine.proposers.model_draft import LayerSkipModel, ModelProposer
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.verifier import Verifier
