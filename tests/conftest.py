@@ -60,7 +60,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # file handed out last keeps one worker busy while the other idles (45 s of the 1,350 s pass in
 # docs/testing.md's third measurement: test_install's pip and test_smollm2_serve came last).
 # These files go first, longest first (summed seconds of that loaded run); the rest follow by
-# their number of tests, as xdist orders them itself (.ci/test passes --no-loadscope-reorder).
+# their number of `slow` tests (seconds each, by the marker's definition), then by their number
+# of tests (.ci/test passes --no-loadscope-reorder): the pass ends on files of fast tests,
+# small pieces that even the two workers out, not on one-test files that start a fleet or a
+# server (xdist hands a worker its next file while the current one still has two tests to run).
 LONGEST_FIRST = (  # seconds in a fresh-clone run, 2026-11-29; ~: the fifth round's estimate
     # (that run's seconds scaled by the file's CPU after / before its cuts: docs/testing.md)
     "serve/test_clients.py",  # 86
@@ -83,11 +86,15 @@ LONGEST_FIRST = (  # seconds in a fresh-clone run, 2026-11-29; ~: the fifth roun
 
 def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
     """`items` with LONGEST_FIRST's files first (in that order), then the other files by their
-    number of tests, most first; a file's tests keep their order."""
+    number of `slow` tests, then of tests, most first; a file's tests keep their order."""
     tests = os.path.dirname(__file__)
     rank = {os.path.join(tests, f): i for i, f in enumerate(LONGEST_FIRST)}
     by_file: dict[str, list[pytest.Item]] = {}
     for it in items:
         by_file.setdefault(str(it.path), []).append(it)
-    order = sorted(by_file, key=lambda f: (rank.get(f, len(rank)), -len(by_file[f])))
+
+    def slow(f: str) -> int:
+        return sum(it.get_closest_marker("slow") is not None for it in by_file[f])
+
+    order = sorted(by_file, key=lambda f: (rank.get(f, len(rank)), -slow(f), -len(by_file[f])))
     return [it for f in order for it in by_file[f]]
