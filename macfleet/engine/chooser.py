@@ -132,12 +132,16 @@ class _Estimate:
     interval: int = MIN_INTERVAL
     started: bool = False  # accepted and length start at the record's (Prior)
     own: float = 0.0  # accepted per block, its own blocks alone (what the budget charges)
+    capped: bool = False  # its first block's drafting was cut to `cap` (its second replaces it)
 
     def add(self, accepted: float, length: float, draft_ms: float,
-            steady: bool = True) -> None:
+            steady: bool = True, cap: float = float("inf")) -> None:
         """steady: the candidate also drafted the block before (else its drafting caught up
-        on the tokens others committed: a cost of switching, not of its blocks)."""
+        on the tokens others committed: a cost of switching, not of its blocks). cap: the
+        most a first block's drafting is taken to cost (a stall or a warm-up beyond it is
+        not the drafter's cost: its second block measures that)."""
         if self.n == 0:
+            self.capped, draft_ms = draft_ms > cap, min(draft_ms, cap)
             if self.started:  # the record's figures count as the blocks before this one
                 self.accepted += EMA * (accepted - self.accepted)
                 self.length += EMA * (length - self.length)
@@ -149,7 +153,9 @@ class _Estimate:
             self.own += EMA * (accepted - self.own)
             self.length += EMA * (length - self.length)
             # a first block pays the drafter's warm-up: a cheaper second one replaces it
-            if self.n == 1 or not steady:
+            if self.n == 1 and self.capped:
+                self.draft_ms = draft_ms
+            elif self.n == 1 or not steady:
                 self.draft_ms = min(self.draft_ms, draft_ms)
             else:
                 self.draft_ms += EMA * (draft_ms - self.draft_ms)
@@ -203,6 +209,7 @@ class Chooser:
     _prev: str = ""  # the candidate that drafted the block before
     trace: list[BlockTrace] = field(default_factory=list)  # every observed block
     _seen: tuple[str, tuple[tuple[str, float], ...]] = ("", ())  # best and rates at choose
+    _tried_lengths: set[int] = field(default_factory=set)  # lengths a try has taught
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.candidates]
@@ -328,7 +335,8 @@ class Chooser:
         self.spent_ms += draft_ms + verify_ms
         e = self._est[name]
         if name != PLAIN:
-            e.add(accepted, verified, draft_ms, steady=self._prev == name)
+            e.add(accepted, verified, draft_ms, steady=self._prev == name,
+                  cap=self._first_draft_cap(verified))
         self._prev = name
         if tried:
             e.tries += 1
@@ -353,7 +361,9 @@ class Chooser:
         table's entry for its length learns the rest (clipped tighter). A try's block
         (`tried`) teaches its length's entry instead, at TRY_WEIGHT: the load is the drafting
         candidate's, and what a try finds off it is the table's shape at its length, which
-        only its blocks measure."""
+        only its blocks measure. Only the first try at a length may raise its entry: a stall
+        only adds time, and two tries that met one (a loaded box, two drafters of the same
+        length) compounded to LOAD_CLIP squared, a length no later try was let near."""
         if not self.curve.samples or ms <= 0:
             self.curve.observe(length, ms)
             return
@@ -363,8 +373,11 @@ class Chooser:
             self.load = ms / shape
             return
         if tried:
-            self.curve.observe(length, min(shape * LOAD_CLIP, max(shape / LOAD_CLIP,
-                                                                  ms / self.load)), TRY_WEIGHT)
+            ms = min(shape * LOAD_CLIP, max(shape / LOAD_CLIP, ms / self.load))
+            if length in self._tried_lengths:  # a try's stall is not compounded on another's
+                ms = min(ms, shape)
+            self._tried_lengths.add(length)
+            self.curve.observe(length, ms, TRY_WEIGHT)
             return
         r = min(LOAD_CLIP, max(1 / LOAD_CLIP, ms / max(self.verify_ms(length), 1e-9)))
         self.load *= 1 + LOAD_EMA * (r - 1)
@@ -373,7 +386,14 @@ class Chooser:
 
     def shadow(self, name: str, accepted: int, verified: int, draft_ms: float) -> None:
         """A free candidate's draft scored from the committed text, not verified."""
-        self._est[name].add(accepted, verified, draft_ms)
+        self._est[name].add(accepted, verified, draft_ms, cap=self._first_draft_cap(verified))
+
+    def _first_draft_cap(self, verified: int) -> float:
+        """A first block's drafting counts at most STALL_STEPS verifies of its block: one that
+        met another job (or a warm-up) rated the drafter below plain decoding, and the tries'
+        budget then held back the re-try that would have measured it (traced on a loaded
+        box: a drafter right on every token written off for the answer after one block)."""
+        return STALL_STEPS * self.verify_ms(max(1, verified))
 
     def measured(self, name: str) -> int:
         """Blocks measured for the candidate (verified or scored from the text)."""

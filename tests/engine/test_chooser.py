@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from macfleet.engine.chooser import (EMA, EXPLORE_SHARE, MAX_INTERVAL, MIN_INTERVAL, PLAIN,
-                                     PRIOR_TRIES, Candidate, Chooser, Prior, tree_depth,
-                                     tree_match)
+from macfleet.engine.chooser import (EMA, EXPLORE_SHARE, LOAD_CLIP, MAX_INTERVAL, MIN_INTERVAL,
+                                     PLAIN, PRIOR_TRIES, STALL_STEPS, Candidate, Chooser, Prior,
+                                     tree_depth, tree_match)
 from macfleet.engine.choosing import auto_candidates
 from macfleet.bench.drafter import drafter_figures
 from macfleet.engine.proposers.choice import prior_from
@@ -265,6 +265,32 @@ def test_a_first_blocks_warm_up_is_not_its_cost():
     assert c.rate("eagle") < c.rate(PLAIN)
     c.observe("eagle", 2, 4, 4.0, 52.0)
     assert c.rate("eagle") == pytest.approx(3 / (4.0 + 52.0))
+
+
+def test_a_first_blocks_stalled_draft_counts_two_verifies_and_its_second_block_decides():
+    # the first draft met another job (2 s): cut to STALL_STEPS verifies of its block, not
+    # written off; its second block's drafting replaces the cut figure, up or down
+    c = chooser(cands=(Candidate(PLAIN), Candidate("eagle", (0,))))
+    c.observe("eagle", 3, 4, 2000.0, 52.0)
+    assert c.rate("eagle") == pytest.approx(4 / (STALL_STEPS * 52.0 + 52.0))
+    c.observe("eagle", 3, 4, 300.0, 52.0)  # a slow drafter after all: its own cost counts
+    assert c.rate("eagle") == pytest.approx(4 / (300.0 + 52.0))
+
+
+def test_two_tries_that_met_a_stall_at_one_length_do_not_compound():
+    # two drafters of the same length, each tried once while another job held the cores
+    # (20x the table): the entry rises once, by LOAD_CLIP at most
+    cands = (Candidate(PLAIN), Candidate("a", (0,)), Candidate("b", (1,)))
+    c = chooser(cands=cands)
+    tried = 0
+    for _ in range(6):
+        ch = c.choose()
+        L = 1 if ch.drafter == PLAIN else 8
+        stalled = ch.drafter != PLAIN and ch.why == EXPLORE
+        tried += stalled
+        c.observe(ch.drafter, 0, L, 1.0, 20 * STEEP[L] if stalled else STEEP[L])
+    assert tried == 2
+    assert c.curve.cost(8) <= LOAD_CLIP * STEEP[8] + 1e-6
 
 
 def test_verify_cost_follows_the_machine_for_every_candidate():

