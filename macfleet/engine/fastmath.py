@@ -27,17 +27,24 @@ from mlx_lm.models import llama
 LOG2E = 1.4426950408889634
 # 2^f = e^(f ln 2) on [-1/2, 1/2]: (ln 2)^k / k!, highest power first
 _EXP2_POLY = tuple(math.log(2) ** k / math.factorial(k) for k in range(7, -1, -1))
-_MIN_EXP2 = -126.0  # 2^-126: the smallest normal float; below it the result is ~0 anyway
+_MIN_EXP2 = -126.0  # 2^-126: the smallest normal float; below it the result is 0
 
 
 def _exp2(x: mx.array) -> mx.array:
+    """2^x; exactly 0 below 2^-126. A masked score's weight must be 0, not 2^-126: divided
+    by its row's sum it becomes a subnormal, and x86 computes on subnormals (the softmax's
+    division, the weights' matmul with the values) many times slower than on normal floats,
+    so a causal prompt chunk's attention, half of it masked, cost several times its unmasked
+    work. A weight that small adds nothing to a sum of 1 or more: the same results."""
+    under = x < _MIN_EXP2
     x = mx.maximum(x, _MIN_EXP2)
     n = mx.floor(x + 0.5)
     f = x - n
     p = mx.array(_EXP2_POLY[0], dtype=x.dtype)
     for c in _EXP2_POLY[1:]:
         p = p * f + c
-    return p * mx.view((n.astype(mx.int32) + 127) << 23, mx.float32).astype(x.dtype)
+    return mx.where(under, 0.0,
+                    p * mx.view((n.astype(mx.int32) + 127) << 23, mx.float32).astype(x.dtype))
 
 
 @mx.compile  # per shape: `view` cannot be shapeless (one cached kernel serves them all)

@@ -59,3 +59,15 @@ def test_causal_sdpa_matches_mlx_and_reuses_its_mask():
     assert np.allclose(np.array(fastmath.sdpa(q, k, v, 0.125, "causal")), np.array(want),
                        rtol=1e-4, atol=1e-5)
     assert fastmath.causal_mask(5, 12) is fastmath.causal_mask(5, 12)
+
+
+def test_masked_and_vanishing_weights_are_exactly_zero_not_subnormal():
+    """A masked score's weight is 0: 2^-126 divided by its row's sum would be a subnormal, on
+    which x86 computes many times slower (a causal prompt chunk is half masked)."""
+    tiny = np.finfo(np.float32).tiny  # the smallest normal float
+    x = mx.array([-87.5, -100.0, -1e30, -87.0], dtype=mx.float32)
+    got = np.array(fastmath.exp(x))
+    assert np.all(got[:3] == 0.0) and got[3] >= tiny
+    s = mx.array([[0.0, 1.0, fastmath.MASKED, fastmath.MASKED, -120.0]], dtype=mx.float32)
+    p = np.array(fastmath.softmax(s))[0]
+    assert np.all(p[2:] == 0.0) and np.all(p[:2] > tiny)
