@@ -93,7 +93,8 @@ class _Plan:
     n_rows: R, the rows the batched attention spans (0..max row of a short segment);
     q_index [R * Lq]: flat token of each (row, query) cell (padding cells: token 0);
     out_index [n_short]: the cell of each short-segment token (both None when every row holds
-    one block of Lq tokens, in row order); mask [R, 1, Lq, T]."""
+    one block of Lq tokens, in row order); mask [R, 1, Lq, T], or None where every cell sees
+    every key (`unmasked`: a batch of one's plain step)."""
 
     n_short: int
     n_rows: int
@@ -129,8 +130,18 @@ def batched_segments(segments: Sequence[Segment]) -> list[bool]:
     return [c and s.cache.offset + len(s) <= limit for s, c in zip(segments, cand)]
 
 
-def _plan(segs: Sequence[Segment], n_batched: int) -> _Plan:
-    """segs: the batched segments first (n_batched of them), then those attending alone."""
+def unmasked(mask: np.ndarray, exact_without: bool) -> bool:
+    """Whether the batched attention may skip its mask: every (row, query) cell sees every
+    key (one row of one query, as a batch of one's plain step; rows of one query at one
+    length), and leaving the mask out gives the same bits (`exact_without`: this module's
+    CPU attention, where selecting through a mask of all True is the identity). The loop's
+    plain step has no mask either: the batch of one then pays no select per layer."""
+    return exact_without and bool(mask.all())
+
+
+def _plan(segs: Sequence[Segment], n_batched: int, exact_without_mask: bool = False) -> _Plan:
+    """segs: the batched segments first (n_batched of them), then those attending alone.
+    exact_without_mask: a mask of all True may be left out (`unmasked`)."""
     short = segs[:n_batched]
     n_short = sum(len(s) for s in short)
     long, start = [], n_short
@@ -164,11 +175,11 @@ def _plan(segs: Sequence[Segment], n_batched: int) -> _Plan:
             own = s.own_mask()
             mask[r, :L, off:off + L] = own
             mask[r, L:, off:off + L] = own[L - 1]  # padding cells: as the last token
+    m = None if unmasked(mask, exact_without_mask) else mx.array(mask[:, None])
     if n_rows * lq == n_short:  # every row one block of Lq tokens, in row order: no gathers
-        return _Plan(n_short, n_rows, lq, None, None, mx.array(mask[:, None]), t_max,
-                     tuple(long))
-    return _Plan(n_short, n_rows, lq, mx.array(q_index.reshape(-1)), mx.array(out_index),
-                 mx.array(mask[:, None]), t_max, tuple(long))
+        return _Plan(n_short, n_rows, lq, None, None, m, t_max, tuple(long))
+    return _Plan(n_short, n_rows, lq, mx.array(q_index.reshape(-1)), mx.array(out_index), m,
+                 t_max, tuple(long))
 
 
 def _attention(attn, x: mx.array, writes: Sequence[tuple[BatchKV, mx.array | None, mx.array]],
@@ -198,8 +209,10 @@ def _attention(attn, x: mx.array, writes: Sequence[tuple[BatchKV, mx.array | Non
         if plan.q_index is not None:
             qs = qs[plan.q_index]
         qb = qs.reshape(R, Lq, H, hd).transpose(0, 2, 1, 3)
-        o = fastmath.sdpa(qb, keys[:R, :, :plan.t_max], values[:R, :, :plan.t_max], attn.scale,
-                          plan.mask)  # [R, H, Lq, hd]
+        ks, vs = keys[:R, :, :plan.t_max], values[:R, :, :plan.t_max]
+        # no mask: this module's attention still (MLX's fused kernel would round otherwise)
+        o = (fastmath.attention(qb, ks, vs, attn.scale, None) if plan.mask is None
+             else fastmath.sdpa(qb, ks, vs, attn.scale, plan.mask))  # [R, H, Lq, hd]
         o = o.transpose(0, 2, 1, 3).reshape(R * Lq, H * hd)
         outs.append(o if plan.out_index is None else o[plan.out_index])
     for start, L, c, tree_mask in plan.long:
@@ -230,7 +243,7 @@ class _Layout:
         rows = np.array([s.cache.row for s in segs for _ in range(len(s))], np.int64)
         pos = np.array([s.cache.offset + i for s in segs for i in range(len(s))], np.int64)
         rope = np.array([s.cache.offset + d for s in segs for d in s.rope_offsets()], np.int64)
-        self.plan = _plan(segs, sum(batched))
+        self.plan = _plan(segs, sum(batched), exact_without_mask=fastmath.enabled())
         # one scatter per store per layer (the main store first: its rows attend together)
         of_store = [s.cache.store for s in segs for _ in range(len(s))]
         self.writes = []
