@@ -12,10 +12,11 @@ import pytest
 from macfleet.engine import batch as batch_mod
 from macfleet.engine import fastmath
 from macfleet.engine.batch import BatchKV, Segment, flat_forward, unmasked
-from macfleet.engine.events import Finished, TokensCommitted
+from macfleet.engine.events import TokensCommitted
 from macfleet.engine.models import load_model
 from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.serve.engine import BatchEngine, EngineRequest
+from macfleet.serve.engine import EngineRequest
+from test_batch_ahead import _clean, answers, serve
 
 MODEL = "tiny:3"
 
@@ -82,35 +83,6 @@ def test_a_batch_of_ones_plain_steps_are_the_masked_flat_paths_bits(lm, taken, m
     assert _same_bits(fast_kv, slow_kv)
 
 
-def serve(lm, reqs, *, during=None):
-    """Each request's events and its session's cache offset at each of them; `during(i, ev,
-    submit)` runs at each event (a request arriving)."""
-    eng = BatchEngine(lm, proposer="none", token_budget=64)
-    events: dict[int, list] = {}
-    offsets: dict[int, list] = {}
-    handles: list = []
-
-    def submit(r):
-        i = len(handles)
-        events[i], offsets[i] = [], []
-
-        def emit(ev):
-            s = next((s for s in eng.table.active if s.sid == handles[i].sid), None)
-            events[i].append(ev)
-            offsets[i].append(None if s is None or s.cache is None else s.cache.offset)
-            if during is not None:
-                during(i, ev, submit)
-        handles.append(eng.submit(r, emit))
-
-    for r in reqs:
-        submit(r)
-    eng.run_until_idle()
-    assert eng.kv_store.open_rows == 0
-    return ({i: [(e.block, e.tokens) for e in evs if isinstance(e, TokensCommitted)]
-             + [e.token_ids for e in evs if isinstance(e, Finished)]
-             for i, evs in events.items()}, offsets)
-
-
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_p=0.95,
                                                            seed=7)])
 def test_a_request_arriving_mid_answer_is_answered_as_on_the_masked_path(lm, params, request):
@@ -118,17 +90,19 @@ def test_a_request_arriving_mid_answer_is_answered_as_on_the_masked_path(lm, par
     p0, p1 = (tuple(rng.integers(0, lm.vocab_size, n).tolist()) for n in (21, 9))
     late = EngineRequest(p1, params, 10)
 
-    def during(i, ev, submit):
+    def during(i, ev, submit, handles):
         if i == 0 and isinstance(ev, TokensCommitted) and ev.block == 5:
             submit(late)
 
     reqs = [EngineRequest(p0, params, 24)]
     taken = request.getfixturevalue("taken")
-    fast = serve(lm, reqs, during=during)
+    fast = serve(lm, reqs, ahead=True, during=during)
     # alone, then two rows at two lengths (masked), then alone again once the late one ends
     went = "".join("1" if t else "0" for t in taken)
     assert went.startswith("1111") and "0" in went and went.endswith("1")
+    assert fast[0].kv_store.open_rows == 0
     request.getfixturevalue("masked")
-    assert serve(lm, reqs, during=during) == fast
-    alone = serve(lm, [late])[0][0]
-    assert fast[0][1][-1] == alone[-1]  # the late request's answer as it is alone
+    slow = serve(lm, reqs, ahead=True, during=during)
+    assert _clean(fast[1]) == _clean(slow[1]) and fast[2] == slow[2]  # events, cache offsets
+    # the late request's answer as it is alone
+    assert answers(fast[1])[1] == answers(serve(lm, [late], ahead=True)[1])[0]
