@@ -581,6 +581,9 @@ def test_device_probs_match_the_host_transform():
                                    probs_from_logits(logits, params), atol=2e-6)
 
 
+BIG_VERIFY_MS = 200.0
+
+
 @pytest.mark.slow  # whole-loop samples, each drafted by a draft-model agent's stream
 def test_drafted_ahead_by_a_draft_agent_the_first_two_tokens_match_verifier_joint(models):
     """The draft model on the other end of a real socket (agents/draft_service.py), drafting
@@ -600,14 +603,20 @@ def test_drafted_ahead_by_a_draft_agent_the_first_two_tokens_match_verifier_join
     try:
         proposer = StreamingProposer(f"tcp://127.0.0.1:{server.port}", key=key, model="p")
         drafted = []
-        real_finish = proposer.finish
+        real_finish, real_observe = proposer.finish, proposer.observe
         proposer.finish = lambda: drafted.append(len(d := real_finish())) or d
+        # verify priced as a big verifier's (the regime a draft agent is for), not this tiny
+        # model's ~1 ms: the proposer then waits for the drafts due, as it would there, instead
+        # of verifying without them whenever the other worker's load slows the agent (23 of
+        # 400 samples drafted in one quiet two-worker run: the check below failed)
+        proposer.seed_verify_costs({L: BIG_VERIFY_MS for L in range(1, 8)})
+        proposer.observe = lambda d, a, _ms, verified=None: real_observe(d, a, BIG_VERIFY_MS,
+                                                                         verified)
         counts = loop_joint_counts(models[0], proposer, LOOP_SAMPLES, seed0=30_000)
         stat, df, crit = chi2_test(counts, exact_joint(models[0]))
         assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"
-        # drafts really came over the socket (how many a block takes depends on the box's
-        # timing: 1.9 a block quiet, 0.4 under a loaded parallel run)
-        assert sum(drafted) > LOOP_SAMPLES // 16
+        # drafts really came over the socket, in most blocks
+        assert sum(drafted) > LOOP_SAMPLES // 2, sum(drafted)
         assert not passes(counts.sum(axis=1), next_probs(models[1], PROMPT))
     finally:
         proposer.close()
