@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,7 +105,7 @@ def check_prompt(msg: OpenSession, vocab: int) -> None:
         raise ProtocolError(BAD_REQUEST, str(e)) from None
 
 
-class ComputeThread:
+class ComputeThread(ABC):
     """The shell of a service whose MLX work runs on one compute thread (`_run`: the jobs of
     `_jobs` in order, None stops it; with none waiting, a step of idle work while `_busy`), with
     its sessions in `_sessions` (each a DraftStream, or holding one: `_stream_of`) and their
@@ -216,8 +217,9 @@ class ComputeThread:
     def _idle_step(self) -> None:
         """One step of idle work, between jobs."""
 
+    @abstractmethod
     def _serve_job(self, job) -> None:
-        raise NotImplementedError
+        """One job taken off the queue (each service's own request kinds)."""
 
     @property
     def sessions(self) -> int:
