@@ -46,6 +46,21 @@ DEFAULT_AGENT_SPECS = ("none", "ngram", "retrieval+ngram", "eagle", "eagle2",
                        "eagle+retrieval+ngram", "eagle2+retrieval+ngram")
 
 
+def agent_specs(specs: Sequence[str], best: str) -> tuple[str, ...]:
+    """Pure: the drafters measured across agents: the default ones asked for, the best fixed
+    drafter in one process (the agents' default is measured there too), and `auto` when
+    asked for (issue 44: its goals hold through two agents too)."""
+    out = tuple(s for s in DEFAULT_AGENT_SPECS if s in specs)
+    return out + tuple(s for s in (best, AUTO) if s in specs and s not in out)
+
+
+def agent_endpoints(spec: str, endpoint: str) -> list[str]:
+    """Pure: the proposer agents' endpoints a request for `spec` names: one per drafter of
+    the spec; none for plain decoding, nor for `auto`, which the verifier agent chooses among
+    its own drafters (as the fleet client sends it: fleet/client.py `drafting_for`)."""
+    return [] if spec in ("none", AUTO) else [endpoint] * len(spec.split("+"))
+
+
 def _row(st: GenerationStats, ids: Sequence[int], ref: Sequence[int] | None) -> dict:
     decode_s = max(st.elapsed_s - st.prefill_ms / 1e3, 1e-9)
     row = {"tokens": st.tokens, "decode_tokens_per_s": st.tokens / decode_s,
@@ -216,8 +231,8 @@ def bench_agents(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
             remote(v, key, "Hi", [], "none")  # warm-up
 
             def run(kind: str, spec: str, ref):
-                eps = [] if spec == "none" else [p.router_endpoint] * len(spec.split("+"))
-                d = remote(v, key, HELD_OUT[kind], eps, spec)
+                d = remote(v, key, HELD_OUT[kind], agent_endpoints(spec, p.router_endpoint),
+                           spec)
                 st, fleet = d.stats, d.stats.fleet
                 row = {
                     **_row(st, d.token_ids, ref),

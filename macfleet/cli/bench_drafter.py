@@ -128,12 +128,14 @@ def run(args) -> int:
         doc["auto_vs_best_fixed"] = vs
         doc["machine_drift"] = b.machine_drift(doc["in_process"]["runs"])
     if not args.no_agents:
-        agent_specs = tuple(s for s in b.DEFAULT_AGENT_SPECS if s in specs)
-        if best not in agent_specs:  # the default is measured across agents too
-            agent_specs += (best,)
+        agent_specs = b.agent_specs(specs, best)
         doc["agents"] = b.bench_agents(lm, agent_specs, args.max_tokens, say, args.repeats)
-        best_a, speedup_a = b.best_spec(doc["agents"]["summary"], agent_specs)
+        best_a, speedup_a = b.best_spec(doc["agents"]["summary"], b.fixed_specs(agent_specs))
         doc["best_agents"] = {"spec": best_a, "speedup_geomean": speedup_a}
+        vs_a = b.auto_vs_best_fixed(doc["agents"]["runs"], doc["agents"]["summary"],
+                                    agent_specs)
+        if vs_a is not None:
+            doc["agents"]["auto_vs_best_fixed"] = vs_a
     agents = doc.get("best_agents") or {}
     record = b.bench_record(best, speedup, "macfleet " + " ".join(sys.argv[1:]),
                             agents.get("spec"), agents.get("speedup_geomean"),
@@ -186,10 +188,12 @@ def run(args) -> int:
                 print(f"{where:10s} {group:4s} {s:14s} tau {r['tau']:.2f}  speedup "
                       f"{r['speedup']:.2f}x (geomean {r['speedup_geomean']:.2f}x, min "
                       f"{r['speedup_min']:.2f}x)  identical {r['all_identical']}")
-    if vs is not None:
-        print(f"auto: {vs['auto_speedup_geomean']:.2f}x plain (slowest prompt "
-              f"{vs['auto_speedup_min']:.2f}x), {vs['auto_vs_best_geomean']:.2f}x the best "
-              f"fixed drafter {vs['best_fixed']} (geomean; goals >= 0.97 both)")
+    for where, v in (("", vs), (" across agents", doc.get("agents", {}).get(
+            "auto_vs_best_fixed"))):
+        if v is not None:
+            print(f"auto{where}: {v['auto_speedup_geomean']:.2f}x plain (slowest prompt "
+                  f"{v['auto_speedup_min']:.2f}x), {v['auto_vs_best_geomean']:.2f}x the best "
+                  f"fixed drafter {v['best_fixed']} (geomean; goals >= 0.97 both)")
     print(f"best in one process: {best} ({speedup:.2f}x); wrote {path}")
     return 0
 

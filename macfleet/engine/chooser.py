@@ -328,7 +328,7 @@ class Chooser:
         e = self._est[c.name]
         if e.n > 0 and e.tries > 0:
             return False
-        if c.free or c.name == PLAIN:
+        if c.free:  # scored from the text: tried for its length's cost (_could_pay)
             return True
         r = self._record_rate(c.name)
         return r is None or r > best_rate

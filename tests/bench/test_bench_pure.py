@@ -189,6 +189,21 @@ def test_auto_is_compared_with_the_best_fixed_drafter_of_the_same_run():
     assert auto_vs_best_fixed(runs, summary, ["none", "a", "b"]) is None
 
 
+def test_auto_is_measured_across_agents_on_the_verifier_agents_own_drafters():
+    """`bench drafter` without --no-agents: `auto` asked for runs through the 2-agent fleet
+    too, sent with no proposer endpoints (the verifier agent chooses among its own drafters,
+    as the fleet client sends it); a fixed drafter names one endpoint per drafter."""
+    from macfleet.bench.drafter import AUTO, agent_endpoints, agent_specs
+
+    specs = ("none", "eagle", "eagle2", "retrieval+ngram", AUTO)
+    assert agent_specs(specs, "retrieval+ngram") == (
+        "none", "retrieval+ngram", "eagle", "eagle2", AUTO)
+    assert agent_specs(("none", "retrieval", "eagle"), "retrieval") == (
+        "none", "eagle", "retrieval")
+    assert agent_endpoints(AUTO, "ep") == [] and agent_endpoints("none", "ep") == []
+    assert agent_endpoints("retrieval+ngram", "ep") == ["ep", "ep"]
+
+
 def test_the_machines_drift_is_read_off_autos_plain_blocks():
     from macfleet.bench.drafter import machine_drift
 
