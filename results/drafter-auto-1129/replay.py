@@ -146,15 +146,13 @@ def main() -> int:
     args = ap.parse_args()
     old, new = load_chooser(args.ref), load_chooser(None)
     winner = {"eagle": 1.153}  # the shipped record's
-    policies = {f"{args.ref}": (old, winner)}
-    if hasattr(new, "Prior"):
-        policies["new, winner only"] = (new, {"eagle": new.Prior(speedup=1.153)})
-
     def per_candidate(mod):
         return lambda pooled: {**{s: mod.Prior(accepted=a, verified=L)
                                   for s, (a, L) in pooled.items()},
                                "eagle": mod.Prior(1.153, *pooled["eagle"])}
 
+    # a ref from before the per-candidate prior takes the winner's speedup alone
+    policies = {f"{args.ref}": (old, per_candidate(old) if hasattr(old, "Prior") else winner)}
     if hasattr(new, "Prior"):
         policies["new, per-candidate prior"] = (new, per_candidate(new))
         for tries in args.tries:
