@@ -68,11 +68,7 @@ follows the machine even while it is not chosen. Plain decoding is 1 / verify(1)
   with its tries); the budget charges a re-try what its own blocks accepted. Acceptance is
   what the answer and the drafter decide, not the machine (the record's speedup is its
   machine's): what it costs here is still read off this machine's verify(L), so on a slow
-  day a prior draws no candidate that cannot pay on this machine's costs. A candidate
-  whose first try the record says cannot beat the best candidate here is not a must either:
-  it waits for the tries' budget, so its cost is bounded by what the answer has spent (an
-  answer where nothing pays loses no more to it than to a re-try). A tree of drafters the
-  record did not measure together starts at its parts' figures (`composed_prior`).
+  day a prior draws no candidate that cannot pay on this machine's costs.
 """
 
 from __future__ import annotations
@@ -166,27 +162,6 @@ class _Estimate:
         self.n += 1
 
 
-def composed_prior(target: Candidate, candidates: Sequence[Candidate],
-                   prior: Mapping[str, Prior]) -> Prior | None:
-    """Pure: the prior of a tree of drafters the record did not measure together, from
-    candidates it did measure whose members make up the tree's (None: they do not): the
-    tree accepts at least what its best part does, and verifies every part's drafts. Without
-    it the tree's first block was its estimate: one lucky try of a short tree rated it over
-    every other candidate, and its later blocks drafted all the parts (among the most
-    over-rated when chosen, in the quiet runs' traces)."""
-    left, parts = set(target.members), []
-    for c in sorted(candidates, key=lambda c: -len(c.members)):
-        p = prior.get(c.name)
-        if (c.name != target.name and c.members and set(c.members) <= left and p is not None
-                and p.accepted is not None and p.verified is not None):
-            parts.append(p)
-            left -= set(c.members)
-    if left or len(parts) < 2:
-        return None
-    return Prior(accepted=max(p.accepted for p in parts),
-                 verified=1.0 + sum(max(0.0, p.verified - 1.0) for p in parts))
-
-
 def tree_match(tokens: Sequence[int], parents: Sequence[int] | None,
                committed: Sequence[int]) -> int:
     """How many of a draft's tokens a greedy verifier accepts when it commits `committed`
@@ -241,13 +216,6 @@ class Chooser:
         if PLAIN not in names or len(set(names)) != len(names):
             raise ValueError(f"candidates need plain decoding ({PLAIN!r}) once, and unique "
                              f"names: {names}")
-        prior = dict(self.prior)
-        for c in self.candidates:
-            if c.name not in prior and len(c.members) > 1:
-                made = composed_prior(c, self.candidates, self.prior)
-                if made is not None:
-                    prior[c.name] = made
-        self.prior = prior
         untried = 0
         for c in self.candidates:
             p = self.prior.get(c.name, Prior())
@@ -304,34 +272,11 @@ class Chooser:
         block of an answer's text does not write it off. A candidate the record did not
         measure, or one that cannot pay here even at the record's acceptance (a slow day's
         steep verify(L)), waits for the budget as before."""
-        e = self._est[name]
-        if e.tries >= PRIOR_TRIES:
-            return False
-        r = self._record_rate(name)
-        return r is not None and r > best_rate
-
-    def _record_rate(self, name: str) -> float | None:
-        """The candidate's rate at the record's acceptance (Prior) and this machine's costs
-        now: its blocks' drafting (0 before its first) and verify(its length) (None: the
-        record did not measure it)."""
         e, p = self._est[name], self.prior.get(name)
-        if p is None or p.accepted is None:
-            return None
-        cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
-        return (1.0 + p.accepted) / max(cost, 1e-9)
-
-    def _first_try(self, c: Candidate, best_rate: float) -> bool:
-        """An untried candidate whose try the budget does not hold back: every one but a
-        drafter whose record says it cannot beat the best candidate here (at the record's
-        acceptance and this machine's verify(L) now), whose first try waits for the budget
-        as a re-try does: its cost is then bounded by what the answer has spent so far."""
-        e = self._est[c.name]
-        if e.n > 0 and e.tries > 0:
+        if p is None or p.accepted is None or e.tries >= PRIOR_TRIES:
             return False
-        if c.free:  # scored from the text: tried for its length's cost (_could_pay)
-            return True
-        r = self._record_rate(c.name)
-        return r is None or r > best_rate
+        cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
+        return (1.0 + p.accepted) / max(cost, 1e-9) > best_rate
 
     def _best(self, exclude: str = "") -> tuple[str, float]:
         best, best_rate = PLAIN, self.rate(PLAIN) or 0.0
@@ -353,7 +298,8 @@ class Chooser:
         due = [c for c in self.candidates if c.name != best
                and ((c.members and not c.free) or c.name == PLAIN or self._could_pay(c))
                and self._est[c.name].next_try <= self.block
-               and (self._first_try(c, best_rate) or self._hopeful(c.name, best_rate)
+               and (self._est[c.name].n == 0 or self._est[c.name].tries == 0
+                    or self._hopeful(c.name, best_rate)
                     or self.explore_lost_ms + self._loss(
                    c.name, best_rate) <= EXPLORE_SHARE * self.spent_ms)]
         if due:

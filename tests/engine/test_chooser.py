@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from macfleet.engine.chooser import (EMA, EXPLORE_SHARE, LOAD_CLIP, MAX_INTERVAL, MIN_INTERVAL,
-                                     PLAIN, PRIOR_TRIES, STALL_STEPS, Candidate,
-                                     Chooser, Prior, composed_prior, tree_depth, tree_match)
+                                     PLAIN, PRIOR_TRIES, STALL_STEPS, Candidate, Chooser, Prior,
+                                     tree_depth, tree_match)
 from macfleet.engine.choosing import auto_candidates
 from macfleet.bench.drafter import drafter_figures
 from macfleet.engine.proposers.choice import prior_from
@@ -455,48 +455,3 @@ def test_the_records_figures_per_drafter_are_the_prior():
     assert prior_from({"bench": record}) == {
         "eagle2": Prior(accepted=1.5, verified=11.0),
         "eagle": Prior(speedup=1.15, accepted=0.7, verified=2.6)}
-
-
-E2RN = (Candidate(PLAIN), Candidate("retrieval+ngram", (1, 0), free=True),
-        Candidate("eagle2", (2,)), Candidate("eagle2+retrieval+ngram", (2, 1, 0)))
-
-
-def test_a_tree_of_drafters_the_record_did_not_measure_starts_at_its_parts():
-    record = {"eagle2": Prior(accepted=1.2, verified=8.0),
-              "retrieval+ngram": Prior(accepted=1.1, verified=10.0)}
-    assert composed_prior(E2RN[3], E2RN, record) == Prior(accepted=1.2, verified=17.0)
-    assert composed_prior(E2RN[3], E2RN, {"eagle2": record["eagle2"]}) is None
-    c = chooser(prior=record, cands=E2RN)
-    # one lucky try of a short tree (1 of 4) moves it by EMA from its parts' figures: it
-    # is not rated over eagle2 (at its record) on that block alone
-    c.observe("eagle2+retrieval+ngram", 1, 5, 6.0, c.verify_ms(5))
-    length = 17.0 + EMA * (5 - 17.0)
-    assert c.rate("eagle2+retrieval+ngram") == pytest.approx(
-        (1 + 1.2 + EMA * (1 - 1.2)) / (6.0 + c.verify_ms(round(length))))
-    unmeasured = chooser(prior={"eagle2": record["eagle2"]}, cands=E2RN)
-    unmeasured.observe("eagle2+retrieval+ngram", 1, 5, 6.0, unmeasured.verify_ms(5))
-    assert unmeasured.rate("eagle2+retrieval+ngram") == pytest.approx(
-        2 / (6.0 + unmeasured.verify_ms(5)))
-
-
-def test_a_drafter_the_record_says_cannot_pay_here_is_tried_within_the_budget():
-    # eagle2 at the record's acceptance (0.3 of 12) rates below plain on this steep curve:
-    # its first try is not a must, it waits for the tries' budget (its cost bounded by what
-    # the answer has spent), and is still tried once the answer has spent enough for it
-    out = {"eagle": (0, 4, 4.0), "eagle2": (4, 12, 6.0), PLAIN: (0, 1, 0)}
-    cands = (Candidate(PLAIN), Candidate("eagle", (1,)), Candidate("eagle2", (2,)))
-    record = {"eagle2": Prior(accepted=0.3, verified=12.0),
-              "eagle": Prior(accepted=0.9, verified=4.0)}
-    c = chooser(prior=record, cands=cands)
-    assert 1.3 / c.verify_ms(12) < c.rate(PLAIN)
-    picked, ms, tokens = run_time(c, out, 200, STEEP)
-    e2 = [i for i, p in enumerate(picked) if p.drafter == "eagle2"]
-    assert (picked[1].drafter, picked[1].why) == ("eagle", EXPLORE)  # the record: it pays
-    # its expected loss (a block of 12 at 90 ms for one token) within 3% of the time spent
-    assert 2 * MIN_INTERVAL < e2[0] < 96
-    assert len(e2) >= 200 - e2[0] - 5  # its try found it pays (5 tokens in 90 ms): kept
-    # without its record the first try is a must, as before
-    c = chooser(prior={"eagle": record["eagle"]}, cands=cands)
-    picked = feed(c, out, 6, STEEP)
-    assert [(i, p.drafter) for i, p in enumerate(picked) if p.why == EXPLORE][:2] == [
-        (1, "eagle"), (3, "eagle2")]
