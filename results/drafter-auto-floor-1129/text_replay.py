@@ -14,7 +14,11 @@ retrieval+ngram free; eagle, eagle2, eagle2+retrieval+ngram); prior: the shipped
 figures. A chosen free n-gram drafts free_chain_k's lengths (4, 8, 16); the fixed
 `retrieval+ngram` is replayed the same way (the chooser always choosing it).
 
-  python results/drafter-auto-floor-1129/text_replay.py [--ref main] [--seeds 40]
+  python results/drafter-auto-floor-1129/text_replay.py [--ref main] [--tree d32dee1]
+      [--seeds 40] [--ablate] [--without CANDIDATE[,CANDIDATE] ...]
+
+--ablate: the tree (d32dee1) without each of its two changes; --without: the tree without
+those candidates.
 """
 
 from __future__ import annotations
@@ -135,19 +139,22 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=40)
     ap.add_argument("--days", default="fast-prior,slow-prior")
     ap.add_argument("--positions", type=Path, default=HERE / "positions.json")
+    ap.add_argument("--tree", default=None,
+                    help="git ref of the chooser in the 'tree' column (default: this tree; "
+                         "d32dee1: the composed prior and the held-back first try)")
     ap.add_argument("--without", nargs="*", default=[],
                     help="also this tree without these candidates (comma-separated), each")
     ap.add_argument("--ablate", action="store_true",
                     help="also this tree without each of its changes on main (issue 44 floor)")
     args = ap.parse_args()
     pos = json.loads(args.positions.read_text())
-    mods = {args.ref: load_chooser(args.ref), "tree": load_chooser(None)}
+    mods = {args.ref: load_chooser(args.ref), "tree": load_chooser(args.tree)}
     for name in args.without:
-        mods[f"-{name}"] = load_chooser(None, f"_w{len(mods)}", WITHOUT=name.split(","))
+        mods[f"-{name}"] = load_chooser(args.tree, f"_w{len(mods)}", WITHOUT=name.split(","))
     if args.ablate:
-        mods["-composed"] = load_chooser(None, "_b")
+        mods["-composed"] = load_chooser(args.tree, "_b")
         mods["-composed"].composed_prior = lambda *a: None
-        mods["-first"] = m = load_chooser(None, "_c")
+        mods["-first"] = m = load_chooser(args.tree, "_c")
         m.Chooser._first_try = lambda self, c, best: (self._est[c.name].n == 0
                                                        or self._est[c.name].tries == 0)
     for d in args.days.split(","):
