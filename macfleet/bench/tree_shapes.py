@@ -114,7 +114,8 @@ def in_loop(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, repeats: int,
     from macfleet.engine.controller import AUTO
     from macfleet.engine.proposers.eagle.tree import EagleTreeProposer
     from macfleet.engine.events import Finished
-    from macfleet.engine.text import encode_prompt, generate_from_ids, make_group
+    from macfleet.engine.proposers.group import make_group
+    from macfleet.engine.text import encode_prompt, generate_from_ids
     from macfleet.engine.verifier import Verifier
 
     by_name = {s.name: s for s in shapes}

@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from macfleet.engine.ahead import Ahead, draft_ahead, take
 from macfleet.engine.block import BlockTally, chain_outcome, commit_block
@@ -26,53 +25,13 @@ from macfleet.engine.constraint import Constraint, constrained_draft, masked_log
 from macfleet.engine.controller import FixedDraftLength
 from macfleet.engine.events import BlockDone, Event, Finished, TokensCommitted
 from macfleet.engine.pipeline import drafts_ahead, padded_length, pads_blocks
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
+from macfleet.engine.proposers.base import (EMPTY_DRAFT, Draft, Proposer, ProposerFailed,
+                                            sanitize_draft)
 from macfleet.engine.sampling import GREEDY, SamplingParams, generation_seed
 from macfleet.engine.verifier import Verifier
 from macfleet.engine.verify_costs import verify_costs
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_TOKENS = 256
-
-
-def _tree_prefix(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
-    """The longest prefix of `parents` (at most n) in which every parent precedes its child."""
-    if parents is None:
-        return None
-    out: list[int] = []
-    for i, p in enumerate(list(parents)[:n]):
-        if not isinstance(p, (int, np.integer)) or not -1 <= int(p) < i:
-            break
-        out.append(int(p))
-    return tuple(out)
-
-
-def sanitize_draft(draft: Draft, k: int, vocab: int) -> Draft:
-    """Keep the longest valid prefix of a draft; drop probabilities that are not a [n, V] pmf.
-
-    A tree draft (parents) keeps the prefix of nodes whose tokens and parents are valid."""
-    toks: list[int] = []
-    for t in draft.tokens[:k]:
-        if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab:
-            break
-        toks.append(int(t))
-    parents = _tree_prefix(draft.parents, len(toks))
-    if parents is not None:
-        toks = toks[: len(parents)]
-    probs = draft.probs
-    if probs is not None:
-        ok = (
-            isinstance(probs, np.ndarray) and probs.ndim == 2 and probs.shape[1] == vocab
-            and probs.shape[0] >= len(toks) and np.all(np.isfinite(probs[: len(toks)]))
-            and np.all(probs[: len(toks)] >= 0)
-            and np.allclose(probs[: len(toks)].sum(axis=1), 1.0, atol=1e-3)
-        )
-        probs = probs[: len(toks)].astype(np.float64) if ok else None
-    if len(toks) == len(draft.tokens) and probs is draft.probs and parents == draft.parents:
-        return draft
-    return Draft(tuple(toks), probs, draft.draft_ms, parents)
-
 
 def speculative_generate(
     verifier: Verifier,
@@ -80,7 +39,7 @@ def speculative_generate(
     prompt: Sequence[int],
     *,
     params: SamplingParams = GREEDY,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_tokens: int = 256,
     controller=None,
     eos_ids: frozenset[int] = frozenset(),
     constraint: Constraint | None = None,

@@ -11,14 +11,16 @@ from macfleet.engine.constraint import Constraint, Grammar
 from macfleet.engine.controller import AUTO, DraftTokens, make_controller
 from macfleet.engine.conversation import ChatInput, check_conversation, messages, render
 from macfleet.engine.events import Event, Finished, TokensCommitted
-from macfleet.engine.loop import DEFAULT_MAX_TOKENS, speculative_generate
+from macfleet.engine.loop import speculative_generate
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import Proposer, drafts_tree, make_proposer
 from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.engine.tree_loop import ProposerGroup, tree_budget, tree_generate
+from macfleet.engine.proposers.group import ProposerGroup, make_group
+from macfleet.engine.tree_loop import tree_generate
 from macfleet.engine.verifier import Verifier
 
 MAX_PROMPT_TOKENS = 32768
+DEFAULT_MAX_TOKENS = 256  # answer tokens when a caller names no limit
 
 
 class PromptError(ValueError):
@@ -89,12 +91,6 @@ def plan_drafting(spec: str, *, chain: Callable[[str], Proposer | None],
     tree each block (`tree(specs)`); one chain drafter drafts chains (`chain(spec)`, None for
     `none`). The caller builds (local proposers here, remote ones in the verifier agent)."""
     return tree(spec.split("+")) if drafts_tree(spec) else chain(spec)
-
-
-def make_group(proposers: Sequence[Proposer], draft_tokens: DraftTokens,
-               group: type[ProposerGroup] = ProposerGroup) -> ProposerGroup:
-    """A tree of drafters with the node budget a tree drafter among them needs."""
-    return group(proposers, draft_tokens=draft_tokens, node_budget=tree_budget(proposers))
 
 
 def generate_from_ids(lm: LoadedModel, verifier, drafting: Drafting, ids: Sequence[int], *,

@@ -28,14 +28,15 @@ from collections.abc import Callable, Sequence
 
 from macfleet.engine.controller import AUTO, DraftTokens
 from macfleet.engine.constraint import constrained_draft, constrained_tree
-from macfleet.engine.loop import ProposerFailed, sanitize_draft
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.base import (EMPTY_DRAFT, Draft, Proposer, ProposerFailed,
+                                            sanitize_draft)
 from macfleet.engine.proposers.eagle.chain import EagleProposer
-from macfleet.engine.text import Drafting, make_group, no_drafts, plan_drafting
+from macfleet.engine.text import Drafting, no_drafts, plan_drafting
 from macfleet.engine.tree import TokenTree
-from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_of_drafts
+from macfleet.engine.proposers.group import (ProposerGroup, cap_total, make_group,
+                                             tree_of_drafts)
 from macfleet.serve.batch_session import BatchSession, BlockDraft
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.scheduler import DraftView, IterationBudget, draft_acceptance, plan_drafts

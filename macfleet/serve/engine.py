@@ -49,7 +49,7 @@ from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers.base import Proposer
 from macfleet.engine.proposers.prediction import PredictionProposer
 from macfleet.engine.sampling import generation_seed, make_rng
-from macfleet.engine.tree_loop import ProposerGroup
+from macfleet.engine.proposers.group import ProposerGroup
 from macfleet.engine.verifier import DEFAULT_PREFILL_STEP
 from macfleet.engine.verify_costs import verify_costs
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession

@@ -17,11 +17,10 @@ from macfleet.engine.constraint import Grammar
 from macfleet.engine.controller import AUTO, DraftTokens
 from macfleet.engine.conversation import ChatInput
 from macfleet.engine.events import Event, Finished
-from macfleet.engine.loop import DEFAULT_MAX_TOKENS
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.engine.text import (TextDelta, TextStream, encode_prompt, generate_local,
-                                  with_text)
+from macfleet.engine.text import (DEFAULT_MAX_TOKENS, TextDelta, TextStream, encode_prompt,
+                                  generate_local, with_text)
 # what the engine checks itself (engine/batch.py check_batchable)
 from macfleet.engine.tree_verify import supports_tree_attention as batchable
 from macfleet.serve.batch_session import EngineEvent, EngineRequest, SessionFailed

@@ -106,7 +106,7 @@ def test_a_verifier_without_a_kv_cache_here_verifies_branches_and_never_probes(m
     from macfleet.engine import tree_loop
     from macfleet.engine.models import load_model
     from macfleet.engine.proposers import make_proposer
-    from macfleet.engine.text import make_group
+    from macfleet.engine.proposers.group import make_group
     from macfleet.engine.verifier import Verifier
 
     lm = load_model("tiny:2")

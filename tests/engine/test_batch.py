@@ -456,7 +456,7 @@ def test_a_long_prompt_keeps_its_kv_apart_and_answers_do_not_change(tiny):
 
 
 def test_cap_total_cuts_the_largest_draft_lengths_first():
-    from macfleet.engine.tree_loop import cap_total
+    from macfleet.engine.proposers.group import cap_total
 
     assert cap_total([24, 0], 5) == [5, 0]
     assert cap_total([4, 4, 2], 6) == [2, 2, 2]

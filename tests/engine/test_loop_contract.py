@@ -21,7 +21,8 @@ from engine_testkit import finished, mlx_lm_greedy
 from macfleet.engine import loop, pipeline
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength, make_controller
 from macfleet.engine.events import BlockDone, Finished
-from macfleet.engine.loop import sanitize_draft, speculative_generate
+from macfleet.engine.loop import speculative_generate
+from macfleet.engine.proposers.base import sanitize_draft
 from macfleet.engine.proposers import Draft, Proposer
 from macfleet.engine.proposers.base import ProposerFailed
 from macfleet.engine.sampling import SamplingParams

@@ -14,7 +14,8 @@ from engine_testkit import finished, mlx_lm_greedy
 
 from macfleet.engine.controller import make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
-from macfleet.engine.loop import ProposerFailed, sanitize_draft, speculative_generate
+from macfleet.engine.loop import speculative_generate
+from macfleet.engine.proposers.base import ProposerFailed, sanitize_draft
 from macfleet.engine.proposers import Draft, Proposer, make_proposer
 from macfleet.engine.proposers.ngram import NgramProposer
 from macfleet.engine.sampling import SamplingParams

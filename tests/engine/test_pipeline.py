@@ -28,7 +28,8 @@ from macfleet.engine.proposers import Draft, Proposer
 from macfleet.engine.proposers.ngram import NgramProposer
 from macfleet.engine.tree import reroot
 from macfleet.engine.ahead import Ahead
-from macfleet.engine.tree_loop import ProposerGroup, _take_ahead, tree_generate
+from macfleet.engine.proposers.group import ProposerGroup
+from macfleet.engine.tree_loop import _take_ahead, tree_generate
 from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.verifier import SynchronousVerifier, Verifier
 

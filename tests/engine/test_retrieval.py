@@ -20,7 +20,8 @@ from macfleet.engine.pipeline import drafts_ahead
 from macfleet.engine.proposers import ProposerSpecError, make_proposer
 from macfleet.engine.proposers.retrieval import (SEPARATOR, Datastore, RetrievalProposer,
                                                  build_tree)
-from macfleet.engine.tree_loop import ProposerGroup, tree_budget, tree_generate
+from macfleet.engine.proposers.group import ProposerGroup, tree_budget
+from macfleet.engine.tree_loop import tree_generate
 from macfleet.engine.verifier import Verifier
 
 

@@ -18,7 +18,8 @@ from macfleet.engine.proposers.base import Draft, Proposer
 from macfleet.engine.proposers.model_draft import ModelProposer
 from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng
 from macfleet.engine.tree import Candidate, TokenTree, accept_tree_greedy, accept_tree_sample
-from macfleet.engine.tree_loop import ProposerGroup, tree_generate
+from macfleet.engine.proposers.group import ProposerGroup
+from macfleet.engine.tree_loop import tree_generate
 from macfleet.engine.tree_verify import compact_cache, tree_forward
 from macfleet.engine.verifier import Verifier
 from tolerance import LOGIT_ATOL, LOGIT_RTOL

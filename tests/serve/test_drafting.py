@@ -7,7 +7,7 @@ import pytest
 from engine_parts_kit import Scripted, session
 
 from macfleet.engine.proposers.base import Draft
-from macfleet.engine.tree_loop import ProposerGroup
+from macfleet.engine.proposers.group import ProposerGroup
 from macfleet.serve.batch_session import BlockDraft
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.drafting import BatchDrafting, check_drafting, within
