@@ -72,12 +72,12 @@ def make_drafting(spec: str, lm: LoadedModel, draft_tokens: DraftTokens,
 
 
 def check_drafting(drafting: Proposer | ProposerGroup, invariant: bool) -> None:
-    """Refuse what the batch-invariant mode cannot run (it verifies chains of token drafts)."""
-    if invariant and (isinstance(drafting, ProposerGroup) or drafting.drafts_trees
-                      or drafting.wants_features):
-        raise ValueError(f"'{drafting.name}' drafts token trees or from hidden states; the "
-                         "batch-invariant mode verifies chains from token drafters (each "
-                         "session runs the model's own forward)")
+    """Refuse what the batch-invariant mode cannot run: drafters fed the verifier's hidden
+    states (the flat batch's rows feed them; each session there runs its own forward)."""
+    members = drafting.proposers if isinstance(drafting, ProposerGroup) else [drafting]
+    if invariant and any(p.wants_features for p in members):
+        raise ValueError(f"'{drafting.name}' drafts from hidden states; the batch-invariant "
+                         "mode runs each session's own forward (token drafters only)")
 
 
 def rows_of(p: Proposer | None):
