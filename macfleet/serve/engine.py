@@ -181,6 +181,7 @@ class BatchEngine:
         self.iterations = 0
         self.step_ahead = step_ahead and compute_lock is None and not self.invariant
         self._ahead: InFlight | None = None  # the next iteration, dispatched already
+        self._lost: Exception | None = None  # the given verifier's failure, for its owner
 
     # -- the caller's side (any thread) -------------------------------------------------
     def start(self) -> BatchEngine:
@@ -331,6 +332,10 @@ class BatchEngine:
         own thread instead of `start()`."""
         with self._cv:
             self.table.admit(self._start)
+        if self._lost is not None:  # the given verifier failed opening a session: its owner's
+            lost, self._lost = self._lost, None
+            raise lost
+        with self._cv:
             if self._ahead is not None:  # a session cancelled since: its step is dropped
                 self._ahead = self._ahead.of(self.table.active)
             if not self.table.active:
@@ -367,7 +372,12 @@ class BatchEngine:
     def _start(self, s: BatchSession) -> None:
         """An admitted session's cache, rng and drafters' verify(L) table; its prompt's KV
         when the prompt cache holds it."""
-        self.session_kv.open(s)
+        try:
+            self.session_kv.open(s)
+        except Exception as e:
+            if self.session_kv.verifier is not None:
+                self._lost = e
+            raise
         s.rng = make_rng(s.req.params, stream=0)  # SpecInfer's tree rule (drafts with q)
         s.seed = 0 if s.req.params.greedy else generation_seed(s.req.params)
         for d in (s.group, s.prediction):  # its drafters size trees against verify(L)

@@ -76,3 +76,27 @@ def test_bad_input_is_a_value_error_before_anything_runs(lm):
         list(generate_one(lm, "", chat=False))
     with pytest.raises(ValueError):
         list(generate_one(lm, PROMPT, chat=False, max_tokens=-1))
+
+
+@pytest.mark.parametrize("fails_in", ["reset", "forward"])
+def test_a_given_verifiers_failure_is_raised_to_its_owner(lm, fails_in):
+    """A sharded verifier that loses a rank fails its agent, not one request: its error comes
+    out of the engine as it is (agents/verifier_service.py ends the service on it)."""
+    from macfleet.engine.verifier import Verifier
+
+    class Lost(RuntimeError):
+        pass
+
+    class Breaks(Verifier):
+        def forward(self, tokens):
+            if fails_in == "forward":
+                raise Lost("rank 1 vanished")
+            return super().forward(tokens)
+
+        def reset(self):
+            if fails_in == "reset":
+                raise Lost("rank 1 vanished")
+            super().reset()
+
+    with pytest.raises(Lost):
+        list(one.decode_ids(lm, [1, 2, 3, 4], max_tokens=4, verifier=Breaks(lm.model)))
