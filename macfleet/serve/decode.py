@@ -105,7 +105,7 @@ class BlockStep:
     @staticmethod
     def accept_trees(done: Sequence[BatchSession], read: IterationRead
                      ) -> dict[int, tuple[list[int], int]]:
-        """Each verified tree's accepted path and next token (the rules of `tree_generate`)
+        """Each verified tree's accepted path and next token (engine/block.py's rules)
         from its evaluated decision (`decision`), or SpecInfer's host rule on its evaluated
         probabilities where it has none (`read_iteration` read one or the other of each);
         every row then keeps its root and path (one gather and scatter per layer per store)

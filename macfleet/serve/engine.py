@@ -7,11 +7,12 @@ applies each session's own acceptance rule, rolls back its own cache and emits i
 tokens. (4) and (5) meet in one host synchronisation: the decisions are built on the forward's
 lazy logits and evaluated with it (`serve.decode.read_iteration`). When every session is a
 plain step, the next iteration is dispatched on this one's lazy tokens before this one is read
-(`scheduler.steps_ahead`; the single-session loop pipelines plain steps the same way), so the
-host reads and commits one iteration while the device computes the next.
-A session follows `engine.loop.speculative_generate` step for step (prefill prompt[:-1], then
+(`scheduler.steps_ahead`), so the host reads and commits one iteration while the device
+computes the next. A session decodes as one request alone would (prefill prompt[:-1], then
 blocks [last token, drafts...], the same per-request rng), so a request's greedy ids and seeded
-samples are what the single-session loop gives; only the forward is shared.
+samples do not depend on the batch it is in; only the forward is shared. The engine is the one
+decode path (issue 49): `generate --local`, the verifier agent's one-session path and a
+sharded verifier run it with one request (serve/one.py).
 
 `BatchEngine` is the façade that wires the parts, each with one job:
 

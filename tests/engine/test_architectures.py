@@ -205,7 +205,7 @@ def test_a_verifier_whose_layers_run_elsewhere_serves_the_engine_unprobed(monkey
 def test_a_verifier_without_a_kv_cache_here_verifies_branches_and_never_probes(monkeypatch):
     """A sharded verifier's layers run on other ranks: its model's forward on this rank alone
     would wait for them forever, so the probe must not run it (agents/shard.py)."""
-    from macfleet.engine import tree_loop
+    import reference_loops as tree_loop
     from macfleet.engine.models import load_model
     from macfleet.engine.proposers import make_proposer
     from macfleet.engine.proposers.group import make_group

@@ -13,7 +13,7 @@ from tolerance import LOGIT_ATOL, LOGIT_RTOL
 
 from macfleet.engine.batch import BatchKV, Segment, flat_forward
 from macfleet.engine.events import Finished, TokensCommitted
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.verifier import Verifier, make_trimmable_cache
 from macfleet.serve.engine import BatchEngine, EngineRequest, Overloaded, SessionFailed

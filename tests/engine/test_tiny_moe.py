@@ -23,7 +23,7 @@ from engine_testkit import finished, mlx_lm_greedy
 from mlx.utils import tree_flatten
 
 from macfleet.engine.controller import make_controller
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.models import ModelSpecError, load_model
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.verifier import Verifier

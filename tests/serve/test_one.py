@@ -11,7 +11,8 @@ import pytest
 
 from macfleet.engine.events import BlockDone, Finished
 from macfleet.engine.models import load_model
-from macfleet.engine.text import TextDelta, generate_local
+from macfleet.engine.text import TextDelta
+from reference_loops import generate_local
 from macfleet.serve import engine as serve_engine
 from macfleet.serve import one
 from macfleet.serve.one import generate_one
