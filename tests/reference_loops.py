@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from macfleet.engine.ahead import Ahead, draft_ahead, take
 from macfleet.engine.block import (BlockTally, accept_tree, chain_outcome, commit_block,
@@ -55,8 +56,8 @@ from macfleet.engine.sampling import GREEDY, SamplingParams, generation_seed, ma
 from macfleet.engine.text import (DEFAULT_MAX_TOKENS, Drafting, TextDelta, TextStream,
                                   encode_prompt, no_drafts, plan_drafting, with_text)
 from macfleet.engine.tree import TokenTree, accept_tree_greedy, longest_branch
-from macfleet.engine.tree_verify import (compact_cache, supports_tree_attention, tree_forward,
-                                         verify_branches)
+from macfleet.engine.tree_verify import (branch_rows, compact_cache, supports_tree_attention,
+                                         tree_forward)
 from macfleet.engine.verifier import Verifier
 from macfleet.engine.verify_costs import verify_costs
 
@@ -206,6 +207,16 @@ def speculative_generate(
     stats = tally.stats(tokens=len(generated), elapsed_s=time.perf_counter() - t_start,
                         prefill_ms=prefill_ms, proposer=proposer_name, finish_reason=finish)
     yield Finished(stats, tuple(generated))
+
+
+def verify_branches(verifier: Verifier, tree: TokenTree,
+                    masks: np.ndarray | None = None) -> np.ndarray:
+    """Argmax ids per node of `branch_rows` (greedy only). masks: [N+1, V] bool, the tokens
+    allowed at each node (a grammar's); None: all."""
+    rows = branch_rows(verifier, tree.tokens, tree.parents)
+    if masks is not None:
+        rows = mx.where(mx.array(masks), rows, float("-inf"))
+    return np.array(mx.argmax(rows, axis=-1))
 
 
 def _predraft(group: ProposerGroup, context: Sequence[int], tree: TokenTree,

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from macfleet.engine import fastmath
@@ -188,13 +187,3 @@ def branch_rows(verifier: Verifier, tokens: Sequence[int], parents: Sequence[int
                 rows[node] = logits[row]
         verifier.rollback(verifier.offset - base)
     return mx.stack(rows)
-
-
-def verify_branches(verifier: Verifier, tree: TokenTree,
-                    masks: np.ndarray | None = None) -> np.ndarray:
-    """Argmax ids per node of `branch_rows` (greedy only). masks: [N+1, V] bool, the tokens
-    allowed at each node (a grammar's); None: all."""
-    rows = branch_rows(verifier, tree.tokens, tree.parents)
-    if masks is not None:
-        rows = mx.where(mx.array(masks), rows, float("-inf"))
-    return np.array(mx.argmax(rows, axis=-1))
