@@ -125,40 +125,10 @@ MODULES: dict[str, tuple] = {
             "test_acceptance_module_is_pure", "test_device_ratio_test_at_its_boundaries",
             "test_device_draws_are_keyed_by_position_not_by_block",
             "test_device_probs_match_the_host_transform"))]),
-    # the loop's fast tests that run it end to end on a tiny model: events and limits
-    # (test_loop_events.py, less the 12 runs of real drafters), garbage drafts when sampling,
-    # the pipelined and drafted-ahead paths (test_pipeline.py), the reported timings, draft
-    # lengths, verified lengths and the sanitizer (test_loop_contract.py), the argument checks
-    "loop": ("macfleet/engine/loop.py", ["tests/engine/test_loop_contract.py", *(
-        f"tests/engine/test_loop_events.py::{t}" for t in (
-            "test_exact_accept_pattern", "test_event_stream_is_consistent_when_sampling",
-            "test_sampling_with_a_seed_is_reproducible", "test_max_tokens_is_exact",
-            "test_eos_stops_generation", "test_eos_as_the_first_token",
-            "test_proposer_failure_mid_generation", "test_proposer_is_started_and_closed",
-            "test_verifier_cache_holds_committed_minus_one_at_every_yield", "test_one_token_prompt",
-            "test_verifier_is_reusable_across_generations", "test_sanitize_draft",
-            "test_generate_local_text_path")), *(
-        f"tests/engine/test_pipeline.py::{t}" for t in (
-            "test_plain_pipelined_equals_mlx_lm_and_the_synchronous_loop",
-            "test_a_plain_step_is_in_flight_at_yields_and_none_after_the_end",
-            "test_sampled_plain_steps_are_pipelined_and_equal_the_synchronous_loop",
-            "test_eos_with_a_step_in_flight", "test_plain_steps_between_drafted_blocks",
-            "test_a_host_drafter_drafts_ahead_and_hits",
-            "test_a_wrong_guess_costs_a_fresh_draft_not_a_token",
-            "test_padded_blocks_commit_the_same_and_leave_no_padding")),
-        "tests/engine/test_greedy_identity.py::test_malicious_proposer_when_sampling", *(
-        f"tests/engine/test_specs_and_args.py::{t}" for t in (
-            "test_empty_prompt", "test_out_of_vocab_prompt_ids", "test_negative_max_tokens"))]),
-    # the fast tests that run tree_loop (its chi-square tests are slow)
-    "tree_loop": ("macfleet/engine/tree_loop.py", [
+    # a group of drafters and its tree of drafts (moved out of the tree loop, which is now the
+    # tests' reference, tests/reference_loops.py): its part-by-part tests
+    "proposer_group": ("macfleet/engine/proposers/group.py", [
         "tests/engine/test_tree_loop.py",
-        "tests/engine/test_tree.py::test_tree_greedy_is_bit_identical_to_plain_decoding_and_"
-        "prunes_useless_proposers",
-        "tests/engine/test_tree.py::test_eagle_in_a_tree_reads_the_tree_forward_features",
-        "tests/engine/test_pipeline.py::test_trees_drafted_ahead_commit_the_verifiers_ids",
-        "tests/engine/test_pipeline.py::test_a_tree_drafted_ahead_on_a_path_that_was_not_"
-        "accepted_is_dropped",
-        "tests/engine/test_pipeline.py::test_padded_trees_commit_the_same",
         "tests/engine/test_batch.py::test_cap_total_cuts_the_largest_draft_lengths_first"]),
     # the flat forward against its direct tests (flat_forward/flat_layers beside each session
     # alone), not the serving engine's batched-equals-alone runs (minutes each)

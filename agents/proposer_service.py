@@ -70,7 +70,7 @@ class ProposerLimits:
 
 def _learn(s: DraftStream, msg: DraftRequest) -> None:
     """Give a tree drafter what the verifier measured: its verify(L) table (first request)
-    and what became of the previous draft, as the local loop does (tree_loop)."""
+    and what became of the previous draft, as a local group of drafters is told."""
     lengths, ms = msg.verify_lengths, msg.verify_costs_ms
     if lengths and ms and len(lengths) == len(ms):
         s.proposer.seed_verify_costs({int(L): float(c) for L, c in zip(lengths, ms)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from agents.remote_proposer import RemoteProposer
-from macfleet.engine.tree_loop import ProposerGroup
+from macfleet.engine.proposers.group import ProposerGroup
 from macfleet.stats import FlowStats
 
 

@@ -1,7 +1,8 @@
 """`python -m agents.shard_run`: one rank of a sharded verifier as a plain process, given a ring
 hostfile (no agents, no Zeroconf): what the shard tests and `macfleet bench moe` run. Rank 0
-pings the ring, decodes greedily (each step's logits kept), then runs the spec-decode loop on
-top of the sharded verifier, and writes ids, wall times and the shard flow (`ShardStats`).
+pings the ring, decodes greedily (each step's logits kept), then decodes speculatively through
+the serving engine on the sharded verifier (serve/one.py `decode_ids`), and writes ids, wall
+times and the shard flow (`ShardStats`).
 """
 
 from __future__ import annotations
@@ -87,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
                "ping_ms": float(np.median(pings))}
         if args.proposer != "none":
             from macfleet.engine.events import Finished
-            from macfleet.engine.loop import speculative_generate
             from macfleet.engine.proposers import make_proposer
+            from macfleet.serve.one import decode_ids
 
             prop = make_proposer(args.proposer, lm)
             t0 = time.perf_counter()
-            fin = [e for e in speculative_generate(v, prop, prompt, max_tokens=args.max_tokens)
+            fin = [e for e in decode_ids(lm, prompt, prop, max_tokens=args.max_tokens,
+                                         eos_ids=frozenset(), verifier=v)
                    if isinstance(e, Finished)][0]
             out["spec_ids"] = list(fin.token_ids)
             out["spec_blocks"] = fin.stats.blocks

@@ -27,8 +27,8 @@ from macfleet.engine.controller import AUTO, DraftTokens
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers.base import Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.engine.text import Drafting, make_group, no_drafts, plan_drafting
-from macfleet.engine.tree_loop import tree_budget
+from macfleet.engine.proposers.group import make_group, tree_budget
+from macfleet.engine.text import Drafting, no_drafts, plan_drafting
 from macfleet.stats import BlockFlows, FlowStats
 
 log = logging.getLogger(__name__)

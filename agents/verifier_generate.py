@@ -26,13 +26,13 @@ from bridge.messages import BlockMetrics, ErrorReply, GenerateChunk, GenerateDon
 from bridge.transport import Reply
 from macfleet.engine.constraint import Grammar
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
-from macfleet.engine.kvship import PrefilledVerifier
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.proposers import ProposerSpecError
-from macfleet.engine.text import (PromptError, TextDelta, TextStream, encode_prompt,
-                                  generate_from_ids)
+from macfleet.engine.text import PromptError, TextDelta, TextStream, encode_prompt, with_text
+from macfleet.engine.tree_verify import supports_tree_attention
 from macfleet.serve.engine import EngineRequest, Overloaded, SessionFailed
+from macfleet.serve.one import one_engine, run_one
 from macfleet.serve.logprobs import LogprobsCommitted
 from macfleet.serve.prompt_cache import PromptReused
 from macfleet.stats import (BlockFlows, FleetStats, FlowStats, KVFlow, ShardStats,
@@ -202,22 +202,27 @@ class VerifierGenerations:
 
     def generate(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
         """One session alone (a sharded verifier, a model the batch cannot run, a long prompt
-        handed on by the prefill stage without a batch), on the caller's thread."""
+        handed on by the prefill stage without a batch), on the caller's thread, through the
+        serving engine (serve/one.py): a flat batch of one, or, where the flat batch cannot
+        run this verifier (its layers elsewhere, its forward its own, or not llama's), the
+        verifier's own forward."""
         params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
         ids = self._prompt_ids(msg, staged)
-        verifier = self.verifier
-        if staged is not None and staged.kv is not None:  # flow KV: installed, not computed
-            verifier = PrefilledVerifier(self.verifier, ids[:-1], self.stage.layout, staged.kv)
-        proposer = self.drafts.drafting(msg)
+        # a verifier of its own forward (a sharded one; one that fails on purpose in tests)
+        own = not (self.verifier.pipelines and supports_tree_attention(self.lm.model))
+        engine = one_engine(self.lm, self.verifier if own else None)
+        proposer = self.drafts.drafting(msg, batched=not own)
         crossing = Crossing(self, msg.request_id, proposer, staged)
-        max_new = max(0, msg.max_tokens - len(msg.prefix_ids))
+        shipped_kv = staged.kv if staged is not None else None
+        req = EngineRequest(tuple(ids), params, max(0, msg.max_tokens - len(msg.prefix_ids)),
+                            eos_ids=self.lm.eos_ids, draft_tokens=draft_tokens_of(msg),
+                            report_blocks=True)
         parts: list[str] = []
         stats = None
         shard_now = self.verifier.shard_stats  # a sharded verifier's shard flow, else None
         shard_prev = None
-        events = generate_from_ids(self.lm, verifier, proposer, ids,
-                                   draft_tokens=draft_tokens_of(msg), max_tokens=max_new,
-                                   params=params)
+        events = with_text(run_one(engine, req, proposer, shipped_kv=shipped_kv),
+                           TextStream(self.lm.tokenizer))
         try:
             for ev in events:
                 if isinstance(ev, TextDelta):  # the last one: the detokenizer's flush, no ids
@@ -235,11 +240,10 @@ class VerifierGenerations:
                     stats = ev.stats
                     token_ids = list(ev.token_ids)
         finally:
-            if proposer is not None:
-                proposer.close()
             self.drafts.close_tap()
-        installed = isinstance(verifier, PrefilledVerifier) and verifier.installed
+        # an installed KV's install time is the session's prefill time
         fleet = crossing.fleet(len(ids), stats.prefill_ms,
-                               verifier.install_ms if installed else None, shard=shard_now())
+                               stats.prefill_ms if shipped_kv is not None else None,
+                               shard=shard_now())
         reply(GenerateDone(msg.request_id, "".join(parts), token_ids,
                            replace(stats, fleet=fleet)))

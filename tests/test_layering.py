@@ -90,11 +90,13 @@ ALLOWED: dict[str, Rule] = {
     "macfleet/cli": Rule(("macfleet", "agents", "tui")),
     "macfleet/__main__.py": Rule(("macfleet.cli",)),
     # the daemon: bridge + engine (+ the networking-free continuous batch the verifier runs,
-    # with its records and events: logprobs, the prompt cache's reuse; the planner's pure placements it carries out: disagg, MoE experts);
+    # with its records and events: logprobs, the prompt cache's reuse; one request through it
+    # on the caller's thread, serve/one.py; the planner's pure placements it carries out:
+    # disagg, MoE experts);
     # the tool plane's presets measure through the engine (engine/verify_costs.py), never bench/
     "agents": Rule(("agents", "bridge", "macfleet.engine", "macfleet.sysinfo",
                     "macfleet.topology.disagg", "macfleet.topology.moe", "macfleet.serve.engine",
-                    "macfleet.serve.logprobs", "macfleet.serve.prompt_cache",
+                    "macfleet.serve.one", "macfleet.serve.logprobs", "macfleet.serve.prompt_cache",
                     "macfleet.fleet.batch", *RECORDS),
                    banned=("starlette", "uvicorn", "httpx", "textual")),
     # the dashboard observes the fleet's records (and computes as stats does); no sockets, no MLX

@@ -1,7 +1,7 @@
 """`macfleet bench batch-identity`: does batching change any greedy answer? Over many requests.
 
-Each request is decoded alone by the single-session loop (`generate --local --proposer none`'s
-path) and by the continuous-batching engine with many sessions at once, flat batch (default),
+Each request is decoded alone (plain decoding: the serving engine on the model's own forward,
+one session) and by the continuous-batching engine with many sessions at once, flat batch (default),
 flat batch with n-gram drafts, and batch-invariant mode. A request diverges when its ids
 differ; for each divergence we record where, and the alone run's top-2 logit margin there:
 flat-batch rows can differ from single-row ones in the last float bits (OpenBLAS picks other
@@ -19,11 +19,11 @@ import mlx.core as mx
 import numpy as np
 
 from macfleet.engine.events import Finished
-from macfleet.engine.loop import speculative_generate
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.sampling import GREEDY
 from macfleet.engine.verifier import Verifier
 from macfleet.serve.engine import BatchEngine, EngineRequest
+from macfleet.serve.one import decode_ids
 
 SUBJECTS = ("the moon", "a bicycle", "Python lists", "the French revolution", "bread",
             "photosynthesis", "a violin", "the stock market", "volcanoes", "chess",
@@ -49,8 +49,7 @@ def prompts_for(lm: LoadedModel, n: int, seed: int = 0) -> list[tuple[int, ...]]
 
 
 def alone(lm: LoadedModel, prompt, max_tokens: int) -> tuple[int, ...]:
-    evs = list(speculative_generate(Verifier(lm.model), None, prompt, params=GREEDY,
-                                    max_tokens=max_tokens, eos_ids=lm.eos_ids))
+    evs = list(decode_ids(lm, prompt, max_tokens=max_tokens, verifier=Verifier(lm.model)))
     return evs[-1].token_ids
 
 

@@ -111,11 +111,11 @@ def greedy_answers(lm: LoadedModel, prompts: Mapping[str, object], max_tokens: i
                    progress: Callable[[str], None] = lambda s: None) -> dict[str, list[int]]:
     """key -> the verifier's greedy answer (plain decoding) to that request."""
     from macfleet.engine.events import Finished
-    from macfleet.engine.text import generate_local
+    from macfleet.serve.one import generate_one
 
     out = {}
     for k, p in prompts.items():
-        for ev in generate_local(lm, p, proposer="none", max_tokens=max_tokens):
+        for ev in generate_one(lm, p, proposer="none", max_tokens=max_tokens):
             if isinstance(ev, Finished):
                 out[k] = list(ev.token_ids)
         progress(f"answer {k}: {len(out.get(k, ()))} tokens")

@@ -32,7 +32,7 @@ from macfleet.engine.conversation import ChatInput, render
 from macfleet.distill.prompts import HELD_OUT, UNSEEN, Prompt, prompt_kind, prompt_text
 from macfleet.engine.events import Finished, GenerationStats
 from macfleet.engine.models import LoadedModel
-from macfleet.engine.text import generate_local
+from macfleet.serve.one import generate_one
 from macfleet.stats import BlockTrace
 
 # `auto` (the drafter chosen while it runs, engine/chooser.py) runs in the same rounds as the
@@ -187,7 +187,7 @@ def bench_in_process(lm: LoadedModel, specs: Sequence[str], max_tokens: int,
     kinds: the prompts to run (keys of BENCH_PROMPTS; default: the held-out ones)."""
     def run(kind: str, spec: str, ref):
         fin = None
-        for ev in generate_local(lm, BENCH_PROMPTS[kind], proposer=spec, max_tokens=max_tokens):
+        for ev in generate_one(lm, BENCH_PROMPTS[kind], proposer=spec, max_tokens=max_tokens):
             if isinstance(ev, Finished):
                 fin = ev
         assert fin is not None

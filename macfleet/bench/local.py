@@ -3,7 +3,7 @@
 Methods, interleaved per repeat so machine noise hits all of them alike:
   mlx_generate_step         mlx-lm's plain decoding (the baseline)
   mlx_speculative[<draft>]  mlx-lm's own speculative_generate_step with the same draft model
-  macfleet[<proposer>]      macfleet's loop with each proposer
+  macfleet[<proposer>]      macfleet (the serving engine, one request) with each proposer
 Tokens/s is decode throughput over the same number of tokens (prompt processing excluded for
 all methods alike), median of the repeats.
 """
@@ -16,14 +16,12 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
 
 from macfleet.bench.record import median
-from macfleet.engine.controller import make_controller
 from macfleet.engine.events import Finished
-from macfleet.engine.loop import speculative_generate
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.model_draft import LayerSkipModel
 from macfleet.engine.text import encode_prompt
-from macfleet.engine.verifier import Verifier
+from macfleet.serve.one import decode_ids
 
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_LAYERSKIP = 20
@@ -56,10 +54,9 @@ def run_mlx_spec(lm: LoadedModel, ids: list[int], n: int, draft, k: int):
 
 def run_macfleet(lm: LoadedModel, ids: list[int], n: int, proposer: str, k):
     prop = make_proposer(proposer, lm)
-    ctl = make_controller(k if prop is not None else 0)
     fin = None
-    for ev in speculative_generate(Verifier(lm.model), prop, ids, max_tokens=n, controller=ctl,
-                                   eos_ids=lm.eos_ids):
+    for ev in decode_ids(lm, ids, prop, draft_tokens=k if prop is not None else 0,
+                         max_tokens=n):
         if isinstance(ev, Finished):
             fin = ev
     st = fin.stats

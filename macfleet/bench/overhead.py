@@ -2,13 +2,14 @@
 
 Parts, on the same weights and prompts (the held-out prompts of `bench drafter`), greedy,
 interleaved rounds after a warm-up round, each method's fastest timed round kept:
-  (a) plain macfleet (`speculative_generate`, no drafter) against mlx-lm's `generate_step`;
+  (a) plain macfleet (the serving engine with one request, no drafter) against mlx-lm's
+      `generate_step`;
       rates after the first token for both (what a streaming user sees);
   (b) the oracle drafter (engine/proposers/oracle.py: it drafts the run's own answer, so every
       draft is accepted) at fixed block lengths k, against plain macfleet: the measured
       speed-up over the ideal one read off the device's verify(L) curve,
       ideal(k) = (k + 1) * verify(1) / verify(k + 1): the loop's efficiency;
-  (c) the default drafter (`auto`, through `generate_local`, text and all) against plain;
+  (c) the default drafter (`auto`, through `generate_one`, text and all) against plain;
   (d) (b) and (a) on random-weight llamas in the shape of bigger models (bench/weights.py):
       the bandwidth-bound regime where a block costs about one token.
 And a figure of its own: how often greedy block decoding departs from one-token decoding

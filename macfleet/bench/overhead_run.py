@@ -1,8 +1,8 @@
 """The shell of `bench overhead`: runs the models (bench/overhead.py: what the numbers mean).
 
-Every macfleet run goes through the loops' public entry points (`speculative_generate` for
-plain and oracle runs, `generate_local` for the default drafter), so the bench measures
-whatever those loops are.
+Every macfleet run goes through the serving engine with one request (serve/one.py: the
+token-level `run_one` for plain and oracle runs, `generate_one`, text and all, for the default
+drafter): what `generate --local` runs, so the bench measures whatever that path is.
 """
 
 from __future__ import annotations
@@ -19,27 +19,26 @@ from macfleet.bench.overhead import (DEFAULT_KS, DEFAULT_MAX_ITERATIONS, OracleT
                                      departure_summary, follow_reference, oracle_summary,
                                      ratio_summary)
 from macfleet.bench.weights import BenchModel
-from macfleet.engine.controller import FixedDraftLength
 from macfleet.engine.events import Finished
-from macfleet.engine.loop import speculative_generate
+from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers.base import Proposer
 from macfleet.engine.proposers.oracle import OracleProposer
 from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.engine.verifier import SynchronousVerifier, Verifier
 from macfleet.engine.verify_costs import PROBE_LENGTHS, probe_verify_costs
+from macfleet.serve.engine import BatchEngine, EngineRequest
+from macfleet.serve.one import run_one
 
-PLAIN, MLX, TEXT_PLAIN = "plain", "mlx_generate_step", "plain (generate_local)"
-ENGINE = " (serving engine)"  # part (c) again through serve/one.py: `generate --local`'s path
+PLAIN, MLX, TEXT_PLAIN = "plain", "mlx_generate_step", "plain (text)"
 SAMPLED, MLX_SAMPLED = "plain sampled", "mlx_generate_step sampled"
 SAMPLED_T = 0.8  # sampled plain decoding: the draw on the device against mlx-lm's sampler
-SYNC = "plain (synchronous)"  # the same loop, each step read back before the next is built
+SYNC = "plain (synchronous)"  # the same engine, each step read back before the next is built
 RANDOM_PROMPT_TOKENS = 16
 BIG_CURVE_LENGTHS = (1, 2, 4, 8, 16, 32)  # a big model's forwards are dear: fewer lengths
 VERIFY_REPS = 3
 
 
 def timed(events: Iterable) -> Run:
-    """Drive a loop's events (TokensCommitted or TextDelta, then Finished) into a Run."""
+    """Drive a decode's events (TokensCommitted or TextDelta, then Finished) into a Run."""
     first_t = last_t = None
     first_n, fin = 0, None
     for ev in events:
@@ -58,11 +57,19 @@ def timed(events: Iterable) -> Run:
                st.drafted, st.accepted)
 
 
-def run_loop(verifier: Verifier, proposer: Proposer | None, ids: Sequence[int], tokens: int,
-             k: int, eos: frozenset[int], params: SamplingParams = GREEDY) -> Run:
-    return timed(speculative_generate(verifier, proposer, ids, max_tokens=tokens,
-                                      controller=FixedDraftLength(k if proposer else 0),
-                                      eos_ids=eos, params=params))
+def engine_for(bm: BenchModel, step_ahead: bool = True) -> BatchEngine:
+    """A serving engine for one request at a time on `bm` (random weights: no tokenizer);
+    step_ahead False: each step read back before the next is built."""
+    lm = bm.lm or LoadedModel(bm.label, bm.model, None, "random", False)
+    return BatchEngine(lm, proposer="none", max_active=1, max_queue=1, step_ahead=step_ahead)
+
+
+def run_engine(engine: BatchEngine, proposer: Proposer | None, ids: Sequence[int],
+               tokens: int, k: int, eos: frozenset[int], params: SamplingParams = GREEDY) -> Run:
+    """One request through `engine` with `proposer` at a fixed block length k."""
+    req = EngineRequest(tuple(ids), params, tokens, eos_ids=eos,
+                        draft_tokens=k if proposer else 0, report_blocks=True)
+    return timed(run_one(engine, req, proposer))
 
 
 def run_mlx(model, ids: Sequence[int], tokens: int, eos: frozenset[int],
@@ -99,39 +106,39 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
     """One model's section of results/overhead-<device>.json. Past `deadline` (monotonic
     seconds) no further timed round starts (one always runs)."""
     say = (lambda s: progress(f"[{bm.label}] {s}"))
-    verifier = Verifier(bm.model)
+    engine = engine_for(bm)
     eos = bm.lm.eos_ids if bm.lm is not None else frozenset()
     lengths = sorted({1, *curve_lengths, *(k + 1 for k in ks)})
     verify_ms = probe_verify_costs(bm.model, lengths, reps=VERIFY_REPS)
     say("verify(L) ms: " + ", ".join(f"{L}:{verify_ms[L]:.1f}" for L in lengths))
-    plain = {p: run_loop(verifier, None, ids, tokens, 0, eos) for p, ids in prompts.items()}
+    plain = {p: run_engine(engine, None, ids, tokens, 0, eos) for p, ids in prompts.items()}
     traces: dict[tuple[str, int], OracleTrace] = {}
     if oracle:
         for p, ids in prompts.items():
             for k in ks:
                 def once(ref, ids=ids, k=k):
-                    return run_loop(verifier, OracleProposer([*ids, *ref]), ids, tokens, k,
+                    return run_engine(engine, OracleProposer([*ids, *ref]), ids, tokens, k,
                                     eos).tokens
                 traces[p, k] = follow_reference(once, plain[p].tokens, max_runs)
                 t = traces[p, k]
                 say(f"{p} oracle k={k}: {t.runs} run(s), departures at {list(t.departures)}"
                     + ("" if t.converged else " (not converged)"))
-    sync = SynchronousVerifier(bm.model)
+    sync = engine_for(bm, step_ahead=False)
     methods: dict[str, Callable[[str], Run]] = {
-        PLAIN: lambda p: run_loop(verifier, None, prompts[p], tokens, 0, eos),
-        SYNC: lambda p: run_loop(sync, None, prompts[p], tokens, 0, eos)}
+        PLAIN: lambda p: run_engine(engine, None, prompts[p], tokens, 0, eos),
+        SYNC: lambda p: run_engine(sync, None, prompts[p], tokens, 0, eos)}
     if mlx:
         hot = SamplingParams(SAMPLED_T, seed=0)
         methods[MLX] = lambda p: run_mlx(bm.model, prompts[p], tokens, eos)
-        methods[SAMPLED] = lambda p: run_loop(verifier, None, prompts[p], tokens, 0, eos, hot)
+        methods[SAMPLED] = lambda p: run_engine(engine, None, prompts[p], tokens, 0, eos, hot)
         methods[MLX_SAMPLED] = lambda p: run_mlx(bm.model, prompts[p], tokens, eos, SAMPLED_T)
     for k in ks if oracle else ():
-        methods[f"oracle k={k}"] = (lambda p, k=k: run_loop(
-            verifier, OracleProposer([*prompts[p], *traces[p, k].reference]), prompts[p],
+        methods[f"oracle k={k}"] = (lambda p, k=k: run_engine(
+            engine, OracleProposer([*prompts[p], *traces[p, k].reference]), prompts[p],
             tokens, k, eos))
     section_c: dict | None = None
     if texts and default_spec and bm.lm is not None:
-        section_c = _default_methods(bm, verifier, texts, tokens, default_spec, methods)
+        section_c = _default_methods(bm, texts, tokens, default_spec, methods)
     runs: dict[str, dict[str, list[Run]]] = {p: {m: [] for m in methods} for p in prompts}
     for r in range(rounds + 1):  # round 0 warms every shape up and is not kept
         for p in prompts:
@@ -154,7 +161,7 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
                            "decode_tps")
                    for p in prompts} for m in methods}
     plain_decode = {p: best(runs[p][PLAIN]) for p in prompts}
-    # what pipelining buys: the same loop with every step read back before the next is built
+    # what pipelining buys: the same engine with every step read back before the next is built
     section["pipelined_vs_synchronous"] = ratio_summary(
         {p: best(runs[p][PLAIN], "stream_tps") for p in prompts}, best_of[SYNC])
     if mlx:
@@ -173,28 +180,18 @@ def measure_model(bm: BenchModel, prompts: Mapping[str, Sequence[int]], *, token
         spec = section_c["spec"]
         if section_c.get("error") is None:
             section_c["speedup"] = ratio_summary(best_of[spec], best_of[TEXT_PLAIN])
-            # the serving engine with one request against the loops (issue 49's goal: >= 0.97x)
-            section_c["engine_vs_loop"] = {
-                "plain": ratio_summary(best_of["plain" + ENGINE], best_of[TEXT_PLAIN]),
-                spec: ratio_summary(best_of[spec + ENGINE], best_of[spec])}
         section["default_drafter"] = section_c
     return section
 
 
-def _default_methods(bm: BenchModel, verifier: Verifier, texts: Mapping[str, str],
-                     tokens: int, spec: str, methods: dict) -> dict:
-    """Part (c): plain and the default drafter through generate_local (the single-session
-    loops) and through the serving engine with one request (serve/one.py, what `generate
-    --local` runs: issue 49's one decode path), added to `methods`."""
+def _default_methods(bm: BenchModel, texts: Mapping[str, str], tokens: int, spec: str,
+                     methods: dict) -> dict:
+    """Part (c): plain and the default drafter through `generate_one` (what `generate --local`
+    runs, text and all), added to `methods`."""
     from macfleet.engine.proposers import ProposerSpecError
-    from macfleet.engine.text import generate_local
     from macfleet.serve.one import generate_one
 
     def gen(p: str, proposer: str) -> Run:
-        return timed(generate_local(bm.lm, texts[p], proposer=proposer, max_tokens=tokens,
-                                    verifier=verifier))
-
-    def one(p: str, proposer: str) -> Run:
         return timed(generate_one(bm.lm, texts[p], proposer=proposer, max_tokens=tokens))
     try:
         gen(next(iter(texts)), spec)  # a drafter that cannot be built here says so once
@@ -202,8 +199,6 @@ def _default_methods(bm: BenchModel, verifier: Verifier, texts: Mapping[str, str
         return {"spec": spec, "error": str(e)}
     methods[TEXT_PLAIN] = lambda p: gen(p, "none")
     methods[spec] = lambda p: gen(p, spec)
-    methods["plain" + ENGINE] = lambda p: one(p, "none")
-    methods[spec + ENGINE] = lambda p: one(p, spec)
     return {"spec": spec, "error": None}
 
 

@@ -94,7 +94,8 @@ def one_process(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
 
     from macfleet.engine.models import load_model
     from macfleet.engine.proposers import make_proposer
-    from macfleet.engine.text import encode_prompt, generate_from_ids
+    from macfleet.engine.text import encode_prompt
+    from macfleet.serve.one import decode_ids
 
     lm = load_model(verifier_dir)
     draft = load_model(draft_spec)
@@ -113,24 +114,18 @@ def one_process(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
         if plain:
             row["mlx_plain"] = _mlx_run(generate_step(mx.array(ids), lm.model,
                                                       max_tokens=tokens, sampler=greedy), eos)
-            row["plain"] = _macfleet_run(generate_from_ids(
-                lm, _verifier(lm), None, ids, draft_tokens=0, max_tokens=tokens))
+            row["plain"] = _macfleet_run(decode_ids(lm, ids, draft_tokens=0,
+                                                    max_tokens=tokens))
         row["mlx_spec"] = _mlx_run(speculative_generate_step(
             mx.array(ids), lm.model, draft.model, num_draft_tokens=k, max_tokens=tokens,
             sampler=greedy), eos)
-        row["spec"] = _macfleet_run(generate_from_ids(
-            lm, _verifier(lm), make_proposer(f"draft:{draft_spec}", lm), ids, draft_tokens=k,
+        row["spec"] = _macfleet_run(decode_ids(
+            lm, ids, make_proposer(f"draft:{draft_spec}", lm), draft_tokens=k,
             max_tokens=tokens))
         runs.append({name: (v if name == "prompt" else
                             {"ids": v[0], "tok_s": v[1], **(v[2] if len(v) > 2 else {})})
                      for name, v in row.items()})
     return {"costs": costs, "runs": runs, "eos": sorted(eos)}
-
-
-def _verifier(lm):
-    from macfleet.engine.verifier import Verifier
-
-    return Verifier(lm.model)
 
 
 def _pinned_child(job: dict) -> dict:

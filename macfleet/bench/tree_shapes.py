@@ -114,8 +114,9 @@ def in_loop(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, repeats: int,
     from macfleet.engine.controller import AUTO
     from macfleet.engine.proposers.eagle.tree import EagleTreeProposer
     from macfleet.engine.events import Finished
-    from macfleet.engine.text import encode_prompt, generate_from_ids, make_group
-    from macfleet.engine.verifier import Verifier
+    from macfleet.engine.proposers.group import make_group
+    from macfleet.engine.text import encode_prompt
+    from macfleet.serve.one import decode_ids
 
     by_name = {s.name: s for s in shapes}
     specs = ("none", *by_name)
@@ -127,8 +128,7 @@ def in_loop(lm: LoadedModel, head, shapes: Sequence[TreeShape], *, repeats: int,
                                deep_vocab=shape.deep_vocab)], AUTO)
         ids = encode_prompt(lm.tokenizer, HELD_OUT[kind], True)
         fin = None
-        for ev in generate_from_ids(lm, Verifier(lm.model), drafting, ids,
-                                    max_tokens=max_tokens):
+        for ev in decode_ids(lm, ids, drafting, max_tokens=max_tokens):
             if isinstance(ev, Finished):
                 fin = ev
         assert fin is not None

@@ -228,7 +228,6 @@ def run(args) -> int:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     import uvicorn
 
-    from macfleet.engine.batch import BatchUnsupported
     from macfleet.cli.common import ensure_model, load_model
     from macfleet.engine.models import ModelSpecError, load_tokenizer
     from macfleet.engine.proposers import ProposerSpecError
@@ -250,7 +249,7 @@ def run(args) -> int:
         else:  # a fleet's verifier agent holds the weights: the front needs the tokenizer
             ensure_model(args.model)
             tokenizer = load_tokenizer(args.model)
-    except (ModelSpecError, ProposerSpecError, BatchUnsupported, ValueError) as e:
+    except (ModelSpecError, ProposerSpecError, ValueError) as e:
         raise UserError(str(e)) from None
     limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_cap,
                     args.max_sessions_per_client)

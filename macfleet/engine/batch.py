@@ -15,9 +15,11 @@ attend one by one, so padding never multiplies their queries.
 Batched attention is not bit-identical to a session's own: a row's softmax over keys padded to
 the longest row sums in another order (MLX's CPU softmax runs a SIMD body and a scalar tail), so
 logits move by ~1e-5 and a greedy argmax can only flip at a near-tie; `bench batch-identity`
-measures how often over many requests. Caches given as per-session layer lists run each segment
-as its own forward (the model's own `__call__`, the single-session code path): the
-batch-invariant mode.
+measures how often over many requests. Caches given as per-session layer lists, or as a
+session's own `Verifier`, run each segment as its own forward (the model's own `__call__`, or
+the verifier's: the single-session code path): the batch-invariant mode, and the one way to run
+a model whose layers this module cannot (not llama's) or whose layers run on other machines (a
+sharded verifier, agents/shard.py).
 """
 
 from __future__ import annotations
@@ -34,22 +36,19 @@ from macfleet.engine.batch_kv import (DEFAULT_KV_STEP, ROW_STEP, BatchKV, RowCac
                                       trim_cache)
 from macfleet.engine.layers import head_logits
 from macfleet.engine.tree import ancestor_mask, depths_of
-from macfleet.engine.tree_verify import head_projections, supports_tree_attention
+from macfleet.engine.tree_verify import head_projections, tree_rows
+from macfleet.engine.verifier import Verifier
 
 MAX_BATCHED_SEGMENT = 16  # decode blocks up to this long share one attention call
 BATCHED_CONTEXT_SLACK = 256  # ... unless their context exceeds 2x the median one by this much
-
-
-class BatchUnsupported(ValueError):
-    """The model's layers do not look like llama's: it cannot run a flat batch."""
 
 
 @dataclass(frozen=True)
 class Segment:
     """One session's new tokens in an iteration.
 
-    cache: that session's `RowCache` (flat batch), or its per-layer mlx-lm caches (each
-    segment its own forward: batch-invariant); appended to in place.
+    cache: that session's `RowCache` (flat batch), its per-layer mlx-lm caches or its own
+    `Verifier` (each segment its own forward: batch-invariant); appended to in place.
     logits_from: rows >= this index get logits (a block: 0; a prefill chunk: None).
     parents: a token tree (a speculative block of several drafts): token i's parent, -1 for
     the root (token 0); parents precede children. Token i sits at cache slot offset + i but
@@ -76,13 +75,6 @@ class Segment:
         L = len(self)
         return (np.tril(np.ones((L, L), dtype=bool)) if self.parents is None
                 else ancestor_mask(self.parents))
-
-
-def check_batchable(model: nn.Module) -> None:
-    if not supports_tree_attention(model):
-        raise BatchUnsupported(
-            f"{type(model).__module__}.{type(model).__name__} has no llama-style attention "
-            "(q/k/v/o projections, rope): continuous batching supports the llama family")
 
 
 @dataclass(frozen=True)
@@ -326,6 +318,15 @@ def _flat(model: nn.Module, segments: Sequence[Segment], hidden: bool = False
 def _one_by_one(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array | None]:
     out: list[mx.array | None] = []
     for s in segments:
+        if isinstance(s.cache, Verifier):  # its own forward (and prefill, in its own chunks)
+            if s.logits_from is None:
+                s.cache.prefill(s.tokens)
+                out.append(None)
+            elif s.parents is not None:  # a token tree (`tree_verify.keep_path` follows)
+                out.append(tree_rows(s.cache, s.tokens, s.parents)[s.logits_from:])
+            else:
+                out.append(s.cache.forward(s.tokens)[s.logits_from:])
+            continue
         x = mx.array([int(t) for t in s.tokens], dtype=mx.uint32)[None]
         logits = model(x, cache=s.cache)
         out.append(None if s.logits_from is None
@@ -371,8 +372,14 @@ def flat_outputs(model: nn.Module, segments: Sequence[Segment], *, hidden: bool 
         raise ValueError("hidden states come from the flat batch (rows of a BatchKV)")
     else:
         out = _one_by_one(model, segments)
-        state = [a for s in segments for c in s.cache for a in _flat_state(c.state)]
+        state = [a for s in segments for c in own_caches(s.cache) for a in _flat_state(c.state)]
     return FlatOutputs(tuple(out), feats, tuple(state))
+
+
+def own_caches(cache) -> Sequence:
+    """A session's own per-layer caches: the list itself, or its verifier's (none here for
+    a sharded one, whose caches are on its ranks)."""
+    return getattr(cache, "cache", ()) if isinstance(cache, Verifier) else cache
 
 
 def _flat_state(state) -> list[mx.array]:

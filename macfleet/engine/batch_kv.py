@@ -261,9 +261,12 @@ class RowCache:
 
 
 def trim_cache(cache, n: int) -> None:
-    """Drop the last n positions of a session's cache (a `RowCache` or mlx-lm layer caches)."""
+    """Drop the last n positions of a session's cache (a `RowCache`, mlx-lm layer caches or
+    a `Verifier`)."""
     if isinstance(cache, RowCache):
         cache.trim(n)
+    elif hasattr(cache, "rollback"):
+        cache.rollback(n)
     else:
         for c in cache:
             c.trim(n)

@@ -2,9 +2,9 @@
 
     draft -> verify (the caller's forward) -> accept -> cut at a stop token -> tally
 
-The single-session loops (`loop.speculative_generate`, `tree_loop.tree_generate`) and the
-serving engine (`serve/decode.py`, one block per session per iteration) differ in how they run
-the forward; what they decide from its logits is written once, here:
+The serving engine (`serve/decode.py`, one block per session per iteration) and the tests'
+reference loops (tests/reference_loops.py) differ in how they run the forward; what they decide
+from its logits is written once, here:
 
 * `accept_chain` / `accept_tree`: the acceptance rule of a chain or a token tree for the
   request's sampling parameters (greedy exact match, the ratio test, exact-match sampling);
@@ -125,8 +125,7 @@ def commit_block(new: Sequence[int], eos_ids: frozenset[int], constraint: Constr
                  ) -> tuple[list[int], bool]:
     """A verified block's tokens as the answer takes them: cut at the first stop token, then
     at the grammar's end (a stop too; the constraint advances over what is kept); and whether
-    the answer stopped. Every decode loop commits through here (engine/loop.py,
-    engine/tree_loop.py, serve/decode.py)."""
+    the answer stopped. Every decode commits through here (serve/decode.py)."""
     new, stopped = cut_at_stop(new, eos_ids)
     if constraint is not None:
         end = constraint.commit(new)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from macfleet.engine.chooser import PLAIN, Candidate, Chooser, Prior, tree_depth, tree_match
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
-from macfleet.engine.tree_loop import ProposerGroup, _own_or, cap_total, tree_budget
+from macfleet.engine.proposers.group import ProposerGroup, cap_total, own_length, tree_budget
 from macfleet.stats import EXPLORE, BlockTrace, DrafterChoice, DrafterStats
 
 AUTO_NAME = "auto"
@@ -123,7 +123,7 @@ class ChoosingGroup(ProposerGroup):
                 # scores, then drafting nothing)
                 ks[j] = min(self.node_budget if p.drafts_trees
                             else self._free_k.get(j, SHADOW_K) if free
-                            else _own_or(p.draft_length(), self.controllers[j]), limit)
+                            else own_length(p.draft_length(), self.controllers[j]), limit)
         return cap_total(ks, self.node_budget)
 
     def draft_all(self, context: Sequence[int], ks: Sequence[int],

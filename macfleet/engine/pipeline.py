@@ -57,7 +57,7 @@ def _forced(env: str) -> bool | None:
 
 
 def drafts_ahead() -> bool:
-    """Whether host-side drafters draft during verification (engine/loop.py, tree_loop.py)."""
+    """Whether host-side drafters draft during verification (tests/reference_loops.py)."""
     forced = _forced(AHEAD_ENV)
     return mx.default_device() != mx.cpu if forced is None else forced
 

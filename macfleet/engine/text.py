@@ -1,24 +1,20 @@
-"""Text in, text out around the token loops: prompt encoding, streaming detokenization, and the
-one generation driver (`plan_drafting` + `generate_from_ids`) that `generate_local` and the
-verifier agent both run."""
+"""Text in, text out around a decode: prompt encoding, streaming detokenization (`TextStream`,
+`with_text`), and how a drafter spec splits into chains or a tree (`plan_drafting`), which the
+serving engine (serve/drafting.py) and the verifier agent (agents/verifier_drafting.py) both
+follow."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from macfleet.engine.constraint import Constraint, Grammar
-from macfleet.engine.controller import AUTO, DraftTokens, make_controller
 from macfleet.engine.conversation import ChatInput, check_conversation, messages, render
 from macfleet.engine.events import Event, Finished, TokensCommitted
-from macfleet.engine.loop import DEFAULT_MAX_TOKENS, speculative_generate
-from macfleet.engine.models import LoadedModel
-from macfleet.engine.proposers import Proposer, drafts_tree, make_proposer
-from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.engine.tree_loop import ProposerGroup, tree_budget, tree_generate
-from macfleet.engine.verifier import Verifier
+from macfleet.engine.proposers import Proposer, drafts_tree
+from macfleet.engine.proposers.group import ProposerGroup
 
 MAX_PROMPT_TOKENS = 32768
+DEFAULT_MAX_TOKENS = 256  # answer tokens when a caller names no limit
 
 
 class PromptError(ValueError):
@@ -91,32 +87,6 @@ def plan_drafting(spec: str, *, chain: Callable[[str], Proposer | None],
     return tree(spec.split("+")) if drafts_tree(spec) else chain(spec)
 
 
-def make_group(proposers: Sequence[Proposer], draft_tokens: DraftTokens,
-               group: type[ProposerGroup] = ProposerGroup) -> ProposerGroup:
-    """A tree of drafters with the node budget a tree drafter among them needs."""
-    return group(proposers, draft_tokens=draft_tokens, node_budget=tree_budget(proposers))
-
-
-def generate_from_ids(lm: LoadedModel, verifier, drafting: Drafting, ids: Sequence[int], *,
-                      draft_tokens: DraftTokens = AUTO, max_tokens: int = DEFAULT_MAX_TOKENS,
-                      params: SamplingParams = GREEDY, grammar: Grammar | None = None
-                      ) -> Iterator[TextDelta | Event]:
-    """The one generation driver (in-process and in the verifier agent): the tree loop for a
-    group of drafters, the chain loop otherwise; TextDelta for each commit, BlockDone per block,
-    the detokenizer's flush as a last TextDelta, then Finished. grammar: the answer must match
-    it (issue 32: chains and trees cut to it, forced tokens drafted first, rows masked)."""
-    constraint = Constraint(grammar, lm.tokenizer, lm.vocab_size) if grammar else None
-    if isinstance(drafting, ProposerGroup):
-        events = tree_generate(verifier, drafting, ids, params=params, max_tokens=max_tokens,
-                               eos_ids=lm.eos_ids, constraint=constraint)
-    else:
-        controller = make_controller(draft_tokens if drafting is not None else 0)
-        events = speculative_generate(verifier, drafting, ids, params=params,
-                                      max_tokens=max_tokens, controller=controller,
-                                      eos_ids=lm.eos_ids, constraint=constraint)
-    yield from with_text(events, TextStream(lm.tokenizer))
-
-
 def with_text(events: Iterable[Event], stream: TextStream) -> Iterator[TextDelta | Event]:
     """A decode's events with each commit as text: TextDelta for each TokensCommitted, the
     detokenizer's flush as a last TextDelta before Finished; other events as they are."""
@@ -130,36 +100,3 @@ def with_text(events: Iterable[Event], stream: TextStream) -> Iterator[TextDelta
             yield ev
         else:
             yield ev
-
-
-def generate_local(
-    lm: LoadedModel,
-    prompt: ChatInput,
-    *,
-    chat: bool = True,
-    proposer: str = "ngram",
-    draft_tokens: DraftTokens = AUTO,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    params: SamplingParams = GREEDY,
-    verifier: Verifier | None = None,
-    grammar: Grammar | None = None,
-) -> Iterator[TextDelta | Event]:
-    """In-process speculative generation: TextDelta for each commit, BlockDone, then Finished.
-    prompt: a text, or a conversation (conversation.Turn, ...) ending on a user turn."""
-    ids = encode_prompt(lm.tokenizer, prompt, chat)
-
-    def make(spec: str) -> Proposer | None:
-        return make_proposer(spec, lm)
-
-    if proposer == AUTO:  # chosen block by block (engine/choosing.py)
-        from macfleet.engine.choosing import auto_spec, make_auto_group
-
-        proposer = auto_spec(lm)
-    if proposer == AUTO:
-        drafting: Drafting = make_auto_group(lm, draft_tokens)
-    else:
-        drafting = plan_drafting(proposer, chain=make, tree=lambda specs: make_group(
-            [make(s) or no_drafts(s) for s in specs], draft_tokens))
-    yield from generate_from_ids(lm, verifier or Verifier(lm.model), drafting, ids,
-                                 draft_tokens=draft_tokens, max_tokens=max_tokens, params=params,
-                                 grammar=grammar)

@@ -150,7 +150,7 @@ class TokenTree:
         t.owned = [{new_of[i] for i in nodes if i in new_of} for nodes in self.owned]
         for leaf in range(1, len(t.tokens)):
             if not t.children[leaf]:
-                t.paths.append(_nodes_to(t.parents, leaf))
+                t.paths.append(nodes_to(t.parents, leaf))
         return t
 
     def path_tokens(self, path: Sequence[int]) -> list[int]:
@@ -183,7 +183,7 @@ def graft(tree: TokenTree, forced: Sequence[int]) -> TokenTree:
     return tree._rebuild(entries)
 
 
-def _nodes_to(parents: Sequence[int], node: int) -> list[int]:
+def nodes_to(parents: Sequence[int], node: int) -> list[int]:
     """The nodes from the root's child down to `node` (none for the root)."""
     out = []
     while node > 0:

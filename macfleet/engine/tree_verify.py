@@ -9,7 +9,8 @@ node's ancestors. We run the model's own layers and weights with a replacement a
 * the keys/values of all nodes are appended to the cache; after acceptance the accepted
   path's entries are moved right behind the root and the rest trimmed (`compact_cache`).
 Models whose attention does not look like llama's (q/k/v/o projections, `rope`, `n_heads`)
-fall back to verifying each branch as a chain (`verify_branches`). Looking like llama is not
+fall back to verifying each branch as a chain (`branch_rows`), as does a verifier whose cache is
+not here (a sharded one: its layers run on other ranks). `tree_rows` and `keep_path` choose. Looking like llama is not
 enough: Qwen3's attention normalises each head's queries and keys before the rotation, OLMo2
 norms the attention's and the MLP's outputs, Gemma also scales the embeddings. The
 per-head query/key norms are applied here as the model's own attention does
@@ -26,12 +27,11 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from macfleet.engine import fastmath
 from macfleet.engine.layers import head_logits
-from macfleet.engine.tree import TokenTree, ancestor_mask
+from macfleet.engine.tree import TokenTree, ancestor_mask, depths_of, nodes_to
 from macfleet.engine.verifier import Verifier
 
 
@@ -143,23 +143,47 @@ def compact_cache(verifier: Verifier, base: int, path: Sequence[int]) -> None:
     verifier.rollback(verifier.offset - (base + 1 + m))
 
 
-def verify_branches(verifier: Verifier, tree: TokenTree,
-                    masks: np.ndarray | None = None) -> np.ndarray:
-    """Fallback for other architectures: each proposer's chain verified on its own.
+def trees_in_cache(verifier: Verifier) -> bool:
+    """Whether `verifier` verifies a token tree in ONE forward in its own cache (`tree_forward`:
+    its cache here, its model llama-style); else branch by branch (`branch_rows`). A verifier
+    without a cache here (a sharded one) is never probed: its model's forward must not run on
+    this rank alone."""
+    return hasattr(verifier, "cache") and supports_tree_attention(verifier.model)
 
-    Returns argmax ids per node (greedy only): the shared root row comes from the first
-    branch; every node's row is computed with exactly its ancestors in the cache.
-    masks: [N+1, V] bool, the tokens allowed at each node (a grammar's); None: all.
-    """
+
+def tree_rows(verifier: Verifier, tokens: Sequence[int], parents: Sequence[int]) -> mx.array:
+    """Logits [N, V] (float32) of every node of a token tree (node 0 its root, `parents` as
+    `TokenTree.parents`) on the verifier's own forward: its N entries appended to the cache
+    (`trees_in_cache`), or branch by branch with the cache left as it was; `keep_path` then
+    keeps the root and the accepted path, either way."""
+    if trees_in_cache(verifier):
+        tree = TokenTree(list(tokens), list(parents), depths_of(parents), [], [], [])
+        return tree_forward(verifier, tree)
+    return branch_rows(verifier, tokens, parents)
+
+
+def keep_path(verifier: Verifier, tree: TokenTree, path: Sequence[int]) -> None:
+    """After `tree_rows`: the cache ends with the tree's root and its accepted `path`."""
+    if trees_in_cache(verifier):
+        compact_cache(verifier, verifier.offset - len(tree.tokens), path)
+    else:  # refill the accepted entries
+        verifier.forward([tree.tokens[0], *tree.path_tokens(path)])
+
+
+def branch_rows(verifier: Verifier, tokens: Sequence[int], parents: Sequence[int]) -> mx.array:
+    """Every node's logits [N, V], each root-to-leaf branch verified as a chain on its own
+    (other architectures, a sharded verifier): every node's row is computed with exactly its
+    ancestors in the cache (a shared node's from the first branch through it); the cache is
+    left as it was."""
     base = verifier.offset
-    ids = np.full(len(tree.tokens), -1, dtype=np.int64)
-    chains = tree.paths or [[]]
-    for chain in chains:
-        logits = verifier.forward([tree.tokens[0], *(tree.tokens[i] for i in chain)])
-        if masks is not None:
-            logits = mx.where(mx.array(masks[[0, *chain]]), logits, float("-inf"))
-        am = np.array(mx.argmax(logits, axis=-1))
+    rows: list[mx.array | None] = [None] * len(tokens)
+    inner = set(parents)
+    for leaf in [i for i in range(len(tokens)) if i not in inner] or [0]:
+        chain = nodes_to(parents, leaf)
+        logits = verifier.forward([tokens[0], *(tokens[i] for i in chain)])
+        mx.eval(logits)
         for row, node in enumerate([0, *chain]):
-            ids[node] = am[row]
+            if rows[node] is None:
+                rows[node] = logits[row]
         verifier.rollback(verifier.offset - base)
-    return ids
+    return mx.stack(rows)

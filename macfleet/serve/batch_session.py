@@ -20,7 +20,7 @@ from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.tree import TokenTree
-from macfleet.engine.tree_loop import ProposerGroup
+from macfleet.engine.proposers.group import ProposerGroup
 from macfleet.fleet.batch import ServedSession
 from macfleet.serve.logprobs import LogprobsCommitted
 from macfleet.serve.prompt_cache import PromptReused

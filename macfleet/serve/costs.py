@@ -56,7 +56,7 @@ class BatchCosts:
         return curve
 
     def verify_costs(self) -> dict[int, float]:
-        """The model's measured verify(L) table (as `tree_generate` seeds its group with;
+        """The model's measured verify(L) table (what a group of drafters is seeded with;
         probed once per machine, on this thread, then cached on disk)."""
         if self.table is None:
             self.table = self._probe(self.model)

@@ -39,6 +39,8 @@ from macfleet.engine.events import BlockDone, TokensCommitted
 from macfleet.engine.sampling import host_probs, softmax_probs
 from macfleet.engine.proposers.base import Draft
 from macfleet.engine.tree import TokenTree, accept_tree_sample
+from macfleet.engine.tree_verify import keep_path
+from macfleet.engine.verifier import Verifier
 from macfleet.serve.batch_session import BatchSession
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.logprobs import (LogprobsCommitted, RowLogprobs, TokenLogprob,
@@ -103,7 +105,7 @@ class BlockStep:
     @staticmethod
     def accept_trees(done: Sequence[BatchSession], read: IterationRead
                      ) -> dict[int, tuple[list[int], int]]:
-        """Each verified tree's accepted path and next token (the rules of `tree_generate`)
+        """Each verified tree's accepted path and next token (engine/block.py's rules)
         from its evaluated decision (`decision`), or SpecInfer's host rule on its evaluated
         probabilities where it has none (`read_iteration` read one or the other of each);
         every row then keeps its root and path (one gather and scatter per layer per store)
@@ -116,6 +118,9 @@ class BlockStep:
             else:
                 path, nxt = out[s.sid] = accept_tree_sample(
                     tree, host_probs(read.probs[s.sid], s.req.params), s.rng)
+            if isinstance(s.cache, Verifier):  # its own forward's (batch-invariant)
+                keep_path(s.cache, tree, path)
+                continue
             base = s.cache.offset - len(tree.tokens)
             kept.setdefault(s.cache.store, []).append((s.cache, base, path))
         for store, rows in kept.items():

@@ -28,14 +28,15 @@ from collections.abc import Callable, Sequence
 
 from macfleet.engine.controller import AUTO, DraftTokens
 from macfleet.engine.constraint import constrained_draft, constrained_tree
-from macfleet.engine.loop import ProposerFailed, sanitize_draft
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.base import (EMPTY_DRAFT, Draft, Proposer, ProposerFailed,
+                                            sanitize_draft)
 from macfleet.engine.proposers.eagle.chain import EagleProposer
-from macfleet.engine.text import Drafting, make_group, no_drafts, plan_drafting
+from macfleet.engine.text import Drafting, no_drafts, plan_drafting
 from macfleet.engine.tree import TokenTree
-from macfleet.engine.tree_loop import ProposerGroup, cap_total, tree_of_drafts
+from macfleet.engine.proposers.group import (ProposerGroup, cap_total, make_group,
+                                             tree_of_drafts)
 from macfleet.serve.batch_session import BatchSession, BlockDraft
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.scheduler import DraftView, IterationBudget, draft_acceptance, plan_drafts
@@ -71,12 +72,12 @@ def make_drafting(spec: str, lm: LoadedModel, draft_tokens: DraftTokens,
 
 
 def check_drafting(drafting: Proposer | ProposerGroup, invariant: bool) -> None:
-    """Refuse what the batch-invariant mode cannot run (it verifies chains of token drafts)."""
-    if invariant and (isinstance(drafting, ProposerGroup) or drafting.drafts_trees
-                      or drafting.wants_features):
-        raise ValueError(f"'{drafting.name}' drafts token trees or from hidden states; the "
-                         "batch-invariant mode verifies chains from token drafters (each "
-                         "session runs the model's own forward)")
+    """Refuse what the batch-invariant mode cannot run: drafters fed the verifier's hidden
+    states (the flat batch's rows feed them; each session there runs its own forward)."""
+    members = drafting.proposers if isinstance(drafting, ProposerGroup) else [drafting]
+    if invariant and any(p.wants_features for p in members):
+        raise ValueError(f"'{drafting.name}' drafts from hidden states; the batch-invariant "
+                         "mode runs each session's own forward (token drafters only)")
 
 
 def rows_of(p: Proposer | None):

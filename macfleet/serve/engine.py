@@ -7,11 +7,12 @@ applies each session's own acceptance rule, rolls back its own cache and emits i
 tokens. (4) and (5) meet in one host synchronisation: the decisions are built on the forward's
 lazy logits and evaluated with it (`serve.decode.read_iteration`). When every session is a
 plain step, the next iteration is dispatched on this one's lazy tokens before this one is read
-(`scheduler.steps_ahead`; the single-session loop pipelines plain steps the same way), so the
-host reads and commits one iteration while the device computes the next.
-A session follows `engine.loop.speculative_generate` step for step (prefill prompt[:-1], then
+(`scheduler.steps_ahead`), so the host reads and commits one iteration while the device
+computes the next. A session decodes as one request alone would (prefill prompt[:-1], then
 blocks [last token, drafts...], the same per-request rng), so a request's greedy ids and seeded
-samples are what the single-session loop gives; only the forward is shared.
+samples do not depend on the batch it is in; only the forward is shared. The engine is the one
+decode path (issue 49): `generate --local`, the verifier agent's one-session path and a
+sharded verifier run it with one request (serve/one.py).
 
 `BatchEngine` is the façade that wires the parts, each with one job:
 
@@ -40,8 +41,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from macfleet.engine.batch import (BatchKV, FlatOutputs, RowCache, Segment, check_batchable,
-                                   flat_outputs)
+from macfleet.engine.batch import BatchKV, FlatOutputs, RowCache, Segment, flat_outputs
 from macfleet.engine.constraint import Constraint, Grammar, bridge, grammar_error
 from macfleet.engine.controller import AUTO, make_controller
 from macfleet.engine.proposers.eagle.chain import draft_chains
@@ -49,8 +49,9 @@ from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers.base import Proposer
 from macfleet.engine.proposers.prediction import PredictionProposer
 from macfleet.engine.sampling import generation_seed, make_rng
-from macfleet.engine.tree_loop import ProposerGroup
-from macfleet.engine.verifier import DEFAULT_PREFILL_STEP
+from macfleet.engine.proposers.group import ProposerGroup
+from macfleet.engine.tree_verify import supports_tree_attention
+from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, Verifier
 from macfleet.engine.verify_costs import verify_costs
 from macfleet.fleet.batch import BatchView, IterationView, ServedSession
 from macfleet.serve.batch_session import (BatchSession, BlockDraft,  # noqa: F401
@@ -127,7 +128,8 @@ class BatchEngine:
                  install_share: float = DEFAULT_INSTALL_SHARE,
                  clock: Callable[[], float] = time.perf_counter,
                  compute_lock: threading.Lock | None = None,
-                 prompt_cache_bytes: int = 0, step_ahead: bool = True) -> None:
+                 prompt_cache_bytes: int = 0, step_ahead: bool = True,
+                 verifier: Verifier | None = None) -> None:
         """stall_ratio: prefill chunks are sized so an iteration costs at most this many times
         a decode-only one (0: only the token budget bounds them); compute_lock: held around
         each iteration, when another thread runs the same model (the verifier agent's
@@ -137,11 +139,19 @@ class BatchEngine:
         within this many bytes for later prompts that start the same (0: no prompt cache;
         serve/prompt_cache.py); step_ahead: dispatch plain steps one iteration ahead
         (`scheduler.steps_ahead`; off with a compute lock, which an iteration left running
-        would not hold, and in the batch-invariant mode, whose forwards read their tokens)."""
-        check_batchable(lm.model)
+        would not hold, and in the batch-invariant mode, whose forwards read their tokens);
+        verifier: every session runs through it, one at a time (a sharded verifier,
+        agents/shard.py): the batch-invariant mode on its forward.
+
+        A model whose layers the flat batch cannot run (not llama-style attention:
+        engine/tree_verify.py's probe) runs in the batch-invariant mode: each session its own
+        `Verifier`, chains only."""
+        if verifier is not None and max_active != 1:
+            raise ValueError("sessions on one verifier run one at a time (max_active=1)")
         self.lm, self.proposer_spec, self.draft_tokens = lm, proposer, draft_tokens
-        self.invariant = invariant
-        probe = make_drafting(proposer, lm, draft_tokens, invariant)  # a spec this engine
+        self.invariant = (invariant or verifier is not None
+                          or not supports_tree_attention(lm.model))
+        probe = make_drafting(proposer, lm, draft_tokens, self.invariant)  # a spec this engine
         if probe is not None:  # cannot run fails here
             probe.close()
         self.token_budget, self.max_active, self.max_queue = token_budget, max_active, max_queue
@@ -154,10 +164,10 @@ class BatchEngine:
         self.costs = BatchCosts(lm.model, stall_ratio, lambda m: verify_costs(m))
         # every session's KV is a row of one store (flat batch), or its own caches (invariant)
         self.prompt_cache = (PromptCache(prompt_cache_bytes)
-                             if prompt_cache_bytes > 0 and not invariant else None)
+                             if prompt_cache_bytes > 0 and not self.invariant else None)
         self.session_kv = SessionKV(
-            lm.model, None if invariant else BatchKV(len(lm.model.layers)), self.prompt_cache,
-            clock)
+            lm.model, None if self.invariant else BatchKV(len(lm.model.layers)),
+            self.prompt_cache, clock, verifier)
         self._vocab = lm.vocab_size
         self.table = Sessions(self.session_kv, clock, max_active=max_active,
                               max_queue=max_queue)
@@ -170,8 +180,9 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self.history: deque[IterationView] = deque(maxlen=ITERATION_HISTORY)
         self.iterations = 0
-        self.step_ahead = step_ahead and compute_lock is None and not invariant
+        self.step_ahead = step_ahead and compute_lock is None and not self.invariant
         self._ahead: InFlight | None = None  # the next iteration, dispatched already
+        self._lost: Exception | None = None  # the given verifier's failure, for its owner
 
     # -- the caller's side (any thread) -------------------------------------------------
     def start(self) -> BatchEngine:
@@ -322,6 +333,10 @@ class BatchEngine:
         own thread instead of `start()`."""
         with self._cv:
             self.table.admit(self._start)
+        if self._lost is not None:  # the given verifier failed opening a session: its owner's
+            lost, self._lost = self._lost, None
+            raise lost
+        with self._cv:
             if self._ahead is not None:  # a session cancelled since: its step is dropped
                 self._ahead = self._ahead.of(self.table.active)
             if not self.table.active:
@@ -340,10 +355,12 @@ class BatchEngine:
                 if batch:
                     self._iteration(batch)
         except Exception as e:  # noqa: BLE001 - the engine outlives any one bad iteration
-            log.exception("batch iteration failed")
             self._ahead = None
             for s in batch:
                 self.table.finish(s, failed=f"engine error: {type(e).__name__}: {e}")
+            if self.session_kv.verifier is not None:
+                raise  # the given verifier's failure is its owner's (a sharded one lost a rank)
+            log.exception("batch iteration failed")
         return True
 
     def run_until_idle(self, max_iterations: int = 100_000) -> int:
@@ -356,7 +373,12 @@ class BatchEngine:
     def _start(self, s: BatchSession) -> None:
         """An admitted session's cache, rng and drafters' verify(L) table; its prompt's KV
         when the prompt cache holds it."""
-        self.session_kv.open(s)
+        try:
+            self.session_kv.open(s)
+        except Exception as e:
+            if self.session_kv.verifier is not None:
+                self._lost = e
+            raise
         s.rng = make_rng(s.req.params, stream=0)  # SpecInfer's tree rule (drafts with q)
         s.seed = 0 if s.req.params.greedy else generation_seed(s.req.params)
         for d in (s.group, s.prediction):  # its drafters size trees against verify(L)

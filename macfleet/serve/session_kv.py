@@ -1,8 +1,8 @@
 """Where each session's KV cache comes from and where it goes.
 
 A session's keys and values are a row of the engine's shared `BatchKV` store, its `kv_store`
-(a long prompt gets a store of its own), or its own per-layer caches in the batch-invariant
-mode. Its prompt prefix may come without a prefill: copied from another session's row that
+(a long prompt gets a store of its own), or its own `Verifier`'s caches in the batch-invariant
+mode (the engine's verifier's, when one was given it: a sharded verifier's are on its ranks). Its prompt prefix may come without a prefill: copied from another session's row that
 holds the same prefix (`share_prefixes`), installed from the prompt cache or from a
 `shipped_kv` computed by a prefill agent (flow KV) a few layers per iteration (`install_some`);
 a finished session's row goes into the prompt cache (`retain`) before it is freed.
@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from macfleet.engine.batch_kv import BatchKV, RowCache
 from macfleet.engine.proposers.eagle.chain import share_head_rows
-from macfleet.engine.verifier import make_trimmable_cache
+from macfleet.engine.verifier import Verifier
 from macfleet.serve.batch_session import BatchSession, KVHandle
 from macfleet.serve.prompt_cache import PromptCache, row_kv
 from macfleet.serve.scheduler import PrefixView, plan_prefix_sharing
@@ -49,13 +49,15 @@ def copy_features(src: BatchSession, dst: BatchSession, n: int) -> bool:
 
 
 class SessionKV:
-    """kv_store: the shared store (None: per-session caches, the batch-invariant mode);
-    prompt_cache: finished requests' KV for later prompts that start the same (or None)."""
+    """kv_store: the shared store (None: per-session verifiers, the batch-invariant mode);
+    prompt_cache: finished requests' KV for later prompts that start the same (or None);
+    verifier: the one every session runs through, reset for each (one session at a time);
+    None: a new `Verifier` of the model each."""
 
     def __init__(self, model, kv_store: BatchKV | None, prompt_cache: PromptCache | None,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], verifier: Verifier | None = None) -> None:
         self.model, self.kv_store, self.prompt_cache = model, kv_store, prompt_cache
-        self.clock = clock
+        self.clock, self.verifier = clock, verifier
         self.head_rows: dict[int, BatchKV] = {}  # local EAGLE heads' caches, one store each
         self._layout = None  # the model's KV layout, read when a shipped KV first arrives
 
@@ -63,7 +65,9 @@ class SessionKV:
         """An admitted session's empty cache (and its EAGLE head's row)."""
         h = s.kv_handle
         if self.kv_store is None:
-            h.cache = make_trimmable_cache(self.model)
+            if self.verifier is not None:
+                self.verifier.reset()
+            h.cache = self.verifier or Verifier(self.model)
             return
         # a long prompt gets a store of its own: growing the shared one to its length would
         # copy every row's keys (a stall for every decoder beside it);
@@ -116,7 +120,7 @@ class SessionKV:
         from macfleet.engine.kvship import install
 
         self._layout_dtype()
-        install(h.cache, self._layout, h.shipped_kv)
+        install(h.cache.cache, self._layout, h.shipped_kv)
         self._installed(h)
 
     def _installed(self, h: KVHandle) -> None:

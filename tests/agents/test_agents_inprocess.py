@@ -239,7 +239,7 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path, monkeypatch)
     from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
     from macfleet.distill.train import TrainParams, feature_rms, train
 
-    import macfleet.engine.tree_loop as tree_loop
+    import reference_loops as tree_loop
 
     # the tiny verifier costs what its head does, so measured costs would (rightly) stop the
     # remote drafter from drafting at all; verify as if it were a big model's step (the

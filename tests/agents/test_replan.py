@@ -10,7 +10,7 @@ from agents.daemon import Agent, AgentConfig
 from agents.verifier_service import VerifierLost
 from macfleet.cli import cmd_generate
 from macfleet.engine.events import Finished
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.models import load_model
 from macfleet.engine.verifier import Verifier
 from macfleet.fleet import client

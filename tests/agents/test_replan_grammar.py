@@ -21,7 +21,7 @@ from macfleet.cli.main import build_parser
 from macfleet.engine.constraint import REGEX, Grammar
 from macfleet.engine.events import Finished
 from macfleet.engine.models import load_model
-from macfleet.engine.text import generate_local
+from reference_loops import generate_local
 from macfleet.fleet import client
 
 KEY = b"g" * 32

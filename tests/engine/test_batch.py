@@ -13,7 +13,7 @@ from tolerance import LOGIT_ATOL, LOGIT_RTOL
 
 from macfleet.engine.batch import BatchKV, Segment, flat_forward
 from macfleet.engine.events import Finished, TokensCommitted
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.verifier import Verifier, make_trimmable_cache
 from macfleet.serve.engine import BatchEngine, EngineRequest, Overloaded, SessionFailed
@@ -456,7 +456,7 @@ def test_a_long_prompt_keeps_its_kv_apart_and_answers_do_not_change(tiny):
 
 
 def test_cap_total_cuts_the_largest_draft_lengths_first():
-    from macfleet.engine.tree_loop import cap_total
+    from macfleet.engine.proposers.group import cap_total
 
     assert cap_total([24, 0], 5) == [5, 0]
     assert cap_total([4, 4, 2], 6) == [2, 2, 2]

@@ -14,8 +14,8 @@ from macfleet.engine.choosing import (FREE_K_MAX, SHADOW_K, ChoosingGroup, free_
                                       make_auto_group)
 from macfleet.engine.events import BlockDone, Finished
 from macfleet.engine.proposers.base import Draft, Proposer
-from macfleet.engine.text import generate_local
-from macfleet.engine.tree_loop import tree_generate
+from reference_loops import generate_local
+from reference_loops import tree_generate
 from macfleet.engine.verifier import Verifier
 from macfleet.stats import BEST, EXPLORE
 

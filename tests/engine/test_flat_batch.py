@@ -11,9 +11,10 @@ import pytest
 from tolerance import LOGIT_ATOL, LOGIT_RTOL
 
 from macfleet.engine.batch import (BATCHED_CONTEXT_SLACK, MAX_BATCHED_SEGMENT, BatchKV,
-                                   BatchUnsupported, Segment, batched_segments, check_batchable,
-                                   flat_forward, flat_layers, main_store)
+                                   Segment, batched_segments, flat_forward, flat_layers,
+                                   main_store)
 from macfleet.engine.layers import head_logits
+from macfleet.engine.tree_verify import supports_tree_attention
 from macfleet.engine.verifier import Verifier, make_trimmable_cache
 
 
@@ -48,16 +49,14 @@ def test_decode_blocks_of_the_main_store_attend_together_unless_their_context_is
     assert main_store([Segment((1,), a), Segment((1,), x)]) is main
 
 
-def test_a_model_without_llama_attention_cannot_run_a_flat_batch(tiny):
-    check_batchable(tiny.model)
+def test_a_model_without_llama_attention_is_not_run_as_a_flat_batch(tiny):
+    # (the serving engine runs it on its own forward: tests/engine/test_architectures.py)
+    assert supports_tree_attention(tiny.model)
 
     class Odd:
         pass
 
-    with pytest.raises(BatchUnsupported) as e:
-        check_batchable(Odd())
-    assert str(e.value) == (f"{Odd.__module__}.Odd has no llama-style attention (q/k/v/o "
-                            "projections, rope): continuous batching supports the llama family")
+    assert not supports_tree_attention(Odd())
 
 
 def test_flat_batches_refuse_what_they_cannot_run(tiny):

@@ -19,7 +19,7 @@ import pytest
 from engine_testkit import finished, mlx_lm_greedy
 
 from macfleet.engine.controller import make_controller
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.proposers import Draft, Proposer, make_proposer
 from macfleet.engine.text import encode_prompt
 from macfleet.engine.verifier import Verifier

@@ -8,7 +8,7 @@ import pytest
 from macfleet.engine.kvship import (KVAssembler, KVShipError, KVSlice, PrefilledVerifier,
                                     decode_int8, encode_int8, export_slices, layout_of,
                                     model_layout)
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.events import Finished
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.verifier import Verifier

@@ -18,10 +18,13 @@ import numpy as np
 import pytest
 from engine_testkit import finished, mlx_lm_greedy
 
-from macfleet.engine import loop, pipeline
+import reference_loops as loop
+
+from macfleet.engine import pipeline
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength, make_controller
 from macfleet.engine.events import BlockDone, Finished
-from macfleet.engine.loop import sanitize_draft, speculative_generate
+from reference_loops import speculative_generate
+from macfleet.engine.proposers.base import sanitize_draft
 from macfleet.engine.proposers import Draft, Proposer
 from macfleet.engine.proposers.base import ProposerFailed
 from macfleet.engine.sampling import SamplingParams
@@ -391,7 +394,7 @@ def test_a_grammar_answer_stops_at_max_tokens_even_inside_forced_tokens(tiny, mo
     matches the grammar, ends where it completes, and drafts (padded ones too: a grammar's
     blocks are read on the host, from their own rows only) do not change it."""
     from macfleet.engine.constraint import REGEX, Grammar
-    from macfleet.engine.text import generate_local
+    from reference_loops import generate_local
 
     pattern = r"id: [a-z]{2,6}; n [0-9]{1,3}\."
     g = Grammar(REGEX, pattern)

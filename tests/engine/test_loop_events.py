@@ -14,11 +14,13 @@ from engine_testkit import finished, mlx_lm_greedy
 
 from macfleet.engine.controller import make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
-from macfleet.engine.loop import ProposerFailed, sanitize_draft, speculative_generate
+from reference_loops import speculative_generate
+from macfleet.engine.proposers.base import ProposerFailed, sanitize_draft
 from macfleet.engine.proposers import Draft, Proposer, make_proposer
 from macfleet.engine.proposers.ngram import NgramProposer
 from macfleet.engine.sampling import SamplingParams
-from macfleet.engine.text import TextDelta, generate_local
+from macfleet.engine.text import TextDelta
+from reference_loops import generate_local
 from macfleet.engine.verifier import Verifier
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]

@@ -13,7 +13,8 @@ import pytest
 
 from macfleet.engine.events import Finished
 from macfleet.engine.gguf import unpermute_rows
-from macfleet.engine.text import TextDelta, generate_local
+from macfleet.engine.text import TextDelta
+from reference_loops import generate_local
 
 PARAGRAPH = (
     "Paris is the capital and most populous city of France. With an estimated population of "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from macfleet.bench.overhead import follow_reference
 from macfleet.engine.controller import FixedDraftLength
 from macfleet.engine.events import BlockDone, Finished
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.proposers.oracle import OracleProposer
 from macfleet.engine.verifier import Verifier
 

@@ -16,11 +16,13 @@ from engine_testkit import finished, mlx_lm_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from macfleet.engine import loop, tree_loop
+import reference_loops as loop
+
+import reference_loops as tree_loop
 from macfleet.engine.acceptance import accept_greedy
 from macfleet.engine.controller import make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.pipeline import (greedy_outcome, gumbel_pick, next_token,
                                       padded_length, rejection_rows, sampled_outcome,
                                       sampled_tree_outcome)
@@ -28,7 +30,8 @@ from macfleet.engine.proposers import Draft, Proposer
 from macfleet.engine.proposers.ngram import NgramProposer
 from macfleet.engine.tree import reroot
 from macfleet.engine.ahead import Ahead
-from macfleet.engine.tree_loop import ProposerGroup, _take_ahead, tree_generate
+from macfleet.engine.proposers.group import ProposerGroup
+from reference_loops import _take_ahead, tree_generate
 from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.verifier import SynchronousVerifier, Verifier
 

@@ -14,13 +14,14 @@ from mlx_lm.generate import generate_step
 
 from macfleet.engine import fastmath
 from macfleet.engine.events import Finished
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.models import load_model
 from macfleet.engine.pipeline import drafts_ahead
 from macfleet.engine.proposers import ProposerSpecError, make_proposer
 from macfleet.engine.proposers.retrieval import (SEPARATOR, Datastore, RetrievalProposer,
                                                  build_tree)
-from macfleet.engine.tree_loop import ProposerGroup, tree_budget, tree_generate
+from macfleet.engine.proposers.group import ProposerGroup, tree_budget
+from reference_loops import tree_generate
 from macfleet.engine.verifier import Verifier
 
 
@@ -88,7 +89,7 @@ def test_retrieval_trees_are_lossless_and_accept_the_verifiers_habits(tmp_path, 
     # the tree's shape follows verify(L): a fixed bandwidth-bound table, not the probe of the
     # machine running the suite (a loaded probe, or a table memoised for another model of the
     # worker, once gave trees that held none of the verifier's tokens: 0 of 245 accepted)
-    monkeypatch.setattr("macfleet.engine.tree_loop.verify_costs",
+    monkeypatch.setattr("reference_loops.verify_costs",
                         lambda model: {L: 10.0 + 0.2 * (L - 1) for L in (1, 2, 4, 8, 16, 32)})
     # nothing shared with the worker's other tests: its own model (not the load cache's) and
     # its own index cache (the full suite once accepted 0 of 212 drafts here, alone never)

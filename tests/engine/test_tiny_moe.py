@@ -22,11 +22,9 @@ import pytest
 from engine_testkit import finished, mlx_lm_greedy
 from mlx.utils import tree_flatten
 
-from macfleet.engine.controller import make_controller
-from macfleet.engine.loop import speculative_generate
 from macfleet.engine.models import ModelSpecError, load_model
 from macfleet.engine.proposers import make_proposer
-from macfleet.engine.verifier import Verifier
+from macfleet.serve.one import decode_ids
 
 SPEC = "tiny-moe:1"
 MAX_TOKENS = 24
@@ -71,8 +69,8 @@ def test_routes_tokens_to_several_experts(moe, reference):
 def test_spec_decode_greedy_identical(moe, reference, spec):
     ids, want = reference
     prop = make_proposer(spec, moe)
-    fin = finished(speculative_generate(Verifier(moe.model), prop, ids, max_tokens=MAX_TOKENS,
-                                        controller=make_controller(4 if prop else 0)))
+    fin = finished(decode_ids(moe, ids, prop, draft_tokens=4 if prop else 0,
+                              max_tokens=MAX_TOKENS, eos_ids=frozenset()))
     assert list(fin.token_ids) == want
     if spec.startswith("draft"):
         assert fin.stats.accepted >= MAX_TOKENS // 2  # multi-token blocks were committed

@@ -11,14 +11,15 @@ import pytest
 from engine_testkit import Draws, chi2_critical
 
 from macfleet.engine.events import Finished
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import Draft, Proposer
 from macfleet.engine.proposers.model_draft import ModelProposer
 from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng
 from macfleet.engine.tree import Candidate, TokenTree, accept_tree_greedy, accept_tree_sample
-from macfleet.engine.tree_loop import ProposerGroup, tree_generate
+from macfleet.engine.proposers.group import ProposerGroup
+from reference_loops import tree_generate
 from macfleet.engine.tree_verify import compact_cache, tree_forward
 from macfleet.engine.verifier import Verifier
 from tolerance import LOGIT_ATOL, LOGIT_RTOL

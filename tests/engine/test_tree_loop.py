@@ -10,16 +10,17 @@ import numpy as np
 import pytest
 from engine_testkit import finished, mlx_lm_greedy
 
-from macfleet.engine import tree_loop
+import reference_loops as tree_loop
 from macfleet.engine.controller import AdaptiveDraftLength, FixedDraftLength
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.tree import TokenTree
 from macfleet.engine.ahead import Ahead
-from macfleet.engine.tree_loop import (ProposerGroup, _predraft, _take_ahead,
-                                       tree_budget, tree_generate, tree_of_drafts)
+from macfleet.engine.proposers import group as proposer_group
+from macfleet.engine.proposers.group import ProposerGroup, tree_budget, tree_of_drafts
+from reference_loops import _predraft, _take_ahead, tree_generate
 from macfleet.engine.verifier import Verifier
 from macfleet.stats import ProposerStats
 
@@ -117,7 +118,7 @@ class Rec:
 def test_adaptive_lengths_and_the_group_node_budget():
     g = ProposerGroup([Said("a"), Said("b")], k_max=5)
     assert all(isinstance(c, AdaptiveDraftLength) and c.k_max == 5 for c in g.controllers)
-    assert g.node_budget == tree_loop.DEFAULT_NODE_BUDGET == 16
+    assert g.node_budget == proposer_group.DEFAULT_NODE_BUDGET == 16
     assert tree_budget([Said("a")]) == 16 and tree_budget([Said("a"), Said("t", trees=True)]) == 24
     g.controllers = [Rec(), Rec()]
     assert g.lengths(5) == [2, 2]

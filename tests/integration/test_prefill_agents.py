@@ -18,7 +18,7 @@ from bridge.card import ROLE_PREFILL, ROLE_PROPOSER, ROLE_VERIFIER
 from bridge.messages import GenerateDone
 from macfleet.engine.events import Finished
 from macfleet.engine.models import load_model
-from macfleet.engine.text import generate_local
+from reference_loops import generate_local
 from macfleet.fleet import local
 from macfleet.fleet.client import generate_remote, probe
 from macfleet.fleet.keys import keygen

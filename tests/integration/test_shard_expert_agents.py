@@ -10,7 +10,7 @@ import pytest
 from bridge.card import ROLE_PROPOSER, ROLE_SHARD, ROLE_VERIFIER
 from bridge.messages import GenerateDone
 from macfleet.engine.events import Finished
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.models import load_model
 from macfleet.engine.text import encode_prompt
 from macfleet.engine.verifier import Verifier

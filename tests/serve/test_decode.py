@@ -264,7 +264,7 @@ def _greedy_answer(lm, prompt, n):
 def _mixed_engine(lm, keep=range(6)):
     """An engine decoding greedy and sampled chains and trees at once: a chain whose drafter
     reads hidden states, a request with logprobs, a SpecInfer tree, a plain session."""
-    from macfleet.engine.tree_loop import ProposerGroup
+    from macfleet.engine.proposers.group import ProposerGroup
     from macfleet.serve.engine import BatchEngine, EngineRequest
 
     V = lm.vocab_size

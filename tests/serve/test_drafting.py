@@ -7,7 +7,7 @@ import pytest
 from engine_parts_kit import Scripted, session
 
 from macfleet.engine.proposers.base import Draft
-from macfleet.engine.tree_loop import ProposerGroup
+from macfleet.engine.proposers.group import ProposerGroup
 from macfleet.serve.batch_session import BlockDraft
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.drafting import BatchDrafting, check_drafting, within
@@ -30,11 +30,16 @@ def test_within_cuts_the_planned_lengths_largest_first_to_the_room_left():
     assert within(ks, [0, 1], 7) == {0: 1, 1: 2, 2: 4}  # 3 left: 5 is cut to 2, then 1
 
 
-def test_the_invariant_mode_refuses_tree_and_feature_drafters():
+def test_the_invariant_mode_refuses_feature_drafters_alone():
+    class Fed(Scripted):
+        wants_features = True
+
     check_drafting(Scripted(), invariant=True)
-    with pytest.raises(ValueError, match="batch-invariant"):
-        check_drafting(ProposerGroup([Scripted(), Scripted()]), invariant=True)
-    check_drafting(ProposerGroup([Scripted(), Scripted()]), invariant=False)
+    check_drafting(ProposerGroup([Scripted(), Scripted()]), invariant=True)  # trees: its own
+    for fed in (Fed(), ProposerGroup([Scripted(), Fed()])):
+        with pytest.raises(ValueError, match="batch-invariant"):
+            check_drafting(fed, invariant=True)
+        check_drafting(fed, invariant=False)
 
 
 def test_fixed_lengths_are_kept_and_cut_only_by_what_is_left_to_generate():

@@ -6,7 +6,7 @@ import pytest
 from engine_parts_kit import Scripted, session
 
 from macfleet.engine.events import Finished
-from macfleet.engine.tree_loop import ProposerGroup
+from macfleet.engine.proposers.group import ProposerGroup
 from macfleet.serve.batch_session import Overloaded, SessionFailed
 from macfleet.serve.lifecycle import Sessions
 from macfleet.serve.session_kv import SessionKV

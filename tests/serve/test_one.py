@@ -1,16 +1,19 @@
 """`generate --local` through the serving engine (serve/one.py): one request, a batch of one,
 stepped on the caller's thread. Its greedy ids are the single-session loops' (greedy margin
 rule, tests/tolerance.py: a flat batch against a verify block), its events the same kinds in
-the same order; a model the engine cannot batch runs the loops; a caller that stops reading
-frees the session."""
+the same order; a model the flat batch cannot run decodes on its own forward; a caller that
+stops reading frees the session."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from macfleet.engine.events import BlockDone, Finished
 from macfleet.engine.models import load_model
-from macfleet.engine.text import TextDelta, generate_local
+from macfleet.engine.text import TextDelta
+from reference_loops import generate_local
+from macfleet.serve import engine as serve_engine
 from macfleet.serve import one
 from macfleet.serve.one import generate_one
 
@@ -40,13 +43,20 @@ def test_greedy_ids_and_events_are_the_loops(lm, spec):
     assert eng[-1].stats.tokens == len(ids(eng)) and eng[-1].stats.proposer != ""
 
 
-def test_a_model_the_engine_cannot_batch_runs_the_loops(lm, monkeypatch):
-    monkeypatch.setattr(one, "batchable", lambda model: False)
-    ran = []
-    monkeypatch.setattr(one, "generate_local",
-                        lambda *a, **kw: ran.append(1) or generate_local(*a, **kw))
-    out = list(generate_one(lm, PROMPT, chat=False, proposer="ngram", max_tokens=8))
-    assert ran == [1] and len(ids(out)) == 8
+def test_a_model_the_flat_batch_cannot_run_decodes_on_its_own_forward(lm, monkeypatch):
+    """Such a model (not llama's attention: serve/engine.py) runs the engine's batch-invariant
+    mode: each block, a tree's too, the model's own forward, so its greedy ids are plain
+    decoding's exactly."""
+    from mlx_lm.generate import generate_step
+
+    monkeypatch.setattr(serve_engine, "supports_tree_attention", lambda model: False)
+    out = list(generate_one(lm, PROMPT, chat=False, proposer="ngram", max_tokens=24))
+    prompt = lm.tokenizer.encode(PROMPT)
+    want = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(prompt), lm.model)),
+                                   range(24))]
+    assert ids(out) == want and out[-1].stats.drafted > 0
+    tree = list(generate_one(lm, PROMPT, chat=False, proposer="ngram+ngram:2", max_tokens=24))
+    assert ids(tree) == want and tree[-1].stats.drafted > 0
 
 
 def test_a_caller_that_stops_reading_frees_the_session(lm, monkeypatch):
@@ -67,3 +77,27 @@ def test_bad_input_is_a_value_error_before_anything_runs(lm):
         list(generate_one(lm, "", chat=False))
     with pytest.raises(ValueError):
         list(generate_one(lm, PROMPT, chat=False, max_tokens=-1))
+
+
+@pytest.mark.parametrize("fails_in", ["reset", "forward"])
+def test_a_given_verifiers_failure_is_raised_to_its_owner(lm, fails_in):
+    """A sharded verifier that loses a rank fails its agent, not one request: its error comes
+    out of the engine as it is (agents/verifier_service.py ends the service on it)."""
+    from macfleet.engine.verifier import Verifier
+
+    class Lost(RuntimeError):
+        pass
+
+    class Breaks(Verifier):
+        def forward(self, tokens):
+            if fails_in == "forward":
+                raise Lost("rank 1 vanished")
+            return super().forward(tokens)
+
+        def reset(self):
+            if fails_in == "reset":
+                raise Lost("rank 1 vanished")
+            super().reset()
+
+    with pytest.raises(Lost):
+        list(one.decode_ids(lm, [1, 2, 3, 4], max_tokens=4, verifier=Breaks(lm.model)))

@@ -176,7 +176,7 @@ def test_a_sessions_group_is_left_as_it_is_by_a_prediction(tiny, monkeypatch):
     """The group a caller passes (a verifier agent's remote tree) keeps its drafters and node
     budget; the prediction's counts come beside theirs."""
     from macfleet.engine.proposers import make_proposer
-    from macfleet.engine.tree_loop import ProposerGroup
+    from macfleet.engine.proposers.group import ProposerGroup
 
     group = ProposerGroup([make_proposer("ngram", tiny)], node_budget=16)
     prompt = _prompt(tiny.vocab_size)

@@ -19,7 +19,8 @@ def _generate_alone(q: str) -> str:
     CLI's own loop (cmd_generate.py calls generate_local; the CLI itself: tests/cli), without
     a second smollm2 load in a subprocess per question."""
     from macfleet.engine.models import load_model
-    from macfleet.engine.text import TextDelta, generate_local
+    from macfleet.engine.text import TextDelta
+    from reference_loops import generate_local
 
     return "".join(e.text for e in generate_local(load_model("smollm2"), q, proposer="none",
                                                   max_tokens=MAX_TOKENS)

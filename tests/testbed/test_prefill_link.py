@@ -16,7 +16,7 @@ import pytest
 
 from macfleet.engine.events import Finished
 from macfleet.engine.models import load_model
-from macfleet.engine.text import generate_local
+from reference_loops import generate_local
 from macfleet.fleet.keys import keygen
 
 sys.path.insert(0, str(Path(__file__).parent))

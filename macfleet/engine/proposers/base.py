@@ -37,6 +37,44 @@ class Draft:
 EMPTY_DRAFT = Draft(tokens=())
 
 
+def _tree_prefix(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
+    """The longest prefix of `parents` (at most n) in which every parent precedes its child."""
+    if parents is None:
+        return None
+    out: list[int] = []
+    for i, p in enumerate(list(parents)[:n]):
+        if not isinstance(p, (int, np.integer)) or not -1 <= int(p) < i:
+            break
+        out.append(int(p))
+    return tuple(out)
+
+
+def sanitize_draft(draft: Draft, k: int, vocab: int) -> Draft:
+    """Keep the longest valid prefix of a draft; drop probabilities that are not a [n, V] pmf.
+
+    A tree draft (parents) keeps the prefix of nodes whose tokens and parents are valid."""
+    toks: list[int] = []
+    for t in draft.tokens[:k]:
+        if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab:
+            break
+        toks.append(int(t))
+    parents = _tree_prefix(draft.parents, len(toks))
+    if parents is not None:
+        toks = toks[: len(parents)]
+    probs = draft.probs
+    if probs is not None:
+        ok = (
+            isinstance(probs, np.ndarray) and probs.ndim == 2 and probs.shape[1] == vocab
+            and probs.shape[0] >= len(toks) and np.all(np.isfinite(probs[: len(toks)]))
+            and np.all(probs[: len(toks)] >= 0)
+            and np.allclose(probs[: len(toks)].sum(axis=1), 1.0, atol=1e-3)
+        )
+        probs = probs[: len(toks)].astype(np.float64) if ok else None
+    if len(toks) == len(draft.tokens) and probs is draft.probs and parents == draft.parents:
+        return draft
+    return Draft(tuple(toks), probs, draft.draft_ms, parents)
+
+
 class ProposerFailed(RuntimeError):
     """Raised by a proposer that cannot serve any more (dead peer): the loop goes on without it."""
 
@@ -50,7 +88,7 @@ class Proposer(ABC):
     wants_features: bool = False  # drafts from the verifier's hidden states (flow F3)
     fallback_tokens: int = 0  # positions whose features it had to compute itself
     # drafts on the host without the device (lookups): may draft the next block while the
-    # verifier computes this one (engine/loop.py); a model drafter would compete for the device
+    # verifier computes this one; a model drafter would compete for the device
     host_side: bool = False
     # drafts arrive on their own schedule (a draft-model agent drafting ahead on another
     # machine) and the proposer itself decides how long a block waits for them

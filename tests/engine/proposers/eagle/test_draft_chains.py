@@ -18,7 +18,7 @@ from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
 from macfleet.engine.proposers.eagle.chain import EagleProposer, draft_chains
 from macfleet.engine.proposers.eagle.load import shared_head
 from macfleet.engine.events import Finished
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.proposers.base import EMPTY_DRAFT
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.verifier import Verifier

@@ -18,7 +18,7 @@ from macfleet.engine.proposers.shipped import default_head_path
 from macfleet.distill.train import (TrainParams, chain_acceptance, feature_rms, train,
                                     untrained_loss)
 from macfleet.engine.events import Finished
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers.factory import ProposerSpecError, make_proposer
 from macfleet.engine.sampling import SamplingParams

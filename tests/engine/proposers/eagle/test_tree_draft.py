@@ -13,13 +13,15 @@ from macfleet.engine.tree_budget import (Calibration, VerifyCurve, choose_tree_s
                                          worth_expanding)
 from macfleet.engine.proposers.eagle.tree import EagleTreeProposer
 from macfleet.engine.events import Finished
-import macfleet.engine.tree_loop as tree_loop
-from macfleet.engine.loop import sanitize_draft, speculative_generate
+import reference_loops as tree_loop
+from reference_loops import speculative_generate
+from macfleet.engine.proposers.base import sanitize_draft
 from macfleet.engine.proposers.base import Draft
 from macfleet.engine.sampling import SamplingParams, probs_from_logits
 from macfleet.engine.tree import TokenTree, accept_tree_sample
 
-from macfleet.engine.tree_loop import ProposerGroup, tree_budget, tree_generate
+from macfleet.engine.proposers.group import ProposerGroup, tree_budget
+from reference_loops import tree_generate
 from macfleet.engine.tree_verify import tree_forward
 from macfleet.engine.verifier import Verifier
 
