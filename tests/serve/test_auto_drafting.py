@@ -77,8 +77,9 @@ def test_the_engine_builds_a_choosing_group_per_session(tiny):
 
     a, b = (make_drafting("auto", tiny, "auto", False) for _ in range(2))
     assert isinstance(a, ChoosingGroup) and a is not b and a.chooser is not b.chooser
-    with pytest.raises(ValueError):
-        make_drafting("auto", tiny, "auto", True)  # batch-invariant: chains only
+    # batch-invariant: each session verifies its own trees on its own forward (no hidden-state
+    # drafter among a tiny model's candidates, so nothing to refuse)
+    assert isinstance(make_drafting("auto", tiny, "auto", True), ChoosingGroup)
 
 
 @pytest.mark.slow
