@@ -303,21 +303,12 @@ def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.ar
 
 def to_host(lazy: dict[int, mx.array], also: Sequence[mx.array] = ()
             ) -> dict[int, list[int]]:
-    """Lazy integer arrays -> their values, in ONE evaluation: every array flattened into one
-    int32 vector, evaluated (with `also`, which stays on the device) and read at once (one
-    host synchronisation)."""
-    if not lazy:
-        if also:
-            mx.eval(list(also))
-        return {}
-    flat = mx.concatenate([a.reshape(-1).astype(mx.int32) for a in lazy.values()])
-    mx.eval(flat, list(also))
-    vals = flat.tolist()
-    out, i = {}, 0
-    for sid, a in lazy.items():
-        out[sid] = vals[i : i + a.size]
-        i += a.size
-    return out
+    """Lazy integer vectors -> their values, in ONE evaluation (with `also`, which stays on the
+    device): one host synchronisation, then each one read. No op is built on them here: one
+    would be queued behind what the device was given since (the engine's step ahead), and
+    reading it would wait for that too, with the host's next dispatch behind the wait."""
+    mx.eval(list(lazy.values()), list(also))
+    return {sid: a.tolist() for sid, a in lazy.items()}
 
 
 def feed(run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],

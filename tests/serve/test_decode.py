@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 from engine_parts_kit import Scripted, session
@@ -11,7 +13,7 @@ from macfleet.engine.proposers.base import Draft
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.tree import TokenTree
 from macfleet.serve.costs import BatchCosts
-from macfleet.serve.decode import BlockStep
+from macfleet.serve.decode import BlockStep, to_host
 from macfleet.serve.logprobs import LogprobsCommitted
 from macfleet.serve.prompt_cache import PromptReused
 from macfleet.serve.scheduler import Slot
@@ -206,6 +208,26 @@ def test_an_iteration_reads_every_block_decision_in_one_synchronisation(monkeypa
     assert syncs == ["eval"], syncs
     assert [s.generated for s, _ in run] == alone
     assert all(len(g) >= 1 for g in alone) and len({tuple(g) for g in alone}) > 1
+
+
+def test_reading_dispatched_decisions_waits_for_nothing_dispatched_after_them():
+    """The engine reads iteration n after it dispatched n + 1 (its step ahead): the read waits
+    for n's decisions only. An op built on them at the read would be queued on the device
+    behind n + 1, and the host's next dispatch would wait for all of n + 1 (the device idle
+    while the host then builds it)."""
+    decided = {3: mx.array([1, 5], dtype=mx.int32), 4: mx.argmax(_logits([2, 6]), axis=-1)}
+    mx.async_eval(list(decided.values()))
+    a = mx.random.normal((1536, 1536))
+    mx.eval(a)
+    later = a @ a @ a  # what went out behind them: a long forward
+    mx.async_eval(later)
+    t0 = time.perf_counter()
+    got = to_host(decided)
+    read_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    mx.eval(later)
+    assert got == {3: [1, 5], 4: [2, 6]}
+    assert read_s < time.perf_counter() - t0  # read while `later` still ran
 
 
 # -- the whole iteration, forward included (a real model) -------------------------------
