@@ -1,7 +1,10 @@
 """A/B: one request through the single-session loop (generate_local) vs the serving engine
 (BatchEngine, one request, stepped on this thread). CPU s per token, interleaved.
-AB_SYNC=1: a third arm, the engine without its step ahead (BatchEngine(step_ahead=False))."""
-import os, sys, time
+AB_SYNC=1: a third arm, the engine without its step ahead (BatchEngine(step_ahead=False)).
+AB_DRY=1: also count, per arm, the dispatches (mx.async_eval) that found MLX's CPU stream thread
+asleep, i.e. run dry waiting for the host (Linux /proc; a figure a shared box moves little)."""
+import os, sys, threading, time
+import mlx.core as mx
 from macfleet.engine.models import load_model
 from macfleet.engine.text import generate_local, encode_prompt
 from macfleet.engine.events import Finished
@@ -38,6 +41,22 @@ def sync(spec, p):
     return eng(spec, p, ahead=False)
 
 arms = [("loop", loop), ("eng", eng)] + ([("sync", sync)] if os.environ.get("AB_SYNC") else [])
+dry, arm_now = {}, [None]
+if os.environ.get("AB_DRY"):
+    main_tid = threading.get_native_id()
+    def _cpu(t):
+        with open(f"/proc/self/task/{t}/schedstat") as f:
+            return int(f.read().split()[0])
+    loop(specs[0], "hi")  # MLX's stream thread: the busiest one besides this
+    stream = max((int(t) for t in os.listdir("/proc/self/task") if int(t) != main_tid), key=_cpu)
+    _async_eval = mx.async_eval
+    def _counted(*a, **k):
+        if arm_now[0]:
+            with open(f"/proc/self/task/{stream}/stat") as f:
+                asleep = f.read().rsplit(")", 1)[1].split()[0] == "S"
+            n = dry.setdefault(arm_now[0], [0, 0]); n[0] += 1; n[1] += asleep
+        return _async_eval(*a, **k)
+    mx.async_eval = _counted
 for spec in specs:
     for _, f in arms:
         f(spec, "hi")  # warm
@@ -45,7 +64,9 @@ for spec in specs:
     for rep in range(int(sys.argv[3]) if len(sys.argv) > 3 else 2):
         for p in prompts:
             for name, f in arms if rep % 2 == 0 else arms[::-1]:
+                arm_now[0] = name
                 ids, w, c = f(spec, p)
+                arm_now[0] = None
                 tot[name][0] += len(ids); tot[name][1] += w; tot[name][2] += c
                 tot.setdefault(name + "_ids", []).append(ids)
     same = tot["loop_ids"] == tot["eng_ids"]
@@ -54,3 +75,7 @@ for spec in specs:
     if "sync" in tot:
         y = tot["sync"]
         print(f"{spec}: engine without step ahead {y[0]/y[1]:.1f} tok/s wall, {1e3*y[2]/y[0]:.1f} cpu ms/tok | /loop cpu {l[2]/l[0]/(y[2]/y[0]):.3f}x wall {(y[0]/y[1])/(l[0]/l[1]):.3f}x | identical {tot['sync_ids'] == tot['loop_ids']}", flush=True)
+    if dry:
+        print(f"{spec}: dispatches that found the stream asleep: " + ", ".join(
+            f"{name} {a}/{n} ({100 * a / n:.0f}%)" for name, (n, a) in dry.items()), flush=True)
+        dry.clear()
