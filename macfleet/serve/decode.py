@@ -273,17 +273,28 @@ def decisions(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array |
     return lazy
 
 
+def logprob_rows(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array | None]
+                 ) -> dict[int, RowLogprobs]:
+    """The logprobs rows (`row_logprobs`, lazy) of every decoding block whose request asked:
+    built with the decisions, before anything is dispatched behind the forward (as
+    `to_host` says: built at the read, they would wait for that too)."""
+    return {s.sid: row_logprobs(lg, s.req.logprobs) for (s, sl), lg in zip(run, out)
+            if not sl.prefill and s.req.logprobs is not None}
+
+
 def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array | None],
-                   also: Sequence[mx.array] = (), decided: dict[int, mx.array] | None = None
-                   ) -> IterationRead:
+                   also: Sequence[mx.array] = (), decided: dict[int, mx.array] | None = None,
+                   logprobs: dict[int, RowLogprobs] | None = None) -> IterationRead:
     """Everything the host reads of a forward, built on its lazy logits `out` and evaluated
     with `also` (the forward's cache buffers and hidden features: `FlatOutputs.pending`) in
     ONE `mx.eval`: every decoding session's decision (`decided`: built already, lazy, by
     `decisions`), SpecInfer trees' probabilities (their rule walks them on the host, after
     this one evaluation), requested logprobs, and the trees' nodes' keys and values (their
-    accepted paths move without a wait)."""
+    accepted paths move without a wait). logprobs: the requested logprobs rows, built already
+    (`logprob_rows`)."""
     lazy = decisions(run, out) if decided is None else decided
-    probs, lps, spans = {}, {}, {}
+    lps = logprob_rows(run, out) if logprobs is None else logprobs
+    probs, spans = {}, {}
     for (s, sl), lg in zip(run, out):
         if sl.prefill:
             continue
@@ -293,8 +304,6 @@ def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.ar
             spans.setdefault(s.cache.store, []).append((s.cache, s.cache.offset - n + 1, n - 1))
         if s.sid not in lazy:  # a tree whose drafts carry probabilities: SpecInfer's host rule
             probs[s.sid] = softmax_probs(lg, s.req.params)
-        if s.req.logprobs is not None:
-            lps[s.sid] = row_logprobs(lg, s.req.logprobs)
     fetched = {store: store.fetch(sp) for store, sp in spans.items()}
     extra = [*probs.values(), *(a for r in lps.values() for a in r.arrays()),
              *(a for f in fetched.values() for a in f.arrays()), *also]

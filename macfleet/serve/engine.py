@@ -59,9 +59,10 @@ from macfleet.serve.batch_session import (BatchSession, BlockDraft,  # noqa: F40
                                           SessionFailed, SessionHandle, SessionStats)
 from macfleet.serve.costs import BatchCosts
 from macfleet.engine.batch_kv import ShippedKV
-from macfleet.serve.decode import BlockStep, decisions, read_iteration
+from macfleet.serve.decode import BlockStep, decisions, logprob_rows, read_iteration
 from macfleet.serve.drafting import BatchDrafting, check_drafting, make_drafting
 from macfleet.serve.lifecycle import Sessions
+from macfleet.serve.logprobs import RowLogprobs
 from macfleet.serve.prompt_cache import PromptCache
 from macfleet.serve.scheduler import (DEFAULT_STALL_RATIO, DEFAULT_TOKEN_BUDGET, AheadView,
                                       IterationBudget, SessionView, Slot, iteration_budget,
@@ -84,13 +85,14 @@ DEFAULT_INSTALL_SHARE = 0.25
 @dataclass(frozen=True)
 class InFlight:
     """An iteration dispatched to the device and not read yet: its slots, their segments, the
-    forward (lazy), each decoding session's decision built on it (lazy) and when its time
-    began (engine clock)."""
+    forward (lazy), each decoding session's decision and requested logprobs rows built on it
+    (lazy) and when its time began (engine clock)."""
 
     run: tuple[tuple[BatchSession, Slot], ...]
     segs: tuple[Segment, ...]
     fwd: FlatOutputs
     decided: dict[int, mx.array]
+    lps: dict[int, RowLogprobs]
     t0: float
 
     def of(self, live: list[BatchSession]) -> InFlight | None:
@@ -101,14 +103,14 @@ class InFlight:
             return self
         if not keep:
             return None
-        f = self.fwd
+        f, sids = self.fwd, {self.run[i][0].sid for i in keep}
         return replace(self, run=tuple(self.run[i] for i in keep),
                        segs=tuple(self.segs[i] for i in keep),
                        fwd=FlatOutputs(tuple(f.logits[i] for i in keep),
                                        None if f.hidden is None
                                        else tuple(f.hidden[i] for i in keep), f.state),
-                       decided={s.sid: self.decided[s.sid] for s, _ in
-                                (self.run[i] for i in keep) if s.sid in self.decided})
+                       decided={k: v for k, v in self.decided.items() if k in sids},
+                       lps={k: v for k, v in self.lps.items() if k in sids})
 
 
 class BatchEngine:
@@ -408,7 +410,7 @@ class BatchEngine:
         # ONE host synchronisation for the iteration: the decisions, the caches' buffers,
         # the drafters' features, SpecInfer's probabilities and requested logprobs are
         # evaluated and read together (serve/decode.py)
-        read = read_iteration(it.run, it.fwd.logits, it.fwd.pending(), it.decided)
+        read = read_iteration(it.run, it.fwd.logits, it.fwd.pending(), it.decided, it.lps)
         now = self.clock()
         ms = (now - it.t0) * 1e3
         n_dec = sum(sl.tokens for _, sl in it.run if not sl.prefill)
@@ -455,11 +457,7 @@ class BatchEngine:
                                   align=DEFAULT_PREFILL_STEP if self.invariant else 0)
         t0 = self.clock()
         fwd = flat_outputs(self.lm.model, segs, hidden=any(s.feeds for s, _ in run))
-        decided = decisions(run, fwd.logits)
-        # the device starts the forward now, while the host goes on (a launch, not a wait:
-        # mlx-lm's generate_step does the same)
-        mx.async_eval([*fwd.pending(), *decided.values()])
-        return InFlight(tuple(run), tuple(segs), fwd, decided, t0)
+        return _launch(tuple(run), tuple(segs), fwd, t0)
 
     def _steps_ahead(self, it: InFlight) -> list[BatchSession]:
         """The sessions whose next step goes out before `it` is read (`steps_ahead`)."""
@@ -485,10 +483,19 @@ class BatchEngine:
         run = tuple((s, Slot(s.sid, 1, False)) for s in going)
         # each one's next token: its decision's second entry, read by the device only
         segs = tuple(Segment(it.decided[s.sid][1:], s.cache, 0) for s in going)
-        fwd = flat_outputs(self.lm.model, segs)
-        decided = decisions(run, fwd.logits, ahead=1)
-        mx.async_eval([*fwd.pending(), *decided.values()])
-        return InFlight(run, segs, fwd, decided, self.clock())
+        return _launch(run, segs, flat_outputs(self.lm.model, segs), self.clock(), ahead=1)
+
+
+def _launch(run: tuple[tuple[BatchSession, Slot], ...], segs: tuple[Segment, ...],
+            fwd: FlatOutputs, t0: float, ahead: int = 0) -> InFlight:
+    """Everything the host will read of a forward built on its lazy logits (the decisions,
+    `decision`'s ahead, and requested logprobs rows), and the device started on it now, while
+    the host goes on (a launch, not a wait: mlx-lm's generate_step does the same)."""
+    decided = decisions(run, fwd.logits, ahead=ahead)
+    lps = logprob_rows(run, fwd.logits)
+    mx.async_eval([*fwd.pending(), *decided.values(),
+                   *(a for r in lps.values() for a in r.arrays())])
+    return InFlight(run, segs, fwd, decided, lps, t0)
 
 
 def plan_segments(batch: list[BatchSession], budget: IterationBudget, planned: frozenset[int],

@@ -12,8 +12,10 @@ import pytest
 from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.engine.models import load_model
 from macfleet.engine.sampling import GREEDY, SamplingParams
+from macfleet.serve import decode as decode_mod
 from macfleet.serve import engine as engine_mod
 from macfleet.serve.engine import BatchEngine, EngineRequest
+from macfleet.serve.logprobs import LogprobsCommitted
 from macfleet.serve.scheduler import AheadView, steps_ahead
 
 MODEL = "tiny:3"
@@ -192,3 +194,34 @@ def test_a_request_arriving_at_a_step_that_went_ahead_is_answered_alike(lm, went
     got = answers(a[1])
     assert sorted(got) == [0, 1, 2] and got == answers(b[1])
     assert got[2] == answers(serve(lm, [late], ahead=False)[1])[0]
+
+
+def test_requested_logprobs_are_built_with_their_step_not_at_its_read(lm, went, monkeypatch):
+    """Requests asking for logprobs step ahead too: their rows are built with their decisions,
+    before the next step goes out behind them (built at the read, they would be queued behind
+    that step, and the read would wait for it), and are the engine's without the step ahead."""
+    reading, at_read = [False], []
+    real_read, real_rows = engine_mod.read_iteration, decode_mod.row_logprobs
+
+    def read(*a, **kw):
+        reading[0] = True
+        try:
+            return real_read(*a, **kw)
+        finally:
+            reading[0] = False
+
+    monkeypatch.setattr(engine_mod, "read_iteration", read)
+    monkeypatch.setattr(decode_mod, "row_logprobs",
+                        lambda *a: at_read.append(reading[0]) or real_rows(*a))
+    reqs = [EngineRequest(p, GREEDY, 16, logprobs=2) for p in _prompts(lm.vocab_size, 2, 5)]
+    a = serve(lm, reqs, ahead=True)
+    assert sum(bool(g) for g in went) > 10
+    assert at_read and not any(at_read)
+    b = serve(lm, reqs, ahead=False)
+    alike(a, b)
+
+    def logprobs(run):
+        return {i: [e for e in evs if isinstance(e, LogprobsCommitted)]
+                for i, evs in run[1].items()}
+
+    assert logprobs(a) == logprobs(b) and all(len(v) == 16 for v in logprobs(a).values())
