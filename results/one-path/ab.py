@@ -1,12 +1,15 @@
-"""A/B: one request through the single-session loop (generate_local) vs the serving engine
-(BatchEngine, one request, stepped on this thread). CPU s per token, interleaved.
+"""A/B: one request through the single-session loop (generate_local, now the tests' reference:
+tests/reference_loops.py) vs the serving engine (BatchEngine, one request, stepped on this
+thread). CPU s per token, interleaved. Run from the repository root.
 AB_SYNC=1: a third arm, the engine without its step ahead (BatchEngine(step_ahead=False)).
 AB_DRY=1: also count, per arm, the dispatches (mx.async_eval) that found MLX's CPU stream thread
 asleep, i.e. run dry waiting for the host (Linux /proc; a figure a shared box moves little)."""
 import os, sys, threading, time
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 import mlx.core as mx
+from reference_loops import generate_local
 from macfleet.engine.models import load_model
-from macfleet.engine.text import generate_local, encode_prompt
+from macfleet.engine.text import encode_prompt
 from macfleet.engine.events import Finished
 from macfleet.engine.sampling import GREEDY
 from macfleet.serve.engine import BatchEngine, EngineRequest
