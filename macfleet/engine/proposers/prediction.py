@@ -3,12 +3,19 @@
 An editor that asks for a file to be rewritten sends the text it expects back (`prediction`):
 most of the answer is in it already. This drafter drafts the prediction's continuation from
 where the answer is. While the answer follows the prediction, it drafts on from the aligned
-position as far as pays at its acceptance so far and the verifier's measured verify(L) (a copy
-is cheap to verify when accepted: long drafts while it holds); when the answer departs (an edited line), it finds the answer's last few tokens again in the
+position as far as pays at its acceptance and the verifier's measured verify(L); when the
+answer departs (an edited line), it finds the answer's last few tokens again in the
 prediction (an n-gram index over the prediction, longest suffix first, the nearest position
 after the last aligned one) and drafts from there. A prediction that stops matching stops
 costing: its acceptance falls, and so does the length that pays, to nothing; after a few drafts
 that got nothing accepted it re-aligns only on a long suffix of the answer.
+
+Its acceptance is kept in two states (`Acceptance`): drafts that continue a run (the previous
+draft accepted in full and the answer still along the prediction), and the others (the first
+draft, drafts after a re-alignment or a partial acceptance). An answer that copies does so in
+long runs between departures: inside a run the next draft is accepted in full far more often
+than the average draft, so it drafts as long as verify(L) pays at the run's own acceptance,
+while a re-aligned draft, which often misses, stays as short as the average says.
 
 The answer is what follows `answer_start` in the context (the prompt's length): the drafter is
 built per request with its prediction's token ids, tokenised once by the caller.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from macfleet.engine.prefix import common_prefix
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
@@ -30,6 +38,7 @@ MAX_MATCH = 8  # longest suffix tried first
 LONG_MATCH = 5  # a suffix this long is trusted after misses, or behind the last position
 MAX_WINDOW = 64  # bounded again by the engine's iteration budget
 PRIOR_ALPHA, PRIOR_TRIALS = 0.9, 4  # a prediction is mostly right until its drafts say not
+RUN_PRIOR_ALPHA = 0.97  # ... and inside a run (its last draft accepted in full), more so
 QUIET_AFTER = 2  # consecutive drafts with nothing accepted before it waits for LONG_MATCH
 
 
@@ -60,6 +69,33 @@ def realign(index: dict[int, dict[tuple[int, ...], list[int]]], answer: Sequence
         if n >= LONG_MATCH:
             return ends[-1], n
     return None
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Per-token acceptance from a prior (`alpha` over `weight` trials) and what was seen:
+    `accepted` tokens in `trials` geometric trials (each draft's accepted tokens, plus one
+    where it was cut short)."""
+
+    prior: float
+    accepted: int = 0
+    trials: int = 0
+    weight: int = PRIOR_TRIALS
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + self.prior * self.weight) / (self.trials + self.weight)
+
+    def seen(self, drafted: int, accepted: int) -> Acceptance:
+        """Pure: with one more draft of `drafted` tokens, `accepted` of them taken."""
+        return replace(self, accepted=self.accepted + accepted,
+                       trials=self.trials + accepted + (accepted < drafted))
+
+
+def in_run(drafted: int, accepted: int) -> bool:
+    """Pure: whether a draft leaves the drafter inside a run (the next draft then continues
+    it): it was accepted in full."""
+    return drafted > 0 and accepted == drafted
 
 
 def best_window(alpha: float, cost, max_window: int) -> int:
@@ -96,7 +132,10 @@ class PredictionProposer(Proposer):
     def start(self, params=None) -> None:
         self.params = params
         self.misses = 0  # drafts in a row with nothing accepted
-        self.accepted = self.trials = 0  # its tokens accepted; + one per draft cut short
+        self.every = Acceptance(PRIOR_ALPHA)  # every draft's
+        self.on_run = Acceptance(RUN_PRIOR_ALPHA)  # the drafts that continued a run
+        self._run = False  # the last draft was accepted in full
+        self._drafted_in_run = False  # the draft out now continues a run
         self._at: tuple[int, int] | None = (0, 0)  # (answer length, prediction position)
         self._anchor = 0  # the last aligned position while the drafter is not aligned
         self._sure = True  # aligned by the answer following it, or by a long match
@@ -110,6 +149,7 @@ class PredictionProposer(Proposer):
         curve changes only when seeded, so a block's window costs no interpolation."""
         self._costs = tuple(self.curve.cost(L) for L in range(1, self.max_window + 2))
         self._prior_window = best_window(PRIOR_ALPHA, self._cost, self.max_window)
+        self._windows: dict[float, int] = {}  # best_window by alpha, this curve
 
     def _cost(self, length: int) -> float:
         return self._costs[length - 1]
@@ -117,13 +157,22 @@ class PredictionProposer(Proposer):
     @property
     def alpha(self) -> float:
         """Its per-token acceptance so far, from a prior of PRIOR_ALPHA."""
-        return (self.accepted + PRIOR_ALPHA * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
+        return self.every.alpha
+
+    def _best(self, alpha: float) -> int:
+        w = self._windows.get(alpha)
+        if w is None:
+            w = self._windows[alpha] = best_window(alpha, self._cost, self.max_window)
+        return w
 
     @property
     def window(self) -> int:
-        """The draft length that pays at its acceptance and the verifier's verify(L); a
-        confident alignment drafts at the prior's length at least."""
-        w = best_window(self.alpha, self._cost, self.max_window)
+        """The draft length that pays at its acceptance and the verifier's verify(L): inside
+        a run at the run's acceptance; else at its acceptance so far, and a confident
+        alignment at the prior's length at least."""
+        if self._run:
+            return max(self._best(self.on_run.alpha), self._best(self.alpha))
+        w = self._best(self.alpha)
         return max(w, self._prior_window) if self._sure and self.misses == 0 else w
 
     def draft_length(self) -> int:
@@ -143,6 +192,7 @@ class PredictionProposer(Proposer):
                 self._at = (length, pos + m)
                 return self._at[1]
             anchor = pos + m  # where it departed
+        self._run = False  # not along the prediction: any run is over
         tail = context[max(self.answer_start, len(context) - MAX_MATCH):]
         found = realign(self._index, tail, anchor, long_only=self.misses >= QUIET_AFTER)
         self._anchor = anchor
@@ -160,6 +210,7 @@ class PredictionProposer(Proposer):
         n = min(k, self.window)
         if n <= 0:
             return EMPTY_DRAFT
+        self._drafted_in_run = self._run
         return Draft(self.prediction[pos:pos + n], None, (time.perf_counter() - t0) * 1e3)
 
     def observe(self, drafted: int, accepted: int, verify_ms: float,
@@ -168,9 +219,11 @@ class PredictionProposer(Proposer):
         iteration time is not this draft's); a draft with nothing accepted is a miss (after QUIET_AFTER in a row only a long match re-aligns it)."""
         if drafted <= 0:
             return
-        self.accepted += accepted
-        self.trials += accepted + (accepted < drafted)
+        self.every = self.every.seen(drafted, accepted)
+        if self._drafted_in_run:
+            self.on_run = self.on_run.seen(drafted, accepted)
         self.misses = 0 if accepted else self.misses + 1
+        self._run = in_run(drafted, accepted)
 
     def close(self) -> None:
         self.start(self.params if hasattr(self, "params") else None)

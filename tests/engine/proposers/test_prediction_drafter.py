@@ -5,8 +5,8 @@ when the prediction stops matching."""
 from __future__ import annotations
 
 from macfleet.engine.proposers.prediction import (LONG_MATCH, MAX_WINDOW, PRIOR_ALPHA,
-                                                  PredictionProposer, best_window, ngram_index,
-                                                  realign)
+                                                  Acceptance, PredictionProposer, best_window,
+                                                  in_run, ngram_index, realign)
 
 PROMPT = (900, 901, 902)  # the answer starts after these
 FLAT = {1: 10.0, 2: 10.0, 8: 10.0, 16: 11.0, 32: 12.0, 64: 13.0, 128: 14.0}  # a GPU's verify(L)
@@ -88,3 +88,45 @@ def test_the_end_of_the_prediction_drafts_nothing():
     assert p.propose((*PROMPT, 1, 2), 8).tokens == (3,)
     assert p.propose((*PROMPT, 1, 2, 3), 8).tokens == ()
     assert p.propose((*PROMPT, 1, 2, 3, 4), 8).tokens == ()
+
+
+# verify(L) of the embedded model on a 2-core CPU (ms, the probe's shape): steep enough that
+# the length that pays depends on the acceptance
+CPU = {1: 114.0, 2: 122.0, 4: 132.0, 8: 144.0, 12: 158.0, 16: 170.0, 24: 192.0, 32: 217.0}
+
+
+def test_acceptance_counts_each_drafts_tokens_and_one_trial_where_it_was_cut_short():
+    a = Acceptance(0.9)
+    assert a.alpha == 0.9
+    full = a.seen(8, 8)
+    assert (full.accepted, full.trials) == (8, 8)
+    part = full.seen(8, 3)
+    assert (part.accepted, part.trials) == (11, 12)
+    assert a.seen(4, 0).alpha < a.alpha < full.alpha
+
+
+def test_only_a_draft_accepted_in_full_leaves_the_drafter_in_a_run():
+    assert in_run(12, 12)
+    assert not in_run(12, 11)
+    assert not in_run(0, 0)
+
+
+def test_inside_a_run_it_drafts_longer_and_a_departure_ends_the_run():
+    """An answer that copies the prediction: the first draft is the prior's length; once a
+    draft was accepted in full, the next is as long as the run's acceptance pays for on this
+    verify(L); a departure (the answer leaves the prediction) drafts at the average again."""
+    pred = list(range(1000, 1400))
+    p = _drafter(pred, CPU)
+    first = p.propose(PROMPT, MAX_WINDOW).tokens
+    assert len(first) == best_window(PRIOR_ALPHA, p.curve.cost, MAX_WINDOW)
+    p.observe(len(first), len(first), 150.0)
+    answer = pred[:len(first) + 1]
+    run = p.propose((*PROMPT, *answer), MAX_WINDOW).tokens
+    assert run == tuple(pred[len(answer):len(answer) + len(run)])
+    assert len(run) == best_window(p.on_run.alpha, p.curve.cost, MAX_WINDOW) > len(first)
+    p.observe(len(run), 3, 150.0)  # taken in part: the run is over
+    answer += pred[len(answer):len(answer) + 3] + [7]  # ... and the answer departs
+    answer += pred[200:203]  # back on the prediction, further on (re-aligned)
+    after = p.propose((*PROMPT, *answer), MAX_WINDOW).tokens
+    assert after[:3] == tuple(pred[203:206])
+    assert len(after) < len(run)
