@@ -39,6 +39,7 @@ LONG_MATCH = 5  # a suffix this long is trusted after misses, or behind the last
 MAX_WINDOW = 64  # bounded again by the engine's iteration budget
 PRIOR_ALPHA, PRIOR_TRIALS = 0.9, 4  # a prediction is mostly right until its drafts say not
 RUN_PRIOR_ALPHA = 0.97  # ... and inside a run (its last draft accepted in full), more so
+RUN_MIN = 8  # tokens a draft accepted in full must hold to start a run (not a chance match)
 QUIET_AFTER = 2  # consecutive drafts with nothing accepted before it waits for LONG_MATCH
 
 
@@ -92,10 +93,11 @@ class Acceptance:
                        trials=self.trials + accepted + (accepted < drafted))
 
 
-def in_run(drafted: int, accepted: int) -> bool:
+def in_run(drafted: int, accepted: int, was_in_run: bool = False) -> bool:
     """Pure: whether a draft leaves the drafter inside a run (the next draft then continues
-    it): it was accepted in full."""
-    return drafted > 0 and accepted == drafted
+    it): it was accepted in full, and either continued a run or was long enough not to be a
+    chance match (a useless prediction's short re-aligned drafts are sometimes taken)."""
+    return drafted > 0 and accepted == drafted and (was_in_run or accepted >= RUN_MIN)
 
 
 def best_window(alpha: float, cost, max_window: int) -> int:
@@ -223,7 +225,7 @@ class PredictionProposer(Proposer):
         if self._drafted_in_run:
             self.on_run = self.on_run.seen(drafted, accepted)
         self.misses = 0 if accepted else self.misses + 1
-        self._run = in_run(drafted, accepted)
+        self._run = in_run(drafted, accepted, self._drafted_in_run)
 
     def close(self) -> None:
         self.start(self.params if hasattr(self, "params") else None)

@@ -5,8 +5,8 @@ when the prediction stops matching."""
 from __future__ import annotations
 
 from macfleet.engine.proposers.prediction import (LONG_MATCH, MAX_WINDOW, PRIOR_ALPHA,
-                                                  Acceptance, PredictionProposer, best_window,
-                                                  in_run, ngram_index, realign)
+                                                  RUN_MIN, Acceptance, PredictionProposer,
+                                                  best_window, in_run, ngram_index, realign)
 
 PROMPT = (900, 901, 902)  # the answer starts after these
 FLAT = {1: 10.0, 2: 10.0, 8: 10.0, 16: 11.0, 32: 12.0, 64: 13.0, 128: 14.0}  # a GPU's verify(L)
@@ -106,27 +106,47 @@ def test_acceptance_counts_each_drafts_tokens_and_one_trial_where_it_was_cut_sho
 
 
 def test_only_a_draft_accepted_in_full_leaves_the_drafter_in_a_run():
-    assert in_run(12, 12)
+    """... and one long enough to start a run: a useless prediction's short re-aligned
+    drafts are sometimes taken by chance; inside a run, any draft taken in full goes on."""
+    assert in_run(RUN_MIN, RUN_MIN)
     assert not in_run(12, 11)
     assert not in_run(0, 0)
+    assert not in_run(RUN_MIN - 1, RUN_MIN - 1)
+    assert in_run(RUN_MIN - 1, RUN_MIN - 1, was_in_run=True)
+    assert not in_run(RUN_MIN, RUN_MIN - 1, was_in_run=True)
 
 
 def test_inside_a_run_it_drafts_longer_and_a_departure_ends_the_run():
-    """An answer that copies the prediction: the first draft is the prior's length; once a
-    draft was accepted in full, the next is as long as the run's acceptance pays for on this
-    verify(L); a departure (the answer leaves the prediction) drafts at the average again."""
+    """An answer that copies the prediction in runs between departures: drafts after a
+    departure are taken in part, so the average acceptance is low; once a draft was
+    accepted in full, the next is as long as the run's own acceptance pays for on this
+    verify(L), not the average's; an answer that leaves the prediction ends the run, even
+    right after a draft accepted in full (its bonus token departs)."""
     pred = list(range(1000, 1400))
     p = _drafter(pred, CPU)
-    first = p.propose(PROMPT, MAX_WINDOW).tokens
-    assert len(first) == best_window(PRIOR_ALPHA, p.curve.cost, MAX_WINDOW)
-    p.observe(len(first), len(first), 150.0)
-    answer = pred[:len(first) + 1]
+    answer: list[int] = []
+    for at in (0, 60, 120):  # three departures, each re-aligned and taken in part
+        if at:
+            answer += pred[at:at + 2]  # back on the prediction: re-aligned on these two
+        start = at + 2 if at else 0
+        d = p.propose((*PROMPT, *answer), MAX_WINDOW).tokens
+        assert d[:2] == tuple(pred[start:start + 2])
+        p.observe(len(d), 2, 150.0)
+        answer += [*pred[start:start + 2], 7, 8]  # then the answer departs
+    average = best_window(p.alpha, p.curve.cost, MAX_WINDOW)
+    assert average < best_window(PRIOR_ALPHA, p.curve.cost, MAX_WINDOW)
+    answer += [7, 8] + pred[200:202]  # re-aligned once more: a draft taken in full
+    d = p.propose((*PROMPT, *answer), MAX_WINDOW).tokens
+    assert d == tuple(pred[202:202 + average])
+    p.observe(len(d), len(d), 150.0)
+    answer += [*d, pred[202 + len(d)]]  # ... and its bonus token along the prediction
     run = p.propose((*PROMPT, *answer), MAX_WINDOW).tokens
-    assert run == tuple(pred[len(answer):len(answer) + len(run)])
-    assert len(run) == best_window(p.on_run.alpha, p.curve.cost, MAX_WINDOW) > len(first)
-    p.observe(len(run), 3, 150.0)  # taken in part: the run is over
-    answer += pred[len(answer):len(answer) + 3] + [7]  # ... and the answer departs
-    answer += pred[200:203]  # back on the prediction, further on (re-aligned)
+    assert run == tuple(pred[203 + len(d):203 + len(d) + len(run)])
+    assert len(run) == best_window(p.on_run.alpha, p.curve.cost, MAX_WINDOW)
+    assert len(run) > best_window(p.alpha, p.curve.cost, MAX_WINDOW)
+    assert len(d) >= RUN_MIN  # (what started the run)
+    p.observe(len(run), len(run), 150.0)  # taken in full, but the bonus token departs
+    answer += [*run, 5, 6, *pred[300:302]]
     after = p.propose((*PROMPT, *answer), MAX_WINDOW).tokens
-    assert after[:3] == tuple(pred[203:206])
+    assert after[:2] == tuple(pred[302:304])
     assert len(after) < len(run)
