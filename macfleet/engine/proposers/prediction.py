@@ -10,12 +10,12 @@ after the last aligned one) and drafts from there. A prediction that stops match
 costing: its acceptance falls, and so does the length that pays, to nothing; after a few drafts
 that got nothing accepted it re-aligns only on a long suffix of the answer.
 
-Its acceptance is kept in two states (`Acceptance`): drafts that continue a run (the previous
-draft accepted in full and the answer still along the prediction), and the others (the first
-draft, drafts after a re-alignment or a partial acceptance). An answer that copies does so in
-long runs between departures: inside a run the next draft is accepted in full far more often
-than the average draft, so it drafts as long as verify(L) pays at the run's own acceptance,
-while a re-aligned draft, which often misses, stays as short as the average says.
+Its acceptance is kept twice (`Acceptance`): over every draft, and over the drafts that
+continued a run (`in_run`: the previous draft, of RUN_MIN tokens or more or itself in a run,
+accepted in full, and the answer still along the prediction). An answer that copies does so
+in long runs between departures: inside a run the next draft is accepted in full far more
+often than the average draft, so it drafts as long as verify(L) pays at the run's own
+acceptance, while a re-aligned draft, which often misses, stays as short as the average says.
 
 The answer is what follows `answer_start` in the context (the prompt's length): the drafter is
 built per request with its prediction's token ids, tokenised once by the caller.
@@ -136,7 +136,7 @@ class PredictionProposer(Proposer):
         self.misses = 0  # drafts in a row with nothing accepted
         self.every = Acceptance(PRIOR_ALPHA)  # every draft's
         self.on_run = Acceptance(RUN_PRIOR_ALPHA)  # the drafts that continued a run
-        self._run = False  # the last draft was accepted in full
+        self._run = False  # inside a run (`in_run`)
         self._drafted_in_run = False  # the draft out now continues a run
         self._at: tuple[int, int] | None = (0, 0)  # (answer length, prediction position)
         self._anchor = 0  # the last aligned position while the drafter is not aligned
@@ -151,7 +151,6 @@ class PredictionProposer(Proposer):
         curve changes only when seeded, so a block's window costs no interpolation."""
         self._costs = tuple(self.curve.cost(L) for L in range(1, self.max_window + 2))
         self._prior_window = best_window(PRIOR_ALPHA, self._cost, self.max_window)
-        self._windows: dict[float, int] = {}  # best_window by alpha, this curve
 
     def _cost(self, length: int) -> float:
         return self._costs[length - 1]
@@ -162,10 +161,7 @@ class PredictionProposer(Proposer):
         return self.every.alpha
 
     def _best(self, alpha: float) -> int:
-        w = self._windows.get(alpha)
-        if w is None:
-            w = self._windows[alpha] = best_window(alpha, self._cost, self.max_window)
-        return w
+        return best_window(alpha, self._cost, self.max_window)
 
     @property
     def window(self) -> int:
@@ -218,7 +214,8 @@ class PredictionProposer(Proposer):
     def observe(self, drafted: int, accepted: int, verify_ms: float,
                 verified: int | None = None) -> None:
         """Acceptance learnt from each draft (verify(L) is the engine's, seeded: a batch's
-        iteration time is not this draft's); a draft with nothing accepted is a miss (after QUIET_AFTER in a row only a long match re-aligns it)."""
+        iteration time is not this draft's); a draft with nothing accepted is a miss (after
+        QUIET_AFTER in a row only a long match re-aligns it)."""
         if drafted <= 0:
             return
         self.every = self.every.seen(drafted, accepted)
