@@ -49,7 +49,7 @@ from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import (EMPTY_DRAFT, Draft, Proposer, ProposerFailed,
                                             sanitize_draft)
-from macfleet.engine.proposers.eagle.features import record_hidden
+from macfleet.engine.proposers.eagle import features
 from macfleet.engine.proposers.group import ProposerGroup, make_group, tree_of_drafts
 from macfleet.engine.sampling import (GREEDY, SamplingParams, generation_seed, make_rng,
                                       probs_from_logits)
@@ -149,6 +149,16 @@ def speculative_generate(
     stats = tally.stats(tokens=len(generated), elapsed_s=time.perf_counter() - t_start,
                         prefill_ms=prefill_ms, proposer=proposer_name, finish_reason=finish)
     yield Finished(stats, tuple(generated))
+
+
+def record_hidden(model, start: int, tokens: Sequence[int], h: mx.array) -> None:
+    """Report hidden rows computed outside the model's own forward (the tree forward runs the
+    layers itself): rows of positions start.. for `tokens`, to the tap on this model, if any
+    (eagle/features.py `attach_tap`)."""
+    inner = getattr(model, "model", None)
+    tap = inner.__dict__.get(features._TAP) if inner is not None else None
+    if tap is not None:
+        tap.records.append((start, [int(t) for t in tokens], h))
 
 
 def verify_branches(verifier: Verifier, tree: TokenTree,
