@@ -26,7 +26,7 @@ tree_generate, the tree loop:
     `node_budget` nodes: verify(L) is sublinear but not free. Events and statistics are the same as
     the chain loop's, plus per-proposer acceptance in `stats.per_proposer`.
 
-generate_from_ids / generate_local: the drivers that picked one of them (text in, text out).
+generate_local: the driver that picks one of them (text in, text out).
 """
 
 from __future__ import annotations
@@ -274,26 +274,6 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
     yield Finished(stats, tuple(generated))
 
 
-def generate_from_ids(lm: LoadedModel, verifier, drafting: Drafting, ids: Sequence[int], *,
-                      draft_tokens: DraftTokens = AUTO, max_tokens: int = DEFAULT_MAX_TOKENS,
-                      params: SamplingParams = GREEDY, grammar: Grammar | None = None
-                      ) -> Iterator[TextDelta | Event]:
-    """The one generation driver (in-process and in the verifier agent): the tree loop for a
-    group of drafters, the chain loop otherwise; TextDelta for each commit, BlockDone per block,
-    the detokenizer's flush as a last TextDelta, then Finished. grammar: the answer must match
-    it (issue 32: chains and trees cut to it, forced tokens drafted first, rows masked)."""
-    constraint = Constraint(grammar, lm.tokenizer, lm.vocab_size) if grammar else None
-    if isinstance(drafting, ProposerGroup):
-        events = tree_generate(verifier, drafting, ids, params=params, max_tokens=max_tokens,
-                               eos_ids=lm.eos_ids, constraint=constraint)
-    else:
-        controller = make_controller(draft_tokens if drafting is not None else 0)
-        events = speculative_generate(verifier, drafting, ids, params=params,
-                                      max_tokens=max_tokens, controller=controller,
-                                      eos_ids=lm.eos_ids, constraint=constraint)
-    yield from with_text(events, TextStream(lm.tokenizer))
-
-
 def generate_local(
     lm: LoadedModel,
     prompt: ChatInput,
@@ -306,8 +286,10 @@ def generate_local(
     verifier: Verifier | None = None,
     grammar: Grammar | None = None,
 ) -> Iterator[TextDelta | Event]:
-    """In-process speculative generation: TextDelta for each commit, BlockDone, then Finished.
-    prompt: a text, or a conversation (conversation.Turn, ...) ending on a user turn."""
+    """In-process speculative generation: TextDelta for each commit, BlockDone, then Finished
+    (the tree loop for a group of drafters, the chain loop otherwise). prompt: a text, or a
+    conversation (conversation.Turn, ...) ending on a user turn; grammar: the answer must match
+    it (chains and trees cut to it, forced tokens drafted first, rows masked)."""
     ids = encode_prompt(lm.tokenizer, prompt, chat)
 
     def make(spec: str) -> Proposer | None:
@@ -322,6 +304,14 @@ def generate_local(
     else:
         drafting = plan_drafting(proposer, chain=make, tree=lambda specs: make_group(
             [make(s) or no_drafts(s) for s in specs], draft_tokens))
-    yield from generate_from_ids(lm, verifier or Verifier(lm.model), drafting, ids,
-                                 draft_tokens=draft_tokens, max_tokens=max_tokens, params=params,
-                                 grammar=grammar)
+    verifier = verifier or Verifier(lm.model)
+    constraint = Constraint(grammar, lm.tokenizer, lm.vocab_size) if grammar else None
+    if isinstance(drafting, ProposerGroup):
+        events = tree_generate(verifier, drafting, ids, params=params, max_tokens=max_tokens,
+                               eos_ids=lm.eos_ids, constraint=constraint)
+    else:
+        controller = make_controller(draft_tokens if drafting is not None else 0)
+        events = speculative_generate(verifier, drafting, ids, params=params,
+                                      max_tokens=max_tokens, controller=controller,
+                                      eos_ids=lm.eos_ids, constraint=constraint)
+    yield from with_text(events, TextStream(lm.tokenizer))
