@@ -33,20 +33,15 @@ WORK = ROOT / ".mutation"
 # order: the acceptance rules, the codec, the KV rollback, KV shipping, token trees, the rest.
 MODULES: dict[str, tuple] = {
     "acceptance": ("macfleet/engine/acceptance.py", ["tests/engine/test_sampling_lossless.py"]),
-    # a block's accept decisions (every loop's and the serving engine's), against their own
-    # tests (the loops that call them are covered by the greedy-identity and chi-square runs)
+    # a block's accept decisions (the serving engine's), against their own tests (the engine
+    # that calls them is covered by the greedy-identity and chi-square runs)
     "block": ("macfleet/engine/block.py", ["tests/engine/test_block.py"]),
-    # the device-side acceptance, against its fast unit tests: not the loops' generations
+    # the device-side acceptance, against its fast unit tests: not whole generations
     # (seconds each) nor the 6,000-trial device chi-square tests (test_sampling_lossless.py,
     # ~10 s each), which the piecewise tests here stand in for (gumbel_pick's own chi-square)
     "pipeline": ("macfleet/engine/pipeline.py", [
         *(f"tests/engine/test_pipeline.py::{t}" for t in (
             "test_greedy_outcome_is_accept_greedy",
-            "test_next_token_is_the_last_rows_argmax_in_any_dtype",
-            "test_padded_length_takes_the_cheapest_length_that_holds_the_block",
-            "test_blocks_are_padded_on_an_accelerator_only_unless_asked",
-            "test_forced_reads_exactly_0_and_1",
-            "test_padded_length_of_nothing_and_of_one_token",
             "test_every_outcome_is_int32",
             "test_rejection_rows_are_the_residual_or_p_where_it_is_empty",
             "test_gumbel_pick_draws_each_row_from_its_normalised_weights",
@@ -55,7 +50,7 @@ MODULES: dict[str, tuple] = {
             "test_device_ratio_correction_comes_from_the_residual",
             "test_device_ratio_test_is_seeded_per_position",
             "test_device_ratio_test_at_its_exact_boundaries",
-            "test_padding_rows_change_no_device_decision",
+            "test_rows_past_the_block_change_no_device_decision",
             "test_device_tree_draws_are_keyed_by_depth_like_plain_steps",
             "test_device_tree_of_a_root_alone_and_of_one_draft")),
         "tests/engine/test_sampling_lossless.py::test_device_ratio_test_at_its_boundaries",
@@ -107,7 +102,9 @@ MODULES: dict[str, tuple] = {
             "test_depths_and_the_longest_branch_of_a_draft_tree",
             "test_specinfer_at_its_boundaries",
             "test_tree_sampling_without_probabilities_follows_the_drawn_child")),
-        "tests/engine/test_pipeline.py::test_reroot_keeps_the_subtree_under_the_guessed_token"]),
+        "tests/engine/test_pipeline.py::test_reroot_keeps_the_subtree_under_the_guessed_token",
+        "tests/engine/test_pipeline.py::test_a_draft_made_ahead_is_taken_only_on_its_path_and_"
+        "rerooted_with_its_rows"]),
     # sampling.py against its own tests and the host rules' (which draw with `sample`), not the
     # device chi-square runs of test_sampling_lossless.py (a minute each on the loaded box: they
     # check pipeline.py's sampled acceptance; device_probs is checked against the host transform)
@@ -128,7 +125,7 @@ MODULES: dict[str, tuple] = {
     # a group of drafters and its tree of drafts (moved out of the tree loop, which is now the
     # tests' reference, tests/reference_loops.py): its part-by-part tests
     "proposer_group": ("macfleet/engine/proposers/group.py", [
-        "tests/engine/test_tree_loop.py",
+        "tests/engine/proposers/test_group.py",
         "tests/engine/test_batch.py::test_cap_total_cuts_the_largest_draft_lengths_first"]),
     # the flat forward against its direct tests (flat_forward/flat_layers beside each session
     # alone), not the serving engine's batched-equals-alone runs (minutes each)

@@ -29,7 +29,7 @@ from macfleet.engine.events import BlockDone, Finished, TokensCommitted
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.proposers import ProposerSpecError
-from macfleet.engine.text import PromptError, TextDelta, TextStream, encode_prompt, with_text
+from macfleet.engine.text import Drafting, PromptError, TextStream, encode_prompt
 from macfleet.engine.tree_verify import supports_tree_attention
 from macfleet.serve.engine import EngineRequest, Overloaded, SessionFailed
 from macfleet.serve.one import one_engine, run_one
@@ -139,60 +139,19 @@ class VerifierGenerations:
         """Into the continuous batch: its drafter (a chain on remote proposers in order of
         preference, a tree drafted on all of them at once, or this agent's own) drafts per
         session, cross-round, while the batch verifies every session's block or tree in one
-        forward; events become wire messages here."""
-        params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
+        forward."""
         try:
-            ids = self._prompt_ids(msg, staged)
-            proposer = self.drafts.drafting(msg, batched=True)
+            req, proposer, emit = self._session(msg, reply, staged, batched=True)
         except (PromptError, ProposerSpecError, ValueError) as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
-        req = EngineRequest(prompt=tuple(ids), params=params,
-                            max_tokens=max(0, msg.max_tokens - len(msg.prefix_ids)),
-                            eos_ids=self.lm.eos_ids, draft_tokens=draft_tokens_of(msg),
-                            report_blocks=True, logprobs=msg.top_logprobs,
-                            grammar=(Grammar(msg.grammar_kind, msg.grammar_source)
-                                     if msg.grammar_kind else None),
-                            committed=tuple(msg.prefix_ids), partition=msg.cache_partition,
-                            prediction=tuple(msg.prediction_ids))
-        rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
-        lps: tuple = ()  # LogprobsCommitted comes right before the TokensCommitted it scores
-        cached = 0
-        shipped_kv = staged.kv if staged is not None else None
-        crossing = Crossing(self, rid, proposer, staged)
-
-        def emit(ev) -> None:
-            nonlocal lps, cached
-            if isinstance(ev, LogprobsCommitted):
-                lps = ev.entries
-            elif isinstance(ev, PromptReused):
-                cached = ev.tokens
-            elif isinstance(ev, TokensCommitted):
-                text = stream.add(ev.tokens)
-                parts.append(text)
-                reply(GenerateChunk(rid, list(ev.tokens), text,
-                                    tuple(e.logprob for e in lps), tuple(e.top for e in lps)))
-                lps = ()
-            elif isinstance(ev, BlockDone):
-                crossing.block(ev)
-            elif isinstance(ev, Finished):
-                tail = stream.finish()
-                if tail:
-                    parts.append(tail)
-                    reply(GenerateChunk(rid, [], tail))
-                # an installed KV's install time is the session's prefill time
-                fleet = crossing.fleet(len(ids), ev.stats.prefill_ms, ev.stats.prefill_ms
-                                       if shipped_kv is not None else None)
-                reply(GenerateDone(rid, "".join(parts), list(ev.token_ids),
-                                   replace(ev.stats, fleet=fleet), cached))
-            elif isinstance(ev, SessionFailed):
-                reply(ErrorReply(INTERNAL, ev.message))
 
         def on_close() -> None:
             self.pending.drop(reply)
 
-        self.pending.add(rid, reply)  # heartbeats while queued; the engine's on_close ends them
+        self.pending.add(msg.request_id, reply)  # heartbeats while queued; on_close ends them
         try:
-            self.batch.submit(req, emit, on_close, proposer=proposer, shipped_kv=shipped_kv)
+            self.batch.submit(req, emit, on_close, proposer=proposer,
+                              shipped_kv=staged.kv if staged is not None else None)
         except (Overloaded, ValueError) as e:
             on_close()
             if proposer is not None:
@@ -205,45 +164,78 @@ class VerifierGenerations:
         handed on by the prefill stage without a batch), on the caller's thread, through the
         serving engine (serve/one.py): a flat batch of one, or, where the flat batch cannot
         run this verifier (its layers elsewhere, its forward its own, or not llama's), the
-        verifier's own forward."""
-        params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
-        ids = self._prompt_ids(msg, staged)
+        verifier's own forward. A failed session raises (serve/one.py GenerationFailed)."""
         # a verifier of its own forward (a sharded one; one that fails on purpose in tests)
         own = not (self.verifier.pipelines and supports_tree_attention(self.lm.model))
         engine = one_engine(self.lm, self.verifier if own else None)
-        proposer = self.drafts.drafting(msg, batched=not own)
-        crossing = Crossing(self, msg.request_id, proposer, staged)
-        shipped_kv = staged.kv if staged is not None else None
-        req = EngineRequest(tuple(ids), params, max(0, msg.max_tokens - len(msg.prefix_ids)),
-                            eos_ids=self.lm.eos_ids, draft_tokens=draft_tokens_of(msg),
-                            report_blocks=True)
-        parts: list[str] = []
-        stats = None
-        shard_now = self.verifier.shard_stats  # a sharded verifier's shard flow, else None
-        shard_prev = None
-        events = with_text(run_one(engine, req, proposer, shipped_kv=shipped_kv),
-                           TextStream(self.lm.tokenizer))
+        req, proposer, emit = self._session(msg, reply, staged, batched=not own, own=own)
         try:
-            for ev in events:
-                if isinstance(ev, TextDelta):  # the last one: the detokenizer's flush, no ids
-                    parts.append(ev.text)
-                    reply(GenerateChunk(msg.request_id, list(ev.tokens), ev.text))
-                elif isinstance(ev, BlockDone):
-                    shard = shard_now()
+            for ev in run_one(engine, req, proposer,
+                              shipped_kv=staged.kv if staged is not None else None):
+                emit(ev)
+        finally:
+            self.drafts.close_tap()
+
+    def _session(self, msg: GenerateRequest, reply: Reply, staged, *, batched: bool,
+                 own: bool = False) -> tuple[EngineRequest, Drafting, Callable[[object], None]]:
+        """The engine request, its drafter, and what turns its events into wire messages (a
+        GenerateChunk per commit, BlockMetrics per block, GenerateDone with its FleetStats,
+        ErrorReply for a failed session). own: the session runs on this agent's verifier's
+        own forward, whose shard flow (a sharded verifier's) each block reports."""
+        ids = self._prompt_ids(msg, staged)
+        proposer = self.drafts.drafting(msg, batched=batched)
+        req = EngineRequest(prompt=tuple(ids),
+                            params=SamplingParams(msg.temperature, msg.top_p, msg.seed),
+                            max_tokens=max(0, msg.max_tokens - len(msg.prefix_ids)),
+                            eos_ids=self.lm.eos_ids, draft_tokens=draft_tokens_of(msg),
+                            report_blocks=True, logprobs=msg.top_logprobs,
+                            grammar=(Grammar(msg.grammar_kind, msg.grammar_source)
+                                     if msg.grammar_kind else None),
+                            committed=tuple(msg.prefix_ids), partition=msg.cache_partition,
+                            prediction=tuple(msg.prediction_ids))
+        rid, stream, parts = msg.request_id, TextStream(self.lm.tokenizer), []
+        lps: tuple = ()  # LogprobsCommitted comes right before the TokensCommitted it scores
+        cached = 0
+        shipped = staged is not None and staged.kv is not None
+        crossing = Crossing(self, rid, proposer, staged)
+        shard_now = self.verifier.shard_stats if own else (lambda: None)
+        shard_prev = None
+
+        def emit(ev) -> None:
+            nonlocal lps, cached, shard_prev
+            if isinstance(ev, LogprobsCommitted):
+                lps = ev.entries
+            elif isinstance(ev, PromptReused):
+                cached = ev.tokens
+            elif isinstance(ev, TokensCommitted):
+                text = stream.add(ev.tokens)
+                parts.append(text)
+                reply(GenerateChunk(rid, list(ev.tokens), text,
+                                    tuple(e.logprob for e in lps), tuple(e.top for e in lps)))
+                lps = ()
+            elif isinstance(ev, BlockDone):
+                shard = shard_now()
+                if shard is None:
+                    crossing.block(ev)
+                else:
                     sh = block_delta(shard_prev, shard)
                     shard_prev = shard
                     # measured where a collective was timed, else priced (and marked so)
                     crossing.block(ev, shard_bytes=sh.bytes, shard_ms=sh.ms or sh.priced_ms,
                                    shard_priced=not sh.ms and sh.priced_ms > 0,
                                    rank_load=sh.rank_load)
-                elif isinstance(ev, Finished):
-                    stats = ev.stats
-                    token_ids = list(ev.token_ids)
-        finally:
-            self.drafts.close_tap()
-        # an installed KV's install time is the session's prefill time
-        fleet = crossing.fleet(len(ids), stats.prefill_ms,
-                               stats.prefill_ms if shipped_kv is not None else None,
-                               shard=shard_now())
-        reply(GenerateDone(msg.request_id, "".join(parts), token_ids,
-                           replace(stats, fleet=fleet)))
+            elif isinstance(ev, Finished):
+                tail = stream.finish()
+                if tail:
+                    parts.append(tail)
+                    reply(GenerateChunk(rid, [], tail))
+                # an installed KV's install time is the session's prefill time
+                fleet = crossing.fleet(len(ids), ev.stats.prefill_ms,
+                                       ev.stats.prefill_ms if shipped else None,
+                                       shard=shard_now())
+                reply(GenerateDone(rid, "".join(parts), list(ev.token_ids),
+                                   replace(ev.stats, fleet=fleet), cached))
+            elif isinstance(ev, SessionFailed):
+                reply(ErrorReply(INTERNAL, ev.message))
+
+        return req, proposer, emit

@@ -8,8 +8,7 @@ that bonus token; when the verifier commits the branch and a bonus one of them g
 subtree under that guess is the next block's draft, ready before it is asked for
 (`tree.reroot`; a chain is the tree i -> i - 1). Anything else, and the draft is dropped.
 
-Users: a proposer agent's tree sessions (agents/draft_stream.py), and the tests' reference
-loops (tests/reference_loops.py) for host-side drafters. A draft-model agent (agents/
+User: a proposer agent's tree sessions (agents/draft_stream.py). A draft-model agent (agents/
 draft_service.py) keeps a longer stream instead, by the rule of `agents.draft_stream.survives`.
 """
 

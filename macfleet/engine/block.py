@@ -6,11 +6,13 @@ The serving engine (`serve/decode.py`, one block per session per iteration) and 
 reference loops (tests/reference_loops.py) differ in how they run the forward; what they decide
 from its logits is written once, here:
 
-* `accept_chain` / `accept_tree`: the acceptance rule of a chain or a token tree for the
-  request's sampling parameters (greedy exact match, the ratio test, exact-match sampling);
-  a greedy caller may pass the argmax ids it already has (one host synchronisation for many).
-  `tree_decision` / `tree_decided` split a tree's rule into its lazy device half and its host
-  walk, so a caller deciding many blocks evaluates all of them at once (serve/decode.py).
+* `accept_chain`: the acceptance rule of a chain for the request's sampling parameters
+  (greedy exact match, the ratio test, exact-match sampling); a greedy caller may pass the
+  argmax ids it already has (one host synchronisation for many).
+  `tree_decision` / `tree_decided`: a token tree's rule, split into its lazy device half and
+  its host walk, so a caller deciding many blocks evaluates all of them at once
+  (serve/decode.py); None from `tree_decision` leaves SpecInfer's host rule to the caller
+  (`tree.accept_tree_sample`).
   Sampling decides on the device (`chain_outcome`, `tree_outcome`: engine/pipeline.py, draws
   keyed by the request's seed and each token's output position), so a seeded request draws
   the same in every loop; only SpecInfer's rule for trees of drafts with probabilities runs
@@ -26,13 +28,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-import numpy as np
 
 from macfleet.engine.acceptance import accept_greedy
 from macfleet.engine.pipeline import greedy_outcome, sampled_outcome, sampled_tree_outcome
 from macfleet.engine.proposers.base import Draft
-from macfleet.engine.sampling import SamplingParams, probs_from_logits
-from macfleet.engine.tree import TokenTree, accept_tree_greedy, accept_tree_sample
+from macfleet.engine.sampling import SamplingParams
+from macfleet.engine.tree import TokenTree, accept_tree_greedy
 from macfleet.stats import GenerationStats, ProposerStats
 
 if TYPE_CHECKING:
@@ -95,21 +96,6 @@ def node_path(tree: TokenTree, node: int) -> list[int]:
         out.append(node)
         node = tree.parents[node]
     return out[::-1]
-
-
-def accept_tree(tree: TokenTree, logits: mx.array, params: SamplingParams, rng, seed: int,
-                start: int, target: Sequence[int] | None = None) -> tuple[list[int], int]:
-    """The accepted node path and the next token, from the verifier's logits at every node;
-    target: the argmax ids at every node when the caller computed them already (greedy);
-    rng: for SpecInfer's rule (drafts with probabilities) only."""
-    if params.greedy:
-        return accept_tree_greedy(tree, target if target is not None else
-                                  np.array(mx.argmax(logits, axis=-1)).tolist())
-    out = tree_outcome(tree, logits, params, seed, start)
-    if out is None:
-        return accept_tree_sample(tree, probs_from_logits(logits, params), rng)
-    node, nxt = out.tolist()
-    return node_path(tree, int(node)), int(nxt)
 
 
 def cut_at_stop(new: Sequence[int], eos_ids: frozenset[int]) -> tuple[list[int], bool]:

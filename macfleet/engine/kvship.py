@@ -5,14 +5,12 @@ chunks and ships it, so the verifier's compute thread never spends a whole prefi
 numpy only, no networking): cut a cache into bounded slices (`export_slices`), encode them
 (`auto`: the cache's own dtype, bit-exact; `float16`; `int8` with one scale per row, a row being
 one head's vector at one position), collect slices on the other side and check that they cover
-every layer and position exactly once (`KVAssembler`), and install the result into a verifier
-(`PrefilledVerifier`: the loops call `reset()` then `prefill(prompt[:-1])`; when those ids are the
-ones shipped, the cache is installed instead of computed).
+every layer and position exactly once (`KVAssembler`), and install the result into an empty
+cache (`install`: the serving engine's session KV, serve/session_kv.py).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -209,30 +207,3 @@ def install(cache: Sequence, layout: KVLayout, shipped_kv: ShippedKV) -> None:
         c.offset = n
     mx.eval([c.keys for c in cache] + [c.values for c in cache])
 
-
-class PrefilledVerifier:
-    """A verifier whose next `prefill(ids)` installs a shipped KV instead of computing it, when
-    `ids` are exactly the shipped ones (any other prefill computes as usual). Everything else
-    goes to the wrapped verifier."""
-
-    def __init__(self, verifier, ids: Sequence[int], layout: KVLayout,
-                 shipped_kv: ShippedKV) -> None:
-        self._inner = verifier
-        self._ids = [int(t) for t in ids]
-        self._layout, self._shipped_kv = layout, shipped_kv
-        self.installed = False
-        self.install_ms = 0.0
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
-
-    def prefill(self, tokens: Sequence[int]) -> None:
-        if (self._shipped_kv is not None and self._inner.offset == 0
-                and [int(t) for t in tokens] == self._ids):
-            t0 = time.perf_counter()
-            install(self._inner.cache, self._layout, self._shipped_kv)
-            self.install_ms = (time.perf_counter() - t0) * 1e3
-            self._shipped_kv = None
-            self.installed = True
-            return
-        self._inner.prefill(tokens)

@@ -1,22 +1,16 @@
-"""What keeps the device busy: decisions taken on the device, and the block shapes it likes.
+"""What keeps the device busy: a block's decisions taken on the device.
 
-On a GPU one token of a small model takes a few milliseconds, so the loops must not hand the
+On a GPU one token of a small model takes a few milliseconds, so a decode must not hand the
 device's results to Python and rebuild the next graph while the device waits (docs/design.md,
-physics 4). The pieces here are the device-side halves the loops share:
+physics 4). The pieces here are the device-side halves of engine/block.py's decisions:
 
 * `greedy_outcome`: greedy acceptance as device ops, so a block's one synchronisation carries
   two integers (accepted count, next token) instead of the block's logits or argmax row;
-* `next_token`: a plain step's argmax, left lazy so the next step's graph can be built on it
-  before it is read (mlx-lm's `generate_step` pipelining);
 * `sampled_outcome`: sampled acceptance (the ratio test, or exact-match sampling for drafts
   without probabilities) as device ops, with the same two integers back; its randomness is
   keyed by output position (`sampling.position_keys`), so no host generator is needed;
 * `sampled_tree_outcome`: exact-match tree sampling (drafts without probabilities, the default
   drafter's kind) as device ops: (deepest accepted node, next token) back;
-* `padded_length`: the block length a block of n tokens is verified at, read off the device's
-  own verify(L) table: the cheapest measured length that holds it, so each length compiles once
-  and a block uses a longer one when the device runs it faster (on a CPU the table is a
-  sawtooth: results/verify_l_sweep.json).
 
 The arithmetic is the one the host rules use (engine/acceptance.py): greedy acceptance is
 exact-match of integers, so the device and the host decide the same thing bit for bit. Sampled
@@ -27,8 +21,7 @@ draw (the host rules use a numpy generator).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -37,41 +30,6 @@ from macfleet.engine.sampling import SamplingParams, device_probs, position_keys
 
 SAMPLE, ACCEPT = 0, 1  # the two purposes a position's randomness serves (position_keys)
 VERIFIER_STREAM = 0
-
-# =1 / =0: pad blocks to the verify(L) table's lengths everywhere / nowhere (default: on an
-# accelerator, where each new length compiles kernels and the curve is flat and erratic; not
-# on a CPU, which compiles nothing and whose probed sawtooth did not hold in the loop: short
-# blocks padded to the probe's cheap lengths ran slower than unpadded)
-PAD_ENV = "MACFLEET_PAD_BLOCKS"
-
-
-# =1 / =0: host-side drafters draft the next block while the device verifies, everywhere /
-# nowhere (default: on an accelerator; on a CPU the host is the device's own cores, and
-# drafting beside the forward takes them from its BLAS threads)
-AHEAD_ENV = "MACFLEET_DRAFT_AHEAD"
-
-
-def _forced(env: str) -> bool | None:
-    v = os.environ.get(env)
-    return v == "1" if v in ("0", "1") else None
-
-
-def drafts_ahead() -> bool:
-    """Whether host-side drafters draft during verification (tests/reference_loops.py)."""
-    forced = _forced(AHEAD_ENV)
-    return mx.default_device() != mx.cpu if forced is None else forced
-
-
-def pads_blocks() -> bool:
-    """Whether blocks are padded to the device's cheap lengths (`padded_length`)."""
-    forced = _forced(PAD_ENV)
-    return mx.default_device() != mx.cpu if forced is None else forced
-
-
-def next_token(logits: mx.array) -> mx.array:
-    """logits [L, V] (any float dtype) -> the argmax after the last position, a lazy [1] int32.
-    argmax of the model's own dtype: casting to float32 first is exact, so it changes nothing."""
-    return mx.argmax(logits[-1:], axis=-1).astype(mx.int32)
 
 
 def greedy_outcome(logits: mx.array, drafts: Sequence[int]) -> mx.array:
@@ -169,12 +127,3 @@ def sampled_tree_outcome(logits: mx.array, tokens: Sequence[int], parents: Seque
     score = mx.where(reached, depth, 0)
     node = mx.where(score.max() > 0, mx.argmax(score) + 1, 0).astype(mx.int32).reshape(1)
     return mx.concatenate([node, mx.take(y, node)])
-
-
-def padded_length(n: int, costs: Mapping[int, float] | None) -> int:
-    """The length a block of n tokens is verified at: the measured length >= n with the lowest
-    cost (ties: the shorter); n itself without a table or beyond its longest length."""
-    if not costs or n <= 0:
-        return n
-    fits = [(c, L) for L, c in costs.items() if L >= n]
-    return min(fits)[1] if fits else n

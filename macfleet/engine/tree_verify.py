@@ -103,25 +103,17 @@ def tree_attention(attn, x: mx.array, mask: mx.array, cache, positions: mx.array
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
 
 
-def tree_forward(verifier: Verifier, tree: TokenTree, return_hidden: bool = False,
-                 pad_to: int = 0):
+def tree_forward(verifier: Verifier, tree: TokenTree, return_hidden: bool = False):
     """Logits [N+1, V] for every node, appending N+1 entries to the verifier's cache
-    (with return_hidden: also the last layer's pre-norm hidden states [N+1, H]).
-
-    pad_to > N+1 runs the block at that length (a shape the device runs faster, or compiled
-    already): extra nodes under the root that no tree node sees; their rows come back too
-    (the caller reads the first N+1) and their cache entries go with `compact_cache`."""
+    (with return_hidden: also the last layer's pre-norm hidden states [N+1, H])."""
     model = verifier.model
     inner = model.model
     offset = verifier.offset
-    n = max(len(tree.tokens), pad_to)
-    pad = n - len(tree.tokens)
-    parents = [*tree.parents, *([0] * pad)]
-    positions = mx.array([offset + d for d in [*tree.depths, *([1] * pad)]], dtype=mx.int32)
-    tree_mask = mx.array(ancestor_mask(parents))
+    n = len(tree.tokens)
+    positions = mx.array([offset + d for d in tree.depths], dtype=mx.int32)
+    tree_mask = mx.array(ancestor_mask(tree.parents))
     mask = mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), tree_mask], axis=1)
-    toks = [*tree.tokens, *([tree.tokens[-1]] * pad)]
-    h = inner.embed_tokens(mx.array(toks, dtype=mx.uint32)[None])
+    h = inner.embed_tokens(mx.array(tree.tokens, dtype=mx.uint32)[None])
     for layer, c in zip(model.layers, verifier.cache):
         r = tree_attention(layer.self_attn, layer.input_layernorm(h), mask, c, positions)
         h = h + r

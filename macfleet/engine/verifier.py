@@ -61,16 +61,11 @@ class Verifier:
         x = mx.array([int(t) for t in tokens], dtype=mx.uint32)[None]
         return self.model(x, cache=self.cache)[0].astype(mx.float32)
 
-    def forward_lazy(self, tokens: mx.array) -> mx.array:
-        """tokens: [L] int array, possibly not computed yet (the previous step's argmax) ->
-        logits [L, V] in the model's own dtype, not evaluated; appends L entries to the cache.
-        What lets a loop build step n+1 while the device computes step n."""
-        return self.model(tokens.astype(mx.uint32)[None], cache=self.cache)[0]
-
     @property
     def pipelines(self) -> bool:
-        """Whether `forward_lazy` may be used: a verifier that overrides `forward` (a sharded
-        one sends the ids to its ranks) needs them on the host, and gets the plain path."""
+        """Whether this is the model's own forward, which the serving engine's flat batch may
+        run for it: a verifier that overrides `forward` (a sharded one sends the ids to its
+        ranks) decodes on that forward instead (serve/engine.py's own-forward mode)."""
         return type(self).forward is Verifier.forward
 
     def rollback(self, n: int) -> None:
@@ -89,11 +84,3 @@ class Verifier:
     def keepalive(self) -> None:
         """Called at least every keepalive period while idle, only when needs_keepalive."""
 
-
-class SynchronousVerifier(Verifier):
-    """The same verifier on the synchronous path: each block is read back before the next is
-    built (what a verifier that overrides `forward` gets). For side-by-side measurements of
-    what pipelining buys (`macfleet bench overhead`); the output is the same."""
-
-    def forward(self, tokens: Sequence[int]) -> mx.array:
-        return super().forward(tokens)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "tests"))  # reference_loops (issue 49)
 KS = (4, 8, 16)
 
 
@@ -28,7 +29,8 @@ def positions(kinds) -> dict:
     from macfleet.engine.events import Finished
     from macfleet.engine.models import load_model
     from macfleet.engine.proposers.factory import make_proposer
-    from macfleet.engine.text import encode_prompt, generate_local
+    from macfleet.engine.text import encode_prompt
+    from reference_loops import generate_local
 
     lm = load_model("smollm2")
     out = {}

@@ -1,10 +1,14 @@
 """Three arms interleaved in one process, one raw-token prompt (no chat template): the plain loop
 (speculative_generate, no drafter), the serving engine with its step ahead, and without it.
-python results/one-path/ahead.py MODEL TOKENS REPEATS  (PLEN=n: a prompt of n tokens)."""
+python results/one-path/ahead.py MODEL TOKENS REPEATS  (PLEN=n: a prompt of n tokens).
+The loop is now the tests' reference (tests/reference_loops.py, issue 49), which reads each
+block back: no longer the pipelined loop this script first measured."""
 import sys, time
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from macfleet.engine.models import load_model
 from macfleet.engine.sampling import GREEDY
-from macfleet.engine.loop import speculative_generate
+from reference_loops import speculative_generate
 from macfleet.engine.verifier import Verifier
 from macfleet.serve.engine import BatchEngine, EngineRequest
 lm = load_model(sys.argv[1])

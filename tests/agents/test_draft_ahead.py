@@ -200,14 +200,13 @@ def test_a_self_drafting_agent_runs_ahead_and_its_drafts_are_taken(monkeypatch):
 
     from macfleet.engine.verifier import Verifier
 
-    for name in ("forward", "forward_lazy"):
-        real = getattr(Verifier, name)
+    real = Verifier.forward
 
-        def slow(self, *a, _real=real, **kw):
-            _time.sleep(0.02)
-            return _real(self, *a, **kw)
+    def slow(self, *a, **kw):
+        _time.sleep(0.02)
+        return real(self, *a, **kw)
 
-        monkeypatch.setattr(Verifier, name, slow)
+    monkeypatch.setattr(Verifier, "forward", slow)
     prop, ver = agents("tiny:3", batch_sessions=0)
     try:
         alone = generate_done(ver.card, KEY, "a b c d", [], "none", max_tokens=64)

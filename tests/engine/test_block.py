@@ -1,17 +1,27 @@
-"""The block step every loop shares (engine/block.py): acceptance, stop cut, statistics."""
+"""The block step every decode shares (engine/block.py): acceptance, stop cut, statistics."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.block import BlockTally, accept_chain, accept_tree, cut_at_stop, node_path
+from macfleet.engine.block import (BlockTally, accept_chain, cut_at_stop, node_path, tree_decided,
+                                   tree_decision)
 from macfleet.engine.proposers.base import Draft
-from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.engine.tree import TokenTree
+from macfleet.engine.sampling import GREEDY, SamplingParams, probs_from_logits
+from macfleet.engine.tree import TokenTree, accept_tree_sample
 from macfleet.stats import GenerationStats, ProposerStats
 
 V = 8
+
+
+def accept_tree(tree, logits, params, rng, seed, start):
+    """A tree block's decision as the serving engine takes it (serve/decode.py): on the
+    device (`tree_decision` / `tree_decided`), or SpecInfer's host rule when it says None."""
+    out = tree_decision(tree, logits, params, seed, start)
+    if out is None:
+        return accept_tree_sample(tree, probs_from_logits(logits, params), rng)
+    return tree_decided(tree, params, out.tolist())
 
 
 def _logits(argmax: list[int]) -> mx.array:
@@ -49,8 +59,6 @@ def test_tree_acceptance_follows_the_matching_branch():
     logits = _logits([6, 1, 5, 2])  # rows by node: root -> 6, node 2 (6) -> 5, node 3 -> 2
     path, nxt = accept_tree(tree, logits, GREEDY, None, 0, 0)
     assert tree.path_tokens(path) == [6, 5] and nxt == 2
-    path, nxt = accept_tree(tree, logits, GREEDY, None, 0, 0, [4, 0, 0, 0])  # a given target
-    assert tree.path_tokens(path) == [4] and nxt == 0
     hot = SamplingParams(1.0, seed=2)  # sampled, no draft probabilities: decided on the device
     path, nxt = accept_tree(tree, logits * 4, hot, None, 2, 0)
     assert tree.path_tokens(path) == [6, 5] and nxt == 2

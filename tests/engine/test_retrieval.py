@@ -16,7 +16,6 @@ from macfleet.engine import fastmath
 from macfleet.engine.events import Finished
 from reference_loops import speculative_generate
 from macfleet.engine.models import load_model
-from macfleet.engine.pipeline import drafts_ahead
 from macfleet.engine.proposers import ProposerSpecError, make_proposer
 from macfleet.engine.proposers.retrieval import (SEPARATOR, Datastore, RetrievalProposer,
                                                  build_tree)
@@ -115,7 +114,7 @@ def _why(fin, alone, prompt) -> str:
     """What a failure needs to be understood (evaluated only on failure): the process's
     switches, the drafts' stats and the verifier's answer."""
     seen = {k: v for k, v in os.environ.items() if k.startswith("MACFLEET")}
-    return (f"fastmath {fastmath.enabled()}, ahead {drafts_ahead()}, env {seen}; stats "
+    return (f"fastmath {fastmath.enabled()}, env {seen}; stats "
             f"{fin.stats}; prompt {prompt}, answer {alone.token_ids}")
 
 

@@ -1,5 +1,6 @@
-"""The one generation driver (engine/text.py): '+' or a tree drafter -> a token tree, one chain
-drafter -> chains, the text stream flushed last; the same for in-process and agent runs.
+"""The drafting plan (engine/text.py `plan_drafting`): '+' or a tree drafter -> a token tree,
+one chain drafter -> chains; through the serving engine (serve/one.py) the text stream is
+flushed last, the same for in-process and agent runs.
 
 Token ids: the "greedy margin" rule of tests/tolerance.py (a tree vs chains).
 """
@@ -12,7 +13,7 @@ from macfleet.engine.events import Finished
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers import drafts_tree
 from macfleet.engine.text import TextDelta, plan_drafting
-from reference_loops import generate_local
+from macfleet.serve.one import generate_one
 
 
 @pytest.mark.parametrize("spec,tree", [("ngram", False), ("none", False), ("eagle", False),
@@ -28,8 +29,8 @@ def test_local_tree_and_chain_give_the_same_text_and_flush_last():
     lm = load_model("tiny:3")
     runs = {}
     for spec in ("none", "ngram", "ngram+draft:tiny:3"):
-        evs = list(generate_local(lm, "the cat sat on the mat", chat=False, proposer=spec,
-                                  max_tokens=24))
+        evs = list(generate_one(lm, "the cat sat on the mat", chat=False, proposer=spec,
+                                max_tokens=24))
         fin = evs[-1]
         assert isinstance(fin, Finished)
         deltas = [e for e in evs if isinstance(e, TextDelta)]
@@ -42,4 +43,4 @@ def test_local_tree_and_chain_give_the_same_text_and_flush_last():
 def test_a_drafter_of_nothing_cannot_be_a_tree_branch():
     lm = load_model("tiny:3")
     with pytest.raises(ValueError, match="drafts nothing"):
-        list(generate_local(lm, "hi", chat=False, proposer="ngram+none", max_tokens=2))
+        list(generate_one(lm, "hi", chat=False, proposer="ngram+none", max_tokens=2))

@@ -11,11 +11,14 @@ import pytest
 
 from macfleet.engine.events import BlockDone, Finished
 from macfleet.engine.models import load_model
+from macfleet.engine.proposers import Draft, Proposer
+from macfleet.engine.proposers.group import ProposerGroup
+from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.text import TextDelta
 from reference_loops import generate_local
 from macfleet.serve import engine as serve_engine
 from macfleet.serve import one
-from macfleet.serve.one import generate_one
+from macfleet.serve.one import decode_ids, generate_one
 
 MODEL = "tiny:3"
 PROMPT = "the cat sat on the mat and the cat sat on the"
@@ -101,3 +104,90 @@ def test_a_given_verifiers_failure_is_raised_to_its_owner(lm, fails_in):
 
     with pytest.raises(Lost):
         list(one.decode_ids(lm, [1, 2, 3, 4], max_tokens=4, verifier=Breaks(lm.model)))
+
+
+def test_a_grammar_answer_stops_at_max_tokens_even_inside_forced_tokens(lm):
+    """The forced literal "id: " is drafted for free, but never past max_tokens; the answer
+    matches the grammar, ends where it completes, and drafts do not change it."""
+    import re
+
+    from macfleet.engine.constraint import REGEX, Grammar
+
+    pattern = r"id: [a-z]{2,6}; n [0-9]{1,3}\."
+    g = Grammar(REGEX, pattern)
+
+    def answer(m, proposer="none"):
+        fin = list(generate_one(lm, "some prompt here", chat=False, proposer=proposer,
+                                draft_tokens=4, max_tokens=m, grammar=g))[-1]
+        assert isinstance(fin, Finished)
+        return list(fin.token_ids), fin.stats.finish_reason
+
+    full, reason = answer(40)
+    assert reason == "stop" and re.fullmatch(pattern, lm.tokenizer.decode(full))
+    assert answer(40, "ngram") == (full, "stop")
+    for m in (1, 2, 3, 4, 6):
+        assert answer(m) == (full[:m], "length"), m
+    # max_tokens 5: the whole literal and the verifier's token, in one block
+    fin = list(generate_one(lm, "some prompt here", chat=False, proposer="none",
+                            max_tokens=5, grammar=g))[-1]
+    assert (fin.stats.blocks, fin.stats.drafted, fin.stats.accepted) == (1, 4, 4)
+
+
+
+class TreeOracle(Proposer):
+    """Drafts `truth` (`right` tokens of it, then wrong ones) and a wrong sibling branch, with
+    no probabilities (exact-match acceptance)."""
+
+    drafts_trees = True
+
+    def __init__(self, name, truth, at, vocab, right=None) -> None:
+        self.name, self.truth, self.at = name, list(truth), at
+        self.vocab, self.right = vocab, right
+
+    def propose(self, context, k):
+        pos = len(context) - self.at
+        good = self.truth[pos:pos + max(1, min(4, k // 2))]
+        if self.right is not None:
+            good = good[:self.right] + [(t + 1) % self.vocab for t in good[self.right:]]
+        bad = [(t + 2) % self.vocab for t in good]
+        par = [*range(-1, len(good) - 1), -1, *range(len(good), len(good) + len(bad) - 1)]
+        return Draft((*good, *bad), parents=tuple(par))
+
+
+def test_sampled_trees_of_exact_match_drafts_commit_what_plain_sampling_draws(lm):
+    """Drafts without probabilities are accepted on the device with draws keyed by the seed
+    and each token's output position: the same ids as the verifier sampling alone; the drafts
+    were really walked; another seed draws otherwise."""
+    prompt = lm.tokenizer.encode(PROMPT)
+    hot = SamplingParams(1.3, top_p=0.9, seed=21)
+    plain = ids(decode_ids(lm, prompt, None, params=hot, max_tokens=40))
+    group = ProposerGroup([TreeOracle("a", plain, len(prompt), lm.vocab_size),
+                           TreeOracle("b", plain, len(prompt), lm.vocab_size, 1)],
+                          draft_tokens=6)
+    out = list(decode_ids(lm, prompt, group, params=hot, max_tokens=40))
+    assert ids(out) == plain and out[-1].stats.accepted >= 20
+    other = ids(decode_ids(lm, prompt, None, params=SamplingParams(1.3, top_p=0.9, seed=22),
+                           max_tokens=40))
+    assert other != plain
+
+
+def test_tree_drafts_with_probabilities_take_the_ratio_rule_seeded(lm, monkeypatch):
+    """A draft model's drafts carry probabilities: SpecInfer's rule decides on the host with
+    the request's generator, so a seed fixes the output and another seed changes it."""
+    from macfleet.engine.proposers import make_proposer
+    from macfleet.serve import decode
+
+    rules = []
+    real = decode.accept_tree_sample
+    monkeypatch.setattr(decode, "accept_tree_sample",
+                        lambda tree, *a: rules.append(tree) or real(tree, *a))
+    prompt = lm.tokenizer.encode(PROMPT)
+
+    def sample(seed):
+        group = ProposerGroup([make_proposer("draft:tiny:2:64", lm)], draft_tokens=3)
+        return list(decode_ids(lm, prompt, group, params=SamplingParams(1.0, seed=seed),
+                               max_tokens=20))[-1]
+
+    a = sample(5)
+    assert rules and a.stats.accepted > 0 and len(a.token_ids) == 20
+    assert sample(5).token_ids == a.token_ids and sample(6).token_ids != a.token_ids

@@ -104,12 +104,6 @@ class ProposerGroup:
         out = self.finish()
         return [given[j] if h else d for j, (h, d) in enumerate(zip(have, out))]
 
-    @property
-    def host_side(self) -> bool:
-        """Every live drafter drafts on the host: the group may draft during verification."""
-        return any(self.live) and all(p.host_side for p, live in zip(self.proposers, self.live)
-                                      if live)
-
     def begin(self, context: Sequence[int], ks: Sequence[int]) -> None:
         """Every proposer's request first (`Proposer.begin`: drafters on other machines
         draft at the same time, and a batching verifier begins every session's group before

@@ -111,15 +111,6 @@ def _tapped_class(base: type, kind: str) -> type:
     return type(name, (base,), {"__call__": __call__, "_macfleet_base": base})
 
 
-def record_hidden(model: nn.Module, start: int, tokens: Sequence[int], h: mx.array) -> None:
-    """Report hidden rows computed outside the model's own forward (tree verification runs the
-    layers itself): rows of positions start.. for `tokens`, to whoever taps this model."""
-    inner = getattr(model, "model", None)
-    tap = inner.__dict__.get(_TAP) if inner is not None else None
-    if tap is not None:
-        tap.records.append((start, [int(t) for t in tokens], h))
-
-
 def attach_tap(model: nn.Module, tap: HiddenTap) -> None:
     """Record the verifier's pre-norm hidden states into `tap` on every full forward."""
     inner = model.model

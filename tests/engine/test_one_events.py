@@ -1,6 +1,7 @@
-"""The spec-decode loop as a stream of events: consistency, limits, EOS, a proposer that dies.
+"""One request through the serving engine (serve/one.py) as a stream of events: consistency,
+limits, EOS, a proposer that dies.
 
-Token ids: the "greedy margin" rule of tests/tolerance.py (the loop's blocks vs mlx-lm's
+Token ids: the "greedy margin" rule of tests/tolerance.py (the engine's blocks vs mlx-lm's
 plain decoding); "same path" for a seeded run repeated.
 """
 
@@ -12,16 +13,13 @@ import numpy as np
 import pytest
 from engine_testkit import finished, mlx_lm_greedy
 
-from macfleet.engine.controller import make_controller
 from macfleet.engine.events import BlockDone, Finished, TokensCommitted
-from reference_loops import speculative_generate
 from macfleet.engine.proposers.base import ProposerFailed, sanitize_draft
 from macfleet.engine.proposers import Draft, Proposer, make_proposer
 from macfleet.engine.proposers.ngram import NgramProposer
 from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.text import TextDelta
-from reference_loops import generate_local
-from macfleet.engine.verifier import Verifier
+from macfleet.serve.one import decode_ids, generate_one
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 N = 40
@@ -84,9 +82,8 @@ class DiesAfter(Proposer):
 
 def run(tiny, proposer, k=4, max_tokens=N, eos_ids=frozenset(), params=None, prompt=PROMPT):
     kw = {"params": params} if params is not None else {}
-    return list(speculative_generate(Verifier(tiny.model), proposer, prompt,
-                                     max_tokens=max_tokens, controller=make_controller(k),
-                                     eos_ids=eos_ids, **kw))
+    return list(decode_ids(tiny, prompt, proposer, draft_tokens=k, max_tokens=max_tokens,
+                           eos_ids=eos_ids, **kw))
 
 
 def check_consistent(events) -> Finished:
@@ -115,21 +112,21 @@ def check_consistent(events) -> Finished:
             s.accepted / sum(1 for b in blocks if b.drafted > 0))
     else:
         assert s.accepted_hist == ()
-    # the order: per block, its TokensCommitted (only when it committed something, never
-    # empty) immediately followed by its BlockDone, blocks in order, Finished last
-    expect = 1
-    pending: TokensCommitted | None = None
+    # the order: per block, its BlockDone immediately followed by its TokensCommitted (only
+    # when it committed something, never empty), blocks in order, Finished last
+    expect = 0
+    owed = 0  # tokens the last BlockDone said it committed, not yet seen
     for e in events[:-1]:
         assert not isinstance(e, Finished)
         if isinstance(e, TokensCommitted):
-            assert pending is None, f"two TokensCommitted without a BlockDone between: {e}"
-            assert e.tokens and e.block == expect, (e, expect)
-            pending = e
+            assert owed and e.tokens and e.block == expect, (e, expect)
+            assert len(e.tokens) == owed, e
+            owed = 0
         else:
-            assert isinstance(e, BlockDone) and e.block == expect, (e, expect)
-            assert e.committed == (len(pending.tokens) if pending is not None else 0), e
-            pending, expect = None, expect + 1
-    assert pending is None, "a TokensCommitted without its BlockDone"
+            assert isinstance(e, BlockDone) and e.block == expect + 1, (e, expect)
+            assert not owed, f"a BlockDone without its TokensCommitted before {e}"
+            expect, owed = e.block, e.committed
+    assert not owed, "a BlockDone without its TokensCommitted"
     d = s.to_dict()
     assert d["tokens"] == s.tokens and d["acceptance"] == s.acceptance
     assert isinstance(d["accepted_hist"], list)
@@ -237,35 +234,15 @@ def test_proposer_is_started_and_closed(tiny, ref):
     assert (o.started, o.closed) == (1, 1)
     # closed even when the consumer stops early
     o2 = Oracle(ref, tiny.vocab_size)
-    gen = speculative_generate(Verifier(tiny.model), o2, PROMPT, max_tokens=N,
-                               controller=make_controller(2))
+    gen = decode_ids(tiny, PROMPT, o2, draft_tokens=2, max_tokens=N)
     next(gen)
     gen.close()
     assert o2.closed == 1
 
 
-def test_verifier_cache_holds_committed_minus_one_at_every_yield(tiny, ref):
-    v = Verifier(tiny.model)
-    committed = 0
-    for ev in speculative_generate(v, Oracle(ref, tiny.vocab_size, right=2), PROMPT,
-                                   max_tokens=N, controller=make_controller(4)):
-        if isinstance(ev, TokensCommitted):
-            committed += len(ev.tokens)
-        if not isinstance(ev, Finished):
-            assert v.offset == len(PROMPT) + committed - 1
-
-
 def test_one_token_prompt(tiny):
     fin = check_consistent(run(tiny, NgramProposer(), k=3, prompt=[7], max_tokens=10))
     assert list(fin.token_ids) == mlx_lm_greedy(tiny.model, [7], 10)
-
-
-def test_verifier_is_reusable_across_generations(tiny, ref):
-    v = Verifier(tiny.model)
-    for _ in range(2):
-        fin = finished(speculative_generate(v, NgramProposer(), PROMPT, max_tokens=N,
-                                            controller=make_controller(3)))
-        assert list(fin.token_ids) == ref
 
 
 def test_sanitize_draft():
@@ -285,7 +262,7 @@ def test_sanitize_draft():
 
 def test_generate_local_text_path(tiny):
     """The text wrapper on a tiny model (character tokenizer, no chat template)."""
-    events = list(generate_local(tiny, "hello world", proposer="ngram", max_tokens=15))
+    events = list(generate_one(tiny, "hello world", proposer="ngram", max_tokens=15))
     fin = events[-1]
     assert isinstance(fin, Finished) and fin.stats.tokens == 15
     deltas = [e for e in events if isinstance(e, TextDelta)]
