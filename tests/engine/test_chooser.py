@@ -455,3 +455,47 @@ def test_the_records_figures_per_drafter_are_the_prior():
     assert prior_from({"bench": record}) == {
         "eagle2": Prior(accepted=1.5, verified=11.0),
         "eagle": Prior(speedup=1.15, accepted=0.7, verified=2.6)}
+
+
+def lucky_scores(c: Chooser, blocks: int = 80) -> tuple[list, float, int]:
+    """n-gram's scored blocks accept 3 of 4, its chosen ones 0 (chosen where the text's copies
+    end: the winner's curse of a candidate scored every block); eagle accepts 1 of 3."""
+    out = {"ngram": (0, 5, 0.2), "eagle": (1, 4, 4.0), PLAIN: (0, 1, 0.0)}
+    machine = VerifyCurve()
+    machine.seed(FLAT)
+    picked, ms, tokens = [], 0.0, 0
+    for _ in range(blocks):
+        ch = c.choose()
+        picked.append(ch)
+        acc, L, dms = out[ch.drafter]
+        c.observe(ch.drafter, acc, L, dms, machine.cost(L))
+        ms, tokens = ms + dms + machine.cost(L), tokens + 1 + acc
+        if ch.drafter != "ngram":
+            c.shadow("ngram", 3, 5, 0.2)
+    return picked, ms, tokens
+
+
+CURSED = (Candidate(PLAIN), Candidate("ngram", (0,), free=True), Candidate("eagle", (1,)))
+
+
+def test_a_free_drafter_chosen_on_its_scores_peaks_is_calibrated_by_what_it_committed():
+    c = chooser(FLAT, cands=CURSED)
+    picked, ms, tokens = lucky_scores(c)
+    late = [p for p in picked[40:] if p.drafter == "ngram" and p.why == BEST]
+    assert len(late) <= 2  # uncalibrated: chosen again after every few scored blocks
+    assert c.calibration("ngram") < 0.6
+    assert tokens / ms * FLAT[1] >= 1.65  # eagle alone: 2 tokens in 45 ms, 1.78x plain
+
+
+def test_calibration_never_raises_a_free_drafter_nor_touches_a_verified_one():
+    # a chosen n-gram drafts longer than its scored drafts while a copy runs on: its blocks
+    # commit more than its estimate claimed, which is its length, not a better estimate
+    c = chooser(FLAT, cands=CURSED)
+    c.shadow("ngram", 3, 5, 0.2)
+    feed(c, {"ngram": (15, 17, 0.2), "eagle": (0, 4, 4.0), PLAIN: (0, 1, 0.0)}, 10, FLAT)
+    assert c.calibration("ngram") == 1.0
+    # eagle, verified only when chosen, commits less than its prior said: not calibrated
+    c = chooser(FLAT, prior={"eagle": Prior(1.6, 3.0, 4.0)}, cands=CURSED)
+    picked = feed(c, {"eagle": (1, 4, 4.0), PLAIN: (0, 1, 0.0)}, 20, FLAT)
+    assert any(p.drafter == "eagle" and p.why == BEST for p in picked)
+    assert c.calibration("eagle") == 1.0
