@@ -69,16 +69,6 @@ follows the machine even while it is not chosen. Plain decoding is 1 / verify(1)
   what the answer and the drafter decide, not the machine (the record's speedup is its
   machine's): what it costs here is still read off this machine's verify(L), so on a slow
   day a prior draws no candidate that cannot pay on this machine's costs.
-* A free candidate is scored on every block and chosen as best where its scores peak, and
-  chosen so, it commits less than it was chosen on (the winner's curse: traced in real
-  answers, results/drafter-auto-floor-1129; its costs are right, its acceptance is not). So
-  its rate is calibrated by what its blocks chosen as best committed over what they were
-  estimated to commit (`calibration`: a ratio of sums from CAL_PRIOR each, so a few blocks
-  move it partly; tries, not chosen on the estimate, do not count). Never above 1: a chosen
-  n-gram drafts longer than its scored drafts while a copy runs on (choosing.py
-  free_chain_k), a length its estimate never claimed. The verified drafters are not
-  calibrated: measured only when chosen, they were traced committing what they were chosen
-  on, and calibrating them lost in the replay (the EAGLE trees with the lookups' copies).
 """
 
 from __future__ import annotations
@@ -106,7 +96,6 @@ SHAPE_CLIP = 1.5  # nor its length's entry in the table more than this,
 SHAPE_EMA = 0.05  # slowly: the load explains a slower machine first
 TRY_WEIGHT = 1.0  # ... but a try's block sets its length's entry (clipped by LOAD_CLIP)
 PRIOR_TRIES = 2  # tries of a candidate the record says pays here that the budget never holds
-CAL_PRIOR = 4.0  # committed tokens (1 + accepted) the calibration starts with at 1:1
 
 
 @dataclass(frozen=True)
@@ -144,10 +133,6 @@ class _Estimate:
     started: bool = False  # accepted and length start at the record's (Prior)
     own: float = 0.0  # accepted per block, its own blocks alone (what the budget charges)
     capped: bool = False  # its first block's drafting was cut to `cap` (its second replaces it)
-    # committed tokens (1 + accepted) its blocks chosen as best realized, and were estimated
-    # at when chosen: `Chooser.calibration`
-    realized: float = 0.0
-    expected: float = 0.0
 
     def add(self, accepted: float, length: float, draft_ms: float,
             steady: bool = True, cap: float = float("inf")) -> None:
@@ -225,7 +210,6 @@ class Chooser:
     trace: list[BlockTrace] = field(default_factory=list)  # every observed block
     _seen: tuple[str, tuple[tuple[str, float], ...]] = ("", ())  # best and rates at choose
     _tried_lengths: set[int] = field(default_factory=set)  # lengths a try has taught
-    _chosen_at: float = 0.0  # the last choice's estimated committed tokens (1 + accepted)
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.candidates]
@@ -261,14 +245,7 @@ class Chooser:
         if e.n == 0:
             return None if e.prior is None else e.prior * plain
         cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
-        return (1.0 + e.accepted) * self.calibration(name) / max(cost, 1e-9)
-
-    def calibration(self, name: str) -> float:
-        """What a free candidate's blocks chosen as best committed over what they were
-        estimated to commit when chosen, at most 1 (1: none yet, or a verified drafter; see
-        the module's docstring)."""
-        e = self._est[name]
-        return min(1.0, (CAL_PRIOR + e.realized) / (CAL_PRIOR + e.expected))
+        return (1.0 + e.accepted) / max(cost, 1e-9)
 
     def _loss(self, name: str, best_rate: float) -> float:
         """ms a block of `name` is expected to take beyond what the best candidate would
@@ -337,7 +314,6 @@ class Chooser:
         # is the prior's block: the best measured one then)
         self._last, self._last_best = ch, (best_rate if ch.why != PRIOR
                                            else self._best(exclude=best)[1])
-        self._chosen_at = 1.0 + self._est[ch.drafter].accepted
         self._seen = (top, tuple((c.name, round((self.rate(c.name) or 0.0) * 1e3, 3))
                                              for c in self.candidates))
         return ch
@@ -358,9 +334,6 @@ class Chooser:
         self._follow_load(verified, verify_ms, tried)
         self.spent_ms += draft_ms + verify_ms
         e = self._est[name]
-        if last is not None and last.why == BEST and self.by_name(name).free:
-            e.realized += 1.0 + accepted
-            e.expected += self._chosen_at
         if name != PLAIN:
             e.add(accepted, verified, draft_ms, steady=self._prev == name,
                   cap=self._first_draft_cap(verified))
