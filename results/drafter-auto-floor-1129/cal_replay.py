@@ -1,5 +1,5 @@
 """Variants of the calibration (engine/chooser.py `calibration`, issue 44) in text_replay.py's
-replay of the real answers: main, this tree, and this tree's calibration cut to some
+replay of the real answers: main, the calibration as first written (98f2fb0: every candidate, uncapped), and it cut to some
 candidates, capped, or with another CAL_PRIOR. Prints each variant's geomean over plain per
 day and per prompt.
 
@@ -19,10 +19,11 @@ sys.path.insert(0, str(HERE))
 from text_replay import day, load_chooser  # noqa: E402
 
 FREE = ("ngram", "retrieval", "retrieval+ngram")
+CAL = "98f2fb0"  # the calibration, uncapped and for every candidate (reverted since)
 
 
 def variant(tag: str, only=None, cap: float | None = None, **consts):
-    mod = load_chooser(None, tag, **consts)
+    mod = load_chooser(CAL, tag, **consts)
     orig = mod.Chooser.calibration
 
     def calibration(self, name):
@@ -39,15 +40,15 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=40)
     args = ap.parse_args()
     pos = json.loads((HERE / "positions.json").read_text())
-    mods = {"main": load_chooser("main"), "cal": load_chooser(None),
+    mods = {"main": load_chooser("main"), "cal": load_chooser(CAL),
             "cal<=1": variant("_a", cap=1.0),
             "free": variant("_b", only=lambda n: n in FREE),
             "notfree": variant("_c", only=lambda n: n not in FREE),
             "free<=1": variant("_g", only=lambda n: n in FREE, cap=1.0),
             "rn,r<=1": variant("_h", only=lambda n: n in FREE[1:], cap=1.0),
             "e2rn": variant("_d", only=lambda n: n == "eagle2+retrieval+ngram"),
-            "prior8": load_chooser(None, "_e", CAL_PRIOR=8.0),
-            "prior2": load_chooser(None, "_f", CAL_PRIOR=2.0)}
+            "prior8": load_chooser(CAL, "_e", CAL_PRIOR=8.0),
+            "prior2": load_chooser(CAL, "_f", CAL_PRIOR=2.0)}
     for d in ("fast-prior", "slow-prior"):
         res = day(d, pos, mods, args.seeds)
         fix = math.exp(sum(math.log(r["fixed"]["retrieval+ngram"]) for r in res.values())
