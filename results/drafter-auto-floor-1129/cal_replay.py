@@ -1,5 +1,5 @@
 """Variants of the calibration (engine/chooser.py `calibration`, issue 44) in text_replay.py's
-replay of the real answers: main, the calibration as first written (98f2fb0: every candidate, uncapped), and it cut to some
+replay of the real answers: main, the calibration as first written (2614c54: every candidate, uncapped), and it cut to some
 candidates, capped, or with another CAL_PRIOR. Prints each variant's geomean over plain per
 day and per prompt.
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(HERE))
 from text_replay import day, load_chooser  # noqa: E402
 
 FREE = ("ngram", "retrieval", "retrieval+ngram")
-CAL = "98f2fb0"  # the calibration, uncapped and for every candidate (reverted since)
+CAL = "2614c54"  # the calibration, uncapped and for every candidate (reverted since)
 
 
 def variant(tag: str, only=None, cap: float | None = None, **consts):
