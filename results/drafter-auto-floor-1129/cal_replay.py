@@ -1,7 +1,8 @@
-"""Variants of the calibration (engine/chooser.py `calibration`, issue 44) in text_replay.py's
-replay of the real answers: main, the calibration as first written (2614c54: every candidate, uncapped), and it cut to some
-candidates, capped, or with another CAL_PRIOR. Prints each variant's geomean over plain per
-day and per prompt.
+"""Variants of the calibration (2614c54's engine/chooser.py `calibration`, reverted since;
+issue 44) in text_replay.py's replay of the real answers: main; the calibration for every
+candidate, uncapped ("cal"); it cut to some candidates, capped at 1, or with another
+CAL_PRIOR ("free<=1" is 2614c54's). Per prompt auto's speedup over plain, then each
+variant's geomean, and over retrieval+ngram's (the best fixed drafter of both days).
 
   python results/drafter-auto-floor-1129/cal_replay.py [--seeds 40]
 """
@@ -9,9 +10,12 @@ day and per prompt.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -19,11 +23,33 @@ sys.path.insert(0, str(HERE))
 from text_replay import day, load_chooser  # noqa: E402
 
 FREE = ("ngram", "retrieval", "retrieval+ngram")
-CAL = "2614c54"  # the calibration, uncapped and for every candidate (reverted since)
+CAL = "2614c54"  # the calibration (free candidates, at most 1; reverted since)
+
+
+def calibrated_all(tag: str, **consts):
+    """2614c54's chooser with its calibration for every drafter, uncapped (as first written;
+    the variants below cut it back)."""
+    src = subprocess.run(["git", "-C", str(HERE), "show", f"{CAL}:macfleet/engine/chooser.py"],
+                         check=True, capture_output=True, text=True).stdout
+    for a, b in (("return min(1.0, (CAL_PRIOR + e.realized) / (CAL_PRIOR + e.expected))",
+                  "return (CAL_PRIOR + e.realized) / (CAL_PRIOR + e.expected)"),
+                 ("last.why == BEST and self.by_name(name).free",
+                  "last.why == BEST and name != PLAIN")):
+        assert src.count(a) == 1, a
+        src = src.replace(a, b)
+    path = Path(tempfile.mkdtemp()) / f"chooser_calall{tag}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    for k, v in consts.items():
+        setattr(mod, k, v)
+    return mod
 
 
 def variant(tag: str, only=None, cap: float | None = None, **consts):
-    mod = load_chooser(CAL, tag, **consts)
+    mod = calibrated_all(tag, **consts)
     orig = mod.Chooser.calibration
 
     def calibration(self, name):
@@ -40,15 +66,15 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=40)
     args = ap.parse_args()
     pos = json.loads((HERE / "positions.json").read_text())
-    mods = {"main": load_chooser("main"), "cal": load_chooser(CAL),
+    mods = {"main": load_chooser("main"), "cal": calibrated_all(""),
             "cal<=1": variant("_a", cap=1.0),
             "free": variant("_b", only=lambda n: n in FREE),
             "notfree": variant("_c", only=lambda n: n not in FREE),
             "free<=1": variant("_g", only=lambda n: n in FREE, cap=1.0),
             "rn,r<=1": variant("_h", only=lambda n: n in FREE[1:], cap=1.0),
             "e2rn": variant("_d", only=lambda n: n == "eagle2+retrieval+ngram"),
-            "prior8": load_chooser(CAL, "_e", CAL_PRIOR=8.0),
-            "prior2": load_chooser(CAL, "_f", CAL_PRIOR=2.0)}
+            "prior8": calibrated_all("_e", CAL_PRIOR=8.0),
+            "prior2": calibrated_all("_f", CAL_PRIOR=2.0)}
     for d in ("fast-prior", "slow-prior"):
         res = day(d, pos, mods, args.seeds)
         fix = math.exp(sum(math.log(r["fixed"]["retrieval+ngram"]) for r in res.values())
