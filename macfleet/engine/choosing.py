@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from macfleet.engine.chooser import PLAIN, Candidate, Chooser, Prior, tree_depth, tree_match
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.proposers.group import ProposerGroup, cap_total, own_length, tree_budget
-from macfleet.engine.tree_budget import Backoff
 from macfleet.stats import EXPLORE, BlockTrace, DrafterChoice, DrafterStats
 
 AUTO_NAME = "auto"
@@ -225,17 +224,6 @@ class ChoosingGroup(ProposerGroup):
         return tuple(DrafterStats(name, *t) for name, t in self._tally.items())
 
 
-class ChosenBackoff(Backoff):
-    """A tree drafter's backoff inside `auto`: never skips. The chooser already decides
-    whether the head drafts a block (its estimate and tries); the backoff deciding again,
-    after a few empty trees, had eagle2+retrieval+ngram's blocks draft without the head and
-    eagle2's tries draft nothing, so the chooser rated the head by blocks it never drafted
-    (traced on a slow day's rewrite; results/drafter-auto-floor-1129)."""
-
-    def should_draft(self) -> bool:
-        return True
-
-
 def auto_candidates(has_head: bool, has_store: bool) -> tuple[list[str], list[Candidate]]:
     """Pure: the drafters (specs; `eagle` is `ChainsOf` the `eagle2` proposer) and the
     candidates of `auto` for a model with a shipped head and/or answer store."""
@@ -286,8 +274,6 @@ def make_auto_group(lm, draft_tokens: int | str = "auto",
     store = default_store_path(lm.spec)
     tree = build("eagle2") if head is not None and head.is_file() else None
     ret = build("retrieval") if store is not None else None
-    if tree is not None:
-        tree.backoff = ChosenBackoff()
     specs, cands = auto_candidates(tree is not None, ret is not None)
     made = {"ngram": build("ngram"), "retrieval": ret, "eagle2": tree,
             "eagle": ChainsOf(tree) if tree is not None else None}

@@ -12,7 +12,6 @@ from engine_testkit import finished, mlx_lm_greedy
 from macfleet.engine.chooser import PLAIN, Candidate
 from macfleet.engine.choosing import (FREE_K_MAX, SHADOW_K, ChoosingGroup, free_chain_k,
                                       make_auto_group)
-from macfleet.engine.proposers.eagle.tree import EagleTreeProposer
 from macfleet.engine.events import BlockDone, Finished
 from macfleet.engine.proposers.base import Draft, Proposer
 from reference_loops import generate_local
@@ -153,16 +152,6 @@ def test_auto_is_plain_decoding_on_a_tiny_model(tiny):
     assert {d.name for d in auto.stats.drafters} == {PLAIN, "ngram"}
     assert auto.stats.to_dict()["choices"][0]["why"] in ("best", "prior", "explore")
     assert make_auto_group(tiny, prior={}).prior == {}
-
-
-def test_auto_decides_whether_the_head_drafts_not_its_backoff(smollm2):
-    """eagle2's backoff skips the head after a few empty trees; inside `auto` the chooser
-    decides that (a tree of eagle2 with the lookups drafted without the head otherwise)."""
-    group = make_auto_group(smollm2)
-    tree = next(p for p in group.proposers if isinstance(p, EagleTreeProposer))
-    for _ in range(12):
-        tree.observe(0, 0, 10.0)
-        assert tree.backoff.should_draft()
 
 
 @pytest.mark.slow
