@@ -2,9 +2,7 @@
 `should_draft` always True: auto's chooser already decides whether eagle2 drafts), interleaved
 in one process on real prompts (issue 44): this tree's chooser in both; ABBA rounds, plain
 decoding in each; every run's ids must equal plain decoding's. Columns: plain's median CPU
-seconds per run over each variant's. Run before auto's tree drafter got a backoff that never
-skips (choosing.py ChosenBackoff, which overrides the patched method: since then both arms
-are the same).
+seconds per run over each variant's.
 
   python results/drafter-auto-floor-1129/ab_backoff.py --prompts rewrite,chat --rounds 2
       [--out runs.json]
