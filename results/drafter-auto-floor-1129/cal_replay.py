@@ -1,7 +1,7 @@
-"""Variants of the calibration (2614c54's engine/chooser.py `calibration`, reverted since;
+"""Variants of the calibration (3771ea2's engine/chooser.py `calibration`, reverted since;
 issue 44) in text_replay.py's replay of the real answers: main; the calibration for every
 candidate, uncapped ("cal"); it cut to some candidates, capped at 1, or with another
-CAL_PRIOR ("free<=1" is 2614c54's). Per prompt auto's speedup over plain, then each
+CAL_PRIOR ("free<=1" is 3771ea2's). Per prompt auto's speedup over plain, then each
 variant's geomean, and over retrieval+ngram's (the best fixed drafter of both days).
 
   python results/drafter-auto-floor-1129/cal_replay.py [--seeds 40]
@@ -23,11 +23,11 @@ sys.path.insert(0, str(HERE))
 from text_replay import day, load_chooser  # noqa: E402
 
 FREE = ("ngram", "retrieval", "retrieval+ngram")
-CAL = "2614c54"  # the calibration (free candidates, at most 1; reverted since)
+CAL = "3771ea2"  # the calibration (free candidates, at most 1; reverted since)
 
 
 def calibrated_all(tag: str, **consts):
-    """2614c54's chooser with its calibration for every drafter, uncapped (as first written;
+    """3771ea2's chooser with its calibration for every drafter, uncapped (as first written;
     the variants below cut it back)."""
     src = subprocess.run(["git", "-C", str(HERE), "show", f"{CAL}:macfleet/engine/chooser.py"],
                          check=True, capture_output=True, text=True).stdout
