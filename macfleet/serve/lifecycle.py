@@ -90,7 +90,8 @@ class Sessions:
         predicted = (ProposerStats(PREDICTION, st.prediction_drafted, st.prediction_accepted),)
         per_proposer = (*(s.group.per_proposer() if s.group is not None else ()),
                         *(predicted if s.prediction is not None else ()))
-        chosen = (dict(drafters=s.group.drafter_stats(), choices=tuple(s.group.choices))
+        chosen = (dict(drafters=s.group.drafter_stats(), choices=tuple(s.group.choices),
+                       trace=tuple(s.group.trace))
                   if s.group is not None else {})
         self._release(s, "cancelled" if s.cancelled else "failed" if failed else "done")
         if s.cancelled:

@@ -30,7 +30,7 @@ def main() -> int:
     from macfleet.engine import choosing
     from macfleet.engine.events import Finished
     from macfleet.engine.models import load_model
-    from macfleet.engine.text import generate_local
+    from macfleet.serve.one import generate_one
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", required=True)
@@ -51,7 +51,7 @@ def main() -> int:
         spec = "none" if variant == "none" else "auto"
         fin = None
         t0 = time.process_time()
-        for ev in generate_local(lm, BENCH_PROMPTS[kind], proposer=spec,
+        for ev in generate_one(lm, BENCH_PROMPTS[kind], proposer=spec,
                                  max_tokens=args.max_tokens):
             if isinstance(ev, Finished):
                 fin = ev
@@ -63,7 +63,7 @@ def main() -> int:
                 "trace": [trace_json(t) for t in st.trace]}
 
     # the first auto run of a process loads the head and the answer store: not either's cost
-    for _ in generate_local(lm, "Hi", proposer="auto", max_tokens=8):
+    for _ in generate_one(lm, "Hi", proposer="auto", max_tokens=8):
         pass
     for rnd in range(args.rounds):
         order = ("none", args.ref, "tree") if rnd % 2 == 0 else ("none", "tree", args.ref)

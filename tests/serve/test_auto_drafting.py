@@ -46,6 +46,9 @@ def test_each_session_chooses_its_drafter_with_plain_decodings_answer(tiny):
         st = f.stats
         assert st.proposer == "auto" and {d.name for d in st.drafters} == {PLAIN, "ngram"}
         assert len(st.choices) == st.blocks == sum(d.blocks for d in st.drafters)
+        # what the chooser saw, block by block (bench drafter's evidence of auto's blocks)
+        assert [(t.block, t.drafter) for t in st.trace] == [(c.block, c.drafter)
+                                                            for c in st.choices]
 
 
 def test_a_prediction_drafts_beside_the_chosen_drafter(tiny):
