@@ -105,11 +105,6 @@ class ChoosingGroup(ProposerGroup):
     def _members(self) -> tuple[int, ...]:
         return self.chooser.by_name(self.choice.drafter).members if self.choice else ()
 
-    @property
-    def host_side(self) -> bool:
-        m = [j for j in self._members() if self.live[j]]
-        return bool(m) and all(self.proposers[j].host_side for j in m)
-
     def lengths(self, limit: int) -> list[int]:
         self.choice = self.chooser.choose()
         free = self.chooser.by_name(self.choice.drafter).free
@@ -125,11 +120,6 @@ class ChoosingGroup(ProposerGroup):
                             else self._free_k.get(j, SHADOW_K) if free
                             else own_length(p.draft_length(), self.controllers[j]), limit)
         return cap_total(ks, self.node_budget)
-
-    def draft_all(self, context: Sequence[int], ks: Sequence[int],
-                  given: Sequence[Draft | None] | None = None) -> list[Draft]:
-        given = [g if k > 0 else None for g, k in zip(given or [None] * len(ks), ks)]
-        return super().draft_all(context, ks, given)
 
     def begin(self, context: Sequence[int], ks: Sequence[int]) -> None:
         """The chosen drafters' requests (the tree loop's `draft_all` and the serving

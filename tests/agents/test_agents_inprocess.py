@@ -414,7 +414,7 @@ class _TreeEcho:
     """A host tree drafter for DraftStream tests: under the context's last token t, a branch
     t+1, t+2, ... of depth 3 and a one-node branch t+5 (ids mod 64)."""
 
-    drafts_trees, wants_features, host_side, fallback_tokens = True, False, True, 0
+    drafts_trees, wants_features, fallback_tokens = True, False, 0
     calls: list[int]
 
     def __init__(self):

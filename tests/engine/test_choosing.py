@@ -26,8 +26,8 @@ N = 48
 class Scripted(Proposer):
     """Drafts the reference answer (`right`) or a wrong token; records its outcomes."""
 
-    def __init__(self, name: str, ref: list[int], right: bool, host: bool = False) -> None:
-        self.name, self.ref, self.right, self.host_side = name, ref, right, host
+    def __init__(self, name: str, ref: list[int], right: bool) -> None:
+        self.name, self.ref, self.right = name, ref, right
         self.observed: list[tuple[int, int]] = []
         self.asked = 0
 
@@ -100,7 +100,7 @@ def _right_drafter_run(tiny, ref_ids, good, bad) -> bool:
 def test_a_free_drafter_is_scored_from_the_text_without_being_tried(tiny, ref_ids):
     """A free drafter right about the text is chosen on its shadow scores: never explored,
     its first block already `best`; the wrong non-free one is explored."""
-    free, bad = Scripted("free", ref_ids, True, host=True), Scripted("bad", ref_ids, False)
+    free, bad = Scripted("free", ref_ids, True), Scripted("bad", ref_ids, False)
     group = ChoosingGroup([free, bad], [Candidate(PLAIN), Candidate("free", (0,), free=True),
                                         Candidate("bad", (1,))], draft_tokens=4)
     done, fin = _run(tiny, group)
@@ -121,7 +121,7 @@ def test_a_chosen_free_drafter_drafts_what_it_was_scored_on(tiny, ref_ids):
     drafts the answer itself), up to FREE_K_MAX."""
     from macfleet.engine.controller import FixedDraftLength
 
-    free = Scripted("free", ref_ids, True, host=True)
+    free = Scripted("free", ref_ids, True)
     group = ChoosingGroup([free], [Candidate(PLAIN), Candidate("free", (0,), free=True)],
                           draft_tokens=4)
     group.controllers[0] = FixedDraftLength(0)

@@ -87,9 +87,6 @@ class Proposer(ABC):
     drafts_trees: bool = False  # propose() may return a tree (Draft.parents); k = node budget
     wants_features: bool = False  # drafts from the verifier's hidden states (flow F3)
     fallback_tokens: int = 0  # positions whose features it had to compute itself
-    # drafts on the host without the device (lookups): may draft the next block while the
-    # verifier computes this one; a model drafter would compete for the device
-    host_side: bool = False
     # drafts arrive on their own schedule (a draft-model agent drafting ahead on another
     # machine) and the proposer itself decides how long a block waits for them
     # (controller.tokens_to_wait): that wait is not a per-token drafting cost, so the block

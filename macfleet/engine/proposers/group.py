@@ -94,15 +94,10 @@ class ProposerGroup:
               for p, c, live in zip(self.proposers, self.controllers, self.live)]
         return cap_total(ks, self.node_budget)
 
-    def draft_all(self, context: Sequence[int], ks: Sequence[int],
-                  given: Sequence[Draft | None] | None = None) -> list[Draft]:
-        """Each proposer's draft (EMPTY_DRAFT where k is 0 or it failed: pruned); a non-empty
-        `given[j]` (drafted ahead) stands for proposer j's, which is then not asked."""
-        given = list(given) if given is not None else [None] * len(self.proposers)
-        have = [g is not None and bool(g.tokens) and self.live[j] for j, g in enumerate(given)]
-        self.begin(context, [0 if h else k for h, k in zip(have, ks)])
-        out = self.finish()
-        return [given[j] if h else d for j, (h, d) in enumerate(zip(have, out))]
+    def draft_all(self, context: Sequence[int], ks: Sequence[int]) -> list[Draft]:
+        """Each proposer's draft (EMPTY_DRAFT where k is 0 or it failed: pruned)."""
+        self.begin(context, ks)
+        return self.finish()
 
     def begin(self, context: Sequence[int], ks: Sequence[int]) -> None:
         """Every proposer's request first (`Proposer.begin`: drafters on other machines

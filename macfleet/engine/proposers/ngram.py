@@ -18,7 +18,6 @@ DEFAULT_MIN_NGRAM = 1
 
 
 class NgramProposer(Proposer):
-    host_side = True
 
     def __init__(self, max_n: int = DEFAULT_MAX_NGRAM, min_n: int = DEFAULT_MIN_NGRAM) -> None:
         if not 1 <= min_n <= max_n:

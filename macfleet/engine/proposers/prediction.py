@@ -116,7 +116,6 @@ def best_window(alpha: float, cost, max_window: int) -> int:
 class PredictionProposer(Proposer):
     """Drafts from one request's prediction (token ids); see the module docstring."""
 
-    host_side = True
 
     def __init__(self, prediction: Sequence[int], answer_start: int, *,
                  max_window: int = MAX_WINDOW) -> None:

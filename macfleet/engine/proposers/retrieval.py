@@ -226,7 +226,6 @@ def build_tree(store: Datastore, matches: Sequence[tuple[int, int]], depth: int
 
 class RetrievalProposer(TreeSizing, Proposer):
     drafts_trees = True
-    host_side = True
 
     def __init__(self, store: Datastore, name: str = "retrieval", *,
                  max_matches: int = DEFAULT_MAX_MATCHES, depth: int = DEFAULT_DEPTH,

@@ -67,12 +67,8 @@ def test_a_group_sizes_asks_prunes_and_tallies_its_drafters():
     assert a.asked == [(2, 2)] and t.asked == [(2, 2)]
     assert g.live == [True, True, False]  # the failed drafter is pruned...
     assert g.lengths(10) == [3, 4, 0]  # ... and gets no length
-    # a non-empty draft made ahead stands for its drafter's; an empty one does not
-    got = g.draft_all([1, 2, 3], [2, 2, 0], [Draft((9,)), None, Draft((8,))])
-    assert [o.tokens for o in got] == [(9,), (), ()]
-    assert a.asked == [(2, 2)] and t.asked == [(2, 2), (3, 2)]
-    g.draft_all([1], [1, 0, 1], [Draft(()), None, None])
-    assert a.asked == [(2, 2), (1, 1)] and t.asked == [(2, 2), (3, 2)]  # k 0: not asked
+    g.draft_all([1], [1, 0, 1])
+    assert a.asked == [(2, 2), (1, 1)] and t.asked == [(2, 2)]  # k 0: not asked
     g.observe([Draft((4, 5, 6), draft_ms=1.0), Draft((7,)), EMPTY_DRAFT], [2, 1, 0], 5.0, 9)
     g.observe([Draft((4,)), EMPTY_DRAFT, EMPTY_DRAFT], [0, 0, 0], 4.0, 2)
     assert a.observed == [(3, 2, 5.0, 9), (1, 0, 4.0, 2)] and t.observed[0] == (1, 1, 5.0, 9)
