@@ -248,17 +248,11 @@ class VerifierService:
             SamplingParams(msg.temperature, msg.top_p, msg.seed)
         except ValueError as e:
             raise ProtocolError(BAD_REQUEST, str(e)) from None
-        if msg.top_logprobs is not None:
-            if not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ProtocolError(BAD_REQUEST, f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}")
-            if self._batch is None:
-                raise ProtocolError(BAD_REQUEST, "logprobs need the verifier's continuous batch; "
-                                    "this verifier decodes one session at a time (sharded, or "
-                                    "--batch-sessions 0)")
+        if msg.top_logprobs is not None and not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ProtocolError(BAD_REQUEST, f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}")
         if msg.grammar_kind:
-            err = ("response_format needs the verifier's continuous batch; this verifier "
-                   "decodes one session at a time" if self._batch is None else
-                   grammar_error(Grammar(msg.grammar_kind, msg.grammar_source)))
+            # either path runs the serving engine, which follows a grammar alone or batched
+            err = grammar_error(Grammar(msg.grammar_kind, msg.grammar_source))
             if err is not None:
                 raise ProtocolError(BAD_REQUEST, f"response_format: {err.strip()[:500]}")
         if len(msg.prediction_ids) > MAX_PREDICTION_IDS:

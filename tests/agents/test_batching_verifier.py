@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from agents.daemon import Agent, AgentConfig
-from bridge.messages import GenerateDone
-from macfleet.fleet.client import batch_status
+from bridge.messages import GenerateChunk, GenerateDone
+from macfleet.fleet.client import batch_status, generate_remote
 from remote_gen import generate_done
 
 KEY = b"k" * 32
@@ -130,3 +130,72 @@ def test_generate_and_the_dashboard_show_the_same_multihost_overhead(agents, whi
     cli = re.search(r"multi-host overhead ([\d.]+%)", out.getvalue()).group(1)
     dash = re.search(r"\(overhead ([\d.]+%)\)", compute_summary(view)).group(1)
     assert cli == dash
+
+
+def _streamed(ver: Agent, prompt: str, **kw) -> tuple[GenerateDone, list, list, list]:
+    """The GenerateDone and what the chunks carried: ids, logprobs, alternatives."""
+    done, ids, lps, top = None, [], [], []
+    for m in generate_remote(ver.card, KEY, prompt=prompt, chat=False, proposer_spec="none",
+                             **kw):
+        if isinstance(m, GenerateChunk):
+            ids += m.token_ids
+            lps += m.logprobs
+            top += m.top
+        elif isinstance(m, GenerateDone):
+            done = m
+    assert done is not None and ids == done.token_ids
+    return done, ids, lps, top
+
+
+
+WORDS = r"[a-z]{2,6}( [a-z]{2,6}){1,4}"
+
+
+@pytest.mark.parametrize("forward", ["flat", "own"])
+def test_logprobs_and_a_grammar_on_one_session_match_the_batch(agents, monkeypatch, forward):
+    """A verifier that decodes one session at a time (--batch-sessions 0, or sharded) runs the
+    serving engine too, so it serves top_logprobs and response_format: the same request gives
+    the batched agent's ids and alternatives, and the answer matches the grammar. flat: a flat
+    batch of one, "same path" floats, so logprobs are equal; own: the session on the
+    verifier's own forward (a sharded verifier, a model the flat batch cannot run), the
+    engine's batch-invariant mode: "greedy margin", logprobs within tests/tolerance.py."""
+    import re
+
+    import agents.verifier_generate as vg
+    from tolerance import LOGPROB_ATOL, LOGPROB_RTOL
+
+    prop, batched, solo = agents
+    if forward == "own":
+        monkeypatch.setattr(vg, "supports_tree_attention", lambda model: False)
+    engines, one_engine = [], vg.one_engine
+    monkeypatch.setattr(vg, "one_engine", lambda *a: engines.append(one_engine(*a)) or engines[-1])
+    kw = dict(max_tokens=12, top_logprobs=3, grammar=("regex", WORDS))
+    want = _streamed(batched, PROMPTS[1], **kw)
+    got = _streamed(solo, PROMPTS[1], **kw)
+    assert [e.invariant for e in engines] == [forward == "own"]
+    assert got[1] == want[1] and got[0].text == want[0].text
+    assert len(got[2]) == len(got[1]) > 0 and len(got[3]) == len(got[1])
+    assert all(len(t) == 3 for t in got[3])
+    assert [[tok for tok, _ in t] for t in got[3]] == [[tok for tok, _ in t] for t in want[3]]
+    if forward == "flat":
+        assert got[2:] == want[2:]
+    else:
+        assert got[2] == pytest.approx(want[2], rel=LOGPROB_RTOL, abs=LOGPROB_ATOL)
+        assert [lp for t in got[3] for _, lp in t] == pytest.approx(
+            [lp for t in want[3] for _, lp in t], rel=LOGPROB_RTOL, abs=LOGPROB_ATOL)
+    # the answer so far (max_tokens may cut it): a prefix of a match
+    assert re.fullmatch(r"[a-z]{1,6}( [a-z]{1,6})* ?", got[0].text), got[0].text
+
+
+@pytest.mark.parametrize("which", ["batched", "solo"])
+def test_a_bad_grammar_or_top_logprobs_is_refused_on_either_path(agents, which):
+    """Lifting the one-session refusals keeps the checks: a grammar that does not compile and
+    top_logprobs out of range are refused before any decoding, on either path."""
+    from bridge.errors import ProtocolError
+
+    prop, batched, solo = agents
+    ver = batched if which == "batched" else solo
+    with pytest.raises(ProtocolError, match="response_format"):
+        _streamed(ver, PROMPTS[0], max_tokens=4, grammar=("regex", "(("))
+    with pytest.raises(ProtocolError, match="top_logprobs must be"):
+        _streamed(ver, PROMPTS[0], max_tokens=4, top_logprobs=21)
