@@ -147,7 +147,8 @@ class BatchEngine:
 
         A model whose layers the flat batch cannot run (not llama-style attention:
         engine/tree_verify.py's probe) runs in the batch-invariant mode: each session its own
-        `Verifier`, chains only."""
+        `Verifier` (token trees in one forward where it has tree attention, else branch by
+        branch)."""
         if verifier is not None and max_active != 1:
             raise ValueError("sessions on one verifier run one at a time (max_active=1)")
         self.lm, self.proposer_spec, self.draft_tokens = lm, proposer, draft_tokens
