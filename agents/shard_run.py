@@ -93,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
 
             prop = make_proposer(args.proposer, lm)
             t0 = time.perf_counter()
-            fin = [e for e in decode_ids(lm, prompt, prop, max_tokens=args.max_tokens,
-                                         eos_ids=frozenset(), verifier=v)
+            # a fixed length, as the loop this replaced drafted: an adaptive one may back off
+            # to plain steps on a slow ring, and this run is here to verify drafted blocks
+            fin = [e for e in decode_ids(lm, prompt, prop, draft_tokens=4,
+                                         max_tokens=args.max_tokens, eos_ids=frozenset(),
+                                         verifier=v)
                    if isinstance(e, Finished)][0]
             out["spec_ids"] = list(fin.token_ids)
             out["spec_blocks"] = fin.stats.blocks
