@@ -4,15 +4,22 @@ exists in this tree (tests/reference_loops.py keeps an unpipelined reference onl
 worker process per arm (model loaded once, each from its own tree on PYTHONPATH); the driver asks
 them in turn, so only one computes at a time and the arms interleave request by request.
 
-    python results/one-path/ab_trees.py OLD_TREE SPEC[,SPEC] TOKENS REPEATS
+    python results/one-path/ab_trees.py OLD_TREE SPEC[,SPEC] TOKENS REPEATS [--model M] [--core C]
     e.g. git worktree add --detach /tmp/old a9cb793
          python results/one-path/ab_trees.py /tmp/old none,auto 64 4
+         python results/one-path/ab_trees.py /tmp/old none,draft:smollm2 64 2 --model wide --core 0
+
+--model wide: the pair issue's verifier (bench/pair_model.py: SmolLM2 with every MLP zero-padded
+1536 -> 6144, the same function at ~3x the bytes a token), drafted for by the real SmolLM2
+(`draft:smollm2`, the draft model in one process). --core C: every worker pinned to core C
+(`taskset`, one BLAS thread: "one Mac = one core"; the workers take turns, so they never share it).
 
 Arms: `loop` (OLD_TREE's generate_local), `old-engine` (OLD_TREE's generate_one, what
 `generate --local` ran there), `engine` (this tree's generate_one, what `generate --local` runs).
 Per arm: tokens per wall second and CPU ms per token (the worker's process CPU time: every
 thread, MLX's stream included), around the generation only; ids compared across arms.
 """
+import argparse
 import json
 import os
 import subprocess
@@ -33,7 +40,7 @@ if arm == "loop":
     from macfleet.engine.text import generate_local as run
 else:
     from macfleet.serve.one import generate_one as run
-lm = load_model("smollm2")
+lm = load_model(sys.argv[2])
 for line in sys.stdin:
     q = json.loads(line)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -44,9 +51,13 @@ for line in sys.stdin:
 """
 
 
-def worker(tree: str, arm: str) -> subprocess.Popen:
+def worker(tree: str, arm: str, model: str, core: int | None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=tree)
-    return subprocess.Popen([sys.executable, "-c", WORKER, arm], cwd=tree, env=env,
+    pin = []
+    if core is not None:
+        env["OPENBLAS_NUM_THREADS"] = "1"
+        pin = ["taskset", "-c", str(core)]
+    return subprocess.Popen([*pin, sys.executable, "-c", WORKER, arm, model], cwd=tree, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -60,9 +71,23 @@ def ask(p: subprocess.Popen, spec: str, prompt: str, n: int) -> dict:
 
 
 def main() -> None:
-    old, specs, n, reps = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4])
-    arms = {"loop": worker(old, "loop"), "old-engine": worker(old, "engine"),
-            "engine": worker(ROOT, "engine")}
+    ap = argparse.ArgumentParser()
+    ap.add_argument("old")
+    ap.add_argument("specs")
+    ap.add_argument("tokens", type=int)
+    ap.add_argument("repeats", type=int)
+    ap.add_argument("--model", default="smollm2", help="smollm2, or wide (the pair's verifier)")
+    ap.add_argument("--core", type=int, default=None)
+    a = ap.parse_args()
+    old, specs, n, reps = a.old, a.specs.split(","), a.tokens, a.repeats
+    model = a.model
+    if model == "wide":
+        from macfleet.bench.pair_model import build_pair_verifier
+
+        model = str(build_pair_verifier(6144))
+    print(f"model {model}, core {a.core}", flush=True)
+    arms = {name: worker(tree, arm, model, a.core) for name, tree, arm in
+            (("loop", old, "loop"), ("old-engine", old, "engine"), ("engine", ROOT, "engine"))}
     try:
         for spec in specs:
             for p in arms.values():
