@@ -22,8 +22,9 @@ def main() -> None:
         total = 0.0
         for b in auto["trace"]:
             cost = b["draft_ms"] + b["verify_ms"]
-            by_why[b["why"]] += cost - (1 + b["accepted"]) * step
-            by_drafter[b["drafter"]] += cost - (1 + b["accepted"]) * step
+            lost = cost - (1 + b["accepted"]) * step
+            by_why[b["why"]] += lost
+            by_drafter[b["drafter"]] += lost
             total += cost
         ratio = auto["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
         print(f"{p}: auto {ratio:.3f}x plain; plain step {step:.0f} ms; auto's blocks "
