@@ -41,7 +41,6 @@ from macfleet.serve.tools import (ToolCall, ToolGrammarError, ToolStream, finish
 
 log = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.25
 # requests decoded, validated, rendered and tokenised at once, on worker threads (off the event
 # loop); more wait their turn without holding the loop (or the GIL) from other clients
 PREPARE_THREADS = 2
@@ -191,7 +190,7 @@ class Api:
                              prediction=prep.prediction)
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      int(time.time()), self.cfg.model_id, chat, len(ids), req.logprobs,
-                     self.token_text, prompt)
+                     self.token_text, prompt, req.include_usage)
         self.sessions[client] += 1  # released when the engine drops the session
         try:
             handle, q = open_session(self.engine, ereq, lambda: self._release(client))
@@ -203,13 +202,15 @@ class Api:
             self._release(client)
             raise RequestError(f"'{where}' cannot be followed: {e}", param=where) from None
         outcome: list[Outcome] = []
-        pieces = run_session(handle, q, self.tok, req.stop, outcome=outcome)
+        # a stream is cancelled by the server when its client leaves; a whole answer is not
+        pieces = run_session(handle, q, self.tok, req.stop, outcome=outcome,
+                             gone=None if req.stream else request.is_disconnected)
         if req.stream:
-            return StreamingResponse(self._sse(pieces, meta, req, outcome),
+            return StreamingResponse(self._sse(pieces, meta, outcome),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            got = await _collect(request, pieces)
+            got = [p async for p in pieces]
         except GenerationFailed as e:
             raise RequestError(str(e), status=500, kind="server_error") from None
         finally:
@@ -239,7 +240,7 @@ class Api:
         if self.sessions[client] <= 0:
             del self.sessions[client]
 
-    async def _sse(self, pieces: AsyncIterator[Piece], meta: _Meta, req: GenerationRequest,
+    async def _sse(self, pieces: AsyncIterator[Piece], meta: _Meta,
                    outcome: list[Outcome]) -> AsyncIterator[str]:
         try:
             if meta.chat:
@@ -264,7 +265,7 @@ class Api:
                     yield _event(meta.call_chunk(c, tools))
             finish = finish_reason(o.finish_reason, tools is not None and bool(tools.calls))
             yield _event(meta.chunk(finish, "" if not meta.chat else {}))
-            if req.include_usage:
+            if meta.include_usage:
                 yield _event({**meta.chunk(None, {}), "choices": [], "usage": meta.usage(o)})
         except GenerationFailed as e:  # the status line is gone: an error event, then [DONE]
             yield _event(RequestError(str(e), status=500, kind="server_error").body())
@@ -283,6 +284,7 @@ class _Meta:
     top: int | None  # logprobs asked for (alternatives per token), or None
     token_text: TokenText
     prompt: Prompt
+    include_usage: bool  # a stream's last chunk carries the usage
 
     def tool_stream(self) -> ToolStream:
         return ToolStream(self.prompt.tool_format)
@@ -346,26 +348,6 @@ def _grammar(req: GenerationRequest, prompt: Prompt) -> tuple[Grammar | None, st
 
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _collect(request: Request, pieces: AsyncIterator[Piece]) -> list[Piece]:
-    """All the pieces; stops early (freeing the session) when the client disconnects."""
-    async def gather() -> list[Piece]:
-        return [p async for p in pieces]
-
-    task = asyncio.ensure_future(gather())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                log.debug("client left before its answer was complete")
-                task.cancel()
-                return []
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 async def _request_error(request: Request, exc: Exception) -> Response:

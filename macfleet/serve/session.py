@@ -9,8 +9,9 @@ consumer stops early (stop sequence, client gone, error) so its KV cache is free
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from macfleet.engine.events import Finished, TokensCommitted
@@ -19,7 +20,10 @@ from macfleet.serve.engine import EngineEvent, EngineRequest, SessionFailed, Ses
 from macfleet.serve.logprobs import LogprobsCommitted, TokenLogprob
 from macfleet.serve.prompt_cache import PromptReused
 
+log = logging.getLogger(__name__)
+
 DEFAULT_TOKEN_TIMEOUT_S = 120.0
+DISCONNECT_POLL_S = 0.25  # how often a session read whole asks whether its client left
 
 
 class GenerationFailed(RuntimeError):
@@ -95,23 +99,55 @@ def open_session(engine, req: EngineRequest,
     return engine.submit(req, emit, closed), q
 
 
+class _Events:
+    """A session's engine events, each within `timeout_s`; None once the client left (`gone`,
+    asked at least every DISCONNECT_POLL_S, also while events keep coming)."""
+
+    def __init__(self, q: asyncio.Queue, timeout_s: float,
+                 gone: Callable[[], Awaitable[bool]] | None) -> None:
+        self.q, self.timeout_s, self.gone = q, timeout_s, gone
+        self.check_at = time.monotonic() + DISCONNECT_POLL_S
+
+    async def next(self) -> EngineEvent | None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            now = time.monotonic()
+            if self.gone is not None and now >= self.check_at:
+                self.check_at = now + DISCONNECT_POLL_S
+                if await self.gone():
+                    log.debug("client left before its answer was complete")
+                    return None
+            left = deadline - now
+            if left <= 0:
+                raise GenerationFailed(f"no token for {self.timeout_s:.0f} s")
+            try:
+                return await asyncio.wait_for(self.q.get(), left if self.gone is None
+                                              else min(left, self.check_at - now))
+            except TimeoutError:
+                continue
+
+
 async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops: Sequence[str],
                       *, outcome: list[Outcome],
-                      token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S) -> AsyncIterator[Piece]:
-    """Yield text pieces; append the Outcome when the generation ended (not when cancelled)."""
+                      token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S,
+                      gone: Callable[[], Awaitable[bool]] | None = None
+                      ) -> AsyncIterator[Piece]:
+    """Yield text pieces; append the Outcome when the generation ended (not when cancelled).
+    gone: whether the client left (a response read whole at the end, which no closed socket
+    cancels: a streamed one is cancelled by its server); the pieces end there, no Outcome."""
     t0 = time.perf_counter()
     ttft = None
     text = TextStream(tokenizer)
     stop = StopMatcher(stops)
+    events = _Events(q, token_timeout_s, gone)
     n = 0
     lps: tuple[TokenLogprob, ...] = ()  # not yet sent: their text is held back
     cached = 0
     try:
         while True:
-            try:
-                ev = await asyncio.wait_for(q.get(), token_timeout_s)
-            except TimeoutError:
-                raise GenerationFailed(f"no token for {token_timeout_s:.0f} s") from None
+            ev = await events.next()
+            if ev is None:
+                return
             if isinstance(ev, SessionFailed):
                 raise GenerationFailed(ev.message)
             if isinstance(ev, PromptReused):

@@ -121,6 +121,35 @@ def test_client_that_disconnects_mid_stream_frees_its_session(server):
     assert r.status_code == 200
 
 
+@pytest.mark.slow  # the module's `macfleet serve` process
+def test_client_that_leaves_before_a_whole_answer_frees_its_session(server):
+    # no stream: nothing is written before the end, so no closed socket cancels the
+    # response; the session asks whether its client is still there while it waits
+    body = json.dumps({"messages": [{"role": "user", "content": "long one"}],
+                       "max_tokens": 200, "temperature": 0}).encode()
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sk:
+        sk.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                   b"Content-Type: application/json\r\n"
+                   + f"Authorization: Bearer {server.key}\r\n".encode()
+                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            h = server.health()
+            if h["active_sessions"] == 1 and h["sessions"][0]["generated"] >= 1:
+                break
+            time.sleep(0.05)
+        assert h["active_sessions"] == 1 and h["sessions"][0]["generated"] < 200
+        sid = h["sessions"][0]["sid"]
+    h = wait_idle(server)  # the socket closed mid-answer: the session goes, cut short
+    assert h["active_sessions"] == 0
+    ended = next(s for s in h["sessions"] if s["sid"] == sid)
+    assert ended["state"] == "cancelled" and ended["generated"] < 200, ended
+    r = httpx.post(server.v1 + "/completions", headers=server.headers(), timeout=10,
+                   json={"prompt": "still alive", "max_tokens": 3})
+    assert r.status_code == 200
+
+
 class _DeadEngine:
     """An engine whose verifier is gone (or whose queue is full): the app must say 503."""
 
