@@ -25,6 +25,8 @@ from collections import Counter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "results", "one-path"))
+from ab_trees import ask  # noqa: E402  (one request to a resident worker, one answer)
 
 WORKER = r"""
 import json, sys, time
@@ -54,15 +56,6 @@ def worker(tree: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=tree)
     return subprocess.Popen([sys.executable, "-c", WORKER], cwd=tree, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-def ask(p: subprocess.Popen, spec: str, prompt: str, n: int) -> dict:
-    p.stdin.write(json.dumps({"spec": spec, "prompt": prompt, "n": n}) + "\n")
-    p.stdin.flush()
-    line = p.stdout.readline()
-    if not line:
-        raise RuntimeError("a worker died")
-    return json.loads(line)
 
 
 def summary(runs: dict) -> list[str]:

@@ -96,16 +96,22 @@ def test_too_many_sessions_for_one_client_is_429(server):
     assert wait_idle(server)["active_sessions"] == 0
 
 
+def _long_chat(server, stream: bool) -> socket.socket:
+    """A 200-token chat completion asked over a raw socket, which the test closes mid-answer."""
+    body = json.dumps({"messages": [{"role": "user", "content": "long one"}],
+                       "max_tokens": 200, "temperature": 0, "stream": stream}).encode()
+    host, port = server.base.removeprefix("http://").split(":")
+    sk = socket.create_connection((host, int(port)), timeout=10)
+    sk.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+               b"Content-Type: application/json\r\n"
+               + f"Authorization: Bearer {server.key}\r\n".encode()
+               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sk
+
+
 @pytest.mark.slow  # the module's `macfleet serve` process
 def test_client_that_disconnects_mid_stream_frees_its_session(server):
-    body = json.dumps({"messages": [{"role": "user", "content": "long one"}],
-                       "max_tokens": 200, "temperature": 0, "stream": True}).encode()
-    host, port = server.base.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sk:
-        sk.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                   b"Content-Type: application/json\r\n"
-                   + f"Authorization: Bearer {server.key}\r\n".encode()
-                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    with _long_chat(server, stream=True) as sk:
         got = b""
         deadline = time.monotonic() + 10
         while got.count(b"data: ") < 3 and time.monotonic() < deadline:
@@ -125,14 +131,7 @@ def test_client_that_disconnects_mid_stream_frees_its_session(server):
 def test_client_that_leaves_before_a_whole_answer_frees_its_session(server):
     # no stream: nothing is written before the end, so no closed socket cancels the
     # response; the session asks whether its client is still there while it waits
-    body = json.dumps({"messages": [{"role": "user", "content": "long one"}],
-                       "max_tokens": 200, "temperature": 0}).encode()
-    host, port = server.base.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sk:
-        sk.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                   b"Content-Type: application/json\r\n"
-                   + f"Authorization: Bearer {server.key}\r\n".encode()
-                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    with _long_chat(server, stream=False):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             h = server.health()
