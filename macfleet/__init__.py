@@ -5,18 +5,38 @@ transformers and huggingface_hub: ~2 s of every process that imports a model cla
 on a 2-core AMD EPYC (an agent, a server or a CLI command: importing the engine and loading
 the tiny model took 2.6-2.9 s, 0.7 s without it). macfleet needs mlx-lm's model classes and
 caches everywhere and its loader only for mlx-lm model directories, so the package is
-registered here with its `__init__` run on the first use of one of its own attributes
-(`mlx_lm.load`, `from mlx_lm import generate`: PEP 562's module `__getattr__`); a submodule
-(`mlx_lm.models.llama`, `mlx_lm.generate`) imports as it always does.
+registered here with its `__init__` run on the first look at any of its attributes
+(`mlx_lm.load`, `from mlx_lm import generate`); a submodule imported by its dotted name
+(`import mlx_lm.models.llama`, `from mlx_lm.generate import generate_step`) imports as it
+always does, without it.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import sys
 import threading
+import types
+
+
+class _DeferredPackage(types.ModuleType):
+    """A package whose `__init__` runs on the first look at an attribute that is not the
+    import system's own (a dunder): every such name, since one its `__init__` binds may be
+    set already by a submodule of that name (`import mlx_lm.generate` sets `generate` to the
+    module, its `__init__` rebinds it to the function)."""
+
+    _lock = threading.Lock()
+
+    def __getattribute__(self, name: str):
+        if not name.startswith("__") or name in ("__all__", "__version__"):
+            d = types.ModuleType.__getattribute__(self, "__dict__")
+            if d.get("_deferred_init") is not None:
+                with _DeferredPackage._lock:
+                    run = d.pop("_deferred_init", None)
+                    if run is not None:
+                        run()
+        return types.ModuleType.__getattribute__(self, name)
 
 
 def _defer_mlx_lm_init() -> None:
@@ -29,26 +49,8 @@ def _defer_mlx_lm_init() -> None:
     # tokenizer, say): without it transformers warns on stderr that PyTorch is missing
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     pkg = importlib.util.module_from_spec(spec)  # its __path__ and __spec__, not yet run
-    lock = threading.Lock()
-    ran = False
-
-    def __getattr__(name: str):
-        nonlocal ran
-        if not name.startswith("__"):
-            try:
-                sub = importlib.util.find_spec(f"mlx_lm.{name}")
-            except (ImportError, ValueError):
-                sub = None
-            if sub is not None:  # a submodule asked as an attribute (`from mlx_lm import x`)
-                return importlib.import_module(f"mlx_lm.{name}")
-        with lock:
-            if ran:
-                raise AttributeError(f"module 'mlx_lm' has no attribute {name!r}")
-            ran = True
-            spec.loader.exec_module(pkg)  # the package's own __init__, in its namespace
-        return getattr(pkg, name)
-
-    pkg.__getattr__ = __getattr__
+    pkg._deferred_init = lambda: spec.loader.exec_module(pkg)
+    pkg.__class__ = _DeferredPackage
     sys.modules["mlx_lm"] = pkg
 
 

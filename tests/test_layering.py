@@ -40,7 +40,9 @@ ALLOWED: dict[str, Rule] = {
     # the wire: nothing of the project but plain records; no pickle on the wire
     "bridge": Rule(("bridge", *RECORDS), banned=PICKLE,
                    only=(*STDLIB, "numpy", "msgpack", "zmq", "zeroconf")),
-    "macfleet/__init__.py": Rule((), only=()),
+    # the standard library only: it defers mlx-lm's package __init__ (importing any part of
+    # macfleet, the wire's records included, imports nothing heavy)
+    "macfleet/__init__.py": Rule((), only=STDLIB),
     "macfleet/stats.py": Rule((), only=STDLIB),
     "macfleet/sysinfo.py": Rule((), banned=NETWORK),
     # progress bars / plain progress lines: a leaf any layer may report through
@@ -320,3 +322,19 @@ def test_the_circle_finder_finds_module_and_function_level_circles(tmp_path):
                                      "macfleet.demo.a"]]
     (pkg / "c.py").write_text("import json\n")  # a -> b -> c, d -> a: chains only
     assert import_cycles(import_graph(tmp_path)) == []
+
+
+@pytest.mark.slow  # a fresh interpreter (~3 s)
+def test_the_engine_and_a_model_class_load_without_mlx_lms_loader():
+    """macfleet/__init__.py defers mlx-lm's package __init__ (its loader and converter bring
+    transformers and huggingface_hub: ~2 s of every agent, server and CLI process): the engine,
+    the agent daemon and the tiny model load without them, and `mlx_lm.load` still works, as
+    does its `generate` function after the submodule of that name was imported."""
+    code = ("import sys; from macfleet.engine.models import load_model; "
+            "import macfleet.serve.engine, agents.daemon; load_model('tiny:1:64'); "
+            "print(sorted(m for m in ('transformers', 'huggingface_hub', 'mlx_lm.utils') "
+            "if m in sys.modules)); import mlx_lm, mlx_lm.generate; from mlx_lm import generate; "
+            "print(callable(mlx_lm.load), callable(generate), 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.stdout.splitlines() == ["[]", "True True True"], out.stdout + out.stderr
