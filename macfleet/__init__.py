@@ -21,21 +21,21 @@ import types
 
 
 class _DeferredPackage(types.ModuleType):
-    """A package whose `__init__` runs on the first look at an attribute that is not the
-    import system's own (a dunder): every such name, since one its `__init__` binds may be
-    set already by a submodule of that name (`import mlx_lm.generate` sets `generate` to the
-    module, its `__init__` rebinds it to the function)."""
+    """A package whose `__init__` has not run yet: it runs on the first look at an attribute
+    that is not the import system's own (a dunder), at every such name, since one its
+    `__init__` binds may be set already by a submodule of that name (`import mlx_lm.generate`
+    sets `generate` to the module, its `__init__` rebinds it to the function). Then the
+    package is a plain module again: later looks cost nothing extra."""
 
     _lock = threading.Lock()
 
     def __getattribute__(self, name: str):
         if not name.startswith("__") or name in ("__all__", "__version__"):
-            d = types.ModuleType.__getattribute__(self, "__dict__")
-            if d.get("_deferred_init") is not None:
-                with _DeferredPackage._lock:
-                    run = d.pop("_deferred_init", None)
-                    if run is not None:
-                        run()
+            with _DeferredPackage._lock:
+                if type(self) is _DeferredPackage:  # (another thread may have run it)
+                    self.__class__ = types.ModuleType  # the __init__'s own looks go plain
+                    spec = types.ModuleType.__getattribute__(self, "__spec__")
+                    spec.loader.exec_module(self)
         return types.ModuleType.__getattribute__(self, name)
 
 
@@ -49,7 +49,6 @@ def _defer_mlx_lm_init() -> None:
     # tokenizer, say): without it transformers warns on stderr that PyTorch is missing
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     pkg = importlib.util.module_from_spec(spec)  # its __path__ and __spec__, not yet run
-    pkg._deferred_init = lambda: spec.loader.exec_module(pkg)
     pkg.__class__ = _DeferredPackage
     sys.modules["mlx_lm"] = pkg
 
