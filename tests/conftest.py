@@ -3,8 +3,10 @@ keeps measured tables and fleet keys out of the user's home; splits the run into
 may share the machine and the `serial` ones (`--serial`, used by .ci/test; docs/testing.md)."""
 
 import os
+import re
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +36,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--serial", choices=("all", "skip", "only"), default="all",
                      help="run the tests marked `serial` too (all), not (skip: the parallel "
                           "pass of .ci/test), or only them (only: its pass alone)")
+
+
+# A module whose every test is `slow` (a module-level `pytestmark` naming the marker) is not
+# imported by the fast lane (`-m "not slow"`, exactly that expression): importing the 22 of them
+# (openai, mlx-lm's generator, fleets' helpers) cost every worker ~2 s of its collection, and
+# not one of their tests would run.
+_WHOLLY_SLOW = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.slow\b", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if (config.getoption("markexpr", "").strip() == "not slow" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")
+            and _WHOLLY_SLOW.search(collection_path.read_text(encoding="utf-8"))):
+        return True
+    return None
 
 
 @pytest.hookimpl(trylast=True)  # after -m/-k deselected: what is left is what would run

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator
 
 from macfleet.bench.pair_model import (DEFAULT_EXTRA_LAYERS, DRAFT_SPEC, RMS_TEXT, model_from,
                                        noisy_weights, pair_weights, weights_and_config)
@@ -62,6 +61,8 @@ def greedy_answers(model: nn.Module, prompts: Sequence[Sequence[int]], tokens: i
                    eos: frozenset[int] = frozenset()) -> list[list[int]]:
     """Every prompt's greedy answer (end token included), decoded as one batch by mlx-lm's
     BatchGenerator (left-padded; RoPE is relative, so the same answers but for near-ties)."""
+    from mlx_lm.generate import BatchGenerator  # transformers with it: ~2 s, for this only
+
     gen = BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos)] or None)
     try:
         uids = gen.insert([list(p) for p in prompts], [tokens] * len(prompts))

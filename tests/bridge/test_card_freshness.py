@@ -52,6 +52,7 @@ class Clock:
         return getattr(time, name)
 
 
+@pytest.mark.slow  # real Zeroconf: an advertiser's probes and goodbyes take seconds
 def test_an_advertiser_re_signs_before_its_tag_goes_stale(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(discovery, "time", clock)
@@ -69,6 +70,7 @@ def test_an_advertiser_re_signs_before_its_tag_goes_stale(monkeypatch):
         adv.close()
 
 
+@pytest.mark.slow  # real Zeroconf: two advertisers and a browser, 3.4 s on an idle box
 def test_a_checking_browser_drops_a_replayed_card_and_keeps_the_member():
     genuine = card(f"member-{RUN}", port=41000)
     decided = threading.Event()

@@ -10,7 +10,6 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from macfleet.engine import fastmath
 from macfleet.engine.events import Finished
@@ -74,6 +73,8 @@ def test_no_match_drafts_nothing_and_a_store_round_trips(tmp_path):
 
 
 def _answers(lm, n, length, seed):
+    from mlx_lm.generate import generate_step  # ~2 s an import: for the slow test below
+
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):

@@ -15,7 +15,6 @@ import math
 
 import mlx.core as mx
 import numpy as np
-import openai
 import pytest
 from engine_parts_kit import serve_collect
 from serve_testkit import start_server, stop_server
@@ -145,6 +144,8 @@ def servers():
 
 
 def _client(s):
+    import openai  # ~1.6 s an import: only the slow tests below ask for it
+
     return openai.OpenAI(base_url=s.v1, api_key=s.key, timeout=60, max_retries=0)
 
 
@@ -212,6 +213,8 @@ def test_openai_completion_logprobs_and_batched_equal_alone(servers):
 
 @pytest.mark.slow
 def test_bad_logprob_fields_are_400s_and_do_not_break_the_batch(servers):
+    import openai
+
     c = _client(servers[0])
     bad = [dict(logprobs=True, top_logprobs=21), dict(logprobs=True, top_logprobs=-1),
            dict(logprobs="yes"), dict(top_logprobs=2), dict(logprobs=1)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-import openai
 import pytest
 from serve_testkit import start_server, stop_server
 
@@ -113,6 +112,8 @@ def test_invariant_mode_has_no_prompt_cache(tiny):
 
 @pytest.mark.slow
 def test_openai_multi_turn_cached_tokens_and_identical_answers():
+    import openai  # ~1.6 s an import: the module's other tests need none
+
     a = start_server("--prompt-cache-mb", "64", model="tiny:1:64")
     try:
         b = start_server("--prompt-cache-mb", "0", model="tiny:1:64")

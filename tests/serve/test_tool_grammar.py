@@ -10,7 +10,6 @@ import concurrent.futures as cf
 import json
 from dataclasses import dataclass
 
-import openai
 import pytest
 from serve_testkit import ASCII, TOOLS_TEMPLATE, VOCAB
 
@@ -156,6 +155,8 @@ QUESTION = [{"role": "system", "content": "You are a weather assistant."},
 def smollm2(smollm2_server):
     """The shared smollm2 server (conftest.py: this template, one per test process)."""
     pytest.importorskip("jsonschema")
+    import openai  # ~1.6 s an import: the module's fast tests need none
+
     s = smollm2_server
     return s, openai.OpenAI(base_url=s.v1, api_key=s.key, max_retries=0, timeout=300)
 
@@ -211,6 +212,8 @@ class Served:
 
 
 def _refused(c, kw):
+    import openai
+
     try:
         c.chat.completions.create(**{**dict(model="smollm2", messages=QUESTION, tools=TOOLS,
                                             tool_choice="required", max_tokens=8), **kw})

@@ -9,7 +9,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from macfleet.engine.proposers.eagle.features import extract_features
 from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead, HeadMismatch, load_head
