@@ -48,6 +48,6 @@ def test_cards_pointing_at_non_members_are_refused(rank):
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     with pytest.raises(LookupError, match="not confirmed"):
-        confirm_cards([replace(rank.card, router_port=dead)], KEY, timeout_s=0.5)
+        confirm_cards([replace(rank.card, router_port=dead)], KEY, timeout_s=0.25)
     with pytest.raises(LookupError, match="not confirmed"):  # another fleet's key
-        confirm_cards([rank.card], b"x" * 32, timeout_s=0.5)
+        confirm_cards([rank.card], b"x" * 32, timeout_s=0.25)

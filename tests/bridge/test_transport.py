@@ -228,7 +228,7 @@ def test_wrong_key_and_no_key_get_no_connection(server):
     """CURVE: a client without the fleet key never completes the handshake, so it cannot even
     send; the server's handler (and its error path) is never reached."""
     for key in (OTHER, None):
-        with Client(server.endpoint, key=key, connect_timeout_s=0.5) as c:
+        with Client(server.endpoint, key=key, connect_timeout_s=0.25) as c:
             with pytest.raises(PeerUnavailable, match="fleet key"):
                 c.request(Ping(1, 0), T)
     assert server.requests == 0 and server.errors == 0

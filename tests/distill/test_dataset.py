@@ -157,6 +157,7 @@ def test_a_head_trains_from_the_dataset_and_records_what_it_saw(tmp_path, lm_eos
     assert ev["train_tokens"] == res.train_tokens
 
 
+@pytest.mark.slow  # trains a head twice
 def test_training_goes_on_from_a_head_and_skips_shards_without_hidden_states(tmp_path, lm_eos):
     """--init HEAD: the head's feature scale is kept, steps add up, and its draft vocabulary
     is re-chosen from the data at the same size (one chosen on a smaller dataset leaves common

@@ -131,6 +131,9 @@ GRAMMARS = [Grammar(REGEX, PATTERN), Grammar(REGEX, WORDS),
             Grammar(LARK, 'start: "ok " WORD " " WORD "."\nWORD: /[a-f]{1,5}/')]
 
 
+# the reference loops (tests/reference_loops.py) under a grammar: the default suite's; the fast
+# lane keeps the serving engine's trees under a grammar (below), the product's one path
+@pytest.mark.slow
 def test_one_process_trees_under_a_grammar_equal_constrained_plain(tiny, verified_trees):
     prompts = ["some prompt here", "ab ab ab ab ab ab", "id: xy; n 1. id: xy; n 1. id:"]
     for grammar, p in [(g, p) for g in GRAMMARS for p in prompts]:
@@ -145,6 +148,7 @@ def test_one_process_trees_under_a_grammar_equal_constrained_plain(tiny, verifie
     assert any(t.size > 0 for t in verified_trees)
 
 
+@pytest.mark.slow  # the reference loops, as above
 def test_one_process_without_tree_attention_each_branch_is_masked(tiny, verified_trees,
                                                                   monkeypatch):
     """A model without llama-style attention verifies each branch as a chain
