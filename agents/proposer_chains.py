@@ -1,11 +1,11 @@
-"""EAGLE chain sessions of one round, drafted together on the proposer agent.
+"""Chain sessions of one round, drafted together on the proposer agent.
 
 A batching verifier asks for every session's block at once. The proposer's compute thread
 takes the other chain sessions' requests of the round off its queue (`gather`, for at most
 `GATHER_S`), brings each session up to date alone (a bad request is answered with its error),
-then drafts them in one `draft_chains` call per head: one head forward per draft position for
-all of them (their head caches are rows of one store), not one session after the other while
-the verifier waits for the last. `ProposerService` (agents/proposer_service.py) gives
+then drafts them in one `draft_together` call per model (an EAGLE head, a draft model): one
+forward per draft position for all of them (their caches are rows of one store), not one
+session after the other while the verifier waits for the last. `ProposerService` (agents/proposer_service.py) gives
 `ChainRounds` what it uses, by name: its sessions and job queue, `update` (a request's session
 brought up to date), `answer` (a job's reply or error) and `drafted` (a draft's reply, counted).
 """
@@ -22,7 +22,7 @@ import numpy as np
 
 from bridge.errors import INTERNAL
 from bridge.messages import DraftRequest, ErrorReply
-from macfleet.engine.proposers.eagle.chain import draft_chains
+from macfleet.engine.proposers.base import draft_together
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,12 @@ class ChainRounds:
         self.sessions, self.jobs = sessions, jobs
         self.update, self.answer, self.drafted = update, answer, drafted
         self.held: deque = deque()  # jobs taken off the queue while gathering, served after
-        self.drafted_together = 0  # requests answered by a draft_chains call of several
+        self.drafted_together = 0  # requests answered by a draft_together call of several
 
     def chained(self, msg) -> bool:
         """A draft request of a session whose chains are drafted with the others'."""
         s = self.sessions.get(msg.session_id) if isinstance(msg, DraftRequest) else None
-        return s is not None and getattr(s.proposer, "rows", None) is not None
+        return s is not None and s.proposer.rows is not None
 
     def serve(self, job) -> None:
         """A chained request's round: it and the other chain sessions' requests gathered."""
@@ -56,7 +56,7 @@ class ChainRounds:
         open chain session has one here or `GATHER_S` has passed; other jobs keep their order
         for after (`held`)."""
         want = {sid for sid, s in self.sessions.items()
-                if getattr(s.proposer, "rows", None) is not None} - {first}
+                if s.proposer.rows is not None} - {first}
         got, seen = [], {first}
         deadline = time.perf_counter() + GATHER_S
         while want - seen:
@@ -77,7 +77,7 @@ class ChainRounds:
     def _serve_together(self, jobs: list) -> None:
         """Chain requests of several sessions: each validated and brought up to date alone (a
         bad one is answered with its error, as a request served alone), then all drafted in one
-        `draft_chains` call per head (its store of rows)."""
+        `draft_together` call per model (its store of rows)."""
         ready = []
         for msg, reply, received in jobs:
             self.answer(reply, lambda: ready.append(
@@ -91,7 +91,7 @@ class ChainRounds:
     def _draft_group(self, group: list) -> None:
         t0 = time.perf_counter()
         try:
-            drafts = draft_chains([(s.proposer, s.context, msg.k) for msg, _, _, s in group])
+            drafts = draft_together([(s.proposer, s.context, msg.k) for msg, _, _, s in group])
         except Exception as e:  # noqa: BLE001 - every session of the call gets the error
             log.exception("drafting chains together failed")
             for _, reply, _, _ in group:

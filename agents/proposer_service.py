@@ -3,10 +3,10 @@
 One compute thread owns the model (MLX work is serialised here; two cores cannot run two
 forwards faster than one after the other). It serves, in order:
 1. draft requests, first come first served across sessions (fair: one block each turn); the
-   requests of EAGLE chain sessions that arrive together (a batching verifier asks for every
-   session's block at once) are drafted together: one head forward per draft position for all
-   of them (`draft_chains`; their head caches are rows of one store), not one session after
-   the other while the verifier waits for the last;
+   requests of chain sessions that arrive together (a batching verifier asks for every
+   session's block at once) are drafted together, an EAGLE head's or a draft model's: one
+   forward per draft position for all of them (`draft_together`; their caches are rows of one
+   store), not one session after the other while the verifier waits for the last;
 2. in idle time, cross-round lookahead: extending each session's speculative stream one token at
    a time, round-robin, re-checking for requests between tokens so a real request never waits
    for more than one draft step.
@@ -44,7 +44,7 @@ from bridge.transport import Reply
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import LoadedModel, ModelSpecError
 from macfleet.engine.batch import BatchKV
-from macfleet.engine.proposers.eagle.chain import EagleProposer, share_head_rows
+from macfleet.engine.proposers.eagle.chain import EagleProposer
 from macfleet.engine.proposers import ProposerSpecError
 from macfleet.engine.sampling import SamplingParams
 
@@ -250,7 +250,7 @@ class ProposerService(ComputeThread):
                                  allow_hub=allow_hub, vocab_size=lm.vocab_size)
         self.models = DraftModels()
         self._on_block = on_block
-        self._head_rows: dict[int, BatchKV] = {}  # chain sessions' head caches, one store a head
+        self._draft_rows: dict[int, BatchKV] = {}  # chain sessions' caches, one store a model
         self.chains = ChainRounds(self._sessions, self._jobs, update=self._update,
                                   answer=self._answer, drafted=self._drafted)
         self.served = 0
@@ -360,9 +360,10 @@ class ProposerService(ComputeThread):
                 raise ProtocolError(BAD_REQUEST, "proposer 'none' drafts nothing")
             params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
             prop.start(params)
-            share_head_rows(prop, self._head_rows)  # chains drafted with other sessions'
             # a hidden-state drafter cannot pre-draft ahead of the verifier's features
             lookahead = msg.cross_round and not prop.wants_features
+            if not lookahead:  # chains drafted with other sessions' (a session drafting
+                prop.share_rows(self._draft_rows)  # ahead in idle time drafts alone)
             self._drop(msg.session_id)  # re-opening a session replaces it
             self._sessions[msg.session_id] = DraftStream(
                 prop, list(msg.prompt), want_probs=not params.greedy, cross_round=lookahead)

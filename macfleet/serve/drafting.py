@@ -3,8 +3,9 @@
 `lengths` asks each session's controller (or tree group) for its draft length and cuts the
 adaptive ones to what pays at this batch's measured costs (`scheduler.plan_drafts`) and to the
 room the iteration has; `draft_all` then drafts them: every drafter's request goes out first
-and the replies are collected after, so drafters on other machines draft at once; local EAGLE
-chain drafters whose head caches are rows of one store draft together (`draft_chains`).
+and the replies are collected after, so drafters on other machines draft at once; local chain
+drafters whose caches are rows of one store (an EAGLE head's, a draft model's) draft together
+(`draft_together`: one forward per draft position for all of them).
 Each block's drafts are a new `BlockDraft` (`s.block`), written only here: when `draft_all`
 returns it is final, its `draft` (a chain) or its `tree` made of `drafts` (a token tree), cut
 to its slot only by the scheduler (`BlockDraft.cut`; a per-session constraint on the tokens
@@ -32,7 +33,6 @@ from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import (EMPTY_DRAFT, Draft, Proposer, ProposerFailed,
                                             sanitize_draft)
-from macfleet.engine.proposers.eagle.chain import EagleProposer
 from macfleet.engine.text import Drafting, no_drafts, plan_drafting
 from macfleet.engine.tree import TokenTree
 from macfleet.engine.proposers.group import (ProposerGroup, cap_total, make_group,
@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 PROBE_EVERY = 16  # sessions try one draft at least this often, whatever the estimates say
 PROBE_GROUPS = 4  # ... in this many groups, spread over those iterations
 
-Chains = Callable[[Sequence[tuple[EagleProposer, Sequence[int], int]]], list[Draft]]
+Chains = Callable[[Sequence[tuple[Proposer, Sequence[int], int]], Callable[[], float]],
+                  list[Draft]]
 
 
 def make_drafting(spec: str, lm: LoadedModel, draft_tokens: DraftTokens,
@@ -81,8 +82,8 @@ def check_drafting(drafting: Proposer | ProposerGroup, invariant: bool) -> None:
 
 
 def rows_of(p: Proposer | None):
-    """The store a local EAGLE chain drafter's head cache is a row of (drafted together)."""
-    return p.rows if isinstance(p, EagleProposer) else None
+    """The store a local chain drafter's cache is a row of (drafted together), or None."""
+    return p.rows if p is not None else None
 
 
 def within(ks: dict[int, int], adaptive: Sequence[int], room: int | None) -> dict[int, int]:
@@ -96,8 +97,8 @@ def within(ks: dict[int, int], adaptive: Sequence[int], room: int | None) -> dic
 
 
 class BatchDrafting:
-    """chains: drafts local EAGLE chains together (`draft_chains`; passed in so a caller
-    can count or replace it)."""
+    """chains: drafts local chains together (`draft_together`; passed in so a caller can
+    count or replace it)."""
 
     def __init__(self, vocab: int, clock: Callable[[], float], costs: BatchCosts,
                  chains: Chains) -> None:
@@ -168,11 +169,14 @@ class BatchDrafting:
                     asked.append(s)
                 except ProposerFailed as e:
                     self._lose_proposer(s, e)
-        for sessions in together.values():  # local EAGLE chains: all at once
-            t1 = self.clock()
-            drafts = self._chains([(s.proposer, s.context, s.block.k) for s in sessions])
-            self.costs.observe_step((self.clock() - t1) * 1e3
-                                    / max(s.block.k for s in sessions))
+        for sessions in together.values():  # local chains of one model: all at once
+            drafts = self._chains([(s.proposer, s.context, s.block.k) for s in sessions],
+                                  self.clock)
+            # one draft position past the first (which also runs what was committed since
+            # the last draft: after a pause, many tokens); calls of one position say nothing
+            step = next((d.step_ms for d in drafts if d.step_ms is not None), None)
+            if step is not None:
+                self.costs.observe_step(step)
             for s, d in zip(sessions, drafts):
                 s.block.draft = sanitize_draft(d, s.block.k, self.vocab)
                 s.block.draft_ms = d.draft_ms

@@ -44,7 +44,7 @@ import mlx.core as mx
 from macfleet.engine.batch import BatchKV, FlatOutputs, RowCache, Segment, flat_outputs
 from macfleet.engine.constraint import Constraint, Grammar, bridge, grammar_error
 from macfleet.engine.controller import AUTO, make_controller
-from macfleet.engine.proposers.eagle.chain import draft_chains
+from macfleet.engine.proposers.base import draft_together
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers.base import Proposer
 from macfleet.engine.proposers.prediction import PredictionProposer
@@ -161,7 +161,7 @@ class BatchEngine:
         self.chunked, self.clock = chunked, clock
         self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
         self.install_share = install_share
-        # the functions on this module's names (verify_costs, draft_chains, flat_outputs,
+        # the functions on this module's names (verify_costs, draft_together, flat_outputs,
         # make_rng, copy_features) are looked up at each call: a test or a bench may replace
         # them here
         self.costs = BatchCosts(lm.model, stall_ratio, lambda m: verify_costs(m))
@@ -176,7 +176,7 @@ class BatchEngine:
                               max_queue=max_queue)
         self._cv = self.table.cv
         self.drafting = BatchDrafting(self._vocab, clock, self.costs,
-                                      lambda jobs: draft_chains(jobs))
+                                      lambda jobs, clock: draft_together(jobs, clock))
         self.decode = BlockStep(clock, self.costs,
                                 lambda s, reason: self.table.finish(s, reason=reason))
         self._stop = threading.Event()

@@ -20,7 +20,6 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from macfleet.engine.batch_kv import BatchKV, RowCache
-from macfleet.engine.proposers.eagle.chain import share_head_rows
 from macfleet.engine.verifier import Verifier
 from macfleet.serve.batch_session import BatchSession, KVHandle
 from macfleet.serve.prompt_cache import PromptCache, row_kv
@@ -58,7 +57,7 @@ class SessionKV:
                  clock: Callable[[], float], verifier: Verifier | None = None) -> None:
         self.model, self.kv_store, self.prompt_cache = model, kv_store, prompt_cache
         self.clock, self.verifier = clock, verifier
-        self.head_rows: dict[int, BatchKV] = {}  # local EAGLE heads' caches, one store each
+        self.draft_rows: dict[int, BatchKV] = {}  # local chain drafters' caches, a store a model
         self._layout = None  # the model's KV layout, read when a shipped KV first arrives
 
     def open(self, s: BatchSession) -> None:
@@ -76,7 +75,8 @@ class SessionKV:
                  else BatchKV(len(self.model.layers), row_step=1))
         h.cache = store.open()
         store.reserve(h.cache.row + 1, len(s.req.prompt))
-        share_head_rows(s.proposer, self.head_rows)  # its head's cache: a row
+        if s.proposer is not None:  # its drafter's cache: a row of its model's store
+            s.proposer.share_rows(self.draft_rows)
 
     def reuse(self, s: BatchSession) -> None:
         """Its prompt's KV from the prompt cache, when one is there (installed as a shipped

@@ -10,8 +10,9 @@ committed delta (flow F1) travels, and the agent rebuilds the context.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,10 @@ class Draft:
     # A token tree instead of a chain: parents[i] is the index of token i's parent in
     # `tokens` (-1: a child of the last committed token); parents precede their children.
     parents: tuple[int, ...] | None = None
+    # drafted together with other sessions' chains (`draft_together`): what one draft position
+    # after the first took for all of them (the first also runs the tokens committed since the
+    # last draft); None: not measured (one position, or drafted alone)
+    step_ms: float | None = field(default=None, compare=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -75,6 +80,13 @@ def sanitize_draft(draft: Draft, k: int, vocab: int) -> Draft:
     return Draft(tuple(toks), probs, draft.draft_ms, parents)
 
 
+def draft_together(jobs: Sequence[tuple[Proposer, Sequence[int], int]],
+                   clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
+    """Chains of drafters whose caches are rows of one store (`Proposer.rows`), drafted at
+    once by their class (`Proposer.draft_together`)."""
+    return type(jobs[0][0]).draft_together(jobs, clock) if jobs else []
+
+
 class ProposerFailed(RuntimeError):
     """Raised by a proposer that cannot serve any more (dead peer): the loop goes on without it."""
 
@@ -92,6 +104,24 @@ class Proposer(ABC):
     # (controller.tokens_to_wait): that wait is not a per-token drafting cost, so the block
     # length is chosen as if drafts were free and the proposer cuts it to what is there
     paced: bool = False
+    # the store (engine/batch_kv.py's BatchKV) its cache is a row of, shared with other
+    # sessions' drafters of the same model (`share_rows`): then `draft_together` drafts all of
+    # them at once; None: it drafts alone
+    rows = None
+
+    def share_rows(self, stores: dict) -> None:
+        """Serving one of many sessions: keep its cache as a row of the store `stores` holds
+        for its model (made there on first use), so its chains are drafted with the other
+        sessions' (`draft_together`). A drafter that cannot leaves itself as it is."""
+
+    @staticmethod
+    def draft_together(jobs: Sequence[tuple[Proposer, Sequence[int], int]],
+                       clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
+        """Every job's chain (proposer, context, k), the proposers' caches rows of one store:
+        at once where the drafter's class can (one forward per draft position for all),
+        here one after the other. clock (seconds): what the drafts' `draft_ms` and `step_ms`
+        are measured with (a batching engine's own clock)."""
+        return [p.propose(ctx, k) for p, ctx, k in jobs]
 
     def feed_features(self, start: int, tokens: Sequence[int], hidden) -> None:
         """Hidden states of committed positions start.. (flow F3); only for wants_features."""

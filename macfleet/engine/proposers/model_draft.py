@@ -10,17 +10,20 @@ drop-in mlx-lm model (callable with `cache=`, has `.layers`), so mlx-lm's own
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from macfleet.engine.batch import Segment, flat_forward
+from macfleet.engine.batch_kv import BatchKV, RowCache
 from macfleet.engine.layers import head_logits, run_layers
 from macfleet.engine.prefix import common_prefix
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from macfleet.engine.sampling import GREEDY, make_rng, probs_from_logits, sample
+from macfleet.engine.tree_verify import supports_tree_attention
 
 
 class LayerSkipModel(nn.Module):
@@ -49,23 +52,47 @@ class LayerSkipModel(nn.Module):
 
 
 class ModelProposer(Proposer):
-    """Autoregressive drafting with any mlx-lm-compatible model and its own trimmable cache."""
+    """Autoregressive drafting with any mlx-lm-compatible model and its own trimmable cache:
+    mlx-lm layer caches, or a row of a store shared with other sessions' drafters of the same
+    model (`share_rows`), whose chains `draft_model_chains` drafts all at once."""
 
     def __init__(self, model: nn.Module, name: str) -> None:
         self.model = model
         self.name = name
         self.params = GREEDY
         self._cache: list | None = None
+        self._rows: BatchKV | None = None
         self._cached: list[int] = []
         self._rng = make_rng(GREEDY, stream=1)
 
+    @property
+    def rows(self) -> BatchKV | None:
+        return self._rows
+
+    def share_rows(self, stores: dict) -> None:
+        """Its cache a row of its model's store, where the flat batch runs the model."""
+        if supports_tree_attention(self.model):
+            self._rows = stores.setdefault(id(self.model), BatchKV(len(self.model.layers)))
+            self.start(self.params)
+
+    @staticmethod
+    def draft_together(jobs, clock=time.perf_counter) -> list[Draft]:
+        return draft_model_chains(jobs, clock)
+
     def start(self, params=GREEDY) -> None:
         self.params = params
-        self._cache = make_prompt_cache(self.model)
-        self._cached = []
+        self._drop_cache()
+        self._cache = [self._rows.open()] if self._rows is not None else make_prompt_cache(
+            self.model)
         self._rng = make_rng(params, stream=1)
 
     def close(self) -> None:
+        self._drop_cache()
+        self._rows = None
+
+    def _drop_cache(self) -> None:
+        if self._cache and isinstance(self._cache[0], RowCache):
+            self._cache[0].close()
         self._cache = None
         self._cached = []
 
@@ -76,34 +103,96 @@ class ModelProposer(Proposer):
                 c.trim(drop)
             del self._cached[n:]
 
+    def _catch_up(self, context: Sequence[int]) -> list[int]:
+        """Roll the cache back to what it shares with `context` and return the tokens still
+        to run (at least the last: the logits after it are never cached)."""
+        if self._cache is None:
+            self.start(self.params)
+        c = common_prefix(self._cached, context)
+        if c == len(context):
+            c -= 1  # the logits after the last context token are not cached: recompute them
+        self._rollback_to(c)
+        return [int(t) for t in context[c:]]
+
     def _step(self, tokens: Sequence[int]) -> mx.array:
         x = mx.array(list(tokens), dtype=mx.uint32)[None]
         out = self.model(x, cache=self._cache)[0, -1].astype(mx.float32)
         self._cached.extend(int(t) for t in tokens)
         return out
 
+    def _pick(self, logits: mx.array, rows: list[np.ndarray]) -> int:
+        """The next draft token from these logits: the argmax, or a draw (its distribution
+        goes to `rows`)."""
+        if self.params.greedy:
+            return int(mx.argmax(logits).item())
+        q = probs_from_logits(logits[None], self.params)[0]
+        rows.append(q)
+        return sample(q, self._rng)
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0 or not context:
             return EMPTY_DRAFT
-        if self._cache is None:
-            self.start(self.params)
+        if self._rows is not None:
+            return draft_model_chains([(self, context, k)])[0]
         t0 = time.perf_counter()
-        c = common_prefix(self._cached, context)
-        if c == len(context):
-            c -= 1  # the logits after the last context token are not cached: recompute them
-        self._rollback_to(c)
-        logits = self._step(context[c:])
+        logits = self._step(self._catch_up(context))
         tokens: list[int] = []
         rows: list[np.ndarray] = []
         for i in range(k):
-            if self.params.greedy:
-                tok = int(mx.argmax(logits).item())
-            else:
-                q = probs_from_logits(logits[None], self.params)[0]
-                tok = sample(q, self._rng)
-                rows.append(q)
-            tokens.append(tok)
+            tokens.append(self._pick(logits, rows))
             if i + 1 < k:
-                logits = self._step([tok])
+                logits = self._step([tokens[-1]])
         probs = np.stack(rows) if rows else None
         return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3)
+
+
+def draft_model_chains(jobs: Sequence[tuple[ModelProposer, Sequence[int], int]],
+                       clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
+    """Every job's chain (proposer, context, k) at once: proposers whose caches are rows of one
+    store (`share_rows`, one draft model) run one flat forward per draft position over all of
+    them (engine/batch.py: each row attends to its own tokens), not one session after the
+    other. Each chain is the one `propose` drafts alone up to float rounding (the batched
+    attention sums in another order), which can only change a draft, never what is verified.
+    Each Draft's `draft_ms` is its share of the whole call, its `step_ms` one draft position
+    after the first (the first also runs the tokens committed since the last draft)."""
+    t0 = clock()
+    out = [EMPTY_DRAFT] * len(jobs)
+    live = [(i, p, k) for i, (p, ctx, k) in enumerate(jobs) if k > 0 and len(ctx)]
+    if not live:
+        return out
+    model, store = live[0][1].model, live[0][1].rows
+    if any(p.rows is None or p.rows is not store for _, p, _ in live):
+        raise ValueError("draft_model_chains drafts for proposers whose caches are rows of one "
+                         "store (share_rows)")
+    segs = []
+    for i, p, _ in live:
+        new = p._catch_up(jobs[i][1])
+        p._cached.extend(new)
+        segs.append(Segment(tuple(new), p._cache[0], len(new) - 1))
+    logits = [lg[-1] for lg in flat_forward(model, segs)]
+    t1 = clock()
+    tokens: list[list[int]] = [[] for _ in live]
+    rows: list[list[np.ndarray]] = [[] for _ in live]
+    for step in range(max(k for *_, k in live)):
+        act = [j for j, (*_, k) in enumerate(live) if step < k]
+        if all(live[j][1].params.greedy for j in act):  # one read of every argmax
+            for j, t in zip(act, np.array(mx.argmax(mx.stack([logits[j] for j in act]),
+                                                    axis=-1)).tolist()):
+                tokens[j].append(int(t))
+        else:
+            for j in act:
+                tokens[j].append(live[j][1]._pick(logits[j], rows[j]))
+        more = [j for j in act if step + 1 < live[j][2]]
+        if not more:
+            break
+        outs = flat_forward(model, [Segment((tokens[j][-1],), live[j][1]._cache[0], 0)
+                                    for j in more])
+        for j, lg in zip(more, outs):
+            logits[j] = lg[-1]
+            live[j][1]._cached.append(tokens[j][-1])
+    t2, steps = clock(), max(k for *_, k in live) - 1
+    ms, step = (t2 - t0) * 1e3 / len(live), (t2 - t1) * 1e3 / steps if steps else None
+    for j, (i, _, _) in enumerate(live):
+        out[i] = Draft(tuple(tokens[j]), np.stack(rows[j]) if rows[j] else None, ms,
+                       step_ms=step)
+    return out

@@ -23,7 +23,7 @@ N times one; together, a few times one).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -119,6 +119,15 @@ class EagleProposer(Proposer):
     @property
     def rows(self) -> BatchKV | None:
         return self._rows
+
+    def share_rows(self, stores: dict) -> None:
+        """A chain drafter (not a tree's): its head's cache a row of that head's store."""
+        if not self.drafts_trees:
+            self.use_rows(stores.setdefault(id(self.head), BatchKV(len(self.head.layers))))
+
+    @staticmethod
+    def draft_together(jobs, clock=time.perf_counter) -> list[Draft]:
+        return draft_chains(jobs, clock)
 
     def start(self, params=GREEDY) -> None:
         self.params = params
@@ -243,23 +252,16 @@ class EagleProposer(Proposer):
         return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3)
 
 
-def share_head_rows(proposer, stores: dict[int, BatchKV]) -> None:
-    """An EAGLE chain drafter serving one of many sessions keeps its head's cache as a row of
-    the store `stores` holds for that head (made here on first use), so its chains are drafted
-    with the other sessions' (`draft_chains`); other drafters are left as they are."""
-    if isinstance(proposer, EagleProposer) and not proposer.drafts_trees:
-        head = proposer.head
-        proposer.use_rows(stores.setdefault(id(head), BatchKV(len(head.layers))))
-
-
-def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]]) -> list[Draft]:
+def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
+                 clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
     """Every job's chain (proposer, context, k) at once: proposers whose head caches are rows of
     one store (`use_rows`, one head) run one head forward per draft position over all of them
     (`batch.flat_layers`: each row attends to its own pairs) and one draft-vocabulary matmul.
     Each chain is the one `propose` drafts alone, up to float rounding (the batched attention
     sums in another order), which can only change a draft, never what is verified. Each Draft's
-    `draft_ms` is its share of the whole call."""
-    t0 = time.perf_counter()
+    `draft_ms` is its share of the whole call, its `step_ms` one draft position after the
+    first (the first also runs the pairs committed since the last draft)."""
+    t0 = clock()
     out = [EMPTY_DRAFT] * len(jobs)
     live = [(i, p, [int(t) for t in ctx], k)
             for i, (p, ctx, k) in enumerate(jobs) if k > 0 and len(ctx) >= 2]
@@ -289,6 +291,8 @@ def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]]) -> li
         else:
             for r, j in enumerate(act):
                 tokens[j].append(live[j][1]._pick_from(logits[r], rows[j]))
+        if step == 0:  # the first position read: the pairs committed since the last draft ran
+            t1 = clock()
         more = [j for j in act if step + 1 < live[j][3]]
         if not more:
             break
@@ -298,10 +302,12 @@ def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]]) -> li
                                                            for j in more])):
             hs[j] = o[-1]
     mx.eval(p0.rows.state)
-    ms = (time.perf_counter() - t0) * 1e3 / len(live)
+    t2, steps = clock(), max(n for *_, n in live) - 1
+    ms, step = (t2 - t0) * 1e3 / len(live), (t2 - t1) * 1e3 / steps if steps else None
     for j, (i, p, _, n) in enumerate(live):
         p._row.trim(n - 1)  # the drafted pairs: the committed ones stay
-        out[i] = Draft(tuple(tokens[j]), np.stack(rows[j]) if rows[j] else None, ms)
+        out[i] = Draft(tuple(tokens[j]), np.stack(rows[j]) if rows[j] else None, ms,
+                       step_ms=step)
     return out
 
 

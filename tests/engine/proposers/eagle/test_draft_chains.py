@@ -135,13 +135,13 @@ def test_batching_engine_drafts_every_eagle_chain_together_and_answers_as_alone(
     calls = []
     import macfleet.serve.engine as serve_engine
 
-    real = serve_engine.draft_chains
+    real = serve_engine.draft_together
 
-    def counting(jobs, **kw):
+    def counting(jobs, *a, **kw):
         calls.append(len(jobs))
-        return real(jobs, **kw)
+        return real(jobs, *a, **kw)
 
-    serve_engine.draft_chains = counting
+    serve_engine.draft_together = counting
     try:
         for i, p in enumerate(prompts):
             eng.submit(EngineRequest(p, GREEDY, 12 + 3 * i),
@@ -149,14 +149,14 @@ def test_batching_engine_drafts_every_eagle_chain_together_and_answers_as_alone(
                        else None)
         eng.run_until_idle()
     finally:
-        serve_engine.draft_chains = real
+        serve_engine.draft_together = real
     for i, p in enumerate(prompts):
         alone = list(speculative_generate(Verifier(tiny.model), None, p, params=GREEDY,
                                           max_tokens=12 + 3 * i, eos_ids=tiny.eos_ids))[-1]
         assert done[i].token_ids == alone.token_ids
         assert done[i].stats.drafted > 0
     assert max(calls) > 1  # several sessions' chains in one call
-    assert all(st.open_rows == 0 for st in eng.session_kv.head_rows.values())  # rows given back
+    assert all(st.open_rows == 0 for st in eng.session_kv.draft_rows.values())  # rows given back
 
 
 def test_sessions_fed_hidden_states_share_a_prompt_prefix_with_its_rows(tiny, head, tmp_path,
@@ -172,7 +172,7 @@ def test_sessions_fed_hidden_states_share_a_prompt_prefix_with_its_rows(tiny, he
     prompts = [tuple(common + rng.integers(0, tiny.vocab_size, size=n).tolist())
                for n in (3, 5, 8, 2)]
     copied = []
-    real_copy, real_draft = serve_engine.copy_features, serve_engine.draft_chains
+    real_copy, real_draft = serve_engine.copy_features, serve_engine.draft_together
 
     def spy(src, dst, n):
         ok = real_copy(src, dst, n)
@@ -180,13 +180,13 @@ def test_sessions_fed_hidden_states_share_a_prompt_prefix_with_its_rows(tiny, he
         return ok
 
     def serve(drafts: dict) -> dict[int, Finished]:
-        def recording(jobs, **kw):
-            out = real_draft(jobs, **kw)
+        def recording(jobs, *a, **kw):
+            out = real_draft(jobs, *a, **kw)
             for (_, ctx, _), d in zip(jobs, out):
                 drafts[tuple(ctx)] = d.tokens
             return out
 
-        monkeypatch.setattr(serve_engine, "draft_chains", recording)
+        monkeypatch.setattr(serve_engine, "draft_together", recording)
         eng = BatchEngine(tiny, proposer=f"eagle:{tmp_path / 'h'}", draft_tokens=2,
                           max_active=8)
         done: dict[int, Finished] = {}
