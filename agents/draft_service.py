@@ -2,9 +2,10 @@
 
 A proposer agent started with `--draft MODEL` serves this instead of the block-by-block
 ProposerService. A verifier opens a session (StreamOpen) and from then on the agent drafts
-without being asked: one compute thread extends every session's stream one token at a time,
-round-robin, up to the session's `max_lead` tokens past what it knows is committed, and pushes
-each token (DraftChunk) the moment it exists. The verifier's commits (StreamCommit, one-way)
+without being asked: one compute thread extends every session's stream by a token a step (all
+of them in one forward of the draft model: their caches are rows of one store), up to the
+session's `max_lead` tokens past what it knows is committed, and pushes each token
+(DraftChunk) the moment it exists. The verifier's commits (StreamCommit, one-way)
 arrive between tokens: a stream whose tokens are the committed ones goes on where it was (the
 likely case at high acceptance: nothing was lost, the next block is already drafted); one that
 is refuted re-roots at that commit (`basis`), throwing away what it had drafted past it. The
@@ -32,6 +33,7 @@ from bridge.messages import (CloseSession, DraftChunk, SessionOpened, StreamComm
 from bridge.transport import Reply
 from macfleet.engine.controller import MAX_DRAFT_TOKENS
 from macfleet.engine.models import LoadedModel
+from macfleet.engine.proposers.base import Draft, draft_together
 from macfleet.engine.proposers.model_draft import ModelProposer
 from macfleet.engine.sampling import SamplingParams
 
@@ -48,6 +50,7 @@ class AheadTally:
     drafted: int = 0
     wasted: int = 0
     reroots: int = 0
+    steps_together: int = 0  # (the service's) steps that drafted several streams in one forward
 
 
 @dataclass
@@ -81,16 +84,25 @@ class _Session:
 
     def draft(self, sid: str) -> DraftChunk | None:
         """One more token on the stream, as the chunk that carries it (None: nothing new)."""
+        t0 = time.perf_counter()
+        d = self.stream.proposer.propose(self.stream.context + self.stream.stream, 1)
+        return self.chunk(sid, d, (time.perf_counter() - t0) * 1e3)
+
+    def job(self) -> tuple:
+        """Its next token as a job of `draft_together` (proposer, context, 1)."""
+        return self.stream.proposer, self.stream.context + self.stream.stream, 1
+
+    def chunk(self, sid: str, d: Draft, ms: float) -> DraftChunk | None:
+        """The stream's next tokens `d` appended, as the chunk that carries them (None:
+        nothing new: the stream is exhausted)."""
         st = self.stream
         start = len(st.context) + len(st.stream)
-        t0 = time.perf_counter()
-        n = st.extend(1)
+        n = st.take(d)
         if not n:
             return None
         self.tally.drafted += n
         probs = np.stack(st.rows[-n:]).astype(np.float32) if st.want_probs and st.rows else None
-        return DraftChunk(sid, self.basis, start, [int(t) for t in st.stream[-n:]], probs,
-                          (time.perf_counter() - t0) * 1e3)
+        return DraftChunk(sid, self.basis, start, [int(t) for t in st.stream[-n:]], probs, ms)
 
 
 class DraftAheadService(ComputeThread):
@@ -109,6 +121,7 @@ class DraftAheadService(ComputeThread):
         self.lm = draft
         self.serves = serves
         self.totals = AheadTally()
+        self._draft_rows: dict = {}  # the sessions' caches: rows of one store (the model's)
         self._start_compute("draft-ahead")
 
     # -- the server's loop thread: validate, then queue for the compute thread
@@ -162,6 +175,7 @@ class DraftAheadService(ComputeThread):
             params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
             prop = ModelProposer(self.lm.model, name="draft")
             prop.start(params)
+            prop.share_rows(self._draft_rows)  # its next tokens drafted with the others'
             self._sessions[msg.session_id] = _Session(
                 DraftStream(prop, list(msg.prompt), want_probs=not params.greedy,
                             cross_round=True), reply, msg.max_lead)
@@ -180,8 +194,26 @@ class DraftAheadService(ComputeThread):
         self.totals.wasted += s.tally.wasted - wasted
 
     def _idle_step(self) -> None:
-        """One more token on one session's stream (round-robin), pushed at once."""
+        """One more token on every session's stream whose cache is a row of the draft model's
+        store, in one forward (`draft_together`), or else on one session's (round-robin);
+        each pushed at once."""
         live = [(sid, s) for sid, s in self._sessions.items() if s.wants_token]
+        together = [(sid, s) for sid, s in live if s.stream.proposer.rows is not None]
+        if len(together) > 1:
+            t0 = time.perf_counter()
+            try:
+                drafts = draft_together([s.job() for _, s in together])
+            except Exception:  # each on its own next time: a failure ends one stream only
+                log.exception("drafting %d streams together failed", len(together))
+                drafts = None
+            if drafts is not None:
+                ms = (time.perf_counter() - t0) * 1e3 / len(together)
+                self.totals.steps_together += 1
+                for (sid, s), d in zip(together, drafts):
+                    self._push(s, s.chunk(sid, d, ms))
+                return
+            for _, s in together:
+                s.stream.proposer.close()  # its cache rebuilt from its context, alone
         if not live:
             return
         self._rr = (self._rr + 1) % len(live)
@@ -192,6 +224,9 @@ class DraftAheadService(ComputeThread):
             log.exception("draft-ahead session %s failed; its stream stops", sid)
             s.stream.exhausted = True
             return
+        self._push(s, chunk)
+
+    def _push(self, s: _Session, chunk: DraftChunk | None) -> None:
         if chunk is not None:
             self.totals.drafted += len(chunk.tokens)
             s.reply(chunk)

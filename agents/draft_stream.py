@@ -121,7 +121,11 @@ class DraftStream:
         """Draft up to n more stream tokens; returns how many were added."""
         if self.exhausted:
             return 0
-        d = self.proposer.propose(self.context + self.stream, n)
+        return self.take(self.proposer.propose(self.context + self.stream, n))
+
+    def take(self, d: Draft) -> int:
+        """Append a draft of the stream's next tokens (drafted from context + stream: by
+        `extend`, or with other sessions' streams at once); returns how many were added."""
         if not d.tokens:
             self.exhausted = True
             return 0

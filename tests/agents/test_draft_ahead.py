@@ -301,3 +301,52 @@ def test_the_dashboard_shows_the_draft_agents_lead_and_waste():
                              block_ms=90.0, draft_ms=0.0, verify_ms=90.0, f1_bytes=0, f1_ms=0.0,
                              f2_bytes=0, f2_ms=0.0, f3_bytes=0, f3_ms=0.0, probe=False), 0.0)
     assert plain.view(0.1).ahead is None and "draft agent" not in compute_summary(plain.view(0.1))
+
+
+def test_several_sessions_streams_are_drafted_in_one_forward_a_step():
+    """Serving many verifier sessions, the draft agent extends every stream in one forward of
+    the draft model a step (their caches are rows of one store): each stream is still the
+    draft model's own greedy continuation of its context, also after a commit refutes it."""
+    import time as _time
+
+    from macfleet.engine.proposers.model_draft import ModelProposer
+    from macfleet.engine.sampling import GREEDY
+
+    lm = load_model("tiny:3")
+    svc = DraftAheadService(lm, serves="v")
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8, 9, 10], "c": [11]}
+    got: dict[str, dict[int, list[int]]] = {sid: {} for sid in prompts}  # sid -> basis -> ids
+
+    def reply_for(sid):
+        def reply(msg):
+            if isinstance(msg, DraftChunk):
+                toks = got[sid].setdefault(msg.basis, [])
+                assert msg.start == (len(prompts[sid]) + (msg.basis > 0)) + len(toks)
+                toks.extend(msg.tokens)
+        return reply
+
+    def greedy(ctx, n):
+        p = ModelProposer(lm.model, "alone")
+        p.start(GREEDY)
+        return list(p.propose(ctx, n).tokens)
+
+    def wait(cond):
+        deadline = _time.monotonic() + 20
+        while not cond():
+            assert _time.monotonic() < deadline, got
+            _time.sleep(0.01)
+
+    try:
+        for sid, p in prompts.items():
+            svc.handle(StreamOpen(sid, "v", p, 0.0, 1.0, None, 6), reply_for(sid))
+        wait(lambda: all(len(got[sid].get(0, ())) == 6 for sid in prompts))
+        for sid, p in prompts.items():
+            assert got[sid][0] == greedy(p, 6), sid
+        assert svc.totals.steps_together > 0
+        # a commit that refutes a's stream: it re-roots there and drafts on, still together
+        wrong = (got["a"][0][0] + 1) % lm.vocab_size
+        svc.handle(StreamCommit("a", 1, len(prompts["a"]), [wrong]), lambda msg: None)
+        wait(lambda: len(got["a"].get(1, ())) == 6)
+        assert got["a"][1] == greedy(prompts["a"] + [wrong], 6)
+    finally:
+        svc.close()
