@@ -160,3 +160,44 @@ class Draws:
 
     def random(self) -> float:
         return self.u.pop(0)
+
+
+def engine_drafts_together_as_alone(lm, proposer: str) -> dict[int, Finished]:
+    """Five requests of different lengths through one serving engine drafting with
+    `proposer` (chains drafted together: `draft_together`): each answers what the verifier
+    alone does, drafts, and at least one `draft_together` call held several sessions; every
+    session's row is given back. Returns each request's Finished by index."""
+    import macfleet.serve.engine as serve_engine
+    from macfleet.engine.sampling import GREEDY
+    from macfleet.engine.verifier import Verifier
+    from macfleet.serve.engine import BatchEngine, EngineRequest
+    from reference_loops import speculative_generate
+
+    rng = np.random.default_rng(2)
+    prompts = [tuple(rng.integers(0, lm.vocab_size, size=n).tolist()) for n in (6, 30, 14, 50, 9)]
+    eng = BatchEngine(lm, proposer=proposer, draft_tokens=3, max_active=8)
+    done: dict[int, Finished] = {}
+    calls: list[int] = []
+    real = serve_engine.draft_together
+
+    def counting(jobs, *a, **kw):
+        calls.append(len(jobs))
+        return real(jobs, *a, **kw)
+
+    serve_engine.draft_together = counting
+    try:
+        for i, p in enumerate(prompts):
+            eng.submit(EngineRequest(p, GREEDY, 12 + 3 * i),
+                       lambda ev, i=i: done.__setitem__(i, ev) if isinstance(ev, Finished)
+                       else None)
+        eng.run_until_idle()
+    finally:
+        serve_engine.draft_together = real
+    for i, p in enumerate(prompts):
+        alone = list(speculative_generate(Verifier(lm.model), None, p, params=GREEDY,
+                                          max_tokens=12 + 3 * i, eos_ids=lm.eos_ids))[-1]
+        assert done[i].token_ids == alone.token_ids
+        assert done[i].stats.drafted > 0
+    assert max(calls) > 1  # several sessions' chains in one call
+    assert all(st.open_rows == 0 for st in eng.session_kv.draft_rows.values())  # given back
+    return done

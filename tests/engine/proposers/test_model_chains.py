@@ -13,15 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from macfleet.engine.events import Finished
+from engine_testkit import engine_drafts_together_as_alone
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers.base import EMPTY_DRAFT, draft_together
 from macfleet.engine.proposers.factory import make_proposer
 from macfleet.engine.proposers.model_draft import ModelProposer, draft_model_chains
 from macfleet.engine.sampling import GREEDY, SamplingParams
-from macfleet.engine.verifier import Verifier
-from macfleet.serve.engine import BatchEngine, EngineRequest
-from reference_loops import speculative_generate
 
 DRAFT = "tiny:5:64"  # another random model: the verifier (tiny:1:64) rejects some drafts
 
@@ -121,35 +118,6 @@ def test_rows_of_another_store_are_refused_and_a_model_the_flat_batch_cannot_run
 
 
 def test_batching_engine_drafts_every_model_chain_together_and_answers_as_alone(tiny):
-    rng = np.random.default_rng(2)
-    prompts = [tuple(rng.integers(0, tiny.vocab_size, size=n).tolist())
-               for n in (6, 30, 14, 50, 9)]
-    eng = BatchEngine(tiny, proposer=f"draft:{DRAFT}", draft_tokens=3, max_active=8)
-    done: dict[int, Finished] = {}
-    calls = []
-    import macfleet.serve.engine as serve_engine
-
-    real = serve_engine.draft_together
-
-    def counting(jobs, clock):
-        calls.append(len(jobs))
-        return real(jobs, clock)
-
-    serve_engine.draft_together = counting
-    try:
-        for i, p in enumerate(prompts):
-            eng.submit(EngineRequest(p, GREEDY, 12 + 3 * i),
-                       lambda ev, i=i: done.__setitem__(i, ev) if isinstance(ev, Finished)
-                       else None)
-        eng.run_until_idle()
-    finally:
-        serve_engine.draft_together = real
-    for i, p in enumerate(prompts):
-        alone = list(speculative_generate(Verifier(tiny.model), None, p, params=GREEDY,
-                                          max_tokens=12 + 3 * i, eos_ids=tiny.eos_ids))[-1]
-        assert done[i].token_ids == alone.token_ids
-        assert done[i].stats.drafted > 0
-    assert max(calls) > 1  # several sessions' chains in one call
+    done = engine_drafts_together_as_alone(tiny, f"draft:{DRAFT}")
     assert sum(f.stats.accepted for f in done.values()) < sum(
         f.stats.drafted for f in done.values())  # some drafts rejected: rows rolled back
-    assert all(st.open_rows == 0 for st in eng.session_kv.draft_rows.values())  # given back

@@ -17,6 +17,7 @@ from macfleet.engine.batch import BatchKV
 from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
 from macfleet.engine.proposers.eagle.chain import EagleProposer, draft_chains
 from macfleet.engine.proposers.eagle.load import shared_head
+from engine_testkit import engine_drafts_together_as_alone
 from macfleet.engine.events import Finished
 from reference_loops import speculative_generate
 from macfleet.engine.proposers.base import EMPTY_DRAFT
@@ -127,36 +128,7 @@ def test_sessions_share_one_loaded_head(tiny, head, tmp_path):
 def test_batching_engine_drafts_every_eagle_chain_together_and_answers_as_alone(
         tiny, head, tmp_path):
     head.save(tmp_path / "h")
-    rng = np.random.default_rng(2)
-    prompts = [tuple(rng.integers(0, tiny.vocab_size, size=n).tolist()) for n in (6, 30, 14,
-                                                                                  50, 9)]
-    eng = BatchEngine(tiny, proposer=f"eagle:{tmp_path / 'h'}", draft_tokens=3, max_active=8)
-    done: dict[int, Finished] = {}
-    calls = []
-    import macfleet.serve.engine as serve_engine
-
-    real = serve_engine.draft_together
-
-    def counting(jobs, *a, **kw):
-        calls.append(len(jobs))
-        return real(jobs, *a, **kw)
-
-    serve_engine.draft_together = counting
-    try:
-        for i, p in enumerate(prompts):
-            eng.submit(EngineRequest(p, GREEDY, 12 + 3 * i),
-                       lambda ev, i=i: done.__setitem__(i, ev) if isinstance(ev, Finished)
-                       else None)
-        eng.run_until_idle()
-    finally:
-        serve_engine.draft_together = real
-    for i, p in enumerate(prompts):
-        alone = list(speculative_generate(Verifier(tiny.model), None, p, params=GREEDY,
-                                          max_tokens=12 + 3 * i, eos_ids=tiny.eos_ids))[-1]
-        assert done[i].token_ids == alone.token_ids
-        assert done[i].stats.drafted > 0
-    assert max(calls) > 1  # several sessions' chains in one call
-    assert all(st.open_rows == 0 for st in eng.session_kv.draft_rows.values())  # rows given back
+    engine_drafts_together_as_alone(tiny, f"eagle:{tmp_path / 'h'}")
 
 
 def test_sessions_fed_hidden_states_share_a_prompt_prefix_with_its_rows(tiny, head, tmp_path,
