@@ -15,7 +15,8 @@ from macfleet.engine.verifier import Verifier
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPABILITIES = {"keepalive", "needs_keepalive", "feed_features", "wants_features",
-                "drafts_trees", "fallback_tokens", "wants_lookahead"}
+                "drafts_trees", "fallback_tokens", "wants_lookahead", "rows", "share_rows",
+                "draft_together"}
 
 
 def test_verifier_capabilities_are_declared():
@@ -26,6 +27,8 @@ def test_verifier_capabilities_are_declared():
 def test_proposer_capabilities_are_declared():
     assert (Proposer.drafts_trees, Proposer.wants_features, Proposer.fallback_tokens) == \
         (False, False, 0)
+    assert Proposer.rows is None and callable(Proposer.share_rows)  # drafted alone by default
+    assert callable(Proposer.draft_together)
 
 
 def test_no_capability_is_probed_by_name():
