@@ -175,7 +175,6 @@ class DraftAheadService(ComputeThread):
             params = SamplingParams(msg.temperature, msg.top_p, msg.seed)
             prop = ModelProposer(self.lm.model, name="draft")
             prop.start(params)
-            prop.share_rows(self._draft_rows)  # its next tokens drafted with the others'
             self._sessions[msg.session_id] = _Session(
                 DraftStream(prop, list(msg.prompt), want_probs=not params.greedy,
                             cross_round=True), reply, msg.max_lead)
@@ -194,10 +193,14 @@ class DraftAheadService(ComputeThread):
         self.totals.wasted += s.tally.wasted - wasted
 
     def _idle_step(self) -> None:
-        """One more token on every session's stream whose cache is a row of the draft model's
-        store, in one forward (`draft_together`), or else on one session's (round-robin);
-        each pushed at once."""
+        """One more token on every session's stream in one forward (`draft_together`: with
+        more than one stream to extend, their caches become rows of the draft model's store),
+        or else on one session's (round-robin); each pushed at once."""
         live = [(sid, s) for sid, s in self._sessions.items() if s.wants_token]
+        if len(live) > 1:  # drafted together from now on (alone, its own cache is cheaper:
+            for _, s in live:  # one flat forward costs more host work than the model's own)
+                if s.stream.proposer.rows is None:
+                    s.stream.proposer.share_rows(self._draft_rows)
         together = [(sid, s) for sid, s in live if s.stream.proposer.rows is not None]
         if len(together) > 1:
             t0 = time.perf_counter()
@@ -206,8 +209,8 @@ class DraftAheadService(ComputeThread):
             except Exception:  # each on its own next time: a failure ends one stream only
                 log.exception("drafting %d streams together failed", len(together))
                 drafts = None
-            if drafts is not None:
-                ms = (time.perf_counter() - t0) * 1e3 / len(together)
+            if drafts is not None:  # each stream's token took the whole step to come: the
+                ms = (time.perf_counter() - t0) * 1e3  # verifier waits by it (tokens_to_wait)
                 self.totals.steps_together += 1
                 for (sid, s), d in zip(together, drafts):
                     self._push(s, s.chunk(sid, d, ms))

@@ -70,10 +70,12 @@ class ModelProposer(Proposer):
         return self._rows
 
     def share_rows(self, stores: dict) -> None:
-        """Its cache a row of its model's store, where the flat batch runs the model."""
+        """Its cache a row of its model's store, where the flat batch runs the model (what it
+        had cached is run again there by its next draft; its sampling draws go on)."""
         if supports_tree_attention(self.model):
+            self._drop_cache()
             self._rows = stores.setdefault(id(self.model), BatchKV(len(self.model.layers)))
-            self.start(self.params)
+            self._cache = [self._rows.open()]
 
     @staticmethod
     def draft_together(jobs, clock=time.perf_counter) -> list[Draft]:
