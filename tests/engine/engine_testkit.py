@@ -162,6 +162,12 @@ class Draws:
         return self.u.pop(0)
 
 
+def drafting_contexts(vocab: int) -> list[list[int]]:
+    """Four committed contexts of different lengths (5 to 40 tokens) for drafters' tests."""
+    rng = np.random.default_rng(4)
+    return [rng.integers(0, vocab, size=n).tolist() for n in (5, 23, 11, 40)]
+
+
 def engine_drafts_together_as_alone(lm, proposer: str) -> dict[int, Finished]:
     """Five requests of different lengths through one serving engine drafting with
     `proposer` (chains drafted together: `draft_together`): each answers what the verifier

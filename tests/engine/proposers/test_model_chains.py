@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_testkit import engine_drafts_together_as_alone
+from engine_testkit import drafting_contexts, engine_drafts_together_as_alone
 from macfleet.engine.models import load_model
 from macfleet.engine.proposers.base import EMPTY_DRAFT, draft_together
 from macfleet.engine.proposers.factory import make_proposer
@@ -26,11 +26,6 @@ DRAFT = "tiny:5:64"  # another random model: the verifier (tiny:1:64) rejects so
 @pytest.fixture(scope="module")
 def draft():
     return load_model(DRAFT)
-
-
-def _contexts(vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(4)
-    return [rng.integers(0, vocab, size=n).tolist() for n in (5, 23, 11, 40)]
 
 
 def _alone(model, ctxs, ks, params=GREEDY):
@@ -56,7 +51,7 @@ def _together(model, n, params=GREEDY):
 
 
 def test_chains_drafted_together_are_the_chains_drafted_alone(draft):
-    ctxs, ks = _contexts(draft.vocab_size), [3, 1, 4, 2]
+    ctxs, ks = drafting_contexts(draft.vocab_size), [3, 1, 4, 2]
     props, store = _together(draft.model, len(ctxs))
     got = draft_together(list(zip(props, ctxs, ks)))
     ref = _alone(draft.model, ctxs, ks)
@@ -82,7 +77,7 @@ def test_chains_drafted_together_are_the_chains_drafted_alone(draft):
 
 
 def test_sampled_chains_together_carry_their_distributions(draft):
-    ctxs, ks = _contexts(draft.vocab_size), [2, 3, 1, 2]
+    ctxs, ks = drafting_contexts(draft.vocab_size), [2, 3, 1, 2]
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
     props, _ = _together(draft.model, len(ctxs), params)
     got = draft_together(list(zip(props, ctxs, ks)))
@@ -101,7 +96,7 @@ def test_rows_of_another_store_are_refused_and_a_model_the_flat_batch_cannot_run
     a, _ = _together(draft.model, 1)
     b, _ = _together(draft.model, 1)
     plain = ModelProposer(draft.model, "d")
-    ctx = _contexts(draft.vocab_size)[0]
+    ctx = drafting_contexts(draft.vocab_size)[0]
     with pytest.raises(ValueError, match="one store"):
         draft_model_chains([(a[0], ctx, 2), (b[0], ctx, 2)])
     with pytest.raises(ValueError, match="one store"):

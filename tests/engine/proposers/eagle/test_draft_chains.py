@@ -17,7 +17,7 @@ from macfleet.engine.batch import BatchKV
 from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
 from macfleet.engine.proposers.eagle.chain import EagleProposer, draft_chains
 from macfleet.engine.proposers.eagle.load import shared_head
-from engine_testkit import engine_drafts_together_as_alone
+from engine_testkit import drafting_contexts, engine_drafts_together_as_alone
 from macfleet.engine.events import Finished
 from reference_loops import speculative_generate
 from macfleet.engine.proposers.base import EMPTY_DRAFT
@@ -36,11 +36,6 @@ def head(tiny):
     h.set_draft_vocab(np.arange(0, tiny.vocab_size, 2))  # drafts map through the subset's ids
     mx.eval(h.parameters())
     return h
-
-
-def _contexts(vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(4)
-    return [rng.integers(0, vocab, size=n).tolist() for n in (5, 23, 11, 40)]
 
 
 def _alone(head, ctxs, ks, params=GREEDY):
@@ -65,7 +60,7 @@ def _together(head, n, params=GREEDY):
 
 
 def test_chains_drafted_together_are_the_chains_drafted_alone(tiny, head):
-    ctxs, ks = _contexts(tiny.vocab_size), [3, 1, 4, 2]
+    ctxs, ks = drafting_contexts(tiny.vocab_size), [3, 1, 4, 2]
     props, store = _together(head, len(ctxs))
     got = draft_chains(list(zip(props, ctxs, ks)))
     ref = _alone(head, ctxs, ks)
@@ -92,7 +87,7 @@ def test_chains_drafted_together_are_the_chains_drafted_alone(tiny, head):
 
 
 def test_sampled_chains_together_carry_their_distributions(tiny, head):
-    ctxs, ks = _contexts(tiny.vocab_size), [2, 3, 1, 2]
+    ctxs, ks = drafting_contexts(tiny.vocab_size), [2, 3, 1, 2]
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
     props, _ = _together(head, len(ctxs), params)
     got = draft_chains(list(zip(props, ctxs, ks)))
@@ -110,7 +105,7 @@ def test_rows_of_another_store_are_refused(tiny, head):
     a, _ = _together(head, 1)
     b, _ = _together(head, 1)
     plain = EagleProposer(head, tap=False)
-    ctx = _contexts(tiny.vocab_size)[0]
+    ctx = drafting_contexts(tiny.vocab_size)[0]
     with pytest.raises(ValueError, match="one store"):
         draft_chains([(a[0], ctx, 2), (b[0], ctx, 2)])
     with pytest.raises(ValueError, match="one store"):
