@@ -2,10 +2,10 @@
 
 A proposer agent started with `--draft MODEL` serves this instead of the block-by-block
 ProposerService. A verifier opens a session (StreamOpen) and from then on the agent drafts
-without being asked: one compute thread extends every session's stream by a token a step (all
-of them in one forward of the draft model: their caches are rows of one store), up to the
-session's `max_lead` tokens past what it knows is committed, and pushes each token
-(DraftChunk) the moment it exists. The verifier's commits (StreamCommit, one-way)
+without being asked: one compute thread extends every session's stream by a token a step (with
+more than one to extend, all in one forward of the draft model: their caches become rows of
+one store), up to the session's `max_lead` tokens past what it knows is committed, and pushes
+each token (DraftChunk) the moment it exists. The verifier's commits (StreamCommit, one-way)
 arrive between tokens: a stream whose tokens are the committed ones goes on where it was (the
 likely case at high acceptance: nothing was lost, the next block is already drafted); one that
 is refuted re-roots at that commit (`basis`), throwing away what it had drafted past it. The
