@@ -122,7 +122,22 @@ def identical(one: dict | None, two: dict | None, eos: Sequence[int] = ()) -> bo
             for name, v in r.items():
                 if name != "prompt" and v.get("ids") is not None:
                     by_prompt.setdefault(r["prompt"], []).append(_strip(v["ids"], eos))
+    for rnd in ((two or {}).get("sessions") or {}).get("rounds", []):
+        for a in rnd["answers"]:  # batched with others: the same answer as alone
+            by_prompt.setdefault(a["prompt"], []).append(_strip(a["ids"], eos))
     return all(all(x == xs[0] for x in xs) for xs in by_prompt.values())
+
+
+def sessions_figure(two: Mapping) -> tuple[str, dict] | None:
+    """`bench pair --sessions N`: the figure of its rounds of N requests at once, drafted
+    ahead over the verifier agent alone round by round (None: not run)."""
+    s = two.get("sessions")
+    if not s:
+        return None
+    rate = {spec: [r["tok_s"] for r in s["rounds"] if r["spec"] == spec]
+            for spec in ("none", "draft")}
+    return (f"two agents, {s['n']} sessions at once / verifier agent alone",
+            ratios(rate["draft"], rate["none"]))
 
 
 def summarize(*, width: int, target: float, dial: Mapping, k: int, one: dict | None,
@@ -182,6 +197,9 @@ def summarize(*, width: int, target: float, dial: Mapping, k: int, one: dict | N
             fig["two agents / in-process draft model"] = {
                 **ratios(pair, spec),
                 "ceiling": ceiling / one_process_speedup(out["alpha"], k, costs)}
+        at_once = sessions_figure(two)
+        if at_once is not None:
+            fig[at_once[0]] = at_once[1]
         n = len(runs2)
         out["pair_agents"] = {
             "lead": sum(r["pair"]["lead"] for r in runs2) / n,

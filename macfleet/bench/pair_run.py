@@ -150,13 +150,43 @@ def run_pinned(verifier_dir: str, prompts: Sequence[str], tokens: int, k: int,
 # --- the two-agent runs ------------------------------------------------------------------------
 
 
+def at_once(ask: Callable[[str], dict], texts: Sequence[str]) -> tuple[float, list[dict]]:
+    """Every text asked at once, a thread each: the wall time of the whole round and the
+    answers in the order of `texts` (a request that raised raises here)."""
+    import threading
+
+    got: list[dict | BaseException | None] = [None] * len(texts)
+
+    def one(i: int) -> None:
+        try:
+            got[i] = ask(texts[i])
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            got[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(texts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for g in got:
+        if isinstance(g, BaseException):
+            raise g
+    return wall, list(got)
+
+
 def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
                progress: Callable[[str], None] = print, batch_sessions: int | None = None,
-               alone: bool = True, draft_spec: str = DRAFT_SPEC) -> dict:
+               alone: bool = True, draft_spec: str = DRAFT_SPEC, sessions: int = 1,
+               rounds: int = 2) -> dict:
     """The verifier agent on core 0, a draft-model agent on core 1: each prompt drafted ahead
     (spec `draft`) and (alone) by the verifier agent alone (`none`: its speed is the
     verifier's shapes', so one setting of a width measures it for all, as `one_process`'s
-    plain runs)."""
+    plain runs). sessions > 1: then `rounds` rounds of that many requests at once (the
+    prompts in turn), each round by the verifier agent alone and drafted ahead, alternating
+    which goes first: every answer's tokens over the round's wall time (several users of
+    one pair: the verifier's continuous batch, the draft agent's streams drafted together)."""
     from bridge.card import ROLE_PROPOSER, ROLE_VERIFIER
     from bridge.messages import GenerateChunk, GenerateDone
     from macfleet.fleet import local
@@ -206,7 +236,25 @@ def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
                                                 else {}),
                              "pair": ask(text, "draft")})
                 progress(f"two agents: {text[:40]}")
-            return {"runs": runs}
+            out: dict = {"runs": runs}
+            if sessions > 1:
+                texts = [prompts[i % len(prompts)] for i in range(sessions)]
+                at_once(lambda t: ask(t, "draft"), texts)  # the batch's shapes compiled
+                done = []
+                for r in range(rounds):
+                    for spec in ("none", "draft") if r % 2 == 0 else ("draft", "none"):
+                        wall, answers = at_once(lambda t, spec=spec: ask(t, spec), texts)
+                        n = sum(len(a["ids"]) for a in answers)
+                        done.append({"spec": spec, "wall_s": wall, "tokens": n,
+                                     "tok_s": n / wall,
+                                     "drafted": sum(a["drafted"] for a in answers),
+                                     "accepted": sum(a["accepted"] for a in answers),
+                                     "answers": [{"prompt": t, "ids": a["ids"]}
+                                                 for t, a in zip(texts, answers)]})
+                        progress(f"two agents, {sessions} sessions at once, {spec}: "
+                                 f"{n / wall:.2f} tok/s")
+                out["sessions"] = {"n": sessions, "rounds": done}
+            return out
         finally:
             local.down(Path(tmp) / "run")
 

@@ -30,6 +30,10 @@ def add_bench_parsers(bs) -> None:
     p.add_argument("--batch-sessions", type=int, default=None, metavar="N",
                    help="the verifier agent's continuous batch (0: one session at a time; "
                    "default: the agent's)")
+    p.add_argument("--sessions", type=int, default=1, metavar="N",
+                   help="also N requests at once through the two agents (the verifier's "
+                   "batch, the draft agent's streams drafted together), two rounds drafted "
+                   "ahead and two by the verifier agent alone (default: 1, one at a time only)")
     p.add_argument("--dial", type=Path, default=None,
                    help="the dial record (default: OUT/pair_dial.json)")
     p.add_argument("--dial-kind", choices=("layers", "draft"), default="layers",
@@ -98,6 +102,8 @@ def run(args) -> int:
     from macfleet.bench.pair_run import run_contention, run_pinned, two_agents
     from macfleet.bench.record import write_result
 
+    if args.sessions < 1:
+        raise SystemExit(f"--sessions {args.sessions}: at least 1 (one request at a time)")
     prompts = PAIR_PROMPTS[: max(1, min(args.prompts, len(PAIR_PROMPTS)))]
     skip = set(args.skip.split(",")) - {""}
     rows = []
@@ -121,7 +127,7 @@ def run(args) -> int:
         two = None if "two" in skip else two_agents(vdir, prompts, args.max_tokens, _log,
                                                     batch_sessions=args.batch_sessions,
                                                     alone=width not in alone_of,
-                                                    draft_spec=draft)
+                                                    draft_spec=draft, sessions=args.sessions)
         if two is not None:
             if width not in alone_of:
                 alone_of[width] = {r["prompt"]: r["agent_alone"] for r in two["runs"]}
@@ -133,11 +139,11 @@ def run(args) -> int:
         if width in beside:  # where the two agents share one memory bus (this box)
             rows[-1]["draft_ms_contention"] = beside[width]
         rows[-1].update(command=command_line(), tokens=args.max_tokens, prompts=len(prompts))
-        _print_row(rows[-1])
         path = write_result("pair.json", {"prompts": list(prompts), "tokens": args.max_tokens,
                                           "k": args.draft_tokens,
                                           "settings": kept(args.out / "pair.json", rows) + rows},
                             args.out)
+        _print_row(rows[-1])
     _plot(json.loads(path.read_text())["settings"], args.out / "pair.png")
     print(f"wrote {path}")
     return 0
@@ -170,8 +176,8 @@ def _print_row(r: dict) -> None:
     f = r["figures"]
     dial = (f"draft noise {r['draft_noise']:.3g}" if r.get("dial_kind") == "draft"
             else f"eps {r.get('eps') or 0:.3g}")
-    print(f"width {r['width']} c={r['c']:.2f} acceptance {r['alpha']:.2f} "
-          f"(target {r['target']}, {dial}) | ids {'identical' if r['identical'] else 'DIFFER'}")
+    print(f"width {r['width']} {_measured(r)} (target {r['target']}, {dial}) | ids "
+          f"{'identical' if r['identical'] else 'DIFFER'}")
     for name, v in f.items():
         ceil = v.get("ceiling")
         print(f"  {name:34s} {v['geomean']:5.2f}x (min {v['min']:.2f})"
@@ -192,6 +198,11 @@ def _print_row(r: dict) -> None:
               "while the verifier verifies on the other core (one memory bus)")
 
 
+def _measured(r: dict) -> str:
+    """c and the acceptance where the one-process runs measured them (`--skip one`: not)."""
+    return f"c={r['c']:.2f} acceptance {r['alpha']:.2f}" if "c" in r else "c, acceptance not run"
+
+
 def _plot(rows: list[dict], out: Path) -> Path | None:
     from macfleet.bench.record import pyplot
 
@@ -203,10 +214,14 @@ def _plot(rows: list[dict], out: Path) -> Path | None:
                                       "in-process draft model / verifier agent alone")),
              ("mlx-lm speculative / mlx-lm plain", ("mlx-lm speculative / mlx-lm plain",)),
              ("two agents / plain", ("two agents / plain", "two agents / verifier agent alone"))]
+    at_once = sorted({k for r in rows for k in r["figures"] if "sessions at once" in k})
+    names += [(k.replace(" / verifier agent alone", " / alone"), (k,)) for k in at_once]
+    names = [(label, keys) for label, keys in names  # a part skipped in every row: no bar
+             if any(k in r["figures"] for r in rows for k in keys)]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
-    width = 0.25
+    width = 0.8 / len(names)
     for i, (label, keys) in enumerate(names):
-        xs = [j + (i - 1) * width for j in range(len(rows))]
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))]
         got = [next((r["figures"][k] for k in keys if k in r["figures"]), {}) for r in rows]
         ys = [g.get("geomean", 0.0) for g in got]
         ax.bar(xs, ys, width, label=label)
@@ -215,11 +230,12 @@ def _plot(rows: list[dict], out: Path) -> Path | None:
                    s=300, color="black", zorder=3)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"c={r['c']:.2f}\nacc {r['alpha']:.2f}"
+    ax.set_xticklabels([(f"c={r['c']:.2f}\nacc {r['alpha']:.2f}" if "c" in r else
+                         f"width {r['width']}\ntarget {r['target']}")
                         + ("\n(draft dial)" if r.get("dial_kind") == "draft" else "")
                         for r in rows])
     ax.set_ylabel("speed-up over plain decoding (geomean)")
-    ax.set_title("bench pair: a draft model in series vs drafting ahead on a second core "
+    ax.set_title("bench pair: a draft model in series vs drafting ahead on a second core\n"
                  "(bars: measured; ticks: ceilings)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

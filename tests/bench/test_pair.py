@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from macfleet.bench.pair import (Costs, alpha_from_mean, best_two_agent, identical, with_alone,
-                                 one_process_speedup, summarize, two_agent_speedup, with_plain)
+                                 one_process_speedup, sessions_figure, summarize,
+                                 two_agent_speedup, with_plain)
 from macfleet.engine.controller import expected_tokens
 
 COSTS = Costs({1: 160.0, 5: 200.0, 9: 240.0}, 64.0)
@@ -101,3 +102,67 @@ def test_mlx_runs_are_timed_by_commit_as_macfleet_runs_are(monkeypatch):
     clock = iter([1.0, 2.0, 3.0])
     ids, rate = pr._mlx_run(iter([(5, None), (6, None), (7, None)]), frozenset())
     assert ids == [5, 6, 7] and rate == pytest.approx(1.0)  # plain: every token a commit
+
+
+def _round(spec: str, tok_s: float, answers: dict) -> dict:
+    return {"spec": spec, "tok_s": tok_s, "answers": [{"prompt": p, "ids": ids}
+                                                      for p, ids in answers.items()]}
+
+
+def test_sessions_at_once_are_a_figure_and_must_answer_as_alone():
+    two = {"runs": [{"prompt": "p", "agent_alone": run([5, 6], 9.0),
+                     "pair": {**run([5, 6], 18.0), "lead": 2.0, "waste": 0.1, "wait_ms": 3.0,
+                              "failures": 0}}],
+           "sessions": {"n": 4, "rounds": [_round("none", 10.0, {"p": [5, 6]}),
+                                           _round("draft", 20.0, {"p": [5, 6, 2]}),
+                                           _round("draft", 24.0, {"p": [5, 6]}),
+                                           _round("none", 8.0, {"p": [5, 6]})]}}
+    name, fig = sessions_figure(two)
+    assert name == "two agents, 4 sessions at once / verifier agent alone"
+    assert fig["each"] == pytest.approx([2.0, 3.0])  # round by round, in the order run
+    r = summarize(width=6144, target=0.95, dial={}, k=4, one=None, two=two, eos=[2])
+    assert r["identical"] and r["figures"][name]["geomean"] == pytest.approx(6 ** 0.5)
+    # a batched answer that differs from the same prompt's answer alone
+    bad = {**two, "sessions": {**two["sessions"], "rounds": two["sessions"]["rounds"][:3]
+                               + [_round("none", 8.0, {"p": [5, 7]})]}}
+    assert not identical(None, bad, [2])
+    assert sessions_figure({"runs": []}) is None
+
+
+def test_requests_at_once_run_together_in_order_and_a_failure_is_raised():
+    import threading
+
+    from macfleet.bench.pair_run import at_once
+
+    barrier = threading.Barrier(3, timeout=5)  # each ask returns only once all three started
+
+    def ask(text: str) -> dict:
+        barrier.wait()
+        return {"ids": [len(text)]}
+
+    wall, got = at_once(ask, ["a", "bb", "ccc"])
+    assert [g["ids"] for g in got] == [[1], [2], [3]] and wall < 5
+
+    def bad(text: str) -> dict:
+        raise RuntimeError(f"lost {text}")
+
+    with pytest.raises(RuntimeError, match="lost"):
+        at_once(bad, ["x"])
+
+
+def test_a_row_without_the_one_process_runs_prints_and_plots(tmp_path, capsys):
+    """`bench pair --skip one --sessions 4`: no c, no acceptance measured (it crashed on
+    printing them, after the whole run and before writing it)."""
+    from macfleet.cli.bench_pair import _plot, _print_row
+
+    two = {"runs": [{"prompt": "p", "agent_alone": run([5, 6], 9.0),
+                     "pair": {**run([5, 6], 18.0), "lead": 2.0, "waste": 0.1, "wait_ms": 3.0,
+                              "failures": 0}}],
+           "sessions": {"n": 4, "rounds": [_round("none", 10.0, {"p": [5, 6]}),
+                                           _round("draft", 20.0, {"p": [5, 6]})]}}
+    row = summarize(width=5120, target=0.95, dial={}, k=4, one=None, two=two)
+    _print_row(row)
+    out = capsys.readouterr().out
+    assert "c, acceptance not run" in out and "4 sessions at once" in out and "2.00x" in out
+    plotted = _plot([row], tmp_path / "pair.png")
+    assert plotted is None or plotted.is_file()
