@@ -179,7 +179,7 @@ def at_once(ask: Callable[[str], dict], texts: Sequence[str]) -> tuple[float, li
 def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
                progress: Callable[[str], None] = print, batch_sessions: int | None = None,
                alone: bool = True, draft_spec: str = DRAFT_SPEC, sessions: int = 1,
-               rounds: int = 2) -> dict:
+               rounds: int = 2, stall_ratio: float | None = None) -> dict:
     """The verifier agent on core 0, a draft-model agent on core 1: each prompt drafted ahead
     (spec `draft`) and (alone) by the verifier agent alone (`none`: its speed is the
     verifier's shapes', so one setting of a width measures it for all, as `one_process`'s
@@ -197,8 +197,9 @@ def two_agents(verifier_dir: str, prompts: Sequence[str], tokens: int,
         key_path = Path(tmp) / "fleet.key"
         key = keygen(key_path)
         extra = {"proposer": ["--draft", draft_spec]}
-        if batch_sessions is not None:
-            extra["verifier"] = ["--batch-sessions", str(batch_sessions)]
+        extra["verifier"] = ([] if batch_sessions is None else
+                             ["--batch-sessions", str(batch_sessions)]) + \
+            ([] if stall_ratio is None else ["--stall-ratio", str(stall_ratio)])
         cards = local.up(2, model=verifier_dir, key=key, key_path=key_path,
                          run_dir=Path(tmp) / "run", pin=True, extra_args=extra,
                          timeout_s=600)

@@ -34,6 +34,8 @@ def add_bench_parsers(bs) -> None:
                    help="also N requests at once through the two agents (the verifier's "
                    "batch, the draft agent's streams drafted together), two rounds drafted "
                    "ahead and two by the verifier agent alone (default: 1, one at a time only)")
+    p.add_argument("--stall-ratio", type=float, default=None, metavar="R",
+                   help="the verifier agent's --stall-ratio (default: its own)")
     p.add_argument("--dial", type=Path, default=None,
                    help="the dial record (default: OUT/pair_dial.json)")
     p.add_argument("--dial-kind", choices=("layers", "draft"), default="layers",
@@ -127,7 +129,8 @@ def run(args) -> int:
         two = None if "two" in skip else two_agents(vdir, prompts, args.max_tokens, _log,
                                                     batch_sessions=args.batch_sessions,
                                                     alone=width not in alone_of,
-                                                    draft_spec=draft, sessions=args.sessions)
+                                                    draft_spec=draft, sessions=args.sessions,
+                                                    stall_ratio=args.stall_ratio)
         if two is not None:
             if width not in alone_of:
                 alone_of[width] = {r["prompt"]: r["agent_alone"] for r in two["runs"]}
