@@ -40,6 +40,10 @@ from macfleet.engine.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_LEAD = 2 * MAX_DRAFT_TOKENS + 2  # a lead the verifier may ask for
+# after drafting streams together failed, the idle steps they draft alone before the next try
+# (doubling while it keeps failing: a persistent failure was retried, and logged, every step)
+APART_STEPS_MIN = 16
+APART_STEPS_MAX = 1024
 
 
 @dataclass
@@ -122,6 +126,9 @@ class DraftAheadService(ComputeThread):
         self.serves = serves
         self.totals = AheadTally()
         self._draft_rows: dict = {}  # the sessions' caches: rows of one store (the model's)
+        self._step = 0  # idle steps taken
+        self._together_from = 0  # the step from which streams may be drafted together again
+        self._apart_steps = APART_STEPS_MIN  # ... after the next failure
         self._start_compute("draft-ahead")
 
     # -- the server's loop thread: validate, then queue for the compute thread
@@ -197,8 +204,11 @@ class DraftAheadService(ComputeThread):
         more than one stream to extend, their caches become rows of the draft model's store),
         or else on one session's (round-robin); each pushed at once."""
         live = [(sid, s) for sid, s in self._sessions.items() if s.wants_token]
-        if len(live) > 1:  # drafted together from now on (alone, its own cache is cheaper:
-            for _, s in live:  # one flat forward costs more host work than the model's own)
+        self._step += 1
+        # drafted together from now on (alone, a stream's own cache is cheaper: one flat
+        # forward costs more host work than the model's own), unless that failed lately
+        if len(live) > 1 and self._step >= self._together_from:
+            for _, s in live:
                 if s.stream.proposer.rows is None:
                     s.stream.proposer.share_rows(self._draft_rows)
         together = [(sid, s) for sid, s in live if s.stream.proposer.rows is not None]
@@ -206,12 +216,16 @@ class DraftAheadService(ComputeThread):
             t0 = time.perf_counter()
             try:
                 drafts = draft_together([s.job() for _, s in together])
-            except Exception:  # each on its own next time: a failure ends one stream only
-                log.exception("drafting %d streams together failed", len(together))
+            except Exception:  # each on its own for a while: a failure ends one stream only
+                log.exception("drafting %d streams together failed; alone for the next %d "
+                              "steps", len(together), self._apart_steps)
+                self._together_from = self._step + self._apart_steps
+                self._apart_steps = min(2 * self._apart_steps, APART_STEPS_MAX)
                 drafts = None
             if drafts is not None:  # each stream's token took the whole step to come: the
                 ms = (time.perf_counter() - t0) * 1e3  # verifier waits by it (tokens_to_wait)
                 self.totals.steps_together += 1
+                self._apart_steps = APART_STEPS_MIN
                 for (sid, s), d in zip(together, drafts):
                     self._push(s, s.chunk(sid, d, ms))
                 return

@@ -350,3 +350,46 @@ def test_several_sessions_streams_are_drafted_in_one_forward_a_step():
         assert got["a"][1] == greedy(prompts["a"] + [wrong], 6)
     finally:
         svc.close()
+
+
+def test_streams_that_fail_together_draft_alone_and_retry_rarely(monkeypatch):
+    """A failure of the together forward ends no stream: each is drafted alone (still the draft
+    model's own continuation), and the together forward is tried again only after
+    APART_STEPS_MIN idle steps, doubling (it was retried, and logged, every step)."""
+    import time as _time
+
+    import agents.draft_service as ds
+    from macfleet.engine.proposers.model_draft import ModelProposer
+    from macfleet.engine.sampling import GREEDY
+
+    calls = []
+
+    def broken(jobs, clock=None):
+        calls.append(len(jobs))
+        raise RuntimeError("a flat forward this model cannot run")
+
+    monkeypatch.setattr(ds, "draft_together", broken)
+    lm = load_model("tiny:3")
+    svc = DraftAheadService(lm, serves="v")
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [11]}
+    got: dict[str, list[int]] = {sid: [] for sid in prompts}
+
+    def reply_for(sid):
+        return lambda msg: got[sid].extend(msg.tokens) if isinstance(msg, DraftChunk) else None
+
+    try:
+        for sid, p in prompts.items():
+            svc.handle(StreamOpen(sid, "v", p, 0.0, 1.0, None, 8), reply_for(sid))
+        deadline = _time.monotonic() + 20
+        while not all(len(got[sid]) == 8 for sid in prompts):
+            assert _time.monotonic() < deadline, got
+            _time.sleep(0.01)
+        assert svc._step >= 24  # 24 tokens alone, one a step
+        # tried at the first step with several streams, then after 16 and 32 more at most
+        assert 1 <= len(calls) <= 3, calls
+        for sid, p in prompts.items():
+            alone = ModelProposer(lm.model, "alone")
+            alone.start(GREEDY)
+            assert got[sid] == list(alone.propose(p, 8).tokens), sid
+    finally:
+        svc.close()
