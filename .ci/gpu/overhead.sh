@@ -9,7 +9,8 @@
 #      same weights) at 1 and 16 clients;
 #   4. with the time left, bench serve --head-to-head (both servers up, alternating rounds);
 #   5. bench pair (issue 42) at a wider verifier, when time is left (S_SERVE/S_DRAFTER smaller
-#      to make room: PAIR_SETTINGS, PAIR_PROMPTS, PAIR_TOKENS).
+#      to make room: PAIR_SETTINGS, PAIR_PROMPTS, PAIR_TOKENS; PAIR_SESSIONS > 1 adds rounds of
+#      that many requests at once).
 # Each stage runs under its share of BUDGET seconds (the call's limit is 600); results, logs
 # and a summary come back in $OUT (results/ holds the bench files as they would be committed).
 # Dry run on a CPU: see README.md (LOCAL=1 with a tiny model).
@@ -66,5 +67,6 @@ H=$(( $(left) - 15 - S_PAIR ))
 P=$(( $(left) - 5 ))
 [ "$P" -ge 60 ] && stage pair "$P" $PY -m macfleet bench --out "$O/results" pair \
   --dial "$R/results/pair_dial.json" --settings "${PAIR_SETTINGS:-24576:0.95,24576:0.8}" \
-  --prompts "${PAIR_PROMPTS:-3}" --max-tokens "${PAIR_TOKENS:-64}"
+  --prompts "${PAIR_PROMPTS:-3}" --max-tokens "${PAIR_TOKENS:-64}" \
+  --sessions "${PAIR_SESSIONS:-1}"
 ls -la "$O/results" | tee -a "$O/log.txt"; t done
