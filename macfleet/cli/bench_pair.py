@@ -221,6 +221,8 @@ def _plot(rows: list[dict], out: Path) -> Path | None:
     names += [(k.replace(" / verifier agent alone", " / alone"), (k,)) for k in at_once]
     names = [(label, keys) for label, keys in names  # a part skipped in every row: no bar
              if any(k in r["figures"] for r in rows for k in keys)]
+    if not names:
+        return None
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
     width = 0.8 / len(names)
     for i, (label, keys) in enumerate(names):

@@ -166,3 +166,4 @@ def test_a_row_without_the_one_process_runs_prints_and_plots(tmp_path, capsys):
     assert "c, acceptance not run" in out and "4 sessions at once" in out and "2.00x" in out
     plotted = _plot([row], tmp_path / "pair.png")
     assert plotted is None or plotted.is_file()
+    assert _plot([{**row, "figures": {}}], tmp_path / "none.png") is None  # nothing measured
