@@ -193,9 +193,10 @@ def test_drafted_ahead_greedy_equals_the_verifier_alone(fleet, prompt):
 
 @pytest.mark.slow
 def test_a_self_drafting_agent_runs_ahead_and_its_drafts_are_taken(monkeypatch):
-    """A verifier slower than its drafter (each forward held 20 ms, as a big model's would
-    be: the tiny models alone cost the same, and a loaded box decides who is ahead) finds
-    its drafts waiting when its blocks begin."""
+    """A verifier slower than its drafter (each forward held 50 ms, as a big model's would
+    be: the tiny models alone cost the same, and a loaded box decides who is ahead; at 20 ms
+    a full suite's other worker on a slow box left 16 drafts in 64 tokens) finds its drafts
+    waiting when its blocks begin."""
     import time as _time
 
     from macfleet.engine.verifier import Verifier
@@ -203,7 +204,7 @@ def test_a_self_drafting_agent_runs_ahead_and_its_drafts_are_taken(monkeypatch):
     real = Verifier.forward
 
     def slow(self, *a, **kw):
-        _time.sleep(0.02)
+        _time.sleep(0.05)
         return real(self, *a, **kw)
 
     monkeypatch.setattr(Verifier, "forward", slow)
