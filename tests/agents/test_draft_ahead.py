@@ -193,21 +193,23 @@ def test_drafted_ahead_greedy_equals_the_verifier_alone(fleet, prompt):
 
 @pytest.mark.slow
 def test_a_self_drafting_agent_runs_ahead_and_its_drafts_are_taken(monkeypatch):
-    """A verifier slower than its drafter (each forward held 50 ms, as a big model's would
-    be: the tiny models alone cost the same, and a loaded box decides who is ahead; at 20 ms
-    a full suite's other worker on a slow box left 16 drafts in 64 tokens) finds its drafts
-    waiting when its blocks begin."""
+    """A verifier slower than its drafter (each iteration of its engine held 20 ms, as a big
+    model's forward would be: the tiny models alone cost the same, and a loaded box decides
+    who is ahead) finds its drafts waiting when its blocks begin. (The hold was on
+    `Verifier.forward`, which the serving engine, the one decode path, no longer calls: the
+    test passed only when the drafter was ahead anyway, and failed with 15-16 drafts in 64
+    tokens on a busy box.)"""
     import time as _time
 
-    from macfleet.engine.verifier import Verifier
+    from macfleet.serve.engine import BatchEngine
 
-    real = Verifier.forward
+    real = BatchEngine._iteration
 
     def slow(self, *a, **kw):
-        _time.sleep(0.05)
+        _time.sleep(0.02)
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(Verifier, "forward", slow)
+    monkeypatch.setattr(BatchEngine, "_iteration", slow)
     prop, ver = agents("tiny:3", batch_sessions=0)
     try:
         alone = generate_done(ver.card, KEY, "a b c d", [], "none", max_tokens=64)
