@@ -34,11 +34,19 @@ follows the machine even while it is not chosen. Plain decoding is 1 / verify(1)
 * A candidate whose drafts cost nothing to compute (n-gram lookup, the answer store:
   `Candidate.free`) is scored on every block from the committed text, without being verified
   (`shadow`): the greedy verifier would have accepted exactly the prefix of its draft that
-  the text went on to commit. What its blocks would accept is known; what they would cost is
-  the table's entry at its length, which only blocks of that length measure. So it is tried
-  too when it is not the best (as the others are, below): an entry probed under another
-  day's load (or a stall) would otherwise rate it below plain for the rest of the answer,
-  never corrected (issue 44's traces: retrieval+ngram rated below plain so).
+  the text went on to commit. And its draft for the next block is made before the choice
+  (`choose(sizes)`), so what that block would verify is known, not an average: it is rated
+  at its acceptance over the drafts it had something to say in (`hit`) and at verify(its
+  size now); with nothing to draft it is plain decoding. Rated on its average length, the
+  answer store's 25-node trees (2.3 plain steps on the EPYC box) were chosen on the strength
+  of short drafts and lost a step and more each (issue 44's traces: chat:heating's loss was
+  such blocks). What its blocks cost is the table's entry at that size, which every block
+  of that length teaches, whoever drafted it; so a free candidate is tried only at a size
+  no block of the session has verified, and only if it would pay were that entry TRY_CLIP
+  times too high (a probe that met another job): once, not at doubling intervals as the
+  others (its repeated tries, long trees that accepted nothing, were the largest share of
+  chat:romeo's loss). Without sizes (a caller that has no context) it is rated on its
+  averages and never tried.
 * Switching drafters costs: a drafter that did not draft the last blocks first catches up
   on the tokens others committed (the EAGLE head's features: several blocks' drafting after a
   few blocks off). That catch-up is kept out of its draft cost
@@ -95,6 +103,8 @@ STALL_STEPS = 2.0  # a try is charged at most this many plain steps' time
 SHAPE_CLIP = 1.5  # nor its length's entry in the table more than this,
 SHAPE_EMA = 0.05  # slowly: the load explains a slower machine first
 TRY_WEIGHT = 1.0  # ... but a try's block sets its length's entry (clipped by LOAD_CLIP)
+TRY_CLIP = 1.5  # a free candidate is tried at a length no block measured yet, if it pays at
+# that length's entry over this (a probe that met a stall)
 PRIOR_TRIES = 2  # tries of a candidate the record says pays here that the budget never holds
 
 
@@ -133,6 +143,7 @@ class _Estimate:
     started: bool = False  # accepted and length start at the record's (Prior)
     own: float = 0.0  # accepted per block, its own blocks alone (what the budget charges)
     capped: bool = False  # its first block's drafting was cut to `cap` (its second replaces it)
+    hit: float | None = None  # accepted per block, over the blocks that drafted something
 
     def add(self, accepted: float, length: float, draft_ms: float,
             steady: bool = True, cap: float = float("inf")) -> None:
@@ -140,6 +151,8 @@ class _Estimate:
         on the tokens others committed: a cost of switching, not of its blocks). cap: the
         most a first block's drafting is taken to cost (a stall or a warm-up beyond it is
         not the drafter's cost: its second block measures that)."""
+        if length > 1:
+            self.hit = accepted if self.hit is None else self.hit + EMA * (accepted - self.hit)
         if self.n == 0:
             self.capped, draft_ms = draft_ms > cap, min(draft_ms, cap)
             if self.started:  # the record's figures count as the blocks before this one
@@ -210,6 +223,8 @@ class Chooser:
     trace: list[BlockTrace] = field(default_factory=list)  # every observed block
     _seen: tuple[str, tuple[tuple[str, float], ...]] = ("", ())  # best and rates at choose
     _tried_lengths: set[int] = field(default_factory=set)  # lengths a try has taught
+    _sizes: Mapping[str, int] = field(default_factory=dict)  # free candidates' blocks now
+    _verified: set[int] = field(default_factory=set)  # lengths this session's blocks verified
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.candidates]
@@ -244,6 +259,11 @@ class Chooser:
         plain = 1.0 / max(self.verify_ms(1), 1e-9)
         if e.n == 0:
             return None if e.prior is None else e.prior * plain
+        size = self._sizes.get(name)
+        if size is not None:  # a free candidate's next block, already drafted
+            if size <= 1:
+                return None  # nothing to draft: plain decoding's block
+            return (1.0 + (e.hit or 0.0)) / max(e.draft_ms + self.verify_ms(size), 1e-9)
         cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
         return (1.0 + e.accepted) / max(cost, 1e-9)
 
@@ -257,13 +277,16 @@ class Chooser:
         return min(max(0.0, cost - (1.0 + e.own) / max(best_rate, 1e-9)),
                    STALL_STEPS * self.verify_ms(1))
 
-    def _could_pay(self, c: Candidate) -> bool:
-        """A free candidate whose scored blocks would beat plain decoding were its length to
-        cost no more than one step (verify(L) >= verify(1)): only then can a try's measured
-        cost change the choice."""
-        e = self._est[c.name]
-        step = self.verify_ms(1)
-        return e.n > 0 and (1 + e.accepted) / (e.draft_ms + step) > MARGIN / step
+    def _unmeasured(self, c: Candidate) -> bool:
+        """A free candidate whose block now has a length no block of this session verified,
+        and that would beat plain decoding were that length's entry TRY_CLIP times too high:
+        its try measures the entry (a probe under another job's load would otherwise rate it
+        below plain for the answer: nothing else drafts that length)."""
+        size, e = self._sizes.get(c.name, 1), self._est[c.name]
+        if size <= 1 or size in self._verified or e.n == 0:
+            return False
+        cost = e.draft_ms + self.verify_ms(size) / TRY_CLIP
+        return (1.0 + (e.hit or 0.0)) / max(cost, 1e-9) > MARGIN / self.verify_ms(1)
 
     def _hopeful(self, name: str, best_rate: float) -> bool:
         """A candidate tried fewer than PRIOR_TRIES times that would beat `best_rate` at the
@@ -287,8 +310,10 @@ class Chooser:
                 best, best_rate = c.name, r
         return best, best_rate
 
-    def choose(self) -> DrafterChoice:
-        """The candidate that drafts the next block, and why."""
+    def choose(self, sizes: Mapping[str, int] | None = None) -> DrafterChoice:
+        """The candidate that drafts the next block, and why. sizes: the tokens the free
+        candidates' blocks would verify now (their drafts + 1, drafted before the choice)."""
+        self._sizes = dict(sizes or {})
         best, best_rate = self._best()
         top = best
         if self._prev not in ("", PLAIN, best) and self._est[self._prev].n > 0:
@@ -296,7 +321,7 @@ class Chooser:
             if r * SWITCH_MARGIN >= best_rate and r > (self.rate(PLAIN) or 0.0) * MARGIN:
                 best, best_rate = self._prev, r
         due = [c for c in self.candidates if c.name != best
-               and ((c.members and not c.free) or c.name == PLAIN or self._could_pay(c))
+               and ((c.members and not c.free) or c.name == PLAIN or self._unmeasured(c))
                and self._est[c.name].next_try <= self.block
                and (self._est[c.name].n == 0 or self._est[c.name].tries == 0
                     or self._hopeful(c.name, best_rate)
@@ -332,6 +357,7 @@ class Chooser:
         # not followed by another the budget cannot hold back
         tried = last is not None and last.why in (EXPLORE, PRIOR)
         self._follow_load(verified, verify_ms, tried)
+        self._verified.add(verified)
         self.spent_ms += draft_ms + verify_ms
         e = self._est[name]
         if name != PLAIN:

@@ -89,6 +89,8 @@ class ChoosingGroup(ProposerGroup):
         self._draft_ms = 0.0
         self._free_k: dict[int, int] = {}  # a chosen free chain drafter's next k, by index
         self._ks: list[int] = []
+        # free drafts made before the choice: (context length, k), draft, ms by drafter
+        self._early: dict[int, tuple[tuple[int, int], Draft, float]] = {}
 
     @property
     def name(self) -> str:
@@ -105,8 +107,14 @@ class ChoosingGroup(ProposerGroup):
     def _members(self) -> tuple[int, ...]:
         return self.chooser.by_name(self.choice.drafter).members if self.choice else ()
 
-    def lengths(self, limit: int) -> list[int]:
-        self.choice = self.chooser.choose()
+    def lengths(self, limit: int, context: Sequence[int] | None = None) -> list[int]:
+        """context: the block's (the free candidates' drafts the text now scores are scored,
+        and they draft first, so the choice knows what their blocks would verify:
+        `Chooser.choose(sizes)`)."""
+        if context is not None:
+            self._score_shadows(context)
+        self.choice = self.chooser.choose(None if context is None else
+                                          self._sizes(context, limit))
         free = self.chooser.by_name(self.choice.drafter).free
         ks = [0] * len(self.proposers)
         for j in self._members():
@@ -121,6 +129,42 @@ class ChoosingGroup(ProposerGroup):
                             else own_length(p.draft_length(), self.controllers[j]), limit)
         return cap_total(ks, self.node_budget)
 
+    def _free_draft(self, j: int, context: Sequence[int], k: int) -> tuple[Draft, float]:
+        """Free drafter j's draft of k tokens (nodes) here and its ms (made once a block:
+        for the choice, then for its shadow; a failure leaves it out for good)."""
+        early = self._early.get(j)
+        if early is not None and early[0] == (len(context), k):
+            return early[1], early[2]
+        if not self.live[j]:
+            return EMPTY_DRAFT, 0.0
+        t0 = time.perf_counter()
+        try:
+            d = self.proposers[j].propose(context, k)
+        except ProposerFailed as e:
+            self._fail(j, e)
+            d = EMPTY_DRAFT
+        self._early[j] = ((len(context), k), d, (time.perf_counter() - t0) * 1e3)
+        return d, self._early[j][2]
+
+    def _sizes(self, context: Sequence[int], limit: int) -> dict[str, int]:
+        """What each free candidate's block would verify here (drafts + 1, at most `limit`
+        drafts), drafted now at the lengths it drafts when chosen."""
+        self._early = {}
+        out = {}
+        for c in self.candidates:
+            if c.free and c.members:
+                n = sum(len(self._free_draft(j, context, self._free_length(j))[0])
+                        for j in c.members)
+                out[c.name] = 1 + min(n, self.node_budget, limit)
+        return out
+
+    def _free_length(self, j: int, shadow: bool = False) -> int:
+        """What free drafter j drafts: a tree its node budget, a chain SHADOW_K (when
+        chosen, free_chain_k's length)."""
+        if self.proposers[j].drafts_trees:
+            return self.node_budget
+        return SHADOW_K if shadow else self._free_k.get(j, SHADOW_K)
+
     def begin(self, context: Sequence[int], ks: Sequence[int]) -> None:
         """The chosen drafters' requests (the tree loop's `draft_all` and the serving
         engine both come here, then to `finish`)."""
@@ -132,6 +176,7 @@ class ChoosingGroup(ProposerGroup):
         out = super().finish()
         self._draft_ms = (time.perf_counter() - self._t0) * 1e3
         self._shadow(self._context, self._ks, out)
+        self._early = {}
         return out
 
     def _score_shadows(self, context: Sequence[int]) -> None:
@@ -160,20 +205,8 @@ class ChoosingGroup(ProposerGroup):
             drafts, ms = [], 0.0
             for j in c.members:
                 if j not in mine:
-                    if ks[j] > 0:
-                        mine[j] = (out[j], out[j].draft_ms)
-                    elif not self.live[j]:
-                        mine[j] = (EMPTY_DRAFT, 0.0)
-                    else:
-                        p = self.proposers[j]
-                        t0 = time.perf_counter()
-                        try:
-                            d = p.propose(context, self.node_budget if p.drafts_trees
-                                          else SHADOW_K)
-                        except ProposerFailed as e:
-                            self._fail(j, e)
-                            d = EMPTY_DRAFT
-                        mine[j] = (d, (time.perf_counter() - t0) * 1e3)
+                    mine[j] = ((out[j], out[j].draft_ms) if ks[j] > 0 else
+                               self._free_draft(j, context, self._free_length(j, True)))
                 drafts.append(mine[j][0])
                 ms += mine[j][1]
             self._pending[c.name].append(_Shadow(len(context), tuple(drafts),

@@ -160,7 +160,7 @@ class BatchDrafting:
             if rows is not None:
                 together.setdefault(id(rows), []).append(s)
             elif s.group is not None:
-                groups[s.sid] = cap_total(s.group.lengths(s.left), ks[s.sid])
+                groups[s.sid] = cap_total(s.group.lengths(s.left, s.context), ks[s.sid])
                 b.k = sum(groups[s.sid])
                 s.group.begin(s.context, groups[s.sid])
             elif s.proposer is not None and b.k > 0:

@@ -216,7 +216,7 @@ def test_a_free_drafters_length_probed_under_load_is_corrected_by_a_try():
                                                                        free=True)))
     picked, ms, tokens = [], 0.0, 0
     for _ in range(80):
-        ch = c.choose()
+        ch = c.choose({"ngram": 5})  # its draft of this block, made before the choice
         picked.append(ch)
         acc, L, dms = out[ch.drafter]
         vms = 40.0 if L == 1 else 44.0
@@ -227,6 +227,47 @@ def test_a_free_drafters_length_probed_under_load_is_corrected_by_a_try():
     assert any(p.drafter == "ngram" and p.why == EXPLORE for p in picked)
     assert [p.drafter for p in picked[20:]].count("ngram") >= 55
     assert tokens / ms * 40.0 >= 2.5  # n-gram: 4 tokens in 44 ms, 3.6x plain
+
+
+def test_a_free_drafter_is_rated_at_the_size_of_its_block_now():
+    # the answer store: nothing to say at most positions, a 24-node tree where a stored answer
+    # matches, accepting 1 of it there. Its average block (~7 tokens, 0.3 accepted) says
+    # little; what pays is decided by the block it would draft now: a 24-node tree on a steep
+    # verify(L) (3 steps for 2 tokens) loses to plain, a 3-token one (1.3 steps) wins
+    cands = (Candidate(PLAIN), Candidate("retrieval", (0,), free=True))
+    c = chooser(STEEP, cands=cands)
+    for i in range(12):
+        c.shadow("retrieval", *((1, 25, 0.3) if i % 4 == 0 else (0, 1, 0.1)))
+        c.observe(PLAIN, 0, 1, 0.0, 40.0)
+    assert c.choose({"retrieval": 25}).drafter == PLAIN
+    assert c.rate("retrieval") < c.rate(PLAIN)
+    assert c.choose({"retrieval": 4}).drafter == "retrieval"
+    assert c.choose({"retrieval": 1}).drafter == PLAIN  # nothing to draft: a plain block
+    assert c.rate("retrieval") is None
+
+
+def test_a_free_drafter_is_tried_once_at_a_length_and_not_again():
+    # chat:romeo's loss on the EPYC box: the answer store's long trees tried again and again
+    # (at doubling intervals), accepting little. A try measures what a length costs; once a
+    # block measured it, the table's entry (which every later block follows) is what the
+    # choice reads. Here n-gram's 9-token blocks accept half a token a block: never worth
+    # their 1.8 steps, worth one try (at a third off the entry's cost they would pay)
+    machine = VerifyCurve()
+    machine.seed(STEEP)
+    c = chooser(STEEP)
+    out = {"ngram": (0.5, 9, 0.2), "eagle": (0, 4, 4.0), "eagle2": (0, 25, 6.0),
+           PLAIN: (0, 1, 0)}
+    picked = []
+    for _ in range(120):
+        ch = c.choose({"ngram": 9})
+        picked.append(ch)
+        acc, L, dms = out[ch.drafter]
+        c.observe(ch.drafter, acc, L, dms, machine.cost(L))
+        if ch.drafter != "ngram":
+            c.shadow("ngram", *out["ngram"])
+    tries = [p.block for p in picked if p.drafter == "ngram" and p.why == EXPLORE]
+    assert len(tries) == 1
+    assert not any(p.drafter == "ngram" and p.why == BEST for p in picked)
 
 
 def test_a_drafter_that_starts_to_pay_is_noticed():

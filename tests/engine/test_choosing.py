@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from engine_testkit import finished, mlx_lm_greedy
 
-from macfleet.engine.chooser import PLAIN, Candidate
+from macfleet.engine.chooser import PLAIN, Candidate, Chooser
 from macfleet.engine.choosing import (FREE_K_MAX, SHADOW_K, ChoosingGroup, free_chain_k,
                                       make_auto_group)
 from macfleet.engine.events import BlockDone, Finished
@@ -132,6 +132,33 @@ def test_a_chosen_free_drafter_drafts_what_it_was_scored_on(tiny, ref_ids):
     for prev, d in zip(mine, mine[1:-1]):  # (the last block: the answer's end caps it)
         assert d.k == min(2 * prev.k, FREE_K_MAX)
     assert max(d.k for d in mine) == FREE_K_MAX
+
+
+def test_free_drafters_draft_before_the_choice_once_a_block(tiny, ref_ids, monkeypatch):
+    """The choice knows what each free candidate's block would verify (its draft of this
+    block, made first: `Chooser.choose(sizes)`); that draft is also the one its shadow is
+    scored on, so a free drafter not chosen drafts once a block (twice when chosen: the
+    block's own draft)."""
+    free = Scripted("free", ref_ids, True)
+    group = ChoosingGroup([free], [Candidate(PLAIN), Candidate("free", (0,), free=True)],
+                          draft_tokens=4)
+    seen, choose = [], Chooser.choose
+
+    def spy(self, sizes=None):
+        seen.append(dict(sizes or {}))
+        return choose(self, sizes)
+
+    monkeypatch.setattr(Chooser, "choose", spy)
+    done, fin = _run(tiny, group)
+    assert list(fin.token_ids) == ref_ids
+    assert len(seen) == len(done)
+    # the scripted drafter has the reference's next tokens wherever it is asked: its draft
+    # for the choice is what it drafts when chosen (free_chain_k's length, doubling while
+    # all is accepted), SHADOW_K when not
+    assert [s["free"] for s in seen] == [1 + d.k if d.drafter == "free" else 1 + SHADOW_K
+                                         for d in done]
+    chosen = sum(d.drafter == "free" for d in done)
+    assert free.asked == len(done) + chosen
 
 
 def test_a_free_chain_drafter_doubles_only_while_a_copy_runs_on():

@@ -86,9 +86,10 @@ class ProposerGroup:
         for p in self.proposers:
             p.start(params)
 
-    def lengths(self, limit: int) -> list[int]:
+    def lengths(self, limit: int, context: Sequence[int] | None = None) -> list[int]:
         """Draft length per proposer; a tree drafter gets the node budget (it picks its own
-        size within it) and shares it with the others."""
+        size within it) and shares it with the others. context: the block's (read by a
+        group that chooses its drafters, `ChoosingGroup`)."""
         ks = [0 if not live else min(self.node_budget if p.drafts_trees else
                                      own_length(p.draft_length(), c), limit)
               for p, c, live in zip(self.proposers, self.controllers, self.live)]

@@ -1,0 +1,162 @@
+"""`auto`'s chooser replayed on the real answers' text with the AMD EPYC box's costs (issue 44):
+text_replay.py (results/drafter-auto-floor-1129) with its day taken from
+results/drafter-auto-1130 (that box's fixed drafters' runs, fast-fixed.json, and the verify(L)
+shape of its auto traces, fast-repeats.json: steeper than the Xeon's, verify(25) ~2.3 plain
+steps against ~1.8). Deterministic, no model, no clock.
+
+  python results/drafter-auto-curse-1130/epyc_replay.py [--ref main] [--tree REF] [--seeds 40]
+      [--variant NAME=MODULE_ATTR:VALUE,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import random
+import json
+import math
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "drafter-auto-1129"))
+sys.path.insert(0, str(HERE.parent / "drafter-auto-floor-1129"))
+from replay import load_chooser, outcomes, shape  # noqa: E402
+from text_replay import FREE_MS, free_k, shipped_prior  # noqa: E402,F401
+
+
+DAY = HERE.parent / "drafter-auto-1130"
+
+
+def session(mod, pos, dists, table_ms, seed, fixed=None, trace=None):
+    """ms per token over the answer: auto (fixed None) or one fixed candidate."""
+    rng = random.Random(seed)
+    cands = [mod.Candidate("none"), mod.Candidate("ngram", (0,), free=True),
+             mod.Candidate("retrieval", (1,), free=True),
+             mod.Candidate("retrieval+ngram", (1, 0), free=True),
+             mod.Candidate("eagle", (3,)), mod.Candidate("eagle2", (2,)),
+             mod.Candidate("eagle2+retrieval+ngram", (2, 1, 0))]
+    cands = [c for c in cands if c.name not in getattr(mod, "WITHOUT", ())]
+    curve = mod.VerifyCurve()
+    curve.seed(table_ms)
+    machine = mod.VerifyCurve()
+    machine.seed(table_ms)
+    c = mod.Chooser(cands, curve=curve, prior=shipped_prior(mod))
+    takes_now = "sizes" in inspect.signature(c.choose).parameters
+    depth_ok = "depth" in inspect.signature(c.shadow).parameters
+    n = len(pos["ngram4"])
+    at, ms, k = 0, 0.0, 4
+    while at < n:
+        draw = {}
+        for s in ("eagle", "eagle2"):
+            acc, L, dms = dists[s]
+            a = rng.choice(acc)
+            draw[s] = (a, max(round(L), a + 1), dms)
+        ng4, ngk = pos["ngram4"][at], pos[f"ngram{k}"][at]
+        ret = pos["retrieval"][at]
+        free = {"ngram": (ngk[0], 1 + ngk[1], FREE_MS, ngk[1]),
+                "retrieval": (ret[0], 1 + ret[1], FREE_MS, ret[2]),
+                "retrieval+ngram": (max(ret[0], ngk[0]), 1 + ret[1] + ngk[1], FREE_MS,
+                                    max(ret[2], ngk[1]))}
+        shadows = {"ngram": (ng4[0], 1 + ng4[1], FREE_MS, ng4[1]),
+                   "retrieval": free["retrieval"],
+                   "retrieval+ngram": (max(ret[0], ng4[0]), 1 + ret[1] + ng4[1], FREE_MS,
+                                       max(ret[2], ng4[1]))}
+        now = {"ngram": 1 + ngk[1], "retrieval": 1 + ret[1],
+               "retrieval+ngram": min(25, 1 + ret[1] + ngk[1])}
+        name = fixed or (c.choose(sizes=now) if takes_now else c.choose()).drafter
+        if name == "none":
+            a, L, dms = 0, 1, 0.0
+        elif name in free:
+            a, L, dms = free[name][:3]
+            if name != "retrieval":  # the chosen n-gram's next length (choosing.py)
+                k = free_k(k, ngk[1], ngk[0])
+        elif name == "eagle2+retrieval+ngram":
+            e = draw["eagle2"]
+            a, L, dms = max(e[0], ret[0], ng4[0]), min(25, e[1] + ret[1] + ng4[1]), e[2]
+        else:
+            a, L, dms = draw[name]
+        a = min(a, n - at - 1)
+        vms = machine.cost(L)
+        if fixed is None:
+            c.observe(name, a, L, dms, vms)
+            for s, sh in shadows.items():
+                if s != name and s not in getattr(mod, "WITHOUT", ()):
+                    c.shadow(s, *sh[:3], **({"depth": sh[3]} if depth_ok else {}))
+        if trace is not None:
+            trace.append((at, name, a, L))
+        ms += dms + vms
+        at += 1 + a
+    return ms / n
+
+
+def day(runs_doc: dict, shape_doc: dict, pos: dict, mods: dict, seeds: int) -> dict:
+    sh = shape(shape_doc)
+    out = {}
+    for kind, r in runs_doc["in_process"]["runs"].items():
+        if kind not in pos:
+            continue
+        v1 = r["none"]["verify_ms"] / r["none"]["blocks"]
+        table_ms = {L: s * v1 for L, s in sh.items()}
+        dists = {s: outcomes(r[s]) for s in ("eagle", "eagle2")}
+        any_mod = next(iter(mods.values()))
+        row = {"fixed": {s: v1 / (sum(session(any_mod, pos[kind], dists, table_ms, seed, s)
+                                       for seed in range(seeds)) / seeds)
+                         for s in ("eagle", "eagle2", "retrieval+ngram")}}
+        for label, mod in mods.items():
+            per = [v1 / session(mod, pos[kind], dists, table_ms, seed)
+                   for seed in range(seeds)]
+            row[label] = (sum(per) / seeds, min(per))
+        out[kind] = row
+    return out
+
+
+def report(name: str, res: dict, mods: dict, seeds: int) -> None:
+    fx = ("eagle", "eagle2", "retrieval+ngram")
+    gfix = {s: math.exp(sum(math.log(r["fixed"][s]) for r in res.values()) / len(res))
+            for s in fx}
+    best = max(fx, key=gfix.get)
+    print(f"## {name}: {len(res)} prompts, {seeds} seeds; speedup over plain (mean, worst "
+          f"session); best fixed {best}")
+    print(f"{'prompt':16s}" + "".join(f"{s[:10]:>11s}" for s in fx)
+          + "".join(f"{m[:15]:>16s}" for m in mods))
+    for kind, row in res.items():
+        print(f"{kind:16s}" + "".join(f"{row['fixed'][s]:11.3f}" for s in fx)
+              + "".join(f"{row[m][0]:>9.3f} ({row[m][1]:.2f})" for m in mods))
+    for m in mods:
+        g = math.exp(sum(math.log(r[m][0]) for r in res.values()) / len(res))
+        below = sum(r[m][0] < 0.97 for r in res.values())
+        print(f"  {m:24s} geomean {g:.3f} = {g / gfix[best]:.3f}x best fixed; worst prompt "
+              f"{min(r[m][0] for r in res.values()):.3f}, prompts below 0.97x: {below}, "
+              f"worst session {min(r[m][1] for r in res.values()):.3f} x plain")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ref", default="main")
+    ap.add_argument("--tree", default=None)
+    ap.add_argument("--seeds", type=int, default=40)
+    ap.add_argument("--dir", type=Path, default=DAY, help="the day's folder (drafter-auto-1129: "
+                    "the Xeon's fast-prior / slow-prior)")
+    ap.add_argument("--runs", default="fast-fixed")
+    ap.add_argument("--shape", default="fast-repeats")
+    ap.add_argument("--positions", type=Path,
+                    default=HERE.parent / "drafter-auto-floor-1129" / "positions.json")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=CONST:VALUE[,CONST:VALUE]: this tree with constants set")
+    args = ap.parse_args()
+    pos = json.loads(args.positions.read_text())
+    mods = {args.ref: load_chooser(args.ref), "tree": load_chooser(args.tree)}
+    for v in args.variant:
+        name, _, consts = v.partition("=")
+        kw = {k: float(x) for k, _, x in (c.partition(":") for c in consts.split(","))}
+        mods[name] = load_chooser(args.tree, f"_{len(mods)}", **kw)
+    runs_doc = json.loads((args.dir / f"{args.runs}.json").read_text())
+    shape_doc = json.loads((args.dir / f"{args.shape}.json").read_text())
+    report(f"{args.dir.name}/{args.runs} (shape {args.shape})",
+           day(runs_doc, shape_doc, pos, mods, args.seeds), mods, args.seeds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
