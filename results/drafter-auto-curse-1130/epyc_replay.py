@@ -11,8 +11,6 @@ steps against ~1.8). Deterministic, no model, no clock.
 from __future__ import annotations
 
 import argparse
-import inspect
-import random
 import json
 import math
 import sys
@@ -22,72 +20,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "drafter-auto-1129"))
 sys.path.insert(0, str(HERE.parent / "drafter-auto-floor-1129"))
 from replay import load_chooser, outcomes, shape  # noqa: E402
-from text_replay import FREE_MS, free_k, shipped_prior  # noqa: E402,F401
+from text_replay import session  # noqa: E402
 
 
 DAY = HERE.parent / "drafter-auto-1130"
-
-
-def session(mod, pos, dists, table_ms, seed, fixed=None, trace=None):
-    """ms per token over the answer: auto (fixed None) or one fixed candidate."""
-    rng = random.Random(seed)
-    cands = [mod.Candidate("none"), mod.Candidate("ngram", (0,), free=True),
-             mod.Candidate("retrieval", (1,), free=True),
-             mod.Candidate("retrieval+ngram", (1, 0), free=True),
-             mod.Candidate("eagle", (3,)), mod.Candidate("eagle2", (2,)),
-             mod.Candidate("eagle2+retrieval+ngram", (2, 1, 0))]
-    cands = [c for c in cands if c.name not in getattr(mod, "WITHOUT", ())]
-    curve = mod.VerifyCurve()
-    curve.seed(table_ms)
-    machine = mod.VerifyCurve()
-    machine.seed(table_ms)
-    c = mod.Chooser(cands, curve=curve, prior=shipped_prior(mod))
-    takes_now = "sizes" in inspect.signature(c.choose).parameters
-    depth_ok = "depth" in inspect.signature(c.shadow).parameters
-    n = len(pos["ngram4"])
-    at, ms, k = 0, 0.0, 4
-    while at < n:
-        draw = {}
-        for s in ("eagle", "eagle2"):
-            acc, L, dms = dists[s]
-            a = rng.choice(acc)
-            draw[s] = (a, max(round(L), a + 1), dms)
-        ng4, ngk = pos["ngram4"][at], pos[f"ngram{k}"][at]
-        ret = pos["retrieval"][at]
-        free = {"ngram": (ngk[0], 1 + ngk[1], FREE_MS, ngk[1]),
-                "retrieval": (ret[0], 1 + ret[1], FREE_MS, ret[2]),
-                "retrieval+ngram": (max(ret[0], ngk[0]), 1 + ret[1] + ngk[1], FREE_MS,
-                                    max(ret[2], ngk[1]))}
-        shadows = {"ngram": (ng4[0], 1 + ng4[1], FREE_MS, ng4[1]),
-                   "retrieval": free["retrieval"],
-                   "retrieval+ngram": (max(ret[0], ng4[0]), 1 + ret[1] + ng4[1], FREE_MS,
-                                       max(ret[2], ng4[1]))}
-        now = {"ngram": 1 + ngk[1], "retrieval": 1 + ret[1],
-               "retrieval+ngram": min(25, 1 + ret[1] + ngk[1])}
-        name = fixed or (c.choose(sizes=now) if takes_now else c.choose()).drafter
-        if name == "none":
-            a, L, dms = 0, 1, 0.0
-        elif name in free:
-            a, L, dms = free[name][:3]
-            if name != "retrieval":  # the chosen n-gram's next length (choosing.py)
-                k = free_k(k, ngk[1], ngk[0])
-        elif name == "eagle2+retrieval+ngram":
-            e = draw["eagle2"]
-            a, L, dms = max(e[0], ret[0], ng4[0]), min(25, e[1] + ret[1] + ng4[1]), e[2]
-        else:
-            a, L, dms = draw[name]
-        a = min(a, n - at - 1)
-        vms = machine.cost(L)
-        if fixed is None:
-            c.observe(name, a, L, dms, vms)
-            for s, sh in shadows.items():
-                if s != name and s not in getattr(mod, "WITHOUT", ()):
-                    c.shadow(s, *sh[:3], **({"depth": sh[3]} if depth_ok else {}))
-        if trace is not None:
-            trace.append((at, name, a, L))
-        ms += dms + vms
-        at += 1 + a
-    return ms / n
 
 
 def day(runs_doc: dict, shape_doc: dict, pos: dict, mods: dict, seeds: int) -> dict:

@@ -66,6 +66,7 @@ def session(mod, pos, dists, table_ms, seed, fixed=None, trace=None):
     machine = mod.VerifyCurve()
     machine.seed(table_ms)
     c = mod.Chooser(cands, curve=curve, prior=shipped_prior(mod))
+    takes_sizes = "sizes" in inspect.signature(c.choose).parameters
     depth_ok = "depth" in inspect.signature(c.shadow).parameters
     n = len(pos["ngram4"])
     at, ms, k = 0, 0.0, 4
@@ -85,7 +86,10 @@ def session(mod, pos, dists, table_ms, seed, fixed=None, trace=None):
                    "retrieval": free["retrieval"],
                    "retrieval+ngram": (max(ret[0], ng4[0]), 1 + ret[1] + ng4[1], FREE_MS,
                                        max(ret[2], ng4[1]))}
-        name = fixed or c.choose().drafter
+        # a chooser that prices free candidates at their block now (drafter-auto-curse-1130)
+        now = {"ngram": 1 + ngk[1], "retrieval": 1 + ret[1],
+               "retrieval+ngram": min(25, 1 + ret[1] + ngk[1])}
+        name = fixed or (c.choose(sizes=now) if takes_sizes else c.choose()).drafter
         if name == "none":
             a, L, dms = 0, 1, 0.0
         elif name in free:
