@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import statistics
 import subprocess
@@ -42,9 +43,12 @@ def ref_group(ref: str):
         spec.loader.exec_module(mod)
         mods[name] = mod
 
-    class RefGroup(mods["choosing"].ChoosingGroup):
-        def lengths(self, limit, context=None):  # the ref's group takes no context
-            return super().lengths(limit)
+    base = mods["choosing"].ChoosingGroup
+    takes_context = "context" in inspect.signature(base.lengths).parameters
+
+    class RefGroup(base):
+        def lengths(self, limit, context=None):  # a ref from before the context
+            return super().lengths(limit, context) if takes_context else super().lengths(limit)
 
     return RefGroup
 
