@@ -111,11 +111,16 @@ FIGURES = [
                f"{_pair(d, 5120, 0.95)['two agents / in-process draft model']['ceiling']:.2f}x)"),
     ("fleet_first.json", "| **0.99x** |",
      lambda d: f"| **{d['first_request']['first_over_warm']:.2f}x** |"),
-    ("drafter-auto-1129/fast-prior.json",
-     "best fixed drafter of the same run (`eagle`: the best never below 0.97x plain) | **1.09x**",
+    ("drafter-auto-curse-1130/bench/drafter.json",
+     "best fixed drafter of the same run (`eagle`: no fixed drafter stays >= 0.97x plain on "
+     "every prompt, so the bench's rule takes the best slowest prompt) | **1.19x** (1.40x plain "
+     "decoding, slowest prompt 0.83x",
      lambda d: f"best fixed drafter of the same run (`{d['auto_vs_best_fixed']['best_fixed']}`: "
-               f"the best never below 0.97x plain) "
-               f"| **{d['auto_vs_best_fixed']['auto_vs_best_geomean']:.2f}x**"),
+               "no fixed drafter stays >= 0.97x plain on every prompt, so the bench's rule "
+               "takes the best slowest prompt) "
+               f"| **{d['auto_vs_best_fixed']['auto_vs_best_geomean']:.2f}x** "
+               f"({d['auto_vs_best_fixed']['auto_speedup_geomean']:.2f}x plain decoding, "
+               f"slowest prompt {d['auto_vs_best_fixed']['auto_speedup_min']:.2f}x"),
     ("security.json", "+0.005 ms a message",
      lambda d: f"+{max(_greedy_f1_f2(d)):.3f} ms a message"),
 ]
