@@ -19,32 +19,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "drafter-auto-1129"))
 sys.path.insert(0, str(HERE.parent / "drafter-auto-floor-1129"))
-from replay import load_chooser, outcomes, shape  # noqa: E402
-from text_replay import session  # noqa: E402
+from replay import load_chooser, outcomes, shape  # noqa: E402,F401
+from text_replay import day, session  # noqa: E402,F401
 
 
 DAY = HERE.parent / "drafter-auto-1130"
-
-
-def day(runs_doc: dict, shape_doc: dict, pos: dict, mods: dict, seeds: int) -> dict:
-    sh = shape(shape_doc)
-    out = {}
-    for kind, r in runs_doc["in_process"]["runs"].items():
-        if kind not in pos:
-            continue
-        v1 = r["none"]["verify_ms"] / r["none"]["blocks"]
-        table_ms = {L: s * v1 for L, s in sh.items()}
-        dists = {s: outcomes(r[s]) for s in ("eagle", "eagle2")}
-        any_mod = next(iter(mods.values()))
-        row = {"fixed": {s: v1 / (sum(session(any_mod, pos[kind], dists, table_ms, seed, s)
-                                       for seed in range(seeds)) / seeds)
-                         for s in ("eagle", "eagle2", "retrieval+ngram")}}
-        for label, mod in mods.items():
-            per = [v1 / session(mod, pos[kind], dists, table_ms, seed)
-                   for seed in range(seeds)]
-            row[label] = (sum(per) / seeds, min(per))
-        out[kind] = row
-    return out
 
 
 def report(name: str, res: dict, mods: dict, seeds: int) -> None:
@@ -90,7 +69,7 @@ def main() -> int:
     runs_doc = json.loads((args.dir / f"{args.runs}.json").read_text())
     shape_doc = json.loads((args.dir / f"{args.shape}.json").read_text())
     report(f"{args.dir.name}/{args.runs} (shape {args.shape})",
-           day(runs_doc, shape_doc, pos, mods, args.seeds), mods, args.seeds)
+           day(args.runs, pos, mods, args.seeds, runs_doc, shape_doc), mods, args.seeds)
     return 0
 
 

@@ -115,9 +115,12 @@ def session(mod, pos, dists, table_ms, seed, fixed=None, trace=None):
     return ms / n
 
 
-def day(name: str, pos: dict, mods: dict, seeds: int) -> dict:
-    doc = json.loads((RUNS / f"{name}.json").read_text())
-    sh = shape(doc)
+def day(name: str, pos: dict, mods: dict, seeds: int, doc: dict | None = None,
+        shape_doc: dict | None = None) -> dict:
+    """The day's runs (RUNS/name.json, or `doc`) replayed; verify(L)'s shape from the same
+    file's auto traces (or `shape_doc`'s: drafter-auto-curse-1130/epyc_replay.py)."""
+    doc = doc or json.loads((RUNS / f"{name}.json").read_text())
+    sh = shape(shape_doc or doc)
     out = {}
     for kind, r in doc["in_process"]["runs"].items():
         if kind not in pos:
