@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from macfleet.engine.chooser import PLAIN, Candidate, Chooser, Prior, tree_depth, tree_match
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
-from macfleet.engine.proposers.group import ProposerGroup, cap_total, own_length, tree_budget
+from macfleet.engine.proposers.group import ProposerGroup, cap_total, tree_budget
 from macfleet.stats import EXPLORE, BlockTrace, DrafterChoice, DrafterStats
 
 AUTO_NAME = "auto"
@@ -126,7 +126,7 @@ class ChoosingGroup(ProposerGroup):
                 # scores, then drafting nothing)
                 ks[j] = min(self.node_budget if p.drafts_trees
                             else self._free_k.get(j, SHADOW_K) if free
-                            else own_length(p.draft_length(), self.controllers[j]), limit)
+                            else self.controllers[j].next_k(), limit)
         return cap_total(ks, self.node_budget)
 
     def _free_draft(self, j: int, context: Sequence[int], k: int) -> tuple[Draft, float]:

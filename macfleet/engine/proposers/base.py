@@ -1,12 +1,6 @@
-"""The proposer interface.
-
-A proposer is told the whole committed context on every call (`propose(context, k)`) and keeps
-whatever state it wants (a KV cache of the prefix it has seen): it finds the common prefix with
-what it has cached and rolls back the rest. Passing the full context keeps the contract
-stateless for the caller, which is what lets a remote proposer pre-draft speculatively
-(cross-round drafting) and recover from any mismatch by itself; over the wire only the
-committed delta (flow F1) travels, and the agent rebuilds the context.
-"""
+"""The proposer interface: every call gets the whole committed context, so a proposer's cache
+is its own business and a remote one recovers from any mismatch by itself (docs/drafters.md,
+"base.py")."""
 
 from __future__ import annotations
 
@@ -27,12 +21,11 @@ class Draft:
     tokens: tuple[int, ...]
     probs: np.ndarray | None = field(default=None, compare=False)  # [len(tokens), V]
     draft_ms: float = 0.0
-    # A token tree instead of a chain: parents[i] is the index of token i's parent in
-    # `tokens` (-1: a child of the last committed token); parents precede their children.
+    # a token tree: parents[i] indexes token i's parent (-1: the last committed token), parents
+    # first
     parents: tuple[int, ...] | None = None
-    # drafted together with other sessions' chains (`draft_together`): what one draft position
-    # after the first took for all of them (the first also runs the tokens committed since the
-    # last draft); None: not measured (one position, or drafted alone)
+    # drafted with other sessions' chains (`draft_together`): one draft position after the
+    # first, for all of them; None: not measured
     step_ms: float | None = field(default=None, compare=False)
 
     def __len__(self) -> int:
@@ -55,9 +48,8 @@ def _tree_prefix(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | Non
 
 
 def sanitize_draft(draft: Draft, k: int, vocab: int) -> Draft:
-    """Keep the longest valid prefix of a draft; drop probabilities that are not a [n, V] pmf.
-
-    A tree draft (parents) keeps the prefix of nodes whose tokens and parents are valid."""
+    """The longest prefix of a draft (a tree's: of nodes) whose tokens and parents are valid;
+    probabilities that are not a [n, V] pmf dropped."""
     toks: list[int] = []
     for t in draft.tokens[:k]:
         if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab:
@@ -82,8 +74,7 @@ def sanitize_draft(draft: Draft, k: int, vocab: int) -> Draft:
 
 def draft_together(jobs: Sequence[tuple[Proposer, Sequence[int], int]],
                    clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
-    """Chains of drafters whose caches are rows of one store (`Proposer.rows`), drafted at
-    once by their class (`Proposer.draft_together`)."""
+    """Chains of drafters whose caches are rows of one store, drafted by their class."""
     return type(jobs[0][0]).draft_together(jobs, clock) if jobs else []
 
 
@@ -99,28 +90,20 @@ class Proposer(ABC):
     drafts_trees: bool = False  # propose() may return a tree (Draft.parents); k = node budget
     wants_features: bool = False  # drafts from the verifier's hidden states (flow F3)
     fallback_tokens: int = 0  # positions whose features it had to compute itself
-    # drafts arrive on their own schedule (a draft-model agent drafting ahead on another
-    # machine) and the proposer itself decides how long a block waits for them
-    # (controller.tokens_to_wait): that wait is not a per-token drafting cost, so the block
-    # length is chosen as if drafts were free and the proposer cuts it to what is there
+    # drafts arrive on their own schedule and the proposer decides how long a block waits
+    # (a draft-model agent): the block length is chosen as if drafts were free
     paced: bool = False
-    # the store (engine/batch_kv.py's BatchKV) its cache is a row of, shared with other
-    # sessions' drafters of the same model (`share_rows`): then `draft_together` drafts all of
-    # them at once; None: it drafts alone
-    rows = None
+    rows = None  # the BatchKV its cache is a row of (`share_rows`); None: it drafts alone
 
     def share_rows(self, stores: dict) -> None:
-        """Serving one of many sessions: keep its cache as a row of the store `stores` holds
-        for its model (made there on first use), so its chains are drafted with the other
-        sessions' (`draft_together`). A drafter that cannot leaves itself as it is."""
+        """Keep its cache as a row of the store `stores` holds for its model (made on first
+        use), so `draft_together` drafts it with other sessions'; a no-op where it cannot."""
 
     @staticmethod
     def draft_together(jobs: Sequence[tuple[Proposer, Sequence[int], int]],
                        clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
-        """Every job's chain (proposer, context, k), the proposers' caches rows of one store:
-        at once where the drafter's class can (one forward per draft position for all),
-        here one after the other. clock (seconds): what the drafts' `draft_ms` and `step_ms`
-        are measured with (a batching engine's own clock)."""
+        """Every job's (proposer, context, k) chain, at once where the class can; here one after
+        the other. clock: what `draft_ms` and `step_ms` are measured with."""
         return [p.propose(ctx, k) for p, ctx, k in jobs]
 
     def feed_features(self, start: int, tokens: Sequence[int], hidden) -> None:
@@ -128,9 +111,8 @@ class Proposer(ABC):
         raise TypeError(f"{self.name} does not draft from hidden states")
 
     def untap(self) -> None:
-        """Before `start`: the features will all come through `feed_features` (a batched
-        forward runs no tap on the model); only for wants_features."""
-
+        """Before `start`: every feature will come through `feed_features` (a batched forward
+        runs no tap); only for wants_features."""
 
     def start(self, params: SamplingParams) -> None:
         """Begin a new sequence with these sampling parameters (drops all cached state)."""
@@ -140,16 +122,9 @@ class Proposer(ABC):
     def propose(self, context: Sequence[int], k: int) -> Draft:
         """Up to k draft tokens continuing `context` (the full committed sequence)."""
 
-    def draft_length(self) -> int | None:
-        """The draft length this drafter asks for itself in a token tree (None: its group's
-        controller sizes it); a drafter that knows when it is right (a request's prediction)
-        may ask for long drafts."""
-        return None
-
     def begin(self, context: Sequence[int], k: int) -> None:
-        """Start drafting for `propose(context, k)`; `finish()` returns the draft. A batching
-        verifier begins every session's draft before finishing any, so drafters on other
-        machines draft at the same time; a local drafter just drafts in `finish`."""
+        """Start drafting for `propose(context, k)`; `finish()` returns the draft (a remote
+        drafter drafts in between, a local one in `finish`)."""
         self._begun = (context, k)
 
     def finish(self) -> Draft:
@@ -159,13 +134,11 @@ class Proposer(ABC):
 
     def observe(self, drafted: int, accepted: int, verify_ms: float,
                 verified: int | None = None) -> None:
-        """What became of the last draft: its tokens, how many were accepted, and the verify
-        time of the block, which held `verified` tokens (default drafted + 1; more when
-        several drafters shared the block's tree)."""
+        """What became of the last draft: how many were accepted, and the verify time of the
+        block of `verified` tokens (default drafted + 1)."""
 
     def seed_verify_costs(self, costs: Mapping[int, float]) -> None:
-        """The verifier's measured verify(L) in ms by length (engine/verify_costs.py), for
-        drafters that size their trees against it; others ignore it."""
+        """The verifier's measured verify(L) in ms by length (engine/verify_costs.py)."""
 
     def close(self) -> None:
         """Release caches; the proposer may be started again."""

@@ -1,23 +1,6 @@
-"""Which drafter a verifier gets by default: the one measured best for it, or, in one process
-and in the serving engine, the one chosen block by block with that as the prior.
-
-`macfleet bench drafter` measures every drafter side by side on held-out prompts. With
-`--record` it keeps the winner for THIS machine (in its cache: `machine_record`); with
-`--record-shipped` also in the shipped head's `.eval.json` (`bench.best`, with its speedup and
-the machine it was measured on), the default everywhere else. The best drafter is a property
-of the machine as much as of the model (a Mac's flat verify(L) makes trees cheap that a CPU's
-does not), so a machine's own record wins over the shipped one, and a choice read from
-another machine's record says so. `macfleet distill` records the head's held-out acceptance in
-the eval file. The default proposer of `generate` and `serve`, of the fleet (`macfleet up`
-agents serve what the client asks for) and of the demo is read here, in one place. Without a bench record,
-a head that clears break-even on its held-out acceptance drafts dynamic trees next to n-gram
-lookup; otherwise n-gram alone.
-
-In one process (`generate --local`), per session in `serve --local` and in a verifier agent
-(`generate` through a fleet), `auto` is no longer the record's answer but its prior
-(`auto_prior`): engine/choosing.py chooses the drafter of each block as it runs (issue 44: the
-best drafter moves with the machine's load and the answer being written). `serve` in front of
-a fleet still sends the record's winner (`resolve_proposer`).
+"""Which drafter `auto` means: the one measured best for this verifier (this machine's bench
+record, else the shipped head's), or in one process and in the serving engine the prior of the
+drafter chosen block by block (engine/choosing.py). Why: docs/drafters.md, "choice.py".
 """
 
 from __future__ import annotations
@@ -34,11 +17,9 @@ from macfleet.engine.proposers.shipped import default_head_path
 
 AUTO = "auto"
 FALLBACK = "ngram"
-# Held-out mean accepted tokens per block of 4 below which a head costs more verify work than
-# it saves (a draft token and verify(5)'s extra over verify(1) priced as on the slowest machine
-# measured: docs/benchmarks.md, Drafters).
+# held-out mean accepted tokens per block of 4 below which a head costs more verify work than
+# it saves (docs/benchmarks.md, Drafters)
 MIN_HEAD_MEAN_ACCEPTED = 0.5
-
 
 LOCAL, FLEET = "local", "fleet"  # where the drafter runs: the verifier's process, or an agent
 
@@ -46,9 +27,8 @@ LOCAL, FLEET = "local", "fleet"  # where the drafter runs: the verifier's proces
 def choose_proposer(head_eval: dict | None, where: str = LOCAL, mine: dict | None = None,
                     here: str = "") -> tuple[str, str]:
     """Pure: (proposer spec, why) from a head's recorded figures (None: no head) and this
-    machine's own bench record (`mine`, which wins); `here`: this machine's `machine_id`. In
-    one process a drafter's time adds to every block; on a proposer agent it runs beside the
-    verifier, so the best drafter differs and is measured (and recorded) for each."""
+    machine's own bench record (`mine`, which wins); `here`: this machine's `machine_id`.
+    `where`: one process and a proposer agent each have their own measured best."""
     bench = mine or (head_eval or {}).get("bench") or {}
     fleet = where == FLEET and bench.get("best_agents")
     best = bench.get("best_agents") if fleet else bench.get("best")
@@ -88,8 +68,7 @@ def machine_record(model: str) -> dict | None:
 
 
 def record_machine_choice(model: str, bench: dict) -> Path:
-    """Keep `bench` (best, speedup, best_agents, speedup_agents, command) as this machine's
-    record for `model`."""
+    """Keep `bench` (best, speedup, best_agents, ...) as this machine's record for `model`."""
     path = machine_record_path(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps({**bench, "machine": machine_id()}, indent=2) + "\n")
@@ -102,10 +81,8 @@ def shipped_head_eval(model: str) -> dict | None:
 
 
 def prior_from(head_eval: dict | None, mine: dict | None = None) -> dict[str, Prior]:
-    """Pure: the offline record as the prior of the drafter chosen while it runs
-    (engine/chooser.py): its winner in one process at its measured speedup over plain, and
-    every drafter it measured (`drafters`: accepted drafts and tokens verified per block, in
-    records since issue 44's per-candidate prior) at its acceptance."""
+    """Pure: the bench record as the chooser's prior (engine/chooser.py): its winner at its
+    measured speedup, every drafter it measured (`drafters`) at its acceptance."""
     bench = mine or (head_eval or {}).get("bench") or {}
     best, speedup = bench.get("best"), float(bench.get("speedup") or 0.0)
     out: dict[str, Prior] = {}

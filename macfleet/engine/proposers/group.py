@@ -1,11 +1,5 @@
-"""A group of proposers drafting for one sequence, and how its drafts become a block's tree.
-
-Every block, each proposer drafts a chain (or a tree drafter its tree); the drafts are merged
-into one token tree under the last committed token and verified in ONE forward; the longest
-accepted path wins. Each proposer has its own adaptive draft length (its own acceptance and
-cost), so a useless proposer is pruned to k = 0 (probed now and then) and a good one grows.
-The tree is capped at `node_budget` nodes: verify(L) is sublinear but not free. The serving
-engine (serve/) and the verifier agent (agents/) draft through this group.
+"""A group of proposers drafting for one sequence: their drafts merged into one token tree,
+verified in one forward, each proposer with its own draft length (docs/drafters.md, "group.py").
 """
 
 from __future__ import annotations
@@ -24,7 +18,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NODE_BUDGET = 16
 DEFAULT_K_MAX = 8
-
 
 TREE_DRAFTER_BUDGET = 24  # nodes a dynamic-tree drafter may use (it picks its own size)
 
@@ -51,11 +44,6 @@ def tree_of_drafts(root: int, drafts: Sequence[Draft], ks: Sequence[int], vocab:
 def tree_budget(proposers: Sequence[Proposer]) -> int:
     """The node budget of a group: room for a dynamic tree when one of them drafts trees."""
     return max([DEFAULT_NODE_BUDGET, *(TREE_DRAFTER_BUDGET for p in proposers if p.drafts_trees)])
-
-
-def own_length(k: int | None, controller) -> int:
-    """A drafter's own draft length when it names one, else its controller's."""
-    return controller.next_k() if k is None else k
 
 
 class ProposerGroup:
@@ -90,8 +78,7 @@ class ProposerGroup:
         """Draft length per proposer; a tree drafter gets the node budget (it picks its own
         size within it) and shares it with the others. context: the block's (read by a
         group that chooses its drafters, `ChoosingGroup`)."""
-        ks = [0 if not live else min(self.node_budget if p.drafts_trees else
-                                     own_length(p.draft_length(), c), limit)
+        ks = [0 if not live else min(self.node_budget if p.drafts_trees else c.next_k(), limit)
               for p, c, live in zip(self.proposers, self.controllers, self.live)]
         return cap_total(ks, self.node_budget)
 

@@ -1,10 +1,6 @@
-"""Model-based proposers: a separate draft model, or layer-skip self-drafting.
-
-Both run a language model autoregressively with their own KV cache. The layer-skip proposer
-wraps the verifier's first K layers plus its final norm and head (`LayerSkipModel`): it shares
-the verifier's weights (no extra memory) but keeps its own cache. `LayerSkipModel` is a
-drop-in mlx-lm model (callable with `cache=`, has `.layers`), so mlx-lm's own
-`speculative_generate_step` can use it as a draft model for side-by-side benchmarks.
+"""Model-based proposers: a separate draft model, or the verifier's first K layers
+(`LayerSkipModel`: its weights shared, its own cache; a drop-in mlx-lm model, so mlx-lm's own
+speculative decoding can use it for side-by-side benchmarks).
 """
 
 from __future__ import annotations
@@ -52,9 +48,8 @@ class LayerSkipModel(nn.Module):
 
 
 class ModelProposer(Proposer):
-    """Autoregressive drafting with any mlx-lm-compatible model and its own trimmable cache:
-    mlx-lm layer caches, or a row of a store shared with other sessions' drafters of the same
-    model (`share_rows`), whose chains `draft_model_chains` drafts all at once."""
+    """Autoregressive drafting with any mlx-lm model and its own trimmable cache (mlx-lm's, or a
+    row of a store shared with other sessions' drafters: `share_rows`)."""
 
     def __init__(self, model: nn.Module, name: str) -> None:
         self.model = model
@@ -70,8 +65,8 @@ class ModelProposer(Proposer):
         return self._rows
 
     def share_rows(self, stores: dict) -> None:
-        """Its cache a row of its model's store, where the flat batch runs the model (what it
-        had cached is run again there by its next draft; its sampling draws go on)."""
+        """Its cache a row of its model's store (what it had cached is run again by its next
+        draft)."""
         if supports_tree_attention(self.model):
             self._drop_cache()
             self._rows = stores.setdefault(id(self.model), BatchKV(len(self.model.layers)))
@@ -106,13 +101,13 @@ class ModelProposer(Proposer):
             del self._cached[n:]
 
     def _catch_up(self, context: Sequence[int]) -> list[int]:
-        """Roll the cache back to what it shares with `context` and return the tokens still
-        to run (at least the last: the logits after it are never cached)."""
+        """Roll the cache back to what it shares with `context`; the tokens still to run (at
+        least the last: the logits after it are never cached)."""
         if self._cache is None:
             self.start(self.params)
         c = common_prefix(self._cached, context)
         if c == len(context):
-            c -= 1  # the logits after the last context token are not cached: recompute them
+            c -= 1
         self._rollback_to(c)
         return [int(t) for t in context[c:]]
 
@@ -123,8 +118,7 @@ class ModelProposer(Proposer):
         return out
 
     def _pick(self, logits: mx.array, rows: list[np.ndarray]) -> int:
-        """The next draft token from these logits: the argmax, or a draw (its distribution
-        goes to `rows`)."""
+        """The argmax, or a draw (its distribution goes to `rows`)."""
         if self.params.greedy:
             return int(mx.argmax(logits).item())
         q = probs_from_logits(logits[None], self.params)[0]
@@ -150,13 +144,8 @@ class ModelProposer(Proposer):
 
 def draft_model_chains(jobs: Sequence[tuple[ModelProposer, Sequence[int], int]],
                        clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
-    """Every job's chain (proposer, context, k) at once: proposers whose caches are rows of one
-    store (`share_rows`, one draft model) run one flat forward per draft position over all of
-    them (engine/batch.py: each row attends to its own tokens), not one session after the
-    other. Each chain is the one `propose` drafts alone up to float rounding (the batched
-    attention sums in another order), which can only change a draft, never what is verified.
-    Each Draft's `draft_ms` is its share of the whole call, its `step_ms` one draft position
-    after the first (the first also runs the tokens committed since the last draft)."""
+    """Every job's (proposer, context, k) chain at once, the caches rows of one store: one flat
+    forward per draft position for all (docs/drafters.md, "Drafting together")."""
     t0 = clock()
     out = [EMPTY_DRAFT] * len(jobs)
     live = [(i, p, k) for i, (p, ctx, k) in enumerate(jobs) if k > 0 and len(ctx)]

@@ -1,8 +1,6 @@
-"""N-gram prompt lookup: model-free drafts copied from earlier in the context.
-
-Finds the most recent earlier occurrence of the context's last n tokens (longest n first) and
-proposes what followed it. Free to compute; strong when the answer repeats its input
-(summaries, code edits), silent (an empty draft -> a plain decoding step) otherwise.
+"""N-gram prompt lookup: drafts what followed the most recent earlier occurrence of the
+context's last n tokens (longest n first). Free to compute; strong when the answer repeats its
+input, an empty draft (a plain step) otherwise.
 """
 
 from __future__ import annotations
@@ -14,32 +12,30 @@ from macfleet.engine.prefix import common_prefix
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
 
 DEFAULT_MAX_NGRAM = 3
-DEFAULT_MIN_NGRAM = 1
 
 
 class NgramProposer(Proposer):
 
-    def __init__(self, max_n: int = DEFAULT_MAX_NGRAM, min_n: int = DEFAULT_MIN_NGRAM) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+    def __init__(self, max_n: int = DEFAULT_MAX_NGRAM) -> None:
+        if max_n < 1:
+            raise ValueError(f"need max_n >= 1, got {max_n}")
         self.name = f"ngram:{max_n}"
-        self.max_n, self.min_n = max_n, min_n
-        self._seen: list[int] = []
-        # n -> n-gram -> end positions (index just past the n-gram), ascending
-        self._index: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        self.max_n = max_n
+        self.start()
 
     def start(self, params=None) -> None:
         self.params = params
-        self._seen, self._index = [], {n: {} for n in range(self.min_n, self.max_n + 1)}
+        self._seen: list[int] = []
+        # n -> n-gram -> end positions (index just past the n-gram), ascending
+        self._index: dict[int, dict[tuple[int, ...], list[int]]] = {
+            n: {} for n in range(1, self.max_n + 1)}
 
     def close(self) -> None:
-        self.start(self.params if hasattr(self, "params") else None)
+        self.start(self.params)
 
     def _extend(self, context: Sequence[int]) -> None:
         if len(context) < len(self._seen) or list(context[: len(self._seen)]) != self._seen:
             self._truncate(common_prefix(self._seen, context))
-        if not self._index:
-            self._index = {n: {} for n in range(self.min_n, self.max_n + 1)}
         start = len(self._seen)
         self._seen.extend(int(t) for t in context[start:])
         for end in range(start + 1, len(self._seen) + 1):  # the ends not indexed yet
@@ -61,7 +57,7 @@ class NgramProposer(Proposer):
         del self._seen[keep:]
 
     def _lookup(self, seq: list[int], k: int) -> list[int]:
-        for n in range(self.max_n, self.min_n - 1, -1):
+        for n in range(self.max_n, 0, -1):
             if len(seq) <= n:
                 continue
             ends = self._index[n].get(tuple(seq[-n:]), [])

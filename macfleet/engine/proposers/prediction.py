@@ -1,24 +1,8 @@
-"""A request's own prediction as a drafter (OpenAI's Predicted Outputs).
-
-An editor that asks for a file to be rewritten sends the text it expects back (`prediction`):
-most of the answer is in it already. This drafter drafts the prediction's continuation from
-where the answer is. While the answer follows the prediction, it drafts on from the aligned
-position as far as pays at its acceptance and the verifier's measured verify(L); when the
-answer departs (an edited line), it finds the answer's last few tokens again in the
-prediction (an n-gram index over the prediction, longest suffix first, the nearest position
-after the last aligned one) and drafts from there. A prediction that stops matching stops
-costing: its acceptance falls, and so does the length that pays, to nothing; after a few drafts
-that got nothing accepted it re-aligns only on a long suffix of the answer.
-
-Its acceptance is kept twice (`Acceptance`): over every draft, and over the drafts that
-continued a run (`in_run`: the previous draft, of RUN_MIN tokens or more or itself in a run,
-accepted in full, and the answer still along the prediction). An answer that copies does so
-in long runs between departures: inside a run the next draft is accepted in full far more
-often than the average draft, so it drafts as long as verify(L) pays at the run's own
-acceptance, while a re-aligned draft, which often misses, stays as short as the average says.
-
-The answer is what follows `answer_start` in the context (the prompt's length): the drafter is
-built per request with its prediction's token ids, tokenised once by the caller.
+"""A request's own prediction as a drafter (OpenAI's Predicted Outputs): drafts the
+prediction's continuation from where the answer (what follows `answer_start`) stands in it,
+re-aligned by an n-gram index after an edit, as long as pays at its acceptance (kept apart
+inside a run of drafts accepted in full) and the verifier's verify(L). Why this shape:
+docs/drafters.md, "prediction.py".
 """
 
 from __future__ import annotations
@@ -56,8 +40,8 @@ def ngram_index(tokens: Sequence[int], lo: int = MIN_MATCH, hi: int = MAX_MATCH
 def realign(index: dict[int, dict[tuple[int, ...], list[int]]], answer: Sequence[int],
             anchor: int, long_only: bool = False) -> tuple[int, int] | None:
     """Pure: (position in the prediction after the answer's end, suffix length matched), or
-    None. Longest suffix first; among its occurrences the first at or after `anchor` (the last
-    aligned position), else -- for a long suffix only -- the last one before it."""
+    None. Longest suffix first; its first occurrence at or after `anchor` (the last aligned
+    position), else, for a long suffix only, the last one before it."""
     for n in sorted(index, reverse=True):
         if len(answer) < n or (long_only and n < LONG_MATCH):
             continue
@@ -74,9 +58,8 @@ def realign(index: dict[int, dict[tuple[int, ...], list[int]]], answer: Sequence
 
 @dataclass(frozen=True)
 class Acceptance:
-    """Per-token acceptance from a prior (`alpha` over `weight` trials) and what was seen:
-    `accepted` tokens in `trials` geometric trials (each draft's accepted tokens, plus one
-    where it was cut short)."""
+    """Per-token acceptance from a prior (`weight` trials at `prior`) and `accepted` tokens in
+    `trials` geometric trials (a draft's accepted tokens, plus one where it was cut short)."""
 
     prior: float
     accepted: int = 0
@@ -94,16 +77,14 @@ class Acceptance:
 
 
 def in_run(drafted: int, accepted: int, was_in_run: bool = False) -> bool:
-    """Pure: whether a draft leaves the drafter inside a run (the next draft then continues
-    it): it was accepted in full, and either continued a run or was long enough not to be a
-    chance match (a useless prediction's short re-aligned drafts are sometimes taken)."""
+    """Pure: whether a draft leaves the drafter inside a run: accepted in full, and either
+    continuing a run or long enough not to be a chance match."""
     return drafted > 0 and accepted == drafted and (was_in_run or accepted >= RUN_MIN)
 
 
 def best_window(alpha: float, cost, max_window: int) -> int:
     """Pure: the draft length w in 0..max_window with the most committed tokens per verify
-    time, (1 - a^(w+1)) / (1 - a) / verify(w + 1), at per-token acceptance `alpha` (0: plain
-    decoding pays best). `cost(L)`: verify(L) in any unit (engine/tree_budget.py's curve)."""
+    time, (1 - a^(w+1)) / (1 - a) / cost(w + 1), at per-token acceptance `alpha`."""
     a = min(max(alpha, 0.0), 0.999)
     best, best_rate = 0, 1.0 / cost(1)
     for w in range(1, max_window + 1):
@@ -114,17 +95,14 @@ def best_window(alpha: float, cost, max_window: int) -> int:
 
 
 class PredictionProposer(Proposer):
-    """Drafts from one request's prediction (token ids); see the module docstring."""
+    """Drafts from one request's prediction (token ids)."""
 
-
-    def __init__(self, prediction: Sequence[int], answer_start: int, *,
-                 max_window: int = MAX_WINDOW) -> None:
+    def __init__(self, prediction: Sequence[int], answer_start: int) -> None:
         if answer_start < 0:
             raise ValueError(f"answer_start must be >= 0, got {answer_start}")
         self.name = PREDICTION
         self.prediction = tuple(int(t) for t in prediction)
         self.answer_start = answer_start
-        self.max_window = max_window
         self._index = ngram_index(self.prediction)
         self.curve = VerifyCurve()
         self._price()
@@ -146,10 +124,9 @@ class PredictionProposer(Proposer):
         self._price()
 
     def _price(self) -> None:
-        """verify(1..max_window + 1) read off the curve once, and the prior's window: the
-        curve changes only when seeded, so a block's window costs no interpolation."""
-        self._costs = tuple(self.curve.cost(L) for L in range(1, self.max_window + 2))
-        self._prior_window = best_window(PRIOR_ALPHA, self._cost, self.max_window)
+        """verify(1..MAX_WINDOW + 1) read off the curve once (it changes only when seeded)."""
+        self._costs = tuple(self.curve.cost(L) for L in range(1, MAX_WINDOW + 2))
+        self._prior_window = best_window(PRIOR_ALPHA, self._cost, MAX_WINDOW)
 
     def _cost(self, length: int) -> float:
         return self._costs[length - 1]
@@ -160,25 +137,23 @@ class PredictionProposer(Proposer):
         return self.every.alpha
 
     def _best(self, alpha: float) -> int:
-        return best_window(alpha, self._cost, self.max_window)
+        return best_window(alpha, self._cost, MAX_WINDOW)
 
     @property
     def window(self) -> int:
-        """The draft length that pays at its acceptance and the verifier's verify(L): inside
-        a run at the run's acceptance; else at its acceptance so far, and a confident
-        alignment at the prior's length at least."""
+        """The draft length that pays: inside a run at the run's acceptance; else at its
+        acceptance so far, a confident alignment at the prior's length at least."""
         if self._run:
             return max(self._best(self.on_run.alpha), self._best(self.alpha))
         w = self._best(self.alpha)
         return max(w, self._prior_window) if self._sure and self.misses == 0 else w
 
     def draft_length(self) -> int:
-        return self.max_window
+        return MAX_WINDOW
 
     def _align(self, context: Sequence[int]) -> int | None:
-        """The prediction position the answer's end stands at (None: not found). Reads only
-        what the answer added since the last call and its last MAX_MATCH tokens (never a
-        copy of the whole answer: a block's host work does not grow with the answer)."""
+        """The prediction position the answer's end stands at (None: not found), from only
+        what the answer added since the last call and its last MAX_MATCH tokens."""
         at, anchor = self._at, self._anchor
         length = max(0, len(context) - self.answer_start)  # the answer's
         if at is not None and length >= at[0]:  # the answer went on since the last call
@@ -212,9 +187,8 @@ class PredictionProposer(Proposer):
 
     def observe(self, drafted: int, accepted: int, verify_ms: float,
                 verified: int | None = None) -> None:
-        """Acceptance learnt from each draft (verify(L) is the engine's, seeded: a batch's
-        iteration time is not this draft's); a draft with nothing accepted is a miss (after
-        QUIET_AFTER in a row only a long match re-aligns it)."""
+        """Acceptance learnt from each draft (verify(L) is the engine's, seeded); a draft with
+        nothing accepted is a miss."""
         if drafted <= 0:
             return
         self.every = self.every.seen(drafted, accepted)
@@ -224,4 +198,4 @@ class PredictionProposer(Proposer):
         self._run = in_run(drafted, accepted, self._drafted_in_run)
 
     def close(self) -> None:
-        self.start(self.params if hasattr(self, "params") else None)
+        self.start(self.params)

@@ -1,23 +1,7 @@
-"""Retrieval drafts: token trees looked up in a datastore of the verifier's own answers.
-
-REST (He et al. 2023, "Retrieval-Based Speculative Decoding") drafts by finding the context's
-suffix in a large text store and proposing what followed it there. macfleet's store is the
-verifier's OWN greedy answers (the `macfleet distill` dataset), so what follows a matching
-suffix is what this verifier tends to say next: "Here is a Python function that", the shape of
-a list, the closing of a code block. It needs no training and no model: a lookup costs
-microseconds, so it adds nothing to the critical path and runs as well on a proposer agent.
-
-Lookup: a suffix array cut at 8 tokens. Every position of the store is sorted once by the 8
-tokens from it (packed 4 to a 64-bit key: two keys, one lexicographic sort), so the positions
-where any n <= 8 tokens occur are one contiguous range, found by two binary searches, for every
-n (8, 6, 4, 3, 2) from one index: exact (no hash collisions), built in one sort, and under a third
-of the memory of one sorted hash table per n. The longest n that occurs gives up to
-`max_matches` positions (shorter n fill up when few match); a range holding more is sampled
-evenly, and as a range is sorted by what follows the match, an even sample keeps each
-continuation's share. Their continuations form a trie weighted by how many matches share each
-prefix. The weight of a node (matches through it / all matches) is its estimated probability
-of being accepted, and the tree of the best nodes is sized like an EAGLE-2 tree: calibrated
-confidence against the measured verify(L) (`engine/tree_budget.py`).
+"""Retrieval drafts (REST, He et al. 2023): token trees of what followed the context's suffix
+in a store of the verifier's own answers, found in a suffix array cut at 8 tokens, weighted by
+how many matches share each prefix and sized like an EAGLE-2 tree (engine/tree_budget.py).
+The store, its index and the tree: docs/drafters.md, "retrieval.py".
 """
 
 from __future__ import annotations
@@ -88,8 +72,7 @@ def _index_dir(toks: np.ndarray) -> Path:
 
 
 def _save_index(store: Datastore, where: Path) -> None:
-    """Write the index whole or not at all (a temporary directory renamed into place); an
-    unwritable cache, or another process that wrote it first, only costs a rebuild later."""
+    """Write the index whole or not at all; an unwritable cache only costs a rebuild later."""
     tmp = None
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
@@ -131,8 +114,8 @@ class Datastore:
         return [self.tokens[a:b] for a, b in zip(starts.tolist(), cuts.tolist()) if b > a]
 
     def merged(self, answers: Sequence[Sequence[int]]) -> Datastore:
-        """This store plus `answers`, an answer already held (token for token) dropped: a store
-        grows across datasets without counting a repeated answer twice in its tries."""
+        """This store plus `answers`, an answer already held dropped (a repeat would count
+        twice in the tries)."""
         seen = {a.tobytes() for a in self.answers()}
         keep = list(self.answers())
         for a in answers:
@@ -149,9 +132,8 @@ class Datastore:
 
     @classmethod
     def load(cls, path: Path) -> Datastore:
-        """A saved store, its index read from this machine's cache (memory-mapped) when it was
-        built here before, else built and cached: a one-shot `generate` does not pay the sort
-        (seconds for the shipped store) each time."""
+        """A saved store, its index memory-mapped from this machine's cache when built here
+        before, else built and cached (the sort takes seconds for the shipped store)."""
         toks = np.load(Path(path).with_suffix(".npy"))
         if toks.dtype != np.uint16 or toks.ndim != 1:
             raise ValueError(f"{path}: not a macfleet answer store (uint16 tokens)")
@@ -168,8 +150,8 @@ class Datastore:
 
     def matches(self, context: Sequence[int], limit: int) -> list[tuple[int, int]]:
         """(position after the match, n) for up to `limit` occurrences of the context's
-        suffix, longest n first; a range with more than are still wanted is sampled evenly
-        (it is sorted by what follows, so each continuation keeps its share)."""
+        suffix, longest n first; a larger range sampled evenly (each continuation keeps its
+        share)."""
         out: list[tuple[int, int]] = []
         seen: set[int] = set()
         for n in NGRAMS:
@@ -227,23 +209,20 @@ def build_tree(store: Datastore, matches: Sequence[tuple[int, int]], depth: int
 class RetrievalProposer(TreeSizing, Proposer):
     drafts_trees = True
 
-    def __init__(self, store: Datastore, name: str = "retrieval", *,
-                 max_matches: int = DEFAULT_MAX_MATCHES, depth: int = DEFAULT_DEPTH,
-                 max_nodes: int = DEFAULT_MAX_NODES) -> None:
+    def __init__(self, store: Datastore, name: str = "retrieval") -> None:
         TreeSizing.__init__(self)
         self.store = store
         self.name = name
-        self.max_matches, self.depth, self.max_nodes = max_matches, depth, max_nodes
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        k = min(k, self.max_nodes)
+        k = min(k, DEFAULT_MAX_NODES)
         if k <= 0:
             return EMPTY_DRAFT
         t0 = time.perf_counter()
-        matches = self.store.matches(context, self.max_matches)
+        matches = self.store.matches(context, DEFAULT_MAX_MATCHES)
         if not matches:
             return Draft((), None, (time.perf_counter() - t0) * 1e3)
-        tokens, parents, weight = build_tree(self.store, matches, self.depth)
+        tokens, parents, weight = build_tree(self.store, matches, DEFAULT_DEPTH)
         order = sorted(range(len(tokens)), key=lambda i: (-weight[i], i))[:k]
         n = self.size([weight[i] for i in order], t0)
         keep = sorted(order[:n])  # trie order: parents come before children
@@ -257,8 +236,8 @@ _loading = threading.Lock()  # two sessions asking at once build it once
 
 
 def _load(path: Path) -> tuple[Datastore, int]:
-    """The store at `path` and its largest token id, built once per process (seconds
-    for the shipped store). OSError, ValueError: no store there."""
+    """The store at `path` and its largest token id, built once per process. OSError,
+    ValueError: no store there."""
     key = str(path.with_suffix(".npy").resolve())
     with _loading:
         if key not in _loaded:
@@ -268,9 +247,8 @@ def _load(path: Path) -> tuple[Datastore, int]:
 
 
 def warm_store(verifier_spec: str) -> bool:
-    """Build the shipped store's index now (a proposer agent does at start, before it
-    advertises itself), so no request waits for it; False when none is shipped or it does not
-    load (the request that asks for it then gets the error)."""
+    """Build the shipped store's index now (a proposer agent, before it advertises itself);
+    False when none is shipped or it does not load (a request then gets the error)."""
     path = default_store_path(verifier_spec)
     if path is None or not path.with_suffix(".npy").is_file():
         return False

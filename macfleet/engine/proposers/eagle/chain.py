@@ -1,23 +1,6 @@
-"""EagleProposer: drafts a chain with the EAGLE head from the verifier's own hidden states.
-
-Feature source (the choice, and its cost): in-process the verifier model is shared, so the
-proposer attaches a `HiddenTap` to it and reuses the hidden states the verifier computes anyway
-when it prefills and verifies (zero extra verifier compute; the tap only keeps references).
-The tap records the positions of every forward; the proposer keeps a store that mirrors the
-verifier's KV cache (a forward starting at position s overwrites everything from s on), checks
-the recorded token ids against the committed context, and only when something is missing (no
-verifier ran through the tap: standalone use, another process) computes the features itself
-with a separate KV cache over the verifier's layers: that fallback costs one verifier forward
-over the new tokens, i.e. roughly a verify step per block, which is why the tap matters.
-
-Drafting: the head's one-layer KV cache holds real pairs (f_i, x_{i+1}) for committed
-positions; drafted pairs are appended for the chain and trimmed off afterwards.
-
-Many sessions (a batching verifier's): each proposer's head cache is a row of one shared
-`BatchKV` (`use_rows`), and `draft_chains` drafts all their chains together, one head forward
-and one draft-vocabulary matmul per draft position for every session at once, as the verifier
-runs one forward per iteration (drafted one session after another, N sessions' chains cost
-N times one; together, a few times one).
+"""EagleProposer: drafts a chain with the EAGLE head from the verifier's own hidden states,
+tapped from its forwards (computed with a cache of its own only when no forward ran through the
+tap); many sessions' chains drafted together (`draft_chains`). docs/drafters.md, "eagle/chain.py".
 """
 
 from __future__ import annotations
@@ -49,13 +32,9 @@ class _FeatureStore:
         start = min(start, len(self.tokens))
         del self.tokens[start:]
         self.tokens.extend(int(t) for t in tokens)
-        kept = []
-        for s, a in self.segments:
-            if s >= start:
-                continue
-            kept.append((s, a[: start - s] if s + a.shape[0] > start else a))
-        kept.append((start, h))
-        self.segments = kept
+        kept = [(s, a[: start - s] if s + a.shape[0] > start else a)
+                for s, a in self.segments if s < start]
+        self.segments = [*kept, (start, h)]
 
     def first(self, n: int) -> mx.array | None:
         """Rows of positions 0..n-1 ([n, H]), None unless it holds them all."""
@@ -75,12 +54,8 @@ class _FeatureStore:
 class EagleProposer(Proposer):
     wants_features = True
 
-    def __init__(self, head: EagleHead, name: str = "eagle", tap: bool = True,
-                 f3_codec: str | None = None) -> None:
-        """f3_codec: pass tapped features through this wire codec (to measure what sending
-        them over F3 as int8 costs in acceptance, in one process)."""
+    def __init__(self, head: EagleHead, name: str = "eagle", tap: bool = True) -> None:
         self.head = head
-        self.f3_codec = f3_codec
         self.name = name
         self.use_tap = tap
         self.params = GREEDY
@@ -109,7 +84,7 @@ class EagleProposer(Proposer):
 
     def use_rows(self, store: BatchKV) -> None:
         """Keep the head's cache as a row of `store` (one per head, shared by a batching
-        verifier's sessions): drafts then come from `draft_chains`, all sessions at once."""
+        verifier's sessions): drafts then come from `draft_chains`."""
         if len(store.keys) != len(self.head.layers):
             raise ValueError(f"a head of {len(self.head.layers)} layers needs a store of as "
                              f"many, not {len(store.keys)}")
@@ -149,29 +124,24 @@ class EagleProposer(Proposer):
         self.use_tap = False
 
     def feed_features(self, start: int, tokens: Sequence[int], h) -> None:
-        """Hidden states computed elsewhere (flow F3: the verifier on another Mac sends the
-        rows of newly committed positions): rows for positions start.. of `tokens`."""
+        """Hidden rows computed elsewhere (flow F3) for positions start.. of `tokens`."""
         self._store.write(start, [int(t) for t in tokens], mx.array(h))
 
     def feature_rows(self, n: int) -> mx.array | None:
-        """Its hidden rows of positions 0..n-1 ([n, H]), None unless it holds them all (a
-        batching verifier copies them with a shared prompt prefix)."""
+        """Its hidden rows of positions 0..n-1 ([n, H]), None unless it holds them all (copied
+        with a shared prompt prefix)."""
         return self._store.first(n)
 
     def _sync_features(self, context: Sequence[int]) -> None:
         """Make the store hold f_0..f_{T-2} for this context (T = len(context))."""
         if self._tap is not None:
             for start, toks, h in self._tap.drain():
-                if self.f3_codec is not None:
-                    from macfleet.engine.proposers.eagle.f3codec import roundtrip
-
-                    h = mx.array(roundtrip(np.array(h.astype(mx.float32)), self.f3_codec))
                 self._store.write(start, toks, h)
         need = len(context) - 1
         ok = common_prefix(self._store.tokens[:need], context[:need])
         if ok >= need:
             return
-        # fallback: the verifier did not show us these positions; compute them ourselves
+        # fallback (a verifier forward over the new tokens): the tap did not see them
         v = self.head.verifier
         if self._own_cache is None:
             self._own_cache = [KVCache() for _ in v.layers]
@@ -189,10 +159,7 @@ class EagleProposer(Proposer):
         self._store.write(c, new, h)
 
     # -- drafting ----------------------------------------------------------------------
-    def _pick(self, h: mx.array, rows: list[np.ndarray]) -> int:
-        return self._pick_from(self.head.draft_logits(h).astype(mx.float32), rows)
-
-    def _pick_from(self, logits: mx.array, rows: list[np.ndarray]) -> int:
+    def _pick(self, logits: mx.array, rows: list[np.ndarray]) -> int:
         """The draft token from the head's logits [V] or [V'] (draft vocabulary); a sampled
         one's distribution goes to `rows`."""
         ids = self.head.draft_ids
@@ -218,7 +185,6 @@ class EagleProposer(Proposer):
         pairs to run through it, feats [1, n, H] and next tokens [1, n] (n >= 1: the last
         pair is always run, its output is the root)."""
         self._sync_features(context)
-        # roll the head cache back to the pairs still valid for this context
         m = max(len(self._head_ctx) - 1, 0)
         T = len(context)
         valid = min(m, max(common_prefix(self._head_ctx, context) - 1, 0), T - 2)
@@ -241,7 +207,7 @@ class EagleProposer(Proposer):
         tokens: list[int] = []
         rows: list[np.ndarray] = []
         for i in range(k):
-            tok = self._pick(h[0, -1], rows)
+            tok = self._pick(self.head.draft_logits(h[0, -1]).astype(mx.float32), rows)
             tokens.append(tok)
             if i + 1 < k:
                 h = self.head(h, mx.array([[tok]], dtype=mx.uint32), cache=self._head_cache)
@@ -254,13 +220,9 @@ class EagleProposer(Proposer):
 
 def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
                  clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
-    """Every job's chain (proposer, context, k) at once: proposers whose head caches are rows of
-    one store (`use_rows`, one head) run one head forward per draft position over all of them
-    (`batch.flat_layers`: each row attends to its own pairs) and one draft-vocabulary matmul.
-    Each chain is the one `propose` drafts alone, up to float rounding (the batched attention
-    sums in another order), which can only change a draft, never what is verified. Each Draft's
-    `draft_ms` is its share of the whole call, its `step_ms` one draft position after the
-    first (the first also runs the pairs committed since the last draft)."""
+    """Every job's (proposer, context, k) chain at once, the head caches rows of one store
+    (`use_rows`): one head forward and one draft-vocabulary matmul per draft position for all
+    (docs/drafters.md, "Drafting together")."""
     t0 = clock()
     out = [EMPTY_DRAFT] * len(jobs)
     live = [(i, p, [int(t) for t in ctx], k)
@@ -290,7 +252,7 @@ def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
                 tokens[j].append(int(b) if ids is None else int(ids[b]))
         else:
             for r, j in enumerate(act):
-                tokens[j].append(live[j][1]._pick_from(logits[r], rows[j]))
+                tokens[j].append(live[j][1]._pick(logits[r], rows[j]))
         if step == 0:  # the first position read: the pairs committed since the last draft ran
             t1 = clock()
         more = [j for j in act if step + 1 < live[j][3]]
@@ -312,12 +274,10 @@ def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
 
 
 class VerifierFeatures:
-    """The verifier's side of F3: taps its own forwards and hands out the hidden-state rows of
-    committed positions, to send to a remote EAGLE proposer (no extra verifier compute)."""
+    """The verifier's side of F3: the hidden rows of committed positions, tapped from its own
+    forwards (tap=False: fed by a batching engine, whose flat forward runs no tap)."""
 
     def __init__(self, model, tap: bool = True) -> None:
-        """tap=False: rows come through `feed` (one session of a batched forward, which runs
-        no tap: the batching engine hands each session its rows)."""
         self.model = model
         self._tap = HiddenTap() if tap else None
         self._store = _FeatureStore()
@@ -328,8 +288,7 @@ class VerifierFeatures:
         self._store.write(start, [int(t) for t in tokens], h)
 
     def feature_rows(self, n: int) -> mx.array | None:
-        """The rows of positions 0..n-1 fed so far ([n, H]), None unless it holds them all (a
-        batching verifier copies them with a shared prompt prefix)."""
+        """The rows of positions 0..n-1 ([n, H]), None unless it holds them all."""
         self._drain()
         return self._store.first(n)
 
@@ -340,9 +299,7 @@ class VerifierFeatures:
     def rows(self, a: int, b: int) -> np.ndarray | None:
         """float16 rows for positions a..b-1, or None when the verifier has not computed them."""
         self._drain()
-        if b <= a:
-            return None
-        if len(self._store.tokens) < b:
+        if b <= a or len(self._store.tokens) < b:
             return None
         return np.array(self._store.rows(a, b).astype(mx.float16))
 

@@ -1,15 +1,11 @@
-"""F3 payload codecs: hidden states as float16 (default) or int8 with one scale per row.
-
-int8 halves the bytes of the F3 flow -- what a hidden-state drafter on another Mac costs on
-the critical path -- at the price of quantisation noise in the drafter's input. Symmetric per
-row: q = round(h / s), s = max|h| / 127, so a row's largest feature survives exactly.
+"""The F3 int8 codec: hidden states as int8 with one scale per row (float16 is the default),
+half the bytes on the critical path for some noise in the drafter's input. Symmetric per row,
+s = max|h| / 127, so a row's largest feature survives exactly.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-CODECS = ("float16", "int8")
 
 
 def encode_int8(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -23,12 +19,3 @@ def encode_int8(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def decode_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return (q.astype(np.float32) * scales.astype(np.float32)[:, None]).astype(np.float16)
-
-
-def roundtrip(h: np.ndarray, codec: str) -> np.ndarray:
-    """What the drafter sees after the wire (used to measure a codec's acceptance cost)."""
-    if codec == "int8":
-        return decode_int8(*encode_int8(h))
-    if codec == "float16":
-        return np.asarray(h, dtype=np.float16)
-    raise ValueError(f"unknown F3 codec '{codec}' (use {', '.join(CODECS)})")

@@ -1,13 +1,6 @@
-"""Verifier features: the last layer's pre-norm hidden state at every position.
-
-Two ways to get them:
-* `hidden_states(model, ids, cache)`: run the verifier's layers ourselves (like LayerSkipModel),
-  one forward per chunk, for training data and for a proposer that has no verifier to tap;
-* `HiddenTap`: reuse the verifier's *own* forward. It swaps the class of the verifier's inner
-  model and final norm for subclasses whose `__call__` is the original one plus a record of
-  (start position, token ids, pre-norm hidden). The arithmetic is untouched (bit-identical
-  logits), costs nothing while no tap is attached, and only full-model calls are recorded
-  (LayerSkipModel and the draft head call the norm directly, outside a full forward).
+"""Verifier features (the last layer's pre-norm hidden state at every position): computed by
+running the verifier's layers (`hidden_states`), or recorded from the verifier's own forward by
+a `HiddenTap` at no extra compute, bit-identical logits (docs/drafters.md, "eagle/features.py").
 """
 
 from __future__ import annotations
@@ -41,7 +34,7 @@ class FeatureChunk:
 
 
 def extract_features(model: nn.Module, seqs: Iterable[tuple[Sequence[int], bool]],
-                     chunk: int = DEFAULT_CHUNK, progress=None) -> list[FeatureChunk]:
+                     chunk: int = DEFAULT_CHUNK) -> list[FeatureChunk]:
     """One verifier forward per chunk (no cache across chunks: each chunk is its own context)."""
     out: list[FeatureChunk] = []
     for ids, gen in seqs:
@@ -55,8 +48,6 @@ def extract_features(model: nn.Module, seqs: Iterable[tuple[Sequence[int], bool]
             out.append(FeatureChunk(np.array(piece, dtype=np.int32),
                                     np.array(h[0].astype(mx.float16)),
                                     np.array(top[0]).astype(np.int32), gen))
-            if progress is not None:
-                progress(len(piece))
     return out
 
 

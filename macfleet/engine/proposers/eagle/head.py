@@ -1,19 +1,7 @@
-"""The EAGLE-style draft head: one decoder layer that predicts the verifier's next hidden state.
-
-Input at position t: the verifier's last-layer hidden state f_t concatenated with the embedding
-of token t+1 -> a linear fuse (2H -> H) -> one llama decoder layer (own KV cache) -> f^_{t+1}.
-Logits come from the verifier's own final norm and LM head (frozen, shared, never saved).
-
-Features are the *pre-norm* output of the last layer, as in EAGLE: that is exactly what the
-verifier's norm + LM head consume, so the head predicts a quantity the frozen head already
-knows how to read, and the predicted feature can be fed back as the next input unchanged.
-A learned RMSNorm on the feature input tames the pre-norm scale (outlier dimensions).
-
-Only the head's own weights are saved (`.safetensors`, float16) with a JSON config carrying a
-fingerprint and a probe of the verifier; loading a head for another verifier raises
-`HeadMismatch`. The fingerprint is an exact hash; the probe (a few dozen of the verifier's own
-values) is compared with a tolerance, so the same checkpoint dequantized by another backend
-(Metal, CUDA, CPU: last-bit float differences) is still recognised.
+"""The EAGLE-style draft head: one decoder layer over (the verifier's pre-norm last-layer hidden
+state f_t, the embedding of token t+1) predicting f_{t+1}, read by the verifier's own frozen
+norm and LM head. Saved alone with a config that identifies its verifier by an exact
+fingerprint and a tolerant probe (docs/drafters.md, "eagle/head.py").
 """
 
 from __future__ import annotations
@@ -48,11 +36,8 @@ class HeadMismatch(ValueError):
 
 
 def verifier_fingerprint(model: nn.Module) -> str:
-    """A short hash of a few embedding rows and the norm weights of the verifier.
-
-    Read through the modules (embedding *outputs*, float norms) so a dense and a quantized load
-    of the same checkpoint agree, while any other checkpoint (or tiny seed) differs.
-    """
+    """A short hash of a few embedding outputs and norm weights of the verifier (read through the
+    modules, so a dense and a quantized load of one checkpoint agree)."""
     inner = model.model
     ids = mx.array([0, 1, 2, 3, model.args.vocab_size // 2, model.args.vocab_size - 1])
     parts = [inner.embed_tokens(ids)[:, :64], inner.norm.weight,
@@ -66,10 +51,8 @@ def verifier_fingerprint(model: nn.Module) -> str:
 
 def verifier_probe(model: nn.Module) -> tuple[float, ...]:
     """A few dozen of the verifier's values (embedding outputs, final and per-layer norm
-    weights), compared with `same_verifier`'s tolerance: unlike the fingerprint's rounded hash,
-    a value that lands on the other side of a rounding boundary on another backend does not
-    change the verdict. Read through the modules, so dense and quantized loads agree; the
-    per-layer values make the length depend on the depth."""
+    weights), compared within `same_verifier`'s tolerance: unlike the fingerprint, robust to
+    another backend's last-bit differences."""
     inner = model.model
     ids = mx.array([0, 1, 2, 3, model.args.vocab_size // 2, model.args.vocab_size - 1])
     parts = [inner.embed_tokens(ids)[:, :4], inner.norm.weight[:8],
@@ -80,8 +63,7 @@ def verifier_probe(model: nn.Module) -> tuple[float, ...]:
 
 def same_verifier(a: Sequence[float], b: Sequence[float]) -> bool:
     """Whether two probes come from the same checkpoint: same length, every value within
-    PROBE_ATOL + PROBE_RTOL * |value|. Empty probes (configs written before probes) never
-    match; NaN never matches."""
+    PROBE_ATOL + PROBE_RTOL * |value|; empty probes and NaN never match."""
     if not a or len(a) != len(b):
         return False
     x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
@@ -91,17 +73,14 @@ def same_verifier(a: Sequence[float], b: Sequence[float]) -> bool:
 
 def matches_verifier(fingerprint: str, probe: Sequence[float], model: nn.Module, *,
                      model_fingerprint: str | None = None) -> bool:
-    """Whether a recorded (fingerprint, probe) identifies this verifier: the exact hash (all
-    records, old ones too) or, where a probe was recorded, the probe within tolerance (the
-    same checkpoint on another backend). model_fingerprint: this verifier's fingerprint when
-    the caller already has it."""
+    """Whether a recorded (fingerprint, probe) identifies this verifier: the exact hash, or the
+    probe within tolerance. model_fingerprint: this verifier's, when the caller has it."""
     fp = verifier_fingerprint(model) if model_fingerprint is None else model_fingerprint
     return fingerprint == fp or (bool(probe) and same_verifier(probe, verifier_probe(model)))
 
 
 def same_record(a: tuple[str, Sequence[float]], b: tuple[str, Sequence[float]]) -> bool:
-    """Whether two recorded (fingerprint, probe) pairs name the same verifier (pure): the exact
-    hash, or both probes within tolerance."""
+    """Pure: whether two recorded (fingerprint, probe) pairs name the same verifier."""
     return a[0] == b[0] or same_verifier(a[1], b[1])
 
 
@@ -122,9 +101,8 @@ class EagleConfig:
     feature_scale: float = 1.0  # RMS of the features: regression loss is measured in these units
     layers: int = 1
     draft_vocab: int = 0  # >0: drafts use only this many token ids (saved with the weights)
-    # how the saved draft ids are ordered: "frequency" (most frequent first, so any prefix is
-    # the best draft vocabulary of its size: tree levels below the first draft from one) or
-    # "id" (ascending: heads saved before the order was kept)
+    # "frequency": the saved draft ids most frequent first (a prefix is the best draft vocabulary
+    # of its size); "id": ascending
     draft_order: str = "id"
     dtype: str = DEFAULT_DTYPE
     steps: int = 0
@@ -187,31 +165,28 @@ class EagleHead(nn.Module):
         self._prefix: dict[int, mx.array] = {}  # n -> rows[:n], contiguous (draft_logits)
 
     def init_from_verifier(self) -> bool:
-        """Start the decoder layer from the verifier's last layer (same shapes, dense weights
-        only): it already maps a residual stream to the next one, so training starts from a
-        layer that reads these features instead of from noise. False when it cannot."""
-        src = self.verifier.model.layers[-1]
-        mine = dict(tree_flatten(self.layers[0].parameters()))
-        theirs = dict(tree_flatten(src.parameters()))
+        """Start the decoder layer from the verifier's last layer (it already reads these
+        features); False when it cannot (quantized, or another architecture)."""
+        return self._from_last_layer(self.layers[0])
+
+    def _from_last_layer(self, layer: nn.Module) -> bool:
+        theirs = dict(tree_flatten(self.verifier.model.layers[-1].parameters()))
+        mine = dict(tree_flatten(layer.parameters()))
         if set(mine) != set(theirs) or any(mine[k].shape != theirs[k].shape for k in mine):
-            return False  # quantized or another architecture
-        self.layers[0].load_weights([(k, v.astype(mx.float32)) for k, v in theirs.items()])
+            return False
+        layer.load_weights([(k, v.astype(mx.float32)) for k, v in theirs.items()])
         return True
 
     def deepened(self, layers: int) -> EagleHead:
-        """This head with `layers` decoder layers: its own weights kept, each added layer after
-        them starting as the identity (its attention and MLP output projections zero, its
-        other weights the verifier's last layer's, dense models only), so the deeper head
-        drafts exactly what this one does until training moves it."""
+        """This head with `layers` decoder layers, each added one starting as the identity (its
+        output projections zero), so it drafts what this one does until training moves it."""
         if layers < len(self.layers):
             raise ValueError(f"a head of {len(self.layers)} layers cannot shrink to {layers}")
         head = EagleHead(replace(self.config, layers=layers), self.verifier)
         head.load_weights(list(tree_flatten(self.parameters())), strict=False)
-        src = dict(tree_flatten(self.verifier.model.layers[-1].parameters()))
         for layer in head.layers[len(self.layers):]:
             mine = dict(tree_flatten(layer.parameters()))
-            if set(mine) == set(src) and all(mine[k].shape == src[k].shape for k in mine):
-                layer.load_weights([(k, v.astype(mx.float32)) for k, v in src.items()])
+            head._from_last_layer(layer)
             layer.load_weights([(k, mx.zeros_like(mine[k])) for k in
                                 ("self_attn.o_proj.weight", "mlp.down_proj.weight")],
                                strict=False)
@@ -221,11 +196,9 @@ class EagleHead(nn.Module):
         return head
 
     def set_draft_vocab(self, ids: np.ndarray | None, order: str = "id") -> None:
-        """Draft from a subset of the vocabulary (EAGLE-3's trick): the LM head is most of the
-        draft cost, and frequent tokens carry almost all accepted drafts. Needs a dense
-        embedding; with a quantized one the full head is used. order: "frequency" when `ids`
-        are most frequent first (`choose_draft_vocab`), so `draft_logits(h, limit)` may
-        draft from a prefix; "id" for any other order."""
+        """Draft from a subset of the vocabulary (EAGLE-3's trick: the LM head is most of the
+        draft cost); a quantized embedding keeps the full head. order: "frequency" when `ids`
+        are most frequent first, so `draft_logits(h, limit)` may draft from a prefix."""
         if order not in DRAFT_ORDERS:
             raise ValueError(f"draft_order must be one of {DRAFT_ORDERS}, not {order!r}")
         emb = self.verifier.model.embed_tokens
@@ -246,9 +219,8 @@ class EagleHead(nn.Module):
         return None if self._sub.model is None else self._sub.model[0]
 
     def draft_logits(self, h: mx.array, limit: int = 0) -> mx.array:
-        """Logits over the draft vocabulary (index into `draft_ids`), or the full one.
-        limit > 0, on a frequency-ordered draft vocabulary: over its first `limit` ids only
-        (the same indices); otherwise the whole draft vocabulary."""
+        """Logits over the draft vocabulary (index into `draft_ids`), or the full one; limit >
+        0, on a frequency-ordered draft vocabulary: over its first `limit` ids only."""
         if self._sub.model is None:
             return self.logits(h)
         rows = self._sub.model[1]
@@ -319,8 +291,7 @@ def config_path(path: str | Path) -> Path:
 
 
 def eval_path(head_path: str | Path) -> Path:
-    """Where a head's held-out figures live: `<head>.eval.json` beside its weights (written by
-    `macfleet distill`, read by the `auto` drafter choice and the benchmarks)."""
+    """`<head>.eval.json` beside its weights: its held-out figures (`macfleet distill`)."""
     p = Path(head_path)
     return p.with_name(p.name.removesuffix(".safetensors") + ".eval.json")
 

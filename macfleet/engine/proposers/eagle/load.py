@@ -1,7 +1,6 @@
-"""Where an EAGLE proposer comes from: `eagle[:PATH]` / `eagle2[:PATH]` name a head file (or the
-one shipped for the verifier: proposers/shipped.py); each file is loaded once per process and
-shared by every session's proposer. The one place that knows both the chain (chain.py) and the
-tree (tree.py) drafter, so neither imports the other's module to be built.
+"""`eagle[:PATH]` / `eagle2[:PATH]`: the head file (or the shipped one), loaded once per process
+and shared by every session's proposer; the one place that knows both the chain and the tree
+drafter.
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ _heads: dict[tuple[str, int, int], EagleHead] = {}
 
 
 def shared_head(path: Path, verifier) -> EagleHead:
-    """The head at `path` for this verifier model, loaded once per process: every session's
-    proposer reads the same weights (a batching verifier drafts for all of them with one head,
-    and a request no longer pays a load). A file rewritten since is loaded again."""
+    """The head at `path` for this verifier model, loaded once per process (again when the file
+    was rewritten)."""
     try:
         st = weights_path(path).stat()
     except OSError:

@@ -1,21 +1,8 @@
-"""EAGLE-2 dynamic draft trees from one head (Li et al. 2024, "EAGLE-2").
-
-Each block: the head predicts the feature after the context (the root); the `top_k` tokens
-of its distribution become depth-1 nodes scored by log-probability. Then, depth by depth, the
-`top_k` best nodes of the newest depth (by cumulative log-probability) are expanded in ONE head
-forward with tree attention (each node sees the committed pairs and its own ancestors, at
-position base + depth - 1), each giving `top_k` children. With a fixed beam every shape is
-known, so all depths are one lazy graph evaluated once per block; a head unsure even of the
-first token (calibrated confidence below `min_prob`) stops at depth 1. Finally every node is re-ranked by cumulative
-probability and the N best form the tree (ancestors always rank above their descendants, so
-the selection is a tree); N comes from `choose_tree_size`: the head's confidence, calibrated
-by what was accepted, against the verifier's measured verify(L).
-
-Greedy verification keeps the longest path whose every token is the verifier's argmax:
-bit-identical to the verifier alone. Under sampling the tree's tokens are a deterministic
-function of the context (no draft probabilities), so the verifier samples its own token at
-each node and follows a child only when it drew that child's token: every committed token is
-a draw from the verifier's distribution.
+"""EAGLE-2 dynamic draft trees from one head (Li et al. 2024): a fixed beam expanded depth by
+depth in one tree-attention head forward each, while a deeper level pays; the N best nodes by
+cumulative probability form the tree, N from the calibrated confidence against the verifier's
+measured verify(L). Lossless under greedy and sampled verification alike (docs/drafters.md,
+"eagle/tree.py").
 """
 
 from __future__ import annotations
@@ -37,18 +24,15 @@ DEFAULT_TOP_K = 4
 DEFAULT_MAX_DEPTH = 5
 DEFAULT_MAX_NODES = 24
 DEFAULT_MIN_PROB = 0.02  # a frontier node less likely than this is not expanded
-# Levels below the first draft from the head's DEFAULT_DEEP_VOCAB most frequent draft ids (a
-# head saved with draft order "frequency"; others use their whole draft vocabulary). Each level
-# reads the head's layer and its draft LM head: with the whole draft vocabulary a level
-# outgrows a CPU's L3, with fewer ids it fits; a tree drafts faster and accepts a little less
-# (`bench tree-shapes`: results/tree_shapes.json, docs/benchmarks.md, Drafters).
+# levels below the first draft from the head's this many most frequent draft ids (a head saved
+# with draft order "frequency"): a level then fits a CPU's L3 (docs/benchmarks.md, Drafters)
 DEFAULT_DEEP_VOCAB = 4096
 
 
 @dataclass(frozen=True)
 class TreeCandidates:
     """The nodes a head drafted for one block, in drafting order: token, cumulative
-    log-probability, parent index (-1: a child of the root) and depth (1 = the first draft)."""
+    log-probability, parent index (-1: the root) and depth (1 = the first draft)."""
 
     tokens: tuple[int, ...]
     scores: tuple[float, ...]
@@ -104,9 +88,8 @@ class EagleTreeProposer(TreeSizing, EagleProposer):
         self.depth_ms = 0.0  # measured cost of one deeper level (EMA)
 
     def _top(self, h: mx.array, limit: int = 0) -> tuple[mx.array, mx.array]:
-        """h [n, H] -> (token ids [n, top_k], log-probs [n, top_k]) of the head's best tokens
-        (lazy: nothing is evaluated here); limit: from the first `limit` draft ids only
-        (`EagleHead.draft_logits`), their log-probs normalised over those."""
+        """h [n, H] -> lazy (token ids, log-probs) [n, top_k] of the head's best tokens; limit:
+        from the first `limit` draft ids only (`EagleHead.draft_logits`)."""
         lp = _log_softmax(self.head.draft_logits(h, limit))
         idx = mx.argpartition(-lp, self.top_k - 1, axis=-1)[:, : self.top_k]
         vals = mx.take_along_axis(lp, idx, axis=-1)
@@ -115,14 +98,9 @@ class EagleTreeProposer(TreeSizing, EagleProposer):
 
     def _expand(self, root: mx.array, t1: mx.array, s1: mx.array, base: int
                 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-        """Depths 2.. one head forward each, while a deeper level still pays.
-
-        The beam is always the top_k best nodes of the newest depth, so every shape is fixed.
-        Before each depth, `worth_expanding` weighs what the level could add (at most the
-        beam's probability mass, calibrated) against what one more head forward costs here
-        (measured): on a verifier whose step is cheap next to the head's, or a head unsure
-        of the text, the tree stays shallow. Returns per level >= 1: candidate tokens [K*K],
-        cumulative scores [K*K], and the level below's candidate index of each beam node."""
+        """Depths 2.. one head forward each (the beam: the top_k best nodes of the newest depth),
+        while `worth_expanding` says a level pays. Per level: candidate tokens [K*K], their
+        cumulative scores [K*K], and each beam node's candidate index in the level below."""
         K = self.top_k
         toks, scores, sel = [], [], []
         beam_tok, beam_score = t1, s1  # depth-1 nodes: all K are the first beam
@@ -156,8 +134,7 @@ class EagleTreeProposer(TreeSizing, EagleProposer):
         return toks, scores, sel
 
     def candidates(self, context: Sequence[int]) -> TreeCandidates:
-        """Every node the head drafts after `context` (the first level's top_k, then each
-        deeper level's top_k x top_k while it pays), before the tree size is chosen; the
+        """Every node the head drafts after `context`, before the tree size is chosen; the
         head's cache is left at the context."""
         context = [int(t) for t in context]
         root = self._root(context)[0]  # [1, H]
@@ -194,9 +171,7 @@ class EagleTreeProposer(TreeSizing, EagleProposer):
         cand = self.candidates(context)
         order = cand.ranked()
         probs = [float(np.exp(cand.scores[i])) for i in order[:k]]
-        # a head whose trees do not beat plain decoding by their full cost chooses none, and
-        # the backoff stops paying for the head at all
-        n = self.size(probs, t0)
+        n = self.size(probs, t0)  # none when no tree beats plain decoding (then the backoff)
         draft_ms = (time.perf_counter() - t0) * 1e3
         tokens, parents = cand.best(n)
         return Draft(tokens, None, draft_ms, parents if tokens else None)
