@@ -241,8 +241,8 @@ def tree_generate(verifier: Verifier, group: ProposerGroup, prompt: Sequence[int
         while len(generated) < max_tokens and finish != "stop":
             t0 = time.perf_counter()
             ks = group.lengths(max_tokens - len(generated) - 1, context)
-            drafts, tree = tree_of_drafts(context[-1], group.draft_all(context, ks), ks,
-                                          vocab, params.greedy)
+            group.begin(context, ks)
+            drafts, tree = tree_of_drafts(context[-1], group.finish(), ks, vocab, params.greedy)
             if constraint is not None:  # forced tokens first, the tree cut to the grammar
                 tree = constrained_tree(constraint, tree, max_tokens - len(generated) - 1)
             t1 = time.perf_counter()

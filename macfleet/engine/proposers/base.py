@@ -96,8 +96,8 @@ class Proposer(ABC):
     rows = None  # the BatchKV its cache is a row of (`share_rows`); None: it drafts alone
 
     def share_rows(self, stores: dict) -> None:
-        """Keep its cache as a row of the store `stores` holds for its model (made on first
-        use), so `draft_together` drafts it with other sessions'; a no-op where it cannot."""
+        """Keep its cache as a row of its model's store in `stores`, to be drafted together;
+        a no-op where it cannot."""
 
     @staticmethod
     def draft_together(jobs: Sequence[tuple[Proposer, Sequence[int], int]],
@@ -111,8 +111,7 @@ class Proposer(ABC):
         raise TypeError(f"{self.name} does not draft from hidden states")
 
     def untap(self) -> None:
-        """Before `start`: every feature will come through `feed_features` (a batched forward
-        runs no tap); only for wants_features."""
+        """Before `start`: every feature will come through `feed_features`."""
 
     def start(self, params: SamplingParams) -> None:
         """Begin a new sequence with these sampling parameters (drops all cached state)."""
@@ -123,8 +122,7 @@ class Proposer(ABC):
         """Up to k draft tokens continuing `context` (the full committed sequence)."""
 
     def begin(self, context: Sequence[int], k: int) -> None:
-        """Start drafting for `propose(context, k)`; `finish()` returns the draft (a remote
-        drafter drafts in between, a local one in `finish`)."""
+        """Start drafting for `propose(context, k)`; `finish()` returns the draft."""
         self._begun = (context, k)
 
     def finish(self) -> Draft:

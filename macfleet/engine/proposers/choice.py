@@ -1,7 +1,6 @@
-"""Which drafter `auto` means: the one measured best for this verifier (this machine's bench
-record, else the shipped head's), or in one process and in the serving engine the prior of the
-drafter chosen block by block (engine/choosing.py). Why: docs/drafters.md, "choice.py".
-"""
+"""Which drafter `auto` means: the one measured best for this verifier and machine, or in one
+process and the serving engine the prior of the drafter chosen per block (docs/drafters.md,
+"choice.py")."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ def machine_record_path(model: str) -> Path:
 
 
 def machine_record(model: str) -> dict | None:
-    """This machine's own bench record for `model` (None: not measured here, or measured on
-    another machine sharing this cache directory)."""
+    """This machine's own bench record for `model`, None when it was not measured here."""
     try:
         doc = json.loads(machine_record_path(model).read_text())
     except (OSError, ValueError):
@@ -104,8 +102,7 @@ def auto_prior(model: str) -> dict[str, Prior]:
 
 
 def resolve_proposer(spec: str, model: str, where: str = LOCAL) -> tuple[str, str]:
-    """`auto` -> the measured best drafter for `model` run `where` (this machine's record,
-    else the shipped one); anything else is kept."""
+    """`auto` -> the measured best drafter for `model` run `where`; anything else is kept."""
     if spec != AUTO:
         return spec, "asked for"
     return choose_proposer(shipped_head_eval(model), where, machine_record(model), machine_id())

@@ -45,9 +45,8 @@ def parse_proposer_spec(spec: str) -> ProposerSpec:
 
 
 def drafts_tree(spec: str) -> bool:
-    """Whether `spec` drafts a token tree each block: several drafters joined by '+', or one
-    that drafts trees itself. Decided from the spec alone, so a verifier can route a remote
-    drafter it never builds the same way as a local one."""
+    """Whether `spec` drafts a token tree each block (several drafters, or a tree drafter),
+    from the spec alone: a verifier routes a remote drafter it never builds as a local one."""
     parts = spec.split("+")
     return len(parts) > 1 or parse_proposer_spec(parts[0]).kind in TREE_KINDS
 

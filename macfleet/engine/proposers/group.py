@@ -1,6 +1,5 @@
-"""A group of proposers drafting for one sequence: their drafts merged into one token tree,
-verified in one forward, each proposer with its own draft length (docs/drafters.md, "group.py").
-"""
+"""A group of proposers drafting for one sequence: their drafts merged into one token tree
+verified in one forward, each with its own draft length (docs/drafters.md, "group.py")."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ def tree_budget(proposers: Sequence[Proposer]) -> int:
 
 
 class ProposerGroup:
-    """Proposers drafting for one sequence. `draft_all` is sequential here; a remote group
-    (agents) sends every request first and then collects, so drafting runs in parallel."""
+    """Proposers drafting for one sequence: every request begun before any is collected."""
 
     choice = None  # a group that chooses its drafter per block (engine/choosing.py): this one's
     choices: Sequence = ()
@@ -75,22 +73,14 @@ class ProposerGroup:
             p.start(params)
 
     def lengths(self, limit: int, context: Sequence[int] | None = None) -> list[int]:
-        """Draft length per proposer; a tree drafter gets the node budget (it picks its own
-        size within it) and shares it with the others. context: the block's (read by a
-        group that chooses its drafters, `ChoosingGroup`)."""
+        """Draft length per proposer, a tree drafter's the node budget, shared with the others.
+        context: the block's (read by `ChoosingGroup`)."""
         ks = [0 if not live else min(self.node_budget if p.drafts_trees else c.next_k(), limit)
               for p, c, live in zip(self.proposers, self.controllers, self.live)]
         return cap_total(ks, self.node_budget)
 
-    def draft_all(self, context: Sequence[int], ks: Sequence[int]) -> list[Draft]:
-        """Each proposer's draft (EMPTY_DRAFT where k is 0 or it failed: pruned)."""
-        self.begin(context, ks)
-        return self.finish()
-
     def begin(self, context: Sequence[int], ks: Sequence[int]) -> None:
-        """Every proposer's request first (`Proposer.begin`: drafters on other machines
-        draft at the same time, and a batching verifier begins every session's group before
-        finishing any); `finish` collects them."""
+        """Every proposer's request (`Proposer.begin`); `finish` collects them."""
         self._begun: list[int] = []
         for j, (p, k) in enumerate(zip(self.proposers, ks)):
             if k > 0 and self.live[j]:
@@ -101,6 +91,7 @@ class ProposerGroup:
                     self._fail(j, e)
 
     def finish(self) -> list[Draft]:
+        """Each proposer's draft (EMPTY_DRAFT where k is 0 or it failed: pruned)."""
         out = [EMPTY_DRAFT] * len(self.proposers)
         for j in self._begun:
             try:
@@ -140,7 +131,6 @@ class ProposerGroup:
                      for p, d, a in zip(self.proposers, self.drafted, self.accepted))
 
 
-def make_group(proposers: Sequence[Proposer], draft_tokens: DraftTokens,
-               group: type[ProposerGroup] = ProposerGroup) -> ProposerGroup:
+def make_group(proposers: Sequence[Proposer], draft_tokens: DraftTokens) -> ProposerGroup:
     """A tree of drafters with the node budget a tree drafter among them needs."""
-    return group(proposers, draft_tokens=draft_tokens, node_budget=tree_budget(proposers))
+    return ProposerGroup(proposers, draft_tokens=draft_tokens, node_budget=tree_budget(proposers))

@@ -1,7 +1,5 @@
 """Model-based proposers: a separate draft model, or the verifier's first K layers
-(`LayerSkipModel`: its weights shared, its own cache; a drop-in mlx-lm model, so mlx-lm's own
-speculative decoding can use it for side-by-side benchmarks).
-"""
+(`LayerSkipModel`: shared weights, its own cache; a drop-in mlx-lm model)."""
 
 from __future__ import annotations
 
@@ -56,21 +54,16 @@ class ModelProposer(Proposer):
         self.name = name
         self.params = GREEDY
         self._cache: list | None = None
-        self._rows: BatchKV | None = None
+        self.rows: BatchKV | None = None  # `share_rows`
         self._cached: list[int] = []
         self._rng = make_rng(GREEDY, stream=1)
 
-    @property
-    def rows(self) -> BatchKV | None:
-        return self._rows
-
     def share_rows(self, stores: dict) -> None:
-        """Its cache a row of its model's store (what it had cached is run again by its next
-        draft)."""
+        """Its cache a row of its model's store (its next draft runs its context again)."""
         if supports_tree_attention(self.model):
             self._drop_cache()
-            self._rows = stores.setdefault(id(self.model), BatchKV(len(self.model.layers)))
-            self._cache = [self._rows.open()]
+            self.rows = stores.setdefault(id(self.model), BatchKV(len(self.model.layers)))
+            self._cache = [self.rows.open()]
 
     @staticmethod
     def draft_together(jobs, clock=time.perf_counter) -> list[Draft]:
@@ -79,26 +72,19 @@ class ModelProposer(Proposer):
     def start(self, params=GREEDY) -> None:
         self.params = params
         self._drop_cache()
-        self._cache = [self._rows.open()] if self._rows is not None else make_prompt_cache(
+        self._cache = [self.rows.open()] if self.rows is not None else make_prompt_cache(
             self.model)
         self._rng = make_rng(params, stream=1)
 
     def close(self) -> None:
         self._drop_cache()
-        self._rows = None
+        self.rows = None
 
     def _drop_cache(self) -> None:
         if self._cache and isinstance(self._cache[0], RowCache):
             self._cache[0].close()
         self._cache = None
         self._cached = []
-
-    def _rollback_to(self, n: int) -> None:
-        drop = len(self._cached) - n
-        if drop > 0:
-            for c in self._cache:
-                c.trim(drop)
-            del self._cached[n:]
 
     def _catch_up(self, context: Sequence[int]) -> list[int]:
         """Roll the cache back to what it shares with `context`; the tokens still to run (at
@@ -108,7 +94,10 @@ class ModelProposer(Proposer):
         c = common_prefix(self._cached, context)
         if c == len(context):
             c -= 1
-        self._rollback_to(c)
+        if len(self._cached) > c:
+            for cache in self._cache:
+                cache.trim(len(self._cached) - c)
+            del self._cached[c:]
         return [int(t) for t in context[c:]]
 
     def _step(self, tokens: Sequence[int]) -> mx.array:
@@ -128,7 +117,7 @@ class ModelProposer(Proposer):
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0 or not context:
             return EMPTY_DRAFT
-        if self._rows is not None:
+        if self.rows is not None:
             return draft_model_chains([(self, context, k)])[0]
         t0 = time.perf_counter()
         logits = self._step(self._catch_up(context))
@@ -138,8 +127,8 @@ class ModelProposer(Proposer):
             tokens.append(self._pick(logits, rows))
             if i + 1 < k:
                 logits = self._step([tokens[-1]])
-        probs = np.stack(rows) if rows else None
-        return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3)
+        return Draft(tuple(tokens), np.stack(rows) if rows else None,
+                     (time.perf_counter() - t0) * 1e3)
 
 
 def draft_model_chains(jobs: Sequence[tuple[ModelProposer, Sequence[int], int]],

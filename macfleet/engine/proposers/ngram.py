@@ -1,7 +1,5 @@
 """N-gram prompt lookup: drafts what followed the most recent earlier occurrence of the
-context's last n tokens (longest n first). Free to compute; strong when the answer repeats its
-input, an empty draft (a plain step) otherwise.
-"""
+context's last n tokens (longest n first); free, and strong when the answer repeats its input."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""A request's own prediction as a drafter (OpenAI's Predicted Outputs): drafts the
-prediction's continuation from where the answer (what follows `answer_start`) stands in it,
-re-aligned by an n-gram index after an edit, as long as pays at its acceptance (kept apart
-inside a run of drafts accepted in full) and the verifier's verify(L). Why this shape:
-docs/drafters.md, "prediction.py".
-"""
+"""A request's own prediction as a drafter (OpenAI's Predicted Outputs): its continuation from
+where the answer stands in it, re-aligned after an edit, as long as pays at its acceptance and
+verify(L) (docs/drafters.md, "prediction.py")."""
 
 from __future__ import annotations
 
@@ -58,17 +55,16 @@ def realign(index: dict[int, dict[tuple[int, ...], list[int]]], answer: Sequence
 
 @dataclass(frozen=True)
 class Acceptance:
-    """Per-token acceptance from a prior (`weight` trials at `prior`) and `accepted` tokens in
+    """Per-token acceptance from a prior (PRIOR_TRIALS trials at `prior`) and `accepted` tokens in
     `trials` geometric trials (a draft's accepted tokens, plus one where it was cut short)."""
 
     prior: float
     accepted: int = 0
     trials: int = 0
-    weight: int = PRIOR_TRIALS
 
     @property
     def alpha(self) -> float:
-        return (self.accepted + self.prior * self.weight) / (self.trials + self.weight)
+        return (self.accepted + self.prior * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
 
     def seen(self, drafted: int, accepted: int) -> Acceptance:
         """Pure: with one more draft of `drafted` tokens, `accepted` of them taken."""
@@ -187,8 +183,7 @@ class PredictionProposer(Proposer):
 
     def observe(self, drafted: int, accepted: int, verify_ms: float,
                 verified: int | None = None) -> None:
-        """Acceptance learnt from each draft (verify(L) is the engine's, seeded); a draft with
-        nothing accepted is a miss."""
+        """Acceptance learnt from each draft; a draft with nothing accepted is a miss."""
         if drafted <= 0:
             return
         self.every = self.every.seen(drafted, accepted)

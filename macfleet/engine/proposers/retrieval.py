@@ -1,8 +1,6 @@
-"""Retrieval drafts (REST, He et al. 2023): token trees of what followed the context's suffix
-in a store of the verifier's own answers, found in a suffix array cut at 8 tokens, weighted by
-how many matches share each prefix and sized like an EAGLE-2 tree (engine/tree_budget.py).
-The store, its index and the tree: docs/drafters.md, "retrieval.py".
-"""
+"""Retrieval drafts (REST, He et al. 2023): token trees of what followed the context's suffix in
+a store of the verifier's own answers, looked up in an 8-token suffix array (docs/drafters.md,
+"retrieval.py")."""
 
 from __future__ import annotations
 
@@ -114,8 +112,7 @@ class Datastore:
         return [self.tokens[a:b] for a, b in zip(starts.tolist(), cuts.tolist()) if b > a]
 
     def merged(self, answers: Sequence[Sequence[int]]) -> Datastore:
-        """This store plus `answers`, an answer already held dropped (a repeat would count
-        twice in the tries)."""
+        """This store plus `answers`, an answer already held dropped."""
         seen = {a.tobytes() for a in self.answers()}
         keep = list(self.answers())
         for a in answers:
@@ -236,8 +233,7 @@ _loading = threading.Lock()  # two sessions asking at once build it once
 
 
 def _load(path: Path) -> tuple[Datastore, int]:
-    """The store at `path` and its largest token id, built once per process. OSError,
-    ValueError: no store there."""
+    """The store at `path` and its largest token id, built once per process."""
     key = str(path.with_suffix(".npy").resolve())
     with _loading:
         if key not in _loaded:

@@ -1,7 +1,5 @@
-"""What ships inside the package for the embedded verifier, in proposers/weights/: the trained
-EAGLE head (`eagle`, `eagle2`; with its held-out `.eval.json`, which `auto` reads) and the
-answer store (`retrieval`). `macfleet distill` writes both; pyproject's package-data ships them.
-"""
+"""What ships in proposers/weights/ for the embedded verifier (pyproject's package-data): the
+EAGLE head with its held-out `.eval.json` (which `auto` reads) and the answer store."""
 
 from __future__ import annotations
 

@@ -51,6 +51,11 @@ class Said(Proposer):
         self.closed = True
 
 
+def draft_all(g: ProposerGroup, context, ks) -> list[Draft]:
+    g.begin(context, ks)
+    return g.finish()
+
+
 def test_a_group_sizes_asks_prunes_and_tallies_its_drafters():
     a, t, d = Said("a", [(4, 5, 6)]), Said("t", [(7,)], trees=True), Said("d", fail=True)
     g = ProposerGroup([a, t, d], draft_tokens=3, node_budget=7)
@@ -62,12 +67,12 @@ def test_a_group_sizes_asks_prunes_and_tallies_its_drafters():
     # a tree drafter asks for the node budget; the total is cut to it, largest first
     assert g.lengths(10) == [2, 2, 3]
     assert g.lengths(1) == [1, 1, 1]  # what is left to generate caps each
-    out = g.draft_all([1, 2], [2, 2, 3])
+    out = draft_all(g, [1, 2], [2, 2, 3])
     assert [o.tokens for o in out] == [(4, 5, 6), (7,), ()] and out[2] is EMPTY_DRAFT
     assert a.asked == [(2, 2)] and t.asked == [(2, 2)]
     assert g.live == [True, True, False]  # the failed drafter is pruned...
     assert g.lengths(10) == [3, 4, 0]  # ... and gets no length
-    g.draft_all([1], [1, 0, 1])
+    draft_all(g, [1], [1, 0, 1])
     assert a.asked == [(2, 2), (1, 1)] and t.asked == [(2, 2)]  # k 0: not asked
     g.observe([Draft((4, 5, 6), draft_ms=1.0), Draft((7,)), EMPTY_DRAFT], [2, 1, 0], 5.0, 9)
     g.observe([Draft((4,)), EMPTY_DRAFT, EMPTY_DRAFT], [0, 0, 0], 4.0, 2)
@@ -81,7 +86,7 @@ def test_a_group_sizes_asks_prunes_and_tallies_its_drafters():
     # a drafter whose request cannot even be sent is pruned too, and not collected
     e, f = Said("e", fail_begin=True), Said("f", [(3,)])
     g = ProposerGroup([e, f], draft_tokens=2)
-    assert [o.tokens for o in g.draft_all([1], [2, 2])] == [(), (3,)]
+    assert [o.tokens for o in draft_all(g, [1], [2, 2])] == [(), (3,)]
     assert g.live == [False, True] and e.asked == []
 
 

@@ -1,7 +1,5 @@
-"""EagleProposer: drafts a chain with the EAGLE head from the verifier's own hidden states,
-tapped from its forwards (computed with a cache of its own only when no forward ran through the
-tap); many sessions' chains drafted together (`draft_chains`). docs/drafters.md, "eagle/chain.py".
-"""
+"""EagleProposer: chains from the EAGLE head over the verifier's own hidden states, tapped from
+its forwards; many sessions' chains drafted together (docs/drafters.md, "eagle/chain.py")."""
 
 from __future__ import annotations
 
@@ -61,7 +59,7 @@ class EagleProposer(Proposer):
         self.params = GREEDY
         self._rng = make_rng(GREEDY, stream=1)
         self._tap: HiddenTap | None = None
-        self._rows: BatchKV | None = None  # the store its head cache is a row of (use_rows)
+        self.rows: BatchKV | None = None  # the store its head cache is a row of (share_rows)
         self._row: RowCache | None = None
         self._reset_state()
         self.fallback_tokens = 0  # tokens whose features the proposer computed itself
@@ -77,28 +75,17 @@ class EagleProposer(Proposer):
         if self._row is not None:
             self._row.close()
             self._row = None
-        if self._rows is None:
+        if self.rows is None:
             return self.head.make_cache()
-        self._row = self._rows.open()
+        self._row = self.rows.open()
         return [self._row]  # one row holds every layer of the head: trimmed once
 
-    def use_rows(self, store: BatchKV) -> None:
-        """Keep the head's cache as a row of `store` (one per head, shared by a batching
-        verifier's sessions): drafts then come from `draft_chains`."""
-        if len(store.keys) != len(self.head.layers):
-            raise ValueError(f"a head of {len(self.head.layers)} layers needs a store of as "
-                             f"many, not {len(store.keys)}")
-        self._rows = store
-        self._reset_state()
-
-    @property
-    def rows(self) -> BatchKV | None:
-        return self._rows
-
     def share_rows(self, stores: dict) -> None:
-        """A chain drafter (not a tree's): its head's cache a row of that head's store."""
+        """A chain drafter (not a tree's): its head's cache a row of that head's store, its
+        drafts then from `draft_chains`."""
         if not self.drafts_trees:
-            self.use_rows(stores.setdefault(id(self.head), BatchKV(len(self.head.layers))))
+            self.rows = stores.setdefault(id(self.head), BatchKV(len(self.head.layers)))
+            self._reset_state()
 
     @staticmethod
     def draft_together(jobs, clock=time.perf_counter) -> list[Draft]:
@@ -116,7 +103,7 @@ class EagleProposer(Proposer):
         if self._tap is not None:
             detach_tap(self.head.verifier, self._tap)
             self._tap = None
-        self._rows = None
+        self.rows = None
         self._reset_state()
 
     # -- features ----------------------------------------------------------------------
@@ -128,8 +115,7 @@ class EagleProposer(Proposer):
         self._store.write(start, [int(t) for t in tokens], mx.array(h))
 
     def feature_rows(self, n: int) -> mx.array | None:
-        """Its hidden rows of positions 0..n-1 ([n, H]), None unless it holds them all (copied
-        with a shared prompt prefix)."""
+        """Its hidden rows of positions 0..n-1 ([n, H]), None unless it holds them all."""
         return self._store.first(n)
 
     def _sync_features(self, context: Sequence[int]) -> None:
@@ -145,7 +131,6 @@ class EagleProposer(Proposer):
         v = self.head.verifier
         if self._own_cache is None:
             self._own_cache = [KVCache() for _ in v.layers]
-            self._own_tokens = []
         c = min(common_prefix(self._own_tokens, context[:need]), ok)
         drop = len(self._own_tokens) - c
         if drop > 0:
@@ -160,8 +145,7 @@ class EagleProposer(Proposer):
 
     # -- drafting ----------------------------------------------------------------------
     def _pick(self, logits: mx.array, rows: list[np.ndarray]) -> int:
-        """The draft token from the head's logits [V] or [V'] (draft vocabulary); a sampled
-        one's distribution goes to `rows`."""
+        """The draft token from the head's logits [V] or [V'] (a draw's pmf goes to `rows`)."""
         ids = self.head.draft_ids
         if self.params.greedy:
             i = int(mx.argmax(logits).item())
@@ -175,15 +159,13 @@ class EagleProposer(Proposer):
         return sample(q, self._rng)
 
     def _root(self, context: list[int]) -> mx.array:
-        """Bring the head's cache up to `context` (real pairs only) and return its predicted
-        feature for the position after the context, [1, 1, H]: the root of every draft."""
+        """The head's predicted feature after `context` [1, 1, H], its cache brought up to it."""
         feats, nxt = self._root_inputs(context)
         return self.head(feats, nxt, cache=self._head_cache)[:, -1:]
 
     def _root_inputs(self, context: list[int]) -> tuple[mx.array, mx.array]:
-        """Roll the head's cache back to the pairs still valid for `context` and return the
-        pairs to run through it, feats [1, n, H] and next tokens [1, n] (n >= 1: the last
-        pair is always run, its output is the root)."""
+        """Roll the head's cache back to the pairs still valid for `context`; the pairs to run,
+        feats [1, n, H] and next tokens [1, n] (n >= 1: the last one's output is the root)."""
         self._sync_features(context)
         m = max(len(self._head_ctx) - 1, 0)
         T = len(context)
@@ -199,7 +181,7 @@ class EagleProposer(Proposer):
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0 or len(context) < 2:
             return EMPTY_DRAFT
-        if self._rows is not None:
+        if self.rows is not None:
             return draft_chains([(self, context, k)])[0]
         t0 = time.perf_counter()
         context = [int(t) for t in context]
@@ -214,14 +196,14 @@ class EagleProposer(Proposer):
         if k - 1:
             for c in self._head_cache:
                 c.trim(k - 1)
-        probs = np.stack(rows) if rows else None
-        return Draft(tuple(tokens), probs, (time.perf_counter() - t0) * 1e3)
+        return Draft(tuple(tokens), np.stack(rows) if rows else None,
+                     (time.perf_counter() - t0) * 1e3)
 
 
 def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
                  clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
     """Every job's (proposer, context, k) chain at once, the head caches rows of one store
-    (`use_rows`): one head forward and one draft-vocabulary matmul per draft position for all
+    (`share_rows`): one head forward and one draft-vocabulary matmul per draft position for all
     (docs/drafters.md, "Drafting together")."""
     t0 = clock()
     out = [EMPTY_DRAFT] * len(jobs)
@@ -232,7 +214,7 @@ def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
     p0 = live[0][1]
     if any(p.rows is None or p.rows is not p0.rows for _, p, _, _ in live):
         raise ValueError("draft_chains drafts for proposers whose head caches are rows of "
-                         "one store (use_rows)")
+                         "one store (share_rows)")
     head = p0.head
     inputs = [p._root_inputs(ctx) for _, p, ctx, _ in live]
     x = head.inputs(mx.concatenate([f for f, _ in inputs], axis=1),

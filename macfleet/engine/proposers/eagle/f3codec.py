@@ -1,7 +1,5 @@
-"""The F3 int8 codec: hidden states as int8 with one scale per row (float16 is the default),
-half the bytes on the critical path for some noise in the drafter's input. Symmetric per row,
-s = max|h| / 127, so a row's largest feature survives exactly.
-"""
+"""The F3 int8 codec: hidden states as int8 with one scale per row (s = max|h| / 127, so a row's
+largest feature survives exactly): half float16's bytes on the critical path."""
 
 from __future__ import annotations
 

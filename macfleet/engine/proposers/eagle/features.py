@@ -1,6 +1,5 @@
-"""Verifier features (the last layer's pre-norm hidden state at every position): computed by
-running the verifier's layers (`hidden_states`), or recorded from the verifier's own forward by
-a `HiddenTap` at no extra compute, bit-identical logits (docs/drafters.md, "eagle/features.py").
+"""Verifier features (the last layer's pre-norm hidden states): computed (`hidden_states`), or
+recorded from the verifier's own forward by a `HiddenTap` (docs/drafters.md, "eagle/features.py").
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The EAGLE-style draft head: one decoder layer over (the verifier's pre-norm last-layer hidden
-state f_t, the embedding of token t+1) predicting f_{t+1}, read by the verifier's own frozen
-norm and LM head. Saved alone with a config that identifies its verifier by an exact
-fingerprint and a tolerant probe (docs/drafters.md, "eagle/head.py").
-"""
+"""The EAGLE-style draft head: one decoder layer predicting the verifier's next pre-norm hidden
+state from (f_t, token t+1), read by the verifier's own frozen norm and LM head; saved alone,
+with its verifier's fingerprint and probe (docs/drafters.md, "eagle/head.py")."""
 
 from __future__ import annotations
 
@@ -17,6 +15,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
 
 from macfleet.engine.layers import head_logits, run_layers
 
@@ -253,8 +252,6 @@ class EagleHead(nn.Module):
         return head_logits(self.verifier, h)
 
     def make_cache(self) -> list:
-        from mlx_lm.models.cache import KVCache
-
         return [KVCache() for _ in self.layers]
 
     def draft_argmax(self, h: mx.array) -> int:

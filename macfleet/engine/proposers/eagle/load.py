@@ -1,7 +1,5 @@
-"""`eagle[:PATH]` / `eagle2[:PATH]`: the head file (or the shipped one), loaded once per process
-and shared by every session's proposer; the one place that knows both the chain and the tree
-drafter.
-"""
+"""`eagle[:PATH]` / `eagle2[:PATH]`: the head (or the shipped one) loaded once per process; the
+one place that knows both the chain and the tree drafter."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ _heads: dict[tuple[str, int, int], EagleHead] = {}
 
 
 def shared_head(path: Path, verifier) -> EagleHead:
-    """The head at `path` for this verifier model, loaded once per process (again when the file
-    was rewritten)."""
+    """The head at `path` for this verifier model, loaded once per process (and when rewritten)."""
     try:
         st = weights_path(path).stat()
     except OSError:
@@ -31,8 +28,7 @@ def shared_head(path: Path, verifier) -> EagleHead:
 
 def make_eagle_proposer(arg: str, verifier, error: type[Exception] = ValueError,
                         tree: bool = False) -> EagleProposer:
-    """`eagle[:PATH]` (chains) / `eagle2[:PATH]` (EAGLE-2 dynamic trees): the head at PATH, or
-    the one shipped for this verifier."""
+    """`eagle[:PATH]` / `eagle2[:PATH]`: the head at PATH, or the one shipped for the verifier."""
     kind = "eagle2" if tree else "eagle"
     path = Path(arg).expanduser() if arg else default_head_path(verifier.spec)
     if path is None:

@@ -1,9 +1,6 @@
-"""EAGLE-2 dynamic draft trees from one head (Li et al. 2024): a fixed beam expanded depth by
-depth in one tree-attention head forward each, while a deeper level pays; the N best nodes by
-cumulative probability form the tree, N from the calibrated confidence against the verifier's
-measured verify(L). Lossless under greedy and sampled verification alike (docs/drafters.md,
-"eagle/tree.py").
-"""
+"""EAGLE-2 dynamic draft trees (Li et al. 2024): a fixed beam expanded depth by depth while a
+level pays, the N best nodes by cumulative probability kept, N sized against the verifier's
+verify(L) (docs/drafters.md, "eagle/tree.py")."""
 
 from __future__ import annotations
 
@@ -22,8 +19,8 @@ from macfleet.engine.tree_verify import tree_attention
 
 DEFAULT_TOP_K = 4
 DEFAULT_MAX_DEPTH = 5
-DEFAULT_MAX_NODES = 24
-DEFAULT_MIN_PROB = 0.02  # a frontier node less likely than this is not expanded
+MAX_NODES = 24
+MIN_PROB = 0.02  # a head less sure than this of the first token drafts no deeper level
 # levels below the first draft from the head's this many most frequent draft ids (a head saved
 # with draft order "frequency"): a level then fits a CPU's L3 (docs/benchmarks.md, Drafters)
 DEFAULT_DEEP_VOCAB = 4096
@@ -67,22 +64,14 @@ def head_tree_forward(head: EagleHead, feats: mx.array, tokens: mx.array, positi
     return h[0]
 
 
-def _log_softmax(x: mx.array) -> mx.array:
-    x = x.astype(mx.float32)
-    return x - mx.logsumexp(x, axis=-1, keepdims=True)
-
-
 class EagleTreeProposer(TreeSizing, EagleProposer):
     drafts_trees = True
 
     def __init__(self, head: EagleHead, name: str = "eagle2", *, top_k: int = DEFAULT_TOP_K,
-                 max_depth: int = DEFAULT_MAX_DEPTH, max_nodes: int = DEFAULT_MAX_NODES,
-                 min_prob: float = DEFAULT_MIN_PROB,
-                 deep_vocab: int = DEFAULT_DEEP_VOCAB) -> None:
+                 max_depth: int = DEFAULT_MAX_DEPTH, deep_vocab: int = DEFAULT_DEEP_VOCAB) -> None:
         EagleProposer.__init__(self, head, name=name)
         TreeSizing.__init__(self)
-        self.top_k, self.max_depth, self.max_nodes = top_k, max_depth, max_nodes
-        self.min_prob = min_prob
+        self.top_k, self.max_depth = top_k, max_depth
         self.deep_vocab = deep_vocab  # 0: every level drafts from the whole draft vocabulary
         self.backoff = Backoff()
         self.depth_ms = 0.0  # measured cost of one deeper level (EMA)
@@ -90,7 +79,8 @@ class EagleTreeProposer(TreeSizing, EagleProposer):
     def _top(self, h: mx.array, limit: int = 0) -> tuple[mx.array, mx.array]:
         """h [n, H] -> lazy (token ids, log-probs) [n, top_k] of the head's best tokens; limit:
         from the first `limit` draft ids only (`EagleHead.draft_logits`)."""
-        lp = _log_softmax(self.head.draft_logits(h, limit))
+        logits = self.head.draft_logits(h, limit).astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         idx = mx.argpartition(-lp, self.top_k - 1, axis=-1)[:, : self.top_k]
         vals = mx.take_along_axis(lp, idx, axis=-1)
         ids = self.head.draft_ids
@@ -134,8 +124,7 @@ class EagleTreeProposer(TreeSizing, EagleProposer):
         return toks, scores, sel
 
     def candidates(self, context: Sequence[int]) -> TreeCandidates:
-        """Every node the head drafts after `context`, before the tree size is chosen; the
-        head's cache is left at the context."""
+        """Every node the head drafts after `context`; the head's cache is left at it."""
         context = [int(t) for t in context]
         root = self._root(context)[0]  # [1, H]
         base = int(self._head_cache[0].offset)
@@ -147,7 +136,7 @@ class EagleTreeProposer(TreeSizing, EagleProposer):
         parents = [-1] * K
         depth = [1] * K
         # a head this unsure of the next token will not get deeper ones right: stop here
-        if self.max_depth > 1 and self.calibration.gain * np.exp(max(score)) >= self.min_prob:
+        if self.max_depth > 1 and self.calibration.gain * np.exp(max(score)) >= MIN_PROB:
             toks, scores, sel = self._expand(root, t1[0], s1[0], base)
             level_start = [0]  # global node id of each level's first candidate
             for lvl, (lt, ls, lsel) in enumerate(zip(toks, scores, sel), start=1):
@@ -164,7 +153,7 @@ class EagleTreeProposer(TreeSizing, EagleProposer):
         return TreeCandidates(tuple(tokens), tuple(score), tuple(parents), tuple(depth))
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        k = min(k, self.max_nodes)
+        k = min(k, MAX_NODES)
         if k <= 0 or len(context) < 2 or not self.backoff.should_draft():
             return EMPTY_DRAFT
         t0 = time.perf_counter()

@@ -13,7 +13,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from macfleet.engine.batch import BatchKV
 from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
 from macfleet.engine.proposers.eagle.chain import EagleProposer, draft_chains
 from macfleet.engine.proposers.eagle.load import shared_head
@@ -49,14 +48,14 @@ def _alone(head, ctxs, ks, params=GREEDY):
 
 
 def _together(head, n, params=GREEDY):
-    store = BatchKV(len(head.layers))
+    stores: dict = {}
     props = []
     for _ in range(n):
         p = EagleProposer(head, tap=False)
         p.start(params)
-        p.use_rows(store)
+        p.share_rows(stores)
         props.append(p)
-    return props, store
+    return props, stores[id(head)]
 
 
 def test_chains_drafted_together_are_the_chains_drafted_alone(tiny, head):
