@@ -35,28 +35,23 @@ class Draft:
 EMPTY_DRAFT = Draft(tokens=())
 
 
-def _tree_prefix(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
-    """The longest prefix of `parents` (at most n) in which every parent precedes its child."""
-    if parents is None:
-        return None
+def _int_prefix(xs: Sequence, ok: Callable[[int, int], bool]) -> list[int]:
+    """The longest prefix of `xs` whose items are integers x with ok(index, x)."""
     out: list[int] = []
-    for i, p in enumerate(list(parents)[:n]):
-        if not isinstance(p, (int, np.integer)) or not -1 <= int(p) < i:
+    for i, x in enumerate(xs):
+        if not isinstance(x, (int, np.integer)) or not ok(i, int(x)):
             break
-        out.append(int(p))
-    return tuple(out)
+        out.append(int(x))
+    return out
 
 
 def sanitize_draft(draft: Draft, k: int, vocab: int) -> Draft:
     """The longest prefix of a draft (a tree's: of nodes) whose tokens and parents are valid;
     probabilities that are not a [n, V] pmf dropped."""
-    toks: list[int] = []
-    for t in draft.tokens[:k]:
-        if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab:
-            break
-        toks.append(int(t))
-    parents = _tree_prefix(draft.parents, len(toks))
-    if parents is not None:
+    toks = _int_prefix(draft.tokens[:k], lambda i, t: 0 <= t < vocab)
+    parents = None
+    if draft.parents is not None:  # each parent before its child
+        parents = tuple(_int_prefix(list(draft.parents)[: len(toks)], lambda i, p: -1 <= p < i))
         toks = toks[: len(parents)]
     probs = draft.probs
     if probs is not None:

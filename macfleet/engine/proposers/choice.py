@@ -60,9 +60,8 @@ def machine_record(model: str) -> dict | None:
         doc = json.loads(machine_record_path(model).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(doc, dict) or doc.get("machine") != machine_id():
-        return None
-    return doc if doc.get("best") else None
+    mine = isinstance(doc, dict) and doc.get("machine") == machine_id()
+    return doc if mine and doc.get("best") else None
 
 
 def record_machine_choice(model: str, bench: dict) -> Path:

@@ -138,15 +138,14 @@ class EagleTreeProposer(TreeSizing, EagleProposer):
         # a head this unsure of the next token will not get deeper ones right: stop here
         if self.max_depth > 1 and self.calibration.gain * np.exp(max(score)) >= MIN_PROB:
             toks, scores, sel = self._expand(root, t1[0], s1[0], base)
-            level_start = [0]  # global node id of each level's first candidate
-            for lvl, (lt, ls, lsel) in enumerate(zip(toks, scores, sel), start=1):
-                level_start.append(len(tokens))
-                prev = level_start[lvl - 1]
-                beam = np.array(lsel).astype(np.int64)
+            prev = 0  # the node id of the level above's first candidate
+            for lvl, (lt, ls, lsel) in enumerate(zip(toks, scores, sel), start=2):
+                first = len(tokens)
                 tokens += np.array(lt).astype(np.int64).tolist()
                 score += np.array(ls).astype(np.float64).tolist()
-                parents += [prev + int(beam[c // K]) for c in range(K * K)]
-                depth += [lvl + 1] * (K * K)
+                parents += [prev + int(lsel[c // K]) for c in range(K * K)]
+                depth += [lvl] * (K * K)
+                prev = first
             if toks:
                 for c in self._head_cache:
                     c.trim(len(toks) * K)
