@@ -56,8 +56,7 @@ def head_tree_forward(head: EagleHead, feats: mx.array, tokens: mx.array, positi
                       mask: mx.array, cache: list) -> mx.array:
     """feats [n, H] (each node's input feature), tokens [n] -> predicted features [n, H];
     the nodes' keys/values are appended to the head's cache."""
-    x = mx.concatenate([head.in_norm(feats[None]), head.embed(tokens[None])], axis=-1)
-    h = head.fuse(x)
+    h = head.inputs(feats[None], tokens[None])
     for layer, c in zip(head.layers, cache):
         h = h + tree_attention(layer.self_attn, layer.input_layernorm(h), mask, c, positions)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
