@@ -1,7 +1,5 @@
-"""The agent daemon: one per Mac. Advertise, serve a role, publish metrics, never die of input.
-
-Life cycle: load the model (so the card can say it is loaded) -> bind ROUTER and PUB -> warm
-up (agents/warmup.py: what a first request would otherwise pay for) -> advertise on Zeroconf -> serve until SIGTERM/SIGINT -> unregister (goodbyes go out) -> close.
+"""The agent daemon: one per Mac. Advertise, serve a role, publish metrics, never die of input
+(its life cycle: docs/agents.md, "daemon.py").
 """
 
 from __future__ import annotations

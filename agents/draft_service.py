@@ -1,26 +1,17 @@
 """The draft-model role: a small same-family model that drafts ahead of a big verifier.
 
-A proposer agent started with `--draft MODEL` serves this instead of the block-by-block
-ProposerService. A verifier opens a session (StreamOpen) and from then on the agent drafts
-without being asked: one compute thread extends every session's stream by a token a step (with
-more than one to extend, all in one forward of the draft model: their caches become rows of
-one store), up to the session's `max_lead` tokens past what it knows is committed, and pushes
-each token (DraftChunk) the moment it exists. The verifier's commits (StreamCommit, one-way)
-arrive between tokens: a stream whose tokens are the committed ones goes on where it was (the
-likely case at high acceptance: nothing was lost, the next block is already drafted); one that
-is refuted re-roots at that commit (`basis`), throwing away what it had drafted past it. The
-verifier applies the same rule to the same tokens (agents/remote_stream.py), so both sides
-agree on which chunks are current without a round trip.
-
-So the draft model drafts while the verifier verifies: on two Macs a block costs about
-verify(k+1) instead of verify(k+1) + k draft steps (docs/design.md, physics 5).
+A proposer agent started with `--draft MODEL` serves this instead of ProposerService. After a
+StreamOpen the agent drafts unasked, up to `max_lead` tokens past what it knows is committed,
+and pushes each token (DraftChunk) as it exists; the verifier's commits (StreamCommit, one-way)
+keep or re-root each stream by the rule both ends share, so the draft model drafts while the
+verifier verifies (docs/agents.md, "draft_service.py").
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,13 +39,10 @@ APART_STEPS_MAX = 1024
 
 @dataclass
 class AheadTally:
-    """What one session's stream did: tokens drafted and pushed, and those a re-root threw
-    away (drafted past a commit that refuted them)."""
+    """What the service's streams did."""
 
-    drafted: int = 0
-    wasted: int = 0
-    reroots: int = 0
-    steps_together: int = 0  # (the service's) steps that drafted several streams in one forward
+    drafted: int = 0  # tokens drafted and pushed
+    steps_together: int = 0  # steps that drafted several streams in one forward
 
 
 @dataclass
@@ -64,7 +52,6 @@ class _Session:
     max_lead: int
     basis: int = 0  # the commit the stream was last re-rooted at (0: the prompt)
     seq: int = 0  # the last commit applied
-    tally: AheadTally = field(default_factory=AheadTally)
 
     @property
     def wants_token(self) -> bool:
@@ -79,11 +66,8 @@ class _Session:
             raise ProtocolError(BAD_REQUEST, f"commit {msg.seq} at {msg.start}: expected "
                                              f"{self.seq + 1} at {len(st.context)}")
         self.seq = msg.seq
-        before = len(st.stream)
         if not st.commit(msg.tokens):
             self.basis = msg.seq
-            self.tally.reroots += 1
-            self.tally.wasted += before
         st.last_used = time.monotonic()
 
     def draft(self, sid: str) -> DraftChunk | None:
@@ -104,7 +88,6 @@ class _Session:
         n = st.take(d)
         if not n:
             return None
-        self.tally.drafted += n
         probs = np.stack(st.rows[-n:]).astype(np.float32) if st.want_probs and st.rows else None
         return DraftChunk(sid, self.basis, start, [int(t) for t in st.stream[-n:]], probs, ms)
 
@@ -190,19 +173,12 @@ class DraftAheadService(ComputeThread):
         if isinstance(msg, CloseSession):
             return self._close_session(msg, peer)
         self._owned(msg.session_id, peer)
-        self._commit(self._sessions[msg.session_id], msg)
+        self._sessions[msg.session_id].apply(msg)
         return None  # one-way
 
-    def _commit(self, s: _Session, msg: StreamCommit) -> None:
-        reroots, wasted = s.tally.reroots, s.tally.wasted
-        s.apply(msg)
-        self.totals.reroots += s.tally.reroots - reroots
-        self.totals.wasted += s.tally.wasted - wasted
-
     def _idle_step(self) -> None:
-        """One more token on every session's stream in one forward (`draft_together`: with
-        more than one stream to extend, their caches become rows of the draft model's store),
-        or else on one session's (round-robin); each pushed at once."""
+        """One more token on every session's stream in one forward (`draft_together`), or
+        else on one session's (round-robin); each pushed at once."""
         live = [(sid, s) for sid, s in self._sessions.items() if s.wants_token]
         self._step += 1
         # drafted together from now on (alone, a stream's own cache is cheaper: one flat

@@ -1,18 +1,9 @@
 """One drafting session on a proposer agent: the committed context plus a speculative stream.
 
-The stream is what the proposer believes comes next: draft tokens beyond the committed
-context, each with the distribution it was sampled from (when sampling). A draft request
-brings the tokens the verifier committed since the last one (flow F1):
-
-* if they are a prefix of the stream (the verifier accepted everything we drafted, and its
-  bonus token equals our guess), the rest of the stream is still valid: we answer from it
-  at once -- this is cross-round drafting, the stream having been extended while the
-  verifier was busy verifying the previous block;
-* otherwise the stream is dropped and drafting restarts from the new context (the
-  proposer's KV cache rolls back to the common prefix by itself).
-
-Reusing stream tokens is lossless for sampling too: each token was drawn from q(. | its
-prefix), and whether that prefix got committed does not depend on the token itself.
+The stream holds draft tokens beyond the committed context (with their distributions when
+sampling). A request's committed tokens either are a prefix of it, and the rest answers at once
+(cross-round drafting), or refute it, and drafting restarts from the new context; reusing
+stream tokens is lossless for sampling too (docs/agents.md, "draft_stream.py").
 """
 
 from __future__ import annotations
@@ -30,9 +21,8 @@ from macfleet.engine.tree import longest_branch
 
 def survives(stream: Sequence[int], committed: Sequence[int]) -> bool:
     """Whether a draft stream outlives a commit: every stream token at a committed position is
-    the committed token (a stream shorter than the commit is checked as far as it goes). The
-    one rule both ends of a draft-ahead session apply (agents/draft_service.py, remote_stream.py),
-    so they agree on which drafts are current without a round trip."""
+    the committed token. The one rule both ends of a draft-ahead session apply, so they agree on
+    which drafts are current without a round trip."""
     return all(int(a) == int(b) for a, b in zip(stream, committed))
 
 
@@ -99,23 +89,17 @@ class DraftStream:
         return hit
 
     def commit(self, committed: Sequence[int]) -> bool:
-        """Append the verifier's committed tokens; returns whether the stream survived: its
-        tokens at the committed positions are the committed ones (`survives`). What is left
-        of it then continues the new context; otherwise it is dropped."""
+        """Append the verifier's committed tokens; returns whether the stream survived them
+        (`survives`): what is left of it continues the new context, else it is dropped."""
         committed = [int(t) for t in committed]
         self.context.extend(committed)
-        n = len(committed)
         self._survived = survives(self.stream, committed)
-        if self._survived:
-            del self.stream[:n]
-            del self.rows[:n]
-            if not self.stream:  # the context grew past the stream: a lookup may find more
-                self.exhausted = False
-            return True
-        self.stream.clear()
-        self.rows.clear()
-        self.exhausted = False
-        return False
+        n = len(committed) if self._survived else len(self.stream)
+        del self.stream[:n]
+        del self.rows[:n]
+        if not self.stream:  # the context grew past the stream: a lookup may find more
+            self.exhausted = False
+        return self._survived
 
     def extend(self, n: int = 1) -> int:
         """Draft up to n more stream tokens; returns how many were added."""

@@ -1,13 +1,10 @@
 """Chain sessions of one round, drafted together on the proposer agent.
 
-A batching verifier asks for every session's block at once. The proposer's compute thread
-takes the other chain sessions' requests of the round off its queue (`gather`, for at most
-`GATHER_S`), brings each session up to date alone (a bad request is answered with its error),
-then drafts them in one `draft_together` call per model (an EAGLE head, a draft model): one
-forward per draft position for all of them (their caches are rows of one store), not one
-session after the other while the verifier waits for the last. `ProposerService` (agents/proposer_service.py) gives
-`ChainRounds` what it uses, by name: its sessions and job queue, `update` (a request's session
-brought up to date), `answer` (a job's reply or error) and `drafted` (a draft's reply, counted).
+A batching verifier asks for every session's block at once: the compute thread gathers the
+other chain sessions' requests of the round (`GATHER_S` at most), brings each session up to
+date alone, then drafts them in one `draft_together` call per model (docs/agents.md,
+"proposer_chains.py"). `ProposerService` hands `ChainRounds` its sessions, job queue and the
+`update`, `answer` and `drafted` steps.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The proposer role: draft blocks for many verifier sessions at once.
 
-One compute thread owns the model (MLX work is serialised here; two cores cannot run two
-forwards faster than one after the other). It serves, in order:
-1. draft requests, first come first served across sessions (fair: one block each turn); the
-   requests of chain sessions that arrive together (a batching verifier asks for every
-   session's block at once) are drafted together, an EAGLE head's or a draft model's: one
-   forward per draft position for all of them (`draft_together`; their caches are rows of one
-   store), not one session after the other while the verifier waits for the last;
-2. in idle time, cross-round lookahead: extending each session's speculative stream one token at
-   a time, round-robin, re-checking for requests between tokens so a real request never waits
-   for more than one draft step.
-Sessions idle longer than `idle_evict_s` are evicted; when every slot is taken, a new session
-reclaims the one idle longest if it has been idle `reclaim_idle_s` (a live verifier asks for a
-block every few hundred ms), else the least recently used one of the client holding the most
-(fair share: `slot_for`), and one client connection holds at most `max_sessions_per_client`.
-A session belongs to the client connection that opened it: any other connection's draft,
-re-open or close on it gets `not_found`.
-Every request is validated (drafter specs by `agents.specs.check_spec`); a bad one gets a typed
-error and the service keeps serving.
+One compute thread owns the model. It serves draft requests first come first served (chain
+sessions of one round drafted together: agents/proposer_chains.py), extends sessions' streams
+in idle time (cross-round lookahead, one token at a time so a request never waits long),
+evicts idle sessions and shares the slots fairly (agents/slots.py). A session is its opener's
+connection's alone; every request is validated and a bad one gets a typed error
+(docs/agents.md, "proposer_service.py").
 """
 
 from __future__ import annotations

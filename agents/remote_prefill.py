@@ -1,13 +1,10 @@
 """The verifier's side of flow KV: decide, fetch a prompt's KV from a prefill agent, or not.
 
-`PrefillStage` runs beside the verifier's compute thread. A request whose prompt may be long
-goes through it: it tokenizes, asks the planner (macfleet/topology/disagg.py `decide`, fed with
-what this verifier measured: its own prefill speed, the prefill agent's, the link's bytes/s) and,
-when disaggregation pays, fetches the KV (`fetch_kv`) while the compute thread keeps decoding
-other sessions; then it hands the job to the compute queue with the KV attached. A dead, slow or
-wrong prefill agent costs a local prefill (identical output), never the request: every wait has
-a deadline, a lost connection is noticed at once, and the KV must cover every layer and
-position exactly once.
+`PrefillStage` runs beside the compute thread: it tokenizes a long prompt, asks the planner
+(topology/disagg.py `decide`, fed with what this verifier measured) and, when shipping the
+prefill pays, fetches the KV while the compute thread decodes other sessions. A dead, slow or
+wrong prefill agent costs a local prefill, never the request (docs/agents.md,
+"remote_prefill.py").
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """A verifier sharded over several processes (several Macs) with mlx.distributed, ring backend.
 
-Each rank is its own process. The group is started without ssh or mpirun: every rank gets the
-same hostfile (a JSON list, one entry per rank, each a list of "ip:port") and its own rank,
-through MLX_HOSTFILE / MLX_RANK, then calls `mx.distributed.init(backend="ring")`.
-
-Three ways to cut the model:
-* tensor (mlx-lm's `model.shard(group)`): every rank holds 1/N of every layer's heads and MLP
-  columns; two all-reduces per layer; every rank ends with the full logits. Needs heads and
-  kv-heads divisible by N (SmolLM2: 9/3 heads -> N = 3).
-* pipeline: rank r holds a contiguous range of layers; activations go rank to rank with
-  send/recv; the last rank computes the logits and sends them back to rank 0.
-* expert (mixture-of-experts models only, agents/expert.py): rank r holds a contiguous range
-  of every MoE layer's experts; attention and routers are replicated; one all_sum per MoE layer.
-
-Every forward's shard flow (exact bytes, rank 0's milliseconds, the router's load in expert
-mode) is tallied by agents/shard_traffic.py and reported as a `ShardStats`.
-
-Rank 0 (the leader) is a drop-in `Verifier` for the spec-decode loop (`offset`, `reset`,
-`prefill`, `forward`, `rollback`, `model.args`); each call is broadcast to the followers as a
-small control array (an all_sum where only rank 0 contributes). Followers serve in a loop.
-
-A dead peer makes the ring raise within milliseconds, but a cut link blocks a collective
-forever, so every collective runs under a `Watchdog`: past its deadline the rank reports
-`ShardPeerLost` on stderr and exits with EXIT_PEER_LOST (a blocked MLX collective cannot be
-cancelled; exiting is the only way not to hang).
+Every rank is its own process, given the same hostfile and its rank (MLX_HOSTFILE, MLX_RANK):
+no ssh, no launcher. The model is cut by tensor, pipeline or expert (agents/expert.py)
+parallelism; rank 0 is a drop-in `Verifier` whose every call is broadcast to the followers,
+and every collective runs under a `Watchdog` that exits the rank when a cut link would block
+it forever (docs/agents.md, "shard.py").
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """A shard agent: one rank of a verifier sharded over several Macs, formed from Zeroconf cards.
 
-Every shard agent of a group advertises, in its card, the group name, the group size, its rank
-and the TCP port its mlx.distributed ring will listen on. Each one browses until it has seen
-all ranks of its group, has each card confirmed by the agent it names over the fleet's CURVE
-channel (Zeroconf is unauthenticated), builds the ring hostfile from them (rank order, `host:port`),
-and starts the ring itself: no ssh, no launcher, no hostfile written by hand.
-
-Rank 0 then serves as the fleet's verifier (roles `verifier` + `shard`): its VerifierService
-drives the spec-decode loop with a `ShardedVerifier`, and proposers talk to it over ZeroMQ as
-to any verifier. The other ranks run the follower loop. When a rank dies (the ring raises) or a
-link is cut (the watchdog fires after its deadline), rank 0 answers the request in flight with
-an `unavailable` error and every surviving rank exits: the fleet sees them leave, and a client
-re-plans onto another verifier.
+Each rank advertises its group, size, rank and ring port; once every rank's card is seen and
+confirmed over CURVE, the ring starts from them. Rank 0 serves as the fleet's verifier
+(`ShardedVerifier`), the others follow; when a rank dies every survivor leaves the fleet
+(docs/agents.md, "shard_agent.py").
 """
 
 from __future__ import annotations

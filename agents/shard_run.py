@@ -1,8 +1,6 @@
 """`python -m agents.shard_run`: one rank of a sharded verifier as a plain process, given a ring
-hostfile (no agents, no Zeroconf): what the shard tests and `macfleet bench moe` run. Rank 0
-pings the ring, decodes greedily (each step's logits kept), then decodes speculatively through
-the serving engine on the sharded verifier (serve/one.py `decode_ids`), and writes ids, wall
-times and the shard flow (`ShardStats`).
+hostfile (no agents, no Zeroconf), for the shard tests and `macfleet bench moe`. Rank 0 decodes
+greedily, then speculatively (serve/one.py `decode_ids`), and writes ids, times and shard flow.
 """
 
 from __future__ import annotations

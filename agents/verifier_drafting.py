@@ -1,14 +1,9 @@
 """Where a verifier agent's drafts come from, request by request.
 
-A GenerateRequest that names proposer endpoints is drafted on those agents: a chain on the
-first that answers (`FallbackProposer`: when one dies or stalls, the next takes over; when none
-is left, decoding goes on plainly), a tree of `a+b` specs on all of them at once
-(`RemoteProposerGroup`). One that names none is drafted by this agent's own drafters, checked by
-agents/specs.py; `auto` (with no endpoints) by the chooser over the drafters this agent has
-itself (engine/choosing.py `make_auto_group`: n-gram lookup, the model's shipped answer store
-and head), block by block, as in one process (issue 44). Hidden-state drafters on another
-agent get flow F3: this verifier's own hidden states, tapped from its forwards or fed by the
-continuous batch.
+Named proposer endpoints draft a chain on the first that answers (`FallbackProposer`: the next
+takes over when one fails) or an `a+b` tree on all at once (`RemoteProposerGroup`); without
+endpoints this agent's own drafters do, `auto` by the chooser over them (engine/choosing.py).
+Remote hidden-state drafters get this verifier's hidden states (F3), tapped or batch-fed.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """A verifier agent's generations: a request into the continuous batch, or one session alone.
 
-Both turn the engine's events into wire messages (GenerateChunk, GenerateDone, BlockMetrics
-on the PUB socket) and add what crossing hosts cost through one `Crossing` a generation: it
-publishes each block's metrics and builds the `FleetStats` of either path (the flows to the
-proposer agents, the multi-host overhead by `macfleet.stats.multihost_overhead`, flow KV, a
-sharded verifier's shard flow).
-`VerifierService` (agents/verifier_service.py) owns the queue, the batch and the compute thread
-these run on and hands `VerifierGenerations` what they use, by name: the model, the verifier,
-the request drafting, the PUB callback, the pending requests it heartbeats, the batch and the
-prefill stage.
+Both turn the engine's events into wire messages (GenerateChunk, GenerateDone, BlockMetrics on
+the PUB socket); one `Crossing` a generation adds what crossing hosts cost (drafter flows,
+multi-host overhead, flow KV, shard flow). `VerifierService` owns the queue, batch and compute
+thread these run on.
 """
 
 from __future__ import annotations

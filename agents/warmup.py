@@ -1,14 +1,8 @@
-"""Warm before advertising: what an agent does before its Zeroconf card goes out, so that the
-first request pays for nothing a later one would not.
+"""Warm before advertising, so that the first request pays for nothing a later one would not.
 
-A new user judges macfleet by the first answer after `macfleet up`; before this, that answer
-measured the machine's verify(L) table (engine/verify_costs.py) inside its own prefill, loaded
-the default drafter's head and ran every block shape's first forward. Now a verifier agent
-measures (or reads) the table, runs one forward of each of its lengths and loads the drafters
-its `auto` chooses among, and a proposer agent
-builds every part of the fleet's default drafter that it serves (engine/proposers/choice.py
-`resolve_proposer`: the head, the answer store's index) and drafts once with each. `up`
-returns when every agent's card is seen, so it returns when the fleet is warm.
+A verifier measures (or reads) its verify(L) table, runs each length's first forward and loads
+the drafters its `auto` chooses among; a proposer builds and runs once each part of the fleet's
+default drafter it serves; a draft-model agent runs its first draft steps.
 """
 
 from __future__ import annotations
