@@ -131,10 +131,6 @@ class ExpertParallelMoE(nn.Module):
         return y
 
 
-def is_moe_block(m: nn.Module) -> bool:
-    return hasattr(m, "gate") and hasattr(m, "switch_mlp") and hasattr(m, "top_k")
-
-
 def shard_experts(model: nn.Module, group: mx.distributed.Group) -> tuple[tuple[int, int],
                                                                           RouterLoad]:
     """Replace every MoE block of `model` by this rank's expert-parallel block, in place.
@@ -143,7 +139,8 @@ def shard_experts(model: nn.Module, group: mx.distributed.Group) -> tuple[tuple[
     model has no MoE layer or fewer experts than ranks.
     """
     layers = list(model.model.layers)
-    moe = [ly for ly in layers if is_moe_block(getattr(ly, "mlp", None))]
+    moe = [ly for ly in layers if all(hasattr(getattr(ly, "mlp", None), a)
+                                      for a in ("gate", "switch_mlp", "top_k"))]
     experts = int(getattr(model.args, "num_experts", 0) or 0)
     n, r = group.size(), group.rank()
     if not moe or experts <= 0:

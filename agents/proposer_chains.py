@@ -86,7 +86,6 @@ class ChainRounds:
             self._draft_group(group)
 
     def _draft_group(self, group: list) -> None:
-        t0 = time.perf_counter()
         try:
             drafts = draft_together([(s.proposer, s.context, msg.k) for msg, _, _, s in group])
         except Exception as e:  # noqa: BLE001 - every session of the call gets the error
@@ -94,11 +93,9 @@ class ChainRounds:
             for _, reply, _, _ in group:
                 reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
             return
-        ms = (time.perf_counter() - t0) * 1e3
         if len(group) > 1:
             self.drafted_together += len(group)
         for (msg, reply, received, s), d in zip(group, drafts):
             s.last_k, s.last_used = msg.k, time.monotonic()
             reply(self.drafted(msg, received, d.tokens,
-                               None if d.probs is None else d.probs.astype(np.float32),
-                               ms / len(group), False))
+                               None if d.probs is None else d.probs.astype(np.float32), False))

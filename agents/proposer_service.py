@@ -38,22 +38,14 @@ from macfleet.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_SESSIONS = 16
-DEFAULT_IDLE_EVICT_S = 30.0
-DEFAULT_RECLAIM_IDLE_S = 3.0
-DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
-DEFAULT_MAX_K = MAX_DRAFT_TOKENS  # what any verifier may ask for (engine/controller.py)
-DEFAULT_MAX_PROMPT = 32768
-
-
 @dataclass(frozen=True)
 class ProposerLimits:
-    max_sessions: int = DEFAULT_MAX_SESSIONS
-    idle_evict_s: float = DEFAULT_IDLE_EVICT_S
-    max_k: int = DEFAULT_MAX_K
-    max_prompt: int = DEFAULT_MAX_PROMPT
-    max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT
-    reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S
+    max_sessions: int = 16
+    idle_evict_s: float = 30.0
+    max_k: int = MAX_DRAFT_TOKENS  # what any verifier may ask for (engine/controller.py)
+    max_prompt: int = 32768
+    max_sessions_per_client: int = 4
+    reclaim_idle_s: float = 3.0
 
 
 def _learn(s: DraftStream, msg: DraftRequest) -> None:
@@ -230,19 +222,16 @@ class ProposerService(ComputeThread):
     def __init__(self, lm: LoadedModel, *,
                  kinds: tuple[str, ...] = PROPOSER_KINDS,
                  limits: ProposerLimits = ProposerLimits(), heads_dir: str | None = None,
-                 on_block: Callable[[str, int, float, bool], None] | None = None,
                  allow_hub: bool = False) -> None:
         super().__init__(limits)
         self.lm = lm
         self.policy = SpecPolicy(kinds=kinds, heads_dir=heads_dir, own_model=lm.spec,
                                  allow_hub=allow_hub, vocab_size=lm.vocab_size)
         self.models = DraftModels()
-        self._on_block = on_block
         self._draft_rows: dict[int, BatchKV] = {}  # chain sessions' caches, one store a model
         self.chains = ChainRounds(self._sessions, self._jobs, update=self._update,
                                   answer=self._answer, drafted=self._drafted)
         self.served = 0
-        self.predraft_hits = 0
         # tokens whose hidden states a hidden-state drafter had to compute itself, because
         # they did not arrive over F3 (closed sessions included)
         self.fallback_tokens = 0
@@ -362,26 +351,22 @@ class ProposerService(ComputeThread):
         s = self._update(msg, peer)
         if s.proposer.drafts_trees:  # a dynamic tree: drafted early in idle time, or now
             _learn(s, msg)
-            t0 = time.perf_counter()
             d = s.take_tree(msg.k) if s.cross_round else None
             hit = d is not None
             if d is None:
                 d = s.proposer.propose(s.context, msg.k)
             s.last_drafted, s.last_k = len(d.tokens), msg.k
             s.replied_tree(d)
-            return self._drafted(msg, received, d.tokens, None, (time.perf_counter() - t0) * 1e3,
-                                 hit, parents=None if d.parents is None else list(d.parents))
+            return self._drafted(msg, received, d.tokens, None, hit,
+                                 parents=None if d.parents is None else list(d.parents))
         r = s.draft(msg.k)
-        return self._drafted(msg, received, r.tokens, r.probs, r.compute_ms, r.predraft_hit)
+        return self._drafted(msg, received, r.tokens, r.probs, r.predraft_hit)
 
-    def _drafted(self, msg: DraftRequest, received: float, tokens, probs, compute_ms: float,
-                 hit: bool, parents: list[int] | None = None) -> DraftReply:
-        """A block's reply, counted and reported (`on_block`); its draft_ms counts from when
-        the request reached this agent."""
+    def _drafted(self, msg: DraftRequest, received: float, tokens, probs, hit: bool,
+                 parents: list[int] | None = None) -> DraftReply:
+        """A block's reply, counted; its draft_ms counts from when the request reached this
+        agent."""
         self.served += 1
-        self.predraft_hits += int(hit)
-        if self._on_block:
-            self._on_block(msg.session_id, msg.block, compute_ms, hit)
         return DraftReply(session_id=msg.session_id, block=msg.block, tokens=list(tokens),
                           probs=probs, draft_ms=(time.perf_counter() - received) * 1e3,
                           predraft_hit=hit, parents=parents)

@@ -134,12 +134,6 @@ def rank_env(root: str) -> dict[str, str]:
     return env
 
 
-def layer_range(layers: int, n: int, r: int) -> tuple[int, int]:
-    q, rem = divmod(layers, n)
-    start = r * q + min(r, rem)
-    return start, start + q + (1 if r < rem else 0)
-
-
 class _Stage:
     """This rank's part of the model and its KV cache."""
 
@@ -159,7 +153,8 @@ class _Stage:
             model.shard(group)
             self.layers = list(model.model.layers)
         elif mode == "pipeline":
-            a, b = layer_range(len(model.model.layers), self.size, self.rank)
+            # the contiguous split of expert mode's experts, of layers here
+            a, b = expert_range(len(model.model.layers), self.size, self.rank)
             self.layers = list(model.model.layers)[a:b]
             model.model.layers = self.layers  # drop the other ranks' layers: this is the fit
         else:
@@ -195,12 +190,6 @@ class _Stage:
         for c in self.cache:
             c.trim(n)
 
-    def _head(self, h: mx.array) -> mx.array:
-        return head_logits(self.model, h)
-
-    def _layers(self, h: mx.array) -> mx.array:
-        return run_layers(self.layers, h, self.cache)
-
     def forward(self, ids: mx.array, want_logits: bool) -> mx.array | None:
         """ids: [1, L]. Returns logits [L, V] float32 on rank 0 (None elsewhere)."""
         L = ids.shape[1]
@@ -212,11 +201,9 @@ class _Stage:
             return out if self.rank == 0 else None
         H = self.model.args.hidden_size
         last = self.size - 1
-        if self.rank == 0:
-            h = self._layers(self.model.model.embed_tokens(ids))
-        else:
-            h = mx.distributed.recv((1, L, H), mx.float32, self.rank - 1, group=self.group)
-            h = self._layers(h)
+        h = (self.model.model.embed_tokens(ids) if self.rank == 0 else
+             mx.distributed.recv((1, L, H), mx.float32, self.rank - 1, group=self.group))
+        h = run_layers(self.layers, h, self.cache)
         if self.rank < last:
             mx.eval(mx.distributed.send(h.astype(mx.float32), self.rank + 1, group=self.group))
         else:
@@ -225,7 +212,7 @@ class _Stage:
             return None
         V = self.model.args.vocab_size
         if self.rank == last:
-            logits = self._head(h)[0].astype(mx.float32)
+            logits = head_logits(self.model, h)[0].astype(mx.float32)
             mx.eval(mx.distributed.send(logits, 0, group=self.group))
             return None
         if self.rank == 0:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -20,7 +19,7 @@ from dataclasses import dataclass, replace
 from agents.daemon import Agent, AgentConfig
 from agents.shard import (DEFAULT_DEADLINE_S, DEFAULT_START_DEADLINE_S, EXIT_PEER_LOST,
                           SHARD_MODES, ShardedVerifier, ShardGroup, ShardPeerLost, Watchdog,
-                          init_ring)
+                          free_ports, init_ring)
 from bridge.auth import fleet_id
 from bridge.card import ROLE_SHARD, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser
@@ -45,16 +44,6 @@ class ShardSpec:
     deadline_s: float = DEFAULT_DEADLINE_S
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def shard_extra(card: AgentCard) -> dict[str, str]:
-    return dict(card.extra)
-
-
 def group_cards(cards: list[AgentCard], spec: ShardSpec,
                 need_ready: bool = False) -> list[AgentCard]:
     """Pure: one card per rank of the group, in rank order (LookupError while ranks miss).
@@ -63,7 +52,7 @@ def group_cards(cards: list[AgentCard], spec: ShardSpec,
     """
     by_rank: dict[int, AgentCard] = {}
     for c in cards:
-        x = shard_extra(c)
+        x = dict(c.extra)
         if x.get("group") == spec.group and x.get("size") == str(spec.size):
             if need_ready and x.get("phase") != "ready":
                 continue
@@ -79,7 +68,7 @@ _RING_FIELDS = ("group", "size", "rank", "ring_port")
 
 
 def _ring_identity(c: AgentCard) -> tuple:
-    x = shard_extra(c)
+    x = dict(c.extra)
     return (c.node_id, c.host, c.router_port, *(x.get(f) for f in _RING_FIELDS))
 
 
@@ -100,7 +89,7 @@ def confirm_cards(cards: list[AgentCard], key: bytes | None,
         except (PeerUnavailable, TransportTimeout, ProtocolError) as e:
             raise LookupError(f"card of {c.name} ({c.router_endpoint}) not confirmed by a "
                               f"fleet member: {e}") from None
-        said, mine = shard_extra(st.card) if isinstance(st, StatusReply) else {}, shard_extra(c)
+        said, mine = dict(st.card.extra) if isinstance(st, StatusReply) else {}, dict(c.extra)
         if not isinstance(st, StatusReply) or st.card.node_id != c.node_id or any(
                 said.get(f) != mine.get(f) for f in _RING_FIELDS):
             raise LookupError(f"card of {c.name} ({c.router_endpoint}) differs from what the "
@@ -115,8 +104,8 @@ class ShardAgent(Agent):
             raise ValueError(f"rank {spec.rank} is not in a group of {spec.size}")
         if spec.mode not in SHARD_MODES:
             raise ValueError(f"shard mode must be one of {SHARD_MODES}, got {spec.mode}")
-        port = spec.ring_port or free_port(cfg.bind_host if cfg.bind_host != "0.0.0.0"
-                                           else "127.0.0.1")
+        port = spec.ring_port or free_ports(1, cfg.bind_host if cfg.bind_host != "0.0.0.0"
+                                            else "127.0.0.1")[0]
         self.spec = replace(spec, ring_port=port)
         self.form_timeout_s = form_timeout_s
         self.shards: ShardGroup | None = None
@@ -174,12 +163,12 @@ class ShardAgent(Agent):
             ready = self._wait_ready(b, deadline, interfaces)
         for a, c in zip(seen, ready):
             if _ring_identity(a) != _ring_identity(c):
-                raise LookupError(f"card of rank {shard_extra(c).get('rank')} changed after it "
+                raise LookupError(f"card of rank {dict(c.extra).get('rank')} changed after it "
                                   "was confirmed: not building a ring from it")
         time.sleep(RING_GRACE_S)  # (measured: without it a rank that saw the group ready first
         # blocked in the ring's connect before a slower rank's browser had its `ready` card,
         # and the slower rank never left phase 2; the ring gives up after ~31 s)
-        return [[f"{c.host}:{shard_extra(c)['ring_port']}"] for c in ready]
+        return [[f"{c.host}:{dict(c.extra)['ring_port']}"] for c in ready]
 
     def _wait_ready(self, browser: Browser, deadline: float, interfaces) -> list[AgentCard]:
         """Phase 2. A peer that is `ready` may stay `forming` in this browser (seen: a rank

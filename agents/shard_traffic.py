@@ -8,9 +8,7 @@ broadcasts (docs/agents.md, "shard_traffic.py").
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from macfleet.stats import ShardStats
@@ -50,11 +48,9 @@ def block_delta(prev: ShardStats | None, now: ShardStats | None) -> BlockShard:
 class ShardTraffic:
     """Mutable tally of one generation (reset with the verifier); `stats()` is the record."""
 
-    def __init__(self, mode: str, ranks: int, control_bytes_per_command: int,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, mode: str, ranks: int, control_bytes_per_command: int) -> None:
         self.mode, self.ranks = mode, ranks
         self._control = control_bytes_per_command
-        self._clock = clock
         self._pings: deque[float] = deque(maxlen=PINGS)  # kept across generations
         self.reset()
 
