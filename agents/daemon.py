@@ -72,9 +72,8 @@ DEFAULT_FD_TARGET = 65536
 
 
 def raise_fd_limit(target: int = DEFAULT_FD_TARGET) -> int:
-    """Raise the soft open-files limit toward the hard one (each ZeroMQ peer costs an fd; a
-    flood of unauthenticated connections must not starve the agent before CURVE's handshake
-    deadline sheds them). Returns the soft limit now in force."""
+    """Raise the soft open-files limit toward the hard one (each ZeroMQ peer costs an fd);
+    returns the soft limit now in force."""
     try:
         import resource
     except ImportError:  # not POSIX
@@ -195,8 +194,7 @@ class Agent:
                 and signed(c, self.cfg.key)]
 
     def _warm(self):
-        """Before the card goes out: the verify(L) table and each block length's first forward
-        (a verifier), the default drafter's parts this proposer serves (agents/warmup.py)."""
+        """Before the card goes out: what each role's first request would pay (agents/warmup.py)."""
         from agents import warmup
 
         if self.verifier is not None and self.cfg.role == ROLE_VERIFIER:

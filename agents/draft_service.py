@@ -31,8 +31,7 @@ from macfleet.engine.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_LEAD = 2 * MAX_DRAFT_TOKENS + 2  # a lead the verifier may ask for
-# after drafting streams together failed, the idle steps they draft alone before the next try
-# (doubling while it keeps failing: a persistent failure was retried, and logged, every step)
+# after drafting streams together failed, the idle steps they draft alone (doubling)
 APART_STEPS_MIN = 16
 APART_STEPS_MAX = 1024
 
@@ -181,8 +180,8 @@ class DraftAheadService(ComputeThread):
         else on one session's (round-robin); each pushed at once."""
         live = [(sid, s) for sid, s in self._sessions.items() if s.wants_token]
         self._step += 1
-        # drafted together from now on (alone, a stream's own cache is cheaper: one flat
-        # forward costs more host work than the model's own), unless that failed lately
+        # drafted together from now on (alone, a stream's own cache is cheaper), unless that
+        # failed lately
         if len(live) > 1 and self._step >= self._together_from:
             for _, s in live:
                 if s.stream.proposer.rows is None:

@@ -48,15 +48,13 @@ class DraftStream:
     last_k: int = 4
     last_used: float = field(default_factory=time.monotonic)
     exhausted: bool = False  # the proposer had nothing more to say for this stream
-    # EMA of how often a request was answered from the pre-drafted stream. Lookahead that
-    # never hits only delays real requests (they wait for the draft step in progress), so
-    # it is paused when hits are rare and retried now and then.
+    # how often a request was answered from the pre-drafted stream (EMA): lookahead pauses
+    # while hits are rare (docs/agents.md, "draft_stream.py")
     hit_rate: float = 0.5
     requests: int = 0
     last_drafted: int = 0  # tokens of the last tree drafted (what the verifier reports on)
     _survived: bool = False
-    # A tree drafter's next tree, drafted in idle time one token early from the context + the
-    # last tree's deepest branch (the outcome it expects): engine/ahead.py
+    # a tree drafter's next tree, drafted early from the outcome it expects (engine/ahead.py)
     last_tree: Draft | None = None
     tree_ahead: Ahead | None = None
 
@@ -107,8 +105,8 @@ class DraftStream:
         return self.take(self.proposer.propose(self.context + self.stream, n))
 
     def take(self, d: Draft) -> int:
-        """Append a draft of the stream's next tokens (drafted from context + stream: by
-        `extend`, or with other sessions' streams at once); returns how many were added."""
+        """Append a draft of the stream's next tokens (drafted from context + stream); returns
+        how many were added."""
         if not d.tokens:
             self.exhausted = True
             return 0

@@ -25,11 +25,10 @@ from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUED = 2  # each holds a whole prompt's KV while it is computed and sent
 
 @dataclass(frozen=True)
 class PrefillLimits:
-    max_queued: int = DEFAULT_MAX_QUEUED
+    max_queued: int = 2  # each holds a whole prompt's KV while it is computed and sent
     max_prompt: int = MAX_PROMPT_TOKENS
     chunk_tokens: int = DEFAULT_PREFILL_STEP  # the verifier's own chunk: the same KV bits
     max_slice_bytes: int = DEFAULT_MAX_SLICE_BYTES

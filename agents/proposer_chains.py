@@ -24,8 +24,6 @@ from macfleet.engine.proposers.base import draft_together
 log = logging.getLogger(__name__)
 
 # a chain request waits at most this long for the other chain sessions' requests of its round
-# (a batching verifier sends them back to back; a verifier of one session never waits: there
-# is no other session to wait for)
 GATHER_S = 0.004
 
 
@@ -49,9 +47,8 @@ class ChainRounds:
         self._serve_together([job, *self._gather(job[0].session_id)])
 
     def _gather(self, first: str) -> list:
-        """The other chain sessions' requests of this round: taken off the queue until every
-        open chain session has one here or `GATHER_S` has passed; other jobs keep their order
-        for after (`held`)."""
+        """The other chain sessions' requests of this round, taken off the queue for at most
+        `GATHER_S`; other jobs keep their order for after (`held`)."""
         want = {sid for sid, s in self.sessions.items()
                 if s.proposer.rows is not None} - {first}
         got, seen = [], {first}
@@ -72,9 +69,8 @@ class ChainRounds:
         return got
 
     def _serve_together(self, jobs: list) -> None:
-        """Chain requests of several sessions: each validated and brought up to date alone (a
-        bad one is answered with its error, as a request served alone), then all drafted in one
-        `draft_together` call per model (its store of rows)."""
+        """Chain requests of several sessions: each brought up to date alone (a bad one gets its
+        error), then drafted in one `draft_together` call per model."""
         ready = []
         for msg, reply, received in jobs:
             self.answer(reply, lambda: ready.append(

@@ -86,10 +86,9 @@ def check_prompt(msg: OpenSession, vocab: int) -> None:
 
 
 class ComputeThread(ABC):
-    """The shell of a service whose MLX work runs on one compute thread (`_run`: the jobs of
-    `_jobs` in order, None stops it; with none waiting, a step of idle work while `_busy`), with
-    its sessions in `_sessions` (each a DraftStream, or holding one: `_stream_of`) and their
-    openers in `_owner`: the proposer role and the draft-model role (agents/draft_service.py)."""
+    """The shell of the proposer and draft-model roles: one compute thread (`_run`) serving
+    `_jobs` in order (None stops it) and idle work while `_busy`; sessions in `_sessions` (a
+    DraftStream, or holding one: `_stream_of`), their openers in `_owner`."""
 
     KIND = "drafting"  # what its sessions are called in errors and logs
     BAD_REQUESTS: tuple[type[Exception], ...] = ()  # a job's errors that are the request's fault
@@ -107,9 +106,7 @@ class ComputeThread(ABC):
         return s
 
     def _owned(self, sid: str, peer: bytes) -> None:
-        """NOT_FOUND unless session `sid` exists and was opened by this client connection:
-        another connection that learnt (or guessed) the id can neither draft on it, re-open
-        it nor close it, and cannot even tell it exists."""
+        """NOT_FOUND unless session `sid` exists and was opened by this client connection."""
         if sid not in self._sessions or self._owner.get(sid) != peer:
             raise ProtocolError(NOT_FOUND, f"no {self.KIND} session '{sid}'")
 
@@ -122,9 +119,8 @@ class ComputeThread(ABC):
         return slot
 
     def _make_room(self, sid: str, peer: bytes) -> None:
-        """On the compute thread, as a session opens (other opens may have been queued, the
-        session may have changed hands meanwhile): re-opening is its opener's alone; a new
-        session takes a slot, and the session that gives way to it goes."""
+        """On the compute thread, as a session opens (other opens may have been queued since
+        `handle`): re-opening is its opener's alone; a new session takes a slot."""
         if sid in self._sessions:
             self._owned(sid, peer)
             return
@@ -168,8 +164,7 @@ class ComputeThread(ABC):
             reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
 
     def _start_compute(self, name: str) -> None:
-        """Starts the compute thread: last in a constructor, once every field `_run` reads is
-        set."""
+        """Last in a constructor, once every field `_run` reads is set."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -195,7 +190,7 @@ class ComputeThread(ABC):
         return False
 
     def _idle_step(self) -> None:
-        """One step of idle work, between jobs."""
+        """Lookahead: extend one session's stream by one token (round-robin)."""
 
     @abstractmethod
     def _serve_job(self, job) -> None:
@@ -212,10 +207,8 @@ class ComputeThread(ABC):
 
 
 class ProposerService(ComputeThread):
-    """The proposer role: request checks on the server's loop thread (`handle`), then drafting
-    on one compute thread: sessions opened and closed, draft requests served (chain sessions of
-    one round together: its `chains`, agents/proposer_chains.py), lookahead in idle time, idle
-    eviction."""
+    """The proposer role: requests checked on the server's loop thread (`handle`), drafting
+    on one compute thread (chain rounds: `chains`), lookahead in idle time, idle eviction."""
 
     BAD_REQUESTS = (ModelSpecError, ProposerSpecError, ValueError)
 
@@ -232,13 +225,11 @@ class ProposerService(ComputeThread):
         self.chains = ChainRounds(self._sessions, self._jobs, update=self._update,
                                   answer=self._answer, drafted=self._drafted)
         self.served = 0
-        # tokens whose hidden states a hidden-state drafter had to compute itself, because
-        # they did not arrive over F3 (closed sessions included)
+        # tokens whose features a drafter computed itself, not sent over F3 (closed sessions too)
         self.fallback_tokens = 0
         self._start_compute("proposer-compute")
         if "retrieval" in kinds:
-            # the answer store's index takes seconds to build: before the agent is advertised,
-            # not on the first request's time (it held up the demo's first answer)
+            # the answer store's index takes seconds to build: before the agent is advertised
             from macfleet.engine.proposers.retrieval import warm_store
 
             warm_store(lm.spec)
@@ -247,8 +238,7 @@ class ProposerService(ComputeThread):
     def handle(self, msg, reply: Reply) -> bool:
         """Returns False when the message is not for this service."""
         if isinstance(msg, HiddenStates):
-            # F3. No drafter here consumes hidden states yet: acknowledge at once (on the loop
-            # thread, not behind drafting work) so the verifier measures the wire cost only.
+            # F3 probes, acknowledged at once: the verifier measures the wire cost only
             reply(HiddenStatesAck(msg.session_id, msg.block, int(msg.states.nbytes)))
             return True
         peer = getattr(reply, "peer", b"")
@@ -303,8 +293,7 @@ class ProposerService(ComputeThread):
             self._answer(reply, lambda: self._serve(msg, received, getattr(reply, "peer", b"")))
 
     def _update(self, msg: DraftRequest, peer: bytes) -> DraftStream:
-        """A draft request's session (its opener's only), its context and hidden states
-        brought up to date."""
+        """A draft request's session (its opener's), its context and features brought up to date."""
         self._owned(msg.session_id, peer)
         s = self._sessions[msg.session_id]
         if any(not 0 <= t < self.lm.vocab_size for t in msg.committed):
@@ -323,9 +312,8 @@ class ProposerService(ComputeThread):
         return s
 
     def _serve(self, msg, received: float, peer: bytes = b""):
-        """received: when the request reached this agent. The reply's draft_ms counts from
-        then, so time a request waits here (behind a lookahead step, or other sessions'
-        blocks) is the proposer's time, not the wire's."""
+        """received: when the request reached this agent (the reply's draft_ms counts from then:
+        docs/agents.md, "proposer_service.py")."""
         if isinstance(msg, OpenSession):
             self._make_room(msg.session_id, peer)
             prop = make_checked_proposer(msg.proposer, self.lm, self.policy, self.models)

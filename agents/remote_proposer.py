@@ -28,11 +28,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_TIMEOUT_S = 5.0  # a proposer slower than this is useless anyway
 DEFAULT_OPEN_TIMEOUT_S = 30.0  # first contact may load a model
-# the first block waits this long for its session to open (an agent that is ready answers in
-# about a millisecond); after it the verifier decodes without drafts until the session is open
+# the first block waits this long for its session to open (a ready agent answers in ~1 ms)
 OPEN_GRACE_S = 0.05
-# a proposer that has not completed the (CURVE) handshake by then is taken as dead: the
-# verifier's compute thread must not wait on it (seconds per dead endpoint, several named)
+# a proposer that has not completed the (CURVE) handshake by then is taken as dead
 DEFAULT_CONNECT_TIMEOUT_S = 0.5
 
 
@@ -88,8 +86,8 @@ class RemoteProposer(Proposer):
                  cross_round: bool = True, draft_timeout_s: float = DEFAULT_DRAFT_TIMEOUT_S,
                  open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
                  f3_probe_width: int = 0, features=None, f3_codec: str = "float16") -> None:
-        """f3_probe_width > 0: before each draft request, send hidden-state-sized float16 rows for the
-        newly committed tokens and wait for the ack (F3 measured for real, labelled a probe)."""
+        """f3_probe_width > 0: before each draft request, send hidden-state-sized float16 rows
+        and wait for the ack (F3 measured for real, labelled a probe)."""
         self.endpoint = endpoint
         self.key = key
         self.spec = proposer
@@ -186,9 +184,8 @@ class RemoteProposer(Proposer):
         return self.finish()
 
     def begin(self, context: Sequence[int], k: int) -> None:
-        """Send the draft request (F1) without waiting: a tree of remote proposers sends to
-        all of them first, so they draft at the same time. Until its session is open it
-        sends nothing, and `finish` gives an empty draft (the block decodes plainly)."""
+        """Send the draft request (F1) without waiting, so a tree's proposers draft at once;
+        until the session is open nothing goes out and `finish` gives an empty draft."""
         if not self._session:
             wait = 0.0 if self._opening else OPEN_GRACE_S
             if not self._opening:

@@ -189,9 +189,8 @@ class StreamingProposer(Proposer):
         return self.finish()
 
     def begin(self, context: Sequence[int], k: int) -> None:
-        """Tell the agent what was committed since the last block (F1) and take what it has
-        pushed meanwhile; opens the session on the first block (and again when the context
-        is not the continuation of this session's)."""
+        """Send what was committed since the last block (F1) and take what the agent pushed;
+        opens the session on the first block, or when the context does not continue it."""
         self._t_begin = time.perf_counter()
         self._k = k
         if self._mirror is None or not self._continues(context):

@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 DEFAULT_FORM_TIMEOUT_S = 90.0
 DEFAULT_CONFIRM_TIMEOUT_S = 3.0
 READY_REBROWSE_S = 1.5  # phase 2: a group not all ready this long is browsed afresh
-# after the whole group is seen ready, each rank stays answering (Zeroconf, CURVE) this long
-# before the ring's connect, which holds its process: a slower rank still learns it is ready
+# answering (Zeroconf, CURVE) this long after the group is ready, before the ring's connect
+# holds the process: a slower rank still learns this one is ready
 RING_GRACE_S = 5.0
 
 
@@ -74,10 +74,9 @@ def _ring_identity(c: AgentCard) -> tuple:
 
 def confirm_cards(cards: list[AgentCard], key: bytes | None,
                   timeout_s: float = DEFAULT_CONFIRM_TIMEOUT_S) -> list[AgentCard]:
-    """Zeroconf cards are not authenticated: before a ring is built from them, each rank's card
-    is confirmed by the agent itself over the fleet's CURVE channel (only a key holder can
-    answer there). Its StatusReply card must name the same node and ring fields. LookupError
-    names the rank that could not be confirmed."""
+    """Each rank's card confirmed by its agent over CURVE before a ring is built from it
+    (Zeroconf is unauthenticated): its StatusReply card must name the same node and ring
+    fields; LookupError names the rank that could not be confirmed."""
     from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
     from bridge.messages import StatusReply, StatusRequest
     from bridge.transport import Client
@@ -143,19 +142,13 @@ class ShardAgent(Agent):
             threading.Thread(target=self._follow, name="shard-follower", daemon=True).start()
 
     def _discover_group(self) -> list[list[str]]:
-        """Two phases, so that all ranks start the ring within moments of each other (MLX's
-        ring gives up connecting after ~30 s, and a second init in one process is broken):
-        1. wait until every rank's card is seen, have each confirmed by its agent over CURVE
-           (`confirm_cards`: Zeroconf itself is unauthenticated), then announce `ready`;
-        2. wait until every rank is `ready` (with the card it had when confirmed), then stay
-           responsive RING_GRACE_S more, so a slower rank sees this one ready too."""
+        """Two phases, so that all ranks start the ring within moments of each other: every card
+        seen and confirmed, then every rank `ready` (docs/agents.md, "shard_agent.py")."""
         interfaces = LOOPBACK_ONLY if self.cfg.loopback_only else ALL_INTERFACES
         with Browser(fleet_id=fleet_id(self.cfg.key), interfaces=interfaces) as b:
             deadline = time.monotonic() + self.form_timeout_s
             seen = self._wait_group(b, deadline, need_ready=False)
-            # the ring hostfile only from cards the agents themselves confirm over CURVE; done
-            # before `ready`, since no rank may be inside the ring's connect (which holds its
-            # process) while another still asks it
+            # before `ready`: no rank may be inside the ring's connect while another asks it
             confirm_cards(seen, self.cfg.key)
             if self.advertiser is not None:
                 self.advertiser.update(replace(self.advertiser.card,
@@ -165,17 +158,12 @@ class ShardAgent(Agent):
             if _ring_identity(a) != _ring_identity(c):
                 raise LookupError(f"card of rank {dict(c.extra).get('rank')} changed after it "
                                   "was confirmed: not building a ring from it")
-        time.sleep(RING_GRACE_S)  # (measured: without it a rank that saw the group ready first
-        # blocked in the ring's connect before a slower rank's browser had its `ready` card,
-        # and the slower rank never left phase 2; the ring gives up after ~31 s)
+        time.sleep(RING_GRACE_S)
         return [[f"{c.host}:{dict(c.extra)['ring_port']}"] for c in ready]
 
     def _wait_ready(self, browser: Browser, deadline: float, interfaces) -> list[AgentCard]:
-        """Phase 2. A peer that is `ready` may stay `forming` in this browser (seen: a rank
-        that started browsing as the peer turned ready never saw the update, while the peer,
-        seeing this rank ready, waited in the ring's connect until it gave up after ~30 s):
-        after READY_REBROWSE_S without the whole group ready, look again with a fresh browser
-        (its own cache, a new query answered with the peers' current records)."""
+        """Phase 2; a peer `ready` may stay `forming` in one browser's cache, so after
+        READY_REBROWSE_S without the whole group ready, look again with a fresh browser."""
         look = browser
         try:
             while True:

@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
             prop = make_proposer(args.proposer, lm)
             t0 = time.perf_counter()
-            # a fixed length, as the loop this replaced drafted: an adaptive one may back off
-            # to plain steps on a slow ring, and this run is here to verify drafted blocks
+            # a fixed length: an adaptive one may back off to plain steps on a slow ring
             fin = [e for e in decode_ids(lm, prompt, prop, draft_tokens=4,
                                          max_tokens=args.max_tokens, eos_ids=frozenset(),
                                          verifier=v)

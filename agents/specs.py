@@ -32,8 +32,7 @@ def check_id(value: object, what: str) -> None:
         raise _refuse(f"{what} must be a string of 1..{MAX_ID_CHARS} characters")
 
 
-# Every drafter kind a proposer agent serves unless started with fewer (`--proposer-kinds`): the
-# one list the daemon, the proposer service and the CLI default share.
+# every drafter kind a proposer agent serves unless started with fewer (`--proposer-kinds`)
 PROPOSER_KINDS = ("layerskip", "ngram", "draft", "eagle", "eagle2", "retrieval")
 
 

@@ -169,12 +169,9 @@ class RequestDrafting:
             self.feature_tap = None
 
     def drafting(self, msg: GenerateRequest, batched: bool = False) -> Drafting:
-        """What drafts for this request: remote proposer agents when it names endpoints (a
-        chain falls back from one to the next, a tree drafts on all at once), else this agent's
-        own drafters (`auto`: the chooser over them); tree or chain is decided as in-process
-        (engine/text.py plan_drafting).
-        batched: for a session of the continuous batch (hidden-state drafters are fed its rows
-        by the batch engine instead of tapping this verifier's forwards)."""
+        """What drafts for this request (docs/agents.md, "verifier_drafting.py"), tree or chain
+        as in-process (engine/text.py plan_drafting). batched: a continuous batch's session
+        (hidden-state drafters fed its rows by the batch engine, not tapped)."""
         spec = msg.proposer_spec or "none"
         if spec == AUTO and not msg.proposers:  # chosen here, per request (engine/choosing.py)
             from macfleet.engine.choosing import make_auto_group
@@ -193,9 +190,8 @@ class RequestDrafting:
             [make(s) or no_drafts(s) for s in specs], draft_tokens_of(msg)))
 
     def auto_spec(self) -> str:
-        """What `auto` drafts with on this verifier: the chooser (AUTO) where it verifies token
-        trees (engine/choosing.py `auto_spec`); n-gram chains on one whose forwards run on
-        other ranks (a sharded verifier keeps no KV cache here to verify a tree in)."""
+        """What `auto` drafts with here: the chooser (engine/choosing.py `auto_spec`), or n-gram
+        chains on a sharded verifier (no KV cache here to verify a tree in)."""
         from macfleet.engine.choosing import auto_spec
         from macfleet.engine.proposers.choice import FALLBACK
 

@@ -28,10 +28,8 @@ class Warmed:
 
 
 def warm_verifier(lm) -> Warmed:
-    """This machine's verify(L) table for `lm` (probed when none is cached: the probe runs each
-    length's first forward; read from the cache otherwise, then each length is run once), and
-    the drafters `auto` chooses among here (engine/choosing.py: the shipped head, the answer
-    store's index), loaded once so the first `auto` request does not."""
+    """This machine's verify(L) table for `lm` (probed, or read and each length run once),
+    and the drafters `auto` chooses among here, loaded once."""
     from macfleet.engine import verify_costs as vc
     from macfleet.engine.choosing import AUTO_NAME, auto_spec, make_auto_group
 
@@ -60,9 +58,8 @@ def default_parts(lm, kinds: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def warm_proposer(lm, kinds: tuple[str, ...]) -> Warmed:
-    """Build and run once each part of the default drafter this proposer serves (its head,
-    its store's index, the head's first forward). A part that does not build is logged and
-    skipped: the request that asks for it gets the error."""
+    """Build and run once each part of the default drafter this proposer serves; one that
+    does not build is logged and skipped (its request gets the error)."""
     from macfleet.engine.proposers import ProposerSpecError, make_proposer
     from macfleet.engine.sampling import GREEDY
 
