@@ -29,8 +29,6 @@ from macfleet import sysinfo
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CARD_REFRESH_S = 15.0
-
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -68,10 +66,7 @@ class AgentConfig:
     draft: str | None = None
 
 
-DEFAULT_FD_TARGET = 65536
-
-
-def raise_fd_limit(target: int = DEFAULT_FD_TARGET) -> int:
+def raise_fd_limit(target: int = 65536) -> int:
     """Raise the soft open-files limit toward the hard one (each ZeroMQ peer costs an fd);
     returns the soft limit now in force."""
     try:
@@ -307,7 +302,7 @@ class Agent:
         self.advertiser.update(new)
         self.card = self.advertiser.card
 
-    def serve_forever(self, card_refresh_s: float = DEFAULT_CARD_REFRESH_S) -> None:
+    def serve_forever(self, card_refresh_s: float = 15.0) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
         while not self._stop.wait(card_refresh_s):

@@ -17,7 +17,6 @@ import numpy as np
 
 from agents.draft_stream import DraftStream
 from agents.proposer_service import ComputeThread, ProposerLimits, check_prompt
-from agents.specs import check_id
 from bridge.errors import BAD_REQUEST, ProtocolError
 from bridge.messages import (CloseSession, DraftChunk, SessionOpened, StreamCommit,
                              StreamOpen)
@@ -96,6 +95,7 @@ class DraftAheadService(ComputeThread):
     drafting on one compute thread (MLX work is serialised there)."""
 
     KIND = "draft-ahead"
+    MESSAGES = (StreamOpen, StreamCommit, CloseSession)
 
     def _stream_of(self, s: _Session) -> DraftStream:
         return s.stream
@@ -113,28 +113,15 @@ class DraftAheadService(ComputeThread):
         self._apart_steps = APART_STEPS_MIN  # ... after the next failure
         self._start_compute("draft-ahead")
 
-    # -- the server's loop thread: validate, then queue for the compute thread
-    def handle(self, msg, reply: Reply) -> bool:
-        """False when the message is not for this service."""
-        if not isinstance(msg, (StreamOpen, StreamCommit, CloseSession)):
-            return False
-        check_id(msg.session_id, "session_id")
-        peer = getattr(reply, "peer", b"")
-        if isinstance(msg, StreamOpen):
-            self._validate_open(msg, peer)
-        elif isinstance(msg, StreamCommit):
+    def _check(self, msg, peer: bytes) -> None:
+        if isinstance(msg, StreamCommit):
             self._owned(msg.session_id, peer)
             if msg.seq < 1 or msg.start < 0 or not msg.tokens \
                     or len(msg.tokens) > MAX_LEAD + 1 \
                     or any(not 0 <= t < self.lm.vocab_size for t in msg.tokens):
                 raise ProtocolError(BAD_REQUEST, "a commit names 1.. tokens of the vocabulary "
                                                  "at a position >= 0, with seq >= 1")
-        elif msg.session_id in self._sessions:
-            self._owned(msg.session_id, peer)
-        self._jobs.put((msg, reply, peer))
-        return True
-
-    def _validate_open(self, msg: StreamOpen, peer: bytes) -> None:
+            return
         if msg.model not in ("", self.serves):
             raise ProtocolError(BAD_REQUEST, f"this agent drafts for '{self.serves}', "
                                              f"not '{msg.model}'")
@@ -144,17 +131,15 @@ class DraftAheadService(ComputeThread):
         if not 1 <= msg.max_lead <= MAX_LEAD:
             raise ProtocolError(BAD_REQUEST, f"max_lead must be 1..{MAX_LEAD}")
         check_prompt(msg, self.lm.vocab_size)
-        if msg.session_id in self._sessions:
-            self._owned(msg.session_id, peer)
-        else:
-            self._slot(peer)
+        self._admit(msg.session_id, peer)
 
     # -- the compute thread
     def _busy(self) -> bool:
         return any(s.wants_token for s in self._sessions.values())
 
     def _serve_job(self, job) -> None:
-        msg, reply, peer = job
+        msg, reply, _ = job
+        peer = getattr(reply, "peer", b"")
         self._answer(reply, lambda: self._serve(msg, reply, peer))
 
     def _serve(self, msg, reply: Reply, peer: bytes):

@@ -22,7 +22,7 @@ import numpy as np
 
 from agents.draft_stream import DraftStream
 from agents.proposer_chains import ChainRounds
-from agents.slots import Slot, slot_for
+from agents.slots import slot_for
 from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_id, check_spec,
                           make_checked_proposer)
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, INTERNAL, NOT_FOUND, ProtocolError
@@ -91,6 +91,7 @@ class ComputeThread(ABC):
     DraftStream, or holding one: `_stream_of`), their openers in `_owner`."""
 
     KIND = "drafting"  # what its sessions are called in errors and logs
+    MESSAGES: tuple[type, ...] = ()  # the requests it serves, CloseSession among them
     BAD_REQUESTS: tuple[type[Exception], ...] = ()  # a job's errors that are the request's fault
     IDLE_WAIT_S = 0.05  # how long the thread waits for a job while it has no idle work
 
@@ -105,26 +106,45 @@ class ComputeThread(ABC):
     def _stream_of(self, s) -> DraftStream:
         return s
 
+    # -- the server's loop thread: check, then queue for the compute thread
+    def handle(self, msg, reply: Reply) -> bool:
+        """False when the message is not for this service."""
+        if not isinstance(msg, self.MESSAGES):
+            return False
+        check_id(msg.session_id, "session_id")
+        peer = getattr(reply, "peer", b"")
+        if not isinstance(msg, CloseSession):
+            self._check(msg, peer)
+        elif msg.session_id in self._sessions:
+            self._owned(msg.session_id, peer)
+        self._jobs.put((msg, reply, time.perf_counter()))
+        return True
+
+    @abstractmethod
+    def _check(self, msg, peer: bytes) -> None:
+        """An open or a session's request checked before it is queued (ProtocolError)."""
+
     def _owned(self, sid: str, peer: bytes) -> None:
         """NOT_FOUND unless session `sid` exists and was opened by this client connection."""
         if sid not in self._sessions or self._owner.get(sid) != peer:
             raise ProtocolError(NOT_FOUND, f"no {self.KIND} session '{sid}'")
 
-    def _slot(self, peer: bytes) -> Slot:
-        """The slot for a new session of `peer` (slot_for); BUSY when there is none."""
-        last = {sid: self._stream_of(s).last_used for sid, s in list(self._sessions.items())}
+    def _admit(self, sid: str, peer: bytes) -> str | None:
+        """Session `sid` opening: re-opening is its opener's alone (NOT_FOUND), a new session
+        takes a slot (slot_for; BUSY when there is none); returns the session giving way."""
+        if sid in self._sessions:
+            self._owned(sid, peer)
+            return None
+        last = {s: self._stream_of(st).last_used for s, st in list(self._sessions.items())}
         slot = slot_for(peer, dict(self._owner), last, time.monotonic(), self.limits)
         if not slot.ok:
             raise ProtocolError(BUSY, slot.why)
-        return slot
+        return slot.evict
 
     def _make_room(self, sid: str, peer: bytes) -> None:
-        """On the compute thread, as a session opens (other opens may have been queued since
-        `handle`): re-opening is its opener's alone; a new session takes a slot."""
-        if sid in self._sessions:
-            self._owned(sid, peer)
-            return
-        evict = self._slot(peer).evict
+        """`_admit` again on the compute thread (other opens may have been queued since
+        `handle`), the session that gives way dropped."""
+        evict = self._admit(sid, peer)
         if evict is not None:
             log.info("%s session %s gives way to a new one", self.KIND, evict)
             self._drop(evict)
@@ -190,7 +210,7 @@ class ComputeThread(ABC):
         return False
 
     def _idle_step(self) -> None:
-        """Lookahead: extend one session's stream by one token (round-robin)."""
+        """One step of idle work, between jobs."""
 
     @abstractmethod
     def _serve_job(self, job) -> None:
@@ -211,6 +231,7 @@ class ProposerService(ComputeThread):
     on one compute thread (chain rounds: `chains`), lookahead in idle time, idle eviction."""
 
     BAD_REQUESTS = (ModelSpecError, ProposerSpecError, ValueError)
+    MESSAGES = (OpenSession, DraftRequest, CloseSession)
 
     def __init__(self, lm: LoadedModel, *,
                  kinds: tuple[str, ...] = PROPOSER_KINDS,
@@ -234,32 +255,20 @@ class ProposerService(ComputeThread):
 
             warm_store(lm.spec)
 
-    # -- called on the server loop thread: validate, then queue for the compute thread
     def handle(self, msg, reply: Reply) -> bool:
-        """Returns False when the message is not for this service."""
         if isinstance(msg, HiddenStates):
             # F3 probes, acknowledged at once: the verifier measures the wire cost only
             reply(HiddenStatesAck(msg.session_id, msg.block, int(msg.states.nbytes)))
             return True
-        peer = getattr(reply, "peer", b"")
-        if isinstance(msg, (OpenSession, DraftRequest, CloseSession)):
-            check_id(msg.session_id, "session_id")
-        if isinstance(msg, OpenSession):
-            self._validate_open(msg, peer)
-        elif isinstance(msg, DraftRequest):
+        return super().handle(msg, reply)
+
+    def _check(self, msg, peer: bytes) -> None:
+        if isinstance(msg, DraftRequest):
             if not 0 <= msg.k <= self.limits.max_k:
                 raise ProtocolError(BAD_REQUEST, f"k must be 0..{self.limits.max_k}, got {msg.k}")
             self._owned(msg.session_id, peer)
             check_features(msg, self.lm.hidden_size)
-        elif isinstance(msg, CloseSession):
-            if msg.session_id in self._sessions:
-                self._owned(msg.session_id, peer)
-        else:
-            return False
-        self._jobs.put((msg, reply, time.perf_counter()))
-        return True
-
-    def _validate_open(self, msg: OpenSession, peer: bytes) -> None:
+            return
         if not isinstance(msg.proposer, str) or "+" in msg.proposer:
             raise ProtocolError(BAD_REQUEST, "a drafting session runs one drafter, not a+b")
         check_spec(msg.proposer, self.policy)
@@ -268,10 +277,7 @@ class ProposerService(ComputeThread):
                                 f"this proposer drafts for '{self.lm.spec}', not '{msg.model}'")
         if not msg.prompt or len(msg.prompt) > self.limits.max_prompt:
             raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} tokens")
-        if msg.session_id not in self._sessions:
-            self._slot(peer)
-        else:
-            self._owned(msg.session_id, peer)  # re-opening replaces only one's own session
+        self._admit(msg.session_id, peer)
         check_prompt(msg, self.lm.vocab_size)
 
     def _drop(self, sid: str) -> None:
@@ -364,8 +370,7 @@ class ProposerService(ComputeThread):
         return any(s.wants_lookahead() for s in self._sessions.values())
 
     def _idle_step(self) -> None:
-        """Lookahead: extend one session's stream by one token (round-robin), then look at the
-        queue again."""
+        """Lookahead: extend one session's stream by one token (round-robin)."""
         live = [s for s in list(self._sessions.values()) if s.wants_lookahead()]
         if not live:
             return

@@ -115,25 +115,21 @@ class VerifierService:
         refuses proposer endpoints this agent may not connect to (None: all of them)."""
         self.lm = lm
         self._peers = peers or PeerAllowlist(key).check
-        self.node_id = node_id
-        self.key = key
         self.limits = limits
         self.policy = policy or SpecPolicy(own_model=lm.spec)
-        self.models = DraftModels()
-        # F3 probe width: what an EAGLE-style drafter reads, the last layer's hidden state
-        self.f3_probe_width = lm.hidden_size if f3_probe else 0
         self._jobs: queue.Queue = queue.Queue(maxsize=limits.max_queued)
         self._verifier = verifier if verifier is not None else Verifier(lm.model)
         self._on_fatal = on_fatal
-        self._drafts = RequestDrafting(lm, key=key, policy=self.policy, models=self.models,
-                                       verifier=self._verifier,
-                                       f3_probe_width=self.f3_probe_width, f3_codec=f3_codec,
-                                       draft_timeout_s=limits.draft_timeout_s)
+        # the F3 probe's width: what an EAGLE-style drafter reads, the last layer's hidden state
+        drafts = RequestDrafting(lm, key=key, policy=self.policy, models=DraftModels(),
+                                 verifier=self._verifier,
+                                 f3_probe_width=lm.hidden_size if f3_probe else 0,
+                                 f3_codec=f3_codec, draft_timeout_s=limits.draft_timeout_s)
         self._keepalive = self._verifier.keepalive if self._verifier.needs_keepalive else None
         self._solo = 0  # one-session generations running (0 or 1)
         self._pending = Pending()  # queued or running -> heartbeats
         self.generations = VerifierGenerations(
-            lm, node_id=node_id, verifier=self._verifier, drafts=self._drafts,
+            lm, node_id=node_id, verifier=self._verifier, drafts=drafts,
             pending=self._pending, publish=publish or (lambda m: None))
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
@@ -153,15 +149,6 @@ class VerifierService:
                                        endpoints=prefill_endpoints, submit=self._submit,
                                        policy=disagg or DisaggPolicy())
         self.generations.stage = self._stage
-
-    @property
-    def f3_codec(self) -> str:
-        """How hidden states travel to remote hidden-state drafters (float16 | int8)."""
-        return self._drafts.f3_codec
-
-    @f3_codec.setter
-    def f3_codec(self, codec: str) -> None:
-        self._drafts.f3_codec = codec
 
     def _start_batch(self) -> None:
         lock = threading.Lock()
