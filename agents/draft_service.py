@@ -1,10 +1,6 @@
-"""The draft-model role: a small same-family model that drafts ahead of a big verifier.
-
-A proposer agent started with `--draft MODEL` serves this instead of ProposerService. After a
-StreamOpen the agent drafts unasked, up to `max_lead` tokens past what it knows is committed,
-and pushes each token (DraftChunk) as it exists; the verifier's commits (StreamCommit, one-way)
-keep or re-root each stream by the rule both ends share, so the draft model drafts while the
-verifier verifies (docs/agents.md, "draft_service.py").
+"""The draft-model role (`--draft MODEL`): a small same-family model drafting ahead of a big
+verifier, pushing each draft token (DraftChunk) as it exists, so it drafts while the verifier
+verifies (docs/agents.md, "draft_service.py").
 """
 
 from __future__ import annotations

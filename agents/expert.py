@@ -131,16 +131,12 @@ class ExpertParallelMoE(nn.Module):
         return y
 
 
-def shard_experts(model: nn.Module, group: mx.distributed.Group) -> tuple[tuple[int, int],
-                                                                          RouterLoad]:
-    """Replace every MoE block of `model` by this rank's expert-parallel block, in place.
-
-    Returns this rank's expert range and the load counter its blocks feed. ValueError when the
-    model has no MoE layer or fewer experts than ranks.
-    """
-    layers = list(model.model.layers)
-    moe = [ly for ly in layers if all(hasattr(getattr(ly, "mlp", None), a)
-                                      for a in ("gate", "switch_mlp", "top_k"))]
+def shard_experts(model: nn.Module, group: mx.distributed.Group) -> RouterLoad:
+    """Replace every MoE block of `model` by this rank's expert-parallel block, in place;
+    returns the load counter its blocks feed. ValueError when the model has no MoE layer or
+    fewer experts than ranks."""
+    moe = [ly for ly in model.model.layers if all(hasattr(getattr(ly, "mlp", None), a)
+                                                  for a in ("gate", "switch_mlp", "top_k"))]
     experts = int(getattr(model.args, "num_experts", 0) or 0)
     n, r = group.size(), group.rank()
     if not moe or experts <= 0:
@@ -148,8 +144,7 @@ def shard_experts(model: nn.Module, group: mx.distributed.Group) -> tuple[tuple[
                          "use tensor or pipeline")
     if experts < n:
         raise ValueError(f"{experts} experts cannot be spread over {n} ranks")
-    span = expert_range(experts, n, r)
     load = RouterLoad(experts)
     for ly in moe:
-        ly.mlp = ExpertParallelMoE(ly.mlp, group, span, load)
-    return span, load
+        ly.mlp = ExpertParallelMoE(ly.mlp, group, expert_range(experts, n, r), load)
+    return load

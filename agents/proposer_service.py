@@ -1,11 +1,6 @@
-"""The proposer role: draft blocks for many verifier sessions at once.
-
-One compute thread owns the model. It serves draft requests first come first served (chain
-sessions of one round drafted together: agents/proposer_chains.py), extends sessions' streams
-in idle time (cross-round lookahead, one token at a time so a request never waits long),
-evicts idle sessions and shares the slots fairly (agents/slots.py). A session is its opener's
-connection's alone; every request is validated and a bad one gets a typed error
-(docs/agents.md, "proposer_service.py").
+"""The proposer role: draft blocks for many verifier sessions at once, on one compute thread
+that serves requests first come first served, drafts ahead in idle time and shares its
+session slots fairly (docs/agents.md, "proposer_service.py").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The verifier's side of flow KV: decide, fetch a prompt's KV from a prefill agent, or not.
-
-`PrefillStage` runs beside the compute thread: it tokenizes a long prompt, asks the planner
-(topology/disagg.py `decide`, fed with what this verifier measured) and, when shipping the
-prefill pays, fetches the KV while the compute thread decodes other sessions. A dead, slow or
-wrong prefill agent costs a local prefill, never the request (docs/agents.md,
-"remote_prefill.py").
+"""The verifier's side of flow KV: `PrefillStage` decides (topology/disagg.py) whether a long
+prompt's prefill runs on a prefill agent and fetches its KV meanwhile; a failed prefill agent
+costs a local prefill, never the request (docs/agents.md, "remote_prefill.py").
 """
 
 from __future__ import annotations

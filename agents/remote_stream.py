@@ -1,9 +1,6 @@
-"""A draft-model agent drafting ahead, seen by the verifier's loop as a local `Proposer`.
-
-The agent (agents/draft_service.py) pushes its drafts as it makes them; a block sends what the
-verifier committed (F1, one-way), takes the drafts already there and waits only for as many
-more as pay for their wait (docs/agents.md, "remote_stream.py"). Any failure raises
-`ProposerFailed` and the loop goes on without it.
+"""A draft-model agent drafting ahead, seen by the verifier's loop as a local `Proposer`: a block
+sends what was committed (F1, one-way) and takes the drafts the agent pushed, waiting only for
+as many more as pay (docs/agents.md, "remote_stream.py"). Failures raise `ProposerFailed`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""A verifier sharded over several processes (several Macs) with mlx.distributed, ring backend.
-
-Every rank is its own process, given the same hostfile and its rank (MLX_HOSTFILE, MLX_RANK):
-no ssh, no launcher. The model is cut by tensor, pipeline or expert (agents/expert.py)
-parallelism; rank 0 is a drop-in `Verifier` whose every call is broadcast to the followers,
-and every collective runs under a `Watchdog` that exits the rank when a cut link would block
-it forever (docs/agents.md, "shard.py").
+"""A verifier sharded over several processes (several Macs) with mlx.distributed, ring backend:
+tensor, pipeline or expert (agents/expert.py) parallelism, rank 0 a drop-in `Verifier` whose
+calls are broadcast to the followers, every collective under a `Watchdog` (docs/agents.md,
+"shard.py").
 """
 
 from __future__ import annotations
@@ -143,7 +140,7 @@ class _Stage:
         args = model.args
         self.load = None  # expert mode: the router's load and the expert collective
         if mode == "expert":
-            self.experts, self.load = shard_experts(model, group)
+            self.load = shard_experts(model, group)
             self.layers = list(model.model.layers)
         elif mode == "tensor":
             if args.num_attention_heads % self.size or args.num_key_value_heads % self.size:
