@@ -91,7 +91,7 @@ class DraftStream:
         committed = [int(t) for t in committed]
         self.context.extend(committed)
         self._survived = survives(self.stream, committed)
-        n = len(committed) if self._survived else len(self.stream)
+        n = len(committed) if self._survived else None  # (None: all of it)
         del self.stream[:n]
         del self.rows[:n]
         if not self.stream:  # the context grew past the stream: a lookup may find more
