@@ -68,7 +68,6 @@ class Meter:
         self.local_tok_s = 0.0
         self.remote_tok_s = 0.0
         self.link_bytes_s = 0.0
-        self.rtt_ms = 1.0
 
     @staticmethod
     def _mix(old: float, new: float) -> float:
@@ -93,7 +92,7 @@ class Meter:
                             kv_bytes_per_token=layout.bytes_per_token(policy.codec),
                             local_prefill_tok_s=local,
                             remote_prefill_tok_s=self.remote_tok_s or local,
-                            link_rtt_ms=self.rtt_ms, min_prompt_tokens=policy.min_prompt_tokens,
+                            min_prompt_tokens=policy.min_prompt_tokens,
                             min_saved_ms=policy.min_saved_ms,
                             max_ttft_ratio=policy.max_ttft_ratio, **extra)
 
