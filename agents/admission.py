@@ -1,11 +1,9 @@
 """Memory admission: refuse a model that will not fit BEFORE loading it, with the numbers.
 
-Loading a model that does not fit does not fail cleanly: macOS swaps until the machine is
-unusable, Linux's OOM killer takes the agent (or something else) down minutes later. So the
-agent estimates what the model will occupy from what is on disk and compares it with the
-memory available now, keeping a reserve for the OS and the KV cache.
-
-`estimate_bytes` and `decide` are pure; `footprint` reads file sizes (no model is loaded).
+A model that does not fit does not fail cleanly (macOS swaps until the machine is unusable,
+Linux's OOM killer strikes minutes later), so the agent estimates its footprint from what is
+on disk and compares it with the memory free now, keeping a reserve. `estimate_bytes` and
+`decide` are pure; `footprint` reads file sizes only.
 """
 
 from __future__ import annotations

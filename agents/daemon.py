@@ -1,7 +1,5 @@
-"""The agent daemon: one per Mac. Advertise, serve a role, publish metrics, never die of input.
-
-Life cycle: load the model (so the card can say it is loaded) -> bind ROUTER and PUB -> warm
-up (agents/warmup.py: what a first request would otherwise pay for) -> advertise on Zeroconf -> serve until SIGTERM/SIGINT -> unregister (goodbyes go out) -> close.
+"""The agent daemon: one per Mac. Advertise, serve a role, publish metrics, never die of input
+(its life cycle: docs/agents.md, "daemon.py").
 """
 
 from __future__ import annotations
@@ -31,8 +29,6 @@ from macfleet import sysinfo
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CARD_REFRESH_S = 15.0
-
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -52,36 +48,27 @@ class AgentConfig:
     node_id: str = ""
     f3_probe: bool = False  # verifier: measure F3 with a hidden-state-sized probe per block
     allow_hub: bool = False  # remote requests may name Hugging Face ids (downloads) for draft:
-    # verifier: ship long prompts' prefill to prefill agents found on Zeroconf when it pays
-    # (None: never); an agents.remote_prefill.DisaggPolicy
+    # verifier: ship long prompts' prefill to prefill agents when it pays (a DisaggPolicy;
+    # None: never)
     disagg: object | None = None
-    # connections one peer address may hold to the ROUTER and to the PUB before they complete
-    # the handshake (None: the default of bridge.peercap, 0: no caps)
+    # pre-handshake connections per peer address (None: bridge.peercap's default, 0: no caps)
     max_conns_per_peer: int | None = None
-    # verifier: sessions verified together in one forward (continuous batching; 0: one at a
-    # time; None: the verifier's default). A sharded verifier runs one session at a time.
+    # verifier (None: VerifierLimits' default): sessions in one batched forward (0: one at a
+    # time), the batch's stall ratio, a remote draft's timeout
     batch_sessions: int | None = None
-    # verifier: prefill chunks sized so a batch iteration costs at most this many decode-only
-    # ones (None: the verifier's default)
     stall_ratio: float | None = None
-    # verifier: how long a remote proposer's draft may take before the block decodes without
-    # it (None: the verifier's default)
     draft_timeout_s: float | None = None
     # endpoints a request may make this agent connect to besides the fleet members it
-    # discovered (bridge.peers): tcp://HOST:PORT or tcp://HOST:* (--allow-peer)
+    # discovered (bridge.peers, --allow-peer)
     allow_peers: tuple[str, ...] = ()
-    # proposer: a draft model (a spec as `--model` takes) that drafts ahead for `model`'s
-    # verifiers (agents/draft_service.py); the agent then loads only the draft model
+    # proposer: a draft model that drafts ahead for `model`'s verifiers (draft_service.py);
+    # the agent then loads only the draft model
     draft: str | None = None
 
 
-DEFAULT_FD_TARGET = 65536
-
-
-def raise_fd_limit(target: int = DEFAULT_FD_TARGET) -> int:
-    """Raise the soft open-files limit toward the hard one (each ZeroMQ peer costs an fd; a
-    flood of unauthenticated connections must not starve the agent before CURVE's handshake
-    deadline sheds them). Returns the soft limit now in force."""
+def raise_fd_limit(target: int = 65536) -> int:
+    """Raise the soft open-files limit toward the hard one (each ZeroMQ peer costs an fd);
+    returns the soft limit now in force."""
     try:
         import resource
     except ImportError:  # not POSIX
@@ -175,27 +162,20 @@ class Agent:
         else:
             self.verifier = self._verifier_service()
 
-    def _verifier_limits(self):
-        from agents.verifier_service import VerifierLimits
-
-        given = {k: v for k, v in (("batch_sessions", self.cfg.batch_sessions),
-                                   ("stall_ratio", self.cfg.stall_ratio),
-                                   ("draft_timeout_s", self.cfg.draft_timeout_s))
-                 if v is not None}
-        return VerifierLimits(**given)
-
     def _verifier_service(self, verifier=None, on_fatal=None):
         from agents.specs import SpecPolicy
-        from agents.verifier_service import VerifierService
+        from agents.verifier_service import VerifierLimits, VerifierService
 
         policy = SpecPolicy(heads_dir=self.cfg.heads_dir, own_model=self.lm.spec,
                             allow_hub=self.cfg.allow_hub, vocab_size=self.lm.vocab_size)
+        given = {k: getattr(self.cfg, k) for k in ("batch_sessions", "stall_ratio",
+                                                   "draft_timeout_s")
+                 if getattr(self.cfg, k) is not None}
         endpoints = None
         if self.cfg.disagg is not None and verifier is None:
             endpoints = self._prefill_endpoints
-
         return VerifierService(self.lm, node_id=self.node_id, key=self.cfg.key,
-                               limits=self._verifier_limits(),
+                               limits=VerifierLimits(**given),
                                publish=self.publish, f3_probe=self.cfg.f3_probe,
                                verifier=verifier, on_fatal=on_fatal, f3_codec=self.cfg.f3_codec,
                                policy=policy, prefill_endpoints=endpoints,
@@ -209,8 +189,7 @@ class Agent:
                 and signed(c, self.cfg.key)]
 
     def _warm(self):
-        """Before the card goes out: the verify(L) table and each block length's first forward
-        (a verifier), the default drafter's parts this proposer serves (agents/warmup.py)."""
+        """Before the card goes out: what each role's first request would pay (agents/warmup.py)."""
         from agents import warmup
 
         if self.verifier is not None and self.cfg.role == ROLE_VERIFIER:
@@ -323,7 +302,7 @@ class Agent:
         self.advertiser.update(new)
         self.card = self.advertiser.card
 
-    def serve_forever(self, card_refresh_s: float = DEFAULT_CARD_REFRESH_S) -> None:
+    def serve_forever(self, card_refresh_s: float = 15.0) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
         while not self._stop.wait(card_refresh_s):

@@ -1,32 +1,18 @@
-"""The draft-model role: a small same-family model that drafts ahead of a big verifier.
-
-A proposer agent started with `--draft MODEL` serves this instead of the block-by-block
-ProposerService. A verifier opens a session (StreamOpen) and from then on the agent drafts
-without being asked: one compute thread extends every session's stream by a token a step (with
-more than one to extend, all in one forward of the draft model: their caches become rows of
-one store), up to the session's `max_lead` tokens past what it knows is committed, and pushes
-each token (DraftChunk) the moment it exists. The verifier's commits (StreamCommit, one-way)
-arrive between tokens: a stream whose tokens are the committed ones goes on where it was (the
-likely case at high acceptance: nothing was lost, the next block is already drafted); one that
-is refuted re-roots at that commit (`basis`), throwing away what it had drafted past it. The
-verifier applies the same rule to the same tokens (agents/remote_stream.py), so both sides
-agree on which chunks are current without a round trip.
-
-So the draft model drafts while the verifier verifies: on two Macs a block costs about
-verify(k+1) instead of verify(k+1) + k draft steps (docs/design.md, physics 5).
+"""The draft-model role (`--draft MODEL`): a small same-family model drafting ahead of a big
+verifier, pushing each draft token (DraftChunk) as it exists, so it drafts while the verifier
+verifies (docs/agents.md, "draft_service.py").
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from agents.draft_stream import DraftStream
 from agents.proposer_service import ComputeThread, ProposerLimits, check_prompt
-from agents.specs import check_id
 from bridge.errors import BAD_REQUEST, ProtocolError
 from bridge.messages import (CloseSession, DraftChunk, SessionOpened, StreamCommit,
                              StreamOpen)
@@ -40,21 +26,17 @@ from macfleet.engine.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_LEAD = 2 * MAX_DRAFT_TOKENS + 2  # a lead the verifier may ask for
-# after drafting streams together failed, the idle steps they draft alone before the next try
-# (doubling while it keeps failing: a persistent failure was retried, and logged, every step)
+# after drafting streams together failed, the idle steps they draft alone (doubling)
 APART_STEPS_MIN = 16
 APART_STEPS_MAX = 1024
 
 
 @dataclass
 class AheadTally:
-    """What one session's stream did: tokens drafted and pushed, and those a re-root threw
-    away (drafted past a commit that refuted them)."""
+    """What the service's streams did."""
 
-    drafted: int = 0
-    wasted: int = 0
-    reroots: int = 0
-    steps_together: int = 0  # (the service's) steps that drafted several streams in one forward
+    drafted: int = 0  # tokens drafted and pushed
+    steps_together: int = 0  # steps that drafted several streams in one forward
 
 
 @dataclass
@@ -64,7 +46,6 @@ class _Session:
     max_lead: int
     basis: int = 0  # the commit the stream was last re-rooted at (0: the prompt)
     seq: int = 0  # the last commit applied
-    tally: AheadTally = field(default_factory=AheadTally)
 
     @property
     def wants_token(self) -> bool:
@@ -79,11 +60,8 @@ class _Session:
             raise ProtocolError(BAD_REQUEST, f"commit {msg.seq} at {msg.start}: expected "
                                              f"{self.seq + 1} at {len(st.context)}")
         self.seq = msg.seq
-        before = len(st.stream)
         if not st.commit(msg.tokens):
             self.basis = msg.seq
-            self.tally.reroots += 1
-            self.tally.wasted += before
         st.last_used = time.monotonic()
 
     def draft(self, sid: str) -> DraftChunk | None:
@@ -104,7 +82,6 @@ class _Session:
         n = st.take(d)
         if not n:
             return None
-        self.tally.drafted += n
         probs = np.stack(st.rows[-n:]).astype(np.float32) if st.want_probs and st.rows else None
         return DraftChunk(sid, self.basis, start, [int(t) for t in st.stream[-n:]], probs, ms)
 
@@ -114,6 +91,7 @@ class DraftAheadService(ComputeThread):
     drafting on one compute thread (MLX work is serialised there)."""
 
     KIND = "draft-ahead"
+    MESSAGES = (StreamOpen, StreamCommit, CloseSession)
 
     def _stream_of(self, s: _Session) -> DraftStream:
         return s.stream
@@ -131,28 +109,15 @@ class DraftAheadService(ComputeThread):
         self._apart_steps = APART_STEPS_MIN  # ... after the next failure
         self._start_compute("draft-ahead")
 
-    # -- the server's loop thread: validate, then queue for the compute thread
-    def handle(self, msg, reply: Reply) -> bool:
-        """False when the message is not for this service."""
-        if not isinstance(msg, (StreamOpen, StreamCommit, CloseSession)):
-            return False
-        check_id(msg.session_id, "session_id")
-        peer = getattr(reply, "peer", b"")
-        if isinstance(msg, StreamOpen):
-            self._validate_open(msg, peer)
-        elif isinstance(msg, StreamCommit):
+    def _check(self, msg, peer: bytes) -> None:
+        if isinstance(msg, StreamCommit):
             self._owned(msg.session_id, peer)
             if msg.seq < 1 or msg.start < 0 or not msg.tokens \
                     or len(msg.tokens) > MAX_LEAD + 1 \
                     or any(not 0 <= t < self.lm.vocab_size for t in msg.tokens):
                 raise ProtocolError(BAD_REQUEST, "a commit names 1.. tokens of the vocabulary "
                                                  "at a position >= 0, with seq >= 1")
-        elif msg.session_id in self._sessions:
-            self._owned(msg.session_id, peer)
-        self._jobs.put((msg, reply, peer))
-        return True
-
-    def _validate_open(self, msg: StreamOpen, peer: bytes) -> None:
+            return
         if msg.model not in ("", self.serves):
             raise ProtocolError(BAD_REQUEST, f"this agent drafts for '{self.serves}', "
                                              f"not '{msg.model}'")
@@ -162,17 +127,15 @@ class DraftAheadService(ComputeThread):
         if not 1 <= msg.max_lead <= MAX_LEAD:
             raise ProtocolError(BAD_REQUEST, f"max_lead must be 1..{MAX_LEAD}")
         check_prompt(msg, self.lm.vocab_size)
-        if msg.session_id in self._sessions:
-            self._owned(msg.session_id, peer)
-        else:
-            self._slot(peer)
+        self._admit(msg.session_id, peer)
 
     # -- the compute thread
     def _busy(self) -> bool:
         return any(s.wants_token for s in self._sessions.values())
 
     def _serve_job(self, job) -> None:
-        msg, reply, peer = job
+        msg, reply, _ = job
+        peer = getattr(reply, "peer", b"")
         self._answer(reply, lambda: self._serve(msg, reply, peer))
 
     def _serve(self, msg, reply: Reply, peer: bytes):
@@ -190,23 +153,16 @@ class DraftAheadService(ComputeThread):
         if isinstance(msg, CloseSession):
             return self._close_session(msg, peer)
         self._owned(msg.session_id, peer)
-        self._commit(self._sessions[msg.session_id], msg)
+        self._sessions[msg.session_id].apply(msg)
         return None  # one-way
 
-    def _commit(self, s: _Session, msg: StreamCommit) -> None:
-        reroots, wasted = s.tally.reroots, s.tally.wasted
-        s.apply(msg)
-        self.totals.reroots += s.tally.reroots - reroots
-        self.totals.wasted += s.tally.wasted - wasted
-
     def _idle_step(self) -> None:
-        """One more token on every session's stream in one forward (`draft_together`: with
-        more than one stream to extend, their caches become rows of the draft model's store),
-        or else on one session's (round-robin); each pushed at once."""
+        """One more token on every session's stream in one forward (`draft_together`), or
+        else on one session's (round-robin); each pushed at once."""
         live = [(sid, s) for sid, s in self._sessions.items() if s.wants_token]
         self._step += 1
-        # drafted together from now on (alone, a stream's own cache is cheaper: one flat
-        # forward costs more host work than the model's own), unless that failed lately
+        # drafted together from now on (alone, a stream's own cache is cheaper), unless that
+        # failed lately
         if len(live) > 1 and self._step >= self._together_from:
             for _, s in live:
                 if s.stream.proposer.rows is None:

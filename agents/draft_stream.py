@@ -1,18 +1,9 @@
 """One drafting session on a proposer agent: the committed context plus a speculative stream.
 
-The stream is what the proposer believes comes next: draft tokens beyond the committed
-context, each with the distribution it was sampled from (when sampling). A draft request
-brings the tokens the verifier committed since the last one (flow F1):
-
-* if they are a prefix of the stream (the verifier accepted everything we drafted, and its
-  bonus token equals our guess), the rest of the stream is still valid: we answer from it
-  at once -- this is cross-round drafting, the stream having been extended while the
-  verifier was busy verifying the previous block;
-* otherwise the stream is dropped and drafting restarts from the new context (the
-  proposer's KV cache rolls back to the common prefix by itself).
-
-Reusing stream tokens is lossless for sampling too: each token was drawn from q(. | its
-prefix), and whether that prefix got committed does not depend on the token itself.
+The stream holds draft tokens beyond the committed context (with their distributions when
+sampling). A request's committed tokens either are a prefix of it, and the rest answers at once
+(cross-round drafting), or refute it, and drafting restarts from the new context; reusing
+stream tokens is lossless for sampling too (docs/agents.md, "draft_stream.py").
 """
 
 from __future__ import annotations
@@ -30,9 +21,8 @@ from macfleet.engine.tree import longest_branch
 
 def survives(stream: Sequence[int], committed: Sequence[int]) -> bool:
     """Whether a draft stream outlives a commit: every stream token at a committed position is
-    the committed token (a stream shorter than the commit is checked as far as it goes). The
-    one rule both ends of a draft-ahead session apply (agents/draft_service.py, remote_stream.py),
-    so they agree on which drafts are current without a round trip."""
+    the committed token. The one rule both ends of a draft-ahead session apply, so they agree on
+    which drafts are current without a round trip."""
     return all(int(a) == int(b) for a, b in zip(stream, committed))
 
 
@@ -44,7 +34,6 @@ LOOKAHEAD_RETRY = 8  # with a low hit rate, still pre-draft before every 8th req
 class StreamReply:
     tokens: list[int]
     probs: np.ndarray | None
-    compute_ms: float
     predraft_hit: bool  # the pre-drafted stream survived and supplied at least one token
 
 
@@ -59,15 +48,13 @@ class DraftStream:
     last_k: int = 4
     last_used: float = field(default_factory=time.monotonic)
     exhausted: bool = False  # the proposer had nothing more to say for this stream
-    # EMA of how often a request was answered from the pre-drafted stream. Lookahead that
-    # never hits only delays real requests (they wait for the draft step in progress), so
-    # it is paused when hits are rare and retried now and then.
+    # how often a request was answered from the pre-drafted stream (EMA): lookahead pauses
+    # while hits are rare (docs/agents.md, "draft_stream.py")
     hit_rate: float = 0.5
     requests: int = 0
     last_drafted: int = 0  # tokens of the last tree drafted (what the verifier reports on)
     _survived: bool = False
-    # A tree drafter's next tree, drafted in idle time one token early from the context + the
-    # last tree's deepest branch (the outcome it expects): engine/ahead.py
+    # a tree drafter's next tree, drafted early from the outcome it expects (engine/ahead.py)
     last_tree: Draft | None = None
     tree_ahead: Ahead | None = None
 
@@ -99,23 +86,17 @@ class DraftStream:
         return hit
 
     def commit(self, committed: Sequence[int]) -> bool:
-        """Append the verifier's committed tokens; returns whether the stream survived: its
-        tokens at the committed positions are the committed ones (`survives`). What is left
-        of it then continues the new context; otherwise it is dropped."""
+        """Append the verifier's committed tokens; returns whether the stream survived them
+        (`survives`): what is left of it continues the new context, else it is dropped."""
         committed = [int(t) for t in committed]
         self.context.extend(committed)
-        n = len(committed)
         self._survived = survives(self.stream, committed)
-        if self._survived:
-            del self.stream[:n]
-            del self.rows[:n]
-            if not self.stream:  # the context grew past the stream: a lookup may find more
-                self.exhausted = False
-            return True
-        self.stream.clear()
-        self.rows.clear()
-        self.exhausted = False
-        return False
+        n = len(committed) if self._survived else None  # (None: all of it)
+        del self.stream[:n]
+        del self.rows[:n]
+        if not self.stream:  # the context grew past the stream: a lookup may find more
+            self.exhausted = False
+        return self._survived
 
     def extend(self, n: int = 1) -> int:
         """Draft up to n more stream tokens; returns how many were added."""
@@ -124,8 +105,8 @@ class DraftStream:
         return self.take(self.proposer.propose(self.context + self.stream, n))
 
     def take(self, d: Draft) -> int:
-        """Append a draft of the stream's next tokens (drafted from context + stream: by
-        `extend`, or with other sessions' streams at once); returns how many were added."""
+        """Append a draft of the stream's next tokens (drafted from context + stream); returns
+        how many were added."""
         if not d.tokens:
             self.exhausted = True
             return 0
@@ -136,7 +117,6 @@ class DraftStream:
 
     def draft(self, k: int) -> StreamReply:
         """The next k tokens of the stream, drafting what is missing now."""
-        t0 = time.perf_counter()
         self.last_k = k
         self.last_used = time.monotonic()
         hit = bool(self.stream) and k > 0 and self._survived
@@ -148,7 +128,7 @@ class DraftStream:
         probs = None  # without distributions (n-gram): exact-match acceptance
         if self.want_probs and toks and len(self.rows) >= len(toks):
             probs = np.stack(self.rows[: len(toks)]).astype(np.float32)
-        return StreamReply(toks, probs, (time.perf_counter() - t0) * 1e3, hit)
+        return StreamReply(toks, probs, hit)
 
     def wants_lookahead(self) -> bool:
         """Cross-round: keep one block + the bonus guess + the next block pre-drafted (a

@@ -1,31 +1,9 @@
 """Expert parallelism for a mixture-of-experts verifier (`--shard-mode expert`).
 
-Placement: rank r of N holds a contiguous range of every MoE layer's experts (`topology.moe.
-expert_range`, the planner's; 8 experts over 2 ranks -> 0-3 | 4-7). The
-attention, the embeddings, the norms, the LM head and each layer's router are replicated:
-every rank runs them on the same input, so every rank picks the same experts for every token.
-
-In a MoE block each rank computes a [tokens, hidden] partial sum over its own experts, and ONE
-`all_sum` per MoE layer adds the ranks' partials, so every rank continues with the full output.
-Collective payload per forward: MoE layers x tokens x hidden x itemsize. Two ways to route:
-* a few tokens (decode, verify blocks: under `ROUTE_ON_HOST_MIN_TOKENS`): on the device, no
-  host sync. Each of a token's k slots runs through `switch_mlp` (mlx-lm's own gather matmul),
-  a slot routed to another rank's expert pointed at a local one and its output replaced by 0;
-  the all_sum stays inside the forward's graph, like tensor parallelism's. A forward is one
-  evaluation instead of three host round trips per MoE layer (the router's choice, the
-  partial, the collective); decode is bandwidth-bound, and the extra slots read no expert that
-  the local ones do not (at most one more).
-* many tokens (prefill chunks): on the host, one sync per MoE layer: the (token, slot) pairs
-  routed to local experts are found, and only those rows are computed (non-local experts never
-  are): compute-bound, so the k x (1 - 1/ranks) slots saved pay for the sync. Only this path
-  times the collective (it has to wait for it anyway).
-
-What fits: each rank keeps the replicated part plus E/N of the experts; an MoE's experts are
-most of its weights, so this is close to 1/N.
-
-The router's choices are counted here (`RouterLoad`) on the way: per expert, summed over the
-MoE layers, and so per rank (the device path's choices are read after the forward is evaluated:
-`RouterLoad.flush`).
+Rank r of N holds a contiguous range of every MoE layer's experts (`topology.moe.expert_range`);
+attention, embeddings, norms, head and routers are replicated, so every rank routes alike, and
+one `all_sum` per MoE layer adds the ranks' partial outputs. A few tokens route on the device,
+many on the host (docs/agents.md, "expert.py"); `RouterLoad` counts the router's choices.
 """
 
 from __future__ import annotations
@@ -153,19 +131,12 @@ class ExpertParallelMoE(nn.Module):
         return y
 
 
-def is_moe_block(m: nn.Module) -> bool:
-    return hasattr(m, "gate") and hasattr(m, "switch_mlp") and hasattr(m, "top_k")
-
-
-def shard_experts(model: nn.Module, group: mx.distributed.Group) -> tuple[tuple[int, int],
-                                                                          RouterLoad]:
-    """Replace every MoE block of `model` by this rank's expert-parallel block, in place.
-
-    Returns this rank's expert range and the load counter its blocks feed. ValueError when the
-    model has no MoE layer or fewer experts than ranks.
-    """
-    layers = list(model.model.layers)
-    moe = [ly for ly in layers if is_moe_block(getattr(ly, "mlp", None))]
+def shard_experts(model: nn.Module, group: mx.distributed.Group) -> RouterLoad:
+    """Replace every MoE block of `model` by this rank's expert-parallel block, in place;
+    returns the load counter its blocks feed. ValueError when the model has no MoE layer or
+    fewer experts than ranks."""
+    moe = [ly for ly in model.model.layers if all(hasattr(getattr(ly, "mlp", None), a)
+                                                  for a in ("gate", "switch_mlp", "top_k"))]
     experts = int(getattr(model.args, "num_experts", 0) or 0)
     n, r = group.size(), group.rank()
     if not moe or experts <= 0:
@@ -173,8 +144,7 @@ def shard_experts(model: nn.Module, group: mx.distributed.Group) -> tuple[tuple[
                          "use tensor or pipeline")
     if experts < n:
         raise ValueError(f"{experts} experts cannot be spread over {n} ranks")
-    span = expert_range(experts, n, r)
     load = RouterLoad(experts)
     for ly in moe:
-        ly.mlp = ExpertParallelMoE(ly.mlp, group, span, load)
-    return span, load
+        ly.mlp = ExpertParallelMoE(ly.mlp, group, expert_range(experts, n, r), load)
+    return load

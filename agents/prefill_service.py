@@ -1,11 +1,8 @@
 """The prefill role: compute long prompts' KV for verifier agents and ship it once (flow KV).
 
-A verifier sends `PrefillRequest(prompt ids)`; this agent prefills them in chunks of
-`chunk_tokens` on its one compute thread and, after each chunk, streams that chunk's K/V of
-every layer back in bounded `KVChunk` messages (so the transfer overlaps the next chunk's
-compute), then a `PrefillDone` with the count. The verifier checks it got every (layer,
-position) once and falls back to its own prefill otherwise. Requests are validated (model,
-codec, ids, length) and queued with a bound; a bad one gets a typed error and the agent serves on.
+A `PrefillRequest`'s ids are prefilled chunk by chunk on one compute thread; each chunk's K/V
+of every layer streams back in bounded `KVChunk`s (overlapping the next chunk's compute), then
+a `PrefillDone` with the count the verifier checks.
 """
 
 from __future__ import annotations
@@ -28,11 +25,10 @@ from macfleet.engine.verifier import DEFAULT_PREFILL_STEP, make_trimmable_cache
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUED = 2  # each holds a whole prompt's KV while it is computed and sent
 
 @dataclass(frozen=True)
 class PrefillLimits:
-    max_queued: int = DEFAULT_MAX_QUEUED
+    max_queued: int = 2  # each holds a whole prompt's KV while it is computed and sent
     max_prompt: int = MAX_PROMPT_TOKENS
     chunk_tokens: int = DEFAULT_PREFILL_STEP  # the verifier's own chunk: the same KV bits
     max_slice_bytes: int = DEFAULT_MAX_SLICE_BYTES

@@ -1,10 +1,8 @@
 """The tool plane: allowlisted benchmark presets an agent runs on its own hardware.
 
-Profiles must be measured where they apply (a verify(L) curve of an M1 says little about an
-M4 Max), so the CLI asks each agent to measure itself. A request names a preset and typed
-parameters; `validate` (pure) checks the name against the allowlist and every parameter's type
-and range, fills defaults, and refuses anything else. There is no shell, no path, no code in a
-request: a preset is a Python function chosen by name from `PRESETS`.
+Profiles must be measured where they apply, so the CLI asks each agent to measure itself. A
+request names a preset and typed parameters that `validate` (pure) checks against the
+allowlist: no shell, no path, no code, only a function chosen by name from `PRESETS`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Chain sessions of one round, drafted together on the proposer agent.
 
-A batching verifier asks for every session's block at once. The proposer's compute thread
-takes the other chain sessions' requests of the round off its queue (`gather`, for at most
-`GATHER_S`), brings each session up to date alone (a bad request is answered with its error),
-then drafts them in one `draft_together` call per model (an EAGLE head, a draft model): one
-forward per draft position for all of them (their caches are rows of one store), not one
-session after the other while the verifier waits for the last. `ProposerService` (agents/proposer_service.py) gives
-`ChainRounds` what it uses, by name: its sessions and job queue, `update` (a request's session
-brought up to date), `answer` (a job's reply or error) and `drafted` (a draft's reply, counted).
+A batching verifier asks for every session's block at once: the compute thread gathers the
+other chain sessions' requests of the round (`GATHER_S` at most), brings each session up to
+date alone, then drafts them in one `draft_together` call per model (docs/agents.md,
+"proposer_chains.py"). `ProposerService` hands `ChainRounds` its sessions, job queue and the
+`update`, `answer` and `drafted` steps.
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ from macfleet.engine.proposers.base import draft_together
 log = logging.getLogger(__name__)
 
 # a chain request waits at most this long for the other chain sessions' requests of its round
-# (a batching verifier sends them back to back; a verifier of one session never waits: there
-# is no other session to wait for)
 GATHER_S = 0.004
 
 
@@ -52,9 +47,8 @@ class ChainRounds:
         self._serve_together([job, *self._gather(job[0].session_id)])
 
     def _gather(self, first: str) -> list:
-        """The other chain sessions' requests of this round: taken off the queue until every
-        open chain session has one here or `GATHER_S` has passed; other jobs keep their order
-        for after (`held`)."""
+        """The other chain sessions' requests of this round, taken off the queue for at most
+        `GATHER_S`; other jobs keep their order for after (`held`)."""
         want = {sid for sid, s in self.sessions.items()
                 if s.proposer.rows is not None} - {first}
         got, seen = [], {first}
@@ -75,9 +69,8 @@ class ChainRounds:
         return got
 
     def _serve_together(self, jobs: list) -> None:
-        """Chain requests of several sessions: each validated and brought up to date alone (a
-        bad one is answered with its error, as a request served alone), then all drafted in one
-        `draft_together` call per model (its store of rows)."""
+        """Chain requests of several sessions: each brought up to date alone (a bad one gets its
+        error), then drafted in one `draft_together` call per model."""
         ready = []
         for msg, reply, received in jobs:
             self.answer(reply, lambda: ready.append(
@@ -89,7 +82,6 @@ class ChainRounds:
             self._draft_group(group)
 
     def _draft_group(self, group: list) -> None:
-        t0 = time.perf_counter()
         try:
             drafts = draft_together([(s.proposer, s.context, msg.k) for msg, _, _, s in group])
         except Exception as e:  # noqa: BLE001 - every session of the call gets the error
@@ -97,11 +89,9 @@ class ChainRounds:
             for _, reply, _, _ in group:
                 reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
             return
-        ms = (time.perf_counter() - t0) * 1e3
         if len(group) > 1:
             self.drafted_together += len(group)
         for (msg, reply, received, s), d in zip(group, drafts):
             s.last_k, s.last_used = msg.k, time.monotonic()
             reply(self.drafted(msg, received, d.tokens,
-                               None if d.probs is None else d.probs.astype(np.float32),
-                               ms / len(group), False))
+                               None if d.probs is None else d.probs.astype(np.float32), False))

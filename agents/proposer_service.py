@@ -1,23 +1,6 @@
-"""The proposer role: draft blocks for many verifier sessions at once.
-
-One compute thread owns the model (MLX work is serialised here; two cores cannot run two
-forwards faster than one after the other). It serves, in order:
-1. draft requests, first come first served across sessions (fair: one block each turn); the
-   requests of chain sessions that arrive together (a batching verifier asks for every
-   session's block at once) are drafted together, an EAGLE head's or a draft model's: one
-   forward per draft position for all of them (`draft_together`; their caches are rows of one
-   store), not one session after the other while the verifier waits for the last;
-2. in idle time, cross-round lookahead: extending each session's speculative stream one token at
-   a time, round-robin, re-checking for requests between tokens so a real request never waits
-   for more than one draft step.
-Sessions idle longer than `idle_evict_s` are evicted; when every slot is taken, a new session
-reclaims the one idle longest if it has been idle `reclaim_idle_s` (a live verifier asks for a
-block every few hundred ms), else the least recently used one of the client holding the most
-(fair share: `slot_for`), and one client connection holds at most `max_sessions_per_client`.
-A session belongs to the client connection that opened it: any other connection's draft,
-re-open or close on it gets `not_found`.
-Every request is validated (drafter specs by `agents.specs.check_spec`); a bad one gets a typed
-error and the service keeps serving.
+"""The proposer role: draft blocks for many verifier sessions at once, on one compute thread
+that serves requests first come first served, drafts ahead in idle time and shares its
+session slots fairly (docs/agents.md, "proposer_service.py").
 """
 
 from __future__ import annotations
@@ -34,7 +17,7 @@ import numpy as np
 
 from agents.draft_stream import DraftStream
 from agents.proposer_chains import ChainRounds
-from agents.slots import Slot, slot_for
+from agents.slots import slot_for
 from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_id, check_spec,
                           make_checked_proposer)
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, INTERNAL, NOT_FOUND, ProtocolError
@@ -50,22 +33,14 @@ from macfleet.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_SESSIONS = 16
-DEFAULT_IDLE_EVICT_S = 30.0
-DEFAULT_RECLAIM_IDLE_S = 3.0
-DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
-DEFAULT_MAX_K = MAX_DRAFT_TOKENS  # what any verifier may ask for (engine/controller.py)
-DEFAULT_MAX_PROMPT = 32768
-
-
 @dataclass(frozen=True)
 class ProposerLimits:
-    max_sessions: int = DEFAULT_MAX_SESSIONS
-    idle_evict_s: float = DEFAULT_IDLE_EVICT_S
-    max_k: int = DEFAULT_MAX_K
-    max_prompt: int = DEFAULT_MAX_PROMPT
-    max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT
-    reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S
+    max_sessions: int = 16
+    idle_evict_s: float = 30.0
+    max_k: int = MAX_DRAFT_TOKENS  # what any verifier may ask for (engine/controller.py)
+    max_prompt: int = 32768
+    max_sessions_per_client: int = 4
+    reclaim_idle_s: float = 3.0
 
 
 def _learn(s: DraftStream, msg: DraftRequest) -> None:
@@ -106,12 +81,12 @@ def check_prompt(msg: OpenSession, vocab: int) -> None:
 
 
 class ComputeThread(ABC):
-    """The shell of a service whose MLX work runs on one compute thread (`_run`: the jobs of
-    `_jobs` in order, None stops it; with none waiting, a step of idle work while `_busy`), with
-    its sessions in `_sessions` (each a DraftStream, or holding one: `_stream_of`) and their
-    openers in `_owner`: the proposer role and the draft-model role (agents/draft_service.py)."""
+    """The shell of the proposer and draft-model roles: one compute thread (`_run`) serving
+    `_jobs` in order (None stops it) and idle work while `_busy`; sessions in `_sessions` (a
+    DraftStream, or holding one: `_stream_of`), their openers in `_owner`."""
 
     KIND = "drafting"  # what its sessions are called in errors and logs
+    MESSAGES: tuple[type, ...] = ()  # the requests it serves, CloseSession among them
     BAD_REQUESTS: tuple[type[Exception], ...] = ()  # a job's errors that are the request's fault
     IDLE_WAIT_S = 0.05  # how long the thread waits for a job while it has no idle work
 
@@ -126,29 +101,45 @@ class ComputeThread(ABC):
     def _stream_of(self, s) -> DraftStream:
         return s
 
+    # -- the server's loop thread: check, then queue for the compute thread
+    def handle(self, msg, reply: Reply) -> bool:
+        """False when the message is not for this service."""
+        if not isinstance(msg, self.MESSAGES):
+            return False
+        check_id(msg.session_id, "session_id")
+        peer = getattr(reply, "peer", b"")
+        if not isinstance(msg, CloseSession):
+            self._check(msg, peer)
+        elif msg.session_id in self._sessions:
+            self._owned(msg.session_id, peer)
+        self._jobs.put((msg, reply, time.perf_counter()))
+        return True
+
+    @abstractmethod
+    def _check(self, msg, peer: bytes) -> None:
+        """An open or a session's request checked before it is queued (ProtocolError)."""
+
     def _owned(self, sid: str, peer: bytes) -> None:
-        """NOT_FOUND unless session `sid` exists and was opened by this client connection:
-        another connection that learnt (or guessed) the id can neither draft on it, re-open
-        it nor close it, and cannot even tell it exists."""
+        """NOT_FOUND unless session `sid` exists and was opened by this client connection."""
         if sid not in self._sessions or self._owner.get(sid) != peer:
             raise ProtocolError(NOT_FOUND, f"no {self.KIND} session '{sid}'")
 
-    def _slot(self, peer: bytes) -> Slot:
-        """The slot for a new session of `peer` (slot_for); BUSY when there is none."""
-        last = {sid: self._stream_of(s).last_used for sid, s in list(self._sessions.items())}
+    def _admit(self, sid: str, peer: bytes) -> str | None:
+        """Session `sid` opening: re-opening is its opener's alone (NOT_FOUND), a new session
+        takes a slot (slot_for; BUSY when there is none); returns the session giving way."""
+        if sid in self._sessions:
+            self._owned(sid, peer)
+            return None
+        last = {s: self._stream_of(st).last_used for s, st in list(self._sessions.items())}
         slot = slot_for(peer, dict(self._owner), last, time.monotonic(), self.limits)
         if not slot.ok:
             raise ProtocolError(BUSY, slot.why)
-        return slot
+        return slot.evict
 
     def _make_room(self, sid: str, peer: bytes) -> None:
-        """On the compute thread, as a session opens (other opens may have been queued, the
-        session may have changed hands meanwhile): re-opening is its opener's alone; a new
-        session takes a slot, and the session that gives way to it goes."""
-        if sid in self._sessions:
-            self._owned(sid, peer)
-            return
-        evict = self._slot(peer).evict
+        """`_admit` again on the compute thread (other opens may have been queued since
+        `handle`), the session that gives way dropped."""
+        evict = self._admit(sid, peer)
         if evict is not None:
             log.info("%s session %s gives way to a new one", self.KIND, evict)
             self._drop(evict)
@@ -188,8 +179,7 @@ class ComputeThread(ABC):
             reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
 
     def _start_compute(self, name: str) -> None:
-        """Starts the compute thread: last in a constructor, once every field `_run` reads is
-        set."""
+        """Last in a constructor, once every field `_run` reads is set."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -232,67 +222,48 @@ class ComputeThread(ABC):
 
 
 class ProposerService(ComputeThread):
-    """The proposer role: request checks on the server's loop thread (`handle`), then drafting
-    on one compute thread: sessions opened and closed, draft requests served (chain sessions of
-    one round together: its `chains`, agents/proposer_chains.py), lookahead in idle time, idle
-    eviction."""
+    """The proposer role: requests checked on the server's loop thread (`handle`), drafting
+    on one compute thread (chain rounds: `chains`), lookahead in idle time, idle eviction."""
 
     BAD_REQUESTS = (ModelSpecError, ProposerSpecError, ValueError)
+    MESSAGES = (OpenSession, DraftRequest, CloseSession)
 
     def __init__(self, lm: LoadedModel, *,
                  kinds: tuple[str, ...] = PROPOSER_KINDS,
                  limits: ProposerLimits = ProposerLimits(), heads_dir: str | None = None,
-                 on_block: Callable[[str, int, float, bool], None] | None = None,
                  allow_hub: bool = False) -> None:
         super().__init__(limits)
         self.lm = lm
         self.policy = SpecPolicy(kinds=kinds, heads_dir=heads_dir, own_model=lm.spec,
                                  allow_hub=allow_hub, vocab_size=lm.vocab_size)
         self.models = DraftModels()
-        self._on_block = on_block
         self._draft_rows: dict[int, BatchKV] = {}  # chain sessions' caches, one store a model
         self.chains = ChainRounds(self._sessions, self._jobs, update=self._update,
                                   answer=self._answer, drafted=self._drafted)
         self.served = 0
-        self.predraft_hits = 0
-        # tokens whose hidden states a hidden-state drafter had to compute itself, because
-        # they did not arrive over F3 (closed sessions included)
+        # tokens whose features a drafter computed itself, not sent over F3 (closed sessions too)
         self.fallback_tokens = 0
         self._start_compute("proposer-compute")
         if "retrieval" in kinds:
-            # the answer store's index takes seconds to build: before the agent is advertised,
-            # not on the first request's time (it held up the demo's first answer)
+            # the answer store's index takes seconds to build: before the agent is advertised
             from macfleet.engine.proposers.retrieval import warm_store
 
             warm_store(lm.spec)
 
-    # -- called on the server loop thread: validate, then queue for the compute thread
     def handle(self, msg, reply: Reply) -> bool:
-        """Returns False when the message is not for this service."""
         if isinstance(msg, HiddenStates):
-            # F3. No drafter here consumes hidden states yet: acknowledge at once (on the loop
-            # thread, not behind drafting work) so the verifier measures the wire cost only.
+            # F3 probes, acknowledged at once: the verifier measures the wire cost only
             reply(HiddenStatesAck(msg.session_id, msg.block, int(msg.states.nbytes)))
             return True
-        peer = getattr(reply, "peer", b"")
-        if isinstance(msg, (OpenSession, DraftRequest, CloseSession)):
-            check_id(msg.session_id, "session_id")
-        if isinstance(msg, OpenSession):
-            self._validate_open(msg, peer)
-        elif isinstance(msg, DraftRequest):
+        return super().handle(msg, reply)
+
+    def _check(self, msg, peer: bytes) -> None:
+        if isinstance(msg, DraftRequest):
             if not 0 <= msg.k <= self.limits.max_k:
                 raise ProtocolError(BAD_REQUEST, f"k must be 0..{self.limits.max_k}, got {msg.k}")
             self._owned(msg.session_id, peer)
             check_features(msg, self.lm.hidden_size)
-        elif isinstance(msg, CloseSession):
-            if msg.session_id in self._sessions:
-                self._owned(msg.session_id, peer)
-        else:
-            return False
-        self._jobs.put((msg, reply, time.perf_counter()))
-        return True
-
-    def _validate_open(self, msg: OpenSession, peer: bytes) -> None:
+            return
         if not isinstance(msg.proposer, str) or "+" in msg.proposer:
             raise ProtocolError(BAD_REQUEST, "a drafting session runs one drafter, not a+b")
         check_spec(msg.proposer, self.policy)
@@ -301,10 +272,7 @@ class ProposerService(ComputeThread):
                                 f"this proposer drafts for '{self.lm.spec}', not '{msg.model}'")
         if not msg.prompt or len(msg.prompt) > self.limits.max_prompt:
             raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} tokens")
-        if msg.session_id not in self._sessions:
-            self._slot(peer)
-        else:
-            self._owned(msg.session_id, peer)  # re-opening replaces only one's own session
+        self._admit(msg.session_id, peer)
         check_prompt(msg, self.lm.vocab_size)
 
     def _drop(self, sid: str) -> None:
@@ -326,8 +294,7 @@ class ProposerService(ComputeThread):
             self._answer(reply, lambda: self._serve(msg, received, getattr(reply, "peer", b"")))
 
     def _update(self, msg: DraftRequest, peer: bytes) -> DraftStream:
-        """A draft request's session (its opener's only), its context and hidden states
-        brought up to date."""
+        """A draft request's session (its opener's), its context and features brought up to date."""
         self._owned(msg.session_id, peer)
         s = self._sessions[msg.session_id]
         if any(not 0 <= t < self.lm.vocab_size for t in msg.committed):
@@ -346,9 +313,8 @@ class ProposerService(ComputeThread):
         return s
 
     def _serve(self, msg, received: float, peer: bytes = b""):
-        """received: when the request reached this agent. The reply's draft_ms counts from
-        then, so time a request waits here (behind a lookahead step, or other sessions'
-        blocks) is the proposer's time, not the wire's."""
+        """received: when the request reached this agent (the reply's draft_ms counts from then:
+        docs/agents.md, "proposer_service.py")."""
         if isinstance(msg, OpenSession):
             self._make_room(msg.session_id, peer)
             prop = make_checked_proposer(msg.proposer, self.lm, self.policy, self.models)
@@ -374,26 +340,22 @@ class ProposerService(ComputeThread):
         s = self._update(msg, peer)
         if s.proposer.drafts_trees:  # a dynamic tree: drafted early in idle time, or now
             _learn(s, msg)
-            t0 = time.perf_counter()
             d = s.take_tree(msg.k) if s.cross_round else None
             hit = d is not None
             if d is None:
                 d = s.proposer.propose(s.context, msg.k)
             s.last_drafted, s.last_k = len(d.tokens), msg.k
             s.replied_tree(d)
-            return self._drafted(msg, received, d.tokens, None, (time.perf_counter() - t0) * 1e3,
-                                 hit, parents=None if d.parents is None else list(d.parents))
+            return self._drafted(msg, received, d.tokens, None, hit,
+                                 parents=None if d.parents is None else list(d.parents))
         r = s.draft(msg.k)
-        return self._drafted(msg, received, r.tokens, r.probs, r.compute_ms, r.predraft_hit)
+        return self._drafted(msg, received, r.tokens, r.probs, r.predraft_hit)
 
-    def _drafted(self, msg: DraftRequest, received: float, tokens, probs, compute_ms: float,
-                 hit: bool, parents: list[int] | None = None) -> DraftReply:
-        """A block's reply, counted and reported (`on_block`); its draft_ms counts from when
-        the request reached this agent."""
+    def _drafted(self, msg: DraftRequest, received: float, tokens, probs, hit: bool,
+                 parents: list[int] | None = None) -> DraftReply:
+        """A block's reply, counted; its draft_ms counts from when the request reached this
+        agent."""
         self.served += 1
-        self.predraft_hits += int(hit)
-        if self._on_block:
-            self._on_block(msg.session_id, msg.block, compute_ms, hit)
         return DraftReply(session_id=msg.session_id, block=msg.block, tokens=list(tokens),
                           probs=probs, draft_ms=(time.perf_counter() - received) * 1e3,
                           predraft_hit=hit, parents=parents)
@@ -403,8 +365,7 @@ class ProposerService(ComputeThread):
         return any(s.wants_lookahead() for s in self._sessions.values())
 
     def _idle_step(self) -> None:
-        """Lookahead: extend one session's stream by one token (round-robin), then look at the
-        queue again."""
+        """Lookahead: extend one session's stream by one token (round-robin)."""
         live = [s for s in list(self._sessions.values()) if s.wants_lookahead()]
         if not live:
             return

@@ -1,13 +1,6 @@
-"""The verifier's side of flow KV: decide, fetch a prompt's KV from a prefill agent, or not.
-
-`PrefillStage` runs beside the verifier's compute thread. A request whose prompt may be long
-goes through it: it tokenizes, asks the planner (macfleet/topology/disagg.py `decide`, fed with
-what this verifier measured: its own prefill speed, the prefill agent's, the link's bytes/s) and,
-when disaggregation pays, fetches the KV (`fetch_kv`) while the compute thread keeps decoding
-other sessions; then it hands the job to the compute queue with the KV attached. A dead, slow or
-wrong prefill agent costs a local prefill (identical output), never the request: every wait has
-a deadline, a lost connection is noticed at once, and the KV must cover every layer and
-position exactly once.
+"""The verifier's side of flow KV: `PrefillStage` decides (topology/disagg.py) whether a long
+prompt's prefill runs on a prefill agent and fetches its KV meanwhile; a failed prefill agent
+costs a local prefill, never the request (docs/agents.md, "remote_prefill.py").
 """
 
 from __future__ import annotations
@@ -34,18 +27,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONNECT_S = 0.5
 DEFAULT_MIN_SILENCE_S = 3.0  # a prefill agent silent this long (or 3 chunks' time) is dead
-# before any prefill was measured here: a Mac may take seconds per chunk (a dead agent is
-# noticed at once by its lost connection; these bound a hung one)
+# before any speed is measured here (a hung agent's bounds: docs/agents.md, "remote_prefill.py")
 DEFAULT_UNMEASURED_SILENCE_S = 60.0
 DEFAULT_MIN_DEADLINE_S = 120.0
-# before any speed is measured, the whole fetch: a long prompt's attention makes its last chunks
-# the slowest (8,000 tokens of SmolLM2 on a CPU take minutes: results/disagg-8000-*.json), so a
-# deadline from an assumed speed would drop a working agent; silence still bounds a hung one
-DEFAULT_UNMEASURED_DEADLINE_S = 900.0
-# context at which a chunk's attention costs about what its weights do (a long prompt's last
-# chunks cost several times its first); speeds measured on short prompts are scaled by
-# 1 + context / this for the silence and the deadline
-ATTENTION_TOKENS = 1500.0
+DEFAULT_UNMEASURED_DEADLINE_S = 900.0  # the whole fetch
+ATTENTION_TOKENS = 1500.0  # context at which a chunk's attention costs what its weights do
 DEFAULT_ASSUMED_TOK_S = 1000.0  # prefill speed until this verifier has measured its own
 _EWMA = 0.5
 MIN_PROMPT_CHARS = 256  # shorter prompts skip the stage (no tokenizing off the compute thread)
@@ -82,7 +68,6 @@ class Meter:
         self.local_tok_s = 0.0
         self.remote_tok_s = 0.0
         self.link_bytes_s = 0.0
-        self.rtt_ms = 1.0
 
     @staticmethod
     def _mix(old: float, new: float) -> float:
@@ -107,22 +92,19 @@ class Meter:
                             kv_bytes_per_token=layout.bytes_per_token(policy.codec),
                             local_prefill_tok_s=local,
                             remote_prefill_tok_s=self.remote_tok_s or local,
-                            link_rtt_ms=self.rtt_ms, min_prompt_tokens=policy.min_prompt_tokens,
+                            min_prompt_tokens=policy.min_prompt_tokens,
                             min_saved_ms=policy.min_saved_ms,
                             max_ttft_ratio=policy.max_ttft_ratio, **extra)
 
 
 def attention_factor(tokens: int) -> float:
-    """How much slower than a short prompt's a chunk at `tokens` of context computes: 1 + the
-    context over ATTENTION_TOKENS (speeds are measured on short prompts; a long one's last
-    chunks also attend over everything before them)."""
+    """How much slower than a short prompt's a chunk at `tokens` of context computes."""
     return 1.0 + tokens / ATTENTION_TOKENS
 
 
 def silence_s(chunk_tokens: int, tok_s: float, prompt_tokens: int = 0) -> float:
-    """How long a prefill agent may say nothing: 3 chunks' compute at the measured speed (its
-    last chunk's, for a prompt of `prompt_tokens`), at least 3 s; DEFAULT_UNMEASURED_SILENCE_S
-    while no speed is measured (tok_s 0)."""
+    """How long a prefill agent may say nothing: 3 chunks' compute at the measured speed (the
+    prompt's last chunk's), at least 3 s; DEFAULT_UNMEASURED_SILENCE_S while tok_s is 0."""
     if tok_s <= 0:
         return DEFAULT_UNMEASURED_SILENCE_S
     return max(DEFAULT_MIN_SILENCE_S,
@@ -130,19 +112,17 @@ def silence_s(chunk_tokens: int, tok_s: float, prompt_tokens: int = 0) -> float:
 
 
 def fetch_kv(endpoint: str, key: bytes | None, *, ids: Sequence[int], model: str,
-             layout: KVLayout, codec: str, silence: float, deadline_s: float,
-             client_factory: Callable[..., Client] = Client) -> tuple[list, KVFlow]:
-    """The KV of `ids` from the prefill agent at `endpoint`: (per-layer arrays, its KVFlow).
-    PrefillFailed when it errs, dies (noticed at once), is silent for `silence` seconds, runs
-    past `deadline_s`, or sends a KV that does not fit this verifier's model."""
+             layout: KVLayout, codec: str, silence: float, deadline_s: float
+             ) -> tuple[list, KVFlow]:
+    """The KV of `ids` from the prefill agent at `endpoint`: (per-layer arrays, its KVFlow);
+    PrefillFailed when it errs, dies, is silent or late, or sends a KV that does not fit."""
     t0 = time.perf_counter()
     deadline = time.monotonic() + deadline_s
     asm = KVAssembler(layout, len(ids))
     chunks = 0
     req = PrefillRequest(uuid.uuid4().hex[:16], model, [int(t) for t in ids], codec)
     try:
-        with client_factory(endpoint, key=key, watch_peer=True,
-                            connect_timeout_s=DEFAULT_CONNECT_S) as c:
+        with Client(endpoint, key=key, watch_peer=True, connect_timeout_s=DEFAULT_CONNECT_S) as c:
             for msg in c.stream(req, timeout_per_msg=silence):
                 if time.monotonic() > deadline:
                     raise PrefillFailed(f"no complete KV within {deadline_s:.1f} s")
@@ -163,10 +143,8 @@ def fetch_kv(endpoint: str, key: bytes | None, *, ids: Sequence[int], model: str
 
 
 class PrefillStage:
-    """One thread between a verifier's door and its compute queue (see the module doc).
-
-    endpoints(): live prefill agents for this model, best first; submit(msg, reply, staged):
-    queue the job for the compute thread (may block while that queue is full)."""
+    """One thread between a verifier's door and its compute queue: endpoints() lists live
+    prefill agents, best first; submit(msg, reply, staged) queues a job (may block while full)."""
 
     def __init__(self, lm, *, key: bytes | None, layout: KVLayout,
                  endpoints: Callable[[], list[str]],
@@ -180,9 +158,8 @@ class PrefillStage:
         self._thread.start()
 
     def wants(self, msg: GenerateRequest) -> bool:
-        """Whether a request may be long enough to go through the stage (cheap: no tokenizer).
-        Not with a hidden-state drafter (eagle*): it reads the verifier's own hidden states of
-        the prompt, which a shipped KV does not carry (yet)."""
+        """Whether a request may be long enough for the stage (no tokenizer); not with a
+        hidden-state drafter, which needs the prompt's hidden states a shipped KV does not carry."""
         return (len(msg.prompt) >= MIN_PROMPT_CHARS and "eagle" not in msg.proposer_spec
                 and bool(self.endpoints()))
 
@@ -196,8 +173,8 @@ class PrefillStage:
             pass
 
     def _run(self) -> None:
-        """Decide here (quick); a fetch gets its own thread, so a short prompt behind a long
-        one is never held up by the long one's transfer."""
+        """Decide here (quick); a fetch gets its own thread, so no short prompt waits behind a
+        long one's transfer."""
         while True:
             job = self._q.get()
             if job is None:

@@ -1,14 +1,8 @@
 """A proposer on another agent, seen by the verifier's loop as a local `Proposer`.
 
-Per block it sends only what the proposer cannot know: the tokens committed since the last
-request (flow F1), and receives the draft (flow F2: ids, plus probabilities when sampling).
-It measures both flows: bytes each way, and the wire time on the critical path, i.e. the
-round trip minus the proposer's own compute time. The round trip cannot be split into its two
-one-way halves without synchronised clocks, so the wire time is attributed to F1 and F2 in
-proportion to their bytes (a bandwidth model; on a latency-bound link each gets about half).
-
-Any failure -- timeout, dead peer, typed error -- raises `ProposerFailed`, and the loop
-carries on without it: a dead proposer costs speed, never tokens.
+Per block it sends the tokens committed since the last request (F1) and receives the draft
+(F2), measuring both flows (docs/agents.md, "remote_proposer.py"). Any failure raises
+`ProposerFailed`: a dead proposer costs speed, never tokens.
 """
 
 from __future__ import annotations
@@ -34,11 +28,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_TIMEOUT_S = 5.0  # a proposer slower than this is useless anyway
 DEFAULT_OPEN_TIMEOUT_S = 30.0  # first contact may load a model
-# the first block waits this long for its session to open (an agent that is ready answers in
-# about a millisecond); after it the verifier decodes without drafts until the session is open
+# the first block waits this long for its session to open (a ready agent answers in ~1 ms)
 OPEN_GRACE_S = 0.05
-# a proposer that has not completed the (CURVE) handshake by then is taken as dead: the
-# verifier's compute thread must not wait on it (seconds per dead endpoint, several named)
+# a proposer that has not completed the (CURVE) handshake by then is taken as dead
 DEFAULT_CONNECT_TIMEOUT_S = 0.5
 
 
@@ -84,14 +76,18 @@ class FlowTotals:
             predraft_hit_rate=self.predraft_hits / n, f3_probe=f3_probe)
 
 
+def connect(endpoint: str, key: bytes | None) -> Client:
+    """A client to a proposer agent, one that notices the peer's death at once."""
+    return Client(endpoint, key=key, connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S, watch_peer=True)
+
+
 class RemoteProposer(Proposer):
     def __init__(self, endpoint: str, *, key: bytes | None, proposer: str, model: str,
                  cross_round: bool = True, draft_timeout_s: float = DEFAULT_DRAFT_TIMEOUT_S,
                  open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
                  f3_probe_width: int = 0, features=None, f3_codec: str = "float16") -> None:
-        """f3_probe_width > 0: before each draft request, send the hidden states a
-        hidden-state drafter would need for the newly committed tokens (width = hidden size x
-        layers used, float16) and wait for the ack -- F3 measured for real, labelled a probe."""
+        """f3_probe_width > 0: before each draft request, send hidden-state-sized float16 rows
+        and wait for the ack (F3 measured for real, labelled a probe)."""
         self.endpoint = endpoint
         self.key = key
         self.spec = proposer
@@ -141,9 +137,7 @@ class RemoteProposer(Proposer):
     def _open(self, context: Sequence[int]) -> None:
         """Send OpenSession without waiting for it: a proposer agent that must load a model
         first does not hold up the verifier (`_opened` collects the answer)."""
-        self._client = self._client or Client(self.endpoint, key=self.key,
-                                              connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S,
-                                              watch_peer=True)
+        self._client = self._client or connect(self.endpoint, self.key)
         self._opening_sid = uuid.uuid4().hex[:16]
         msg = OpenSession(session_id=self._opening_sid, proposer=self.spec, model=self.model,
                           prompt=[int(t) for t in context], temperature=self.params.temperature,
@@ -190,9 +184,8 @@ class RemoteProposer(Proposer):
         return self.finish()
 
     def begin(self, context: Sequence[int], k: int) -> None:
-        """Send the draft request (F1) without waiting: a tree of remote proposers sends to
-        all of them first, so they draft at the same time. Until its session is open it
-        sends nothing, and `finish` gives an empty draft (the block decodes plainly)."""
+        """Send the draft request (F1) without waiting, so a tree's proposers draft at once;
+        until the session is open nothing goes out and `finish` gives an empty draft."""
         if not self._session:
             wait = 0.0 if self._opening else OPEN_GRACE_S
             if not self._opening:

@@ -1,15 +1,6 @@
-"""A draft-model agent drafting ahead, seen by the verifier's loop as a local `Proposer`.
-
-The agent (agents/draft_service.py) pushes its draft tokens as it makes them; this side keeps
-them in an `AheadMirror` and, when a block begins, sends what the verifier committed (flow F1,
-one-way) and takes the drafts already there. So drafting runs while the verifier verifies, and
-a block costs about verify(k+1) instead of verify(k+1) + k draft steps. When fewer drafts are
-there than would pay, it waits for as many more as `controller.tokens_to_wait` says are worth
-their time, never longer than they are due (a dead or slow agent costs a plain step, not a
-hang). Any failure raises `ProposerFailed` and the loop goes on without it.
-
-Output is the verifier's alone either way: drafts only decide how many tokens a verify may
-commit. Sampled drafts carry the draft model's distribution (`probs`) for the ratio test.
+"""A draft-model agent drafting ahead, seen by the verifier's loop as a local `Proposer`: a block
+sends what was committed (F1, one-way) and takes the drafts the agent pushed, waiting only for
+as many more as pay (docs/agents.md, "remote_stream.py"). Failures raise `ProposerFailed`.
 """
 
 from __future__ import annotations
@@ -23,10 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from agents.draft_service import MAX_LEAD
 from agents.draft_stream import survives
-from agents.remote_proposer import (DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_OPEN_TIMEOUT_S,
-                                    OPEN_GRACE_S, FlowTotals)
+from agents.remote_proposer import DEFAULT_OPEN_TIMEOUT_S, OPEN_GRACE_S, FlowTotals, connect
 from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
 from bridge.messages import (CloseSession, DraftChunk, ErrorReply, SessionOpened, StreamCommit,
                              StreamOpen)
@@ -39,19 +28,17 @@ from macfleet.stats import FlowStats
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SILENCE_S = 5.0  # an agent that pushes nothing this long while drafts are owed is dead
-DEFAULT_LEAD = 2 * 12 + 2  # tokens the agent may draft past what it knows is committed
+SILENCE_S = 5.0  # an agent that pushes nothing this long while drafts are owed is dead
+LEAD = 2 * 12 + 2  # tokens the agent may draft past what it knows is committed
 _EMA = 0.2
 _TRANSIT_MS = 0.3  # a chunk's way from the agent's compute thread to this one, on a LAN
 
 
 class AheadMirror:
-    """This side's copy of an agent's draft stream past the committed context.
+    """This side's copy of an agent's draft stream past the committed context (no I/O).
 
-    Pure bookkeeping (no I/O): commits and chunks in, drafts out. A chunk belongs to the basis
-    (the commit its stream was re-rooted at) it names; chunks of a basis this side knows was
-    refuted are dropped, so both ends agree on the current stream by the same rule
-    (`draft_stream.survives`) applied to the same tokens."""
+    Chunks name their basis (the commit their stream was re-rooted at); those of a basis known
+    refuted are dropped, by the rule the agent applies too (`draft_stream.survives`)."""
 
     def __init__(self, context: Sequence[int]) -> None:
         self.ctx = [int(t) for t in context]  # the committed context
@@ -147,18 +134,14 @@ class StreamingProposer(Proposer):
 
     paced = True
 
-    def __init__(self, endpoint: str, *, key: bytes | None, model: str,
-                 lead: int = DEFAULT_LEAD, open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
-                 silence_s: float = DEFAULT_SILENCE_S) -> None:
+    spec = "draft"
+    f3_probe_width = 0  # (never probes F3: `verifier_drafting.probed`)
+
+    def __init__(self, endpoint: str, *, key: bytes | None, model: str) -> None:
         self.endpoint = endpoint
         self.key = key
         self.model = model
-        self.spec = "draft"
         self.name = f"draft@{endpoint}"
-        self.max_lead = max(1, min(lead, MAX_LEAD))
-        self.open_timeout_s = open_timeout_s
-        self.silence_s = silence_s
-        self.f3_probe_width = 0
         self._client: Client | None = None
         self._mirror: AheadMirror | None = None
         self._session = ""
@@ -203,9 +186,8 @@ class StreamingProposer(Proposer):
         return self.finish()
 
     def begin(self, context: Sequence[int], k: int) -> None:
-        """Tell the agent what was committed since the last block (F1) and take what it has
-        pushed meanwhile; opens the session on the first block (and again when the context
-        is not the continuation of this session's)."""
+        """Send what was committed since the last block (F1) and take what the agent pushed;
+        opens the session on the first block, or when the context does not continue it."""
         self._t_begin = time.perf_counter()
         self._k = k
         if self._mirror is None or not self._continues(context):
@@ -240,9 +222,9 @@ class StreamingProposer(Proposer):
             budget_s = (due + (want - 1) * (self._token_ms or due)) / 1e3 * 1.5 + 0.002
             self._drain(budget_s, until=have + want)
             if m.have <= have:  # nothing came when it was due: verify what there is
-                if time.perf_counter() - self._heard > self.silence_s:
+                if time.perf_counter() - self._heard > SILENCE_S:
                     raise ProposerFailed(f"{self.endpoint}: no drafts for "
-                                         f"{self.silence_s:.0f} s")
+                                         f"{SILENCE_S:.0f} s")
                 break
         toks, probs = m.drafts(k)
         wait_ms = (time.perf_counter() - t0) * 1e3
@@ -314,14 +296,13 @@ class StreamingProposer(Proposer):
 
     def _open(self, context: Sequence[int]) -> None:
         self.close()
-        self._client = Client(self.endpoint, key=self.key,
-                              connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S, watch_peer=True)
+        self._client = connect(self.endpoint, self.key)
         self._mirror = AheadMirror(context)
         self._opening = uuid.uuid4().hex[:16]
         msg = StreamOpen(self._opening, self.model, [int(t) for t in context],
                          self.params.temperature, self.params.top_p, self.params.seed,
-                         self.max_lead)
-        self._open_by = time.monotonic() + self.open_timeout_s
+                         LEAD)
+        self._open_by = time.monotonic() + DEFAULT_OPEN_TIMEOUT_S
         self._heard = time.perf_counter()
         try:
             self._client.send(msg)
@@ -339,7 +320,7 @@ class StreamingProposer(Proposer):
         self._drain(wait_s, until_open=True)
         if not self._session and time.monotonic() > self._open_by:
             raise ProposerFailed(f"cannot open a draft-ahead session on {self.endpoint}: no "
-                                 f"answer within {self.open_timeout_s:.0f} s")
+                                 f"answer within {DEFAULT_OPEN_TIMEOUT_S:.0f} s")
         return bool(self._session)
 
     def _send(self, msg) -> None:

@@ -1,8 +1,5 @@
-"""N remote proposers : 1 verifier: the proposers draft at the same time on their own Macs.
-
-`RemoteProposerGroup` sends every proposer's draft request first and collects the replies
-after, so the critical path waits for the slowest proposer, not for the sum of them. A
-proposer that fails is pruned from the tree; the others go on.
+"""N remote proposers : 1 verifier: every proposer's request goes out before any reply is read,
+so a block waits for the slowest proposer, not their sum; a failed one is pruned from the tree.
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
-"""A verifier sharded over several processes (several Macs) with mlx.distributed, ring backend.
-
-Each rank is its own process. The group is started without ssh or mpirun: every rank gets the
-same hostfile (a JSON list, one entry per rank, each a list of "ip:port") and its own rank,
-through MLX_HOSTFILE / MLX_RANK, then calls `mx.distributed.init(backend="ring")`.
-
-Three ways to cut the model:
-* tensor (mlx-lm's `model.shard(group)`): every rank holds 1/N of every layer's heads and MLP
-  columns; two all-reduces per layer; every rank ends with the full logits. Needs heads and
-  kv-heads divisible by N (SmolLM2: 9/3 heads -> N = 3).
-* pipeline: rank r holds a contiguous range of layers; activations go rank to rank with
-  send/recv; the last rank computes the logits and sends them back to rank 0.
-* expert (mixture-of-experts models only, agents/expert.py): rank r holds a contiguous range
-  of every MoE layer's experts; attention and routers are replicated; one all_sum per MoE layer.
-
-Every forward's shard flow (exact bytes, rank 0's milliseconds, the router's load in expert
-mode) is tallied by agents/shard_traffic.py and reported as a `ShardStats`.
-
-Rank 0 (the leader) is a drop-in `Verifier` for the spec-decode loop (`offset`, `reset`,
-`prefill`, `forward`, `rollback`, `model.args`); each call is broadcast to the followers as a
-small control array (an all_sum where only rank 0 contributes). Followers serve in a loop.
-
-A dead peer makes the ring raise within milliseconds, but a cut link blocks a collective
-forever, so every collective runs under a `Watchdog`: past its deadline the rank reports
-`ShardPeerLost` on stderr and exits with EXIT_PEER_LOST (a blocked MLX collective cannot be
-cancelled; exiting is the only way not to hang).
+"""A verifier sharded over several processes (several Macs) with mlx.distributed, ring backend:
+tensor, pipeline or expert (agents/expert.py) parallelism, rank 0 a drop-in `Verifier` whose
+calls are broadcast to the followers, every collective under a `Watchdog` (docs/agents.md,
+"shard.py").
 """
 
 from __future__ import annotations
@@ -153,12 +131,6 @@ def rank_env(root: str) -> dict[str, str]:
     return env
 
 
-def layer_range(layers: int, n: int, r: int) -> tuple[int, int]:
-    q, rem = divmod(layers, n)
-    start = r * q + min(r, rem)
-    return start, start + q + (1 if r < rem else 0)
-
-
 class _Stage:
     """This rank's part of the model and its KV cache."""
 
@@ -168,7 +140,7 @@ class _Stage:
         args = model.args
         self.load = None  # expert mode: the router's load and the expert collective
         if mode == "expert":
-            self.experts, self.load = shard_experts(model, group)
+            self.load = shard_experts(model, group)
             self.layers = list(model.model.layers)
         elif mode == "tensor":
             if args.num_attention_heads % self.size or args.num_key_value_heads % self.size:
@@ -178,7 +150,8 @@ class _Stage:
             model.shard(group)
             self.layers = list(model.model.layers)
         elif mode == "pipeline":
-            a, b = layer_range(len(model.model.layers), self.size, self.rank)
+            # the contiguous split of expert mode's experts, of layers here
+            a, b = expert_range(len(model.model.layers), self.size, self.rank)
             self.layers = list(model.model.layers)[a:b]
             model.model.layers = self.layers  # drop the other ranks' layers: this is the fit
         else:
@@ -214,12 +187,6 @@ class _Stage:
         for c in self.cache:
             c.trim(n)
 
-    def _head(self, h: mx.array) -> mx.array:
-        return head_logits(self.model, h)
-
-    def _layers(self, h: mx.array) -> mx.array:
-        return run_layers(self.layers, h, self.cache)
-
     def forward(self, ids: mx.array, want_logits: bool) -> mx.array | None:
         """ids: [1, L]. Returns logits [L, V] float32 on rank 0 (None elsewhere)."""
         L = ids.shape[1]
@@ -231,11 +198,9 @@ class _Stage:
             return out if self.rank == 0 else None
         H = self.model.args.hidden_size
         last = self.size - 1
-        if self.rank == 0:
-            h = self._layers(self.model.model.embed_tokens(ids))
-        else:
-            h = mx.distributed.recv((1, L, H), mx.float32, self.rank - 1, group=self.group)
-            h = self._layers(h)
+        h = (self.model.model.embed_tokens(ids) if self.rank == 0 else
+             mx.distributed.recv((1, L, H), mx.float32, self.rank - 1, group=self.group))
+        h = run_layers(self.layers, h, self.cache)
         if self.rank < last:
             mx.eval(mx.distributed.send(h.astype(mx.float32), self.rank + 1, group=self.group))
         else:
@@ -244,7 +209,7 @@ class _Stage:
             return None
         V = self.model.args.vocab_size
         if self.rank == last:
-            logits = self._head(h)[0].astype(mx.float32)
+            logits = head_logits(self.model, h)[0].astype(mx.float32)
             mx.eval(mx.distributed.send(logits, 0, group=self.group))
             return None
         if self.rank == 0:

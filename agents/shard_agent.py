@@ -1,17 +1,9 @@
 """A shard agent: one rank of a verifier sharded over several Macs, formed from Zeroconf cards.
 
-Every shard agent of a group advertises, in its card, the group name, the group size, its rank
-and the TCP port its mlx.distributed ring will listen on. Each one browses until it has seen
-all ranks of its group, has each card confirmed by the agent it names over the fleet's CURVE
-channel (Zeroconf is unauthenticated), builds the ring hostfile from them (rank order, `host:port`),
-and starts the ring itself: no ssh, no launcher, no hostfile written by hand.
-
-Rank 0 then serves as the fleet's verifier (roles `verifier` + `shard`): its VerifierService
-drives the spec-decode loop with a `ShardedVerifier`, and proposers talk to it over ZeroMQ as
-to any verifier. The other ranks run the follower loop. When a rank dies (the ring raises) or a
-link is cut (the watchdog fires after its deadline), rank 0 answers the request in flight with
-an `unavailable` error and every surviving rank exits: the fleet sees them leave, and a client
-re-plans onto another verifier.
+Each rank advertises its group, size, rank and ring port; once every rank's card is seen and
+confirmed over CURVE, the ring starts from them. Rank 0 serves as the fleet's verifier
+(`ShardedVerifier`), the others follow; when a rank dies every survivor leaves the fleet
+(docs/agents.md, "shard_agent.py").
 """
 
 from __future__ import annotations
@@ -19,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -28,7 +19,7 @@ from dataclasses import dataclass, replace
 from agents.daemon import Agent, AgentConfig
 from agents.shard import (DEFAULT_DEADLINE_S, DEFAULT_START_DEADLINE_S, EXIT_PEER_LOST,
                           SHARD_MODES, ShardedVerifier, ShardGroup, ShardPeerLost, Watchdog,
-                          init_ring)
+                          free_ports, init_ring)
 from bridge.auth import fleet_id
 from bridge.card import ROLE_SHARD, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser
@@ -38,8 +29,8 @@ log = logging.getLogger(__name__)
 DEFAULT_FORM_TIMEOUT_S = 90.0
 DEFAULT_CONFIRM_TIMEOUT_S = 3.0
 READY_REBROWSE_S = 1.5  # phase 2: a group not all ready this long is browsed afresh
-# after the whole group is seen ready, each rank stays answering (Zeroconf, CURVE) this long
-# before the ring's connect, which holds its process: a slower rank still learns it is ready
+# answering (Zeroconf, CURVE) this long after the group is ready, before the ring's connect
+# holds the process: a slower rank still learns this one is ready
 RING_GRACE_S = 5.0
 
 
@@ -53,16 +44,6 @@ class ShardSpec:
     deadline_s: float = DEFAULT_DEADLINE_S
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def shard_extra(card: AgentCard) -> dict[str, str]:
-    return dict(card.extra)
-
-
 def group_cards(cards: list[AgentCard], spec: ShardSpec,
                 need_ready: bool = False) -> list[AgentCard]:
     """Pure: one card per rank of the group, in rank order (LookupError while ranks miss).
@@ -71,7 +52,7 @@ def group_cards(cards: list[AgentCard], spec: ShardSpec,
     """
     by_rank: dict[int, AgentCard] = {}
     for c in cards:
-        x = shard_extra(c)
+        x = dict(c.extra)
         if x.get("group") == spec.group and x.get("size") == str(spec.size):
             if need_ready and x.get("phase") != "ready":
                 continue
@@ -87,16 +68,15 @@ _RING_FIELDS = ("group", "size", "rank", "ring_port")
 
 
 def _ring_identity(c: AgentCard) -> tuple:
-    x = shard_extra(c)
+    x = dict(c.extra)
     return (c.node_id, c.host, c.router_port, *(x.get(f) for f in _RING_FIELDS))
 
 
 def confirm_cards(cards: list[AgentCard], key: bytes | None,
                   timeout_s: float = DEFAULT_CONFIRM_TIMEOUT_S) -> list[AgentCard]:
-    """Zeroconf cards are not authenticated: before a ring is built from them, each rank's card
-    is confirmed by the agent itself over the fleet's CURVE channel (only a key holder can
-    answer there). Its StatusReply card must name the same node and ring fields. LookupError
-    names the rank that could not be confirmed."""
+    """Each rank's card confirmed by its agent over CURVE before a ring is built from it
+    (Zeroconf is unauthenticated): its StatusReply card must name the same node and ring
+    fields; LookupError names the rank that could not be confirmed."""
     from bridge.errors import PeerUnavailable, ProtocolError, TransportTimeout
     from bridge.messages import StatusReply, StatusRequest
     from bridge.transport import Client
@@ -108,7 +88,7 @@ def confirm_cards(cards: list[AgentCard], key: bytes | None,
         except (PeerUnavailable, TransportTimeout, ProtocolError) as e:
             raise LookupError(f"card of {c.name} ({c.router_endpoint}) not confirmed by a "
                               f"fleet member: {e}") from None
-        said, mine = shard_extra(st.card) if isinstance(st, StatusReply) else {}, shard_extra(c)
+        said, mine = dict(st.card.extra) if isinstance(st, StatusReply) else {}, dict(c.extra)
         if not isinstance(st, StatusReply) or st.card.node_id != c.node_id or any(
                 said.get(f) != mine.get(f) for f in _RING_FIELDS):
             raise LookupError(f"card of {c.name} ({c.router_endpoint}) differs from what the "
@@ -123,8 +103,8 @@ class ShardAgent(Agent):
             raise ValueError(f"rank {spec.rank} is not in a group of {spec.size}")
         if spec.mode not in SHARD_MODES:
             raise ValueError(f"shard mode must be one of {SHARD_MODES}, got {spec.mode}")
-        port = spec.ring_port or free_port(cfg.bind_host if cfg.bind_host != "0.0.0.0"
-                                           else "127.0.0.1")
+        port = spec.ring_port or free_ports(1, cfg.bind_host if cfg.bind_host != "0.0.0.0"
+                                            else "127.0.0.1")[0]
         self.spec = replace(spec, ring_port=port)
         self.form_timeout_s = form_timeout_s
         self.shards: ShardGroup | None = None
@@ -162,19 +142,13 @@ class ShardAgent(Agent):
             threading.Thread(target=self._follow, name="shard-follower", daemon=True).start()
 
     def _discover_group(self) -> list[list[str]]:
-        """Two phases, so that all ranks start the ring within moments of each other (MLX's
-        ring gives up connecting after ~30 s, and a second init in one process is broken):
-        1. wait until every rank's card is seen, have each confirmed by its agent over CURVE
-           (`confirm_cards`: Zeroconf itself is unauthenticated), then announce `ready`;
-        2. wait until every rank is `ready` (with the card it had when confirmed), then stay
-           responsive RING_GRACE_S more, so a slower rank sees this one ready too."""
+        """Two phases, so that all ranks start the ring within moments of each other: every card
+        seen and confirmed, then every rank `ready` (docs/agents.md, "shard_agent.py")."""
         interfaces = LOOPBACK_ONLY if self.cfg.loopback_only else ALL_INTERFACES
         with Browser(fleet_id=fleet_id(self.cfg.key), interfaces=interfaces) as b:
             deadline = time.monotonic() + self.form_timeout_s
             seen = self._wait_group(b, deadline, need_ready=False)
-            # the ring hostfile only from cards the agents themselves confirm over CURVE; done
-            # before `ready`, since no rank may be inside the ring's connect (which holds its
-            # process) while another still asks it
+            # before `ready`: no rank may be inside the ring's connect while another asks it
             confirm_cards(seen, self.cfg.key)
             if self.advertiser is not None:
                 self.advertiser.update(replace(self.advertiser.card,
@@ -182,19 +156,14 @@ class ShardAgent(Agent):
             ready = self._wait_ready(b, deadline, interfaces)
         for a, c in zip(seen, ready):
             if _ring_identity(a) != _ring_identity(c):
-                raise LookupError(f"card of rank {shard_extra(c).get('rank')} changed after it "
+                raise LookupError(f"card of rank {dict(c.extra).get('rank')} changed after it "
                                   "was confirmed: not building a ring from it")
-        time.sleep(RING_GRACE_S)  # (measured: without it a rank that saw the group ready first
-        # blocked in the ring's connect before a slower rank's browser had its `ready` card,
-        # and the slower rank never left phase 2; the ring gives up after ~31 s)
-        return [[f"{c.host}:{shard_extra(c)['ring_port']}"] for c in ready]
+        time.sleep(RING_GRACE_S)
+        return [[f"{c.host}:{dict(c.extra)['ring_port']}"] for c in ready]
 
     def _wait_ready(self, browser: Browser, deadline: float, interfaces) -> list[AgentCard]:
-        """Phase 2. A peer that is `ready` may stay `forming` in this browser (seen: a rank
-        that started browsing as the peer turned ready never saw the update, while the peer,
-        seeing this rank ready, waited in the ring's connect until it gave up after ~30 s):
-        after READY_REBROWSE_S without the whole group ready, look again with a fresh browser
-        (its own cache, a new query answered with the peers' current records)."""
+        """Phase 2; a peer `ready` may stay `forming` in one browser's cache, so after
+        READY_REBROWSE_S without the whole group ready, look again with a fresh browser."""
         look = browser
         try:
             while True:

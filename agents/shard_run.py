@@ -1,8 +1,6 @@
 """`python -m agents.shard_run`: one rank of a sharded verifier as a plain process, given a ring
-hostfile (no agents, no Zeroconf): what the shard tests and `macfleet bench moe` run. Rank 0
-pings the ring, decodes greedily (each step's logits kept), then decodes speculatively through
-the serving engine on the sharded verifier (serve/one.py `decode_ids`), and writes ids, wall
-times and the shard flow (`ShardStats`).
+hostfile (no agents, no Zeroconf), for the shard tests and `macfleet bench moe`. Rank 0 decodes
+greedily, then speculatively (serve/one.py `decode_ids`), and writes ids, times and shard flow.
 """
 
 from __future__ import annotations
@@ -93,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
             prop = make_proposer(args.proposer, lm)
             t0 = time.perf_counter()
-            # a fixed length, as the loop this replaced drafted: an adaptive one may back off
-            # to plain steps on a slow ring, and this run is here to verify drafted blocks
+            # a fixed length: an adaptive one may back off to plain steps on a slow ring
             fin = [e for e in decode_ids(lm, prompt, prop, draft_tokens=4,
                                          max_tokens=args.max_tokens, eos_ids=frozenset(),
                                          verifier=v)

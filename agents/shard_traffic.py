@@ -1,28 +1,14 @@
 """The shard flow of a sharded verifier, counted on rank 0: bytes and milliseconds per forward.
 
-The bytes are exact, from the shapes each mode moves (nothing is sampled):
-* expert: one all_sum of the [tokens, hidden] partial per MoE layer (counted by the blocks
-  themselves, agents/expert.py, from the arrays they reduce);
-* tensor: two all-reduces of [tokens, hidden] per layer (attention out-projection and the
-  MLP's / MoE's down-projection, mlx-lm's `shard()`);
-* pipeline: [tokens, hidden] float32 over each of the N-1 rank boundaries, plus the logits
-  [tokens, vocab] float32 from the last rank back to rank 0 when they are wanted.
-The leader's command broadcast (an all_sum of HEADER + MAX_BLOCK int32) is counted apart.
-
-The milliseconds: the collectives run inside each forward's graph (expert mode's prefill chunks
-excepted), where timing them would cost the syncs they avoid. So every mode's are priced: the
-collectives a forward runs, in small ring all-reduces (`topology.moe.ring_rounds`, the
-planner's count), x the ring's latency,
-which rank 0 measures on every command broadcast (one small all_sum, before every forward; the
-median of the recent ones).
+Bytes are exact, from the shapes each mode moves; milliseconds are priced, the forward's
+collectives (`topology.moe.ring_rounds`) x the ring latency rank 0 measures on its command
+broadcasts (docs/agents.md, "shard_traffic.py").
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from macfleet.stats import ShardStats
@@ -62,11 +48,9 @@ def block_delta(prev: ShardStats | None, now: ShardStats | None) -> BlockShard:
 class ShardTraffic:
     """Mutable tally of one generation (reset with the verifier); `stats()` is the record."""
 
-    def __init__(self, mode: str, ranks: int, control_bytes_per_command: int,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, mode: str, ranks: int, control_bytes_per_command: int) -> None:
         self.mode, self.ranks = mode, ranks
         self._control = control_bytes_per_command
-        self._clock = clock
         self._pings: deque[float] = deque(maxlen=PINGS)  # kept across generations
         self.reset()
 

@@ -1,7 +1,5 @@
-"""Who gets a drafting session of a proposer agent when its slots run out (pure).
-
-Kept apart from agents/proposer_service.py, which applies it: `limits` is its ProposerLimits
-(max_sessions, max_sessions_per_client, reclaim_idle_s).
+"""Who gets a drafting session of a proposer agent when its slots run out (pure; `limits` is
+agents/proposer_service.py's ProposerLimits).
 """
 
 from __future__ import annotations
@@ -28,12 +26,10 @@ class Slot:
 
 def slot_for(peer: bytes, owners: dict[str, bytes], last_used: dict[str, float], now: float,
              limits) -> Slot:
-    """A new session for client `peer` (pure). Under the per-client cap and below the total
-    it is admitted; when every slot is taken, the session idle longest gives way if it has been
-    idle `reclaim_idle_s`, else -- fair share -- the least recently used session of the client
-    holding the most, when that client holds more than `peer` would with this one. So a few
-    connections keeping all slots busy (keep-alive drafts) cannot keep a verifier out: it
-    always holds one session, they hold at least two each."""
+    """A new session for client `peer` (pure): admitted under the per-client cap and the total;
+    when every slot is taken, the session idle `reclaim_idle_s` gives way, else (fair share) the
+    least recently used one of the client holding the most, when it holds more than `peer` would
+    (docs/agents.md, "slots.py")."""
     mine = sum(1 for o in owners.values() if o == peer)
     if mine >= limits.max_sessions_per_client:
         return Slot(False, why=f"this client holds {mine} drafting sessions (the limit per "

@@ -1,20 +1,9 @@
 """The one check for every drafter spec a request names, and the bounded draft-model cache.
 
-A request from the network (`OpenSession.proposer` on a proposer agent, `GenerateRequest.
-proposer_spec` on a verifier agent, a preset's `proposer`) must not make an agent open files,
-probe paths or download models of the sender's choosing. Whatever the door, the spec goes
-through `check_spec` with the agent's `SpecPolicy`:
-
-- the kind must be one the agent serves;
-- `eagle:NAME`, `eagle2:NAME`, `retrieval:NAME` name a file inside the agent's `--heads DIR`
-  (a plain relative name; `..`, absolute paths and symlinks out of it are refused);
-- `draft:MODEL` is an allowlisted name (`smollm2[:dense|:q]`, `tiny:SEED[:VOCAB]`, the agent's
-  own model), or a model directory/GGUF *inside* `--heads DIR`; a Hugging Face id only when the
-  agent was started with `--allow-hub`; never a path.
-
-`local_spec` then turns the checked names into what the engine loads. `DraftModels` keeps at
-most `DEFAULT_MAX_DRAFT_MODELS` draft models loaded (least recently used goes), so a stream of
-distinct allowed specs cannot grow the agent without bound.
+A request from the network must not make an agent open files, probe paths or download models
+of the sender's choosing: every spec goes through `check_spec` with the agent's `SpecPolicy`
+(docs/agents.md, "specs.py"), `local_spec` turns the checked names into what the engine loads,
+and `DraftModels` keeps a bounded LRU of loaded draft models.
 """
 
 from __future__ import annotations
@@ -43,8 +32,7 @@ def check_id(value: object, what: str) -> None:
         raise _refuse(f"{what} must be a string of 1..{MAX_ID_CHARS} characters")
 
 
-# Every drafter kind a proposer agent serves unless started with fewer (`--proposer-kinds`): the
-# one list the daemon, the proposer service and the CLI default share.
+# every drafter kind a proposer agent serves unless started with fewer (`--proposer-kinds`)
 PROPOSER_KINDS = ("layerskip", "ngram", "draft", "eagle", "eagle2", "retrieval")
 
 

@@ -1,14 +1,9 @@
 """Where a verifier agent's drafts come from, request by request.
 
-A GenerateRequest that names proposer endpoints is drafted on those agents: a chain on the
-first that answers (`FallbackProposer`: when one dies or stalls, the next takes over; when none
-is left, decoding goes on plainly), a tree of `a+b` specs on all of them at once
-(`RemoteProposerGroup`). One that names none is drafted by this agent's own drafters, checked by
-agents/specs.py; `auto` (with no endpoints) by the chooser over the drafters this agent has
-itself (engine/choosing.py `make_auto_group`: n-gram lookup, the model's shipped answer store
-and head), block by block, as in one process (issue 44). Hidden-state drafters on another
-agent get flow F3: this verifier's own hidden states, tapped from its forwards or fed by the
-continuous batch.
+Named proposer endpoints draft a chain on the first that answers (`FallbackProposer`: the next
+takes over when one fails) or an `a+b` tree on all at once (`RemoteProposerGroup`); without
+endpoints this agent's own drafters do, `auto` by the chooser over them (engine/choosing.py).
+Remote hidden-state drafters get this verifier's hidden states (F3), tapped or batch-fed.
 """
 
 from __future__ import annotations
@@ -174,12 +169,9 @@ class RequestDrafting:
             self.feature_tap = None
 
     def drafting(self, msg: GenerateRequest, batched: bool = False) -> Drafting:
-        """What drafts for this request: remote proposer agents when it names endpoints (a
-        chain falls back from one to the next, a tree drafts on all at once), else this agent's
-        own drafters (`auto`: the chooser over them); tree or chain is decided as in-process
-        (engine/text.py plan_drafting).
-        batched: for a session of the continuous batch (hidden-state drafters are fed its rows
-        by the batch engine instead of tapping this verifier's forwards)."""
+        """What drafts for this request (docs/agents.md, "verifier_drafting.py"), tree or chain
+        as in-process (engine/text.py plan_drafting). batched: a continuous batch's session
+        (hidden-state drafters fed its rows by the batch engine, not tapped)."""
         spec = msg.proposer_spec or "none"
         if spec == AUTO and not msg.proposers:  # chosen here, per request (engine/choosing.py)
             from macfleet.engine.choosing import make_auto_group
@@ -198,9 +190,8 @@ class RequestDrafting:
             [make(s) or no_drafts(s) for s in specs], draft_tokens_of(msg)))
 
     def auto_spec(self) -> str:
-        """What `auto` drafts with on this verifier: the chooser (AUTO) where it verifies token
-        trees (engine/choosing.py `auto_spec`); n-gram chains on one whose forwards run on
-        other ranks (a sharded verifier keeps no KV cache here to verify a tree in)."""
+        """What `auto` drafts with here: the chooser (engine/choosing.py `auto_spec`), or n-gram
+        chains on a sharded verifier (no KV cache here to verify a tree in)."""
         from macfleet.engine.choosing import auto_spec
         from macfleet.engine.proposers.choice import FALLBACK
 

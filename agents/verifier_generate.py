@@ -1,14 +1,9 @@
 """A verifier agent's generations: a request into the continuous batch, or one session alone.
 
-Both turn the engine's events into wire messages (GenerateChunk, GenerateDone, BlockMetrics
-on the PUB socket) and add what crossing hosts cost through one `Crossing` a generation: it
-publishes each block's metrics and builds the `FleetStats` of either path (the flows to the
-proposer agents, the multi-host overhead by `macfleet.stats.multihost_overhead`, flow KV, a
-sharded verifier's shard flow).
-`VerifierService` (agents/verifier_service.py) owns the queue, the batch and the compute thread
-these run on and hands `VerifierGenerations` what they use, by name: the model, the verifier,
-the request drafting, the PUB callback, the pending requests it heartbeats, the batch and the
-prefill stage.
+Both turn the engine's events into wire messages (GenerateChunk, GenerateDone, BlockMetrics on
+the PUB socket); one `Crossing` a generation adds what crossing hosts cost (drafter flows,
+multi-host overhead, flow KV, shard flow). `VerifierService` owns the queue, batch and compute
+thread these run on.
 """
 
 from __future__ import annotations
@@ -71,9 +66,8 @@ class Pending:
 
 
 class Crossing:
-    """What one generation (either path) pays for crossing hosts: each verified block's
-    metrics published (`block`: the flows of its remote drafters, flow KV's figures on the
-    first), and at its end its `FleetStats` (`fleet`)."""
+    """What one generation pays for crossing hosts: each block's metrics published (`block`),
+    and at its end its `FleetStats` (`fleet`)."""
 
     def __init__(self, gens: VerifierGenerations, rid: str, drafter, staged) -> None:
         self.gens, self.rid, self.drafter, self.staged = gens, rid, drafter, staged
@@ -101,9 +95,8 @@ class Crossing:
 
     def fleet(self, tokens: int, prefill_ms: float, install_ms: float | None,
               shard: ShardStats | None = None) -> FleetStats:
-        """The remote drafters' flows and failures (none for a local drafter), the wire time
-        and its share, and flow KV: the shipped KV installed (`install_ms`), or (None)
-        prefilled here after all, which teaches the prefill stage's meter."""
+        """The remote drafters' flows and failures, the wire time and its share, and flow KV:
+        installed (`install_ms`), or (None) prefilled here after all, which teaches the meter."""
         flows, failures = FlowStats(), []
         if isinstance(self.drafter, (FallbackProposer, RemoteProposerGroup)):
             flows, failures = self.drafter.flow_stats(), self.drafter.failures
@@ -136,10 +129,8 @@ class VerifierGenerations:
             encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
 
     def submit_batched(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
-        """Into the continuous batch: its drafter (a chain on remote proposers in order of
-        preference, a tree drafted on all of them at once, or this agent's own) drafts per
-        session, cross-round, while the batch verifies every session's block or tree in one
-        forward."""
+        """Into the continuous batch, which verifies every session's block or tree in one
+        forward while each session's drafter drafts cross-round."""
         try:
             req, proposer, emit = self._session(msg, reply, staged, batched=True)
         except (PromptError, ProposerSpecError, ValueError) as e:
@@ -160,11 +151,9 @@ class VerifierGenerations:
             raise ProtocolError(code, str(e)) from None
 
     def generate(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
-        """One session alone (a sharded verifier, a model the batch cannot run, a long prompt
-        handed on by the prefill stage without a batch), on the caller's thread, through the
-        serving engine (serve/one.py): a flat batch of one, or, where the flat batch cannot
-        run this verifier (its layers elsewhere, its forward its own, or not llama's), the
-        verifier's own forward. A failed session raises (serve/one.py GenerationFailed)."""
+        """One session alone, on the caller's thread, through the serving engine (serve/one.py):
+        a flat batch of one, or the verifier's own forward where the flat batch cannot run it (a
+        sharded verifier). A failed session raises (serve/one.py GenerationFailed)."""
         # a verifier of its own forward (a sharded one; one that fails on purpose in tests)
         own = not (self.verifier.pipelines and supports_tree_attention(self.lm.model))
         engine = one_engine(self.lm, self.verifier if own else None)
@@ -178,10 +167,8 @@ class VerifierGenerations:
 
     def _session(self, msg: GenerateRequest, reply: Reply, staged, *, batched: bool,
                  own: bool = False) -> tuple[EngineRequest, Drafting, Callable[[object], None]]:
-        """The engine request, its drafter, and what turns its events into wire messages (a
-        GenerateChunk per commit, BlockMetrics per block, GenerateDone with its FleetStats,
-        ErrorReply for a failed session). own: the session runs on this agent's verifier's
-        own forward, whose shard flow (a sharded verifier's) each block reports."""
+        """The engine request, its drafter, and what turns its events into wire messages; own:
+        it runs on the verifier's own forward, whose shard flow each block reports."""
         ids = self._prompt_ids(msg, staged)
         proposer = self.drafts.drafting(msg, batched=batched)
         req = EngineRequest(prompt=tuple(ids),

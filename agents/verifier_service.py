@@ -36,19 +36,14 @@ from macfleet.serve.engine import DEFAULT_STALL_RATIO, ITERATION_HISTORY, BatchE
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUED = 8
-DEFAULT_BATCH_SESSIONS = 16  # sessions sharing one batched forward
-DEFAULT_BATCH_QUEUE = 64
 MAX_PROPOSERS = 8  # proposer endpoints one request may name
 MAX_ENDPOINT_CHARS = 256
 # refused before tokenizing: no tokenizer allocates for a prompt that cannot fit anyway
 MAX_PROMPT_CHARS = 8 * MAX_PROMPT_TOKENS
-# every queued or running request hears from us this often (an empty GenerateChunk when no token
-# is ready: queued behind others, prefilling), so a client can call a verifier silent for a few
-# seconds dead instead of waiting out a first-token deadline
+# every queued or running request hears from us this often (an empty GenerateChunk while no
+# token is ready), so a client can call a verifier silent for a few seconds dead
 HEARTBEAT_S = 1.0
 KEEPALIVE_S = 1.0  # idle period after which a shard group's leader pings its followers
-DEFAULT_MAX_TOKENS_CAP = 4096
 
 
 class VerifierLost(RuntimeError):
@@ -92,24 +87,21 @@ def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:
 
 @dataclass(frozen=True)
 class VerifierLimits:
-    max_queued: int = DEFAULT_MAX_QUEUED
-    max_tokens: int = DEFAULT_MAX_TOKENS_CAP
-    batch_sessions: int = DEFAULT_BATCH_SESSIONS  # sessions in one batched forward (0: off)
-    batch_queue: int = DEFAULT_BATCH_QUEUE  # requests waiting for a batch slot
+    max_queued: int = 8
+    max_tokens: int = 4096
+    batch_sessions: int = 16  # sessions in one batched forward (0: off)
+    batch_queue: int = 64  # requests waiting for a batch slot
     # prefill chunks sized so a batch iteration costs at most this many decode-only ones
     stall_ratio: float = DEFAULT_STALL_RATIO
     # finished sessions' KV kept for later prompts that start the same (serve/prompt_cache.py)
     prompt_cache_mb: int = 512
-    # a remote proposer's draft not back within this is dropped (the block decodes plainly;
-    # the proposer counts as failed)
+    # a remote proposer's draft not back within this fails it (the block decodes plainly)
     draft_timeout_s: float = DEFAULT_DRAFT_TIMEOUT_S
 
 
 class VerifierService:
     """The verifier role's plumbing: checks a request, queues it into the continuous batch or
-    onto the one-session compute thread, heartbeats whatever it holds, keeps a shard group
-    alive while idle. It runs them through its `generations` (agents/verifier_generate.py),
-    whose drafts come from agents/verifier_drafting.py."""
+    onto the one-session compute thread, heartbeats it, keeps an idle shard group alive."""
 
     def __init__(self, lm: LoadedModel, *, node_id: str, key: bytes | None,
                  publish: Callable[[object], None] | None = None,
@@ -118,33 +110,26 @@ class VerifierService:
                  f3_codec: str = "float16", policy: SpecPolicy | None = None,
                  prefill_endpoints: Callable[[], list[str]] | None = None,
                  disagg=None, peers: Callable[[Sequence[str]], None] | None = None) -> None:
-        """verifier: a Verifier-like object (a ShardedVerifier on a shard group's rank 0);
-        on_fatal: called when the verifier itself is lost (a shard died): the agent stops;
-        prefill_endpoints: live prefill agents for this model (flow KV, agents/remote_prefill),
-        with `disagg` (a DisaggPolicy) saying when to use them; peers: raises
-        ProtocolError(forbidden) for proposer endpoints this agent may not connect to
-        (bridge.peers; None: every endpoint is refused)."""
+        """verifier: a ShardedVerifier on a shard group's rank 0; on_fatal: called when it is
+        lost; prefill_endpoints: live prefill agents (flow KV), used as `disagg` says; peers:
+        refuses proposer endpoints this agent may not connect to (None: all of them)."""
         self.lm = lm
         self._peers = peers or PeerAllowlist(key).check
-        self.node_id = node_id
-        self.key = key
         self.limits = limits
         self.policy = policy or SpecPolicy(own_model=lm.spec)
-        self.models = DraftModels()
-        # F3 probe width: what an EAGLE-style drafter reads, the last layer's hidden state
-        self.f3_probe_width = lm.hidden_size if f3_probe else 0
         self._jobs: queue.Queue = queue.Queue(maxsize=limits.max_queued)
         self._verifier = verifier if verifier is not None else Verifier(lm.model)
         self._on_fatal = on_fatal
-        self._drafts = RequestDrafting(lm, key=key, policy=self.policy, models=self.models,
-                                       verifier=self._verifier,
-                                       f3_probe_width=self.f3_probe_width, f3_codec=f3_codec,
-                                       draft_timeout_s=limits.draft_timeout_s)
+        # the F3 probe's width: what an EAGLE-style drafter reads, the last layer's hidden state
+        drafts = RequestDrafting(lm, key=key, policy=self.policy, models=DraftModels(),
+                                 verifier=self._verifier,
+                                 f3_probe_width=lm.hidden_size if f3_probe else 0,
+                                 f3_codec=f3_codec, draft_timeout_s=limits.draft_timeout_s)
         self._keepalive = self._verifier.keepalive if self._verifier.needs_keepalive else None
         self._solo = 0  # one-session generations running (0 or 1)
         self._pending = Pending()  # queued or running -> heartbeats
         self.generations = VerifierGenerations(
-            lm, node_id=node_id, verifier=self._verifier, drafts=self._drafts,
+            lm, node_id=node_id, verifier=self._verifier, drafts=drafts,
             pending=self._pending, publish=publish or (lambda m: None))
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
@@ -164,15 +149,6 @@ class VerifierService:
                                        endpoints=prefill_endpoints, submit=self._submit,
                                        policy=disagg or DisaggPolicy())
         self.generations.stage = self._stage
-
-    @property
-    def f3_codec(self) -> str:
-        """How hidden states travel to remote hidden-state drafters (float16 | int8)."""
-        return self._drafts.f3_codec
-
-    @f3_codec.setter
-    def f3_codec(self, codec: str) -> None:
-        self._drafts.f3_codec = codec
 
     def _start_batch(self) -> None:
         lock = threading.Lock()

@@ -1,14 +1,8 @@
-"""Warm before advertising: what an agent does before its Zeroconf card goes out, so that the
-first request pays for nothing a later one would not.
+"""Warm before advertising, so that the first request pays for nothing a later one would not.
 
-A new user judges macfleet by the first answer after `macfleet up`; before this, that answer
-measured the machine's verify(L) table (engine/verify_costs.py) inside its own prefill, loaded
-the default drafter's head and ran every block shape's first forward. Now a verifier agent
-measures (or reads) the table, runs one forward of each of its lengths and loads the drafters
-its `auto` chooses among, and a proposer agent
-builds every part of the fleet's default drafter that it serves (engine/proposers/choice.py
-`resolve_proposer`: the head, the answer store's index) and drafts once with each. `up`
-returns when every agent's card is seen, so it returns when the fleet is warm.
+A verifier measures (or reads) its verify(L) table, runs each length's first forward and loads
+the drafters its `auto` chooses among; a proposer builds and runs once each part of the fleet's
+default drafter it serves; a draft-model agent runs its first draft steps.
 """
 
 from __future__ import annotations
@@ -34,10 +28,8 @@ class Warmed:
 
 
 def warm_verifier(lm) -> Warmed:
-    """This machine's verify(L) table for `lm` (probed when none is cached: the probe runs each
-    length's first forward; read from the cache otherwise, then each length is run once), and
-    the drafters `auto` chooses among here (engine/choosing.py: the shipped head, the answer
-    store's index), loaded once so the first `auto` request does not."""
+    """This machine's verify(L) table for `lm` (probed, or read and each length run once),
+    and the drafters `auto` chooses among here, loaded once."""
     from macfleet.engine import verify_costs as vc
     from macfleet.engine.choosing import AUTO_NAME, auto_spec, make_auto_group
 
@@ -66,9 +58,8 @@ def default_parts(lm, kinds: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def warm_proposer(lm, kinds: tuple[str, ...]) -> Warmed:
-    """Build and run once each part of the default drafter this proposer serves (its head,
-    its store's index, the head's first forward). A part that does not build is logged and
-    skipped: the request that asks for it gets the error."""
+    """Build and run once each part of the default drafter this proposer serves; one that
+    does not build is logged and skipped (its request gets the error)."""
     from macfleet.engine.proposers import ProposerSpecError, make_proposer
     from macfleet.engine.sampling import GREEDY
 

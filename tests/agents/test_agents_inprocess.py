@@ -160,9 +160,10 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
         d = gen(ver, prop, "eagle:head.safetensors", max_tokens=30, draft_tokens=3)
         # verified in the continuous batch: the engine fed the session's rows to F3
         assert ver.verifier.batch_view().iterations > before
-        ver.verifier.f3_codec = "int8"  # hidden states as int8 + row scales: still lossless
+        drafts = ver.verifier.generations.drafts
+        drafts.f3_codec = "int8"  # hidden states as int8 + row scales: still lossless
         d8 = gen(ver, prop, "eagle:head.safetensors", max_tokens=30, draft_tokens=3)
-        ver.verifier.f3_codec = "float16"
+        drafts.f3_codec = "float16"
         assert d8.token_ids == alone.token_ids
         assert (d8.stats.fleet.flows.f3_bytes_per_block
                 < 0.6 * d.stats.fleet.flows.f3_bytes_per_block)

@@ -18,7 +18,7 @@ ENDPOINTS = ["tcp://127.0.0.1:9", "tcp://127.0.0.1:10"]  # never connected to: b
 
 def _deadlines(agent: Agent) -> list[float]:
     msg = GenerateRequest("r", "hi", False, 8, 0.0, 1.0, None, 4, ENDPOINTS, "ngram", True)
-    drafts = agent.verifier._drafts
+    drafts = agent.verifier.generations.drafts
     chain = drafts.fallback(msg).remotes
     tree = drafts.tree_group(msg, ["ngram", "ngram"]).proposers
     return [p.draft_timeout_s for p in [*chain, *tree]]
