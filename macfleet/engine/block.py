@@ -2,23 +2,11 @@
 
     draft -> verify (the caller's forward) -> accept -> cut at a stop token -> tally
 
-The serving engine (`serve/decode.py`, one block per session per iteration) and the tests'
-reference loops (tests/reference_loops.py) differ in how they run the forward; what they decide
-from its logits is written once, here:
-
-* `accept_chain`: the acceptance rule of a chain for the request's sampling parameters
-  (greedy exact match, the ratio test, exact-match sampling); a greedy caller may pass the
-  argmax ids it already has (one host synchronisation for many).
-  `tree_decision` / `tree_decided`: a token tree's rule, split into its lazy device half and
-  its host walk, so a caller deciding many blocks evaluates all of them at once
-  (serve/decode.py); None from `tree_decision` leaves SpecInfer's host rule to the caller
-  (`tree.accept_tree_sample`).
-  Sampling decides on the device (`chain_outcome`, `tree_outcome`: engine/pipeline.py, draws
-  keyed by the request's seed and each token's output position), so a seeded request draws
-  the same in every loop; only SpecInfer's rule for trees of drafts with probabilities runs
-  on the host (with the request's generator);
-* `cut_at_stop`: a block's committed tokens end before the first stop token;
-* `BlockTally`: a generation's block statistics, reduced to its `GenerationStats`.
+The serving engine (serve/decode.py) and the tests' reference loops run the forward
+differently; what they decide from its logits is written once, here. Sampling decides on the
+device (engine/pipeline.py), keyed by the request's seed and each token's output position, so
+a seeded request draws the same in every loop; only SpecInfer's rule for trees of drafts with
+probabilities runs on the host (`tree.accept_tree_sample`).
 """
 
 from __future__ import annotations

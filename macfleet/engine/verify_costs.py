@@ -1,14 +1,10 @@
 """verify(L): what one verifier forward over L tokens costs on this machine, measured.
 
-A draft tree's size is chosen against this table (macfleet/engine/tree_budget.py), so it must be
-what the verifier really costs here, not a model of it: on a Mac GPU the curve is nearly flat
-up to dozens of tokens; on a CPU the matmul kernels block the rows and the curve is a sawtooth
-(SmolLM2 on the 2-core x86 box: results/verify_l_sweep.json). The probe
-runs each length a few times over a short context and keeps the fastest; the table is kept
-per process and on disk (per model, weight format, machine and MLX version), so a one-shot
-`generate` pays the probe once per machine. A probe taken while the machine is loaded is
-not written to disk (load flattens the curve); the loop's own measurements correct the table
-at the lengths it uses either way (budget.VerifyCurve.observe).
+A draft tree's size is chosen against this table (engine/tree_budget.py), so it must be what
+the verifier really costs here, not a model of it (flat on a Mac GPU, a sawtooth on a CPU). The
+probe keeps the fastest of a few runs per length; the table is kept per process and on disk
+(per model, weight format, machine and MLX version), except one probed on a loaded machine
+(load flattens the curve). The loop's own blocks correct it either way (VerifyCurve.observe).
 """
 
 from __future__ import annotations
@@ -96,7 +92,7 @@ def usable_cores() -> int:
 
 def _key(model: nn.Module) -> str:
     """The table's identity: the verifier, its weights' format and the compute it runs on
-    (the cores this process may use: a sawtooth measured on two cores is not one core's)."""
+    (the cores this process may use)."""
     from macfleet.engine.proposers.eagle.head import verifier_fingerprint
 
     layer = model.model.layers[0]
@@ -143,16 +139,15 @@ def known_verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, 
     return got or None
 
 
-def verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float]:
+def verify_costs(model: nn.Module) -> dict[int, float]:
     """The measured verify(L) table of `model` on this machine (memoised, cached on disk)."""
-    got = known_verify_costs(model, use_disk=use_disk)
+    got = known_verify_costs(model)
     if got is not None:
         return got
-    path = table_path(model) if use_disk else None
+    path = table_path(model)
     busy = machine_busy()
     got = probe_verify_costs(model)
-    if path is not None and not (busy or machine_busy()):  # a loaded machine's table is
-        # flattened (small forwards suffer most): keep it for this process only
+    if not (busy or machine_busy()):  # a loaded machine's table: this process only
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps(got))
