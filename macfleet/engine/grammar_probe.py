@@ -1,18 +1,10 @@
 """Whether a grammar runs within llguidance's limits, decided before a request is admitted.
 
-`LLMatcher.validate_grammar` compiles a grammar; some grammars compile and then fail at run
-time, on the first token or a few in, when a parser row outgrows the engine's limits
-(`max_items_in_row`, 2,000: `start: "t0" | "t1" | ... | "t1999"` fails right after its forced
-"t" with `ParserTooComplex`). A request admitted with such a grammar would end at once with an
-empty answer and finish_reason "stop". So a grammar is also *run*: a matcher walks one path for
-up to `PROBE_STEPS` tokens (the forced tokens, else the lowest allowed token that is not
-end-of-sequence), computing every step's mask, and the first engine error is the answer.
-One path is not every path: a grammar that blows up only on another branch is still cut short
-at run time (the session ends, the log says why).
-
-Without the model's tokenizer the walk uses a byte tokenizer (256 one-byte tokens and an
-end-of-sequence): it needs no model and meets the same parser rows, since the rows follow the
-grammar's lexemes, not the vocabulary.
+Some grammars compile and then fail a few tokens in, when a parser row outgrows the engine's
+limits (`start: "t0" | ... | "t1999"`: `ParserTooComplex`), and would end a request at once
+with an empty answer. So a grammar is also run: one path of up to `PROBE_STEPS` tokens (the
+forced ones, else the lowest allowed non-eos), every step's mask computed. Why one path and a
+byte tokenizer suffice: docs/engine.md, "Grammar probe".
 """
 
 from __future__ import annotations

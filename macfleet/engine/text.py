@@ -81,9 +81,8 @@ Drafting = Proposer | ProposerGroup | None  # a chain drafter, a tree of drafter
 
 def plan_drafting(spec: str, *, chain: Callable[[str], Proposer | None],
                   tree: Callable[[list[str]], ProposerGroup]) -> Drafting:
-    """Split `spec` on '+': several drafters, or one that drafts trees itself, draft a token
-    tree each block (`tree(specs)`); one chain drafter drafts chains (`chain(spec)`, None for
-    `none`). The caller builds (local proposers here, remote ones in the verifier agent)."""
+    """Split `spec` on '+': several drafters, or one that drafts trees, draft a token tree
+    each block (`tree(specs)`); one chain drafter chains (`chain(spec)`, None for `none`)."""
     return tree(spec.split("+")) if drafts_tree(spec) else chain(spec)
 
 
