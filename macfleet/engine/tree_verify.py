@@ -54,8 +54,7 @@ def _agrees_with_model(model: nn.Module) -> bool:
     n = len(toks)
     try:
         want = model(mx.array([toks]), cache=make_prompt_cache(model))[0].astype(mx.float32)
-        chain = TokenTree(tokens=toks, parents=[-1, *range(n - 1)], depths=list(range(n)),
-                          children=[{} for _ in toks], candidates=[[] for _ in toks], paths=[])
+        chain = TokenTree(toks, [-1, *range(n - 1)], list(range(n)), [], [], [])
         got = tree_forward(Verifier(model), chain)
         gap, scale = mx.max(mx.abs(got - want)), mx.max(mx.abs(want))
         return bool(gap <= PROBE_TOLERANCE * mx.maximum(scale, 1.0))

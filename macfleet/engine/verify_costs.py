@@ -45,23 +45,27 @@ def _remember(model: nn.Module, table: dict[int, float]) -> None:
     _memo[id(model)] = (weakref.ref(model), table)
 
 
+def _forward_ms(verifier: Verifier, tokens: Sequence[int]) -> float:
+    """ms of one evaluated forward over `tokens` on top of the cached context (rolled back)."""
+    base = verifier.offset
+    t0 = time.perf_counter()
+    mx.eval(verifier.forward(tokens))
+    ms = (time.perf_counter() - t0) * 1e3
+    verifier.rollback(verifier.offset - base)
+    return ms
+
+
 def probe_verify_costs(model: nn.Module, lengths: Sequence[int] = PROBE_LENGTHS,
                        context: int = PROBE_CONTEXT, reps: int = PROBE_REPS) -> dict[int, float]:
-    """ms of one forward over L new tokens after `context` cached ones, fastest of `reps`."""
+    """ms of one forward over L new tokens after `context` cached ones, fastest of `reps`
+    (and a first run that warms the shape up)."""
     vocab = int(model.args.vocab_size)
     v = Verifier(model)
     v.prefill([(7 * i + 3) % vocab for i in range(context)])
-    base = v.offset
     out: dict[int, float] = {}
     for L in lengths:
         toks = [(11 * i + 5) % vocab for i in range(L)]
-        best = float("inf")
-        for _ in range(reps + 1):  # the first run warms this shape up
-            t0 = time.perf_counter()
-            mx.eval(v.forward(toks))
-            best = min(best, (time.perf_counter() - t0) * 1e3)
-            v.rollback(v.offset - base)
-        out[int(L)] = round(best, 3)
+        out[int(L)] = round(min(_forward_ms(v, toks) for _ in range(reps + 1)), 3)
     return out
 
 
@@ -166,13 +170,7 @@ SWEEP_REPEATS = 5
 
 def time_verify(verifier: Verifier, L: int, repeats: int) -> float:
     """Median ms of one forward over L tokens on top of the cached context (then rolled back)."""
-    xs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = verifier.forward([1] * L)
-        mx.eval(out)
-        xs.append((time.perf_counter() - t) * 1e3)
-        verifier.rollback(L)
+    xs = [_forward_ms(verifier, [1] * L) for _ in range(repeats)]
     return float(statistics.median(xs)) if xs else 0.0
 
 
