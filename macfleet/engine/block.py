@@ -1,11 +1,9 @@
-"""One speculative block's host-side decisions, shared by every loop that verifies blocks.
+"""One speculative block's host-side decisions, shared by every loop that verifies blocks:
 
     draft -> verify (the caller's forward) -> accept -> cut at a stop token -> tally
 
-The serving engine (serve/decode.py) and the tests' reference loops run the forward
-differently; what they decide from its logits is written once, here. Sampling decides on the
-device (engine/pipeline.py), keyed by the request's seed and each token's output position, so
-a seeded request draws the same in every loop; only SpecInfer's rule for trees of drafts with
+Sampling decides on the device (engine/pipeline.py, keyed by seed and output position, so a
+seeded request draws alike in every loop); only SpecInfer's rule for trees of drafts with
 probabilities runs on the host (`tree.accept_tree_sample`).
 """
 

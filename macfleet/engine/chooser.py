@@ -83,18 +83,16 @@ class _Estimate:
         tokens: a switching cost). cap: the most a first block's drafting counts."""
         if length > 1:
             self.hit = accepted if self.hit is None else self.hit + EMA * (accepted - self.hit)
+        if self.n == 0 and not self.started:
+            self.accepted, self.length = accepted, length
+        else:  # (started: the record's figures count as the blocks before this one)
+            self.accepted += EMA * (accepted - self.accepted)
+            self.length += EMA * (length - self.length)
         if self.n == 0:
             self.capped, draft_ms = draft_ms > cap, min(draft_ms, cap)
-            if self.started:  # the record's figures count as the blocks before this one
-                self.accepted += EMA * (accepted - self.accepted)
-                self.length += EMA * (length - self.length)
-            else:
-                self.accepted, self.length = accepted, length
             self.draft_ms, self.own = draft_ms, accepted
         else:
-            self.accepted += EMA * (accepted - self.accepted)
             self.own += EMA * (accepted - self.own)
-            self.length += EMA * (length - self.length)
             # a first block pays the drafter's warm-up: a cheaper second one replaces it
             if self.n == 1 and self.capped:
                 self.draft_ms = draft_ms

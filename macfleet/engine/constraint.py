@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from macfleet.engine.grammar_probe import TokenList, run_error
 from macfleet.engine.json_schema import with_json_options
 from macfleet.engine.tree import TokenTree, graft
 
@@ -70,8 +71,6 @@ def grammar_error(grammar: Grammar, tokenizer=None) -> str | None:
     few tokens in (`grammar_probe`). Without the model's tokenizer, on a byte tokenizer."""
     from llguidance import LLMatcher
 
-    from macfleet.engine.grammar_probe import run_error
-
     try:
         text = grammar.llguidance()
     except (GrammarError, ValueError, TypeError) as e:
@@ -85,25 +84,9 @@ _bridges: dict[tuple[int, int], object] = {}
 _bridges_lock = threading.Lock()
 
 
-class _TokenList:
-    """A tokenizer llguidance reads as a list of token bytes, for tokenizers that are no
-    Hugging Face fast tokenizer (the tiny test models')."""
-
-    def __init__(self, tokenizer, vocab: int, eos: int) -> None:
-        self._tok = tokenizer
-        self.tokens = [tokenizer.decode([i]).encode() if i != eos else b"<|eos|>"
-                       for i in range(vocab)]
-        self.eos_token_id, self.bos_token_id = eos, None
-        self.special_token_ids = [eos]
-
-    def __call__(self, text: bytes) -> list[int]:
-        return list(self._tok.encode(text.decode("utf-8", "replace"), add_special_tokens=False))
-
-
 def bridge(tokenizer, vocab: int):
     """The llguidance tokenizer of a model's tokenizer, built once (seconds for a large
-    vocabulary: callers build it off their event loop) and shared by every request. Others
-    than HF fast tokenizers go through their decoded tokens (eos: the last id if none)."""
+    vocabulary: callers build it off their event loop) and shared by every request."""
     key = (id(tokenizer), vocab)
     with _bridges_lock:
         got = _bridges.get(key)
@@ -116,8 +99,14 @@ def bridge(tokenizer, vocab: int):
         eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
         if hasattr(hf, "backend_tokenizer"):
             ll = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=eos or None)
-        else:
-            wrap = _TokenList(tokenizer, vocab, eos[0] if eos else vocab - 1)
+        else:  # no HF fast tokenizer (the tiny test models'): its decoded tokens
+            def encode(text: bytes) -> list[int]:
+                return list(tokenizer.encode(text.decode("utf-8", "replace"),
+                                             add_special_tokens=False))
+
+            end = eos[0] if eos else vocab - 1
+            wrap = TokenList([tokenizer.decode([i]).encode() if i != end else b"<|eos|>"
+                              for i in range(vocab)], end, encode)
             ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrap), n_vocab=vocab)
         _bridges[key] = (tokenizer, ll)  # the tokenizer held: its id stays its own
         return ll

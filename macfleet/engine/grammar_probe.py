@@ -10,6 +10,7 @@ byte tokenizer suffice: docs/engine.md, "Grammar probe".
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -17,24 +18,27 @@ PROBE_STEPS = 64  # tokens walked at most
 _BYTE_EOS = 256
 
 
-class _Bytes:
-    """A tokenizer of 256 one-byte tokens and an end-of-sequence token (llguidance's
-    `TokenizerWrapper` protocol)."""
+class TokenList:
+    """A tokenizer llguidance reads as a list of token bytes with one end-of-sequence id (its
+    `TokenizerWrapper` protocol); encode: text bytes -> token ids."""
 
-    def __init__(self) -> None:
-        self.tokens = [bytes([i]) for i in range(256)] + [b"<|eos|>"]
-        self.eos_token_id, self.bos_token_id = _BYTE_EOS, None
-        self.special_token_ids = [_BYTE_EOS]
+    def __init__(self, tokens: list[bytes], eos: int,
+                 encode: Callable[[bytes], list[int]]) -> None:
+        self.tokens, self._encode = tokens, encode
+        self.eos_token_id, self.bos_token_id = eos, None
+        self.special_token_ids = [eos]
 
     def __call__(self, text: bytes) -> list[int]:
-        return list(text)
+        return self._encode(text)
 
 
 @functools.lru_cache(maxsize=1)
 def byte_tokenizer():
+    """256 one-byte tokens and an end-of-sequence."""
     import llguidance
 
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), n_vocab=257)
+    wrap = TokenList([bytes([i]) for i in range(256)] + [b"<|eos|>"], _BYTE_EOS, list)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrap), n_vocab=257)
 
 
 def _failed(tokens: int, err: str) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from macfleet.engine import fastmath
@@ -130,9 +131,14 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> Any:
         return TinyTokenizer(_parse_tiny(spec)[1])
     p = Path(spec).expanduser()
     if name == "smollm2" or spec.endswith(".gguf"):
+        from macfleet.engine.gguf_tokenizer import tokenizer_from_gguf_metadata
+
         check_spec(spec)
         path = _embedded_or_raise() if name == "smollm2" else p
-        return _gguf_tokenizer(path)
+        try:
+            return tokenizer_from_gguf_metadata(mx.load(str(path), return_metadata=True)[1])
+        except (RuntimeError, ValueError, GGUFError) as e:
+            raise ModelSpecError(f"{path}: cannot read its tokenizer: {first_line(e)}") from e
     if p.is_dir() and (p / "config.json").is_file():
         import json
 
@@ -145,18 +151,6 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> Any:
             raise ModelSpecError(f"cannot load the tokenizer of '{spec}': "
                                  f"{type(e).__name__}: {first_line(e)}") from e
     return load_model(spec).tokenizer
-
-
-def _gguf_tokenizer(path: Path) -> Any:
-    import mlx.core as mx
-
-    from macfleet.engine.gguf_tokenizer import tokenizer_from_gguf_metadata
-
-    try:
-        _, meta = mx.load(str(path), return_metadata=True)
-        return tokenizer_from_gguf_metadata(meta)
-    except (RuntimeError, ValueError, GGUFError) as e:
-        raise ModelSpecError(f"{path}: cannot read its tokenizer: {first_line(e)}") from e
 
 
 def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
@@ -181,8 +175,6 @@ def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
             opt, default_dense() if dense is None else dense)
         lm = _load_gguf_spec(spec, path, d)
         if opt == "bf16":
-            import mlx.core as mx
-
             lm.model.set_dtype(mx.bfloat16)
             mx.eval(lm.model.parameters())
         return lm

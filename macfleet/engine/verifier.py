@@ -1,8 +1,6 @@
-"""The verifier: the target model with a KV cache that rolls back in O(1).
-
-It scores a block [last committed token, d_1 .. d_k] in one forward (verify(L) is sublinear,
-which is what speculation spends), then drops the KV entries of rejected draft tokens by moving
-the cache offset (mlx-lm's `trim`).
+"""The verifier: the target model with a KV cache that rolls back in O(1): it scores a block
+[last committed token, d_1 .. d_k] in one forward, then drops the rejected drafts' KV entries
+by moving the cache offset (mlx-lm's `trim`).
 """
 
 from __future__ import annotations
