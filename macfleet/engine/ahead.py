@@ -40,8 +40,7 @@ def draft_ahead(propose: Callable[[list[int], int], Draft], context: Sequence[in
 
 def take(ahead: Ahead | None, context: Sequence[int], k: int | None = None) -> Draft | None:
     """The draft made ahead, re-rooted at the committed bonus token and cut to k nodes, when
-    the block went as it expected (its branch committed, its guess among the top level);
-    None otherwise (draft afresh)."""
+    the block went as it expected; None otherwise (draft afresh)."""
     if ahead is None or len(context) != ahead.context_len:
         return None
     n = len(ahead.branch)

@@ -35,8 +35,7 @@ STALL_STEPS = 2.0  # a try is charged at most this many plain steps' time
 SHAPE_CLIP = 1.5  # nor its length's entry in the table more than this,
 SHAPE_EMA = 0.05  # slowly: the load explains a slower machine first
 TRY_WEIGHT = 1.0  # ... but a try's block sets its length's entry (clipped by LOAD_CLIP)
-TRY_CLIP = 1.5  # a free candidate is tried at a length no block measured yet, if it pays at
-# that length's entry over this (a probe that met a stall)
+TRY_CLIP = 1.5  # a free candidate's try at an unmeasured length: if it pays at entry / this
 PRIOR_TRIES = 2  # tries of a candidate the record says pays here that the budget never holds
 
 
@@ -132,10 +131,8 @@ def tree_depth(parents: Sequence[int] | None, n: int) -> int:
 
 @dataclass
 class Chooser:
-    """One session's choice of drafter, block by block (pure: no clock, no model).
-
-    candidates: plain decoding among them (PLAIN); prior: the offline record's figures by
-    candidate name; curve: this machine's verify(L) in ms."""
+    """One session's choice of drafter, block by block (pure: no clock, no model); plain
+    decoding (PLAIN) is among the candidates; prior by candidate name; curve: verify(L) in ms."""
 
     candidates: Sequence[Candidate]
     curve: VerifyCurve = field(default_factory=VerifyCurve)

@@ -31,9 +31,6 @@ class ChainsOf(Proposer):
         self.tree = tree
         self.name = name
 
-    def start(self, params) -> None:
-        self.params = params
-
     def propose(self, context: Sequence[int], k: int) -> Draft:
         from macfleet.engine.proposers.eagle.chain import EagleProposer
 

@@ -134,9 +134,8 @@ class Constraint:
         return np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
 
     def masks(self, drafts: Sequence[int]) -> np.ndarray:
-        """Allowed tokens at each row of a verify block [last token, *drafts]:
-        [len(drafts) + 1, V] bool. `drafts` must be grammar-valid (`cut`); the state is left
-        as it was."""
+        """Allowed tokens at each row of a verify block [last token, *drafts]: [len(drafts) + 1,
+        V] bool; the state is left as it was."""
         rows = np.zeros((len(drafts) + 1, self.vocab), dtype=bool)
         n = self.cut(drafts)  # all of them after `cut`; rows past a bad one stay empty
         for i in range(n + 1):
@@ -235,9 +234,8 @@ class Constraint:
         return None
 
     def resume(self, tokens: Sequence[int]) -> None:
-        """Advance over tokens committed before this constraint existed (a request re-planned
-        onto another verifier). GrammarError, naming the token, when they do not follow the
-        grammar or run past its end."""
+        """Advance over tokens committed before this constraint existed (a re-planned request);
+        GrammarError, naming the token, when they do not follow the grammar."""
         tokens = [int(t) for t in tokens]
         end = self.commit(tokens)
         if end is None or end == len(tokens):  # goes on, or complete right after them
@@ -286,11 +284,7 @@ def schema_text(schema: dict) -> str:
 def masked_logits(c: Constraint | None, logits, drafts: Sequence[int]):
     """A verify block's logits [len(drafts) + 1, V] with what the grammar forbids at each row
     at -inf (unchanged without a constraint)."""
-    if c is None:
-        return logits
-    import mlx.core as mx
-
-    return mx.where(mx.array(c.masks(drafts)), logits, float("-inf"))
+    return logits if c is None else _masked(logits, c.masks(drafts))
 
 
 def masked_tree_logits(c: Constraint | None, logits, tree: TokenTree):
@@ -298,8 +292,10 @@ def masked_tree_logits(c: Constraint | None, logits, tree: TokenTree):
     grammar forbids after each node's path at -inf; unchanged without a constraint."""
     if c is None:
         return logits
+    return _masked(logits[:len(tree.tokens)], c.tree_masks(tree.tokens, tree.parents))
+
+
+def _masked(logits, allowed: np.ndarray):
     import mlx.core as mx
 
-    n = len(tree.tokens)
-    return mx.where(mx.array(c.tree_masks(tree.tokens, tree.parents)), logits[:n],
-                    float("-inf"))
+    return mx.where(mx.array(allowed), logits, float("-inf"))

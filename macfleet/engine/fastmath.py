@@ -65,9 +65,8 @@ MASKED = -1e30  # a masked score: exp gives 0, and a row with no key left stays 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
               mask: mx.array | None) -> mx.array:
-    """`mx.fast.scaled_dot_product_attention` with this module's softmax: q [B, H, L, d], k, v
-    [B, Hk, T, d], mask None or bool [L, T] or [B | 1, 1, L, T] (True: attend). A KV head's
-    query heads are one matrix: one matmul per KV head, the mask broadcast over the group."""
+    """`mx.fast.scaled_dot_product_attention` with this module's softmax, one matmul per KV head:
+    q [B, H, L, d], k, v [B, Hk, T, d], mask None or bool [L, T] or [B | 1, 1, L, T]."""
     b, h, length, d = q.shape
     hk, t = k.shape[1], k.shape[2]
     g = h // hk

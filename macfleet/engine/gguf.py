@@ -110,10 +110,6 @@ def _quant_params(packed: mx.array, scales: mx.array, in_features: int) -> tuple
     return bits, group_size
 
 
-def _input_width(name: str, args: llama.ModelArgs) -> int:
-    return args.intermediate_size if "ffn_down" in name else args.hidden_size
-
-
 # Bump when the dense conversion below changes what it produces (the cached files of the old
 # conversion are then replaced, never read).
 CONVERSION_VERSION = 1
@@ -224,7 +220,8 @@ def load_gguf(path: str | Path, *, dense: bool) -> GGUFModel:
         if scales is None:
             weights[mlx_base + ".weight"] = parts["weight"].astype(mx.float32)
             return
-        bits, gs = _quant_params(w, scales, _input_width(gguf_base, args))
+        width = args.intermediate_size if "ffn_down" in gguf_base else args.hidden_size
+        bits, gs = _quant_params(w, scales, width)
         if dense:
             weights[mlx_base + ".weight"] = mx.dequantize(
                 parts["weight"], parts["scales"], parts.get("biases"), gs, bits

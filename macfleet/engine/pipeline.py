@@ -1,11 +1,8 @@
-"""What keeps the device busy: the device-side halves of engine/block.py's decisions.
-
-A decode must not hand the device's results to Python and rebuild the next graph while the
-device waits (docs/design.md, physics 4), so a block's acceptance runs as device ops and its one
-synchronisation carries two integers (accepted, next token). Greedy acceptance decides bit for
-bit what the host rules (engine/acceptance.py) do; sampled acceptance follows the same rules in
-float32 with Gumbel-max draws keyed by output position (`sampling.position_keys`), equal in
-distribution, not draw for draw.
+"""The device-side halves of engine/block.py's decisions, so a block's one host synchronisation
+carries two integers (accepted, next token) and the device never waits on Python. Greedy decides
+bit for bit what engine/acceptance.py does; sampled acceptance the same rules with Gumbel-max
+draws keyed by output position: equal in distribution. docs/engine.md, "Block decisions on the
+device".
 """
 
 from __future__ import annotations

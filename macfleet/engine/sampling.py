@@ -1,8 +1,6 @@
-"""Sampling parameters and logits -> probabilities, shared by verifier and proposers.
-
-The verifier's distribution p and a proposer's q must be produced by the same transform so the
-ratio test is lossless with respect to what "the verifier sampling alone" means: softmax of
-logits / temperature, then nucleus (top-p) truncation, renormalised.
+"""Sampling parameters and logits -> probabilities, shared by verifier and proposers: p and q
+come from the same transform (softmax of logits / temperature, top-p truncated, renormalised)
+so the ratio test is lossless against the verifier sampling alone.
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:!?-'\n"
 
 def tiny_args(vocab_size: int = DEFAULT_TINY_VOCAB, layers: int = 4, heads: int = 4,
               kv_heads: int = 2) -> llama.ModelArgs:
-    """16 dimensions a head, an MLP twice as wide (`tiny:` is 4 heads, 2 kv heads, hidden 64;
-    `tiny-6h:` 6 heads, 3 kv heads, hidden 96: heads, kv heads and MLP columns divide by 3, so
-    tensor parallelism runs it over 3 ranks)."""
+    """16 dimensions a head, an MLP twice as wide (`tiny-6h:`'s 6 heads, 3 kv heads and MLP
+    columns divide by 3: tensor parallelism over 3 ranks)."""
     return llama.ModelArgs(
         model_type="llama",
         hidden_size=16 * heads,

@@ -19,10 +19,8 @@ MIN_GAIN, MAX_GAIN = 0.1, 2.0
 
 @dataclass
 class VerifyCurve:
-    """verify(L) in ms, a table by length L: probed (`seed`) and learnt per length (`observe`).
-    Not a line: on a CPU verify(L) is a sawtooth (a longer block can cost less), and a line
-    through it picks the lengths that cost most. Interpolated between measured lengths,
-    extended beyond the longest with the prior slope."""
+    """verify(L) in ms by length, probed (`seed`) and learnt (`observe`); a table, not a line,
+    since a CPU's verify(L) is a sawtooth. Interpolated, extended with the prior slope."""
 
     ema: float = 0.25
     table: dict[int, float] = field(default_factory=dict)
@@ -74,10 +72,8 @@ class VerifyCurve:
 
 def choose_tree_size(probs: Sequence[float], costs: Sequence[float], gain: float = 1.0,
                      margin: float = 1.02) -> int:
-    """N in 0..len(probs) maximising (1 + gain * sum(probs[:N])) / costs[N].
-
-    probs: cumulative path probabilities, best first; costs[N] = verify(N + 1). A tree must
-    beat plain decoding by `margin` to be chosen."""
+    """N in 0..len(probs) maximising (1 + gain * sum(probs[:N])) / costs[N] (probs: path
+    probabilities, best first; costs[N] = verify(N + 1)), beating plain by `margin`."""
     best, best_rate = 0, 1.0 / costs[0]
     total = 0.0
     for n, p in enumerate(probs[: len(costs) - 1], start=1):
