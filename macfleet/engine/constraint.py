@@ -114,7 +114,7 @@ def bridge(tokenizer, vocab: int):
 
 # -- one request's constraint ---------------------------------------------------------------
 class Constraint:
-    """One request's grammar state over its committed tokens (module docstring)."""
+    """One request's grammar state over its committed tokens (docs/engine.md, "Structured output")."""
 
     def __init__(self, grammar: Grammar, tokenizer, vocab: int) -> None:
         from llguidance import LLMatcher
