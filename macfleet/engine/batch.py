@@ -30,13 +30,11 @@ BATCHED_CONTEXT_SLACK = 256  # ... unless their context exceeds 2x the median on
 
 @dataclass(frozen=True)
 class Segment:
-    """One session's new tokens in an iteration.
-
-    cache: its `RowCache`, per-layer mlx-lm caches or own `Verifier`; appended to in place.
-    logits_from: rows >= this index get logits (a block: 0; a prefill chunk: None).
-    parents: a token tree (token i's parent, -1 for the root; parents precede children):
-    token i sits at slot offset + i, position offset + depth(i), and attends to the prefix
-    and its ancestors. None: a chain. tokens may be a lazy array (flat batch only)."""
+    """One session's new tokens in an iteration. cache: its `RowCache`, per-layer mlx-lm
+    caches or own `Verifier`, appended to. logits_from: rows >= this get logits (a prefill
+    chunk: None). parents: a token tree's (-1: the root; parents precede children): token i
+    sits at slot offset + i, position offset + depth(i), and attends to the prefix and its
+    ancestors; None: a chain. tokens may be a lazy array (flat batch only)."""
 
     tokens: tuple[int, ...] | mx.array
     cache: object
@@ -59,10 +57,9 @@ class Segment:
 
 @dataclass(frozen=True)
 class _Plan:
-    """Index arrays of one flat iteration (short segments first), shared by every layer.
-
-    q_index [R * Lq]: flat token of each (row, query) cell; out_index [n_short]: the cell of
-    each short-segment token (both None when every row is one block in row order); mask
+    """Index arrays of one flat iteration (short segments first), shared by every layer:
+    q_index [R * Lq], the flat token of each (row, query) cell; out_index [n_short], the cell
+    of each short-segment token (both None when every row is one block in row order); mask
     [R, 1, Lq, T], None when every cell sees every key (`unmasked`)."""
 
     n_short: int

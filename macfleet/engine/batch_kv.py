@@ -71,8 +71,7 @@ class BatchKV:
         return len(self._open)
 
     def reserve(self, rows: int, positions: int) -> None:
-        """Make room for rows [0, rows) and positions [0, positions) (applied per layer at its
-        next write)."""
+        """Make room for rows [0, rows) and positions [0, positions) (at each layer's write)."""
         if rows > self.rows:
             self.rows = -(-rows // self.row_step) * self.row_step
         if positions > self.capacity:
@@ -98,8 +97,7 @@ class BatchKV:
 
     def copy_prefixes(self, copies: Sequence[tuple[RowCache, RowCache, int]]) -> None:
         """For each (src, dst, n): dst's cache becomes src's first n positions (a shared prompt
-        prefix: one gather and one scatter per layer instead of a prefill of n tokens). The
-        gathered positions are evaluated first, so the scatter then updates in place."""
+        prefix: one gather and one scatter per layer instead of a prefill of n tokens)."""
         for src, dst, n in copies:
             if not 0 < n <= src.offset or src.store is not self or dst.store is not self:
                 raise ValueError(f"cannot share {n} positions of a row holding {src.offset}")

@@ -95,9 +95,8 @@ def cut_at_stop(new: Sequence[int], eos_ids: frozenset[int]) -> tuple[list[int],
 
 def commit_block(new: Sequence[int], eos_ids: frozenset[int], constraint: Constraint | None
                  ) -> tuple[list[int], bool]:
-    """A verified block's tokens as the answer takes them: cut at the first stop token, then
-    at the grammar's end (a stop too; the constraint advances over what is kept); and whether
-    the answer stopped. Every decode commits through here (serve/decode.py)."""
+    """A verified block's tokens as the answer takes them, cut at the first stop token, then at
+    the grammar's end (the constraint advances over what is kept); and whether it stopped."""
     new, stopped = cut_at_stop(new, eos_ids)
     if constraint is not None:
         end = constraint.commit(new)
@@ -108,8 +107,7 @@ def commit_block(new: Sequence[int], eos_ids: frozenset[int], constraint: Constr
 
 @dataclass
 class BlockTally:
-    """One generation's blocks: how many, drafts verified and accepted, the histogram of
-    accepted lengths of the blocks that drafted, and the time spent drafting and verifying."""
+    """One generation's block statistics, reduced to its `GenerationStats`."""
 
     blocks: int = 0
     drafted: int = 0

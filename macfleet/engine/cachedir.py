@@ -25,8 +25,7 @@ def machine_id(cores: int | None = None) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """`path` holds `text` whole or keeps what it held: written next to it, renamed into place
-    (a stopped run or a reader at the same moment never sees half a file)."""
+    """`path` holds `text` whole or keeps what it held (written next to it, renamed)."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

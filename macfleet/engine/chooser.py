@@ -41,9 +41,8 @@ PRIOR_TRIES = 2  # tries of a candidate the record says pays here that the budge
 
 @dataclass(frozen=True)
 class Candidate:
-    """A drafter (or a tree of drafters, `members` indices into its group) in one shape;
-    no members: plain decoding. free: its drafts cost nothing to compute (scored from the
-    committed text every block; explored only to measure its length's verify cost)."""
+    """A drafter (or a tree of drafters, `members` indices into its group); no members: plain
+    decoding. free: its drafts cost nothing to compute (scored from the text every block)."""
 
     name: str
     members: tuple[int, ...] = ()
@@ -52,9 +51,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Prior:
-    """What the offline record (`bench drafter`) measured of a candidate: its speedup over
-    plain on the recording machine (the winner's; 0: none), its accepted drafts and tokens
-    verified per block (None: not measured)."""
+    """What the offline record (`bench drafter`) measured of a candidate: the winner's speedup
+    over plain (0: none), accepted drafts and tokens verified per block (None: not measured)."""
 
     speedup: float = 0.0
     accepted: float | None = None
@@ -104,9 +102,8 @@ class _Estimate:
 
 def tree_match(tokens: Sequence[int], parents: Sequence[int] | None,
                committed: Sequence[int]) -> int:
-    """How many of a draft's tokens a greedy verifier accepts when it commits `committed`
-    (pure): the depth of the deepest path of the draft (a chain when parents is None; a tree
-    whose parents[i] is -1 under the root) that `committed` starts with."""
+    """How many of a draft's tokens (a chain when parents is None) a greedy verifier accepts
+    when it commits `committed` (pure): its deepest path that `committed` starts with."""
     if parents is None:
         parents = tuple(range(-1, len(tokens) - 1))
     node, depth = -1, 0

@@ -24,8 +24,7 @@ MAX_PENDING = 8  # a free candidate's drafts waiting for the text to score them
 
 
 class ChainsOf(Proposer):
-    """The chains of an EAGLE-2 tree proposer's head (`eagle` beside `eagle2` in one group):
-    the same head cache, feature store and verifier tap; started and closed by the tree."""
+    """The chains of an EAGLE-2 tree proposer's head, sharing its cache and verifier tap."""
 
     def __init__(self, tree, name: str = "eagle") -> None:
         self.tree = tree
@@ -55,8 +54,7 @@ class _Shadow:
 
 
 class ChoosingGroup(ProposerGroup):
-    """A group of drafters of which one candidate drafts each block (`choice`, recorded in
-    `choices`): per session, since what a drafter accepts depends on the answer."""
+    """A group of drafters of which one candidate drafts each block (`choice`, per session)."""
 
     def __init__(self, proposers: Sequence[Proposer], candidates: Sequence[Candidate], *,
                  draft_tokens: int | str = "auto", prior: Mapping[str, Prior] | None = None
@@ -129,8 +127,7 @@ class ChoosingGroup(ProposerGroup):
         return d, self._early[j][2]
 
     def _sizes(self, context: Sequence[int], limit: int) -> dict[str, int]:
-        """What each free candidate's block would verify here (drafts + 1, at most `limit`
-        drafts)."""
+        """What each free candidate's block would verify here (drafts + 1, drafts <= `limit`)."""
         self._early = {}
         out = {}
         for c in self.candidates:
@@ -174,8 +171,7 @@ class ChoosingGroup(ProposerGroup):
                     waiting.remove(sh)
 
     def _shadow(self, context: Sequence[int], ks: Sequence[int], out: Sequence[Draft]) -> None:
-        """Draft for every free candidate not chosen (each drafter once per block), to be
-        scored when the text tells."""
+        """Draft for every free candidate not chosen, to be scored when the text tells."""
         chosen = self.choice.drafter if self.choice else PLAIN
         mine: dict[int, tuple[Draft, float]] = {}
         for c in self.candidates:

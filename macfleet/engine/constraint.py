@@ -114,7 +114,7 @@ def bridge(tokenizer, vocab: int):
 
 # -- one request's constraint ---------------------------------------------------------------
 class Constraint:
-    """One request's grammar state over its committed tokens (docs/engine.md, "Structured output")."""
+    """One request's grammar state (docs/engine.md, "Structured output")."""
 
     def __init__(self, grammar: Grammar, tokenizer, vocab: int) -> None:
         from llguidance import LLMatcher
@@ -148,14 +148,12 @@ class Constraint:
         return self._end_rows(rows)
 
     def _end_rows(self, rows: np.ndarray) -> np.ndarray:
-        """`rows` with each row that allows nothing (an error, a refused node) allowing
-        end-of-sequence only."""
+        """`rows`, each that allows nothing (an error, a refused node) allowing eos only."""
         rows[np.ix_(~rows.any(axis=1), [t for t in self.eos if t < self.vocab])] = True
         return rows
 
     def cut(self, drafts: Sequence[int]) -> int:
-        """How many of `drafts` the grammar accepts from here (an end-of-sequence token and
-        what follows it are never drafted)."""
+        """How many of `drafts` the grammar accepts from here (never an end-of-sequence)."""
         drafts = [int(t) for t in drafts]
         end = next((i for i, t in enumerate(drafts) if t in self.eos), len(drafts))
         return self._m.validate_tokens(drafts[:end]) if end else 0

@@ -135,8 +135,7 @@ class AdaptiveDraftLength:
 
 
 def check_draft_tokens(draft_tokens: DraftTokens) -> DraftTokens:
-    """AUTO, or a whole number (an int or its digits) in 0..MAX_DRAFT_TOKENS; ValueError
-    otherwise."""
+    """AUTO, or a whole number (an int or its digits) in 0..MAX_DRAFT_TOKENS; else ValueError."""
     if draft_tokens == AUTO:
         return AUTO
     try:

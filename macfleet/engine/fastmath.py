@@ -80,8 +80,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
 
 @lru_cache(maxsize=8)
 def causal_mask(length: int, t: int) -> mx.array:
-    """[1, 1, length, t] bool: query i sees keys up to t - length + i. Evaluated once per shape
-    (every layer of a forward asks for the same one)."""
+    """[1, 1, length, t] bool: query i sees keys up to t - length + i (evaluated, cached)."""
     m = (mx.arange(t)[None] <= mx.arange(t - length, t)[:, None])[None, None]
     mx.eval(m)
     return m
@@ -125,6 +124,5 @@ EXACT_ENV = "MACFLEET_EXACT_MATH"
 
 
 def enabled() -> bool:
-    """Whether this process computes on the CPU (where MLX's exp is scalar), unless
-    MACFLEET_EXACT_MATH=1 asks for MLX's own ops."""
+    """Whether this process computes on the CPU, unless MACFLEET_EXACT_MATH=1."""
     return mx.default_device() == mx.cpu and os.environ.get(EXACT_ENV) != "1"

@@ -137,8 +137,7 @@ def dense_cache_path(path: Path) -> Path | None:
 
 
 def _read_dense_cache(path: Path, model: nn.Module) -> bool:
-    """Load `path`'s cached dense weights into `model`; False (and the bad file removed)
-    when there is none or it is not this GGUF's whole conversion."""
+    """Load `path`'s cached dense weights into `model`; False (a bad file removed) if none."""
     cached = dense_cache_path(path)
     if cached is None or not cached.is_file():
         return False

@@ -46,10 +46,8 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class KVSlice:
-    """Layers [layer, layer + n_layers) at positions [start, start + n): K and V as sent.
-
-    keys/values: [n_layers, heads, n, head_dim]; int8 with scales [n_layers, heads, n] float16,
-    else float16/float32 with no scales."""
+    """Layers [layer, layer + n_layers) at positions [start, start + n): K and V as sent,
+    [n_layers, heads, n, head_dim]; int8 with float16 scales [n_layers, heads, n]."""
 
     layer: int
     start: int

@@ -149,7 +149,6 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> Any:
 
 
 def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
-    tried: list[str] = []
     name, _, opt = spec.partition(":")
     if name in TINY:
         seed, vocab = _parse_tiny(spec)

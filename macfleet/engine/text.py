@@ -87,8 +87,8 @@ def plan_drafting(spec: str, *, chain: Callable[[str], Proposer | None],
 
 
 def with_text(events: Iterable[Event], stream: TextStream) -> Iterator[TextDelta | Event]:
-    """A decode's events with each commit as text: TextDelta for each TokensCommitted, the
-    detokenizer's flush as a last TextDelta before Finished; other events as they are."""
+    """A decode's events with a TextDelta per TokensCommitted, and the detokenizer's flush
+    before Finished."""
     for ev in events:
         if isinstance(ev, TokensCommitted):
             yield TextDelta(stream.add(ev.tokens), ev.tokens)

@@ -84,8 +84,7 @@ def build_tiny_moe(seed: int, vocab_size: int = DEFAULT_TINY_VOCAB, layers: int 
 
 
 class TinyTokenizer:
-    """A character tokenizer for tiny models, with the parts of mlx-lm's TokenizerWrapper that
-    macfleet uses."""
+    """A character tokenizer for tiny models (what macfleet uses of mlx-lm's TokenizerWrapper)."""
 
     has_chat_template = False
 

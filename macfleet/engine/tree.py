@@ -94,8 +94,7 @@ class TokenTree:
         return ancestor_mask(self.parents)
 
     def first(self, n: int) -> TokenTree:
-        """The tree of nodes 0..n-1 (parents precede children, so it is one), for a block cut
-        to n tokens: candidates, paths and ownership keep only those nodes."""
+        """The tree of nodes 0..n-1, for a block cut to n tokens (parents precede children)."""
         if n >= len(self.tokens):
             return self
         if n < 1:
@@ -229,8 +228,7 @@ def reroot(tokens: Sequence[int], parents: Sequence[int] | None, first: int
 
 
 def longest_branch(parents: Sequence[int]) -> list[int]:
-    """The nodes of a draft tree's deepest root-to-leaf branch (the first of the deepest),
-    for a chain all of it: the outcome a drafter guesses when it drafts the next block early."""
+    """The nodes of a draft's first deepest root-to-leaf branch (a chain: all of it)."""
     depths = depths_of(parents)
     if not depths:
         return []

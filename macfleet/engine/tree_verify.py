@@ -117,8 +117,8 @@ def compact_cache(verifier: Verifier, base: int, path: Sequence[int]) -> None:
 
 
 def trees_in_cache(verifier: Verifier) -> bool:
-    """Whether `verifier` verifies a token tree in ONE forward in its own cache; else branch by
-    branch. A verifier without a cache here (a sharded one) is never probed."""
+    """Whether `verifier` verifies a token tree in ONE forward in its own cache (a sharded
+    verifier, without one here, is never probed); else branch by branch."""
     return hasattr(verifier, "cache") and supports_tree_attention(verifier.model)
 
 

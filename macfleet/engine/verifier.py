@@ -61,9 +61,8 @@ class Verifier:
 
     @property
     def pipelines(self) -> bool:
-        """Whether this is the model's own forward, which the serving engine's flat batch may
-        run for it: a verifier that overrides `forward` (a sharded one sends the ids to its
-        ranks) decodes on that forward instead (serve/engine.py's own-forward mode)."""
+        """Whether this is the model's own forward, which the flat batch may run for it (a
+        verifier that overrides `forward`, a sharded one, decodes on that forward instead)."""
         return type(self).forward is Verifier.forward
 
     def rollback(self, n: int) -> None:

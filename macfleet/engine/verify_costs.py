@@ -57,8 +57,7 @@ def _forward_ms(verifier: Verifier, tokens: Sequence[int]) -> float:
 
 def probe_verify_costs(model: nn.Module, lengths: Sequence[int] = PROBE_LENGTHS,
                        context: int = PROBE_CONTEXT, reps: int = PROBE_REPS) -> dict[int, float]:
-    """ms of one forward over L new tokens after `context` cached ones, fastest of `reps`
-    (and a first run that warms the shape up)."""
+    """ms of one forward over L new tokens after `context` cached ones, fastest of `reps` + 1."""
     vocab = int(model.args.vocab_size)
     v = Verifier(model)
     v.prefill([(7 * i + 3) % vocab for i in range(context)])
@@ -87,16 +86,14 @@ def verify_ms_at(costs: Mapping[int, float], L: int) -> float:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the OS has one: an agent pinned
-    to one core computes at one core's pace), else the machine's."""
+    """The cores this process may run on (its affinity where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
 
 
 def _key(model: nn.Module) -> str:
-    """The table's identity: the verifier, its weights' format and the compute it runs on
-    (the cores this process may use)."""
+    """The table's identity: the verifier, its weights' format and the compute it runs on."""
     from macfleet.engine.proposers.eagle.head import verifier_fingerprint
 
     layer = model.model.layers[0]
