@@ -1,16 +1,9 @@
 """Acceptance rules: pure functions deciding how much of a draft block the verifier keeps.
 
-Each returns (accepted, next_token): the first `accepted` draft tokens are committed, followed by
-`next_token` (the verifier's correction, or its bonus token when everything was accepted).
-Shapes: draft [k]; target rows [k + 1, V] (row i scores the token after the i-th block input).
-
-* greedy: exact match against the verifier's argmax -> bit-identical to greedy decoding.
-* exact-match sampling (draft without probabilities, e.g. n-gram): sample y_i ~ p_i and keep the
-  draft token while it equals y_i. Every committed token is a plain draw from p, so the output
-  is distribution-identical to sampling the verifier alone.
-* ratio test (draft with probabilities q): accept x_i with probability min(1, p_i(x_i)/q_i(x_i));
-  on rejection sample from norm(max(p_i - q_i, 0)); on full acceptance sample a bonus from p_k.
-  (Leviathan et al. 2023 / Chen et al. 2023; gpt-fast's `speculative_decode`.)
+Each returns (accepted, next_token): the first `accepted` drafts are committed, then the
+verifier's correction or bonus token. Shapes: draft [k]; target rows [k + 1, V] (row i scores the
+token after block input i). Greedy exact match, exact-match sampling and the ratio test, each
+lossless: docs/engine.md, "Acceptance rules".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Drafting one block ahead: the one shape every drafter that drafts ahead uses.
 
-While the verifier verifies a block, a drafter that need not wait for it (a host-side lookup in
-one process, a proposer agent on another machine) drafts the next block from the outcome it
-expects: the block's branch accepted, then a bonus token it cannot know yet. So it drafts one
-token early, from the context + the branch, and its draft's top-level nodes are its guesses of
-that bonus token; when the verifier commits the branch and a bonus one of them guessed, the
-subtree under that guess is the next block's draft, ready before it is asked for
-(`tree.reroot`; a chain is the tree i -> i - 1). Anything else, and the draft is dropped.
-
-User: a proposer agent's tree sessions (agents/draft_stream.py). A draft-model agent (agents/
-draft_service.py) keeps a longer stream instead, by the rule of `agents.draft_stream.survives`.
+While the verifier verifies a block, a drafter that need not wait drafts the next one from the
+outcome it expects, one token early: its draft's top-level nodes guess the bonus token, and
+when the verifier commits the branch and a guessed bonus, the subtree under that guess is the
+next block's draft (`tree.reroot`); anything else drops it. User: agents/draft_stream.py.
 """
 
 from __future__ import annotations
@@ -46,8 +40,7 @@ def draft_ahead(propose: Callable[[list[int], int], Draft], context: Sequence[in
 
 def take(ahead: Ahead | None, context: Sequence[int], k: int | None = None) -> Draft | None:
     """The draft made ahead, re-rooted at the committed bonus token and cut to k nodes, when
-    the block went as it expected (its branch committed, its guess among the top level);
-    None otherwise (draft afresh)."""
+    the block went as it expected; None otherwise (draft afresh)."""
     if ahead is None or len(context) != ahead.context_len:
         return None
     n = len(ahead.branch)

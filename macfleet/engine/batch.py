@@ -1,25 +1,10 @@
 """One forward over a flat batch of many sessions' new tokens (continuous batching).
 
-Decode is memory-bound: one forward over N tokens reads the weights once. Serving many users
-therefore concatenates every active session's new tokens (a speculative block, or a prefill
-chunk) into ONE sequence [1, N] and runs embeddings, the q/k/v/o projections, the MLPs and the
-LM head on it (vLLM's flat batch). Row results of a dense layer do not depend on the other rows
-(MLX's `x @ W.T` with OpenBLAS gives each row the same bits whatever the batch; tests check it).
-
-Every session's cache is one row of a `BatchKV` (engine/batch_kv.py: one buffer per layer,
-keys/values [rows, kv_heads, capacity, head_dim]). An iteration writes every new key and value
-with one scatter per layer, and attends all short segments (decode blocks) in ONE attention call
-over the rows, each row masked to its own length and positions; long segments (prefill chunks)
-attend one by one, so padding never multiplies their queries.
-
-Batched attention is not bit-identical to a session's own: a row's softmax over keys padded to
-the longest row sums in another order (MLX's CPU softmax runs a SIMD body and a scalar tail), so
-logits move by ~1e-5 and a greedy argmax can only flip at a near-tie; `bench batch-identity`
-measures how often over many requests. Caches given as per-session layer lists, or as a
-session's own `Verifier`, run each segment as its own forward (the model's own `__call__`, or
-the verifier's: the single-session code path): the batch-invariant mode, and the one way to run
-a model whose layers this module cannot (not llama's) or whose layers run on other machines (a
-sharded verifier, agents/shard.py).
+Decode is memory-bound, so every active session's new tokens (a speculative block, a prefill
+chunk) are concatenated into ONE sequence [1, N] that reads the weights once. Each session's
+cache is a row of a `BatchKV`; short segments attend together in one masked call, long ones
+alone. Caches given as per-layer lists or a session's own `Verifier` run each segment as its
+own forward (batch-invariant). Why, and what is not bit-identical: docs/engine.md, "Flat batch".
 """
 
 from __future__ import annotations
@@ -45,18 +30,11 @@ BATCHED_CONTEXT_SLACK = 256  # ... unless their context exceeds 2x the median on
 
 @dataclass(frozen=True)
 class Segment:
-    """One session's new tokens in an iteration.
-
-    cache: that session's `RowCache` (flat batch), its per-layer mlx-lm caches or its own
-    `Verifier` (each segment its own forward: batch-invariant); appended to in place.
-    logits_from: rows >= this index get logits (a block: 0; a prefill chunk: None).
-    parents: a token tree (a speculative block of several drafts): token i's parent, -1 for
-    the root (token 0); parents precede children. Token i sits at cache slot offset + i but
-    at position offset + depth(i), and attends to the cached prefix and its own ancestors.
-    None: a chain (each token under the one before).
-    tokens may be a lazy integer array (flat batch only): a plain step built on the step
-    before's token before the host has read it (serve/engine.py's step ahead).
-    """
+    """One session's new tokens in an iteration. cache: its `RowCache`, per-layer mlx-lm
+    caches or own `Verifier`, appended to. logits_from: rows >= this get logits (a prefill
+    chunk: None). parents: a token tree's (-1: the root; parents precede children): token i
+    sits at slot offset + i, position offset + depth(i), and attends to the prefix and its
+    ancestors; None: a chain. tokens may be a lazy array (flat batch only)."""
 
     tokens: tuple[int, ...] | mx.array
     cache: object
@@ -79,14 +57,10 @@ class Segment:
 
 @dataclass(frozen=True)
 class _Plan:
-    """Index arrays of one flat iteration, shared by every layer.
-
-    Flat order: the short segments (batched attention) first, then the long ones.
-    n_rows: R, the rows the batched attention spans (0..max row of a short segment);
-    q_index [R * Lq]: flat token of each (row, query) cell (padding cells: token 0);
-    out_index [n_short]: the cell of each short-segment token (both None when every row holds
-    one block of Lq tokens, in row order); mask [R, 1, Lq, T], or None where every cell sees
-    every key (`unmasked`: a batch of one's plain step)."""
+    """Index arrays of one flat iteration (short segments first), shared by every layer:
+    q_index [R * Lq], the flat token of each (row, query) cell; out_index [n_short], the cell
+    of each short-segment token (both None when every row is one block in row order); mask
+    [R, 1, Lq, T], None when every cell sees every key (`unmasked`)."""
 
     n_short: int
     n_rows: int
@@ -106,12 +80,9 @@ def main_store(segments: Sequence[Segment]) -> BatchKV:
 
 
 def batched_segments(segments: Sequence[Segment]) -> list[bool]:
-    """Which segments attend together: decode blocks (logits wanted, at most
-    `MAX_BATCHED_SEGMENT` tokens) whose context is not far longer than the others'. The shared
-    call pads every row to the longest query block and the longest context, so a prefill chunk
-    or a session with a 2,000-token context would make every row pay for it; those attend
-    alone (as many small ops as before, but no padding), as do rows of another store than
-    `main_store`'s."""
+    """Which segments attend together: decode blocks of at most `MAX_BATCHED_SEGMENT` tokens
+    in `main_store` whose context is not far longer than the others' (the shared call pads
+    every row to the longest block and context; the rest attend alone)."""
     main = main_store(segments) if segments else None
     cand = [s.logits_from is not None and len(s) <= MAX_BATCHED_SEGMENT
             and s.cache.store is main for s in segments]
@@ -123,11 +94,8 @@ def batched_segments(segments: Sequence[Segment]) -> list[bool]:
 
 
 def unmasked(mask: np.ndarray, exact_without: bool) -> bool:
-    """Whether the batched attention may skip its mask: every (row, query) cell sees every
-    key (one row of one query, as a batch of one's plain step; rows of one query at one
-    length), and leaving the mask out gives the same bits (`exact_without`: this module's
-    CPU attention, where selecting through a mask of all True is the identity). The loop's
-    plain step has no mask either: the batch of one then pays no select per layer."""
+    """Whether the batched attention may skip its mask: every cell sees every key, and
+    leaving it out gives the same bits (`exact_without`: fastmath's CPU attention)."""
     return exact_without and bool(mask.all())
 
 
@@ -176,14 +144,10 @@ def _plan(segs: Sequence[Segment], n_batched: int, exact_without_mask: bool = Fa
 
 def _attention(attn, x: mx.array, writes: Sequence[tuple[BatchKV, mx.array | None, mx.array]],
                layer: int, positions: mx.array, plan: _Plan) -> mx.array:
-    """x: [1, N, D] flat batch -> o_proj(attention) [1, N, D].
-
-    Projections and rotary embeddings run once on the flat batch (`mx.fast.rope` takes one
-    offset per batch row, so the N tokens are laid out as N rows at their own positions); one
-    scatter writes every new key/value; short segments attend together, long ones alone."""
+    """x: [1, N, D] flat batch -> o_proj(attention) [1, N, D]. Rope runs once with the N
+    tokens as N rows at their own positions; one scatter writes every new key/value."""
     N, H = x.shape[1], attn.n_heads
-    # one rope call for queries and keys (a call costs far more than its arithmetic here; the
-    # rotation of a head does not depend on the other heads: same bits)
+    # one rope call for queries and keys (a call costs more than its arithmetic; same bits)
     qk = mx.concatenate(head_projections(attn, x), axis=1)
     qk = attn.rope(qk, offset=positions)
     q, k = qk[:, :H], qk[:, H:]  # [N, H, 1, hd], [N, kv_heads, 1, hd]
@@ -260,11 +224,9 @@ class _Layout:
 
 def flat_layers(layers: Sequence[nn.Module], x: mx.array, segments: Sequence[Segment]
                 ) -> list[mx.array]:
-    """Any llama-style decoder layers (a draft head's) over a flat batch: x [1, N, D] holds
-    the segments' inputs in segment order (the tokens of a `Segment` only give its length
-    here); returns each segment's outputs [len(seg), D], in segment order (not evaluated).
-    Every segment's cache (a row of a `BatchKV` with one layer per entry of `layers`) is
-    appended to, as `flat_forward` does for a model's own layers."""
+    """Any llama-style decoder layers (a draft head's) over a flat batch: x [1, N, D] the
+    segments' inputs in order (a `Segment`'s tokens only give its length); returns each
+    segment's outputs [len(seg), D], not evaluated. Every segment's cache is appended to."""
     if not segments or any(not len(s) for s in segments):
         raise ValueError("flat_layers needs at least one segment, none of them empty")
     lay = _Layout(segments, layers[0].self_attn.n_kv_heads)
@@ -336,14 +298,10 @@ def _one_by_one(model: nn.Module, segments: Sequence[Segment]) -> list[mx.array 
 
 @dataclass(frozen=True)
 class FlatOutputs:
-    """One iteration's forward, not evaluated (`flat_outputs`): a caller builds its decisions
-    on these lazy arrays and evaluates them with `pending()` in ONE `mx.eval` (one host
-    synchronisation for the forward and everything read from it).
-
-    logits: [len(seg) - logits_from, V] per segment (None for prefill chunks); hidden: each
-    segment's last-layer pre-norm hidden states [len(seg), H] (asked for; else None); state:
-    the caches' buffers, which must be evaluated with them (the next forward writes into
-    them in place)."""
+    """One iteration's forward, not evaluated: a caller builds its decisions on these and
+    evaluates `pending()` in ONE `mx.eval`. logits as `flat_forward`'s; hidden: pre-norm
+    last-layer states (asked for; else None); state: the caches' buffers, evaluated with
+    them (the next forward writes into them in place)."""
 
     logits: tuple[mx.array | None, ...]
     hidden: tuple[mx.array, ...] | None
@@ -394,12 +352,8 @@ def _flat_state(state) -> list[mx.array]:
 def flat_forward(model: nn.Module, segments: Sequence[Segment], *, hidden: bool = False
                  ) -> list[mx.array | None] | tuple[list[mx.array | None], list[mx.array]]:
     """Logits [len(seg) - logits_from, V] per segment (None for prefill chunks), evaluated;
-    every segment's tokens are appended to its cache. Segments whose caches are rows of a
-    `BatchKV` share one forward; per-layer cache lists run one forward each (batch-invariant).
-
-    hidden: also return each segment's last-layer pre-norm hidden states [len(seg), H] (the
-    features a hidden-state drafter reads; flat batch only). `flat_outputs` is the same
-    forward left lazy (the serving engine evaluates it with its decisions)."""
+    every segment's tokens are appended to its cache. hidden: also each segment's pre-norm
+    last-layer states [len(seg), H] (flat batch only). `flat_outputs` is this left lazy."""
     f = flat_outputs(model, segments, hidden=hidden)
     mx.eval(f.pending())
     return (list(f.logits), list(f.hidden)) if hidden else list(f.logits)

@@ -1,13 +1,10 @@
 """Where a flat batch's sessions keep their keys and values: one row each of one store.
 
-Kept as one mlx-lm `KVCache` per session, attention over a batch is a loop of ~18 small ops per
-session per layer (16 sessions x 30 layers: ~8,600 ops per iteration, each a dispatch on a
-2-core CPU), which cost as much as the dense layers themselves. So every session's cache is one
-row of a `BatchKV`: one buffer per layer, keys/values [rows, kv_heads, capacity, head_dim]. An
-iteration writes every new key and value with one scatter per layer (`BatchKV.write`, called by
-the flat forward in engine/batch.py); a session's rollback is O(1) (its row's offset moves), a
-session that leaves frees its row. Rows can also take a copied prefix of another row (shared
-prompts), keep a verified tree's accepted path, or take a KV computed elsewhere (flow KV).
+As one mlx-lm `KVCache` per session, a batch's attention was a loop of ~18 small ops per session
+per layer, each a dispatch, costing as much as the dense layers. So every session's cache is one
+row of a `BatchKV` (one buffer per layer): an iteration writes with one scatter per layer, a
+rollback moves the row's offset, and rows can copy another's prefix, keep a verified tree's
+path, or take a KV computed elsewhere (flow KV).
 """
 
 from __future__ import annotations
@@ -28,10 +25,8 @@ ShippedKV = Sequence[tuple[np.ndarray | mx.array, np.ndarray | mx.array]]
 
 @dataclass(frozen=True)
 class Fetched:
-    """Some rows' positions read out lazily with an iteration's outputs (`BatchKV.fetch`): the
-    tree nodes a forward wrote, evaluated in the iteration's one synchronisation, so keeping
-    a verified path afterwards (`BatchKV.keep_paths`) moves them without reading the buffers:
-    no wait, and the scatter still updates the buffers in place."""
+    """Some rows' positions read out lazily with an iteration's outputs (`BatchKV.fetch`), so
+    `keep_paths` moves a verified path without reading the buffers."""
 
     entry: dict[tuple[int, int], int]  # (row, position) -> its index among the fetched
     heads: int
@@ -76,8 +71,7 @@ class BatchKV:
         return len(self._open)
 
     def reserve(self, rows: int, positions: int) -> None:
-        """Make room for rows [0, rows) and positions [0, positions) (applied per layer at its
-        next write)."""
+        """Make room for rows [0, rows) and positions [0, positions) (at each layer's write)."""
         if rows > self.rows:
             self.rows = -(-rows // self.row_step) * self.row_step
         if positions > self.capacity:
@@ -103,8 +97,7 @@ class BatchKV:
 
     def copy_prefixes(self, copies: Sequence[tuple[RowCache, RowCache, int]]) -> None:
         """For each (src, dst, n): dst's cache becomes src's first n positions (a shared prompt
-        prefix: one gather and one scatter per layer instead of a prefill of n tokens). The
-        gathered positions are evaluated first, so the scatter then updates in place."""
+        prefix: one gather and one scatter per layer instead of a prefill of n tokens)."""
         for src, dst, n in copies:
             if not 0 < n <= src.offset or src.store is not self or dst.store is not self:
                 raise ValueError(f"cannot share {n} positions of a row holding {src.offset}")
@@ -120,9 +113,8 @@ class BatchKV:
     def _move(self, src_rows: np.ndarray, src_pos: np.ndarray, dst_rows: np.ndarray,
               dst_pos: np.ndarray) -> None:
         """Every layer's keys/values at (src_rows, src_pos) copied to (dst_rows, dst_pos): one
-        gather and one scatter per layer; the gathered rows are evaluated first, so the
-        scatter then updates the buffers in place (a gather left lazy beside its scatter, or
-        still running when the scatter runs, makes MLX copy every buffer)."""
+        gather and one scatter per layer, the gather evaluated first so the scatter runs in
+        place (else MLX copies every buffer)."""
         heads = self.keys[0].shape[1]
         src_slots = self.slot_index(src_rows, src_pos, heads)
         parts = [[b.reshape(-1, b.shape[3])[src_slots] for b in (self.keys[i], self.values[i])]
@@ -147,12 +139,9 @@ class BatchKV:
     def keep_paths(self, kept: Sequence[tuple[RowCache, int, Sequence[int]]],
                    fetched: Fetched | None = None) -> None:
         """After verifying token trees: for each (cache, base, path), the row keeps the root
-        (slot base) and the accepted nodes `path` (slots base + node), moved right behind the
-        root, and drops the rest (its offset becomes base + 1 + len(path)). Every move of
-        every row is one gather and one scatter per layer.
-        fetched: the nodes, read out with the forward (`fetch`, evaluated): the moves then
-        wait for nothing (the next forward's evaluation carries their scatters, still in
-        place); None: gathered here (one evaluation)."""
+        (slot base) and the accepted nodes (slots base + node) moved right behind it, and drops
+        the rest. fetched: the nodes read out with the forward (`fetch`), so the moves wait for
+        nothing; None: gathered here (one evaluation)."""
         for c, base, path in kept:
             if c.store is not self or base + 1 + len(path) > c.offset:
                 raise ValueError(f"row {c.row}: cannot keep {len(path)} nodes past {base}")
@@ -178,12 +167,9 @@ class BatchKV:
     def install(self, cache: RowCache, shipped_kv: ShippedKV, dtype: mx.Dtype,
                 layers: range | None = None) -> None:
         """An empty row takes a shipped prompt KV (flow KV): per layer (keys, values)
-        [kv_heads, n, head_dim], written at positions 0..n-1 in the buffers' dtype. A store
-        of one row not allocated yet (a long prompt's own) takes the arrays as its buffers,
-        padded to capacity: one copy, no scatter.
-
-        layers: only these (a slice of the install, so a long prompt's copy can be spread over
-        several iterations); the row's offset is set once the last layer is in."""
+        [kv_heads, n, head_dim] at positions 0..n-1 (an unallocated store of one row takes them
+        as its buffers: one copy, no scatter). layers: only these (a long copy spread over
+        iterations); the row's offset is set once the last layer is in."""
         if len(shipped_kv) != self.n_layers:
             raise ValueError(f"{len(shipped_kv)} layers of KV for a model of {self.n_layers}")
         if cache.store is not self or cache.offset:

@@ -1,24 +1,10 @@
-"""One speculative block's host-side decisions, shared by every loop that verifies blocks.
+"""One speculative block's host-side decisions, shared by every loop that verifies blocks:
 
     draft -> verify (the caller's forward) -> accept -> cut at a stop token -> tally
 
-The serving engine (`serve/decode.py`, one block per session per iteration) and the tests'
-reference loops (tests/reference_loops.py) differ in how they run the forward; what they decide
-from its logits is written once, here:
-
-* `accept_chain`: the acceptance rule of a chain for the request's sampling parameters
-  (greedy exact match, the ratio test, exact-match sampling); a greedy caller may pass the
-  argmax ids it already has (one host synchronisation for many).
-  `tree_decision` / `tree_decided`: a token tree's rule, split into its lazy device half and
-  its host walk, so a caller deciding many blocks evaluates all of them at once
-  (serve/decode.py); None from `tree_decision` leaves SpecInfer's host rule to the caller
-  (`tree.accept_tree_sample`).
-  Sampling decides on the device (`chain_outcome`, `tree_outcome`: engine/pipeline.py, draws
-  keyed by the request's seed and each token's output position), so a seeded request draws
-  the same in every loop; only SpecInfer's rule for trees of drafts with probabilities runs
-  on the host (with the request's generator);
-* `cut_at_stop`: a block's committed tokens end before the first stop token;
-* `BlockTally`: a generation's block statistics, reduced to its `GenerationStats`.
+Sampling decides on the device (engine/pipeline.py, keyed by seed and output position, so a
+seeded request draws alike in every loop); only SpecInfer's rule for trees of drafts with
+probabilities runs on the host (`tree.accept_tree_sample`).
 """
 
 from __future__ import annotations
@@ -109,9 +95,8 @@ def cut_at_stop(new: Sequence[int], eos_ids: frozenset[int]) -> tuple[list[int],
 
 def commit_block(new: Sequence[int], eos_ids: frozenset[int], constraint: Constraint | None
                  ) -> tuple[list[int], bool]:
-    """A verified block's tokens as the answer takes them: cut at the first stop token, then
-    at the grammar's end (a stop too; the constraint advances over what is kept); and whether
-    the answer stopped. Every decode commits through here (serve/decode.py)."""
+    """A verified block's tokens as the answer takes them, cut at the first stop token, then at
+    the grammar's end (the constraint advances over what is kept); and whether it stopped."""
     new, stopped = cut_at_stop(new, eos_ids)
     if constraint is not None:
         end = constraint.commit(new)
@@ -122,8 +107,7 @@ def commit_block(new: Sequence[int], eos_ids: frozenset[int], constraint: Constr
 
 @dataclass
 class BlockTally:
-    """One generation's blocks: how many, drafts verified and accepted, the histogram of
-    accepted lengths of the blocks that drafted, and the time spent drafting and verifying."""
+    """One generation's block statistics, reduced to its `GenerationStats`."""
 
     blocks: int = 0
     drafted: int = 0

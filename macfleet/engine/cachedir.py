@@ -1,8 +1,6 @@
 """Where macfleet keeps what it measured or built on this machine (`MACFLEET_CACHE`, else
-~/.cache/macfleet): verify(L) tables, answer-store indexes, the drafter measured best here,
-the embedded model when it was fetched on first use rather than installed (macfleet/fetch.py).
-Everything there can be deleted. `machine_id` names the machine a measurement belongs to;
-`write_atomic` writes a kept file (there or in a dataset) whole or not at all."""
+~/.cache/macfleet): verify(L) tables, answer-store indexes, the drafter measured best here, a
+fetched embedded model. Everything there can be deleted."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ def machine_id(cores: int | None = None) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """`path` holds `text` whole or keeps what it held: written next to it, renamed into place
-    (a stopped run or a reader at the same moment never sees half a file)."""
+    """`path` holds `text` whole or keeps what it held (written next to it, renamed)."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

@@ -1,82 +1,15 @@
-"""Which drafter drafts the next block: chosen while it runs (issue 44), pure decisions.
+"""Which drafter drafts the next block, chosen while it runs (issue 44): pure decisions.
 
-The best drafter depends on this machine's verify(L) curve at this moment and on the answer
-being written, and both change more than the drafters differ; a choice fixed in advance (a
-bench record) is wrong somewhere. So each session keeps, per candidate (a drafter or a tree
-of drafters in its shape, and plain decoding), what its blocks have been committing and what
-they cost here, and drafts the next block with the one expected to commit most tokens per
-millisecond:
+The best drafter depends on this machine's verify(L) now and on the answer being written, and
+both change more than the drafters differ, so no choice fixed in advance holds. Each session
+keeps, per candidate (a drafter, a tree of drafters, or plain decoding), EMAs of what its blocks
+accept, verify and cost, and drafts with the one expected to commit most tokens per ms:
 
     rate(c) = (1 + accepted(c)) / (draft_ms(c) + verify(L(c)))
 
-accepted, L (the tokens a block verifies) and draft_ms are EMAs of the candidate's own
-blocks; verify(L) is the machine's table (tree_budget.VerifyCurve: probed, then learnt from
-every block whoever drafted it) times the machine's load now (`load`), so a candidate's cost
-follows the machine even while it is not chosen. Plain decoding is 1 / verify(1).
-
-* The load: every block's verify time against the table's moves one factor of every length
-  (clipped: one stall moves it at most LOAD_CLIP times), and the table learns per length only
-  what is left. A busy machine slows every length at once, but each length is observed only
-  when a candidate drafts that many tokens. Learnt per length alone (traced on a slow day,
-  a busy core beside it: docs/benchmarks.md, Drafters), each entry held the load of the
-  last block of its length, and a stall of another job (one slow block) stayed in its entry: in verify(1), plain decoding looked slow for the rest of the answer (plain is
-  never re-tried), in a drafter's length, that drafter did. The first block sets the load
-  (the table may be another day's; a factor on every length moves no choice).
-
-* But the load is fitted to the lengths that draft, and a busy machine also changes the
-  table's shape (small forwards suffer most): read off a quiet day's shape, plain decoding's
-  verify(1) looked twice what it cost, and plain, never tried, never showed it (a tree drafted
-  every block of the answer, slower than plain). So plain decoding is tried as the drafters are
-  (early, then at doubling intervals: it costs at most a plain step), and a try's block
-  teaches its length's entry (not the load: the load is the drafting candidate's, and what a
-  try finds off it is the shape at its length, which only its blocks measure).
-
-* A candidate whose drafts cost nothing to compute (n-gram lookup, the answer store:
-  `Candidate.free`) is scored on every block from the committed text, without being verified
-  (`shadow`): the greedy verifier would have accepted exactly the prefix of its draft that
-  the text went on to commit. And its draft for the next block is made before the choice
-  (`choose(sizes)`), so what that block would verify is known, not an average: it is rated
-  at its acceptance over the drafts it had something to say in (`hit`) and at verify(its
-  size now); with nothing to draft it is plain decoding. Rated on its average length, the
-  answer store's 25-node trees (2.3 plain steps on the EPYC box) were chosen on the strength
-  of short drafts and lost a step and more each (issue 44's traces: chat:heating's loss was
-  such blocks). What its blocks cost is the table's entry at that size, which every block
-  of that length teaches, whoever drafted it; so a free candidate is tried only at a size
-  no block of the session has verified, and only if it would pay were that entry TRY_CLIP
-  times too high (a probe that met another job): once, not at doubling intervals as the
-  others (its repeated tries, long trees that accepted nothing, were the largest share of
-  chat:romeo's loss). Without sizes (a caller that has no context) it is rated on its
-  averages and never tried.
-* Switching drafters costs: a drafter that did not draft the last blocks first catches up
-  on the tokens others committed (the EAGLE head's features: several blocks' drafting after a
-  few blocks off). That catch-up is kept out of its draft cost
-  (only blocks drafted back to back measure it: counted in, it made the head look slow
-  after every try), and another drafter must beat the one drafting by SWITCH_MARGIN.
-* The others are tried now and then (`EXPLORE`), as the draft-length controller probes
-  k = 0: an untried one early, staggered; one that lost its try waits twice as long for the
-  next (MIN_INTERVAL .. MAX_INTERVAL blocks), so a useless drafter costs a bounded share of
-  the blocks, and one that starts to pay (a repetitive stretch, code) is noticed. A re-try
-  also waits until what the tries have lost (a try's time beyond what the best candidate
-  would have committed its tokens in), with what this one is expected to lose, is within
-  EXPLORE_SHARE of the time spent: counted in
-  blocks alone, a slow day's tries (a long tree at twice a plain step) cost a good share
-  of an answer. A first try is never held back (it is how a winner is found), but charged (the
-  record winner's first block, PRIOR, is its first try); plain decoding's first comes after
-  the untried drafters' first.
-* The offline record (`bench drafter --record`/`--record-shipped`) is the prior (`Prior`, per
-  candidate): its winner starts at its recorded speedup over plain until its own blocks are
-  measured, and every candidate the record measured starts its estimate at the record's
-  accepted drafts and tokens verified per block, which its blocks then move by EMA, as any
-  block does. Without it a candidate's first block was its estimate: explain's text, on both
-  days and in every run, gave eagle2 nothing at its first try (eagle2 alone was the best
-  drafter there: results/drafter-auto-1129), it rated below plain, the lost try doubled its
-  wait and the tries' budget held back the next: written off for the answer on one block.
-  So also a re-try that would pay at the record's acceptance and this machine's costs is not
-  held back by the budget, for its first PRIOR_TRIES tries (`_hopeful`: optimism that ends
-  with its tries); the budget charges a re-try what its own blocks accepted. Acceptance is
-  what the answer and the drafter decide, not the machine (the record's speedup is its
-  machine's): what it costs here is still read off this machine's verify(L), so on a slow
-  day a prior draws no candidate that cannot pay on this machine's costs.
+verify(L) is the machine's table (tree_budget.VerifyCurve) times its load now. How the load,
+the tries, the free candidates and the offline prior are handled, and why: docs/engine.md,
+"The drafter chooser".
 """
 
 from __future__ import annotations
@@ -88,8 +21,7 @@ from macfleet.engine.tree_budget import VerifyCurve
 from macfleet.stats import PRIOR, BEST, EXPLORE, BlockTrace, DrafterChoice
 
 PLAIN = "none"
-# blocks before a losing candidate is tried again, doubling per lost try: a loser costs about
-# log2(blocks / MIN_INTERVAL) blocks of a generation (3 in 100), each worth what it measured
+# blocks before a losing candidate is tried again, doubling per lost try
 MIN_INTERVAL = 8
 MAX_INTERVAL = 128
 STAGGER = 2  # untried candidates: the first at block 1, then every STAGGER blocks
@@ -103,16 +35,14 @@ STALL_STEPS = 2.0  # a try is charged at most this many plain steps' time
 SHAPE_CLIP = 1.5  # nor its length's entry in the table more than this,
 SHAPE_EMA = 0.05  # slowly: the load explains a slower machine first
 TRY_WEIGHT = 1.0  # ... but a try's block sets its length's entry (clipped by LOAD_CLIP)
-TRY_CLIP = 1.5  # a free candidate is tried at a length no block measured yet, if it pays at
-# that length's entry over this (a probe that met a stall)
+TRY_CLIP = 1.5  # a free candidate's try at an unmeasured length: if it pays at entry / this
 PRIOR_TRIES = 2  # tries of a candidate the record says pays here that the budget never holds
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A drafter (or a tree of drafters, `members` indices into its group) in one shape;
-    no members: plain decoding. free: its drafts cost nothing to compute (scored from the
-    committed text every block; explored only to measure its length's verify cost)."""
+    """A drafter (or a tree of drafters, `members` indices into its group); no members: plain
+    decoding. free: its drafts cost nothing to compute (scored from the text every block)."""
 
     name: str
     members: tuple[int, ...] = ()
@@ -121,9 +51,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Prior:
-    """What the offline record (`bench drafter`) measured of a candidate: its speedup over
-    plain on the recording machine (the winner's; 0: none), its accepted drafts and tokens
-    verified per block (None: not measured)."""
+    """What the offline record (`bench drafter`) measured of a candidate: the winner's speedup
+    over plain (0: none), accepted drafts and tokens verified per block (None: not measured)."""
 
     speedup: float = 0.0
     accepted: float | None = None
@@ -147,24 +76,20 @@ class _Estimate:
 
     def add(self, accepted: float, length: float, draft_ms: float,
             steady: bool = True, cap: float = float("inf")) -> None:
-        """steady: the candidate also drafted the block before (else its drafting caught up
-        on the tokens others committed: a cost of switching, not of its blocks). cap: the
-        most a first block's drafting is taken to cost (a stall or a warm-up beyond it is
-        not the drafter's cost: its second block measures that)."""
+        """steady: it also drafted the block before (else its drafting caught up on others'
+        tokens: a switching cost). cap: the most a first block's drafting counts."""
         if length > 1:
             self.hit = accepted if self.hit is None else self.hit + EMA * (accepted - self.hit)
+        if self.n == 0 and not self.started:
+            self.accepted, self.length = accepted, length
+        else:  # (started: the record's figures count as the blocks before this one)
+            self.accepted += EMA * (accepted - self.accepted)
+            self.length += EMA * (length - self.length)
         if self.n == 0:
             self.capped, draft_ms = draft_ms > cap, min(draft_ms, cap)
-            if self.started:  # the record's figures count as the blocks before this one
-                self.accepted += EMA * (accepted - self.accepted)
-                self.length += EMA * (length - self.length)
-            else:
-                self.accepted, self.length = accepted, length
             self.draft_ms, self.own = draft_ms, accepted
         else:
-            self.accepted += EMA * (accepted - self.accepted)
             self.own += EMA * (accepted - self.own)
-            self.length += EMA * (length - self.length)
             # a first block pays the drafter's warm-up: a cheaper second one replaces it
             if self.n == 1 and self.capped:
                 self.draft_ms = draft_ms
@@ -177,9 +102,8 @@ class _Estimate:
 
 def tree_match(tokens: Sequence[int], parents: Sequence[int] | None,
                committed: Sequence[int]) -> int:
-    """How many of a draft's tokens a greedy verifier accepts when it commits `committed`
-    (pure): the depth of the deepest path of the draft (a chain when parents is None; a tree
-    whose parents[i] is -1 under the root) that `committed` starts with."""
+    """How many of a draft's tokens (a chain when parents is None) a greedy verifier accepts
+    when it commits `committed` (pure): its deepest path that `committed` starts with."""
     if parents is None:
         parents = tuple(range(-1, len(tokens) - 1))
     node, depth = -1, 0
@@ -204,10 +128,8 @@ def tree_depth(parents: Sequence[int] | None, n: int) -> int:
 
 @dataclass
 class Chooser:
-    """One session's choice of drafter, block by block (pure: no clock, no model).
-
-    candidates: plain decoding among them (PLAIN); prior: the offline record's figures by
-    candidate name; curve: this machine's verify(L) in ms."""
+    """One session's choice of drafter, block by block (pure: no clock, no model); plain
+    decoding (PLAIN) is among the candidates; prior by candidate name; curve: verify(L) in ms."""
 
     candidates: Sequence[Candidate]
     curve: VerifyCurve = field(default_factory=VerifyCurve)
@@ -268,10 +190,8 @@ class Chooser:
         return (1.0 + e.accepted) / max(cost, 1e-9)
 
     def _loss(self, name: str, best_rate: float) -> float:
-        """ms a block of `name` is expected to take beyond what the best candidate would
-        take for its tokens (0: it is expected to win), at what its own blocks accepted (the
-        record's prior decides which re-tries the budget does not hold back, `_hopeful`, not
-        what the others are charged)."""
+        """ms a block of `name` is expected to take beyond what the best candidate would take
+        for its tokens (0: it is expected to win), at what its own blocks accepted."""
         e = self._est[name]
         cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
         return min(max(0.0, cost - (1.0 + e.own) / max(best_rate, 1e-9)),
@@ -279,9 +199,7 @@ class Chooser:
 
     def _unmeasured(self, c: Candidate) -> bool:
         """A free candidate whose block now has a length no block of this session verified,
-        and that would beat plain decoding were that length's entry TRY_CLIP times too high:
-        its try measures the entry (a probe under another job's load would otherwise rate it
-        below plain for the answer: nothing else drafts that length)."""
+        and that would beat plain decoding were that entry TRY_CLIP times too high."""
         size, e = self._sizes.get(c.name, 1), self._est[c.name]
         if size <= 1 or size in self._verified or e.n == 0:
             return False
@@ -289,12 +207,8 @@ class Chooser:
         return (1.0 + (e.hit or 0.0)) / max(cost, 1e-9) > MARGIN / self.verify_ms(1)
 
     def _hopeful(self, name: str, best_rate: float) -> bool:
-        """A candidate tried fewer than PRIOR_TRIES times that would beat `best_rate` at the
-        record's acceptance (Prior) and this machine's costs now (its blocks' drafting and
-        length, verify(L) now): its re-try is not held back by the tries' budget, so one
-        block of an answer's text does not write it off. A candidate the record did not
-        measure, or one that cannot pay here even at the record's acceptance (a slow day's
-        steep verify(L)), waits for the budget as before."""
+        """Tried fewer than PRIOR_TRIES times, and would beat `best_rate` at the record's
+        acceptance and this machine's costs now: its re-try skips the tries' budget."""
         e, p = self._est[name], self.prior.get(name)
         if p is None or p.accepted is None or e.tries >= PRIOR_TRIES:
             return False
@@ -335,8 +249,7 @@ class Chooser:
         else:
             ch = DrafterChoice(self.block, best,
                                PRIOR if self._est[best].n == 0 else BEST, best_rate * 1e3)
-        # what a try is charged against: the best candidate (the prior's own rate when it
-        # is the prior's block: the best measured one then)
+        # a try is charged against the best (on the prior's block: the best measured one)
         self._last, self._last_best = ch, (best_rate if ch.why != PRIOR
                                            else self._best(exclude=best)[1])
         self._seen = (top, tuple((c.name, round((self.rate(c.name) or 0.0) * 1e3, 3))
@@ -353,8 +266,7 @@ class Chooser:
             length=verified, accepted=accepted, draft_ms=round(draft_ms, 3),
             verify_ms=round(verify_ms, 3), table_ms=round(self.curve.cost(verified), 3),
             load=round(self.load, 4), rates=self._seen[1] if last else ()))
-        # the record's winner's first block (PRIOR) is its first try: charged as one, and
-        # not followed by another the budget cannot hold back
+        # the record's winner's first block (PRIOR) is its first try, charged as one
         tried = last is not None and last.why in (EXPLORE, PRIOR)
         self._follow_load(verified, verify_ms, tried)
         self._verified.add(verified)
@@ -384,12 +296,8 @@ class Chooser:
 
     def _follow_load(self, length: int, ms: float, tried: bool = False) -> None:
         """A verified block's time: the load moves by what the table missed (clipped), the
-        table's entry for its length learns the rest (clipped tighter). A try's block
-        (`tried`) teaches its length's entry instead, at TRY_WEIGHT: the load is the drafting
-        candidate's, and what a try finds off it is the table's shape at its length, which
-        only its blocks measure. Only the first try at a length may raise its entry: a stall
-        only adds time, and two tries that met one (a loaded box, two drafters of the same
-        length) compounded to LOAD_CLIP squared, a length no later try was let near."""
+        table's entry for its length learns the rest (clipped tighter); a try's block teaches
+        its length's entry instead, raising it only on the first try at that length."""
         if not self.curve.samples or ms <= 0:
             self.curve.observe(length, ms)
             return
@@ -415,10 +323,7 @@ class Chooser:
         self._est[name].add(accepted, verified, draft_ms, cap=self._first_draft_cap(verified))
 
     def _first_draft_cap(self, verified: int) -> float:
-        """A first block's drafting counts at most STALL_STEPS verifies of its block: one that
-        met another job (or a warm-up) rated the drafter below plain decoding, and the tries'
-        budget then held back the re-try that would have measured it (traced on a loaded
-        box: a drafter right on every token written off for the answer after one block)."""
+        """A first block's drafting counts at most STALL_STEPS verifies of its block."""
         return STALL_STEPS * self.verify_ms(max(1, verified))
 
     def measured(self, name: str) -> int:

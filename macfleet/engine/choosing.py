@@ -1,15 +1,9 @@
-"""`--proposer auto`: a tree of drafters of which the chooser (engine/chooser.py) picks, block
+"""`--proposer auto`: a group of drafters of which the chooser (engine/chooser.py) picks, block
 by block, the candidate that drafts (issue 44).
 
-`ChoosingGroup` is a `ProposerGroup` (the tree loop runs it unchanged): every block only the
-chosen candidate's drafters draft (plain decoding: none), only they learn from its outcome,
-and the chooser learns what the block cost. The free candidates (n-gram lookup, the answer
-store) also draft when not chosen, and their drafts are scored against the text committed
-after them (`chooser.tree_match`): their rates are known on every block without verifying
-them. `auto_candidates` is what a model can draft with here (its shipped head: EAGLE chains
-and dynamic trees from ONE proposer, `ChainsOf`, so they share the head's cache and the
-verifier's feature tap; its answer store), `make_auto_group` builds it with the offline record
-as the prior.
+`ChoosingGroup` is a `ProposerGroup`, so the tree loop runs it unchanged; only the chosen
+candidate's drafters draft and learn. The free candidates also draft when not chosen and are
+scored against the text committed after them. Why: docs/engine.md, "Choosing the drafter".
 """
 
 from __future__ import annotations
@@ -30,15 +24,11 @@ MAX_PENDING = 8  # a free candidate's drafts waiting for the text to score them
 
 
 class ChainsOf(Proposer):
-    """The chains of an EAGLE-2 tree proposer's head (`eagle` beside `eagle2` in one group):
-    the same head cache, feature store and verifier tap; started and closed by the tree."""
+    """The chains of an EAGLE-2 tree proposer's head, sharing its cache and verifier tap."""
 
     def __init__(self, tree, name: str = "eagle") -> None:
         self.tree = tree
         self.name = name
-
-    def start(self, params) -> None:
-        self.params = params
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         from macfleet.engine.proposers.eagle.chain import EagleProposer
@@ -47,13 +37,9 @@ class ChainsOf(Proposer):
 
 
 def free_chain_k(k: int, drafted: int, accepted: int) -> int:
-    """Pure: what a chosen free chain drafter (n-gram lookup) drafts in its next block, after
-    one of `k` asked, `drafted` drafted and `accepted` accepted: twice k (at most FREE_K_MAX)
-    when all k were drafted and accepted (a copy running on: an answer quoting a pasted
-    paragraph), SHADOW_K at the first miss. At SHADOW_K alone a long copy commits SHADOW_K + 1
-    tokens per verify, where the drafter alone, its length controller growing, committed two
-    to three times as many (issue 44: paragraph); doubling only after a full block costs an
-    ordinary answer almost nothing, as few of its blocks are full."""
+    """Pure: what a chosen free chain drafter drafts next, after one of `k` asked, `drafted`
+    drafted and `accepted` accepted: twice k (at most FREE_K_MAX) when the block was full (a
+    copy running on), else SHADOW_K."""
     return min(2 * k, FREE_K_MAX) if drafted >= k > 0 and accepted >= drafted else SHADOW_K
 
 
@@ -68,8 +54,7 @@ class _Shadow:
 
 
 class ChoosingGroup(ProposerGroup):
-    """A group of drafters of which one candidate drafts each block (`choice`, recorded in
-    `choices`): per session, since what a drafter accepts depends on the answer."""
+    """A group of drafters of which one candidate drafts each block (`choice`, per session)."""
 
     def __init__(self, proposers: Sequence[Proposer], candidates: Sequence[Candidate], *,
                  draft_tokens: int | str = "auto", prior: Mapping[str, Prior] | None = None
@@ -108,9 +93,8 @@ class ChoosingGroup(ProposerGroup):
         return self.chooser.by_name(self.choice.drafter).members if self.choice else ()
 
     def lengths(self, limit: int, context: Sequence[int] | None = None) -> list[int]:
-        """context: the block's (the free candidates' drafts the text now scores are scored,
-        and they draft first, so the choice knows what their blocks would verify:
-        `Chooser.choose(sizes)`)."""
+        """context: the block's (pending shadows are scored, and the free candidates draft
+        first so the choice knows what their blocks would verify)."""
         if context is not None:
             self._score_shadows(context)
         self.choice = self.chooser.choose(None if context is None else
@@ -120,18 +104,14 @@ class ChoosingGroup(ProposerGroup):
         for j in self._members():
             p = self.proposers[j]
             if self.live[j]:
-                # a free candidate drafts what its shadows were scored on (SHADOW_K; more
-                # while a copy runs on: free_chain_k): its own length controller, fitted to a
-                # loaded machine's noise, backed off to k = 0 (traced: n-gram chosen on its
-                # scores, then drafting nothing)
-                ks[j] = min(self.node_budget if p.drafts_trees
-                            else self._free_k.get(j, SHADOW_K) if free
+                # a free candidate drafts what its shadows were scored on, not what its own
+                # length controller says (docs/engine.md, "Choosing the drafter")
+                ks[j] = min(self._free_length(j) if free or p.drafts_trees
                             else self.controllers[j].next_k(), limit)
         return cap_total(ks, self.node_budget)
 
     def _free_draft(self, j: int, context: Sequence[int], k: int) -> tuple[Draft, float]:
-        """Free drafter j's draft of k tokens (nodes) here and its ms (made once a block:
-        for the choice, then for its shadow; a failure leaves it out for good)."""
+        """Free drafter j's draft of k tokens here and its ms, made once a block."""
         early = self._early.get(j)
         if early is not None and early[0] == (len(context), k):
             return early[1], early[2]
@@ -147,8 +127,7 @@ class ChoosingGroup(ProposerGroup):
         return d, self._early[j][2]
 
     def _sizes(self, context: Sequence[int], limit: int) -> dict[str, int]:
-        """What each free candidate's block would verify here (drafts + 1, at most `limit`
-        drafts), drafted now at the lengths it drafts when chosen."""
+        """What each free candidate's block would verify here (drafts + 1, drafts <= `limit`)."""
         self._early = {}
         out = {}
         for c in self.candidates:
@@ -159,15 +138,14 @@ class ChoosingGroup(ProposerGroup):
         return out
 
     def _free_length(self, j: int, shadow: bool = False) -> int:
-        """What free drafter j drafts: a tree its node budget, a chain SHADOW_K (when
-        chosen, free_chain_k's length)."""
+        """What free drafter j drafts: a tree its node budget, a chain SHADOW_K (chosen:
+        free_chain_k's length)."""
         if self.proposers[j].drafts_trees:
             return self.node_budget
         return SHADOW_K if shadow else self._free_k.get(j, SHADOW_K)
 
     def begin(self, context: Sequence[int], ks: Sequence[int]) -> None:
-        """The chosen drafters' requests (the tree loop's `draft_all` and the serving
-        engine both come here, then to `finish`)."""
+        """The chosen drafters' requests (then `finish`)."""
         self._score_shadows(context)
         self._t0, self._context, self._ks = time.perf_counter(), context, list(ks)
         super().begin(context, ks)
@@ -193,9 +171,7 @@ class ChoosingGroup(ProposerGroup):
                     waiting.remove(sh)
 
     def _shadow(self, context: Sequence[int], ks: Sequence[int], out: Sequence[Draft]) -> None:
-        """Draft for every free candidate not chosen (each drafter once per block; its real
-        draft when it drafted for the chosen one): scored when the text tells, a block or a
-        few later, so every block's draft is scored."""
+        """Draft for every free candidate not chosen, to be scored when the text tells."""
         chosen = self.choice.drafter if self.choice else PLAIN
         mine: dict[int, tuple[Draft, float]] = {}
         for c in self.candidates:
@@ -214,9 +190,8 @@ class ChoosingGroup(ProposerGroup):
 
     def observe(self, drafts: Sequence[Draft], accepted: Sequence[int], verify_ms: float,
                 verified: int | None = None) -> None:
-        """Only the chosen drafters learn (a drafter not asked must not count an empty
-        block: a tree drafter's backoff would skip its next drafts); the chooser learns
-        the block's cost."""
+        """Only the chosen drafters learn (an empty block of one not asked would trip a tree
+        drafter's backoff); the chooser learns the block's cost."""
         members = self._members()
         free = self.choice is not None and self.chooser.by_name(self.choice.drafter).free
         for j in members:
@@ -267,9 +242,8 @@ def auto_candidates(has_head: bool, has_store: bool) -> tuple[list[str], list[Ca
 
 
 def auto_spec(lm) -> str:
-    """What `auto` drafts with for this verifier: AUTO_NAME (the chooser, a tree of drafters)
-    where its blocks can be verified as token trees; else the record's winner, as before (a
-    model without tree attention verifies each branch on its own, and cannot sample trees)."""
+    """What `auto` drafts with for this verifier: AUTO_NAME where it has tree attention, else
+    the record's winner (without it each branch is verified alone and trees cannot sample)."""
     from macfleet.engine.proposers.choice import resolve_proposer
     from macfleet.engine.tree_verify import supports_tree_attention
 
@@ -280,9 +254,8 @@ def auto_spec(lm) -> str:
 
 def make_auto_group(lm, draft_tokens: int | str = "auto",
                     prior: Mapping[str, Prior] | None = None) -> ChoosingGroup:
-    """`auto` for this verifier: every drafter it has here, chosen block by block; prior:
-    the offline record's figures by candidate (default: this machine's or the shipped bench
-    record)."""
+    """`auto` for this verifier: every drafter it has here; prior: the offline record's
+    figures by candidate (default: this machine's or the shipped bench record)."""
     from macfleet.engine.proposers.choice import auto_prior
     from macfleet.engine.proposers.factory import ProposerSpecError, make_proposer
     from macfleet.engine.proposers.shipped import default_head_path, default_store_path

@@ -1,35 +1,11 @@
 """Structured output: a grammar (JSON schema, JSON object, regex, Lark) as a mask on the
 verifier's distribution, with llguidance (issue 32).
 
-llguidance was picked by measured per-token cost (1.9.1, the cheapest token mask of those
-tried: outlines-core was slower; xgrammar did not import). One `Constraint` per request follows the
-committed tokens; the engine asks it four things, each a pure decision over the grammar state:
-
-* `masks(drafts)`: the allowed tokens at every row of a verify block [len(drafts) + 1, V]
-  (row i: after the committed tokens and drafts[:i]); the verifier's logits outside are -inf
-  before greedy argmax or sampling, so the committed tokens are what constrained plain decoding
-  commits, whatever was drafted;
-* `cut(drafts)`: how many drafts the grammar accepts (the rest would be rejected anyway);
-* `forced()`: the tokens the grammar forces next (a JSON object's keys and punctuation):
-  drafted for free, still verified, so greedy output stays that of constrained plain decoding;
-* `commit(tokens)`: advance over a verified block; where the answer ends (the grammar is
-  complete, or the model chose end-of-sequence where the grammar allowed it).
-
-`resume(tokens)` advances a new constraint over tokens an earlier verifier already committed
-(a re-planned request), before any decoding.
-
-Token trees keep their shape under a grammar: `constrained_tree` puts the forced tokens first
-and drops every node the grammar refuses on its path from the root, with its subtree
-(`tree_accepts`: one depth-first walk of the matcher, rolled back between branches), and
-`tree_masks` gives each node's row the mask after its own path, so a tree's greedy walk and
-exact-match sampling commit what constrained plain decoding commits, as a chain's do.
-
-Sampling stays distribution-identical to constrained sampling: a constrained block's drafts
-carry no draft probabilities (cutting a sampled draft to the grammar would change the
-distribution it came from), so the exact-match rule accepts them (engine/acceptance.py).
-
-The grammar engine's tokenizer is built once per model tokenizer (`bridge`, seconds for a large
-vocabulary: callers build it off their event loop) and shared by every request.
+One `Constraint` per request follows the committed tokens. Every verify row is masked to what
+the grammar allows after its path, and drafts are cut to what it accepts, so greedy output (and
+the sampled distribution) is that of constrained plain decoding whatever was drafted; the
+tokens the grammar forces are drafted for free. Why llguidance, and how chains, trees and
+sampling keep that: docs/engine.md, "Structured output".
 """
 
 from __future__ import annotations
@@ -42,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from macfleet.engine.grammar_probe import TokenList, run_error
 from macfleet.engine.json_schema import with_json_options
 from macfleet.engine.tree import TokenTree, graft
 
@@ -91,12 +68,8 @@ def json_grammar_schema(grammar: Grammar) -> str:
 
 def grammar_error(grammar: Grammar, tokenizer=None) -> str | None:
     """Why llguidance cannot compile or run this grammar (None: it can): compiled, then run a
-    few tokens in (`grammar_probe`: a grammar past the engine's limits compiles and fails on
-    its first steps). Without the model's tokenizer it checks the grammar alone, on a byte
-    tokenizer (no tokenizer build, seconds, on the request path)."""
+    few tokens in (`grammar_probe`). Without the model's tokenizer, on a byte tokenizer."""
     from llguidance import LLMatcher
-
-    from macfleet.engine.grammar_probe import run_error
 
     try:
         text = grammar.llguidance()
@@ -111,25 +84,9 @@ _bridges: dict[tuple[int, int], object] = {}
 _bridges_lock = threading.Lock()
 
 
-class _TokenList:
-    """A tokenizer llguidance reads as a list of token bytes (`llguidance.TokenizerWrapper`):
-    for tokenizers that are no Hugging Face fast tokenizer (the tiny test models')."""
-
-    def __init__(self, tokenizer, vocab: int, eos: int) -> None:
-        self._tok = tokenizer
-        self.tokens = [tokenizer.decode([i]).encode() if i != eos else b"<|eos|>"
-                       for i in range(vocab)]
-        self.eos_token_id, self.bos_token_id = eos, None
-        self.special_token_ids = [eos]
-
-    def __call__(self, text: bytes) -> list[int]:
-        return list(self._tok.encode(text.decode("utf-8", "replace"), add_special_tokens=False))
-
-
 def bridge(tokenizer, vocab: int):
-    """The llguidance tokenizer of a model's tokenizer (built once, then shared): Hugging Face
-    fast tokenizers (mlx-lm's wrapper, the GGUF loader's) through their own JSON; others
-    through their decoded tokens, with the last id as end-of-sequence when they have none."""
+    """The llguidance tokenizer of a model's tokenizer, built once (seconds for a large
+    vocabulary: callers build it off their event loop) and shared by every request."""
     key = (id(tokenizer), vocab)
     with _bridges_lock:
         got = _bridges.get(key)
@@ -142,8 +99,14 @@ def bridge(tokenizer, vocab: int):
         eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
         if hasattr(hf, "backend_tokenizer"):
             ll = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=eos or None)
-        else:
-            wrap = _TokenList(tokenizer, vocab, eos[0] if eos else vocab - 1)
+        else:  # no HF fast tokenizer (the tiny test models'): its decoded tokens
+            def encode(text: bytes) -> list[int]:
+                return list(tokenizer.encode(text.decode("utf-8", "replace"),
+                                             add_special_tokens=False))
+
+            end = eos[0] if eos else vocab - 1
+            wrap = TokenList([tokenizer.decode([i]).encode() if i != end else b"<|eos|>"
+                              for i in range(vocab)], end, encode)
             ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrap), n_vocab=vocab)
         _bridges[key] = (tokenizer, ll)  # the tokenizer held: its id stays its own
         return ll
@@ -151,7 +114,7 @@ def bridge(tokenizer, vocab: int):
 
 # -- one request's constraint ---------------------------------------------------------------
 class Constraint:
-    """One request's grammar state over its committed tokens (module docstring)."""
+    """One request's grammar state (docs/engine.md, "Structured output")."""
 
     def __init__(self, grammar: Grammar, tokenizer, vocab: int) -> None:
         from llguidance import LLMatcher
@@ -171,9 +134,8 @@ class Constraint:
         return np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
 
     def masks(self, drafts: Sequence[int]) -> np.ndarray:
-        """Allowed tokens at each row of a verify block [last token, *drafts]:
-        [len(drafts) + 1, V] bool. `drafts` must be grammar-valid (`cut`); the state is left
-        as it was."""
+        """Allowed tokens at each row of a verify block [last token, *drafts]: [len(drafts) + 1,
+        V] bool; the state is left as it was."""
         rows = np.zeros((len(drafts) + 1, self.vocab), dtype=bool)
         n = self.cut(drafts)  # all of them after `cut`; rows past a bad one stay empty
         for i in range(n + 1):
@@ -183,36 +145,30 @@ class Constraint:
         self._m.rollback(n)
         if self._m.is_error():
             self._fail()
-        if not rows.any(axis=1).all():  # nothing allowed (an error): end-of-sequence only
-            rows[~rows.any(axis=1)] = self._end_row()
+        return self._end_rows(rows)
+
+    def _end_rows(self, rows: np.ndarray) -> np.ndarray:
+        """`rows`, each that allows nothing (an error, a refused node) allowing eos only."""
+        rows[np.ix_(~rows.any(axis=1), [t for t in self.eos if t < self.vocab])] = True
         return rows
 
-    def _end_row(self) -> np.ndarray:
-        row = np.zeros(self.vocab, dtype=bool)
-        row[[t for t in self.eos if t < self.vocab]] = True
-        return row
-
     def cut(self, drafts: Sequence[int]) -> int:
-        """How many of `drafts` the grammar accepts from here (an end-of-sequence token and
-        what follows it are never drafted)."""
+        """How many of `drafts` the grammar accepts from here (never an end-of-sequence)."""
         drafts = [int(t) for t in drafts]
         end = next((i for i, t in enumerate(drafts) if t in self.eos), len(drafts))
         return self._m.validate_tokens(drafts[:end]) if end else 0
 
     def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
         """`masks` for a token tree (node 0 the root; parents precede children): row i the
-        tokens allowed after node i's path from the root [len(tokens), V] bool. A node the
-        grammar refuses (none after `constrained_tree`) gets the end row, as its subtree does:
-        no masked row lets a walk reach it. The state is left as it was."""
+        tokens allowed after node i's path [len(tokens), V] bool; a refused node and its
+        subtree get the end row. The state is left as it was."""
         rows = np.zeros((len(tokens), self.vocab), dtype=bool)
 
         def at(i: int) -> None:
             rows[i] = self._mask()
 
         self._walk(tokens, parents, at)
-        if not rows.any(axis=1).all():
-            rows[~rows.any(axis=1)] = self._end_row()
-        return rows
+        return self._end_rows(rows)
 
     def tree_accepts(self, tokens: Sequence[int], parents: Sequence[int]) -> list[bool]:
         """Which nodes of a token tree the grammar accepts along their path from the root
@@ -220,10 +176,9 @@ class Constraint:
         return self._walk(tokens, parents, lambda i: None)
 
     def _walk(self, tokens: Sequence[int], parents: Sequence[int], at) -> list[bool]:
-        """Depth-first over a token tree with the grammar's state at each node (the root: the
-        current state; a node: after its path's tokens), rolled back between branches;
-        `at(i)` at every accepted node; a refused node is skipped with its subtree. The state
-        is left as it was. Each node costs one token check (and `at`), whatever its depth."""
+        """Depth-first over a token tree, `at(i)` at every accepted node with the grammar's
+        state after its path; a refused node is skipped with its subtree. One token check per
+        node, rolled back between branches; the state is left as it was."""
         n = len(tokens)
         kids: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
@@ -277,10 +232,8 @@ class Constraint:
         return None
 
     def resume(self, tokens: Sequence[int]) -> None:
-        """Advance over an answer's tokens committed before this constraint existed (a request
-        re-planned onto another verifier resumes after them): the grammar goes on from where
-        they left it, not from its beginning. GrammarError, naming the token, when they do not
-        follow the grammar or run past its end; the grammar may be complete after them."""
+        """Advance over tokens committed before this constraint existed (a re-planned request);
+        GrammarError, naming the token, when they do not follow the grammar."""
         tokens = [int(t) for t in tokens]
         end = self.commit(tokens)
         if end is None or end == len(tokens):  # goes on, or complete right after them
@@ -297,10 +250,8 @@ class Constraint:
 
 
 def constrained_draft(c: Constraint, tokens: Sequence[int], room: int) -> tuple[int, ...]:
-    """A constrained session's draft: the forced tokens first (free: the grammar allows
-    nothing else there, or only other spellings of the same bytes), then what the drafter
-    proposed past them when it proposed them too, cut to what the grammar accepts and to
-    `room` tokens."""
+    """A constrained session's draft: the forced tokens first, then what the drafter proposed
+    past them when it proposed them too, cut to what the grammar accepts and to `room`."""
     if room <= 0:
         return ()
     forced = c.forced()
@@ -312,11 +263,9 @@ def constrained_draft(c: Constraint, tokens: Sequence[int], room: int) -> tuple[
 
 
 def constrained_tree(c: Constraint, tree: TokenTree, room: int) -> TokenTree:
-    """A constrained session's token tree, as `constrained_draft` for a chain: the forced
-    tokens first (a chain from the root), the drafted subtree past them hanging off their end
-    (`tree.graft`), every node the grammar refuses on its path from the root dropped with its
-    subtree, nodes deeper than `room` too, and the drafts' probabilities (exact-match
-    acceptance: module docstring)."""
+    """`constrained_draft` for a token tree: the forced tokens first, the drafted subtree
+    grafted past them, refused nodes (with their subtrees) and nodes deeper than `room`
+    dropped, and the draft probabilities too (exact-match acceptance)."""
     if room <= 0:
         return tree.keep([], probs=False)
     g = graft(tree, c.forced())
@@ -332,24 +281,19 @@ def schema_text(schema: dict) -> str:
 
 def masked_logits(c: Constraint | None, logits, drafts: Sequence[int]):
     """A verify block's logits [len(drafts) + 1, V] with what the grammar forbids at each row
-    at -inf (unchanged without a constraint): greedy argmax and sampling then commit what
-    constrained plain decoding commits."""
-    if c is None:
-        return logits
-    import mlx.core as mx
-
-    return mx.where(mx.array(c.masks(drafts)), logits, float("-inf"))
+    at -inf (unchanged without a constraint)."""
+    return logits if c is None else _masked(logits, c.masks(drafts))
 
 
 def masked_tree_logits(c: Constraint | None, logits, tree: TokenTree):
     """A token tree's verify rows (the first len(tree.tokens) of `logits`) with what the
-    grammar forbids after each node's path at -inf (`Constraint.tree_masks`); unchanged
-    without a constraint. Greedy walks and exact-match sampling over them commit what
-    constrained plain decoding commits."""
+    grammar forbids after each node's path at -inf; unchanged without a constraint."""
     if c is None:
         return logits
+    return _masked(logits[:len(tree.tokens)], c.tree_masks(tree.tokens, tree.parents))
+
+
+def _masked(logits, allowed: np.ndarray):
     import mlx.core as mx
 
-    n = len(tree.tokens)
-    return mx.where(mx.array(c.tree_masks(tree.tokens, tree.parents)), logits[:n],
-                    float("-inf"))
+    return mx.where(mx.array(allowed), logits, float("-inf"))

@@ -1,22 +1,17 @@
 """Adaptive draft length: choose k for the next block from what has been measured.
 
-Model (Leviathan et al.): with per-token acceptance alpha, a block of k drafts commits
-E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens and costs T(k) = k * c + v(k + 1), where c is the
-draft cost per token on the critical path and v(L) the verify cost of L tokens (sublinear:
-fitted as v(L) = a + b * (L - 1)). The controller picks the k in 0..k_max that maximises
-E(k) / T(k); k = 0 is plain decoding. When speculation stops paying it backs off to k = 0 and
-probes a short block now and then, with a growing interval, so it notices when drafts
-start matching again (a repetitive stretch of text) at a bounded cost.
+With per-token acceptance alpha a block of k drafts commits E(k) = (1 - alpha^(k+1)) /
+(1 - alpha) tokens (Leviathan et al.) and costs k * c + v(k + 1), v fitted as a + b * (L - 1);
+the k in 0..k_max maximising their ratio is chosen (0: plain decoding). Backed off to 0, it
+probes a short block at a growing interval, to notice drafts matching again at bounded cost.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The draft length a request may name: AUTO (chosen per block by AdaptiveDraftLength) or a fixed
-# 0..MAX_DRAFT_TOKENS. The one definition: the CLI, the loops, the verifier agent's request check
-# and the proposer agent's per-request cap all read it, so a length the CLI accepts is never
-# refused by an agent (which would quietly turn speculation into plain decoding).
+# The draft length a request may name, defined once for the CLI, the loops and both agents' checks
+# (a length the CLI accepts but an agent refused would quietly become plain decoding).
 AUTO = "auto"
 MAX_DRAFT_TOKENS = 64
 DraftTokens = int | str  # AUTO or 0..MAX_DRAFT_TOKENS
@@ -50,12 +45,9 @@ def best_k(alpha: float, draft_ms: float, verify_a: float, verify_b: float, k_ma
 
 def tokens_to_wait(have: int, k: int, alpha: float, token_ms: float, due_ms: float,
                    verify_ms) -> int:
-    """How many more drafts to wait for before verifying, when a drafter on another machine
-    streams them (0: verify what is there now). have: drafts already there; k: the most the
-    block may hold; token_ms: the drafter's time per token; due_ms: until its next one;
-    verify_ms(L): the verify cost of L positions. Maximises the block's expected committed
-    tokens per ms, waiting included; the drafter goes on drafting while the verifier verifies,
-    so what is not waited for now is there for the next block."""
+    """How many more streamed drafts to wait for before verifying (0: verify what is there),
+    maximising expected committed tokens per ms, waiting included. have: drafts there; k: the
+    block's most; token_ms: per drafted token; due_ms: until the next; verify_ms(L)."""
     best, best_rate = 0, expected_tokens(alpha, have) / max(verify_ms(have + 1), 1e-6)
     for j in range(1, k - have + 1):
         t = due_ms + (j - 1) * token_ms + verify_ms(have + j + 1)
@@ -143,8 +135,7 @@ class AdaptiveDraftLength:
 
 
 def check_draft_tokens(draft_tokens: DraftTokens) -> DraftTokens:
-    """AUTO, or a whole number (an int or its digits) in 0..MAX_DRAFT_TOKENS; ValueError
-    otherwise."""
+    """AUTO, or a whole number (an int or its digits) in 0..MAX_DRAFT_TOKENS; else ValueError."""
     if draft_tokens == AUTO:
         return AUTO
     try:

@@ -38,10 +38,8 @@ def check_conversation(turns: Sequence[Turn]) -> None:
 
 def render(tokenizer, prompt: ChatInput) -> str:
     """The text the model reads for `prompt`: its chat template applied (generation prompt
-    added) when the tokenizer has one, else the turns' contents joined by newlines. A verifier
-    that takes plain text (the agents' GenerateRequest) runs a conversation from it: encoded,
-    it gives `text.encode_prompt`'s ids (checked for the embedded model:
-    tests/distill/test_contamination.py)."""
+    added) when the tokenizer has one, else the turns' contents joined by newlines; encoded,
+    it gives `text.encode_prompt`'s ids."""
     if not isinstance(prompt, str):
         check_conversation(prompt)
     if getattr(tokenizer, "has_chat_template", False):

@@ -1,9 +1,7 @@
 """Write a loaded llama-family model as an mlx-lm model directory (config, safetensors, tokenizer).
 
-Why: other tools load mlx-lm directories, not our embedded GGUF. `mlx_lm.server` on the same
-weights is the baseline `macfleet bench serve` compares against, offline. The weights are
-written as loaded (dense float32 on Linux, with the Q/K rows already in mlx-lm's rotary
-layout), so `mlx_lm.load(dir)` computes the same logits as macfleet.
+Other tools (`mlx_lm.server`, the baseline of `macfleet bench serve`) load mlx-lm directories,
+not our GGUF. The weights are written as loaded, so `mlx_lm.load(dir)` gives macfleet's logits.
 """
 
 from __future__ import annotations

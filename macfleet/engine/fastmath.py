@@ -1,17 +1,10 @@
 """exp, SiLU and softmax for MLX's CPU backend, where its own `exp` is scalar.
 
-On x86 MLX's CPU `exp` (and with it `sigmoid`, `silu`, `softmax` and the softmax inside
-`mx.fast.scaled_dot_product_attention` with more than one query) runs one element at a time
-(results/fastmath.json): a verify block's SiLUs and attention softmaxes grow with its length, and at
-16 decoding sessions they are a sixth of a flat batch's forward. Here exp is 2^(x log2 e)
-split into 2^n (the float's exponent bits) and 2^f, f in [-1/2, 1/2], by its degree-7 Taylor
-polynomial (truncation error < 1e-8 relative: below float32's own rounding), all in
-multiply-adds that one compiled kernel fuses.
-
-Only the CPU uses these (`enabled()`): Metal and CUDA have vectorized transcendentals, and
-there the model keeps mlx-lm's own ops. Every path of one verifier uses the same functions (its
-own decoding, blocks, trees, the flat batch), so "identical to the verifier alone" keeps its
-meaning; against mlx-lm's plain decoding logits move in the last bits, like another BLAS.
+Here exp is 2^(x log2 e), split into 2^n (the float's exponent bits) and 2^f, f in [-1/2, 1/2],
+by its degree-7 Taylor polynomial (below float32's own rounding), all multiply-adds that one
+compiled kernel fuses. Only the CPU uses these (`enabled()`); every path of one verifier uses the
+same functions, so "identical to the verifier alone" keeps its meaning. Why: docs/engine.md,
+"CPU math".
 """
 
 from __future__ import annotations
@@ -31,11 +24,8 @@ _MIN_EXP2 = -126.0  # 2^-126: the smallest normal float; below it the result is 
 
 
 def _exp2(x: mx.array) -> mx.array:
-    """2^x; exactly 0 below 2^-126. A masked score's weight must be 0, not 2^-126: divided
-    by its row's sum it becomes a subnormal, and x86 computes on subnormals (the softmax's
-    division, the weights' matmul with the values) many times slower than on normal floats,
-    so a causal prompt chunk's attention, half of it masked, cost several times its unmasked
-    work. A weight that small adds nothing to a sum of 1 or more: the same results."""
+    """2^x; exactly 0 below 2^-126, since subnormal weights are many times slower on x86 and
+    add nothing to a softmax's sum (docs/engine.md, "CPU math")."""
     under = x < _MIN_EXP2
     x = mx.maximum(x, _MIN_EXP2)
     n = mx.floor(x + 0.5)
@@ -75,10 +65,8 @@ MASKED = -1e30  # a masked score: exp gives 0, and a row with no key left stays 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
               mask: mx.array | None) -> mx.array:
-    """Scaled dot-product attention with grouped KV heads: q [B, H, L, d], k, v [B, Hk, T, d],
-    mask None or bool, [L, T] or [B | 1, 1, L, T] (True: attend). What `mx.fast.scaled_dot_product_attention`
-    computes, with this module's softmax: the query heads of a KV head are one matrix, so each
-    score and output is one matmul per KV head; the mask broadcasts over the group (no copy)."""
+    """`mx.fast.scaled_dot_product_attention` with this module's softmax, one matmul per KV head:
+    q [B, H, L, d], k, v [B, Hk, T, d], mask None or bool [L, T] or [B | 1, 1, L, T]."""
     b, h, length, d = q.shape
     hk, t = k.shape[1], k.shape[2]
     g = h // hk
@@ -92,8 +80,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
 
 @lru_cache(maxsize=8)
 def causal_mask(length: int, t: int) -> mx.array:
-    """[1, 1, length, t] bool: query i sees keys up to t - length + i. Evaluated once per shape
-    (every layer of a forward asks for the same one)."""
+    """[1, 1, length, t] bool: query i sees keys up to t - length + i (evaluated, cached)."""
     m = (mx.arange(t)[None] <= mx.arange(t - length, t)[:, None])[None, None]
     mx.eval(m)
     return m
@@ -102,8 +89,7 @@ def causal_mask(length: int, t: int) -> mx.array:
 def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
          mask: mx.array | str | None) -> mx.array:
     """`mx.fast.scaled_dot_product_attention` (mask None, "causal" or bool), with this module's
-    softmax on the CPU wherever MLX's runs its scalar exp: several queries, or a mask. One
-    query without a mask keeps MLX's fused kernel (it is fast there)."""
+    softmax on the CPU where MLX's runs its scalar exp (several queries, or a mask)."""
     length, t = q.shape[2], k.shape[2]
     if not enabled() or (length == 1 and mask is None):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
@@ -120,9 +106,8 @@ class MLP(llama.MLP):
 
 
 def install(model: nn.Module, on: bool = True) -> int:
-    """On the CPU, give every llama-family MLP of `model` this module's SiLU (the class of the
-    module changes, its weights do not); returns how many. Elsewhere: 0, nothing changes.
-    on=False gives them mlx-lm's back (`bench fastmath` compares the two)."""
+    """On the CPU, give every llama-family MLP of `model` this module's SiLU (its class
+    changes, not its weights); returns how many. on=False gives mlx-lm's back."""
     if on and not enabled():
         return 0
     frm, to = (llama.MLP, MLP) if on else (MLP, llama.MLP)
@@ -139,6 +124,5 @@ EXACT_ENV = "MACFLEET_EXACT_MATH"
 
 
 def enabled() -> bool:
-    """Whether this process computes on the CPU (where MLX's exp is scalar), unless
-    MACFLEET_EXACT_MATH=1 asks for MLX's own ops."""
+    """Whether this process computes on the CPU, unless MACFLEET_EXACT_MATH=1."""
     return mx.default_device() == mx.cpu and os.environ.get(EXACT_ENV) != "1"

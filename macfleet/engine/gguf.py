@@ -1,29 +1,11 @@
 """Load a llama-family GGUF file into mlx-lm's llama model.
 
-MLX's own reader (`mx.load(path, return_metadata=True)`) gives the tensors, already converted to
-MLX's affine quantized layout (weight, scales, biases) for Q4_0/Q4_1/Q8_0, plus the metadata.
-What this module adds:
-
-* the model config from the `llama.*` metadata;
-* bits and group size inferred per tensor (the embedding is 8-bit while the layers are 4-bit in
-  the embedded model), from the packed width and the known input width;
-* llama.cpp's converter permutes the rows of Q and K for its rotary layout; we undo that
-  permutation so mlx-lm's default (non-traditional) rope gives correct text. A wrong layout
-  still writes fluent fragments: check loaders by perplexity, not by eye;
-* the head is tied to the embedding when the file has no `output.weight`;
-* dense (dequantized) or quantized weights: MLX's 4-bit matmul on the Linux CPU build is several
-  times slower than a dense float32 one, so Linux loads dense by default.
-
-Norm weights stay float32: casting the model to float16 on CPU made a step many times slower.
-
-The dense conversion is cached (`dense_cache_path`): evaluating the dequantize/unpermute/astype
-graph of the embedded model takes seconds on a Linux CPU (most of its load), while reading
-the converted float32 weights back takes a fraction of that, and every agent, server, CLI run and
-test process loads the model. The cache is one safetensors file per GGUF (keyed by its path,
-size, mtime, `CONVERSION_VERSION` and MLX's version; other keys of the same GGUF are removed when
-a new one is written), written whole or not at all, and only ever a shortcut: a file that does
-not read back as this GGUF's weights is logged, removed and rebuilt, and a cache that cannot be
-written (full disk, read-only) leaves the load as it was. `MACFLEET_NO_MODEL_CACHE=1` turns it off.
+MLX's own reader gives the tensors (Q4_0/Q4_1/Q8_0 already in MLX's affine layout) and the
+metadata; this module adds the config, per-tensor bits and group size, undoes llama.cpp's Q/K
+row permutation, ties the head when the file has none, and loads dense (dequantized float32,
+the Linux default: MLX's CPU quantized matmul is slower) or quantized weights. The dense
+conversion is cached, as a shortcut only (`MACFLEET_NO_MODEL_CACHE=1` turns it off). Why:
+docs/engine.md, "GGUF loading".
 """
 
 from __future__ import annotations
@@ -33,6 +15,7 @@ import logging
 import os
 import secrets
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,11 +88,8 @@ def model_args_from_metadata(meta: dict[str, Any]) -> llama.ModelArgs:
 
 
 def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
-    """Undo llama.cpp's `permute()` of Q/K rows (works on packed, scales and biases alike).
-
-    llama.cpp reshapes each head's rows to (2, head_dim/2) and swaps them to (head_dim/2, 2);
-    the inverse reads (head_dim/2, 2) and swaps back.
-    """
+    """Undo llama.cpp's `permute()` of Q/K rows (on packed, scales and biases alike): it
+    swapped each head's rows from (2, head_dim/2) to (head_dim/2, 2)."""
     rows = w.shape[0]
     return (
         w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
@@ -130,10 +110,6 @@ def _quant_params(packed: mx.array, scales: mx.array, in_features: int) -> tuple
     return bits, group_size
 
 
-def _input_width(name: str, args: llama.ModelArgs) -> int:
-    return args.intermediate_size if "ffn_down" in name else args.hidden_size
-
-
 # Bump when the dense conversion below changes what it produces (the cached files of the old
 # conversion are then replaced, never read).
 CONVERSION_VERSION = 1
@@ -143,10 +119,8 @@ _STALE_TMP_S = 600.0  # a temp file this old was left by a stopped writer
 
 
 def dense_cache_key(path: Path) -> tuple[str, str]:
-    """(file name, key) of `path`'s converted dense weights in the cache: the name is one per
-    GGUF path and key (so a changed GGUF, conversion or MLX gets a new file), the key is
-    written inside the file and checked on reading (a file renamed or copied over is not
-    taken for another GGUF's weights)."""
+    """(file name, key) of `path`'s converted dense weights in the cache: a new name for a
+    changed GGUF, conversion or MLX; the key is written inside the file and checked on reading."""
     st = path.stat()
     where = str(path.resolve())
     key = f"{where}|{st.st_size}|{st.st_mtime_ns}|v{CONVERSION_VERSION}|mlx{mx.__version__}"
@@ -163,8 +137,7 @@ def dense_cache_path(path: Path) -> Path | None:
 
 
 def _read_dense_cache(path: Path, model: nn.Module) -> bool:
-    """Load `path`'s cached dense weights into `model`; False (and the bad file removed)
-    when there is none or it is not this GGUF's whole conversion."""
+    """Load `path`'s cached dense weights into `model`; False (a bad file removed) if none."""
     cached = dense_cache_path(path)
     if cached is None or not cached.is_file():
         return False
@@ -180,18 +153,15 @@ def _read_dense_cache(path: Path, model: nn.Module) -> bool:
         # unreadable file is rebuilt, never a failed load
         log.warning("ignoring the cached conversion %s (%s: %s); converting %s again",
                     cached, type(e).__name__, e, path.name)
-        try:
+        with suppress(OSError):
             cached.unlink()
-        except OSError:
-            pass
         return False
     return True
 
 
 def _write_dense_cache(path: Path, weights: dict[str, mx.array]) -> None:
-    """Keep `weights` (evaluated) as `path`'s cached conversion: a temp file renamed into place
-    (two processes converting at once each rename a whole file), then the same GGUF's other
-    entries removed. A cache that cannot be written is logged and skipped."""
+    """Keep `weights` (evaluated) as `path`'s cached conversion: a temp file renamed into place,
+    then the same GGUF's other entries removed; a cache that cannot be written is skipped."""
     cached = dense_cache_path(path)
     if cached is None:
         return
@@ -203,10 +173,8 @@ def _write_dense_cache(path: Path, weights: dict[str, mx.array]) -> None:
         os.replace(tmp, cached)
     except (OSError, RuntimeError, ValueError) as e:  # full disk, read-only cache
         log.info("not caching the conversion of %s (%s: %s)", path.name, type(e).__name__, e)
-        try:
+        with suppress(OSError):
             tmp.unlink()
-        except OSError:
-            pass
         return
     prefix = name.split("-")[0]
     now = time.time()
@@ -244,15 +212,15 @@ def load_gguf(path: str | Path, *, dense: bool) -> GGUFModel:
         w = tensors[gguf_base + ".weight"]
         scales = tensors.get(gguf_base + ".scales")
         biases = tensors.get(gguf_base + ".biases")
-        parts = {"weight": w} if scales is None else {"weight": w, "scales": scales}
-        if biases is not None:
-            parts["biases"] = biases
+        parts = {k: v for k, v in (("weight", w), ("scales", scales), ("biases", biases))
+                 if v is not None}
         if permute_heads is not None:
             parts = {k: unpermute_rows(v, permute_heads) for k, v in parts.items()}
         if scales is None:
             weights[mlx_base + ".weight"] = parts["weight"].astype(mx.float32)
             return
-        bits, gs = _quant_params(w, scales, _input_width(gguf_base, args))
+        width = args.intermediate_size if "ffn_down" in gguf_base else args.hidden_size
+        bits, gs = _quant_params(w, scales, width)
         if dense:
             weights[mlx_base + ".weight"] = mx.dequantize(
                 parts["weight"], parts["scales"], parts.get("biases"), gs, bits

@@ -1,11 +1,8 @@
 """Build a Hugging Face fast tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
 
-Only the byte-level BPE ("gpt2") tokenizer model is supported, which is what llama-family GGUF
-files from HF models like SmolLM2 carry. The pre-tokenizer of SmolLM2 splits digits one by one
-before the byte-level split (`tokenizer.ggml.pre == "smollm"`); that is reproduced here. Control
-tokens (token_type 3) become special tokens, so the chat template's markers stay single ids.
-The result is wrapped in mlx-lm's `TokenizerWrapper` so its chat template and streaming
-detokenizer work unchanged.
+Byte-level BPE ("gpt2") only, what llama-family GGUFs of HF models carry; SmolLM2's digit
+splitting is reproduced, control tokens stay single special ids, and the result is wrapped in
+mlx-lm's `TokenizerWrapper` so its chat template and streaming detokenizer work unchanged.
 """
 
 from __future__ import annotations

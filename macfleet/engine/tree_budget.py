@@ -1,15 +1,10 @@
 """How big a draft tree pays: pure decisions from the head's confidence and verify(L).
 
-A dynamic tree (EAGLE-2) ranks candidate nodes by the head's cumulative probability. When the
-head is calibrated, the expected number of accepted tokens of a tree is the sum of its nodes'
-cumulative probabilities (a node is accepted exactly when its whole path is), so a tree of the
-N best nodes commits E(N) = 1 + g * sum(p_1..p_N) tokens per block, where g corrects the
-head's calibration from what was actually accepted. It costs verify(N + 1). The tree size is
-the N that maximises E(N) / verify(N + 1); N = 0 is plain decoding.
-
-verify(L) is measured on the verifier (a probe, engine/verify_costs.py) and kept up to date
-from the blocks the loop verifies, because it is a property of the verifier's machine: flat on
-a Mac GPU, steeper and saw-toothed on a CPU.
+A calibrated head's tree of the N best nodes commits E(N) = 1 + g * sum(p_1..p_N) tokens per
+block (a node is accepted exactly when its whole path is; g corrects the calibration from what
+was accepted) and costs verify(N + 1); the tree size is the N maximising their ratio (N = 0:
+plain decoding). verify(L) is probed and learnt from every verified block, since it is the
+verifier machine's: flat on a Mac GPU, a steep sawtooth on a CPU.
 """
 
 from __future__ import annotations
@@ -24,15 +19,9 @@ MIN_GAIN, MAX_GAIN = 0.1, 2.0
 
 @dataclass
 class VerifyCurve:
-    """verify(L) in ms, a table by length L: measured (a probe of the verifier, `seed`) and
-    learnt from the blocks the loop verifies (an EMA per length, `observe`).
+    """verify(L) in ms by length, probed (`seed`) and learnt (`observe`); a table, not a line,
+    since a CPU's verify(L) is a sawtooth. Interpolated, extended with the prior slope."""
 
-    Not a line: on a CPU the matmul kernels block the rows, so verify(L) is a sawtooth
-    (results/verify_l_sweep.json: a longer block can cost less), and a line through it picks
-    exactly the lengths that cost most. Between measured lengths the table
-    interpolates; beyond the longest it extends with the prior slope."""
-
-    prior_slope: float = PRIOR_SLOPE
     ema: float = 0.25
     table: dict[int, float] = field(default_factory=dict)
 
@@ -56,7 +45,7 @@ class VerifyCurve:
 
     def cost(self, length: int) -> float:
         if not self.table:
-            return 1.0 + self.prior_slope * (length - 1)
+            return 1.0 + PRIOR_SLOPE * (length - 1)
         if length in self.table:
             return self.table[length]
         below = [L for L in self.table if L < length]
@@ -68,26 +57,23 @@ class VerifyCurve:
         if above:  # shorter than anything measured: no cheaper than the shortest known
             return self.table[min(above)]
         a = max(below)
-        return self.table[a] * (1.0 + self.prior_slope * (length - a))
+        return self.table[a] * (1.0 + PRIOR_SLOPE * (length - a))
 
     def costs(self, n_max: int) -> list[float]:
         """verify(N + 1) for N = 0..n_max."""
         return [self.cost(n + 1) for n in range(n_max + 1)]
 
     def block_costs(self, n_max: int, draft_ms: float) -> list[float]:
-        """costs(n_max) with the block's drafting charged to every tree (`with_draft_cost`);
-        before anything is measured the costs are relative units and drafting is not
-        charged."""
+        """costs(n_max) with the block's drafting charged to every non-empty size (plain
+        decoding drafts nothing); not before anything is measured (relative units)."""
         c = self.costs(n_max)
-        return with_draft_cost(c, draft_ms) if self.table else c
+        return [c[0], *(x + draft_ms for x in c[1:])] if self.table else c
 
 
 def choose_tree_size(probs: Sequence[float], costs: Sequence[float], gain: float = 1.0,
                      margin: float = 1.02) -> int:
-    """N in 0..len(probs) maximising (1 + gain * sum(probs[:N])) / costs[N].
-
-    probs: cumulative path probabilities, best first; costs[N] = verify(N + 1). A tree must
-    beat plain decoding by `margin` to be chosen."""
+    """N in 0..len(probs) maximising (1 + gain * sum(probs[:N])) / costs[N] (probs: path
+    probabilities, best first; costs[N] = verify(N + 1)), beating plain by `margin`."""
     best, best_rate = 0, 1.0 / costs[0]
     total = 0.0
     for n, p in enumerate(probs[: len(costs) - 1], start=1):
@@ -98,20 +84,11 @@ def choose_tree_size(probs: Sequence[float], costs: Sequence[float], gain: float
     return best
 
 
-def with_draft_cost(costs: Sequence[float], draft_ms: float) -> list[float]:
-    """Costs per tree size with the block's drafting added to every non-empty size (pure):
-    plain decoding (N = 0) would not have drafted at all."""
-    return [costs[0], *(c + draft_ms for c in costs[1:])]
-
-
 def worth_expanding(beam_probs: Sequence[float], gain: float, depth_ms: float,
                     step_ms: float) -> bool:
-    """Is one more depth of a draft tree worth a head forward? (pure)
-
-    The children of the beam together are accepted at most as often as the beam itself
-    (a child needs its parent), so the level can add at most gain * sum(beam_probs) expected
-    tokens, each worth one verifier step (step_ms) of plain decoding; it costs depth_ms of
-    drafting now. Which of its nodes are then verified is choose_tree_size's decision."""
+    """Is one more depth of a draft tree worth a head forward? (pure) A child needs its parent,
+    so the level adds at most gain * sum(beam_probs) tokens, each worth a plain step (step_ms);
+    it costs depth_ms."""
     return gain * float(sum(beam_probs)) * step_ms > depth_ms
 
 
@@ -134,10 +111,9 @@ class Calibration:
 
 @dataclass
 class Backoff:
-    """When a drafter keeps choosing an empty tree, stop paying even for the root of its
-    draft: skip a growing number of blocks, then probe again. Keeps a drafter that has nothing
-    to say on this text near plain-decoding speed. (Drafts that miss are the calibration's
-    business: it shrinks the trees until they are empty, and then this takes over.)"""
+    """When a drafter keeps choosing an empty tree, skip a growing number of blocks, then probe
+    again: a drafter with nothing to say stays near plain-decoding speed (drafts that miss
+    shrink the trees through the calibration until they are empty)."""
 
     patience: int = 3  # empty drafts in a row before skipping
     max_skip: int = 16
@@ -164,9 +140,8 @@ class Backoff:
 
 
 class TreeSizing:
-    """A tree drafter's sizing (eagle2's and the answer store's): verify(L) probed and learnt
-    (`curve`), how far its node probabilities are to be trusted (`calibration`), and each
-    tree's node count chosen against both (`size`)."""
+    """A tree drafter's sizing (eagle2's, the answer store's): each tree's node count chosen
+    against verify(L) (`curve`) and the head's calibration."""
 
     def __init__(self) -> None:
         self.curve, self.calibration = VerifyCurve(), Calibration()

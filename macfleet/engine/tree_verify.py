@@ -1,23 +1,11 @@
 """Verify a token tree in ONE forward of a llama-family model, then keep the accepted path.
 
-mlx-lm's attention applies rotary embeddings at `cache.offset + t`, i.e. positions that follow
-the block order. A tree needs position `offset + depth(node)` and attention restricted to each
-node's ancestors. We run the model's own layers and weights with a replacement attention step:
-* rotary per node: `mx.fast.rope` accepts one offset per batch row, so the block is laid out
-  as N+1 rows of length 1, each with its own position;
-* mask: the cached prefix is visible to every node, tree columns only to descendants;
-* the keys/values of all nodes are appended to the cache; after acceptance the accepted
-  path's entries are moved right behind the root and the rest trimmed (`compact_cache`).
-Models whose attention does not look like llama's (q/k/v/o projections, `rope`, `n_heads`)
-fall back to verifying each branch as a chain (`branch_rows`), as does a verifier whose cache is
-not here (a sharded one: its layers run on other ranks). `tree_rows` and `keep_path` choose. Looking like llama is not
-enough: Qwen3's attention normalises each head's queries and keys before the rotation, OLMo2
-norms the attention's and the MLP's outputs, Gemma also scales the embeddings. The
-per-head query/key norms are applied here as the model's own attention does
-(`head_projections`), and a
-model is only run this way once its own forward and this one agree on a short prompt
-(`supports_tree_attention`'s probe): an architecture this code does not know falls back, it is
-never run wrong.
+The model's own layers and weights run with a replacement attention step: each node at
+position offset + depth, attending to the cached prefix and its own ancestors; afterwards the
+accepted path's cache entries move right behind the root (`compact_cache`). A model is run this
+way only once its own forward and this one agree on a short probe (`supports_tree_attention`);
+any other (or a sharded verifier) verifies each branch as a chain (`branch_rows`), never wrong.
+Why: docs/engine.md, "Tree verification".
 """
 
 from __future__ import annotations
@@ -42,9 +30,8 @@ _probed: dict[int, tuple[weakref.ref, bool]] = {}  # id(model) -> (the model, it
 
 
 def supports_tree_attention(model: nn.Module) -> bool:
-    """Whether this module's forward (`tree_forward`, and engine/batch.py's flat one, which
-    share `head_projections`) computes what the model's own does: llama-shaped parts, then a
-    probe, once per model."""
+    """Whether `tree_forward` (and engine/batch.py's flat forward) computes what the model's
+    own does: llama-shaped parts, then a probe, once per model."""
     inner = getattr(model, "model", None)
     layers = getattr(model, "layers", None)
     if inner is None or not layers or not hasattr(inner, "embed_tokens"):
@@ -67,8 +54,7 @@ def _agrees_with_model(model: nn.Module) -> bool:
     n = len(toks)
     try:
         want = model(mx.array([toks]), cache=make_prompt_cache(model))[0].astype(mx.float32)
-        chain = TokenTree(tokens=toks, parents=[-1, *range(n - 1)], depths=list(range(n)),
-                          children=[{} for _ in toks], candidates=[[] for _ in toks], paths=[])
+        chain = TokenTree(toks, [-1, *range(n - 1)], list(range(n)), [], [], [])
         got = tree_forward(Verifier(model), chain)
         gap, scale = mx.max(mx.abs(got - want)), mx.max(mx.abs(want))
         return bool(gap <= PROBE_TOLERANCE * mx.maximum(scale, 1.0))
@@ -97,8 +83,7 @@ def tree_attention(attn, x: mx.array, mask: mx.array, cache, positions: mx.array
     q = attn.rope(q, offset=positions).reshape(1, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
     k = attn.rope(k, offset=positions).reshape(1, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     keys, values = cache.update_and_fetch(k, v)
-    # MLX's masked attention runs its scalar exp on the CPU: fastmath's softmax there (logits
-    # within 5e-5, the same argmax: results/fastmath.json), MLX's own kernel elsewhere
+    # fastmath's softmax on the CPU (MLX's masked attention runs a scalar exp there)
     out = fastmath.sdpa(q, keys, values, attn.scale, mask)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
 
@@ -106,17 +91,13 @@ def tree_attention(attn, x: mx.array, mask: mx.array, cache, positions: mx.array
 def tree_forward(verifier: Verifier, tree: TokenTree, return_hidden: bool = False):
     """Logits [N+1, V] for every node, appending N+1 entries to the verifier's cache
     (with return_hidden: also the last layer's pre-norm hidden states [N+1, H])."""
-    model = verifier.model
-    inner = model.model
-    offset = verifier.offset
-    n = len(tree.tokens)
+    model, offset = verifier.model, verifier.offset
     positions = mx.array([offset + d for d in tree.depths], dtype=mx.int32)
-    tree_mask = mx.array(ancestor_mask(tree.parents))
-    mask = mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), tree_mask], axis=1)
-    h = inner.embed_tokens(mx.array(tree.tokens, dtype=mx.uint32)[None])
+    mask = mx.concatenate([mx.ones((len(tree.tokens), offset), dtype=mx.bool_),
+                           mx.array(ancestor_mask(tree.parents))], axis=1)
+    h = model.model.embed_tokens(mx.array(tree.tokens, dtype=mx.uint32)[None])
     for layer, c in zip(model.layers, verifier.cache):
-        r = tree_attention(layer.self_attn, layer.input_layernorm(h), mask, c, positions)
-        h = h + r
+        h = h + tree_attention(layer.self_attn, layer.input_layernorm(h), mask, c, positions)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     logits = head_logits(model, h)[0]
     if not return_hidden:
@@ -136,18 +117,14 @@ def compact_cache(verifier: Verifier, base: int, path: Sequence[int]) -> None:
 
 
 def trees_in_cache(verifier: Verifier) -> bool:
-    """Whether `verifier` verifies a token tree in ONE forward in its own cache (`tree_forward`:
-    its cache here, its model llama-style); else branch by branch (`branch_rows`). A verifier
-    without a cache here (a sharded one) is never probed: its model's forward must not run on
-    this rank alone."""
+    """Whether `verifier` verifies a token tree in ONE forward in its own cache (a sharded
+    verifier, without one here, is never probed); else branch by branch."""
     return hasattr(verifier, "cache") and supports_tree_attention(verifier.model)
 
 
 def tree_rows(verifier: Verifier, tokens: Sequence[int], parents: Sequence[int]) -> mx.array:
-    """Logits [N, V] (float32) of every node of a token tree (node 0 its root, `parents` as
-    `TokenTree.parents`) on the verifier's own forward: its N entries appended to the cache
-    (`trees_in_cache`), or branch by branch with the cache left as it was; `keep_path` then
-    keeps the root and the accepted path, either way."""
+    """Logits [N, V] (float32) of every node of a token tree (node 0 its root) on the
+    verifier's own forward, in one forward or branch by branch; `keep_path` follows."""
     if trees_in_cache(verifier):
         tree = TokenTree(list(tokens), list(parents), depths_of(parents), [], [], [])
         return tree_forward(verifier, tree)
@@ -163,10 +140,8 @@ def keep_path(verifier: Verifier, tree: TokenTree, path: Sequence[int]) -> None:
 
 
 def branch_rows(verifier: Verifier, tokens: Sequence[int], parents: Sequence[int]) -> mx.array:
-    """Every node's logits [N, V], each root-to-leaf branch verified as a chain on its own
-    (other architectures, a sharded verifier): every node's row is computed with exactly its
-    ancestors in the cache (a shared node's from the first branch through it); the cache is
-    left as it was."""
+    """Every node's logits [N, V], each root-to-leaf branch verified as a chain (a node's row
+    from the first branch through it); the cache is left as it was."""
     base = verifier.offset
     rows: list[mx.array | None] = [None] * len(tokens)
     inner = set(parents)

@@ -1,8 +1,6 @@
-"""The verifier: the target model with a KV cache that rolls back in O(1).
-
-It scores a block [last committed token, d_1 .. d_k] in one forward (verify(L) is sublinear,
-which is what speculation spends), then drops the KV entries of rejected draft tokens by moving
-the cache offset (mlx-lm's `trim`).
+"""The verifier: the target model with a KV cache that rolls back in O(1): it scores a block
+[last committed token, d_1 .. d_k] in one forward, then drops the rejected drafts' KV entries
+by moving the cache offset (mlx-lm's `trim`).
 """
 
 from __future__ import annotations
@@ -63,9 +61,8 @@ class Verifier:
 
     @property
     def pipelines(self) -> bool:
-        """Whether this is the model's own forward, which the serving engine's flat batch may
-        run for it: a verifier that overrides `forward` (a sharded one sends the ids to its
-        ranks) decodes on that forward instead (serve/engine.py's own-forward mode)."""
+        """Whether this is the model's own forward, which the flat batch may run for it (a
+        verifier that overrides `forward`, a sharded one, decodes on that forward instead)."""
         return type(self).forward is Verifier.forward
 
     def rollback(self, n: int) -> None:

@@ -1,14 +1,10 @@
 """verify(L): what one verifier forward over L tokens costs on this machine, measured.
 
-A draft tree's size is chosen against this table (macfleet/engine/tree_budget.py), so it must be
-what the verifier really costs here, not a model of it: on a Mac GPU the curve is nearly flat
-up to dozens of tokens; on a CPU the matmul kernels block the rows and the curve is a sawtooth
-(SmolLM2 on the 2-core x86 box: results/verify_l_sweep.json). The probe
-runs each length a few times over a short context and keeps the fastest; the table is kept
-per process and on disk (per model, weight format, machine and MLX version), so a one-shot
-`generate` pays the probe once per machine. A probe taken while the machine is loaded is
-not written to disk (load flattens the curve); the loop's own measurements correct the table
-at the lengths it uses either way (budget.VerifyCurve.observe).
+A draft tree's size is chosen against this table (engine/tree_budget.py), so it must be what
+the verifier really costs here, not a model of it (flat on a Mac GPU, a sawtooth on a CPU). The
+probe keeps the fastest of a few runs per length; the table is kept per process and on disk
+(per model, weight format, machine and MLX version), except one probed on a loaded machine
+(load flattens the curve). The loop's own blocks correct it either way (VerifyCurve.observe).
 """
 
 from __future__ import annotations
@@ -49,23 +45,26 @@ def _remember(model: nn.Module, table: dict[int, float]) -> None:
     _memo[id(model)] = (weakref.ref(model), table)
 
 
+def _forward_ms(verifier: Verifier, tokens: Sequence[int]) -> float:
+    """ms of one evaluated forward over `tokens` on top of the cached context (rolled back)."""
+    base = verifier.offset
+    t0 = time.perf_counter()
+    mx.eval(verifier.forward(tokens))
+    ms = (time.perf_counter() - t0) * 1e3
+    verifier.rollback(verifier.offset - base)
+    return ms
+
+
 def probe_verify_costs(model: nn.Module, lengths: Sequence[int] = PROBE_LENGTHS,
                        context: int = PROBE_CONTEXT, reps: int = PROBE_REPS) -> dict[int, float]:
-    """ms of one forward over L new tokens after `context` cached ones, fastest of `reps`."""
+    """ms of one forward over L new tokens after `context` cached ones, fastest of `reps` + 1."""
     vocab = int(model.args.vocab_size)
     v = Verifier(model)
     v.prefill([(7 * i + 3) % vocab for i in range(context)])
-    base = v.offset
     out: dict[int, float] = {}
     for L in lengths:
         toks = [(11 * i + 5) % vocab for i in range(L)]
-        best = float("inf")
-        for _ in range(reps + 1):  # the first run warms this shape up
-            t0 = time.perf_counter()
-            mx.eval(v.forward(toks))
-            best = min(best, (time.perf_counter() - t0) * 1e3)
-            v.rollback(v.offset - base)
-        out[int(L)] = round(best, 3)
+        out[int(L)] = round(min(_forward_ms(v, toks) for _ in range(reps + 1)), 3)
     return out
 
 
@@ -87,16 +86,14 @@ def verify_ms_at(costs: Mapping[int, float], L: int) -> float:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the OS has one: an agent pinned
-    to one core computes at one core's pace), else the machine's."""
+    """The cores this process may run on (its affinity where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
 
 
 def _key(model: nn.Module) -> str:
-    """The table's identity: the verifier, its weights' format and the compute it runs on
-    (the cores this process may use: a sawtooth measured on two cores is not one core's)."""
+    """The table's identity: the verifier, its weights' format and the compute it runs on."""
     from macfleet.engine.proposers.eagle.head import verifier_fingerprint
 
     layer = model.model.layers[0]
@@ -143,16 +140,15 @@ def known_verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, 
     return got or None
 
 
-def verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float]:
+def verify_costs(model: nn.Module) -> dict[int, float]:
     """The measured verify(L) table of `model` on this machine (memoised, cached on disk)."""
-    got = known_verify_costs(model, use_disk=use_disk)
+    got = known_verify_costs(model)
     if got is not None:
         return got
-    path = table_path(model) if use_disk else None
+    path = table_path(model)
     busy = machine_busy()
     got = probe_verify_costs(model)
-    if path is not None and not (busy or machine_busy()):  # a loaded machine's table is
-        # flattened (small forwards suffer most): keep it for this process only
+    if not (busy or machine_busy()):  # a loaded machine's table: this process only
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps(got))
@@ -171,13 +167,7 @@ SWEEP_REPEATS = 5
 
 def time_verify(verifier: Verifier, L: int, repeats: int) -> float:
     """Median ms of one forward over L tokens on top of the cached context (then rolled back)."""
-    xs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = verifier.forward([1] * L)
-        mx.eval(out)
-        xs.append((time.perf_counter() - t) * 1e3)
-        verifier.rollback(L)
+    xs = [_forward_ms(verifier, [1] * L) for _ in range(repeats)]
     return float(statistics.median(xs)) if xs else 0.0
 
 

@@ -46,7 +46,7 @@ def test_is_an_mlx_lm_moe_deterministic_from_seed(moe):
     from mlx_lm.models import qwen3_moe
 
     assert isinstance(moe.model, qwen3_moe.Model)
-    assert moe.num_experts == 8 and moe.model.args.num_experts_per_tok == 2
+    assert moe.model.args.num_experts == 8 and moe.model.args.num_experts_per_tok == 2
     assert moe.num_layers == 4
     again = dict(tree_flatten(load_model(SPEC, cached=False).model.parameters()))
     other = dict(tree_flatten(load_model("tiny-moe:2", cached=False).model.parameters()))
