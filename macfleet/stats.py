@@ -189,7 +189,8 @@ class ProposerStats:
 PRIOR = "prior"  # the offline record's winner, before its own blocks are measured
 BEST = "best"  # the best expected tokens per second measured in this session
 EXPLORE = "explore"  # tried now and then at a bounded cost, in case it pays now
-CHOICE_REASONS = (PRIOR, BEST, EXPLORE)
+FLOOR = "floor"  # plain decoding: drafting lost more than its share of the time against it
+CHOICE_REASONS = (PRIOR, BEST, EXPLORE, FLOOR)
 
 
 @dataclass(frozen=True)

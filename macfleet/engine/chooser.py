@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from macfleet.engine.tree_budget import VerifyCurve
-from macfleet.stats import PRIOR, BEST, EXPLORE, BlockTrace, DrafterChoice
+from macfleet.stats import BEST, EXPLORE, FLOOR, PRIOR, BlockTrace, DrafterChoice
 
 PLAIN = "none"
 # blocks before a losing candidate is tried again, doubling per lost try
@@ -37,6 +37,7 @@ SHAPE_EMA = 0.05  # slowly: the load explains a slower machine first
 TRY_WEIGHT = 1.0  # ... but a try's block sets its length's entry (clipped by LOAD_CLIP)
 TRY_CLIP = 1.5  # a free candidate's try at an unmeasured length: if it pays at entry / this
 PRIOR_TRIES = 2  # tries of a candidate the record says pays here that the budget never holds
+FLOOR_SHARE = 0.02  # drafting may lose at most this share of the time against plain decoding
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class _Estimate:
     own: float = 0.0  # accepted per block, its own blocks alone (what the budget charges)
     capped: bool = False  # its first block's drafting was cut to `cap` (its second replaces it)
     hit: float | None = None  # accepted per block, over the blocks that drafted something
+    won_ms: float = 0.0  # its blocks' (and shadows') time against plain decoding's
 
     def add(self, accepted: float, length: float, draft_ms: float,
             steady: bool = True, cap: float = float("inf")) -> None:
@@ -147,6 +149,7 @@ class Chooser:
     _tried_lengths: set[int] = field(default_factory=set)  # lengths a try has taught
     _sizes: Mapping[str, int] = field(default_factory=dict)  # free candidates' blocks now
     _verified: set[int] = field(default_factory=set)  # lengths this session's blocks verified
+    won_ms: float = 0.0  # drafted blocks' time against plain decoding's for their tokens
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.candidates]
@@ -215,11 +218,14 @@ class Chooser:
         cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
         return (1.0 + p.accepted) / max(cost, 1e-9) > best_rate
 
-    def _best(self, exclude: str = "") -> tuple[str, float]:
+    def _best(self, exclude: str = "", proven: float | None = None) -> tuple[str, float]:
+        """proven: only candidates that have won more than this many ms against plain."""
         best, best_rate = PLAIN, self.rate(PLAIN) or 0.0
         floor = best_rate * MARGIN
         for c in self.candidates:
             r = self.rate(c.name)
+            if proven is not None and self._est[c.name].won_ms <= proven:
+                continue
             if c.name not in (PLAIN, exclude) and r is not None and r > floor and r > best_rate:
                 best, best_rate = c.name, r
         return best, best_rate
@@ -228,9 +234,12 @@ class Chooser:
         """The candidate that drafts the next block, and why. sizes: the tokens the free
         candidates' blocks would verify now (their drafts + 1, drafted before the choice)."""
         self._sizes = dict(sizes or {})
-        best, best_rate = self._best()
+        short = self._short_of_floor()
+        below = short > 0
+        best, best_rate = self._best(proven=short if below else None)
         top = best
-        if self._prev not in ("", PLAIN, best) and self._est[self._prev].n > 0:
+        if self._prev not in ("", PLAIN, best) and self._est[self._prev].n > 0 and (
+                not below or self._est[self._prev].won_ms > short):
             r = self.rate(self._prev) or 0.0  # switching costs the other's catch-up
             if r * SWITCH_MARGIN >= best_rate and r > (self.rate(PLAIN) or 0.0) * MARGIN:
                 best, best_rate = self._prev, r
@@ -240,21 +249,35 @@ class Chooser:
                and (self._est[c.name].n == 0 or self._est[c.name].tries == 0
                     or self._hopeful(c.name, best_rate)
                     or self.explore_lost_ms + self._loss(
-                   c.name, best_rate) <= EXPLORE_SHARE * self.spent_ms)]
+                   c.name, best_rate) <= EXPLORE_SHARE * self.spent_ms)
+               # below the floor: only a drafter's first try, or one the record hopes for
+               and (not below or (c.members and not c.free and (
+                   self._est[c.name].tries == 0 or self._hopeful(c.name, best_rate))))]
         if due:
             c = min(due, key=lambda c: (self._est[c.name].next_try,
                                         self.candidates.index(c)))
             ch = DrafterChoice(self.block, c.name, EXPLORE,
                                (self.rate(c.name) or 0.0) * 1e3)
         else:
-            ch = DrafterChoice(self.block, best,
-                               PRIOR if self._est[best].n == 0 else BEST, best_rate * 1e3)
+            why = PRIOR if self._est[best].n == 0 else FLOOR if below and best == PLAIN \
+                else BEST
+            ch = DrafterChoice(self.block, best, why, best_rate * 1e3)
         # a try is charged against the best (on the prior's block: the best measured one)
         self._last, self._last_best = ch, (best_rate if ch.why != PRIOR
                                            else self._best(exclude=best)[1])
         self._seen = (top, tuple((c.name, round((self.rate(c.name) or 0.0) * 1e3, 3))
                                              for c in self.candidates))
         return ch
+
+    def _short_of_floor(self) -> float:
+        """How many ms drafting has lost against plain decoding beyond FLOOR_SHARE of the
+        session's time (> 0: below the floor). Its blocks' time against what plain steps
+        would have taken for their tokens (`won_ms`) is what trusting the estimates (EMAs of
+        a few blocks, a prior from other answers) has cost this answer; below the floor only
+        a drafter's first try, a re-try the record hopes for (`_hopeful`), or a candidate
+        whose own blocks (a free one's: its drafts scored from the text) have won more than
+        the shortfall drafts, so an answer nothing pays on loses about that share."""
+        return -(self.won_ms + FLOOR_SHARE * self.spent_ms)
 
     def observe(self, name: str, accepted: int, verified: int, draft_ms: float,
                 verify_ms: float) -> None:
@@ -269,6 +292,14 @@ class Chooser:
         # the record's winner's first block (PRIOR) is its first try, charged as one
         tried = last is not None and last.why in (EXPLORE, PRIOR)
         self._follow_load(verified, verify_ms, tried)
+        if name != PLAIN:  # plain's steps for its tokens: its block's time over the table's
+            # ratio, once the table learnt from it (a stall slows both alike), at most
+            # STALL_STEPS plain steps' loss
+            step = verify_ms * self.curve.cost(1) / max(self.curve.cost(verified), 1e-9)
+            won = max((1 + accepted) * step - draft_ms - verify_ms, -STALL_STEPS * step)
+            self.won_ms += won
+            if not (tried and self._est[name].tries == 0):  # a first try is the session's
+                self._est[name].won_ms += won  # exploring, not held against the drafter
         self._verified.add(verified)
         self.spent_ms += draft_ms + verify_ms
         e = self._est[name]
@@ -320,6 +351,8 @@ class Chooser:
 
     def shadow(self, name: str, accepted: int, verified: int, draft_ms: float) -> None:
         """A free candidate's draft scored from the committed text, not verified."""
+        self._est[name].won_ms += ((1 + accepted) * self.verify_ms(1) - draft_ms
+                                   - self.verify_ms(max(1, verified)))
         self._est[name].add(accepted, verified, draft_ms, cap=self._first_draft_cap(verified))
 
     def _first_draft_cap(self, verified: int) -> float:
