@@ -41,16 +41,13 @@ from macfleet.serve.tools import (ToolCall, ToolGrammarError, ToolStream, finish
 
 log = logging.getLogger(__name__)
 
-# requests decoded, validated, rendered and tokenised at once, on worker threads (off the event
-# loop); more wait their turn without holding the loop (or the GIL) from other clients
-PREPARE_THREADS = 2
+PREPARE_THREADS = 2  # requests prepared at once, on worker threads (more wait their turn)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     model_id: str
-    # the API keys a request may carry (none: no key needed); with several, each key's
-    # requests have a prompt cache of their own (`partition`)
+    # the API keys a request may carry (none: no key); several: a cache partition each
     api_keys: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     chat_template: str | None = None  # replaces the model's own (serve --chat-template)
@@ -226,10 +223,9 @@ class Api:
         return JSONResponse(meta.full(text, outcome[0], lps, calls))
 
     def _check_grammar(self, grammar: Grammar, where: str) -> None:
-        """A grammar (response_format, or the enforced tool calls: `where` names the field)
-        against this model (issue 32), compiled and run a few tokens in (a grammar past the
-        engine's limits is refused here, before admission); on a worker thread: the grammar
-        engine's tokenizer is built on first use (seconds)."""
+        """A grammar (`where` names its field) compiled against this model and run a few
+        tokens in, refused before admission (a worker thread's work: the grammar engine's
+        tokenizer is built on first use, in seconds)."""
         err = self.engine.grammar_error(grammar)
         if err is not None:
             raise RequestError(f"'{where}' cannot be followed by this model: "

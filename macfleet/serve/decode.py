@@ -1,27 +1,8 @@
-"""Each session's share of an iteration's forward: verified rows -> accept -> commit.
-
-The engine runs one forward over every session's segment; what follows is per session and is
-the single-session loops' own step (engine/block.py: the same acceptance rules, the same cut at
-a stop token, the same statistics), written once for a chain block and once for a token tree:
-
-1. rows: a decoding session's logits rows of the forward (`BlockStep.verified`), left lazy
-   by the forward (`engine.batch.flat_outputs`); every session's decision (greedy or sampled,
-   chain or tree: `decision`) is built on them on the device, and the decisions, the caches'
-   buffers, the hidden features a drafter reads, the probabilities SpecInfer's host rule
-   reads and the logprobs a request asked for are all evaluated in ONE `mx.eval`
-   (`read_iteration`): one host synchronisation for the iteration, forward included,
-   whatever the mix of sessions;
-2. accept: its acceptance rule applied to that decision (`block.chain_outcome`,
-   `block.tree_decided`; SpecInfer's rule for trees of drafts with probabilities on the host,
-   `tree.accept_tree_sample`, on probabilities evaluated in that one evaluation); every
-   tree's row keeps its root and accepted path before anything is committed (its nodes'
-   keys and values were read out in that evaluation too: the move waits for nothing);
-3. commit: its cache rolled back past the rejected drafts, its drafters and statistics told,
-   its committed tokens cut at a stop token and emitted (`BlockStep.commit`), its session
-   finished at a stop token or its length.
-
-Hidden-state drafters get their session's rows of the forward here too (`feed`). A session's
-committed tokens and its statistics (`SessionStats`) are written here only.
+"""Each session's share of an iteration's forward: verified rows -> accept -> commit, with
+the single-session loops' rules (engine/block.py), for a chain block and a token tree. Every
+decision, cache buffer, drafter feature, SpecInfer probability and requested logprob is read
+in ONE evaluation (`read_iteration`). A session's committed tokens and `SessionStats` are
+written here only. docs/serving.md, "decode.py".
 """
 
 from __future__ import annotations
@@ -53,13 +34,9 @@ Finish = Callable[[BatchSession, str], None]  # (session, finish reason: stop | 
 
 @dataclass(frozen=True)
 class IterationRead:
-    """What the host reads of one iteration's forward, evaluated at once (`read_iteration`).
-
-    decided: each decoding session's `decision`, as integers; probs: the verifier's
-    probabilities [N, V] of each tree left to SpecInfer's host rule (evaluated, on the device
-    until `host_probs` reads them); logprobs: each block's rows of a request that asked;
-    fetched: per store, its trees' nodes' keys and values (`BatchKV.fetch`), so keeping the
-    accepted paths waits for nothing."""
+    """What the host reads of one iteration's forward, evaluated at once: each session's
+    `decision` as integers; probabilities of trees left to SpecInfer's host rule; requested
+    logprobs rows; per store, its trees' nodes' keys and values (`BatchKV.fetch`)."""
 
     decided: dict[int, list[int]]
     probs: dict[int, mx.array]
@@ -80,8 +57,7 @@ class BlockStep:
         """One forward's results: prefill chunks counted, every block accepted and committed.
         read: `read_iteration` of this forward, when the caller evaluated it already (the
         engine, to time the forward's one synchronisation); None: read here."""
-        # (1) each decoding session's verified rows [block, V]: what its acceptance reads
-        # below (a per-session constraint on the tokens, such as a grammar, masks them here)
+        # (1) each decoding session's verified rows [block, V]
         rows = {s.sid: lg for (s, sl), lg in zip(run, out) if not sl.prefill}
         if read is None:
             read = read_iteration(run, out, list(hidden or ()))
@@ -105,11 +81,9 @@ class BlockStep:
     @staticmethod
     def accept_trees(done: Sequence[BatchSession], read: IterationRead
                      ) -> dict[int, tuple[list[int], int]]:
-        """Each verified tree's accepted path and next token (engine/block.py's rules)
-        from its evaluated decision (`decision`), or SpecInfer's host rule on its evaluated
-        probabilities where it has none (`read_iteration` read one or the other of each);
-        every row then keeps its root and path (one gather and scatter per layer per store)
-        before anything is committed, so a session that ends here leaves a consistent row."""
+        """Each verified tree's accepted path and next token, from its decision or by
+        SpecInfer's host rule; every row then keeps its root and path before anything is
+        committed, so a session that ends here leaves a consistent row."""
         out, kept = {}, {}
         for s in done:
             tree = s.block.tree
@@ -136,8 +110,7 @@ class BlockStep:
         tree, predicted = s.block.tree, s.block.predicted
         new = [*tree.path_tokens(path), nxt]
         lps = _logprobs(s, logits, tree_rows(path, len(new)), new, rows)
-        # the session's own drafters' trials (a prediction's misses are not theirs: the plan
-        # of their lengths reads these)
+        # the session's own drafters' trials (a prediction's misses are not theirs)
         trials, hits = tree_trials(tree, path, set().union(*tree.owned[:-1])
                                    if predicted else None)
         if trials:
@@ -196,9 +169,8 @@ class BlockStep:
     def commit(self, s: BatchSession, new: list[int], *, drafted: int, accepted: int,
                verify_ms: float, logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         """A verified block's committed tokens (cut at a stop token) into the session's
-        context and out to the client; the session finished at a stop token or its length.
-        Every token a session commits passes here, once (a per-session constraint advances
-        on them here)."""
+        context and out to the client, once each; the session finished at a stop token or its
+        length."""
         new, stopped = commit_block(new, s.req.eos_ids, s.constraint)
         s.context.extend(new)
         s.generated.extend(new)
@@ -247,13 +219,10 @@ def verified_drafts(drafts: Sequence[Draft], tree: TokenTree) -> list[Draft]:
 
 
 def decision(s: BatchSession, logits: mx.array, ahead: int = 0) -> mx.array | None:
-    """A decoding session's block decision, lazy (evaluated with the batch's by `to_host`):
-    a chain's (accepted, next token) [2] (`block.chain_outcome`); a tree's argmax ids (greedy)
-    or (deepest node, next token) (sampled: `block.tree_decision`); None for a tree whose
-    drafts carry probabilities (SpecInfer's rule, on the host; a grammar's trees carry none).
-    A grammar masks the rows: a chain's, and each tree node's after its own path.
-    ahead: the block's first output position is this far past the session's committed
-    tokens (a plain step dispatched before the step before it was read: serve/engine.py)."""
+    """A decoding session's block decision, lazy, on its grammar-masked rows: a chain's
+    (accepted, next token) (`block.chain_outcome`), a tree's `block.tree_decision`; None for
+    a tree whose drafts carry probabilities (SpecInfer's host rule). ahead: the block's first
+    output position is this far past the committed tokens (a step dispatched ahead)."""
     params, start, b = s.req.params, len(s.generated) + ahead, s.block
     if b.tree is not None:
         return tree_decision(b.tree, masked_tree_logits(s.constraint, logits, b.tree),
@@ -285,13 +254,9 @@ def logprob_rows(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.arra
 def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array | None],
                    also: Sequence[mx.array] = (), decided: dict[int, mx.array] | None = None,
                    logprobs: dict[int, RowLogprobs] | None = None) -> IterationRead:
-    """Everything the host reads of a forward, built on its lazy logits `out` and evaluated
-    with `also` (the forward's cache buffers and hidden features: `FlatOutputs.pending`) in
-    ONE `mx.eval`: every decoding session's decision (`decided`: built already, lazy, by
-    `decisions`), SpecInfer trees' probabilities (their rule walks them on the host, after
-    this one evaluation), requested logprobs, and the trees' nodes' keys and values (their
-    accepted paths move without a wait). logprobs: the requested logprobs rows, built already
-    (`logprob_rows`)."""
+    """Everything the host reads of a forward (`IterationRead`), evaluated with `also` (the
+    forward's cache buffers and hidden features) in ONE `mx.eval`; decided, logprobs: built
+    already, lazy (`decisions`, `logprob_rows`)."""
     lazy = decisions(run, out) if decided is None else decided
     lps = logprob_rows(run, out) if logprobs is None else logprobs
     probs, spans = {}, {}
@@ -312,20 +277,16 @@ def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.ar
 
 def to_host(lazy: dict[int, mx.array], also: Sequence[mx.array] = ()
             ) -> dict[int, list[int]]:
-    """Lazy integer vectors -> their values, in ONE evaluation (with `also`, which stays on the
-    device): one host synchronisation, then each one read. No op is built on them here: one
-    would be queued behind what the device was given since (the engine's step ahead), and
-    reading it would wait for that too, with the host's next dispatch behind the wait."""
+    """Lazy integer vectors -> their values, in ONE evaluation with `also`. No op is built on
+    them here: it would queue behind the step dispatched ahead and wait for it too."""
     mx.eval(list(lazy.values()), list(also))
     return {sid: a.tolist() for sid, a in lazy.items()}
 
 
 def feed(run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],
          hidden: Sequence[mx.array], accepted: dict[int, tuple[list[int], int]]) -> None:
-    """Hidden-state drafters get the rows of their session's forward, as a tap on a
-    single-session forward would give them: a prefill chunk's and a chain block's rows at
-    their positions (rejected ones are overwritten later), a tree's root and accepted path
-    moved behind the root as its cache was."""
+    """Hidden-state drafters get their session's rows of the forward as a single-session tap
+    would: at their positions, a tree's root and accepted path moved as its cache was."""
     for (s, slot), seg, h in zip(run, segs, hidden):
         if not s.feeds:
             continue

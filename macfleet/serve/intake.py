@@ -25,11 +25,9 @@ def _dict(pairs: list[tuple[str, object]]) -> dict:
 
 
 def decode_body(buf: bytes) -> object:
-    """The body's JSON; a 400 when it is not JSON or nested too deeply. Every JSON object goes
-    through a Python hook (`_dict`, what json does by default): the C decoder would otherwise
-    hold the GIL for a whole body (a 1 MB array of small messages: tens of milliseconds), and the
-    event loop, which needs the GIL too, would wait each one out; with the hook the interpreter
-    hands the GIL over every few milliseconds."""
+    """The body's JSON; a 400 when it is not JSON or nested too deeply. The Python object hook
+    makes the decoder hand the GIL (and so the event loop) over every few milliseconds; the C
+    decoder alone would hold it for a whole body."""
     try:
         return json.loads(buf, object_pairs_hook=_dict)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -1,13 +1,7 @@
-"""One request through the serving engine on the caller's thread: `generate --local`, the
-verifier agent's one-session path, a sharded verifier's spec-decode run.
-
-The serving engine is the one decode path (issue 49): a request alone is a batch of one, so
-`generate --local` decodes as `serve --local` decodes the same request (its drafters, its
-`auto` choice, its grammar, its seeded draws), and what is measured or fixed in one is so in
-the other. A model the flat batch cannot run, and a sharded verifier, run the engine's
-batch-invariant mode (each block the verifier's own forward: serve/engine.py). No engine
-thread: each `step` runs on the caller's thread and the request's events are handed on as the
-step emits them (`run_one`), with the text of each commit (engine/text.py `with_text`).
+"""One request through the serving engine on the caller's thread (`generate --local`, the
+verifier agent's one-session path, a sharded verifier's run): a request alone is a batch of
+one, so it decodes as `serve --local` decodes it. No engine thread: each `step` runs on the
+caller's thread and the events are handed on as it emits them (`run_one`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """One request's life on the server side: prompt ids in, text pieces out, session freed.
-
-Bridges the engine thread (which calls `emit`) to the request's asyncio task with a queue, turns
-token ids into text with a streaming detokenizer of its own (one per request), holds back
-text that could be the start of a stop sequence, and cancels the engine session whenever the
-consumer stops early (stop sequence, client gone, error) so its KV cache is freed at once.
+The engine thread's events reach the request's task through a queue; its own detokenizer turns
+ids into text, text that could start a stop sequence is held back, and the engine session is
+cancelled whenever the consumer stops early, so its KV is freed at once.
 """
 
 from __future__ import annotations
