@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from macfleet.engine.tree_budget import VerifyCurve
 from macfleet.fleet.batch import IterationView
-from macfleet.serve.scheduler import STALL_EMA, IterationCost, StallControl
+from macfleet.serve.scheduler import IterationCost, StallControl, ema
 
 POOL_BLOCKS = 256  # recent drafted blocks whose acceptance every session's estimate leans on
 
@@ -90,8 +90,7 @@ class BatchCosts:
 
     def observe_step(self, step_ms: float) -> None:
         """One draft position of the chains drafted together took `step_ms`."""
-        self.step_ms = step_ms if self.step_ms is None else (
-            (1 - STALL_EMA) * self.step_ms + STALL_EMA * step_ms)
+        self.step_ms = ema(self.step_ms, step_ms)
 
     def observe_block(self, trials: int, accepted: int) -> None:
         """A drafted block's geometric trials and accepted drafts, for the pool."""
@@ -99,5 +98,4 @@ class BatchCosts:
 
     def pool_totals(self) -> tuple[int, int]:
         """(trials, accepted) of the recent drafted blocks of every session."""
-        n, acc = (sum(x) for x in zip((0, 0), *self.pool))
-        return n, acc
+        return sum(n for n, _ in self.pool), sum(acc for _, acc in self.pool)

@@ -57,8 +57,7 @@ class BlockStep:
         """One forward's results: prefill chunks counted, every block accepted and committed.
         read: `read_iteration` of this forward, when the caller evaluated it already (the
         engine, to time the forward's one synchronisation); None: read here."""
-        # (1) each decoding session's verified rows [block, V]
-        rows = {s.sid: lg for (s, sl), lg in zip(run, out) if not sl.prefill}
+        # (1) each decoding session's verified rows [block, V] (`out`), read
         if read is None:
             read = read_iteration(run, out, list(hidden or ()))
         # (2) accept: trees first, so every row keeps its path before anything is committed
@@ -67,15 +66,14 @@ class BlockStep:
         if hidden is not None:
             feed(run, segs, hidden, accepted)
         # (3) commit, session by session
-        for s, slot in run:
+        for (s, slot), lg in zip(run, out):
             if slot.prefill:
                 s.kv_handle.advance(slot.tokens, self.clock())
             elif s.block.tree is not None:
-                self.commit_tree(s, *accepted[s.sid], verify_ms, rows[s.sid],
-                                 read.logprobs.get(s.sid),
+                self.commit_tree(s, *accepted[s.sid], verify_ms, lg, read.logprobs.get(s.sid),
                                  forward=sum(sl.tokens for _, sl in run))
             else:
-                self.commit_chain(s, rows[s.sid], verify_ms, tuple(read.decided[s.sid]),
+                self.commit_chain(s, lg, verify_ms, tuple(read.decided[s.sid]),
                                   read.logprobs.get(s.sid))
 
     @staticmethod
@@ -110,9 +108,9 @@ class BlockStep:
         tree, predicted = s.block.tree, s.block.predicted
         new = [*tree.path_tokens(path), nxt]
         lps = _logprobs(s, logits, tree_rows(path, len(new)), new, rows)
-        # the session's own drafters' trials (a prediction's misses are not theirs)
-        trials, hits = tree_trials(tree, path, set().union(*tree.owned[:-1])
-                                   if predicted else None)
+        # the session's own drafters' nodes and trials (a prediction's misses are not theirs)
+        theirs = set().union(*tree.owned[:-1]) if predicted else None
+        trials, hits = tree_trials(tree, path, theirs)
         if trials:
             self._trials(s, trials, hits)
         drafts, accepted = verified_drafts(s.block.drafts, tree), tree.accepted_per_source(path)
@@ -123,7 +121,7 @@ class BlockStep:
             s.prediction.observe(len(d), n, verify_ms, verified)
             s.stats.prediction_drafted += len(d)
             s.stats.prediction_accepted += n
-            mine = 1 + len(set().union(*tree.owned[:-1]))  # root + their nodes
+            mine = 1 + len(theirs)  # root + their nodes
             theirs_ms = self.costs.without(verify_ms, max(forward, verified), verified - mine)
             verified = mine
         if s.group is not None:

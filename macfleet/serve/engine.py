@@ -226,17 +226,16 @@ class BatchEngine:
                     make_drafting(self.proposer_spec, self.lm, draft_tokens, self.invariant))
         predicting = (PredictionProposer(req.prediction, len(req.prompt) - len(req.committed))
                       if req.prediction else None)
-        name = "+".join([*([drafting.name] if drafting is not None else []),
-                         *([predicting.name] if predicting is not None else [])]) or "none"
+        drafters = [d for d in (drafting, predicting) if d is not None]
+        name = "+".join(d.name for d in drafters) or "none"
         group = drafting if isinstance(drafting, ProposerGroup) else None
         chain = None if group is not None else drafting
         feeds = [p for p in (group.proposers if group is not None else [chain])
                  if p is not None and p.wants_features]
         for p in feeds:  # the flat forward runs no tap: the engine feeds its features
             p.untap()
-        for d in (drafting, predicting):
-            if d is not None:
-                d.start(req.params)
+        for d in drafters:
+            d.start(req.params)
         controller = make_controller(draft_tokens if chain is not None else 0)
         try:
             s = self.table.enqueue(lambda sid: BatchSession(
@@ -246,9 +245,8 @@ class BatchEngine:
                 auto_tree=group is not None and draft_tokens == AUTO, on_close=on_close,
                 proposer_name=name, constraint=constraint, prediction=predicting))
         except Overloaded:
-            for d in (drafting, predicting):
-                if d is not None:
-                    d.close()
+            for d in drafters:
+                d.close()
             raise
         return SessionHandle(s, self._wake)
 

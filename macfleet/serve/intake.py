@@ -1,6 +1,5 @@
-"""Before a request is admitted: its body decoded without holding the event loop, and the API
-key it carried turned into its prompt-cache partition (issue 47). Pure functions; serve/app.py
-runs `decode_body` on a worker thread."""
+"""Before a request is admitted: its body decoded without holding the event loop (on a worker
+thread: serve/app.py), and its API key turned into its prompt-cache partition."""
 
 from __future__ import annotations
 

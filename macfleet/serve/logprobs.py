@@ -6,6 +6,7 @@ docs/serving.md, "logprobs.py".
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -106,15 +107,7 @@ TokenText = Callable[[int], str]
 
 def token_text(tokenizer) -> TokenText:
     """The text of one token alone (a memo over the tokenizer's decode)."""
-    memo: dict[int, str] = {}
-
-    def text(t: int) -> str:
-        s = memo.get(t)
-        if s is None:
-            s = memo[t] = tokenizer.decode([t])
-        return s
-
-    return text
+    return functools.cache(lambda t: tokenizer.decode([t]))
 
 
 def chat_content(entries: Sequence[TokenLogprob], text: TokenText) -> list[dict]:

@@ -36,8 +36,7 @@ def generate_one(lm: LoadedModel, prompt: ChatInput, *, chat: bool = True,
     prompt, grammar or drafter spec raises ValueError before anything runs."""
     ids = encode_prompt(lm.tokenizer, prompt, chat)
     engine = one_engine(lm)
-    # the request's drafter built once, here (an engine built on the spec builds one to check
-    # it, then one per session: twice the drafters' loading for one request)
+    # the request's drafter built once, here (an engine on the spec would load it twice)
     drafting = make_drafting(proposer, lm, draft_tokens, engine.invariant)
     yield from with_text(decode_ids(lm, ids, drafting, draft_tokens=draft_tokens,
                                     max_tokens=max_tokens, params=params, grammar=grammar,

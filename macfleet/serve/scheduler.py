@@ -187,9 +187,9 @@ class StallControl:
         curve = self.curve if self.curve is not None and self.curve.samples else None
         if prefill_tokens == 0:
             if decode_tokens and ms > 0:
-                self.decode_ms = _ema(self.decode_ms, ms)
+                self.decode_ms = ema(self.decode_ms, ms)
                 if curve is not None:  # the curve's scale on this batch, at its own lengths
-                    self.scale = _ema(self.scale, ms / curve.cost(decode_tokens))
+                    self.scale = ema(self.scale, ms / curve.cost(decode_tokens))
             return
         if self.decode_ms is None or decode_tokens == 0 or ms <= 0:
             return
@@ -199,7 +199,7 @@ class StallControl:
             # measured against the curve at this iteration's own length: decode-only
             # iterations carry drafts, so their mean is no yardstick for a chunk's
             err = ms / (self.scale * curve.cost(decode_tokens + prefill_tokens))
-            self.fit = min(MAX_FIT, max(MIN_FIT, (1 - STALL_EMA) * self.fit + STALL_EMA * err))
+            self.fit = min(MAX_FIT, max(MIN_FIT, ema(self.fit, err)))
 
     def budget(self, decode_tokens: int, token_budget: int, waiting: int = 1,
                decoding: int = 1) -> int:
@@ -217,7 +217,7 @@ class StallControl:
         return max(1, min(token_budget, decode_tokens + chunk))
 
 
-def _ema(old: float | None, new: float) -> float:
+def ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - STALL_EMA) * old + STALL_EMA * new
 
 

@@ -100,19 +100,18 @@ class SessionKV:
             log.warning("session %d: KV not kept in the prompt cache: %s", s.sid, e)
 
     # -- shipped and cached prompt KVs ----------------------------------------------------
-    def _layout_dtype(self) -> mx.Dtype:
+    def _model_layout(self):
         from macfleet.engine.kvship import model_layout
 
         if self._layout is None:
             self._layout = model_layout(self.model)
-        return getattr(mx, self._layout.dtype)
+        return self._layout
 
     def _install(self, h: KVHandle) -> None:
         """A shipped prompt KV into the session's fresh per-layer caches, all at once."""
         from macfleet.engine.kvship import install
 
-        self._layout_dtype()
-        install(h.cache.cache, self._layout, h.shipped_kv)
+        install(h.cache.cache, self._model_layout(), h.shipped_kv)
         self._installed(h)
 
     def _installed(self, h: KVHandle) -> None:
@@ -125,7 +124,7 @@ class SessionKV:
         most `budget_ms` (0: all; at least one layer), so a long prompt's KV never stalls the
         batch in one piece (results/disagg-8000-*.json); one that fails fails alone."""
         t0 = self.clock()
-        dtype = self._layout_dtype()
+        dtype = getattr(mx, self._model_layout().dtype)
         moved = False
         for s in installing:
             h = s.kv_handle
