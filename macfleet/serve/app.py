@@ -18,6 +18,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import anyio
 from starlette.applications import Starlette
@@ -166,13 +167,8 @@ class Api:
             {"id": self.cfg.model_id, "object": "model", "created": self.created,
              "owned_by": "macfleet"}]})
 
-    async def chat(self, request: Request) -> Response:
-        return await self._generate(request, chat=True)
-
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=False)
-
-    async def _generate(self, request: Request, *, chat: bool) -> Response:
+    async def generate(self, request: Request, *, chat: bool) -> Response:
+        """POST /v1/chat/completions (`chat`) or /v1/completions."""
         part = self._auth(request)
         prep = await self._prepared(request, chat)
         req, prompt, grammar, where = prep.req, prep.prompt, prep.grammar, prep.where
@@ -361,7 +357,7 @@ def create_app(engine, tokenizer, config: ServerConfig) -> Starlette:
     routes = [Route("/health", api.health, methods=["GET"]),
               Route("/v1/models", api.models, methods=["GET"]),
               Route(BATCH_PATH, api.batch, methods=["GET"]),
-              Route("/v1/chat/completions", api.chat, methods=["POST"]),
-              Route("/v1/completions", api.completions, methods=["POST"])]
+              Route("/v1/chat/completions", partial(api.generate, chat=True), methods=["POST"]),
+              Route("/v1/completions", partial(api.generate, chat=False), methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={
         RequestError: _request_error, HTTPException: _http_error, Exception: _server_error})

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 
 from macfleet.engine.batch import RowCache, Segment, trim_cache
-from macfleet.engine.block import (accept_chain, chain_outcome, commit_block, tree_decided,
-                                   tree_decision)
+from macfleet.engine.block import chain_outcome, commit_block, tree_decided, tree_decision
 from macfleet.engine.constraint import masked_logits, masked_tree_logits
 from macfleet.engine.events import BlockDone, TokensCommitted
 from macfleet.engine.sampling import host_probs, softmax_probs
@@ -24,8 +23,8 @@ from macfleet.engine.tree_verify import keep_path
 from macfleet.engine.verifier import Verifier
 from macfleet.serve.batch_session import BatchSession
 from macfleet.serve.costs import BatchCosts
-from macfleet.serve.logprobs import (LogprobsCommitted, RowLogprobs, TokenLogprob,
-                                      block_logprobs, chain_rows, row_logprobs, tree_rows)
+from macfleet.serve.logprobs import (LogprobsCommitted, RowLogprobs, TokenLogprob, chain_rows,
+                                      row_logprobs, tree_rows)
 from macfleet.serve.prompt_cache import PromptReused
 from macfleet.serve.scheduler import Slot
 
@@ -66,14 +65,14 @@ class BlockStep:
         if hidden is not None:
             feed(run, segs, hidden, accepted)
         # (3) commit, session by session
-        for (s, slot), lg in zip(run, out):
+        for s, slot in run:
             if slot.prefill:
                 s.kv_handle.advance(slot.tokens, self.clock())
             elif s.block.tree is not None:
-                self.commit_tree(s, *accepted[s.sid], verify_ms, lg, read.logprobs.get(s.sid),
+                self.commit_tree(s, *accepted[s.sid], verify_ms, read.logprobs.get(s.sid),
                                  forward=sum(sl.tokens for _, sl in run))
             else:
-                self.commit_chain(s, lg, verify_ms, tuple(read.decided[s.sid]),
+                self.commit_chain(s, verify_ms, tuple(read.decided[s.sid]),
                                   read.logprobs.get(s.sid))
 
     @staticmethod
@@ -100,14 +99,12 @@ class BlockStep:
         return out
 
     def commit_tree(self, s: BatchSession, path: list[int], nxt: int, verify_ms: float,
-                    logits: mx.array, rows: RowLogprobs | None = None, *,
-                    forward: int = 0) -> None:
-        """rows: the block's logprobs, evaluated with the batch's decisions (None: read here
-        when the request asked for them); forward: the tokens of the forward `verify_ms` timed
-        (0: this tree's)."""
+                    rows: RowLogprobs | None = None, *, forward: int = 0) -> None:
+        """rows: the block's logprobs, evaluated (None: not asked); forward: the tokens of the
+        forward `verify_ms` timed (0: this tree's)."""
         tree, predicted = s.block.tree, s.block.predicted
         new = [*tree.path_tokens(path), nxt]
-        lps = _logprobs(s, logits, tree_rows(path, len(new)), new, rows)
+        lps = _logprobs(tree_rows(path, len(new)), new, rows)
         # the session's own drafters' nodes and trials (a prediction's misses are not theirs)
         theirs = set().union(*tree.owned[:-1]) if predicted else None
         trials, hits = tree_trials(tree, path, theirs)
@@ -131,17 +128,14 @@ class BlockStep:
         self.commit(s, new, drafted=tree.size, accepted=len(path), verify_ms=verify_ms,
                     logprobs=lps)
 
-    def commit_chain(self, s: BatchSession, logits: mx.array, verify_ms: float,
-                     outcome: tuple[int, int] | None = None,
+    def commit_chain(self, s: BatchSession, verify_ms: float, outcome: tuple[int, int],
                      rows: RowLogprobs | None = None) -> None:
-        """outcome: the block's (accepted, next token), decided with the batch's
-        (`decision`); None: decided here. rows: as `commit_tree`'s."""
+        """outcome: the block's (accepted, next token), its `decision`; rows: as
+        `commit_tree`'s."""
         d = s.block.draft
-        n, nxt = outcome if outcome is not None else accept_chain(
-            d, masked_logits(s.constraint, logits, d.tokens), s.req.params, s.seed,
-            len(s.generated))
+        n, nxt = outcome
         new = [*d.tokens[:n], nxt]
-        lps = _logprobs(s, logits, chain_rows(len(new)), new, rows)
+        lps = _logprobs(chain_rows(len(new)), new, rows)
         if len(d) - n:
             trim_cache(s.cache, len(d) - n)
         if len(d):
@@ -242,9 +236,8 @@ def decisions(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array |
 
 def logprob_rows(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array | None]
                  ) -> dict[int, RowLogprobs]:
-    """The logprobs rows (`row_logprobs`, lazy) of every decoding block whose request asked:
-    built with the decisions, before anything is dispatched behind the forward (as
-    `to_host` says: built at the read, they would wait for that too)."""
+    """The logprobs rows (lazy) of every decoding block whose request asked, built with the
+    decisions, before anything is dispatched behind the forward (`to_host`)."""
     return {s.sid: row_logprobs(lg, s.req.logprobs) for (s, sl), lg in zip(run, out)
             if not sl.prefill and s.req.logprobs is not None}
 
@@ -300,12 +293,8 @@ def feed(run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],
             p.feed_features(start, toks, h)
 
 
-def _logprobs(s: BatchSession, logits: mx.array, rows: list[int], new: list[int],
-              evaluated: RowLogprobs | None = None) -> tuple[TokenLogprob, ...] | None:
-    """The committed tokens' logprobs when the request asked for them (else None), from the
-    block's `evaluated` rows when the batch read them (else read here)."""
-    if s.req.logprobs is None:
-        return None
-    if evaluated is not None:
-        return evaluated.entries(rows, new)
-    return block_logprobs(logits, rows, new, s.req.logprobs)
+def _logprobs(rows: list[int], new: list[int], evaluated: RowLogprobs | None
+              ) -> tuple[TokenLogprob, ...] | None:
+    """The committed tokens' logprobs from the block's evaluated rows (None: not asked; the
+    batch reads every block's whose request asked: `logprob_rows`)."""
+    return None if evaluated is None else evaluated.entries(rows, new)

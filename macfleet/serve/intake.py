@@ -12,8 +12,7 @@ from macfleet.serve.schemas import RequestError
 
 def partition(api_keys: Sequence[str], key: str) -> str:
     """The prompt-cache partition of a request that carried `key`: "" for a server of one key
-    or none (one cache, as before), else a hash of the key, so what one key's prompts left in
-    the cache (cached_tokens, time to first token) never shows in another key's answers."""
+    or none, else a hash of the key, so one key's prompts never show in another's answers."""
     if len(api_keys) <= 1:
         return ""
     return hashlib.sha256(b"macfleet-cache-partition\0" + key.encode()).hexdigest()[:16]

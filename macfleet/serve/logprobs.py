@@ -76,20 +76,6 @@ def row_logprobs(logits: mx.array, top: int) -> RowLogprobs:
     return RowLogprobs(lp, idx, mx.take_along_axis(lp, idx, axis=-1))
 
 
-def block_logprobs(logits: mx.array, rows: Sequence[int], tokens: Sequence[int],
-                   top: int) -> tuple[TokenLogprob, ...]:
-    """logits: [L, V] of one verified block; tokens[i] was decided at logits row rows[i].
-    top: alternatives per token (0..MAX_TOP_LOGPROBS; at most the vocabulary). Evaluates
-    (a synchronisation of its own; `row_logprobs` is the lazy half)."""
-    if not tokens:
-        return ()
-    if len(rows) != len(tokens):
-        raise ValueError(f"{len(rows)} rows for {len(tokens)} tokens")
-    parts = row_logprobs(logits[mx.array(list(rows), dtype=mx.int32)], top)
-    mx.eval(parts.arrays())
-    return parts.entries(range(len(rows)), tokens)
-
-
 def chain_rows(committed: int) -> list[int]:
     """A chain block [last, d1..dk] that committed d1..d(n) + next: rows 0..n."""
     return list(range(committed))

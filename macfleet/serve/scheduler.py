@@ -67,10 +67,8 @@ def plan_iteration(sessions: Sequence[SessionView], budget: int = DEFAULT_TOKEN_
 
 
 def share_prefill(prefilling: Sequence[SessionView], left: int) -> tuple[Slot, ...]:
-    """`left` prompt tokens among several prefilling sessions: the oldest is owed at least half
-    (it never starves), the rest goes shortest prompt first (a chat turn that arrives behind a
-    long document gets its first token in seconds, not after the document's whole prefill),
-    and whatever they leave returns to the oldest."""
+    """`left` prompt tokens among several prefilling sessions: the oldest at least half, the
+    rest shortest prompt first, what they leave back to the oldest (docs/serving.md)."""
     first, rest = prefilling[0], sorted(prefilling[1:], key=lambda s: s.prefill_left)
     give = {first.sid: min(first.prefill_left, (left + 1) // 2)}
     spare = left - give[first.sid]
@@ -115,11 +113,9 @@ def steps_ahead(sessions: Sequence[AheadView], *, waiting: int = 0, room: int = 
 @dataclass(frozen=True)
 class IterationBudget:
     """One iteration's limits, decided once (`iteration_budget`), read by the drafting plan
-    and the scheduler. cap: the engine's token budget; tokens: what this iteration may hold
-    (the stall control's budget while prompts wait beside decoding sessions, else the cap);
-    drafts: the adaptive drafts' share of `tokens` while prompts wait (None: no limit but the
-    cap; fixed-length drafts ride on top uncut); stall_ratio: the drafting plan's bound
-    (0: none)."""
+    and the scheduler. cap: the engine's token budget; tokens: the stall control's budget
+    while prompts wait beside decoding sessions, else the cap; drafts: the adaptive drafts'
+    share of it (None: no limit but the cap); stall_ratio: the drafting plan's bound."""
 
     cap: int
     tokens: int
@@ -133,9 +129,8 @@ class IterationBudget:
 
 def iteration_budget(cap: int, decoding: int, prefill_left: int, stall_tokens: int | None,
                      stall_ratio: float) -> IterationBudget:
-    """Pure: the next iteration's limits. stall_tokens: the stall control's budget when
-    prompts (`prefill_left` tokens still to feed) wait beside `decoding` sessions, None when
-    the iteration is not stall-controlled (no prompt waits, unchunked or batch-invariant)."""
+    """The next iteration's limits. stall_tokens: the stall control's budget when prompts wait
+    beside `decoding` sessions, None when the iteration is not stall-controlled."""
     if stall_tokens is None:
         return IterationBudget(cap, cap, None, stall_ratio)
     return IterationBudget(cap, stall_tokens, draft_room(stall_tokens, decoding, prefill_left),
@@ -291,11 +286,8 @@ PLAN_MARGIN = 1.02  # more drafts must promise this much more than the best plan
 def plan_drafts(sessions: Sequence[DraftView], cost: Callable[[int], float],
                 step_ms: float = 0.0, stall_ratio: float = 0.0) -> dict[int, int]:
     """How many drafts each decoding session gets this iteration: the best-first prefix of
-    every session's drafts (the j-th accepted with probability alpha^j) with the most
-    expected tokens per ms of the whole iteration at `cost(tokens)`, each longer plan beating
-    the best so far by `PLAN_MARGIN`; a probing session gets one draft regardless. With
-    stall_ratio > 0 and several sessions, the iteration costs at most that many times the one
-    without drafts. docs/serving.md, "scheduler.py"."""
+    every session's drafts with the most expected tokens per ms at `cost(tokens)`, within
+    `stall_ratio` x the iteration without drafts (docs/serving.md, "scheduler.py")."""
     ks = {s.sid: min(1, s.want) if s.probe else 0 for s in sessions}
     if not sessions:
         return ks

@@ -129,8 +129,7 @@ async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops:
                       gone: Callable[[], Awaitable[bool]] | None = None
                       ) -> AsyncIterator[Piece]:
     """Yield text pieces; append the Outcome when the generation ended (not when cancelled).
-    gone: whether the client left (a response read whole at the end, which no closed socket
-    cancels: a streamed one is cancelled by its server); the pieces end there, no Outcome."""
+    gone: whether the client left (for a whole answer: its server cancels a stream itself)."""
     text = TextStream(tokenizer)
     stop = StopMatcher(stops)
     events = _Events(q, token_timeout_s, gone)

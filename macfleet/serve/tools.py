@@ -219,9 +219,8 @@ def finish_reason(engine_reason: str, calls: bool) -> str:
 
 
 class ToolStream:
-    """Streaming: content out as soon as it cannot be part of a call, each call once it is
-    complete (hermes: at its closing tag; llama3 and mistral: at the end of the answer); the
-    format's markup never goes out as content."""
+    """Streaming: content out as soon as it cannot be part of a call, each call once complete
+    (hermes: at its closing tag; llama3 and mistral: at the answer's end)."""
 
     def __init__(self, fmt: str, new_id: NewId = new_call_id) -> None:
         self.fmt, self._new_id = fmt, new_id

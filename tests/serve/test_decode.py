@@ -14,7 +14,7 @@ from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.tree import TokenTree
 from macfleet.serve.costs import BatchCosts
 from macfleet.serve.decode import BlockStep, to_host
-from macfleet.serve.logprobs import LogprobsCommitted
+from macfleet.serve.logprobs import LogprobsCommitted, row_logprobs
 from macfleet.serve.prompt_cache import PromptReused
 from macfleet.serve.scheduler import Slot
 
@@ -51,7 +51,7 @@ def _chain(draft=(3, 4, 5), **kw):
 def test_a_chain_commits_its_accepted_drafts_and_the_next_token_and_rolls_back_the_rest():
     step, ended = _step()
     s = _chain()
-    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0)
+    step.commit_chain(s, 9.0, (2, 7))
     assert s.generated == [3, 4, 7] and s.context[-3:] == [3, 4, 7]
     assert [c.offset for c in s.cache] == [9, 9]  # the rejected draft's entry dropped
     assert s.events == [TokensCommitted(1, (3, 4, 7))]
@@ -64,14 +64,14 @@ def test_a_chain_commits_its_accepted_drafts_and_the_next_token_and_rolls_back_t
 def test_the_outcome_given_decides():
     step, _ = _step()
     s = _chain()
-    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0, outcome=(3, 6))
+    step.commit_chain(s, 9.0, outcome=(3, 6))
     assert s.generated == [3, 4, 5, 6]
 
 
 def test_a_stop_token_cuts_the_block_and_ends_the_session():
     step, ended = _step()
     s = _chain(eos=frozenset({4}))
-    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0)
+    step.commit_chain(s, 9.0, (2, 7))
     assert s.generated == [3] and s.events[-1] == TokensCommitted(1, (3,))
     assert ended == [(0, "stop")]
 
@@ -79,7 +79,7 @@ def test_a_stop_token_cuts_the_block_and_ends_the_session():
 def test_the_length_ends_the_session():
     step, ended = _step()
     s = _chain(max_tokens=3)
-    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0)
+    step.commit_chain(s, 9.0, (2, 7))
     assert ended == [(0, "length")]
 
 
@@ -88,7 +88,9 @@ def test_what_a_request_asked_for_comes_before_its_tokens():
     s = _chain()
     s.kv_handle.cached = 5
     s.req = s.req.__class__(**{**s.req.__dict__, "report_blocks": True, "logprobs": 1})
-    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0)
+    rows = row_logprobs(_logits([3, 4, 7, 1]), 1)
+    mx.eval(rows.arrays())
+    step.commit_chain(s, 9.0, (2, 7), rows)
     kinds = [type(e) for e in s.events]
     assert kinds == [PromptReused, BlockDone, LogprobsCommitted, TokensCommitted]
     done = s.events[1]
