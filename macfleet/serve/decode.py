@@ -51,20 +51,16 @@ class BlockStep:
         self.clock, self.costs, self.finish = clock, costs, finish
 
     def verified(self, run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],
-                 out: Sequence[mx.array | None], hidden: Sequence[mx.array] | None,
-                 verify_ms: float, read: IterationRead | None = None) -> None:
-        """One forward's results: prefill chunks counted, every block accepted and committed.
-        read: `read_iteration` of this forward, when the caller evaluated it already (the
-        engine, to time the forward's one synchronisation); None: read here."""
-        # (1) each decoding session's verified rows [block, V] (`out`), read
-        if read is None:
-            read = read_iteration(run, out, list(hidden or ()))
-        # (2) accept: trees first, so every row keeps its path before anything is committed
+                 hidden: Sequence[mx.array] | None, verify_ms: float,
+                 read: IterationRead) -> None:
+        """One forward's results, read (`read_iteration`): prefill chunks counted, every block
+        accepted and committed."""
+        # accept: trees first, so every row keeps its path before anything is committed
         accepted = self.accept_trees([s for s, sl in run
                                       if not sl.prefill and s.block.tree is not None], read)
         if hidden is not None:
             feed(run, segs, hidden, accepted)
-        # (3) commit, session by session
+        # commit, session by session
         for s, slot in run:
             if slot.prefill:
                 s.kv_handle.advance(slot.tokens, self.clock())

@@ -371,7 +371,7 @@ class BatchEngine:
         if nxt is not None:
             for s, _ in nxt.run:
                 s.cache.trim(1)
-        self.decode.verified(it.run, it.segs, it.fwd.logits, it.fwd.hidden, ms, read)
+        self.decode.verified(it.run, it.segs, it.fwd.hidden, ms, read)
         if nxt is not None:
             nxt = nxt.of(self.table.active)
         if nxt is not None:

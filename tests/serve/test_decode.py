@@ -13,7 +13,7 @@ from macfleet.engine.proposers.base import Draft
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.tree import TokenTree
 from macfleet.serve.costs import BatchCosts
-from macfleet.serve.decode import BlockStep, to_host
+from macfleet.serve.decode import BlockStep, read_iteration, to_host
 from macfleet.serve.logprobs import LogprobsCommitted, row_logprobs
 from macfleet.serve.prompt_cache import PromptReused
 from macfleet.serve.scheduler import Slot
@@ -124,12 +124,13 @@ def test_verified_counts_prefill_chunks_and_commits_chains_and_trees():
     tree_s.group = type("G", (), {"observe": lambda *a: None})()
     run = [(pre, Slot(1, 2, True)), (chain, Slot(0, 4, False)), (tree_s, Slot(2, 4, False))]
     out = [None, _logits([3, 4, 7, 1]), _logits([6, 1, 5, 2])]
-    step.verified(run, [None] * 3, out, None, 9.0)
+    step.verified(run, [None] * 3, None, 9.0, read_iteration(run, out))
     assert pre.kv_handle.prefilled == 2 and pre.prefill_left == 1 and pre.prefill_ms == 0.0
     assert chain.generated == [3, 4, 7]
     assert tree_s.generated == [6, 5, 2]
     assert store.kept == [(tree_s.cache, 10, [2, 3])] and tree_s.cache.offset == 13
-    step.verified([(pre, Slot(1, 1, True))], [None], [None], None, 9.0)
+    step.verified([(pre, Slot(1, 1, True))], [None], None, 9.0,
+                  read_iteration([(pre, Slot(1, 1, True))], [None]))
     assert pre.prefill_left == 0 and pre.prefill_ms == 1e3  # clock 1.0 s after t_start
 
 
@@ -200,12 +201,12 @@ def test_an_iteration_reads_every_block_decision_in_one_synchronisation(monkeypa
     alone = []
     for s_sl, lg in zip(*_mixed_batch()):
         step, _ = _step()
-        step.verified([s_sl], [None], [lg], None, 9.0)
+        step.verified([s_sl], [None], None, 9.0, read_iteration([s_sl], [lg]))
         alone.append(s_sl[0].generated)
     run, out = _mixed_batch()
     step, _ = _step()
     syncs = _counting(monkeypatch)
-    step.verified(run, [None] * len(run), out, None, 9.0)
+    step.verified(run, [None] * len(run), None, 9.0, read_iteration(run, out))
     monkeypatch.undo()
     assert syncs == ["eval"], syncs
     assert [s.generated for s, _ in run] == alone
