@@ -68,7 +68,8 @@ def plan_iteration(sessions: Sequence[SessionView], budget: int = DEFAULT_TOKEN_
 
 def share_prefill(prefilling: Sequence[SessionView], left: int) -> tuple[Slot, ...]:
     """`left` prompt tokens among several prefilling sessions: the oldest at least half, the
-    rest shortest prompt first, what they leave back to the oldest (docs/serving.md)."""
+    rest shortest prompt first, the leftover back to the oldest (docs/serving.md,
+    "scheduler.py")."""
     first, rest = prefilling[0], sorted(prefilling[1:], key=lambda s: s.prefill_left)
     give = {first.sid: min(first.prefill_left, (left + 1) // 2)}
     spare = left - give[first.sid]
