@@ -50,11 +50,6 @@ def row_kv(store, row: int, n: int) -> KV:
     return kv
 
 
-def slice_kv(kv: KV, n: int) -> KV:
-    """The first n positions (a view is fine: the cache entry stays alive while installing)."""
-    return tuple((k[:, :n], v[:, :n]) for k, v in kv)
-
-
 class PromptCache:
     """Finished requests' KV by token prefix, LRU within `max_bytes`."""
 
@@ -87,7 +82,8 @@ class PromptCache:
         self._entries.move_to_end(key)
         self.hits += 1
         self.saved_tokens += best
-        return best, slice_kv(self._entries[key].kv, best)
+        # the first `best` positions, a view (the entry stays alive while it is installed)
+        return best, tuple((k[:, :best], v[:, :best]) for k, v in self._entries[key].kv)
 
     def insert(self, tokens: Sequence[int], kv: KV, partition: str = "") -> bool:
         """Keep the KV of `tokens` (one position each) for `partition`'s lookups; its entries

@@ -327,13 +327,12 @@ def plan_drafts(sessions: Sequence[DraftView], cost: Callable[[int], float],
 POOL_WEIGHT = 4.0
 
 
-def draft_acceptance(accepted: int, trials: int, pool_accepted: int, pool_trials: int,
-                     pool_weight: float = POOL_WEIGHT) -> float:
+def draft_acceptance(accepted: int, trials: int, pool_accepted: int, pool_trials: int) -> float:
     """A session's per-token acceptance: its own geometric trials (n accepted of k drafts: n
     successes in n + (n < k) trials) shrunk towards every session's recent pool, which
     starts from 1/2 (Laplace)."""
     pool = (pool_accepted + 1.0) / (pool_trials + 2.0)
-    return (accepted + pool_weight * pool) / (trials + pool_weight)
+    return (accepted + POOL_WEIGHT * pool) / (trials + POOL_WEIGHT)
 
 
 COST_WINDOW = 48
