@@ -18,6 +18,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import anyio
 from starlette.applications import Starlette
@@ -41,16 +42,13 @@ from macfleet.serve.tools import (ToolCall, ToolGrammarError, ToolStream, finish
 
 log = logging.getLogger(__name__)
 
-# requests decoded, validated, rendered and tokenised at once, on worker threads (off the event
-# loop); more wait their turn without holding the loop (or the GIL) from other clients
-PREPARE_THREADS = 2
+PREPARE_THREADS = 2  # requests prepared at once, on worker threads (more wait their turn)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     model_id: str
-    # the API keys a request may carry (none: no key needed); with several, each key's
-    # requests have a prompt cache of their own (`partition`)
+    # the API keys a request may carry (none: no key); several: a cache partition each
     api_keys: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     chat_template: str | None = None  # replaces the model's own (serve --chat-template)
@@ -98,16 +96,16 @@ class Api:
 
     async def _body(self, request: Request) -> bytes:
         limit = self.cfg.limits.max_body_bytes
+        too_large = RequestError(f"request body over {limit} bytes", status=413,
+                                 code="request_too_large")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestError(f"request body over {limit} bytes", status=413,
-                               code="request_too_large")
+            raise too_large
         buf = bytearray()
         async for chunk in request.stream():
             buf += chunk
             if len(buf) > limit:
-                raise RequestError(f"request body over {limit} bytes", status=413,
-                                   code="request_too_large")
+                raise too_large
         return bytes(buf)
 
     def _prepare(self, buf: bytes, chat: bool) -> _Prepared:
@@ -169,27 +167,21 @@ class Api:
             {"id": self.cfg.model_id, "object": "model", "created": self.created,
              "owned_by": "macfleet"}]})
 
-    async def chat(self, request: Request) -> Response:
-        return await self._generate(request, chat=True)
-
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=False)
-
-    async def _generate(self, request: Request, *, chat: bool) -> Response:
+    async def generate(self, request: Request, *, chat: bool) -> Response:
+        """POST /v1/chat/completions (`chat`) or /v1/completions."""
         part = self._auth(request)
         prep = await self._prepared(request, chat)
         req, prompt, grammar, where = prep.req, prep.prompt, prep.grammar, prep.where
-        ids, prompt_text = prompt.ids, prompt.text
-        client = f"{request.client.host if request.client else '?'}"
+        client = request.client.host if request.client else "?"
         if self.sessions[client] >= self.cfg.limits.max_sessions_per_client:
             raise RequestError(f"{self.sessions[client]} sessions already open for this client",
                                status=429, kind="rate_limit_error", code="too_many_sessions")
         eos = frozenset(getattr(self.tok, "eos_token_ids", ()) or ())
-        ereq = EngineRequest(tuple(ids), req.params, req.max_tokens, eos, prompt_text,
+        ereq = EngineRequest(tuple(prompt.ids), req.params, req.max_tokens, eos, prompt.text,
                              logprobs=req.logprobs, grammar=grammar, partition=part,
                              prediction=prep.prediction)
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
-                     int(time.time()), self.cfg.model_id, chat, len(ids), req.logprobs,
+                     int(time.time()), self.cfg.model_id, chat, len(prompt.ids), req.logprobs,
                      self.token_text, prompt, req.include_usage)
         self.sessions[client] += 1  # released when the engine drops the session
         try:
@@ -226,10 +218,9 @@ class Api:
         return JSONResponse(meta.full(text, outcome[0], lps, calls))
 
     def _check_grammar(self, grammar: Grammar, where: str) -> None:
-        """A grammar (response_format, or the enforced tool calls: `where` names the field)
-        against this model (issue 32), compiled and run a few tokens in (a grammar past the
-        engine's limits is refused here, before admission); on a worker thread: the grammar
-        engine's tokenizer is built on first use (seconds)."""
+        """A grammar (`where` names its field) compiled against this model and run a few
+        tokens in, refused before admission (a worker thread's work: the grammar engine's
+        tokenizer is built on first use, in seconds)."""
         err = self.engine.grammar_error(grammar)
         if err is not None:
             raise RequestError(f"'{where}' cannot be followed by this model: "
@@ -246,7 +237,8 @@ class Api:
             if meta.chat:
                 yield _event(meta.chunk(None, {"role": "assistant", "content": ""}))
             sent = 0  # characters so far (a completion's logprobs text_offset)
-            tools = meta.tool_stream() if meta.prompt.tool_format is not None else None
+            fmt = meta.prompt.tool_format
+            tools = ToolStream(fmt) if fmt is not None else None
             async for p in pieces:
                 text, calls = tools.feed(p.text) if tools is not None else (p.text, [])
                 if text or p.logprobs:
@@ -286,9 +278,6 @@ class _Meta:
     prompt: Prompt
     include_usage: bool  # a stream's last chunk carries the usage
 
-    def tool_stream(self) -> ToolStream:
-        return ToolStream(self.prompt.tool_format)
-
     def call_chunk(self, call: ToolCall, tools: ToolStream) -> dict:
         """A streamed tool call, whole (its name and all its arguments in one delta)."""
         return self.chunk(None, {"tool_calls": [call.to_dict(tools.calls.index(call))]})
@@ -309,24 +298,20 @@ class _Meta:
 
     def full(self, text: str, o: Outcome, lps: tuple[TokenLogprob, ...] = (),
              calls: tuple[ToolCall, ...] = ()) -> dict:
-        message = {"role": "assistant", "content": text}
+        message = {"role": "assistant", "content": (text or None) if calls else text}
         if calls:
-            message = {"role": "assistant", "content": text or None,
-                       "tool_calls": [c.to_dict() for c in calls]}
-        choice = ({"index": 0, "message": message,
-                   "finish_reason": finish_reason(o.finish_reason, bool(calls)),
-                   "logprobs": self.logprobs(lps)}
-                  if self.chat else
-                  {"index": 0, "text": text, "finish_reason": o.finish_reason,
-                   "logprobs": self.logprobs(lps)})
+            message["tool_calls"] = [c.to_dict() for c in calls]
+        # a completion has no calls: its finish_reason is the engine's
+        choice = {"index": 0, **({"message": message} if self.chat else {"text": text}),
+                  "finish_reason": finish_reason(o.finish_reason, bool(calls)),
+                  "logprobs": self.logprobs(lps)}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice],
                 "usage": self.usage(o)}
 
     def chunk(self, finish: str | None, delta, logprobs: dict | None = None) -> dict:
-        choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-                  if self.chat else
-                  {"index": 0, "text": delta, "finish_reason": finish, "logprobs": logprobs})
+        choice = {"index": 0, "delta" if self.chat else "text": delta, "finish_reason": finish,
+                  "logprobs": logprobs}
         return {"id": self.id, "created": self.created, "model": self.model,
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "choices": [choice]}
@@ -372,7 +357,7 @@ def create_app(engine, tokenizer, config: ServerConfig) -> Starlette:
     routes = [Route("/health", api.health, methods=["GET"]),
               Route("/v1/models", api.models, methods=["GET"]),
               Route(BATCH_PATH, api.batch, methods=["GET"]),
-              Route("/v1/chat/completions", api.chat, methods=["POST"]),
-              Route("/v1/completions", api.completions, methods=["POST"])]
+              Route("/v1/chat/completions", partial(api.generate, chat=True), methods=["POST"]),
+              Route("/v1/completions", partial(api.generate, chat=False), methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={
         RequestError: _request_error, HTTPException: _http_error, Exception: _server_error})

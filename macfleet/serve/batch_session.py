@@ -40,18 +40,13 @@ class EngineRequest:
     text: str | None = None  # the prompt as text (chat template applied), for fleet backends
     draft_tokens: DraftTokens | None = None  # this request's draft length (None: the engine's)
     report_blocks: bool = False  # also emit a BlockDone per verified block (agent metrics)
-    logprobs: int | None = None  # also emit each committed token's logprob and this many
-    # alternatives (LogprobsCommitted, serve/logprobs.py); None: not asked
+    logprobs: int | None = None  # alternatives per token of LogprobsCommitted (None: none)
     grammar: Grammar | None = None  # the answer must match it (engine/constraint.py)
-    # the answer's tokens committed before (by a verifier that failed: a re-planned
-    # request), the end of `prompt`: the grammar advances over them before decoding
+    # the end of `prompt` a failed verifier committed already (a re-planned request): the
+    # grammar advances over them before decoding
     committed: tuple[int, ...] = ()
-    # whose prompt cache this request reads and fills (serve: the API key's partition, when a
-    # server has several keys; "" the one shared cache): prefixes cross no partition
-    partition: str = ""
-    # the answer the client expects (OpenAI's Predicted Outputs), as token ids: drafted from
-    # by engine/proposers/prediction.py beside the session's other drafters (serve/drafting.py)
-    prediction: tuple[int, ...] = ()
+    partition: str = ""  # the prompt cache partition it reads and fills (its API key's)
+    prediction: tuple[int, ...] = ()  # the answer the client expects (Predicted Outputs)
 
 
 @dataclass(frozen=True)
@@ -67,9 +62,9 @@ EngineEvent = (TokensCommitted | Finished | SessionFailed | BlockDone | Logprobs
 
 @dataclass(eq=False)
 class KVHandle:
-    """A session's KV: its cache (a row of a `kv_store`, or per-layer caches), how much of its
-    prompt is in it and where that came from, and a `shipped_kv` still to install. Written by
-    serve/session_kv.py only (`advance` also by serve/decode.py's prefill chunks)."""
+    """A session's KV cache, how much of its prompt is in it and from where, and a
+    `shipped_kv` still to install. Written by serve/session_kv.py (`advance` also by
+    serve/decode.py's prefill chunks)."""
 
     positions: int  # prompt positions to hold before decoding: prompt[:-1]
     shipped_kv: ShippedKV | None = None  # shipped (flow KV) or cached prompt KV to install
@@ -95,8 +90,7 @@ class KVHandle:
 @dataclass(eq=False)
 class BlockDraft:
     """One session's block past its root: a chain's `draft`, or a token `tree` made of
-    `drafts`. Made new every block and written by serve/drafting.py only (`cut` by the
-    scheduler's slot); read by serve/decode.py."""
+    `drafts`; new every block, written by serve/drafting.py (`cut` by the scheduler's slot)."""
 
     k: int = 0  # drafts asked for
     draft: Draft = EMPTY_DRAFT
@@ -122,10 +116,7 @@ class BlockDraft:
 
 @dataclass(eq=False)
 class SessionStats:
-    """A session's statistics, written by serve/decode.py only, as its blocks commit: its
-    blocks' tally, the geometric trials of its drafters' drafts (their acceptance:
-    serve/drafting.py plans with it), its prediction's, and when its tokens reached the
-    client."""
+    """A session's statistics, written by serve/decode.py as its blocks commit."""
 
     times: TokenTimes  # from its submission
     tally: BlockTally = field(default_factory=BlockTally)
@@ -137,17 +128,9 @@ class SessionStats:
 
 @dataclass(eq=False)
 class BatchSession:
-    """One request's session on the engine thread: the request, its drafters, and three parts
-    each written by one module (the others read them; the records are here, where every part
-    can import them):
-
-        kv_handle   its KV cache and prompt progress     serve/session_kv.py (`KVHandle`)
-        block       this block's drafts                   serve/drafting.py (`BlockDraft`)
-        stats       its blocks' statistics and latencies  serve/decode.py (`SessionStats`)
-
-    Its committed tokens (`context`, `generated`) are written by serve/decode.py; its life
-    (`t_start`, `on_close`) by serve/lifecycle.py, `cancelled` by its `SessionHandle`; `rng`
-    and `seed` once, when the engine starts it; its drafters are closed by serve/drafting.py."""
+    """One request's session on the engine thread: the request, its drafters, and parts each
+    written by one module (`KVHandle`, `BlockDraft`, `SessionStats`; committed tokens by
+    serve/decode.py, its life by serve/lifecycle.py, `cancelled` by its `SessionHandle`)."""
 
     sid: int
     req: EngineRequest
@@ -160,9 +143,7 @@ class BatchSession:
     group: ProposerGroup | None = None  # or drafters whose drafts make a token tree
     feeds: list = field(default_factory=list)  # its hidden-state drafters (fed by the engine)
     auto_tree: bool = False  # a group with automatic draft lengths: its tree size is planned
-    # the request's prediction's drafter (engine/proposers/prediction.py), beside the others:
-    # its draft, when it has one, is the last of a block's tree (`BlockDraft.predicted`)
-    prediction: Proposer | None = None
+    prediction: Proposer | None = None  # the request's prediction's drafter, beside the others
     proposer_name: str = "none"
     constraint: Constraint | None = None  # the request's grammar state (structured output)
     context: list[int] = field(default_factory=list)  # the prompt, then every committed token

@@ -1,10 +1,6 @@
-"""What the batch's forwards cost, measured as they run: the numbers its plans are priced by.
-
-The scheduler's plans (serve/scheduler.py) are pure; they take costs as arguments. This keeps
-them: the stall control that sizes prefill chunks, the line through recent iterations, the
-curve of decode-only iterations by tokens (seeded with this machine's verify(L) table when one
-is known), the step time of chains drafted together, and the pool of recent drafted blocks
-whose acceptance every session's estimate leans on.
+"""What the batch's forwards cost, measured as they run: the prices of the scheduler's pure
+plans (the stall control, a line and a curve of iterations by tokens, the step of chains
+drafted together, the pool of recent blocks' acceptance).
 """
 
 from __future__ import annotations
@@ -14,15 +10,15 @@ from collections.abc import Callable
 
 from macfleet.engine.tree_budget import VerifyCurve
 from macfleet.fleet.batch import IterationView
-from macfleet.serve.scheduler import STALL_EMA, IterationCost, StallControl
+from macfleet.serve.scheduler import IterationCost, StallControl, ema
 
 POOL_BLOCKS = 256  # recent drafted blocks whose acceptance every session's estimate leans on
 
 
 class BatchCosts:
-    """probe: the model's verify(L) table, measured once per machine (engine/verify_costs.py);
-    called the first time a tree drafter's session joins, never to size chunks (the probe
-    would stall the sessions the chunks are sized for)."""
+    """probe: measures the model's verify(L) table (engine/verify_costs.py) when a tree
+    drafter's session first joins; never to size chunks (it would stall the sessions the
+    chunks are sized for)."""
 
     def __init__(self, model, stall_ratio: float,
                  probe: Callable[[object], dict[int, float]]) -> None:
@@ -43,9 +39,8 @@ class BatchCosts:
         return self.stall.budget(decoding, token_budget, waiting=prefilling, decoding=decoding)
 
     def stall_curve(self) -> VerifyCurve | None:
-        """The stall control's cost curve: this machine's verify(L) table when one is already
-        known (a drafter's group probed it, or an earlier run left it on disk), never probed
-        here. None when no table is known: the stall control follows its measurements alone."""
+        """This machine's verify(L) table as a curve when one is already known (never probed
+        here); None: the stall control follows its measurements alone."""
         from macfleet.engine.verify_costs import known_verify_costs
 
         costs = self.table if self.table is not None else known_verify_costs(self.model)
@@ -70,9 +65,8 @@ class BatchCosts:
         return self._curve
 
     def batch_cost(self) -> Callable[[int], float] | None:
-        """What a forward over n tokens costs this batch: the curve of its own decode
-        iterations (seeded with this machine's verify(L) table when one is known), or the
-        line through the recent iterations; None before anything is measured."""
+        """What a forward over n tokens costs this batch: its decode iterations' curve, else
+        the line through recent iterations; None before anything is measured."""
         if self.curve().samples:
             return self._curve.cost
         if self.line.predict(1) is None:
@@ -80,9 +74,8 @@ class BatchCosts:
         return lambda n: self.line.predict(n)
 
     def without(self, ms: float, tokens: int, fewer: int) -> float:
-        """A forward of `tokens` tokens that took `ms`, priced without `fewer` of them (by
-        `batch_cost`; `ms` itself before anything is measured): what a session's drafters
-        learn of a block that a request's prediction made longer (serve/drafting.py)."""
+        """`ms` of a forward of `tokens`, priced without `fewer` of them (`batch_cost`): what
+        a session's drafters learn of a block a prediction made longer."""
         cost = self.batch_cost()
         if cost is None or fewer <= 0 or tokens - fewer < 1:
             return ms
@@ -97,8 +90,7 @@ class BatchCosts:
 
     def observe_step(self, step_ms: float) -> None:
         """One draft position of the chains drafted together took `step_ms`."""
-        self.step_ms = step_ms if self.step_ms is None else (
-            (1 - STALL_EMA) * self.step_ms + STALL_EMA * step_ms)
+        self.step_ms = ema(self.step_ms, step_ms)
 
     def observe_block(self, trials: int, accepted: int) -> None:
         """A drafted block's geometric trials and accepted drafts, for the pool."""
@@ -106,5 +98,4 @@ class BatchCosts:
 
     def pool_totals(self) -> tuple[int, int]:
         """(trials, accepted) of the recent drafted blocks of every session."""
-        n, acc = (sum(x) for x in zip((0, 0), *self.pool))
-        return n, acc
+        return sum(n for n, _ in self.pool), sum(acc for _, acc in self.pool)

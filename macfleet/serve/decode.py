@@ -1,27 +1,8 @@
-"""Each session's share of an iteration's forward: verified rows -> accept -> commit.
-
-The engine runs one forward over every session's segment; what follows is per session and is
-the single-session loops' own step (engine/block.py: the same acceptance rules, the same cut at
-a stop token, the same statistics), written once for a chain block and once for a token tree:
-
-1. rows: a decoding session's logits rows of the forward (`BlockStep.verified`), left lazy
-   by the forward (`engine.batch.flat_outputs`); every session's decision (greedy or sampled,
-   chain or tree: `decision`) is built on them on the device, and the decisions, the caches'
-   buffers, the hidden features a drafter reads, the probabilities SpecInfer's host rule
-   reads and the logprobs a request asked for are all evaluated in ONE `mx.eval`
-   (`read_iteration`): one host synchronisation for the iteration, forward included,
-   whatever the mix of sessions;
-2. accept: its acceptance rule applied to that decision (`block.chain_outcome`,
-   `block.tree_decided`; SpecInfer's rule for trees of drafts with probabilities on the host,
-   `tree.accept_tree_sample`, on probabilities evaluated in that one evaluation); every
-   tree's row keeps its root and accepted path before anything is committed (its nodes'
-   keys and values were read out in that evaluation too: the move waits for nothing);
-3. commit: its cache rolled back past the rejected drafts, its drafters and statistics told,
-   its committed tokens cut at a stop token and emitted (`BlockStep.commit`), its session
-   finished at a stop token or its length.
-
-Hidden-state drafters get their session's rows of the forward here too (`feed`). A session's
-committed tokens and its statistics (`SessionStats`) are written here only.
+"""Each session's share of an iteration's forward: verified rows -> accept -> commit, with
+the single-session loops' rules (engine/block.py), for a chain block and a token tree. Every
+decision, cache buffer, drafter feature, SpecInfer probability and requested logprob is read
+in ONE evaluation (`read_iteration`). A session's committed tokens and `SessionStats` are
+written here only. docs/serving.md, "decode.py".
 """
 
 from __future__ import annotations
@@ -32,8 +13,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 
 from macfleet.engine.batch import RowCache, Segment, trim_cache
-from macfleet.engine.block import (accept_chain, chain_outcome, commit_block, tree_decided,
-                                   tree_decision)
+from macfleet.engine.block import chain_outcome, commit_block, tree_decided, tree_decision
 from macfleet.engine.constraint import masked_logits, masked_tree_logits
 from macfleet.engine.events import BlockDone, TokensCommitted
 from macfleet.engine.sampling import host_probs, softmax_probs
@@ -43,8 +23,8 @@ from macfleet.engine.tree_verify import keep_path
 from macfleet.engine.verifier import Verifier
 from macfleet.serve.batch_session import BatchSession
 from macfleet.serve.costs import BatchCosts
-from macfleet.serve.logprobs import (LogprobsCommitted, RowLogprobs, TokenLogprob,
-                                      block_logprobs, chain_rows, row_logprobs, tree_rows)
+from macfleet.serve.logprobs import (LogprobsCommitted, RowLogprobs, TokenLogprob, chain_rows,
+                                      row_logprobs, tree_rows)
 from macfleet.serve.prompt_cache import PromptReused
 from macfleet.serve.scheduler import Slot
 
@@ -53,13 +33,9 @@ Finish = Callable[[BatchSession, str], None]  # (session, finish reason: stop | 
 
 @dataclass(frozen=True)
 class IterationRead:
-    """What the host reads of one iteration's forward, evaluated at once (`read_iteration`).
-
-    decided: each decoding session's `decision`, as integers; probs: the verifier's
-    probabilities [N, V] of each tree left to SpecInfer's host rule (evaluated, on the device
-    until `host_probs` reads them); logprobs: each block's rows of a request that asked;
-    fetched: per store, its trees' nodes' keys and values (`BatchKV.fetch`), so keeping the
-    accepted paths waits for nothing."""
+    """What the host reads of one iteration's forward, evaluated at once: each session's
+    `decision` as integers; probabilities of trees left to SpecInfer's host rule; requested
+    logprobs rows; per store, its trees' nodes' keys and values (`BatchKV.fetch`)."""
 
     decided: dict[int, list[int]]
     probs: dict[int, mx.array]
@@ -75,41 +51,32 @@ class BlockStep:
         self.clock, self.costs, self.finish = clock, costs, finish
 
     def verified(self, run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],
-                 out: Sequence[mx.array | None], hidden: Sequence[mx.array] | None,
-                 verify_ms: float, read: IterationRead | None = None) -> None:
-        """One forward's results: prefill chunks counted, every block accepted and committed.
-        read: `read_iteration` of this forward, when the caller evaluated it already (the
-        engine, to time the forward's one synchronisation); None: read here."""
-        # (1) each decoding session's verified rows [block, V]: what its acceptance reads
-        # below (a per-session constraint on the tokens, such as a grammar, masks them here)
-        rows = {s.sid: lg for (s, sl), lg in zip(run, out) if not sl.prefill}
-        if read is None:
-            read = read_iteration(run, out, list(hidden or ()))
-        # (2) accept: trees first, so every row keeps its path before anything is committed
+                 hidden: Sequence[mx.array] | None, verify_ms: float,
+                 read: IterationRead) -> None:
+        """One forward's results, read (`read_iteration`): prefill chunks counted, every block
+        accepted and committed."""
+        # accept: trees first, so every row keeps its path before anything is committed
         accepted = self.accept_trees([s for s, sl in run
                                       if not sl.prefill and s.block.tree is not None], read)
         if hidden is not None:
             feed(run, segs, hidden, accepted)
-        # (3) commit, session by session
+        # commit, session by session
         for s, slot in run:
             if slot.prefill:
                 s.kv_handle.advance(slot.tokens, self.clock())
             elif s.block.tree is not None:
-                self.commit_tree(s, *accepted[s.sid], verify_ms, rows[s.sid],
-                                 read.logprobs.get(s.sid),
+                self.commit_tree(s, *accepted[s.sid], verify_ms, read.logprobs.get(s.sid),
                                  forward=sum(sl.tokens for _, sl in run))
             else:
-                self.commit_chain(s, rows[s.sid], verify_ms, tuple(read.decided[s.sid]),
+                self.commit_chain(s, verify_ms, tuple(read.decided[s.sid]),
                                   read.logprobs.get(s.sid))
 
     @staticmethod
     def accept_trees(done: Sequence[BatchSession], read: IterationRead
                      ) -> dict[int, tuple[list[int], int]]:
-        """Each verified tree's accepted path and next token (engine/block.py's rules)
-        from its evaluated decision (`decision`), or SpecInfer's host rule on its evaluated
-        probabilities where it has none (`read_iteration` read one or the other of each);
-        every row then keeps its root and path (one gather and scatter per layer per store)
-        before anything is committed, so a session that ends here leaves a consistent row."""
+        """Each verified tree's accepted path and next token, from its decision or by
+        SpecInfer's host rule; every row then keeps its root and path before anything is
+        committed, so a session that ends here leaves a consistent row."""
         out, kept = {}, {}
         for s in done:
             tree = s.block.tree
@@ -128,18 +95,15 @@ class BlockStep:
         return out
 
     def commit_tree(self, s: BatchSession, path: list[int], nxt: int, verify_ms: float,
-                    logits: mx.array, rows: RowLogprobs | None = None, *,
-                    forward: int = 0) -> None:
-        """rows: the block's logprobs, evaluated with the batch's decisions (None: read here
-        when the request asked for them); forward: the tokens of the forward `verify_ms` timed
-        (0: this tree's)."""
+                    rows: RowLogprobs | None = None, *, forward: int = 0) -> None:
+        """rows: the block's logprobs, evaluated (None: not asked); forward: the tokens of the
+        forward `verify_ms` timed (0: this tree's)."""
         tree, predicted = s.block.tree, s.block.predicted
         new = [*tree.path_tokens(path), nxt]
-        lps = _logprobs(s, logits, tree_rows(path, len(new)), new, rows)
-        # the session's own drafters' trials (a prediction's misses are not theirs: the plan
-        # of their lengths reads these)
-        trials, hits = tree_trials(tree, path, set().union(*tree.owned[:-1])
-                                   if predicted else None)
+        lps = _logprobs(tree_rows(path, len(new)), new, rows)
+        # the session's own drafters' nodes and trials (a prediction's misses are not theirs)
+        theirs = set().union(*tree.owned[:-1]) if predicted else None
+        trials, hits = tree_trials(tree, path, theirs)
         if trials:
             self._trials(s, trials, hits)
         drafts, accepted = verified_drafts(s.block.drafts, tree), tree.accepted_per_source(path)
@@ -150,7 +114,7 @@ class BlockStep:
             s.prediction.observe(len(d), n, verify_ms, verified)
             s.stats.prediction_drafted += len(d)
             s.stats.prediction_accepted += n
-            mine = 1 + len(set().union(*tree.owned[:-1]))  # root + their nodes
+            mine = 1 + len(theirs)  # root + their nodes
             theirs_ms = self.costs.without(verify_ms, max(forward, verified), verified - mine)
             verified = mine
         if s.group is not None:
@@ -160,17 +124,14 @@ class BlockStep:
         self.commit(s, new, drafted=tree.size, accepted=len(path), verify_ms=verify_ms,
                     logprobs=lps)
 
-    def commit_chain(self, s: BatchSession, logits: mx.array, verify_ms: float,
-                     outcome: tuple[int, int] | None = None,
+    def commit_chain(self, s: BatchSession, verify_ms: float, outcome: tuple[int, int],
                      rows: RowLogprobs | None = None) -> None:
-        """outcome: the block's (accepted, next token), decided with the batch's
-        (`decision`); None: decided here. rows: as `commit_tree`'s."""
+        """outcome: the block's (accepted, next token), its `decision`; rows: as
+        `commit_tree`'s."""
         d = s.block.draft
-        n, nxt = outcome if outcome is not None else accept_chain(
-            d, masked_logits(s.constraint, logits, d.tokens), s.req.params, s.seed,
-            len(s.generated))
+        n, nxt = outcome
         new = [*d.tokens[:n], nxt]
-        lps = _logprobs(s, logits, chain_rows(len(new)), new, rows)
+        lps = _logprobs(chain_rows(len(new)), new, rows)
         if len(d) - n:
             trim_cache(s.cache, len(d) - n)
         if len(d):
@@ -196,9 +157,8 @@ class BlockStep:
     def commit(self, s: BatchSession, new: list[int], *, drafted: int, accepted: int,
                verify_ms: float, logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         """A verified block's committed tokens (cut at a stop token) into the session's
-        context and out to the client; the session finished at a stop token or its length.
-        Every token a session commits passes here, once (a per-session constraint advances
-        on them here)."""
+        context and out to the client, once each; the session finished at a stop token or its
+        length."""
         new, stopped = commit_block(new, s.req.eos_ids, s.constraint)
         s.context.extend(new)
         s.generated.extend(new)
@@ -247,13 +207,10 @@ def verified_drafts(drafts: Sequence[Draft], tree: TokenTree) -> list[Draft]:
 
 
 def decision(s: BatchSession, logits: mx.array, ahead: int = 0) -> mx.array | None:
-    """A decoding session's block decision, lazy (evaluated with the batch's by `to_host`):
-    a chain's (accepted, next token) [2] (`block.chain_outcome`); a tree's argmax ids (greedy)
-    or (deepest node, next token) (sampled: `block.tree_decision`); None for a tree whose
-    drafts carry probabilities (SpecInfer's rule, on the host; a grammar's trees carry none).
-    A grammar masks the rows: a chain's, and each tree node's after its own path.
-    ahead: the block's first output position is this far past the session's committed
-    tokens (a plain step dispatched before the step before it was read: serve/engine.py)."""
+    """A decoding session's block decision, lazy, on its grammar-masked rows: a chain's
+    (accepted, next token) (`block.chain_outcome`), a tree's `block.tree_decision`; None for
+    a tree whose drafts carry probabilities (SpecInfer's host rule). ahead: the block's first
+    output position is this far past the committed tokens (a step dispatched ahead)."""
     params, start, b = s.req.params, len(s.generated) + ahead, s.block
     if b.tree is not None:
         return tree_decision(b.tree, masked_tree_logits(s.constraint, logits, b.tree),
@@ -275,9 +232,8 @@ def decisions(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array |
 
 def logprob_rows(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array | None]
                  ) -> dict[int, RowLogprobs]:
-    """The logprobs rows (`row_logprobs`, lazy) of every decoding block whose request asked:
-    built with the decisions, before anything is dispatched behind the forward (as
-    `to_host` says: built at the read, they would wait for that too)."""
+    """The logprobs rows (lazy) of every decoding block whose request asked, built with the
+    decisions, before anything is dispatched behind the forward (`to_host`)."""
     return {s.sid: row_logprobs(lg, s.req.logprobs) for (s, sl), lg in zip(run, out)
             if not sl.prefill and s.req.logprobs is not None}
 
@@ -285,13 +241,9 @@ def logprob_rows(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.arra
 def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.array | None],
                    also: Sequence[mx.array] = (), decided: dict[int, mx.array] | None = None,
                    logprobs: dict[int, RowLogprobs] | None = None) -> IterationRead:
-    """Everything the host reads of a forward, built on its lazy logits `out` and evaluated
-    with `also` (the forward's cache buffers and hidden features: `FlatOutputs.pending`) in
-    ONE `mx.eval`: every decoding session's decision (`decided`: built already, lazy, by
-    `decisions`), SpecInfer trees' probabilities (their rule walks them on the host, after
-    this one evaluation), requested logprobs, and the trees' nodes' keys and values (their
-    accepted paths move without a wait). logprobs: the requested logprobs rows, built already
-    (`logprob_rows`)."""
+    """Everything the host reads of a forward (`IterationRead`), evaluated with `also` (the
+    forward's cache buffers and hidden features) in ONE `mx.eval`; decided, logprobs: built
+    already, lazy (`decisions`, `logprob_rows`)."""
     lazy = decisions(run, out) if decided is None else decided
     lps = logprob_rows(run, out) if logprobs is None else logprobs
     probs, spans = {}, {}
@@ -312,20 +264,16 @@ def read_iteration(run: Sequence[tuple[BatchSession, Slot]], out: Sequence[mx.ar
 
 def to_host(lazy: dict[int, mx.array], also: Sequence[mx.array] = ()
             ) -> dict[int, list[int]]:
-    """Lazy integer vectors -> their values, in ONE evaluation (with `also`, which stays on the
-    device): one host synchronisation, then each one read. No op is built on them here: one
-    would be queued behind what the device was given since (the engine's step ahead), and
-    reading it would wait for that too, with the host's next dispatch behind the wait."""
+    """Lazy integer vectors -> their values, in ONE evaluation with `also`. No op is built on
+    them here: it would queue behind the step dispatched ahead and wait for it too."""
     mx.eval(list(lazy.values()), list(also))
     return {sid: a.tolist() for sid, a in lazy.items()}
 
 
 def feed(run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],
          hidden: Sequence[mx.array], accepted: dict[int, tuple[list[int], int]]) -> None:
-    """Hidden-state drafters get the rows of their session's forward, as a tap on a
-    single-session forward would give them: a prefill chunk's and a chain block's rows at
-    their positions (rejected ones are overwritten later), a tree's root and accepted path
-    moved behind the root as its cache was."""
+    """Hidden-state drafters get their session's rows of the forward as a single-session tap
+    would: at their positions, a tree's root and accepted path moved as its cache was."""
     for (s, slot), seg, h in zip(run, segs, hidden):
         if not s.feeds:
             continue
@@ -341,12 +289,8 @@ def feed(run: Sequence[tuple[BatchSession, Slot]], segs: Sequence[Segment],
             p.feed_features(start, toks, h)
 
 
-def _logprobs(s: BatchSession, logits: mx.array, rows: list[int], new: list[int],
-              evaluated: RowLogprobs | None = None) -> tuple[TokenLogprob, ...] | None:
-    """The committed tokens' logprobs when the request asked for them (else None), from the
-    block's `evaluated` rows when the batch read them (else read here)."""
-    if s.req.logprobs is None:
-        return None
-    if evaluated is not None:
-        return evaluated.entries(rows, new)
-    return block_logprobs(logits, rows, new, s.req.logprobs)
+def _logprobs(rows: list[int], new: list[int], evaluated: RowLogprobs | None
+              ) -> tuple[TokenLogprob, ...] | None:
+    """The committed tokens' logprobs from the block's evaluated rows (None: not asked; the
+    batch reads every block's whose request asked: `logprob_rows`)."""
+    return None if evaluated is None else evaluated.entries(rows, new)

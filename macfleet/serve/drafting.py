@@ -1,25 +1,8 @@
-"""Every decoding session's draft for the next iteration: how long, then the drafts themselves.
-
-`lengths` asks each session's controller (or tree group) for its draft length and cuts the
-adaptive ones to what pays at this batch's measured costs (`scheduler.plan_drafts`) and to the
-room the iteration has; `draft_all` then drafts them: every drafter's request goes out first
-and the replies are collected after, so drafters on other machines draft at once; local chain
-drafters whose caches are rows of one store (an EAGLE head's, a draft model's) draft together
-(`draft_together`: one forward per draft position for all of them).
-Each block's drafts are a new `BlockDraft` (`s.block`), written only here: when `draft_all`
-returns it is final, its `draft` (a chain) or its `tree` made of `drafts` (a token tree), cut
-to its slot only by the scheduler (`BlockDraft.cut`; a per-session constraint on the tokens
-cuts the drafts it forbids, a tree's node by node, or adds the tokens it forces, at the end of
-`draft_all`).
-
-A request's prediction (OpenAI's Predicted Outputs, `s.prediction`) drafts after the session's
-own drafters, beside them: their lengths, their drafts and what they learn are what they would
-be without it, and a block where it drafts nothing is the block it would be without it (a
-chain stays a chain). Where it drafts, its draft joins theirs as the last of one token tree
-(`with_draft`), and it sizes that draft itself (its acceptance and verify(L)). It was a member
-of the session's group once: the group's node budget, the chain drafter's longest draft and its
-planned length then changed with it, and a request whose answer took nothing from its
-prediction needed up to 1.45x the verifier steps (issue 43's first `bench serve --prediction`).
+"""Every decoding session's draft for the next iteration: how long (`lengths`: the
+controller's wish, cut to what pays at this batch's measured costs and to the room the
+iteration has), then the drafts themselves (`draft_all`), a new `BlockDraft` per block written
+only here. A request's prediction drafts beside the session's own drafters, leaving them as
+they would be without it. docs/serving.md, "drafting.py".
 """
 
 from __future__ import annotations
@@ -106,19 +89,15 @@ class BatchDrafting:
 
     def lengths(self, decoding: list[BatchSession], budget: IterationBudget, *,
                 iteration: int) -> tuple[dict[int, int], frozenset[int]]:
-        """Each decoding session's draft length: what its controller asks for, cut by
-        `plan_drafts` to the drafts that pay at this batch's measured costs (within the
-        budget's stall ratio), then to the budget's `drafts` (draft tokens the iteration has
-        room for; None: no limit); and the sessions so planned. The others keep their fixed
-        length: their drafts, and so a seeded sample, do not depend on the batch."""
+        """Each decoding session's draft length, and the sessions planned: adaptive lengths
+        cut by `plan_drafts` to what pays, then to the budget's `drafts`; the others keep
+        their fixed length, so their drafts (and a seeded sample) do not depend on the batch."""
         room = budget.drafts
         wants = {s.sid: min(s.group.node_budget if s.group is not None else s.controller.next_k(),
                             s.left)
                  for s in decoding}
-        # in a batch, a tree session counts as a chain along its accepted path and the planned
-        # drafts cap its tree's nodes; alone, its drafters size the tree against verify(L) as
-        # in one process (a tree's value is not a chain's: the plan cut trees that paid for a
-        # single client, results/serve-trees/serve.json)
+        # in a batch the planned drafts cap a tree's nodes; alone, its drafters size it
+        # (results/serve-trees/serve.json)
         adaptive = [s for s in decoding if wants[s.sid] > 0 and (
             (s.auto_tree and len(decoding) > 1)
             or (s.proposer is not None and getattr(s.controller, "alpha", None) is not None))]
@@ -131,10 +110,7 @@ class BatchDrafting:
             return within(wants, mine, room), planned_sids
         pool_n, pool_acc = self.costs.pool_totals()
         # sessions probe in PROBE_GROUPS groups, each group together once in PROBE_EVERY
-        # iterations: one session's probe in every iteration (they used to take turns) made
-        # every iteration pay an extra row (on a CPU often a kernel block) and, for a remote
-        # drafter, a round trip; all of them at once made one iteration in PROBE_EVERY a spike
-        # (a remote head catching up on every session)
+        # iterations (docs/serving.md, "drafting.py")
         phase = iteration % PROBE_EVERY
         step = PROBE_EVERY // PROBE_GROUPS
         views = [DraftView(s.sid, draft_acceptance(s.stats.hits, s.stats.trials, pool_acc,
@@ -149,9 +125,8 @@ class BatchDrafting:
         return within({**wants, **planned}, mine, room), planned_sids
 
     def draft_all(self, decoding: list[BatchSession], ks: dict[int, int]) -> None:
-        """Every decoding session's draft: all requests go out first (`begin`), then the
-        replies are collected (`finish`), so drafters on other machines draft at once and the
-        batch waits for the slowest, not for the sum."""
+        """Every decoding session's draft: all requests go out (`begin`) before any reply is
+        collected (`finish`), so the batch waits for the slowest drafter, not the sum."""
         t0 = self.clock()
         asked, groups, together = [], {}, {}
         for s in decoding:
@@ -172,8 +147,7 @@ class BatchDrafting:
         for sessions in together.values():  # local chains of one model: all at once
             drafts = self._chains([(s.proposer, s.context, s.block.k) for s in sessions],
                                   self.clock)
-            # one draft position past the first (which also runs what was committed since
-            # the last draft: after a pause, many tokens); calls of one position say nothing
+            # one draft position past the first (which also runs what was committed since)
             step = next((d.step_ms for d in drafts if d.step_ms is not None), None)
             if step is not None:
                 self.costs.observe_step(step)

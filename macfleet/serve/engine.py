@@ -1,32 +1,8 @@
-"""The continuous-batching engine: one thread, one flat forward per iteration.
-
-Each iteration (1) drops sessions whose client left, admits waiting ones, (2) asks every
-decoding session's proposer for its draft, (3) lets the pure scheduler pick slots under the
-token budget, (4) runs ONE forward over every slot (`engine.batch.flat_outputs`, lazy) and (5)
-applies each session's own acceptance rule, rolls back its own cache and emits its committed
-tokens. (4) and (5) meet in one host synchronisation: the decisions are built on the forward's
-lazy logits and evaluated with it (`serve.decode.read_iteration`). When every session is a
-plain step, the next iteration is dispatched on this one's lazy tokens before this one is read
-(`scheduler.steps_ahead`), so the host reads and commits one iteration while the device
-computes the next. A session decodes as one request alone would (prefill prompt[:-1], then
-blocks [last token, drafts...], the same per-request rng), so a request's greedy ids and seeded
-samples do not depend on the batch it is in; only the forward is shared. The engine is the one
-decode path (issue 49): `generate --local`, the verifier agent's one-session path and a
-sharded verifier run it with one request (serve/one.py).
-
-`BatchEngine` is the façade that wires the parts, each with one job:
-
-    serve/lifecycle.py      the queue, admission, sessions' ends and their statistics
-    serve/session_kv.py     each session's KV (`KVHandle`): its row of the `kv_store`, shared
-                            prefixes, shipped and cached KVs
-    serve/drafting.py       each session's draft length and block's drafts (`BlockDraft`,
-                            step 2)
-    serve/scheduler.py      the pure plans: slots, chunk and draft budgets (step 3)
-    serve/costs.py          what the batch's forwards cost, measured (the plans' prices)
-    serve/decode.py         each session's verified rows -> accept -> commit (step 5), with
-                            engine/block.py's rules, shared with the single-session loops,
-                            and its statistics (`SessionStats`)
-    serve/batch_session.py  the request, and the session made of the parts above
+"""The continuous-batching engine: one thread, one flat forward per iteration over every
+active session's block or prefill chunk, each session accepting, rolling back and committing
+on its own, so a request's greedy ids and seeded samples do not depend on its batch. It is the
+one decode path (`generate --local` and the verifier agent run it with one request:
+serve/one.py). `BatchEngine` wires the parts: docs/serving.md, "engine.py".
 """
 
 from __future__ import annotations
@@ -77,16 +53,13 @@ DEFAULT_MAX_ACTIVE = 16
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_IDLE_WAIT_S = 0.05
 ITERATION_HISTORY = 256
-# a shipped KV (flow KV) is copied into the batch a few layers per iteration while others
-# decode: each iteration spends at most this share of a decode-only iteration on it
-DEFAULT_INSTALL_SHARE = 0.25
+DEFAULT_INSTALL_SHARE = 0.25  # of a decode-only iteration, spent installing a shipped KV
 
 
 @dataclass(frozen=True)
 class InFlight:
-    """An iteration dispatched to the device and not read yet: its slots, their segments, the
-    forward (lazy), each decoding session's decision and requested logprobs rows built on it
-    (lazy) and when its time began (engine clock)."""
+    """An iteration dispatched to the device and not read yet, with its lazy decisions and
+    logprobs rows and when its time began (engine clock)."""
 
     run: tuple[tuple[BatchSession, Slot], ...]
     segs: tuple[Segment, ...]
@@ -132,23 +105,13 @@ class BatchEngine:
                  compute_lock: threading.Lock | None = None,
                  prompt_cache_bytes: int = 0, step_ahead: bool = True,
                  verifier: Verifier | None = None) -> None:
-        """stall_ratio: prefill chunks are sized so an iteration costs at most this many times
-        a decode-only one (0: only the token budget bounds them); compute_lock: held around
-        each iteration, when another thread runs the same model (the verifier agent's
-        one-session path); install_share: a shipped prompt KV is copied into the batch a few
-        layers per iteration, at most this share of a decode-only iteration's time each, while
-        other sessions decode (0: all at once); prompt_cache_bytes: keep finished requests' KV
-        within this many bytes for later prompts that start the same (0: no prompt cache;
-        serve/prompt_cache.py); step_ahead: dispatch plain steps one iteration ahead
-        (`scheduler.steps_ahead`; off with a compute lock, which an iteration left running
-        would not hold, and in the batch-invariant mode, whose forwards read their tokens);
-        verifier: every session runs through it, one at a time (a sharded verifier,
-        agents/shard.py): the batch-invariant mode on its forward.
-
-        A model whose layers the flat batch cannot run (not llama-style attention:
-        engine/tree_verify.py's probe) runs in the batch-invariant mode: each session its own
-        `Verifier` (token trees in one forward where it has tree attention, else branch by
-        branch)."""
+        """stall_ratio: an iteration with prefill chunks costs at most this many decode-only
+        ones (0: only the token budget bounds it); compute_lock: held around each iteration
+        when another thread runs the same model; install_share: the share of a decode-only
+        iteration spent copying a shipped KV while others decode (0: all at once);
+        prompt_cache_bytes: 0 for no prompt cache; step_ahead: dispatch plain steps one
+        iteration ahead; verifier: every session runs through it, one at a time (a sharded
+        verifier). docs/serving.md, "engine.py", says when the batch-invariant mode runs."""
         if verifier is not None and max_active != 1:
             raise ValueError("sessions on one verifier run one at a time (max_active=1)")
         self.lm, self.proposer_spec, self.draft_tokens = lm, proposer, draft_tokens
@@ -161,11 +124,8 @@ class BatchEngine:
         self.chunked, self.clock = chunked, clock
         self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
         self.install_share = install_share
-        # the functions on this module's names (verify_costs, draft_together, flat_outputs,
-        # make_rng, copy_features) are looked up at each call: a test or a bench may replace
-        # them here
+        # this module's functions are looked up at each call: a test or a bench may replace them
         self.costs = BatchCosts(lm.model, stall_ratio, lambda m: verify_costs(m))
-        # every session's KV is a row of one store (flat batch), or its own caches (invariant)
         self.prompt_cache = (PromptCache(prompt_cache_bytes)
                              if prompt_cache_bytes > 0 and not self.invariant else None)
         self.session_kv = SessionKV(
@@ -235,14 +195,10 @@ class BatchEngine:
                on_close: Callable[[], None] | None = None, *,
                proposer: Proposer | ProposerGroup | None = None,
                shipped_kv: ShippedKV | None = None) -> SessionHandle:
-        """Queue a request; `emit` is called from the engine thread with its events, and
-        `on_close` once when its session is gone (finished, failed or cancelled).
-
-        proposer: this request's own drafter (the verifier agent's remote proposers): a chain
-        drafter, or a group whose drafts make a token tree; started and closed here. None: one
-        made from the engine's `proposer` spec.
-        shipped_kv: the KV of prompt[:-1] computed elsewhere (a prefill agent's, flow KV): per
-        layer (keys, values) [kv_heads, len(prompt) - 1, head_dim]; installed, not computed."""
+        """Queue a request; `emit` gets its events on the engine thread, `on_close` is called
+        once its session is gone. proposer: its own drafter (chain or group; None: one from
+        the engine's spec), started and closed here; shipped_kv: prompt[:-1]'s KV computed
+        elsewhere (flow KV), per layer (keys, values) [kv_heads, len(prompt) - 1, head_dim]."""
         if not req.prompt or not all(0 <= int(t) < self._vocab for t in req.prompt):
             raise ValueError(f"prompt must be 1+ token ids in 0..{self._vocab - 1}")
         if req.max_tokens < 0:
@@ -253,8 +209,7 @@ class BatchEngine:
         draft_tokens = req.draft_tokens if req.draft_tokens is not None else self.draft_tokens
         if tuple(req.prompt[len(req.prompt) - len(req.committed):]) != tuple(req.committed):
             raise ValueError("the committed answer tokens must end the prompt")
-        # structured output (GrammarError, a ValueError, for a grammar it refuses, or for
-        # committed tokens that break it)
+        # structured output (GrammarError, a ValueError, for a grammar or committed tokens)
         constraint = (Constraint(req.grammar, self.lm.tokenizer, self._vocab)
                       if req.grammar is not None else None)
         if constraint is not None and req.committed:
@@ -269,21 +224,18 @@ class BatchEngine:
             check_drafting(proposer, self.invariant)
         drafting = (proposer if proposer is not None else
                     make_drafting(self.proposer_spec, self.lm, draft_tokens, self.invariant))
-        # the prediction drafts beside the session's drafters, which it leaves as they are
-        # (serve/drafting.py)
         predicting = (PredictionProposer(req.prediction, len(req.prompt) - len(req.committed))
                       if req.prediction else None)
-        name = "+".join([*([drafting.name] if drafting is not None else []),
-                         *([predicting.name] if predicting is not None else [])]) or "none"
+        drafters = [d for d in (drafting, predicting) if d is not None]
+        name = "+".join(d.name for d in drafters) or "none"
         group = drafting if isinstance(drafting, ProposerGroup) else None
         chain = None if group is not None else drafting
         feeds = [p for p in (group.proposers if group is not None else [chain])
                  if p is not None and p.wants_features]
         for p in feeds:  # the flat forward runs no tap: the engine feeds its features
             p.untap()
-        for d in (drafting, predicting):
-            if d is not None:
-                d.start(req.params)
+        for d in drafters:
+            d.start(req.params)
         controller = make_controller(draft_tokens if chain is not None else 0)
         try:
             s = self.table.enqueue(lambda sid: BatchSession(
@@ -293,9 +245,8 @@ class BatchEngine:
                 auto_tree=group is not None and draft_tokens == AUTO, on_close=on_close,
                 proposer_name=name, constraint=constraint, prediction=predicting))
         except Overloaded:
-            for d in (drafting, predicting):
-                if d is not None:
-                    d.close()
+            for d in drafters:
+                d.close()
             raise
         return SessionHandle(s, self._wake)
 
@@ -310,15 +261,12 @@ class BatchEngine:
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
-        """The engine thread. Note: MLX (0.32, ml-explore/mlx#3126) may abort the process at
-        exit once two threads have run compiled functions (mlx-lm's swiglu): the `serve`
-        command ends with os._exit after a clean shutdown, and tests run servers as
-        subprocesses or step the engine on their own thread."""
+        """The engine thread (MLX's exit abort with two threads: docs/serving.md,
+        "engine.py")."""
         try:
             self._loop()
         finally:
-            # MLX aborts the process at exit if a thread that ran work on its per-thread
-            # stream ends with that stream unsynchronized
+            # MLX aborts at exit if a thread ends with its stream unsynchronized
             mx.synchronize()
 
     def _loop(self) -> None:
@@ -330,10 +278,8 @@ class BatchEngine:
         self.table.shutdown("server shutting down")
 
     def step(self, idle_wait_s: float = 0.0) -> bool:
-        """Admit waiting sessions and run one iteration; False when there was nothing to run.
-
-        The engine thread calls this in a loop; tests call it (or `run_until_idle`) on their
-        own thread instead of `start()`."""
+        """Admit waiting sessions and run one iteration; False when there was nothing to run
+        (the engine thread's loop; callers without one step it themselves)."""
         with self._cv:
             self.table.admit(self._start)
         if self._lost is not None:  # the given verifier failed opening a session: its owner's
@@ -408,9 +354,7 @@ class BatchEngine:
             # another reference holds); that forward evaluates them
             it = replace(it, fwd=replace(it.fwd, state=()))
             nxt = self._dispatch_ahead(it, going)
-        # ONE host synchronisation for the iteration: the decisions, the caches' buffers,
-        # the drafters' features, SpecInfer's probabilities and requested logprobs are
-        # evaluated and read together (serve/decode.py)
+        # ONE host synchronisation for the iteration (serve/decode.py)
         read = read_iteration(it.run, it.fwd.logits, it.fwd.pending(), it.decided, it.lps)
         now = self.clock()
         ms = (now - it.t0) * 1e3
@@ -423,12 +367,11 @@ class BatchEngine:
             self.history.append(rec)
             self.iterations += 1
         # the next iteration's positions are held out of its sessions' caches while this one
-        # commits (each cache holds its committed tokens but the last, as without it); a
-        # session that ends here keeps them out (a stop token's step is dropped)
+        # commits (docs/serving.md, "engine.py")
         if nxt is not None:
             for s, _ in nxt.run:
                 s.cache.trim(1)
-        self.decode.verified(it.run, it.segs, it.fwd.logits, it.fwd.hidden, ms, read)
+        self.decode.verified(it.run, it.segs, it.fwd.hidden, ms, read)
         if nxt is not None:
             nxt = nxt.of(self.table.active)
         if nxt is not None:
@@ -443,10 +386,8 @@ class BatchEngine:
         batch = self.session_kv.share_prefixes(batch, lambda *a: copy_features(*a))
         decoding = [s for s in batch if s.prefill_left <= 0]
         prefilling = [s for s in batch if s.prefill_left > 0]
-        # while others decode, every prompt's chunks follow the stall control: a long one
-        # would stall them for many iterations, and a chat turn joining in one piece is the
-        # largest gap decoding sessions see otherwise (measured: results/serve_stall.json); the
-        # decoders' drafts share that one allowance, after the prompts
+        # while others decode, prompts' chunks follow the stall control (results/
+        # serve_stall.json); the decoders' drafts share that one allowance, after the prompts
         stalled = self.chunked and not self.invariant and prefilling
         budget = iteration_budget(
             self.token_budget, len(decoding), sum(s.prefill_left for s in prefilling),
@@ -489,9 +430,8 @@ class BatchEngine:
 
 def _launch(run: tuple[tuple[BatchSession, Slot], ...], segs: tuple[Segment, ...],
             fwd: FlatOutputs, t0: float, ahead: int = 0) -> InFlight:
-    """Everything the host will read of a forward built on its lazy logits (the decisions,
-    `decision`'s ahead, and requested logprobs rows), and the device started on it now, while
-    the host goes on (a launch, not a wait: mlx-lm's generate_step does the same)."""
+    """What the host will read of a forward (decisions, logprobs rows), built lazily and
+    started on the device now while the host goes on (as mlx-lm's generate_step)."""
     decided = decisions(run, fwd.logits, ahead=ahead)
     lps = logprob_rows(run, fwd.logits)
     mx.async_eval([*fwd.pending(), *decided.values(),
@@ -502,9 +442,8 @@ def _launch(run: tuple[tuple[BatchSession, Slot], ...], segs: tuple[Segment, ...
 def plan_segments(batch: list[BatchSession], budget: IterationBudget, planned: frozenset[int],
                   *, chunked: bool, align: int
                   ) -> tuple[list[tuple[BatchSession, Slot]], list[Segment]]:
-    """The scheduler's slots for an iteration, and each one's segment of the forward: a
-    prefill chunk, or a block cut to its slot (a tree's first nodes are a tree too).
-    planned: the sessions whose drafts the drafting plan sized (within `budget.drafts`); the
+    """The scheduler's slots for an iteration and each one's segment: a prefill chunk, or a
+    block cut to its slot. planned: the sessions whose drafts the drafting plan sized; the
     others' fixed-length drafts ride on top of the budget uncut."""
     views = [SessionView(s.sid, s.prefill_left, s.kv_handle.prefilled, s.block.want)
              for s in batch]

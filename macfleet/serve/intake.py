@@ -1,6 +1,5 @@
-"""Before a request is admitted: its body decoded without holding the event loop, and the API
-key it carried turned into its prompt-cache partition (issue 47). Pure functions; serve/app.py
-runs `decode_body` on a worker thread."""
+"""Before a request is admitted: its body decoded without holding the event loop (on a worker
+thread: serve/app.py), and its API key turned into its prompt-cache partition."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from macfleet.serve.schemas import RequestError
 
 def partition(api_keys: Sequence[str], key: str) -> str:
     """The prompt-cache partition of a request that carried `key`: "" for a server of one key
-    or none (one cache, as before), else a hash of the key, so what one key's prompts left in
-    the cache (cached_tokens, time to first token) never shows in another key's answers."""
+    or none, else a hash of the key, so one key's prompts never show in another's answers."""
     if len(api_keys) <= 1:
         return ""
     return hashlib.sha256(b"macfleet-cache-partition\0" + key.encode()).hexdigest()[:16]
@@ -25,11 +23,9 @@ def _dict(pairs: list[tuple[str, object]]) -> dict:
 
 
 def decode_body(buf: bytes) -> object:
-    """The body's JSON; a 400 when it is not JSON or nested too deeply. Every JSON object goes
-    through a Python hook (`_dict`, what json does by default): the C decoder would otherwise
-    hold the GIL for a whole body (a 1 MB array of small messages: tens of milliseconds), and the
-    event loop, which needs the GIL too, would wait each one out; with the hook the interpreter
-    hands the GIL over every few milliseconds."""
+    """The body's JSON; a 400 when it is not JSON or nested too deeply. The Python object hook
+    makes the decoder hand the GIL (and so the event loop) over every few milliseconds; the C
+    decoder alone would hold it for a whole body."""
     try:
         return json.loads(buf, object_pairs_hook=_dict)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -1,10 +1,6 @@
-"""Sessions' lives in the batching engine: queued, admitted, finished, failed or cancelled.
-
-Callers' threads queue requests and cancel them; the engine thread admits waiting sessions
-while there is room, drops cancelled ones and finishes the others (a `Finished` with the
-session's statistics, or a `SessionFailed`). Every ended session frees its KV (the prompt cache
-keeps a finished one's), tells its caller (`on_close`), closes its drafters and stays visible a
-while among the recently ended (the dashboard's short requests).
+"""Sessions' lives in the batching engine: queued, admitted, finished, failed or cancelled;
+every ended session frees its KV, tells its caller, closes its drafters and stays a while among
+the recently ended (the dashboard's short requests).
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""Log-probabilities of committed tokens, read from the verifier's own logits.
-
-A verified block's logits row i is the verifier's distribution for the token after position i of
-the block, the same row plain decoding computes one token at a time; so each committed token's
-log-probability is taken at the row that decided it (a chain: rows 0..n for drafts[:n] + the
-next token; a tree: the root and the accepted path's nodes). Drafts never enter these numbers:
-they are exact under speculation and batching up to the float noise of a different forward shape
-(tests/tolerance.py). Values are the model's distribution at temperature 1, before top_p (what
-vLLM calls raw logprobs): a request's sampling settings do not change them.
-
-The engine builds `row_logprobs` lazily with its decisions and reads `RowLogprobs.entries` after
-its one synchronisation (`block_logprobs`: both halves at once, for one block); the HTTP layer
-formats the entries with `chat_content` / `completion_logprobs` (pure, token text from the
-tokenizer).
+"""Log-probabilities of committed tokens, read from the verifier's own logits: each token's at
+the row that decided it, so drafts never enter them (exact under speculation and batching up to
+float noise); the model's distribution at temperature 1 before top_p (vLLM's raw logprobs).
+docs/serving.md, "logprobs.py".
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,11 +34,8 @@ class LogprobsCommitted:
 
 @dataclass(frozen=True)
 class RowLogprobs:
-    """Every row's log-probabilities of one verified block, built lazily on the device
-    (`row_logprobs`) so the serving engine evaluates them with the iteration's decisions, in
-    its one synchronisation, before it knows which rows commit; `entries` then reads the
-    committed tokens' values on the host (the rows' [L, V] values cross to the host: 4 L V
-    bytes per block of a request that asked for logprobs)."""
+    """Every row's log-probabilities of one verified block, built lazily (`row_logprobs`) and
+    evaluated with the iteration's decisions; `entries` reads the committed tokens'."""
 
     lp: mx.array  # [L, V] float32
     idx: mx.array | None  # [L, top] each row's most likely ids (None: top 0)
@@ -88,20 +76,6 @@ def row_logprobs(logits: mx.array, top: int) -> RowLogprobs:
     return RowLogprobs(lp, idx, mx.take_along_axis(lp, idx, axis=-1))
 
 
-def block_logprobs(logits: mx.array, rows: Sequence[int], tokens: Sequence[int],
-                   top: int) -> tuple[TokenLogprob, ...]:
-    """logits: [L, V] of one verified block; tokens[i] was decided at logits row rows[i].
-    top: alternatives per token (0..MAX_TOP_LOGPROBS; at most the vocabulary). Evaluates
-    (a synchronisation of its own; `row_logprobs` is the lazy half)."""
-    if not tokens:
-        return ()
-    if len(rows) != len(tokens):
-        raise ValueError(f"{len(rows)} rows for {len(tokens)} tokens")
-    parts = row_logprobs(logits[mx.array(list(rows), dtype=mx.int32)], top)
-    mx.eval(parts.arrays())
-    return parts.entries(range(len(rows)), tokens)
-
-
 def chain_rows(committed: int) -> list[int]:
     """A chain block [last, d1..dk] that committed d1..d(n) + next: rows 0..n."""
     return list(range(committed))
@@ -119,15 +93,7 @@ TokenText = Callable[[int], str]
 
 def token_text(tokenizer) -> TokenText:
     """The text of one token alone (a memo over the tokenizer's decode)."""
-    memo: dict[int, str] = {}
-
-    def text(t: int) -> str:
-        s = memo.get(t)
-        if s is None:
-            s = memo[t] = tokenizer.decode([t])
-        return s
-
-    return text
+    return functools.cache(lambda t: tokenizer.decode([t]))
 
 
 def chat_content(entries: Sequence[TokenLogprob], text: TokenText) -> list[dict]:

@@ -1,13 +1,7 @@
-"""One request through the serving engine on the caller's thread: `generate --local`, the
-verifier agent's one-session path, a sharded verifier's spec-decode run.
-
-The serving engine is the one decode path (issue 49): a request alone is a batch of one, so
-`generate --local` decodes as `serve --local` decodes the same request (its drafters, its
-`auto` choice, its grammar, its seeded draws), and what is measured or fixed in one is so in
-the other. A model the flat batch cannot run, and a sharded verifier, run the engine's
-batch-invariant mode (each block the verifier's own forward: serve/engine.py). No engine
-thread: each `step` runs on the caller's thread and the request's events are handed on as the
-step emits them (`run_one`), with the text of each commit (engine/text.py `with_text`).
+"""One request through the serving engine on the caller's thread (`generate --local`, the
+verifier agent's one-session path, a sharded verifier's run): a request alone is a batch of
+one, so it decodes as `serve --local` decodes it. No engine thread: each `step` runs on the
+caller's thread and the events are handed on as it emits them (`run_one`).
 """
 
 from __future__ import annotations
@@ -42,8 +36,7 @@ def generate_one(lm: LoadedModel, prompt: ChatInput, *, chat: bool = True,
     prompt, grammar or drafter spec raises ValueError before anything runs."""
     ids = encode_prompt(lm.tokenizer, prompt, chat)
     engine = one_engine(lm)
-    # the request's drafter built once, here (an engine built on the spec builds one to check
-    # it, then one per session: twice the drafters' loading for one request)
+    # the request's drafter built once, here (an engine on the spec would load it twice)
     drafting = make_drafting(proposer, lm, draft_tokens, engine.invariant)
     yield from with_text(decode_ids(lm, ids, drafting, draft_tokens=draft_tokens,
                                     max_tokens=max_tokens, params=params, grammar=grammar,

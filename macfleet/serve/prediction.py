@@ -1,11 +1,6 @@
 """`prediction` (OpenAI's Predicted Outputs): the answer a client expects, checked at the edge
-and tokenised once; the engine drafts from it (engine/proposers/prediction.py) and never
-imposes it, so an answer is the same with or without one.
-
-What the API reports of it: `usage.completion_tokens_details.accepted_prediction_tokens` /
-`rejected_prediction_tokens` are the prediction's own tokens the verifier accepted / verified
-and rejected (0 and 0 without a prediction); every drafter's figures together (the session's
-own drafters and the prediction) are macfleet's `usage.macfleet` (`usage`)."""
+and tokenised once; the engine drafts from it and never imposes it, so an answer is the same
+with or without one. `usage_details` reports it."""
 
 from __future__ import annotations
 

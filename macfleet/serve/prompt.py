@@ -1,10 +1,6 @@
 """A request's prompt: messages (and tools) through the model's chat template, to token ids.
-
-Tools are rendered by the template itself (`apply_chat_template(..., tools=)`), so the model
-reads them as it was trained to; the template also tells which tool-call format to parse
-(`tools.detect_format`) and the grammar that enforces a required or named call
-(`tools.tool_grammar`). `serve --chat-template FILE` replaces a model's template (a model
-shipped without tool support, or the tiny test models, which have none).
+The template renders the tools itself and tells which tool-call format to parse;
+`serve --chat-template FILE` replaces it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""A prompt cache across requests: the KV of finished requests, reused by later prompts.
-
-Every turn of a chat re-sends the whole history; without a cache each turn prefills it all
-again, so time to first token grows with the conversation. Here the KV a finished request
-leaves (its prompt and its answer, per layer [kv_heads, n, head_dim], copied out of its batch
-row) is kept, least recently used first out, within a byte budget; a new request copies the
-longest cached prefix of its prompt into its row (`BatchKV.install`, spread over iterations
-like a shipped KV) and prefills only the rest. Copying a key is not computing it: the cached
-positions hold the very numbers the earlier forward wrote, so a greedy answer is the one the
-same prompt gets without the cache (up to the flat batch's chunk-shape noise: tests compare
-greedy ids).
-
-Lookup is a scan over the entries with one vectorised compare each (numpy): entries number in
-the tens to hundreds under a memory budget, far cheaper than the prefill a hit saves.
-One cache per engine, so per model, partitioned: an entry answers only lookups of its own
-partition (`serve` gives each API key one when it has several), so a hit — `cached_tokens`, a
-shorter time to first token — never tells one key what another key's prompts were. The byte
-budget is shared: a partition's entries may push out another's (that only costs it prefill).
+"""A prompt cache across requests: the KV finished requests leave, reused by later prompts
+that start the same (a chat re-sends its whole history every turn). Copied keys are the very
+numbers the earlier forward wrote, so a greedy answer does not change; entries are partitioned
+so a hit never tells one API key another's prompts. docs/serving.md, "prompt_cache.py".
 """
 
 from __future__ import annotations
@@ -64,11 +50,6 @@ def row_kv(store, row: int, n: int) -> KV:
     return kv
 
 
-def slice_kv(kv: KV, n: int) -> KV:
-    """The first n positions (a view is fine: the cache entry stays alive while installing)."""
-    return tuple((k[:, :n], v[:, :n]) for k, v in kv)
-
-
 class PromptCache:
     """Finished requests' KV by token prefix, LRU within `max_bytes`."""
 
@@ -101,7 +82,8 @@ class PromptCache:
         self._entries.move_to_end(key)
         self.hits += 1
         self.saved_tokens += best
-        return best, slice_kv(self._entries[key].kv, best)
+        # the first `best` positions, a view (the entry stays alive while it is installed)
+        return best, tuple((k[:, :best], v[:, :best]) for k, v in self._entries[key].kv)
 
     def insert(self, tokens: Sequence[int], kv: KV, partition: str = "") -> bool:
         """Keep the KV of `tokens` (one position each) for `partition`'s lookups; its entries

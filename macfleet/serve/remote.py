@@ -1,15 +1,6 @@
-"""Serving through a fleet's verifier agent: each request forwarded with `generate_remote`.
-
-The batching happens on the agent: concurrent requests join its continuous batch (one forward
-per iteration over every session's speculative block, agents/verifier_service.py), and each
-session's drafts come from the proposer agents, per session, cross-round. This engine keeps the
-client-side view (queue, TTFT and inter-token latency as the HTTP clients see them) and reads
-the agent's iterations for the dashboard (a BatchStatus request). Logprobs and the prompt cache's saved tokens come back
-on the wire (GenerateChunk.logprobs, GenerateDone.cached_tokens).
-Same interface as `BatchEngine` (submit / alive / load / recent), so the HTTP layer is one.
-The prompt travels as text (the chat template already applied here), since the wire request
-carries text; a request stopped by its client stops reading, and the agent finishes the
-generation on its own (the protocol has no cancel message yet).
+"""Serving through a fleet's verifier agent: each request forwarded with `generate_remote`,
+behind the same interface as `BatchEngine` (the agent batches; this keeps the client-side view
+for the dashboard). docs/serving.md, "remote.py".
 """
 
 from __future__ import annotations
@@ -103,11 +94,9 @@ class RemoteEngine:
 
     @property
     def alive(self) -> bool:
-        """Whether requests can be forwarded. A verifier agent lost to a transport error (a
-        dead agent, or a loaded one that missed a deadline) is asked for its status again, at
-        most every RECHECK_S, by the next request that looks: until it answers the HTTP layer
-        answers 503, and from then on it serves again (a server in front of a fleet is not
-        dead for good because its verifier was once slow)."""
+        """Whether requests can be forwarded. A verifier agent lost to a transport error is
+        asked for its status again, at most every RECHECK_S, by the next request that looks:
+        503s until it answers, then it serves again (it was maybe only slow once)."""
         if self._stopped:
             return False
         if self._lost_at is None:
@@ -207,16 +196,14 @@ class RemoteEngine:
                 return self._stream(req, emit, h, remote)
             except ProtocolError as e:
                 if e.code == FORBIDDEN and remote and not h.generated:
-                    # a proposer the verifier will not reach (it does not see that card as a
-                    # member): the answer goes on without it (issue 47)
+                    # a proposer the verifier will not reach: the answer goes on without it
                     named = refused_endpoint(str(e))
                     keep = [r for r in remote if r != named]
                     remote = keep if named and len(keep) < len(remote) else []
                     log.warning("verifier %s refused a proposer: %s; going on without %s",
                                 self.verifier.card.name, e, named or "remote proposers")
                     continue
-                # a verifier whose queue is full (one session at a time: a sharded verifier,
-                # or --batch-sessions 0) said so before any token: wait here, not fail
+                # a verifier whose queue is full said so before any token: wait, not fail
                 if e.code != BUSY or h.generated or time.monotonic() > busy_until:
                     emit(SessionFailed(f"verifier {self.verifier.card.name}: {e}"))
                     return "failed"

@@ -1,19 +1,8 @@
-"""Iteration-level scheduling (ORCA-style) as a pure function.
-
-Before every forward the engine describes its active sessions (`SessionView`) and this decides
-which of them run and with how many tokens, under a per-iteration token budget:
-
-1. decoding sessions first, oldest first: each gets its speculative block (1 + drafts); when
-   the blocks do not fit, drafts are cut (never below the one token a decode step needs), so a
-   decoding session is never starved by anyone;
-2. the budget left goes to prefill chunks (chunked prefill): a long prompt is fed a chunk per
-   iteration, and the decoding sessions keep their pace while it arrives; several prompts
-   share it, the oldest at least half and the rest shortest first (`share_prefill`).
-
-`chunked=False` gives a prefill its whole prompt in one iteration (the stall that chunking
-avoids; kept to measure it). `align` makes chunk ends multiples of `align` tokens, the shapes a
-session processed alone would see (batch-invariant mode); one such chunk per iteration may
-overrun the budget, so a prompt is never starved by decoding sessions.
+"""Iteration-level scheduling (ORCA-style) and the plans priced by measured costs, as pure
+functions: which sessions run and with how many tokens (decoding sessions first, never
+starved; prefill chunks in what is left), how long prefill chunks and drafts may make an
+iteration, which new sessions copy a prompt prefix. The rules: docs/serving.md,
+"scheduler.py".
 """
 
 from __future__ import annotations
@@ -78,10 +67,9 @@ def plan_iteration(sessions: Sequence[SessionView], budget: int = DEFAULT_TOKEN_
 
 
 def share_prefill(prefilling: Sequence[SessionView], left: int) -> tuple[Slot, ...]:
-    """`left` prompt tokens among several prefilling sessions: the oldest is owed at least half
-    (it never starves), the rest goes shortest prompt first (a chat turn that arrives behind a
-    long document gets its first token in seconds, not after the document's whole prefill),
-    and whatever they leave returns to the oldest."""
+    """`left` prompt tokens among several prefilling sessions: the oldest at least half, the
+    rest shortest prompt first, the leftover back to the oldest (docs/serving.md,
+    "scheduler.py")."""
     first, rest = prefilling[0], sorted(prefilling[1:], key=lambda s: s.prefill_left)
     give = {first.sid: min(first.prefill_left, (left + 1) // 2)}
     spare = left - give[first.sid]
@@ -98,12 +86,9 @@ def share_prefill(prefilling: Sequence[SessionView], left: int) -> tuple[Slot, .
 @dataclass(frozen=True)
 class AheadView:
     """An active session as the step-ahead decision sees it, while its iteration computes.
-
-    decoding: this iteration verifies its block of one token (False: a prefill chunk, no
-    slot, a KV being installed); drafts: it has a drafter or a prediction (its next block's
-    length and drafts are decided once this one is read); grammar: its next row's mask
-    depends on this iteration's token; left: tokens it may generate past this iteration's
-    (`BatchSession.left`); cancelled: its client left."""
+    decoding: this iteration verifies its block of one token; drafts: it has a drafter or a
+    prediction; grammar: its next row's mask depends on this iteration's token; left: tokens
+    it may generate past this iteration's (`BatchSession.left`)."""
 
     sid: int
     decoding: bool
@@ -115,19 +100,9 @@ class AheadView:
 
 def steps_ahead(sessions: Sequence[AheadView], *, waiting: int = 0, room: int = 0
                 ) -> tuple[int, ...]:
-    """The sessions whose next step may be dispatched before this iteration is read (mlx-lm's
-    `generate_step` pipelining, in the batch), () for none: the next iteration is then
-    planned after this one is read.
-
-    Only plain decoding can run ahead exactly: the next iteration of a batch of plain steps
-    is one token per session (`plan_iteration` gives each decoding session its token first)
-    whose value the device holds, at an output position the host knows. Every active
-    session must be such a step (a draft, a grammar's mask, a prompt chunk or an install is
-    decided on the host after this iteration is read), and no waiting request may be kept
-    out of the next iteration: `waiting` requests queue, `room` is the free sessions' slots
-    (a session that ends here by its length or its cancel frees one). A session that ends
-    here by its length or its cancel is left out, as it would be; one that ends at a stop
-    token is known only once read: the engine drops its step and rolls its cache back."""
+    """The sessions whose next step may be dispatched before this iteration is read, () for
+    none (docs/serving.md, "scheduler.py"): every active session must be a plain step, and
+    no `waiting` request may be kept out (`room`: free session slots)."""
     if not sessions or any(not v.decoding or v.drafts or v.grammar for v in sessions):
         return ()
     going = tuple(v.sid for v in sessions if v.left > 0 and not v.cancelled)
@@ -138,17 +113,10 @@ def steps_ahead(sessions: Sequence[AheadView], *, waiting: int = 0, room: int = 
 
 @dataclass(frozen=True)
 class IterationBudget:
-    """One iteration's limits, decided once (`iteration_budget`) and read by the drafting plan
-    (serve/drafting.py `BatchDrafting.lengths`) and the scheduler (serve/engine.py
-    `plan_segments`, then `plan_iteration`).
-
-    cap: no iteration holds more tokens (the engine's token budget); tokens: what this one
-    may hold: while prompts wait to be prefilled beside decoding sessions, the stall
-    control's budget (their chunks make every decoding session wait), else the cap; drafts:
-    the adaptive drafts' share of `tokens` while prompts wait (`draft_room`), None when none
-    does (no limit but the cap); fixed-length drafts ride on top of it uncut (their drafts,
-    and so a seeded sample, do not depend on the batch). stall_ratio: how much longer than a
-    decode step the drafting plan lets drafts make an iteration (0: no bound)."""
+    """One iteration's limits, decided once (`iteration_budget`), read by the drafting plan
+    and the scheduler. cap: the engine's token budget; tokens: the stall control's budget
+    while prompts wait beside decoding sessions, else the cap; drafts: the adaptive drafts'
+    share of it (None: no limit but the cap); stall_ratio: the drafting plan's bound."""
 
     cap: int
     tokens: int
@@ -162,9 +130,8 @@ class IterationBudget:
 
 def iteration_budget(cap: int, decoding: int, prefill_left: int, stall_tokens: int | None,
                      stall_ratio: float) -> IterationBudget:
-    """Pure: the next iteration's limits. stall_tokens: the stall control's budget when
-    prompts (`prefill_left` tokens still to feed) wait beside `decoding` sessions, None when
-    the iteration is not stall-controlled (no prompt waits, unchunked or batch-invariant)."""
+    """The next iteration's limits. stall_tokens: the stall control's budget when prompts wait
+    beside `decoding` sessions, None when the iteration is not stall-controlled."""
     if stall_tokens is None:
         return IterationBudget(cap, cap, None, stall_ratio)
     return IterationBudget(cap, stall_tokens, draft_room(stall_tokens, decoding, prefill_left),
@@ -172,15 +139,9 @@ def iteration_budget(cap: int, decoding: int, prefill_left: int, stall_tokens: i
 
 
 def draft_room(budget: int, decoding: int, prefill_left: int) -> int:
-    """The draft tokens an iteration with prompts to prefill leaves the decoding sessions.
-
-    `budget` is the stall control's for this iteration: tokens whose forward costs at most the
-    stall ratio x one token per decoding session. Prefill chunks and drafts both make every
-    decoding session wait; bounded one after the other (drafts against the iteration without
-    them, then the chunk against the iteration with them) the two allowances compound (1.5 x
-    1.5). One allowance, the prompts first: every prompt token is kept and a new session's
-    first token waits on them; drafts get what the prompts cannot use (`prefill_left`: their
-    tokens still to feed)."""
+    """The draft tokens the stall control's `budget` leaves the decoding sessions once the
+    prompts (`prefill_left` tokens) have theirs: one allowance, prompts first, so the two do
+    not compound (docs/serving.md, "scheduler.py")."""
     return max(0, budget - decoding - prefill_left)
 
 
@@ -205,20 +166,10 @@ class CostCurve(Protocol):
 
 @dataclass
 class StallControl:
-    """Sizes prefill chunks so an iteration costs at most `ratio` x a decode-only one.
-
-    A prefill chunk makes every decoding session wait for it. How much a chunk token costs
-    depends on the machine (on this compute-bound CPU about as much as a decode token, on a
-    bandwidth-bound GPU almost nothing) and on the iteration's total length: on a CPU the
-    matmul kernels block the rows, so an iteration of 16 tokens can cost what one of 4 does and
-    one of 12 half as much again (the verify(L) sawtooth, engine/verify_costs.py). With a cost
-    `curve` (the machine's verify(L) probe) the chunk is the largest whose iteration the curve
-    prices within `ratio` x the decode-only one: it lands in the curve's cheap lengths and needs
-    no failed chunk to learn from; `fit` scales the curve's prediction by how far the chunk
-    iterations measured so far missed it (longer contexts than the probe's, other work on the
-    machine). Without one the chunk follows the measurements: after each iteration with a
-    chunk, chunk *= target / measured (growth capped at 1.5x), target = ratio x the recent
-    decode-only iteration time. Never below `min_chunk`, so a long prompt still moves."""
+    """Sizes prefill chunks so an iteration costs at most `ratio` x a decode-only one: by the
+    machine's verify(L) `curve` when known (scaled by `fit`, how far measured chunk
+    iterations missed it), else by the measurements alone; never below `min_chunk`
+    (docs/serving.md, "scheduler.py")."""
 
     ratio: float = DEFAULT_STALL_RATIO
     min_chunk: int = MIN_PREFILL_CHUNK
@@ -232,9 +183,9 @@ class StallControl:
         curve = self.curve if self.curve is not None and self.curve.samples else None
         if prefill_tokens == 0:
             if decode_tokens and ms > 0:
-                self.decode_ms = _ema(self.decode_ms, ms)
+                self.decode_ms = ema(self.decode_ms, ms)
                 if curve is not None:  # the curve's scale on this batch, at its own lengths
-                    self.scale = _ema(self.scale, ms / curve.cost(decode_tokens))
+                    self.scale = ema(self.scale, ms / curve.cost(decode_tokens))
             return
         if self.decode_ms is None or decode_tokens == 0 or ms <= 0:
             return
@@ -244,14 +195,13 @@ class StallControl:
             # measured against the curve at this iteration's own length: decode-only
             # iterations carry drafts, so their mean is no yardstick for a chunk's
             err = ms / (self.scale * curve.cost(decode_tokens + prefill_tokens))
-            self.fit = min(MAX_FIT, max(MIN_FIT, (1 - STALL_EMA) * self.fit + STALL_EMA * err))
+            self.fit = min(MAX_FIT, max(MIN_FIT, ema(self.fit, err)))
 
     def budget(self, decode_tokens: int, token_budget: int, waiting: int = 1,
                decoding: int = 1) -> int:
-        """The token budget of the next iteration. waiting, decoding: sessions with prompt
-        left to prefill and sessions decoding; when more wait than decode (a burst of
-        requests), the stall allowed grows by waiting / decoding: a longer iteration then
-        serves more sessions (their first tokens) than it delays (their next ones)."""
+        """The next iteration's token budget. When more sessions wait to prefill than decode
+        (a burst), the stall allowed grows by waiting / decoding: the longer iteration serves
+        more first tokens than it delays next ones."""
         if self.ratio <= 0 or decode_tokens == 0:
             return token_budget  # nobody would wait for the prefill
         scale = max(1.0, waiting / max(decoding, 1))
@@ -263,7 +213,7 @@ class StallControl:
         return max(1, min(token_budget, decode_tokens + chunk))
 
 
-def _ema(old: float | None, new: float) -> float:
+def ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - STALL_EMA) * old + STALL_EMA * new
 
 
@@ -300,16 +250,9 @@ class PrefixCopy:
 
 def plan_prefix_sharing(sessions: Sequence[PrefixView], min_shared: int = MIN_SHARED_PREFIX
                         ) -> tuple[tuple[PrefixCopy, ...], frozenset[int]]:
-    """Which new sessions copy a prompt prefix from another session's cache, and which wait.
-
-    Chat prompts share long prefixes (the template's system turn, a client's repeated
-    instructions, the same question twice); a prefix another session's cache already holds is
-    copied (one slice per layer) instead of prefilled (the whole model per token). For every
-    session with nothing cached: when a session ahead of it (in the order given) is prefilling a
-    prompt that shares at least `min_shared` more tokens than any cache holds now, wait for it
-    (an iteration or a few) rather than compute the same keys twice; otherwise copy the longest
-    prefix of its prompt another cache holds, when at least `min_shared` tokens. The first
-    session never waits, so one always runs."""
+    """Which new sessions copy a prompt prefix from another session's cache, and which wait
+    for a session ahead of them that is prefilling at least `min_shared` more of it (the
+    first never waits). docs/serving.md, "scheduler.py"."""
     copies: list[PrefixCopy] = []
     waiting: set[int] = set()
     for i, s in enumerate(sessions):
@@ -343,26 +286,9 @@ PLAN_MARGIN = 1.02  # more drafts must promise this much more than the best plan
 
 def plan_drafts(sessions: Sequence[DraftView], cost: Callable[[int], float],
                 step_ms: float = 0.0, stall_ratio: float = 0.0) -> dict[int, int]:
-    """How many drafts each decoding session gets this iteration, from measured costs.
-
-    cost(tokens): what a forward over that many tokens costs here (the batch's own measured
-    curve: on a CPU a sawtooth, flat where the matmul kernels have room, results/
-    verify_l_sweep.json; on a GPU nearly flat); the iteration without drafts runs one token per session.
-    Drafting costs `draft_ms` per token of a session drafted on its own, and `step_ms` per
-    draft position for the sessions drafted `together` (one head forward for all of them).
-    The j-th draft of a session is accepted with probability alpha^j: drafts are taken best
-    first (alpha^j per ms of a row at the curve's mean slope plus the session's own drafting),
-    and the plan is the prefix of that order with the most expected tokens per ms of the whole
-    iteration (the curve is not a line: 4 more rows may cost nothing, the next 4 a lot, the 4
-    after that nothing again); a longer plan must beat the best shorter one by `PLAN_MARGIN`
-    (estimates are noisy, drafts that merely break even only add variance). A probing session
-    gets one draft regardless: estimates only move when drafts are tried.
-
-    stall_ratio (> 0, with more than one session): a session's drafts make every other
-    session of the batch wait for them, so the iteration (forward and drafting) may cost at
-    most this many times the one without drafts — the bound the stall control keeps for
-    prefill chunks (`StallControl`): no session's next token waits more than that for work
-    that is not its own. Alone, a session's drafts are its own trade, unbounded."""
+    """How many drafts each decoding session gets this iteration: the best-first prefix of
+    every session's drafts with the most expected tokens per ms at `cost(tokens)`, within
+    `stall_ratio` x the iteration without drafts (docs/serving.md, "scheduler.py")."""
     ks = {s.sid: min(1, s.want) if s.probe else 0 for s in sessions}
     if not sessions:
         return ks
@@ -401,14 +327,12 @@ def plan_drafts(sessions: Sequence[DraftView], cost: Callable[[int], float],
 POOL_WEIGHT = 4.0
 
 
-def draft_acceptance(accepted: int, trials: int, pool_accepted: int, pool_trials: int,
-                     pool_weight: float = POOL_WEIGHT) -> float:
-    """A session's per-token acceptance: its own counts, shrunk towards the rate of every
-    session's recent drafts (same proposer, same server, similar text), which has far more
-    data; the pool itself starts from 1/2 (Laplace). Counts are geometric trials: a block
-    with k drafts of which n were accepted is n successes in n + (n < k) trials."""
+def draft_acceptance(accepted: int, trials: int, pool_accepted: int, pool_trials: int) -> float:
+    """A session's per-token acceptance: its own geometric trials (n accepted of k drafts: n
+    successes in n + (n < k) trials) shrunk towards every session's recent pool, which
+    starts from 1/2 (Laplace)."""
     pool = (pool_accepted + 1.0) / (pool_trials + 2.0)
-    return (accepted + pool_weight * pool) / (trials + pool_weight)
+    return (accepted + POOL_WEIGHT * pool) / (trials + POOL_WEIGHT)
 
 
 COST_WINDOW = 48
@@ -416,9 +340,8 @@ COST_WINDOW = 48
 
 @dataclass
 class IterationCost:
-    """Milliseconds of an iteration as a + b * tokens: a least-squares line over the
-    recent ones (the batch changes, so old ones age out). b stays at its last value while the
-    recent token counts do not spread enough to fit a slope."""
+    """Milliseconds of an iteration as a + b * tokens, least squares over the recent ones; b
+    stays while their token counts do not spread enough to fit a slope."""
 
     window: int = COST_WINDOW
     samples: list[tuple[int, float]] = field(default_factory=list)

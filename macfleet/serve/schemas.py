@@ -49,9 +49,8 @@ class Limits:
     max_prompt_tokens: int = 4096
     max_tokens: int = 1024
     max_sessions_per_client: int = 16
-    # bounds on the work of rendering and tokenising a chat (refused before any of it): a
-    # request of one-character messages fits a 1 MB body and held the server's event loop while
-    # it rendered, before it was found too long (issue 47)
+    # bounds on rendering and tokenising a chat, refused before any of it (a 1 MB body of
+    # one-character messages held the event loop while it rendered)
     max_messages: int = 1024
     max_prompt_chars: int = 0  # characters of message content in all; 0: 32 per prompt token
 
@@ -106,7 +105,7 @@ class GenerationRequest:
     logprobs: int | None = None  # alternatives per token when logprobs are asked for, else None
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice(NONE)  # auto when tools are given
-    grammar: Grammar | None = None  # response_format (issue 32); None: free text
+    grammar: Grammar | None = None  # response_format; None: free text
     parallel_tool_calls: bool = True  # tool_choice "required": several calls allowed
 
     @property
@@ -323,11 +322,9 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
 
 def _check_tool_grammar(tools: tuple[Tool, ...], choice: ToolChoice, grammar: Grammar | None,
                         parallel: bool) -> None:
-    """A required or named tool call (or auto beside a response_format) is enforced by a
-    grammar (tools.tool_grammar): a combination it cannot express, or a function's
-    `parameters` llguidance cannot compile, is a 400 naming the field. The family's own
-    grammar is built once the template is known (app.py); the checks here do not depend on
-    it."""
+    """A 400 naming the field for a tool_choice the grammar (`tools.tool_grammar`) cannot
+    enforce, or a function's `parameters` llguidance cannot compile (the family's own grammar
+    is built once the template is known: app.py)."""
     try:
         if tool_grammar(HERMES, tools, choice, grammar, parallel) is None:
             return

@@ -1,9 +1,7 @@
 """One request's life on the server side: prompt ids in, text pieces out, session freed.
-
-Bridges the engine thread (which calls `emit`) to the request's asyncio task with a queue, turns
-token ids into text with a streaming detokenizer of its own (one per request), holds back
-text that could be the start of a stop sequence, and cancels the engine session whenever the
-consumer stops early (stop sequence, client gone, error) so its KV cache is freed at once.
+The engine thread's events reach the request's task through a queue; its own detokenizer turns
+ids into text, text that could start a stop sequence is held back, and the engine session is
+cancelled whenever the consumer stops early, so its KV is freed at once.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ class GenerationFailed(RuntimeError):
 @dataclass(frozen=True)
 class Piece:
     text: str
-    tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens since the last piece (if asked)
 
 
@@ -43,9 +40,8 @@ class Outcome:
     completion_tokens: int
     drafted: int
     accepted: int
-    ttft_s: float
     cached_tokens: int = 0  # prompt tokens not prefilled (prompt cache, shared prefixes)
-    blocks: int = 0  # verifier steps (verify blocks) this answer took (issue 32's bench)
+    blocks: int = 0  # verifier steps (verify blocks) this answer took
     prediction_accepted: int = 0  # the request's prediction's tokens accepted
     prediction_rejected: int = 0  # ... and verified, not accepted
 
@@ -133,10 +129,7 @@ async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops:
                       gone: Callable[[], Awaitable[bool]] | None = None
                       ) -> AsyncIterator[Piece]:
     """Yield text pieces; append the Outcome when the generation ended (not when cancelled).
-    gone: whether the client left (a response read whole at the end, which no closed socket
-    cancels: a streamed one is cancelled by its server); the pieces end there, no Outcome."""
-    t0 = time.perf_counter()
-    ttft = None
+    gone: whether the client left (for a whole answer: its server cancels a stream itself)."""
     text = TextStream(tokenizer)
     stop = StopMatcher(stops)
     events = _Events(q, token_timeout_s, gone)
@@ -155,25 +148,23 @@ async def run_session(handle: SessionHandle, q: asyncio.Queue, tokenizer, stops:
             elif isinstance(ev, LogprobsCommitted):
                 lps += ev.entries
             elif isinstance(ev, TokensCommitted):
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
                 n += len(ev.tokens)
                 out = stop.feed(text.add(ev.tokens))
                 if out or stop.stopped:
-                    yield Piece(out, len(ev.tokens), lps)
+                    yield Piece(out, lps)
                     lps = ()
                 if stop.stopped:
-                    outcome.append(Outcome("stop", n, 0, 0, ttft, cached))
+                    outcome.append(Outcome("stop", n, 0, 0, cached))
                     return
             elif isinstance(ev, Finished):
                 tail = stop.feed(text.finish())
                 tail += stop.flush()
                 if tail or lps:
-                    yield Piece(tail, 0, lps)
+                    yield Piece(tail, lps)
                 st = ev.stats
                 reason = "stop" if stop.stopped or st.finish_reason == "stop" else "length"
-                outcome.append(Outcome(reason, st.tokens, st.drafted, st.accepted,
-                                       ttft if ttft is not None else time.perf_counter() - t0,
-                                       cached, st.blocks, *st.prediction_tokens))
+                outcome.append(Outcome(reason, st.tokens, st.drafted, st.accepted, cached,
+                                       st.blocks, *st.prediction_tokens))
                 return
     finally:
         handle.cancel()  # client gone, stop sequence or error: free the KV cache now (no-op

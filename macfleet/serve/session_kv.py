@@ -1,15 +1,8 @@
-"""Where each session's KV cache comes from and where it goes.
-
-A session's keys and values are a row of the engine's shared `BatchKV` store, its `kv_store`
-(a long prompt gets a store of its own), or its own `Verifier`'s caches in the batch-invariant
-mode (the engine's verifier's, when one was given it: a sharded verifier's are on its ranks). Its prompt prefix may come without a prefill: copied from another session's row that
-holds the same prefix (`share_prefixes`), installed from the prompt cache or from a
-`shipped_kv` computed by a prefill agent (flow KV) a few layers per iteration (`install_some`);
-a finished session's row goes into the prompt cache (`retain`) before it is freed.
-
-The names: `kv_store` a `BatchKV` (every row's buffers), `session_kv` the engine's `SessionKV`
-(this module's manager of them), `kv_handle` a session's `KVHandle` (its cache and its prompt's
-progress, written here), `shipped_kv` a prompt KV computed elsewhere, per layer.
+"""Where each session's KV cache comes from and where it goes: a row of the engine's shared
+`BatchKV` store (`kv_store`; a long prompt gets a store of its own), or its own `Verifier`'s
+caches (batch-invariant mode). A prompt prefix may come without a prefill: copied from another
+session's row (`share_prefixes`), or installed from the prompt cache or a shipped KV a few
+layers per iteration (`install_some`); a finished row goes into the prompt cache (`retain`).
 """
 
 from __future__ import annotations
@@ -69,8 +62,7 @@ class SessionKV:
             h.cache = self.verifier or Verifier(self.model)
             return
         # a long prompt gets a store of its own: growing the shared one to its length would
-        # copy every row's keys (a stall for every decoder beside it);
-        # room for the whole prompt now, one growth
+        # copy every row's keys (a stall for every decoder beside it)
         store = (self.kv_store if len(s.req.prompt) <= OWN_STORE_PROMPT
                  else BatchKV(len(self.model.layers), row_step=1))
         h.cache = store.open()
@@ -108,34 +100,31 @@ class SessionKV:
             log.warning("session %d: KV not kept in the prompt cache: %s", s.sid, e)
 
     # -- shipped and cached prompt KVs ----------------------------------------------------
-    def _layout_dtype(self) -> mx.Dtype:
+    def _model_layout(self):
         from macfleet.engine.kvship import model_layout
 
         if self._layout is None:
             self._layout = model_layout(self.model)
-        return getattr(mx, self._layout.dtype)
+        return self._layout
 
     def _install(self, h: KVHandle) -> None:
         """A shipped prompt KV into the session's fresh per-layer caches, all at once."""
         from macfleet.engine.kvship import install
 
-        self._layout_dtype()
-        install(h.cache.cache, self._layout, h.shipped_kv)
+        install(h.cache.cache, self._model_layout(), h.shipped_kv)
         self._installed(h)
 
     def _installed(self, h: KVHandle) -> None:
-        # prompt[:-1] shipped; a prompt cache's prefix
         n, h.shipped_kv = h.shipped_kv[0][0].shape[1], None
         h.advance(n, self.clock())
 
     def install_some(self, installing: list[BatchSession], budget_ms: float,
                      fail: Callable[[BatchSession, str], None]) -> None:
         """Copy shipped prompt KVs into their batch rows, layer by layer, oldest first, for at
-        most `budget_ms` (0: all of them; at least one layer, so an install always moves): a
-        long prompt's KV never stalls the batch in one piece (results/disagg-8000-*.json). A session joins the forward once its last layer is in; one whose KV
-        cannot be installed is failed alone (`fail(s, message)`)."""
+        most `budget_ms` (0: all; at least one layer), so a long prompt's KV never stalls the
+        batch in one piece (results/disagg-8000-*.json); one that fails fails alone."""
         t0 = self.clock()
-        dtype = self._layout_dtype()
+        dtype = getattr(mx, self._model_layout().dtype)
         moved = False
         for s in installing:
             h = s.kv_handle
@@ -167,9 +156,8 @@ class SessionKV:
         if self.kv_store is None or not any(s.kv_handle.prefilled == 0 < s.prefill_left
                                             for s in batch):
             return batch
-        # copies stay within a store; sessions fed hidden states copy among themselves, with
-        # the source drafters' rows of the prefix (else their drafters would have none)
-        # ... and within a cache partition (one API key's sessions: serve/prompt_cache.py)
+        # copies stay within a store and a cache partition; sessions fed hidden states copy
+        # among themselves, with the source drafters' rows of the prefix
         mine = [s for s in batch if s.cache.store is self.kv_store]
         copies, waiting = (), frozenset()
         groups = [[s for s in mine if not s.feeds],

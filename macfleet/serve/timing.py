@@ -1,7 +1,5 @@
-"""Per-session latencies as a client sees them: time to first token, gaps between blocks.
-
-Both engines (serve/engine.py batched, serve/remote.py through a fleet) keep one `TokenTimes`
-per session and report it in `ServedSession` (fleet/batch.py) for the dashboard.
+"""Per-session latencies as a client sees them (time to first token, gaps between blocks), kept
+by both engines for the dashboard's `ServedSession`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Tool calls: the model's own tool-call text <-> OpenAI `tool_calls` (pure; no I/O, no MLX).
 
-The request's `tools` are rendered by the model's chat template (`tools=`), so the model sees
-them the way it was trained to; what it writes back is parsed by the parser of its family,
-chosen from the template's text (`detect_format`):
-
-- hermes (Hermes, Qwen 2/2.5/3, SmolLM3...): `<tool_call>{"name": .., "arguments": {..}}</tool_call>`,
-  one block per call, free text around them;
-- llama3 (Llama 3.1+): the whole answer is `{"name": .., "parameters": {..}}` (several joined by
-  ';'), optionally after `<|python_tag|>`;
-- mistral: `[TOOL_CALLS]` then a JSON list of {"name", "arguments"} (or, newer templates,
-  `name[ARGS]{..}` per call).
-
-The format's markup never reaches `content` (a client would show it to its user): a call that
-does not parse is left out (and logged), and when the answer ran out of tokens the call being
-written at the cut is no call and `finish_reason` is `length`; complete calls before the cut are
-returned. A template without any of these markers has no tool support (the server answers 400).
-
-`tool_choice` "required" or a named function is enforced, not asked for: `tool_grammar` builds
-a grammar (llguidance Lark, each call object a `%json` schema whose `arguments` are the
-function's `parameters`) in the family's format, applied as a mask on the verifier's
-distribution like `response_format` (engine/constraint.py). The answer then is one call or more
-("required"; one with `parallel_tool_calls: false`) or exactly one call to the named function,
-its arguments valid against the schema. "auto" with a `response_format`: either an answer that
-matches the format or tool calls (an alternation of the two).
+The request's `tools` are rendered by the model's chat template, and what the model writes back
+is parsed in its family's format (hermes, llama3, mistral: `detect_format`); the format's markup
+never reaches `content`. `tool_choice` "required" or a named function is enforced by a grammar
+(`tool_grammar`). docs/serving.md, "tools.py".
 """
 
 from __future__ import annotations
@@ -223,9 +204,8 @@ _PARSERS = {HERMES: _hermes, LLAMA3: _llama3, MISTRAL: _mistral}
 
 def parse_tool_calls(fmt: str, text: str, new_id: NewId = new_call_id, cut: bool = False
                      ) -> tuple[str, tuple[ToolCall, ...]]:
-    """A whole answer -> (content, tool calls). The format's markup never stays in the
-    content: a call that does not parse is left out (logged), and with `cut` (the answer ran
-    out of tokens) so is the call being written at the cut, and a marker cut short."""
+    """A whole answer -> (content, tool calls); a call that does not parse is left out
+    (logged), and with `cut` (out of tokens) so are the call and a marker cut short."""
     content, calls = _PARSERS[fmt](text, new_id, cut)
     return content, tuple(calls)
 
@@ -239,9 +219,8 @@ def finish_reason(engine_reason: str, calls: bool) -> str:
 
 
 class ToolStream:
-    """Streaming: content out as soon as it cannot be part of a call, each call once it is
-    complete (hermes: at its closing tag; llama3 and mistral: at the end of the answer); the
-    format's markup never goes out as content."""
+    """Streaming: content out as soon as it cannot be part of a call, each call once complete
+    (hermes: at its closing tag; llama3 and mistral: at the answer's end)."""
 
     def __init__(self, fmt: str, new_id: NewId = new_call_id) -> None:
         self.fmt, self._new_id = fmt, new_id

@@ -13,8 +13,8 @@ from macfleet.engine.proposers.base import Draft
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.tree import TokenTree
 from macfleet.serve.costs import BatchCosts
-from macfleet.serve.decode import BlockStep, to_host
-from macfleet.serve.logprobs import LogprobsCommitted
+from macfleet.serve.decode import BlockStep, read_iteration, to_host
+from macfleet.serve.logprobs import LogprobsCommitted, row_logprobs
 from macfleet.serve.prompt_cache import PromptReused
 from macfleet.serve.scheduler import Slot
 
@@ -51,7 +51,7 @@ def _chain(draft=(3, 4, 5), **kw):
 def test_a_chain_commits_its_accepted_drafts_and_the_next_token_and_rolls_back_the_rest():
     step, ended = _step()
     s = _chain()
-    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0)
+    step.commit_chain(s, 9.0, (2, 7))
     assert s.generated == [3, 4, 7] and s.context[-3:] == [3, 4, 7]
     assert [c.offset for c in s.cache] == [9, 9]  # the rejected draft's entry dropped
     assert s.events == [TokensCommitted(1, (3, 4, 7))]
@@ -64,14 +64,14 @@ def test_a_chain_commits_its_accepted_drafts_and_the_next_token_and_rolls_back_t
 def test_the_outcome_given_decides():
     step, _ = _step()
     s = _chain()
-    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0, outcome=(3, 6))
+    step.commit_chain(s, 9.0, outcome=(3, 6))
     assert s.generated == [3, 4, 5, 6]
 
 
 def test_a_stop_token_cuts_the_block_and_ends_the_session():
     step, ended = _step()
     s = _chain(eos=frozenset({4}))
-    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0)
+    step.commit_chain(s, 9.0, (2, 7))
     assert s.generated == [3] and s.events[-1] == TokensCommitted(1, (3,))
     assert ended == [(0, "stop")]
 
@@ -79,7 +79,7 @@ def test_a_stop_token_cuts_the_block_and_ends_the_session():
 def test_the_length_ends_the_session():
     step, ended = _step()
     s = _chain(max_tokens=3)
-    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0)
+    step.commit_chain(s, 9.0, (2, 7))
     assert ended == [(0, "length")]
 
 
@@ -88,7 +88,9 @@ def test_what_a_request_asked_for_comes_before_its_tokens():
     s = _chain()
     s.kv_handle.cached = 5
     s.req = s.req.__class__(**{**s.req.__dict__, "report_blocks": True, "logprobs": 1})
-    step.commit_chain(s, _logits([3, 4, 7, 1]), 9.0)
+    rows = row_logprobs(_logits([3, 4, 7, 1]), 1)
+    mx.eval(rows.arrays())
+    step.commit_chain(s, 9.0, (2, 7), rows)
     kinds = [type(e) for e in s.events]
     assert kinds == [PromptReused, BlockDone, LogprobsCommitted, TokensCommitted]
     done = s.events[1]
@@ -122,12 +124,13 @@ def test_verified_counts_prefill_chunks_and_commits_chains_and_trees():
     tree_s.group = type("G", (), {"observe": lambda *a: None})()
     run = [(pre, Slot(1, 2, True)), (chain, Slot(0, 4, False)), (tree_s, Slot(2, 4, False))]
     out = [None, _logits([3, 4, 7, 1]), _logits([6, 1, 5, 2])]
-    step.verified(run, [None] * 3, out, None, 9.0)
+    step.verified(run, [None] * 3, None, 9.0, read_iteration(run, out))
     assert pre.kv_handle.prefilled == 2 and pre.prefill_left == 1 and pre.prefill_ms == 0.0
     assert chain.generated == [3, 4, 7]
     assert tree_s.generated == [6, 5, 2]
     assert store.kept == [(tree_s.cache, 10, [2, 3])] and tree_s.cache.offset == 13
-    step.verified([(pre, Slot(1, 1, True))], [None], [None], None, 9.0)
+    step.verified([(pre, Slot(1, 1, True))], [None], None, 9.0,
+                  read_iteration([(pre, Slot(1, 1, True))], [None]))
     assert pre.prefill_left == 0 and pre.prefill_ms == 1e3  # clock 1.0 s after t_start
 
 
@@ -198,12 +201,12 @@ def test_an_iteration_reads_every_block_decision_in_one_synchronisation(monkeypa
     alone = []
     for s_sl, lg in zip(*_mixed_batch()):
         step, _ = _step()
-        step.verified([s_sl], [None], [lg], None, 9.0)
+        step.verified([s_sl], [None], None, 9.0, read_iteration([s_sl], [lg]))
         alone.append(s_sl[0].generated)
     run, out = _mixed_batch()
     step, _ = _step()
     syncs = _counting(monkeypatch)
-    step.verified(run, [None] * len(run), out, None, 9.0)
+    step.verified(run, [None] * len(run), None, 9.0, read_iteration(run, out))
     monkeypatch.undo()
     assert syncs == ["eval"], syncs
     assert [s.generated for s, _ in run] == alone

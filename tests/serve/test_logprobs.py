@@ -23,8 +23,7 @@ from tolerance import LOGPROB_ATOL, LOGPROB_RTOL
 from macfleet.engine.models import load_model
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.serve.engine import BatchEngine, EngineRequest
-from macfleet.serve.logprobs import (block_logprobs, chain_rows,
-                                     completion_logprobs, tree_rows)
+from macfleet.serve.logprobs import chain_rows, completion_logprobs, row_logprobs, tree_rows
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +35,13 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
     z = z.astype(np.float64)
     m = z.max(-1, keepdims=True)
     return z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
+
+
+def block_logprobs(logits, rows, tokens, top):
+    """A block's rows built lazily and evaluated, as the engine does, then read."""
+    parts = row_logprobs(logits, top)
+    mx.eval(parts.arrays())
+    return parts.entries(rows, tokens)
 
 
 def test_block_logprobs_reads_each_token_at_its_row():
