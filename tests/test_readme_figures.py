@@ -111,10 +111,10 @@ FIGURES = [
                f"{_pair(d, 5120, 0.95)['two agents / in-process draft model']['ceiling']:.2f}x)"),
     ("fleet_first.json", "| **0.99x** |",
      lambda d: f"| **{d['first_request']['first_over_warm']:.2f}x** |"),
-    ("drafter-auto-curse-1130/bench/drafter.json",
-     "best fixed drafter of the same run (`eagle`: no fixed drafter stays >= 0.97x plain on "
-     "every prompt, so the bench's rule takes the best slowest prompt) | **1.19x** (1.40x plain "
-     "decoding, slowest prompt 0.83x",
+    ("drafter-auto-floor-proven/bench/drafter.json",
+     "best fixed drafter of the same run (`eagle2`: no fixed drafter stays >= 0.97x plain on "
+     "every prompt, so the bench's rule takes the best slowest prompt) | **1.06x** (1.32x plain "
+     "decoding, slowest prompt 0.95x",
      lambda d: f"best fixed drafter of the same run (`{d['auto_vs_best_fixed']['best_fixed']}`: "
                "no fixed drafter stays >= 0.97x plain on every prompt, so the bench's rule "
                "takes the best slowest prompt) "
