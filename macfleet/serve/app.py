@@ -15,7 +15,6 @@ import json
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,7 +35,8 @@ from macfleet.serve.logprobs import (TokenLogprob, TokenText, chat_content, comp
 from macfleet.serve.prediction import parse_prediction, prediction_ids, usage_details
 from macfleet.serve.prompt import Prompt, render_prompt
 from macfleet.serve.schemas import GenerationRequest, Limits, RequestError, parse_request
-from macfleet.serve.session import GenerationFailed, Outcome, Piece, open_session, run_session
+from macfleet.serve.session import (ClientSessions, GenerationFailed, Outcome, Piece,
+                                    TooManySessions, open_session, run_session)
 from macfleet.serve.tools import (ToolCall, ToolGrammarError, ToolStream, finish_reason,
                                    parse_tool_calls, tool_grammar)
 
@@ -74,7 +74,7 @@ class Api:
 
     def __init__(self, engine, tokenizer, config: ServerConfig) -> None:
         self.engine, self.tok, self.cfg = engine, tokenizer, config
-        self.sessions: Counter[str] = Counter()
+        self.clients = ClientSessions(config.limits.max_sessions_per_client)
         self.created = int(time.time())
         self.token_text = token_text(tokenizer)  # a token's text alone, for logprobs
         self._prepare_slots: anyio.CapacityLimiter | None = None  # made on the loop
@@ -172,10 +172,6 @@ class Api:
         part = self._auth(request)
         prep = await self._prepared(request, chat)
         req, prompt, grammar, where = prep.req, prep.prompt, prep.grammar, prep.where
-        client = request.client.host if request.client else "?"
-        if self.sessions[client] >= self.cfg.limits.max_sessions_per_client:
-            raise RequestError(f"{self.sessions[client]} sessions already open for this client",
-                               status=429, kind="rate_limit_error", code="too_many_sessions")
         eos = frozenset(getattr(self.tok, "eos_token_ids", ()) or ())
         ereq = EngineRequest(tuple(prompt.ids), req.params, req.max_tokens, eos, prompt.text,
                              logprobs=req.logprobs, grammar=grammar, partition=part,
@@ -183,15 +179,16 @@ class Api:
         meta = _Meta(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                      int(time.time()), self.cfg.model_id, chat, len(prompt.ids), req.logprobs,
                      self.token_text, prompt, req.include_usage)
-        self.sessions[client] += 1  # released when the engine drops the session
         try:
-            handle, q = open_session(self.engine, ereq, lambda: self._release(client))
+            handle, q = open_session(self.engine, ereq, self.clients,
+                                     request.client.host if request.client else "?")
+        except TooManySessions as e:
+            raise RequestError(str(e), status=429, kind="rate_limit_error",
+                               code="too_many_sessions") from None
         except Overloaded as e:
-            self._release(client)
             raise RequestError(f"server busy: {e}", status=503, kind="server_error",
                                code="overloaded") from None
         except GrammarError as e:  # compiled with the model's tokenizer: refused there
-            self._release(client)
             raise RequestError(f"'{where}' cannot be followed: {e}", param=where) from None
         outcome: list[Outcome] = []
         # a stream is cancelled by the server when its client leaves; a whole answer is not
@@ -225,11 +222,6 @@ class Api:
         if err is not None:
             raise RequestError(f"'{where}' cannot be followed by this model: "
                                f"{err.strip()[:500]}", param=where)
-
-    def _release(self, client: str) -> None:
-        self.sessions[client] -= 1
-        if self.sessions[client] <= 0:
-            del self.sessions[client]
 
     async def _sse(self, pieces: AsyncIterator[Piece], meta: _Meta,
                    outcome: list[Outcome]) -> AsyncIterator[str]:

@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from macfleet.engine.constraint import GrammarError
 from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.engine.text import TextStream
-from macfleet.serve.engine import EngineEvent, EngineRequest, SessionFailed, SessionHandle
+from macfleet.serve.engine import (EngineEvent, EngineRequest, Overloaded, SessionFailed,
+                                   SessionHandle)
 from macfleet.serve.logprobs import LogprobsCommitted, TokenLogprob
 from macfleet.serve.prompt_cache import PromptReused
 
@@ -73,9 +76,33 @@ class StopMatcher:
         return out
 
 
-def open_session(engine, req: EngineRequest,
-                 on_close: Callable[[], None] | None = None) -> tuple[SessionHandle, asyncio.Queue]:
-    """Submit to the engine now (so Overloaded is raised before any response starts)."""
+class TooManySessions(Exception):
+    """The client already holds its cap of open sessions."""
+
+
+class ClientSessions:
+    """Sessions open per client (at most `cap` each); a session's slot is held until the
+    engine drops it, not until its response ends (a cancelled one still holds the engine)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open: Counter[str] = Counter()
+
+    def acquire(self, client: str) -> None:
+        if self.open[client] >= self.cap:
+            raise TooManySessions(f"{self.open[client]} sessions already open for this client")
+        self.open[client] += 1
+
+    def release(self, client: str) -> None:
+        self.open[client] -= 1
+        if self.open[client] <= 0:
+            del self.open[client]
+
+
+def open_session(engine, req: EngineRequest, clients: ClientSessions | None = None,
+                 client: str = "") -> tuple[SessionHandle, asyncio.Queue]:
+    """Submit to the engine now (so TooManySessions, Overloaded and a GrammarError are raised
+    before any response starts), holding one of `client`'s slots until the engine drops it."""
     loop = asyncio.get_running_loop()
     q: asyncio.Queue[EngineEvent] = asyncio.Queue()
 
@@ -89,10 +116,17 @@ def open_session(engine, req: EngineRequest,
         post(q.put_nowait, ev)
 
     def closed() -> None:
-        if on_close is not None:
-            post(on_close)
+        if clients is not None:
+            post(clients.release, client)
 
-    return engine.submit(req, emit, closed), q
+    if clients is not None:
+        clients.acquire(client)
+    try:
+        return engine.submit(req, emit, closed), q
+    except (Overloaded, GrammarError):  # refused: the engine never holds it
+        if clients is not None:
+            clients.release(client)
+        raise
 
 
 class _Events:

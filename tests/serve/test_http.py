@@ -94,6 +94,11 @@ def test_too_many_sessions_for_one_client_is_429(server):
             for s in streams:
                 s.__exit__(None, None, None)
     assert wait_idle(server)["active_sessions"] == 0
+    # the client's slots came back as the engine dropped its sessions
+    with httpx.Client(timeout=30, headers=server.headers()) as c:
+        r = c.post(server.v1 + "/chat/completions", json={**body, "stream": False,
+                                                            "max_tokens": 2})
+        assert r.status_code == 200
 
 
 def _long_chat(server, stream: bool) -> socket.socket:
