@@ -292,18 +292,17 @@ class Chooser:
         # the record's winner's first block (PRIOR) is its first try, charged as one
         tried = last is not None and last.why in (EXPLORE, PRIOR)
         self._follow_load(verified, verify_ms, tried)
-        if name != PLAIN:  # plain's steps for its tokens: its block's time over the table's
-            # ratio, once the table learnt from it (a stall slows both alike), at most
-            # STALL_STEPS plain steps' loss
-            step = verify_ms * self.curve.cost(1) / max(self.curve.cost(verified), 1e-9)
-            won = max((1 + accepted) * step - draft_ms - verify_ms, -STALL_STEPS * step)
-            self.won_ms += won
-            if not (tried and self._est[name].tries == 0):  # a first try is the session's
-                self._est[name].won_ms += won  # exploring, not held against the drafter
         self._verified.add(verified)
         self.spent_ms += draft_ms + verify_ms
         e = self._est[name]
         if name != PLAIN:
+            # plain's steps for its tokens: the block's time over the table's ratio, once the
+            # table learnt from it (a stall slows both alike), at most STALL_STEPS steps' loss
+            step = verify_ms * self.curve.cost(1) / max(self.curve.cost(verified), 1e-9)
+            won = max((1 + accepted) * step - draft_ms - verify_ms, -STALL_STEPS * step)
+            self.won_ms += won
+            if not (tried and e.tries == 0):  # a first try is the session's exploring,
+                e.won_ms += won  # not held against the drafter
             e.add(accepted, verified, draft_ms, steady=self._prev == name,
                   cap=self._first_draft_cap(verified))
         self._prev = name
