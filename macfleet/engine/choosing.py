@@ -76,6 +76,7 @@ class ChoosingGroup(ProposerGroup):
         self._ks: list[int] = []
         # free drafts made before the choice: (context length, k), draft, ms by drafter
         self._early: dict[int, tuple[tuple[int, int], Draft, float]] = {}
+        self._made: dict[int, tuple[tuple[int, int], Draft, float]] = {}  # ... taken as drafted
 
     @property
     def name(self) -> str:
@@ -145,14 +146,21 @@ class ChoosingGroup(ProposerGroup):
         return SHADOW_K if shadow else self._free_k.get(j, SHADOW_K)
 
     def begin(self, context: Sequence[int], ks: Sequence[int]) -> None:
-        """The chosen drafters' requests (then `finish`)."""
+        """The chosen drafters' requests (then `finish`); a free drafter's draft of this block
+        made before the choice (`_sizes`) at the same length is not drafted again."""
         self._score_shadows(context)
         self._t0, self._context, self._ks = time.perf_counter(), context, list(ks)
-        super().begin(context, ks)
+        self._made = {j: self._early[j] for j, k in enumerate(ks)
+                      if k > 0 and j in self._early and self._early[j][0] == (len(context), k)}
+        super().begin(context, [0 if j in self._made else k for j, k in enumerate(ks)])
 
     def finish(self) -> list[Draft]:
         out = super().finish()
-        self._draft_ms = (time.perf_counter() - self._t0) * 1e3
+        for j, (_, d, _) in self._made.items():
+            out[j] = d
+        # the drafts made before the choice cost the block their time too
+        self._draft_ms = (time.perf_counter() - self._t0) * 1e3 + sum(
+            ms for _, _, ms in self._made.values())
         self._shadow(self._context, self._ks, out)
         self._early = {}
         return out
