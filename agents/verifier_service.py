@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agents.remote_proposer import DEFAULT_DRAFT_TIMEOUT_S
-from agents.specs import MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_spec
+from agents.specs import (MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_sampling,
+                          check_spec, check_tokens)
 from agents.verifier_drafting import RequestDrafting
 from agents.verifier_generate import Pending, VerifierGenerations
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
@@ -29,7 +30,6 @@ from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS
 from macfleet.engine.kvship import model_layout
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
-from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.text import MAX_PROMPT_TOKENS, PromptError
 from macfleet.engine.verifier import Verifier
 from macfleet.serve.engine import DEFAULT_STALL_RATIO, ITERATION_HISTORY, BatchEngine
@@ -220,10 +220,8 @@ class VerifierService:
         if msg.draft_tokens != AUTO_DRAFT_TOKENS and not 0 <= msg.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ProtocolError(BAD_REQUEST, f"draft_tokens must be {AUTO_DRAFT_TOKENS} (auto) or "
                                              f"0..{MAX_DRAFT_TOKENS}")
-        try:
-            SamplingParams(msg.temperature, msg.top_p, msg.seed)
-        except ValueError as e:
-            raise ProtocolError(BAD_REQUEST, str(e)) from None
+        check_sampling(msg.temperature, msg.top_p, msg.seed)
+        check_tokens(msg.prefix_ids, self.lm.vocab_size, "prefix")
         if msg.top_logprobs is not None and not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ProtocolError(BAD_REQUEST, f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}")
         if msg.grammar_kind:
