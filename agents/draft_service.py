@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.draft_stream import DraftStream
-from agents.proposer_service import ComputeThread, ProposerLimits, check_prompt
+from agents.proposer_service import ComputeThread, ProposerLimits
+from agents.specs import check_tokens
 from bridge.errors import BAD_REQUEST, ProtocolError
 from bridge.messages import (CloseSession, DraftChunk, SessionOpened, StreamCommit,
                              StreamOpen)
@@ -99,8 +100,7 @@ class DraftAheadService(ComputeThread):
     def __init__(self, draft: LoadedModel, *, serves: str,
                  limits: ProposerLimits = ProposerLimits()) -> None:
         """draft: the loaded draft model; serves: the verifier model spec it drafts for."""
-        super().__init__(limits)
-        self.lm = draft
+        super().__init__(draft, limits)
         self.serves = serves
         self.totals = AheadTally()
         self._draft_rows: dict = {}  # the sessions' caches: rows of one store (the model's)
@@ -112,21 +112,14 @@ class DraftAheadService(ComputeThread):
     def _check(self, msg, peer: bytes) -> None:
         if isinstance(msg, StreamCommit):
             self._owned(msg.session_id, peer)
-            if msg.seq < 1 or msg.start < 0 or not msg.tokens \
-                    or len(msg.tokens) > MAX_LEAD + 1 \
-                    or any(not 0 <= t < self.lm.vocab_size for t in msg.tokens):
-                raise ProtocolError(BAD_REQUEST, "a commit names 1.. tokens of the vocabulary "
-                                                 "at a position >= 0, with seq >= 1")
+            if msg.seq < 1 or msg.start < 0 or not 0 < len(msg.tokens) <= MAX_LEAD + 1:
+                raise ProtocolError(BAD_REQUEST, f"a commit names 1..{MAX_LEAD + 1} tokens at a "
+                                                 "position >= 0, with seq >= 1")
+            check_tokens(msg.tokens, self.lm.vocab_size, "commit")
             return
-        if msg.model not in ("", self.serves):
-            raise ProtocolError(BAD_REQUEST, f"this agent drafts for '{self.serves}', "
-                                             f"not '{msg.model}'")
-        if not msg.prompt or len(msg.prompt) > self.limits.max_prompt:
-            raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} "
-                                             "tokens")
+        self._check_open(msg, self.serves)
         if not 1 <= msg.max_lead <= MAX_LEAD:
             raise ProtocolError(BAD_REQUEST, f"max_lead must be 1..{MAX_LEAD}")
-        check_prompt(msg, self.lm.vocab_size)
         self._admit(msg.session_id, peer)
 
     # -- the compute thread

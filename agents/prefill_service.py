@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from agents.specs import check_tokens
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError
 from bridge.messages import ErrorReply, KVChunk, PrefillDone, PrefillRequest
 from bridge.transport import Reply
@@ -34,20 +35,6 @@ class PrefillLimits:
     max_slice_bytes: int = DEFAULT_MAX_SLICE_BYTES
 
 
-def check_prefill(msg: PrefillRequest, models: tuple[str, ...], vocab: int, max_prompt: int
-                  ) -> None:
-    """What a PrefillRequest may ask (ProtocolError bad_request otherwise)."""
-    if msg.model not in models:
-        raise ProtocolError(BAD_REQUEST, f"this prefill agent serves {', '.join(models)}, "
-                                         f"not '{msg.model[:80]}'")
-    if msg.codec not in KV_CODECS:
-        raise ProtocolError(BAD_REQUEST, f"KV codec must be one of {', '.join(KV_CODECS)}")
-    if not 1 <= len(msg.prompt) <= max_prompt:
-        raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{max_prompt} token ids")
-    if any(not 0 <= t < vocab for t in msg.prompt):
-        raise ProtocolError(BAD_REQUEST, f"prompt ids outside the vocabulary (0..{vocab - 1})")
-
-
 class PrefillService:
     def __init__(self, lm: LoadedModel, limits: PrefillLimits = PrefillLimits()) -> None:
         self.lm = lm
@@ -64,7 +51,15 @@ class PrefillService:
     def handle(self, msg, reply: Reply) -> bool:
         if not isinstance(msg, PrefillRequest):
             return False
-        check_prefill(msg, (self.lm.spec,), self.lm.vocab_size, self.limits.max_prompt)
+        if msg.model != self.lm.spec:  # what it may ask (ProtocolError bad_request)
+            raise ProtocolError(BAD_REQUEST, f"this prefill agent serves {self.lm.spec}, "
+                                             f"not '{msg.model[:80]}'")
+        if msg.codec not in KV_CODECS:
+            raise ProtocolError(BAD_REQUEST, f"KV codec must be one of {', '.join(KV_CODECS)}")
+        if not 1 <= len(msg.prompt) <= self.limits.max_prompt:
+            raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} "
+                                             "token ids")
+        check_tokens(msg.prompt, self.lm.vocab_size, "prompt")
         try:
             self._jobs.put_nowait((msg, reply))
         except queue.Full:

@@ -18,8 +18,8 @@ import numpy as np
 from agents.draft_stream import DraftStream
 from agents.proposer_chains import ChainRounds
 from agents.slots import slot_for
-from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_id, check_spec,
-                          make_checked_proposer)
+from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_id, check_sampling,
+                          check_spec, check_tokens, make_checked_proposer)
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, INTERNAL, NOT_FOUND, ProtocolError
 from bridge.messages import (CloseSession, DraftReply, DraftRequest, ErrorReply, HiddenStates,
                              HiddenStatesAck, OpenSession, SessionClosed, SessionOpened)
@@ -70,16 +70,6 @@ def check_features(msg: DraftRequest, hidden_size: int) -> None:
         raise ProtocolError(BAD_SHAPE, "features_scale needs int8 features, one per row")
 
 
-def check_prompt(msg: OpenSession, vocab: int) -> None:
-    """An opening session's prompt ids and sampling parameters; ProtocolError otherwise."""
-    if any(not 0 <= t < vocab for t in msg.prompt):
-        raise ProtocolError(BAD_REQUEST, f"prompt ids must be in 0..{vocab - 1}")
-    try:
-        SamplingParams(msg.temperature, msg.top_p, msg.seed)
-    except ValueError as e:
-        raise ProtocolError(BAD_REQUEST, str(e)) from None
-
-
 class ComputeThread(ABC):
     """The shell of the proposer and draft-model roles: one compute thread (`_run`) serving
     `_jobs` in order (None stops it) and idle work while `_busy`; sessions in `_sessions` (a
@@ -90,8 +80,8 @@ class ComputeThread(ABC):
     BAD_REQUESTS: tuple[type[Exception], ...] = ()  # a job's errors that are the request's fault
     IDLE_WAIT_S = 0.05  # how long the thread waits for a job while it has no idle work
 
-    def __init__(self, limits: ProposerLimits) -> None:
-        self.limits = limits
+    def __init__(self, lm: LoadedModel, limits: ProposerLimits) -> None:
+        self.lm, self.limits = lm, limits
         self._sessions: dict = {}
         self._owner: dict[str, bytes] = {}  # session -> the client connection that opened it
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -118,6 +108,16 @@ class ComputeThread(ABC):
     @abstractmethod
     def _check(self, msg, peer: bytes) -> None:
         """An open or a session's request checked before it is queued (ProtocolError)."""
+
+    def _check_open(self, msg, serves: str) -> None:
+        """An opening session's model (`serves`: the one it drafts for), prompt ids and
+        sampling parameters (ProtocolError)."""
+        if msg.model not in ("", serves):
+            raise ProtocolError(BAD_REQUEST, f"this agent drafts for '{serves}', not '{msg.model}'")
+        if not msg.prompt or len(msg.prompt) > self.limits.max_prompt:
+            raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} tokens")
+        check_tokens(msg.prompt, self.lm.vocab_size, "prompt")
+        check_sampling(msg.temperature, msg.top_p, msg.seed)
 
     def _owned(self, sid: str, peer: bytes) -> None:
         """NOT_FOUND unless session `sid` exists and was opened by this client connection."""
@@ -232,8 +232,7 @@ class ProposerService(ComputeThread):
                  kinds: tuple[str, ...] = PROPOSER_KINDS,
                  limits: ProposerLimits = ProposerLimits(), heads_dir: str | None = None,
                  allow_hub: bool = False) -> None:
-        super().__init__(limits)
-        self.lm = lm
+        super().__init__(lm, limits)
         self.policy = SpecPolicy(kinds=kinds, heads_dir=heads_dir, own_model=lm.spec,
                                  allow_hub=allow_hub, vocab_size=lm.vocab_size)
         self.models = DraftModels()
@@ -267,13 +266,8 @@ class ProposerService(ComputeThread):
         if not isinstance(msg.proposer, str) or "+" in msg.proposer:
             raise ProtocolError(BAD_REQUEST, "a drafting session runs one drafter, not a+b")
         check_spec(msg.proposer, self.policy)
-        if msg.model not in ("", self.lm.spec):
-            raise ProtocolError(BAD_REQUEST,
-                                f"this proposer drafts for '{self.lm.spec}', not '{msg.model}'")
-        if not msg.prompt or len(msg.prompt) > self.limits.max_prompt:
-            raise ProtocolError(BAD_REQUEST, f"prompt must be 1..{self.limits.max_prompt} tokens")
+        self._check_open(msg, self.lm.spec)
         self._admit(msg.session_id, peer)
-        check_prompt(msg, self.lm.vocab_size)
 
     def _drop(self, sid: str) -> None:
         s = self._sessions.get(sid)
@@ -297,8 +291,7 @@ class ProposerService(ComputeThread):
         """A draft request's session (its opener's), its context and features brought up to date."""
         self._owned(msg.session_id, peer)
         s = self._sessions[msg.session_id]
-        if any(not 0 <= t < self.lm.vocab_size for t in msg.committed):
-            raise ProtocolError(BAD_REQUEST, "committed ids outside the vocabulary")
+        check_tokens(msg.committed, self.lm.vocab_size, "committed")
         s.commit(msg.committed)
         if msg.features is not None and s.proposer.wants_features:
             a = msg.features_start

@@ -292,6 +292,20 @@ class ShardGroup:
         return self._run(cmd, n, buf[HEADER:])
 
 
+def start_group(model: nn.Module, hostfile: str, rank: int, mode: str,
+                on_expire: Callable[[str], None], deadline_s: float) -> ShardGroup:
+    """This rank's group: the ring connected and a first barrier passed within
+    DEFAULT_START_DEADLINE_S (the ranks load the model first), then every collective watched
+    with `deadline_s`; `on_expire(what)` when one passes its deadline."""
+    wd = Watchdog(DEFAULT_START_DEADLINE_S, on_expire)
+    with wd.guard("ring connect"):
+        group = init_ring(hostfile, rank)
+    shards = ShardGroup(model, group, mode, wd)
+    shards.barrier()
+    wd.deadline_s = deadline_s
+    return shards
+
+
 class ShardedVerifier(Verifier):
     """Rank 0's face: the `Verifier` interface over the whole group."""
 

@@ -17,9 +17,8 @@ import time
 from dataclasses import dataclass, replace
 
 from agents.daemon import Agent, AgentConfig
-from agents.shard import (DEFAULT_DEADLINE_S, DEFAULT_START_DEADLINE_S, EXIT_PEER_LOST,
-                          SHARD_MODES, ShardedVerifier, ShardGroup, ShardPeerLost, Watchdog,
-                          free_ports, init_ring)
+from agents.shard import (DEFAULT_DEADLINE_S, EXIT_PEER_LOST, SHARD_MODES, ShardedVerifier,
+                          ShardGroup, ShardPeerLost, free_ports, start_group)
 from bridge.auth import fleet_id
 from bridge.card import ROLE_SHARD, ROLE_VERIFIER, AgentCard
 from bridge.discovery import ALL_INTERFACES, LOOPBACK_ONLY, Browser
@@ -123,12 +122,8 @@ class ShardAgent(Agent):
         path = os.path.join(tempfile.mkdtemp(prefix="macfleet-ring-"), "hosts.json")
         with open(path, "w") as f:
             json.dump(hosts, f)
-        wd = Watchdog(DEFAULT_START_DEADLINE_S, self._lost)
-        with wd.guard("ring connect"):
-            group = init_ring(path, self.spec.rank)
-        self.shards = ShardGroup(self.lm.model, group, self.spec.mode, wd)
-        self.shards.barrier()
-        wd.deadline_s = self.spec.deadline_s
+        self.shards = start_group(self.lm.model, path, self.spec.rank, self.spec.mode, self._lost,
+                                  self.spec.deadline_s)
         log.info("shard rank %d/%d ready (%s)", self.spec.rank, self.spec.size, self.spec.mode)
         if self.spec.rank == 0:
             self.verifier = self._verifier_service(ShardedVerifier(self.shards),

@@ -13,9 +13,8 @@ import time
 
 import numpy as np
 
-from agents.shard import (DEFAULT_DEADLINE_S, DEFAULT_START_DEADLINE_S, EXIT_PEER_LOST,
-                          PING_REPEATS, SHARD_MODES, ShardedVerifier, ShardGroup, ShardPeerLost,
-                          Watchdog, exit_on_expire, init_ring)
+from agents.shard import (DEFAULT_DEADLINE_S, EXIT_PEER_LOST, PING_REPEATS, SHARD_MODES,
+                          ShardedVerifier, ShardPeerLost, exit_on_expire, start_group)
 from macfleet.stats import ShardStats
 
 
@@ -56,12 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     from macfleet.engine.models import load_model
 
     lm = load_model(args.model, cached=False)
-    wd = Watchdog(DEFAULT_START_DEADLINE_S, exit_on_expire(args.rank))
-    with wd.guard("ring connect"):
-        group = init_ring(args.hostfile, args.rank)
-    shards = ShardGroup(lm.model, group, args.mode, wd)
-    shards.barrier()
-    wd.deadline_s = args.deadline
+    shards = start_group(lm.model, args.hostfile, args.rank, args.mode,
+                         exit_on_expire(args.rank), args.deadline)
+    group = shards.group
     print(f"rank {group.rank()}/{group.size()} ready ({args.mode})", file=sys.stderr, flush=True)
     try:
         if group.rank() != 0:
@@ -110,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"macfleet shard rank {group.rank()}: ShardPeerLost: {e}", file=sys.stderr)
         return EXIT_PEER_LOST
     finally:
-        wd.close()
+        shards.watchdog.close()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The one check for every drafter spec a request names, and the bounded draft-model cache.
+"""The checks of what a request from the network names (ids, token ids, sampling, drafter
+specs), and the bounded draft-model cache.
 
 A request from the network must not make an agent open files, probe paths or download models
 of the sender's choosing: every spec goes through `check_spec` with the agent's `SpecPolicy`
@@ -30,6 +31,22 @@ def check_id(value: object, what: str) -> None:
     """ProtocolError(bad_request) unless `value` is an id string of 1..MAX_ID_CHARS."""
     if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
         raise _refuse(f"{what} must be a string of 1..{MAX_ID_CHARS} characters")
+
+
+def check_tokens(ids, vocab: int, what: str) -> None:
+    """ProtocolError(bad_request) unless every id of `ids` is in the vocabulary."""
+    if any(not 0 <= t < vocab for t in ids):
+        raise _refuse(f"{what} ids outside the vocabulary (0..{vocab - 1})")
+
+
+def check_sampling(temperature: float, top_p: float, seed: int | None) -> None:
+    """ProtocolError(bad_request) unless they make `SamplingParams`."""
+    from macfleet.engine.sampling import SamplingParams
+
+    try:
+        SamplingParams(temperature, top_p, seed)
+    except ValueError as e:
+        raise _refuse(str(e)) from None
 
 
 # every drafter kind a proposer agent serves unless started with fewer (`--proposer-kinds`)

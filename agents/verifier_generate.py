@@ -122,12 +122,6 @@ class VerifierGenerations:
         self.batch = None  # the continuous batch (a BatchEngine), when the service runs one
         self.stage = None  # the prefill stage (agents/remote_prefill.PrefillStage), if any
 
-    def _prompt_ids(self, msg: GenerateRequest, staged) -> list[int]:
-        if any(not 0 <= t < self.lm.vocab_size for t in msg.prefix_ids):
-            raise ValueError("prefix ids outside the vocabulary")
-        return staged.ids if staged is not None else (
-            encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
-
     def submit_batched(self, msg: GenerateRequest, reply: Reply, staged=None) -> None:
         """Into the continuous batch, which verifies every session's block or tree in one
         forward while each session's drafter drafts cross-round."""
@@ -169,7 +163,9 @@ class VerifierGenerations:
                  own: bool = False) -> tuple[EngineRequest, Drafting, Callable[[object], None]]:
         """The engine request, its drafter, and what turns its events into wire messages; own:
         it runs on the verifier's own forward, whose shard flow each block reports."""
-        ids = self._prompt_ids(msg, staged)
+        # its prefix ids were checked at the door (VerifierService.handle)
+        ids = staged.ids if staged is not None else (
+            encode_prompt(self.lm.tokenizer, msg.prompt, msg.chat) + list(msg.prefix_ids))
         proposer = self.drafts.drafting(msg, batched=batched)
         req = EngineRequest(prompt=tuple(ids),
                             params=SamplingParams(msg.temperature, msg.top_p, msg.seed),

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agents.remote_proposer import DEFAULT_DRAFT_TIMEOUT_S
-from agents.specs import MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_spec
+from agents.specs import (MAX_SPEC_CHARS, DraftModels, SpecPolicy, check_id, check_sampling,
+                          check_spec, check_tokens)
 from agents.verifier_drafting import RequestDrafting
 from agents.verifier_generate import Pending, VerifierGenerations
 from bridge.errors import BAD_REQUEST, BUSY, INTERNAL, UNAVAILABLE, ProtocolError
@@ -29,7 +30,6 @@ from macfleet.engine.controller import AUTO, MAX_DRAFT_TOKENS
 from macfleet.engine.kvship import model_layout
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers import ProposerSpecError, parse_proposer_spec
-from macfleet.engine.sampling import SamplingParams
 from macfleet.engine.text import MAX_PROMPT_TOKENS, PromptError
 from macfleet.engine.verifier import Verifier
 from macfleet.serve.engine import DEFAULT_STALL_RATIO, ITERATION_HISTORY, BatchEngine
@@ -50,8 +50,24 @@ class VerifierLost(RuntimeError):
     """The verifier itself is gone (a shard rank died): no request can be served any more."""
 
 
-def check_request(msg: GenerateRequest, policy: SpecPolicy) -> None:
-    """What a GenerateRequest may name, checked before it is queued (ProtocolError)."""
+def check_request(msg: GenerateRequest, policy: SpecPolicy, max_tokens: int, vocab: int) -> None:
+    """What a GenerateRequest may ask, checked before it is queued (ProtocolError)."""
+    if not 0 <= msg.max_tokens <= max_tokens:
+        raise ProtocolError(BAD_REQUEST, f"max_tokens must be 0..{max_tokens}")
+    if msg.draft_tokens != AUTO_DRAFT_TOKENS and not 0 <= msg.draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ProtocolError(BAD_REQUEST, f"draft_tokens must be {AUTO_DRAFT_TOKENS} (auto) or "
+                                         f"0..{MAX_DRAFT_TOKENS}")
+    check_sampling(msg.temperature, msg.top_p, msg.seed)
+    check_tokens(msg.prefix_ids, vocab, "prefix")
+    if msg.top_logprobs is not None and not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ProtocolError(BAD_REQUEST, f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}")
+    if msg.grammar_kind:
+        # either path runs the serving engine, which follows a grammar alone or batched
+        err = grammar_error(Grammar(msg.grammar_kind, msg.grammar_source))
+        if err is not None:
+            raise ProtocolError(BAD_REQUEST, f"response_format: {err.strip()[:500]}")
+    if len(msg.prediction_ids) > MAX_PREDICTION_IDS:
+        raise ProtocolError(BAD_REQUEST, f"prediction: over {MAX_PREDICTION_IDS} tokens")
     if not isinstance(msg.prompt, str) or len(msg.prompt) > MAX_PROMPT_CHARS:
         raise ProtocolError(BAD_REQUEST, f"prompt longer than {MAX_PROMPT_CHARS} characters "
                                          f"(the limit is {MAX_PROMPT_TOKENS} tokens)")
@@ -215,25 +231,7 @@ class VerifierService:
     def handle(self, msg, reply: Reply) -> bool:
         if not isinstance(msg, GenerateRequest):
             return False
-        if not 0 <= msg.max_tokens <= self.limits.max_tokens:
-            raise ProtocolError(BAD_REQUEST, f"max_tokens must be 0..{self.limits.max_tokens}")
-        if msg.draft_tokens != AUTO_DRAFT_TOKENS and not 0 <= msg.draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ProtocolError(BAD_REQUEST, f"draft_tokens must be {AUTO_DRAFT_TOKENS} (auto) or "
-                                             f"0..{MAX_DRAFT_TOKENS}")
-        try:
-            SamplingParams(msg.temperature, msg.top_p, msg.seed)
-        except ValueError as e:
-            raise ProtocolError(BAD_REQUEST, str(e)) from None
-        if msg.top_logprobs is not None and not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ProtocolError(BAD_REQUEST, f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}")
-        if msg.grammar_kind:
-            # either path runs the serving engine, which follows a grammar alone or batched
-            err = grammar_error(Grammar(msg.grammar_kind, msg.grammar_source))
-            if err is not None:
-                raise ProtocolError(BAD_REQUEST, f"response_format: {err.strip()[:500]}")
-        if len(msg.prediction_ids) > MAX_PREDICTION_IDS:
-            raise ProtocolError(BAD_REQUEST, f"prediction: over {MAX_PREDICTION_IDS} tokens")
-        check_request(msg, self.policy)
+        check_request(msg, self.policy, self.limits.max_tokens, self.lm.vocab_size)
         self._peers(msg.proposers)  # before any connection: fleet members only (no SSRF)
         if self._batch is not None and not (self._stage is not None and self._stage.wants(msg)):
             self.generations.submit_batched(msg, reply)

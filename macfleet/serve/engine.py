@@ -264,18 +264,15 @@ class BatchEngine:
         """The engine thread (MLX's exit abort with two threads: docs/serving.md,
         "engine.py")."""
         try:
-            self._loop()
+            while not self._stop.is_set():
+                try:
+                    self.step(DEFAULT_IDLE_WAIT_S)
+                except Exception:  # noqa: BLE001 - a dead engine thread is a dead server
+                    log.exception("engine step failed; the engine goes on")
+            self.table.shutdown("server shutting down")
         finally:
             # MLX aborts at exit if a thread ends with its stream unsynchronized
             mx.synchronize()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.step(DEFAULT_IDLE_WAIT_S)
-            except Exception:  # noqa: BLE001 - a dead engine thread is a dead server
-                log.exception("engine step failed; the engine goes on")
-        self.table.shutdown("server shutting down")
 
     def step(self, idle_wait_s: float = 0.0) -> bool:
         """Admit waiting sessions and run one iteration; False when there was nothing to run

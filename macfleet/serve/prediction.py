@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from macfleet.serve.schemas import Limits, RequestError
+from macfleet.serve.schemas import Limits, RequestError, text_content
 
 
 def parse_prediction(body: Mapping[str, Any]) -> str:
@@ -22,15 +22,7 @@ def parse_prediction(body: Mapping[str, Any]) -> str:
                            param=where)
     if v.get("type") != "content":
         raise RequestError(f"'{where}.type' must be 'content'", param=f"{where}.type")
-    content = v.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "".join(p["text"] for p in content)
-    raise RequestError(f"'{where}.content' must be a string or a list of text parts",
-                       param=f"{where}.content")
+    return text_content(v.get("content"), f"{where}.content")
 
 
 def prediction_ids(tokenizer, text: str, limits: Limits) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from macfleet.engine.json_schema import StrictSchemaError, strict_schema
 from macfleet.engine.sampling import MAX_SEED, SamplingParams
 from macfleet.serve.logprobs import MAX_TOP_LOGPROBS
 from macfleet.serve.tools import (AUTO, FUNCTION, HERMES, NONE, REQUIRED, ToolCall, ToolChoice,
-                                   ToolGrammarError, call_schema, tool_grammar)
+                                   ToolGrammarError, call_schema, json_or_none, tool_grammar)
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 64
@@ -125,7 +125,17 @@ def _typed(body: Mapping[str, Any], name: str, types: tuple[type, ...], default:
     return v
 
 
-def _content(v: Any, where: str) -> str:
+def _bounded(body: Mapping[str, Any], name: str, types: tuple[type, ...], lo: float, hi: float,
+             default: Any) -> Any:
+    """`_typed`, and within lo..hi when given."""
+    v = _typed(body, name, types, default)
+    if v is not None and not lo <= v <= hi:
+        raise RequestError(f"'{name}' must be {lo}..{hi}", param=name)
+    return v
+
+
+def text_content(v: Any, where: str) -> str:
+    """A message's (or a prediction's) content: a string or a list of text parts."""
     if isinstance(v, str):
         return v
     if isinstance(v, list):  # [{"type": "text", "text": ...}, ...]
@@ -136,7 +146,32 @@ def _content(v: Any, where: str) -> str:
                 raise RequestError("only text content parts are supported", param=where)
             parts.append(p["text"])
         return "".join(parts)
-    raise RequestError("message content must be a string or a list of text parts", param=where)
+    raise RequestError(f"'{where}' must be a string or a list of text parts", param=where)
+
+
+def _name(v: Any, field: str) -> str:
+    if not isinstance(v, str) or not TOOL_NAME.match(v):
+        raise RequestError(f"'{field}' must be 1-64 letters, digits, _ or -", param=field)
+    return v
+
+
+def _schema(holder: Mapping[str, Any], key: str, default: dict, where: str) -> dict:
+    """`holder[key]` (`where` names the holder: a json_schema or a function), a JSON schema
+    object, as strict mode takes it when the holder says `strict: true`: properties it does not
+    name refused (engine/json_schema.py)."""
+    field = f"{where}.{key}"
+    schema = holder.get(key, default)
+    if not isinstance(schema, dict):
+        raise RequestError(f"'{field}' must be a JSON schema object", param=field)
+    strict = holder.get("strict")
+    if not isinstance(strict, (bool, type(None))):
+        raise RequestError(f"'{where}.strict' must be a boolean", param=f"{where}.strict")
+    if not strict:
+        return schema
+    try:
+        return strict_schema(schema)
+    except StrictSchemaError as e:
+        raise RequestError(f"'{field}': {e}", param=field) from None
 
 
 def _messages(v: Any, limits: Limits) -> tuple[Message, ...]:
@@ -157,8 +192,8 @@ def _messages(v: Any, limits: Limits) -> tuple[Message, ...]:
         calls = _message_calls(m.get("tool_calls"), f"messages[{i}].tool_calls") \
             if role == "assistant" else ()
         content = m.get("content")
-        content = "" if content is None and calls else _content(content,
-                                                                f"messages[{i}].content")
+        content = "" if content is None and calls else text_content(content,
+                                                                    f"messages[{i}].content")
         call_id = m.get("tool_call_id") if role == "tool" else None
         if call_id is not None and not isinstance(call_id, str):
             raise RequestError(f"messages[{i}].tool_call_id must be a string",
@@ -188,11 +223,7 @@ def _message_calls(v: Any, where: str) -> tuple[ToolCall, ...]:
             raise RequestError(f"{where}[{j}] must be {{id, type: function, function: {{name, "
                                "arguments}}}} with string name and arguments",
                                param=f"{where}[{j}]")
-        try:
-            parsed = json.loads(args)
-        except json.JSONDecodeError:
-            parsed = None
-        if not isinstance(parsed, dict):
+        if not isinstance(json_or_none(args), dict):
             raise RequestError(f"{where}[{j}].function.arguments must be a JSON object's text",
                                param=f"{where}[{j}].function.arguments")
         cid = c.get("id")
@@ -213,19 +244,13 @@ def _tools(v: Any) -> tuple[Tool, ...]:
             raise RequestError(f"{where} must be {{type: function, function: {{...}}}}",
                                param=where)
         fn = t["function"]
-        name = fn.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise RequestError(f"{where}.function.name must be 1-64 letters, digits, _ or -",
-                               param=f"{where}.function.name")
+        name = _name(fn.get("name"), f"{where}.function.name")
         desc = fn.get("description", "")
         if not isinstance(desc, str):
-            raise RequestError(f"{where}.function.description must be a string",
+            raise RequestError(f"'{where}.function.description' must be a string",
                                param=f"{where}.function.description")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise RequestError(f"{where}.function.parameters must be a JSON schema object",
-                               param=f"{where}.function.parameters")
-        params = _strict(fn, params, f"{where}.function")
+        params = _schema(fn, "parameters", {"type": "object", "properties": {}},
+                         f"{where}.function")
         out.append(Tool(name, desc, json.dumps(params)))
     if len({t.name for t in out}) != len(out):
         raise RequestError("tool names must be unique", param="tools")
@@ -294,22 +319,19 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
             raise RequestError(f"'{name}' is not supported", param=name)
     mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    max_tokens = _typed(body, mt_name, (int,), min(256, limits.max_tokens))
-    if not 0 <= max_tokens <= limits.max_tokens:
-        raise RequestError(f"'{mt_name}' must be 0..{limits.max_tokens}", param=mt_name)
-    temperature = float(_typed(body, "temperature", (int, float), 1.0))
+    max_tokens = _bounded(body, mt_name, (int,), 0, limits.max_tokens,
+                          min(256, limits.max_tokens))
+    temperature = float(_bounded(body, "temperature", (int, float), 0, 2, 1.0))
     top_p = float(_typed(body, "top_p", (int, float), 1.0))
-    seed = _typed(body, "seed", (int,), None)
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise RequestError(f"'seed' must be 0..{MAX_SEED}", param="seed")
-    if not 0.0 <= temperature <= 2.0:
-        raise RequestError("'temperature' must be 0..2", param="temperature")
     if not 0.0 < top_p <= 1.0:
         raise RequestError("'top_p' must be in (0, 1]", param="top_p")
+    seed = _bounded(body, "seed", (int,), 0, MAX_SEED, None)
     stream = _typed(body, "stream", (bool,), False)
     opts = _typed(body, "stream_options", (dict,), {})
     include_usage = bool(opts.get("include_usage", False))
-    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
+    # completions: `logprobs` an integer, the alternatives per token
+    logprobs = (_chat_logprobs(body) if chat else
+                _bounded(body, "logprobs", (int,), 0, MAX_TOP_LOGPROBS, None))
     grammar = response_format(body.get("response_format"))
     parallel = _typed(body, "parallel_tool_calls", (bool,), True)
     _check_tool_grammar(tools, choice, grammar, parallel)
@@ -346,39 +368,13 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     if on is not None and not isinstance(on, bool):
         raise RequestError(f"'logprobs' must be a boolean, got {type(on).__name__}",
                            param="logprobs")
-    top = _typed(body, "top_logprobs", (int,), None)
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise RequestError(f"'top_logprobs' must be 0..{MAX_TOP_LOGPROBS}",
-                           param="top_logprobs")
+    top = _bounded(body, "top_logprobs", (int,), 0, MAX_TOP_LOGPROBS, None)
     if top is not None and not on:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return (top or 0) if on else None
 
 
-def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
-    """Completions: `logprobs` an integer 0..20, the alternatives per token."""
-    top = _typed(body, "logprobs", (int,), None)
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise RequestError(f"'logprobs' must be 0..{MAX_TOP_LOGPROBS}", param="logprobs")
-    return top
-
-
 MAX_GRAMMAR_CHARS = 64_000
-
-
-def _strict(holder: Mapping[str, Any], schema: dict, where: str) -> dict:
-    """`schema` as strict mode takes it when `holder` (a json_schema or a function) says
-    `strict: true`: properties it does not name refused (engine/json_schema.py)."""
-    strict = holder.get("strict")
-    if not isinstance(strict, (bool, type(None))):
-        raise RequestError(f"'{where}.strict' must be a boolean", param=f"{where}.strict")
-    if not strict:
-        return schema
-    try:
-        return strict_schema(schema)
-    except StrictSchemaError as e:
-        field = f"{where}.{'schema' if 'json_schema' in where else 'parameters'}"
-        raise RequestError(f"'{field}': {e}", param=field) from None
 
 
 def response_format(v: Any) -> Grammar | None:
@@ -401,16 +397,10 @@ def response_format(v: Any) -> Grammar | None:
         if not isinstance(js, dict):
             raise RequestError(f"'{where}.json_schema' must be an object {{name, schema}}",
                                param=f"{where}.json_schema")
-        name = js.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise RequestError(f"'{where}.json_schema.name' must be 1-64 letters, digits, _ or "
-                               "-", param=f"{where}.json_schema.name")
-        schema = js.get("schema", {"type": "object"})
+        _name(js.get("name"), f"{where}.json_schema.name")
         field = f"{where}.json_schema.schema"
-        if not isinstance(schema, dict):
-            raise RequestError(f"'{field}' must be a JSON schema object", param=field)
-        schema = _strict(js, schema, f"{where}.json_schema")
-        grammar = Grammar(JSON_SCHEMA, schema_text(schema))
+        grammar = Grammar(JSON_SCHEMA, schema_text(
+            _schema(js, "schema", {"type": "object"}, f"{where}.json_schema")))
     elif kind in (REGEX, LARK):
         src = v.get(kind)
         field = f"{where}.{kind}"

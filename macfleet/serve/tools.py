@@ -28,6 +28,7 @@ _H_OPEN, _H_CLOSE = "<tool_call>", "</tool_call>"
 _PY_TAG = "<|python_tag|>"
 _M_OPEN, _M_ARGS = "[TOOL_CALLS]", "[ARGS]"
 NL = "\n"
+_MARKERS = {HERMES: (_H_OPEN, _H_CLOSE), MISTRAL: (_M_OPEN,)}  # a call's markup, by format
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,7 @@ def _call(obj, new_id: NewId, args_key: str = "arguments") -> ToolCall | None:
         return None
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
+        args = json_or_none(args)
     if not isinstance(args, dict):
         return None
     return ToolCall(new_id(), obj["name"], json.dumps(args, ensure_ascii=False))
@@ -85,10 +83,7 @@ def _call(obj, new_id: NewId, args_key: str = "arguments") -> ToolCall | None:
 
 def _calls(text: str, new_id: NewId, args_key: str = "arguments") -> list[ToolCall] | None:
     """A JSON object or list of objects -> calls; None when it is not that."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return None
+    obj = json_or_none(text)
     objs = obj if isinstance(obj, list) else [obj]
     calls = [_call(o, new_id, args_key) for o in objs]
     return None if not calls or any(c is None for c in calls) else calls
@@ -134,7 +129,7 @@ def _hermes(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
     content.append(text[pos:])
     out = "".join(content).replace(_H_CLOSE, "")  # a closing tag without its opening one
     if cut:
-        out = _cut_marker(out, (_H_OPEN, _H_CLOSE))
+        out = _cut_marker(out, _MARKERS[HERMES])
     return (out.strip(), calls) if pos else (out, calls)
 
 
@@ -172,7 +167,7 @@ def _llama3(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
 def _mistral(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
     i = text.find(_M_OPEN)
     if i < 0:
-        return (_cut_marker(text, (_M_OPEN,)) if cut else text), []
+        return (_cut_marker(text, _MARKERS[MISTRAL]) if cut else text), []
     rest = text[i + len(_M_OPEN):].strip()
     calls = _calls(rest, new_id)
     if calls is None and _M_ARGS in rest:  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
@@ -180,7 +175,7 @@ def _mistral(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
         parts = rest.split(_M_OPEN)
         for k, part in enumerate(parts):
             name, _, args = part.partition(_M_ARGS)
-            c = _call({"name": name.strip(), "arguments": _json_or_none(args.strip())}, new_id)
+            c = _call({"name": name.strip(), "arguments": json_or_none(args.strip())}, new_id)
             if c is None:
                 calls = calls if cut and k == len(parts) - 1 else []
                 break
@@ -192,7 +187,7 @@ def _mistral(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
     return text[:i].strip(), calls or []
 
 
-def _json_or_none(s: str):
+def json_or_none(s: str):
     try:
         return json.loads(s)
     except json.JSONDecodeError:
@@ -253,8 +248,8 @@ class ToolStream:
         """The rest, at the answer's end; `cut`: it ran out of tokens (parse_tool_calls)."""
         buf, self._buf = self._buf, ""
         if not self._in_call and self._decided:
-            markers = (_H_OPEN, _H_CLOSE) if self.fmt == HERMES else (_M_OPEN,)
-            return (_cut_marker(buf, markers) if cut and self.fmt != LLAMA3 else buf), []
+            return (_cut_marker(buf, _MARKERS[self.fmt]) if cut and self.fmt != LLAMA3
+                    else buf), []
         content, calls = parse_tool_calls(self.fmt, buf, self._new_id, cut)
         self.calls.extend(calls)
         return content, list(calls)
@@ -274,7 +269,7 @@ class ToolStream:
             out.append(self._buf)
             self._buf = ""
             return
-        markers = (_H_OPEN, _H_CLOSE) if self.fmt == HERMES else (_M_OPEN,)
+        markers = _MARKERS[self.fmt]
         while True:
             hits = [(i, m) for m in markers if (i := self._buf.find(m)) >= 0]
             if not hits:
