@@ -8,7 +8,6 @@ agents it names (ZeroMQ endpoints, in order of preference) or by this agent's ow
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -154,7 +153,6 @@ class VerifierService:
                                       daemon=True)
         self._beat.start()
         self._batch = None  # the continuous batch (a plain verifier only)
-        self._compute = contextlib.nullcontext()
         if limits.batch_sessions > 0 and verifier is None:
             self._start_batch()
         self._stage = None
@@ -167,17 +165,15 @@ class VerifierService:
         self.generations.stage = self._stage
 
     def _start_batch(self) -> None:
-        lock = threading.Lock()
         try:
             self._batch = BatchEngine(self.lm, proposer="none",
                                       max_active=self.limits.batch_sessions,
                                       max_queue=self.limits.batch_queue,
-                                      stall_ratio=self.limits.stall_ratio, compute_lock=lock,
+                                      stall_ratio=self.limits.stall_ratio,
                                       prompt_cache_bytes=self.limits.prompt_cache_mb << 20)
         except ValueError as e:  # a model the flat forward cannot run: one session at a time
             log.warning("no continuous batching for %s: %s", self.lm.spec, e)
             return
-        self._compute = lock
         self._batch.start()
         self.generations.batch = self._batch
 
@@ -233,12 +229,14 @@ class VerifierService:
             return False
         check_request(msg, self.policy, self.limits.max_tokens, self.lm.vocab_size)
         self._peers(msg.proposers)  # before any connection: fleet members only (no SSRF)
-        if self._batch is not None and not (self._stage is not None and self._stage.wants(msg)):
+        # decided once: with a batch, the one-session queue never runs a request beside it
+        staged = self._stage is not None and self._stage.wants(msg)
+        if self._batch is not None and not staged:
             self.generations.submit_batched(msg, reply)
             return True
 
         def queue_it() -> None:
-            if self._stage is not None and self._stage.wants(msg):
+            if staged:
                 self._stage.put(msg, reply)  # a long prompt may prefill elsewhere first
             else:
                 self._jobs.put_nowait((msg, reply, None))
@@ -274,8 +272,7 @@ class VerifierService:
             msg, reply, staged = job
             self._solo += 1
             try:
-                with self._compute:  # the batch waits while one session runs alone
-                    self.generations.generate(msg, reply, staged)
+                self.generations.generate(msg, reply, staged)
             except VerifierLost as e:
                 reply(ErrorReply(UNAVAILABLE, f"the sharded verifier lost a rank: {e}"))
                 self._fatal(str(e))

@@ -7,7 +7,6 @@ serve/one.py). `BatchEngine` wires the parts: docs/serving.md, "engine.py".
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -102,12 +101,10 @@ class BatchEngine:
                  stall_ratio: float = DEFAULT_STALL_RATIO,
                  install_share: float = DEFAULT_INSTALL_SHARE,
                  clock: Callable[[], float] = time.perf_counter,
-                 compute_lock: threading.Lock | None = None,
                  prompt_cache_bytes: int = 0, step_ahead: bool = True,
                  verifier: Verifier | None = None) -> None:
         """stall_ratio: an iteration with prefill chunks costs at most this many decode-only
-        ones (0: only the token budget bounds it); compute_lock: held around each iteration
-        when another thread runs the same model; install_share: the share of a decode-only
+        ones (0: only the token budget bounds it); install_share: the share of a decode-only
         iteration spent copying a shipped KV while others decode (0: all at once);
         prompt_cache_bytes: 0 for no prompt cache; step_ahead: dispatch plain steps one
         iteration ahead; verifier: every session runs through it, one at a time (a sharded
@@ -122,7 +119,6 @@ class BatchEngine:
             probe.close()
         self.token_budget, self.max_active, self.max_queue = token_budget, max_active, max_queue
         self.chunked, self.clock = chunked, clock
-        self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
         self.install_share = install_share
         # this module's functions are looked up at each call: a test or a bench may replace them
         self.costs = BatchCosts(lm.model, stall_ratio, lambda m: verify_costs(m))
@@ -143,7 +139,7 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self.history: deque[IterationView] = deque(maxlen=ITERATION_HISTORY)
         self.iterations = 0
-        self.step_ahead = step_ahead and compute_lock is None and not self.invariant
+        self.step_ahead = step_ahead and not self.invariant
         self._ahead: InFlight | None = None  # the next iteration, dispatched already
         self._lost: Exception | None = None  # the given verifier's failure, for its owner
 
@@ -292,14 +288,13 @@ class BatchEngine:
             batch = [s for s in self.table.active if s.kv_handle.shipped_kv is None]
             installing = [s for s in self.table.active if s.kv_handle.shipped_kv is not None]
         try:
-            with self._compute:
-                if installing:
-                    share = self.install_share if batch else 0.0  # others decode meanwhile
-                    self.session_kv.install_some(installing, share * (self.costs.stall.decode_ms
-                                                              or DEFAULT_DECODE_MS),
-                                         self._fail)
-                if batch:
-                    self._iteration(batch)
+            if installing:
+                share = self.install_share if batch else 0.0  # others decode meanwhile
+                self.session_kv.install_some(
+                    installing, share * (self.costs.stall.decode_ms or DEFAULT_DECODE_MS),
+                    self._fail)
+            if batch:
+                self._iteration(batch)
         except Exception as e:  # noqa: BLE001 - the engine outlives any one bad iteration
             self._ahead = None
             for s in batch:

@@ -64,6 +64,22 @@ def test_concurrent_sessions_share_forwards_and_match_one_at_a_time(agents):
     assert not batch_status(solo.card, KEY).batching
 
 
+def test_the_verifier_agent_alone_steps_ahead(agents, monkeypatch):
+    """`--proposer none` through a batching verifier agent (what a fleet's speedup is measured
+    against): its plain steps go out one iteration ahead, as in `serve`, the same answer as
+    one session at a time."""
+    from macfleet.serve import engine as engine_mod
+
+    prop, batched, solo = agents
+    went, real = [], engine_mod.steps_ahead
+    monkeypatch.setattr(engine_mod, "steps_ahead",
+                        lambda *a, **kw: went.append(real(*a, **kw)) or went[-1])
+    alone = run(solo, PROMPTS[1], [], "none", max_tokens=16)  # (a batch of one: ahead too)
+    went.clear()
+    assert run(batched, PROMPTS[1], [], "none", max_tokens=16).token_ids == alone.token_ids
+    assert sum(bool(g) for g in went) >= 10  # (the steps ahead: all but the last few)
+
+
 def test_a_dead_proposer_in_the_batch_falls_back_to_the_next(agents):
     prop, batched, solo = agents
     alone = run(solo, PROMPTS[0], [], "none", max_tokens=16)
