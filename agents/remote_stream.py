@@ -32,6 +32,7 @@ SILENCE_S = 5.0  # an agent that pushes nothing this long while drafts are owed 
 LEAD = 2 * 12 + 2  # tokens the agent may draft past what it knows is committed
 _EMA = 0.2
 _TRANSIT_MS = 0.3  # a chunk's way from the agent's compute thread to this one, on a LAN
+CLOSE_LINGER_MS = 500  # a CloseSession sent as the socket closes may take this long to leave
 
 
 class AheadMirror:
@@ -246,12 +247,14 @@ class StreamingProposer(Proposer):
             self._received += self._mirror.received
             self._wasted += self._mirror.wasted
         if self._client is not None:
-            if self._session:
+            linger = 0
+            if self._session or self._opening:  # (its answer may not have been read yet)
                 try:
-                    self._client.send(CloseSession(self._session))
+                    self._client.send(CloseSession(self._session or self._opening))
+                    linger = CLOSE_LINGER_MS  # (closed at once, the socket would drop it)
                 except PeerUnavailable:
                     pass  # the agent evicts idle sessions by itself
-            self._client.close()
+            self._client.close(linger)
             self._client = None
         self._session = self._opening = ""
         self._mirror = None

@@ -124,9 +124,10 @@ class _Shell:
             raise RuntimeError(f"{type(self).__name__} closed")
         return self._sock
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """linger_ms: how long messages still queued may take to leave (0: dropped)."""
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close(linger=linger_ms)
             self._sock = None
 
     def __enter__(self: _S) -> _S:

@@ -279,9 +279,9 @@ class Client(_Shell):
         self._sock = self._connect()
         self.rebuilds += 1
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         self._unwatch()
-        super().close()
+        super().close(linger_ms)
 
     def _peer_lost(self) -> bool:
         """Drain the monitor; True when the connection was lost since the last drain."""

@@ -396,3 +396,32 @@ def test_streams_that_fail_together_draft_alone_and_retry_rarely(monkeypatch):
             assert got[sid] == list(alone.propose(p, 8).tokens), sid
     finally:
         svc.close()
+
+
+def test_a_closed_stream_closes_its_session_on_the_draft_agent():
+    """StreamingProposer.close tells the agent (CloseSession, one-way, as its socket closes):
+    the agent's session goes at once, not at its idle eviction."""
+    import time
+
+    from agents.remote_stream import StreamingProposer
+    from bridge.transport import Server
+
+    svc = DraftAheadService(load_model("tiny:3"), serves="tiny:3")
+    server = Server(lambda env, reply: svc.handle(env.msg, reply), key=KEY,
+                    bind="tcp://127.0.0.1:*").start()
+    proposer = StreamingProposer(f"tcp://127.0.0.1:{server.port}", key=KEY, model="tiny:3")
+    try:
+        deadline = time.monotonic() + 10
+        while svc.sessions == 0 and time.monotonic() < deadline:
+            proposer.begin([1, 2, 3], 4)  # the first block opens the session
+            proposer.finish()
+        assert svc.sessions == 1
+        proposer.close()
+        deadline = time.monotonic() + 3
+        while svc.sessions and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert svc.sessions == 0
+    finally:
+        proposer.close()
+        server.close()
+        svc.close()
