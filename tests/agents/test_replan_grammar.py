@@ -199,9 +199,12 @@ def test_json_through_the_fleet_and_across_a_replan_on_smollm2(monkeypatch, caps
     # third of this test's time), and a greedy answer is the same whatever lengths are drafted
     monkeypatch.setattr(vc, "_memo", {})
     vc._remember(lm.model, {L: 10.0 + 0.2 * (L - 1) for L in (1, 2, 4, 8, 16, 32, 64)})
-    asks = [("Give the capital of France as JSON with the key capital.",
-             {"type": "json_object"}),
-            ("Describe a person called Alice who is 30 and lives in Paris.",
+    # the breaking verifier first, then the good one: a re-plan mid-object (an ask of the
+    # good verifier alone, json_object, went: a grammar through the fleet is
+    # test_response_format_goes_through_the_fleet_and_equals_in_process's on the tiny model, the
+    # wire carries any kind as its two strings, and json_object on smollm2 is the serving
+    # engine's in test_structured_trees.py: docs/testing.md, ninth round)
+    asks = [("Describe a person called Alice who is 30 and lives in Paris.",
              {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})]
 
     def reference(prompt, fmt):
@@ -227,11 +230,7 @@ def test_json_through_the_fleet_and_across_a_replan_on_smollm2(monkeypatch, caps
     docs = []
     try:
         calls = _fleet(monkeypatch, [bad.card, good.card], prefer=bad.node_id)
-        for i, (prompt, fmt) in enumerate(asks):
-            if i == 0:  # the first: the good verifier alone; the second: the breaking one first
-                monkeypatch.setattr(client, "members", lambda *a, **k: [good.card])
-            else:
-                monkeypatch.setattr(client, "members", lambda *a, **k: [bad.card, good.card])
+        for prompt, fmt in asks:
             args = build_parser().parse_args(
                 ["generate", prompt, "--model", model, "--proposer", "ngram", "--max-tokens",
                  str(n), "--json", "--wait", "0.1", "--response-format", json.dumps(fmt)])
@@ -243,7 +242,6 @@ def test_json_through_the_fleet_and_across_a_replan_on_smollm2(monkeypatch, caps
     for (prompt, fmt), doc in zip(asks, docs):
         assert doc["token_ids"] == reference(prompt, fmt), doc["text"]
         assert doc["stats"]["fleet"]["verifier_agent"] == good.name
-    assert isinstance(json.loads(docs[0]["text"]), dict), docs[0]["text"]
-    jsonschema.validate(json.loads(docs[1]["text"]), PERSON)
-    assert [c["verifier"] for c in calls] == [good.name, bad.name, good.name]
-    assert 6 <= len(calls[2]["prefix_ids"]) < len(docs[1]["token_ids"])  # mid-object
+    jsonschema.validate(json.loads(docs[0]["text"]), PERSON)
+    assert [c["verifier"] for c in calls] == [bad.name, good.name]
+    assert 6 <= len(calls[1]["prefix_ids"]) < len(docs[0]["token_ids"])  # mid-object

@@ -2,7 +2,7 @@
 
 Reference: mlx-lm's own `generate_step` (greedy) on the same model, cut at EOS, same max tokens.
 Real-model generations are kept short (10 tokens) and few: every proposer x 2 of the 3 prompts
-at k=4, plus two adaptive (`auto`) cases and one k=1 case. Malicious proposers run on a tiny
+at k=4 (layerskip on one), plus two adaptive (`auto`) cases. Malicious proposers run on a tiny
 model.
 
 Token ids: the "greedy margin" rule of tests/tolerance.py (verify blocks of L tokens vs
@@ -69,11 +69,14 @@ def test_references_cover_eos_and_length(references):
 # drafts are accepted (measured: n-gram 6 of 10 drafted on summary, 1 of 11 on code;
 # layerskip:12 2 of 27 on summary, none of 30 on code), not on every prompt: a third prompt
 # gave another text, not another path through the loop (~9 s of smollm2 per sweep).
+# layerskip:12 on chat only: it is a ModelProposer as draft:smollm2 is (a model cut to its
+# first layers), and the verifier's rollback after a partly accepted block is n-gram's on
+# summary (layerskip's summary and its k=1 case went: docs/testing.md, ninth round)
 @pytest.mark.slow
 @pytest.mark.parametrize("proposer,prompt", [
     ("none", "chat"), ("none", "code"),
     ("ngram", "chat"), ("ngram", "summary"),
-    ("layerskip:12", "chat"), ("layerskip:12", "summary"),
+    ("layerskip:12", "chat"),
     ("draft:smollm2", "chat"), ("draft:smollm2", "code"),
 ])
 def test_greedy_identical_k4(smollm2, verifier, references, proposer, prompt):
@@ -89,7 +92,6 @@ def test_greedy_identical_k4(smollm2, verifier, references, proposer, prompt):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("proposer,draft_tokens,prompt", [
-    ("layerskip:12", 1, "chat"),
     ("ngram", "auto", "summary"),
     ("draft:smollm2", "auto", "code"),
 ])

@@ -142,12 +142,15 @@ def test_unpermute_rows_pairs_rotary_halves():
 @pytest.mark.slow
 def test_bfloat16_embedded_model_is_bf16_and_still_correct(smollm2):
     """`smollm2:bf16` (what a GPU may run fastest) casts every weight; perplexity stays within
-    a few percent of float32's (bfloat16 keeps 8 bits of mantissa)."""
+    a few percent of float32's (bfloat16 keeps 8 bits of mantissa). On the paragraph's first
+    24 tokens: MLX's CPU runs bfloat16 matmuls slowly (the whole paragraph's 111 tokens took
+    23 s, 24 take 3.5; bfloat16's perplexity is within 0.2 % and 0.7 % of float32's there),
+    and weights off by ~4 % move it by 17 % (docs/testing.md, ninth round)."""
     from macfleet.engine.models import ModelSpecError, load_model
 
     lm = load_model("smollm2:bf16")
     assert lm.model.model.layers[0].self_attn.q_proj.weight.dtype == mx.bfloat16
-    ids = lm.tokenizer.encode(PARAGRAPH)
+    ids = lm.tokenizer.encode(PARAGRAPH)[:24]
     ppl32, ppl16 = perplexity(smollm2.model, ids), perplexity(lm.model, ids)
     assert abs(ppl16 - ppl32) / ppl32 < 0.1, (ppl16, ppl32)
     with pytest.raises(ModelSpecError, match="smollm2:bf16"):

@@ -8,17 +8,22 @@ The whole matrix runs against `serve --local` (the shared smollm2 server, confte
 `up --serve` (a fleet of 2 agents, its own) the API layer is the same code, so only what the
 fleet path changes runs there too: a response_format grammar (openai `parse()`) and a tool
 grammar (a named call equal to `serve --local`'s) decoded by the verifier agent, and a streamed
-answer cut by max_tokens. Calls of one test go at once: one batch (slow: smollm2 on the CPU)."""
+answer cut by max_tokens. Every call of the module to one backend goes at once (`local_calls`,
+`fleet_calls`): one batch on the server (slow: smollm2 on the CPU), the longest answer's
+iterations instead of each test's batch one after another; each test reads its own calls'
+outcome (an assertion that failed in the call's thread fails that test)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import importlib.util
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -89,14 +94,6 @@ def fleet(tmp_path_factory):
         _down(home)
 
 
-@pytest.fixture(params=["serve --local", "up --serve"])
-def backend(request, smollm2_server):
-    """Both backends, for the tests of what the fleet path changes (the module's docstring)."""
-    if request.param == "serve --local":
-        return smollm2_server
-    return request.getfixturevalue("fleet")
-
-
 def _openai(s: Server):
     import openai
 
@@ -107,10 +104,11 @@ def _clean(text: str | None) -> None:
     assert not any(m in (text or "") for m in MARKUP), text
 
 
-def test_openai_parse_returns_the_model_and_a_bad_strict_schema_is_a_clear_400(backend):
+# -- the checks: each a function of the backend, called at once by the fixtures below ---------
+def parse_and_bad_strict_schema(s: Server) -> None:
     import openai
 
-    c = _openai(backend)
+    c = _openai(s)
     r = c.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": USER_Q}],
                                  response_format=User, max_tokens=40, temperature=0)
     assert isinstance(r.choices[0].message.parsed, User), r
@@ -124,11 +122,8 @@ def test_openai_parse_returns_the_model_and_a_bad_strict_schema_is_a_clear_400(b
     assert "additionalProperties" in e.value.body["message"]
 
 
-# behind the fleet streamed only: a whole answer is the same stream, collected by the API layer
-@pytest.mark.parametrize("backend, stream", [("serve --local", False), ("serve --local", True),
-                                             ("up --serve", True)], indirect=["backend"])
-def test_openai_required_call_cut_by_max_tokens_is_length_without_markup(backend, stream):
-    c = _openai(backend)
+def required_call_cut_by_max_tokens(s: Server, stream: bool) -> None:
+    c = _openai(s)
     kw = dict(model="smollm2", messages=[{"role": "user", "content": WEATHER_Q}],
               tools=[WEATHER], tool_choice="required", max_tokens=8, temperature=0)
     if not stream:
@@ -144,12 +139,12 @@ def test_openai_required_call_cut_by_max_tokens_is_length_without_markup(backend
     assert not calls and finish == "length"
 
 
-def test_instructor_returns_the_model_in_tools_and_json_schema_modes(smollm2_server):
-    """Both modes at once (one batch on the server; were a parametrized test each)."""
+def instructor_both_modes(s: Server) -> None:
+    """Both modes at once (were a parametrized test each)."""
     import instructor
 
     def extract(mode: str) -> User:
-        ic = instructor.from_openai(_openai(smollm2_server), mode=getattr(instructor.Mode, mode))
+        ic = instructor.from_openai(_openai(s), mode=getattr(instructor.Mode, mode))
         return ic.chat.completions.create(model="smollm2", response_model=User, max_tokens=100,
                                           max_retries=0, temperature=0,
                                           messages=[{"role": "user", "content": USER_Q}])
@@ -160,7 +155,7 @@ def test_instructor_returns_the_model_in_tools_and_json_schema_modes(smollm2_ser
         assert isinstance(user, User) and user.age == 34, users
 
 
-def test_langchain_bind_tools_required_and_named_and_structured_output(smollm2_server):
+def langchain_tools_and_structured_output(s: Server) -> None:
     import langchain_openai
     from langchain_core.tools import tool
 
@@ -169,10 +164,9 @@ def test_langchain_bind_tools_required_and_named_and_structured_output(smollm2_s
         """Current weather in a city."""
         return "sunny"
 
-    s = smollm2_server
     llm = langchain_openai.ChatOpenAI(model="smollm2", base_url=s.v1, api_key=s.key,
                                       max_tokens=40, temperature=0, max_retries=0)
-    with cf.ThreadPoolExecutor(3) as ex:  # at once: one batch on the server
+    with cf.ThreadPoolExecutor(3) as ex:
         calls = [ex.submit(llm.bind_tools([get_weather], tool_choice=choice).invoke, WEATHER_Q)
                  for choice in ("required", "get_weather")]
         user = ex.submit(llm.with_structured_output(User).invoke, USER_Q)
@@ -184,10 +178,9 @@ def test_langchain_bind_tools_required_and_named_and_structured_output(smollm2_s
         assert isinstance(user.result(), User)
 
 
-def test_litellm_tools(smollm2_server):
+def litellm_tools(s: Server) -> None:
     import litellm
 
-    s = smollm2_server
     r = litellm.completion(model="openai/smollm2", api_base=s.v1, api_key=s.key,
                            messages=[{"role": "user", "content": WEATHER_Q}], tools=[WEATHER],
                            tool_choice="required", max_tokens=40, temperature=0)
@@ -196,8 +189,70 @@ def test_litellm_tools(smollm2_server):
     assert [t.function.name for t in msg.tool_calls] == ["get_weather"]
 
 
-def test_a_named_tool_call_through_the_fleet_is_the_one_serve_local_gives(smollm2_server,
-                                                                          fleet):
+@contextlib.contextmanager
+def _at_once(calls: dict[str, Callable[[], object]]) -> Iterator[dict[str, cf.Future]]:
+    """Every call started at once, one thread each (one batch on the server: each test's
+    calls one after another were the module's minutes); the futures by name."""
+    with cf.ThreadPoolExecutor(len(calls)) as ex:
+        yield {name: ex.submit(fn) for name, fn in calls.items()}
+
+
+@pytest.fixture(scope="module")
+def local_calls(smollm2_server) -> Iterator[dict[str, cf.Future]]:
+    """Every `serve --local` check of the module, at once."""
+    s = smollm2_server
+    with _at_once({"parse": lambda: parse_and_bad_strict_schema(s),
+                   "cut": lambda: required_call_cut_by_max_tokens(s, False),
+                   "cut streamed": lambda: required_call_cut_by_max_tokens(s, True),
+                   "instructor": lambda: instructor_both_modes(s),
+                   "langchain": lambda: langchain_tools_and_structured_output(s),
+                   "litellm": lambda: litellm_tools(s)}) as futures:
+        yield futures
+
+
+@pytest.fixture(scope="module")
+def fleet_calls(smollm2_server, fleet) -> Iterator[dict[str, cf.Future]]:
+    """Every `up --serve` check of the module, at once (the named call: both backends)."""
+    from test_tool_grammar import NAMED, _ask
+
+    with _at_once({"parse": lambda: parse_and_bad_strict_schema(fleet),
+                   "cut streamed": lambda: required_call_cut_by_max_tokens(fleet, True),
+                   "named local": lambda: _ask(_openai(smollm2_server), NAMED),
+                   "named fleet": lambda: _ask(_openai(fleet), NAMED)}) as futures:
+        yield futures
+
+
+def test_openai_parse_returns_the_model_and_a_bad_strict_schema_is_a_clear_400(local_calls):
+    local_calls["parse"].result()
+
+
+# behind the fleet streamed only: a whole answer is the same stream, collected by the API layer
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_required_call_cut_by_max_tokens_is_length_without_markup(local_calls, stream):
+    local_calls["cut streamed" if stream else "cut"].result()
+
+
+def test_instructor_returns_the_model_in_tools_and_json_schema_modes(local_calls):
+    local_calls["instructor"].result()
+
+
+def test_langchain_bind_tools_required_and_named_and_structured_output(local_calls):
+    local_calls["langchain"].result()
+
+
+def test_litellm_tools(local_calls):
+    local_calls["litellm"].result()
+
+
+def test_through_the_fleet_openai_parse_and_a_bad_strict_schema(fleet_calls):
+    fleet_calls["parse"].result()
+
+
+def test_through_the_fleet_a_streamed_required_call_cut_by_max_tokens(fleet_calls):
+    fleet_calls["cut streamed"].result()
+
+
+def test_a_named_tool_call_through_the_fleet_is_the_one_serve_local_gives(fleet_calls):
     """Tool grammars travel as any grammar does (protocol 4's grammar fields): behind
     `up --serve` the fleet's verifier agent masks its batch rows. A named call through the
     fleet is the one `serve --local` gives for the same request (greedy), with schema-valid
@@ -206,10 +261,9 @@ def test_a_named_tool_call_through_the_fleet_is_the_one_serve_local_gives(smollm
     same request: its `_ask`). Was a reference decoded in this process too (a third smollm2
     load, 54 s of this module's set-up on a loaded box), and before that test_tool_grammar.py's
     test_enforced_tool_calls_through_a_fleet_equal_serve_local, with a fleet of its own."""
-    from test_tool_grammar import NAMED, _ask, _valid
+    from test_tool_grammar import _valid
 
-    with cf.ThreadPoolExecutor(2) as ex:  # both backends at once
-        local, through = ex.map(lambda s: _ask(_openai(s), NAMED), (smollm2_server, fleet))
+    local, through = fleet_calls["named local"].result(), fleet_calls["named fleet"].result()
     finish, got = through
     assert finish == "tool_calls" and len(got) == 1, through
     _valid(got, ("get_time",))

@@ -141,6 +141,19 @@ def test_a_useless_prediction_leaves_the_other_drafters_blocks_as_they_are(tiny,
     assert blocks_p == blocks
 
 
+def test_a_prediction_beside_a_drafter_that_drafts_the_same_changes_no_token(tiny,
+                                                                             monkeypatch):
+    """The answer as the prediction beside a drafter that drafts it too (a copy of the
+    verifier): their drafts share the tree's nodes, the accepted path runs through both, and
+    the tokens are plain decoding's (the smollm2 test's code prediction beside n-gram, which
+    copies the same code out of the prompt, checked this on the embedded model)."""
+    prompt = _prompt(tiny.vocab_size)
+    plain, _, _ = _blocks(tiny, "none", prompt, (), monkeypatch)
+    toks, _, fin = _blocks(tiny, "draft:tiny:1:64", prompt, tuple(plain), monkeypatch)
+    assert toks == plain
+    assert fin.stats.prediction_tokens[0] > 0 and fin.stats.accepted > len(plain) // 2
+
+
 @pytest.mark.parametrize("proposer", ["none", "ngram"])
 def test_a_useless_prediction_costs_no_verify_position_once_it_went_quiet(tiny, monkeypatch,
                                                                            proposer):
@@ -266,13 +279,16 @@ def test_drafters_count_the_tokens_of_theirs_the_cut_tree_verified():
 def test_smollm2_predictions_change_no_token_and_the_codes_takes_fewer_verifier_steps(
         monkeypatch):
     """The embedded model asked to repeat code, on a fixed verify(L) (ForwardClock): greedy
-    tokens identical to plain decoding with the code as the prediction (beside the n-gram
-    drafter and alone) or unrelated code (beside n-gram). The code's prediction is mostly
+    tokens identical to plain decoding with the code as the prediction (alone) or unrelated
+    code (beside n-gram). The code's prediction is mostly
     accepted and takes under half the verifier steps; the unrelated code's (its drafts
     re-align on common runs such as indentation, and miss) takes no more blocks than n-gram
     alone. (It was asked alone too: no more blocks than plain decoding holds there by
-    construction, each block committing at least the one token a plain step does.) The
-    edited and useless predictions of tiny token ids, alone and beside n-gram:
+    construction, each block committing at least the one token a plain step does; and beside
+    n-gram, which drafts the same code: a drafter agreeing with the prediction is the tiny
+    model's test_a_prediction_beside_a_drafter_that_drafts_the_same_changes_no_token,
+    docs/testing.md ninth round.) The edited and useless predictions of tiny token ids, alone
+    and beside n-gram:
     test_a_prediction_changes_no_greedy_token_and_counts_its_own_drafts."""
     lm, tok, ids = _repeat_snippet()
     code = tuple(tok.encode(SNIPPET, add_special_tokens=False))
@@ -285,7 +301,6 @@ def test_smollm2_predictions_change_no_token_and_the_codes_takes_fewer_verifier_
     assert toks == plain
     assert f.stats.prediction_tokens[0] >= len(plain) // 2
     assert f.stats.blocks < fin.stats.blocks // 2
-    assert _blocks(lm, "ngram", ids, code, monkeypatch)[0] == plain
     ngram, _, fin_ng = _blocks(lm, "ngram", ids, (), monkeypatch)
     assert ngram == plain
     toks, _, fin_p = _blocks(lm, "ngram", ids, other, monkeypatch)

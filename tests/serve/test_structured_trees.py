@@ -235,14 +235,16 @@ PERSON = {"type": "object", "additionalProperties": False,
                          "city": {"type": "string", "enum": ["Paris", "London", "Rome"]}}}
 
 
-@pytest.mark.slow  # smollm2 on the CPU: two JSON answers, plain / one process / serving engine
+@pytest.mark.slow  # smollm2 on the CPU: two JSON answers, plain / serving engine
 def test_json_on_smollm2_with_retrieval_trees_equals_constrained_plain():
     """Both answers as one batch in each engine (greedy batched equals alone on smollm2:
     test_batch.py::test_smollm2_batched_greedy_equals_alone; under a JSON grammar:
     test_structured.py's test_json_schema_on_smollm2_...), trees of at most 4 drafted tokens
-    (the default budget's trees cost this test 3x the verify time for the same property)."""
-    from reference_loops import generate_local
-
+    (the default budget's trees cost this test 3x the verify time for the same property).
+    The reference loop (tests/reference_loops.py, test code) was asked the same here too, each
+    answer alone; its trees under a grammar are the tiny model's
+    test_one_process_trees_under_a_grammar_equal_constrained_plain (docs/testing.md, ninth
+    round)."""
     jsonschema = pytest.importorskip("jsonschema")
     lm = load_model("smollm2")
     tok = lm.tokenizer
@@ -261,10 +263,8 @@ def test_json_on_smollm2_with_retrieval_trees_equals_constrained_plain():
     served = serve_all(engine, reqs)
     assert seen and all(t is not None for t in seen)
     for (g, q, n), (p, f0), (t, f1) in zip(cases, plain, served):
-        fin = list(generate_local(lm, q, proposer=spec, draft_tokens=k, max_tokens=n,
-                                  grammar=g))[-1]
-        assert t == p == list(fin.token_ids), (tok.decode(p), tok.decode(t))
-        assert "+" in fin.stats.proposer
+        assert t == p, (tok.decode(p), tok.decode(t))
+        assert "+" in f1.stats.proposer
         if f0.stats.finish_reason == "stop":
             obj = json.loads(tok.decode(p))
             if g.kind == JSON_SCHEMA:
