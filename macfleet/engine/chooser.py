@@ -269,6 +269,13 @@ class Chooser:
                                              for c in self.candidates))
         return ch
 
+    def plain(self) -> DrafterChoice:
+        """The next block decoded plainly without a choice (the engine sent its step out before
+        the block before it was read: `ChoosingGroup.plain_ahead`); observed as any block."""
+        why = self._last.why if self._last is not None else BEST
+        self._last = DrafterChoice(self.block, PLAIN, why, (self.rate(PLAIN) or 0.0) * 1e3)
+        return self._last
+
     def _short_of_floor(self) -> float:
         """How many ms drafting has lost against plain decoding beyond FLOOR_SHARE of the
         session's time (> 0: below the floor). Its blocks' time against what plain steps

@@ -135,7 +135,11 @@ class BatchDrafting:
             if rows is not None:
                 together.setdefault(id(rows), []).append(s)
             elif s.group is not None:
-                groups[s.sid] = cap_total(s.group.lengths(s.left, s.context), ks[s.sid])
+                if ks[s.sid] == 0 and s.group.plain_ahead:  # (its step went out ahead)
+                    s.group.plain_block()
+                    groups[s.sid] = [0] * len(s.group.proposers)
+                else:
+                    groups[s.sid] = cap_total(s.group.lengths(s.left, s.context), ks[s.sid])
                 b.k = sum(groups[s.sid])
                 s.group.begin(s.context, groups[s.sid])
             elif s.proposer is not None and b.k > 0:

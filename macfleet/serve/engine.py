@@ -406,7 +406,8 @@ class BatchEngine:
             views.append(AheadView(
                 s.sid, sl is not None and not sl.prefill and sl.tokens == 1
                 and isinstance(s.cache, RowCache) and s.sid in it.decided,
-                s.proposer is not None or s.group is not None or s.prediction is not None,
+                s.proposer is not None or s.prediction is not None
+                or (s.group is not None and not s.group.plain_ahead),
                 s.constraint is not None, s.left, s.cancelled))
         going = set(steps_ahead(views, waiting=waiting, room=self.max_active - len(active)))
         return [s for s in active if s.sid in going]
@@ -415,9 +416,11 @@ class BatchEngine:
         """The next iteration of `going`'s plain steps, built on `it`'s lazy tokens and
         started before `it` is read."""
         run = tuple((s, Slot(s.sid, 1, False)) for s in going)
-        # each one's next token: its decision's second entry, read by the device only
-        segs = tuple(Segment(it.decided[s.sid][1:], s.cache, 0) for s in going)
-        return _launch(run, segs, flat_outputs(self.lm.model, segs), self.clock(), ahead=1)
+        # each one's next token: its decision's last entry (a chain's (0, next), a plain
+        # tree's [next] or (0, next)), read by the device only
+        segs = tuple(Segment(it.decided[s.sid][-1:], s.cache, 0) for s in going)
+        fwd = flat_outputs(self.lm.model, segs, hidden=any(s.feeds for s in going))
+        return _launch(run, segs, fwd, self.clock(), ahead=1)
 
 
 def _launch(run: tuple[tuple[BatchSession, Slot], ...], segs: tuple[Segment, ...],

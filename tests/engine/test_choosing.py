@@ -10,8 +10,8 @@ import pytest
 from engine_testkit import finished, mlx_lm_greedy
 
 from macfleet.engine.chooser import PLAIN, Candidate, Chooser
-from macfleet.engine.choosing import (FREE_K_MAX, SHADOW_K, ChoosingGroup, free_chain_k,
-                                      make_auto_group)
+from macfleet.engine.choosing import (AHEAD_RUN, FREE_K_MAX, SHADOW_K, ChoosingGroup,
+                                      free_chain_k, make_auto_group)
 from macfleet.engine.events import BlockDone, Finished
 from macfleet.engine.proposers.base import Draft, Proposer
 from reference_loops import generate_local
@@ -224,3 +224,29 @@ def test_sampled_auto_draws_what_plain_sampling_draws(tiny):
     auto = finished(generate_local(tiny, text, chat=False, proposer="auto", max_tokens=N,
                                    params=p))
     assert auto.token_ids == plain.token_ids
+
+
+def test_plain_blocks_go_out_ahead_of_the_chooser(tiny, ref_ids, monkeypatch):
+    """Once the chooser decodes plainly (its one drafter always wrong), the serving engine
+    sends those plain steps out one iteration ahead as plain decoding's, at most AHEAD_RUN
+    blocks in a row before it chooses again; every block is observed, the answer plain
+    decoding's."""
+    from macfleet.serve import engine as engine_mod
+    from macfleet.serve.one import decode_ids
+
+    went, real = [], engine_mod.steps_ahead
+    monkeypatch.setattr(engine_mod, "steps_ahead",
+                        lambda *a, **kw: went.append(real(*a, **kw)) or went[-1])
+    calls, choose, plain = [], Chooser.choose, Chooser.plain
+    monkeypatch.setattr(Chooser, "choose", lambda self, sizes=None: calls.append("c") or
+                        choose(self, sizes))
+    monkeypatch.setattr(Chooser, "plain", lambda self: calls.append("p") or plain(self))
+    bad = Scripted("bad", ref_ids, False)
+    group = ChoosingGroup([bad], [Candidate(PLAIN), Candidate("bad", (0,))], draft_tokens=4)
+    evs = list(decode_ids(tiny, PROMPT, group, max_tokens=N, eos_ids=frozenset()))
+    fin = evs[-1]
+    assert isinstance(fin, Finished) and list(fin.token_ids) == ref_ids
+    assert len(calls) == len(fin.stats.trace) == fin.stats.blocks  # every block observed
+    assert calls.count("p") >= N // 4 and "p" * (AHEAD_RUN + 1) not in "".join(calls)
+    assert sum(bool(g) for g in went) == calls.count("p")  # each unchosen block went ahead
+    assert all(t.drafter == PLAIN for t, c in zip(fin.stats.trace, calls) if c == "p")

@@ -51,6 +51,7 @@ class ProposerGroup:
     choice = None  # a group that chooses its drafter per block (engine/choosing.py): this one's
     choices: Sequence = ()
     trace: Sequence = ()  # ... and what it saw (stats.BlockTrace)
+    plain_ahead = False  # its next block may decode plainly unchosen (ChoosingGroup's)
 
     def __init__(self, proposers: Sequence[Proposer], *, draft_tokens: int | str = "auto",
                  k_max: int = DEFAULT_K_MAX, node_budget: int = DEFAULT_NODE_BUDGET) -> None:
