@@ -192,7 +192,12 @@ def litellm_tools(s: Server) -> None:
 @contextlib.contextmanager
 def _at_once(calls: dict[str, Callable[[], object]]) -> Iterator[dict[str, cf.Future]]:
     """Every call started at once, one thread each (one batch on the server: each test's
-    calls one after another were the module's minutes); the futures by name."""
+    calls one after another were the module's minutes); the futures by name. The client
+    libraries are imported here first: two threads importing one module for the first time
+    race (one saw openai's httpx2 partly initialized in a fresh clone's run)."""
+    for lib in ("httpx2", "openai", "instructor", "langchain_openai", "litellm"):
+        if importlib.util.find_spec(lib) is not None:
+            importlib.import_module(lib)
     with cf.ThreadPoolExecutor(len(calls)) as ex:
         yield {name: ex.submit(fn) for name, fn in calls.items()}
 
