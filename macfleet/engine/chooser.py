@@ -361,6 +361,23 @@ class Chooser:
                                    - self.verify_ms(max(1, verified)))
         self._est[name].add(accepted, verified, draft_ms, cap=self._first_draft_cap(verified))
 
+    def implied(self, name: str, accepted: int) -> None:
+        """A block of `name` whose outcome another candidate's verified block told, at no cost
+        (`ChoosingGroup`: an EAGLE chain's first token is its head's tree's best first-level
+        node, so a greedy tree block that accepted nothing rejected the chain's too): a try of
+        it at its measured cost. Not before its own first block (its cost is not known)."""
+        e = self._est[name]
+        if e.n == 0:
+            return
+        size = max(1, round(e.length))
+        if e.tries:  # a first try is the session's exploring (as in `observe`)
+            e.won_ms += (1 + accepted) * self.verify_ms(1) - e.draft_ms - self.verify_ms(size)
+        e.add(accepted, size, e.draft_ms)
+        e.tries += 1
+        lost = (self.rate(name) or 0.0) <= self._best_other(name)
+        e.interval = min(MAX_INTERVAL, e.interval * 2) if lost else MIN_INTERVAL
+        e.next_try = max(e.next_try, self.block + e.interval)
+
     def _first_draft_cap(self, verified: int) -> float:
         """A first block's drafting counts at most STALL_STEPS verifies of its block."""
         return STALL_STEPS * self.verify_ms(max(1, verified))

@@ -64,6 +64,11 @@ class ChoosingGroup(ProposerGroup):
                          node_budget=tree_budget(proposers))
         self.candidates = tuple(candidates)
         self.prior = dict(prior or {})
+        self._greedy = True
+        # a tree drafter's index -> the candidates that are chains of its head (ChainsOf)
+        self._chains = {j: tuple(c.name for c in self.candidates if len(c.members) == 1
+                                 and getattr(proposers[c.members[0]], "tree", None) is p)
+                        for j, p in enumerate(proposers) if p.drafts_trees}
         self._reset()
 
     def _reset(self) -> None:
@@ -86,6 +91,7 @@ class ChoosingGroup(ProposerGroup):
 
     def start(self, params) -> None:
         super().start(params)
+        self._greedy = params.temperature == 0
         self._reset()
 
     def seed_verify_costs(self, costs) -> None:
@@ -233,6 +239,11 @@ class ChoosingGroup(ProposerGroup):
         got = max((accepted[j] for j in members), default=0)
         size = verified or 1 + sum(len(drafts[j]) for j in members)
         self.chooser.observe(self.choice.drafter, got, size, self._draft_ms, verify_ms)
+        if self._greedy:  # a head's tree that kept nothing: its chain's block would not either
+            for j in members:
+                if len(drafts[j]) and accepted[j] == 0:
+                    for name in self._chains.get(j, ()):
+                        self.chooser.implied(name, 0)
         t = self._tally[self.choice.drafter]
         t[0] += 1
         t[1] += self.choice.why == EXPLORE

@@ -548,3 +548,33 @@ def test_below_the_floor_a_drafter_the_text_proves_still_drafts():
         c.shadow("ngram", 4, 5, 0.1)
     ch = c.choose(sizes={"ngram": 5})
     assert (ch.drafter, ch.why) == ("ngram", BEST)
+
+
+def romeo_tries(implied: bool) -> list:
+    """chat:romeo's first tries on a steep verify(L) (results/drafter-auto-plain-ahead): the
+    record's eagle drafts first and accepts nothing, eagle2's tree (the same head) accepts
+    nothing either; `implied`: that tree block also tells the chain's (ChoosingGroup)."""
+    c = chooser(prior={"eagle": Prior(1.153, 0.677, 2.63), "eagle2": Prior(0.0, 1.175, 8.28)},
+                cands=(Candidate(PLAIN), Candidate("eagle", (1,)), Candidate("eagle2", (2,))))
+    out = {PLAIN: (0, 1, 0.0), "eagle": (0, 4, 10.0), "eagle2": (0, 16, 20.0)}
+    picked = []
+    for _ in range(68):
+        ch = c.choose()
+        acc, L, dms = out[ch.drafter]
+        c.observe(ch.drafter, acc, L, dms, STEEP[L])
+        if implied and ch.drafter == "eagle2":
+            c.implied("eagle", 0)
+        if ch.drafter != PLAIN:
+            picked.append((ch.drafter, ch.why))
+    return picked
+
+
+def test_a_chain_its_heads_tree_proved_wrong_is_not_tried_again():
+    # the record hopes for eagle (PRIOR_TRIES tries the budget never holds): its second try
+    # followed eagle2's tree, though that tree (its first level holds the chain's first token)
+    # had already shown the chain's block would keep nothing
+    assert romeo_tries(False) == [("eagle", PRIOR), ("eagle2", EXPLORE), ("eagle", EXPLORE)]
+    assert romeo_tries(True) == [("eagle", PRIOR), ("eagle2", EXPLORE)]
+    c = chooser(cands=(Candidate(PLAIN), Candidate("eagle", (1,))))
+    c.implied("eagle", 0)  # never drafted: its cost is unknown, nothing learnt
+    assert c.measured("eagle") == 0

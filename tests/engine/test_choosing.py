@@ -163,6 +163,44 @@ def test_free_drafters_draft_before_the_choice_once_a_block(tiny, ref_ids, monke
     assert len(set(free.asked)) == len(free.asked)
 
 
+class ScriptedTree(Scripted):
+    drafts_trees = True
+
+
+class ChainOf(Scripted):
+    """A chain drafter of `tree`'s head (as `ChainsOf` is of an EAGLE-2 proposer's)."""
+
+    def __init__(self, tree: Scripted, *args) -> None:
+        super().__init__(*args)
+        self.tree = tree
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_tree_that_kept_nothing_tells_its_heads_chain(tiny, ref_ids, temperature):
+    """A greedy block of a head's tree that accepted nothing rejected the chain's first token
+    (the tree's best first-level node): the chain's estimate learns that block without drafting
+    it. Sampled, acceptance is not that simple: nothing is implied."""
+    from macfleet.engine.sampling import SamplingParams
+
+    tree = ScriptedTree("tree", ref_ids, False)
+    chain = ChainOf(tree, "chain", ref_ids, False)
+    group = ChoosingGroup([tree, chain], [Candidate(PLAIN), Candidate("tree", (0,)),
+                                          Candidate("chain", (1,))], draft_tokens=4)
+    group.start(SamplingParams(temperature=temperature, seed=1))
+    seen = []
+    group.chooser.implied = lambda name, acc: seen.append((name, acc))
+    for n in range(12):
+        ctx = PROMPT + ref_ids[:n]
+        ks = group.lengths(8, ctx)
+        group.begin(ctx, ks)
+        drafts = group.finish()
+        group.observe(drafts, [0, 0], 10.0)
+        if group.choice.drafter == "tree":
+            break
+    assert group.choice.drafter == "tree"
+    assert seen == ([("chain", 0)] if temperature == 0 else [])
+
+
 def test_a_free_chain_drafter_doubles_only_while_a_copy_runs_on():
     assert free_chain_k(SHADOW_K, SHADOW_K, SHADOW_K) == 2 * SHADOW_K
     assert free_chain_k(FREE_K_MAX, FREE_K_MAX, FREE_K_MAX) == FREE_K_MAX
