@@ -268,9 +268,18 @@ def test_plain_blocks_go_out_ahead_of_the_chooser(tiny, ref_ids, monkeypatch):
     """Once the chooser decodes plainly (its one drafter always wrong), the serving engine
     sends those plain steps out one iteration ahead as plain decoding's, at most AHEAD_RUN
     blocks in a row before it chooses again; every block is observed, the answer plain
-    decoding's."""
+    decoding's. The drafter takes 5 ms a draft (a tiny model's step: ~1 ms), so no timer
+    noise of a loaded box rates it near plain decoding (a CI run saw 4 plain blocks of 48 when
+    it drafted in no time)."""
+    import time
+
     from macfleet.serve import engine as engine_mod
     from macfleet.serve.one import decode_ids
+
+    class SlowWrong(Scripted):
+        def propose(self, context, k) -> Draft:
+            time.sleep(0.005)
+            return super().propose(context, k)
 
     went, real = [], engine_mod.steps_ahead
     monkeypatch.setattr(engine_mod, "steps_ahead",
@@ -279,7 +288,7 @@ def test_plain_blocks_go_out_ahead_of_the_chooser(tiny, ref_ids, monkeypatch):
     monkeypatch.setattr(Chooser, "choose", lambda self, sizes=None: calls.append("c") or
                         choose(self, sizes))
     monkeypatch.setattr(Chooser, "plain", lambda self: calls.append("p") or plain(self))
-    bad = Scripted("bad", ref_ids, False)
+    bad = SlowWrong("bad", ref_ids, False)
     group = ChoosingGroup([bad], [Candidate(PLAIN), Candidate("bad", (0,))], draft_tokens=4)
     evs = list(decode_ids(tiny, PROMPT, group, max_tokens=N, eos_ids=frozenset()))
     fin = evs[-1]
