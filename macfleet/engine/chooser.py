@@ -276,6 +276,25 @@ class Chooser:
         self._last = DrafterChoice(self.block, PLAIN, why, (self.rate(PLAIN) or 0.0) * 1e3)
         return self._last
 
+    def stays_plain(self) -> bool:
+        """Whether the block after the next one is plain decoding's whatever the next one's
+        text says (`ChoosingGroup.plain_ahead`: its step may go out before this block is read):
+        below the floor by more than a block's share, no candidate's blocks or scored drafts
+        near the shortfall, and no drafter's first or hoped-for try due by then. The one
+        thing the next text can change, a free candidate proven by it, is seen a block later."""
+        short = self._short_of_floor() - FLOOR_SHARE * STALL_STEPS * self.verify_ms(1)
+        if short <= 0:
+            return False
+        plain = self.rate(PLAIN) or 0.0
+        for c in self.candidates:
+            e = self._est[c.name]
+            if c.name == PLAIN:
+                continue
+            if e.won_ms > short or (c.members and not c.free and e.next_try <= self.block + 1
+                                    and (e.tries == 0 or self._hopeful(c.name, plain))):
+                return False
+        return True
+
     def _short_of_floor(self) -> float:
         """How many ms drafting has lost against plain decoding beyond FLOOR_SHARE of the
         session's time (> 0: below the floor). Its blocks' time against what plain steps

@@ -22,6 +22,7 @@ SHADOW_K = 4  # a free chain drafter's draft scored from the text (trees: the no
 FREE_K_MAX = 16  # ... and what it drafts when chosen, doubling from SHADOW_K (free_chain_k)
 MAX_PENDING = 8  # a free candidate's drafts waiting for the text to score them
 AHEAD_RUN = 3  # plain blocks in a row that go out ahead of the chooser before it chooses again
+# (more while below the floor with nothing to try or proven: `Chooser.stays_plain`)
 
 
 class ChainsOf(Proposer):
@@ -83,6 +84,7 @@ class ChoosingGroup(ProposerGroup):
         # free drafts made before the choice: (context length, k), draft, ms by drafter
         self._early: dict[int, tuple[tuple[int, int], Draft, float]] = {}
         self._ahead_run = 0  # plain blocks since the chooser last chose (`plain_block`)
+        self._ahead: bool | None = None  # `plain_ahead` of this block, once asked
         self._made: dict[int, tuple[tuple[int, int], Draft, float]] = {}  # ... taken as drafted
 
     @property
@@ -106,22 +108,28 @@ class ChoosingGroup(ProposerGroup):
         """Whether its next block may decode plainly without a choice, so the engine can send
         that step out before this block is read (`scheduler.steps_ahead`): this block was
         chosen plain (not a try of plain decoding), at most AHEAD_RUN blocks in a row, so a
-        candidate due a try or proven by this block's text waits that many blocks at most."""
-        c = self.choice
-        return (c is not None and c.drafter == PLAIN and c.why != EXPLORE
-                and self._ahead_run < AHEAD_RUN)
+        candidate due a try or proven by this block's text waits that many blocks at most;
+        more while the chooser is held below its floor with nothing to try (`stays_plain`:
+        each choice it skips would be plain decoding's, and each costs the step ahead)."""
+        if self._ahead is None:  # decided once a block: the engine asks when it sends the
+            # step out, and again when it drafts that block (the chooser has learnt since)
+            c = self.choice
+            self._ahead = (c is not None and c.drafter == PLAIN and c.why != EXPLORE
+                           and (self._ahead_run < AHEAD_RUN or self.chooser.stays_plain()))
+        return self._ahead
 
     def plain_block(self) -> None:
         """The next block decodes plainly, not chosen (its step went out ahead)."""
         self.choice = self.chooser.plain()
         self._ahead_run += 1
+        self._ahead = None
 
     def lengths(self, limit: int, context: Sequence[int] | None = None) -> list[int]:
         """context: the block's (pending shadows are scored, and the free candidates draft
         first so the choice knows what their blocks would verify)."""
         if context is not None:
             self._score_shadows(context)
-        self._ahead_run = 0
+        self._ahead_run, self._ahead = 0, None
         self.choice = self.chooser.choose(None if context is None else
                                           self._sizes(context, limit))
         free = self.chooser.by_name(self.choice.drafter).free

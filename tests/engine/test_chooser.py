@@ -578,3 +578,31 @@ def test_a_chain_its_heads_tree_proved_wrong_is_not_tried_again():
     c = chooser(cands=(Candidate(PLAIN), Candidate("eagle", (1,))))
     c.implied("eagle", 0)  # never drafted: its cost is unknown, nothing learnt
     assert c.measured("eagle") == 0
+
+
+def test_below_the_floor_with_nothing_to_try_every_next_choice_is_plain():
+    # stays_plain: the engine may send plain steps out ahead without asking the chooser; it
+    # must say so only where `choose` would pick plain decoding whatever the next text says
+    c = chooser(prior={"eagle": Prior(1.153, 0.677, 2.63)},
+                cands=(Candidate(PLAIN), Candidate("ngram", (0,), free=True),
+                       Candidate("eagle", (1,)), Candidate("eagle2", (2,))))
+    assert not c.stays_plain()  # nothing lost yet: above the floor
+    said = []
+    for _ in range(40):
+        said.append(c.stays_plain())
+        ch = c.choose()
+        if said[-1]:
+            assert (ch.drafter, ch.why) == (PLAIN, FLOOR)
+        acc, L, dms = {PLAIN: (0, 1, 0.0), "eagle": (0, 4, 10.0), "eagle2": (0, 16, 20.0)}[
+            ch.drafter]
+        c.observe(ch.drafter, acc, L, dms, STEEP[L])
+        c.shadow("ngram", 0, 5, 0.1)
+    assert sum(said) >= 30  # after the first tries
+    e2 = c._est["eagle2"]
+    e2.next_try, e2.tries = c.block + 1, 0  # a first try due at the block after the next
+    assert not c.stays_plain()
+    e2.next_try = c.block + 2
+    assert c.stays_plain()
+    for _ in range(6):  # the text turns into a copy the n-gram lookup drafts exactly
+        c.shadow("ngram", 4, 5, 0.1)
+    assert not c.stays_plain()
