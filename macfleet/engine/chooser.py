@@ -250,9 +250,7 @@ class Chooser:
                     or self._hopeful(c.name, best_rate)
                     or self.explore_lost_ms + self._loss(
                    c.name, best_rate) <= EXPLORE_SHARE * self.spent_ms)
-               # below the floor: only a drafter's first try, or one the record hopes for
-               and (not below or (c.members and not c.free and (
-                   self._est[c.name].tries == 0 or self._hopeful(c.name, best_rate))))]
+               and (not below or self._first_or_hoped(c, best_rate))]
         if due:
             c = min(due, key=lambda c: (self._est[c.name].next_try,
                                         self.candidates.index(c)))
@@ -290,10 +288,24 @@ class Chooser:
             e = self._est[c.name]
             if c.name == PLAIN:
                 continue
-            if e.won_ms > short or (c.members and not c.free and e.next_try <= self.block + 1
-                                    and (e.tries == 0 or self._hopeful(c.name, plain))):
+            if e.won_ms > short or (e.next_try <= self.block + 1
+                                    and self._first_or_hoped(c, plain)):
                 return False
         return True
+
+    def _first_or_hoped(self, c: Candidate, best_rate: float) -> bool:
+        """What may draft below the floor besides a proven candidate: a drafter's first try,
+        or a re-try the record hopes for (`_hopeful`)."""
+        return bool(c.members) and not c.free and (
+            self._est[c.name].tries == 0 or self._hopeful(c.name, best_rate))
+
+    def _count_try(self, name: str) -> None:
+        """A try of `name` seen (its own block, or one another's block told): its next waits
+        twice as long if it lost against the best other candidate, else MIN_INTERVAL."""
+        e = self._est[name]
+        e.tries += 1
+        lost = (self.rate(name) or 0.0) <= self._best_other(name)
+        e.interval = min(MAX_INTERVAL, e.interval * 2) if lost else MIN_INTERVAL
 
     def _short_of_floor(self) -> float:
         """How many ms drafting has lost against plain decoding beyond FLOOR_SHARE of the
@@ -333,9 +345,7 @@ class Chooser:
                   cap=self._first_draft_cap(verified))
         self._prev = name
         if tried:
-            e.tries += 1
-            lost = (self.rate(name) or 0.0) <= self._best_other(name)
-            e.interval = min(MAX_INTERVAL, e.interval * 2) if lost else MIN_INTERVAL
+            self._count_try(name)
             if self._last_best > 0:  # at most STALL_STEPS plain steps: a try that met a
                 # stall (or the drafter's warm-up) would hold back every re-try
                 lost = draft_ms + verify_ms - (1 + accepted) / self._last_best
@@ -392,9 +402,7 @@ class Chooser:
         if e.tries:  # a first try is the session's exploring (as in `observe`)
             e.won_ms += (1 + accepted) * self.verify_ms(1) - e.draft_ms - self.verify_ms(size)
         e.add(accepted, size, e.draft_ms)
-        e.tries += 1
-        lost = (self.rate(name) or 0.0) <= self._best_other(name)
-        e.interval = min(MAX_INTERVAL, e.interval * 2) if lost else MIN_INTERVAL
+        self._count_try(name)
         e.next_try = max(e.next_try, self.block + e.interval)
 
     def _first_draft_cap(self, verified: int) -> float:
