@@ -6,11 +6,9 @@ calls are broadcast to the followers, every collective under a `Watchdog` (docs/
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,7 +36,6 @@ EXIT_PEER_LOST = 75
 MAX_BLOCK = DEFAULT_PREFILL_STEP
 CMD_STOP, CMD_FORWARD, CMD_PREFILL, CMD_ROLLBACK, CMD_RESET, CMD_PING = range(6)
 HEADER = 3  # cmd, n, unused
-PING_REPEATS = 30
 SHARD_MODES = ("tensor", "pipeline", "expert")
 
 
@@ -85,26 +82,11 @@ class Watchdog:
         self._stop.set()
 
 
-def exit_on_expire(rank: int) -> Callable[[str], None]:
-    def fire(what: str) -> None:
-        sys.stderr.write(f"macfleet shard rank {rank}: ShardPeerLost: {what} did not complete "
-                         f"within the deadline: a peer is dead or a link is cut; exiting\n")
-        sys.stderr.flush()
-        os._exit(EXIT_PEER_LOST)
-    return fire
-
-
 def init_ring(hostfile: str, rank: int) -> mx.distributed.Group:
     """Start this rank's ring group from a hostfile path (no ssh, no launcher)."""
     os.environ["MLX_HOSTFILE"] = hostfile
     os.environ["MLX_RANK"] = str(rank)
     return mx.distributed.init(strict=True, backend="ring")
-
-
-def write_hostfile(path: str, ports: Sequence[int], host: str = "127.0.0.1") -> str:
-    with open(path, "w") as f:
-        json.dump([[f"{host}:{p}"] for p in ports], f)
-    return path
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -117,18 +99,6 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-
-
-def rank_env(root: str) -> dict[str, str]:
-    """The environment of a rank process started from a checkout at `root`: the project on the
-    path, one BLAS thread (ranks share the machine's cores), OpenBLAS preloaded where present."""
-    env = dict(os.environ, PYTHONPATH=str(root), OPENBLAS_NUM_THREADS="1")
-    if os.path.exists(OPENBLAS):
-        env["LD_PRELOAD"] = OPENBLAS
-    return env
 
 
 class _Stage:

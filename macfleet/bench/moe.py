@@ -1,10 +1,10 @@
 """`macfleet bench moe`: expert, tensor and pipeline parallelism of the tiny MoE over 2 and 4
 shard ranks (real processes, mlx.distributed ring on loopback), measured and predicted.
 
-Per ring size, each mode runs `python -m agents.shard_run` (the shard agents' own ShardGroup): 30
-pings (one small all_sum each: the ring's latency as that run sees it), plain greedy decoding
-(one token per forward) and speculative decoding with ngram drafts; rank 0 reports wall times
-and its `ShardStats` (exact collective bytes, ms per forward, router load). Each mode runs
+Per ring size, each mode runs `python -m macfleet.bench.shard_run` (the shard agents' own
+ShardGroup): 30 pings (one small all_sum each: the ring's latency as that run sees it), plain
+greedy decoding (one token per forward) and speculative decoding with ngram drafts; rank 0
+reports wall times and its `ShardStats` (exact collective bytes, ms per forward, router load). Each mode runs
 `repeats` times, the modes interleaved (E, T, P, E, T, P, ...) so that a machine whose load
 drifts weighs on all of them; the median counts. The planner (topology/moe.py) then predicts
 each mode's ms per decode forward from the single-process verify(1) measured here (evaluated),
@@ -53,7 +53,8 @@ def _ranks(module: str, n: int, tmp: Path, extra: list[str]) -> list[str]:
     pinned to core r mod the cores (Linux; as `macfleet up` pins its agents): unpinned, two
     ranks sharing one core for a while made a run's ms per forward 2-4x its median."""
     from agents.daemon import pin_to_cpu
-    from agents.shard import free_ports, rank_env, write_hostfile
+    from agents.shard import free_ports
+    from macfleet.bench.shard_run import rank_env, write_hostfile
 
     hostfile = write_hostfile(str(tmp / "hosts.json"), free_ports(n))
     cores = os.cpu_count() or 1
@@ -150,7 +151,7 @@ def bench_moe(model: str = DEFAULT_MODEL, sizes: tuple[int, ...] = (2, 4),
             for _ in range(repeats):  # modes interleaved, so the machine's load drifts on all
                 for mode in MOE_MODES:
                     out = tmp / f"{mode}.json"
-                    _ranks("agents.shard_run", n, tmp, [
+                    _ranks("macfleet.bench.shard_run", n, tmp, [
                         "--mode", mode, "--model", model, "--prompt-ids", json.dumps(prompt),
                         "--max-tokens", str(tokens), "--proposer", "ngram", "--out", str(out),
                         "--deadline", "60"])

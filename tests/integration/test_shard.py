@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.shard import free_ports, rank_env
+from agents.shard import free_ports
+from macfleet.bench.shard_run import rank_env
 
 ROOT = Path(__file__).parents[2]
 TOKENS = 32  # tiny:1 repeats itself within 32: ngram drafts are accepted (blocks < tokens)
@@ -87,7 +88,7 @@ def start(tmp: Path, mode: str, n: int, prompt, *, tokens: int = TOKENS, spec: s
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
     out = tmp / "out.json"
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "agents.shard_run", "--hostfile", str(hostfile), "--rank", str(r),
+        [sys.executable, "-m", "macfleet.bench.shard_run", "--hostfile", str(hostfile), "--rank", str(r),
          "--mode", mode, "--model", model, "--prompt-ids", json.dumps(prompt),
          "--max-tokens", str(tokens), "--proposer", spec, "--out", str(out),
          "--deadline", str(deadline)],

@@ -58,7 +58,7 @@ def start(tmp: Path, mode: str, n: int, prompt, *, tokens: int = TOKENS, spec: s
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
     out = tmp / "out.json"
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "agents.shard_run", "--hostfile", str(hostfile), "--rank", str(r),
+        [sys.executable, "-m", "macfleet.bench.shard_run", "--hostfile", str(hostfile), "--rank", str(r),
          "--mode", mode, "--model", MODEL, "--prompt-ids", json.dumps(prompt),
          "--max-tokens", str(tokens), "--proposer", spec, "--out", str(out),
          "--deadline", str(deadline)],

@@ -1,6 +1,7 @@
-"""`python -m agents.shard_run`: one rank of a sharded verifier as a plain process, given a ring
-hostfile (no agents, no Zeroconf), for the shard tests and `macfleet bench moe`. Rank 0 decodes
-greedily, then speculatively (serve/one.py `decode_ids`), and writes ids, times and shard flow.
+"""`python -m macfleet.bench.shard_run`: one rank of a sharded verifier (agents/shard.py) as a
+plain process, given a ring hostfile (no agents, no Zeroconf), for the shard tests and `macfleet
+bench moe`. Rank 0 decodes greedily, then speculatively (serve/one.py `decode_ids`), and writes
+ids, times and shard flow. Also the hostfile and the environment such a rank is started with.
 """
 
 from __future__ import annotations
@@ -8,14 +9,43 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from agents.shard import (DEFAULT_DEADLINE_S, EXIT_PEER_LOST, PING_REPEATS, SHARD_MODES,
-                          ShardedVerifier, ShardPeerLost, exit_on_expire, start_group)
+from agents.shard import (DEFAULT_DEADLINE_S, EXIT_PEER_LOST, SHARD_MODES, ShardedVerifier,
+                          ShardPeerLost, start_group)
 from macfleet.stats import ShardStats
+
+PING_REPEATS = 30
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+
+
+def exit_on_expire(rank: int) -> Callable[[str], None]:
+    def fire(what: str) -> None:
+        sys.stderr.write(f"macfleet shard rank {rank}: ShardPeerLost: {what} did not complete "
+                         f"within the deadline: a peer is dead or a link is cut; exiting\n")
+        sys.stderr.flush()
+        os._exit(EXIT_PEER_LOST)
+    return fire
+
+
+def write_hostfile(path: str, ports: Sequence[int], host: str = "127.0.0.1") -> str:
+    with open(path, "w") as f:
+        json.dump([[f"{host}:{p}"] for p in ports], f)
+    return path
+
+
+def rank_env(root: str) -> dict[str, str]:
+    """The environment of a rank process started from a checkout at `root`: the project on the
+    path, one BLAS thread (ranks share the machine's cores), OpenBLAS preloaded where present."""
+    env = dict(os.environ, PYTHONPATH=str(root), OPENBLAS_NUM_THREADS="1")
+    if os.path.exists(OPENBLAS):
+        env["LD_PRELOAD"] = OPENBLAS
+    return env
 
 
 def _greedy_plain(v: ShardedVerifier, prompt: list[int], n: int
