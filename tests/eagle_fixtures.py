@@ -9,8 +9,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from macfleet.engine.models import load_model
-from macfleet.engine.proposers.eagle.features import extract_features
-from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
+from macfleet.distill.heads import config_for_verifier, extract_features
+from macfleet.engine.proposers.eagle.head import EagleHead
 from macfleet.distill.train import feature_rms
 
 SPEC = "tiny:1:16"
@@ -34,7 +34,7 @@ def _greedy_text(lm, n_seqs: int, length: int, seed: int = 0) -> list[tuple[list
 
 def _head(lm, chunks, seed: int = 0) -> EagleHead:
     mx.random.seed(seed)
-    cfg = EagleConfig.for_verifier(lm.model, lm.spec, feature_scale=feature_rms(chunks))
+    cfg = config_for_verifier(lm.model, lm.spec, feature_scale=feature_rms(chunks))
     head = EagleHead(cfg, lm.model)
     mx.eval(head.parameters())
     return head

@@ -23,6 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 
+from macfleet.distill.heads import draft_argmax
 from macfleet.distill.pipeline import HELD_OUT_SHARE
 from macfleet.engine.proposers.eagle.head import EagleHead, load_head
 from macfleet.engine.proposers.shipped import default_head_path
@@ -238,7 +239,7 @@ def chain(head, chunks, use_taps, k=4):
                      cache=cache, **kw)[:, -1:]
             n = 0
             for j in range(k):
-                d = head.draft_argmax(h[0, -1])
+                d = draft_argmax(head, h[0, -1])
                 if j == 0:
                     top1.append(d == int(top[t]))
                 if d != int(tok[t + 1 + j]):

@@ -267,7 +267,7 @@ def answer_samples(lm: LoadedModel, prompts: Sequence[ChatInput], max_answer: in
 def _answer_chunks(lm: LoadedModel, prompts: Sequence[ChatInput], max_answer: int) -> list:
     """The verifier's greedy answers to `prompts` with their true features, from the last
     prompt position on (the loop never drafts the chat template or the prompt)."""
-    from macfleet.engine.proposers.eagle.features import FeatureChunk
+    from macfleet.distill.heads import FeatureChunk
 
     return [FeatureChunk(s.tokens[s.n_prompt - 1:], s.hidden[s.n_prompt - 1:],
                          s.top[s.n_prompt - 1:], True)

@@ -35,10 +35,10 @@ import numpy as np
 
 from macfleet.distill.batchgen import (DEFAULT_BATCH, DEFAULT_MAX_ANSWER, Sample, Timing,
                                        generate_samples)
+from macfleet.distill.heads import FeatureChunk
 from macfleet.distill.prompts import iter_prompts
 from macfleet.engine.cachedir import write_atomic
 from macfleet.engine.models import LoadedModel
-from macfleet.engine.proposers.eagle.features import FeatureChunk
 from macfleet.engine.proposers.eagle.head import matches_verifier, verifier_probe
 
 MANIFEST = "manifest.json"

@@ -19,12 +19,13 @@ import mlx.core as mx
 import numpy as np
 
 from macfleet.distill import data
+from macfleet.distill.heads import (FeatureChunk, config_for_verifier, deepened,
+                                    extract_features, init_from_verifier, save_head)
 from macfleet.distill.train import (Acceptance, TrainParams, chain_acceptance, choose_draft_vocab,
                                     feature_rms, train)
 from macfleet.engine.models import LoadedModel
-from macfleet.engine.proposers.eagle.features import FeatureChunk, extract_features
-from macfleet.engine.proposers.eagle.head import (EagleConfig, EagleHead, eval_path, load_head,
-                                                  read_eval, verifier_fingerprint)
+from macfleet.engine.proposers.eagle.head import (EagleHead, eval_path, load_head, read_eval,
+                                                  verifier_fingerprint)
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +132,8 @@ def distill(lm: LoadedModel, out: Path, params: TrainParams, *, paths: Sequence[
     train_chunks, held = build_dataset(lm, work, paths, gen_prompts, gen_tokens, text_tokens,
                                        resume, report)
     ntok = sum(len(c.tokens) for c in train_chunks)
-    cfg = EagleConfig.for_verifier(lm.model, lm.spec, feature_scale=feature_rms(train_chunks),
-                                   dtype=dtype, layers=layers)
+    cfg = config_for_verifier(lm.model, lm.spec, feature_scale=feature_rms(train_chunks),
+                              dtype=dtype, layers=layers)
     mx.random.seed(params.seed)
     head = EagleHead(cfg, lm.model)
     mx.eval(head.parameters())
@@ -146,7 +147,7 @@ def distill(lm: LoadedModel, out: Path, params: TrainParams, *, paths: Sequence[
     losses = train(head, train_chunks, params, ckpt=work / "checkpoint", resume=resume,
                    report=report)
     acc = chain_acceptance(head, held, max_starts=200)
-    path = head.save(out, steps=params.steps)
+    path = save_head(head, out, steps=params.steps)
     write_eval(path, acc, before, params.steps, ntok)
     report(f"held-out greedy chain acceptance (k=4): per position "
            f"{', '.join(f'{x:.2f}' for x in acc.per_position)}; mean accepted "
@@ -218,7 +219,7 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
     (its feature scale kept, its draft vocabulary re-chosen from this dataset at the same
     size; steps add up); skip_missing: train on the shards that have hidden states only;
     layers: decoder layers of the head (default: the init head's, or 1; a deeper one than
-    init_head grows from it, see EagleHead.deepened)."""
+    init_head grows from it, see heads.py `deepened`)."""
     from macfleet.distill.dataset import Manifest, check_verifier, load_chunks
 
     m = Manifest.read(dataset)
@@ -243,14 +244,13 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
                                    "frequency")
             report(f"draft vocabulary re-chosen from this dataset ({size} ids)")
         if layers is not None and layers != len(head.layers):
-            head = head.deepened(layers)
+            head = deepened(head, layers)
             report(f"deepened to {layers} decoder layers (the added ones start as the identity)")
     else:
-        cfg = EagleConfig.for_verifier(lm.model, lm.spec,
-                                       feature_scale=feature_rms(train_chunks), dtype=dtype,
-                                       layers=layers or 1)
+        cfg = config_for_verifier(lm.model, lm.spec, feature_scale=feature_rms(train_chunks),
+                                  dtype=dtype, layers=layers or 1)
         head = EagleHead(cfg, lm.model)
-        if init_layer and not head.init_from_verifier():
+        if init_layer and not init_from_verifier(head):
             report("the verifier's last layer cannot seed the head (quantized?): random init")
         mx.eval(head.parameters())
         if 0 < draft_vocab < cfg.vocab_size:
@@ -289,7 +289,7 @@ def distill_from_dataset(lm: LoadedModel, dataset: Path, out: Path, params: Trai
                    progress=progress)
     acc = chain_acceptance(head, held, max_starts=300)
     steps = reached[0]
-    path = head.save(out, steps=prior_steps + steps)
+    path = save_head(head, out, steps=prior_steps + steps)
     write_eval(path, acc, before, steps, ntok,
                {"processed_tokens": steps * params.batch * params.seq_len,
                 "dataset": str(dataset), "verifier": m.verifier, "answers": m.samples,

@@ -27,8 +27,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from macfleet.engine.proposers.eagle.features import FeatureChunk
-from macfleet.engine.proposers.eagle.head import EagleHead, same_record
+from macfleet.distill.heads import FeatureChunk, draft_argmax, same_record
+from macfleet.engine.proposers.eagle.head import EagleHead
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ def chain_acceptance(head: EagleHead, chunks: Sequence[FeatureChunk], k: int = D
                      cache=cache)[:, -1:]
             n_ok = 0
             for j in range(k):
-                tok = head.draft_argmax(h[0, -1])
+                tok = draft_argmax(head, h[0, -1])
                 if j == 0:
                     top1_hits += tok == int(c.top[t])
                 if tok != int(c.tokens[t + 1 + j]):

@@ -45,12 +45,13 @@ def eagle_proposer_agent(tmp_path, seed: int) -> Agent:
     """A proposer agent whose heads directory holds a random EAGLE head (head.safetensors)."""
     import mlx.core as mx
 
-    from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
+    from macfleet.distill.heads import config_for_verifier, save_head
+    from macfleet.engine.proposers.eagle.head import EagleHead
 
     lm = load_model(MODEL)
     mx.random.seed(seed)
-    EagleHead(EagleConfig.for_verifier(lm.model, MODEL, feature_scale=1.0),
-              lm.model).save(tmp_path / "head")
+    save_head(EagleHead(config_for_verifier(lm.model, MODEL, feature_scale=1.0), lm.model),
+              tmp_path / "head")
     return Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
                              allow_peers=LOCAL,
                              heads_dir=str(tmp_path)))
@@ -236,8 +237,8 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path, monkeypatch)
     import mlx.core as mx
     from eagle_fixtures import _greedy_text
 
-    from macfleet.engine.proposers.eagle.features import extract_features
-    from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
+    from macfleet.distill.heads import config_for_verifier, extract_features, save_head
+    from macfleet.engine.proposers.eagle.head import EagleHead
     from macfleet.distill.train import TrainParams, feature_rms, train
 
     import reference_loops as tree_loop
@@ -255,10 +256,10 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path, monkeypatch)
     # the training text of tests/eagle_fixtures.py (the same ids as generate_step's, one batch)
     chunks = extract_features(lm.model, _greedy_text(lm, 40, 120), chunk=128)
     mx.random.seed(0)
-    head = EagleHead(EagleConfig.for_verifier(lm.model, model,
-                                              feature_scale=feature_rms(chunks)), lm.model)
+    head = EagleHead(config_for_verifier(lm.model, model, feature_scale=feature_rms(chunks)),
+                     lm.model)
     train(head, chunks, TrainParams(steps=200, batch=8, seq_len=64, lr=3e-3, save_every=10**6))
-    head.save(tmp_path / "head")
+    save_head(head, tmp_path / "head")
     ver = Agent(AgentConfig(role="verifier", model=model, key=KEY, advertise=False,
                             allow_peers=LOCAL))
     prop = Agent(AgentConfig(role="proposer", model=model, key=KEY, advertise=False,

@@ -10,6 +10,7 @@ import pytest
 
 from macfleet.distill.batchgen import Timing, generate_samples
 from macfleet.distill.data import generate_answers
+from macfleet.distill.heads import save_head
 from macfleet.distill.dataset import (DatasetError, Manifest, done_keys,
                                       generate_dataset, load_chunks, missing_hidden,
                                       rebuild_hidden, length_batches)
@@ -182,7 +183,7 @@ def test_training_goes_on_from_a_head_and_skips_shards_without_hidden_states(tmp
     planted = np.sort(np.argsort(np.bincount(toks, minlength=vocab), kind="stable")[:8]
                       ).astype(np.int32)
     a.set_draft_vocab(planted)
-    init = a.save(tmp_path / "planted" / "head", steps=a.config.steps).with_suffix("")
+    init = save_head(a, tmp_path / "planted" / "head", steps=a.config.steps).with_suffix("")
     again = distill_from_dataset(lm_eos, ds, tmp_path / "b", p, work=tmp_path / "w2",
                                  init_head=init, skip_missing=True, report=lambda s: None)
     b = load_head(again.path, lm_eos.model)

@@ -8,6 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from macfleet.distill.heads import deepened, save_head
 from macfleet.engine.proposers.eagle.head import load_head
 from macfleet.distill.train import (TrainParams, _step_losses, chain_acceptance, loss_fn,
                                     train, untrained_loss)
@@ -66,7 +67,7 @@ def test_soft_training_lowers_its_loss(tiny, chunks):
 def test_deepened_head_drafts_what_it_did_then_trains_and_round_trips(tiny, chunks, tmp_path):
     mx.random.seed(3)
     head = _head(tiny, chunks)
-    deep = head.deepened(2)
+    deep = deepened(head, 2)
     assert len(deep.layers) == 2 and deep.config.layers == 2
     feats = mx.array(chunks[1].hidden[None, :24].astype(np.float32))
     toks = mx.array(chunks[1].tokens[None, 1:25].astype(np.uint32))
@@ -75,12 +76,12 @@ def test_deepened_head_drafts_what_it_did_then_trains_and_round_trips(tiny, chun
     b = chain_acceptance(deep, chunks[-6:], max_starts=40)
     assert a == b
     with pytest.raises(ValueError, match="shrink"):
-        deep.deepened(1)
+        deepened(deep, 1)
     p = TrainParams(steps=20, batch=4, seq_len=32, lr=3e-3, save_every=10_000)
     train(deep, chunks[:-6], p)
     moved = np.abs(np.array(deep.layers[1].self_attn.o_proj.weight)).max()
     assert moved > 0  # the added layer learns (its zero output projection moved)
-    deep.save(tmp_path / "deep", steps=20)
+    save_head(deep, tmp_path / "deep", steps=20)
     back = load_head(tmp_path / "deep", tiny.model)
     assert back.config.layers == 2
     out_a, out_b = deep(feats, toks), back(feats, toks)
@@ -121,8 +122,8 @@ def test_compare_heads_scores_heads_on_the_same_unseen_answers(tiny, chunks, tmp
     from macfleet.distill.prompts import HELD_OUT, UNSEEN
 
     head = _head(tiny, chunks)
-    head.save(tmp_path / "a", steps=3)
-    head.deepened(2).save(tmp_path / "b", steps=3)  # drafts exactly what `a` drafts
+    save_head(head, tmp_path / "a", steps=3)
+    save_head(deepened(head, 2), tmp_path / "b", steps=3)  # drafts exactly what `a` drafts
     doc = compare_heads(tiny, [tmp_path / "a", tmp_path / "b"], max_answer=12)
     assert doc["prompts"] == prompts_json({**HELD_OUT, **UNSEEN})
     a, b = (doc["heads"][str(tmp_path / n)] for n in ("a", "b"))

@@ -292,13 +292,14 @@ def test_eagle_in_a_tree_reads_the_tree_forward_features(tmp_path):
     hidden-state drafter, or the drafter would recompute every feature (fallback)."""
     import mlx.core as mx
 
-    from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
+    from macfleet.distill.heads import config_for_verifier, save_head
+    from macfleet.engine.proposers.eagle.head import EagleHead
     from macfleet.engine.proposers.eagle.load import make_eagle_proposer
 
     lm = load_model("tiny:9")
     mx.random.seed(1)
-    path = EagleHead(EagleConfig.for_verifier(lm.model, "tiny:9", feature_scale=1.0),
-                     lm.model).save(tmp_path / "head")
+    path = save_head(EagleHead(config_for_verifier(lm.model, "tiny:9", feature_scale=1.0),
+                               lm.model), tmp_path / "head")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
     plain, _ = run(speculative_generate(Verifier(lm.model), None, prompt, max_tokens=40))
     eagle = make_eagle_proposer(str(path), lm)

@@ -4,50 +4,17 @@ recorded from the verifier's own forward by a `HiddenTap` (docs/drafters.md, "ea
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from macfleet.engine.layers import head_logits, run_layers
+from macfleet.engine.layers import run_layers
 
-DEFAULT_CHUNK = 256
 _TAP = "_macfleet_tap"
 
 
 def hidden_states(model: nn.Module, ids: mx.array, cache=None) -> mx.array:
     """ids [B, L] -> pre-norm hidden of the last layer [B, L, H] (appends to `cache`)."""
     return run_layers(model.model.layers, model.model.embed_tokens(ids), cache)
-
-
-@dataclass(frozen=True)
-class FeatureChunk:
-    """One chunk of text as the verifier sees it (numpy, so it stores and batches cheaply)."""
-
-    tokens: np.ndarray  # [L] int32
-    hidden: np.ndarray  # [L, H] float16: f_t
-    top: np.ndarray  # [L] int32: the verifier's argmax after position t (its greedy next token)
-    generated: bool = False  # text the verifier produced itself (greedy)
-    group: str = ""  # the prompt's material (prompts.Prompt.group), for held-out splits
-
-
-def extract_features(model: nn.Module, seqs: Iterable[tuple[Sequence[int], bool]],
-                     chunk: int = DEFAULT_CHUNK) -> list[FeatureChunk]:
-    """One verifier forward per chunk (no cache across chunks: each chunk is its own context)."""
-    out: list[FeatureChunk] = []
-    for ids, gen in seqs:
-        for i in range(0, len(ids) - 1, chunk):
-            piece = list(ids[i : i + chunk])
-            if len(piece) < 8:
-                continue
-            h = hidden_states(model, mx.array(piece, dtype=mx.uint32)[None])
-            top = mx.argmax(head_logits(model, h), axis=-1)
-            mx.eval(h, top)
-            out.append(FeatureChunk(np.array(piece, dtype=np.int32),
-                                    np.array(h[0].astype(mx.float16)),
-                                    np.array(top[0]).astype(np.int32), gen))
-    return out
 
 
 # -- tapping the verifier's own forward ----------------------------------------------------

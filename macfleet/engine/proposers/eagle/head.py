@@ -7,13 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
@@ -78,11 +77,6 @@ def matches_verifier(fingerprint: str, probe: Sequence[float], model: nn.Module,
     return fingerprint == fp or (bool(probe) and same_verifier(probe, verifier_probe(model)))
 
 
-def same_record(a: tuple[str, Sequence[float]], b: tuple[str, Sequence[float]]) -> bool:
-    """Pure: whether two recorded (fingerprint, probe) pairs name the same verifier."""
-    return a[0] == b[0] or same_verifier(a[1], b[1])
-
-
 @dataclass(frozen=True)
 class EagleConfig:
     verifier: str  # the verifier's model spec when trained
@@ -107,17 +101,6 @@ class EagleConfig:
     steps: int = 0
     version: int = FORMAT_VERSION
     probe: tuple[float, ...] = ()  # verifier_probe() of that verifier; () in older configs
-
-    @classmethod
-    def for_verifier(cls, model: nn.Module, spec: str, **kw) -> EagleConfig:
-        a = model.args
-        return cls(verifier=spec, fingerprint=verifier_fingerprint(model),
-                   probe=verifier_probe(model),
-                   hidden_size=a.hidden_size, vocab_size=a.vocab_size,
-                   verifier_layers=len(model.layers), num_heads=a.num_attention_heads,
-                   num_kv_heads=a.num_key_value_heads, intermediate_size=a.intermediate_size,
-                   rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
-                   rope_traditional=bool(getattr(a, "rope_traditional", False)), **kw)
 
     def layer_args(self) -> llama.ModelArgs:
         return llama.ModelArgs(
@@ -162,37 +145,6 @@ class EagleHead(nn.Module):
         self.layers = [llama.TransformerBlock(args) for _ in range(config.layers)]
         self._sub = _Frozen(None)  # (ids [V'], rows [V', H]) of the draft vocabulary
         self._prefix: dict[int, mx.array] = {}  # n -> rows[:n], contiguous (draft_logits)
-
-    def init_from_verifier(self) -> bool:
-        """Start the decoder layer from the verifier's last layer (it already reads these
-        features); False when it cannot (quantized, or another architecture)."""
-        return self._from_last_layer(self.layers[0])
-
-    def _from_last_layer(self, layer: nn.Module) -> bool:
-        theirs = dict(tree_flatten(self.verifier.model.layers[-1].parameters()))
-        mine = dict(tree_flatten(layer.parameters()))
-        if set(mine) != set(theirs) or any(mine[k].shape != theirs[k].shape for k in mine):
-            return False
-        layer.load_weights([(k, v.astype(mx.float32)) for k, v in theirs.items()])
-        return True
-
-    def deepened(self, layers: int) -> EagleHead:
-        """This head with `layers` decoder layers, each added one starting as the identity (its
-        output projections zero), so it drafts what this one does until training moves it."""
-        if layers < len(self.layers):
-            raise ValueError(f"a head of {len(self.layers)} layers cannot shrink to {layers}")
-        head = EagleHead(replace(self.config, layers=layers), self.verifier)
-        head.load_weights(list(tree_flatten(self.parameters())), strict=False)
-        for layer in head.layers[len(self.layers):]:
-            mine = dict(tree_flatten(layer.parameters()))
-            head._from_last_layer(layer)
-            layer.load_weights([(k, mx.zeros_like(mine[k])) for k in
-                                ("self_attn.o_proj.weight", "mlp.down_proj.weight")],
-                               strict=False)
-        if self.draft_ids is not None:
-            head.set_draft_vocab(np.array(self.draft_ids), self.config.draft_order)
-        mx.eval(head.parameters())
-        return head
 
     def set_draft_vocab(self, ids: np.ndarray | None, order: str = "id") -> None:
         """Draft from a subset of the vocabulary (EAGLE-3's trick: the LM head is most of the
@@ -253,29 +205,6 @@ class EagleHead(nn.Module):
 
     def make_cache(self) -> list:
         return [KVCache() for _ in self.layers]
-
-    def draft_argmax(self, h: mx.array) -> int:
-        """The greedy draft token for one predicted feature h [H]."""
-        i = int(mx.argmax(self.draft_logits(h)).item())
-        return i if self.draft_ids is None else int(self.draft_ids[i].item())
-
-    # -- persistence ---------------------------------------------------------------------
-    def save(self, path: str | Path, steps: int | None = None) -> Path:
-        """Write PATH.safetensors (head weights in config.dtype) and PATH.json (config)."""
-        p = weights_path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        cfg = self.config if steps is None else replace(self.config, steps=steps)
-        dt = getattr(mx, cfg.dtype)
-        w = {k: v.astype(dt) for k, v in tree_flatten(self.parameters())}
-        if self.draft_ids is not None:  # config.draft_vocab/draft_order describe these
-            w[DRAFT_VOCAB_KEY] = self.draft_ids.astype(mx.int32)
-        tmp = p.with_name(p.stem + ".tmp.safetensors")
-        mx.save_safetensors(str(tmp), w, metadata={"format": "macfleet-eagle",
-                                                   "version": str(cfg.version)})
-        tmp.replace(p)
-        config_path(p).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-        self.config = cfg
-        return p
 
 
 def weights_path(path: str | Path) -> Path:

@@ -13,7 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead
+from macfleet.distill.heads import config_for_verifier, init_from_verifier, save_head
+from macfleet.engine.proposers.eagle.head import EagleHead
 from macfleet.engine.proposers.eagle.chain import EagleProposer, draft_chains
 from macfleet.engine.proposers.eagle.load import shared_head
 from engine_testkit import drafting_contexts, engine_drafts_together_as_alone
@@ -29,9 +30,8 @@ from macfleet.serve.session_kv import SessionKV
 @pytest.fixture(scope="module")
 def head(tiny):
     mx.random.seed(5)
-    h = EagleHead(EagleConfig.for_verifier(tiny.model, tiny.spec, feature_scale=1.0),
-                  tiny.model)
-    h.init_from_verifier()
+    h = EagleHead(config_for_verifier(tiny.model, tiny.spec, feature_scale=1.0), tiny.model)
+    init_from_verifier(h)
     h.set_draft_vocab(np.arange(0, tiny.vocab_size, 2))  # drafts map through the subset's ids
     mx.eval(h.parameters())
     return h
@@ -114,14 +114,14 @@ def test_rows_of_another_store_are_refused(tiny, head):
 
 
 def test_sessions_share_one_loaded_head(tiny, head, tmp_path):
-    head.save(tmp_path / "h")
+    save_head(head, tmp_path / "h")
     one, two = shared_head(tmp_path / "h", tiny.model), shared_head(tmp_path / "h", tiny.model)
     assert one is two
 
 
 def test_batching_engine_drafts_every_eagle_chain_together_and_answers_as_alone(
         tiny, head, tmp_path):
-    head.save(tmp_path / "h")
+    save_head(head, tmp_path / "h")
     engine_drafts_together_as_alone(tiny, f"eagle:{tmp_path / 'h'}")
 
 
@@ -132,7 +132,7 @@ def test_sessions_fed_hidden_states_share_a_prompt_prefix_with_its_rows(tiny, he
     answer as alone (the rows copied are the ones its own prefill would have fed)."""
     import macfleet.serve.engine as serve_engine
 
-    head.save(tmp_path / "h")
+    save_head(head, tmp_path / "h")
     rng = np.random.default_rng(3)
     common = rng.integers(0, tiny.vocab_size, size=24).tolist()
     prompts = [tuple(common + rng.integers(0, tiny.vocab_size, size=n).tolist())

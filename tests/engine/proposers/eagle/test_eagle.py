@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from macfleet.engine.proposers.eagle.features import extract_features
+from macfleet.distill.heads import extract_features, save_head
 from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead, HeadMismatch, load_head
 from macfleet.engine.proposers.eagle.chain import EagleProposer
 from macfleet.engine.proposers.shipped import default_head_path
@@ -48,7 +48,7 @@ def test_checkpoint_resume_continues_from_saved_step(tiny, chunks, tmp_path):
 
 
 def test_weights_round_trip(tiny, trained, tmp_path):
-    path = trained.save(tmp_path / "head", steps=7)
+    path = save_head(trained, tmp_path / "head", steps=7)
     assert path.suffix == ".safetensors" and path.with_suffix(".json").is_file()
     back = load_head(tmp_path / "head", tiny.model)
     assert back.config.steps == 7 and back.config.fingerprint == trained.config.fingerprint
@@ -66,7 +66,7 @@ def test_draft_vocabulary_subset_round_trips_and_stays_lossless(tiny, chunks, tr
     assert len(ids) == 10 and len(set(ids.tolist())) == 10
     trained.set_draft_vocab(ids)
     try:
-        trained.save(tmp_path / "sub")
+        save_head(trained, tmp_path / "sub")
     finally:
         trained.set_draft_vocab(None)
     back = load_head(tmp_path / "sub", tiny.model)
@@ -104,7 +104,7 @@ def test_draft_vocabulary_is_most_frequent_first_and_a_prefix_drafts_alone(tiny,
     trained.set_draft_vocab(ids, "frequency")
     try:
         full, pre = np.array(trained.draft_logits(h)), np.array(trained.draft_logits(h, 5))
-        trained.save(tmp_path / "freq")
+        save_head(trained, tmp_path / "freq")
     finally:
         trained.set_draft_vocab(None)
     assert pre.shape == (3, 5) and np.allclose(pre, full[:, :5], rtol=1e-5, atol=1e-5)
@@ -129,7 +129,7 @@ def test_draft_vocabulary_is_most_frequent_first_and_a_prefix_drafts_alone(tiny,
 
 
 def test_head_for_another_verifier_is_refused(trained, tmp_path):
-    trained.save(tmp_path / "head")
+    save_head(trained, tmp_path / "head")
     other = load_model("tiny:2:16")
     with pytest.raises(HeadMismatch, match="trained for verifier 'tiny:1:16'.*macfleet distill"):
         load_head(tmp_path / "head", other.model)

@@ -10,15 +10,16 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.proposers.eagle.head import EagleConfig, EagleHead, load_head
+from macfleet.distill.heads import config_for_verifier, save_head
+from macfleet.engine.proposers.eagle.head import EagleHead, load_head
 from macfleet.engine.models import load_model
 
 
 def test_a_loaded_head_drafts_on_another_thread(tmp_path):
     lm = load_model("tiny:2:32")
-    head = EagleHead(EagleConfig.for_verifier(lm.model, lm.spec, feature_scale=1.0), lm.model)
+    head = EagleHead(config_for_verifier(lm.model, lm.spec, feature_scale=1.0), lm.model)
     head.set_draft_vocab(np.arange(40))
-    head.save(tmp_path / "h")
+    save_head(head, tmp_path / "h")
     loaded = load_head(tmp_path / "h", lm.model)
     got: dict[str, object] = {}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from macfleet.distill.heads import save_head
 from macfleet.engine.tree_budget import (Calibration, VerifyCurve, choose_tree_size,
                                          worth_expanding)
 from macfleet.engine.proposers.eagle.tree import EagleTreeProposer
@@ -290,7 +291,7 @@ def test_bench_tree_shapes_end_to_end_on_the_tiny_model(tiny, trained, tmp_path)
     import subprocess
     import sys
 
-    trained.save(tmp_path / "head")
+    save_head(trained, tmp_path / "head")
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "macfleet", "bench", "--model", tiny.spec, "--out", str(out),
            "tree-shapes", "2,3,0", "3,2,0", "--head", str(tmp_path / "head"),

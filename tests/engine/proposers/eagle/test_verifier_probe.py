@@ -15,10 +15,11 @@ import pytest
 
 from macfleet.distill.dataset import (MANIFEST, DatasetError, Manifest, open_manifest,
                                       rebuild_hidden)
-from macfleet.engine.proposers.eagle.head import (EagleConfig, EagleHead, HeadMismatch,
-                                                  config_path, load_head, matches_verifier,
-                                                  read_config, same_verifier,
-                                                  verifier_fingerprint, verifier_probe)
+from macfleet.distill.heads import config_for_verifier, save_head
+from macfleet.engine.proposers.eagle.head import (EagleHead, HeadMismatch, config_path,
+                                                  load_head, matches_verifier, read_config,
+                                                  same_verifier, verifier_fingerprint,
+                                                  verifier_probe)
 from macfleet.engine.models import LoadedModel, load_model
 from macfleet.engine.tiny import TinyTokenizer, build_tiny_model
 
@@ -72,8 +73,8 @@ def test_probe_tolerates_float_noise_and_rejects_another_seed():
 
 def test_a_head_saved_on_one_backend_loads_on_another(pair, tmp_path):
     a, b = pair
-    EagleHead(EagleConfig.for_verifier(a.model, a.spec, feature_scale=1.0), a.model).save(
-        tmp_path / "head")
+    save_head(EagleHead(config_for_verifier(a.model, a.spec, feature_scale=1.0), a.model),
+              tmp_path / "head")
     cfg = read_config(tmp_path / "head")
     assert isinstance(cfg.probe, tuple) and cfg.probe == verifier_probe(a.model)
     assert load_head(tmp_path / "head", b.model).config.fingerprint == cfg.fingerprint
@@ -83,15 +84,15 @@ def test_a_head_saved_on_one_backend_loads_on_another(pair, tmp_path):
 
 def test_an_old_config_without_probe_still_loads_by_exact_hash(pair, tmp_path):
     a, b = pair
-    EagleHead(EagleConfig.for_verifier(a.model, a.spec, feature_scale=1.0), a.model).save(
-        tmp_path / "old")
+    save_head(EagleHead(config_for_verifier(a.model, a.spec, feature_scale=1.0), a.model),
+              tmp_path / "old")
     cp = config_path(tmp_path / "old")
     d = json.loads(cp.read_text())
     del d["probe"]
     cp.write_text(json.dumps(d))
     assert read_config(tmp_path / "old").probe == ()
     head = load_head(tmp_path / "old", a.model)  # the exact hash
-    head.save(tmp_path / "resaved")  # saved again, it gains a probe
+    save_head(head, tmp_path / "resaved")  # saved again, it gains a probe
     assert read_config(tmp_path / "resaved").probe == verifier_probe(a.model)
     with pytest.raises(HeadMismatch):
         load_head(tmp_path / "old", b.model)  # no probe to fall back on
