@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from macfleet.engine.acceptance import accept_greedy
 from macfleet.engine.pipeline import greedy_outcome, sampled_outcome, sampled_tree_outcome
 from macfleet.engine.proposers.base import Draft
 from macfleet.engine.sampling import SamplingParams
@@ -33,17 +32,6 @@ def chain_outcome(draft: Draft, logits: mx.array, params: SamplingParams, seed: 
     if params.greedy:
         return greedy_outcome(logits, draft.tokens)
     return sampled_outcome(logits, draft.tokens, draft.probs, params, seed, start)
-
-
-def accept_chain(draft: Draft, logits: mx.array, params: SamplingParams, seed: int, start: int,
-                 target: Sequence[int] | None = None) -> tuple[int, int]:
-    """(accepted drafts, next token) of a chain block [root, d_1 .. d_k] from the verifier's
-    logits [k + 1, V]. target: the block's argmax ids when the caller computed them already
-    (greedy only)."""
-    if params.greedy and target is not None:
-        return accept_greedy(draft.tokens, target)
-    n, nxt = chain_outcome(draft, logits, params, seed, start).tolist()
-    return int(n), int(nxt)
 
 
 def tree_outcome(tree: TokenTree, logits: mx.array, params: SamplingParams, seed: int,

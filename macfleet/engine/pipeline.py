@@ -1,8 +1,8 @@
 """The device-side halves of engine/block.py's decisions, so a block's one host synchronisation
 carries two integers (accepted, next token) and the device never waits on Python. Greedy decides
-bit for bit what engine/acceptance.py does; sampled acceptance the same rules with Gumbel-max
-draws keyed by output position: equal in distribution. docs/engine.md, "Block decisions on the
-device".
+bit for bit what the host rules do (tests/reference_rules.py); sampled acceptance the same rules
+with Gumbel-max draws keyed by output position: equal in distribution. docs/engine.md, "Block
+decisions on the device".
 """
 
 from __future__ import annotations

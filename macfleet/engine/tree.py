@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from macfleet.engine.acceptance import residual
 from macfleet.engine.sampling import sample
 
 
@@ -269,6 +268,13 @@ def accept_tree_sample(tree: TokenTree, p: np.ndarray,
             return path, tok
         path.append(nxt)
         cur = nxt
+
+
+def residual(p_row: np.ndarray, q_row: np.ndarray) -> np.ndarray:
+    """Normalised max(p - q, 0); falls back to p when p <= q everywhere (measure-zero case)."""
+    r = np.maximum(p_row - q_row, 0.0)
+    s = r.sum()
+    return r / s if s > 0 else p_row
 
 
 def _multi_step(tree: TokenTree, cands: list[Candidate], p_row: np.ndarray,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.block import (BlockTally, accept_chain, cut_at_stop, node_path, tree_decided,
-                                   tree_decision)
+from macfleet.engine.block import BlockTally, cut_at_stop, node_path, tree_decided, tree_decision
 from macfleet.engine.proposers.base import Draft
 from macfleet.engine.sampling import GREEDY, SamplingParams, probs_from_logits
 from macfleet.engine.tree import TokenTree, accept_tree_sample
 from macfleet.stats import GenerationStats, ProposerStats
+from reference_rules import accept_chain
 
 V = 8
 

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from macfleet.engine.acceptance import accept_greedy
+from reference_rules import accept_greedy
 from macfleet.engine.ahead import Ahead, take
 from macfleet.engine.pipeline import (greedy_outcome, gumbel_pick, rejection_rows,
                                       sampled_outcome, sampled_tree_outcome)

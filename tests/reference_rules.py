@@ -1,18 +1,25 @@
-"""Acceptance rules: pure functions deciding how much of a draft block the verifier keeps.
+"""The acceptance rules on the host, kept as the tests' references (issue 49: macfleet decides on
+the device, engine/pipeline.py, and keeps only SpecInfer's tree rule on the host,
+engine/tree.py). Pure functions deciding how much of a draft block the verifier keeps.
 
 Each returns (accepted, next_token): the first `accepted` drafts are committed, then the
 verifier's correction or bonus token. Shapes: draft [k]; target rows [k + 1, V] (row i scores the
 token after block input i). Greedy exact match, exact-match sampling and the ratio test, each
-lossless: docs/engine.md, "Acceptance rules".
+lossless: docs/engine.md, "Acceptance rules". `accept_chain`: a chain block's decision as
+engine/block.py makes it, read back to the host.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import mlx.core as mx
 import numpy as np
 
-from macfleet.engine.sampling import sample
+from macfleet.engine.block import chain_outcome
+from macfleet.engine.proposers.base import Draft
+from macfleet.engine.sampling import SamplingParams, sample
+from macfleet.engine.tree import residual
 
 
 def accept_greedy(draft: Sequence[int], target_ids: Sequence[int]) -> tuple[int, int]:
@@ -35,13 +42,6 @@ def accept_exact_sample(draft: Sequence[int], p: np.ndarray,
     return len(draft), sample(p[len(draft)], rng)
 
 
-def residual(p_row: np.ndarray, q_row: np.ndarray) -> np.ndarray:
-    """Normalised max(p - q, 0); falls back to p when p <= q everywhere (measure-zero case)."""
-    r = np.maximum(p_row - q_row, 0.0)
-    s = r.sum()
-    return r / s if s > 0 else p_row
-
-
 def accept_ratio(draft: Sequence[int], q: np.ndarray, p: np.ndarray,
                  rng: np.random.Generator) -> tuple[int, int]:
     """q: [k, V] draft probabilities the tokens were sampled from; p: [k + 1, V]."""
@@ -51,3 +51,14 @@ def accept_ratio(draft: Sequence[int], q: np.ndarray, p: np.ndarray,
         if qi <= 0.0 or rng.random() >= min(1.0, p[i, d] / qi):
             return i, sample(residual(p[i], q[i]), rng)
     return len(draft), sample(p[len(draft)], rng)
+
+
+def accept_chain(draft: Draft, logits: mx.array, params: SamplingParams, seed: int, start: int,
+                 target: Sequence[int] | None = None) -> tuple[int, int]:
+    """(accepted drafts, next token) of a chain block [root, d_1 .. d_k] from the verifier's
+    logits [k + 1, V]. target: the block's argmax ids when the caller computed them already
+    (greedy only)."""
+    if params.greedy and target is not None:
+        return accept_greedy(draft.tokens, target)
+    n, nxt = chain_outcome(draft, logits, params, seed, start).tolist()
+    return int(n), int(nxt)
