@@ -5,7 +5,7 @@ interleaved rounds after a warm-up round, each method's fastest timed round kept
   (a) plain macfleet (the serving engine with one request, no drafter) against mlx-lm's
       `generate_step`;
       rates after the first token for both (what a streaming user sees);
-  (b) the oracle drafter (engine/proposers/oracle.py: it drafts the run's own answer, so every
+  (b) the oracle drafter (bench/oracle.py: it drafts the run's own answer, so every
       draft is accepted) at fixed block lengths k, against plain macfleet: the measured
       speed-up over the ideal one read off the device's verify(L) curve,
       ideal(k) = (k + 1) * verify(1) / verify(k + 1): the loop's efficiency;

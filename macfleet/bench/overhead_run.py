@@ -15,6 +15,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+from macfleet.bench.oracle import OracleProposer
 from macfleet.bench.overhead import (DEFAULT_KS, DEFAULT_MAX_ITERATIONS, OracleTrace, Run, best,
                                      departure_summary, follow_reference, oracle_summary,
                                      ratio_summary)
@@ -22,7 +23,6 @@ from macfleet.bench.weights import BenchModel
 from macfleet.engine.events import Finished
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers.base import Proposer
-from macfleet.engine.proposers.oracle import OracleProposer
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.engine.verify_costs import PROBE_LENGTHS, probe_verify_costs
 from macfleet.serve.engine import BatchEngine, EngineRequest

@@ -4,7 +4,7 @@ llamas in the shape of the models users bring.
 A random-weight llama of 1-8B costs what a real one costs per forward (the same matmuls over
 the same bytes), so it measures the bandwidth-bound regime where a block of L tokens costs
 about one token, without any real big model. Its answers are noise, which is fine: the oracle
-drafts the run's own answer (engine/proposers/oracle.py).
+drafts the run's own answer (bench/oracle.py).
 """
 
 from __future__ import annotations

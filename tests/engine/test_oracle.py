@@ -1,4 +1,4 @@
-"""The oracle proposer (engine/proposers/oracle.py): it drafts the reference at the context's
+"""The oracle proposer (bench/oracle.py): it drafts the reference at the context's
 position, so a run on its own answer accepts every draft; a departure is found and followed."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from macfleet.bench.overhead import follow_reference
 from macfleet.engine.controller import FixedDraftLength
 from macfleet.engine.events import BlockDone, Finished
 from reference_loops import speculative_generate
-from macfleet.engine.proposers.oracle import OracleProposer
+from macfleet.bench.oracle import OracleProposer
 from macfleet.engine.verifier import Verifier
 
 PROMPT = [3, 14, 15, 9, 26, 5]

@@ -1,6 +1,7 @@
 """The oracle: drafts a known reference (prompt + the run's own answer), so every block is
 accepted in full and the run's speed is the loop's own (`macfleet bench overhead`); a measuring
-instrument, not a drafter for users (docs/drafters.md, "oracle.py")."""
+instrument, not a drafter for users, so it lives with the benchmarks (docs/drafters.md,
+"oracle.py")."""
 
 from __future__ import annotations
 
