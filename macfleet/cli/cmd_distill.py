@@ -195,14 +195,14 @@ def _run_dataset(args, lm, out: Path, params) -> int:
                    f"{m.tokens:,} positions with hidden states; {m.seconds / 60:.1f} min "
                    f"generating ({', '.join(f'{k} {v:.0f}' for k, v in m.timing.items())})")
         if args.store and args.stage in ("all", "data", "store"):
-            from macfleet.distill.dataset import answers
+            from macfleet.distill.dataset import answers, merged_store, save_store
             from macfleet.engine.proposers.retrieval import Datastore
 
             sp = Path(args.store).with_suffix(".npy")
             old = Datastore.load(sp) if sp.is_file() else Datastore.build([])
-            store = old.merged(answers(ds))
+            store = merged_store(old, answers(ds))
             report(f"answer store: {old.tokens.size:,} -> {store.tokens.size:,} tokens (answers "
-                   f"already there kept, repeats dropped) -> {store.save(sp)}")
+                   f"already there kept, repeats dropped) -> {save_store(store, sp)}")
         init_head = None if args.init in ("verifier", "random") else Path(args.init)
         if init_head is not None and not weights_path(init_head).is_file():
             raise UserError(f"--init: no draft head at {weights_path(init_head)}")

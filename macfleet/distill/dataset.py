@@ -40,6 +40,7 @@ from macfleet.distill.prompts import iter_prompts
 from macfleet.engine.cachedir import write_atomic
 from macfleet.engine.models import LoadedModel
 from macfleet.engine.proposers.eagle.head import matches_verifier, verifier_probe
+from macfleet.engine.proposers.retrieval import SEPARATOR, Datastore
 
 MANIFEST = "manifest.json"
 KEYS = "keys.txt"
@@ -353,6 +354,32 @@ def answers(path: Path) -> list[np.ndarray]:
         for (a, b), n in zip(zip(offs[:-1], offs[1:]), npr):
             out.append(np.concatenate([toks[a + n : b], top[b - 1 : b]]).astype(np.int64))
     return out
+
+
+def store_answers(store: Datastore) -> list[np.ndarray]:
+    """The answers an answer store holds, in order (split at the separators)."""
+    cuts = np.flatnonzero(store.tokens == SEPARATOR)
+    starts = np.concatenate([[0], cuts[:-1] + 1]) if cuts.size else np.zeros(0, np.int64)
+    return [store.tokens[a:b] for a, b in zip(starts.tolist(), cuts.tolist()) if b > a]
+
+
+def merged_store(store: Datastore, more: Sequence[Sequence[int]]) -> Datastore:
+    """The store plus the answers `more`, an answer already held dropped."""
+    seen = {a.tobytes() for a in store_answers(store)}
+    keep = list(store_answers(store))
+    for a in more:
+        arr = np.asarray(a, dtype=np.uint16)
+        if arr.size and arr.tobytes() not in seen:
+            seen.add(arr.tobytes())
+            keep.append(arr)
+    return Datastore.build(keep)
+
+
+def save_store(store: Datastore, path: Path) -> Path:
+    """Write the store's tokens to PATH.npy (`Datastore.load` reads it back)."""
+    p = Path(path).with_suffix(".npy")
+    np.save(p, store.tokens)
+    return p
 
 
 def token_counts(path: Path, vocab: int) -> np.ndarray:

@@ -453,6 +453,7 @@ def test_remote_retrieval_trees_are_drafted_ahead_and_lossless(tmp_path):
     verifier verifies: answers come from the early tree, the ids are the verifier's."""
     import numpy as np
 
+    from macfleet.distill.dataset import save_store
     from macfleet.engine.proposers.retrieval import Datastore
 
     prop = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
@@ -462,7 +463,7 @@ def test_remote_retrieval_trees_are_drafted_ahead_and_lossless(tmp_path):
     try:
         alone = gen(ver, None, "none", max_tokens=60)
         prompt_ids = load_model(MODEL).tokenizer.encode("the cat sat on the mat")
-        Datastore.build([list(prompt_ids) + list(alone.token_ids)]).save(tmp_path / "store")
+        save_store(Datastore.build([list(prompt_ids) + list(alone.token_ids)]), tmp_path / "store")
         assert (tmp_path / "store.npy").is_file() or list(tmp_path.iterdir())
         done = gen(ver, prop, "retrieval:store", max_tokens=60, cross_round=True)
         assert done.token_ids == alone.token_ids

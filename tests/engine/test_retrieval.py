@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from macfleet.engine import fastmath
+from macfleet.distill.dataset import merged_store, save_store, store_answers
 from macfleet.engine.events import Finished
 from reference_loops import speculative_generate
 from macfleet.engine.models import load_model
@@ -68,7 +69,7 @@ def test_no_match_drafts_nothing_and_a_store_round_trips(tmp_path):
     store = Datastore.build([[1, 2, 3], [4, 5, 6]])
     prop = RetrievalProposer(store)
     assert len(prop.propose([7, 8, 9], 8)) == 0
-    again = Datastore.load(store.save(tmp_path / "s"))
+    again = Datastore.load(save_store(store, tmp_path / "s"))
     assert (again.tokens == store.tokens).all() and again.tokens.dtype == np.uint16
 
 
@@ -102,7 +103,7 @@ def test_retrieval_trees_are_lossless_and_accept_the_verifiers_habits(tmp_path, 
     # model's "habits" gave a few accepted tokens or none, by the tree sizes' timing (0 of
     # 133-250 drafts in 3 of 4 runs alone)
     store = Datastore.build([*_answers(lm, 30, 60, seed=0), list(alone.token_ids)])
-    path = store.save(tmp_path / "answers")
+    path = save_store(store, tmp_path / "answers")
     prop = make_proposer(f"retrieval:{path}", lm)
     assert prop.drafts_trees
     fin = list(tree_generate(Verifier(lm.model), ProposerGroup([prop], node_budget=tree_budget(
@@ -121,7 +122,7 @@ def _why(fin, alone, prompt) -> str:
 
 def test_a_store_for_another_vocabulary_is_refused(tmp_path):
     lm = load_model("tiny:5:32")
-    path = Datastore.build([[1, 2, 300, 4]]).save(tmp_path / "big")
+    path = save_store(Datastore.build([[1, 2, 300, 4]]), tmp_path / "big")
     with pytest.raises(ProposerSpecError, match="vocabulary"):
         make_proposer(f"retrieval:{path}", lm)
     with pytest.raises(ProposerSpecError, match="macfleet distill"):
@@ -131,20 +132,21 @@ def test_a_store_for_another_vocabulary_is_refused(tmp_path):
 def test_a_store_grows_across_datasets_without_repeating_an_answer(tmp_path):
     a, b, c = [5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 9]
     s1 = Datastore.build([a, b])
-    assert [x.tolist() for x in s1.answers()] == [a, b]
-    s2 = s1.merged([b, c, []])  # b is already there: kept once
-    assert [x.tolist() for x in s2.answers()] == [a, b, c]
-    loaded = Datastore.load(s2.save(tmp_path / "store.npy"))
-    assert [x.tolist() for x in loaded.answers()] == [a, b, c]
+    assert [x.tolist() for x in store_answers(s1)] == [a, b]
+    s2 = merged_store(s1, [b, c, []])  # b is already there: kept once
+    assert [x.tolist() for x in store_answers(s2)] == [a, b, c]
+    loaded = Datastore.load(save_store(s2, tmp_path / "store.npy"))
+    assert [x.tolist() for x in store_answers(loaded)] == [a, b, c]
     # the merged store's trie weights count each distinct answer once
     assert len(loaded.matches([5, 6, 7], 10)) == 2
-    assert Datastore.build([]).answers() == [] and Datastore.build([]).merged([a]).answers()[0].tolist() == a
+    assert store_answers(Datastore.build([])) == []
+    assert store_answers(merged_store(Datastore.build([]), [a]))[0].tolist() == a
 
 
 def test_a_warm_up_builds_the_shipped_index_once(tmp_path, monkeypatch):
     import macfleet.engine.proposers.retrieval as r
 
-    path = Datastore.build([[1, 2, 3, 4], [2, 3, 5]]).save(tmp_path / "answers")
+    path = save_store(Datastore.build([[1, 2, 3, 4], [2, 3, 5]]), tmp_path / "answers")
     monkeypatch.setattr(r, "default_store_path", lambda spec: path if spec == "m" else None)
     monkeypatch.setattr(r, "_loaded", {})
     assert not r.warm_store("other")  # nothing shipped: nothing to build
@@ -162,7 +164,7 @@ def test_a_loaded_store_keeps_its_index_in_the_cache(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MACFLEET_CACHE", str(tmp_path / "cache"))
     store = Datastore.build([[1, 2, 3, 4, 5], [2, 3, 4, 9], [7, 2, 3]])
-    path = store.save(tmp_path / "answers")
+    path = save_store(store, tmp_path / "answers")
     first = Datastore.load(path)  # built, then cached
     cached = sorted(p.name for p in (tmp_path / "cache" / "retrieval").iterdir())
     assert len(cached) == 1 and not cached[0].startswith(".tmp")
@@ -176,7 +178,7 @@ def test_a_loaded_store_keeps_its_index_in_the_cache(tmp_path, monkeypatch):
     # another store's tokens never read this one's index
     monkeypatch.undo()
     monkeypatch.setenv("MACFLEET_CACHE", str(tmp_path / "cache"))
-    other = Datastore.build([[5, 6, 7]]).save(tmp_path / "other")
+    other = save_store(Datastore.build([[5, 6, 7]]), tmp_path / "other")
     assert Datastore.load(other).matches([5, 6], 4) == [(2, 2)]
     for f in (tmp_path / "cache" / "retrieval").glob("*/hi.npy"):  # a damaged cache: rebuilt
         f.write_bytes(b"junk")

@@ -105,28 +105,6 @@ class Datastore:
         order = np.lexsort((lo, hi))  # stable: equal keys stay in position order
         return cls(toks, order, hi[order], lo[order])
 
-    def answers(self) -> list[np.ndarray]:
-        """The answers the store holds, in order (split at the separators)."""
-        cuts = np.flatnonzero(self.tokens == SEPARATOR)
-        starts = np.concatenate([[0], cuts[:-1] + 1]) if cuts.size else np.zeros(0, np.int64)
-        return [self.tokens[a:b] for a, b in zip(starts.tolist(), cuts.tolist()) if b > a]
-
-    def merged(self, answers: Sequence[Sequence[int]]) -> Datastore:
-        """This store plus `answers`, an answer already held dropped."""
-        seen = {a.tobytes() for a in self.answers()}
-        keep = list(self.answers())
-        for a in answers:
-            arr = np.asarray(a, dtype=np.uint16)
-            if arr.size and arr.tobytes() not in seen:
-                seen.add(arr.tobytes())
-                keep.append(arr)
-        return Datastore.build(keep)
-
-    def save(self, path: Path) -> Path:
-        p = Path(path).with_suffix(".npy")
-        np.save(p, self.tokens)
-        return p
-
     @classmethod
     def load(cls, path: Path) -> Datastore:
         """A saved store, its index memory-mapped from this machine's cache when built here
