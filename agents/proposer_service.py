@@ -17,7 +17,6 @@ import numpy as np
 
 from agents.draft_stream import DraftStream
 from agents.proposer_chains import ChainRounds
-from agents.slots import slot_for
 from agents.specs import (PROPOSER_KINDS, DraftModels, SpecPolicy, check_id, check_sampling,
                           check_spec, check_tokens, make_checked_proposer)
 from bridge.errors import BAD_REQUEST, BAD_SHAPE, BUSY, INTERNAL, NOT_FOUND, ProtocolError
@@ -41,6 +40,49 @@ class ProposerLimits:
     max_prompt: int = 32768
     max_sessions_per_client: int = 4
     reclaim_idle_s: float = 3.0
+
+
+# -- session slots: who gets a drafting session when the slots run out (pure) ----------------
+def reclaimable(last_used: dict[str, float], now: float, min_idle_s: float) -> str | None:
+    """The session idle longest, when it has been idle at least min_idle_s (pure)."""
+    if not last_used:
+        return None
+    sid = min(last_used, key=last_used.__getitem__)
+    return sid if now - last_used[sid] >= min_idle_s else None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Whether a client may open one more session, and which session gives way for it."""
+
+    ok: bool
+    evict: str | None = None
+    why: str = ""
+
+
+def slot_for(peer: bytes, owners: dict[str, bytes], last_used: dict[str, float], now: float,
+             limits: ProposerLimits) -> Slot:
+    """A new session for client `peer` (pure): admitted under the per-client cap and the total;
+    when every slot is taken, the session idle `reclaim_idle_s` gives way, else (fair share) the
+    least recently used one of the client holding the most, when it holds more than `peer` would
+    (docs/agents.md, "Session slots")."""
+    mine = sum(1 for o in owners.values() if o == peer)
+    if mine >= limits.max_sessions_per_client:
+        return Slot(False, why=f"this client holds {mine} drafting sessions (the limit per "
+                               "client); close one first")
+    if len(owners) < limits.max_sessions:
+        return Slot(True)
+    idle = reclaimable(last_used, now, limits.reclaim_idle_s)
+    if idle is not None:
+        return Slot(True, idle)
+    held: dict[bytes, list[str]] = {}
+    for sid, o in owners.items():
+        held.setdefault(o, []).append(sid)
+    top = max(held.values(), key=len)
+    if len(top) > mine + 1:
+        return Slot(True, min(top, key=lambda sid: last_used.get(sid, 0.0)))
+    return Slot(False, why=f"{len(owners)} sessions open (the limit), all of them active and "
+                           "shared fairly")
 
 
 def _learn(s: DraftStream, msg: DraftRequest) -> None:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from agents.proposer_service import ProposerLimits
-from agents.slots import slot_for
+from agents.proposer_service import ProposerLimits, slot_for
 
 LIMITS = ProposerLimits(max_sessions=4, max_sessions_per_client=3, reclaim_idle_s=3.0)
 

@@ -1,7 +1,7 @@
 """The device-side block decisions (engine/pipeline.py, read through engine/block.py by the
 serving engine): greedy and sampled acceptance of chains and trees as device ops, each agreeing
 with its host rule; and the pieces a draft made ahead is re-rooted and rolled back with
-(tree.reroot for engine/ahead.py, the n-gram index's rollback)."""
+(tree.reroot for agents/draft_stream.py's `take`, the n-gram index's rollback)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agents.draft_stream import Ahead, take
 from reference_rules import accept_greedy
-from macfleet.engine.ahead import Ahead, take
 from macfleet.engine.pipeline import (greedy_outcome, gumbel_pick, rejection_rows,
                                       sampled_outcome, sampled_tree_outcome)
 from macfleet.engine.proposers import Draft
@@ -67,9 +67,9 @@ def test_reroot_keeps_the_subtree_under_the_guessed_token():
 
 
 def test_a_draft_made_ahead_is_taken_only_on_its_path_and_rerooted_with_its_rows():
-    """engine/ahead.py `take` (a proposer agent's tree sessions): the draft made from context +
-    branch is the next block's when that branch was committed and the bonus was one of its
-    top-level guesses; re-rooted under that guess, with its rows and parents, cut to k."""
+    """agents/draft_stream.py `take` (a proposer agent's tree sessions): the draft made from
+    context + branch is the next block's when that branch was committed and the bonus was one of
+    its top-level guesses; re-rooted under that guess, with its rows and parents, cut to k."""
     p = np.eye(4)[[1, 2, 3]]
     tree = Ahead(5, (1, 2), Draft((9, 3, 4), p, parents=(-1, 0, 1)))
     out = take(tree, [0, 0, 1, 2, 9])
