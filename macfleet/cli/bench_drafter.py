@@ -68,6 +68,9 @@ def add_bench_parsers(bs) -> None:
     t.add_argument("--repeats", type=int, default=0, metavar="N",
                    help="also generate the held-out prompts with every shape, N "
                    "interleaved rounds against plain decoding (0: offline only)")
+    t.add_argument("--loop-tokens", type=int, default=64, metavar="N",
+                   help="tokens per held-out answer in the loop (with --repeats; default: "
+                   "%(default)s)")
     t.set_defaults(func=run_tree_shapes)
 
 
@@ -277,8 +280,8 @@ def run_tree_shapes(args) -> int:
         shapes = [ts.TreeShape.parse(s) for s in args.shapes] or list(ts.DEFAULT_SHAPES)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if args.step < 1 or args.repeats < 0 or args.max_tokens < 8:
-        raise UserError("--step >= 1, --repeats >= 0 and --max-tokens >= 8")
+    if args.step < 1 or args.repeats < 0 or args.max_tokens < 8 or args.loop_tokens < 1:
+        raise UserError("--step >= 1, --repeats >= 0, --max-tokens >= 8 and --loop-tokens >= 1")
     try:
         lm = load_model(args.model)
     except ModelSpecError as e:
@@ -301,7 +304,8 @@ def run_tree_shapes(args) -> int:
                  "offline": ts.offline(lm, head, shapes, max_answer=args.max_tokens,
                                        step=args.step, progress=say)}
     if args.repeats:
-        doc["in_loop"] = ts.in_loop(lm, head, shapes, repeats=args.repeats, progress=say)
+        doc["in_loop"] = ts.in_loop(lm, head, shapes, repeats=args.repeats,
+                                   max_tokens=args.loop_tokens, progress=say)
     out = write_result("tree_shapes.json", doc, args.out)
     for name, r in doc["offline"]["shapes"].items():
         line = (f"{name:26s} full tree {r['draft_ms_median']:5.1f} ms; accepted with 16 nodes "

@@ -74,15 +74,20 @@ def test_no_match_drafts_nothing_and_a_store_round_trips(tmp_path):
 
 
 def _answers(lm, n, length, seed):
-    from mlx_lm.generate import generate_step  # ~2 s an import: for the slow test below
+    """`n` greedy answers of `length` tokens to random 6-token prompts, decoded as one batch
+    (one forward a token for all of them, as tests/eagle_fixtures.py's `_greedy_text`: the
+    verifier's own answers, as generate_step gives them one at a time)."""
+    from mlx_lm.models.cache import make_prompt_cache
 
     rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        ids = rng.integers(0, lm.vocab_size, 6).tolist()
-        out.append([int(t) for t, _ in generate_step(mx.array(ids, dtype=mx.uint32), lm.model,
-                                                     max_tokens=length)])
-    return out
+    prompts = [rng.integers(0, lm.vocab_size, 6).tolist() for _ in range(n)]
+    cache = make_prompt_cache(lm.model)
+    logits = lm.model(mx.array(prompts, dtype=mx.uint32), cache=cache)[:, -1]
+    gen = []
+    for _ in range(length):
+        gen.append(mx.argmax(logits, axis=-1))
+        logits = lm.model(gen[-1][:, None], cache=cache)[:, -1]
+    return np.array(mx.stack(gen, axis=1)).tolist()
 
 
 @pytest.mark.slow  # generates 30 answers for its store

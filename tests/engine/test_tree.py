@@ -101,25 +101,31 @@ def test_tree_greedy_is_bit_identical_to_plain_decoding_and_prunes_useless_propo
 
 
 @pytest.mark.slow
-def test_tree_greedy_on_the_embedded_model():
+def test_tree_greedy_on_the_embedded_model(monkeypatch):
     from mlx_lm.generate import generate_step
     import mlx.core as mx
 
+    # the verify(L) table the group is seeded with: a fixed bandwidth-bound one, not the probe
+    # of smollm2 (33 timed forwards, ~40% of this test's CPU, in every process that runs it:
+    # a busy machine's table is not cached); the draft lengths below are fixed anyway
+    monkeypatch.setattr("reference_loops.verify_costs",
+                        lambda model: {L: 30.0 + 0.5 * (L - 1) for L in (1, 2, 4, 8, 16, 32)})
     lm = load_model("smollm2")
     ids = lm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Repeat: red green blue, red green blue."}],
         add_generation_prompt=True)
     ref = []
-    for (y, _), _ in zip(generate_step(mx.array(ids), lm.model, max_tokens=16), range(16)):
+    for (y, _), _ in zip(generate_step(mx.array(ids), lm.model, max_tokens=12), range(12)):
         if int(y) in lm.eos_ids:
             break
         ref.append(int(y))
-    # 16 tokens: each drafter has had a draft accepted by then (measured: 1 each, of 14
-    # blocks). Fixed draft lengths: adaptive ones follow measured times, so which drafts are
-    # tried (and whether one is accepted in 16 tokens) would depend on the machine's load
+    # 12 tokens: each drafter has had a draft accepted by then (measured with 16: 1 each, of
+    # 14 blocks, committing tokens 7-8 and 10-11; 16 until the suite was cut). Fixed draft
+    # lengths: adaptive ones follow measured times, so which drafts are tried (and whether one
+    # is accepted in 12 tokens) would depend on the machine's load
     group = ProposerGroup([make_proposer("ngram", lm), make_proposer("layerskip:12", lm)],
                           draft_tokens=3)
-    out, st = run(tree_generate(Verifier(lm.model), group, ids, max_tokens=16,
+    out, st = run(tree_generate(Verifier(lm.model), group, ids, max_tokens=12,
                                 eos_ids=lm.eos_ids))
     assert out == ref and st.blocks < len(ref) and st.accepted > 0
 
@@ -173,7 +179,12 @@ class _OwnStream(ModelProposer):
         self._rng = make_rng(params, stream=self.stream)
 
 
-TREE_LOOP_SAMPLES = 1_200
+# sampled tree generations of each whole-loop check (~15-20 ms each on a loaded 2-core box):
+# enough to catch each broken rule below at POWER (their exact laws are far off: total
+# variation 0.24-0.28; test_the_tree_loop_checks_have_the_power_to_catch_a_broken_rule), and a
+# first token that leans a fifth of the way to the drafts' mean q (total variation 0.076) with
+# chance 0.87 (1,200 samples, which it took before: 0.997)
+TREE_LOOP_SAMPLES = 600
 
 
 def _tree_sample(verifier, drafts, seed: int, max_tokens: int):
@@ -187,19 +198,24 @@ def _tree_sample(verifier, drafts, seed: int, max_tokens: int):
 def _tree_loop_joint(verifier_model, drafts, n: int, seed0: int):
     """Histogram of the first two committed tokens of n seeded tree generations (max_tokens=3:
     both tokens pass the first block's multi-draft acceptance), and the accepted and drafted
-    totals."""
+    totals of the blocks up to them (`first_two`: each generation stops there)."""
+    from test_sampling_lossless import first_two
+
     vocab = int(verifier_model.args.vocab_size)
     counts = np.zeros((vocab, vocab), dtype=np.int64)
     verifier = Verifier(verifier_model)
     accepted = drafted = 0
     for i in range(n):
-        ids, st = _tree_sample(verifier, drafts, seed0 + i, 3)
+        group = ProposerGroup([_OwnStream(m, f"draft{j}", 1 + j) for j, m in enumerate(drafts)],
+                              draft_tokens=2)
+        ids, acc, dr = first_two(tree_generate(verifier, group, [1], max_tokens=3,
+                                               params=SamplingParams(1.0, seed=seed0 + i)))
         counts[ids[0], ids[1]] += 1
-        accepted, drafted = accepted + st.accepted, drafted + st.drafted
+        accepted, drafted = accepted + acc, drafted + dr
     return counts, accepted, drafted
 
 
-@pytest.mark.slow  # 1,200 sampled tree generations (1-layer models, ~3 ms each)
+@pytest.mark.slow  # TREE_LOOP_SAMPLES sampled tree generations (1-layer models)
 def test_tree_sampling_loop_keeps_the_verifier_distribution_and_is_seeded():
     """The whole tree loop (two draft models with probabilities, so every node runs the
     multi-draft ratio test and its residual updates) commits its first two tokens with the
@@ -222,6 +238,34 @@ def test_tree_sampling_loop_keeps_the_verifier_distribution_and_is_seeded():
     a = _tree_sample(v, drafts, 7, 30)[0]
     assert a == _tree_sample(v, drafts, 7, 30)[0] and len(a) == 30
     assert a != _tree_sample(v, drafts, 8, 30)[0]
+
+
+def test_the_tree_loop_checks_have_the_power_to_catch_a_broken_rule():
+    """The chance (`chi2_power`) that each tree-loop check above rejects a broken rule's exact
+    joint with TREE_LOOP_SAMPLES samples: the two-draft loop without the residual update (each
+    candidate kept with min(1, p/q), else p: `_broken_rule`), and the exact-match loop keeping
+    its first branch's token with chance p(x), else sampling p. Only the first token's law is
+    broken here (the second is the verifier's p(t2 | t1)): the loops' second tokens pass the
+    same rule, so a real break moves them too."""
+    from engine_testkit import chi2_power
+    from test_sampling_lossless import POWER, exact_joint, next_probs
+
+    from macfleet.engine.tiny import build_tiny_model
+
+    target_model = build_tiny_model(1, 8, layers=1, weight_scale=1.0)
+    joint = exact_joint(target_model)
+    p1 = joint.sum(axis=1)
+    given_t1 = joint / p1[:, None]
+    q1, q2 = (next_probs(build_tiny_model(s, 8, layers=1, weight_scale=1.0), [1])
+              for s in (3, 4))
+    keep1, keep2 = np.minimum(1.0, p1 / q1), np.minimum(1.0, p1 / q2)
+    no_residual = q1 * keep1 + (q1 * (1 - keep1)).sum() * (
+        q2 * keep2 + (q2 * (1 - keep2)).sum() * p1)  # the candidates are drawn independently
+    a = int(np.argmax(p1))
+    kept_with_p = np.eye(8)[a] * p1[a] + (1 - p1[a]) * p1
+    for law in (no_residual, kept_with_p):
+        assert 0.5 * np.abs(law - p1).sum() > 0.2  # (a break, not a rounding)
+        assert chi2_power(joint, law[:, None] * given_t1, TREE_LOOP_SAMPLES) >= POWER
 
 
 class _FixedChain(Proposer):
@@ -258,12 +302,12 @@ def test_device_tree_sampling_walks_the_drawn_children():
     assert out(rows(7, 2, 3, 0, 0, 0)) == [0, 7]  # the root's draw has no child: nothing kept
 
 
-@pytest.mark.slow  # 1,200 sampled tree generations (1-layer models)
+@pytest.mark.slow  # TREE_LOOP_SAMPLES sampled tree generations (1-layer models)
 def test_device_tree_exact_match_sampling_keeps_the_verifier_joint():
     """Trees of drafts without probabilities (the default drafter's kind) are accepted on the
     device: the first two committed tokens follow the verifier's exact p(t1) p(t2 | t1)."""
     from engine_testkit import chi2_test
-    from test_sampling_lossless import exact_joint
+    from test_sampling_lossless import exact_joint, first_two
 
     from macfleet.engine.tiny import build_tiny_model
 
@@ -278,10 +322,10 @@ def test_device_tree_exact_match_sampling_keeps_the_verifier_joint():
     for i in range(TREE_LOOP_SAMPLES):
         group = ProposerGroup([_FixedChain([a, second], "x"), _FixedChain([b, a], "y")],
                               draft_tokens=2)
-        ids, st = run(tree_generate(verifier, group, [1], max_tokens=3,
-                                    params=SamplingParams(1.0, seed=30_000 + i)))
+        ids, acc, _ = first_two(tree_generate(verifier, group, [1], max_tokens=3,
+                                              params=SamplingParams(1.0, seed=30_000 + i)))
         counts[ids[0], ids[1]] += 1
-        accepted += st.accepted
+        accepted += acc
     stat, df, crit = chi2_test(counts, joint)
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"
     assert accepted > TREE_LOOP_SAMPLES // 4  # the drafted branches were really walked

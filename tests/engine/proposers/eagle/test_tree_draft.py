@@ -286,7 +286,7 @@ def test_hidden_state_drafters_in_the_continuous_batch(tiny, trained, tree):
 
 
 @pytest.mark.slow  # generates answers to the unseen prompts and the held-out ones
-def test_bench_tree_shapes_end_to_end_on_the_tiny_model(tiny, trained, tmp_path):
+def test_bench_tree_shapes_end_to_end_on_the_tiny_model(tiny, trained, tmp_path, capsys):
     import json
     import subprocess
     import sys
@@ -295,7 +295,7 @@ def test_bench_tree_shapes_end_to_end_on_the_tiny_model(tiny, trained, tmp_path)
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "macfleet", "bench", "--model", tiny.spec, "--out", str(out),
            "tree-shapes", "2,3,0", "3,2,0", "--head", str(tmp_path / "head"),
-           "--max-tokens", "10", "--step", "3", "--repeats", "1"]
+           "--max-tokens", "10", "--step", "3", "--repeats", "1", "--loop-tokens", "16"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads((out / "tree_shapes.json").read_text())
@@ -308,6 +308,12 @@ def test_bench_tree_shapes_end_to_end_on_the_tiny_model(tiny, trained, tmp_path)
         assert all(0 <= a <= 3 for a in acc)
     loop = doc["in_loop"]["summary"]["all"]
     assert set(loop) == {"none", *shapes} and all(s["all_identical"] for s in loop.values())
-    bad = subprocess.run([*cmd[:cmd.index("tree-shapes") + 1], "4,5"], capture_output=True,
-                         text=True, timeout=120)
-    assert bad.returncode != 0 and "TOP_K,MAX_DEPTH,DEEP_VOCAB" in bad.stderr
+    assert doc["in_loop"]["max_tokens"] == 16
+    # the CLI's refusals, in this process (`macfleet` exits with main's 2): both before a model
+    # is loaded
+    from macfleet.cli.main import main
+
+    for bad, says in ((["4,5"], "TOP_K,MAX_DEPTH,DEEP_VOCAB"),
+                      (["2,3,0", "--loop-tokens", "0"], "--loop-tokens >= 1")):
+        assert main([*cmd[3:cmd.index("tree-shapes") + 1], *bad]) == 2
+        assert says in capsys.readouterr().err
