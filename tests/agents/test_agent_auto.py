@@ -35,6 +35,7 @@ def verifiers():
     solo.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["batched", pytest.param(  # the fast lane: the default verifier
     "solo", marks=pytest.mark.slow)])
 def test_the_verifier_agent_chooses_with_plain_decodings_answer(verifiers, which):

@@ -65,6 +65,7 @@ def gen(ver, prop, spec, **kw):
 
 # the fast lane keeps draft:tiny:4, a drafter the verifier disagrees with (rejections, rollback
 # over the wire); the others run in the default suite (docs/testing.md "Fast lane, second round")
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [pytest.param(s, marks=pytest.mark.slow) for s in (
     "draft:tiny:3", "layerskip:2", "ngram")] + ["draft:tiny:4"])
 def test_remote_greedy_equals_verifier_alone(pair, spec):
@@ -131,6 +132,7 @@ def test_draft_stream_keeps_only_a_surviving_prefix():
     assert not s.commit([bad]) and s.stream == []
 
 
+@pytest.mark.slow
 def test_remote_tree_of_two_proposer_agents_is_lossless_and_survives_one_dying(pair):
     ver, prop = pair
     prop2 = Agent(AgentConfig(role="proposer", model=MODEL, key=KEY, advertise=False,
@@ -148,6 +150,7 @@ def test_remote_tree_of_two_proposer_agents_is_lossless_and_survives_one_dying(p
         prop2.close()
 
 
+@pytest.mark.slow
 def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
     """A hidden-state drafter on the proposer agent is fed the verifier's own hidden states
     (flow F3, riding with each draft request; the rows of its session in the verifier's
@@ -182,6 +185,7 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
     assert served > 0 and fallback == 0  # every feature came over F3
 
 
+@pytest.mark.slow
 def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_path,
                                                                      monkeypatch):
     """Four sessions in the verifier's continuous batch, each drafted by the EAGLE head on the
@@ -450,6 +454,7 @@ def test_a_tree_session_drafts_its_next_tree_early_and_answers_from_it():
     assert s.take_tree(4) is None
 
 
+@pytest.mark.slow
 def test_remote_retrieval_trees_are_drafted_ahead_and_lossless(tmp_path):
     """A tree drafter on another agent (the answer store) drafts each next tree while the
     verifier verifies: answers come from the early tree, the ids are the verifier's."""

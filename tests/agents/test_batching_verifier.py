@@ -43,6 +43,7 @@ def run(ver: Agent, prompt: str, eps: list[str], spec: str, **kw) -> GenerateDon
     return generate_done(ver.card, KEY, prompt, eps, spec, **kw)
 
 
+@pytest.mark.slow
 def test_concurrent_sessions_share_forwards_and_match_one_at_a_time(agents):
     prop, batched, solo = agents
     assert batched.verifier.batching and not solo.verifier.batching
@@ -89,6 +90,7 @@ def test_a_dead_proposer_in_the_batch_falls_back_to_the_next(agents):
     assert d.stats.fleet.proposer_failures == 1 and d.stats.fleet.flows.remote_blocks > 0
 
 
+@pytest.mark.slow
 def test_concurrent_trees_are_verified_in_the_batch(agents):
     """Two remote drafters per request make a token tree: concurrent tree requests share the
     batch's forwards (each tree its own ancestor mask), ids equal to one at a time."""

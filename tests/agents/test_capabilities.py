@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from sourcescan import nodes, product_files
 
 from agents.shard import ShardedVerifier
@@ -31,6 +33,7 @@ def test_proposer_capabilities_are_declared():
     assert callable(Proposer.draft_together)
 
 
+@pytest.mark.slow
 def test_no_capability_is_probed_by_name():
     """No hasattr/getattr(x, "<capability>") anywhere in the product."""
     probes = []

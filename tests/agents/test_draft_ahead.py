@@ -178,6 +178,7 @@ def fleet(request):
     prop.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", ["the cat sat on the mat", pytest.param(  # the fast lane: one
     "one two three four", marks=pytest.mark.slow)])
 def test_drafted_ahead_greedy_equals_the_verifier_alone(fleet, prompt):

@@ -47,6 +47,7 @@ def ids_of(lm, n, seed=0):
 
 # the fast lane: the exact codec and float16 (int8's bound and scales: test_kvship.py in the
 # lane, and over the wire in the default suite)
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["auto", "float16", pytest.param("int8", marks=pytest.mark.slow)])
 def test_fetched_kv_matches_a_local_prefill(lm, prefill_server, codec):
     ids = ids_of(lm, 1100)
@@ -161,6 +162,7 @@ def test_stage_decides_and_falls_back(lm):
     assert got[0].ids == lm.tokenizer.encode("x" * 600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_sessions", [0, 4])
 @pytest.mark.parametrize("agent_alive", [False, True])
 def test_flow_kv_in_the_answer_and_the_first_blocks_metrics(lm, prefill_server, batch_sessions,

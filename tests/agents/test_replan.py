@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from agents.daemon import Agent, AgentConfig
 from agents.verifier_service import VerifierLost
 from macfleet.cli import cmd_generate
@@ -34,6 +36,7 @@ class BreaksAfter(Verifier):
         return super().forward(tokens)
 
 
+@pytest.mark.slow
 def test_replan_continues_after_committed_tokens(monkeypatch, capsys):
     lm = load_model(MODEL)
     bad = Agent(AgentConfig(role="verifier", model=MODEL, key=KEY, advertise=False,

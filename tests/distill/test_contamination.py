@@ -121,6 +121,7 @@ def test_ngram_shares_count_distinct_answer_8grams_in_the_corpus_and_its_richest
     assert (t.total, t.found) == (1, 0)
 
 
+@pytest.mark.slow
 def test_distill_drops_near_copies_of_held_out_prompts():
     near = [Prompt("self", "Describe a busy market on a Saturday morning!", "self:a"),
             Prompt("self", "Rewrite this recipe step so a beginner can follow it: cream the "

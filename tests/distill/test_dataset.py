@@ -31,6 +31,7 @@ def lm_eos():
     return lm
 
 
+@pytest.mark.slow
 def test_prompts_are_varied_deduplicated_and_never_the_held_out_ones():
     ps = list(itertools.islice(iter_prompts(seed=1), 600))
     assert len({p.key for p in ps}) == len(ps)
@@ -46,6 +47,7 @@ def test_prompts_are_varied_deduplicated_and_never_the_held_out_ones():
     assert len({p.group for p in ps}) < len(ps)
 
 
+@pytest.mark.slow
 def test_batched_answers_equal_one_at_a_time_with_ragged_stops(lm_eos):
     ps = list(itertools.islice(iter_prompts(seed=2), 9))
     t = Timing()

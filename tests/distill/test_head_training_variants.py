@@ -16,6 +16,7 @@ from macfleet.distill.train import (TrainParams, _step_losses, chain_acceptance,
 from eagle_fixtures import _head  # noqa: E402  (fixtures: conftest.py)
 
 
+@pytest.mark.slow
 def test_soft_target_is_the_cross_entropy_to_the_verifiers_distribution(tiny, chunks):
     head = _head(tiny, chunks)
     c = chunks[0]

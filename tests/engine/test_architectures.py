@@ -111,6 +111,7 @@ def gemma3_run_model(seed: int = 0):  # its sliding-window layers within the two
 
 # (a tree's drafters are sized by verify(L), whose table is keyed by a fingerprint that reads
 # llama's `input_layernorm`: OLMo2, which has none, runs chains)
+@pytest.mark.slow
 @pytest.mark.parametrize("make, spec", [(olmo2_model, "ngram"), (gemma3_run_model, "ngram"),
                                         (gemma3_run_model, "ngram+ngram:2")],
                          ids=["olmo2", "gemma3", "gemma3-tree"])

@@ -133,6 +133,7 @@ def check_consistent(events) -> Finished:
     return fin
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("right", [None, 0, 1, 2, 3])
 def test_exact_accept_pattern(tiny, ref, right):
     """An oracle that is right for exactly `right` tokens per block: accepted == right."""
@@ -152,6 +153,7 @@ def test_exact_accept_pattern(tiny, ref, right):
 
 # every proposer at k=3, and each other k once, in the fast lane; the rest of the matrix runs
 # in the default suite (docs/testing.md "Fast lane, second round")
+@pytest.mark.slow
 @pytest.mark.parametrize("k, proposer", [
     (k, p) if k == 3 or (k, p) in ((1, "ngram"), ("auto", "draft:tiny:2:64"))
     else pytest.param(k, p, marks=pytest.mark.slow)
@@ -164,6 +166,7 @@ def test_event_stream_is_consistent(tiny, ref, proposer, k):
                                   make_proposer(proposer, tiny).name)
 
 
+@pytest.mark.slow
 def test_event_stream_is_consistent_when_sampling(tiny):
     for proposer in (make_proposer("draft:tiny:2:64", tiny), NgramProposer()):
         events = run(tiny, proposer, k=3, params=SamplingParams(1.5, seed=4))
@@ -172,6 +175,7 @@ def test_event_stream_is_consistent_when_sampling(tiny):
         assert all(0 <= t < tiny.vocab_size for t in fin.token_ids)
 
 
+@pytest.mark.slow
 def test_sampling_with_a_seed_is_reproducible(tiny):
     p = SamplingParams(1.5, top_p=0.9, seed=11)
     a = finished(run(tiny, make_proposer("draft:tiny:2:64", tiny), k=3, params=p))
@@ -212,6 +216,7 @@ def test_eos_as_the_first_token(tiny, ref):
     assert not any(isinstance(e, TokensCommitted) for e in events)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dies_at", [1, 3, 6])
 @pytest.mark.parametrize("inner", ["oracle", "draft"])
 def test_proposer_failure_mid_generation(tiny, ref, dies_at, inner):

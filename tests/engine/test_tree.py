@@ -87,6 +87,7 @@ def run(gen):
             return list(ev.token_ids), ev.stats
 
 
+@pytest.mark.slow
 def test_tree_greedy_is_bit_identical_to_plain_decoding_and_prunes_useless_proposers():
     lm = load_model("tiny:5")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
@@ -331,6 +332,7 @@ def test_device_tree_exact_match_sampling_keeps_the_verifier_joint():
     assert accepted > TREE_LOOP_SAMPLES // 4  # the drafted branches were really walked
 
 
+@pytest.mark.slow
 def test_eagle_in_a_tree_reads_the_tree_forward_features(tmp_path):
     """Tree verification runs the layers itself; it must still hand the kept rows to a
     hidden-state drafter, or the drafter would recompute every feature (fallback)."""

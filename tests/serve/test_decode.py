@@ -6,6 +6,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from engine_parts_kit import Scripted, session
 
 from macfleet.engine.events import BlockDone, TokensCommitted
@@ -350,6 +351,7 @@ def test_a_whole_iteration_forward_included_is_one_synchronisation(monkeypatch):
     assert len(feeding.fed) >= 4  # the prompt's rows, then each block's
 
 
+@pytest.mark.slow
 def test_a_mixed_batch_commits_what_each_request_commits_alone():
     """The one-synchronisation iteration changes no answer: each request of the mixed batch
     (seeded samples included) gets what it gets served alone."""

@@ -97,6 +97,7 @@ def _close(a, b) -> None:
 # the model as its own draft: every greedy draft is accepted, so most tokens are committed from
 # draft rows of the verify block (a chain), or from a tree's accepted path
 # the fast lane keeps the tree (its accepted path is a chain's rows); both in the default suite
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", [pytest.param("draft:tiny:1:64", marks=pytest.mark.slow),
                                       "ngram+draft:tiny:1:64"])
 def test_logprobs_with_drafts_equal_plain_decoding_and_batched_equal_alone(tiny, proposer):

@@ -171,6 +171,7 @@ def test_sampled_trees_of_exact_match_drafts_commit_what_plain_sampling_draws(lm
     assert other != plain
 
 
+@pytest.mark.slow
 def test_tree_drafts_with_probabilities_take_the_ratio_rule_seeded(lm, monkeypatch):
     """A draft model's drafts carry probabilities: SpecInfer's rule decides on the host with
     the request's generator, so a seed fixes the output and another seed changes it."""

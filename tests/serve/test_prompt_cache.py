@@ -77,6 +77,7 @@ def _run(engine, prompts, max_tokens=12):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", [pytest.param("none", marks=pytest.mark.slow),  # fast lane:
                                       "draft:tiny:1:64"])  # the cache under drafts and rollback
 def test_multi_turn_greedy_identical_with_and_without_the_cache(tiny, proposer):

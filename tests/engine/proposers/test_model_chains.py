@@ -112,6 +112,7 @@ def test_rows_of_another_store_are_refused_and_a_model_the_flat_batch_cannot_run
     assert len(skip.propose(ctx, 3)) == 3
 
 
+@pytest.mark.slow
 def test_batching_engine_drafts_every_model_chain_together_and_answers_as_alone(tiny):
     done = engine_drafts_together_as_alone(tiny, f"draft:{DRAFT}")
     assert sum(f.stats.accepted for f in done.values()) < sum(
