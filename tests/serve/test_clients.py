@@ -37,6 +37,7 @@ for _name in ("instructor", "langchain_openai", "litellm", "openai"):
                     "'.[clients]'", allow_module_level=True)
 from pydantic import BaseModel
 from serve_testkit import API_KEY, SMOLLM2_START_S, TOOLS_TEMPLATE, Server, stop_server
+from verify_table import keep_verify_table
 
 pytestmark = pytest.mark.slow
 MARKUP = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name":')
@@ -81,7 +82,7 @@ def _down(home: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def fleet(verify_table, tmp_path_factory):
     """`up --serve`: this module's own (no other module's tests need a smollm2 fleet's API)."""
     home = tmp_path_factory.mktemp("fleet")
     try:
@@ -203,7 +204,19 @@ def _at_once(calls: dict[str, Callable[[], object]]) -> Iterator[dict[str, cf.Fu
 
 
 @pytest.fixture(scope="module")
-def local_calls(smollm2_server) -> Iterator[dict[str, cf.Future]]:
+def verify_table():
+    """smollm2's verify(L) table measured once, in this process, before either backend starts,
+    and kept in the run's cache: the `serve --local` server and the fleet's verifier agent read
+    it instead of measuring their own (tests/verify_table.py)."""
+    from macfleet.engine.models import embedded_model_path
+
+    if embedded_model_path() is None:
+        pytest.skip("the embedded smollm2 is not installed")
+    keep_verify_table("smollm2")
+
+
+@pytest.fixture(scope="module")
+def local_calls(verify_table, smollm2_server) -> Iterator[dict[str, cf.Future]]:
     """Every `serve --local` check of the module, at once."""
     s = smollm2_server
     with _at_once({"parse": lambda: parse_and_bad_strict_schema(s),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 from serve_testkit import ASCII, TOOLS_TEMPLATE, VOCAB
+from verify_table import keep_verify_table
 
 from macfleet.engine.constraint import (JSON_SCHEMA, MAX_FORCED, REGEX, Constraint, Grammar,
                                         schema_text)
@@ -152,7 +153,19 @@ QUESTION = [{"role": "system", "content": "You are a weather assistant."},
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_server):
+def smollm2_here():
+    """smollm2 in this process (the plain-decoding reference below needs it), its verify(L)
+    table measured here and kept in the run's cache before the server starts, so the server
+    reads it: one measurement for the module, not one in each process (tests/verify_table.py)."""
+    from macfleet.engine.models import embedded_model_path
+
+    if embedded_model_path() is None:
+        pytest.skip("the embedded smollm2 is not installed")
+    return keep_verify_table("smollm2")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_here, smollm2_server):
     """The shared smollm2 server (conftest.py: this template, one per test process)."""
     pytest.importorskip("jsonschema")
     import openai  # ~1.6 s an import: the module's fast tests need none
@@ -161,9 +174,15 @@ def smollm2(smollm2_server):
     return s, openai.OpenAI(base_url=s.v1, api_key=s.key, max_retries=0, timeout=300)
 
 
+# every smollm2 answer's cap: the weather question's first call (get_forecast, its four
+# arguments) is 58 tokens, so "required" (which repeats calls) still returns a complete call and
+# finish_reason "length", and a single call ends before it; was 80, the batch's longest answer
+MAX_TOKENS = 64
+
+
 def _ask(c, choice, stream=False, messages=QUESTION, **kw):
     args = dict(model="smollm2", messages=messages, tools=TOOLS, tool_choice=choice,
-                temperature=0, max_tokens=80, **kw)
+                temperature=0, max_tokens=MAX_TOKENS, **kw)
     if not stream:
         ch = c.chat.completions.create(**args).choices[0]
         calls = ch.message.tool_calls or []
@@ -243,9 +262,9 @@ def served(smollm2) -> Served:
                     for choice, _, messages in CASES if messages is QUESTION]
         one = ex.submit(c.chat.completions.create, model="smollm2", messages=QUESTION,
                         tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                        temperature=0, max_tokens=80)
+                        temperature=0, max_tokens=MAX_TOKENS)
         auto = [ex.submit(c.chat.completions.create, model="smollm2", tools=TOOLS,
-                          response_format=AUTO_FORMAT, temperature=0, max_tokens=80,
+                          response_format=AUTO_FORMAT, temperature=0, max_tokens=MAX_TOKENS,
                           messages=[{"role": "user", "content": q}]) for q in AUTO_QUESTIONS]
         refused = [ex.submit(_refused, c, kw) for kw in BAD * 2]
         return Served([f.result() for f in plain], [f.result() for f in streamed],
@@ -285,7 +304,7 @@ def test_auto_with_response_format_answers_to_the_schema_or_calls(served):
 
 
 def plain_tool_calls(choice, *, proposer: str = "none", **kw) -> tuple[list[int], list]:
-    """Constrained plain decoding in this process (BatchEngine, greedy, max_tokens 80) of the
+    """Constrained plain decoding in this process (BatchEngine, greedy, MAX_TOKENS) of the
     weather question with TOOLS and `choice` (and `kw`: parallel_tool_calls, say) on smollm2
     through the Hermes template: the token ids and the (name, arguments) calls they parse to.
     The reference a served call must equal (here and in test_clients.py, through a fleet)."""
@@ -308,11 +327,12 @@ def plain_tool_calls_all(choices, *, proposer: str = "none",
     eng = BatchEngine(lm, proposer=proposer, max_active=len(choices))
     toks: list[list[int]] = [[] for _ in choices]
     for i, choice in enumerate(choices):
-        req = _req(messages=QUESTION, tool_choice=choice, temperature=0, max_tokens=80, **kw)
+        req = _req(messages=QUESTION, tool_choice=choice, temperature=0,
+                   max_tokens=MAX_TOKENS, **kw)
         prompt = render_prompt(tok, req, Limits(), TOOLS_TEMPLATE.read_text())
         grammar, where = _grammar(req, prompt)
         assert where == "tool_choice"
-        ereq = EngineRequest(prompt.ids, req.params, 80, frozenset(tok.eos_token_ids),
+        ereq = EngineRequest(prompt.ids, req.params, MAX_TOKENS, frozenset(tok.eos_token_ids),
                              grammar=grammar)
         eng.submit(ereq, lambda ev, t=toks[i]: t.extend(ev.tokens)
                    if isinstance(ev, TokensCommitted) else isinstance(ev, Finished))
