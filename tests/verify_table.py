@@ -20,16 +20,34 @@ import json
 import os
 
 
-def keep_verify_table(spec: str = "smollm2"):
-    """`spec` loaded in this process, its table kept in the run's cache; the loaded model."""
+def keep_verify_table(spec: str = "smollm2", *, load: bool = True):
+    """`spec`'s table kept in the run's cache (measured in this process unless an earlier
+    one of the run kept it: .ci/test does for the default suite); the loaded model, or None
+    when load is False and the table was kept already (no model loaded)."""
     from macfleet.engine import verify_costs as vc
     from macfleet.engine.cachedir import write_atomic
     from macfleet.engine.models import load_model
 
+    kept = vc.cache_dir() / f"kept-{spec.replace(':', '-')}"
+    if kept.is_file() and not load:
+        return None
     lm = load_model(spec)
     path = vc.table_path(lm.model)
     if "MACFLEET_CACHE" in os.environ and not path.is_file():
         table = vc.verify_costs(lm.model)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(table))
+    if "MACFLEET_CACHE" in os.environ:
+        kept.touch()
     return lm
+
+
+if __name__ == "__main__":  # .ci/test, before the default suite: `python tests/verify_table.py`
+    import sys
+
+    from macfleet.engine.models import embedded_model_path
+
+    if "MACFLEET_CACHE" not in os.environ:
+        sys.exit("verify_table.py: MACFLEET_CACHE must name the run's throwaway cache")
+    if embedded_model_path() is not None:
+        keep_verify_table(sys.argv[1] if len(sys.argv) > 1 else "smollm2", load=False)

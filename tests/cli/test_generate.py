@@ -50,7 +50,7 @@ def cli() -> dict[str, Result]:
         pytest.skip("the embedded model is not installed")
     # smollm2's verify(L) table measured once here and kept in the run's cache: `generate` and
     # the demo's verifier agent read it instead of measuring their own (tests/verify_table.py)
-    keep_verify_table("smollm2")
+    keep_verify_table("smollm2", load=False)
     env = dict(os.environ)
     procs = {
         name: subprocess.Popen([sys.executable, "-m", "macfleet", *argv], env=env, text=True,

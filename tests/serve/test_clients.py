@@ -212,7 +212,7 @@ def verify_table():
 
     if embedded_model_path() is None:
         pytest.skip("the embedded smollm2 is not installed")
-    keep_verify_table("smollm2")
+    keep_verify_table("smollm2", load=False)
 
 
 @pytest.fixture(scope="module")
