@@ -128,9 +128,10 @@ def test_param_bytes_counts_the_weights_and_width_for_bytes_inverts_it():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # builds and writes a 0.7 GB verifier
-def test_the_wide_verifier_is_smollm2_and_mlx_lm_reads_it(tmp_path: Path):
+def test_the_wide_verifier_is_smollm2_and_mlx_lm_reads_it(tmp_path: Path, monkeypatch):
     import mlx_lm
 
+    from macfleet.bench import pair_dial
     from macfleet.bench.pair_dial import agreement, greedy_answers, teacher_forced_argmax
     from macfleet.engine.models import load_model
     from macfleet.engine.text import encode_prompt
@@ -144,10 +145,24 @@ def test_the_wide_verifier_is_smollm2_and_mlx_lm_reads_it(tmp_path: Path):
     # (32 cost 20 s of the test's ~38 s of CPU, and checked fewer positions)
     assert teacher_forced_argmax(wide.model, ids) == teacher_forced_argmax(base.model, ids)
     assert greedy_answers(wide.model, ids, 8) == greedy_answers(base.model, ids, 8)
+    # agreement() on the directory: it asks for the verifier uncached and the draft by spec;
+    # the verifier is the one loaded above (a second 0.7 GB read and eval was ~1/4 of this
+    # test's CPU; that the directory loads is the load_model above)
+    asked: list[tuple[str, bool]] = []
+
+    def loaded(spec: str, *, cached: bool = True):
+        asked.append((spec, cached))
+        return wide if spec == str(path) else load_model(spec, cached=cached)
+
+    monkeypatch.setattr(pair_dial, "load_model", loaded)
     assert agreement(path, prompts=["Name a colour."], tokens=8) == 1.0
-    model, tok = mlx_lm.load(str(path))
-    assert model.args.num_hidden_layers == 31 and tok.encode("hello") == \
-        base.tokenizer.encode("hello")
+    assert asked == [(str(path), False), (pm.DRAFT_SPEC, True)]
+    # mlx-lm's own loader reads the directory: its config, every weight's name and shape
+    # (strict), the tokenizer; lazily (the weights' values are the load_model's above, which
+    # is mlx_lm.load too: engine/models.py)
+    model, tok = mlx_lm.load(str(path), lazy=True)
+    assert model.args.num_hidden_layers == 31 and model.args.intermediate_size == 2048
+    assert tok.encode("hello") == base.tokenizer.encode("hello")
 
 
 def test_bisection_stops_within_tolerance():
