@@ -192,13 +192,18 @@ def test_json_through_the_fleet_and_across_a_replan_on_smollm2(monkeypatch, caps
 
     import macfleet.engine.verify_costs as vc
 
+    from agents import warmup
+
     model, n = "smollm2", 80
     lm = load_model(model)
-    # a fixed verify(L) table, as on a machine that measured it once: the agents' warm-up
-    # (agents/warmup.py) then runs each length once instead of probing it (the probe was a
-    # third of this test's time), and a greedy answer is the same whatever lengths are drafted
+    # a fixed verify(L) table, as on a machine that measured it once (the probe was a third
+    # of this test's time), and a greedy answer is the same whatever lengths are drafted;
+    # the verifier agents start without their warm-up (each length's first forward, `auto`'s
+    # drafters and their answer store built: over a third of the rest, and no part of a
+    # re-plan; the warm-up on smollm2 is test_warm_start.py's)
     monkeypatch.setattr(vc, "_memo", {})
     vc._remember(lm.model, {L: 10.0 + 0.2 * (L - 1) for L in (1, 2, 4, 8, 16, 32, 64)})
+    monkeypatch.setattr(warmup, "warm_verifier", lambda lm: warmup.Warmed(False, (), (), 0.0))
     # the breaking verifier first, then the good one: a re-plan mid-object (an ask of the
     # good verifier alone, json_object, went: a grammar through the fleet is
     # test_response_format_goes_through_the_fleet_and_equals_in_process's on the tiny model, the

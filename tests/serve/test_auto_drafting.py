@@ -105,17 +105,24 @@ def test_auto_sessions_on_smollm2_answer_as_plain_decoding(monkeypatch):
              "List three colours of the rainbow."]
     prompts = [tuple(encode_prompt(lm.tokenizer, t, chat=True)) for t in texts]
 
-    def run(proposer):
-        eng = BatchEngine(lm, proposer=proposer)
-        out: list[list] = [[] for _ in prompts]
-        for i, p in enumerate(prompts):
-            eng.submit(EngineRequest(p, GREEDY, 32, eos_ids=lm.eos_ids), out[i].append)
-        eng.run_until_idle()
-        return ([[t for e in evs if isinstance(e, TokensCommitted) for t in e.tokens]
-                 for evs in out], [next(e for e in evs if isinstance(e, Finished)).stats
-                                   for evs in out])
+    # plain decoding's sessions and auto's in ONE batch (they were two engines' batches: on
+    # the CPU a forward of four sessions costs about one of two, so auto's forwards went):
+    # an engine of no drafter, each auto session given its own choosing group, as an `auto`
+    # engine makes it (serve/drafting.py make_drafting)
+    from macfleet.serve.drafting import make_drafting
 
-    plain, _ = run("none")
-    auto, stats = run("auto")
+    eng = BatchEngine(lm, proposer="none", max_active=2 * len(prompts))
+    out: list[list] = [[] for _ in range(2 * len(prompts))]
+    for i, p in enumerate(prompts):
+        req = EngineRequest(p, GREEDY, 32, eos_ids=lm.eos_ids)
+        eng.submit(req, out[2 * i].append)
+        group = make_drafting("auto", lm, eng.draft_tokens, False)
+        assert isinstance(group, ChoosingGroup)
+        eng.submit(req, out[2 * i + 1].append, proposer=group)
+    eng.run_until_idle()
+    ids = [[t for e in evs if isinstance(e, TokensCommitted) for t in e.tokens] for evs in out]
+    stats = [next(e for e in evs if isinstance(e, Finished)).stats for evs in out]
+    plain, auto, stats = ids[0::2], ids[1::2], stats[1::2]
+    assert all(st.proposer == "auto" for st in stats)
     assert auto == plain
     assert any({"eagle", "eagle2"} & {d.name for d in st.drafters if d.blocks} for st in stats)

@@ -122,6 +122,27 @@ def _blocks(lm, proposer, prompt, prediction, monkeypatch, group=None, forwards=
     return toks, blocks, done[0]
 
 
+def _batch(lm, runs, prompt, monkeypatch):
+    """Several requests of one prompt decoded as ONE batch of an engine of no drafter on
+    BANDWIDTH_BOUND's clock: each run (its drafter's spec, its prediction) a session of its
+    own; each one's (tokens, Finished). On the CPU a smollm2 forward costs about the same for
+    one session or four (reading the weights), so the batch costs its longest session's
+    steps, not the sum of all four's."""
+    from macfleet.engine.events import Finished, TokensCommitted
+    from macfleet.serve.drafting import make_drafting
+
+    monkeypatch.setattr("macfleet.engine.verify_costs.known_verify_costs",
+                        lambda model: dict(BANDWIDTH_BOUND))
+    eng = BatchEngine(lm, proposer="none", clock=ForwardClock(monkeypatch), max_active=len(runs))
+    evs: list[list] = [[] for _ in runs]
+    for (spec, prediction), out in zip(runs, evs):
+        eng.submit(EngineRequest(prompt, GREEDY, 96, lm.eos_ids, prediction=prediction),
+                   out.append, proposer=make_drafting(spec, lm, eng.draft_tokens, False))
+    eng.run_until_idle()
+    return [([t for e in out if isinstance(e, TokensCommitted) for t in e.tokens],
+             next(e for e in out if isinstance(e, Finished))) for out in evs]
+
+
 def test_a_useless_prediction_leaves_the_other_drafters_blocks_as_they_are(tiny, monkeypatch):
     """A prediction the answer takes nothing from (tokens it never holds) drafts beside the
     session's chain drafter without resizing it: every block asks it the same length and
@@ -293,18 +314,19 @@ def test_smollm2_predictions_change_no_token_and_the_codes_takes_fewer_verifier_
     lm, tok, ids = _repeat_snippet()
     code = tuple(tok.encode(SNIPPET, add_special_tokens=False))
     other = tuple(tok.encode(OTHER, add_special_tokens=False))
-    plain, _, fin = _blocks(lm, "none", ids, (), monkeypatch)
+    # the four answers as one batch (each was its own engine's: 89 smollm2 forwards, now
+    # the plain session's 40; greedy batched equals alone on smollm2:
+    # test_batch.py::test_smollm2_batched_greedy_equals_alone)
     # the code's own counts with no other drafter: beside n-gram (which copies the same code
     # out of the prompt) a token both drafted is credited to one of them, and which one
     # follows n-gram's draft length
-    toks, _, f = _blocks(lm, "none", ids, code, monkeypatch)
+    (plain, fin), (toks, f), (ngram, fin_ng), (toks_p, fin_p) = _batch(
+        lm, [("none", ()), ("none", code), ("ngram", ()), ("ngram", other)], ids, monkeypatch)
     assert toks == plain
     assert f.stats.prediction_tokens[0] >= len(plain) // 2
     assert f.stats.blocks < fin.stats.blocks // 2
-    ngram, _, fin_ng = _blocks(lm, "ngram", ids, (), monkeypatch)
     assert ngram == plain
-    toks, _, fin_p = _blocks(lm, "ngram", ids, other, monkeypatch)
-    assert toks == plain
+    assert toks_p == plain
     assert fin_p.stats.prediction_tokens[1] > 0  # it drafted
     assert fin_p.stats.blocks <= fin_ng.stats.blocks
 

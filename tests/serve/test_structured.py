@@ -23,7 +23,7 @@ from serve_testkit import SMOLLM2_SYSTEM
 
 from macfleet.engine.constraint import (JSON_SCHEMA, LARK, REGEX, Constraint,
                                         Grammar, GrammarError, constrained_draft, schema_text)
-from macfleet.engine.events import Finished
+from macfleet.engine.events import Finished, TokensCommitted
 from macfleet.engine.models import load_model
 from macfleet.engine.sampling import GREEDY, SamplingParams
 from macfleet.serve.engine import BatchEngine, EngineRequest
@@ -395,18 +395,40 @@ QUESTIONS = ["Describe a person called Alice who is 30 and lives in Paris.",
              "Who is Carol? She is 25."]
 
 
-@pytest.mark.slow  # smollm2 on the CPU, four schema-bound answers three ways
-def test_json_schema_on_smollm2_drafts_equal_plain_batched_equal_alone_and_valid():
+@pytest.mark.slow  # smollm2 on the CPU, two schema-bound answers: plain, with n-gram drafts
+def test_json_schema_on_smollm2_drafts_equal_plain_batched_equal_alone_and_valid(monkeypatch):
+    import macfleet.engine.verify_costs as vc
+
     jsonschema = pytest.importorskip("jsonschema")
     lm = load_model("smollm2")
+    # a fixed verify(L) table of a bandwidth-bound verifier, as on a machine that measured it
+    # once (test_auto_drafting's smollm2 test): its probe was over half of this test's CPU,
+    # and greedy ids do not depend on the table
+    monkeypatch.setattr(vc, "_memo", {})
+    vc._remember(lm.model, {L: 10.0 + 0.2 * (L - 1) for L in (1, 2, 4, 8, 16, 32, 64)})
     tok = lm.tokenizer
     g = Grammar(JSON_SCHEMA, schema_text(PERSON))
     reqs = [EngineRequest(tuple(tok.apply_chat_template([{"role": "user", "content": q}],
                                                         add_generation_prompt=True)),
                           GREEDY, 60, frozenset(tok.eos_token_ids), grammar=g)
             for q in QUESTIONS[:2]]
-    plain = [serve_all(BatchEngine(lm, proposer="none"), [r])[0] for r in reqs]
-    batched = serve_all(BatchEngine(lm, proposer="ngram", draft_tokens=4, max_active=8), reqs)
+    # the first answer alone (plain decoding); then one batch: the second answer plain, both
+    # with n-gram drafts (each plain answer was its own run alone: a third run's forwards
+    # more; on the CPU a forward of three sessions costs about one of two). Batched drafts
+    # equal plain alone: the first; batched drafts equal batched plain: the second
+    from macfleet.serve.drafting import make_drafting
+
+    alone = serve_all(BatchEngine(lm, proposer="none"), [reqs[0]])[0]
+    engine = BatchEngine(lm, proposer="none", draft_tokens=4, max_active=8)
+    runs = [(reqs[1], None), (reqs[0], "ngram"), (reqs[1], "ngram")]
+    out: list[list] = [[] for _ in runs]
+    for (r, spec), evs in zip(runs, out):
+        engine.submit(r, evs.append, proposer=spec and make_drafting(spec, lm, 4, False))
+    engine.run_until_idle()
+    got = [([t for e in evs if isinstance(e, TokensCommitted) for t in e.tokens],
+            next(e for e in evs if isinstance(e, Finished))) for evs in out]
+    plain, batched = [alone, got[0]], got[1:]
+    assert all(f.stats.proposer.startswith("ngram") for _, f in batched)
     for (t0, f0), (t1, f1) in zip(plain, batched):
         assert t0 == t1
         jsonschema.validate(json.loads(tok.decode(t0)), PERSON)
