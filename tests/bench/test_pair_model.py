@@ -62,6 +62,7 @@ def test_random_layers_are_seeded():
     assert not mx.array_equal(a["mlp.up_proj.weight"], c["mlp.up_proj.weight"]).item()
 
 
+@pytest.mark.slow
 def test_a_larger_eps_lowers_agreement():
     tiny = _tiny()
     prompts = [IDS[:4], IDS[4:9], IDS[2:12], [9, 9, 4]]

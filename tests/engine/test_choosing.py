@@ -52,6 +52,7 @@ def _run(tiny, group):
     return [e for e in evs if isinstance(e, BlockDone)], evs[-1]
 
 
+@pytest.mark.slow
 def test_the_right_drafter_wins_and_the_answer_is_plain_decodings(tiny, ref_ids):
     # this tiny model's steps take ~1 ms: on a loaded box one stalled try (another job
     # holding the core for 10 ms) can rate the right drafter below plain for the rest of a
@@ -209,6 +210,7 @@ def test_a_free_chain_drafter_doubles_only_while_a_copy_runs_on():
     assert free_chain_k(0, 0, 0) == SHADOW_K
 
 
+@pytest.mark.slow
 def test_auto_is_plain_decoding_on_a_tiny_model(tiny):
     """generate_local(proposer="auto"): no head nor store for a tiny model, so plain decoding
     and n-gram lookup; the same ids as plain decoding, the choices in the stats."""
@@ -257,6 +259,7 @@ def test_without_tree_attention_auto_is_the_records_drafter(tiny, monkeypatch):
     assert fin.stats.proposer.startswith("ngram") and len(fin.token_ids) == 8
 
 
+@pytest.mark.slow
 def test_sampled_auto_draws_what_plain_sampling_draws(tiny):
     """Draws keyed by the seed and each token's position (exact-match drafts, n-gram's):
     whichever candidate drafts, the same tokens as plain sampling with the same seed."""
@@ -271,6 +274,7 @@ def test_sampled_auto_draws_what_plain_sampling_draws(tiny):
     assert auto.token_ids == plain.token_ids
 
 
+@pytest.mark.slow
 def test_plain_blocks_go_out_ahead_of_the_chooser(tiny, ref_ids, monkeypatch):
     """Once the chooser decodes plainly (its one drafter always wrong), the serving engine
     sends those plain steps out one iteration ahead as plain decoding's, at most AHEAD_RUN

@@ -38,6 +38,7 @@ def _answers(lm, proposer: str, prediction=None):
     return ids, fins
 
 
+@pytest.mark.slow
 def test_each_session_chooses_its_drafter_with_plain_decodings_answer(tiny):
     plain, _ = _answers(tiny, "none")
     auto, fins = _answers(tiny, "auto")

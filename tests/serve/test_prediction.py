@@ -43,6 +43,7 @@ def _edited(answer: list[int], vocab: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["none", "ngram"])
 def test_a_prediction_changes_no_greedy_token_and_counts_its_own_drafts(tiny, proposer):
     prompt = _prompt(tiny.vocab_size)
@@ -143,6 +144,7 @@ def _batch(lm, runs, prompt, monkeypatch):
              next(e for e in out if isinstance(e, Finished))) for out in evs]
 
 
+@pytest.mark.slow
 def test_a_useless_prediction_leaves_the_other_drafters_blocks_as_they_are(tiny, monkeypatch):
     """A prediction the answer takes nothing from (tokens it never holds) drafts beside the
     session's chain drafter without resizing it: every block asks it the same length and
@@ -175,6 +177,7 @@ def test_a_prediction_beside_a_drafter_that_drafts_the_same_changes_no_token(tin
     assert fin.stats.prediction_tokens[0] > 0 and fin.stats.accepted > len(plain) // 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["none", "ngram"])
 def test_a_useless_prediction_costs_no_verify_position_once_it_went_quiet(tiny, monkeypatch,
                                                                            proposer):

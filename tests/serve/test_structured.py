@@ -126,6 +126,7 @@ def test_a_resumed_request_ends_the_answer_constrained_plain_decoding_gives(tiny
 
 # the fast lane keeps a model drafter's chains (rejections under the mask); trees under a grammar
 # are test_structured_trees.py's (docs/testing.md "Fast lane, second round")
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["draft:tiny:1:64", *(pytest.param(p, marks=pytest.mark.slow)
                                                            for p in ("ngram", "ngram+draft:tiny:1:64"))])
 def test_constrained_greedy_with_drafts_equals_plain_and_batched_equals_alone(tiny, proposer):

@@ -196,6 +196,7 @@ def _prompts(vocab: int) -> list[tuple[int, ...]]:
             tuple(rng.integers(0, vocab, 8).tolist())]
 
 
+@pytest.mark.slow
 def test_serving_engine_keeps_constrained_trees_and_equals_constrained_plain(tiny):
     grammars = [Grammar(REGEX, PATTERN), Grammar(REGEX, WORDS), None, Grammar(REGEX, PATTERN)]
     reqs = [EngineRequest(p, GREEDY, 40, grammar=g)
