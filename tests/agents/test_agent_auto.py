@@ -108,6 +108,7 @@ def test_drafting_for_sends_auto_to_the_verifier_alone():
     assert drafting_for("ngram", [prop, ahead], draft_agents=False) == ("ngram", [prop])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("asked", ["auto", "ngram"])
 def test_generate_through_a_fleet(verifiers, monkeypatch, capsys, asked):
     """`macfleet generate --proposer auto` with a fleet of a verifier and a proposer agent: the

@@ -77,6 +77,7 @@ def test_remote_greedy_equals_verifier_alone(pair, spec):
         assert d.stats.fleet.flows.remote_blocks > 0
 
 
+@pytest.mark.slow
 def test_cross_round_predrafts_hit_when_drafts_are_right(pair):
     """Self-drafting accepts everything, and the proposer's guess of the bonus token is the
     verifier's own: the next block is ready before it is asked for."""
@@ -103,6 +104,7 @@ def test_f3_probe_is_measured_per_block(pair):
     assert d.stats.fleet.flows.f3_ms_per_block > 0
 
 
+@pytest.mark.slow
 def test_sampling_remote_is_seeded_and_lossless_path_runs(pair):
     ver, prop = pair
     # without cross-round pre-drafts: a pre-draft is used or dropped by timing, and the ratio

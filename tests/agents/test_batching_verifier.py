@@ -81,6 +81,7 @@ def test_the_verifier_agent_alone_steps_ahead(agents, monkeypatch):
     assert sum(bool(g) for g in went) >= 10  # (the steps ahead: all but the last few)
 
 
+@pytest.mark.slow
 def test_a_dead_proposer_in_the_batch_falls_back_to_the_next(agents):
     prop, batched, solo = agents
     alone = run(solo, PROMPTS[0], [], "none", max_tokens=16)

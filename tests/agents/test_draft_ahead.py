@@ -105,6 +105,7 @@ def simulate(seed: int, wrong_every: int, blocks: int = 60, k: int = 5, lead: in
     return taken
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong_every", [0, 3, 7])
 def test_drafts_taken_from_a_delayed_stream_continue_exactly_their_context(wrong_every):
     taken = [simulate(seed, wrong_every) for seed in range(150)]

@@ -93,6 +93,7 @@ def test_drafter_prompts_name_held_out_and_unseen_ones_and_group_by_kind():
     assert g["all"]["a"]["speedup_min"] == 0.5 and g["all"]["a"]["speedup_geomean"] == 1.0
 
 
+@pytest.mark.slow
 def test_disagg_summary_splits_gaps_at_the_window_and_plots(tmp_path):
     """Gaps ending before the long prompt's arrival count as 'before', those ending inside
     the window as the stall figures; a gap after the window counts for neither."""

@@ -110,6 +110,7 @@ def test_big_shapes_have_the_size_of_the_models_they_stand_for(shape):
         < n < {"1b": (1.1e9, 1.4e9), "3b": (3.0e9, 3.4e9), "8b": (7.8e9, 8.2e9)}[shape][1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, weights", [("float32", "float32"), ("bfloat16", "bfloat16"),
                                             ("4bit", "quantized")])
 def test_a_random_llama_is_built_in_the_asked_dtype_and_counted(dtype, weights):

@@ -180,6 +180,7 @@ def other_address_usable() -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_router_drops_connections_over_the_cap_and_serves_key_holders():
     with Server(echo, key=KEY, max_per_peer=CAP) as srv:
         with Client(srv.endpoint, key=KEY) as first:  # holds one of 127.0.0.1's slots
@@ -207,6 +208,7 @@ def test_router_drops_connections_over_the_cap_and_serves_key_holders():
         assert wait_for(lambda: srv.peers.counts() == {})
 
 
+@pytest.mark.slow
 def test_publisher_drops_connections_over_the_cap():
     with Publisher(key=KEY, max_per_peer=CAP) as pub:
         conns = flood(pub.port, CAP)
@@ -270,6 +272,7 @@ def key_holder_pings(endpoint: str, n: int = 5) -> list[float]:
     return out
 
 
+@pytest.mark.slow
 def test_keyless_churn_from_the_key_holders_own_address_does_not_lock_it_out():
     """A flood holding more than the cap from 127.0.0.1 used to refuse 3-4 of 5 fresh key
     holder connections from that address: now the oldest pending connection gives way."""
@@ -284,6 +287,7 @@ def test_keyless_churn_from_the_key_holders_own_address_does_not_lock_it_out():
         assert churn.opened > 3 * CAP  # the flood held three times the cap
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not other_address_usable(), reason="needs 127/8 routed to lo")
 def test_many_addresses_stay_within_the_descriptor_budget(monkeypatch):
     """Keyless connections from 40 addresses at once: the socket holds at most its pending

@@ -120,6 +120,7 @@ def test_keygen_names_the_command_that_copies_the_key(capsys, home):
     assert rc == 0 and "macfleet key export | ssh mac2 macfleet key import" in out
 
 
+@pytest.mark.slow
 def test_generate_says_where_it_runs_and_why(capsys, home):
     argv = ("generate", "hi", "--model", "tiny:1", "--max-tokens", "2", "--no-chat")
     rc, _, err = run(capsys, *argv, "--local")

@@ -36,6 +36,7 @@ def test_soft_target_is_the_cross_entropy_to_the_verifiers_distribution(tiny, ch
     assert float(self_ce) < float(soft)
 
 
+@pytest.mark.slow
 def test_soft_target_ignores_padding(tiny, chunks):
     head = _head(tiny, chunks)
     c = chunks[0]

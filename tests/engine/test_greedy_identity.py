@@ -175,6 +175,7 @@ def test_malicious_proposer_cannot_change_greedy_output(tiny, malice_ref, mode, 
         assert fin.stats.drafted == fin.stats.accepted  # only the valid first token survives
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["random", "out_of_range", "nan_probs", "bad_probs", "mix"])
 def test_malicious_proposer_when_sampling(tiny, mode):
     """Sampling: garbage drafts and probabilities are dropped, never crash the loop or leak

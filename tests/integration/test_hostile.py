@@ -105,6 +105,7 @@ class Listener:
         self.sock.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("door", ["proposers", "link_probe"])
 def test_requests_cannot_make_an_agent_connect_outside_its_fleet(agents, door):
     """A proposer endpoint or a link probe's peer that is neither a discovered fleet member

@@ -138,6 +138,7 @@ def _stop_at(lm, prompt, at: int) -> frozenset[int]:
     return frozenset({next(t for t in ids[at:] if t not in ids[:at])})
 
 
+@pytest.mark.slow
 def test_a_stop_token_at_a_step_that_went_ahead_drops_it_and_rolls_the_cache_back(lm, went):
     p = _prompts(lm.vocab_size, 3, 1)
     reqs = [EngineRequest(p[0], GREEDY, 40, eos_ids=_stop_at(lm, p[0], 6)),  # stops mid-run

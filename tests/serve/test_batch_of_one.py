@@ -83,6 +83,7 @@ def test_a_batch_of_ones_plain_steps_are_the_masked_flat_paths_bits(lm, taken, m
     assert _same_bits(fast_kv, slow_kv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_p=0.95,
                                                            seed=7)])
 def test_a_request_arriving_mid_answer_is_answered_as_on_the_masked_path(lm, params, request):

@@ -317,6 +317,7 @@ def _mixed_engine(lm, keep=range(6)):
     return eng, got, feeding
 
 
+@pytest.mark.slow
 def test_a_whole_iteration_forward_included_is_one_synchronisation(monkeypatch):
     """The serving engine's iteration, forward included, over greedy and sampled chains and
     trees (SpecInfer's too), a hidden-state drafter and a logprobs request: ONE host

@@ -33,6 +33,7 @@ def ids(events) -> list[int]:
     return list(next(e for e in events if isinstance(e, Finished)).token_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["none", "ngram", "ngram+ngram:2"])
 def test_greedy_ids_and_events_are_the_loops(lm, spec):
     loop = list(generate_local(lm, PROMPT, chat=False, proposer=spec, max_tokens=24))
@@ -154,6 +155,7 @@ class TreeOracle(Proposer):
         return Draft((*good, *bad), parents=tuple(par))
 
 
+@pytest.mark.slow
 def test_sampled_trees_of_exact_match_drafts_commit_what_plain_sampling_draws(lm):
     """Drafts without probabilities are accepted on the device with draws keyed by the seed
     and each token's output position: the same ids as the verifier sampling alone; the drafts

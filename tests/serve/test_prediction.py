@@ -164,6 +164,7 @@ def test_a_useless_prediction_leaves_the_other_drafters_blocks_as_they_are(tiny,
     assert blocks_p == blocks
 
 
+@pytest.mark.slow
 def test_a_prediction_beside_a_drafter_that_drafts_the_same_changes_no_token(tiny,
                                                                              monkeypatch):
     """The answer as the prediction beside a drafter that drafts it too (a copy of the

@@ -49,6 +49,7 @@ def _prompts(vocab: int) -> list[tuple[int, ...]]:
             tuple(rng.integers(0, vocab, 8).tolist())]
 
 
+@pytest.mark.slow
 def test_constraint_cuts_forces_masks_and_ends(tiny):
     tok = tiny.tokenizer
     c = Constraint(Grammar(REGEX, PATTERN), tok, tiny.vocab_size)
@@ -99,6 +100,7 @@ def test_resume_goes_on_from_the_committed_tokens_or_names_the_one_that_breaks_i
         assert "committed tokens do not follow the grammar" in str(e.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["none", "ngram", "ngram+draft:tiny:1:64"])
 def test_a_resumed_request_ends_the_answer_constrained_plain_decoding_gives(tiny, proposer):
     """A re-planned request (the verifier agent's batch): the prompt ends with the answer's
@@ -153,6 +155,7 @@ def test_constrained_greedy_with_drafts_equals_plain_and_batched_equals_alone(ti
     assert len(plain[2][0]) == 40
 
 
+@pytest.mark.slow
 def test_constrained_sampling_matches_the_grammar_and_plain_constrained_sampling(tiny):
     hot = [SamplingParams(1.5, 1.0, seed=s) for s in range(4)]
     reqs = [EngineRequest(p, h, 40, grammar=Grammar(REGEX, PATTERN))
@@ -169,6 +172,7 @@ def test_constrained_sampling_matches_the_grammar_and_plain_constrained_sampling
     assert sum(f.stats.accepted for _, f in out) > sum(f.stats.accepted for _, f in plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["draft:tiny:1:64", "ngram", "ngram+draft:tiny:1:64"])
 def test_in_process_loop_follows_the_grammar_as_the_serving_engine_does(tiny, proposer):
     """generate_local's loop: with drafts (chains, or a group's trees cut to the grammar) the
@@ -262,6 +266,7 @@ def test_bad_response_formats_and_refused_combinations_name_the_field():
     assert ok.grammar == Grammar(REGEX, PATTERN)
 
 
+@pytest.mark.slow
 def test_the_app_hands_response_format_to_the_engine_streamed_or_whole():
     """The real HTTP app in-process, an engine that answers from a script: the request's
     response_format reaches the engine as its grammar (chat streamed and whole, and the

@@ -163,6 +163,7 @@ def test_one_process_without_tree_attention_each_branch_is_masked(tiny, verified
     assert any(_branches(t) for t in verified_trees)
 
 
+@pytest.mark.slow
 def test_one_process_seeded_tree_sampling_equals_constrained_plain_sampling(tiny,
                                                                            verified_trees):
     g = Grammar(REGEX, PATTERN)
@@ -216,6 +217,7 @@ def test_serving_engine_keeps_constrained_trees_and_equals_constrained_plain(tin
     assert any(_branches(t) for t in trees)
 
 
+@pytest.mark.slow
 def test_serving_engine_seeded_tree_sampling_equals_constrained_plain_sampling(tiny):
     hot = [SamplingParams(1.5, 1.0, seed=s) for s in range(4)]
     reqs = [EngineRequest(p, h, 40, grammar=Grammar(REGEX, PATTERN))

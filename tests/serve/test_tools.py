@@ -279,6 +279,7 @@ def test_openai_tools_on_a_model_without_tool_support_is_a_400(servers):
 
 
 # -- the HTTP path of a model that does call: a scripted engine, the real app and client --------
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_http_tool_calls_through_the_openai_client(stream):
     import asyncio

@@ -119,6 +119,7 @@ def test_sessions_share_one_loaded_head(tiny, head, tmp_path):
     assert one is two
 
 
+@pytest.mark.slow
 def test_batching_engine_drafts_every_eagle_chain_together_and_answers_as_alone(
         tiny, head, tmp_path):
     save_head(head, tmp_path / "h")
