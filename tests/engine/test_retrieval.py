@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -75,19 +74,11 @@ def test_no_match_drafts_nothing_and_a_store_round_trips(tmp_path):
 
 def _answers(lm, n, length, seed):
     """`n` greedy answers of `length` tokens to random 6-token prompts, decoded as one batch
-    (one forward a token for all of them, as tests/eagle_fixtures.py's `_greedy_text`: the
-    verifier's own answers, as generate_step gives them one at a time)."""
-    from mlx_lm.models.cache import make_prompt_cache
+    (tests/eagle_fixtures.py's `greedy_batch`: the verifier's own answers, as generate_step
+    gives them one at a time)."""
+    from eagle_fixtures import greedy_batch
 
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, lm.vocab_size, 6).tolist() for _ in range(n)]
-    cache = make_prompt_cache(lm.model)
-    logits = lm.model(mx.array(prompts, dtype=mx.uint32), cache=cache)[:, -1]
-    gen = []
-    for _ in range(length):
-        gen.append(mx.argmax(logits, axis=-1))
-        logits = lm.model(gen[-1][:, None], cache=cache)[:, -1]
-    return np.array(mx.stack(gen, axis=1)).tolist()
+    return greedy_batch(lm, n, length, seed, prompt_len=6)[1]
 
 
 @pytest.mark.slow  # generates 30 answers for its store
