@@ -281,7 +281,10 @@ def test_remote_eagle2_drafts_dynamic_trees_over_the_wire(tmp_path, monkeypatch)
         prop.close()
         ver.close()
     assert d.token_ids == alone.token_ids
-    assert d.stats.drafted > 0 and d.stats.accepted > 0
+    assert d.stats.drafted > 0
+    # the head's own trees: 15 accepted in 25 blocks (the same under two busy loops); drafts
+    # shifted by one token (a tree's tokens not the head's) kept 5 in 35
+    assert d.stats.accepted >= d.stats.blocks / 3, (d.stats.accepted, d.stats.blocks)
     assert d.stats.blocks < 40
     assert fallback == 0
 
