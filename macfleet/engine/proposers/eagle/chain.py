@@ -52,10 +52,10 @@ class _FeatureStore:
 class EagleProposer(Proposer):
     wants_features = True
 
-    def __init__(self, head: EagleHead, name: str = "eagle", tap: bool = True) -> None:
+    def __init__(self, head: EagleHead, name: str = "eagle") -> None:
         self.head = head
         self.name = name
-        self.use_tap = tap
+        self.use_tap = True  # `untap`: its features fed instead
         self.params = GREEDY
         self._rng = make_rng(GREEDY, stream=1)
         self._tap: HiddenTap | None = None
