@@ -66,7 +66,7 @@ def _weights_bytes(path: Path) -> int:
                if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
 
 
-def footprint(spec: str, *, dense: bool | None = None) -> int | None:
+def footprint(spec: str) -> int | None:
     """Estimated resident bytes for a model spec without loading it; None when unknown
     (a Hugging Face id that is not on disk)."""
     from macfleet.engine.models import default_dense, embedded_model_path
@@ -76,11 +76,10 @@ def footprint(spec: str, *, dense: bool | None = None) -> int | None:
         return TINY_BYTES
     if name == "smollm2":
         path = embedded_model_path()
-        dense = (opt == "dense") if opt in ("dense", "q") else default_dense() \
-            if dense is None else dense
+        dense = (opt == "dense") if opt in ("dense", "q") else default_dense()
     else:
         path = Path(spec).expanduser()
-        dense = default_dense() if dense is None else dense
+        dense = default_dense()
         if not path.exists():
             return None
     if path is None:

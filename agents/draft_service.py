@@ -33,14 +33,6 @@ APART_STEPS_MAX = 1024
 
 
 @dataclass
-class AheadTally:
-    """What the service's streams did."""
-
-    drafted: int = 0  # tokens drafted and pushed
-    steps_together: int = 0  # steps that drafted several streams in one forward
-
-
-@dataclass
 class _Session:
     stream: DraftStream
     reply: Reply  # the StreamOpen's replier: chunks go back on it
@@ -102,7 +94,6 @@ class DraftAheadService(ComputeThread):
         """draft: the loaded draft model; serves: the verifier model spec it drafts for."""
         super().__init__(draft, limits)
         self.serves = serves
-        self.totals = AheadTally()
         self._draft_rows: dict = {}  # the sessions' caches: rows of one store (the model's)
         self._step = 0  # idle steps taken
         self._together_from = 0  # the step from which streams may be drafted together again
@@ -173,7 +164,6 @@ class DraftAheadService(ComputeThread):
                 drafts = None
             if drafts is not None:  # each stream's token took the whole step to come: the
                 ms = (time.perf_counter() - t0) * 1e3  # verifier waits by it (tokens_to_wait)
-                self.totals.steps_together += 1
                 self._apart_steps = APART_STEPS_MIN
                 for (sid, s), d in zip(together, drafts):
                     self._push(s, s.chunk(sid, d, ms))
@@ -194,5 +184,4 @@ class DraftAheadService(ComputeThread):
 
     def _push(self, s: _Session, chunk: DraftChunk | None) -> None:
         if chunk is not None:
-            self.totals.drafted += len(chunk.tokens)
             s.reply(chunk)

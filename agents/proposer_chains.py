@@ -35,7 +35,6 @@ class ChainRounds:
         self.sessions, self.jobs = sessions, jobs
         self.update, self.answer, self.drafted = update, answer, drafted
         self.held: deque = deque()  # jobs taken off the queue while gathering, served after
-        self.drafted_together = 0  # requests answered by a draft_together call of several
 
     def chained(self, msg) -> bool:
         """A draft request of a session whose chains are drafted with the others'."""
@@ -89,8 +88,6 @@ class ChainRounds:
             for _, reply, _, _ in group:
                 reply(ErrorReply(INTERNAL, f"{type(e).__name__}: {e}"))
             return
-        if len(group) > 1:
-            self.drafted_together += len(group)
         for (msg, reply, received, s), d in zip(group, drafts):
             s.last_k, s.last_used = msg.k, time.monotonic()
             reply(self.drafted(msg, received, d.tokens,

@@ -281,7 +281,6 @@ class ProposerService(ComputeThread):
         self._draft_rows: dict[int, BatchKV] = {}  # chain sessions' caches, one store a model
         self.chains = ChainRounds(self._sessions, self._jobs, update=self._update,
                                   answer=self._answer, drafted=self._drafted)
-        self.served = 0
         # tokens whose features a drafter computed itself, not sent over F3 (closed sessions too)
         self.fallback_tokens = 0
         self._start_compute("proposer-compute")
@@ -390,7 +389,6 @@ class ProposerService(ComputeThread):
                  parents: list[int] | None = None) -> DraftReply:
         """A block's reply, counted; its draft_ms counts from when the request reached this
         agent."""
-        self.served += 1
         return DraftReply(session_id=msg.session_id, block=msg.block, tokens=list(tokens),
                           probs=probs, draft_ms=(time.perf_counter() - received) * 1e3,
                           predraft_hit=hit, parents=parents)

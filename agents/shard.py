@@ -46,11 +46,9 @@ class ShardPeerLost(VerifierLost):
 class Watchdog:
     """Arms a deadline around a blocking call; a thread fires `on_expire(what)` when it passes."""
 
-    def __init__(self, deadline_s: float, on_expire: Callable[[str], None],
-                 poll_s: float = 0.02) -> None:
+    def __init__(self, deadline_s: float, on_expire: Callable[[str], None]) -> None:
         self.deadline_s = deadline_s
         self._on_expire = on_expire
-        self._poll_s = poll_s
         self._armed: tuple[float, str] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -58,7 +56,7 @@ class Watchdog:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._poll_s):
+        while not self._stop.wait(0.02):  # a passed deadline fires within 20 ms
             with self._lock:
                 armed = self._armed
             if armed and time.monotonic() > armed[0]:

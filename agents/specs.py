@@ -145,8 +145,8 @@ def local_spec(spec: str, policy: SpecPolicy) -> str:
 class DraftModels:
     """An LRU of loaded draft models (thread-safe); the agent's own model is never counted."""
 
-    def __init__(self, max_models: int = DEFAULT_MAX_DRAFT_MODELS) -> None:
-        self.max_models = max_models
+    def __init__(self) -> None:
+        self.max_models = DEFAULT_MAX_DRAFT_MODELS
         self._lru: collections.OrderedDict[str, object] = collections.OrderedDict()
         self._lock = threading.Lock()
 

@@ -182,10 +182,6 @@ class VerifierService:
         """Generations running now: the one-session path's and the batch's."""
         return self._solo + (self._batch.load()[0] if self._batch is not None else 0)
 
-    @property
-    def batching(self) -> bool:
-        return self._batch is not None
-
     def batch_view(self):
         """The continuous batch (iterations, sessions) as `serve` and the dashboard show it."""
         return self._batch.batch_view(self.lm.spec) if self._batch is not None else None

@@ -161,8 +161,8 @@ def parse_draft_tokens(text: str) -> DraftTokens:
     return k
 
 
-def make_controller(draft_tokens: DraftTokens, k_max: int = DEFAULT_K_MAX):
+def make_controller(draft_tokens: DraftTokens):
     """AUTO -> AdaptiveDraftLength; an int -> FixedDraftLength (0 = plain decoding)."""
     if check_draft_tokens(draft_tokens) == AUTO:
-        return AdaptiveDraftLength(k_max=k_max)
+        return AdaptiveDraftLength()
     return FixedDraftLength(int(draft_tokens))

@@ -88,10 +88,6 @@ class TokenTree:
                 t.paths.append(branch[::-1])
         return t
 
-    def ancestor_mask(self) -> np.ndarray:
-        """[N+1, N+1] bool: node i may attend to node j (j is i or an ancestor of i)."""
-        return ancestor_mask(self.parents)
-
     def first(self, n: int) -> TokenTree:
         """The tree of nodes 0..n-1, for a block cut to n tokens (parents precede children)."""
         if n >= len(self.tokens):

@@ -122,14 +122,12 @@ def table_path(model: nn.Module) -> Path:
     return cache_dir() / f"{_key(model)}.json"
 
 
-def known_verify_costs(model: nn.Module, *, use_disk: bool = True) -> dict[int, float] | None:
+def known_verify_costs(model: nn.Module) -> dict[int, float] | None:
     """The verify(L) table of `model` if this process or this machine already measured it
     (memoised, or cached on disk); None rather than a probe."""
     got = _remembered(model)
     if got is not None:
         return got
-    if not use_disk:
-        return None
     try:
         got = {int(k): float(v) for k, v in
                json.loads(table_path(model).read_text()).items()}

@@ -12,7 +12,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,10 +67,7 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-NewId = Callable[[], str]
-
-
-def _call(obj, new_id: NewId, args_key: str = "arguments") -> ToolCall | None:
+def _call(obj, args_key: str = "arguments") -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
@@ -78,18 +75,18 @@ def _call(obj, new_id: NewId, args_key: str = "arguments") -> ToolCall | None:
         args = json_or_none(args)
     if not isinstance(args, dict):
         return None
-    return ToolCall(new_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _calls(text: str, new_id: NewId, args_key: str = "arguments") -> list[ToolCall] | None:
+def _calls(text: str, args_key: str = "arguments") -> list[ToolCall] | None:
     """A JSON object or list of objects -> calls; None when it is not that."""
     obj = json_or_none(text)
     objs = obj if isinstance(obj, list) else [obj]
-    calls = [_call(o, new_id, args_key) for o in objs]
+    calls = [_call(o, args_key) for o in objs]
     return None if not calls or any(c is None for c in calls) else calls
 
 
-def _leading_calls(text: str, new_id: NewId) -> list[ToolCall]:
+def _leading_calls(text: str) -> list[ToolCall]:
     """The complete call objects at the start of a JSON list cut short (`[{..}, {..}, {..`)."""
     dec, calls, i = json.JSONDecoder(), [], 1
     while True:
@@ -99,7 +96,7 @@ def _leading_calls(text: str, new_id: NewId) -> list[ToolCall]:
             obj, i = dec.raw_decode(text, i)
         except json.JSONDecodeError:
             return calls
-        c = _call(obj, new_id)
+        c = _call(obj)
         if c is None:
             return calls
         calls.append(c)
@@ -114,14 +111,14 @@ def _cut_marker(text: str, markers: Sequence[str]) -> str:
 _H_BLOCK = re.compile(re.escape(_H_OPEN) + r"(.*?)(" + re.escape(_H_CLOSE) + r"|\Z)", re.S)
 
 
-def _hermes(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
+def _hermes(text: str, cut: bool) -> tuple[str, list[ToolCall]]:
     content, calls, pos = [], [], 0
     for m in _H_BLOCK.finditer(text):
         content.append(text[pos:m.start()])
         pos = m.end()
         if cut and not m.group(2):
             continue  # the call being written when the tokens ran out: not a call
-        got = _calls(m.group(1).strip(), new_id)
+        got = _calls(m.group(1).strip())
         if got is None:
             log.debug("a tool call that does not parse, left out: %.200r", m.group(0))
             continue
@@ -143,15 +140,15 @@ def _looks_like_call(body: str, cut: bool) -> bool:
 _LLAMA3_HEAD = '{"name":'
 
 
-def _llama3(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
+def _llama3(text: str, cut: bool) -> tuple[str, list[ToolCall]]:
     body = text.strip()
     tagged = body.startswith(_PY_TAG)
     body = body[len(_PY_TAG):].strip() if tagged else body
     if not tagged and not body.startswith("{"):
         return ("", []) if cut and body and _PY_TAG.startswith(body) else (text, [])
-    calls = _calls(body, new_id, "parameters")
+    calls = _calls(body, "parameters")
     if calls is None:  # several calls joined by ';', the last one maybe cut short
-        parts = [_calls(p.strip(), new_id, "parameters") for p in body.split(";") if p.strip()]
+        parts = [_calls(p.strip(), "parameters") for p in body.split(";") if p.strip()]
         if cut and parts and parts[-1] is None:
             parts.pop()
         calls = ([c for p in parts for c in p] if parts and all(p is not None for p in parts)
@@ -164,24 +161,24 @@ def _llama3(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
     return text, []
 
 
-def _mistral(text: str, new_id: NewId, cut: bool) -> tuple[str, list[ToolCall]]:
+def _mistral(text: str, cut: bool) -> tuple[str, list[ToolCall]]:
     i = text.find(_M_OPEN)
     if i < 0:
         return (_cut_marker(text, _MARKERS[MISTRAL]) if cut else text), []
     rest = text[i + len(_M_OPEN):].strip()
-    calls = _calls(rest, new_id)
+    calls = _calls(rest)
     if calls is None and _M_ARGS in rest:  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
         calls = []
         parts = rest.split(_M_OPEN)
         for k, part in enumerate(parts):
             name, _, args = part.partition(_M_ARGS)
-            c = _call({"name": name.strip(), "arguments": json_or_none(args.strip())}, new_id)
+            c = _call({"name": name.strip(), "arguments": json_or_none(args.strip())})
             if c is None:
                 calls = calls if cut and k == len(parts) - 1 else []
                 break
             calls.append(c)
     elif calls is None and cut and rest.startswith("["):
-        calls = _leading_calls(rest, new_id)  # the list's complete calls before the cut
+        calls = _leading_calls(rest)  # the list's complete calls before the cut
     if not calls:
         log.debug("a tool call that does not parse, left out: %.200r", text[i:])
     return text[:i].strip(), calls or []
@@ -197,11 +194,10 @@ def json_or_none(s: str):
 _PARSERS = {HERMES: _hermes, LLAMA3: _llama3, MISTRAL: _mistral}
 
 
-def parse_tool_calls(fmt: str, text: str, new_id: NewId = new_call_id, cut: bool = False
-                     ) -> tuple[str, tuple[ToolCall, ...]]:
+def parse_tool_calls(fmt: str, text: str, cut: bool = False) -> tuple[str, tuple[ToolCall, ...]]:
     """A whole answer -> (content, tool calls); a call that does not parse is left out
     (logged), and with `cut` (out of tokens) so are the call and a marker cut short."""
-    content, calls = _PARSERS[fmt](text, new_id, cut)
+    content, calls = _PARSERS[fmt](text, cut)
     return content, tuple(calls)
 
 
@@ -217,8 +213,8 @@ class ToolStream:
     """Streaming: content out as soon as it cannot be part of a call, each call once complete
     (hermes: at its closing tag; llama3 and mistral: at the answer's end)."""
 
-    def __init__(self, fmt: str, new_id: NewId = new_call_id) -> None:
-        self.fmt, self._new_id = fmt, new_id
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
         self._buf = ""
         self._in_call = False
         self._decided = fmt != LLAMA3  # llama3: a call only when the answer starts with one
@@ -239,7 +235,7 @@ class ToolStream:
                 break
             block, self._buf = self._buf[:j + len(_H_CLOSE)], self._buf[j + len(_H_CLOSE):]
             self._in_call = False
-            _, calls = _hermes(block, self._new_id, False)
+            _, calls = _hermes(block, False)
             new.extend(calls)
         self.calls.extend(new)
         return "".join(out), new
@@ -250,7 +246,7 @@ class ToolStream:
         if not self._in_call and self._decided:
             return (_cut_marker(buf, _MARKERS[self.fmt]) if cut and self.fmt != LLAMA3
                     else buf), []
-        content, calls = parse_tool_calls(self.fmt, buf, self._new_id, cut)
+        content, calls = parse_tool_calls(self.fmt, buf, cut)
         self.calls.extend(calls)
         return content, list(calls)
 

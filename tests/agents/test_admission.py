@@ -36,7 +36,9 @@ def test_unknown_size_or_free_memory_is_admitted_unchecked():
     assert decide("m", 100 * GIB, 0).ok
 
 
-def test_footprint_of_files_and_specs(tmp_path):
+def test_footprint_of_files_and_specs(tmp_path, monkeypatch):
+    from macfleet.engine import models
+
     assert footprint("tiny:1") == admission.TINY_BYTES
     assert footprint(str(tmp_path / "missing")) is None  # a Hugging Face id, say
     d = tmp_path / "model"
@@ -46,8 +48,9 @@ def test_footprint_of_files_and_specs(tmp_path):
     assert footprint(str(d)) == estimate_bytes(1000)
     g = tmp_path / "m.gguf"
     g.write_bytes(b"\0" * 900)
-    assert footprint(str(g), dense=True) == estimate_bytes(900, expand=32 / 4.5)
-    assert footprint(str(g), dense=False) == estimate_bytes(900)
+    for dense, want in ((True, estimate_bytes(900, expand=32 / 4.5)), (False, estimate_bytes(900))):
+        monkeypatch.setattr(models, "default_dense", lambda: dense)  # the platform's choice
+        assert footprint(str(g)) == want
 
 
 def test_embedded_model_dense_is_larger_than_its_file():

@@ -178,13 +178,13 @@ def test_remote_eagle_gets_real_hidden_states_over_f3(pair, tmp_path):
             # the auto controller may wait to draft until drafts would pay)
             refused = gen(ver, prop, bad, max_tokens=4, draft_tokens=2)
             assert refused.stats.fleet.proposer_failures == 1
-        served, fallback = prop.proposer.served, prop.proposer.fallback_tokens
+        fallback = prop.proposer.fallback_tokens
     finally:
         prop.close()
     assert d.token_ids == alone.token_ids
     # >= one float16 row a block
     assert d.stats.fleet.flows.f3_bytes_per_block >= lm.hidden_size * 2
-    assert served > 0 and fallback == 0  # every feature came over F3
+    assert d.stats.fleet.flows.remote_blocks > 0 and fallback == 0  # every feature over F3
 
 
 @pytest.mark.slow
@@ -194,10 +194,11 @@ def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_
     proposer agent: their requests of a round arrive together and are drafted in one
     `draft_chains` call; the prompts' common prefix is copied between their caches with the
     hidden rows their F3 feeds need; every answer equals the verifier alone's."""
+    import agents.proposer_chains as chains
     from macfleet.serve import engine as serve_engine
 
-    copies = []
-    real_copy = serve_engine.copy_features
+    copies, calls = [], []
+    real_copy, real_draft = serve_engine.copy_features, chains.draft_together
 
     def spy(src, dst, n):
         ok = real_copy(src, dst, n)
@@ -205,6 +206,8 @@ def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_
         return ok
 
     monkeypatch.setattr(serve_engine, "copy_features", spy)
+    monkeypatch.setattr(chains, "draft_together",
+                        lambda jobs, *a: calls.append(len(jobs)) or real_draft(jobs, *a))
 
     ver, _ = pair
     prop = eagle_proposer_agent(tmp_path, seed=1)
@@ -225,12 +228,11 @@ def test_remote_eagle_chains_of_batched_sessions_are_drafted_together(pair, tmp_
             t.start()
         for t in threads:
             t.join(120)
-        together = prop.proposer.chains.drafted_together
     finally:
         prop.close()
     assert [got[i].token_ids for i in range(len(prompts))] == [a.token_ids for a in alone]
     assert all(got[i].stats.fleet.flows.remote_blocks > 0 for i in range(len(prompts)))
-    assert together > 0  # some rounds drafted several sessions in one call
+    assert max(calls) > 1  # some rounds drafted several sessions in one call
     # sessions fed over F3 shared the preamble, rows included (they prefilled it each before)
     assert copies and all(ok and fed for _, ok, fed in copies)
 

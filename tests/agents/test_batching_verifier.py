@@ -46,7 +46,7 @@ def run(ver: Agent, prompt: str, eps: list[str], spec: str, **kw) -> GenerateDon
 @pytest.mark.slow
 def test_concurrent_sessions_share_forwards_and_match_one_at_a_time(agents):
     prop, batched, solo = agents
-    assert batched.verifier.batching and not solo.verifier.batching
+    assert batched.verifier.batch_view() is not None and solo.verifier.batch_view() is None
     alone = [run(solo, p, [], "none", max_tokens=24) for p in PROMPTS]
     eps = [prop.card.router_endpoint]
     with ThreadPoolExecutor(len(PROMPTS)) as ex:

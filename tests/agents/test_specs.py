@@ -66,7 +66,7 @@ def test_local_spec_resolves_names_inside_heads(heads):
 
 def test_draft_models_are_an_lru_and_never_enter_the_process_cache():
     own = models.load_model("tiny:1")
-    cache = DraftModels(max_models=2)
+    cache = DraftModels()  # at most DEFAULT_MAX_DRAFT_MODELS (2)
     for seed in (31, 32, 33, 31):
         p = cache.proposer(f"draft:tiny:{seed}", own)
         assert p.name == f"draft:tiny:{seed}"

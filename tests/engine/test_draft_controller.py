@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from macfleet.engine.controller import (DEFAULT_PROBE_K, DEFAULT_PROBE_MAX, DEFAULT_PROBE_MIN,
-                                        AdaptiveDraftLength, FixedDraftLength, best_k,
-                                        expected_tokens, make_controller)
+from macfleet.engine.controller import (DEFAULT_K_MAX, DEFAULT_PROBE_K, DEFAULT_PROBE_MAX,
+                                        DEFAULT_PROBE_MIN, AdaptiveDraftLength, FixedDraftLength,
+                                        best_k, expected_tokens, make_controller)
 
 
 @pytest.mark.parametrize("alpha,k,want", [
@@ -143,4 +143,4 @@ def test_fixed_and_factory():
     assert isinstance(ctl, FixedDraftLength)
     ctl.observe(5, 0, 1.0, 1.0)
     assert ctl.next_k() == 5
-    assert make_controller("auto", k_max=7).k_max == 7
+    assert make_controller("auto").k_max == DEFAULT_K_MAX

@@ -17,7 +17,8 @@ from macfleet.engine.proposers import make_proposer
 from macfleet.engine.proposers.base import Draft, Proposer
 from macfleet.engine.proposers.model_draft import ModelProposer
 from macfleet.engine.sampling import GREEDY, SamplingParams, make_rng
-from macfleet.engine.tree import Candidate, TokenTree, accept_tree_greedy, accept_tree_sample
+from macfleet.engine.tree import (Candidate, TokenTree, accept_tree_greedy, accept_tree_sample,
+                                  ancestor_mask)
 from macfleet.engine.proposers.group import ProposerGroup
 from reference_loops import tree_generate
 from macfleet.engine.tree_verify import compact_cache, tree_forward
@@ -35,7 +36,7 @@ def test_merge_shares_prefixes_and_masks_ancestors():
     t = TokenTree.from_drafts(9, [[1, 2, 3], [1, 2, 4], [5]])
     assert t.tokens == [9, 1, 2, 3, 4, 5] and t.parents == [-1, 0, 1, 2, 2, 0]
     assert t.depths == [0, 1, 2, 3, 3, 1] and t.size == 5
-    m = t.ancestor_mask()
+    m = ancestor_mask(t.parents)
     assert m[4].tolist() == [True, True, True, False, True, False]
     assert m[5].tolist() == [True, False, False, False, False, True]
     assert t.accepted_per_source([1, 2, 4]) == [2, 3, 0]
@@ -388,7 +389,7 @@ def test_tree_drafts_merge_with_chains_paths_per_leaf_and_candidates_with_their_
     assert t.candidates[2] == [Candidate(3, 0), Candidate(7, 1)]
     assert t.candidates[0][0].q is None and np.array_equal(t.candidates[0][2].q, q[0])
     assert np.array_equal(t.candidates[2][1].q, q[2])
-    assert t.ancestor_mask().dtype == bool
+    assert ancestor_mask(t.parents).dtype == bool
 
 
 def test_the_first_node_of_a_tree_is_the_root_alone_and_candidates_are_cut_too():

@@ -86,13 +86,13 @@ def test_a_freed_models_table_is_not_another_models(tiny, monkeypatch):
     monkeypatch.setattr(vc, "_memo", {})
     old = build_tiny_model(3)
     vc._remember(old, {1: 1.0, 2: 1.5})
-    assert vc.known_verify_costs(old, use_disk=False) == {1: 1.0, 2: 1.5}
+    assert vc._remembered(old) == {1: 1.0, 2: 1.5}
     stale = id(old)
     del old
     gc.collect()
     assert vc._memo[stale][0]() is None
     # whatever now lives at that id (or any other model) is not the freed one
-    assert vc.known_verify_costs(tiny.model, use_disk=False) is None
+    assert vc._remembered(tiny.model) is None
     new = build_tiny_model(4)
     vc._memo[id(new)] = vc._memo.pop(stale)  # the same id, as a reused address gives it
-    assert vc.known_verify_costs(new, use_disk=False) is None
+    assert vc._remembered(new) is None

@@ -13,7 +13,7 @@ from agents.shard import ShardPeerLost, Watchdog
 def test_fires_on_a_blocked_call_and_not_on_a_quick_one():
     fired: list[str] = []
     done = threading.Event()
-    wd = Watchdog(0.2, lambda what: (fired.append(what), done.set()), poll_s=0.01)
+    wd = Watchdog(0.2, lambda what: (fired.append(what), done.set()))
     try:
         with wd.guard("quick"):
             pass

@@ -10,6 +10,7 @@ import openai
 import pytest
 from serve_testkit import TOOLS_TEMPLATE, CharTokenizer, ScriptedEngine, start_server, stop_server
 
+from macfleet.serve import tools
 from macfleet.serve.schemas import Limits, RequestError, parse_request
 from macfleet.serve.tools import (FUNCTION, HERMES, LLAMA3, MISTRAL, ToolChoice, ToolStream,
                                   detect_format, finish_reason, parse_tool_calls)
@@ -36,15 +37,17 @@ ANSWERS = {
 
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL])
-def test_each_format_parses_whole_and_streamed_alike(fmt):
+def test_each_format_parses_whole_and_streamed_alike(fmt, monkeypatch):
     text = ANSWERS[fmt]
-    content, calls = parse_tool_calls(fmt, text, _ids())
+    monkeypatch.setattr(tools, "new_call_id", _ids())
+    content, calls = parse_tool_calls(fmt, text)
     assert content == ("" if fmt == LLAMA3 else "Let me look.")
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert [c.id for c in calls] == ["call_0", "call_1"]
     for step in (1, 3, 7):  # any split of the stream: the same content and calls
-        s = ToolStream(fmt, new_id=_ids())
+        monkeypatch.setattr(tools, "new_call_id", _ids())
+        s = ToolStream(fmt)
         got, streamed = "", []
         for i in range(0, len(text), step):
             c, new = s.feed(text[i:i + step])
@@ -55,7 +58,7 @@ def test_each_format_parses_whole_and_streamed_alike(fmt):
 
 
 def test_hermes_streams_content_before_and_between_calls_and_holds_a_partial_tag():
-    s = ToolStream(HERMES, new_id=_ids())
+    s = ToolStream(HERMES)
     assert s.feed("Hello <tool") == ("Hello ", [])  # '<tool' may become a tag: held
     c, new = s.feed('_call>{"name": "f", "arguments": {"x": 1}}</tool_call> and')
     assert c == " and" and [x.name for x in new] == ["f"]  # the call at its closing tag
@@ -101,11 +104,11 @@ def test_an_answer_cut_inside_a_call_keeps_the_complete_calls_and_no_markup(fmt)
     text = CUT[fmt]
     first = text[:text.index("Paris")]  # cut inside the first call
     for answer, names in ((text, ["get_weather"]), (first, [])):
-        content, calls = parse_tool_calls(fmt, answer, _ids(), cut=True)
+        content, calls = parse_tool_calls(fmt, answer, cut=True)
         assert content == ("" if fmt == LLAMA3 else "Let me look.")
         assert [c.name for c in calls] == names
         for step in (1, 4, 9):
-            s = ToolStream(fmt, new_id=_ids())
+            s = ToolStream(fmt)
             got, streamed = "", []
             for i in range(0, len(answer), step):
                 c, new = s.feed(answer[i:i + step])

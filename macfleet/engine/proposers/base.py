@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import numpy as np
 
 from macfleet.engine.sampling import SamplingParams
@@ -71,6 +72,57 @@ def draft_together(jobs: Sequence[tuple[Proposer, Sequence[int], int]],
                    clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
     """Chains of drafters whose caches are rows of one store, drafted by their class."""
     return type(jobs[0][0]).draft_together(jobs, clock) if jobs else []
+
+
+def draft_in_rows(jobs: Sequence[tuple[Proposer, Sequence[int], int]],
+                  clock: Callable[[], float], min_context: int, refusal: str,
+                  roots: Callable, logits: Callable, advance: Callable,
+                  lazy_roots: bool = False) -> list[Draft]:
+    """Every job's (proposer, context, k) chain at once, the caches rows of one store (else
+    ValueError(refusal)): one batched forward per draft position for all (docs/drafters.md,
+    "Drafting together"); EMPTY_DRAFT for k <= 0 or a context under `min_context`. Over the
+    drafting proposers `ps`: roots(ps, contexts) -> (each one's state after its context; the
+    ids of the logits' columns, None: the vocabulary's), logits(ps, states) -> [n, V] and
+    advance(ps, states, tokens) -> the next states. lazy_roots: the first read evaluates the
+    roots, and is timed with them."""
+    t0 = clock()
+    out = [EMPTY_DRAFT] * len(jobs)
+    live = [(i, p, k) for i, (p, ctx, k) in enumerate(jobs) if k > 0 and len(ctx) >= min_context]
+    if not live:
+        return out
+    store = live[0][1].rows
+    if any(p.rows is None or p.rows is not store for _, p, _ in live):
+        raise ValueError(refusal)
+    ps, ks = [p for _, p, _ in live], [k for *_, k in live]
+    states, ids = roots(ps, [jobs[i][1] for i, _, _ in live])
+    t1 = None if lazy_roots else clock()
+    tokens: list[list[int]] = [[] for _ in live]
+    rows: list[list[np.ndarray]] = [[] for _ in live]
+    for step in range(max(ks)):
+        act = [j for j, k in enumerate(ks) if step < k]
+        lg = logits([ps[j] for j in act], [states[j] for j in act])
+        if all(ps[j].params.greedy for j in act):  # one read of every argmax
+            for j, b in zip(act, np.array(mx.argmax(lg, axis=-1)).tolist()):
+                tokens[j].append(int(b) if ids is None else int(ids[b]))
+        else:
+            for r, j in enumerate(act):
+                tokens[j].append(ps[j]._pick(lg[r], rows[j]))
+        if t1 is None:  # the first position read: the pairs committed since the last draft ran
+            t1 = clock()
+        more = [j for j in act if step + 1 < ks[j]]
+        if not more:
+            break
+        new = advance([ps[j] for j in more], [states[j] for j in more],
+                      [tokens[j][-1] for j in more])
+        for j, s in zip(more, new):
+            states[j] = s
+    mx.eval(store.state)  # the rows' last writes (a forward that evaluates them: nothing left)
+    t2, steps = clock(), max(ks) - 1
+    ms, step = (t2 - t0) * 1e3 / len(live), (t2 - t1) * 1e3 / steps if steps else None
+    for j, (i, _, _) in enumerate(live):
+        out[i] = Draft(tuple(tokens[j]), np.stack(rows[j]) if rows[j] else None, ms,
+                       step_ms=step)
+    return out
 
 
 class ProposerFailed(RuntimeError):

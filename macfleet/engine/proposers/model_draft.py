@@ -15,7 +15,7 @@ from macfleet.engine.batch import Segment, flat_forward
 from macfleet.engine.batch_kv import BatchKV, RowCache
 from macfleet.engine.layers import head_logits, run_layers
 from macfleet.engine.prefix import common_prefix
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, draft_in_rows
 from macfleet.engine.sampling import GREEDY, make_rng, probs_from_logits, sample
 from macfleet.engine.tree_verify import supports_tree_attention
 
@@ -134,45 +134,15 @@ class ModelProposer(Proposer):
 def draft_model_chains(jobs: Sequence[tuple[ModelProposer, Sequence[int], int]],
                        clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
     """Every job's (proposer, context, k) chain at once, the caches rows of one store: one flat
-    forward per draft position for all (docs/drafters.md, "Drafting together")."""
-    t0 = clock()
-    out = [EMPTY_DRAFT] * len(jobs)
-    live = [(i, p, k) for i, (p, ctx, k) in enumerate(jobs) if k > 0 and len(ctx)]
-    if not live:
-        return out
-    model, store = live[0][1].model, live[0][1].rows
-    if any(p.rows is None or p.rows is not store for _, p, _ in live):
-        raise ValueError("draft_model_chains drafts for proposers whose caches are rows of one "
-                         "store (share_rows)")
-    segs = []
-    for i, p, _ in live:
-        new = p._catch_up(jobs[i][1])
-        p._cached.extend(new)
-        segs.append(Segment(tuple(new), p._cache[0], len(new) - 1))
-    logits = [lg[-1] for lg in flat_forward(model, segs)]
-    t1 = clock()
-    tokens: list[list[int]] = [[] for _ in live]
-    rows: list[list[np.ndarray]] = [[] for _ in live]
-    for step in range(max(k for *_, k in live)):
-        act = [j for j, (*_, k) in enumerate(live) if step < k]
-        if all(live[j][1].params.greedy for j in act):  # one read of every argmax
-            for j, t in zip(act, np.array(mx.argmax(mx.stack([logits[j] for j in act]),
-                                                    axis=-1)).tolist()):
-                tokens[j].append(int(t))
-        else:
-            for j in act:
-                tokens[j].append(live[j][1]._pick(logits[j], rows[j]))
-        more = [j for j in act if step + 1 < live[j][2]]
-        if not more:
-            break
-        outs = flat_forward(model, [Segment((tokens[j][-1],), live[j][1]._cache[0], 0)
-                                    for j in more])
-        for j, lg in zip(more, outs):
-            logits[j] = lg[-1]
-            live[j][1]._cached.append(tokens[j][-1])
-    t2, steps = clock(), max(k for *_, k in live) - 1
-    ms, step = (t2 - t0) * 1e3 / len(live), (t2 - t1) * 1e3 / steps if steps else None
-    for j, (i, _, _) in enumerate(live):
-        out[i] = Draft(tuple(tokens[j]), np.stack(rows[j]) if rows[j] else None, ms,
-                       step_ms=step)
-    return out
+    forward per draft position for all (`draft_in_rows`)."""
+    def run(ps, news):  # each one's new tokens into its row: the logits after the last
+        for p, new in zip(ps, news):
+            p._cached.extend(new)
+        return [lg[-1] for lg in flat_forward(ps[0].model, [
+            Segment(tuple(new), p._cache[0], len(new) - 1) for p, new in zip(ps, news)])]
+
+    return draft_in_rows(jobs, clock, 1, "draft_model_chains drafts for proposers whose caches "
+                         "are rows of one store (share_rows)",
+                         lambda ps, ctxs: (run(ps, [p._catch_up(c) for p, c in zip(ps, ctxs)]),
+                                           None), lambda _, lgs: mx.stack(lgs),
+                         lambda ps, _, toks: run(ps, [[t] for t in toks]))

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache
 
 from macfleet.engine.batch import BatchKV, RowCache, Segment, flat_layers
 from macfleet.engine.prefix import common_prefix
-from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, draft_in_rows
 from macfleet.engine.proposers.eagle.features import (HiddenTap, attach_tap, detach_tap,
                                                       hidden_states)
 from macfleet.engine.proposers.eagle.head import EagleHead
@@ -52,10 +52,10 @@ class _FeatureStore:
 class EagleProposer(Proposer):
     wants_features = True
 
-    def __init__(self, head: EagleHead, name: str = "eagle", tap: bool = True) -> None:
+    def __init__(self, head: EagleHead, name: str = "eagle") -> None:
         self.head = head
         self.name = name
-        self.use_tap = tap
+        self.use_tap = True  # `untap`: its features fed instead
         self.params = GREEDY
         self._rng = make_rng(GREEDY, stream=1)
         self._tap: HiddenTap | None = None
@@ -204,54 +204,27 @@ def draft_chains(jobs: Sequence[tuple[EagleProposer, Sequence[int], int]],
                  clock: Callable[[], float] = time.perf_counter) -> list[Draft]:
     """Every job's (proposer, context, k) chain at once, the head caches rows of one store
     (`share_rows`): one head forward and one draft-vocabulary matmul per draft position for all
-    (docs/drafters.md, "Drafting together")."""
-    t0 = clock()
-    out = [EMPTY_DRAFT] * len(jobs)
-    live = [(i, p, [int(t) for t in ctx], k)
-            for i, (p, ctx, k) in enumerate(jobs) if k > 0 and len(ctx) >= 2]
-    if not live:
-        return out
-    p0 = live[0][1]
-    if any(p.rows is None or p.rows is not p0.rows for _, p, _, _ in live):
-        raise ValueError("draft_chains drafts for proposers whose head caches are rows of "
-                         "one store (share_rows)")
-    head = p0.head
-    inputs = [p._root_inputs(ctx) for _, p, ctx, _ in live]
-    x = head.inputs(mx.concatenate([f for f, _ in inputs], axis=1),
-                    mx.concatenate([t for _, t in inputs], axis=1))
-    outs = flat_layers(head.layers, x, [Segment(tuple(range(t.shape[1])), p._row)
-                                        for (_, p, _, _), (_, t) in zip(live, inputs)])
-    hs = [o[-1] for o in outs]  # each session's root: the predicted feature after its context
-    tokens: list[list[int]] = [[] for _ in live]
-    rows: list[list[np.ndarray]] = [[] for _ in live]
-    ids = None if head.draft_ids is None else np.array(head.draft_ids)
-    for step in range(max(n for *_, n in live)):
-        act = [j for j, (*_, n) in enumerate(live) if step < n]
-        logits = head.draft_logits(mx.stack([hs[j] for j in act])).astype(mx.float32)
-        if all(live[j][1].params.greedy for j in act):
-            best = np.array(mx.argmax(logits, axis=-1)).tolist()
-            for j, b in zip(act, best):
-                tokens[j].append(int(b) if ids is None else int(ids[b]))
-        else:
-            for r, j in enumerate(act):
-                tokens[j].append(live[j][1]._pick(logits[r], rows[j]))
-        if step == 0:  # the first position read: the pairs committed since the last draft ran
-            t1 = clock()
-        more = [j for j in act if step + 1 < live[j][3]]
-        if not more:
-            break
-        x = head.inputs(mx.stack([hs[j] for j in more])[None],
-                        mx.array([[tokens[j][-1] for j in more]], dtype=mx.uint32))
-        for j, o in zip(more, flat_layers(head.layers, x, [Segment((0,), live[j][1]._row)
-                                                           for j in more])):
-            hs[j] = o[-1]
-    mx.eval(p0.rows.state)
-    t2, steps = clock(), max(n for *_, n in live) - 1
-    ms, step = (t2 - t0) * 1e3 / len(live), (t2 - t1) * 1e3 / steps if steps else None
-    for j, (i, p, _, n) in enumerate(live):
-        p._row.trim(n - 1)  # the drafted pairs: the committed ones stay
-        out[i] = Draft(tuple(tokens[j]), np.stack(rows[j]) if rows[j] else None, ms,
-                       step_ms=step)
+    (`draft_in_rows`)."""
+    def run(ps, feats, nxt, lens):  # pairs into each row: the predicted feature after its last
+        outs = flat_layers(ps[0].head.layers, ps[0].head.inputs(feats, nxt),
+                           [Segment(tuple(range(n)), p._row) for p, n in zip(ps, lens)])
+        return [o[-1] for o in outs]
+
+    def roots(ps, ctxs):  # each session's root: the predicted feature after its context
+        fs, ts = zip(*(p._root_inputs([int(t) for t in c]) for p, c in zip(ps, ctxs)))
+        ids = ps[0].head.draft_ids
+        return (run(ps, mx.concatenate(fs, axis=1), mx.concatenate(ts, axis=1),
+                    [t.shape[1] for t in ts]), None if ids is None else np.array(ids))
+
+    out = draft_in_rows(jobs, clock, 2, "draft_chains drafts for proposers whose head caches are "
+                        "rows of one store (share_rows)", roots,
+                        lambda ps, hs: ps[0].head.draft_logits(mx.stack(hs)).astype(mx.float32),
+                        lambda ps, hs, toks: run(ps, mx.stack(hs)[None],
+                                                 mx.array([toks], dtype=mx.uint32), [1] * len(ps)),
+                        lazy_roots=True)
+    for (p, _, _), d in zip(jobs, out):
+        if len(d):
+            p._row.trim(len(d) - 1)  # the drafted pairs: the committed ones stay
     return out
 
 

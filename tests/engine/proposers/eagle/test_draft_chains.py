@@ -40,7 +40,8 @@ def head(tiny):
 def _alone(head, ctxs, ks, params=GREEDY):
     out = []
     for c, k in zip(ctxs, ks):
-        p = EagleProposer(head, tap=False)  # features computed by the proposer itself
+        p = EagleProposer(head)
+        p.untap()  # features computed by the proposer itself
         p.start(params)
         out.append(p.propose(c, k))
         p.close()
@@ -51,7 +52,8 @@ def _together(head, n, params=GREEDY):
     stores: dict = {}
     props = []
     for _ in range(n):
-        p = EagleProposer(head, tap=False)
+        p = EagleProposer(head)
+        p.untap()
         p.start(params)
         p.share_rows(stores)
         props.append(p)
@@ -103,7 +105,7 @@ def test_sampled_chains_together_carry_their_distributions(tiny, head):
 def test_rows_of_another_store_are_refused(tiny, head):
     a, _ = _together(head, 1)
     b, _ = _together(head, 1)
-    plain = EagleProposer(head, tap=False)
+    plain = EagleProposer(head)
     ctx = drafting_contexts(tiny.vocab_size)[0]
     with pytest.raises(ValueError, match="one store"):
         draft_chains([(a[0], ctx, 2), (b[0], ctx, 2)])

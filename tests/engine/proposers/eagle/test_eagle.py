@@ -152,7 +152,8 @@ def test_greedy_loop_is_bit_identical_and_uses_the_verifier_features(tiny, train
     assert fin.stats.drafted > 0
     assert prop.fallback_tokens == 0  # every feature came from the verifier's own forwards
     # without the tap the proposer computes features itself: same drafts, same output
-    own = EagleProposer(trained, tap=False)
+    own = EagleProposer(trained)
+    own.untap()
     assert _run(tiny, own, prompt, 40).token_ids == alone.token_ids
     assert own.fallback_tokens > 0
 

@@ -19,7 +19,7 @@ from reference_loops import speculative_generate
 from macfleet.engine.proposers.base import sanitize_draft
 from macfleet.engine.proposers.base import Draft
 from macfleet.engine.sampling import SamplingParams, probs_from_logits
-from macfleet.engine.tree import TokenTree, accept_tree_sample
+from macfleet.engine.tree import TokenTree, accept_tree_sample, ancestor_mask
 
 from macfleet.engine.proposers.group import ProposerGroup, tree_budget
 from reference_loops import tree_generate
@@ -37,7 +37,7 @@ def test_a_tree_draft_merges_with_a_chain_and_counts_its_own_nodes():
     assert t.depths == [0, 1, 1, 2, 2, 3]
     assert sorted(map(tuple, t.paths)) == [(1, 3), (1, 3, 5), (1, 4), (2,)]
     assert t.accepted_per_source([1, 3, 5]) == [2, 3]
-    m = t.ancestor_mask()
+    m = ancestor_mask(t.parents)
     assert m[5].tolist() == [True, True, False, True, False, True]
 
 
