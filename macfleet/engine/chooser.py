@@ -38,6 +38,13 @@ TRY_WEIGHT = 1.0  # ... but a try's block sets its length's entry (clipped by LO
 TRY_CLIP = 1.5  # a free candidate's try at an unmeasured length: if it pays at entry / this
 PRIOR_TRIES = 2  # tries of a candidate the record says pays here that the budget never holds
 FLOOR_SHARE = 0.02  # drafting may lose at most this share of the time against plain decoding
+# A drafter that says what it expects a block to accept (an EAGLE-2 tree: its nodes'
+# probabilities) is estimated from that, times its accepted-over-expected ratio so far, which
+# starts at HEAD_GAIN counted as GAIN_PRIOR expected tokens: one block's expectation says
+# half as wrong what an answer's blocks accept as the block's outcome (smollm2's shipped head
+# on the bench's 18 prompts: accepted / expected 0.73, results/drafter-auto-1201).
+HEAD_GAIN = 0.73
+GAIN_PRIOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,15 @@ class _Estimate:
     capped: bool = False  # its first block's drafting was cut to `cap` (its second replaces it)
     hit: float | None = None  # accepted per block, over the blocks that drafted something
     won_ms: float = 0.0  # its blocks' (and shadows') time against plain decoding's
+    expected: float = 0.0  # what its drafter expected its blocks to accept (`observe`)
+    kept: float = 0.0  # ... and what they accepted
+
+    def expects(self, expected: float, accepted: int) -> float:
+        """A block its drafter expected `expected` of: what the estimate learns from it (the
+        expectation times the drafter's accepted-over-expected ratio, HEAD_GAIN at first)."""
+        self.expected += expected
+        self.kept += accepted
+        return expected * (self.kept + HEAD_GAIN * GAIN_PRIOR) / (self.expected + GAIN_PRIOR)
 
     def add(self, accepted: float, length: float, draft_ms: float,
             steady: bool = True, cap: float = float("inf")) -> None:
@@ -211,12 +227,15 @@ class Chooser:
 
     def _hopeful(self, name: str, best_rate: float) -> bool:
         """Tried fewer than PRIOR_TRIES times, and would beat `best_rate` at the record's
-        acceptance and this machine's costs now: its re-try skips the tries' budget."""
+        acceptance (once its drafter said what its blocks expected: its estimate) and this
+        machine's costs now: its re-try skips the tries' budget."""
         e, p = self._est[name], self.prior.get(name)
         if p is None or p.accepted is None or e.tries >= PRIOR_TRIES:
             return False
         cost = e.draft_ms + self.verify_ms(max(1, round(e.length)))
-        return (1.0 + p.accepted) / max(cost, 1e-9) > best_rate
+        # its blocks' expectations say more of this answer than the record's other answers
+        accepted = e.accepted if e.expected > 0 else p.accepted
+        return (1.0 + accepted) / max(cost, 1e-9) > best_rate
 
     def _best(self, exclude: str = "", proven: float | None = None) -> tuple[str, float]:
         """proven: only candidates that have won more than this many ms against plain."""
@@ -318,9 +337,10 @@ class Chooser:
         return -(self.won_ms + FLOOR_SHARE * self.spent_ms)
 
     def observe(self, name: str, accepted: int, verified: int, draft_ms: float,
-                verify_ms: float) -> None:
+                verify_ms: float, expected: float | None = None) -> None:
         """The block `choose` picked was verified: `accepted` drafts kept of a block of
-        `verified` tokens (drafts + 1), drafting took draft_ms and verifying verify_ms."""
+        `verified` tokens (drafts + 1), drafting took draft_ms and verifying verify_ms;
+        expected: what its drafter expected it to accept (`_Estimate.expects`)."""
         last = self._last if self._last is not None and self._last.drafter == name else None
         self.trace.append(BlockTrace(
             block=self.block, drafter=name, why=last.why if last else "", best=self._seen[0],
@@ -341,8 +361,8 @@ class Chooser:
             self.won_ms += won
             if not (tried and e.tries == 0):  # a first try is the session's exploring,
                 e.won_ms += won  # not held against the drafter
-            e.add(accepted, verified, draft_ms, steady=self._prev == name,
-                  cap=self._first_draft_cap(verified))
+            e.add(accepted if expected is None else e.expects(expected, accepted), verified,
+                  draft_ms, steady=self._prev == name, cap=self._first_draft_cap(verified))
         self._prev = name
         if tried:
             self._count_try(name)

@@ -86,6 +86,7 @@ class ChoosingGroup(ProposerGroup):
         self._ahead_run = 0  # plain blocks since the chooser last chose (`plain_block`)
         self._ahead: bool | None = None  # `plain_ahead` of this block, once asked
         self._made: dict[int, tuple[tuple[int, int], Draft, float]] = {}  # ... taken as drafted
+        self._expected: float | None = None  # the block's, by its drafter (`finish`)
 
     @property
     def name(self) -> str:
@@ -195,6 +196,12 @@ class ChoosingGroup(ProposerGroup):
             ms for _, _, ms in self._made.values())
         self._shadow(self._context, self._ks, out)
         self._early = {}
+        # what the chosen drafter expects its block to accept, if it says (an EAGLE-2 tree)
+        members = self._members()
+        p = self.proposers[members[0]] if len(members) == 1 else None
+        self._expected = (p.predicted if p is not None and p.drafts_trees and len(out[members[0]])
+                          and not self.chooser.by_name(self.choice.drafter).free
+                          and hasattr(p, "predicted") else None)
         return out
 
     def _score_shadows(self, context: Sequence[int]) -> None:
@@ -246,7 +253,9 @@ class ChoosingGroup(ProposerGroup):
             return
         got = max((accepted[j] for j in members), default=0)
         size = verified or 1 + sum(len(drafts[j]) for j in members)
-        self.chooser.observe(self.choice.drafter, got, size, self._draft_ms, verify_ms)
+        self.chooser.observe(self.choice.drafter, got, size, self._draft_ms, verify_ms,
+                             self._expected)
+        self._expected = None
         if self._greedy:  # a head's tree that kept nothing: its chain's block would not either
             for j in members:
                 if len(drafts[j]) and accepted[j] == 0:

@@ -145,14 +145,15 @@ class TreeSizing:
 
     def __init__(self) -> None:
         self.curve, self.calibration = VerifyCurve(), Calibration()
-        self._predicted = 0.0  # the sum of the last tree's node probabilities
+        self.predicted = 0.0  # the sum of the last tree's node probabilities: the accepted
+        # drafts it expects, before the calibration (read by `auto`'s chooser too)
 
     def size(self, probs: Sequence[float], t0: float) -> int:
         """How many of the nodes (path probabilities, best first) to draft: a tree must pay
         for its drafting too (since perf_counter `t0`), charged to every non-empty size."""
         costs = self.curve.block_costs(len(probs), (time.perf_counter() - t0) * 1e3)
         n = choose_tree_size(probs, costs, self.calibration.gain)
-        self._predicted = sum(probs[:n])
+        self.predicted = sum(probs[:n])
         return n
 
     def seed_verify_costs(self, costs) -> None:
@@ -162,4 +163,4 @@ class TreeSizing:
                 verified: int | None = None) -> None:
         self.curve.observe(verified or drafted + 1, verify_ms)
         if drafted:
-            self.calibration.observe(self._predicted, accepted)
+            self.calibration.observe(self.predicted, accepted)

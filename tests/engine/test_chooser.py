@@ -606,3 +606,29 @@ def test_below_the_floor_with_nothing_to_try_every_next_choice_is_plain():
     for _ in range(6):  # the text turns into a copy the n-gram lookup drafts exactly
         c.shadow("ngram", 4, 5, 0.1)
     assert not c.stays_plain()
+
+
+def test_a_trees_block_is_read_through_what_its_head_expected():
+    # one block's outcome says little of an answer (an EAGLE-2 tree keeping 0 or 1 where the
+    # answer averages 2); the head's expectation for the block says half as wrong
+    # (results/drafter-auto-1201): the re-try the record hopes for follows the expectation
+    def retried(expected: float | None, record: float) -> bool:
+        c = chooser(FLAT, prior={"eagle2": Prior(1.2, record, 16.0)},
+                    cands=(Candidate(PLAIN), Candidate("eagle2", (2,))))
+        ch = c.choose()
+        assert (ch.drafter, ch.why) == ("eagle2", PRIOR)
+        c.observe("eagle2", 0, 16, 20.0, FLAT[16], expected)
+        for _ in range(24):  # below the floor throughout (the first block lost 24 ms)
+            ch = c.choose()
+            if ch.drafter == "eagle2":
+                return True
+            c.observe(PLAIN, 0, 1, 0.0, FLAT[1])
+        return False
+
+    # the record's answers kept 0.55 a block, too few at this block's cost: no re-try, unless
+    # this answer's head expected 2.6 of the block that kept nothing
+    assert not retried(None, 0.55)
+    assert retried(2.6, 0.55)
+    # the record's 0.8 would pay: re-tried, unless the head expected almost nothing here
+    assert retried(None, 0.8)
+    assert not retried(0.1, 0.8)
