@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from macfleet.engine.chooser import PLAIN, Candidate, Chooser, Prior, tree_depth, tree_match
 from macfleet.engine.proposers.base import EMPTY_DRAFT, Draft, Proposer, ProposerFailed
 from macfleet.engine.proposers.group import ProposerGroup, cap_total, tree_budget
+from macfleet.engine.tree_budget import TreeSizing
 from macfleet.stats import EXPLORE, BlockTrace, DrafterChoice, DrafterStats
 
 AUTO_NAME = "auto"
@@ -196,12 +197,11 @@ class ChoosingGroup(ProposerGroup):
             ms for _, _, ms in self._made.values())
         self._shadow(self._context, self._ks, out)
         self._early = {}
-        # what the chosen drafter expects its block to accept, if it says (an EAGLE-2 tree)
+        # what the chosen drafter expects its block to accept: a tree sized on it (eagle2's)
         members = self._members()
         p = self.proposers[members[0]] if len(members) == 1 else None
-        self._expected = (p.predicted if p is not None and p.drafts_trees and len(out[members[0]])
-                          and not self.chooser.by_name(self.choice.drafter).free
-                          and hasattr(p, "predicted") else None)
+        self._expected = (p.predicted if isinstance(p, TreeSizing) and len(out[members[0]])
+                          and not self.chooser.by_name(self.choice.drafter).free else None)
         return out
 
     def _score_shadows(self, context: Sequence[int]) -> None:

@@ -14,6 +14,8 @@ from macfleet.engine.choosing import (AHEAD_RUN, FREE_K_MAX, SHADOW_K, ChoosingG
                                       free_chain_k, make_auto_group)
 from macfleet.engine.events import BlockDone, Finished
 from macfleet.engine.proposers.base import Draft, Proposer
+from macfleet.engine.sampling import GREEDY
+from macfleet.engine.tree_budget import TreeSizing
 from reference_loops import generate_local
 from reference_loops import tree_generate
 from macfleet.engine.verifier import Verifier
@@ -200,6 +202,36 @@ def test_a_tree_that_kept_nothing_tells_its_heads_chain(tiny, ref_ids, temperatu
             break
     assert group.choice.drafter == "tree"
     assert seen == ([("chain", 0)] if temperature == 0 else [])
+
+
+class ExpectingTree(TreeSizing, ScriptedTree):
+    """A tree drafter that says what it expects its block to accept (as eagle2's does)."""
+
+    def __init__(self, *args) -> None:
+        TreeSizing.__init__(self)
+        ScriptedTree.__init__(self, *args)
+
+    def propose(self, context, k) -> Draft:
+        self.predicted = 2.5
+        return super().propose(context, k)
+
+
+def test_a_tree_sized_on_what_it_expects_tells_the_chooser(tiny, ref_ids):
+    # the chooser learns a tree's block through its expectation (chooser._Estimate.expects);
+    # a drafter that says nothing, and plain decoding, pass none
+    tree = ExpectingTree("tree", ref_ids, False)
+    chain = Scripted("chain", ref_ids, False)
+    group = ChoosingGroup([tree, chain], [Candidate(PLAIN), Candidate("tree", (0,)),
+                                          Candidate("chain", (1,))], draft_tokens=4)
+    group.start(GREEDY)
+    seen, observe = [], group.chooser.observe
+    group.chooser.observe = lambda name, *a: (seen.append((name, a[-1])), observe(name, *a))
+    for n in range(12):
+        ctx = PROMPT + ref_ids[:n]
+        group.begin(ctx, group.lengths(8, ctx))
+        group.observe(group.finish(), [0, 0], 10.0)
+    assert ("tree", 2.5) in seen and ("chain", None) in seen and (PLAIN, None) in seen
+    assert {e for name, e in seen if name == "tree"} == {2.5}
 
 
 def test_a_free_chain_drafter_doubles_only_while_a_copy_runs_on():
