@@ -194,9 +194,7 @@ def run(args) -> int:
     for where, v in (("", vs), (" across agents", doc.get("agents", {}).get(
             "auto_vs_best_fixed"))):
         if v is not None:
-            print(f"auto{where}: {v['auto_speedup_geomean']:.2f}x plain (slowest prompt "
-                  f"{v['auto_speedup_min']:.2f}x), {v['auto_vs_best_geomean']:.2f}x the best "
-                  f"fixed drafter {v['best_fixed']} (geomean; goals >= 0.97 both)")
+            print(f"auto{where}: {b.auto_verdict(v)}")
     print(f"best in one process: {best} ({speedup:.2f}x); wrote {path}")
     return 0
 

@@ -187,7 +187,36 @@ def test_auto_is_compared_with_the_best_fixed_drafter_of_the_same_run():
     assert vs["best_fixed"] == "a" and vs["auto_speedup_min"] == 1.14
     assert vs["auto_vs_best_geomean"] == pytest.approx((1.0 * 11.4 / 12.0) ** 0.5, abs=1e-3)
     assert vs["auto_vs_best_min"] == pytest.approx(0.95) and vs["auto_identical"]
+    assert vs["top_fixed"] == "a" and vs["auto_vs_top_geomean"] == vs["auto_vs_best_geomean"]
     assert auto_vs_best_fixed(runs, summary, ["none", "a", "b"]) is None
+    # every fixed drafter below the floor on a prompt: the record's rule names the best worst
+    # prompt (b), and auto is also read against the best geomean (a)
+    summary["all"]["a"]["speedup_min"], summary["all"]["b"]["speedup_min"] = 0.80, 0.90
+    vs = auto_vs_best_fixed(runs, summary, specs)
+    assert vs["best_fixed"] == "b" and vs["top_fixed"] == "a"
+    assert vs["auto_vs_best_geomean"] == pytest.approx((13.0 / 11.0 * 11.4 / 12.5) ** 0.5,
+                                                       abs=1e-3)
+    assert vs["auto_vs_top_geomean"] == pytest.approx((1.0 * 11.4 / 12.0) ** 0.5, abs=1e-3)
+
+
+def test_autos_verdict_reads_three_decimals_and_the_stricter_best():
+    """0.967 is a goal missed (two decimals printed it "0.97x"), and the geomean goal is read
+    against the best geomean of a fixed drafter when the record's rule names another."""
+    from macfleet.bench.drafter import auto_verdict
+
+    vs = {"best_fixed": "r", "auto_speedup_geomean": 1.475, "auto_speedup_min": 0.967,
+          "auto_vs_best_geomean": 1.025, "top_fixed": "r", "auto_vs_top_geomean": 1.025}
+    line = auto_verdict(vs)
+    assert "slowest prompt 0.967x" in line and "1.025x the best fixed drafter r (" in line
+    assert "the best fixed met, the slowest prompt missed" in line
+    vs.update(best_fixed="e", auto_vs_best_geomean=1.12, auto_vs_top_geomean=0.96,
+              auto_speedup_min=0.99)
+    line = auto_verdict(vs)
+    assert "1.120x the best fixed drafter e, 0.960x the best geomean (r)" in line
+    assert "the best fixed missed, the slowest prompt met" in line
+    # a record from before `top_fixed`
+    del vs["top_fixed"], vs["auto_vs_top_geomean"]
+    assert "the best fixed met" in auto_verdict(vs)
 
 
 def test_auto_is_measured_across_agents_on_the_verifier_agents_own_drafters():
