@@ -28,6 +28,7 @@ from dataclasses import asdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from macfleet.bench import geomean
 from macfleet.engine.conversation import ChatInput, render
 from macfleet.distill.prompts import HELD_OUT, UNSEEN, Prompt, prompt_kind, prompt_text
 from macfleet.engine.events import Finished, GenerationStats
@@ -142,8 +143,7 @@ def _groups(runs: dict[str, dict[str, dict]], specs: Sequence[str]) -> dict:
         for s in specs:
             ratios = [runs[k][s]["decode_tokens_per_s"] / runs[k]["none"]["decode_tokens_per_s"]
                       for k in kinds if k in runs]
-            out[group][s]["speedup_geomean"] = round(
-                math.exp(sum(map(math.log, ratios)) / len(ratios)), 3) if ratios else None
+            out[group][s]["speedup_geomean"] = round(geomean(ratios), 3) if ratios else None
             out[group][s]["speedup_min"] = round(min(ratios), 3) if ratios else None
     return out
 
@@ -411,19 +411,18 @@ def auto_vs_best_fixed(runs: dict[str, dict[str, dict]], summary: dict,
         return {k: r[AUTO]["decode_tokens_per_s"] / r[fixed]["decode_tokens_per_s"]
                 for k, r in runs.items() if r[fixed]["decode_tokens_per_s"] > 0}
 
-    def geomean(ratios: dict[str, float]) -> float | None:
-        return round(math.exp(sum(map(math.log, ratios.values())) / len(ratios)), 3) \
-            if ratios else None
+    def mean_of(ratios: dict[str, float]) -> float | None:
+        return round(geomean(ratios.values()), 3) if ratios else None
 
     ratios = vs(best)
     return {"best_fixed": best,
             "best_fixed_speedup_geomean": allp[best]["speedup_geomean"],
             "auto_speedup_geomean": allp[AUTO]["speedup_geomean"],
             "auto_speedup_min": allp[AUTO]["speedup_min"],
-            "auto_vs_best_geomean": geomean(ratios),
+            "auto_vs_best_geomean": mean_of(ratios),
             "auto_vs_best_min": round(min(ratios.values()), 3) if ratios else None,
             "top_fixed": top,
-            "auto_vs_top_geomean": geomean(vs(top)),
+            "auto_vs_top_geomean": mean_of(vs(top)),
             "auto_identical": bool(allp[AUTO].get("all_identical", True))}
 
 

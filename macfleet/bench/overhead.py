@@ -22,10 +22,11 @@ bench/overhead_run.py runs the models.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from macfleet.bench import geomean
 
 PARTS = ("a", "b", "c", "d")
 DEFAULT_KS = (1, 3, 7, 15)
@@ -88,11 +89,6 @@ def ideal_speedup(verify_ms: Mapping[int, float], k: int) -> float:
     """Tokens/s of blocks of k accepted drafts over one-token steps, if the loop cost nothing
     but the forward: (k + 1) * verify(1) / verify(k + 1)."""
     return (k + 1) * verify_ms[1] / verify_ms[k + 1]
-
-
-def geomean(xs: Sequence[float]) -> float:
-    xs = [x for x in xs if x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
 
 
 def best(runs: Sequence[Run], attr: str = "decode_tps") -> float:

@@ -17,10 +17,10 @@ This module is the arithmetic (pure); bench/pair_run.py runs the models and agen
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from macfleet.bench import geomean
 from macfleet.engine.controller import expected_tokens
 from macfleet.engine.verify_costs import verify_ms_at
 
@@ -88,11 +88,6 @@ def best_two_agent(alpha: float, costs: Costs, k_max: int = MAX_CEILING_K) -> tu
     """The k with the highest two-agent ceiling, and that ceiling."""
     return max(((k, two_agent_speedup(alpha, k, costs)) for k in range(1, k_max + 1)),
                key=lambda kv: kv[1])
-
-
-def geomean(xs: Sequence[float]) -> float:
-    xs = [x for x in xs if x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
 
 
 def ratios(num: Sequence[float], den: Sequence[float]) -> dict:

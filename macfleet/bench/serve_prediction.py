@@ -40,6 +40,7 @@ import re
 import time
 from collections.abc import Callable
 
+from macfleet.bench import geomean
 from macfleet.bench.prediction_sources import SOURCES
 from macfleet.bench.serve import FleetServer, start_server, stop_server
 
@@ -212,8 +213,7 @@ def bench_prediction(model: str, *, proposer: str = "ngram", lines: int | None =
 
 
 def _geomean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x]
-    return round(math.exp(sum(map(math.log, xs)) / len(xs)), 3) if xs else None
+    return round(geomean(xs), 3) if any(xs) else None
 
 
 def summary(rows: list[dict]) -> dict:
